@@ -1,0 +1,100 @@
+//! `pipec compile`: generate, lower, verify, write.
+
+use super::CliError;
+use pipec::compile::{compile, CompileError, CompileRequest};
+use pipec::files::{self, Header};
+use pipec_schedules::{Limits, ScheduleKind};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Schedule kind (see `pipec schedules`).
+    #[arg(long, value_parser = parse_kind)]
+    pub schedule: ScheduleKind,
+    /// Pipeline-parallel size (ranks).
+    #[arg(long)]
+    pub pp: u32,
+    /// Model chunks per rank; derived from --layout when one is given.
+    #[arg(long)]
+    pub vpp: Option<u32>,
+    /// Number of microbatches.
+    #[arg(long)]
+    pub microbatches: u32,
+    /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
+    #[arg(long)]
+    pub layout: Option<String>,
+    /// Megatron's microbatch_group_size_per_vp_stage (interleaved-1f1b; default pp).
+    #[arg(long)]
+    pub group_size: Option<u32>,
+    /// Inference: forwards only.
+    #[arg(long)]
+    pub forward_only: bool,
+    /// Check the layout's decoder layer count.
+    #[arg(long)]
+    pub num_layers: Option<u32>,
+    /// Check the layout's MTP layer count.
+    #[arg(long)]
+    pub mtp_num_layers: Option<u32>,
+    /// Refuse schedules with more compute ops than this.
+    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops)]
+    pub max_ops: u64,
+    /// Output directory.
+    #[arg(short = 'o', long = "out")]
+    pub out: PathBuf,
+}
+
+pub fn parse_kind(s: &str) -> Result<ScheduleKind, String> {
+    s.parse::<ScheduleKind>().map_err(|e| e.to_string())
+}
+
+impl Args {
+    pub fn request(&self) -> CompileRequest {
+        CompileRequest {
+            kind: self.schedule,
+            pp: self.pp,
+            vpp: self.vpp,
+            microbatches: self.microbatches,
+            group_size: self.group_size,
+            forward_only: self.forward_only,
+            layout: self.layout.clone(),
+            num_layers: self.num_layers,
+            mtp_num_layers: self.mtp_num_layers,
+            limits: Limits {
+                max_compute_ops: self.max_ops,
+            },
+        }
+    }
+}
+
+/// Compile errors are the user's input being invalid: exit 1, with the layout caret if any.
+pub fn compile_error(e: CompileError) -> CliError {
+    match e {
+        CompileError::Layout(l) => CliError::Invalid(super::layout::render_error(&l)),
+        CompileError::Spec(s) => CliError::Invalid(s.to_string()),
+    }
+}
+
+pub fn run(a: Args) -> Result<ExitCode, CliError> {
+    let c = compile(&a.request()).map_err(compile_error)?;
+    let header = Header {
+        source: "generated",
+        schedule: Some(c.spec),
+        comm_policy: Some(c.schedule.comm),
+        layout: &c.layout,
+    };
+    let rendered = files::render(&header, &c.program);
+    files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
+    println!(
+        "compiled {} pp={} vpp={} microbatches={}: {} ranks, {} stages, {} instructions -> {}",
+        c.spec.kind,
+        c.spec.pp,
+        c.spec.vpp,
+        c.spec.microbatches,
+        c.program.world(),
+        c.program.num_stages(),
+        c.program.len(),
+        a.out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

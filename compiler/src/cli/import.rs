@@ -1,0 +1,17 @@
+//! `pipec import`.
+
+use super::CliError;
+use std::process::ExitCode;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Input.
+    input: std::path::PathBuf,
+}
+
+pub fn run(a: Args) -> Result<ExitCode, CliError> {
+    Err(CliError::Usage(format!(
+        "`pipec import` is not built yet ({})",
+        a.input.display()
+    )))
+}

@@ -1,0 +1,95 @@
+//! Subcommands. Each module owns one command: its arguments and its output.
+//! Exit codes: 0 ok, 1 the input is invalid (violations found), 2 usage or I/O error.
+
+mod check;
+mod compile;
+mod export;
+mod import;
+mod layout;
+mod schedules;
+mod show;
+mod simulate;
+
+use clap::{Parser, Subcommand};
+use std::fmt;
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pipec",
+    version,
+    about = "Pipeline-parallel schedule compiler: generate, lower, verify and emit per-rank instruction streams"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a schedule, lower it to per-rank instructions, verify it and write a directory.
+    Compile(compile::Args),
+    /// Verify a compiled directory or a torch CSV schedule; prints every violation.
+    Check(check::Args),
+    /// Terminal timeline of a compiled schedule, one row per rank.
+    Show(show::Args),
+    /// Simulate a compiled schedule under a cost model: makespan, bubble, peak memory.
+    Simulate(simulate::Args),
+    /// Write a compiled schedule in another format.
+    Export(export::Args),
+    /// Import a torch.distributed.pipelining CSV schedule into a compiled directory.
+    Import(import::Args),
+    /// Expand a Megatron layout string into its stage table.
+    Layout(layout::Args),
+    /// List the schedule kinds and their parameters.
+    Schedules(schedules::Args),
+}
+
+pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
+    match cli.command {
+        Command::Compile(a) => compile::run(a),
+        Command::Check(a) => check::run(a),
+        Command::Show(a) => show::run(a),
+        Command::Simulate(a) => simulate::run(a),
+        Command::Export(a) => export::run(a),
+        Command::Import(a) => import::run(a),
+        Command::Layout(a) => layout::run(a),
+        Command::Schedules(a) => schedules::run(a),
+    }
+}
+
+/// An error at the CLI edge, already worded for a person.
+#[derive(Debug)]
+pub enum CliError {
+    /// The input is invalid (exit 1).
+    Invalid(String),
+    /// Usage or I/O error (exit 2).
+    Usage(String),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> ExitCode {
+        match self {
+            CliError::Invalid(_) => ExitCode::from(1),
+            CliError::Usage(_) => ExitCode::from(2),
+        }
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CliError::Invalid(m) | CliError::Usage(m) => write!(f, "error: {m}"),
+        }
+    }
+}
+
+/// Print JSON to stdout with a trailing newline.
+pub fn print_json<T: serde::Serialize>(v: &T) {
+    println!("{}", serde_json::to_string_pretty(v).expect("serializable"));
+}
+
+/// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
+pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
+    pipec::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
+}

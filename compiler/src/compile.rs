@@ -1,0 +1,82 @@
+//! The whole compilation: layout + spec -> schedule -> program (-> verdict).
+
+use crate::layout::{self, Layout, LayoutError};
+use crate::lower::lower;
+use crate::program::Program;
+use pipec_schedules::{generate, Limits, Schedule, ScheduleKind, ScheduleSpec, SpecError};
+use thiserror::Error;
+
+/// What the user asked for, before the layout decides vpp.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompileRequest {
+    pub kind: ScheduleKind,
+    pub pp: u32,
+    /// Explicit `--vpp`; with a layout it must agree with stages / pp.
+    pub vpp: Option<u32>,
+    pub microbatches: u32,
+    pub group_size: Option<u32>,
+    pub forward_only: bool,
+    pub layout: Option<String>,
+    pub num_layers: Option<u32>,
+    pub mtp_num_layers: Option<u32>,
+    pub limits: Limits,
+}
+
+#[derive(Debug, Error)]
+pub enum CompileError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+}
+
+/// A compiled schedule: everything the emitters and the runtime need.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub spec: ScheduleSpec,
+    pub layout: Layout,
+    pub schedule: Schedule,
+    pub program: Program,
+}
+
+/// Resolve the layout, generate and lower. Verification is the caller's next step.
+pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
+    let (layout, vpp) = match &req.layout {
+        Some(text) => {
+            let l = layout::parse(text)?;
+            let vpp =
+                layout::check_against(&l, req.pp, req.vpp, req.num_layers, req.mtp_num_layers)?;
+            (l, vpp)
+        }
+        None => {
+            let vpp = req.vpp.unwrap_or(1);
+            let spec_probe = ScheduleSpec {
+                kind: req.kind,
+                pp: req.pp,
+                vpp,
+                microbatches: req.microbatches,
+                group_size: req.group_size,
+                forward_only: req.forward_only,
+            };
+            // Validate before the layout allocates pp * vpp stages.
+            spec_probe.validate(&req.limits)?;
+            (Layout::uniform(req.pp * vpp), vpp)
+        }
+    };
+    let spec = ScheduleSpec {
+        kind: req.kind,
+        pp: req.pp,
+        vpp,
+        microbatches: req.microbatches,
+        group_size: req.group_size,
+        forward_only: req.forward_only,
+    };
+    let schedule = generate(&spec, &req.limits)?;
+    let program = lower(&schedule);
+    Ok(Compiled {
+        spec,
+        layout,
+        schedule,
+        program,
+    })
+}

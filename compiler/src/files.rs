@@ -1,0 +1,678 @@
+//! Instruction files: a compiled schedule as a directory of `manifest.json` and
+//! `rank-<r>.json` (format documented in `docs/format.md`).
+//!
+//! Files are deterministic (same input, same bytes: no timestamps, fixed key order, one
+//! instruction per line), versioned (a reader refuses a version it does not know), and
+//! self-checking: the manifest holds each rank file's SHA-256 and a schedule hash over the
+//! spec, layout, placement and every instruction, which each rank file repeats.
+
+use crate::layout::Layout;
+use crate::program::{Instr, Payload, PayloadKind, Program};
+use pipec_schedules::{
+    CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+pub const MANIFEST_FORMAT: &str = "pipec-schedule";
+pub const RANK_FORMAT: &str = "pipec-rank";
+/// The only version this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+pub fn rank_file_name(rank: u32) -> String {
+    format!("rank-{rank}.json")
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub compiler: String,
+    /// Where the schedule came from: `generated`, or `torch-csv` for imports.
+    pub source: String,
+    /// The generating spec; absent for imported schedules.
+    pub schedule: Option<ScheduleSpec>,
+    pub comm_policy: Option<CommPolicy>,
+    pub layout: Layout,
+    pub placement: Placement,
+    pub world_size: u32,
+    pub num_stages: u32,
+    pub microbatches: u32,
+    pub forward_only: bool,
+    pub schedule_hash: String,
+    pub ranks: Vec<RankEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankEntry {
+    pub rank: u32,
+    pub file: String,
+    pub sha256: String,
+    pub instructions: u64,
+}
+
+/// One instruction as stored. Flat and explicit so files read well and diff line by line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", deny_unknown_fields)]
+enum InstrJson {
+    #[serde(rename = "fwd")]
+    Fwd { stage: u32, mb: u32 },
+    #[serde(rename = "bwd")]
+    Bwd { stage: u32, mb: u32 },
+    #[serde(rename = "bwd_D")]
+    BwdD { stage: u32, mb: u32 },
+    #[serde(rename = "bwd_W")]
+    BwdW { stage: u32, mb: u32 },
+    #[serde(rename = "fwd_bwd")]
+    FwdBwd {
+        fwd_stage: u32,
+        fwd_mb: u32,
+        bwd_stage: u32,
+        bwd_mb: u32,
+    },
+    #[serde(rename = "send")]
+    Send {
+        peer: u32,
+        payload: PayloadKind,
+        stage: u32,
+        mb: u32,
+        batch: u32,
+    },
+    #[serde(rename = "recv")]
+    Recv {
+        peer: u32,
+        payload: PayloadKind,
+        stage: u32,
+        mb: u32,
+        batch: u32,
+    },
+}
+
+impl From<&Instr> for InstrJson {
+    fn from(i: &Instr) -> Self {
+        let sm = |t: Task| (t.stage.0, t.mb.0);
+        match *i {
+            Instr::Compute(Compute::Fwd(t)) => InstrJson::Fwd {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::Bwd(t)) => InstrJson::Bwd {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::BwdD(t)) => InstrJson::BwdD {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::BwdW(t)) => InstrJson::BwdW {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => InstrJson::FwdBwd {
+                fwd_stage: fwd.stage.0,
+                fwd_mb: fwd.mb.0,
+                bwd_stage: bwd.stage.0,
+                bwd_mb: bwd.mb.0,
+            },
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            } => InstrJson::Send {
+                peer: peer.0,
+                payload: payload.kind,
+                stage: payload.stage.0,
+                mb: payload.mb.0,
+                batch,
+            },
+            Instr::Recv {
+                peer,
+                payload,
+                batch,
+            } => InstrJson::Recv {
+                peer: peer.0,
+                payload: payload.kind,
+                stage: payload.stage.0,
+                mb: payload.mb.0,
+                batch,
+            },
+        }
+    }
+}
+
+impl From<InstrJson> for Instr {
+    fn from(j: InstrJson) -> Self {
+        let t = |s, m| Task {
+            stage: StageId(s),
+            mb: Microbatch(m),
+        };
+        let p = |kind, s, m| Payload {
+            kind,
+            stage: StageId(s),
+            mb: Microbatch(m),
+        };
+        match j {
+            InstrJson::Fwd { stage, mb } => Instr::Compute(Compute::Fwd(t(stage, mb))),
+            InstrJson::Bwd { stage, mb } => Instr::Compute(Compute::Bwd(t(stage, mb))),
+            InstrJson::BwdD { stage, mb } => Instr::Compute(Compute::BwdD(t(stage, mb))),
+            InstrJson::BwdW { stage, mb } => Instr::Compute(Compute::BwdW(t(stage, mb))),
+            InstrJson::FwdBwd {
+                fwd_stage,
+                fwd_mb,
+                bwd_stage,
+                bwd_mb,
+            } => Instr::Compute(Compute::FwdBwd {
+                fwd: t(fwd_stage, fwd_mb),
+                bwd: t(bwd_stage, bwd_mb),
+            }),
+            InstrJson::Send {
+                peer,
+                payload,
+                stage,
+                mb,
+                batch,
+            } => Instr::Send {
+                peer: Rank(peer),
+                payload: p(payload, stage, mb),
+                batch,
+            },
+            InstrJson::Recv {
+                peer,
+                payload,
+                stage,
+                mb,
+                batch,
+            } => Instr::Recv {
+                peer: Rank(peer),
+                payload: p(payload, stage, mb),
+                batch,
+            },
+        }
+    }
+}
+
+/// `rank-<r>.json`, as read.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RankFile {
+    format: String,
+    version: u32,
+    rank: u32,
+    world_size: u32,
+    schedule_hash: String,
+    instructions: Vec<InstrJson>,
+}
+
+/// Everything a reader gets back.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    pub manifest: Manifest,
+    pub program: Program,
+}
+
+/// What the header of a schedule says, independent of how it was produced.
+#[derive(Clone, Debug)]
+pub struct Header<'a> {
+    pub source: &'a str,
+    pub schedule: Option<ScheduleSpec>,
+    pub comm_policy: Option<CommPolicy>,
+    pub layout: &'a Layout,
+}
+
+/// Why a directory was refused. Every variant names the file, and the field where one is at fault.
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a valid pipec file: {msg}")]
+    Json { path: PathBuf, msg: String },
+    #[error("{path}: field `format` is `{found}`, expected `{expected}`")]
+    Format {
+        path: PathBuf,
+        found: String,
+        expected: &'static str,
+    },
+    #[error("{path}: format version {found} is not supported by this pipec (it reads version {supported})")]
+    Version {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    #[error("{path}: content hash {actual} does not match the manifest's `sha256` {expected}; the file was changed or corrupted after compilation")]
+    FileHash {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+    #[error("{path}: field `{field}` is {found}, but the manifest says {expected}")]
+    Mismatch {
+        path: PathBuf,
+        field: &'static str,
+        found: String,
+        expected: String,
+    },
+    #[error("{path}: the manifest lists {listed} rank files for a world size of {world}")]
+    RankList {
+        path: PathBuf,
+        listed: usize,
+        world: u32,
+    },
+    #[error(
+        "{path}: the recomputed schedule hash {actual} does not match `schedule_hash` {expected}"
+    )]
+    ScheduleHash {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    let d = Sha256::digest(bytes);
+    let mut s = String::with_capacity(64);
+    for b in d {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// The instruction lines of one rank, exactly as they appear in its file.
+fn instruction_lines(instrs: &[Instr]) -> String {
+    let mut out = String::with_capacity(instrs.len() * 48);
+    for (i, ins) in instrs.iter().enumerate() {
+        out.push_str("    ");
+        out.push_str(
+            &serde_json::to_string(&InstrJson::from(ins)).expect("instruction serializes"),
+        );
+        if i + 1 < instrs.len() {
+            out.push(',');
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[derive(Serialize)]
+struct HashedHeader<'a> {
+    source: &'a str,
+    schedule: &'a Option<ScheduleSpec>,
+    comm_policy: &'a Option<CommPolicy>,
+    layout: &'a Layout,
+    placement: &'a Placement,
+    microbatches: u32,
+    forward_only: bool,
+}
+
+fn schedule_hash(header: &Header<'_>, program: &Program, lines: &[String]) -> String {
+    let h = HashedHeader {
+        source: header.source,
+        schedule: &header.schedule,
+        comm_policy: &header.comm_policy,
+        layout: header.layout,
+        placement: &program.placement,
+        microbatches: program.microbatches,
+        forward_only: program.forward_only,
+    };
+    let mut hasher = Sha256::new();
+    hasher.update(b"pipec-schedule-v1\n");
+    hasher.update(serde_json::to_vec(&h).expect("header serializes"));
+    for (r, l) in lines.iter().enumerate() {
+        hasher.update(format!("\nrank {r}\n").as_bytes());
+        hasher.update(l.as_bytes());
+    }
+    hasher.finalize().iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+fn rank_file_text(rank: u32, world: u32, hash: &str, lines: &str) -> String {
+    format!(
+        "{{\n  \"format\": \"{RANK_FORMAT}\",\n  \"version\": {FORMAT_VERSION},\n  \"rank\": {rank},\n  \"world_size\": {world},\n  \"schedule_hash\": \"{hash}\",\n  \"instructions\": [\n{lines}  ]\n}}\n"
+    )
+}
+
+/// The files of a compiled schedule, in memory: (file name, bytes), manifest first.
+pub fn render(header: &Header<'_>, program: &Program) -> Vec<(String, Vec<u8>)> {
+    let world = program.world();
+    let lines: Vec<String> = program.ranks.iter().map(|r| instruction_lines(r)).collect();
+    let hash = schedule_hash(header, program, &lines);
+    let mut files = Vec::with_capacity(lines.len() + 1);
+    let mut entries = Vec::with_capacity(lines.len());
+    for (r, l) in lines.iter().enumerate() {
+        let text = rank_file_text(r as u32, world, &hash, l);
+        entries.push(RankEntry {
+            rank: r as u32,
+            file: rank_file_name(r as u32),
+            sha256: sha256_hex(text.as_bytes()),
+            instructions: program.ranks[r].len() as u64,
+        });
+        files.push((rank_file_name(r as u32), text.into_bytes()));
+    }
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.to_string(),
+        version: FORMAT_VERSION,
+        compiler: format!("pipec {}", env!("CARGO_PKG_VERSION")),
+        source: header.source.to_string(),
+        schedule: header.schedule,
+        comm_policy: header.comm_policy,
+        layout: header.layout.clone(),
+        placement: program.placement.clone(),
+        world_size: world,
+        num_stages: program.num_stages(),
+        microbatches: program.microbatches,
+        forward_only: program.forward_only,
+        schedule_hash: hash,
+        ranks: entries,
+    };
+    let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
+    m.push('\n');
+    files.insert(0, (MANIFEST_FILE.to_string(), m.into_bytes()));
+    files
+}
+
+/// Why a directory could not be written.
+#[derive(Debug, Error)]
+pub enum WriteError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} exists and holds files that are not a pipec schedule (e.g. `{example}`); refusing to replace it")]
+    NotASchedule { path: PathBuf, example: String },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError + '_ {
+    move |source| WriteError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Write the files into `dir` atomically: everything goes to a fresh sibling directory that is
+/// renamed into place, so a reader never sees a mix of old and new rank files. An existing
+/// `dir` is replaced only when it is empty or itself a pipec schedule.
+pub fn write_dir(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), WriteError> {
+    if dir.exists() {
+        let entries = std::fs::read_dir(dir).map_err(io_err(dir))?;
+        for e in entries {
+            let e = e.map_err(io_err(dir))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let ours =
+                name == MANIFEST_FILE || (name.starts_with("rank-") && name.ends_with(".json"));
+            if !ours {
+                return Err(WriteError::NotASchedule {
+                    path: dir.to_path_buf(),
+                    example: name,
+                });
+            }
+        }
+    }
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let base = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".to_string());
+    let tmp = parent.join(format!(".{base}.pipec-tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+    let result = (|| {
+        for (name, bytes) in files {
+            let p = tmp.join(name);
+            std::fs::write(&p, bytes).map_err(io_err(&p))?;
+        }
+        if dir.exists() {
+            let old = parent.join(format!(".{base}.pipec-old-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&old);
+            std::fs::rename(dir, &old).map_err(io_err(dir))?;
+            std::fs::rename(&tmp, dir).map_err(io_err(dir))?;
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&tmp, dir).map_err(io_err(dir))?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn json_err(path: &Path, e: serde_json::Error) -> LoadError {
+    LoadError::Json {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    }
+}
+
+/// Read and check `manifest.json` alone.
+pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = read(&path)?;
+    // Check format and version before the full schema, so a newer file gets the right message.
+    let probe: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
+    check_format_version(&path, &probe, MANIFEST_FORMAT)?;
+    let m: Manifest = serde_json::from_value(probe).map_err(|e| json_err(&path, e))?;
+    if m.ranks.len() != m.world_size as usize {
+        return Err(LoadError::RankList {
+            path,
+            listed: m.ranks.len(),
+            world: m.world_size,
+        });
+    }
+    for (i, e) in m.ranks.iter().enumerate() {
+        if e.rank != i as u32 || e.file != rank_file_name(e.rank) {
+            return Err(LoadError::Mismatch {
+                path,
+                field: "ranks",
+                found: format!("entry {i} for rank {} in `{}`", e.rank, e.file),
+                expected: format!("rank {i} in `{}`", rank_file_name(i as u32)),
+            });
+        }
+    }
+    if m.placement.pp != m.world_size || m.placement.num_stages() != m.num_stages {
+        return Err(LoadError::Mismatch {
+            path,
+            field: "placement",
+            found: format!(
+                "pp {} with {} stages",
+                m.placement.pp,
+                m.placement.num_stages()
+            ),
+            expected: format!("world size {} with {} stages", m.world_size, m.num_stages),
+        });
+    }
+    Ok(m)
+}
+
+fn check_format_version(
+    path: &Path,
+    v: &serde_json::Value,
+    expected: &'static str,
+) -> Result<(), LoadError> {
+    let found = v
+        .get("format")
+        .and_then(|f| f.as_str())
+        .unwrap_or("<missing>");
+    if found != expected {
+        return Err(LoadError::Format {
+            path: path.to_path_buf(),
+            found: found.to_string(),
+            expected,
+        });
+    }
+    match v.get("version").and_then(|f| f.as_u64()) {
+        Some(n) if n == FORMAT_VERSION as u64 => Ok(()),
+        other => Err(LoadError::Version {
+            path: path.to_path_buf(),
+            found: other.map(|n| n.min(u32::MAX as u64) as u32).unwrap_or(0),
+            supported: FORMAT_VERSION,
+        }),
+    }
+}
+
+/// Read one rank's instructions, checked against the manifest.
+pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr>, LoadError> {
+    let entry = manifest
+        .ranks
+        .get(rank as usize)
+        .ok_or_else(|| LoadError::Mismatch {
+            path: dir.join(MANIFEST_FILE),
+            field: "world_size",
+            found: manifest.world_size.to_string(),
+            expected: format!("a rank {rank}"),
+        })?;
+    let path = dir.join(&entry.file);
+    let bytes = read(&path)?;
+    let actual = sha256_hex(&bytes);
+    if actual != entry.sha256 {
+        return Err(LoadError::FileHash {
+            path,
+            expected: entry.sha256.clone(),
+            actual,
+        });
+    }
+    let f: RankFile = serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
+    if f.format != RANK_FORMAT {
+        return Err(LoadError::Format {
+            path,
+            found: f.format,
+            expected: RANK_FORMAT,
+        });
+    }
+    if f.version != FORMAT_VERSION {
+        return Err(LoadError::Version {
+            path,
+            found: f.version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let mismatch = |field, found: String, expected: String| LoadError::Mismatch {
+        path: path.clone(),
+        field,
+        found,
+        expected,
+    };
+    if f.rank != rank {
+        return Err(mismatch("rank", f.rank.to_string(), rank.to_string()));
+    }
+    if f.world_size != manifest.world_size {
+        return Err(mismatch(
+            "world_size",
+            f.world_size.to_string(),
+            manifest.world_size.to_string(),
+        ));
+    }
+    if f.schedule_hash != manifest.schedule_hash {
+        return Err(mismatch(
+            "schedule_hash",
+            f.schedule_hash,
+            format!(
+                "{} (the rank file comes from a different compile)",
+                manifest.schedule_hash
+            ),
+        ));
+    }
+    Ok(f.instructions.into_iter().map(Instr::from).collect())
+}
+
+/// Read a whole directory and check every file against the manifest and the schedule hash.
+pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
+    let manifest = load_manifest(dir)?;
+    let mut ranks = Vec::with_capacity(manifest.world_size as usize);
+    for r in 0..manifest.world_size {
+        ranks.push(load_rank(dir, &manifest, r)?);
+    }
+    let program = Program {
+        placement: manifest.placement.clone(),
+        microbatches: manifest.microbatches,
+        forward_only: manifest.forward_only,
+        ranks,
+    };
+    let header = Header {
+        source: &manifest.source,
+        schedule: manifest.schedule,
+        comm_policy: manifest.comm_policy,
+        layout: &manifest.layout,
+    };
+    let lines: Vec<String> = program.ranks.iter().map(|r| instruction_lines(r)).collect();
+    let actual = schedule_hash(&header, &program, &lines);
+    if actual != manifest.schedule_hash {
+        return Err(LoadError::ScheduleHash {
+            path: dir.join(MANIFEST_FILE),
+            expected: manifest.schedule_hash.clone(),
+            actual,
+        });
+    }
+    Ok(Loaded { manifest, program })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile::{compile, CompileRequest};
+    use pipec_schedules::{Limits, ScheduleKind};
+
+    fn compiled() -> crate::compile::Compiled {
+        compile(&CompileRequest {
+            kind: ScheduleKind::Interleaved1F1B,
+            pp: 4,
+            vpp: Some(2),
+            microbatches: 8,
+            group_size: None,
+            forward_only: false,
+            layout: None,
+            num_layers: None,
+            mtp_num_layers: None,
+            limits: Limits::DEFAULT,
+        })
+        .unwrap()
+    }
+
+    fn header(c: &crate::compile::Compiled) -> Header<'_> {
+        Header {
+            source: "generated",
+            schedule: Some(c.spec),
+            comm_policy: Some(c.schedule.comm),
+            layout: &c.layout,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_determinism() {
+        let c = compiled();
+        let a = render(&header(&c), &c.program);
+        let b = render(&header(&c), &c.program);
+        assert_eq!(a, b);
+        let dir = std::env::temp_dir().join(format!("pipec-files-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        write_dir(&dir, &a).unwrap();
+        let loaded = load_dir(&dir).unwrap();
+        assert_eq!(loaded.program, c.program);
+        // Rewriting over a previous schedule is allowed.
+        write_dir(&dir, &a).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,16 @@
+//! pipec: the pipeline-parallel schedule compiler.
+//!
+//! Data flows one way: a layout string and a [`compile::CompileRequest`] become a
+//! [`pipec_schedules::Schedule`] (per-rank compute orders), which [`lower`]ing turns into a
+//! [`program::Program`] (per-rank instruction streams with explicit send/recv). Verification,
+//! simulation and the emitters read the program; [`files`] stores it.
+
+pub mod compile;
+pub mod files;
+pub mod layout;
+pub mod lower;
+pub mod program;
+
+pub use compile::{compile, CompileError, CompileRequest, Compiled};
+pub use lower::{lower, lower_orders};
+pub use program::{Instr, InstrRef, Payload, PayloadKind, Program};

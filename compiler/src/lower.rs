@@ -1,0 +1,356 @@
+//! Lowering: a schedule's per-rank compute orders become instruction streams with explicit
+//! `send`/`recv`, grouped into comm batches by the schedule's [`CommPolicy`].
+//!
+//! Placement policy (the README's "Communication placement" section says the same):
+//! - A tensor crosses ranks only when producer and consumer stage sit on different ranks; a
+//!   hand-off on one rank (the V turnaround, or `pp = 1`) is local and gets no message.
+//! - Receives are posted as late as possible (in the batch right before the consuming step)
+//!   and sends as early as possible (in the batch right after the producing step), so no
+//!   buffer lives longer than the schedule needs.
+//! - [`CommPolicy::MegatronInterleaved`] and [`CommPolicy::FusedPerOp`] fuse the sends of a
+//!   step with the receives of the next step into one batch, which is what makes the steady
+//!   state of 1F1B deadlock-free when sends block until the matching receive is posted.
+//! - [`CommPolicy::Megatron1F1B`] reproduces the P2P calls of Megatron's non-interleaved
+//!   schedule one for one (`recv_forward`, `send_forward`, `send_forward_recv_backward`,
+//!   `send_backward_recv_forward`, `recv_backward`, `send_backward`).
+//! - Inside a batch, messages keep the order of the ops that produce (sends) or consume
+//!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
+
+use crate::program::{Instr, Payload, PayloadKind, Program};
+use pipec_schedules::{CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId};
+
+/// One message endpoint as seen from the rank that posts it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub peer: Rank,
+    pub payload: Payload,
+}
+
+/// The messages a compute op needs before it runs and produces after, on rank `rank`.
+/// Stages must be in range of `placement`.
+pub fn op_io(
+    op: &Compute,
+    placement: &Placement,
+    rank: Rank,
+    recvs: &mut Vec<Endpoint>,
+    sends: &mut Vec<Endpoint>,
+) {
+    let last = placement.num_stages() - 1;
+    let remote = |s: StageId| {
+        let r = placement.rank_of_stage(s);
+        (r != rank).then_some(r)
+    };
+    for (pass, t) in op.parts() {
+        let s = t.stage.0;
+        match pass {
+            Pass::Fwd => {
+                if s > 0 {
+                    if let Some(peer) = remote(StageId(s - 1)) {
+                        recvs.push(Endpoint {
+                            peer,
+                            payload: Payload::act(s - 1, t.mb.0),
+                        });
+                    }
+                }
+                if s < last {
+                    if let Some(peer) = remote(StageId(s + 1)) {
+                        sends.push(Endpoint {
+                            peer,
+                            payload: Payload::act(s, t.mb.0),
+                        });
+                    }
+                }
+            }
+            Pass::Bwd | Pass::BwdD => {
+                if s < last {
+                    if let Some(peer) = remote(StageId(s + 1)) {
+                        recvs.push(Endpoint {
+                            peer,
+                            payload: Payload::grad(s + 1, t.mb.0),
+                        });
+                    }
+                }
+                if s > 0 {
+                    if let Some(peer) = remote(StageId(s - 1)) {
+                        sends.push(Endpoint {
+                            peer,
+                            payload: Payload::grad(s, t.mb.0),
+                        });
+                    }
+                }
+            }
+            Pass::BwdW => {}
+        }
+    }
+}
+
+/// Builds one rank's stream, numbering batches densely from 0.
+struct Stream<'p> {
+    placement: &'p Placement,
+    rank: Rank,
+    instrs: Vec<Instr>,
+    next_batch: u32,
+    recvs: Vec<Endpoint>,
+    sends: Vec<Endpoint>,
+}
+
+impl<'p> Stream<'p> {
+    fn new(placement: &'p Placement, rank: Rank, capacity: usize) -> Self {
+        Stream {
+            placement,
+            rank,
+            instrs: Vec::with_capacity(capacity),
+            next_batch: 0,
+            recvs: Vec::new(),
+            sends: Vec::new(),
+        }
+    }
+
+    /// Messages of `ops`: sends and recvs, in op order.
+    fn io(&mut self, ops: &[Compute]) -> (Vec<Endpoint>, Vec<Endpoint>) {
+        self.recvs.clear();
+        self.sends.clear();
+        for op in ops {
+            op_io(
+                op,
+                self.placement,
+                self.rank,
+                &mut self.recvs,
+                &mut self.sends,
+            );
+        }
+        (self.sends.clone(), self.recvs.clone())
+    }
+
+    fn sends_of(&mut self, ops: &[Compute]) -> Vec<Endpoint> {
+        self.io(ops).0
+    }
+
+    fn recvs_of(&mut self, ops: &[Compute]) -> Vec<Endpoint> {
+        self.io(ops).1
+    }
+
+    /// One batch: the sends, then the receives. Nothing is emitted for an empty batch.
+    fn batch(&mut self, sends: &[Endpoint], recvs: &[Endpoint]) {
+        if sends.is_empty() && recvs.is_empty() {
+            return;
+        }
+        let batch = self.next_batch;
+        self.next_batch += 1;
+        for e in sends {
+            self.instrs.push(Instr::Send {
+                peer: e.peer,
+                payload: e.payload,
+                batch,
+            });
+        }
+        for e in recvs {
+            self.instrs.push(Instr::Recv {
+                peer: e.peer,
+                payload: e.payload,
+                batch,
+            });
+        }
+    }
+
+    fn compute(&mut self, ops: &[Compute]) {
+        self.instrs.extend(ops.iter().copied().map(Instr::Compute));
+    }
+
+    /// The fused-steps rule: recvs of step 0; then after each step one batch with its sends
+    /// and the next step's recvs.
+    fn fused_steps<'o>(&mut self, steps: impl Iterator<Item = &'o [Compute]>) {
+        let mut steps = steps.peekable();
+        if let Some(first) = steps.peek() {
+            let r = self.recvs_of(first);
+            self.batch(&[], &r);
+        }
+        while let Some(step) = steps.next() {
+            self.compute(step);
+            let s = self.sends_of(step);
+            let r = match steps.peek() {
+                Some(next) => self.recvs_of(next),
+                None => Vec::new(),
+            };
+            self.batch(&s, &r);
+        }
+    }
+
+    /// Megatron's non-interleaved 1F1B P2P calls (`forward_backward_pipelining_without_interleaving`).
+    fn megatron_1f1b(&mut self, ops: &[Compute], warmup: usize) {
+        let forward_only = ops.iter().all(Compute::is_forward);
+        let (w, n) = if forward_only {
+            (ops.len(), ops.len())
+        } else {
+            (warmup, ops.len() / 2)
+        };
+        let remaining = n - w;
+        // Warmup: recv_forward; forward; send_forward.
+        for i in 0..w {
+            let op = &ops[i..i + 1];
+            let r = self.recvs_of(op);
+            self.batch(&[], &r);
+            self.compute(op);
+            let s = self.sends_of(op);
+            self.batch(&s, &[]);
+        }
+        // Steady state: ops alternate F, B after the warmup forwards.
+        let steady = &ops[w..w + 2 * remaining];
+        if remaining > 0 {
+            let r = self.recvs_of(&steady[..1]);
+            self.batch(&[], &r);
+        }
+        for j in 0..remaining {
+            let (f, b) = (&steady[2 * j..2 * j + 1], &steady[2 * j + 1..2 * j + 2]);
+            self.compute(f);
+            let (s, r) = (self.sends_of(f), self.recvs_of(b));
+            self.batch(&s, &r); // send_forward_recv_backward
+            self.compute(b);
+            let s = self.sends_of(b);
+            let r = if j + 1 < remaining {
+                self.recvs_of(&steady[2 * j + 2..2 * j + 3])
+            } else {
+                Vec::new()
+            };
+            self.batch(&s, &r); // send_backward_recv_forward, or send_backward
+        }
+        // Cooldown: recv_backward; backward; send_backward.
+        for i in w + 2 * remaining..ops.len() {
+            let op = &ops[i..i + 1];
+            let r = self.recvs_of(op);
+            self.batch(&[], &r);
+            self.compute(op);
+            let s = self.sends_of(op);
+            self.batch(&s, &[]);
+        }
+    }
+}
+
+/// Steps of Megatron's interleaved loop: warmup forwards one by one, steady (forward,
+/// backward) pairs, cooldown backwards one by one.
+fn megatron_interleaved_steps(ops: &[Compute], warmup: usize) -> Vec<&[Compute]> {
+    let forward_only = ops.iter().all(Compute::is_forward);
+    if forward_only {
+        return ops.chunks(1).collect();
+    }
+    let total = ops.len() / 2;
+    let remaining = total - warmup.min(total);
+    let mut steps: Vec<&[Compute]> = ops[..warmup].chunks(1).collect();
+    steps.extend(ops[warmup..warmup + 2 * remaining].chunks(2));
+    steps.extend(ops[warmup + 2 * remaining..].chunks(1));
+    steps
+}
+
+/// Lower per-rank compute orders. Stages in `orders` must be in range of `placement`, and each
+/// rank's ops must sit on that rank (generated schedules and validated imports satisfy both).
+pub fn lower_orders(
+    placement: &Placement,
+    microbatches: u32,
+    forward_only: bool,
+    policy: CommPolicy,
+    orders: &[RankOrder],
+) -> Program {
+    let ranks = orders
+        .iter()
+        .map(|order| {
+            let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
+            match policy {
+                CommPolicy::FusedPerOp => stream.fused_steps(order.ops.chunks(1)),
+                CommPolicy::MegatronInterleaved => {
+                    let steps = megatron_interleaved_steps(&order.ops, order.warmup as usize);
+                    stream.fused_steps(steps.into_iter())
+                }
+                CommPolicy::Megatron1F1B => stream.megatron_1f1b(&order.ops, order.warmup as usize),
+            }
+            stream.instrs
+        })
+        .collect();
+    Program {
+        placement: placement.clone(),
+        microbatches,
+        forward_only,
+        ranks,
+    }
+}
+
+/// Lower a generated schedule with its own comm policy.
+pub fn lower(schedule: &Schedule) -> Program {
+    lower_orders(
+        &schedule.placement,
+        schedule.spec.microbatches,
+        schedule.spec.forward_only,
+        schedule.comm,
+        &schedule.ranks,
+    )
+}
+
+/// Whether a payload kind flows down (`Act`) or up (`Grad`) the stages; used by views.
+pub fn direction(kind: PayloadKind) -> i32 {
+    match kind {
+        PayloadKind::Act => 1,
+        PayloadKind::Grad => -1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
+
+    fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> ScheduleSpec {
+        ScheduleSpec {
+            kind,
+            pp,
+            vpp,
+            microbatches: m,
+            group_size: None,
+            forward_only: false,
+        }
+    }
+
+    /// Between every ordered pair of ranks, the k-th send carries the k-th recv's payload.
+    fn assert_fifo_matched(p: &Program) {
+        let w = p.world() as usize;
+        let mut sent = vec![vec![Vec::new(); w]; w];
+        let mut got = vec![vec![Vec::new(); w]; w];
+        for (r, instrs) in p.ranks.iter().enumerate() {
+            for i in instrs {
+                match *i {
+                    Instr::Send { peer, payload, .. } => sent[r][peer.index()].push(payload),
+                    Instr::Recv { peer, payload, .. } => got[peer.index()][r].push(payload),
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(sent, got);
+    }
+
+    #[test]
+    fn sends_match_receives_for_every_kind() {
+        for (kind, vpp) in [
+            (ScheduleKind::Gpipe, 1),
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::Interleaved1F1B, 2),
+            (ScheduleKind::Interleaved1F1B, 3),
+            (ScheduleKind::LoopedBfs, 2),
+        ] {
+            for pp in 1..=5 {
+                for m in [pp, pp + 1, 2 * pp, 3 * pp + 1] {
+                    let s = spec(kind, pp, vpp, m);
+                    if s.validate(&Limits::DEFAULT).is_err() {
+                        continue;
+                    }
+                    let p = lower(&generate(&s, &Limits::DEFAULT).unwrap());
+                    assert_fifo_matched(&p);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn single_rank_has_no_messages() {
+        let p = lower(&generate(&spec(ScheduleKind::OneFOneB, 1, 1, 3), &Limits::DEFAULT).unwrap());
+        assert!(p.ranks[0].iter().all(|i| matches!(i, Instr::Compute(_))));
+        assert_eq!(p.ranks[0].len(), 6);
+    }
+}

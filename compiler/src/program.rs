@@ -1,0 +1,162 @@
+//! The lowered program: per-rank instruction streams with explicit communication.
+//!
+//! This is pipec's IR. Generation produces it through [`crate::lower`], the torch importer
+//! produces it from CSV, the instruction-file loader reads it back; the verifier, the
+//! simulator, the emitters and the runtime all consume it. Ids in a `Program` read from a file
+//! are untrusted: the verifier range-checks them before anything indexes with them.
+
+use pipec_schedules::{Compute, Microbatch, Placement, Rank, StageId};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// What a message carries.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PayloadKind {
+    /// The activation leaving stage `s` for stage `s + 1`.
+    Act,
+    /// The input gradient leaving stage `s` for stage `s - 1`.
+    Grad,
+}
+
+/// A tensor that travels: named by its producing stage, as DESIGN.md's conventions say.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Payload {
+    pub kind: PayloadKind,
+    pub stage: StageId,
+    pub mb: Microbatch,
+}
+
+impl Payload {
+    pub fn act(stage: u32, mb: u32) -> Self {
+        Payload {
+            kind: PayloadKind::Act,
+            stage: StageId(stage),
+            mb: Microbatch(mb),
+        }
+    }
+
+    pub fn grad(stage: u32, mb: u32) -> Self {
+        Payload {
+            kind: PayloadKind::Grad,
+            stage: StageId(stage),
+            mb: Microbatch(mb),
+        }
+    }
+
+    /// The stage that consumes this tensor, `None` when it would fall off either end.
+    pub fn consumer(&self) -> Option<StageId> {
+        match self.kind {
+            PayloadKind::Act => self.stage.0.checked_add(1).map(StageId),
+            PayloadKind::Grad => self.stage.0.checked_sub(1).map(StageId),
+        }
+    }
+}
+
+impl fmt::Display for Payload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let k = match self.kind {
+            PayloadKind::Act => "act",
+            PayloadKind::Grad => "grad",
+        };
+        write!(f, "{k} of {}, {}", self.stage, self.mb)
+    }
+}
+
+/// One instruction. Consecutive `Send`/`Recv` with the same `batch` on one rank are posted
+/// together (one NCCL group, one `batch_isend_irecv`) and complete together.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Instr {
+    Compute(Compute),
+    Send {
+        peer: Rank,
+        payload: Payload,
+        batch: u32,
+    },
+    Recv {
+        peer: Rank,
+        payload: Payload,
+        batch: u32,
+    },
+}
+
+impl Instr {
+    /// The comm batch of a send or recv.
+    pub fn batch(&self) -> Option<u32> {
+        match *self {
+            Instr::Send { batch, .. } | Instr::Recv { batch, .. } => Some(batch),
+            Instr::Compute(_) => None,
+        }
+    }
+
+    pub fn as_compute(&self) -> Option<&Compute> {
+        match self {
+            Instr::Compute(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Instr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Instr::Compute(c) => write!(f, "{c}"),
+            Instr::Send { peer, payload, .. } => write!(f, "send({payload} -> {peer})"),
+            Instr::Recv { peer, payload, .. } => write!(f, "recv({payload} <- {peer})"),
+        }
+    }
+}
+
+/// A position in a program, printed the way every message names it: `rank 2, #17`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct InstrRef {
+    pub rank: Rank,
+    pub index: u32,
+}
+
+impl fmt::Display for InstrRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}, #{}", self.rank, self.index)
+    }
+}
+
+/// Every rank's instruction stream plus what is needed to judge it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Program {
+    pub placement: Placement,
+    pub microbatches: u32,
+    /// Inference: no backward is expected.
+    pub forward_only: bool,
+    pub ranks: Vec<Vec<Instr>>,
+}
+
+impl Program {
+    pub fn world(&self) -> u32 {
+        self.ranks.len() as u32
+    }
+
+    pub fn num_stages(&self) -> u32 {
+        self.placement.num_stages()
+    }
+
+    /// Total instruction count over all ranks.
+    pub fn len(&self) -> usize {
+        self.ranks.iter().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn get(&self, at: InstrRef) -> Option<&Instr> {
+        self.ranks.get(at.rank.index())?.get(at.index as usize)
+    }
+
+    /// Each rank's compute ops in order, communication dropped.
+    pub fn compute_orders(&self) -> Vec<Vec<Compute>> {
+        self.ranks
+            .iter()
+            .map(|r| r.iter().filter_map(Instr::as_compute).copied().collect())
+            .collect()
+    }
+}

@@ -1,0 +1,20 @@
+//! The vocabulary of pipeline-parallel schedules and one generator per family.
+//!
+//! Pure: no I/O. Data flows one way: a [`ScheduleSpec`] is validated against [`Limits`] and
+//! [`generate`]d into a [`Schedule`] (each rank's compute order, its [`Placement`] and the
+//! [`CommPolicy`] lowering should follow).
+
+mod gpipe;
+pub mod ids;
+mod looped_bfs;
+pub mod megatron;
+pub mod op;
+pub mod placement;
+pub mod schedule;
+pub mod spec;
+
+pub use ids::{Microbatch, Rank, StageId};
+pub use op::{Compute, Pass, Task};
+pub use placement::{Placement, PlacementKind};
+pub use schedule::{generate, CommPolicy, RankOrder, Schedule};
+pub use spec::{KindInfo, Limits, ScheduleKind, ScheduleSpec, SpecError, UnknownKind};
