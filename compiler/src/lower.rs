@@ -17,7 +17,9 @@
 //!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
 
 use crate::program::{Instr, Payload, PayloadKind, Program};
-use pipec_schedules::{CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId};
+use pipec_schedules::{
+    CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
+};
 
 /// One message endpoint as seen from the rank that posts it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -36,8 +38,8 @@ pub fn op_io(
     sends: &mut Vec<Endpoint>,
 ) {
     let last = placement.num_stages() - 1;
-    let remote = |s: StageId| {
-        let r = placement.rank_of_stage(s);
+    let remote = |s: StageId, mb| {
+        let r = placement.rank_of(Task { stage: s, mb });
         (r != rank).then_some(r)
     };
     for (pass, t) in op.parts() {
@@ -45,7 +47,7 @@ pub fn op_io(
         match pass {
             Pass::Fwd => {
                 if s > 0 {
-                    if let Some(peer) = remote(StageId(s - 1)) {
+                    if let Some(peer) = remote(StageId(s - 1), t.mb) {
                         recvs.push(Endpoint {
                             peer,
                             payload: Payload::act(s - 1, t.mb.0),
@@ -53,7 +55,7 @@ pub fn op_io(
                     }
                 }
                 if s < last {
-                    if let Some(peer) = remote(StageId(s + 1)) {
+                    if let Some(peer) = remote(StageId(s + 1), t.mb) {
                         sends.push(Endpoint {
                             peer,
                             payload: Payload::act(s, t.mb.0),
@@ -63,7 +65,7 @@ pub fn op_io(
             }
             Pass::Bwd | Pass::BwdD => {
                 if s < last {
-                    if let Some(peer) = remote(StageId(s + 1)) {
+                    if let Some(peer) = remote(StageId(s + 1), t.mb) {
                         recvs.push(Endpoint {
                             peer,
                             payload: Payload::grad(s + 1, t.mb.0),
@@ -71,7 +73,7 @@ pub fn op_io(
                     }
                 }
                 if s > 0 {
-                    if let Some(peer) = remote(StageId(s - 1)) {
+                    if let Some(peer) = remote(StageId(s - 1), t.mb) {
                         sends.push(Endpoint {
                             peer,
                             payload: Payload::grad(s, t.mb.0),
