@@ -16,6 +16,8 @@ pub struct CompileRequest {
     pub microbatches: u32,
     pub group_size: Option<u32>,
     pub forward_only: bool,
+    /// Megatron's combined 1F1B (`--combined`).
+    pub combined: bool,
     pub layout: Option<String>,
     pub num_layers: Option<u32>,
     pub mtp_num_layers: Option<u32>,
@@ -49,7 +51,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
             (l, vpp)
         }
         None => {
-            let vpp = req.vpp.unwrap_or(1);
+            let vpp = req.vpp.unwrap_or(req.kind.default_vpp());
             let spec_probe = ScheduleSpec {
                 kind: req.kind,
                 pp: req.pp,
@@ -57,6 +59,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
                 microbatches: req.microbatches,
                 group_size: req.group_size,
                 forward_only: req.forward_only,
+                combined: req.combined,
             };
             // Validate before the layout allocates pp * vpp stages.
             spec_probe.validate(&req.limits)?;
@@ -70,6 +73,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         microbatches: req.microbatches,
         group_size: req.group_size,
         forward_only: req.forward_only,
+        combined: req.combined,
     };
     let schedule = generate(&spec, &req.limits)?;
     let program = lower(&schedule);

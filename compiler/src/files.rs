@@ -643,6 +643,7 @@ mod tests {
             microbatches: 8,
             group_size: None,
             forward_only: false,
+            combined: false,
             layout: None,
             num_layers: None,
             mtp_num_layers: None,

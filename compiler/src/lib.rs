@@ -8,6 +8,7 @@
 pub mod compile;
 pub mod files;
 pub mod layout;
+pub mod lockstep;
 pub mod lower;
 pub mod program;
 pub mod timeline;

@@ -229,10 +229,12 @@ impl<'p> Stream<'p> {
 }
 
 /// Steps of Megatron's interleaved loop: warmup forwards one by one, steady (forward,
-/// backward) pairs, cooldown backwards one by one.
+/// backward) pairs, cooldown backwards one by one. Under combined 1F1B a steady pair is one
+/// `fwd_bwd` op (`combined_1f1b_schedule_for_interleaved_pipelining`), so every op is a step.
 fn megatron_interleaved_steps(ops: &[Compute], warmup: usize) -> Vec<&[Compute]> {
     let forward_only = ops.iter().all(Compute::is_forward);
-    if forward_only {
+    let combined = ops.iter().any(|o| matches!(o, Compute::FwdBwd { .. }));
+    if forward_only || combined {
         return ops.chunks(1).collect();
     }
     let total = ops.len() / 2;
@@ -252,6 +254,9 @@ pub fn lower_orders(
     policy: CommPolicy,
     orders: &[RankOrder],
 ) -> Program {
+    if policy == CommPolicy::Lockstep {
+        return crate::lockstep::lower(placement, microbatches, forward_only, orders);
+    }
     let ranks = orders
         .iter()
         .map(|order| {
@@ -262,6 +267,7 @@ pub fn lower_orders(
                     let steps = megatron_interleaved_steps(&order.ops, order.warmup as usize);
                     stream.fused_steps(steps.into_iter())
                 }
+                CommPolicy::Lockstep => unreachable!("handled above"),
                 CommPolicy::Megatron1F1B => stream.megatron_1f1b(&order.ops, order.warmup as usize),
             }
             stream.instrs
@@ -307,6 +313,7 @@ mod tests {
             microbatches: m,
             group_size: None,
             forward_only: false,
+            combined: false,
         }
     }
 

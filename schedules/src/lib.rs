@@ -4,6 +4,7 @@
 //! [`generate`]d into a [`Schedule`] (each rank's compute order, its [`Placement`] and the
 //! [`CommPolicy`] lowering should follow).
 
+mod dualpipe;
 mod gpipe;
 pub mod ids;
 mod looped_bfs;
@@ -12,9 +13,11 @@ pub mod op;
 pub mod placement;
 pub mod schedule;
 pub mod spec;
+mod v_shape;
+mod zero_bubble;
 
 pub use ids::{Microbatch, Rank, StageId};
 pub use op::{Compute, Pass, Task};
 pub use placement::{Placement, PlacementKind};
 pub use schedule::{generate, CommPolicy, RankOrder, Schedule};
-pub use spec::{KindInfo, Limits, ScheduleKind, ScheduleSpec, SpecError, UnknownKind};
+pub use spec::{ChunkRule, KindInfo, Limits, ScheduleKind, ScheduleSpec, SpecError, UnknownKind};

@@ -4,7 +4,10 @@
 //! `get_pp_rank_microbatches` (warmup counts), `get_schedule_table` (the tunable lookup table of
 //! (microbatch, chunk) per virtual microbatch) and `convert_schedule_table_to_order` (the
 //! interleaving of forwards and backwards). Combined 1F1B (`combined_1f1b.py`, enabled by
-//! `overlap_moe_expert_parallel_comm`) adds one warmup microbatch.
+//! `overlap_moe_expert_parallel_comm`) adds one warmup microbatch and runs each steady
+//! forward/backward pair as one overlapped step
+//! (`combined_1f1b_schedule_for_interleaved_pipelining`), which pipec writes as one
+//! [`Compute::FwdBwd`].
 
 use crate::ids::Rank;
 use crate::op::{Compute, Task};
@@ -75,7 +78,8 @@ pub fn schedule_table(m: u32, chunks: u32, group: u32) -> Vec<(u32, u32)> {
 
 /// `convert_schedule_table_to_order`, returned as compute ops of rank `r`: the first `warmup`
 /// forwards, then forward/backward alternating, then the remaining backwards. The backward of
-/// table entry `i` runs chunk `chunks - 1 - c_i` on microbatch `mb_i`.
+/// table entry `i` runs chunk `chunks - 1 - c_i` on microbatch `mb_i`. With `combined`, each
+/// steady (forward, backward) pair is one `FwdBwd` op, as combined 1F1B runs it.
 fn table_order(
     pp: u32,
     r: u32,
@@ -83,6 +87,7 @@ fn table_order(
     table: &[(u32, u32)],
     warmup: u32,
     forward_only: bool,
+    combined: bool,
 ) -> Vec<Compute> {
     let stage = |c: u32| c * pp + r;
     let fwd = |i: usize| {
@@ -101,23 +106,45 @@ fn table_order(
     let mut ops = Vec::with_capacity(2 * n);
     ops.extend((0..w).map(fwd));
     for i in w..n {
-        ops.push(fwd(i));
-        ops.push(bwd(i - w));
+        match (combined, fwd(i), bwd(i - w)) {
+            (true, Compute::Fwd(f), Compute::Bwd(b)) => {
+                ops.push(Compute::FwdBwd { fwd: f, bwd: b })
+            }
+            (_, f, b) => {
+                ops.push(f);
+                ops.push(b);
+            }
+        }
     }
     ops.extend((n - w..n).map(bwd));
     ops
 }
 
-/// Non-interleaved 1F1B (`forward_backward_pipelining_without_interleaving`).
+/// Non-interleaved 1F1B (`forward_backward_pipelining_without_interleaving`). With
+/// `combined`, the same warmup rule plus one (`get_pp_rank_microbatches` with
+/// `overlap_moe_expert_parallel_comm`) and fused steady pairs; Megatron itself runs combined
+/// 1F1B only from its interleaved and no-pipelining loops, so this one is pipec's extension.
 pub(crate) fn one_f_one_b(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let (pp, m) = (spec.pp, spec.microbatches);
     let table = schedule_table(m, 1, m.max(1));
     (0..pp)
         .map(|r| {
-            let mbs = rank_microbatches(pp, r, None, m, pp, spec.forward_only, false);
+            // Without pipelining Megatron runs combined 1F1B from
+            // `combined_1f1b_schedule_for_no_pipelining` ("Phase 1: 1st microbatch backward +
+            // 2nd microbatch forward"), which keeps the single warmup forward.
+            let extra = spec.combined && pp > 1;
+            let mbs = rank_microbatches(pp, r, None, m, pp, spec.forward_only, extra);
             RankOrder {
                 rank: Rank(r),
-                ops: table_order(pp, r, 1, &table, mbs.warmup, spec.forward_only),
+                ops: table_order(
+                    pp,
+                    r,
+                    1,
+                    &table,
+                    mbs.warmup,
+                    spec.forward_only,
+                    spec.combined,
+                ),
                 warmup: mbs.warmup,
             }
         })
@@ -131,10 +158,18 @@ pub(crate) fn interleaved(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let table = schedule_table(m, v, g);
     (0..pp)
         .map(|r| {
-            let mbs = rank_microbatches(pp, r, Some(v), m, g, spec.forward_only, false);
+            let mbs = rank_microbatches(pp, r, Some(v), m, g, spec.forward_only, spec.combined);
             RankOrder {
                 rank: Rank(r),
-                ops: table_order(pp, r, v, &table, mbs.warmup, spec.forward_only),
+                ops: table_order(
+                    pp,
+                    r,
+                    v,
+                    &table,
+                    mbs.warmup,
+                    spec.forward_only,
+                    spec.combined,
+                ),
                 warmup: mbs.warmup,
             }
         })
@@ -155,7 +190,7 @@ mod tests {
         let chunks: Vec<u32> = table.iter().map(|e| e.1).collect();
         assert_eq!(mbs, vec![0, 1, 2, 0, 1, 2, 3, 4, 3, 4]);
         assert_eq!(chunks, vec![0, 0, 0, 1, 1, 1, 0, 0, 1, 1]);
-        let ops = table_order(2, 0, 2, &table, 5, false);
+        let ops = table_order(2, 0, 2, &table, 5, false, false);
         let code: Vec<i32> = ops
             .iter()
             .map(|op| match op {
@@ -177,5 +212,74 @@ mod tests {
         assert!(w.all_in_warmup);
         let w = rank_microbatches(4, 3, None, 8, 4, false, false);
         assert_eq!((w.warmup, w.remaining), (0, 8));
+    }
+
+    /// `combined_1f1b_schedule_for_no_pipelining`'s docstring, 4 microbatches: F0, then
+    /// (B0 + F1), (B1 + F2), (B2 + F3), then B3.
+    #[test]
+    fn combined_without_pipelining() {
+        let spec = ScheduleSpec {
+            kind: crate::ScheduleKind::OneFOneB,
+            pp: 1,
+            vpp: 1,
+            microbatches: 4,
+            group_size: None,
+            forward_only: false,
+            combined: true,
+        };
+        let t = |mb| Task::new(0, mb);
+        let fb = |f, b| Compute::FwdBwd {
+            fwd: t(f),
+            bwd: t(b),
+        };
+        assert_eq!(
+            one_f_one_b(&spec)[0].ops,
+            vec![
+                Compute::Fwd(t(0)),
+                fb(1, 0),
+                fb(2, 1),
+                fb(3, 2),
+                Compute::Bwd(t(3))
+            ]
+        );
+    }
+
+    /// Combined 1F1B fuses every steady pair: with one warmup more, each rank has
+    /// `total - warmup` fused ops, `warmup` leading forwards and `warmup` trailing backwards.
+    #[test]
+    fn combined_fuses_steady_pairs() {
+        let spec = ScheduleSpec {
+            kind: crate::ScheduleKind::OneFOneB,
+            pp: 4,
+            vpp: 1,
+            microbatches: 8,
+            group_size: None,
+            forward_only: false,
+            combined: true,
+        };
+        for order in one_f_one_b(&spec) {
+            let r = order.rank.0;
+            let w = (4 - r - 1 + 1) as usize;
+            assert_eq!(order.warmup as usize, w);
+            let fused = order
+                .ops
+                .iter()
+                .filter(|o| matches!(o, Compute::FwdBwd { .. }))
+                .count();
+            assert_eq!(fused, 8 - w);
+            assert_eq!(order.ops.len(), 8 + w);
+            assert!(order.ops[..w].iter().all(Compute::is_forward));
+            assert!(order.ops[8..].iter().all(|o| matches!(o, Compute::Bwd(_))));
+            // The last rank fuses fwd(mb k+1) with bwd(mb k).
+            if r == 3 {
+                assert_eq!(
+                    order.ops[1],
+                    Compute::FwdBwd {
+                        fwd: Task::new(3, 1),
+                        bwd: Task::new(3, 0)
+                    }
+                );
+            }
+        }
     }
 }

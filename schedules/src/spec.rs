@@ -16,6 +16,33 @@ pub enum ScheduleKind {
     Interleaved1F1B,
     #[serde(rename = "looped-bfs")]
     LoopedBfs,
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+    #[serde(rename = "zb-h2")]
+    ZbH2,
+    #[serde(rename = "zb-1p")]
+    Zb1P,
+    #[serde(rename = "zb-v")]
+    ZbV,
+    #[serde(rename = "v-half")]
+    VHalf,
+    #[serde(rename = "v-min")]
+    VMin,
+    #[serde(rename = "dualpipe")]
+    DualPipe,
+    #[serde(rename = "dualpipe-v")]
+    DualPipeV,
+}
+
+/// How many model chunks (stages) per rank a kind takes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ChunkRule {
+    /// Exactly one (vpp = 1).
+    One,
+    /// Any number (`--vpp`).
+    Any,
+    /// Exactly two, folded into a V (stage `s` and `2pp-1-s` on rank `s`).
+    TwoV,
 }
 
 /// One row of `pipec schedules`.
@@ -27,11 +54,19 @@ pub struct KindInfo {
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 4] = [
+    pub const ALL: [ScheduleKind; 12] = [
         ScheduleKind::Gpipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
         ScheduleKind::LoopedBfs,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
+        ScheduleKind::Zb1P,
+        ScheduleKind::ZbV,
+        ScheduleKind::VHalf,
+        ScheduleKind::VMin,
+        ScheduleKind::DualPipe,
+        ScheduleKind::DualPipeV,
     ];
 
     pub fn name(self) -> &'static str {
@@ -40,7 +75,20 @@ impl ScheduleKind {
             ScheduleKind::OneFOneB => "1f1b",
             ScheduleKind::Interleaved1F1B => "interleaved-1f1b",
             ScheduleKind::LoopedBfs => "looped-bfs",
+            ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbH2 => "zb-h2",
+            ScheduleKind::Zb1P => "zb-1p",
+            ScheduleKind::ZbV => "zb-v",
+            ScheduleKind::VHalf => "v-half",
+            ScheduleKind::VMin => "v-min",
+            ScheduleKind::DualPipe => "dualpipe",
+            ScheduleKind::DualPipeV => "dualpipe-v",
         }
+    }
+
+    /// The names of all kinds, comma separated (for messages).
+    pub fn known_names() -> String {
+        ScheduleKind::ALL.map(ScheduleKind::name).join(", ")
     }
 
     pub fn info(self) -> KindInfo {
@@ -52,18 +100,58 @@ impl ScheduleKind {
             ),
             ScheduleKind::OneFOneB => (
                 "warmup forwards, steady one-forward-one-backward, cooldown backwards",
-                "--pp, --microbatches; vpp = 1",
+                "--pp, --microbatches; vpp = 1; --combined fuses steady pairs into fwd_bwd",
                 "PipeDream-Flush; Megatron forward_backward_pipelining_without_interleaving",
             ),
             ScheduleKind::Interleaved1F1B => (
                 "1F1B over vpp model chunks per rank, Megatron's exact order",
-                "--pp, --vpp, --microbatches, --group-size (default pp; pp <= g <= M)",
+                "--pp, --vpp, --microbatches, --group-size (default pp; pp <= g <= M); --combined fuses steady pairs into fwd_bwd",
                 "Narayanan et al., 2021; Megatron forward_backward_pipelining_with_interleaving",
             ),
             ScheduleKind::LoopedBfs => (
                 "each chunk runs all microbatches forward, then backward in reverse",
                 "--pp, --vpp, --microbatches",
                 "Lamy-Poirier, Breadth-First Pipeline Parallelism (2022); torch ScheduleLoopedBFS",
+            ),
+            ScheduleKind::ZbH1 => (
+                "1F1B with split backward; the first W passes wait so B passes flow (1F1B memory, ~1/3 of its bubble)",
+                "--pp, --microbatches; vpp = 1",
+                "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H1; sail-sg zb-h1-quick-start",
+            ),
+            ScheduleKind::ZbH2 => (
+                "split backward with 2(pp-1-r) warmup forwards: parallelogram, ~zero bubble at ~2x 1F1B memory",
+                "--pp, --microbatches; vpp = 1",
+                "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
+            ),
+            ScheduleKind::Zb1P => (
+                "one-pass zero bubble: warmup, then F, B, and W delayed by the rank",
+                "--pp, --microbatches; vpp = 1",
+                "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
+            ),
+            ScheduleKind::ZbV => (
+                "zero bubble on a V placement, two chunks per rank, 1F1B memory",
+                "--pp, --microbatches; vpp = 2 (fixed)",
+                "Qi et al. (2024) ZB-V; torch ScheduleZBVZeroBubble",
+            ),
+            ScheduleKind::VHalf => (
+                "V placement building block schedule at about half of 1F1B's activation memory",
+                "--pp, --microbatches; vpp = 2 (fixed)",
+                "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Half; sail-sg zbv_greedy.py",
+            ),
+            ScheduleKind::VMin => (
+                "V placement building block schedule at about a third of 1F1B's activation memory",
+                "--pp, --microbatches; vpp = 2 (fixed)",
+                "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Min; sail-sg zbv_greedy.py",
+            ),
+            ScheduleKind::DualPipe => (
+                "bidirectional: half the microbatches enter at each end, overlapped F&B chunks; parameters 2x",
+                "--pp (even), --microbatches (even, >= 2 pp); vpp = 1",
+                "DeepSeek-V3 report (2024); deepseek-ai/DualPipe dualpipe.py",
+            ),
+            ScheduleKind::DualPipeV => (
+                "DualPipe folded onto a V placement (two chunks per rank), overlapped F&B chunks",
+                "--pp, --microbatches (>= 2 pp); vpp = 2 (fixed)",
+                "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
             ),
         };
         KindInfo {
@@ -76,9 +164,46 @@ impl ScheduleKind {
 
     /// Whether the kind takes more than one chunk per rank.
     pub fn multi_chunk(self) -> bool {
+        self.chunk_rule() != ChunkRule::One
+    }
+
+    /// Chunks per rank the kind accepts.
+    pub fn chunk_rule(self) -> ChunkRule {
+        match self {
+            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => ChunkRule::Any,
+            ScheduleKind::ZbV
+            | ScheduleKind::VHalf
+            | ScheduleKind::VMin
+            | ScheduleKind::DualPipeV => ChunkRule::TwoV,
+            _ => ChunkRule::One,
+        }
+    }
+
+    /// The vpp used when the user gives neither `--vpp` nor a layout.
+    pub fn default_vpp(self) -> u32 {
+        match self.chunk_rule() {
+            ChunkRule::TwoV => 2,
+            _ => 1,
+        }
+    }
+
+    /// Whether `--combined` (Megatron's combined 1F1B) applies.
+    pub fn supports_combined(self) -> bool {
+        matches!(self, ScheduleKind::OneFOneB | ScheduleKind::Interleaved1F1B)
+    }
+
+    /// Whether the kind splits backward into `bwd_D` and `bwd_W` somewhere.
+    pub fn splits_backward(self) -> bool {
         matches!(
             self,
-            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs
+            ScheduleKind::ZbH1
+                | ScheduleKind::ZbH2
+                | ScheduleKind::Zb1P
+                | ScheduleKind::ZbV
+                | ScheduleKind::VHalf
+                | ScheduleKind::VMin
+                | ScheduleKind::DualPipe
+                | ScheduleKind::DualPipeV
         )
     }
 }
@@ -91,7 +216,7 @@ impl fmt::Display for ScheduleKind {
 
 /// An unknown kind name, with the list of known ones for the message.
 #[derive(Debug, Error, PartialEq, Eq)]
-#[error("unknown schedule kind `{0}` (known: gpipe, 1f1b, interleaved-1f1b, looped-bfs)")]
+#[error("unknown schedule kind `{0}` (known: {known})", known = ScheduleKind::known_names())]
 pub struct UnknownKind(pub String);
 
 impl FromStr for ScheduleKind {
@@ -135,6 +260,15 @@ pub struct ScheduleSpec {
     /// Megatron's `microbatch_group_size_per_vp_stage`; `None` means the default, `pp`.
     pub group_size: Option<u32>,
     pub forward_only: bool,
+    /// Megatron's combined 1F1B (`overlap_moe_expert_parallel_comm`): one more warmup
+    /// microbatch, and each steady forward/backward pair becomes one overlapped `fwd_bwd` op.
+    /// Absent in files written before it existed, and omitted when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub combined: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Why a spec is refused. Each names the parameters involved and the rule, as the user wrote them.
@@ -156,6 +290,21 @@ pub enum SpecError {
     PartialLastGroup { m: u32, g: u32, pp: u32, rem: u32 },
     #[error("the schedule would have {ops} compute ops, over the limit of {limit} (raise it with --max-ops)")]
     TooLarge { ops: u64, limit: u64 },
+    #[error("{kind} runs exactly 2 model chunks per rank on a V placement (stage s and 2pp-1-s on rank s), but vpp = {vpp}; omit --vpp or pass --vpp 2 (a layout must have 2 x pp stages)")]
+    VShapeNeedsTwoChunks { kind: ScheduleKind, vpp: u32 },
+    #[error("{kind} needs an even --pp (its microbatches enter from both ends and the ranks pair up around the middle), got {pp}")]
+    OddPp { kind: ScheduleKind, pp: u32 },
+    #[error("{kind} needs an even number of microbatches (half go each direction), got {m}")]
+    OddMicrobatches { kind: ScheduleKind, m: u32 },
+    #[error("{kind} needs at least 2 x pp = {min} microbatches, got {m} ({source_rule})")]
+    TooFewMicrobatches {
+        kind: ScheduleKind,
+        m: u32,
+        min: u32,
+        source_rule: &'static str,
+    },
+    #[error("--combined (Megatron's combined 1F1B) applies to 1f1b and interleaved-1f1b only, not {kind}")]
+    CombinedNotApplicable { kind: ScheduleKind },
 }
 
 impl ScheduleSpec {
@@ -169,9 +318,16 @@ impl ScheduleSpec {
         self.group_size.unwrap_or(self.pp)
     }
 
-    /// Compute ops the schedule will hold, computed without overflow.
+    /// Compute ops the schedule will hold at most, computed without overflow (split backward
+    /// counts three passes).
     pub fn compute_ops(&self) -> u64 {
-        let passes = if self.forward_only { 1 } else { 2 };
+        let passes = if self.forward_only {
+            1
+        } else if self.kind.splits_backward() {
+            3
+        } else {
+            2
+        };
         (self.pp as u64)
             .saturating_mul(self.vpp as u64)
             .saturating_mul(self.microbatches as u64)
@@ -196,11 +352,56 @@ impl ScheduleSpec {
                 limit: limits.max_compute_ops,
             });
         }
-        if !self.kind.multi_chunk() && self.vpp != 1 {
-            return Err(SpecError::SingleChunkOnly {
-                kind: self.kind,
-                vpp: self.vpp,
-            });
+        match self.kind.chunk_rule() {
+            ChunkRule::One if self.vpp != 1 => {
+                return Err(SpecError::SingleChunkOnly {
+                    kind: self.kind,
+                    vpp: self.vpp,
+                })
+            }
+            ChunkRule::TwoV if self.vpp != 2 => {
+                return Err(SpecError::VShapeNeedsTwoChunks {
+                    kind: self.kind,
+                    vpp: self.vpp,
+                })
+            }
+            _ => {}
+        }
+        if self.combined && !self.kind.supports_combined() {
+            return Err(SpecError::CombinedNotApplicable { kind: self.kind });
+        }
+        let (pp, m) = (self.pp, self.microbatches);
+        match self.kind {
+            ScheduleKind::DualPipe => {
+                if pp % 2 != 0 {
+                    return Err(SpecError::OddPp {
+                        kind: self.kind,
+                        pp,
+                    });
+                }
+                if m % 2 != 0 {
+                    return Err(SpecError::OddMicrobatches { kind: self.kind, m });
+                }
+                if (m as u64) < 2 * pp as u64 {
+                    return Err(SpecError::TooFewMicrobatches {
+                        kind: self.kind,
+                        m,
+                        min: pp.saturating_mul(2),
+                        source_rule: "DualPipe.step asserts num_chunks >= num_ranks * 2",
+                    });
+                }
+            }
+            ScheduleKind::DualPipeV => {
+                if (m as u64) < 2 * pp as u64 {
+                    return Err(SpecError::TooFewMicrobatches {
+                        kind: self.kind,
+                        m,
+                        min: pp.saturating_mul(2),
+                        source_rule: "DualPipeV.step asserts num_chunks >= num_ranks * 2; torch ScheduleDualPipeV needs microbatches >= stages",
+                    });
+                }
+            }
+            _ => {}
         }
         if self.kind != ScheduleKind::Interleaved1F1B && self.group_size.is_some() {
             return Err(SpecError::GroupSizeNotApplicable { kind: self.kind });
@@ -231,6 +432,7 @@ mod tests {
             microbatches: m,
             group_size: g,
             forward_only: false,
+            combined: false,
         }
     }
 

@@ -30,6 +30,10 @@ pub struct Args {
     /// Inference: forwards only.
     #[arg(long)]
     pub forward_only: bool,
+    /// Megatron's combined 1F1B (1f1b, interleaved-1f1b): one more warmup microbatch, each
+    /// steady forward/backward pair one overlapped fwd_bwd op.
+    #[arg(long)]
+    pub combined: bool,
     /// Check the layout's decoder layer count.
     #[arg(long)]
     pub num_layers: Option<u32>,
@@ -57,6 +61,7 @@ impl Args {
             microbatches: self.microbatches,
             group_size: self.group_size,
             forward_only: self.forward_only,
+            combined: self.combined,
             layout: self.layout.clone(),
             num_layers: self.num_layers,
             mtp_num_layers: self.mtp_num_layers,

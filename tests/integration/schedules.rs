@@ -1,0 +1,872 @@
+//! Zero-bubble, V-shape, DualPipe and combined-1F1B schedules: conformance with the published
+//! orders, lowering that matches FIFO and never deadlocks under rendezvous semantics, and the
+//! published bubble / memory figures under uniform op times.
+//!
+//! Until `pipec::verify` and `pipec::simulate` land on main, two small test-local models check
+//! the programs: [`rendezvous`] (step ranks; a comm batch completes when every batch its
+//! messages' peers sit in is posted too, transitively; all finish or it reports who is stuck)
+//! and [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
+//! and its inputs are done; communication is free).
+
+use pipec::lower::lower;
+use pipec::program::{Instr, Payload, PayloadKind, Program};
+use pipec_schedules::{
+    generate, Compute, Limits, Pass, Placement, Rank, Schedule, ScheduleKind, ScheduleSpec, Task,
+};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn shared() -> PathBuf {
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"));
+    assert!(
+        p.join("conformance").is_dir(),
+        "shared conformance data missing at {}",
+        p.display()
+    );
+    p
+}
+
+fn spec(kind: ScheduleKind, pp: u32, m: u32) -> ScheduleSpec {
+    ScheduleSpec {
+        kind,
+        pp,
+        vpp: kind.default_vpp(),
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+        combined: false,
+    }
+}
+
+fn schedule(s: &ScheduleSpec) -> Schedule {
+    generate(s, &Limits::DEFAULT).unwrap_or_else(|e| panic!("{s:?}: {e}"))
+}
+
+const NEW_KINDS: [ScheduleKind; 8] = [
+    ScheduleKind::ZbH1,
+    ScheduleKind::ZbH2,
+    ScheduleKind::Zb1P,
+    ScheduleKind::ZbV,
+    ScheduleKind::VHalf,
+    ScheduleKind::VMin,
+    ScheduleKind::DualPipe,
+    ScheduleKind::DualPipeV,
+];
+
+// ---------------------------------------------------------------------------------------------
+// Test-local rendezvous executor
+// ---------------------------------------------------------------------------------------------
+
+/// One step of a rank: a compute op, or a comm batch (indices of its instructions).
+enum Item {
+    Compute(usize),
+    Batch(Vec<usize>),
+}
+
+fn items(instrs: &[Instr]) -> Vec<Item> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < instrs.len() {
+        match instrs[i].batch() {
+            None => {
+                out.push(Item::Compute(i));
+                i += 1;
+            }
+            Some(b) => {
+                let mut v = Vec::new();
+                while i < instrs.len() && instrs[i].batch() == Some(b) {
+                    v.push(i);
+                    i += 1;
+                }
+                out.push(Item::Batch(v));
+            }
+        }
+    }
+    out
+}
+
+/// Runs the program under rendezvous semantics and checks, on the way: every rank's ops sit
+/// on their placement rank, every compute has its inputs (received or produced locally), the
+/// k-th send between two ranks meets the k-th recv with the same payload, sends only carry
+/// what was produced, and every (stage, microbatch) has one forward and one backward.
+fn rendezvous(p: &Program) -> Result<(), String> {
+    let w = p.ranks.len();
+    let stages = p.num_stages() as usize;
+    let m = p.microbatches as usize;
+    let last = stages - 1;
+    let its: Vec<Vec<Item>> = p.ranks.iter().map(|r| items(r)).collect();
+    // item index of each instruction
+    let mut item_of: Vec<Vec<usize>> = p.ranks.iter().map(|r| vec![0; r.len()]).collect();
+    for (r, list) in its.iter().enumerate() {
+        for (k, it) in list.iter().enumerate() {
+            match it {
+                Item::Compute(i) => item_of[r][*i] = k,
+                Item::Batch(v) => v.iter().for_each(|&i| item_of[r][i] = k),
+            }
+        }
+    }
+    // FIFO matching per ordered pair.
+    let mut sends: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+    let mut recvs: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        for (i, ins) in instrs.iter().enumerate() {
+            match *ins {
+                Instr::Send { peer, .. } => sends.entry((r, peer.index())).or_default().push(i),
+                Instr::Recv { peer, .. } => recvs.entry((peer.index(), r)).or_default().push(i),
+                _ => {}
+            }
+        }
+    }
+    let mut partner: Vec<Vec<Option<(usize, usize)>>> =
+        p.ranks.iter().map(|r| vec![None; r.len()]).collect();
+    let mut pairs: Vec<_> = sends.keys().chain(recvs.keys()).copied().collect();
+    pairs.sort();
+    pairs.dedup();
+    for (a, b) in pairs {
+        let s = sends.get(&(a, b)).map_or(&[][..], |v| v);
+        let r = recvs.get(&(a, b)).map_or(&[][..], |v| v);
+        if s.len() != r.len() {
+            return Err(format!(
+                "rank {a} -> rank {b}: {} sends, {} recvs",
+                s.len(),
+                r.len()
+            ));
+        }
+        for (&si, &ri) in s.iter().zip(r) {
+            let (ps, pr) = match (p.ranks[a][si], p.ranks[b][ri]) {
+                (Instr::Send { payload: x, .. }, Instr::Recv { payload: y, .. }) => (x, y),
+                _ => unreachable!(),
+            };
+            if ps != pr {
+                return Err(format!(
+                    "rank {a} #{si} sends {ps} but rank {b} #{ri} receives {pr}"
+                ));
+            }
+            partner[a][si] = Some((b, item_of[b][ri]));
+            partner[b][ri] = Some((a, item_of[a][si]));
+        }
+    }
+    // State: which payloads each rank holds; which passes ran.
+    let idx = |s: usize, mb: usize| s * m + mb;
+    let mut act = vec![vec![false; stages * m]; w];
+    let mut grad = vec![vec![false; stages * m]; w];
+    let mut fwd_done = vec![0u32; stages * m];
+    let mut bwd_done = vec![0u32; stages * m];
+    let mut d_done = vec![false; stages * m];
+    let mut w_done = vec![0u32; stages * m];
+    let mut pc = vec![0usize; w];
+    let run_compute = |r: usize,
+                       op: &Compute,
+                       act: &mut Vec<Vec<bool>>,
+                       grad: &mut Vec<Vec<bool>>,
+                       fwd_done: &mut Vec<u32>,
+                       bwd_done: &mut Vec<u32>,
+                       d_done: &mut Vec<bool>,
+                       w_done: &mut Vec<u32>|
+     -> Result<(), String> {
+        for (pass, t) in op.parts() {
+            let (s, mb) = (t.stage.index(), t.mb.index());
+            if p.placement.rank_of(t) != Rank(r as u32) {
+                return Err(format!("rank {r} runs {op} whose stage is on another rank"));
+            }
+            match pass {
+                Pass::Fwd => {
+                    if s > 0 && !act[r][idx(s - 1, mb)] {
+                        return Err(format!("rank {r}: {op} without its input activation"));
+                    }
+                    fwd_done[idx(s, mb)] += 1;
+                    act[r][idx(s, mb)] = true;
+                }
+                Pass::Bwd | Pass::BwdD => {
+                    if !act[r][idx(s, mb)] {
+                        return Err(format!("rank {r}: {op} before its forward"));
+                    }
+                    if s < last && !grad[r][idx(s + 1, mb)] {
+                        return Err(format!("rank {r}: {op} without its output gradient"));
+                    }
+                    bwd_done[idx(s, mb)] += 1;
+                    if pass == Pass::BwdD {
+                        d_done[idx(s, mb)] = true;
+                    }
+                    grad[r][idx(s, mb)] = true;
+                }
+                Pass::BwdW => {
+                    if !d_done[idx(s, mb)] {
+                        return Err(format!("rank {r}: {op} before its bwd_D"));
+                    }
+                    w_done[idx(s, mb)] += 1;
+                }
+            }
+        }
+        Ok(())
+    };
+    loop {
+        // Run computes up to the next batch on every rank.
+        for r in 0..w {
+            while let Some(Item::Compute(i)) = its[r].get(pc[r]) {
+                let op = p.ranks[r][*i].as_compute().expect("compute item");
+                run_compute(
+                    r,
+                    op,
+                    &mut act,
+                    &mut grad,
+                    &mut fwd_done,
+                    &mut bwd_done,
+                    &mut d_done,
+                    &mut w_done,
+                )?;
+                pc[r] += 1;
+            }
+        }
+        if (0..w).all(|r| pc[r] == its[r].len()) {
+            break;
+        }
+        // Posted batches: the current item of each rank. A batch is blocked when a peer's
+        // batch is not posted, or (transitively) blocked.
+        let posted = |r: usize, k: usize| pc[r] == k;
+        let mut blocked = vec![false; w];
+        for r in 0..w {
+            if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
+                blocked[r] = v
+                    .iter()
+                    .any(|&i| partner[r][i].is_some_and(|(q, k)| !posted(q, k)));
+            } else {
+                blocked[r] = true; // finished
+            }
+        }
+        loop {
+            let mut changed = false;
+            for r in 0..w {
+                if blocked[r] {
+                    continue;
+                }
+                if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
+                    if v.iter()
+                        .any(|&i| partner[r][i].is_some_and(|(q, _)| blocked[q]))
+                    {
+                        blocked[r] = true;
+                        changed = true;
+                    }
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        let ready: Vec<usize> = (0..w).filter(|&r| !blocked[r]).collect();
+        if ready.is_empty() {
+            let at: Vec<String> = (0..w)
+                .filter(|&r| pc[r] < its[r].len())
+                .map(|r| match &its[r][pc[r]] {
+                    Item::Batch(v) => format!("rank {r} at #{}", v[0]),
+                    Item::Compute(i) => format!("rank {r} at #{i}"),
+                })
+                .collect();
+            return Err(format!("deadlock: {}", at.join("; ")));
+        }
+        // Sends first check what they carry; then receives deliver.
+        for &r in &ready {
+            if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
+                for &i in v {
+                    if let Instr::Send { payload, .. } = p.ranks[r][i] {
+                        let (s, mb) = (payload.stage.index(), payload.mb.index());
+                        let have = match payload.kind {
+                            PayloadKind::Act => act[r][idx(s, mb)],
+                            PayloadKind::Grad => grad[r][idx(s, mb)],
+                        };
+                        if !have {
+                            return Err(format!(
+                                "rank {r} #{i} sends {payload} before producing it"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        for &r in &ready {
+            if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
+                for &i in v {
+                    if let Instr::Recv { payload, .. } = p.ranks[r][i] {
+                        let (s, mb) = (payload.stage.index(), payload.mb.index());
+                        match payload.kind {
+                            PayloadKind::Act => act[r][idx(s, mb)] = true,
+                            PayloadKind::Grad => grad[r][idx(s, mb)] = true,
+                        }
+                    }
+                }
+            }
+            pc[r] += 1;
+        }
+    }
+    for s in 0..stages {
+        for mb in 0..m {
+            let i = idx(s, mb);
+            if fwd_done[i] != 1 {
+                return Err(format!("stage {s} mb {mb}: {} forwards", fwd_done[i]));
+            }
+            let want_b = if p.forward_only { 0 } else { 1 };
+            if bwd_done[i] != want_b {
+                return Err(format!("stage {s} mb {mb}: {} backwards", bwd_done[i]));
+            }
+            if d_done[i] && w_done[i] != 1 {
+                return Err(format!("stage {s} mb {mb}: bwd_D without one bwd_W"));
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Test-local list-scheduling simulator
+// ---------------------------------------------------------------------------------------------
+
+/// Uniform op times in units of one forward: `F = bwd_D = bwd_W = 1`, a full backward
+/// `B = bwd_D + bwd_W = 2`, an overlapped pair `F&B = F + B = 3` (no overlap gain).
+fn cost(op: &Compute) -> u64 {
+    op.parts()
+        .map(|(p, _)| match p {
+            Pass::Fwd | Pass::BwdD | Pass::BwdW => 1,
+            Pass::Bwd => 2,
+        })
+        .sum()
+}
+
+#[derive(Debug)]
+struct Sim {
+    /// Per rank: (first start, last end, busy time).
+    ranks: Vec<(u64, u64, u64)>,
+    /// Per rank: peak live activations (a forward holds one until its `bwd`, or `bwd_W` when
+    /// split; an overlapped pair holds its forward's before freeing its backward's).
+    peak: Vec<u32>,
+}
+
+impl Sim {
+    /// "1 - (F+B+W)*m / longest_stage_time" (sail-sg's definition, also the zero-bubble
+    /// paper's): a stage's time runs from its first op to its last.
+    fn bubble_ratio(&self) -> f64 {
+        let longest = self.ranks.iter().map(|r| r.1 - r.0).max().unwrap_or(0) as f64;
+        let busy = self.ranks.iter().map(|r| r.2).sum::<u64>() as f64 / self.ranks.len() as f64;
+        1.0 - busy / longest
+    }
+
+    /// Idle time inside the longest stage time.
+    fn bubble_time(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|r| (r.1 - r.0) - r.2)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn worst_peak(&self) -> u32 {
+        self.peak.iter().copied().max().unwrap_or(0)
+    }
+}
+
+fn simulate(placement: &Placement, stages: u32, m: u32, orders: &[Vec<Compute>]) -> Sim {
+    let (n, mm) = (stages as usize, m as usize);
+    let idx = |t: Task| t.stage.index() * mm + t.mb.index();
+    let mut fwd_end: Vec<Option<u64>> = vec![None; n * mm];
+    let mut grad_end: Vec<Option<u64>> = vec![None; n * mm];
+    let mut d_end: Vec<Option<u64>> = vec![None; n * mm];
+    let w = orders.len();
+    let mut pc = vec![0usize; w];
+    let mut free = vec![0u64; w];
+    let mut first = vec![None; w];
+    let mut busy = vec![0u64; w];
+    let _ = placement;
+    loop {
+        let mut progress = false;
+        for r in 0..w {
+            while let Some(op) = orders[r].get(pc[r]) {
+                let mut ready = Some(free[r]);
+                for (pass, t) in op.parts() {
+                    let s = t.stage.0;
+                    let deps: Vec<Option<u64>> = match pass {
+                        Pass::Fwd if s == 0 => vec![],
+                        Pass::Fwd => vec![fwd_end[idx(Task::new(s - 1, t.mb.0))]],
+                        Pass::Bwd | Pass::BwdD if s + 1 == stages => vec![fwd_end[idx(t)]],
+                        Pass::Bwd | Pass::BwdD => {
+                            vec![fwd_end[idx(t)], grad_end[idx(Task::new(s + 1, t.mb.0))]]
+                        }
+                        Pass::BwdW => vec![d_end[idx(t)]],
+                    };
+                    for d in deps {
+                        ready = match (ready, d) {
+                            (Some(a), Some(b)) => Some(a.max(b)),
+                            _ => None,
+                        };
+                    }
+                }
+                let Some(start) = ready else { break };
+                let end = start + cost(op);
+                for (pass, t) in op.parts() {
+                    match pass {
+                        Pass::Fwd => fwd_end[idx(t)] = Some(end),
+                        Pass::Bwd => grad_end[idx(t)] = Some(end),
+                        Pass::BwdD => {
+                            grad_end[idx(t)] = Some(end);
+                            d_end[idx(t)] = Some(end);
+                        }
+                        Pass::BwdW => {}
+                    }
+                }
+                first[r].get_or_insert(start);
+                free[r] = end;
+                busy[r] += cost(op);
+                pc[r] += 1;
+                progress = true;
+            }
+        }
+        if (0..w).all(|r| pc[r] == orders[r].len()) {
+            break;
+        }
+        assert!(progress, "simulation stuck at {pc:?}");
+    }
+    let peak = orders
+        .iter()
+        .map(|ops| {
+            let (mut live, mut peak) = (0i64, 0i64);
+            for op in ops {
+                for (pass, _) in op.parts() {
+                    match pass {
+                        Pass::Fwd => live += 1,
+                        Pass::Bwd | Pass::BwdW => live -= 1,
+                        Pass::BwdD => {}
+                    }
+                    peak = peak.max(live);
+                }
+            }
+            peak as u32
+        })
+        .collect();
+    Sim {
+        ranks: (0..w)
+            .map(|r| (first[r].unwrap_or(0), free[r], busy[r]))
+            .collect(),
+        peak,
+    }
+}
+
+fn sim_of(s: &Schedule) -> Sim {
+    let orders: Vec<Vec<Compute>> = s.ranks.iter().map(|o| o.ops.clone()).collect();
+    simulate(&s.placement, s.num_stages(), s.spec.microbatches, &orders)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every kind lowers to a program that matches and does not deadlock
+// ---------------------------------------------------------------------------------------------
+
+fn grid(kind: ScheduleKind) -> Vec<ScheduleSpec> {
+    let mut out = Vec::new();
+    for pp in 1u32..=16 {
+        let mut ms = vec![
+            1,
+            2,
+            3,
+            pp.saturating_sub(1),
+            pp,
+            pp + 1,
+            2 * pp - 1,
+            2 * pp,
+            2 * pp + 1,
+            3 * pp + 2,
+        ];
+        ms.sort();
+        ms.dedup();
+        for m in ms.into_iter().filter(|&m| m > 0) {
+            for forward_only in [false, true] {
+                let mut s = spec(kind, pp, m);
+                s.forward_only = forward_only;
+                if s.validate(&Limits::DEFAULT).is_ok() {
+                    out.push(s);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_new_kind_lowers_deadlock_free() {
+    for kind in NEW_KINDS {
+        let g = grid(kind);
+        assert!(g.len() > 20, "{kind}: grid too small ({})", g.len());
+        for s in g {
+            let sch = schedule(&s);
+            let prog = lower(&sch);
+            if let Err(e) = rendezvous(&prog) {
+                panic!(
+                    "{kind} pp {} m {} fwd-only {}: {e}",
+                    s.pp, s.microbatches, s.forward_only
+                );
+            }
+        }
+    }
+}
+
+/// The existing kinds too, Megatron's combined or not: GPipe and looped BFS (lockstep), 1F1B
+/// (Megatron's non-interleaved calls), interleaved 1F1B (Megatron's steps, lockstep when a rank
+/// is all warmup), and `--combined` on both.
+#[test]
+fn existing_kinds_lower_deadlock_free() {
+    for (kind, combined) in [
+        (ScheduleKind::Gpipe, false),
+        (ScheduleKind::LoopedBfs, false),
+        (ScheduleKind::OneFOneB, false),
+        (ScheduleKind::OneFOneB, true),
+        (ScheduleKind::Interleaved1F1B, false),
+        (ScheduleKind::Interleaved1F1B, true),
+    ] {
+        // Interleaved with pp = 1 is left out: the existing generator orders a later chunk's
+        // backward before its forward there (reported separately).
+        let low = if kind == ScheduleKind::Interleaved1F1B {
+            2
+        } else {
+            1
+        };
+        for pp in low..=8u32 {
+            for vpp in if kind.multi_chunk() { 1..=3 } else { 1..=1 } {
+                for m in [1, 2, pp, pp + 1, 2 * pp, 2 * pp + 3, 3 * pp] {
+                    for forward_only in [false, true] {
+                        let s = ScheduleSpec {
+                            vpp,
+                            combined,
+                            forward_only,
+                            ..spec(kind, pp, m)
+                        };
+                        if s.validate(&Limits::DEFAULT).is_err() {
+                            continue;
+                        }
+                        let prog = lower(&schedule(&s));
+                        if let Err(e) = rendezvous(&prog) {
+                            panic!("{kind} combined {combined} pp {pp} vpp {vpp} m {m}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The executor is not vacuous: unfused sends and receives in 1F1B's steady state (each its own
+/// batch, send before receive on every rank) deadlock under rendezvous.
+#[test]
+fn executor_finds_the_classic_1f1b_deadlock() {
+    let placement = Placement::looped(2, 1);
+    let f = |mb| Instr::Compute(Compute::Fwd(Task::new(0, mb)));
+    let ranks = vec![
+        vec![
+            f(0),
+            Instr::Send {
+                peer: Rank(1),
+                payload: Payload::act(0, 0),
+                batch: 0,
+            },
+            Instr::Recv {
+                peer: Rank(1),
+                payload: Payload::grad(1, 0),
+                batch: 1,
+            },
+        ],
+        vec![
+            Instr::Send {
+                peer: Rank(0),
+                payload: Payload::grad(1, 0),
+                batch: 0,
+            },
+            Instr::Recv {
+                peer: Rank(0),
+                payload: Payload::act(0, 0),
+                batch: 1,
+            },
+        ],
+    ];
+    let p = Program {
+        placement,
+        microbatches: 1,
+        forward_only: false,
+        ranks,
+    };
+    let e = rendezvous(&p).unwrap_err();
+    assert!(e.starts_with("deadlock"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conformance with the published orders
+// ---------------------------------------------------------------------------------------------
+
+/// Megatron's combined 1F1B for pp 4, vpp 2, M 8, group 4: `combined_1f1b.order` of every rank
+/// (`["F", chunk, mb]`, `["B", chunk, mb]`, `["FB", fchunk, fmb, bchunk, bmb]`; stage = chunk *
+/// pp + rank) and its warmup count.
+#[test]
+fn combined_1f1b_matches_megatron() {
+    let path = shared().join("conformance/megatron/interleaved_pp4_vpp2_m8_g4.json");
+    let text = std::fs::read_to_string(&path).expect("read megatron conformance");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let (pp, vpp, m, g) = (4u32, 2u32, 8u32, 4u32);
+    assert_eq!(v["pp"], pp);
+    assert_eq!(v["num_microbatches"], m);
+    let s = ScheduleSpec {
+        kind: ScheduleKind::Interleaved1F1B,
+        pp,
+        vpp,
+        microbatches: m,
+        group_size: Some(g),
+        forward_only: false,
+        combined: true,
+    };
+    let sch = schedule(&s);
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), pp as usize);
+    for rv in ranks {
+        let r = rv["pp_rank"].as_u64().unwrap() as u32;
+        let c = &rv["combined_1f1b"];
+        let stage = |chunk: &serde_json::Value| chunk.as_u64().unwrap() as u32 * pp + r;
+        let num = |x: &serde_json::Value| x.as_u64().unwrap() as u32;
+        let want: Vec<Compute> = c["order"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                let e = e.as_array().unwrap();
+                match e[0].as_str().unwrap() {
+                    "F" => Compute::Fwd(Task::new(stage(&e[1]), num(&e[2]))),
+                    "B" => Compute::Bwd(Task::new(stage(&e[1]), num(&e[2]))),
+                    "FB" => Compute::FwdBwd {
+                        fwd: Task::new(stage(&e[1]), num(&e[2])),
+                        bwd: Task::new(stage(&e[3]), num(&e[4])),
+                    },
+                    k => panic!("unknown kind {k}"),
+                }
+            })
+            .collect();
+        let got = &sch.ranks[r as usize];
+        assert_eq!(got.ops, want, "rank {r}");
+        assert_eq!(
+            got.warmup as u64,
+            c["microbatches"]["warmup"].as_u64().unwrap()
+        );
+    }
+    // Lowered: each fwd_bwd is one step, so the batch after it carries both its sends.
+    let prog = lower(&sch);
+    rendezvous(&prog).unwrap();
+    for instrs in &prog.ranks {
+        for (i, ins) in instrs.iter().enumerate() {
+            if let Instr::Compute(Compute::FwdBwd { .. }) = ins {
+                let next = instrs.get(i + 1);
+                assert!(
+                    !matches!(next, Some(Instr::Compute(_))),
+                    "a fwd_bwd is followed by its batch, not another op"
+                );
+            }
+        }
+    }
+}
+
+/// A torch compute-only CSV cell: `3F0`, `0I2`, `(0F3;3B1)OVERLAP_F_B`.
+fn parse_torch_cell(cell: &str) -> Compute {
+    fn single(a: &str) -> (char, Task) {
+        let pos = a
+            .find(|c: char| !c.is_ascii_digit())
+            .expect("action letter");
+        let stage: u32 = a[..pos].parse().expect("stage");
+        let letter = a[pos..].chars().next().unwrap();
+        let mb: u32 = a[pos + 1..].parse().expect("microbatch");
+        (letter, Task::new(stage, mb))
+    }
+    if let Some(rest) = cell.strip_prefix('(') {
+        let (inner, kind) = rest.split_once(')').expect("closing paren");
+        assert_eq!(kind, "OVERLAP_F_B");
+        let (a, b) = inner.split_once(';').expect("two sub-actions");
+        let ((fl, ft), (bl, bt)) = (single(a), single(b));
+        assert_eq!((fl, bl), ('F', 'B'));
+        return Compute::FwdBwd { fwd: ft, bwd: bt };
+    }
+    match single(cell) {
+        ('F', t) => Compute::Fwd(t),
+        ('B', t) => Compute::Bwd(t),
+        ('I', t) => Compute::BwdD(t),
+        ('W', t) => Compute::BwdW(t),
+        (c, _) => panic!("unknown action {c} in {cell}"),
+    }
+}
+
+/// torch 2.15 `ScheduleDualPipeV` for pp 2, M 4 (V placement), compute only.
+#[test]
+fn dualpipe_v_matches_torch_pp2_m4() {
+    let path = shared().join("conformance/torch/dualpipev_pp2_v2_m4.compute_only.csv");
+    let text = std::fs::read_to_string(&path).expect("read torch csv");
+    let want: Vec<Vec<Compute>> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.split(',').map(|c| parse_torch_cell(c.trim())).collect())
+        .collect();
+    let sch = schedule(&spec(ScheduleKind::DualPipeV, 2, 4));
+    assert_eq!(want.len(), 2);
+    for (r, w) in want.iter().enumerate() {
+        assert_eq!(&sch.ranks[r].ops, w, "rank {r}");
+    }
+    // And the V placement the CSV assumes: stage s on rank s for s < pp, else 2pp-1-s.
+    for s in 0..4u32 {
+        let want = if s < 2 { s } else { 3 - s };
+        assert_eq!(sch.placement.rank_of(Task::new(s, 0)), Rank(want));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Published figures under uniform op times
+// ---------------------------------------------------------------------------------------------
+
+fn sim(kind: ScheduleKind, pp: u32, m: u32) -> Sim {
+    sim_of(&schedule(&spec(kind, pp, m)))
+}
+
+/// 1F1B: bubble ratio (p-1)/(m+p-1), peak p activations on rank 0 (Narayanan et al., 2021).
+/// The baseline the other figures are relative to.
+#[test]
+fn one_f_one_b_baseline() {
+    for pp in [2u32, 4, 8] {
+        for m in [pp, 2 * pp, 4 * pp] {
+            let s = sim(ScheduleKind::OneFOneB, pp, m);
+            let want = (pp - 1) as f64 / (m + pp - 1) as f64;
+            assert!((s.bubble_ratio() - want).abs() < 1e-12, "pp {pp} m {m}");
+            // Idle time (p-1)(F+B) with F = 1, B = 2.
+            assert_eq!(s.bubble_time(), 3 * (pp as u64 - 1));
+            assert_eq!(s.worst_peak(), pp.min(m));
+        }
+    }
+}
+
+/// ZB-H1 and ZB-1P: idle time (p-1)(F+B-2W) = p-1 (sail-sg README; B is a full backward, 2),
+/// a third of 1F1B's 3(p-1), at 1F1B's peak of p activations.
+#[test]
+fn zb_h1_and_1p_third_of_1f1b_bubble_same_memory() {
+    for kind in [ScheduleKind::ZbH1, ScheduleKind::Zb1P] {
+        for pp in [2u32, 4, 8, 16] {
+            for m in [pp, 2 * pp, 3 * pp + 1] {
+                let s = sim(kind, pp, m);
+                assert_eq!(s.bubble_time(), pp as u64 - 1, "{kind} pp {pp} m {m}");
+                assert_eq!(s.worst_peak(), pp, "{kind} pp {pp} m {m}");
+                let base = sim(ScheduleKind::OneFOneB, pp, m);
+                assert_eq!(3 * s.bubble_time(), base.bubble_time());
+            }
+        }
+    }
+}
+
+/// ZB-H2: zero bubble inside each stage's time (the parallelogram) with at most 2p-1
+/// activations (paper Section 2.2: "(2p-1) M_B"), once m >= 2(p-1) fills the warmup.
+#[test]
+fn zb_h2_zero_bubble_2p_memory() {
+    for pp in [2u32, 4, 8, 16] {
+        for m in [2 * pp - 1, 2 * pp, 3 * pp + 1] {
+            let s = sim(ScheduleKind::ZbH2, pp, m);
+            assert_eq!(s.bubble_time(), 0, "pp {pp} m {m}");
+            assert_eq!(s.worst_peak(), 2 * pp - 1, "pp {pp} m {m}");
+        }
+    }
+}
+
+/// ZB-V: zero bubble at 1F1B's memory (sail-sg README: bubble 0, activation memory 1x). One
+/// microbatch of 1F1B on a rank is two of our half-size V stages, so 1F1B's p is 2p here.
+#[test]
+fn zb_v_zero_bubble_1f1b_memory() {
+    for pp in [2u32, 4, 8, 16] {
+        for m in [2 * pp, 3 * pp + 1, 4 * pp] {
+            let s = sim(ScheduleKind::ZbV, pp, m);
+            assert_eq!(s.bubble_time(), 0, "pp {pp} m {m}");
+            assert!(
+                s.worst_peak() <= 2 * pp,
+                "pp {pp} m {m}: {}",
+                s.worst_peak()
+            );
+        }
+    }
+}
+
+/// V-Half and V-Min: activation memory (p+2)//2 and (p+4)//3 microbatches of a whole rank
+/// (authors' table, "Pipeline Parallelism with Controllable Memory"), i.e. twice that in
+/// half-size V stages; bubble ratio about p/2m and 2p/3m against 1F1B's p/m.
+#[test]
+fn v_half_and_v_min_memory_and_bubble() {
+    for pp in [2u32, 4, 6, 8, 12, 16] {
+        for m in [2 * pp, 4 * pp, 8 * pp] {
+            let half = sim(ScheduleKind::VHalf, pp, m);
+            let min = sim(ScheduleKind::VMin, pp, m);
+            assert!(
+                half.worst_peak() <= 2 * ((pp + 2) / 2),
+                "v-half pp {pp} m {m}: {}",
+                half.worst_peak()
+            );
+            assert!(
+                min.worst_peak() <= 2 * ((pp + 4) / 3),
+                "v-min pp {pp} m {m}: {}",
+                min.worst_peak()
+            );
+            // Published bubble rates (T_F = T_B = T_W): 1F1B ~ p/m, V-Half ~ p/2m,
+            // V-Min ~ 2p/3m, as 1 - (F+B+W) m / longest stage time.
+            let (p, mm) = (pp as f64, m as f64);
+            let base = sim(ScheduleKind::OneFOneB, pp, m).bubble_ratio();
+            assert!(base <= p / mm);
+            assert!(
+                half.bubble_ratio() <= p / (2.0 * mm),
+                "v-half pp {pp} m {m}: {}",
+                half.bubble_ratio()
+            );
+            assert!(
+                min.bubble_ratio() <= 2.0 * p / (3.0 * mm),
+                "v-min pp {pp} m {m}: {}",
+                min.bubble_ratio()
+            );
+            assert!(half.bubble_ratio() < base && min.bubble_ratio() < base);
+        }
+    }
+}
+
+/// DualPipe and DualPipeV: idle time (p/2-1)(F&B+B-3W) (deepseek-ai/DualPipe README), with F&B
+/// = 3, B = 2, W = 1: p - 2 for DualPipe on p ranks. DualPipeV is DualPipe on 2p half-size
+/// stages folded onto p ranks, so its p is the number of stages 2pp: (pp - 1)(3 + 2 - 3).
+#[test]
+fn dualpipe_bubble_formula() {
+    for pp in [2u32, 4, 8, 16] {
+        for m in [2 * pp, 4 * pp] {
+            let s = sim(ScheduleKind::DualPipe, pp, m);
+            let formula = (pp as u64 / 2 - 1) * (3 + 2 - 3);
+            assert_eq!(s.bubble_time(), formula, "dualpipe pp {pp} m {m}");
+            let v = sim(ScheduleKind::DualPipeV, pp, m);
+            let formula = (pp as u64 - 1) * (3 + 2 - 3);
+            assert_eq!(v.bubble_time(), formula, "dualpipe-v pp {pp} m {m}");
+        }
+    }
+}
+
+#[test]
+fn print_figures() {
+    // Not an assertion: the README table is produced by `cargo test -p pipec-tests --test
+    // integration print_figures -- --nocapture`.
+    let rows: Vec<(ScheduleKind, u32, u32)> = [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::ZbH1,
+        ScheduleKind::Zb1P,
+        ScheduleKind::ZbH2,
+        ScheduleKind::ZbV,
+        ScheduleKind::VHalf,
+        ScheduleKind::VMin,
+        ScheduleKind::DualPipe,
+        ScheduleKind::DualPipeV,
+    ]
+    .into_iter()
+    .flat_map(|k| [(k, 4, 8), (k, 4, 16), (k, 8, 16), (k, 8, 32)])
+    .collect();
+    println!("| kind | p | m | bubble ratio | idle time | peak activations (worst rank) |");
+    for (k, pp, m) in rows {
+        let s = sim(k, pp, m);
+        println!(
+            "| {k} | {pp} | {m} | {:.3} | {} | {} |",
+            s.bubble_ratio(),
+            s.bubble_time(),
+            s.worst_peak()
+        );
+    }
+}
