@@ -1,1 +1,3 @@
+//! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
+mod megatron;
