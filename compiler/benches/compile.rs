@@ -3,7 +3,7 @@
 //! (about a million compute ops, three million instructions).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pipec::files::{render, Header};
+use pipec::files::{render, Encoding, Header};
 use pipec::layout::{self, Layout};
 use pipec::lower;
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
@@ -46,13 +46,18 @@ fn phases(c: &mut Criterion) {
             comm_policy: Some(sched.comm),
             layout: &layout,
         };
-        g.bench_function(format!("emit_json/{name}"), |b| {
-            b.iter_batched(
-                || (),
-                |_| render(&header, black_box(&prog)),
-                BatchSize::PerIteration,
-            )
-        });
+        for (label, enc) in [
+            ("emit_json", Encoding::Json),
+            ("emit_bin", Encoding::Postcard),
+        ] {
+            g.bench_function(format!("{label}/{name}"), |b| {
+                b.iter_batched(
+                    || (),
+                    |_| render(&header, black_box(&prog), enc),
+                    BatchSize::PerIteration,
+                )
+            });
+        }
     }
     g.finish();
 }
