@@ -1,3 +1,4 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
+mod docs;
 mod megatron;
