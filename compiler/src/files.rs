@@ -23,8 +23,27 @@ pub const RANK_FORMAT: &str = "pipec-rank";
 pub const FORMAT_VERSION: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.json";
 
-pub fn rank_file_name(rank: u32) -> String {
-    format!("rank-{rank}.json")
+/// How rank files are encoded. JSON is the default; postcard is the compact binary form for
+/// large schedules (about 10x smaller, see the README's benchmark figures).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    #[default]
+    Json,
+    Postcard,
+}
+
+impl Encoding {
+    fn extension(self) -> &'static str {
+        match self {
+            Encoding::Json => "json",
+            Encoding::Postcard => "bin",
+        }
+    }
+}
+
+pub fn rank_file_name(rank: u32, encoding: Encoding) -> String {
+    format!("rank-{rank}.{}", encoding.extension())
 }
 
 /// `manifest.json`.
@@ -45,6 +64,8 @@ pub struct Manifest {
     pub num_stages: u32,
     pub microbatches: u32,
     pub forward_only: bool,
+    /// Encoding of the rank files.
+    pub encoding: Encoding,
     pub schedule_hash: String,
     pub ranks: Vec<RankEntry>,
 }
@@ -198,6 +219,102 @@ impl From<InstrJson> for Instr {
     }
 }
 
+/// One instruction in the binary encoding (postcard, externally tagged: the variant index is a
+/// varint, then the fields in order as varints). The variant order is part of format version 1
+/// (`docs/format.md`); it also defines the canonical bytes the schedule hash covers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum InstrBin {
+    Fwd(u32, u32),
+    Bwd(u32, u32),
+    BwdD(u32, u32),
+    BwdW(u32, u32),
+    FwdBwd(u32, u32, u32, u32),
+    /// peer, payload (0 act, 1 grad), stage, mb, batch
+    Send(u32, u8, u32, u32, u32),
+    Recv(u32, u8, u32, u32, u32),
+}
+
+impl From<&Instr> for InstrBin {
+    fn from(i: &Instr) -> Self {
+        let k = |p: &Payload| match p.kind {
+            PayloadKind::Act => 0u8,
+            PayloadKind::Grad => 1u8,
+        };
+        match *i {
+            Instr::Compute(Compute::Fwd(t)) => InstrBin::Fwd(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::Bwd(t)) => InstrBin::Bwd(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::BwdD(t)) => InstrBin::BwdD(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::BwdW(t)) => InstrBin::BwdW(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
+                InstrBin::FwdBwd(fwd.stage.0, fwd.mb.0, bwd.stage.0, bwd.mb.0)
+            }
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            } => InstrBin::Send(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
+            Instr::Recv {
+                peer,
+                payload,
+                batch,
+            } => InstrBin::Recv(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
+        }
+    }
+}
+
+impl TryFrom<InstrBin> for Instr {
+    type Error = String;
+    fn try_from(b: InstrBin) -> Result<Self, String> {
+        let t = Task::new;
+        let p = |k: u8, s, m| -> Result<Payload, String> {
+            match k {
+                0 => Ok(Payload::act(s, m)),
+                1 => Ok(Payload::grad(s, m)),
+                other => Err(format!(
+                    "payload kind {other} is neither 0 (act) nor 1 (grad)"
+                )),
+            }
+        };
+        Ok(match b {
+            InstrBin::Fwd(s, m) => Instr::Compute(Compute::Fwd(t(s, m))),
+            InstrBin::Bwd(s, m) => Instr::Compute(Compute::Bwd(t(s, m))),
+            InstrBin::BwdD(s, m) => Instr::Compute(Compute::BwdD(t(s, m))),
+            InstrBin::BwdW(s, m) => Instr::Compute(Compute::BwdW(t(s, m))),
+            InstrBin::FwdBwd(a, b, c, d) => Instr::Compute(Compute::FwdBwd {
+                fwd: t(a, b),
+                bwd: t(c, d),
+            }),
+            InstrBin::Send(peer, k, s, m, batch) => Instr::Send {
+                peer: Rank(peer),
+                payload: p(k, s, m)?,
+                batch,
+            },
+            InstrBin::Recv(peer, k, s, m, batch) => Instr::Recv {
+                peer: Rank(peer),
+                payload: p(k, s, m)?,
+                batch,
+            },
+        })
+    }
+}
+
+/// `rank-<r>.bin`: the same fields as the JSON rank file, postcard-encoded.
+#[derive(Debug, Serialize, Deserialize)]
+struct RankFileBin {
+    format: String,
+    version: u32,
+    rank: u32,
+    world_size: u32,
+    schedule_hash: String,
+    instructions: Vec<InstrBin>,
+}
+
+/// Canonical bytes of one rank's instructions: the postcard encoding of its `InstrBin` list.
+fn canonical(instrs: &[Instr]) -> Vec<u8> {
+    let wire: Vec<InstrBin> = instrs.iter().map(InstrBin::from).collect();
+    postcard::to_stdvec(&wire).expect("instructions encode")
+}
+
 /// `rank-<r>.json`, as read.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -286,20 +403,64 @@ fn sha256_hex(bytes: &[u8]) -> String {
     s
 }
 
-/// The instruction lines of one rank, exactly as they appear in its file.
+/// The instruction lines of one rank, exactly as they appear in its file. Written by hand
+/// (not through serde) because it is the hot loop of emission at millions of instructions; the
+/// reader parses it with serde, and a test checks both agree.
 fn instruction_lines(instrs: &[Instr]) -> String {
-    let mut out = String::with_capacity(instrs.len() * 48);
+    let mut out = String::with_capacity(instrs.len() * 64);
     for (i, ins) in instrs.iter().enumerate() {
         out.push_str("    ");
-        out.push_str(
-            &serde_json::to_string(&InstrJson::from(ins)).expect("instruction serializes"),
-        );
+        write_instr(&mut out, ins);
         if i + 1 < instrs.len() {
             out.push(',');
         }
         out.push('\n');
     }
     out
+}
+
+fn write_instr(out: &mut String, ins: &Instr) {
+    let single = |out: &mut String, op: &str, t: Task| {
+        let _ = write!(
+            out,
+            r#"{{"op":"{op}","stage":{},"mb":{}}}"#,
+            t.stage.0, t.mb.0
+        );
+    };
+    let msg = |out: &mut String, op: &str, peer: Rank, p: &Payload, batch: u32| {
+        let kind = match p.kind {
+            PayloadKind::Act => "act",
+            PayloadKind::Grad => "grad",
+        };
+        let _ = write!(
+            out,
+            r#"{{"op":"{op}","peer":{},"payload":"{kind}","stage":{},"mb":{},"batch":{batch}}}"#,
+            peer.0, p.stage.0, p.mb.0
+        );
+    };
+    match ins {
+        Instr::Compute(Compute::Fwd(t)) => single(out, "fwd", *t),
+        Instr::Compute(Compute::Bwd(t)) => single(out, "bwd", *t),
+        Instr::Compute(Compute::BwdD(t)) => single(out, "bwd_D", *t),
+        Instr::Compute(Compute::BwdW(t)) => single(out, "bwd_W", *t),
+        Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
+            let _ = write!(
+                out,
+                r#"{{"op":"fwd_bwd","fwd_stage":{},"fwd_mb":{},"bwd_stage":{},"bwd_mb":{}}}"#,
+                fwd.stage.0, fwd.mb.0, bwd.stage.0, bwd.mb.0
+            );
+        }
+        Instr::Send {
+            peer,
+            payload,
+            batch,
+        } => msg(out, "send", *peer, payload, *batch),
+        Instr::Recv {
+            peer,
+            payload,
+            batch,
+        } => msg(out, "recv", *peer, payload, *batch),
+    }
 }
 
 #[derive(Serialize)]
@@ -313,7 +474,7 @@ struct HashedHeader<'a> {
     forward_only: bool,
 }
 
-fn schedule_hash(header: &Header<'_>, program: &Program, lines: &[String]) -> String {
+fn schedule_hash(header: &Header<'_>, program: &Program) -> String {
     let h = HashedHeader {
         source: header.source,
         schedule: &header.schedule,
@@ -326,9 +487,9 @@ fn schedule_hash(header: &Header<'_>, program: &Program, lines: &[String]) -> St
     let mut hasher = Sha256::new();
     hasher.update(b"pipec-schedule-v1\n");
     hasher.update(serde_json::to_vec(&h).expect("header serializes"));
-    for (r, l) in lines.iter().enumerate() {
+    for (r, instrs) in program.ranks.iter().enumerate() {
         hasher.update(format!("\nrank {r}\n").as_bytes());
-        hasher.update(l.as_bytes());
+        hasher.update(canonical(instrs));
     }
     hasher.finalize().iter().fold(String::new(), |mut s, b| {
         let _ = write!(s, "{b:02x}");
@@ -343,21 +504,38 @@ fn rank_file_text(rank: u32, world: u32, hash: &str, lines: &str) -> String {
 }
 
 /// The files of a compiled schedule, in memory: (file name, bytes), manifest first.
-pub fn render(header: &Header<'_>, program: &Program) -> Vec<(String, Vec<u8>)> {
+pub fn render(
+    header: &Header<'_>,
+    program: &Program,
+    encoding: Encoding,
+) -> Vec<(String, Vec<u8>)> {
     let world = program.world();
-    let lines: Vec<String> = program.ranks.iter().map(|r| instruction_lines(r)).collect();
-    let hash = schedule_hash(header, program, &lines);
-    let mut files = Vec::with_capacity(lines.len() + 1);
-    let mut entries = Vec::with_capacity(lines.len());
-    for (r, l) in lines.iter().enumerate() {
-        let text = rank_file_text(r as u32, world, &hash, l);
+    let hash = schedule_hash(header, program);
+    let mut files = Vec::with_capacity(program.ranks.len() + 1);
+    let mut entries = Vec::with_capacity(program.ranks.len());
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        let r32 = r as u32;
+        let bytes = match encoding {
+            Encoding::Json => {
+                rank_file_text(r32, world, &hash, &instruction_lines(instrs)).into_bytes()
+            }
+            Encoding::Postcard => postcard::to_stdvec(&RankFileBin {
+                format: RANK_FORMAT.to_string(),
+                version: FORMAT_VERSION,
+                rank: r32,
+                world_size: world,
+                schedule_hash: hash.clone(),
+                instructions: instrs.iter().map(InstrBin::from).collect(),
+            })
+            .expect("rank file encodes"),
+        };
         entries.push(RankEntry {
-            rank: r as u32,
-            file: rank_file_name(r as u32),
-            sha256: sha256_hex(text.as_bytes()),
-            instructions: program.ranks[r].len() as u64,
+            rank: r32,
+            file: rank_file_name(r32, encoding),
+            sha256: sha256_hex(&bytes),
+            instructions: instrs.len() as u64,
         });
-        files.push((rank_file_name(r as u32), text.into_bytes()));
+        files.push((rank_file_name(r32, encoding), bytes));
     }
     let manifest = Manifest {
         format: MANIFEST_FORMAT.to_string(),
@@ -372,6 +550,7 @@ pub fn render(header: &Header<'_>, program: &Program) -> Vec<(String, Vec<u8>)> 
         num_stages: program.num_stages(),
         microbatches: program.microbatches,
         forward_only: program.forward_only,
+        encoding,
         schedule_hash: hash,
         ranks: entries,
     };
@@ -409,8 +588,9 @@ pub fn write_dir(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), WriteErr
         for e in entries {
             let e = e.map_err(io_err(dir))?;
             let name = e.file_name().to_string_lossy().into_owned();
-            let ours =
-                name == MANIFEST_FILE || (name.starts_with("rank-") && name.ends_with(".json"));
+            let ours = name == MANIFEST_FILE
+                || (name.starts_with("rank-")
+                    && (name.ends_with(".json") || name.ends_with(".bin")));
             if !ours {
                 return Err(WriteError::NotASchedule {
                     path: dir.to_path_buf(),
@@ -483,12 +663,13 @@ pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
         });
     }
     for (i, e) in m.ranks.iter().enumerate() {
-        if e.rank != i as u32 || e.file != rank_file_name(e.rank) {
+        let want = rank_file_name(i as u32, m.encoding);
+        if e.rank != i as u32 || e.file != want {
             return Err(LoadError::Mismatch {
                 path,
                 field: "ranks",
                 found: format!("entry {i} for rank {} in `{}`", e.rank, e.file),
-                expected: format!("rank {i} in `{}`", rank_file_name(i as u32)),
+                expected: format!("rank {i} in `{want}`"),
             });
         }
     }
@@ -554,7 +735,38 @@ pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr
             actual,
         });
     }
-    let f: RankFile = serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
+    let (f, instructions) = match manifest.encoding {
+        Encoding::Json => {
+            let f: RankFile = serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
+            let instrs: Vec<Instr> = f.instructions.iter().cloned().map(Instr::from).collect();
+            (
+                RankFileBin {
+                    format: f.format,
+                    version: f.version,
+                    rank: f.rank,
+                    world_size: f.world_size,
+                    schedule_hash: f.schedule_hash,
+                    instructions: Vec::new(),
+                },
+                instrs,
+            )
+        }
+        Encoding::Postcard => {
+            let mut f: RankFileBin = postcard::from_bytes(&bytes).map_err(|e| LoadError::Json {
+                path: path.clone(),
+                msg: format!("not a valid postcard rank file: {e}"),
+            })?;
+            let wire = std::mem::take(&mut f.instructions);
+            let mut instrs = Vec::with_capacity(wire.len());
+            for (i, w) in wire.into_iter().enumerate() {
+                instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
+                    path: path.clone(),
+                    msg: format!("instruction #{i}: {msg}"),
+                })?);
+            }
+            (f, instrs)
+        }
+    };
     if f.format != RANK_FORMAT {
         return Err(LoadError::Format {
             path,
@@ -595,7 +807,7 @@ pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr
             ),
         ));
     }
-    Ok(f.instructions.into_iter().map(Instr::from).collect())
+    Ok(instructions)
 }
 
 /// Read a whole directory and check every file against the manifest and the schedule hash.
@@ -617,8 +829,7 @@ pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
         comm_policy: manifest.comm_policy,
         layout: &manifest.layout,
     };
-    let lines: Vec<String> = program.ranks.iter().map(|r| instruction_lines(r)).collect();
-    let actual = schedule_hash(&header, &program, &lines);
+    let actual = schedule_hash(&header, &program);
     if actual != manifest.schedule_hash {
         return Err(LoadError::ScheduleHash {
             path: dir.join(MANIFEST_FILE),
@@ -661,19 +872,74 @@ mod tests {
         }
     }
 
+    /// The hand-written writer and serde's reader agree on every instruction shape.
+    #[test]
+    fn hand_written_lines_equal_serde_form() {
+        let t = Task::new(3, 7);
+        let u = Task::new(1, 2);
+        let all = [
+            Instr::Compute(Compute::Fwd(t)),
+            Instr::Compute(Compute::Bwd(t)),
+            Instr::Compute(Compute::BwdD(t)),
+            Instr::Compute(Compute::BwdW(t)),
+            Instr::Compute(Compute::FwdBwd { fwd: t, bwd: u }),
+            Instr::Send {
+                peer: Rank(2),
+                payload: Payload::act(3, 7),
+                batch: 9,
+            },
+            Instr::Recv {
+                peer: Rank(0),
+                payload: Payload::grad(4, 1),
+                batch: 0,
+            },
+        ];
+        for ins in all {
+            let mut line = String::new();
+            write_instr(&mut line, &ins);
+            let via_serde = serde_json::to_string(&InstrJson::from(&ins)).unwrap();
+            assert_eq!(line, via_serde);
+            let back: InstrJson = serde_json::from_str(&line).unwrap();
+            assert_eq!(Instr::from(back), ins);
+        }
+    }
+
     #[test]
     fn round_trip_and_determinism() {
         let c = compiled();
-        let a = render(&header(&c), &c.program);
-        let b = render(&header(&c), &c.program);
-        assert_eq!(a, b);
-        let dir = std::env::temp_dir().join(format!("pipec-files-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        write_dir(&dir, &a).unwrap();
-        let loaded = load_dir(&dir).unwrap();
-        assert_eq!(loaded.program, c.program);
-        // Rewriting over a previous schedule is allowed.
-        write_dir(&dir, &a).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
+        for enc in [Encoding::Json, Encoding::Postcard] {
+            let a = render(&header(&c), &c.program, enc);
+            let b = render(&header(&c), &c.program, enc);
+            assert_eq!(a, b);
+            let dir = std::env::temp_dir()
+                .join(format!("pipec-files-test-{}-{enc:?}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            write_dir(&dir, &a).unwrap();
+            let loaded = load_dir(&dir).unwrap();
+            assert_eq!(loaded.program, c.program);
+            // Rewriting over a previous schedule is allowed, in either encoding.
+            write_dir(&dir, &render(&header(&c), &c.program, Encoding::Json)).unwrap();
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+
+    /// The schedule hash does not depend on the file encoding.
+    #[test]
+    fn schedule_hash_is_encoding_independent() {
+        let c = compiled();
+        let json = render(&header(&c), &c.program, Encoding::Json);
+        let bin = render(&header(&c), &c.program, Encoding::Postcard);
+        let hash = |f: &[(String, Vec<u8>)]| {
+            let m: Manifest = serde_json::from_slice(&f[0].1).unwrap();
+            m.schedule_hash
+        };
+        assert_eq!(hash(&json), hash(&bin));
+        let size = |f: &[(String, Vec<u8>)]| f[1..].iter().map(|x| x.1.len()).sum::<usize>();
+        assert!(
+            size(&json) > 5 * size(&bin),
+            "json {} bin {}",
+            size(&json),
+            size(&bin)
+        );
     }
 }

@@ -14,6 +14,7 @@ pub enum CommPolicy {
     /// Megatron `forward_backward_pipelining_without_interleaving`: unfused `recv_forward` /
     /// `send_forward` in warmup, `send_forward_recv_backward` and `send_backward_recv_forward`
     /// in the steady state, unfused `recv_backward` / `send_backward` in cooldown.
+    #[serde(rename = "megatron_1f1b")]
     Megatron1F1B,
     /// Megatron `forward_backward_pipelining_with_interleaving` (without `overlap_p2p_comm`):
     /// after every step (a warmup forward, a steady forward+backward pair, a cooldown backward)

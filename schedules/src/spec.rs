@@ -282,6 +282,8 @@ pub enum SpecError {
     ZeroMicrobatches,
     #[error("{kind} runs one model chunk per rank, but vpp = {vpp}; use interleaved-1f1b or looped-bfs for several chunks")]
     SingleChunkOnly { kind: ScheduleKind, vpp: u32 },
+    #[error("{kind} with vpp = {vpp} needs pp >= 2: at pp = 1 Megatron runs forward_backward_no_pipelining, which has no model chunks to interleave")]
+    ChunksNeedPipeline { kind: ScheduleKind, vpp: u32 },
     #[error("--group-size applies to interleaved-1f1b only, not {kind}")]
     GroupSizeNotApplicable { kind: ScheduleKind },
     #[error("--group-size {g} is out of range: Megatron requires pp <= group size <= microbatches, here {pp} <= {g} <= {m} does not hold")]
@@ -402,6 +404,12 @@ impl ScheduleSpec {
                 }
             }
             _ => {}
+        }
+        if self.kind == ScheduleKind::Interleaved1F1B && self.pp == 1 && self.vpp > 1 {
+            return Err(SpecError::ChunksNeedPipeline {
+                kind: self.kind,
+                vpp: self.vpp,
+            });
         }
         if self.kind != ScheduleKind::Interleaved1F1B && self.group_size.is_some() {
             return Err(SpecError::GroupSizeNotApplicable { kind: self.kind });

@@ -1,1 +1,5 @@
+//! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
+
+mod docs;
+mod megatron;
 mod schedules;

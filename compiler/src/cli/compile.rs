@@ -43,9 +43,27 @@ pub struct Args {
     /// Refuse schedules with more compute ops than this.
     #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops)]
     pub max_ops: u64,
+    /// Encoding of the rank files: json (default, readable) or bin (postcard, compact).
+    #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
+    pub format: FileFormat,
     /// Output directory.
     #[arg(short = 'o', long = "out")]
     pub out: PathBuf,
+}
+
+#[derive(clap::ValueEnum, Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FileFormat {
+    Json,
+    Bin,
+}
+
+impl FileFormat {
+    pub fn encoding(self) -> files::Encoding {
+        match self {
+            FileFormat::Json => files::Encoding::Json,
+            FileFormat::Bin => files::Encoding::Postcard,
+        }
+    }
 }
 
 pub fn parse_kind(s: &str) -> Result<ScheduleKind, String> {
@@ -88,7 +106,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
-    let rendered = files::render(&header, &c.program);
+    let rendered = files::render(&header, &c.program, a.format.encoding());
     files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
     println!(
         "compiled {} pp={} vpp={} microbatches={}: {} ranks, {} stages, {} instructions -> {}",

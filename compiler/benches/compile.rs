@@ -1,0 +1,66 @@
+//! Benchmarks of the compile pipeline, phase by phase, at the sizes issue #8 names:
+//! S = interleaved-1f1b pp=8 vpp=2 M=64, M = pp=32 vpp=4 M=256, L = pp=64 vpp=8 M=1024
+//! (about a million compute ops, three million instructions).
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use pipec::files::{render, Encoding, Header};
+use pipec::layout::{self, Layout};
+use pipec::lower;
+use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
+use std::hint::black_box;
+
+const SIZES: [(&str, u32, u32, u32); 3] = [("S", 8, 2, 64), ("M", 32, 4, 256), ("L", 64, 8, 1024)];
+
+fn spec(pp: u32, vpp: u32, m: u32) -> ScheduleSpec {
+    ScheduleSpec {
+        kind: ScheduleKind::Interleaved1F1B,
+        pp,
+        vpp,
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+    }
+}
+
+fn phases(c: &mut Criterion) {
+    let mut g = c.benchmark_group("compile");
+    g.sample_size(10);
+    g.bench_function("layout_parse/dsv3", |b| {
+        b.iter(|| layout::parse(black_box("Et*3|(tt|)*29,m|L")))
+    });
+    for (name, pp, vpp, m) in SIZES {
+        let s = spec(pp, vpp, m);
+        let sched = generate(&s, &Limits::DEFAULT).unwrap();
+        let prog = lower(&sched);
+        g.throughput(Throughput::Elements(prog.len() as u64));
+        g.bench_function(format!("generate/{name}"), |b| {
+            b.iter(|| generate(black_box(&s), &Limits::DEFAULT).unwrap())
+        });
+        g.bench_function(format!("lower/{name}"), |b| {
+            b.iter(|| lower(black_box(&sched)))
+        });
+        let layout = Layout::uniform(pp * vpp);
+        let header = Header {
+            source: "generated",
+            schedule: Some(s),
+            comm_policy: Some(sched.comm),
+            layout: &layout,
+        };
+        for (label, enc) in [
+            ("emit_json", Encoding::Json),
+            ("emit_bin", Encoding::Postcard),
+        ] {
+            g.bench_function(format!("{label}/{name}"), |b| {
+                b.iter_batched(
+                    || (),
+                    |_| render(&header, black_box(&prog), enc),
+                    BatchSize::PerIteration,
+                )
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, phases);
+criterion_main!(benches);

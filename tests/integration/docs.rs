@@ -1,0 +1,50 @@
+//! The documentation's examples are what pipec actually writes.
+
+use pipec::compile::{compile, CompileRequest};
+use pipec::files::{render, Encoding, Header};
+use pipec_schedules::{Limits, ScheduleKind};
+
+/// The code blocks of `docs/format.md`'s example section, in order.
+fn example_blocks() -> Vec<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/format.md"))
+        .expect("docs/format.md");
+    let example = &doc[doc.find("## Example").expect("an Example section")..];
+    example
+        .split("```json\n")
+        .skip(1)
+        .map(|b| b[..b.find("```").unwrap()].to_string())
+        .collect()
+}
+
+#[test]
+fn format_doc_example_is_current() {
+    let c = compile(&CompileRequest {
+        kind: ScheduleKind::OneFOneB,
+        pp: 2,
+        vpp: None,
+        microbatches: 2,
+        group_size: None,
+        forward_only: false,
+        layout: None,
+        num_layers: None,
+        mtp_num_layers: None,
+        limits: Limits::DEFAULT,
+    })
+    .unwrap();
+    let header = Header {
+        source: "generated",
+        schedule: Some(c.spec),
+        comm_policy: Some(c.schedule.comm),
+        layout: &c.layout,
+    };
+    let files = render(&header, &c.program, Encoding::Json);
+    let blocks = example_blocks();
+    assert_eq!(blocks.len(), 2, "manifest and rank-1 examples");
+    assert_eq!(blocks[0], String::from_utf8(files[0].1.clone()).unwrap(), "manifest.json example is stale: regenerate with `pipec compile --schedule 1f1b --pp 2 --microbatches 2`");
+    assert_eq!(files[2].0, "rank-1.json");
+    assert_eq!(
+        blocks[1],
+        String::from_utf8(files[2].1.clone()).unwrap(),
+        "rank-1.json example is stale"
+    );
+}
