@@ -19,6 +19,7 @@ fn spec(pp: u32, vpp: u32, m: u32) -> ScheduleSpec {
         microbatches: m,
         group_size: None,
         forward_only: false,
+        combined: false,
     }
 }
 

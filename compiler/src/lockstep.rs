@@ -19,7 +19,7 @@
 
 use crate::lower::{op_io, Endpoint};
 use crate::program::{Instr, Payload, PayloadKind, Program};
-use pipec_schedules::{Compute, Placement, Rank, RankOrder};
+use pipec_schedules::{Placement, RankOrder};
 
 /// Dense index of a payload, or `None` when its ids are out of range.
 fn slot(p: &Payload, stages: usize, m: usize) -> Option<usize> {
@@ -160,20 +160,18 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
     }));
 }
 
-/// The ops of one rank in a lowered program (for tests).
-#[cfg(test)]
-fn computes(p: &Program, r: Rank) -> Vec<Compute> {
-    p.ranks[r.index()]
-        .iter()
-        .filter_map(Instr::as_compute)
-        .copied()
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pipec_schedules::Task;
+    use pipec_schedules::{Compute, Rank, Task};
+
+    fn computes(p: &Program, r: Rank) -> Vec<Compute> {
+        p.ranks[r.index()]
+            .iter()
+            .filter_map(Instr::as_compute)
+            .copied()
+            .collect()
+    }
 
     /// pp = 2, M = 1 with fwd then bwd on both ranks: rank 0 sends the activation after round 0
     /// and receives the gradient after round 2, each in its own round's batch.

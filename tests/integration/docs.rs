@@ -25,6 +25,7 @@ fn format_doc_example_is_current() {
         microbatches: 2,
         group_size: None,
         forward_only: false,
+        combined: false,
         layout: None,
         num_layers: None,
         mtp_num_layers: None,

@@ -17,6 +17,7 @@ fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, g: Option<u32>, fo: bool)
         microbatches: m,
         group_size: g,
         forward_only: fo,
+        combined: false,
     }
 }
 
