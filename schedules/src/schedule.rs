@@ -160,3 +160,137 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
         ranks,
     })
 }
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use crate::op::Task;
+    use proptest::prelude::*;
+
+    /// Every task once forward and (training) once backward, on its placement rank; on each
+    /// rank a backward after its forward and a `bwd_W` after its `bwd_D`; and the orders run to
+    /// the end when each op waits only for its inputs (no cross-rank cycle).
+    fn check(s: &Schedule) -> Result<(), String> {
+        let (stages, m) = (s.num_stages() as usize, s.spec.microbatches as usize);
+        let idx = |t: Task| t.stage.index() * m + t.mb.index();
+        let (mut f, mut b, mut d, mut w) = (
+            vec![0u8; stages * m],
+            vec![0u8; stages * m],
+            vec![0u8; stages * m],
+            vec![0u8; stages * m],
+        );
+        for o in &s.ranks {
+            for op in &o.ops {
+                for (pass, t) in op.parts() {
+                    if s.placement.rank_of(t) != o.rank {
+                        return Err(format!("{op} on {}", o.rank));
+                    }
+                    let i = idx(t);
+                    match pass {
+                        Pass::Fwd => f[i] += 1,
+                        Pass::Bwd | Pass::BwdD => {
+                            if f[i] == 0 {
+                                return Err(format!("{op} before its forward"));
+                            }
+                            b[i] += 1;
+                            d[i] += (pass == Pass::BwdD) as u8;
+                        }
+                        Pass::BwdW => {
+                            if d[i] == 0 {
+                                return Err(format!("{op} before its bwd_D"));
+                            }
+                            w[i] += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let want_b = if s.spec.forward_only { 0 } else { 1 };
+        for i in 0..stages * m {
+            if f[i] != 1 || b[i] != want_b || w[i] != d[i] {
+                return Err(format!(
+                    "task #{i}: {} fwd, {} bwd, {} bwd_W",
+                    f[i], b[i], w[i]
+                ));
+            }
+        }
+        // Replay: fwd(s) needs fwd(s-1); a backward needs bwd(s+1); same-rank order otherwise.
+        let (mut fd, mut gd) = (vec![false; stages * m], vec![false; stages * m]);
+        let mut pc = vec![0usize; s.ranks.len()];
+        loop {
+            let mut progress = false;
+            for (r, o) in s.ranks.iter().enumerate() {
+                while let Some(op) = o.ops.get(pc[r]) {
+                    let ready = op.parts().all(|(pass, t)| {
+                        let st = t.stage.0 as usize;
+                        match pass {
+                            Pass::Fwd => st == 0 || fd[idx(Task::new(t.stage.0 - 1, t.mb.0))],
+                            Pass::Bwd | Pass::BwdD => {
+                                st + 1 == stages || gd[idx(Task::new(t.stage.0 + 1, t.mb.0))]
+                            }
+                            Pass::BwdW => true,
+                        }
+                    });
+                    if !ready {
+                        break;
+                    }
+                    for (pass, t) in op.parts() {
+                        match pass {
+                            Pass::Fwd => fd[idx(t)] = true,
+                            Pass::Bwd | Pass::BwdD => gd[idx(t)] = true,
+                            Pass::BwdW => {}
+                        }
+                    }
+                    pc[r] += 1;
+                    progress = true;
+                }
+            }
+            if pc.iter().zip(&s.ranks).all(|(p, o)| *p == o.ops.len()) {
+                return Ok(());
+            }
+            if !progress {
+                return Err(format!("orders wait on each other at {pc:?}"));
+            }
+        }
+    }
+
+    fn kinds() -> impl Strategy<Value = (ScheduleKind, bool)> {
+        prop_oneof![
+            Just((ScheduleKind::ZbH1, false)),
+            Just((ScheduleKind::ZbH2, false)),
+            Just((ScheduleKind::Zb1P, false)),
+            Just((ScheduleKind::ZbV, false)),
+            Just((ScheduleKind::VHalf, false)),
+            Just((ScheduleKind::VMin, false)),
+            Just((ScheduleKind::DualPipe, false)),
+            Just((ScheduleKind::DualPipeV, false)),
+            Just((ScheduleKind::OneFOneB, true)),
+            Just((ScheduleKind::Interleaved1F1B, true)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+        #[test]
+        fn generated_orders_are_complete_and_executable(
+            (kind, combined) in kinds(),
+            pp in 1u32..=12,
+            m in 1u32..=40,
+            vpp_extra in 0u32..=2,
+            forward_only in any::<bool>(),
+        ) {
+            let vpp = if kind == ScheduleKind::Interleaved1F1B { 2 + vpp_extra } else { kind.default_vpp() };
+            // DualPipe needs even pp and M: round up so most cases are valid.
+            let (pp, m) = if kind == ScheduleKind::DualPipe { (pp + pp % 2, m + m % 2) } else { (pp, m) };
+            let spec = ScheduleSpec {
+                kind, pp, vpp, microbatches: m, group_size: None, forward_only, combined,
+            };
+            prop_assume!(spec.validate(&Limits::DEFAULT).is_ok());
+            let s = generate(&spec, &Limits::DEFAULT).unwrap();
+            prop_assert_eq!(s.ranks.len() as u32, pp);
+            if let Err(e) = check(&s) {
+                prop_assert!(false, "{:?}: {}", spec, e);
+            }
+        }
+    }
+}

@@ -393,15 +393,13 @@ impl ScheduleSpec {
                     });
                 }
             }
-            ScheduleKind::DualPipeV => {
-                if (m as u64) < 2 * pp as u64 {
-                    return Err(SpecError::TooFewMicrobatches {
-                        kind: self.kind,
-                        m,
-                        min: pp.saturating_mul(2),
-                        source_rule: "DualPipeV.step asserts num_chunks >= num_ranks * 2; torch ScheduleDualPipeV needs microbatches >= stages",
-                    });
-                }
+            ScheduleKind::DualPipeV if (m as u64) < 2 * pp as u64 => {
+                return Err(SpecError::TooFewMicrobatches {
+                    kind: self.kind,
+                    m,
+                    min: pp.saturating_mul(2),
+                    source_rule: "DualPipeV.step asserts num_chunks >= num_ranks * 2; torch ScheduleDualPipeV needs microbatches >= stages",
+                });
             }
             _ => {}
         }
@@ -494,5 +492,89 @@ mod tests {
             s.validate(&Limits::DEFAULT),
             Err(SpecError::SingleChunkOnly { .. })
         ));
+    }
+
+    #[test]
+    fn new_kind_rules() {
+        let l = Limits::DEFAULT;
+        use ScheduleKind::*;
+        for k in [ZbV, VHalf, VMin, DualPipeV] {
+            assert_eq!(k.default_vpp(), 2);
+            assert!(spec(k, 4, 2, 8, None).validate(&l).is_ok());
+            for vpp in [1, 3] {
+                let e = spec(k, 4, vpp, 8, None).validate(&l).unwrap_err();
+                assert_eq!(e, SpecError::VShapeNeedsTwoChunks { kind: k, vpp });
+                assert!(e.to_string().contains("exactly 2 model chunks"), "{e}");
+            }
+        }
+        for k in [ZbH1, ZbH2, Zb1P, DualPipe] {
+            assert!(matches!(
+                spec(k, 4, 2, 8, None).validate(&l),
+                Err(SpecError::SingleChunkOnly { .. })
+            ));
+        }
+        assert!(spec(DualPipe, 4, 1, 8, None).validate(&l).is_ok());
+        assert_eq!(
+            spec(DualPipe, 3, 1, 8, None).validate(&l),
+            Err(SpecError::OddPp {
+                kind: DualPipe,
+                pp: 3
+            })
+        );
+        assert_eq!(
+            spec(DualPipe, 4, 1, 9, None).validate(&l),
+            Err(SpecError::OddMicrobatches {
+                kind: DualPipe,
+                m: 9
+            })
+        );
+        assert!(matches!(
+            spec(DualPipe, 4, 1, 6, None).validate(&l),
+            Err(SpecError::TooFewMicrobatches { min: 8, .. })
+        ));
+        // DualPipeV: M >= 2 pp, odd M allowed.
+        assert!(spec(DualPipeV, 3, 2, 7, None).validate(&l).is_ok());
+        assert!(matches!(
+            spec(DualPipeV, 4, 2, 7, None).validate(&l),
+            Err(SpecError::TooFewMicrobatches { min: 8, .. })
+        ));
+        // The zero-bubble kinds take any M >= 1.
+        for k in [ZbH1, ZbH2, Zb1P, ZbV, VHalf, VMin] {
+            assert!(spec(k, 8, k.default_vpp(), 1, None).validate(&l).is_ok());
+        }
+    }
+
+    #[test]
+    fn combined_applies_to_megatron_kinds_only() {
+        let l = Limits::DEFAULT;
+        let with = |k: ScheduleKind, vpp| ScheduleSpec {
+            combined: true,
+            ..spec(k, 4, vpp, 8, None)
+        };
+        assert!(with(ScheduleKind::OneFOneB, 1).validate(&l).is_ok());
+        assert!(with(ScheduleKind::Interleaved1F1B, 2).validate(&l).is_ok());
+        let e = with(ScheduleKind::ZbH1, 1).validate(&l).unwrap_err();
+        assert_eq!(
+            e,
+            SpecError::CombinedNotApplicable {
+                kind: ScheduleKind::ZbH1
+            }
+        );
+        // Written only when set, read back as false when absent.
+        let plain = serde_json::to_string(&spec(ScheduleKind::OneFOneB, 4, 1, 8, None)).unwrap();
+        assert!(!plain.contains("combined"));
+        let back: ScheduleSpec = serde_json::from_str(&plain).unwrap();
+        assert!(!back.combined);
+        let json = serde_json::to_string(&with(ScheduleKind::OneFOneB, 1)).unwrap();
+        let back: ScheduleSpec = serde_json::from_str(&json).unwrap();
+        assert!(back.combined);
+    }
+
+    #[test]
+    fn unknown_kind_lists_every_name() {
+        let e = "zb-h3".parse::<ScheduleKind>().unwrap_err().to_string();
+        for k in ScheduleKind::ALL {
+            assert!(e.contains(k.name()), "{e}");
+        }
     }
 }

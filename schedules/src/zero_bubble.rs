@@ -237,7 +237,7 @@ mod tests {
     #[test]
     fn zb_1p_rank_2_of_4() {
         let o = &zb_1p(&spec(ScheduleKind::Zb1P, 4, 8))[2];
-        let text: Vec<String> = o.ops.iter().map(|c| torch(c)).collect();
+        let text: Vec<String> = o.ops.iter().map(torch).collect();
         assert_eq!(
             text.join(","),
             "F0,F1,I0,F2,I1,F3,I2,W0,F4,I3,W1,F5,I4,W2,F6,I5,W3,F7,I6,W4,I7,W5,W6,W7"

@@ -17,13 +17,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 fn shared() -> PathBuf {
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"));
-    assert!(
-        p.join("conformance").is_dir(),
-        "shared conformance data missing at {}",
-        p.display()
-    );
-    p
+    pipec_tests::shared_dir()
 }
 
 fn spec(kind: ScheduleKind, pp: u32, m: u32) -> ScheduleSpec {
@@ -841,11 +835,9 @@ fn dualpipe_bubble_formula() {
     }
 }
 
-#[test]
-fn print_figures() {
-    // Not an assertion: the README table is produced by `cargo test -p pipec-tests --test
-    // integration print_figures -- --nocapture`.
-    let rows: Vec<(ScheduleKind, u32, u32)> = [
+/// The figures table of the README ("Zero bubble, V-shape and DualPipe"), as pipec computes it.
+fn figures_table() -> String {
+    let kinds = [
         ScheduleKind::OneFOneB,
         ScheduleKind::ZbH1,
         ScheduleKind::Zb1P,
@@ -855,18 +847,176 @@ fn print_figures() {
         ScheduleKind::VMin,
         ScheduleKind::DualPipe,
         ScheduleKind::DualPipeV,
-    ]
-    .into_iter()
-    .flat_map(|k| [(k, 4, 8), (k, 4, 16), (k, 8, 16), (k, 8, 32)])
-    .collect();
-    println!("| kind | p | m | bubble ratio | idle time | peak activations (worst rank) |");
-    for (k, pp, m) in rows {
-        let s = sim(k, pp, m);
-        println!(
-            "| {k} | {pp} | {m} | {:.3} | {} | {} |",
-            s.bubble_ratio(),
-            s.bubble_time(),
-            s.worst_peak()
-        );
+    ];
+    let mut out = String::from(
+        "| kind | p | m | bubble ratio | idle time | peak activations, worst rank | same, in 1F1B stages |\n|---|---|---|---|---|---|---|\n",
+    );
+    for k in kinds {
+        for (pp, m) in [(4u32, 8u32), (8, 16), (8, 32), (16, 64)] {
+            let s = sim(k, pp, m);
+            let chunks = k.default_vpp();
+            let peak = s.worst_peak();
+            // f64's Display writes 4.0 as `4` and 4.5 as `4.5`.
+            let full = peak as f64 / chunks as f64;
+            out += &format!(
+                "| {k} | {pp} | {m} | {:.3} | {} | {peak} | {full} |\n",
+                s.bubble_ratio(),
+                s.bubble_time(),
+            );
+        }
+    }
+    out
+}
+
+/// The README's table is the one pipec computes (regenerate with
+/// `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration readme_figures -- --nocapture`).
+#[test]
+fn readme_figures_are_current() {
+    let table = figures_table();
+    if std::env::var_os("PIPEC_PRINT_FIGURES").is_some() {
+        println!("{table}");
+    }
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let (begin, end) = ("<!-- figures:begin -->\n", "<!-- figures:end -->");
+    let start = readme
+        .find(begin)
+        .expect("figures:begin marker in README.md")
+        + begin.len();
+    let stop = readme[start..].find(end).expect("figures:end marker") + start;
+    assert_eq!(
+        &readme[start..stop],
+        table,
+        "README figures are stale; the current table:\n{table}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CLI edge
+// ---------------------------------------------------------------------------------------------
+
+fn pipec() -> assert_cmd::Command {
+    assert_cmd::Command::cargo_bin("pipec")
+        .expect("the pipec binary (cargo test --workspace builds it)")
+}
+
+#[test]
+fn cli_compiles_new_kinds_and_combined() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, name) in [
+        (
+            vec![
+                "--schedule",
+                "dualpipe-v",
+                "--pp",
+                "2",
+                "--microbatches",
+                "4",
+            ],
+            "dpv",
+        ),
+        (
+            vec!["--schedule", "zb-v", "--pp", "4", "--microbatches", "8"],
+            "zbv",
+        ),
+        (
+            vec!["--schedule", "dualpipe", "--pp", "4", "--microbatches", "8"],
+            "dp",
+        ),
+        (
+            vec![
+                "--schedule",
+                "interleaved-1f1b",
+                "--pp",
+                "4",
+                "--vpp",
+                "2",
+                "--microbatches",
+                "8",
+                "--combined",
+            ],
+            "combined",
+        ),
+    ] {
+        let out = dir.path().join(name);
+        pipec()
+            .arg("compile")
+            .args(&args)
+            .arg("-o")
+            .arg(&out)
+            .assert()
+            .success();
+        let loaded = pipec::files::load_dir(&out).unwrap();
+        rendezvous(&loaded.program).unwrap();
+    }
+    // --combined reached the schedule: fwd_bwd ops in the written program.
+    let loaded = pipec::files::load_dir(&dir.path().join("combined")).unwrap();
+    let fused = loaded
+        .program
+        .ranks
+        .iter()
+        .flatten()
+        .filter(|i| matches!(i, Instr::Compute(Compute::FwdBwd { .. })))
+        .count();
+    // Megatron's combined_1f1b orders: 5 + 7 + 9 + 11 fused ops on the four ranks.
+    assert_eq!(fused, 32);
+    // zb-v without --vpp is vpp 2: 8 stages on 4 ranks.
+    let zbv = pipec::files::load_dir(&dir.path().join("zbv")).unwrap();
+    assert_eq!(zbv.program.num_stages(), 8);
+}
+
+#[test]
+fn cli_refuses_bad_parameters_with_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, needle) in [
+        (
+            vec![
+                "--schedule",
+                "zb-v",
+                "--pp",
+                "4",
+                "--vpp",
+                "3",
+                "--microbatches",
+                "8",
+            ],
+            "exactly 2 model chunks",
+        ),
+        (
+            vec!["--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"],
+            "even --pp",
+        ),
+        (
+            vec![
+                "--schedule",
+                "dualpipe-v",
+                "--pp",
+                "4",
+                "--microbatches",
+                "7",
+            ],
+            "at least 2 x pp = 8",
+        ),
+        (
+            vec![
+                "--schedule",
+                "zb-h1",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--combined",
+            ],
+            "1f1b and interleaved-1f1b only",
+        ),
+    ] {
+        pipec()
+            .arg("compile")
+            .args(&args)
+            .arg("-o")
+            .arg(dir.path().join("x"))
+            .assert()
+            .code(1)
+            .stderr(predicates::str::contains(needle));
     }
 }

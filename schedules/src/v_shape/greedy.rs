@@ -117,8 +117,8 @@ fn put_w(stage: &mut Vec<Vec<i64>>, split: bool) {
 
 /// `mem_of_stage`: peak activations of one rank in slot order; a forward holds one, a `W`
 /// frees one; without `W` lists each empty slot runs one pending `W`.
+#[cfg(test)]
 fn mem_of_stage(stage: &[Vec<i64>]) -> i64 {
-    const MEM: [i64; 5] = [1, 1, 0, 0, -1];
     let types = stage.len();
     let has_w = types > 4;
     let last = bound(stage);
@@ -199,8 +199,277 @@ fn eager(times: &Times) -> (Times, Vec<Vec<(usize, usize)>>) {
     (start, order)
 }
 
+/// One rank's memory walk (`mem_of_stage`) kept up to date, so that trying a pass in an
+/// earlier slot costs the slots between the change and the point where the walk rejoins the
+/// old one, instead of a walk over the whole rank (which makes `reorder` quadratic in `m`).
+struct Profile {
+    has_w: bool,
+    /// Pass type at each slot `0..=bound`.
+    ev: Vec<Option<u8>>,
+    /// Walk state after each slot: (live activations, pending implicit `W`s).
+    state: Vec<(i64, i64)>,
+    /// Max-tree over `state[i].0`.
+    tree: Vec<i64>,
+    size: usize,
+}
+
+const MEM: [i64; 5] = [1, 1, 0, 0, -1];
+
+impl Profile {
+    fn new(stage: &[Vec<i64>]) -> Self {
+        let last = bound(stage) as usize;
+        let mut ev = vec![None; last + 1];
+        for (t, l) in stage.iter().enumerate() {
+            for &time in l {
+                ev[time as usize] = Some(t as u8);
+            }
+        }
+        let size = (last + 1).next_power_of_two();
+        let mut p = Profile {
+            has_w: stage.len() > 4,
+            ev,
+            state: vec![(0, 0); last + 1],
+            tree: vec![i64::MIN; 2 * size],
+            size,
+        };
+        let mut st = (0, 0);
+        for i in 0..=last {
+            st = p.step(st, p.ev[i]);
+            p.set(i, st);
+        }
+        p
+    }
+
+    fn step(&self, (cur, pending): (i64, i64), ev: Option<u8>) -> (i64, i64) {
+        match ev {
+            Some(t) => {
+                let b = t as usize == B1 || t as usize == B0;
+                (cur + MEM[t as usize], pending + b as i64)
+            }
+            None if !self.has_w && pending > 0 => (cur - 1, pending - 1),
+            None => (cur, pending),
+        }
+    }
+
+    fn set(&mut self, i: usize, st: (i64, i64)) {
+        self.state[i] = st;
+        let mut k = i + self.size;
+        self.tree[k] = st.0;
+        while k > 1 {
+            k /= 2;
+            self.tree[k] = self.tree[2 * k].max(self.tree[2 * k + 1]);
+        }
+    }
+
+    /// Max of live activations over slots `lo..hi`.
+    fn max(&self, lo: usize, hi: usize) -> i64 {
+        let (mut l, mut r) = (lo + self.size, hi + self.size);
+        let mut best = i64::MIN;
+        while l < r {
+            if l & 1 == 1 {
+                best = best.max(self.tree[l]);
+                l += 1;
+            }
+            if r & 1 == 1 {
+                r -= 1;
+                best = best.max(self.tree[r]);
+            }
+            l /= 2;
+            r /= 2;
+        }
+        best
+    }
+
+    fn bound(&self) -> usize {
+        self.ev.len() - 1
+    }
+
+    /// The walk with the pass at `from` moved to the empty slot `to < from`: yields
+    /// (slot, state) from `to` until it rejoins the old walk after `from`, and the new bound.
+    fn rewalk(&self, from: usize, to: usize, mut visit: impl FnMut(usize, (i64, i64)) -> bool) {
+        let ty = self.ev[from];
+        let last = if from == self.bound() {
+            (0..from)
+                .rev()
+                .find(|&i| i == to || self.ev[i].is_some())
+                .unwrap_or(to)
+        } else {
+            self.bound()
+        };
+        let mut st = if to == 0 { (0, 0) } else { self.state[to - 1] };
+        for i in to..=last {
+            let ev = if i == to {
+                ty
+            } else if i == from {
+                None
+            } else {
+                self.ev[i]
+            };
+            st = self.step(st, ev);
+            if !visit(i, st) {
+                return;
+            }
+            if i >= from && st == self.state[i] {
+                return;
+            }
+        }
+    }
+
+    /// `mem_of_stage` after moving the pass at `from` to `to`.
+    fn peak_if_moved(&self, from: usize, to: usize) -> i64 {
+        let mut peak = 0.max(self.max(0, to));
+        let mut rejoined = None;
+        self.rewalk(from, to, |i, st| {
+            peak = peak.max(st.0);
+            if i >= from && st == self.state[i] {
+                rejoined = Some(i);
+            }
+            true
+        });
+        if let Some(i) = rejoined {
+            peak = peak.max(self.max(i + 1, self.bound() + 1));
+        }
+        peak
+    }
+
+    fn peak(&self) -> i64 {
+        0.max(self.max(0, self.bound() + 1))
+    }
+
+    fn commit_move(&mut self, from: usize, to: usize) {
+        let mut updates = Vec::new();
+        self.rewalk(from, to, |i, st| {
+            updates.push((i, st));
+            true
+        });
+        let new_last = if from == self.bound() {
+            updates.last().map_or(to, |u| u.0)
+        } else {
+            self.bound()
+        };
+        self.ev[to] = self.ev[from];
+        self.ev[from] = None;
+        for (i, st) in updates {
+            self.set(i, st);
+        }
+        if new_last < self.bound() {
+            for i in new_last + 1..=self.bound() {
+                self.set(i, (i64::MIN, 0));
+            }
+            self.ev.truncate(new_last + 1);
+            self.state.truncate(new_last + 1);
+        }
+    }
+}
+
+/// The `k`-th smallest of the union of two sorted lists.
+fn kth_of_two(a: &[i64], b: &[i64], k: usize) -> i64 {
+    // Take i from a and k + 1 - i from b, the largest of the two prefixes' ends is the answer
+    // when the prefixes are the k + 1 smallest.
+    let need = k + 1;
+    let (mut lo, mut hi) = (need.saturating_sub(b.len()), need.min(a.len()));
+    while lo < hi {
+        let i = (lo + hi) / 2;
+        let j = need - i;
+        if j > 0 && i < a.len() && b[j - 1] > a[i] {
+            lo = i + 1;
+        } else {
+            hi = i;
+        }
+    }
+    let i = lo;
+    let j = need - i;
+    match (
+        i.checked_sub(1).map(|x| a[x]),
+        j.checked_sub(1).map(|x| b[x]),
+    ) {
+        (Some(x), Some(y)) => x.max(y),
+        (Some(x), None) => x,
+        (None, Some(y)) => y,
+        (None, None) => unreachable!("k is in range"),
+    }
+}
+
 /// `reorder`: one greedy squeeze pass (see the module comment).
 fn reorder(mut times: Times, consider_w: bool) -> Times {
+    if consider_w {
+        for s in times.iter_mut() {
+            put_w(s, false);
+        }
+    }
+    let n = times.len();
+    let m = times.first().map_or(0, |s| s[F0].len());
+    let mut profiles: Vec<Profile> = times.iter().map(|s| Profile::new(s)).collect();
+    let current_mem = profiles.iter().map(Profile::peak).max().unwrap_or(0);
+    let mut occupied: Vec<Vec<bool>> = times
+        .iter()
+        .map(|s| vec![false; bound(s) as usize + 1])
+        .collect();
+    let mut heap = BinaryHeap::new();
+    for (s, stage) in times.iter().enumerate() {
+        for (t, l) in stage.iter().enumerate() {
+            if let Some(&time) = l.first() {
+                heap.push(Reverse((time, s, t, 0usize)));
+            }
+        }
+    }
+    let mut phase = 0;
+    while let Some(Reverse((next_time, s, t, mb))) = heap.pop() {
+        if let Some(&time) = times[s][t].get(mb + 1) {
+            heap.push(Reverse((time, s, t, mb + 1)));
+        }
+        if t == B0 && s == 0 && phase == 0 {
+            phase = 1;
+        }
+        let keep = if phase == 1 {
+            if t == F0 && mb + 1 == m {
+                phase = 2;
+            }
+            true
+        } else {
+            phase == 0 && !consider_w
+        };
+        if !keep {
+            let mut dep = -1;
+            if (t == F0 || t == B1) && s > 0 {
+                dep = dep.max(times[s - 1][t][mb]);
+            }
+            if (t == F1 || t == B0) && s + 1 < n {
+                dep = dep.max(times[s + 1][t][mb]);
+            }
+            if t > 0 && t < 4 {
+                dep = dep.max(times[s][t - 1][mb]);
+            }
+            if t == 4 {
+                dep = dep.max(kth_of_two(&times[s][B1], &times[s][B0], mb));
+            }
+            if mb > 0 {
+                dep = dep.max(times[s][t][mb - 1]);
+            }
+            let from = next_time as usize;
+            let slot = (dep + 1..next_time).find(|&slot| {
+                !occupied[s][slot as usize]
+                    && profiles[s].peak_if_moved(from, slot as usize) <= current_mem
+            });
+            if let Some(slot) = slot {
+                profiles[s].commit_move(from, slot as usize);
+                times[s][t][mb] = slot;
+            }
+        }
+        occupied[s][times[s][t][mb] as usize] = true;
+    }
+    if !consider_w {
+        for s in times.iter_mut() {
+            put_w(s, false);
+        }
+    }
+    eager(&times).0
+}
+
+/// `reorder` as written in `zbv_greedy.py` (a full memory walk per candidate slot): the
+/// reference the incremental [`reorder`] is tested against.
+#[cfg(test)]
+fn reorder_naive(mut times: Times, consider_w: bool) -> Times {
     if consider_w {
         for s in times.iter_mut() {
             put_w(s, false);
@@ -352,6 +621,57 @@ mod tests {
             };
             assert_eq!(peak(Block::Half), 2 * ((n + 2) / 2), "v-half, p = {n}");
             assert_eq!(peak(Block::Min), 2 * ((n + 4) / 3), "v-min, p = {n}");
+        }
+    }
+
+    #[test]
+    fn kth_of_two_sorted_lists() {
+        let a = [1, 4, 6, 9, 20];
+        let b = [2, 3, 10, 11];
+        let mut all: Vec<i64> = a.iter().chain(&b).copied().collect();
+        all.sort();
+        for (k, &want) in all.iter().enumerate() {
+            assert_eq!(kth_of_two(&a, &b, k), want);
+            assert_eq!(kth_of_two(&b, &a, k), want);
+        }
+        assert_eq!(kth_of_two(&[], &b, 2), 10);
+        assert_eq!(kth_of_two(&a, &[], 4), 20);
+    }
+
+    fn initial(block: Block, pp: u32, m: u32) -> Times {
+        pattern(block, pp as i64)
+            .into_iter()
+            .map(|slots| {
+                slots
+                    .iter()
+                    .map(|&x| (0..m as i64).map(|k| x + 6 * k).collect())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The incremental memory walk gives the same slots as `zbv_greedy.py`'s full walk.
+    #[test]
+    fn incremental_reorder_equals_the_reference() {
+        let strip = |t: Times| -> Times {
+            t.into_iter()
+                .map(|mut s| {
+                    s.truncate(4);
+                    s
+                })
+                .collect()
+        };
+        for block in [Block::Half, Block::Min] {
+            for pp in 1..=9u32 {
+                for m in [1, 2, 3, pp, pp + 1, 2 * pp + 1, 3 * pp + 2] {
+                    let a = reorder(initial(block, pp, m), true);
+                    let b = reorder_naive(initial(block, pp, m), true);
+                    assert_eq!(a, b, "{block:?} pp {pp} m {m}, first pass");
+                    let a2 = reorder(strip(a), false);
+                    let b2 = reorder_naive(strip(b), false);
+                    assert_eq!(a2, b2, "{block:?} pp {pp} m {m}, second pass");
+                }
+            }
         }
     }
 
