@@ -1,4 +1,5 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
 mod docs;
+mod layout;
 mod megatron;
