@@ -10,6 +10,7 @@ pub mod files;
 pub mod layout;
 pub mod lower;
 pub mod program;
+pub mod torch;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
 pub use lower::{lower, lower_orders};
