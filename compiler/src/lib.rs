@@ -11,6 +11,7 @@ pub mod layout;
 pub mod lower;
 pub mod program;
 pub mod timeline;
+pub mod torch;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
 pub use lower::{lower, lower_orders};

@@ -3,3 +3,4 @@
 mod docs;
 mod layout;
 mod megatron;
+mod torch;
