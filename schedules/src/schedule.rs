@@ -23,6 +23,15 @@ pub enum CommPolicy {
     /// The same rule with every compute op its own step: a batch between consecutive ops sends
     /// the outputs of the first and receives the inputs of the second.
     FusedPerOp,
+    /// Compute runs in unit-time rounds, each op as soon as its inputs exist (a list schedule
+    /// of the per-rank orders); after every round each rank posts one batch with the sends of
+    /// the tensors it produced in that round and the receives of the tensors produced for it.
+    /// A message's send and recv always sit in batches of the same round, so the program is
+    /// deadlock-free under rendezvous semantics by construction for any order that respects
+    /// dependencies; the price is that a tensor may wait in a receive buffer until it is used.
+    /// Schedules whose consumer runs long after the producer (looped BFS) need this: with late
+    /// receives and blocking sends they deadlock.
+    Lockstep,
 }
 
 /// One rank's compute order.
@@ -56,7 +65,7 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
     let (placement, comm, ranks) = match spec.kind {
         ScheduleKind::Gpipe => (
             Placement::looped(spec.pp, 1),
-            CommPolicy::FusedPerOp,
+            CommPolicy::Lockstep,
             crate::gpipe::orders(spec),
         ),
         ScheduleKind::OneFOneB => (
@@ -71,7 +80,7 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
         ),
         ScheduleKind::LoopedBfs => (
             Placement::looped(spec.pp, spec.vpp),
-            CommPolicy::FusedPerOp,
+            CommPolicy::Lockstep,
             crate::looped_bfs::orders(spec),
         ),
     };

@@ -796,9 +796,10 @@ fn compute_comms_round_trip_keeps_compute_and_messages() {
         // messages inside one of pipec's batches may change (see `emission_order`).
         assert_eq!(message_sets(&back.program), message_sets(&p), "{s:?}");
         assert_eq!(per_peer(&back.program), per_peer(&p), "{s:?}");
-        // The export deadlocks under the strict one-action-per-batch reading exactly when
-        // pipec's program does under NCCL group semantics (rendezvous).
+        // Every generated program is deadlock-free under NCCL group semantics (rendezvous),
+        // and so is its export under the strict one-action-per-batch reading.
         let verdict = strict_deadlock(&p);
+        assert_eq!(verdict, None, "{s:?} deadlocks");
         assert_eq!(
             strict_deadlock_single(&back.program).is_some(),
             verdict.is_some(),
@@ -816,7 +817,7 @@ fn compute_comms_round_trip_keeps_compute_and_messages() {
 }
 
 #[test]
-fn compute_only_round_trip_equals_fused_per_op_lowering() {
+fn compute_only_round_trip_equals_lockstep_lowering() {
     for s in grid() {
         let sched = generate(&s, &Limits::DEFAULT).unwrap();
         let p = pipec::lower(&sched);
@@ -830,7 +831,7 @@ fn compute_only_round_trip_equals_fused_per_op_lowering() {
             &sched.placement,
             s.microbatches,
             s.forward_only,
-            CommPolicy::FusedPerOp,
+            CommPolicy::Lockstep,
             &sched.ranks,
         );
         assert_eq!(back.program, want, "{s:?}");
@@ -865,13 +866,12 @@ fn dualpipev_round_trip_through_both_forms() {
     assert_eq!(back.program.compute_orders(), p.compute_orders());
     assert_eq!(message_sets(&back.program), message_sets(p));
     assert_eq!(per_peer(&back.program), per_peer(p));
-    // pipec's fused-per-op lowering of this order is not deadlock-free under rendezvous
-    // (rank 0's send of grad(3,0) waits for rank 1's recv at #10, while rank 1's batch at #7
-    // waits for rank 0's recv of act(2,1) at #11): a finding about that lowering, reported,
-    // not asserted away. The export keeps the verdict: it deadlocks under the strict reading
-    // exactly when the program does under NCCL group semantics.
-    assert_eq!(strict_deadlock(p), Some(vec![9, 7]));
-    assert!(strict_deadlock_single(&back.program).is_some());
+    // Regression: with fused-per-op lowering this order deadlocked under rendezvous (rank 0's
+    // send of grad(3,0) waited for rank 1's recv at #10 while rank 1's batch at #7 waited for
+    // rank 0's recv of act(2,1) at #11). Lockstep lowering pairs every send with its recv in
+    // the same round, and the export keeps that.
+    assert_eq!(strict_deadlock(p), None);
+    assert_eq!(strict_deadlock_single(&back.program), None);
     // With the placement given instead of read off the file.
     let given = import_csv(
         &comms,
@@ -1355,7 +1355,7 @@ mod cli {
             assert_eq!(loaded.manifest.source, "torch-csv");
             assert_eq!(loaded.manifest.schedule, None);
             let policy = if want.form == CsvForm::ComputeOnly {
-                Some(CommPolicy::FusedPerOp)
+                Some(CommPolicy::Lockstep)
             } else {
                 None
             };

@@ -46,7 +46,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         source: "torch-csv",
         schedule: None,
         comm_policy: match imported.form {
-            CsvForm::ComputeOnly => Some(CommPolicy::FusedPerOp),
+            CsvForm::ComputeOnly => Some(CommPolicy::Lockstep),
             CsvForm::ComputeComms => None,
         },
         layout: &layout,

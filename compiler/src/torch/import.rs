@@ -6,7 +6,7 @@
 //! - Line `r` is rank `r`. The stage -> rank placement is read off the file (the stages each
 //!   line names; a stage on two lines is an error) or given ([`PlacementChoice`]); either way
 //!   every action must sit on its line's rank and every stage `0..S` must have a rank.
-//! - Compute-only files are lowered with pipec's own [`CommPolicy::FusedPerOp`], so the
+//! - Compute-only files are lowered with pipec's own [`CommPolicy::Lockstep`], so the
 //!   result is a complete program the verifier can judge.
 //! - Compute+comms files become the program exactly as written: torch's
 //!   `_PipelineScheduleRuntime` posts each P2P action as its own operation, so each `SEND`/`RECV`
@@ -80,7 +80,7 @@ pub enum PlacementSource {
 /// The result of an import.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Imported {
-    /// For compute-only files, lowered with [`CommPolicy::FusedPerOp`]; for compute+comms
+    /// For compute-only files, lowered with [`CommPolicy::Lockstep`]; for compute+comms
     /// files, exactly as written, each P2P action its own comm batch. `forward_only` is set
     /// when the file has no backward action at all.
     pub program: Program,
@@ -412,7 +412,7 @@ pub fn import_csv(text: &str, opts: &ImportOptions) -> Result<Imported, CsvError
                 &placement,
                 microbatches,
                 forward_only,
-                CommPolicy::FusedPerOp,
+                CommPolicy::Lockstep,
                 &orders,
             )
         }
