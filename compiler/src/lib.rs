@@ -8,10 +8,10 @@
 pub mod compile;
 pub mod files;
 pub mod layout;
-pub mod lockstep;
 pub mod lower;
 pub mod program;
 pub mod timeline;
+pub mod torch;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
 pub use lower::{lower, lower_orders};

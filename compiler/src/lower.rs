@@ -13,6 +13,9 @@
 //! - [`CommPolicy::Megatron1F1B`] reproduces the P2P calls of Megatron's non-interleaved
 //!   schedule one for one (`recv_forward`, `send_forward`, `send_forward_recv_backward`,
 //!   `send_backward_recv_forward`, `recv_backward`, `send_backward`).
+//! - [`CommPolicy::Lockstep`] runs compute in unit-time rounds, each op as soon as its inputs
+//!   exist, and after each round posts one batch per rank with the round's sends and their
+//!   receives: deadlock-free by construction for any dependency-respecting order.
 //! - Inside a batch, messages keep the order of the ops that produce (sends) or consume
 //!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
 
@@ -134,25 +137,7 @@ impl<'p> Stream<'p> {
 
     /// One batch: the sends, then the receives. Nothing is emitted for an empty batch.
     fn batch(&mut self, sends: &[Endpoint], recvs: &[Endpoint]) {
-        if sends.is_empty() && recvs.is_empty() {
-            return;
-        }
-        let batch = self.next_batch;
-        self.next_batch += 1;
-        for e in sends {
-            self.instrs.push(Instr::Send {
-                peer: e.peer,
-                payload: e.payload,
-                batch,
-            });
-        }
-        for e in recvs {
-            self.instrs.push(Instr::Recv {
-                peer: e.peer,
-                payload: e.payload,
-                batch,
-            });
-        }
+        push_batch(&mut self.instrs, &mut self.next_batch, sends, recvs);
     }
 
     fn compute(&mut self, ops: &[Compute]) {
@@ -245,6 +230,138 @@ fn megatron_interleaved_steps(ops: &[Compute], warmup: usize) -> Vec<&[Compute]>
     steps
 }
 
+/// Where each tensor became available, by round; `NONE` until produced.
+const NONE: u32 = u32::MAX;
+
+/// [`CommPolicy::Lockstep`]: a unit-time list schedule of the orders, then one batch per rank
+/// and round. If the orders cannot all run (an op waits for something its own order never
+/// produces), the rest is lowered one op at a time so that the verifier can say what is wrong.
+fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> Vec<Vec<Instr>> {
+    let m = microbatches as usize;
+    let cells = placement.num_stages() as usize * m;
+    let last = placement.num_stages().saturating_sub(1);
+    // Round in which fwd (act), bwd/bwd_D (grad) of (stage, mb) ran.
+    let mut act = vec![NONE; cells];
+    let mut grad = vec![NONE; cells];
+    let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
+    let avail = |table: &[u32], s: u32, mb: u32, round: u32| {
+        (mb as usize) >= m || table.get(idx(s, mb)).is_none_or(|&r| r < round)
+    };
+    let ready = |op: &Compute, act: &[u32], grad: &[u32], round: u32| {
+        op.parts().all(|(pass, t)| {
+            let (s, mb) = (t.stage.0, t.mb.0);
+            match pass {
+                Pass::Fwd => s == 0 || avail(act, s - 1, mb, round),
+                Pass::Bwd | Pass::BwdD => {
+                    avail(act, s, mb, round) && (s >= last || avail(grad, s + 1, mb, round))
+                }
+                Pass::BwdW => avail(grad, s, mb, round),
+            }
+        })
+    };
+    let world = orders.len();
+    let mut out: Vec<Vec<Instr>> = orders
+        .iter()
+        .map(|o| Vec::with_capacity(o.ops.len() * 3))
+        .collect();
+    let mut next_batch = vec![0u32; world];
+    let mut pos = vec![0usize; world];
+    let (mut recvs, mut sends) = (Vec::new(), Vec::new());
+    // Messages of the current round: (from, to, payload), in production order.
+    let mut msgs: Vec<(usize, usize, Payload)> = Vec::new();
+    let mut running: Vec<(usize, Compute)> = Vec::with_capacity(world);
+    let mut round = 0u32;
+    loop {
+        running.clear();
+        let mut left = false;
+        for (r, order) in orders.iter().enumerate() {
+            if let Some(op) = order.ops.get(pos[r]) {
+                left = true;
+                if ready(op, &act, &grad, round) {
+                    running.push((r, *op));
+                }
+            }
+        }
+        if !left {
+            break;
+        }
+        if running.is_empty() {
+            // Stuck: the orders are infeasible. Lower the rest op by op (recv before, send
+            // after) and let verification report the violation.
+            for (r, order) in orders.iter().enumerate() {
+                for op in &order.ops[pos[r]..] {
+                    recvs.clear();
+                    sends.clear();
+                    op_io(op, placement, order.rank, &mut recvs, &mut sends);
+                    push_batch(&mut out[r], &mut next_batch[r], &[], &recvs);
+                    out[r].push(Instr::Compute(*op));
+                    push_batch(&mut out[r], &mut next_batch[r], &sends, &[]);
+                }
+            }
+            break;
+        }
+        msgs.clear();
+        for &(r, op) in &running {
+            pos[r] += 1;
+            for (pass, t) in op.parts() {
+                if (t.mb.0 as usize) < m && t.stage.0 <= last {
+                    match pass {
+                        Pass::Fwd => act[idx(t.stage.0, t.mb.0)] = round,
+                        Pass::Bwd | Pass::BwdD => grad[idx(t.stage.0, t.mb.0)] = round,
+                        Pass::BwdW => {}
+                    }
+                }
+            }
+            out[r].push(Instr::Compute(op));
+            recvs.clear();
+            sends.clear();
+            op_io(&op, placement, orders[r].rank, &mut recvs, &mut sends);
+            msgs.extend(sends.iter().map(|e| (r, e.peer.index(), e.payload)));
+        }
+        // One batch per rank: its sends of this round, then its receives of this round.
+        for r in 0..world {
+            let mine: Vec<Endpoint> = msgs
+                .iter()
+                .filter(|m| m.0 == r)
+                .map(|m| Endpoint {
+                    peer: Rank(m.1 as u32),
+                    payload: m.2,
+                })
+                .collect();
+            let theirs: Vec<Endpoint> = msgs
+                .iter()
+                .filter(|m| m.1 == r)
+                .map(|m| Endpoint {
+                    peer: Rank(m.0 as u32),
+                    payload: m.2,
+                })
+                .collect();
+            push_batch(&mut out[r], &mut next_batch[r], &mine, &theirs);
+        }
+        round += 1;
+    }
+    out
+}
+
+/// Append one batch (sends, then receives) unless it is empty.
+fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &[Endpoint]) {
+    if sends.is_empty() && recvs.is_empty() {
+        return;
+    }
+    let batch = *next;
+    *next += 1;
+    out.extend(sends.iter().map(|e| Instr::Send {
+        peer: e.peer,
+        payload: e.payload,
+        batch,
+    }));
+    out.extend(recvs.iter().map(|e| Instr::Recv {
+        peer: e.peer,
+        payload: e.payload,
+        batch,
+    }));
+}
+
 /// Lower per-rank compute orders. Stages in `orders` must be in range of `placement`, and each
 /// rank's ops must sit on that rank (generated schedules and validated imports satisfy both).
 pub fn lower_orders(
@@ -255,7 +372,12 @@ pub fn lower_orders(
     orders: &[RankOrder],
 ) -> Program {
     if policy == CommPolicy::Lockstep {
-        return crate::lockstep::lower(placement, microbatches, forward_only, orders);
+        return Program {
+            placement: placement.clone(),
+            microbatches,
+            forward_only,
+            ranks: lockstep(placement, microbatches, orders),
+        };
     }
     let ranks = orders
         .iter()
@@ -267,8 +389,8 @@ pub fn lower_orders(
                     let steps = megatron_interleaved_steps(&order.ops, order.warmup as usize);
                     stream.fused_steps(steps.into_iter())
                 }
-                CommPolicy::Lockstep => unreachable!("handled above"),
                 CommPolicy::Megatron1F1B => stream.megatron_1f1b(&order.ops, order.warmup as usize),
+                CommPolicy::Lockstep => unreachable!("lowered above"),
             }
             stream.instrs
         })

@@ -23,10 +23,14 @@ pub enum CommPolicy {
     /// The same rule with every compute op its own step: a batch between consecutive ops sends
     /// the outputs of the first and receives the inputs of the second.
     FusedPerOp,
-    /// Rounds of a replay in which every rank runs its next op once its inputs have arrived;
-    /// after each round one batch per rank sends what the round produced and receives what
-    /// peers produced for it (torch `_simulate_comms_compute`'s rounds). Deadlock-free for any
-    /// valid order; used where `FusedPerOp` is not (split backward, V, bidirectional orders).
+    /// Compute runs in unit-time rounds, each op as soon as its inputs exist (a list schedule
+    /// of the per-rank orders); after every round each rank posts one batch with the sends of
+    /// the tensors it produced in that round and the receives of the tensors produced for it.
+    /// A message's send and recv always sit in batches of the same round, so the program is
+    /// deadlock-free under rendezvous semantics by construction for any order that respects
+    /// dependencies; the price is that a tensor may wait in a receive buffer until it is used.
+    /// Schedules whose consumer runs long after the producer (looped BFS) need this: with late
+    /// receives and blocking sends they deadlock.
     Lockstep,
 }
 

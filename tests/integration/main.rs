@@ -1,5 +1,7 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
 mod docs;
+mod layout;
 mod megatron;
 mod schedules;
+mod torch;

@@ -31,6 +31,9 @@ pub fn render_error(e: &LayoutError) -> String {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
+    if a.pp == 0 {
+        return Err(CliError::Usage("--pp must be at least 1".into()));
+    }
     let l = layout::parse(&a.layout).map_err(|e| CliError::Invalid(render_error(&e)))?;
     let vpp = layout::check_against(&l, a.pp, a.vpp, a.num_layers, a.mtp_num_layers)
         .map_err(|e| CliError::Invalid(render_error(&e)))?;
@@ -48,16 +51,22 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 })
             })
             .collect();
-        print_json(&serde_json::json!({ "pp": a.pp, "vpp": vpp, "stages": stages }));
+        print_json(&serde_json::json!({
+            "layout": a.layout,
+            "pp": a.pp,
+            "vpp": vpp,
+            "num_stages": l.stages.len(),
+            "stages": stages,
+        }));
     } else {
-        for (i, s) in l.stages.iter().enumerate() {
-            let layers: String = s.iter().map(|k| k.symbol()).collect();
-            println!(
-                "stage {i}: pp rank {}, vpp rank {}: {layers}",
-                i as u32 % a.pp,
-                i as u32 / a.pp
-            );
-        }
+        println!(
+            "{} stages = pp {} x vpp {vpp}; {} decoder, {} mtp layers",
+            l.stages.len(),
+            a.pp,
+            l.count(layout::LayerKind::Decoder),
+            l.count(layout::LayerKind::Mtp),
+        );
+        println!("{}", l.table(a.pp));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,12 +1,49 @@
 //! The model layout: which layers each virtual stage holds.
 //!
 //! Front end for Megatron-LM's `--pipeline-model-parallel-layout` strings
-//! (`megatron/core/transformer/pipeline_parallel_layer_layout.py`). See [`parse`] for the
-//! language and the README's "Layout language" section.
+//! (`megatron/core/transformer/pipeline_parallel_layer_layout.py`). The grammar and where it
+//! departs from Megatron's textual expansion are in the `parse` module's docs and in the
+//! README's "Layout language" section.
+//!
+//! Three steps: [`expand`] parses (nom) and expands with size bounds; [`parse`] also checks
+//! the rules that do not depend on the pipeline; [`check_against`] checks a layout against
+//! `pp` / `vpp` / layer counts and returns vpp. Stage `i` runs on pp rank `i % pp` as
+//! virtual stage `i / pp`, as in Megatron.
 
+mod error;
+mod expand;
 mod parse;
+mod table;
+mod validate;
 
-pub use parse::{check_against, parse, LayoutError, LayoutErrorKind};
+pub use error::{LayoutError, LayoutErrorKind};
+pub use expand::{MAX_LAYERS, MAX_STAGES};
+pub use parse::{MAX_DEPTH, MAX_TEXT_BYTES};
+pub use validate::check_against;
+
+/// Parse and expand a layout string, without the structural rules (E first, L last, ...).
+/// Useful to see what a string means; [`parse`] is what a compile should use.
+pub fn expand(text: &str) -> Result<Layout, LayoutError> {
+    let e = expand::expansion(text)?;
+    Ok(Layout {
+        text: Some(text.to_string()),
+        stages: e.stages,
+    })
+}
+
+/// Parse, expand and check the rules that do not depend on the pipeline size: `E` exactly
+/// once and first, `L` exactly once and last (empty stages aside), decoder layers before MTP
+/// layers, all MTP layers in one stage. Errors carry the position of the offending character.
+pub fn parse(text: &str) -> Result<Layout, LayoutError> {
+    let e = expand::expansion(text)?;
+    if let Err(v) = validate::check_structure(&e.stages) {
+        return Err(validate::Located::from_expansion(text, e.origins).error(v));
+    }
+    Ok(Layout {
+        text: Some(text.to_string()),
+        stages: e.stages,
+    })
+}
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

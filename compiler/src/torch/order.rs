@@ -1,0 +1,171 @@
+//! The order in which an exported compute+comms line lists the messages of one comm batch.
+//!
+//! In pipec a comm batch is posted as one NCCL group, so its messages are unordered. A torch
+//! compute+comms file has no groups: each P2P action is posted on its own, and pipec reads such
+//! a file with each action its own batch, blocking until its partner is reached (stricter
+//! than torch's asynchronous `isend`/`irecv`, see the importer). Written in an arbitrary order,
+//! the messages of a fused batch can then wait on each other across ranks: in 1F1B's steady
+//! state both neighbours send first and receive second, and each send waits for a receive the
+//! other side has not reached.
+//!
+//! So the exporter runs the program once with every batch taken as a set of messages that
+//! may complete in any order (a message completes when both its rank and its partner's rank
+//! are at the batches holding the two ends) and writes each batch's messages in the order
+//! they completed. That order is a valid run of the one-action-per-batch reading, so the
+//! export is deadlock-free under it whenever this run finishes, which is whenever every
+//! batch's partners are eventually posted (NCCL group semantics under rendezvous). Messages
+//! that never complete (the program itself deadlocks, or a message has no partner) keep the
+//! key order (sending rank, receiving rank, FIFO position between the two), the same on every
+//! rank. Deterministic; linear in the program size. Per-peer FIFO order is never changed: the
+//! k-th send to a peer always completes with the k-th recv there, before the (k+1)-th.
+
+use crate::program::{Instr, Program};
+use std::collections::{BTreeMap, VecDeque};
+
+const NONE: usize = usize::MAX;
+
+/// For each rank, the instruction indices in the order to write them.
+pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
+    let w = program.ranks.len();
+    // Global message ids: offset[r] + index.
+    let mut offset = Vec::with_capacity(w);
+    let mut total = 0usize;
+    for r in &program.ranks {
+        offset.push(total);
+        total += r.len();
+    }
+
+    // Runs of consecutive messages with one batch number: (rank, start, end).
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut run_of = vec![NONE; total];
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        let mut i = 0;
+        while i < instrs.len() {
+            match instrs[i].batch() {
+                Some(b) => {
+                    let mut j = i;
+                    while j < instrs.len() && instrs[j].batch() == Some(b) {
+                        run_of[offset[r] + j] = runs.len();
+                        j += 1;
+                    }
+                    runs.push((r, i, j));
+                    i = j;
+                }
+                None => i += 1,
+            }
+        }
+    }
+
+    // FIFO matching per ordered pair of ranks, and the fallback key of each message.
+    let mut key = vec![(u32::MAX, u32::MAX, u32::MAX); total];
+    let mut partner = vec![NONE; total];
+    {
+        // (sender, receiver) -> (send ids, recv ids), each in program order.
+        let mut pairs: BTreeMap<(usize, usize), (Vec<usize>, Vec<usize>)> = BTreeMap::new();
+        for (r, instrs) in program.ranks.iter().enumerate() {
+            for (i, ins) in instrs.iter().enumerate() {
+                let id = offset[r] + i;
+                match *ins {
+                    Instr::Send { peer, .. } => {
+                        let q = &mut pairs.entry((r, peer.index())).or_default().0;
+                        key[id] = (r as u32, peer.0, q.len() as u32);
+                        q.push(id);
+                    }
+                    Instr::Recv { peer, .. } => {
+                        let q = &mut pairs.entry((peer.index(), r)).or_default().1;
+                        key[id] = (peer.0, r as u32, q.len() as u32);
+                        q.push(id);
+                    }
+                    Instr::Compute(_) => {}
+                }
+            }
+        }
+        for (sends, recvs) in pairs.values() {
+            for (&s, &t) in sends.iter().zip(recvs) {
+                partner[s] = t;
+                partner[t] = s;
+            }
+        }
+    }
+
+    // Each run's messages in key order; the run's completed messages in completion order.
+    let members = |run: usize| -> Vec<usize> {
+        let (r, s, e) = runs[run];
+        let mut m: Vec<usize> = (offset[r] + s..offset[r] + e).collect();
+        m.sort_by_key(|&id| key[id]);
+        m
+    };
+    let mut done = vec![false; total];
+    let mut left: Vec<usize> = runs.iter().map(|&(_, s, e)| e - s).collect();
+    let mut completed: Vec<Vec<usize>> = vec![Vec::new(); runs.len()];
+    let mut pc = vec![0usize; w];
+    let mut current = vec![NONE; w];
+    let mut queue: VecDeque<usize> = (0..w).collect();
+    while let Some(r) = queue.pop_front() {
+        let instrs = &program.ranks[r];
+        loop {
+            while pc[r] < instrs.len() && instrs[pc[r]].batch().is_none() {
+                pc[r] += 1;
+            }
+            if pc[r] >= instrs.len() {
+                current[r] = NONE;
+                break;
+            }
+            let run = run_of[offset[r] + pc[r]];
+            current[r] = run;
+            if left[run] > 0 {
+                for id in members(run) {
+                    let p = partner[id];
+                    if done[id] || p == NONE {
+                        continue;
+                    }
+                    let prun = run_of[p];
+                    let pr = runs[prun].0;
+                    if current[pr] != prun {
+                        continue;
+                    }
+                    done[id] = true;
+                    done[p] = true;
+                    completed[run].push(id);
+                    completed[prun].push(p);
+                    left[run] -= 1;
+                    left[prun] -= 1;
+                    if left[prun] == 0 && pr != r {
+                        queue.push_back(pr);
+                    }
+                }
+            }
+            if left[run] > 0 {
+                break;
+            }
+            pc[r] = runs[run].2;
+        }
+    }
+
+    // Stuck or unmatched messages follow in key order.
+    for (run, c) in completed.iter_mut().enumerate() {
+        if left[run] > 0 {
+            c.extend(members(run).into_iter().filter(|&id| !done[id]));
+        }
+    }
+    program
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(r, instrs)| {
+            let mut order = Vec::with_capacity(instrs.len());
+            let mut i = 0;
+            while i < instrs.len() {
+                let run = run_of[offset[r] + i];
+                if run == NONE {
+                    order.push(i);
+                    i += 1;
+                } else {
+                    order.extend(completed[run].iter().map(|&id| id - offset[r]));
+                    i = runs[run].2;
+                }
+            }
+            order
+        })
+        .collect()
+}
