@@ -706,6 +706,9 @@ fn dualpipe_v_matches_torch_pp2_m4() {
         let want = if s < 2 { s } else { 3 - s };
         assert_eq!(sch.placement.rank_of(Task::new(s, 0)), Rank(want));
     }
+    // End to end: pipec's torch exporter writes the lowered program back as torch's file.
+    let csv = pipec::torch::export_csv(&lower(&sch), pipec::torch::CsvForm::ComputeOnly).unwrap();
+    assert_eq!(csv.trim_end(), text.trim_end());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -207,9 +207,10 @@ struct Profile {
     /// Pass type at each slot `0..=bound`.
     ev: Vec<Option<u8>>,
     /// Walk state after each slot: (live activations, pending implicit `W`s).
-    state: Vec<(i64, i64)>,
-    /// Max-tree over `state[i].0`.
-    tree: Vec<i64>,
+    state: Vec<(i32, i32)>,
+    /// Max-tree over `state[i].0`. (i32: a rank holds fewer than 2^31 passes; this halves the
+    /// memory of the largest schedules.)
+    tree: Vec<i32>,
     size: usize,
 }
 
@@ -229,7 +230,7 @@ impl Profile {
             has_w: stage.len() > 4,
             ev,
             state: vec![(0, 0); last + 1],
-            tree: vec![i64::MIN; 2 * size],
+            tree: vec![i32::MIN; 2 * size],
             size,
         };
         let mut st = (0, 0);
@@ -240,18 +241,18 @@ impl Profile {
         p
     }
 
-    fn step(&self, (cur, pending): (i64, i64), ev: Option<u8>) -> (i64, i64) {
+    fn step(&self, (cur, pending): (i32, i32), ev: Option<u8>) -> (i32, i32) {
         match ev {
             Some(t) => {
                 let b = t as usize == B1 || t as usize == B0;
-                (cur + MEM[t as usize], pending + b as i64)
+                (cur + MEM[t as usize] as i32, pending + b as i32)
             }
             None if !self.has_w && pending > 0 => (cur - 1, pending - 1),
             None => (cur, pending),
         }
     }
 
-    fn set(&mut self, i: usize, st: (i64, i64)) {
+    fn set(&mut self, i: usize, st: (i32, i32)) {
         self.state[i] = st;
         let mut k = i + self.size;
         self.tree[k] = st.0;
@@ -262,9 +263,9 @@ impl Profile {
     }
 
     /// Max of live activations over slots `lo..hi`.
-    fn max(&self, lo: usize, hi: usize) -> i64 {
+    fn max(&self, lo: usize, hi: usize) -> i32 {
         let (mut l, mut r) = (lo + self.size, hi + self.size);
-        let mut best = i64::MIN;
+        let mut best = i32::MIN;
         while l < r {
             if l & 1 == 1 {
                 best = best.max(self.tree[l]);
@@ -286,7 +287,7 @@ impl Profile {
 
     /// The walk with the pass at `from` moved to the empty slot `to < from`: yields
     /// (slot, state) from `to` until it rejoins the old walk after `from`, and the new bound.
-    fn rewalk(&self, from: usize, to: usize, mut visit: impl FnMut(usize, (i64, i64)) -> bool) {
+    fn rewalk(&self, from: usize, to: usize, mut visit: impl FnMut(usize, (i32, i32)) -> bool) {
         let ty = self.ev[from];
         let last = if from == self.bound() {
             (0..from)
@@ -316,7 +317,7 @@ impl Profile {
     }
 
     /// `mem_of_stage` after moving the pass at `from` to `to`.
-    fn peak_if_moved(&self, from: usize, to: usize) -> i64 {
+    fn peak_if_moved(&self, from: usize, to: usize) -> i32 {
         let mut peak = 0.max(self.max(0, to));
         let mut rejoined = None;
         self.rewalk(from, to, |i, st| {
@@ -332,7 +333,7 @@ impl Profile {
         peak
     }
 
-    fn peak(&self) -> i64 {
+    fn peak(&self) -> i32 {
         0.max(self.max(0, self.bound() + 1))
     }
 
@@ -354,7 +355,7 @@ impl Profile {
         }
         if new_last < self.bound() {
             for i in new_last + 1..=self.bound() {
-                self.set(i, (i64::MIN, 0));
+                self.set(i, (i32::MIN, 0));
             }
             self.ev.truncate(new_last + 1);
             self.state.truncate(new_last + 1);
