@@ -3,4 +3,5 @@
 mod docs;
 mod layout;
 mod megatron;
+mod runtime;
 mod torch;
