@@ -1,1 +1,22 @@
+//! pipec-runtime: loads compiled instruction files and executes them.
+//!
+//! [`load::load`] reads and checks a directory (nothing starts unless every rank loads and
+//! checks); [`interp::run_rank`] runs one rank's stream on any [`backend::Backend`]; the CPU
+//! reference backend ([`backend::cpu`]) trains a small real model ([`model`]) with one thread
+//! per rank over an in-process rendezvous [`transport`], watched by the [`watchdog`];
+//! [`run::run_cpu`] drives steps and compares them with the single-thread [`reference`].
 
+pub mod backend;
+pub mod error;
+pub mod interp;
+pub mod load;
+pub mod model;
+pub mod reference;
+pub mod run;
+pub mod trace;
+pub mod transport;
+pub mod watchdog;
+
+pub use error::RunError;
+pub use load::{load, preverify, LaunchWorld};
+pub use run::{run_cpu, RunOptions, RunReport};

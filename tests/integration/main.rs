@@ -3,5 +3,6 @@
 mod docs;
 mod layout;
 mod megatron;
+mod runtime;
 mod schedules;
 mod torch;

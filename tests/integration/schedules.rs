@@ -1023,3 +1023,99 @@ fn cli_refuses_bad_parameters_with_exit_1() {
             .stderr(predicates::str::contains(needle));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// End to end on the CPU runtime
+// ---------------------------------------------------------------------------------------------
+
+/// Train two steps of every new kind but DualPipe (and `--combined`) on `pipec-run`'s CPU backend, which
+/// checks each step bitwise against the same model run without pipelining; its measured
+/// activation peak per rank must equal this file's simulator's count.
+#[test]
+fn new_kinds_train_like_the_unpipelined_reference() {
+    use pipec_runtime::model::ModelConfig;
+    use pipec_runtime::{run_cpu, RunOptions};
+    let opts = RunOptions {
+        model: ModelConfig {
+            hidden: 4,
+            ffn: 8,
+            vocab: 8,
+            seq: 3,
+            seed: 5,
+        },
+        steps: 2,
+        lr: 0.1,
+        timeout: std::time::Duration::from_secs(20),
+        check: true,
+    };
+    // DualPipe is left out: its two directions run stage s on two ranks (two parameter
+    // replicas), whose gradients DualPipe all-reduces after the step; pipec's programs have no
+    // such reduction, so the runtime (rightly) finds each replica summed half the microbatches.
+    let mut cases: Vec<(ScheduleKind, bool)> = NEW_KINDS
+        .iter()
+        .filter(|&&k| k != ScheduleKind::DualPipe)
+        .map(|&k| (k, false))
+        .collect();
+    cases.push((ScheduleKind::OneFOneB, true));
+    cases.push((ScheduleKind::Interleaved1F1B, true));
+    let mut ran = 0;
+    for (kind, combined) in cases {
+        for pp in 1..=4u32 {
+            for m in [1, pp, 2 * pp, 2 * pp + 1] {
+                let req = pipec::compile::CompileRequest {
+                    kind,
+                    pp,
+                    vpp: None,
+                    microbatches: m,
+                    group_size: None,
+                    forward_only: false,
+                    combined,
+                    layout: None,
+                    num_layers: None,
+                    mtp_num_layers: None,
+                    limits: Limits::DEFAULT,
+                };
+                let req = if kind == ScheduleKind::Interleaved1F1B {
+                    pipec::compile::CompileRequest {
+                        vpp: Some(2),
+                        ..req
+                    }
+                } else {
+                    req
+                };
+                let Ok(c) = pipec::compile::compile(&req) else {
+                    continue;
+                };
+                let what = format!("{kind} combined {combined} pp {pp} m {m}");
+                let report =
+                    run_cpu(&c.program, &c.layout, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let sim = sim_of(&c.schedule);
+                for st in &report.steps {
+                    let chk = st.check.as_ref().expect("check ran");
+                    assert_eq!(chk.max_abs_diff, 0.0, "{what}");
+                    let peaks: Vec<u32> = st.ranks.iter().map(|r| r.peak_activations).collect();
+                    assert_eq!(peaks, sim.peak, "{what}: activation peak per rank");
+                }
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 60, "only {ran} configurations ran");
+    // DualPipe forward-only has no gradients to reduce: both directions' losses must match.
+    for pp in [2u32, 4] {
+        let s = ScheduleSpec {
+            forward_only: true,
+            ..spec(ScheduleKind::DualPipe, pp, 2 * pp)
+        };
+        let sch = schedule(&s);
+        let layout = pipec::layout::Layout::uniform(pp);
+        let report = run_cpu(&lower(&sch), &layout, &opts).unwrap();
+        for st in &report.steps {
+            assert_eq!(
+                st.check.as_ref().expect("check ran").max_abs_diff,
+                0.0,
+                "dualpipe fwd-only pp {pp}"
+            );
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! What the interpreter asks of a device: compute passes on (stage, microbatch) tasks and
+//! batched point-to-point communication. The CPU reference backend ([`cpu`]) and the later
+//! CUDA backend implement the same trait, so the interpreter is written once.
+//!
+//! Tensors stay opaque to the interpreter (associated types): it only moves them between its
+//! tables, the backend and the transport.
+
+pub mod cpu;
+pub mod noop;
+
+use pipec::program::Payload;
+use pipec_schedules::{Rank, Task};
+use std::time::Duration;
+use thiserror::Error;
+
+/// A compute failure inside a backend, worded by the backend.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("{0}")]
+pub struct BackendError(pub String);
+
+/// Send or receive.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Dir {
+    Send,
+    Recv,
+}
+
+/// One operation of a comm batch, as handed to [`Backend::exchange`].
+#[derive(Debug)]
+pub struct CommOp<T> {
+    /// Index of the instruction in its rank's stream (for messages).
+    pub at: u32,
+    pub dir: Dir,
+    pub peer: Rank,
+    pub payload: Payload,
+    /// A send's tensor on entry (taken by the transport); a receive's tensor on return.
+    pub tensor: Option<T>,
+    /// Position of this op in the FIFO of its ordered rank pair (the k-th send from A to B
+    /// matches the k-th receive on B from A); set by the transport.
+    pub seq: u64,
+}
+
+/// One operation of a batch that could not complete: what it waits for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pending {
+    /// Instruction index of the waiting op.
+    pub at: u32,
+    pub dir: Dir,
+    pub peer: Rank,
+    /// This op's position in its pair's FIFO (0-based).
+    pub seq: u64,
+    /// How many matching ops the peer has posted so far (all `<= seq`).
+    pub peer_posted: u64,
+}
+
+/// Why a comm batch did not complete.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CommError {
+    /// Another rank failed and everyone stops.
+    Aborted,
+    /// The batch waited `waited` without completing (a hang under rendezvous semantics), or
+    /// a peer it waits for has finished and will never post (`peer_finished`).
+    Stalled {
+        pending: Vec<Pending>,
+        waited: Duration,
+        peer_finished: Option<Rank>,
+    },
+    /// The message that arrived is not the tensor the receive expects.
+    WrongPayload {
+        recv_at: u32,
+        expected: Payload,
+        peer: Rank,
+        send_at: u32,
+        got: Payload,
+    },
+}
+
+/// A device the interpreter can drive. Inputs are `None` where the schedule has none: the
+/// forward of stage 0 (data comes from the backend) and the backward of the last stage (the
+/// loss seeds it).
+pub trait Backend {
+    /// An activation or gradient that travels between stages.
+    type Tensor: Send;
+    /// What a forward keeps for its backward (the activation stash).
+    type Saved: Send;
+    /// What an input-gradient pass (`bwd_D`) keeps for the weight-gradient pass (`bwd_W`).
+    type Partial: Send;
+
+    /// `fwd(s, m)`: returns the stage's output and, when `save`, what its backward needs.
+    fn fwd(
+        &mut self,
+        task: Task,
+        input: Option<Self::Tensor>,
+        save: bool,
+    ) -> Result<(Self::Tensor, Option<Self::Saved>), BackendError>;
+
+    /// Full `bwd(s, m)`: input gradient and weight gradients. Returns the input gradient.
+    fn bwd(
+        &mut self,
+        task: Task,
+        saved: Self::Saved,
+        grad: Option<Self::Tensor>,
+    ) -> Result<Self::Tensor, BackendError>;
+
+    /// `bwd_D(s, m)`: the input gradient only; the stash stays for `bwd_W`.
+    fn bwd_d(
+        &mut self,
+        task: Task,
+        saved: &Self::Saved,
+        grad: Option<Self::Tensor>,
+    ) -> Result<(Self::Tensor, Self::Partial), BackendError>;
+
+    /// `bwd_W(s, m)`: the weight gradients only; frees the stash.
+    fn bwd_w(
+        &mut self,
+        task: Task,
+        saved: Self::Saved,
+        partial: Self::Partial,
+    ) -> Result<(), BackendError>;
+
+    /// An overlapped pair (Megatron's combined 1F1B, DualPipe's F&B): the forward of one task
+    /// with the full backward of another. The default runs them one after the other, which is
+    /// what a single CPU thread can do; a GPU backend overlaps them on two streams.
+    #[allow(clippy::type_complexity)]
+    fn fwd_bwd(
+        &mut self,
+        fwd: Task,
+        input: Option<Self::Tensor>,
+        save: bool,
+        bwd: Task,
+        saved: Self::Saved,
+        grad: Option<Self::Tensor>,
+    ) -> Result<(Self::Tensor, Option<Self::Saved>, Self::Tensor), BackendError> {
+        let (out, stash) = self.fwd(fwd, input, save)?;
+        let din = self.bwd(bwd, saved, grad)?;
+        Ok((out, stash, din))
+    }
+
+    /// Post one comm batch (one NCCL group) and wait for all of it: sends carry their tensor
+    /// in `tensor`, receives get theirs there.
+    fn exchange(&mut self, ops: &mut [CommOp<Self::Tensor>]) -> Result<(), CommError>;
+
+    /// Called once when the rank has run its last instruction (a transport uses it to tell
+    /// peers that nothing more will be posted).
+    fn finish(&mut self) {}
+}

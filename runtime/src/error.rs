@@ -1,0 +1,38 @@
+//! Why a run did not succeed, and the exit code each reason maps to.
+
+use crate::watchdog::Failure;
+use pipec::files::LoadError;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum RunError {
+    /// The directory could not be read or was refused by the instruction-file checks.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The files load but cannot be run as they are; names the file and the field.
+    #[error("{file}: field `{field}`: {msg}")]
+    Refused {
+        file: String,
+        field: String,
+        msg: String,
+    },
+    /// The schedule failed while running: hang, wrong tensor, out-of-order instruction.
+    #[error("{0}")]
+    Failed(Failure),
+    /// The pipelined step disagrees with the single-thread reference.
+    #[error("check failed at step {step}: {msg}")]
+    Check { step: u32, msg: String },
+    /// Bad arguments.
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl RunError {
+    /// 1: the schedule failed (refused, hang, check mismatch); 2: usage or I/O error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Load(LoadError::Io { .. }) | RunError::Usage(_) => 2,
+            _ => 1,
+        }
+    }
+}

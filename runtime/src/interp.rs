@@ -1,0 +1,720 @@
+//! The interpreter: runs one rank's instruction stream on a [`Backend`].
+//!
+//! Tensors live in dense per-(stage, microbatch) tables, indexed by the rank's local stages:
+//! - `act_in[s][m]`: the input of `fwd(s, m)` (received, or handed over by `fwd(s-1, m)` on
+//!   this rank); freed when the forward consumes it.
+//! - `grad_in[s][m]`: the gradient of `(s, m)`'s output; freed when its backward consumes it.
+//! - `act_out` / `grad_out`: a tensor produced here for another rank; freed when its send
+//!   completes (the transport takes it).
+//! - `saved[s][m]`: the activation stash, from `fwd(s, m)` to `bwd(s, m)`, or to `bwd_W(s, m)`
+//!   when the backward is split; `partial[s][m]` from `bwd_D` to `bwd_W`.
+//!
+//! The live count of `saved` is the activation memory the verifier bounds (DESIGN.md rule 5);
+//! [`static_peak_activations`] computes the same figure from the program alone, and a run
+//! reports both.
+//!
+//! Consecutive send/recv instructions with the same batch id are handed to the backend as one
+//! batch. Every instruction gets a [`Span`]: a compute op from its start to its end, each op of
+//! a batch from the batch's post to its completion.
+
+use crate::backend::{Backend, CommError, CommOp, Dir, Pending};
+use crate::watchdog::{Failure, FailureKind, Status, Watch};
+use pipec::program::{Instr, InstrRef, Payload, PayloadKind, Program};
+use pipec::timeline::Span;
+use pipec_schedules::{Compute, Rank, StageId, Task};
+use std::fmt::Write as _;
+use std::time::Instant;
+
+const NONE: u32 = u32::MAX;
+
+/// What one rank measured in one run.
+#[derive(Clone, Debug)]
+pub struct RankRun {
+    /// One span per instruction, microseconds since the run's origin.
+    pub spans: Vec<Span>,
+    /// Sum of compute spans (microseconds).
+    pub busy_us: f64,
+    /// When the rank finished (microseconds since the origin).
+    pub end_us: f64,
+    /// Peak number of live activation stashes.
+    pub peak_activations: u32,
+}
+
+/// The rank stopped: the failure (its own or another rank's) is in the [`Watch`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Stopped;
+
+/// Why an instruction failed, before it is worded into a [`Failure`].
+enum Fault {
+    Schedule(String),
+    Compute(String),
+    Comm(CommError),
+}
+
+struct Tables<B: Backend> {
+    m: usize,
+    /// Global stage -> local index, `NONE` when the rank does not run the stage.
+    local: Vec<u32>,
+    act_in: Vec<Option<B::Tensor>>,
+    grad_in: Vec<Option<B::Tensor>>,
+    act_out: Vec<Option<B::Tensor>>,
+    grad_out: Vec<Option<B::Tensor>>,
+    saved: Vec<Option<B::Saved>>,
+    partial: Vec<Option<B::Partial>>,
+    live: u32,
+    peak: u32,
+}
+
+fn none_vec<T>(n: usize) -> Vec<Option<T>> {
+    std::iter::repeat_with(|| None).take(n).collect()
+}
+
+impl<B: Backend> Tables<B> {
+    fn new(program: &Program, rank: usize) -> Self {
+        let mut local = vec![NONE; program.num_stages() as usize];
+        let mut n = 0u32;
+        for ins in &program.ranks[rank] {
+            if let Instr::Compute(c) = ins {
+                for (_, t) in c.parts() {
+                    if let Some(l) = local.get_mut(t.stage.index()) {
+                        if *l == NONE {
+                            *l = n;
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let m = program.microbatches as usize;
+        let size = n as usize * m;
+        Tables {
+            m,
+            local,
+            act_in: none_vec(size),
+            grad_in: none_vec(size),
+            act_out: none_vec(size),
+            grad_out: none_vec(size),
+            saved: none_vec(size),
+            partial: none_vec(size),
+            live: 0,
+            peak: 0,
+        }
+    }
+
+    fn slot(&self, stage: u32, mb: u32) -> Option<usize> {
+        let l = *self.local.get(stage as usize)?;
+        (l != NONE && (mb as usize) < self.m).then(|| l as usize * self.m + mb as usize)
+    }
+
+    fn task_slot(&self, t: Task, what: &str) -> Result<usize, Fault> {
+        self.slot(t.stage.0, t.mb.0).ok_or_else(|| {
+            Fault::Schedule(format!(
+                "{what} of {t}: this rank runs no compute op of {}",
+                t.stage
+            ))
+        })
+    }
+
+    fn save(&mut self, i: usize, s: B::Saved) -> Result<(), Fault> {
+        if self.saved[i].is_some() {
+            return Err(Fault::Schedule(
+                "the forward's activation is already saved: a second forward of the same task"
+                    .into(),
+            ));
+        }
+        self.saved[i] = Some(s);
+        self.live += 1;
+        self.peak = self.peak.max(self.live);
+        Ok(())
+    }
+}
+
+fn put<T>(
+    table: &mut [Option<T>],
+    i: usize,
+    v: T,
+    what: impl FnOnce() -> String,
+) -> Result<(), Fault> {
+    if table[i].is_some() {
+        return Err(Fault::Schedule(format!(
+            "{} is already here and not yet consumed: it was produced or received twice",
+            what()
+        )));
+    }
+    table[i] = Some(v);
+    Ok(())
+}
+
+fn take<T>(table: &mut [Option<T>], i: usize, what: impl FnOnce() -> String) -> Result<T, Fault> {
+    table[i].take().ok_or_else(|| {
+        Fault::Schedule(format!(
+            "{} is not here: not produced or received yet, or already consumed",
+            what()
+        ))
+    })
+}
+
+struct Interp<'a, B: Backend> {
+    program: &'a Program,
+    rank: Rank,
+    last: u32,
+    backend: &'a mut B,
+    t: Tables<B>,
+    ops: Vec<CommOp<B::Tensor>>,
+}
+
+impl<'a, B: Backend> Interp<'a, B> {
+    /// The input of `fwd(t)`: `None` for stage 0.
+    fn fwd_input(&mut self, t: Task) -> Result<Option<B::Tensor>, Fault> {
+        if t.stage.0 == 0 {
+            return Ok(None);
+        }
+        let i = self.t.task_slot(t, "the forward")?;
+        take(&mut self.t.act_in, i, || {
+            format!(
+                "the input of fwd({t}) (the activation of stage {}, {})",
+                t.stage.0 - 1,
+                t.mb
+            )
+        })
+        .map(Some)
+    }
+
+    /// The output gradient for the backward of `t`: `None` for the last stage.
+    fn bwd_input(&mut self, t: Task) -> Result<Option<B::Tensor>, Fault> {
+        if t.stage.0 == self.last {
+            return Ok(None);
+        }
+        let i = self.t.task_slot(t, "the backward")?;
+        take(&mut self.t.grad_in, i, || {
+            format!(
+                "the output gradient of {t} (the gradient from stage {}, {})",
+                t.stage.0 + 1,
+                t.mb
+            )
+        })
+        .map(Some)
+    }
+
+    /// Hand the forward output of `t` to its consumer: local table, send buffer, or nowhere.
+    fn route_act(&mut self, t: Task, out: B::Tensor) -> Result<(), Fault> {
+        if t.stage.0 >= self.last {
+            return Ok(());
+        }
+        let next = Task {
+            stage: StageId(t.stage.0 + 1),
+            mb: t.mb,
+        };
+        if self.program.placement.rank_of(next) == self.rank {
+            let i = self.t.task_slot(next, "the forward")?;
+            put(&mut self.t.act_in, i, out, || {
+                format!("the input of fwd({next})")
+            })
+        } else {
+            let i = self.t.task_slot(t, "the forward")?;
+            put(&mut self.t.act_out, i, out, || {
+                format!("the activation of {t}")
+            })
+        }
+    }
+
+    fn route_grad(&mut self, t: Task, din: B::Tensor) -> Result<(), Fault> {
+        if t.stage.0 == 0 {
+            return Ok(());
+        }
+        let prev = Task {
+            stage: StageId(t.stage.0 - 1),
+            mb: t.mb,
+        };
+        if self.program.placement.rank_of(prev) == self.rank {
+            let i = self.t.task_slot(prev, "the backward")?;
+            put(&mut self.t.grad_in, i, din, || {
+                format!("the output gradient of {prev}")
+            })
+        } else {
+            let i = self.t.task_slot(t, "the backward")?;
+            put(&mut self.t.grad_out, i, din, || {
+                format!("the input gradient of {t}")
+            })
+        }
+    }
+
+    fn take_saved(&mut self, t: Task) -> Result<B::Saved, Fault> {
+        let i = self.t.task_slot(t, "the backward")?;
+        take(&mut self.t.saved, i, || {
+            format!("the saved activation of {t}")
+        })
+    }
+
+    fn compute(&mut self, c: &Compute) -> Result<(), Fault> {
+        let save = !self.program.forward_only;
+        let be = |e: crate::backend::BackendError| Fault::Compute(e.0);
+        match *c {
+            Compute::Fwd(t) => {
+                let input = self.fwd_input(t)?;
+                let (out, stash) = self.backend.fwd(t, input, save).map_err(be)?;
+                if let Some(s) = stash {
+                    let i = self.t.task_slot(t, "the forward")?;
+                    self.t.save(i, s)?;
+                }
+                self.route_act(t, out)
+            }
+            Compute::Bwd(t) => {
+                let saved = self.take_saved(t)?;
+                let g = self.bwd_input(t)?;
+                let din = self.backend.bwd(t, saved, g).map_err(be)?;
+                self.t.live -= 1;
+                self.route_grad(t, din)
+            }
+            Compute::BwdD(t) => {
+                let i = self.t.task_slot(t, "the backward")?;
+                let g = self.bwd_input(t)?;
+                let saved = self.t.saved[i].as_ref().ok_or_else(|| {
+                    Fault::Schedule(format!("the saved activation of {t} is not here"))
+                })?;
+                let (din, part) = self.backend.bwd_d(t, saved, g).map_err(be)?;
+                put(&mut self.t.partial, i, part, || {
+                    format!("the bwd_D result of {t}")
+                })?;
+                self.route_grad(t, din)
+            }
+            Compute::BwdW(t) => {
+                let i = self.t.task_slot(t, "the backward")?;
+                let part = take(&mut self.t.partial, i, || {
+                    format!("the bwd_D result of {t}")
+                })?;
+                let saved = take(&mut self.t.saved, i, || {
+                    format!("the saved activation of {t}")
+                })?;
+                self.backend.bwd_w(t, saved, part).map_err(be)?;
+                self.t.live -= 1;
+                Ok(())
+            }
+            Compute::FwdBwd { fwd, bwd } => {
+                if fwd == bwd {
+                    return Err(Fault::Schedule(format!(
+                        "an overlapped pair cannot run the forward and backward of one task ({fwd})"
+                    )));
+                }
+                let input = self.fwd_input(fwd)?;
+                let saved = self.take_saved(bwd)?;
+                let g = self.bwd_input(bwd)?;
+                let (out, stash, din) = self
+                    .backend
+                    .fwd_bwd(fwd, input, save, bwd, saved, g)
+                    .map_err(be)?;
+                // Both stashes were alive during the pair: count the new one before the old
+                // one is released, as the static count does.
+                if let Some(s) = stash {
+                    let i = self.t.task_slot(fwd, "the forward")?;
+                    self.t.save(i, s)?;
+                }
+                self.t.live -= 1;
+                self.route_act(fwd, out)?;
+                self.route_grad(bwd, din)
+            }
+        }
+    }
+
+    /// Table and slot that hold a sent payload (by producing stage) or receive it (by
+    /// consuming stage).
+    fn msg_slot(&self, dir: Dir, p: Payload) -> Result<usize, Fault> {
+        let stage = match dir {
+            Dir::Send => Some(p.stage),
+            Dir::Recv => p.consumer(),
+        };
+        stage.and_then(|s| self.t.slot(s.0, p.mb.0)).ok_or_else(|| {
+            Fault::Schedule(format!(
+                "{p} is neither produced nor consumed by a compute op of this rank"
+            ))
+        })
+    }
+
+    /// Post the batch `ops` (already filled) and file what arrived.
+    fn batch(&mut self, first: usize, end: usize) -> Result<(), Fault> {
+        self.ops.clear();
+        let program = self.program;
+        let instrs = &program.ranks[self.rank.index()];
+        for (k, ins) in instrs[first..end].iter().enumerate() {
+            let at = (first + k) as u32;
+            let (dir, peer, payload) = match *ins {
+                Instr::Send { peer, payload, .. } => (Dir::Send, peer, payload),
+                Instr::Recv { peer, payload, .. } => (Dir::Recv, peer, payload),
+                Instr::Compute(_) => unreachable!("a batch holds only send/recv"),
+            };
+            let tensor = match dir {
+                Dir::Send => {
+                    let i = self.msg_slot(dir, payload)?;
+                    let table = match payload.kind {
+                        PayloadKind::Act => &mut self.t.act_out,
+                        PayloadKind::Grad => &mut self.t.grad_out,
+                    };
+                    Some(take(table, i, || format!("{payload}, to be sent,"))?)
+                }
+                Dir::Recv => {
+                    self.msg_slot(dir, payload)?;
+                    None
+                }
+            };
+            self.ops.push(CommOp {
+                at,
+                dir,
+                peer,
+                payload,
+                tensor,
+                seq: 0,
+            });
+        }
+        self.backend.exchange(&mut self.ops).map_err(Fault::Comm)?;
+        let mut ops = std::mem::take(&mut self.ops);
+        for op in ops.iter_mut().filter(|o| o.dir == Dir::Recv) {
+            let i = self.msg_slot(Dir::Recv, op.payload)?;
+            let v = op.tensor.take().ok_or_else(|| {
+                Fault::Schedule(format!("the backend returned no tensor for {}", op.payload))
+            })?;
+            let p = op.payload;
+            let table = match p.kind {
+                PayloadKind::Act => &mut self.t.act_in,
+                PayloadKind::Grad => &mut self.t.grad_in,
+            };
+            put(table, i, v, || format!("{p}"))?;
+        }
+        ops.clear();
+        self.ops = ops;
+        Ok(())
+    }
+}
+
+/// Run `rank`'s stream of `program` on `backend`. Spans are measured from `origin`.
+/// On failure the report goes to `watch` (which stops every rank) and `Err(Stopped)` returns.
+pub fn run_rank<B: Backend>(
+    program: &Program,
+    rank: Rank,
+    backend: &mut B,
+    watch: &Watch,
+    origin: Instant,
+) -> Result<RankRun, Stopped> {
+    let r = rank.index();
+    let instrs = &program.ranks[r];
+    let mut it = Interp {
+        program,
+        rank,
+        last: program.num_stages().saturating_sub(1),
+        backend,
+        t: Tables::new(program, r),
+        ops: Vec::new(),
+    };
+    let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
+    let mut spans = Vec::with_capacity(instrs.len());
+    let mut busy = 0.0;
+    let mut now = Instant::now();
+    let mut i = 0;
+    while i < instrs.len() {
+        if watch.is_aborted() {
+            watch.set(r, Status::Stopped(i as u32));
+            return Err(Stopped);
+        }
+        let (res, end) = match &instrs[i] {
+            Instr::Compute(c) => {
+                watch.set(r, Status::Running(i as u32));
+                (it.compute(c), i + 1)
+            }
+            ins => {
+                let b = ins.batch();
+                let mut end = i + 1;
+                while end < instrs.len()
+                    && matches!(instrs[end], Instr::Send { .. } | Instr::Recv { .. })
+                    && instrs[end].batch() == b
+                {
+                    end += 1;
+                }
+                watch.set(r, Status::Waiting(i as u32));
+                (it.batch(i, end), end)
+            }
+        };
+        if let Err(f) = res {
+            watch.set(r, Status::Stopped(i as u32));
+            if let Some(failure) = describe(program, rank, i, end, f, watch) {
+                watch.fail(failure);
+            }
+            return Err(Stopped);
+        }
+        let t = Instant::now();
+        let span = Span {
+            start: us(now),
+            end: us(t),
+        };
+        if matches!(instrs[i], Instr::Compute(_)) {
+            busy += span.end - span.start;
+        }
+        for _ in i..end {
+            spans.push(span);
+        }
+        now = t;
+        i = end;
+    }
+    watch.set(r, Status::Finished);
+    it.backend.finish();
+    Ok(RankRun {
+        spans,
+        busy_us: busy,
+        end_us: us(now),
+        peak_activations: it.t.peak,
+    })
+}
+
+fn ordinal(n: u64) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+/// `rank 1, #7 recv(act of stage 0, mb 2 <- rank 0)`.
+pub fn describe_instr(program: &Program, rank: Rank, index: u32) -> String {
+    match program.get(InstrRef { rank, index }) {
+        Some(ins) => format!("{}, #{index} {ins}", rank),
+        None => format!("{rank}, #{index}"),
+    }
+}
+
+fn describe_pending(program: &Program, rank: Rank, p: &Pending) -> String {
+    let (theirs, dir_word) = match p.dir {
+        Dir::Send => ("recv", "from"),
+        Dir::Recv => ("send", "to"),
+    };
+    format!(
+        "#{} {} waits for {} to post the matching {theirs} (its {} {theirs} {dir_word} {rank}; it has posted {} so far)",
+        p.at,
+        program
+            .get(InstrRef { rank, index: p.at })
+            .map(|i| i.to_string())
+            .unwrap_or_default(),
+        p.peer,
+        ordinal(p.seq + 1),
+        p.peer_posted
+    )
+}
+
+/// What every rank but `me` is doing, one line each.
+pub fn others(program: &Program, me: Rank, watch: &Watch) -> String {
+    let mut s = String::new();
+    for r in 0..program.world() {
+        if r == me.0 {
+            continue;
+        }
+        let rank = Rank(r);
+        let line = match watch.get(r as usize) {
+            Status::NotStarted => "not started".to_string(),
+            Status::Finished => "finished".to_string(),
+            Status::Running(i) => format!("running {}", describe_instr(program, rank, i)),
+            Status::Waiting(i) => format!(
+                "waiting in the comm batch at {}",
+                describe_instr(program, rank, i)
+            ),
+            Status::Stopped(i) => format!("stopped at {}", describe_instr(program, rank, i)),
+        };
+        let _ = writeln!(s, "  {rank}: {line}");
+    }
+    s
+}
+
+/// `other ranks:` and one line per other rank; empty for a single rank.
+fn others_section(program: &Program, me: Rank, watch: &Watch) -> String {
+    if program.world() < 2 {
+        return String::new();
+    }
+    format!("other ranks:\n{}", others(program, me, watch))
+}
+
+/// Word a fault; `None` when the rank merely stopped because another one failed.
+fn describe(
+    program: &Program,
+    rank: Rank,
+    i: usize,
+    end: usize,
+    f: Fault,
+    watch: &Watch,
+) -> Option<Failure> {
+    let at = InstrRef {
+        rank,
+        index: i as u32,
+    };
+    let here = describe_instr(program, rank, i as u32);
+    let (kind, at, report) = match f {
+        Fault::Comm(CommError::Aborted) => return None,
+        Fault::Schedule(msg) => (
+            FailureKind::Schedule,
+            at,
+            format!(
+                "schedule error at {here}: {msg}\n{}",
+                others_section(program, rank, watch)
+            ),
+        ),
+        Fault::Compute(msg) => (
+            FailureKind::Compute,
+            at,
+            format!("compute error at {here}: {msg}"),
+        ),
+        Fault::Comm(CommError::WrongPayload {
+            recv_at,
+            expected,
+            peer,
+            send_at,
+            got,
+        }) => (
+            FailureKind::WrongPayload,
+            InstrRef {
+                rank,
+                index: recv_at,
+            },
+            format!(
+                "wrong tensor: {} expects {expected} but the matching send {} carries {got}",
+                describe_instr(program, rank, recv_at),
+                describe_instr(program, peer, send_at)
+            ),
+        ),
+        Fault::Comm(CommError::Stalled {
+            pending,
+            waited,
+            peer_finished,
+        }) => {
+            let first = pending.first().map(|p| p.at).unwrap_or(i as u32);
+            let mut s = match peer_finished {
+                Some(p) => format!(
+                    "hang detected: {} waits for {p}, which has finished and will never post it\n",
+                    describe_instr(program, rank, first)
+                ),
+                None => format!(
+                    "hang detected: {} has waited {:.2} s (timeout {:.2} s)\n",
+                    describe_instr(program, rank, first),
+                    waited.as_secs_f64(),
+                    watch.timeout().as_secs_f64()
+                ),
+            };
+            if end > i + 1 {
+                let _ = writeln!(s, "  in the comm batch #{i}..#{}", end - 1);
+            }
+            for p in &pending {
+                let _ = writeln!(s, "  {}", describe_pending(program, rank, p));
+            }
+            s.push_str(&others_section(program, rank, watch));
+            (FailureKind::Hang, InstrRef { rank, index: first }, s)
+        }
+    };
+    Some(Failure {
+        kind,
+        at,
+        report: report.trim_end().to_string(),
+    })
+}
+
+/// Peak live activation stashes per rank, from the program alone: `fwd(s, m)` adds one (in
+/// training), `bwd(s, m)` or `bwd_W(s, m)` releases it; in an overlapped pair the forward's
+/// stash is counted before the backward's is released. Forward-only programs keep none.
+pub fn static_peak_activations(program: &Program) -> Vec<u32> {
+    program
+        .ranks
+        .iter()
+        .map(|instrs| {
+            if program.forward_only {
+                return 0;
+            }
+            let (mut live, mut peak) = (0i64, 0i64);
+            for c in instrs.iter().filter_map(Instr::as_compute) {
+                for (pass, _) in c.parts() {
+                    match pass {
+                        pipec_schedules::Pass::Fwd => {
+                            live += 1;
+                            peak = peak.max(live);
+                        }
+                        pipec_schedules::Pass::Bwd | pipec_schedules::Pass::BwdW => live -= 1,
+                        pipec_schedules::Pass::BwdD => {}
+                    }
+                }
+            }
+            peak.max(0) as u32
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::noop::NoopBackend;
+    use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
+    use std::time::Duration;
+
+    fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Program {
+        let spec = ScheduleSpec {
+            kind,
+            pp,
+            vpp,
+            microbatches: m,
+            group_size: None,
+            forward_only: false,
+        };
+        pipec::lower(&generate(&spec, &Limits::DEFAULT).unwrap())
+    }
+
+    /// With the no-op backend each rank runs alone; the measured stash peak equals the static
+    /// count, and every instruction gets one span.
+    #[test]
+    fn noop_runs_measure_the_static_peak() {
+        for (k, vpp) in [
+            (ScheduleKind::Gpipe, 1),
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::Interleaved1F1B, 2),
+        ] {
+            let p = program(k, 4, vpp, 8);
+            let statics = static_peak_activations(&p);
+            let watch = Watch::new(4, Duration::from_secs(5));
+            for r in 0..4u32 {
+                let run = run_rank(&p, Rank(r), &mut NoopBackend, &watch, Instant::now()).unwrap();
+                assert_eq!(run.spans.len(), p.ranks[r as usize].len());
+                assert_eq!(run.peak_activations, statics[r as usize], "{k} rank {r}");
+            }
+        }
+        // 1F1B keeps pp - r activations on rank r (PipeDream-Flush), GPipe all M.
+        assert_eq!(
+            static_peak_activations(&program(ScheduleKind::OneFOneB, 4, 1, 8)),
+            vec![4, 3, 2, 1]
+        );
+        assert_eq!(
+            static_peak_activations(&program(ScheduleKind::Gpipe, 2, 1, 5)),
+            vec![5, 5]
+        );
+    }
+
+    #[test]
+    fn backward_before_forward_stops_with_a_schedule_error() {
+        let p = Program {
+            placement: Placement::looped(1, 1),
+            microbatches: 1,
+            forward_only: false,
+            ranks: vec![vec![
+                Instr::Compute(Compute::Bwd(Task::new(0, 0))),
+                Instr::Compute(Compute::Fwd(Task::new(0, 0))),
+            ]],
+        };
+        let watch = Watch::new(1, Duration::from_secs(5));
+        assert_eq!(
+            run_rank(&p, Rank(0), &mut NoopBackend, &watch, Instant::now()).unwrap_err(),
+            Stopped
+        );
+        let f = watch.failure().unwrap();
+        assert_eq!(f.kind, FailureKind::Schedule);
+        assert_eq!(
+            f.at,
+            InstrRef {
+                rank: Rank(0),
+                index: 0
+            }
+        );
+        assert!(f.report.starts_with("schedule error at rank 0, #0 bwd(stage 0, mb 0): the saved activation of stage 0, mb 0 is not here"), "{}", f.report);
+    }
+}

@@ -1,0 +1,203 @@
+//! `pipec-run`: execute a compiled pipec schedule. Parsing and printing live here; the work is
+//! in the library. Exit codes: 0 ok, 1 the schedule failed (refused, hang, check mismatch),
+//! 2 usage or I/O error.
+
+use clap::{Parser, ValueEnum};
+use pipec_runtime::model::ModelConfig;
+use pipec_runtime::{load, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    /// One thread per rank, in-process rendezvous transport, f32 model on ndarray.
+    Cpu,
+    /// CUDA + NCCL (needs the `cuda` feature; not implemented yet).
+    Cuda,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pipec-run",
+    version,
+    about = "Execute a compiled pipec schedule: train a small model with one rank per thread, measure the bubble, check against a single-thread reference"
+)]
+struct Args {
+    /// A directory written by `pipec compile` (manifest.json + rank-<r>.json).
+    dir: PathBuf,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    /// Compare the loss and every weight gradient with the same model run without pipelining
+    /// on one thread (bitwise).
+    #[arg(long)]
+    check: bool,
+    /// Training steps (forward + backward over all microbatches, then SGD).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    steps: u32,
+    /// Seconds a rank may wait on one comm batch before the watchdog reports a hang.
+    #[arg(long, default_value_t = 30.0)]
+    timeout: f64,
+    /// Write the measured timeline of the last step as a Chrome trace (JSON).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Seed of the weights and the synthetic data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Hidden size.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    hidden: u32,
+    /// Feed-forward size of the `t`/`m` blocks.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    ffn: u32,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    vocab: u32,
+    /// Tokens per microbatch.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    seq: u32,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    lr: f32,
+    /// Ranks of the launch; must equal the schedule's world size (default: `WORLD_SIZE` if set).
+    #[arg(long)]
+    world_size: Option<u32>,
+}
+
+fn world(args: &Args) -> Result<Option<LaunchWorld>, RunError> {
+    if let Some(n) = args.world_size {
+        return Ok(Some(LaunchWorld {
+            size: n,
+            from: "--world-size",
+        }));
+    }
+    match std::env::var("WORLD_SIZE") {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(|size| {
+                Some(LaunchWorld {
+                    size,
+                    from: "WORLD_SIZE",
+                })
+            })
+            .map_err(|_| RunError::Usage(format!("WORLD_SIZE=`{v}` is not a rank count"))),
+        Err(_) => Ok(None),
+    }
+}
+
+fn ms(us: f64) -> String {
+    format!("{:.3} ms", us / 1000.0)
+}
+
+fn print_report(args: &Args, report: &RunReport) {
+    for s in &report.steps {
+        println!(
+            "step {}: loss {:.6}  wall {}",
+            s.step + 1,
+            s.loss,
+            ms(s.wall_us)
+        );
+        for (r, st) in s.ranks.iter().enumerate() {
+            let pct = if s.wall_us > 0.0 {
+                100.0 * st.idle_us / s.wall_us
+            } else {
+                0.0
+            };
+            println!(
+                "  rank {r}: busy {}  idle {} ({pct:.1}%)  peak activations {} (static {})",
+                ms(st.busy_us),
+                ms(st.idle_us),
+                st.peak_activations,
+                report.static_peak_activations.get(r).copied().unwrap_or(0)
+            );
+        }
+        if let Some(c) = &s.check {
+            println!(
+                "  check: losses and {} gradient tensors ({} values) equal the single-thread reference bitwise",
+                c.tensors, c.values
+            );
+        }
+    }
+    if let Some(p) = &args.trace {
+        println!("trace: {} (last step)", p.display());
+    }
+}
+
+fn run(args: &Args) -> Result<(), RunError> {
+    if args.backend == BackendKind::Cuda {
+        return Err(RunError::Usage(if cfg!(feature = "cuda") {
+            "the CUDA backend is not implemented in this version of pipec-run; use --backend cpu"
+                .into()
+        } else {
+            "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda` (or use --backend cpu)".into()
+        }));
+    }
+    if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= 1e6) {
+        return Err(RunError::Usage(format!(
+            "--timeout {} must be a number of seconds in (0, 1e6]",
+            args.timeout
+        )));
+    }
+    if !(args.lr.is_finite()) {
+        return Err(RunError::Usage("--lr must be finite".into()));
+    }
+    let cfg = ModelConfig {
+        hidden: args.hidden as usize,
+        ffn: args.ffn as usize,
+        vocab: args.vocab as usize,
+        seq: args.seq as usize,
+        seed: args.seed,
+    };
+    let widest = cfg.hidden.max(cfg.ffn).max(cfg.vocab);
+    if cfg.seq * widest > 1 << 26 || cfg.hidden * cfg.ffn.max(cfg.vocab) > 1 << 26 {
+        return Err(RunError::Usage(
+            "the model is too large for the CPU reference backend (a tensor over 2^26 values)"
+                .into(),
+        ));
+    }
+    let loaded = load(&args.dir, world(args)?)?;
+    let m = &loaded.manifest;
+    let kind = m
+        .schedule
+        .map(|s| format!("{}, pp {}, vpp {}", s.kind, s.pp, s.vpp))
+        .unwrap_or_else(|| format!("{} schedule, pp {}", m.source, m.world_size));
+    println!(
+        "pipec-run: {} ({kind}, {} microbatches{}; layout {}), cpu backend, {} rank threads",
+        args.dir.display(),
+        m.microbatches,
+        if m.forward_only { ", forward only" } else { "" },
+        m.layout.expanded(),
+        m.world_size
+    );
+    println!(
+        "model: hidden {}, ffn {}, vocab {}, seq {}, seed {}, lr {}",
+        cfg.hidden, cfg.ffn, cfg.vocab, cfg.seq, cfg.seed, args.lr
+    );
+    let opts = RunOptions {
+        model: cfg,
+        steps: args.steps,
+        lr: args.lr,
+        timeout: Duration::from_secs_f64(args.timeout),
+        check: args.check,
+    };
+    let report = run_cpu(&loaded.program, &m.layout, &opts)?;
+    if let Some(p) = &args.trace {
+        let text = pipec_runtime::trace::chrome_trace(&loaded.program, &report.timeline);
+        std::fs::write(p, text)
+            .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
+    }
+    print_report(args, &report);
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

@@ -1,0 +1,794 @@
+//! End-to-end runtime tests: compile -> write the instruction files -> load them back -> run on
+//! the CPU backend, through the library and through the `pipec-run` binary.
+//!
+//! The check compares each pipelined step with an independent computation: the same model run
+//! without pipelining, microbatch after microbatch, on one thread (`reference.rs`), and must
+//! agree bitwise. The measured activation peak is compared with a count from the program alone.
+
+use assert_cmd::Command;
+use pipec::compile::{compile, CompileRequest, Compiled};
+use pipec::files::{render, write_dir, Encoding, Header};
+use pipec::layout::Layout;
+use pipec::program::{Instr, Payload, Program};
+use pipec_runtime::model::ModelConfig;
+use pipec_runtime::watchdog::FailureKind;
+use pipec_runtime::{load, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
+use pipec_schedules::{
+    generate, CommPolicy, Compute, Limits, Placement, Rank, RankOrder, ScheduleKind, ScheduleSpec,
+    Task,
+};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+fn opts(steps: u32) -> RunOptions {
+    RunOptions {
+        model: ModelConfig {
+            hidden: 4,
+            ffn: 8,
+            vocab: 8,
+            seq: 3,
+            seed: 11,
+        },
+        steps,
+        lr: 0.1,
+        timeout: Duration::from_secs(20),
+        check: true,
+    }
+}
+
+fn request(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) -> CompileRequest {
+    CompileRequest {
+        kind,
+        pp,
+        vpp: Some(vpp),
+        microbatches: m,
+        group_size: None,
+        forward_only,
+        combined: false,
+        layout: None,
+        num_layers: None,
+        mtp_num_layers: None,
+        limits: Limits::DEFAULT,
+    }
+}
+
+fn write_compiled(c: &Compiled, dir: &Path) {
+    let header = Header {
+        source: "generated",
+        schedule: Some(c.spec),
+        comm_policy: Some(c.schedule.comm),
+        layout: &c.layout,
+    };
+    write_dir(dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+}
+
+/// Write a hand-made program (bypassing verification) with the uniform layout.
+fn write_program(p: &Program, dir: &Path) {
+    let layout = Layout::uniform(p.num_stages());
+    let header = Header {
+        source: "hand-written",
+        schedule: None,
+        comm_policy: None,
+        layout: &layout,
+    };
+    write_dir(dir, &render(&header, p, Encoding::Json)).unwrap();
+}
+
+/// Load from disk and run: the path `pipec-run` takes, minus printing.
+fn run_dir(dir: &Path, o: &RunOptions) -> Result<RunReport, RunError> {
+    let loaded = load(dir, None)?;
+    run_cpu(&loaded.program, &loaded.manifest.layout, o)
+}
+
+fn assert_checked(report: &RunReport, what: &str) {
+    for s in &report.steps {
+        let c = s
+            .check
+            .as_ref()
+            .unwrap_or_else(|| panic!("{what}: no check"));
+        assert_eq!(c.max_abs_diff, 0.0, "{what}");
+        let measured: Vec<u32> = s.ranks.iter().map(|r| r.peak_activations).collect();
+        assert_eq!(
+            measured, report.static_peak_activations,
+            "{what}: activation peak"
+        );
+        assert!(s.loss.is_finite(), "{what}");
+    }
+}
+
+#[test]
+fn check_passes_for_every_generated_kind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut ran = 0;
+    for (kind, vpps) in [
+        (ScheduleKind::Gpipe, &[1][..]),
+        (ScheduleKind::OneFOneB, &[1][..]),
+        (ScheduleKind::Interleaved1F1B, &[2, 3][..]),
+        (ScheduleKind::LoopedBfs, &[1, 2][..]),
+    ] {
+        for pp in 1..=4u32 {
+            for &vpp in vpps {
+                for m in [1, pp, 2 * pp + 1] {
+                    let req = request(kind, pp, vpp, m, false);
+                    let Ok(c) = compile(&req) else { continue };
+                    let dir = tmp.path().join(format!("{kind}-{pp}-{vpp}-{m}"));
+                    write_compiled(&c, &dir);
+                    let what = format!("{kind} pp {pp} vpp {vpp} M {m}");
+                    let report = run_dir(&dir, &opts(2)).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_checked(&report, &what);
+                    assert_eq!(report.steps[0].ranks.len(), pp as usize);
+                    ran += 1;
+                }
+            }
+        }
+    }
+    assert!(ran >= 30, "only {ran} configurations compiled");
+}
+
+#[test]
+fn forward_only_programs_run_and_keep_no_activations() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, vpp) in [
+        (ScheduleKind::OneFOneB, 1),
+        (ScheduleKind::Interleaved1F1B, 2),
+    ] {
+        let c = compile(&request(kind, 2, vpp, 4, true)).unwrap();
+        let dir = tmp.path().join(kind.name());
+        write_compiled(&c, &dir);
+        let report = run_dir(&dir, &opts(1)).unwrap();
+        assert_checked(&report, kind.name());
+        assert_eq!(report.static_peak_activations, vec![0, 0]);
+        assert_eq!(report.steps[0].check.as_ref().unwrap().tensors, 0);
+    }
+}
+
+/// A layout with empty stages and `m` layers: identity stages at both ends carry token ids
+/// forward and the loss gradient backward.
+#[test]
+fn layouts_with_empty_and_mtp_stages_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut req = request(ScheduleKind::Interleaved1F1B, 2, 3, 4, false);
+    req.vpp = None;
+    req.layout = Some("|E|tt|t|mL|".into());
+    let c = compile(&req).unwrap();
+    let dir = tmp.path().join("layout");
+    write_compiled(&c, &dir);
+    assert_checked(&run_dir(&dir, &opts(2)).unwrap(), "layout");
+}
+
+// ---- split backward and overlapped pairs, built from hand-made orders -----------------------
+
+fn orders(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Option<pipec_schedules::Schedule> {
+    let spec = ScheduleSpec {
+        kind,
+        pp,
+        vpp,
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+        combined: false,
+    };
+    generate(&spec, &Limits::DEFAULT).ok()
+}
+
+/// Replace every `bwd` by `bwd_D`, with its `bwd_W` `delay` ops later (clamped to the end).
+fn split(order: &RankOrder, delay: usize) -> RankOrder {
+    let mut ops: Vec<Compute> = Vec::new();
+    let mut deferred: Vec<(usize, Task)> = Vec::new();
+    for (i, op) in order.ops.iter().enumerate() {
+        match *op {
+            Compute::Bwd(t) => {
+                ops.push(Compute::BwdD(t));
+                deferred.push((i + delay, t));
+            }
+            other => ops.push(other),
+        }
+        while let Some(&(due, t)) = deferred.first() {
+            if due > i {
+                break;
+            }
+            ops.push(Compute::BwdW(t));
+            deferred.remove(0);
+        }
+    }
+    ops.extend(deferred.into_iter().map(|(_, t)| Compute::BwdW(t)));
+    RankOrder {
+        rank: order.rank,
+        ops,
+        warmup: order.warmup,
+    }
+}
+
+/// Megatron's combined 1F1B (`combined_1f1b.py`): one more warmup forward than the plain
+/// schedule, then each steady-state step runs the next forward overlapped with the oldest
+/// pending backward as one `fwd_bwd`, then the cooldown backwards.
+fn combine(order: &RankOrder) -> RankOrder {
+    let fwds: Vec<Task> = order
+        .ops
+        .iter()
+        .filter_map(|c| match c {
+            Compute::Fwd(t) => Some(*t),
+            _ => None,
+        })
+        .collect();
+    let bwds: Vec<Task> = order
+        .ops
+        .iter()
+        .filter_map(|c| match c {
+            Compute::Bwd(t) => Some(*t),
+            _ => None,
+        })
+        .collect();
+    let w = (order.warmup as usize + 1).min(fwds.len());
+    let mut ops: Vec<Compute> = fwds[..w].iter().map(|&t| Compute::Fwd(t)).collect();
+    let pairs = fwds.len() - w;
+    for k in 0..pairs {
+        ops.push(Compute::FwdBwd {
+            fwd: fwds[w + k],
+            bwd: bwds[k],
+        });
+    }
+    ops.extend(bwds[pairs..].iter().map(|&t| Compute::Bwd(t)));
+    RankOrder {
+        rank: order.rank,
+        ops,
+        warmup: w as u32,
+    }
+}
+
+fn count_kinds(p: &Program, seen: &mut [usize; 3]) {
+    for c in p.compute_orders().into_iter().flatten() {
+        match c {
+            Compute::FwdBwd { .. } => seen[0] += 1,
+            Compute::BwdD(_) | Compute::BwdW(_) => seen[1] += 1,
+            Compute::Bwd(_) => seen[2] += 1,
+            Compute::Fwd(_) => {}
+        }
+    }
+}
+
+/// Split backward and overlapped pairs from hand-made compute orders, lowered by
+/// `pipec::lower_orders` with one comm step per op. (With several chunks per rank that
+/// lowering can deadlock under rendezvous, so the multi-chunk cases are covered by the
+/// rewrite below, which keeps a compiled program's batches.)
+#[test]
+fn check_passes_for_split_and_overlapped_orders() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut seen = [0usize; 3];
+    for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+        for pp in 1..=4u32 {
+            for m in [1, pp, 2 * pp + 1] {
+                let s = orders(kind, pp, 1, m).unwrap();
+                let mut variants: Vec<(String, Vec<RankOrder>)> = Vec::new();
+                for delay in [0, 1, 3, usize::MAX / 2] {
+                    variants.push((
+                        format!("split, W delayed by {delay}"),
+                        s.ranks.iter().map(|o| split(o, delay)).collect(),
+                    ));
+                }
+                if kind == ScheduleKind::OneFOneB {
+                    variants.push(("combined".into(), s.ranks.iter().map(combine).collect()));
+                }
+                for (name, ords) in variants {
+                    let p =
+                        pipec::lower_orders(&s.placement, m, false, CommPolicy::FusedPerOp, &ords);
+                    count_kinds(&p, &mut seen);
+                    let dir = tmp
+                        .path()
+                        .join(format!("{kind}-{pp}-{m}-{}", name.replace([' ', ','], "_")));
+                    write_program(&p, &dir);
+                    let what = format!("{kind} pp {pp} M {m} {name}");
+                    let report = run_dir(&dir, &opts(2)).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_checked(&report, &what);
+                }
+            }
+        }
+    }
+    assert!(
+        seen[0] > 0 && seen[1] > 0,
+        "not every op kind ran: {seen:?}"
+    );
+}
+
+/// Rewrite a compiled program's instruction stream, leaving every comm batch as it is:
+/// `bwd(t)` becomes `bwd_D(t)` with `bwd_W(t)` `delay` compute instructions later, or (with
+/// `fuse`) each `fwd` immediately followed by a `bwd` of another task becomes one `fwd_bwd`,
+/// the pair Megatron's interleaved loop runs between two batches.
+fn rewrite(p: &Program, delay: Option<usize>, fuse: bool) -> Program {
+    let mut out = p.clone();
+    for instrs in &mut out.ranks {
+        let mut v: Vec<Instr> = Vec::with_capacity(instrs.len() * 2);
+        let mut deferred: Vec<(usize, Task)> = Vec::new();
+        let mut computes = 0usize;
+        let mut i = 0;
+        while i < instrs.len() {
+            let ins = instrs[i];
+            i += 1;
+            match (ins, delay) {
+                (Instr::Compute(Compute::Fwd(f)), _) if fuse => match instrs.get(i) {
+                    Some(&Instr::Compute(Compute::Bwd(b))) if b != f => {
+                        v.push(Instr::Compute(Compute::FwdBwd { fwd: f, bwd: b }));
+                        i += 1;
+                    }
+                    _ => v.push(ins),
+                },
+                (Instr::Compute(Compute::Bwd(t)), Some(d)) => {
+                    v.push(Instr::Compute(Compute::BwdD(t)));
+                    deferred.push((computes + d, t));
+                }
+                _ => v.push(ins),
+            }
+            if matches!(ins, Instr::Compute(_)) {
+                computes += 1;
+                while let Some(&(due, t)) = deferred.first() {
+                    if due >= computes {
+                        break;
+                    }
+                    v.push(Instr::Compute(Compute::BwdW(t)));
+                    deferred.remove(0);
+                }
+            }
+        }
+        v.extend(
+            deferred
+                .into_iter()
+                .map(|(_, t)| Instr::Compute(Compute::BwdW(t))),
+        );
+        *instrs = v;
+    }
+    out
+}
+
+#[test]
+fn check_passes_for_split_and_overlapped_rewrites_of_compiled_programs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut seen = [0usize; 3];
+    for (kind, vpps) in [
+        (ScheduleKind::OneFOneB, &[1][..]),
+        (ScheduleKind::Interleaved1F1B, &[2, 3][..]),
+        (ScheduleKind::LoopedBfs, &[2][..]),
+    ] {
+        for pp in 2..=4u32 {
+            for &vpp in vpps {
+                for m in [pp, 2 * pp] {
+                    let Ok(c) = compile(&request(kind, pp, vpp, m, false)) else {
+                        continue;
+                    };
+                    for (name, delay, fuse) in [
+                        ("split now", Some(0), false),
+                        ("split, W 2 ops later", Some(2), false),
+                        ("split, W last", Some(usize::MAX / 2), false),
+                        ("overlapped pairs", None, true),
+                    ] {
+                        let p = rewrite(&c.program, delay, fuse);
+                        count_kinds(&p, &mut seen);
+                        let dir = tmp.path().join(format!(
+                            "{kind}-{pp}-{vpp}-{m}-{}",
+                            name.replace([' ', ','], "_")
+                        ));
+                        write_program(&p, &dir);
+                        let what = format!("{kind} pp {pp} vpp {vpp} M {m} {name}");
+                        let report =
+                            run_dir(&dir, &opts(1)).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert_checked(&report, &what);
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        seen[0] > 0 && seen[1] > 0,
+        "not every op kind ran: {seen:?}"
+    );
+}
+
+/// Deferring `bwd_W` keeps activations alive longer: the peak grows, measured and static agree.
+#[test]
+fn deferred_weight_gradients_raise_the_activation_peak() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = orders(ScheduleKind::OneFOneB, 2, 1, 4).unwrap();
+    let peak = |delay: usize, name: &str| {
+        let ords: Vec<RankOrder> = s.ranks.iter().map(|o| split(o, delay)).collect();
+        let p = pipec::lower_orders(&s.placement, 4, false, CommPolicy::FusedPerOp, &ords);
+        let dir = tmp.path().join(name);
+        write_program(&p, &dir);
+        let r = run_dir(&dir, &opts(1)).unwrap();
+        assert_checked(&r, name);
+        r.static_peak_activations
+    };
+    // 1F1B keeps pp - r activations on rank r; with every bwd_W at the end, all M stay.
+    assert_eq!(peak(0, "now"), vec![2, 1]);
+    assert_eq!(peak(usize::MAX / 2, "last"), vec![4, 4]);
+}
+
+// ---- the watchdog ---------------------------------------------------------------------------
+
+fn fwd(s: u32, m: u32) -> Instr {
+    Instr::Compute(Compute::Fwd(Task::new(s, m)))
+}
+fn bwd(s: u32, m: u32) -> Instr {
+    Instr::Compute(Compute::Bwd(Task::new(s, m)))
+}
+fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
+    Instr::Send {
+        peer: Rank(peer),
+        payload,
+        batch,
+    }
+}
+fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
+    Instr::Recv {
+        peer: Rank(peer),
+        payload,
+        batch,
+    }
+}
+
+/// 1F1B on two ranks with every send in its own batch (Megatron fuses `send_forward` with
+/// `recv_backward` precisely to avoid this): after warmup rank 0 sends act(0,1) while rank 1
+/// sends grad(1,0), each before posting the other's receive. With eager buffering of small
+/// messages this would run; under rendezvous it hangs, so the runtime must report it.
+fn unfused_1f1b() -> Program {
+    Program {
+        placement: Placement::looped(2, 1),
+        microbatches: 2,
+        forward_only: false,
+        ranks: vec![
+            vec![
+                fwd(0, 0),
+                send(1, Payload::act(0, 0), 0),
+                fwd(0, 1),
+                send(1, Payload::act(0, 1), 1),
+                recv(1, Payload::grad(1, 0), 2),
+                bwd(0, 0),
+                recv(1, Payload::grad(1, 1), 3),
+                bwd(0, 1),
+            ],
+            vec![
+                recv(0, Payload::act(0, 0), 0),
+                fwd(1, 0),
+                bwd(1, 0),
+                send(0, Payload::grad(1, 0), 1),
+                recv(0, Payload::act(0, 1), 2),
+                fwd(1, 1),
+                bwd(1, 1),
+                send(0, Payload::grad(1, 1), 3),
+            ],
+        ],
+    }
+}
+
+const HANG_R0: &str = "rank 0, #3 send(act of stage 0, mb 1 -> rank 1)";
+const HANG_R1: &str = "rank 1, #3 send(grad of stage 1, mb 0 -> rank 0)";
+
+#[test]
+fn watchdog_reports_a_rendezvous_hang() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hang");
+    write_program(&unfused_1f1b(), &dir);
+    let mut o = opts(1);
+    o.timeout = Duration::from_millis(300);
+    match run_dir(&dir, &o) {
+        Err(e @ RunError::Failed(_)) => {
+            let RunError::Failed(f) = &e else {
+                unreachable!()
+            };
+            assert_eq!(f.kind, FailureKind::Hang);
+            assert_eq!(e.exit_code(), 1);
+            let text = f.report.as_str();
+            assert!(text.starts_with("hang detected: "), "{text}");
+            // Whichever rank timed out first reports itself and shows the other waiting.
+            assert!(text.contains(HANG_R0) && text.contains(HANG_R1), "{text}");
+            assert!(text.contains("waits for rank"), "{text}");
+            assert!(text.contains("waiting in the comm batch"), "{text}");
+        }
+        other => panic!("expected a hang report, got {other:?}"),
+    }
+}
+
+/// Swapping rank 0's send of act(0,0) with its receive of grad(1,0) makes both ranks wait for
+/// each other (a cyclic wait under any semantics).
+#[test]
+fn watchdog_reports_swapped_instructions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = compile(&request(ScheduleKind::OneFOneB, 2, 1, 1, false)).unwrap();
+    let mut p = c.program.clone();
+    let s = p.ranks[0]
+        .iter()
+        .position(|i| matches!(i, Instr::Send { .. }))
+        .unwrap();
+    let r = p.ranks[0]
+        .iter()
+        .position(|i| matches!(i, Instr::Recv { .. }))
+        .unwrap();
+    p.ranks[0].swap(s, r);
+    let dir = tmp.path().join("swapped");
+    write_program(&p, &dir);
+    let mut o = opts(1);
+    o.timeout = Duration::from_millis(200);
+    match run_dir(&dir, &o) {
+        Err(RunError::Failed(f)) => {
+            assert_eq!(f.kind, FailureKind::Hang, "{}", f.report);
+            assert!(
+                f.report.contains("recv(grad of stage 1, mb 0 <- rank 1)"),
+                "{}",
+                f.report
+            );
+            assert!(
+                f.report.contains("recv(act of stage 0, mb 0 <- rank 0)"),
+                "{}",
+                f.report
+            );
+        }
+        other => panic!("expected a hang report, got {other:?}"),
+    }
+}
+
+// ---- refusals -------------------------------------------------------------------------------
+
+#[test]
+fn world_size_mismatch_is_refused_before_running() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ws");
+    write_compiled(
+        &compile(&request(ScheduleKind::OneFOneB, 2, 1, 2, false)).unwrap(),
+        &dir,
+    );
+    let e = load(
+        &dir,
+        Some(LaunchWorld {
+            size: 3,
+            from: "--world-size",
+        }),
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("manifest.json") && msg.contains("`world_size`"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("compiled for 2 ranks, but the launch has 3"),
+        "{msg}"
+    );
+    assert_eq!(e.exit_code(), 1);
+    assert!(load(
+        &dir,
+        Some(LaunchWorld {
+            size: 2,
+            from: "--world-size"
+        })
+    )
+    .is_ok());
+}
+
+#[test]
+fn edited_rank_file_is_refused_by_hash() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hash");
+    write_compiled(
+        &compile(&request(ScheduleKind::OneFOneB, 2, 1, 2, false)).unwrap(),
+        &dir,
+    );
+    tamper(&dir);
+    let e = load(&dir, None).unwrap_err();
+    assert!(
+        e.to_string().contains("rank-1.json") && e.to_string().contains("sha256"),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), 1);
+}
+
+/// Change one microbatch id in rank 1's file, leaving the manifest's hash as it was.
+fn tamper(dir: &Path) {
+    let p = dir.join("rank-1.json");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let edited = text.replacen("\"mb\":1", "\"mb\":0", 1);
+    assert_ne!(text, edited, "the rank file has an mb 1 to edit");
+    std::fs::write(&p, edited).unwrap();
+}
+
+#[test]
+fn unmatched_program_is_refused_naming_file_and_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = unfused_1f1b();
+    p.ranks[1].remove(4); // rank 1 no longer receives act(0, 1)
+    let dir = tmp.path().join("unmatched");
+    write_program(&p, &dir);
+    let e = load(&dir, None).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank-0.json") && msg.contains("instructions[3]"),
+        "{msg}"
+    );
+    assert!(msg.contains("this send has no receive"), "{msg}");
+}
+
+// ---- the binary -----------------------------------------------------------------------------
+
+/// `pipec-run`, built once per test process so the test never runs a stale binary (cargo only
+/// builds a package's binaries for that package's own tests).
+fn pipec_run() -> Command {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    let bin = BIN.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf(); // target/<profile>
+        let target = profile_dir.parent().unwrap();
+        let profile = profile_dir
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args([
+            "build",
+            "--quiet",
+            "-p",
+            "pipec-runtime",
+            "--bin",
+            "pipec-run",
+            "--target-dir",
+        ])
+        .arg(target);
+        if profile != "debug" {
+            cmd.args([
+                "--profile",
+                if profile == "release" {
+                    "release"
+                } else {
+                    &profile
+                },
+            ]);
+        }
+        let status = cmd.status().expect("run cargo to build pipec-run");
+        assert!(status.success(), "building pipec-run failed");
+        profile_dir.join(format!("pipec-run{}", std::env::consts::EXE_SUFFIX))
+    });
+    let mut c = Command::new(bin);
+    c.env_remove("WORLD_SIZE");
+    c
+}
+
+fn cli_dir(tmp: &Path, name: &str, kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> PathBuf {
+    let dir = tmp.join(name);
+    write_compiled(&compile(&request(kind, pp, vpp, m, false)).unwrap(), &dir);
+    dir
+}
+
+const TINY: [&str; 8] = ["--hidden", "4", "--ffn", "8", "--vocab", "8", "--seq", "3"];
+
+#[test]
+fn cli_checks_every_kind_and_writes_a_trace() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (kind, vpp) in [
+        (ScheduleKind::Gpipe, 1),
+        (ScheduleKind::OneFOneB, 1),
+        (ScheduleKind::Interleaved1F1B, 2),
+        (ScheduleKind::LoopedBfs, 2),
+    ] {
+        let dir = cli_dir(tmp.path(), kind.name(), kind, 2, vpp, 4);
+        let trace = tmp.path().join(format!("{}.json", kind.name()));
+        let out = pipec_run()
+            .arg(&dir)
+            .args([
+                "--backend",
+                "cpu",
+                "--check",
+                "--steps",
+                "2",
+                "--timeout",
+                "10",
+                "--trace",
+            ])
+            .arg(&trace)
+            .args(TINY)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{kind}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("step 1: loss ") && stdout.contains("step 2: loss "),
+            "{stdout}"
+        );
+        assert_eq!(
+            stdout
+                .matches("equal the single-thread reference bitwise")
+                .count(),
+            2,
+            "{stdout}"
+        );
+        assert!(stdout.contains("rank 1: busy "), "{stdout}");
+        let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+        let events = t["traceEvents"].as_array().unwrap();
+        let x: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+        let loaded = load(&dir, None).unwrap();
+        assert_eq!(x.len(), loaded.program.len(), "one event per instruction");
+        assert!(x.iter().all(|e| e["pid"] == 0
+            && e["tid"].as_u64().unwrap() < 2
+            && e["dur"].as_f64().unwrap() >= 0.0));
+    }
+}
+
+#[test]
+fn cli_hang_exits_1_with_the_watchdog_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hang");
+    write_program(&unfused_1f1b(), &dir);
+    let out = pipec_run()
+        .arg(&dir)
+        .args(["--timeout", "0.3"])
+        .args(TINY)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("error: hang detected: "), "{stderr}");
+    assert!(
+        stderr.contains(HANG_R0) && stderr.contains(HANG_R1),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn cli_refusals_and_usage_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = cli_dir(tmp.path(), "ok", ScheduleKind::OneFOneB, 2, 1, 2);
+    // World size from the flag and from the environment.
+    let out = pipec_run()
+        .arg(&dir)
+        .args(["--world-size", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`world_size`"));
+    let out = pipec_run()
+        .arg(&dir)
+        .env("WORLD_SIZE", "3")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("launch has 3 (WORLD_SIZE)"));
+    let out = pipec_run()
+        .arg(&dir)
+        .env("WORLD_SIZE", "2")
+        .args(TINY)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    // CUDA is not built in.
+    let out = pipec_run()
+        .arg(&dir)
+        .args(["--backend", "cuda"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("without the `cuda` feature"));
+    // Missing directory, bad flags.
+    let out = pipec_run().arg(tmp.path().join("nope")).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = pipec_run()
+        .arg(&dir)
+        .args(["--timeout", "-1"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let out = pipec_run()
+        .arg(&dir)
+        .args(["--steps", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    // A tampered rank file.
+    tamper(&dir);
+    let out = pipec_run().arg(&dir).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank-1.json"));
+}
