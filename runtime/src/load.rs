@@ -295,6 +295,7 @@ mod tests {
             microbatches: m,
             group_size: None,
             forward_only: false,
+            combined: false,
         };
         pipec::lower(&generate(&spec, &Limits::DEFAULT).unwrap())
     }
