@@ -108,6 +108,18 @@ fn table_order(
     ops
 }
 
+/// Warmup actually used on a rank. At pp = 1 Megatron's `get_forward_backward_func` picks
+/// `forward_backward_no_pipelining`, which runs each microbatch's forward then its backward
+/// (no warmup), although `get_pp_rank_microbatches` reports 1 there (that count serves the
+/// combined 1F1B variant of no-pipelining).
+fn effective_warmup(pp: u32, mbs: &RankMicrobatches, forward_only: bool) -> u32 {
+    if pp == 1 && !forward_only {
+        0
+    } else {
+        mbs.warmup
+    }
+}
+
 /// Non-interleaved 1F1B (`forward_backward_pipelining_without_interleaving`).
 pub(crate) fn one_f_one_b(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let (pp, m) = (spec.pp, spec.microbatches);
@@ -115,10 +127,11 @@ pub(crate) fn one_f_one_b(spec: &ScheduleSpec) -> Vec<RankOrder> {
     (0..pp)
         .map(|r| {
             let mbs = rank_microbatches(pp, r, None, m, pp, spec.forward_only, false);
+            let warmup = effective_warmup(pp, &mbs, spec.forward_only);
             RankOrder {
                 rank: Rank(r),
-                ops: table_order(pp, r, 1, &table, mbs.warmup, spec.forward_only),
-                warmup: mbs.warmup,
+                ops: table_order(pp, r, 1, &table, warmup, spec.forward_only),
+                warmup,
             }
         })
         .collect()
@@ -132,10 +145,11 @@ pub(crate) fn interleaved(spec: &ScheduleSpec) -> Vec<RankOrder> {
     (0..pp)
         .map(|r| {
             let mbs = rank_microbatches(pp, r, Some(v), m, g, spec.forward_only, false);
+            let warmup = effective_warmup(pp, &mbs, spec.forward_only);
             RankOrder {
                 rank: Rank(r),
-                ops: table_order(pp, r, v, &table, mbs.warmup, spec.forward_only),
-                warmup: mbs.warmup,
+                ops: table_order(pp, r, v, &table, warmup, spec.forward_only),
+                warmup,
             }
         })
         .collect()

@@ -5,3 +5,4 @@ mod layout;
 mod megatron;
 mod runtime;
 mod torch;
+mod verify;
