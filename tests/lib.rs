@@ -62,3 +62,5 @@ pub fn workspace_bin(package: &str, name: &str) -> std::process::Command {
 pub fn pipec() -> std::process::Command {
     workspace_bin("pipec", "pipec")
 }
+
+pub mod reference;

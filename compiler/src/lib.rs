@@ -7,12 +7,15 @@
 
 pub mod compile;
 pub mod files;
+pub mod graph;
 pub mod layout;
 pub mod lower;
 pub mod program;
 pub mod timeline;
 pub mod torch;
+pub mod verify;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
 pub use lower::{lower, lower_orders};
 pub use program::{Instr, InstrRef, Payload, PayloadKind, Program};
+pub use verify::{verify, Report, VerifyOptions, Violation};

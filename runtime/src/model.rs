@@ -823,7 +823,7 @@ mod tests {
 
     #[test]
     fn layouts_without_embedding_first_or_loss_last_are_refused() {
-        let l = |s: &str| pipec::layout::parse(s).unwrap();
+        let l = |s: &str| pipec::layout::expand(s).unwrap();
         assert!(build::<f32>(&l("tE|L"), &cfg()).is_err());
         assert!(build::<f32>(&l("E|t"), &cfg()).is_err());
         assert!(build::<f32>(&l("|Et|tL|"), &cfg()).is_ok());

@@ -120,32 +120,36 @@ fn table_order(
     ops
 }
 
+/// Warmup actually used on a rank. At pp = 1 Megatron's `get_forward_backward_func` picks
+/// `forward_backward_no_pipelining`, which runs each microbatch's forward then its backward
+/// (no warmup), although `get_pp_rank_microbatches` reports 1 there (that count serves the
+/// combined 1F1B variant of no-pipelining, `combined_1f1b_schedule_for_no_pipelining`: "Phase
+/// 1: 1st microbatch backward + 2nd microbatch forward"). With pipelining, combined 1F1B adds
+/// one warmup microbatch (`overlap_moe_expert_parallel_comm`).
+fn warmup_of(pp: u32, r: u32, vpp: Option<u32>, m: u32, g: u32, spec: &ScheduleSpec) -> u32 {
+    let extra = spec.combined && pp > 1;
+    let mbs = rank_microbatches(pp, r, vpp, m, g, spec.forward_only, extra);
+    if pp == 1 && !spec.forward_only && !spec.combined {
+        0
+    } else {
+        mbs.warmup
+    }
+}
+
 /// Non-interleaved 1F1B (`forward_backward_pipelining_without_interleaving`). With
-/// `combined`, the same warmup rule plus one (`get_pp_rank_microbatches` with
-/// `overlap_moe_expert_parallel_comm`) and fused steady pairs; Megatron itself runs combined
-/// 1F1B only from its interleaved and no-pipelining loops, so this one is pipec's extension.
+/// `combined`, the same warmup rule plus one and fused steady pairs; Megatron itself runs
+/// combined 1F1B only from its interleaved and no-pipelining loops, so this one (pp > 1) is
+/// pipec's extension.
 pub(crate) fn one_f_one_b(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let (pp, m) = (spec.pp, spec.microbatches);
     let table = schedule_table(m, 1, m.max(1));
     (0..pp)
         .map(|r| {
-            // Without pipelining Megatron runs combined 1F1B from
-            // `combined_1f1b_schedule_for_no_pipelining` ("Phase 1: 1st microbatch backward +
-            // 2nd microbatch forward"), which keeps the single warmup forward.
-            let extra = spec.combined && pp > 1;
-            let mbs = rank_microbatches(pp, r, None, m, pp, spec.forward_only, extra);
+            let warmup = warmup_of(pp, r, None, m, pp, spec);
             RankOrder {
                 rank: Rank(r),
-                ops: table_order(
-                    pp,
-                    r,
-                    1,
-                    &table,
-                    mbs.warmup,
-                    spec.forward_only,
-                    spec.combined,
-                ),
-                warmup: mbs.warmup,
+                ops: table_order(pp, r, 1, &table, warmup, spec.forward_only, spec.combined),
+                warmup,
             }
         })
         .collect()
@@ -158,19 +162,11 @@ pub(crate) fn interleaved(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let table = schedule_table(m, v, g);
     (0..pp)
         .map(|r| {
-            let mbs = rank_microbatches(pp, r, Some(v), m, g, spec.forward_only, spec.combined);
+            let warmup = warmup_of(pp, r, Some(v), m, g, spec);
             RankOrder {
                 rank: Rank(r),
-                ops: table_order(
-                    pp,
-                    r,
-                    v,
-                    &table,
-                    mbs.warmup,
-                    spec.forward_only,
-                    spec.combined,
-                ),
-                warmup: mbs.warmup,
+                ops: table_order(pp, r, v, &table, warmup, spec.forward_only, spec.combined),
+                warmup,
             }
         })
         .collect()

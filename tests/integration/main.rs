@@ -6,3 +6,4 @@ mod megatron;
 mod runtime;
 mod schedules;
 mod torch;
+mod verify;

@@ -2,11 +2,11 @@
 //! orders, lowering that matches FIFO and never deadlocks under rendezvous semantics, and the
 //! published bubble / memory figures under uniform op times.
 //!
-//! Until `pipec::verify` and `pipec::simulate` land on main, two small test-local models check
-//! the programs: [`rendezvous`] (step ranks; a comm batch completes when every batch its
-//! messages' peers sit in is posted too, transitively; all finish or it reports who is stuck)
-//! and [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
-//! and its inputs are done; communication is free).
+//! Every program goes through `pipec::verify::verify` and, independently, a small test-local
+//! model, [`rendezvous`] (step ranks; a comm batch completes when every batch its messages'
+//! peers sit in is posted too, transitively; all finish or it reports who is stuck). Times come
+//! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
+//! and its inputs are done; communication is free), written before `pipec::simulate` existed.
 
 use pipec::lower::lower;
 use pipec::program::{Instr, Payload, PayloadKind, Program};
@@ -417,6 +417,9 @@ fn simulate(placement: &Placement, stages: u32, m: u32, orders: &[Vec<Compute>])
         }
         assert!(progress, "simulation stuck at {pc:?}");
     }
+    // Forward-only (no backward anywhere) stashes nothing: an activation lives during its
+    // forward only, as the verifier counts it.
+    let forward_only = orders.iter().flatten().all(Compute::is_forward);
     let peak = orders
         .iter()
         .map(|ops| {
@@ -429,6 +432,9 @@ fn simulate(placement: &Placement, stages: u32, m: u32, orders: &[Vec<Compute>])
                         Pass::BwdD => {}
                     }
                     peak = peak.max(live);
+                    if forward_only {
+                        live -= 1;
+                    }
                 }
             }
             peak as u32
@@ -481,20 +487,30 @@ fn grid(kind: ScheduleKind) -> Vec<ScheduleSpec> {
     out
 }
 
+/// `pipec::verify` finds the program valid (complete, matched, deadlock-free, ordered), the
+/// test-local executor runs it to the end, and the verifier's peak per rank is the simulator's.
+fn assert_sound(sch: &Schedule, what: &str) {
+    let prog = lower(sch);
+    let report = pipec::verify::verify(&prog, &pipec::verify::VerifyOptions::default());
+    assert!(report.is_valid(), "{what}: {report}");
+    if let Err(e) = rendezvous(&prog) {
+        panic!("{what}: {e}");
+    }
+    let peaks: Vec<u32> = report.memory.iter().map(|r| r.peak as u32).collect();
+    assert_eq!(peaks, sim_of(sch).peak, "{what}: peak activations per rank");
+}
+
 #[test]
 fn every_new_kind_lowers_deadlock_free() {
     for kind in NEW_KINDS {
         let g = grid(kind);
         assert!(g.len() > 20, "{kind}: grid too small ({})", g.len());
         for s in g {
-            let sch = schedule(&s);
-            let prog = lower(&sch);
-            if let Err(e) = rendezvous(&prog) {
-                panic!(
-                    "{kind} pp {} m {} fwd-only {}: {e}",
-                    s.pp, s.microbatches, s.forward_only
-                );
-            }
+            let what = format!(
+                "{kind} pp {} m {} fwd-only {}",
+                s.pp, s.microbatches, s.forward_only
+            );
+            assert_sound(&schedule(&s), &what);
         }
     }
 }
@@ -532,10 +548,10 @@ fn existing_kinds_lower_deadlock_free() {
                         if s.validate(&Limits::DEFAULT).is_err() {
                             continue;
                         }
-                        let prog = lower(&schedule(&s));
-                        if let Err(e) = rendezvous(&prog) {
-                            panic!("{kind} combined {combined} pp {pp} vpp {vpp} m {m}: {e}");
-                        }
+                        let what = format!(
+                            "{kind} combined {combined} pp {pp} vpp {vpp} m {m} fwd-only {forward_only}"
+                        );
+                        assert_sound(&schedule(&s), &what);
                     }
                 }
             }

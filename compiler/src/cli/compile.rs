@@ -3,6 +3,7 @@
 use super::CliError;
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::files::{self, Header};
+use pipec::verify::{verify, VerifyOptions};
 use pipec_schedules::{Limits, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +47,12 @@ pub struct Args {
     /// Encoding of the rank files: json (default, readable) or bin (postcard, compact).
     #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
     pub format: FileFormat,
+    /// Most live activations (microbatch x stage units) a rank may hold; exceeding it is a violation.
+    #[arg(long)]
+    pub memory_limit: Option<u64>,
+    /// Write the schedule without verifying it (not recommended).
+    #[arg(long)]
+    pub no_verify: bool,
     /// Output directory.
     #[arg(short = 'o', long = "out")]
     pub out: PathBuf,
@@ -100,6 +107,32 @@ pub fn compile_error(e: CompileError) -> CliError {
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let c = compile(&a.request()).map_err(compile_error)?;
+    // Verify before anything is written: an invalid schedule never reaches the disk unless
+    // the user insists with --no-verify.
+    let verdict = if a.no_verify {
+        eprintln!(
+            "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
+            if a.memory_limit.is_some() { " (--memory-limit was not checked either)" } else { "" }
+        );
+        None
+    } else {
+        let opts = VerifyOptions {
+            memory_limit: a.memory_limit,
+        };
+        let r = verify(&c.program, &opts);
+        if !r.is_valid() {
+            let mut msg = format!(
+                "refusing to write {}: {}",
+                a.out.display(),
+                r.verdict_line()
+            );
+            for v in &r.violations {
+                msg.push_str(&format!("\n  [{}] {v}", v.class()));
+            }
+            return Err(CliError::Invalid(msg));
+        }
+        Some(r)
+    };
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
@@ -119,5 +152,8 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         c.program.len(),
         a.out.display()
     );
+    if let Some(r) = verdict {
+        println!("{}", r.verdict_line());
+    }
     Ok(ExitCode::SUCCESS)
 }

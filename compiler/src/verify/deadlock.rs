@@ -1,0 +1,269 @@
+//! Deadlock freedom under rendezvous semantics, with comm batches as units.
+//!
+//! The model (the strictest NCCL behaviour): all ops of a batch are posted together; a send
+//! or receive completes only once its matched peer op is posted too, whatever the message
+//! size; a batch completes when all its ops have; compute never waits. So a batch `B`
+//! completes exactly when it is posted and, for each of its ops, the batch `C` holding the
+//! matched op has been posted as well. `C` is posted once the batch before it on its rank has
+//! completed. That is an AND-wait graph over batches with an edge `pred(B) -> B` (program
+//! order) and `pred(C) -> B` for every matched op of `B` whose partner sits in `C`. The
+//! program is deadlock-free exactly when every op is matched and this graph is acyclic (by
+//! induction along a topological order every batch completes; a batch on a cycle would have
+//! to complete strictly after itself).
+//!
+//! DESIGN.md phrases the rule as merging each batch with its matched peers' batches and
+//! checking the merged graph. The two agree whenever a merged group holds at most one batch
+//! per rank, which is the case for every schedule pipec generates; where a group would chain
+//! two batches of one rank through a peer (`b1 ~ c ~ b2`), merging reports a deadlock that does
+//! not happen (`b1` completes as soon as `c` is posted), so we check the per-batch graph.
+//!
+//! Both passes are iterative (Kahn's algorithm, then an explicit-stack Tarjan on what Kahn
+//! could not release): recursive graph algorithms overflow the stack at millions of nodes.
+
+use super::index::{Index, NONE};
+use super::matching::Matching;
+use super::report::{Site, Violation, WaitStep};
+use std::collections::VecDeque;
+
+/// The wait graph in compressed rows: `targets[start[u]..start[u + 1]]` are the batches that
+/// wait for `u`; `labels` holds the waiting op (global position) of a matched edge, or `NONE`
+/// for program order.
+struct Graph {
+    start: Vec<u32>,
+    targets: Vec<u32>,
+    labels: Vec<u32>,
+}
+
+impl Graph {
+    fn out(&self, u: u32) -> std::ops::Range<usize> {
+        self.start[u as usize] as usize..self.start[u as usize + 1] as usize
+    }
+}
+
+/// Calls `f(from, to, label)` for every edge.
+fn edges(ix: &Index<'_>, m: &Matching, mut f: impl FnMut(u32, u32, u32)) {
+    for b in 0..ix.batch_start.len() as u32 {
+        if let Some(a) = ix.pred(b) {
+            f(a, b, NONE);
+        }
+        let s = ix.batch_start[b as usize];
+        for g in s..s + ix.batch_len[b as usize] {
+            let q = m.partner[g as usize];
+            if q == NONE {
+                continue;
+            }
+            let c = ix.node_of[q as usize];
+            if let Some(pc) = ix.pred(c) {
+                f(pc, b, g);
+            }
+        }
+    }
+}
+
+fn build(ix: &Index<'_>, m: &Matching) -> Graph {
+    let n = ix.batch_start.len();
+    let mut start = vec![0u32; n + 1];
+    edges(ix, m, |a, _, _| start[a as usize + 1] += 1);
+    for i in 0..n {
+        start[i + 1] += start[i];
+    }
+    let e = start[n] as usize;
+    let mut fill = start.clone();
+    let mut targets = vec![0u32; e];
+    let mut labels = vec![0u32; e];
+    edges(ix, m, |a, b, l| {
+        let k = fill[a as usize] as usize;
+        targets[k] = b;
+        labels[k] = l;
+        fill[a as usize] += 1;
+    });
+    Graph {
+        start,
+        targets,
+        labels,
+    }
+}
+
+/// Report one wait cycle per strongly connected group of batches that can never complete.
+/// Unmatched ops are reported by matching; here they add no edge, so what remains after
+/// Kahn's algorithm is exactly what sits on or behind a cycle.
+pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
+    let n = ix.batch_start.len();
+    if n == 0 {
+        return;
+    }
+    let g = build(ix, m);
+    let mut indeg = vec![0u32; n];
+    for &t in &g.targets {
+        indeg[t as usize] += 1;
+    }
+    let mut ready: Vec<u32> = (0..n as u32).filter(|&v| indeg[v as usize] == 0).collect();
+    let mut released = 0usize;
+    while let Some(u) = ready.pop() {
+        released += 1;
+        for k in g.out(u) {
+            let t = g.targets[k] as usize;
+            indeg[t] -= 1;
+            if indeg[t] == 0 {
+                ready.push(t as u32);
+            }
+        }
+    }
+    if released == n {
+        return;
+    }
+    let stuck: Vec<bool> = indeg.iter().map(|&d| d > 0).collect();
+    for scc in cyclic_sccs(&g, &stuck) {
+        let cycle = shortest_cycle(&g, &scc);
+        out.push(Violation::Deadlock {
+            cycle: describe(ix, m, &cycle),
+        });
+    }
+}
+
+/// Strongly connected components of the stuck subgraph that contain a cycle (more than one
+/// node, or a self-loop), by an iterative Tarjan. Each is returned with its members sorted.
+fn cyclic_sccs(g: &Graph, stuck: &[bool]) -> Vec<Vec<u32>> {
+    let n = stuck.len();
+    let mut index = vec![NONE; n];
+    let mut low = vec![NONE; n];
+    let mut on_stack = vec![false; n];
+    let mut stack: Vec<u32> = Vec::new();
+    // The explicit call stack: (node, next out-edge to look at).
+    let mut call: Vec<(u32, usize)> = Vec::new();
+    let mut counter = 0u32;
+    let mut found = Vec::new();
+    for root in 0..n as u32 {
+        if !stuck[root as usize] || index[root as usize] != NONE {
+            continue;
+        }
+        let mut next = Some(root);
+        loop {
+            if let Some(v) = next.take() {
+                index[v as usize] = counter;
+                low[v as usize] = counter;
+                counter += 1;
+                stack.push(v);
+                on_stack[v as usize] = true;
+                call.push((v, g.start[v as usize] as usize));
+            }
+            let Some(&(v, e)) = call.last() else {
+                break;
+            };
+            if e < g.start[v as usize + 1] as usize {
+                call.last_mut().expect("non-empty").1 += 1;
+                let w = g.targets[e];
+                if !stuck[w as usize] {
+                    continue;
+                }
+                if index[w as usize] == NONE {
+                    next = Some(w);
+                } else if on_stack[w as usize] {
+                    low[v as usize] = low[v as usize].min(index[w as usize]);
+                }
+                continue;
+            }
+            call.pop();
+            if let Some(&(u, _)) = call.last() {
+                low[u as usize] = low[u as usize].min(low[v as usize]);
+            }
+            if low[v as usize] == index[v as usize] {
+                let mut scc = Vec::new();
+                loop {
+                    let w = stack.pop().expect("tarjan stack holds the component");
+                    on_stack[w as usize] = false;
+                    scc.push(w);
+                    if w == v {
+                        break;
+                    }
+                }
+                let self_loop = g.out(v).any(|k| g.targets[k] == v);
+                if scc.len() > 1 || self_loop {
+                    scc.sort_unstable();
+                    found.push(scc);
+                }
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// A shortest cycle through the first member of a strongly connected component, by breadth-
+/// first search: `(node, label of the edge from it to the next node)`, in edge direction.
+fn shortest_cycle(g: &Graph, scc: &[u32]) -> Vec<(u32, u32)> {
+    let v = scc[0];
+    let member = |w: u32| scc.binary_search(&w).is_ok();
+    // parent[w] = (node before w, label of that edge), local to the component.
+    let mut parent: std::collections::HashMap<u32, (u32, u32)> = Default::default();
+    let mut queue = VecDeque::from([v]);
+    let mut last: Option<(u32, u32)> = None;
+    'bfs: while let Some(u) = queue.pop_front() {
+        for k in g.out(u) {
+            let w = g.targets[k];
+            if w == v {
+                last = Some((u, g.labels[k]));
+                break 'bfs;
+            }
+            if member(w) && !parent.contains_key(&w) {
+                parent.insert(w, (u, g.labels[k]));
+                queue.push_back(w);
+            }
+        }
+    }
+    let (mut u, mut label) = last.expect("a cyclic component has a cycle through each member");
+    let mut rev = Vec::new();
+    loop {
+        rev.push((u, label));
+        if u == v {
+            break;
+        }
+        let (p, l) = parent[&u];
+        label = l;
+        u = p;
+        // The pair pushed next is (p, label of p -> u).
+    }
+    // rev holds (u_k, l_k: u_k -> v), (u_{k-1}, l: u_{k-1} -> u_k), ...: reverse it.
+    rev.reverse();
+    rev
+}
+
+/// Put a cycle in words: who waits for whom, starting at the earliest waiting instruction.
+/// `cycle` is in edge direction (`n_i -> n_{i+1}` means `n_{i+1}` waits for `n_i`).
+fn describe(ix: &Index<'_>, m: &Matching, cycle: &[(u32, u32)]) -> Vec<WaitStep> {
+    let k = cycle.len();
+    // Walk against the edges: the waiter of step j is the head of edge (k - 1 - j).
+    let mut raw: Vec<(Option<(u32, u32)>, u32)> = Vec::with_capacity(k); // (Some((x, partner)) | None, waiter pos)
+    for j in 0..k {
+        let e = (k + k - 1 - j) % k; // edge index n_e -> n_{e+1}
+        let head = cycle[(e + 1) % k].0;
+        let label = cycle[e].1;
+        if label == NONE {
+            raw.push((None, ix.batch_start[head as usize]));
+        } else {
+            raw.push((Some((label, m.partner[label as usize])), label));
+        }
+    }
+    let first = (0..k).min_by_key(|&j| raw[j].1).unwrap_or(0);
+    raw.rotate_left(first);
+    let site = |g: u32| -> Site { ix.site(g) };
+    let mut steps: Vec<WaitStep> = Vec::with_capacity(k);
+    for j in 0..k {
+        let until = site(raw[(j + 1) % k].1);
+        match (raw[j].0, steps.last_mut()) {
+            // A run of program-order waits on one rank says one thing: this batch cannot be
+            // posted until an earlier one completes. Keep the run's two ends.
+            (None, Some(WaitStep::Order { until: u, .. })) => *u = until,
+            (None, _) => steps.push(WaitStep::Order {
+                waiter: site(raw[j].1),
+                until,
+            }),
+            (Some((x, y)), _) => steps.push(WaitStep::Peer {
+                waiter: site(x),
+                peer: site(y),
+                until,
+            }),
+        }
+    }
+    steps
+}

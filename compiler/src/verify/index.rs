@@ -1,0 +1,357 @@
+//! One pass over the program: range checks, batch segmentation, and the dense tables every
+//! later check reads. Nothing here indexes with an id before checking its range, so a program
+//! read from a file cannot make the verifier panic.
+
+use super::report::{Field, Part, Site, Stats, Violation};
+use crate::program::{Instr, InstrRef, Payload, PayloadKind, Program};
+use pipec_schedules::{Microbatch, Pass, Rank, StageId, Task};
+use std::collections::HashMap;
+
+/// "No position": an empty slot in the u32 tables.
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// Table slot of a pass.
+#[inline]
+pub(crate) fn slot(p: Pass) -> usize {
+    match p {
+        Pass::Fwd => 0,
+        Pass::Bwd => 1,
+        Pass::BwdD => 2,
+        Pass::BwdW => 3,
+    }
+}
+
+/// Dense tables over global instruction positions (ranks concatenated in order), tasks
+/// (`stage * M + mb`) and payloads (`kind * tasks + task`).
+pub(crate) struct Index<'p> {
+    pub p: &'p Program,
+    pub world: u32,
+    pub stages: u32,
+    pub mbs: u32,
+    /// Global position of each rank's instruction 0; `world + 1` entries.
+    pub offsets: Vec<u32>,
+    /// Whether the per-task tables below exist (see [`Index::build`]).
+    pub dense: bool,
+    pub tasks: usize,
+    /// Per pass slot: first position of each task's pass, and how often it runs (saturating).
+    pub first: [Vec<u32>; 4],
+    pub count: [Vec<u8>; 4],
+    /// Per payload: first position of a receive of it, and how many receives there are.
+    pub recv_first: Vec<u32>,
+    pub recv_count: Vec<u8>,
+    /// Every receive position of payloads received more than once.
+    pub multi_recv: HashMap<u32, Vec<u32>>,
+    /// Per position: the comm batch of a send/recv, `NONE` for compute.
+    pub node_of: Vec<u32>,
+    /// Per batch: first position, length, rank. Batches are numbered rank-major in order, so
+    /// the batch before `b` on its rank is `b - 1` when `batch_rank[b - 1] == batch_rank[b]`.
+    pub batch_start: Vec<u32>,
+    pub batch_len: Vec<u32>,
+    pub batch_rank: Vec<u32>,
+    pub stats: Stats,
+    pub compute_parts: u64,
+}
+
+impl<'p> Index<'p> {
+    /// Scan the program once. Returns `None` (with a violation pushed) only when the program is
+    /// too large to number with u32 positions.
+    pub fn build(p: &'p Program, out: &mut Vec<Violation>) -> Option<Index<'p>> {
+        let world = p.ranks.len() as u32;
+        let total: u64 = p.ranks.iter().map(|r| r.len() as u64).sum();
+        if total >= NONE as u64 || p.ranks.len() as u64 >= NONE as u64 {
+            out.push(Violation::TooLarge {
+                instructions: total,
+            });
+            return None;
+        }
+        if p.placement.pp != world {
+            out.push(Violation::WorldMismatch {
+                pp: p.placement.pp,
+                ranks: world,
+            });
+        }
+        for (s, r) in p.placement.table().iter().enumerate() {
+            if r.0 >= world {
+                out.push(Violation::PlacementOutOfRange {
+                    stage: StageId(s as u32),
+                    rank: *r,
+                    world,
+                });
+            }
+        }
+        let stages = p.placement.num_stages();
+        let mbs = p.microbatches;
+        let tasks = stages as u64 * mbs as u64;
+        // Dense per-task tables cost a few bytes per task; a program is complete only if it
+        // holds a pass per task, so a table much larger than the program means missing work,
+        // reported once instead of allocating for ids that never occur.
+        let dense = tasks <= (4 * total).max(1 << 20);
+        let tasks = if dense { tasks as usize } else { 0 };
+        let mut offsets = Vec::with_capacity(p.ranks.len() + 1);
+        let mut acc = 0u32;
+        for r in &p.ranks {
+            offsets.push(acc);
+            acc += r.len() as u32;
+        }
+        offsets.push(acc);
+        let mut ix = Index {
+            p,
+            world,
+            stages,
+            mbs,
+            offsets,
+            dense,
+            tasks,
+            first: std::array::from_fn(|_| vec![NONE; tasks]),
+            count: std::array::from_fn(|_| vec![0u8; tasks]),
+            recv_first: vec![NONE; 2 * tasks],
+            recv_count: vec![0u8; 2 * tasks],
+            multi_recv: HashMap::new(),
+            node_of: vec![NONE; total as usize],
+            batch_start: Vec::new(),
+            batch_len: Vec::new(),
+            batch_rank: Vec::new(),
+            stats: Stats {
+                ranks: world,
+                instructions: total,
+                ..Stats::default()
+            },
+            compute_parts: 0,
+        };
+        ix.scan(out);
+        if !dense {
+            out.push(Violation::TooFewOps {
+                tasks: stages as u64 * mbs as u64,
+                compute_parts: ix.compute_parts,
+            });
+        }
+        Some(ix)
+    }
+
+    fn scan(&mut self, out: &mut Vec<Violation>) {
+        let p = self.p;
+        let forward_only = p.forward_only;
+        for (r, instrs) in p.ranks.iter().enumerate() {
+            let base = self.offsets[r];
+            let rank = Rank(r as u32);
+            let mut prev_batch: Option<u32> = None;
+            for (i, ins) in instrs.iter().enumerate() {
+                let g = base + i as u32;
+                match *ins {
+                    Instr::Compute(c) => {
+                        prev_batch = None;
+                        self.stats.compute_ops += 1;
+                        for (pass, t) in c.parts() {
+                            self.compute_parts += 1;
+                            let site = || Site {
+                                at: InstrRef {
+                                    rank,
+                                    index: i as u32,
+                                },
+                                instr: *ins,
+                            };
+                            if !self.task_in_range(t, site, out) {
+                                continue;
+                            }
+                            let part = Part { pass, task: t };
+                            if forward_only && pass != Pass::Fwd {
+                                out.push(Violation::BackwardInForwardOnly { site: site(), part });
+                                continue;
+                            }
+                            if let Some(o) = self.owner(t) {
+                                if o != rank.0 {
+                                    out.push(Violation::WrongRank {
+                                        site: site(),
+                                        part,
+                                        owner: Rank(o),
+                                    });
+                                }
+                            }
+                            if self.dense {
+                                let ti = self.task_index(t);
+                                let k = slot(pass);
+                                if self.count[k][ti] == 0 {
+                                    self.first[k][ti] = g;
+                                } else {
+                                    out.push(Violation::Duplicate {
+                                        part,
+                                        first: self.site(self.first[k][ti]),
+                                        again: site(),
+                                    });
+                                }
+                                self.count[k][ti] = self.count[k][ti].saturating_add(1);
+                            }
+                        }
+                    }
+                    Instr::Send {
+                        peer,
+                        payload,
+                        batch,
+                    }
+                    | Instr::Recv {
+                        peer,
+                        payload,
+                        batch,
+                    } => {
+                        let is_recv = matches!(ins, Instr::Recv { .. });
+                        if is_recv {
+                            self.stats.recvs += 1;
+                        } else {
+                            self.stats.sends += 1;
+                        }
+                        if prev_batch != Some(batch) {
+                            self.batch_start.push(g);
+                            self.batch_len.push(0);
+                            self.batch_rank.push(r as u32);
+                        }
+                        prev_batch = Some(batch);
+                        let b = self.batch_start.len() - 1;
+                        self.batch_len[b] += 1;
+                        self.node_of[g as usize] = b as u32;
+                        let site = || Site {
+                            at: InstrRef {
+                                rank,
+                                index: i as u32,
+                            },
+                            instr: *ins,
+                        };
+                        if peer.0 >= self.world {
+                            out.push(Violation::OutOfRange {
+                                site: site(),
+                                field: Field::Peer,
+                                value: peer.0,
+                                bound: self.world,
+                            });
+                        }
+                        let t = Task {
+                            stage: payload.stage,
+                            mb: payload.mb,
+                        };
+                        if !self.task_in_range(t, site, out) || !is_recv || !self.dense {
+                            continue;
+                        }
+                        let pi = self.payload_index(payload);
+                        match self.recv_count[pi] {
+                            0 => self.recv_first[pi] = g,
+                            1 => {
+                                self.multi_recv
+                                    .insert(pi as u32, vec![self.recv_first[pi], g]);
+                            }
+                            _ => {
+                                if let Some(v) = self.multi_recv.get_mut(&(pi as u32)) {
+                                    v.push(g);
+                                }
+                            }
+                        }
+                        // Saturate below 255 so "more than one" stays on the multi path.
+                        self.recv_count[pi] = self.recv_count[pi].saturating_add(1).min(2);
+                    }
+                }
+            }
+        }
+        self.stats.batches = self.batch_start.len() as u64;
+    }
+
+    /// Range-check a (stage, mb) pair, reporting each field out of range.
+    fn task_in_range(&self, t: Task, site: impl Fn() -> Site, out: &mut Vec<Violation>) -> bool {
+        let mut ok = true;
+        if t.stage.0 >= self.stages {
+            out.push(Violation::OutOfRange {
+                site: site(),
+                field: Field::Stage,
+                value: t.stage.0,
+                bound: self.stages,
+            });
+            ok = false;
+        }
+        if t.mb.0 >= self.mbs {
+            out.push(Violation::OutOfRange {
+                site: site(),
+                field: Field::Microbatch,
+                value: t.mb.0,
+                bound: self.mbs,
+            });
+            ok = false;
+        }
+        ok
+    }
+
+    /// Whether a task's ids are in range (no report).
+    #[inline]
+    pub fn in_range(&self, t: Task) -> bool {
+        t.stage.0 < self.stages && t.mb.0 < self.mbs
+    }
+
+    /// The rank that owns an in-range task, `None` when the placement names a rank the
+    /// program does not have (reported once per stage).
+    #[inline]
+    pub fn owner(&self, t: Task) -> Option<u32> {
+        let r = self.p.placement.rank_of(t).0;
+        (r < self.world).then_some(r)
+    }
+
+    #[inline]
+    pub fn task_index(&self, t: Task) -> usize {
+        t.stage.index() * self.mbs as usize + t.mb.index()
+    }
+
+    #[inline]
+    pub fn payload_index(&self, p: Payload) -> usize {
+        let k = match p.kind {
+            PayloadKind::Act => 0,
+            PayloadKind::Grad => 1,
+        };
+        k * self.tasks
+            + self.task_index(Task {
+                stage: p.stage,
+                mb: p.mb,
+            })
+    }
+
+    pub fn task_of(&self, ti: usize) -> Task {
+        let m = self.mbs as usize;
+        Task {
+            stage: StageId((ti / m) as u32),
+            mb: Microbatch((ti % m) as u32),
+        }
+    }
+
+    /// Rank of a global position.
+    #[inline]
+    pub fn rank_of_pos(&self, g: u32) -> u32 {
+        (self.offsets.partition_point(|&o| o <= g) - 1) as u32
+    }
+
+    /// Whether global position `g` is on rank `r`.
+    #[inline]
+    pub fn on_rank(&self, g: u32, r: u32) -> bool {
+        g >= self.offsets[r as usize] && g < self.offsets[r as usize + 1]
+    }
+
+    pub fn instr_ref(&self, g: u32) -> InstrRef {
+        let r = self.rank_of_pos(g);
+        InstrRef {
+            rank: Rank(r),
+            index: g - self.offsets[r as usize],
+        }
+    }
+
+    pub fn instr(&self, g: u32) -> Instr {
+        let at = self.instr_ref(g);
+        self.p.ranks[at.rank.index()][at.index as usize]
+    }
+
+    pub fn site(&self, g: u32) -> Site {
+        let at = self.instr_ref(g);
+        Site {
+            at,
+            instr: self.p.ranks[at.rank.index()][at.index as usize],
+        }
+    }
+
+    /// The batch before `b` on the same rank.
+    #[inline]
+    pub fn pred(&self, b: u32) -> Option<u32> {
+        (b > 0 && self.batch_rank[b as usize - 1] == self.batch_rank[b as usize]).then(|| b - 1)
+    }
+}

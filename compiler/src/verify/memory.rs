@@ -1,0 +1,94 @@
+//! Peak live activations per rank (DESIGN.md "Correctness rules" 5), in units of one
+//! microbatch's activations on one stage, the unit the published formulas use (GPipe holds
+//! `M`, 1F1B `p - r` on rank `r`: Narayanan et al., "Efficient Large-Scale Language Model
+//! Training on GPU Clusters Using Megatron-LM", 2021).
+//!
+//! The activation of `(s, m)` is allocated by `fwd(s, m)` and freed by its `bwd`, or by
+//! `bwd_W` when the backward is split (the weight gradient still needs the stashed input).
+//! Within one instruction allocation comes before freeing, so the forward half of a `fwd_bwd`
+//! pair counts while the backward half still holds its activation. In a forward-only program
+//! nothing is stashed: an activation lives only during its forward.
+
+use super::index::{Index, NONE};
+use super::report::{RankMemory, Violation};
+use crate::program::{Instr, InstrRef};
+use pipec_schedules::{Pass, Rank};
+
+pub(crate) fn check(
+    ix: &Index<'_>,
+    limit: Option<u64>,
+    out: &mut Vec<Violation>,
+) -> Vec<RankMemory> {
+    // holder[task] = rank + 1 while the activation is live on that rank. Ranks are walked one
+    // after another, so a value left by an earlier rank never equals the current one.
+    let mut holder = if ix.dense {
+        vec![0u32; ix.tasks]
+    } else {
+        Vec::new()
+    };
+    let forward_only = ix.p.forward_only;
+    let mut result = Vec::with_capacity(ix.world as usize);
+    for (r, instrs) in ix.p.ranks.iter().enumerate() {
+        let tag = r as u32 + 1;
+        let (mut live, mut peak) = (0u64, 0u64);
+        let mut peak_at = NONE;
+        let mut over_at = NONE;
+        for (i, ins) in instrs.iter().enumerate() {
+            let Instr::Compute(c) = ins else { continue };
+            let mut frees = 0u64;
+            for (pass, t) in c.parts() {
+                let tracked = ix.dense && ix.in_range(t);
+                match pass {
+                    Pass::Fwd => {
+                        live += 1;
+                        if forward_only {
+                            frees += 1;
+                        } else if tracked {
+                            holder[ix.task_index(t)] = tag;
+                        }
+                    }
+                    Pass::Bwd | Pass::BwdW if !forward_only => {
+                        if tracked {
+                            let h = &mut holder[ix.task_index(t)];
+                            if *h == tag {
+                                *h = 0;
+                                frees += 1;
+                            }
+                        } else if !ix.dense {
+                            frees += 1;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if live > peak {
+                peak = live;
+                peak_at = i as u32;
+            }
+            if let Some(l) = limit {
+                if live > l && over_at == NONE {
+                    over_at = i as u32;
+                }
+            }
+            live = live.saturating_sub(frees);
+        }
+        let rank = Rank(r as u32);
+        let at = |index: u32| InstrRef { rank, index };
+        if over_at != NONE {
+            let site = |i: u32| ix.site(ix.offsets[r] + i);
+            out.push(Violation::MemoryLimit {
+                rank,
+                limit: limit.unwrap_or(0),
+                first_over: site(over_at),
+                peak,
+                peak_at: site(peak_at),
+            });
+        }
+        result.push(RankMemory {
+            rank,
+            peak,
+            at: (peak_at != NONE).then(|| at(peak_at)),
+        });
+    }
+    result
+}
