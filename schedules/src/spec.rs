@@ -124,7 +124,7 @@ impl ScheduleKind {
                 "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
             ),
             ScheduleKind::Zb1P => (
-                "one-pass zero bubble: warmup, then F, B, and W delayed by the rank",
+                "one-pass zero bubble: 1F1B warmup, then F and bwd_D, with each rank's bwd_W passes delayed by its rank",
                 "--pp, --microbatches; vpp = 1",
                 "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
             ),

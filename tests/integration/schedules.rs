@@ -789,11 +789,7 @@ fn zb_v_zero_bubble_1f1b_memory() {
         for m in [2 * pp, 3 * pp + 1, 4 * pp] {
             let s = sim(ScheduleKind::ZbV, pp, m);
             assert_eq!(s.bubble_time(), 0, "pp {pp} m {m}");
-            assert!(
-                s.worst_peak() <= 2 * pp,
-                "pp {pp} m {m}: {}",
-                s.worst_peak()
-            );
+            assert_eq!(s.worst_peak(), 2 * pp, "pp {pp} m {m}");
         }
     }
 }
@@ -807,16 +803,12 @@ fn v_half_and_v_min_memory_and_bubble() {
         for m in [2 * pp, 4 * pp, 8 * pp] {
             let half = sim(ScheduleKind::VHalf, pp, m);
             let min = sim(ScheduleKind::VMin, pp, m);
-            assert!(
-                half.worst_peak() <= 2 * ((pp + 2) / 2),
-                "v-half pp {pp} m {m}: {}",
-                half.worst_peak()
+            assert_eq!(
+                half.worst_peak(),
+                2 * ((pp + 2) / 2),
+                "v-half pp {pp} m {m}"
             );
-            assert!(
-                min.worst_peak() <= 2 * ((pp + 4) / 3),
-                "v-min pp {pp} m {m}: {}",
-                min.worst_peak()
-            );
+            assert_eq!(min.worst_peak(), 2 * ((pp + 4) / 3), "v-min pp {pp} m {m}");
             // Published bubble rates (T_F = T_B = T_W): 1F1B ~ p/m, V-Half ~ p/2m,
             // V-Min ~ 2p/3m, as 1 - (F+B+W) m / longest stage time.
             let (p, mm) = (pp as f64, m as f64);
@@ -841,15 +833,19 @@ fn v_half_and_v_min_memory_and_bubble() {
 /// = 3, B = 2, W = 1: p - 2 for DualPipe on p ranks. DualPipeV is DualPipe on 2p half-size
 /// stages folded onto p ranks, so its p is the number of stages 2pp: (pp - 1)(3 + 2 - 3).
 #[test]
-fn dualpipe_bubble_formula() {
+fn dualpipe_bubble_and_memory_formulas() {
     for pp in [2u32, 4, 8, 16] {
         for m in [2 * pp, 4 * pp] {
             let s = sim(ScheduleKind::DualPipe, pp, m);
             let formula = (pp as u64 / 2 - 1) * (3 + 2 - 3);
             assert_eq!(s.bubble_time(), formula, "dualpipe pp {pp} m {m}");
+            // Activations PP+1 (DualPipe README).
+            assert_eq!(s.worst_peak(), pp + 1, "dualpipe pp {pp} m {m}");
             let v = sim(ScheduleKind::DualPipeV, pp, m);
             let formula = (pp as u64 - 1) * (3 + 2 - 3);
             assert_eq!(v.bubble_time(), formula, "dualpipe-v pp {pp} m {m}");
+            // PP+1 with PP = 2pp half-size stages.
+            assert_eq!(v.worst_peak(), 2 * pp + 1, "dualpipe-v pp {pp} m {m}");
         }
     }
 }
