@@ -6,10 +6,13 @@
 //! simulation and the emitters read the program; [`files`] stores it.
 
 pub mod compile;
+pub mod cost;
+pub mod emit;
 pub mod files;
 pub mod layout;
 pub mod lower;
 pub mod program;
+pub mod simulate;
 pub mod timeline;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};

@@ -2,6 +2,7 @@
 //! Exit codes: 0 ok, 1 the input is invalid (violations found), 2 usage or I/O error.
 
 mod check;
+mod compare;
 mod compile;
 mod export;
 mod import;
@@ -35,6 +36,8 @@ pub enum Command {
     Show(show::Args),
     /// Simulate a compiled schedule under a cost model: makespan, bubble, peak memory.
     Simulate(simulate::Args),
+    /// Compare schedules side by side under one cost model.
+    Compare(compare::Args),
     /// Write a compiled schedule in another format.
     Export(export::Args),
     /// Import a torch.distributed.pipelining CSV schedule into a compiled directory.
@@ -51,6 +54,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Check(a) => check::run(a),
         Command::Show(a) => show::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Compare(a) => compare::run(a),
         Command::Export(a) => export::run(a),
         Command::Import(a) => import::run(a),
         Command::Layout(a) => layout::run(a),
