@@ -47,23 +47,38 @@ impl Matching {
         }
         offsets.push(total);
         let mut partner = vec![NONE; total];
-        // Per ordered pair (src, dst): the global indices of sends and recvs in order. Dense
-        // when world^2 is small, which it is for any real pipeline.
-        let pair = |a: usize, b: usize| a * world + b;
-        let mut sends: Vec<Vec<u32>> = vec![Vec::new(); world * world];
-        let mut recvs: Vec<Vec<u32>> = vec![Vec::new(); world * world];
+        // Per ordered pair (src, dst): the global indices of sends and recvs in order. Pairs
+        // get dense ids: directly `src * world + dst` for any real pipeline, through a map
+        // when world^2 would be too big to allocate (a hostile file with many ranks).
+        let dense = world <= 1024;
+        let mut ids: std::collections::HashMap<(usize, usize), usize> = Default::default();
+        let mut pair = |a: usize, b: usize| {
+            if dense {
+                a * world + b
+            } else {
+                let n = ids.len();
+                *ids.entry((a, b)).or_insert(n)
+            }
+        };
+        let slots = if dense { world * world } else { 0 };
+        let mut sends: Vec<Vec<u32>> = vec![Vec::new(); slots];
+        let mut recvs: Vec<Vec<u32>> = vec![Vec::new(); slots];
         for (r, instrs) in program.ranks.iter().enumerate() {
             for (i, ins) in instrs.iter().enumerate() {
                 let g = (offsets[r] + i) as u32;
-                match *ins {
+                let (list, id) = match *ins {
                     Instr::Send { peer, .. } if peer.index() < world => {
-                        sends[pair(r, peer.index())].push(g)
+                        (&mut sends, pair(r, peer.index()))
                     }
                     Instr::Recv { peer, .. } if peer.index() < world => {
-                        recvs[pair(peer.index(), r)].push(g)
+                        (&mut recvs, pair(peer.index(), r))
                     }
-                    _ => {}
+                    _ => continue,
+                };
+                if id >= list.len() {
+                    list.resize(id + 1, Vec::new());
                 }
+                list[id].push(g);
             }
         }
         for (s, r) in sends.iter().zip(&recvs) {
@@ -800,6 +815,33 @@ mod tests {
             simulate(&p, &costs("", 2)),
             Err(SimError::StageOutOfRange { stage: 9, .. })
         ));
+    }
+
+    /// Worlds too big for a dense pair table match through the map, with the same result.
+    #[test]
+    fn many_ranks_match_through_the_map() {
+        let w = 1100;
+        let mut ranks = vec![Vec::new(); w];
+        ranks[0] = vec![send(w as u32 - 1, Payload::act(0, 0), 0)];
+        ranks[w - 1] = vec![recv(0, Payload::act(0, 0), 0), fwd(1, 0)];
+        let p = Program {
+            placement: Placement::looped(w as u32, 1),
+            ..program(vec![])
+        };
+        let p = Program { ranks, ..p };
+        let m = Matching::new(&p);
+        assert_eq!(
+            m.partner(InstrRef {
+                rank: Rank(0),
+                index: 0
+            }),
+            Some(InstrRef {
+                rank: Rank(w as u32 - 1),
+                index: 0
+            })
+        );
+        let s = simulate(&p, &costs("p2p=1", w as u32)).unwrap();
+        assert_eq!(s.summary.makespan, 2.0);
     }
 
     #[test]

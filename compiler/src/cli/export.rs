@@ -58,10 +58,8 @@ pub struct Args {
 /// The bytes of the export.
 fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
     let name = title(&loaded.manifest);
-    let timed = || -> Result<_, CliError> {
-        let model = a.cost.model()?;
-        run_sim(loaded, &model).map_err(sim_error)
-    };
+    let model = a.cost.model()?;
+    let timed = || run_sim(loaded, &model).map_err(sim_error);
     Ok(match a.format {
         Format::TorchCsv => {
             return Err(CliError::Usage(
@@ -76,7 +74,7 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
             let sim = timed()?;
             let opts = svg::SvgOptions {
                 width: a.svg_width,
-                title: Some(name),
+                title: Some(format!("{name}   ·   cost {}", model.describe())),
             };
             svg::render(&loaded.program, &sim.timeline, &opts).into_bytes()
         }

@@ -35,12 +35,9 @@ impl CostArgs {
                 .map_err(|e| CliError::Usage(e.render()))?;
         }
         if let Some(spec) = &self.cost {
-            // Inline entries may repeat keys of the file: they win.
-            let mut inline = m.clone();
-            inline
-                .apply(spec, None)
+            // Applied after the file, so inline entries win over the file's.
+            m.apply(spec, None)
                 .map_err(|e| CliError::Usage(e.render()))?;
-            m = inline;
         }
         Ok(m)
     }

@@ -90,6 +90,12 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     };
     let used = ((makespan * scale).round() as usize).min(cols);
     let chunk = chunks(program);
+    if used == 0 {
+        return format!(
+            "(nothing to draw: the makespan is 0 {})\n",
+            unit_word(timeline.unit)
+        );
+    }
     let mut kinds_seen = [false; 5];
     let mut odd_chunk_seen = false;
     let mut out = String::new();
@@ -292,4 +298,72 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
         let _ = writeln!(out, "{}", line([&r[0], &r[1], &r[2], &r[3], &r[4]]));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::timeline::Span;
+    use pipec_schedules::{Compute, Placement, Task};
+
+    /// A measured timeline (microseconds since some epoch) draws like a simulated one that
+    /// starts at 0.
+    #[test]
+    fn measured_timelines_start_at_their_origin() {
+        let p = Program {
+            placement: Placement::looped(1, 1),
+            microbatches: 2,
+            forward_only: false,
+            ranks: vec![vec![
+                Instr::Compute(Compute::Fwd(Task::new(0, 0))),
+                Instr::Compute(Compute::Fwd(Task::new(0, 1))),
+            ]],
+        };
+        let spans = |t0: f64| {
+            vec![vec![
+                Span {
+                    start: t0,
+                    end: t0 + 10.0,
+                },
+                Span {
+                    start: t0 + 20.0,
+                    end: t0 + 30.0,
+                },
+            ]]
+        };
+        let opts = TextOptions {
+            width: 40,
+            color: false,
+        };
+        let a = render(
+            &p,
+            &Timeline {
+                unit: TimeUnit::Micros,
+                ranks: spans(1.0e9),
+            },
+            &opts,
+        );
+        let b = render(
+            &p,
+            &Timeline {
+                unit: TimeUnit::Micros,
+                ranks: spans(0.0),
+            },
+            &opts,
+        );
+        assert_eq!(a, b);
+        assert!(
+            a.starts_with("rank 0 │F0--------..........F1--------│\n"),
+            "{a}"
+        );
+        let empty = render(
+            &p,
+            &Timeline {
+                unit: TimeUnit::Cost,
+                ranks: vec![vec![]],
+            },
+            &opts,
+        );
+        assert!(empty.starts_with("(nothing to draw"));
+    }
 }
