@@ -6,3 +6,4 @@ mod megatron;
 mod runtime;
 mod torch;
 mod verify;
+mod views;
