@@ -6,11 +6,14 @@
 //! simulation and the emitters read the program; [`files`] stores it.
 
 pub mod compile;
+pub mod cost;
+pub mod emit;
 pub mod files;
 pub mod graph;
 pub mod layout;
 pub mod lower;
 pub mod program;
+pub mod simulate;
 pub mod timeline;
 pub mod torch;
 pub mod verify;

@@ -16,6 +16,13 @@ pub enum RunError {
         field: String,
         msg: String,
     },
+    /// The schedule does not verify (`pipec::verify`): it would hang, use a wrong tensor or
+    /// break a dependency. Every violation is listed.
+    #[error("{dir}: refusing to run: {report}")]
+    NotVerified {
+        dir: String,
+        report: Box<pipec::verify::Report>,
+    },
     /// The schedule failed while running: hang, wrong tensor, out-of-order instruction.
     #[error("{0}")]
     Failed(Failure),

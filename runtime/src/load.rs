@@ -1,7 +1,9 @@
 //! Loading a compiled directory for execution. Everything is checked before any rank starts:
 //! the instruction-file checks of [`pipec::files::load_dir`] (format, version, each rank
 //! file's hash against the manifest, one schedule hash for all ranks), the world size of the
-//! launch, the layout against the stage count, and the schedule itself ([`preverify`]).
+//! launch, the layout against the stage count, the structure of the schedule ([`preverify`],
+//! which names the file and field at fault), and then the full verifier
+//! ([`pipec::verify::verify`]: completeness, dependencies, matching, deadlock freedom).
 
 use crate::error::RunError;
 use pipec::files::{load_dir, rank_file_name, Encoding, Loaded, MANIFEST_FILE};
@@ -17,8 +19,22 @@ pub struct LaunchWorld {
     pub from: &'static str,
 }
 
-/// Load `dir` and check it is runnable by a launch of `world` ranks (when given).
+/// Load `dir`, check it is runnable by a launch of `world` ranks (when given), and verify it.
 pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
+    let loaded = load_unverified(dir, world)?;
+    let report = pipec::verify::verify(&loaded.program, &pipec::verify::VerifyOptions::default());
+    if !report.is_valid() {
+        return Err(RunError::NotVerified {
+            dir: dir.display().to_string(),
+            report: Box::new(report),
+        });
+    }
+    Ok(loaded)
+}
+
+/// [`load`] without the full verifier: file, launch and structural checks only. For
+/// `pipec-run --no-verify`, which exists to watch what a broken schedule does (the watchdog).
+pub fn load_unverified(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
     let loaded = load_dir(dir)?;
     let m = &loaded.manifest;
     if let Some(w) = world {
@@ -69,9 +85,8 @@ fn refuse(rank: usize, field: String, msg: String) -> RunError {
 /// consuming rank of its tensor, every (stage, microbatch) with exactly one forward and one
 /// backward (`bwd`, or `bwd_D` and `bwd_W`), and between each ordered pair of ranks the k-th
 /// send matching the k-th receive with an equal payload (NCCL's FIFO order). Deadlock freedom
-/// and dependency order are left to the full verifier; the runtime's watchdog catches what
-/// slips through.
-// LEAD: replace with pipec::verify::verify
+/// and dependency order are left to the full verifier ([`load`] runs it next); under
+/// `--no-verify` the runtime's watchdog catches what slips through.
 pub fn preverify(program: &Program) -> Result<(), RunError> {
     let world = program.world();
     let stages = program.num_stages();

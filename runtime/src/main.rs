@@ -4,7 +4,7 @@
 
 use clap::{Parser, ValueEnum};
 use pipec_runtime::model::ModelConfig;
-use pipec_runtime::{load, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
+use pipec_runtime::{load, load_unverified, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -62,6 +62,10 @@ struct Args {
     /// Ranks of the launch; must equal the schedule's world size (default: `WORLD_SIZE` if set).
     #[arg(long)]
     world_size: Option<u32>,
+    /// Run without the full verifier (structural checks only), to watch what a broken
+    /// schedule does; the watchdog reports the hang. Not for training.
+    #[arg(long)]
+    no_verify: bool,
 }
 
 fn world(args: &Args) -> Result<Option<LaunchWorld>, RunError> {
@@ -156,7 +160,12 @@ fn run(args: &Args) -> Result<(), RunError> {
                 .into(),
         ));
     }
-    let loaded = load(&args.dir, world(args)?)?;
+    let loaded = if args.no_verify {
+        eprintln!("WARNING: --no-verify: the schedule was NOT verified; it may hang (the watchdog will report it) or compute on the wrong tensors");
+        load_unverified(&args.dir, world(args)?)?
+    } else {
+        load(&args.dir, world(args)?)?
+    };
     let m = &loaded.manifest;
     let kind = m
         .schedule

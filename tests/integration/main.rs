@@ -7,3 +7,4 @@ mod runtime;
 mod schedules;
 mod torch;
 mod verify;
+mod views;

@@ -85,13 +85,16 @@ fn json_trace(v: &Value) -> Vec<TraceItem> {
         .collect()
 }
 
+/// One message of a fused P2P call: (key such as `send_next`, chunk, microbatch).
+type Msg = (String, u32, u32);
+
 /// Our program for one rank in Megatron's trace vocabulary. A send of an activation is
 /// `send_next` of the producing chunk; a recv of an activation is `recv_prev` of the consuming
 /// chunk; gradients likewise with `send_prev` / `recv_next`.
 fn our_trace(p: &Program, rank: usize, pp: u32) -> Vec<TraceItem> {
     let mut out = Vec::new();
-    let mut cur: Option<(u32, Vec<(String, u32, u32)>)> = None;
-    let flush = |cur: &mut Option<(u32, Vec<(String, u32, u32)>)>, out: &mut Vec<TraceItem>| {
+    let mut cur: Option<(u32, Vec<Msg>)> = None;
+    let flush = |cur: &mut Option<(u32, Vec<Msg>)>, out: &mut Vec<TraceItem>| {
         if let Some((_, mut msgs)) = cur.take() {
             msgs.sort();
             out.push(TraceItem::Comm(msgs));

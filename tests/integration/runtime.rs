@@ -18,7 +18,6 @@ use pipec_schedules::{
     Task,
 };
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::Duration;
 
 fn opts(steps: u32) -> RunOptions {
@@ -78,6 +77,13 @@ fn write_program(p: &Program, dir: &Path) {
 /// Load from disk and run: the path `pipec-run` takes, minus printing.
 fn run_dir(dir: &Path, o: &RunOptions) -> Result<RunReport, RunError> {
     let loaded = load(dir, None)?;
+    run_cpu(&loaded.program, &loaded.manifest.layout, o)
+}
+
+/// The path of `pipec-run --no-verify`: structural checks only, so a broken schedule runs and
+/// the watchdog has something to catch.
+fn run_dir_unverified(dir: &Path, o: &RunOptions) -> Result<RunReport, RunError> {
+    let loaded = pipec_runtime::load_unverified(dir, None)?;
     run_cpu(&loaded.program, &loaded.manifest.layout, o)
 }
 
@@ -469,7 +475,7 @@ fn watchdog_reports_a_rendezvous_hang() {
     write_program(&unfused_1f1b(), &dir);
     let mut o = opts(1);
     o.timeout = Duration::from_millis(300);
-    match run_dir(&dir, &o) {
+    match run_dir_unverified(&dir, &o) {
         Err(e @ RunError::Failed(_)) => {
             let RunError::Failed(f) = &e else {
                 unreachable!()
@@ -507,7 +513,7 @@ fn watchdog_reports_swapped_instructions() {
     write_program(&p, &dir);
     let mut o = opts(1);
     o.timeout = Duration::from_millis(200);
-    match run_dir(&dir, &o) {
+    match run_dir_unverified(&dir, &o) {
         Err(RunError::Failed(f)) => {
             assert_eq!(f.kind, FailureKind::Hang, "{}", f.report);
             assert!(
@@ -607,49 +613,9 @@ fn unmatched_program_is_refused_naming_file_and_field() {
 
 // ---- the binary -----------------------------------------------------------------------------
 
-/// `pipec-run`, built once per test process so the test never runs a stale binary (cargo only
-/// builds a package's binaries for that package's own tests).
+/// The `pipec-run` binary (built once per test process, same profile).
 fn pipec_run() -> Command {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    let bin = BIN.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf(); // target/<profile>
-        let target = profile_dir.parent().unwrap();
-        let profile = profile_dir
-            .file_name()
-            .unwrap()
-            .to_str()
-            .unwrap()
-            .to_string();
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = std::process::Command::new(cargo);
-        cmd.args([
-            "build",
-            "--quiet",
-            "-p",
-            "pipec-runtime",
-            "--bin",
-            "pipec-run",
-            "--target-dir",
-        ])
-        .arg(target);
-        if profile != "debug" {
-            cmd.args([
-                "--profile",
-                if profile == "release" {
-                    "release"
-                } else {
-                    &profile
-                },
-            ]);
-        }
-        let status = cmd.status().expect("run cargo to build pipec-run");
-        assert!(status.success(), "building pipec-run failed");
-        profile_dir.join(format!("pipec-run{}", std::env::consts::EXE_SUFFIX))
-    });
-    let mut c = Command::new(bin);
-    c.env_remove("WORLD_SIZE");
-    c
+    Command::from_std(pipec_tests::workspace_bin("pipec-runtime", "pipec-run"))
 }
 
 fn cli_dir(tmp: &Path, name: &str, kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> PathBuf {
@@ -722,9 +688,17 @@ fn cli_hang_exits_1_with_the_watchdog_report() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("hang");
     write_program(&unfused_1f1b(), &dir);
+    // Without --no-verify the schedule is refused before any rank starts, with the cycle.
+    let refused = pipec_run().arg(&dir).args(TINY).output().unwrap();
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("refusing to run") && text.contains("deadlock"),
+        "{text}"
+    );
     let out = pipec_run()
         .arg(&dir)
-        .args(["--timeout", "0.3"])
+        .args(["--no-verify", "--timeout", "0.3"])
         .args(TINY)
         .output()
         .unwrap();

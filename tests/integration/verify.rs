@@ -948,6 +948,38 @@ fn cli_check_reports_every_violation_of_a_broken_directory() {
     );
 }
 
+/// `pipec check FILE.csv`: torch's schedules are verified like compiled directories.
+#[test]
+fn cli_check_torch_csv() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A valid one-rank forward-only schedule.
+    let ok = tmp.path().join("ok.csv");
+    std::fs::write(&ok, "0F0,0F1\n").unwrap();
+    pipec()
+        .arg("check")
+        .arg(&ok)
+        .args(["--pp", "1"])
+        .assert()
+        .success()
+        .stdout(predicates::str::contains("verified: 1 ranks"));
+    // torch 2.15's Schedule1F1B plan for pp=2, M=2 with the last rank's known defect: its
+    // forward of microbatch 0 is missing and microbatch 2 does not exist.
+    let bad = tmp.path().join("bad.csv");
+    std::fs::write(&bad, "0F0,0F1,0B0,0B1\n1F1,1B0,1F2,1B1\n").unwrap();
+    let out = pipec().arg("check").arg(&bad).assert().code(1);
+    let stdout = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(stdout.contains("INVALID"), "{stdout}");
+    // A malformed cell: exit 1 with line and caret.
+    let garbled = tmp.path().join("garbled.csv");
+    std::fs::write(&garbled, "0F0,0F1xyz\n").unwrap();
+    let out = pipec().arg("check").arg(&garbled).assert().code(1);
+    let stderr = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    assert!(
+        stderr.contains('^') && stderr.contains("0F1xyz"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn cli_check_usage_errors_exit_2() {
     let tmp = tempfile::tempdir().unwrap();
@@ -956,11 +988,18 @@ fn cli_check_usage_errors_exit_2() {
         .arg(tmp.path().join("missing"))
         .assert()
         .code(2);
-    let csv = tmp.path().join("s.csv");
-    std::fs::write(&csv, "0F0\n").unwrap();
+    // A torch CSV that cannot be read is an I/O error.
+    pipec()
+        .arg("check")
+        .arg(tmp.path().join("missing.csv"))
+        .assert()
+        .code(2);
+    // --pp belongs to CSV input.
+    let dir = tmp.path().join("out");
+    pipec().args(compile_args(&dir)).assert().success();
     let out = pipec()
         .arg("check")
-        .arg(&csv)
+        .arg(&dir)
         .args(["--pp", "1"])
         .assert()
         .code(2);

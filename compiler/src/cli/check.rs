@@ -1,4 +1,5 @@
-//! `pipec check DIR [--memory-limit K] [--json]`: verify a compiled directory and print the
+//! `pipec check DIR|FILE.csv [--pp N] [--memory-limit K] [--json]`: verify a compiled
+//! directory or a torch CSV schedule and print the
 //! verdict, every violation and the peak live activations of each rank.
 //! Exit 0 valid, 1 invalid, 2 usage or I/O error (missing directory, refused files).
 
@@ -14,6 +15,9 @@ pub struct Args {
     /// Pipeline-parallel size of a torch CSV schedule (CSV input only).
     #[arg(long)]
     pp: Option<u32>,
+    /// Stage placement of a torch CSV schedule (default: read off the file).
+    #[arg(long, value_parser = super::import::parse_placement)]
+    placement: Option<pipec::torch::PlacementChoice>,
     /// Most live activations (microbatch x stage units) a rank may hold.
     #[arg(long)]
     memory_limit: Option<u64>,
@@ -27,14 +31,16 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         .input
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("csv"));
+    let opts = VerifyOptions {
+        memory_limit: a.memory_limit,
+    };
     if is_csv {
-        // Seam for the lead: once `pipec::torch` lands, read the CSV here (`--pp` ranks,
-        // compute-only or compute+comms form), lower it to a `Program`, and fall through to
-        // `report()` below exactly as for a directory.
-        return Err(CliError::Usage(format!(
-            "{}: checking torch CSV schedules is not available in this build yet; import it with `pipec import` once supported, or check a compiled directory",
-            a.input.display()
-        )));
+        // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
+        // verified as written (each P2P action its own batch: see the README).
+        let imported = super::import::read_csv(&a.input, a.pp, a.placement)?;
+        let r = verify(&imported.program, &opts);
+        print(&r, &a.input, a.json);
+        return Ok(exit(&r));
     }
     if a.pp.is_some() {
         return Err(CliError::Usage(
@@ -48,17 +54,23 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             a.input.display()
         )));
     }
+    if a.placement.is_some() {
+        return Err(CliError::Usage(
+            "--placement applies to torch CSV input only".to_string(),
+        ));
+    }
     let loaded = super::load(&a.input)?;
-    let opts = VerifyOptions {
-        memory_limit: a.memory_limit,
-    };
     let r = verify(&loaded.program, &opts);
     print(&r, &a.input, a.json);
-    Ok(if r.is_valid() {
+    Ok(exit(&r))
+}
+
+fn exit(r: &Report) -> ExitCode {
+    if r.is_valid() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
-    })
+    }
 }
 
 fn print(r: &Report, input: &std::path::Path, json: bool) {

@@ -3,7 +3,6 @@
 use super::CliError;
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::files::{self, Header};
-use pipec::verify::{verify, VerifyOptions};
 use pipec_schedules::{Limits, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -116,22 +115,11 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         );
         None
     } else {
-        let opts = VerifyOptions {
-            memory_limit: a.memory_limit,
-        };
-        let r = verify(&c.program, &opts);
-        if !r.is_valid() {
-            let mut msg = format!(
-                "refusing to write {}: {}",
-                a.out.display(),
-                r.verdict_line()
-            );
-            for v in &r.violations {
-                msg.push_str(&format!("\n  [{}] {v}", v.class()));
-            }
-            return Err(CliError::Invalid(msg));
-        }
-        Some(r)
+        Some(super::verify_before_write(
+            &c.program,
+            a.memory_limit,
+            &a.out,
+        )?)
     };
     let header = Header {
         source: "generated",

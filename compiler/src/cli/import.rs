@@ -6,7 +6,9 @@
 use super::CliError;
 use pipec::files::{self, Header};
 use pipec::layout::Layout;
-use pipec::torch::{import_csv_bytes, CsvForm, ImportOptions, PlacementChoice, PlacementSource};
+use pipec::torch::{
+    import_csv_bytes, CsvForm, ImportOptions, Imported, PlacementChoice, PlacementSource,
+};
 use pipec_schedules::CommPolicy;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,24 +24,35 @@ pub struct Args {
     /// off the file (each stage on the rank whose line names it).
     #[arg(long, value_parser = parse_placement)]
     pub placement: Option<PlacementChoice>,
+    /// Most live activations (microbatch x stage units) a rank may hold.
+    #[arg(long)]
+    pub memory_limit: Option<u64>,
+    /// Write the schedule without verifying it (not recommended).
+    #[arg(long)]
+    pub no_verify: bool,
     /// Output directory.
     #[arg(short = 'o', long = "out")]
     pub out: PathBuf,
 }
 
-fn parse_placement(s: &str) -> Result<PlacementChoice, String> {
+pub fn parse_placement(s: &str) -> Result<PlacementChoice, String> {
     s.parse()
 }
 
+/// Read and import a torch CSV: unreadable file -> exit 2, invalid CSV -> exit 1.
+pub fn read_csv(
+    path: &std::path::Path,
+    pp: Option<u32>,
+    placement: Option<PlacementChoice>,
+) -> Result<Imported, CliError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    import_csv_bytes(&bytes, &ImportOptions { pp, placement })
+        .map_err(|e| CliError::Invalid(format!("{}: {e}", path.display())))
+}
+
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    let bytes = std::fs::read(&a.input)
-        .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", a.input.display())))?;
-    let opts = ImportOptions {
-        pp: a.pp,
-        placement: a.placement,
-    };
-    let imported = import_csv_bytes(&bytes, &opts)
-        .map_err(|e| CliError::Invalid(format!("{}: {e}", a.input.display())))?;
+    let imported = read_csv(&a.input, a.pp, a.placement)?;
     let program = &imported.program;
     let layout = Layout::uniform(program.num_stages());
     let header = Header {
@@ -51,8 +64,11 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         },
         layout: &layout,
     };
-    // TODO(lead): verify `program` here once the verifier lands, and refuse to write (exit 1,
-    // every violation printed) when it is invalid, as `pipec compile` does.
+    if a.no_verify {
+        eprintln!("WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors");
+    } else {
+        super::verify_before_write(program, a.memory_limit, &a.out)?;
+    }
     let rendered = files::render(&header, program, files::Encoding::Json);
     files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
     let placement = match imported.placement_source {
@@ -83,7 +99,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         notes.push(format!("{} idle cells dropped", imported.idle_cells));
     }
     if imported.form == CsvForm::ComputeOnly {
-        notes.push("communication placed by pipec (fused-per-op)".to_string());
+        notes.push("communication placed by pipec (lockstep)".to_string());
     } else {
         notes.push("each SEND/RECV is its own comm batch".to_string());
     }

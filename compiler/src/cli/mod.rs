@@ -2,6 +2,7 @@
 //! Exit codes: 0 ok, 1 the input is invalid (violations found), 2 usage or I/O error.
 
 mod check;
+mod compare;
 mod compile;
 mod export;
 mod import;
@@ -35,6 +36,8 @@ pub enum Command {
     Show(show::Args),
     /// Simulate a compiled schedule under a cost model: makespan, bubble, peak memory.
     Simulate(simulate::Args),
+    /// Compare schedules side by side under one cost model.
+    Compare(compare::Args),
     /// Write a compiled schedule in another format.
     Export(export::Args),
     /// Import a torch.distributed.pipelining CSV schedule into a compiled directory.
@@ -51,6 +54,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Check(a) => check::run(a),
         Command::Show(a) => show::run(a),
         Command::Simulate(a) => simulate::run(a),
+        Command::Compare(a) => compare::run(a),
         Command::Export(a) => export::run(a),
         Command::Import(a) => import::run(a),
         Command::Layout(a) => layout::run(a),
@@ -92,4 +96,22 @@ pub fn print_json<T: serde::Serialize>(v: &T) {
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
 pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
     pipec::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
+}
+
+/// Verify a program that is about to be written; refuse (exit 1, every violation listed)
+/// when it is invalid, so an invalid schedule never reaches the disk.
+pub fn verify_before_write(
+    program: &pipec::Program,
+    memory_limit: Option<u64>,
+    out: &std::path::Path,
+) -> Result<pipec::verify::Report, CliError> {
+    let r = pipec::verify::verify(program, &pipec::verify::VerifyOptions { memory_limit });
+    if !r.is_valid() {
+        let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
+        for v in &r.violations {
+            msg.push_str(&format!("\n  [{}] {v}", v.class()));
+        }
+        return Err(CliError::Invalid(msg));
+    }
+    Ok(r)
 }

@@ -1,17 +1,132 @@
-//! `pipec simulate`.
+//! `pipec simulate`: makespan, bubble ratio and peak memory per rank under a cost model.
+//! Also home of the cost-model arguments the other viewing commands share.
 
-use super::CliError;
+use super::{print_json, CliError};
+use pipec::cost::{CostModel, StageCosts};
+use pipec::files::{Loaded, Manifest};
+use pipec::simulate::{simulate, SimError, Simulation};
+use pipec::timeline::TimeUnit;
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+/// `--cost` and `--cost-file`, shared by show, simulate, compare and export.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct CostArgs {
+    /// Cost model entries, e.g. "f=1,b=1,w=1,p2p=0.05". Keys: f b w (decoder/MTP layer
+    /// forward, bwd_D, bwd_W), E.f t.b L.w ... (per layer kind), floor, p2p, msg, bw,
+    /// rendezvous, overlap. Defaults: f=b=w=1, E and L free, communication free, rendezvous.
+    #[arg(long, value_name = "SPEC")]
+    pub cost: Option<String>,
+    /// A file of cost entries, one `key = value` per line, `#` comments; --cost entries
+    /// override it.
+    #[arg(long, value_name = "FILE")]
+    pub cost_file: Option<PathBuf>,
+}
+
+impl CostArgs {
+    /// The model: defaults, then the file, then the inline entries. Errors exit 2 with a caret.
+    pub fn model(&self) -> Result<CostModel, CliError> {
+        let mut m = CostModel::default();
+        if let Some(path) = &self.cost_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+            let name = path.display().to_string();
+            m.apply(&text, Some(&name))
+                .map_err(|e| CliError::Usage(e.render()))?;
+        }
+        if let Some(spec) = &self.cost {
+            // Applied after the file, so inline entries win over the file's.
+            m.apply(spec, None)
+                .map_err(|e| CliError::Usage(e.render()))?;
+        }
+        Ok(m)
+    }
+}
+
+/// A one-line name for a loaded schedule: `1f1b pp=4 vpp=1 microbatches=8`.
+pub fn title(m: &Manifest) -> String {
+    match &m.schedule {
+        Some(s) => format!(
+            "{} pp={} vpp={} microbatches={}{}",
+            s.kind,
+            s.pp,
+            s.vpp,
+            s.microbatches,
+            if s.forward_only { " forward-only" } else { "" }
+        ),
+        None => format!(
+            "{} schedule, {} ranks, {} stages, microbatches={}",
+            m.source, m.world_size, m.num_stages, m.microbatches
+        ),
+    }
+}
+
+/// Simulate a loaded directory. A deadlock or a bad id is the input being invalid (exit 1).
+pub fn run_sim(loaded: &Loaded, model: &CostModel) -> Result<Simulation, SimError> {
+    let costs = StageCosts::new(model, &loaded.manifest.layout, loaded.program.num_stages());
+    if !costs.layout_used {
+        eprintln!(
+            "note: the layout has {} stages but the program {}; costing every stage as one decoder layer",
+            loaded.manifest.layout.stages.len(),
+            loaded.program.num_stages()
+        );
+    }
+    simulate(&loaded.program, &costs)
+}
+
+/// Wording of a simulation failure at the CLI edge.
+pub fn sim_error(e: SimError) -> CliError {
+    CliError::Invalid(e.to_string())
+}
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Input.
-    input: std::path::PathBuf,
+    /// A compiled schedule directory.
+    pub input: PathBuf,
+    #[command(flatten)]
+    pub cost: CostArgs,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    Err(CliError::Usage(format!(
-        "`pipec simulate` is not built yet ({})",
-        a.input.display()
-    )))
+    let model = a.cost.model()?;
+    let loaded = super::load(&a.input)?;
+    let name = title(&loaded.manifest);
+    match run_sim(&loaded, &model) {
+        Ok(sim) => {
+            let s = &sim.summary;
+            if a.json {
+                print_json(&serde_json::json!({
+                    "schedule": name,
+                    "unit": "cost",
+                    "makespan": s.makespan,
+                    "mean_bubble_ratio": s.mean_bubble(),
+                    "max_bubble_ratio": s.max_bubble(),
+                    "peak_activations": s.peak_activations(),
+                    "instructions": loaded.program.len(),
+                    "ranks": s.ranks,
+                    "cost": model,
+                }));
+            } else {
+                println!("{name}");
+                println!("cost: {}", model.describe());
+                print!(
+                    "{}",
+                    pipec::emit::timeline_text::render_summary(s, TimeUnit::Cost)
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(SimError::Deadlock(d)) if a.json => {
+            print_json(&serde_json::json!({
+                "schedule": name,
+                "deadlock": d,
+                "cost": model,
+            }));
+            Ok(ExitCode::from(1))
+        }
+        Err(e) => Err(sim_error(e)),
+    }
 }

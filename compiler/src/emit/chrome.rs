@@ -1,0 +1,197 @@
+//! Chrome / Perfetto traces in the Trace Event Format (`{"traceEvents": [...]}`), to open in
+//! `ui.perfetto.dev` or `chrome://tracing`.
+//!
+//! One process (`pid`) per schedule, one thread (`tid`) per rank named `rank r`, one complete
+//! event (`"ph": "X"`) per instruction (compute and comm), and one flow (`"s"` at the send,
+//! `"f"` with `"bp": "e"` at the recv) per message. Simulated timelines are in cost units,
+//! written as milliseconds (one cost unit = 1000 trace microseconds); measured ones keep their
+//! microseconds. Times start at the timeline's earliest span.
+
+use super::{comm_name, op_name, timeline_text::origin};
+use crate::program::{Instr, PayloadKind, Program};
+use crate::simulate::Matching;
+use crate::timeline::{TimeUnit, Timeline};
+use pipec_schedules::Pass;
+use std::fmt::Write as _;
+
+/// Builds one trace from one or more (program, timeline) pairs, each its own process.
+#[derive(Debug, Default)]
+pub struct TraceBuilder {
+    events: Vec<String>,
+    next_pid: u32,
+    next_flow: u64,
+}
+
+fn js(s: &str) -> String {
+    serde_json::to_string(s).expect("strings serialize")
+}
+
+/// A timestamp in trace microseconds, at most 3 decimals, no trailing zeros.
+fn ts(x: f64) -> String {
+    if !x.is_finite() {
+        return "0".to_string();
+    }
+    let s = format!("{x:.3}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" {
+        "0".to_string()
+    } else {
+        s.to_string()
+    }
+}
+
+impl TraceBuilder {
+    pub fn new() -> Self {
+        TraceBuilder::default()
+    }
+
+    /// Add one schedule as a process named `name`.
+    pub fn add(&mut self, name: &str, program: &Program, timeline: &Timeline) {
+        let pid = self.next_pid;
+        self.next_pid += 1;
+        let scale = match timeline.unit {
+            TimeUnit::Cost => 1000.0,
+            TimeUnit::Micros => 1.0,
+        };
+        let t0 = origin(timeline);
+        let at = |x: f64| ts((x - t0) * scale);
+        let dur = |a: f64, b: f64| ts(((b - a) * scale).max(0.0));
+        self.events.push(format!(
+            r#"{{"ph":"M","name":"process_name","pid":{pid},"args":{{"name":{}}}}}"#,
+            js(name)
+        ));
+        self.events.push(format!(
+            r#"{{"ph":"M","name":"process_sort_index","pid":{pid},"args":{{"sort_index":{pid}}}}}"#
+        ));
+        for (r, instrs) in program.ranks.iter().enumerate() {
+            self.events.push(format!(
+                r#"{{"ph":"M","name":"thread_name","pid":{pid},"tid":{r},"args":{{"name":"rank {r}"}}}}"#
+            ));
+            self.events.push(format!(
+                r#"{{"ph":"M","name":"thread_sort_index","pid":{pid},"tid":{r},"args":{{"sort_index":{r}}}}}"#
+            ));
+            let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
+            for (i, (ins, s)) in instrs.iter().zip(spans).enumerate() {
+                let mut e = String::with_capacity(200);
+                match ins {
+                    Instr::Compute(op) => {
+                        let parts: Vec<String> = op
+                            .parts()
+                            .map(|(p, t)| {
+                                format!(
+                                    r#"{{"pass":"{}","stage":{},"mb":{}}}"#,
+                                    p.name(),
+                                    t.stage.0,
+                                    t.mb.0
+                                )
+                            })
+                            .collect();
+                        let cat = match op.parts().next().map(|(p, _)| p) {
+                            Some(Pass::Fwd) if parts.len() == 1 => "forward",
+                            Some(Pass::Fwd) => "overlapped",
+                            _ => "backward",
+                        };
+                        let _ = write!(
+                            e,
+                            r#"{{"ph":"X","name":{},"cat":"{cat}","pid":{pid},"tid":{r},"ts":{},"dur":{},"args":{{"instr":{i},"ops":[{}]}}}}"#,
+                            js(&op_name(op)),
+                            at(s.start),
+                            dur(s.start, s.end),
+                            parts.join(",")
+                        );
+                    }
+                    Instr::Send {
+                        peer,
+                        payload,
+                        batch,
+                    }
+                    | Instr::Recv {
+                        peer,
+                        payload,
+                        batch,
+                    } => {
+                        let kind = match payload.kind {
+                            PayloadKind::Act => "act",
+                            PayloadKind::Grad => "grad",
+                        };
+                        let _ = write!(
+                            e,
+                            r#"{{"ph":"X","name":{},"cat":"comm","pid":{pid},"tid":{r},"ts":{},"dur":{},"args":{{"instr":{i},"peer":{},"payload":"{kind}","stage":{},"mb":{},"batch":{batch}}}}}"#,
+                            js(&comm_name(ins)),
+                            at(s.start),
+                            dur(s.start, s.end),
+                            peer.0,
+                            payload.stage.0,
+                            payload.mb.0
+                        );
+                    }
+                }
+                self.events.push(e);
+            }
+        }
+        // Flows: send -> recv, bound to the enclosing comm slices.
+        let matching = Matching::new(program);
+        for (s, r) in matching.messages(program) {
+            let (Some(ss), Some(rs)) = (span(timeline, s), span(timeline, r)) else {
+                continue;
+            };
+            let Some(Instr::Send { payload, .. }) = program.get(s) else {
+                continue;
+            };
+            let id = self.next_flow;
+            self.next_flow += 1;
+            let name = js(&format!(
+                "{} s{} mb{}",
+                match payload.kind {
+                    PayloadKind::Act => "act",
+                    PayloadKind::Grad => "grad",
+                },
+                payload.stage.0,
+                payload.mb.0
+            ));
+            // Inside the recv's slice: when the send was posted, or the recv's bounds.
+            let f_at = ss.start.clamp(rs.start, rs.end.max(rs.start));
+            self.events.push(format!(
+                r#"{{"ph":"s","id":{id},"name":{name},"cat":"p2p","pid":{pid},"tid":{},"ts":{}}}"#,
+                s.rank.0,
+                at(ss.start)
+            ));
+            self.events.push(format!(
+                r#"{{"ph":"f","bp":"e","id":{id},"name":{name},"cat":"p2p","pid":{pid},"tid":{},"ts":{}}}"#,
+                r.rank.0,
+                at(f_at)
+            ));
+        }
+    }
+
+    /// The trace document.
+    pub fn finish(self) -> String {
+        let mut out =
+            String::with_capacity(self.events.iter().map(|e| e.len() + 2).sum::<usize>() + 64);
+        out.push_str("{\"traceEvents\":[\n");
+        for (i, e) in self.events.iter().enumerate() {
+            out.push_str(e);
+            if i + 1 < self.events.len() {
+                out.push(',');
+            }
+            out.push('\n');
+        }
+        out.push_str("],\"displayTimeUnit\":\"ms\"}\n");
+        out
+    }
+}
+
+fn span(timeline: &Timeline, at: crate::program::InstrRef) -> Option<crate::timeline::Span> {
+    timeline
+        .ranks
+        .get(at.rank.index())?
+        .get(at.index as usize)
+        .copied()
+}
+
+/// A trace of one schedule. `name` names the process (e.g. `1f1b pp=4 m=8`).
+pub fn chrome_trace(name: &str, program: &Program, timeline: &Timeline) -> String {
+    let mut b = TraceBuilder::new();
+    b.add(name, program, timeline);
+    b.finish()
+}

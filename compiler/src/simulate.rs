@@ -1,0 +1,856 @@
+//! Event-driven simulation of a program's instruction streams under a [`StageCosts`] model.
+//!
+//! Each rank runs its stream in order. A compute op starts when the rank is free and takes its
+//! cost. A comm batch (consecutive sends/recvs with one batch id) is posted when the rank
+//! reaches it and completes, as a whole, when its last message completes (one NCCL group).
+//! Messages are matched first-in first-out per ordered pair of ranks, as NCCL does. A message
+//! takes `transfer = p2p + msg / bw`:
+//! - rendezvous (default, NCCL's strictest behaviour): send and recv both complete at
+//!   `max(post_send, post_recv) + transfer`;
+//! - eager: the send completes when posted, the recv at `max(post_recv, post_send + transfer)`.
+//!
+//! The simulation is a dataflow computation, not a time-ordered one: each rank advances until
+//! it blocks in a batch whose peers have not posted yet; the last peer to post wakes it. Every
+//! instruction and message is handled once (dense `Vec`s and a stack of ready ranks), so the
+//! cost is linear in the instruction count. When no rank can advance and some have not
+//! finished, the schedule deadlocks, and [`Deadlock`] says which ranks wait at which batch for
+//! what.
+
+use crate::cost::StageCosts;
+use crate::program::{Instr, InstrRef, Program};
+use crate::timeline::{Span, TimeUnit, Timeline};
+use pipec_schedules::{Compute, Rank};
+use serde::Serialize;
+use std::fmt;
+use thiserror::Error;
+
+const NONE: u32 = u32::MAX;
+
+/// Send/recv matching: the k-th send from `a` to `b` meets the k-th recv on `b` from `a`.
+#[derive(Clone, Debug)]
+pub struct Matching {
+    offsets: Vec<usize>,
+    /// Per global instruction index: the global index of the matching op, or `NONE`.
+    partner: Vec<u32>,
+}
+
+impl Matching {
+    /// Match every send and recv of `program`. Ops whose peer is out of range, and ops left
+    /// over on one side of a pair, stay unmatched.
+    pub fn new(program: &Program) -> Self {
+        let world = program.ranks.len();
+        let mut offsets = Vec::with_capacity(world + 1);
+        let mut total = 0usize;
+        for r in &program.ranks {
+            offsets.push(total);
+            total += r.len();
+        }
+        offsets.push(total);
+        let mut partner = vec![NONE; total];
+        // Per ordered pair (src, dst): the global indices of sends and recvs in order. Pairs
+        // get dense ids: directly `src * world + dst` for any real pipeline, through a map
+        // when world^2 would be too big to allocate (a hostile file with many ranks).
+        let dense = world <= 1024;
+        let mut ids: std::collections::HashMap<(usize, usize), usize> = Default::default();
+        let mut pair = |a: usize, b: usize| {
+            if dense {
+                a * world + b
+            } else {
+                let n = ids.len();
+                *ids.entry((a, b)).or_insert(n)
+            }
+        };
+        let slots = if dense { world * world } else { 0 };
+        let mut sends: Vec<Vec<u32>> = vec![Vec::new(); slots];
+        let mut recvs: Vec<Vec<u32>> = vec![Vec::new(); slots];
+        for (r, instrs) in program.ranks.iter().enumerate() {
+            for (i, ins) in instrs.iter().enumerate() {
+                let g = (offsets[r] + i) as u32;
+                let (list, id) = match *ins {
+                    Instr::Send { peer, .. } if peer.index() < world => {
+                        (&mut sends, pair(r, peer.index()))
+                    }
+                    Instr::Recv { peer, .. } if peer.index() < world => {
+                        (&mut recvs, pair(peer.index(), r))
+                    }
+                    _ => continue,
+                };
+                if id >= list.len() {
+                    list.resize(id + 1, Vec::new());
+                }
+                list[id].push(g);
+            }
+        }
+        for (s, r) in sends.iter().zip(&recvs) {
+            for (&a, &b) in s.iter().zip(r) {
+                partner[a as usize] = b;
+                partner[b as usize] = a;
+            }
+        }
+        Matching { offsets, partner }
+    }
+
+    fn global(&self, at: InstrRef) -> Option<usize> {
+        let base = *self.offsets.get(at.rank.index())?;
+        let g = base + at.index as usize;
+        (g < *self.offsets.get(at.rank.index() + 1)?).then_some(g)
+    }
+
+    fn local(&self, g: usize) -> InstrRef {
+        // offsets is sorted; the rank is the last offset <= g (skipping empty ranks).
+        let r = self.offsets.partition_point(|&o| o <= g) - 1;
+        InstrRef {
+            rank: Rank(r as u32),
+            index: (g - self.offsets[r]) as u32,
+        }
+    }
+
+    /// The op that matches a send or recv, if any.
+    pub fn partner(&self, at: InstrRef) -> Option<InstrRef> {
+        let p = self.partner[self.global(at)?];
+        (p != NONE).then(|| self.local(p as usize))
+    }
+
+    /// Every matched message as (send, recv), in order of the sending rank and index.
+    pub fn messages(&self, program: &Program) -> Vec<(InstrRef, InstrRef)> {
+        let mut out = Vec::new();
+        for (r, instrs) in program.ranks.iter().enumerate() {
+            for (i, ins) in instrs.iter().enumerate() {
+                if let Instr::Send { .. } = ins {
+                    let g = self.offsets[r] + i;
+                    if self.partner[g] != NONE {
+                        out.push((
+                            InstrRef {
+                                rank: Rank(r as u32),
+                                index: i as u32,
+                            },
+                            self.local(self.partner[g] as usize),
+                        ));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One rank's figures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankSummary {
+    pub rank: u32,
+    /// Time spent in compute ops.
+    pub busy: f64,
+    /// Idle share of the makespan: `1 - busy / makespan` (0 for an empty schedule).
+    pub bubble_ratio: f64,
+    /// Most activations alive at once: an activation of (stage, microbatch) lives from the
+    /// start of its forward to the end of its backward (or of its `bwd_W` when split).
+    pub peak_activations: u64,
+    /// When the peak is first reached (the start of the forward that reaches it).
+    pub peak_at: f64,
+}
+
+/// Makespan and per-rank figures of a timeline.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Summary {
+    pub makespan: f64,
+    pub ranks: Vec<RankSummary>,
+}
+
+impl Summary {
+    /// Mean bubble ratio over ranks.
+    pub fn mean_bubble(&self) -> f64 {
+        if self.ranks.is_empty() {
+            return 0.0;
+        }
+        self.ranks.iter().map(|r| r.bubble_ratio).sum::<f64>() / self.ranks.len() as f64
+    }
+
+    pub fn max_bubble(&self) -> f64 {
+        self.ranks
+            .iter()
+            .map(|r| r.bubble_ratio)
+            .fold(0.0, f64::max)
+    }
+
+    /// The worst rank's peak live activations.
+    pub fn peak_activations(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|r| r.peak_activations)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// Figures of any timeline of `program`, simulated or measured: the makespan is the span from
+/// the earliest start to the latest end. Missing spans count as not run.
+pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
+    let t0 = timeline
+        .ranks
+        .iter()
+        .flatten()
+        .map(|s| s.start)
+        .fold(f64::INFINITY, f64::min);
+    let t0 = if t0.is_finite() { t0 } else { 0.0 };
+    let makespan = (timeline.makespan() - t0).max(0.0);
+    let ranks = program
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(r, instrs)| {
+            let spans: &[Span] = timeline.ranks.get(r).map_or(&[], |v| v.as_slice());
+            let mut busy = 0.0;
+            let (mut live, mut peak, mut peak_at) = (0i64, 0i64, 0.0);
+            for (ins, span) in instrs.iter().zip(spans) {
+                let Instr::Compute(op) = ins else { continue };
+                busy += span.end - span.start;
+                let (alloc, free) = activation_delta(op, program.forward_only);
+                live += alloc;
+                if live > peak {
+                    peak = live;
+                    peak_at = span.start - t0;
+                }
+                live -= free;
+            }
+            let bubble_ratio = if makespan > 0.0 {
+                (1.0 - busy / makespan).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            RankSummary {
+                rank: r as u32,
+                busy,
+                bubble_ratio,
+                peak_activations: peak.max(0) as u64,
+                peak_at,
+            }
+        })
+        .collect();
+    Summary { makespan, ranks }
+}
+
+/// Activations allocated at the start and freed at the end of an op. In a forward-only
+/// program nothing waits for a backward, so a forward frees what it allocated.
+fn activation_delta(op: &Compute, forward_only: bool) -> (i64, i64) {
+    match op {
+        Compute::Fwd(_) => (1, forward_only as i64),
+        Compute::Bwd(_) | Compute::BwdW(_) => (0, 1),
+        Compute::BwdD(_) => (0, 0),
+        Compute::FwdBwd { .. } => (1, 1),
+    }
+}
+
+/// A finished simulation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Simulation {
+    pub timeline: Timeline,
+    pub summary: Summary,
+}
+
+/// Why a program could not be simulated.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum SimError {
+    #[error("{at}: {instr} names stage {stage}, but the program has {num_stages} stages")]
+    StageOutOfRange {
+        at: InstrRef,
+        instr: Instr,
+        stage: u32,
+        num_stages: u32,
+    },
+    #[error("{at}: {instr} names rank {peer}, but the world has {world} ranks")]
+    PeerOutOfRange {
+        at: InstrRef,
+        instr: Instr,
+        peer: u32,
+        world: u32,
+    },
+    #[error("{0}")]
+    Deadlock(Deadlock),
+}
+
+/// No rank can advance, and these have not finished.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Deadlock {
+    pub stuck: Vec<Stuck>,
+    /// Simulated time at which the last rank stopped.
+    pub at_time: f64,
+}
+
+/// One stuck rank: the batch it waits in and the messages of that batch still open.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Stuck {
+    /// The first instruction of the batch.
+    pub at: InstrRef,
+    /// Posted at this time.
+    pub since: f64,
+    pub waiting: Vec<Waiting>,
+}
+
+/// An open message: the op, and the op that would complete it (if any) with where its rank
+/// stands.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Waiting {
+    pub op: InstrRef,
+    #[serde(serialize_with = "display")]
+    pub instr: Instr,
+    /// The matching op on the peer, `None` when nothing matches it.
+    pub partner: Option<InstrRef>,
+    /// Where the peer rank is: the instruction it is stuck at, `None` when it finished.
+    pub peer_at: Option<InstrRef>,
+}
+
+fn display<S: serde::Serializer>(i: &Instr, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(i)
+}
+
+impl fmt::Display for Deadlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "deadlock: {} rank{} cannot advance",
+            self.stuck.len(),
+            if self.stuck.len() == 1 { "" } else { "s" }
+        )?;
+        for s in &self.stuck {
+            write!(f, "\n  {} waits in a comm batch:", s.at)?;
+            for w in &s.waiting {
+                write!(f, "\n    {} ({})", w.instr, w.op)?;
+                match (w.partner, w.peer_at) {
+                    (None, _) => write!(f, " has no matching op on its peer")?,
+                    (Some(p), Some(at)) => {
+                        write!(f, " needs {p}, but {} is stuck at #{}", at.rank, at.index)?
+                    }
+                    (Some(p), None) => write!(f, " needs {p}, which is never reached")?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Simulate `program` under `costs`.
+pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, SimError> {
+    check_ids(program, costs)?;
+    let matching = Matching::new(program);
+    let mut sim = Sim::new(program, costs, &matching);
+    sim.run();
+    if let Some(d) = sim.deadlock() {
+        return Err(SimError::Deadlock(d));
+    }
+    let timeline = sim.timeline();
+    let summary = summarize(program, &timeline);
+    Ok(Simulation { timeline, summary })
+}
+
+fn check_ids(program: &Program, costs: &StageCosts) -> Result<(), SimError> {
+    let world = program.ranks.len() as u32;
+    let n = costs.num_stages();
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        for (i, ins) in instrs.iter().enumerate() {
+            let at = InstrRef {
+                rank: Rank(r as u32),
+                index: i as u32,
+            };
+            match ins {
+                Instr::Compute(op) => {
+                    if let Some((_, t)) = op.parts().find(|(_, t)| t.stage.0 >= n) {
+                        return Err(SimError::StageOutOfRange {
+                            at,
+                            instr: *ins,
+                            stage: t.stage.0,
+                            num_stages: n,
+                        });
+                    }
+                }
+                Instr::Send { peer, .. } | Instr::Recv { peer, .. } => {
+                    if peer.0 >= world {
+                        return Err(SimError::PeerOutOfRange {
+                            at,
+                            instr: *ins,
+                            peer: peer.0,
+                            world,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+struct Sim<'a> {
+    program: &'a Program,
+    costs: &'a StageCosts,
+    m: &'a Matching,
+    transfer: f64,
+    rendezvous: bool,
+    /// Per global instruction: start and end.
+    start: Vec<f64>,
+    end: Vec<f64>,
+    /// Per global comm op: posted (NaN until then).
+    posted: Vec<f64>,
+    /// Per global comm op: resolved (its message completed).
+    resolved: Vec<bool>,
+    /// Per rank: next instruction, clock, open messages of the posted batch, latest completion
+    /// in it, the end of the posted batch (exclusive), or 0 when none is posted.
+    pc: Vec<usize>,
+    clock: Vec<f64>,
+    pending: Vec<u32>,
+    batch_max: Vec<f64>,
+    batch_end: Vec<usize>,
+    ready: Vec<usize>,
+    /// The rank posting a batch right now, `usize::MAX` when none.
+    posting: usize,
+}
+
+impl<'a> Sim<'a> {
+    fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching) -> Self {
+        let total = *m.offsets.last().unwrap_or(&0);
+        let world = program.ranks.len();
+        Sim {
+            program,
+            costs,
+            m,
+            transfer: costs.transfer(),
+            rendezvous: costs.model.rendezvous,
+            start: vec![f64::NAN; total],
+            end: vec![f64::NAN; total],
+            posted: vec![f64::NAN; total],
+            resolved: vec![false; total],
+            pc: vec![0; world],
+            clock: vec![0.0; world],
+            pending: vec![0; world],
+            batch_max: vec![0.0; world],
+            batch_end: vec![0; world],
+            ready: (0..world).rev().collect(),
+            posting: usize::MAX,
+        }
+    }
+
+    fn rank_of(&self, g: usize) -> usize {
+        self.m.offsets.partition_point(|&o| o <= g) - 1
+    }
+
+    /// Mark message op `g` (on rank `r`) complete at `t`. The last open message of a batch
+    /// wakes its rank, unless that rank is the one posting right now (it checks for itself).
+    fn resolve(&mut self, g: usize, r: usize, t: f64) {
+        self.resolved[g] = true;
+        self.batch_max[r] = self.batch_max[r].max(t);
+        self.pending[r] -= 1;
+        if self.pending[r] == 0 && r != self.posting {
+            self.ready.push(r);
+        }
+    }
+
+    fn run(&mut self) {
+        while let Some(r) = self.ready.pop() {
+            self.advance(r);
+        }
+    }
+
+    /// Run rank `r` until it blocks or finishes.
+    fn advance(&mut self, r: usize) {
+        let program = self.program;
+        let instrs = &program.ranks[r];
+        let base = self.m.offsets[r];
+        // A batch that was blocked and is now complete (or a spurious wake: still open).
+        if self.batch_end[r] != 0 {
+            if self.pending[r] != 0 {
+                return;
+            }
+            let end = self.batch_max[r];
+            for g in base + self.pc[r]..base + self.batch_end[r] {
+                self.end[g] = end;
+            }
+            self.clock[r] = end;
+            self.pc[r] = self.batch_end[r];
+            self.batch_end[r] = 0;
+        }
+        let mut pc = self.pc[r];
+        let mut clock = self.clock[r];
+        while pc < instrs.len() {
+            let g = base + pc;
+            match &instrs[pc] {
+                Instr::Compute(op) => {
+                    // Ids were range-checked in `check_ids`.
+                    let d = self.costs.compute(op).unwrap_or(0.0);
+                    self.start[g] = clock;
+                    clock += d;
+                    self.end[g] = clock;
+                    pc += 1;
+                }
+                first => {
+                    let id = first.batch();
+                    let mut hi = pc + 1;
+                    while hi < instrs.len()
+                        && !matches!(instrs[hi], Instr::Compute(_))
+                        && instrs[hi].batch() == id
+                    {
+                        hi += 1;
+                    }
+                    self.pending[r] = 0;
+                    self.batch_max[r] = clock;
+                    for k in pc..hi {
+                        let g = base + k;
+                        self.start[g] = clock;
+                        self.posted[g] = clock;
+                        self.pending[r] += 1;
+                    }
+                    // Resolve what can be resolved now: this batch's own messages whose peer
+                    // is posted, and peers' messages waiting for this post.
+                    self.posting = r;
+                    for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
+                        self.post(base + k, r, matches!(ins, Instr::Send { .. }));
+                    }
+                    self.posting = usize::MAX;
+                    if self.pending[r] == 0 {
+                        let end = self.batch_max[r];
+                        for g in base + pc..base + hi {
+                            self.end[g] = end;
+                        }
+                        clock = end;
+                        pc = hi;
+                    } else {
+                        self.pc[r] = pc;
+                        self.clock[r] = clock;
+                        self.batch_end[r] = hi;
+                        return;
+                    }
+                }
+            }
+        }
+        self.pc[r] = pc;
+        self.clock[r] = clock;
+    }
+
+    /// Op `g` of rank `r` was just posted.
+    fn post(&mut self, g: usize, r: usize, is_send: bool) {
+        let t = self.posted[g];
+        let p = self.m.partner[g];
+        let partner_posted = p != NONE && !self.posted[p as usize].is_nan();
+        if !self.rendezvous && is_send {
+            // Eager: the send is done when posted; a posted recv gets the data after transfer.
+            self.resolve(g, r, t);
+            if partner_posted && !self.resolved[p as usize] {
+                let p = p as usize;
+                let done = self.posted[p].max(t + self.transfer);
+                self.resolve(p, self.rank_of(p), done);
+            }
+        } else if !partner_posted || self.resolved[g] {
+            // Waits for its peer to post (or was completed by a peer in this same batch).
+        } else if self.rendezvous {
+            // Rendezvous: both ends complete together once both are posted.
+            let p = p as usize;
+            let done = t.max(self.posted[p]) + self.transfer;
+            self.resolve(g, r, done);
+            if !self.resolved[p] {
+                self.resolve(p, self.rank_of(p), done);
+            }
+        } else {
+            // Eager recv whose send was posted (and completed) before.
+            let done = t.max(self.posted[p as usize] + self.transfer);
+            self.resolve(g, r, done);
+        }
+    }
+
+    fn deadlock(&self) -> Option<Deadlock> {
+        let mut stuck = Vec::new();
+        let mut at_time: f64 = 0.0;
+        for (r, instrs) in self.program.ranks.iter().enumerate() {
+            at_time = at_time.max(self.clock[r]);
+            if self.pc[r] >= instrs.len() {
+                continue;
+            }
+            let base = self.m.offsets[r];
+            let lo = self.pc[r];
+            let hi = self.batch_end[r].max(lo + 1);
+            let waiting = (lo..hi)
+                .filter(|&k| !self.resolved[base + k])
+                .map(|k| {
+                    let g = base + k;
+                    let p = self.m.partner[g];
+                    let partner = (p != NONE).then(|| self.m.local(p as usize));
+                    let peer_at = partner.and_then(|pa| {
+                        let pr = pa.rank.index();
+                        (self.pc[pr] < self.program.ranks[pr].len()).then_some(InstrRef {
+                            rank: pa.rank,
+                            index: self.pc[pr] as u32,
+                        })
+                    });
+                    Waiting {
+                        op: self.m.local(g),
+                        instr: instrs[k],
+                        partner,
+                        peer_at,
+                    }
+                })
+                .collect();
+            stuck.push(Stuck {
+                at: InstrRef {
+                    rank: Rank(r as u32),
+                    index: lo as u32,
+                },
+                since: self.clock[r],
+                waiting,
+            });
+        }
+        (!stuck.is_empty()).then_some(Deadlock { stuck, at_time })
+    }
+
+    fn timeline(&self) -> Timeline {
+        let ranks = self
+            .program
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, instrs)| {
+                let base = self.m.offsets[r];
+                (0..instrs.len())
+                    .map(|i| Span {
+                        start: self.start[base + i],
+                        end: self.end[base + i],
+                    })
+                    .collect()
+            })
+            .collect();
+        Timeline {
+            unit: TimeUnit::Cost,
+            ranks,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::CostModel;
+    use crate::program::Payload;
+    use pipec_schedules::{Placement, Task};
+
+    fn fwd(s: u32, m: u32) -> Instr {
+        Instr::Compute(Compute::Fwd(Task::new(s, m)))
+    }
+    fn bwd(s: u32, m: u32) -> Instr {
+        Instr::Compute(Compute::Bwd(Task::new(s, m)))
+    }
+    fn send(peer: u32, p: Payload, batch: u32) -> Instr {
+        Instr::Send {
+            peer: Rank(peer),
+            payload: p,
+            batch,
+        }
+    }
+    fn recv(peer: u32, p: Payload, batch: u32) -> Instr {
+        Instr::Recv {
+            peer: Rank(peer),
+            payload: p,
+            batch,
+        }
+    }
+
+    fn program(ranks: Vec<Vec<Instr>>) -> Program {
+        Program {
+            placement: Placement::looped(ranks.len() as u32, 1),
+            microbatches: 1,
+            forward_only: false,
+            ranks,
+        }
+    }
+
+    fn costs(spec: &str, n: u32) -> StageCosts {
+        StageCosts::uniform(&CostModel::parse(spec).unwrap(), n)
+    }
+
+    /// Two stages, one microbatch, hand-computed times.
+    #[test]
+    fn two_stage_hand_computed() {
+        let p = program(vec![
+            vec![
+                fwd(0, 0),
+                send(1, Payload::act(0, 0), 0),
+                recv(1, Payload::grad(1, 0), 1),
+                bwd(0, 0),
+            ],
+            vec![
+                recv(0, Payload::act(0, 0), 0),
+                fwd(1, 0),
+                bwd(1, 0),
+                send(0, Payload::grad(1, 0), 1),
+            ],
+        ]);
+        // f=1, full bwd = 2, transfer 0.5, rendezvous.
+        let s = simulate(&p, &costs("f=1,b=1,w=1,p2p=0.5", 2)).unwrap();
+        let spans = |r: usize| -> Vec<(f64, f64)> {
+            s.timeline.ranks[r]
+                .iter()
+                .map(|x| (x.start, x.end))
+                .collect()
+        };
+        assert_eq!(
+            spans(0),
+            vec![(0.0, 1.0), (1.0, 1.5), (1.5, 5.0), (5.0, 7.0)]
+        );
+        assert_eq!(
+            spans(1),
+            vec![(0.0, 1.5), (1.5, 2.5), (2.5, 4.5), (4.5, 5.0)]
+        );
+        assert_eq!(s.summary.makespan, 7.0);
+        assert_eq!(s.summary.ranks[0].busy, 3.0);
+        assert!((s.summary.ranks[0].bubble_ratio - 4.0 / 7.0).abs() < 1e-12);
+        assert_eq!(s.summary.ranks[1].peak_activations, 1);
+        assert_eq!(s.summary.ranks[1].peak_at, 1.5);
+    }
+
+    /// Eager sends complete at post; the recv waits for the data.
+    #[test]
+    fn eager_send_does_not_wait() {
+        let p = program(vec![
+            vec![send(1, Payload::act(0, 0), 0), fwd(0, 0)],
+            vec![fwd(1, 0), fwd(1, 0), recv(0, Payload::act(0, 0), 0)],
+        ]);
+        let s = simulate(&p, &costs("p2p=1,rendezvous=false", 2)).unwrap();
+        assert_eq!(
+            s.timeline.ranks[0][0],
+            Span {
+                start: 0.0,
+                end: 0.0
+            }
+        );
+        assert_eq!(
+            s.timeline.ranks[1][2],
+            Span {
+                start: 2.0,
+                end: 2.0
+            }
+        );
+        let s = simulate(&p, &costs("p2p=1", 2)).unwrap();
+        // Rendezvous: the send waits for the recv posted at 2, then transfer 1.
+        assert_eq!(
+            s.timeline.ranks[0][0],
+            Span {
+                start: 0.0,
+                end: 3.0
+            }
+        );
+        assert_eq!(
+            s.timeline.ranks[1][2],
+            Span {
+                start: 2.0,
+                end: 3.0
+            }
+        );
+    }
+
+    /// Both ranks send first in separate batches: a cycle under rendezvous, fine when eager.
+    #[test]
+    fn send_send_deadlocks_only_under_rendezvous() {
+        let p = program(vec![
+            vec![
+                send(1, Payload::act(0, 0), 0),
+                recv(1, Payload::grad(1, 0), 1),
+            ],
+            vec![
+                send(0, Payload::grad(1, 0), 0),
+                recv(0, Payload::act(0, 0), 1),
+            ],
+        ]);
+        let e = simulate(&p, &costs("", 2)).unwrap_err();
+        let SimError::Deadlock(d) = e else {
+            panic!("expected deadlock, got {e:?}")
+        };
+        assert_eq!(d.stuck.len(), 2);
+        assert_eq!(
+            d.stuck[0].at,
+            InstrRef {
+                rank: Rank(0),
+                index: 0
+            }
+        );
+        assert_eq!(
+            d.stuck[0].waiting[0].partner,
+            Some(InstrRef {
+                rank: Rank(1),
+                index: 1
+            })
+        );
+        assert_eq!(
+            d.stuck[0].waiting[0].peer_at,
+            Some(InstrRef {
+                rank: Rank(1),
+                index: 0
+            })
+        );
+        let text = d.to_string();
+        assert!(text.contains("rank 0, #0 waits in a comm batch"), "{text}");
+        assert!(simulate(&p, &costs("rendezvous=false", 2)).is_ok());
+        // Fused into one batch each, the exchange is fine under rendezvous too.
+        let p = program(vec![
+            vec![
+                send(1, Payload::act(0, 0), 0),
+                recv(1, Payload::grad(1, 0), 0),
+            ],
+            vec![
+                send(0, Payload::grad(1, 0), 0),
+                recv(0, Payload::act(0, 0), 0),
+            ],
+        ]);
+        assert!(simulate(&p, &costs("", 2)).is_ok());
+    }
+
+    #[test]
+    fn unmatched_and_bad_ids_are_reported() {
+        let p = program(vec![vec![recv(1, Payload::act(0, 0), 0)], vec![fwd(1, 0)]]);
+        let SimError::Deadlock(d) = simulate(&p, &costs("", 2)).unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(d.stuck[0].waiting[0].partner, None);
+        assert!(d.to_string().contains("has no matching op"));
+        let p = program(vec![vec![send(7, Payload::act(0, 0), 0)], vec![]]);
+        assert!(matches!(
+            simulate(&p, &costs("", 2)),
+            Err(SimError::PeerOutOfRange { peer: 7, .. })
+        ));
+        let p = program(vec![vec![fwd(9, 0)], vec![]]);
+        assert!(matches!(
+            simulate(&p, &costs("", 2)),
+            Err(SimError::StageOutOfRange { stage: 9, .. })
+        ));
+    }
+
+    /// Worlds too big for a dense pair table match through the map, with the same result.
+    #[test]
+    fn many_ranks_match_through_the_map() {
+        let w = 1100;
+        let mut ranks = vec![Vec::new(); w];
+        ranks[0] = vec![send(w as u32 - 1, Payload::act(0, 0), 0)];
+        ranks[w - 1] = vec![recv(0, Payload::act(0, 0), 0), fwd(1, 0)];
+        let p = Program {
+            placement: Placement::looped(w as u32, 1),
+            ..program(vec![])
+        };
+        let p = Program { ranks, ..p };
+        let m = Matching::new(&p);
+        assert_eq!(
+            m.partner(InstrRef {
+                rank: Rank(0),
+                index: 0
+            }),
+            Some(InstrRef {
+                rank: Rank(w as u32 - 1),
+                index: 0
+            })
+        );
+        let s = simulate(&p, &costs("p2p=1", w as u32)).unwrap();
+        assert_eq!(s.summary.makespan, 2.0);
+    }
+
+    #[test]
+    fn self_messages_in_one_batch_complete() {
+        let p = program(vec![vec![
+            send(0, Payload::act(0, 0), 0),
+            recv(0, Payload::act(0, 0), 0),
+        ]]);
+        let s = simulate(&p, &costs("p2p=2", 1)).unwrap();
+        assert_eq!(s.summary.makespan, 2.0);
+    }
+}

@@ -1,0 +1,1222 @@
+//! Simulation and views: the simulator against the published bubble and memory formulas and
+//! against an independent equation-solving reference; the Chrome trace, SVG and DOT outputs
+//! parsed back; snapshots of small cases; the CLI's commands and exit codes.
+
+use assert_cmd::Command;
+use pipec::compile::{compile, CompileRequest, Compiled};
+use pipec::cost::{CostModel, StageCosts};
+use pipec::emit::{chrome, dot, svg, timeline_text};
+use pipec::files::{self, Header};
+use pipec::layout::Layout;
+use pipec::simulate::{simulate, SimError, Simulation};
+use pipec::{Instr, Payload, Program};
+use pipec_schedules::{Compute, Limits, Placement, Rank, ScheduleKind, Task};
+use proptest::prelude::*;
+use std::path::{Path, PathBuf};
+
+fn req(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
+    CompileRequest {
+        kind,
+        pp,
+        vpp: Some(vpp),
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+        layout: None,
+        num_layers: None,
+        mtp_num_layers: None,
+        limits: Limits::DEFAULT,
+    }
+}
+
+fn build(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Compiled {
+    compile(&req(kind, pp, vpp, m)).expect("valid spec")
+}
+
+fn sim(c: &Compiled, cost: &str) -> Simulation {
+    let model = CostModel::parse(cost).expect("cost spec");
+    let costs = StageCosts::new(&model, &c.layout, c.program.num_stages());
+    assert!(costs.layout_used);
+    simulate(&c.program, &costs).expect("no deadlock")
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * (1.0 + a.abs().max(b.abs()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Published formulas (/work/shared/conformance/README.md), uniform op times, free communication.
+
+/// Per-layer costs (f, bwd_D, bwd_W) tried for every formula: the full backward is b + w.
+/// (1, 2, 0) and (1, 1, 1) are the classic "backward = 2 x forward"; the others check that
+/// the formulas hold for any forward/backward ratio, as the Megatron-LM paper states them
+/// (bubble time (p-1)(t_f + t_b)).
+const COSTS: [(f64, f64, f64); 4] = [
+    (1.0, 2.0, 0.0),
+    (1.0, 1.0, 1.0),
+    (2.0, 1.0, 0.0),
+    (0.5, 2.0, 1.0),
+];
+
+fn cost_specs() -> Vec<String> {
+    let mut v = Vec::new();
+    for (f, b, w) in COSTS {
+        for rv in ["true", "false"] {
+            v.push(format!("f={f},b={b},w={w},rendezvous={rv}"));
+        }
+    }
+    v
+}
+
+/// GPipe and 1F1B: every rank is idle (p-1)/(m+p-1) of the makespan (bubble time
+/// (p-1)(f+b) on top of the ideal m(f+b)), under rendezvous and eager sends alike.
+#[test]
+fn gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1() {
+    for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+        for p in 1..=8u32 {
+            for m in 1..=16u32 {
+                let c = build(kind, p, 1, m);
+                for spec in cost_specs() {
+                    let s = sim(&c, &spec);
+                    let want = (p - 1) as f64 / (m + p - 1) as f64;
+                    for r in &s.summary.ranks {
+                        assert!(
+                            close(r.bubble_ratio, want),
+                            "{kind} p={p} m={m} {spec}: rank {} bubble {} != (p-1)/(m+p-1) = {want}",
+                            r.rank,
+                            r.bubble_ratio
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Interleaved 1F1B with v chunks per rank (each chunk one stage of cost f, b): the ideal time
+/// is v*m*(f+b) and the bubble (p-1)(f+b), i.e. (p-1)/v of a microbatch's full-rank f+b
+/// (Narayanan et al., 2021, t_pb = (p-1)(t_f+t_b)/v). So the idle share of every rank is
+///     (p-1)(f+b) / (v*m*(f+b) + (p-1)(f+b)) = (p-1) / (v*m + p-1).
+/// Megatron's default group size g = p requires m to be a multiple of p.
+#[test]
+fn interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1() {
+    // Interleaving needs pp >= 2 (at pp = 1 Megatron runs no pipelining; pipec refuses it).
+    for p in 2..=6u32 {
+        for v in 2..=4u32 {
+            for m in [p, 2 * p, 3 * p] {
+                let c = build(ScheduleKind::Interleaved1F1B, p, v, m);
+                for spec in cost_specs() {
+                    let s = sim(&c, &spec);
+                    let want = (p - 1) as f64 / (v * m + p - 1) as f64;
+                    for r in &s.summary.ranks {
+                        assert!(
+                            close(r.bubble_ratio, want),
+                            "interleaved p={p} v={v} m={m} {spec}: rank {} bubble {} != (p-1)/(vm+p-1) = {want}",
+                            r.rank,
+                            r.bubble_ratio
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Peak live activations (units of one microbatch on one stage): GPipe keeps all m; 1F1B rank
+/// r keeps its p-r-1 warmup forwards plus one, min(p-r, m) (worst rank: p); interleaved rank r
+/// keeps Megatron's warmup 2(p-r-1)+(v-1)p plus one, capped at v*m (worst rank: about
+/// p + (p-1)/v microbatches of the whole rank).
+#[test]
+fn peak_activations_match_the_published_counts() {
+    // p >= 2: with one rank Megatron runs `forward_backward_no_pipelining` (F B F B ...), which
+    // the formulas do not describe.
+    for p in 2..=6u32 {
+        for m in 1..=12u32 {
+            let g = sim(&build(ScheduleKind::Gpipe, p, 1, m), "");
+            assert!(g
+                .summary
+                .ranks
+                .iter()
+                .all(|r| r.peak_activations == m as u64));
+            let o = sim(&build(ScheduleKind::OneFOneB, p, 1, m), "");
+            for r in &o.summary.ranks {
+                assert_eq!(
+                    r.peak_activations,
+                    (p - r.rank).min(m) as u64,
+                    "1f1b p={p} m={m}"
+                );
+            }
+        }
+        for v in 2..=3u32 {
+            for m in [p, 2 * p, 3 * p] {
+                let s = sim(&build(ScheduleKind::Interleaved1F1B, p, v, m), "");
+                for r in &s.summary.ranks {
+                    let warmup = 2 * (p - r.rank - 1) + (v - 1) * p;
+                    let want = (warmup + 1).min(v * m);
+                    assert_eq!(
+                        r.peak_activations, want as u64,
+                        "interleaved p={p} v={v} m={m} rank {}",
+                        r.rank
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Uneven layouts cost what they hold: with eager sends, free communication and one op per
+/// comm step (GPipe, 1F1B), the simulated compute spans equal the pure dataflow schedule
+/// (start = max(rank free, inputs done)) computed here from the compute orders and per-stage
+/// costs summed by hand from the layout string.
+#[test]
+fn uneven_layouts_match_a_dataflow_reference() {
+    let cases = [
+        (ScheduleKind::OneFOneB, 4, "Ettt|t|tt|tL", 8),
+        (ScheduleKind::Gpipe, 4, "Et|ttt|t|ttL", 5),
+        (ScheduleKind::OneFOneB, 2, "E|ttttL", 3),
+        (ScheduleKind::OneFOneB, 3, "Et||tmL", 4),
+    ];
+    let spec = "f=1,b=1.5,w=0.5,E.f=0.25,E.b=0.5,L.f=0.5,L.b=0.75,floor=0.125,rendezvous=false";
+    // Per layer (f, bwd_D + bwd_W) by symbol, as the spec says.
+    let layer = |c: char| match c {
+        't' | 'm' => (1.0, 2.0),
+        'E' => (0.25, 0.5),
+        'L' => (0.5, 0.75),
+        _ => unreachable!(),
+    };
+    for (kind, pp, layout, m) in cases {
+        let mut r = req(kind, pp, 1, m);
+        r.vpp = None;
+        r.layout = Some(layout.to_string());
+        let c = compile(&r).expect("layout compiles");
+        let stage_cost: Vec<(f64, f64)> = layout
+            .split('|')
+            .map(|st| {
+                if st.is_empty() {
+                    (0.125, 0.25)
+                } else {
+                    st.chars()
+                        .map(layer)
+                        .fold((0.0, 0.0), |a, l| (a.0 + l.0, a.1 + l.1))
+                }
+            })
+            .collect();
+        let s = sim(&c, spec);
+        let want = dataflow(&c.program, &stage_cost);
+        for (r, ops) in want.iter().enumerate() {
+            let got: Vec<(f64, f64)> = c.program.ranks[r]
+                .iter()
+                .zip(&s.timeline.ranks[r])
+                .filter(|(i, _)| matches!(i, Instr::Compute(_)))
+                .map(|(_, sp)| (sp.start, sp.end))
+                .collect();
+            assert_eq!(got.len(), ops.len());
+            for (g, w) in got.iter().zip(ops) {
+                assert!(
+                    close(g.0, w.0) && close(g.1, w.1),
+                    "{kind} {layout} rank {r}: {got:?} vs {ops:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Compute spans per rank from program order and data dependencies only.
+fn dataflow(p: &Program, stage_cost: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
+    use std::collections::HashMap;
+    let orders = p.compute_orders();
+    let last = p.num_stages() - 1;
+    let mut done: HashMap<(bool, u32, u32), f64> = HashMap::new();
+    let mut out: Vec<Vec<(f64, f64)>> = vec![Vec::new(); orders.len()];
+    let mut pc = vec![0usize; orders.len()];
+    let mut free = vec![0.0f64; orders.len()];
+    loop {
+        let mut progressed = false;
+        for r in 0..orders.len() {
+            while let Some(op) = orders[r].get(pc[r]) {
+                let (is_fwd, t) = match *op {
+                    Compute::Fwd(t) => (true, t),
+                    Compute::Bwd(t) => (false, t),
+                    other => panic!("unexpected {other}"),
+                };
+                let (s, mb) = (t.stage.0, t.mb.0);
+                let deps: Vec<(bool, u32, u32)> = if is_fwd {
+                    if s > 0 {
+                        vec![(true, s - 1, mb)]
+                    } else {
+                        vec![]
+                    }
+                } else if s < last {
+                    vec![(true, s, mb), (false, s + 1, mb)]
+                } else {
+                    vec![(true, s, mb)]
+                };
+                let Some(ready) = deps
+                    .iter()
+                    .map(|d| done.get(d).copied())
+                    .try_fold(0.0f64, |a, x| x.map(|x| a.max(x)))
+                else {
+                    break;
+                };
+                let start = free[r].max(ready);
+                let d = if is_fwd {
+                    stage_cost[s as usize].0
+                } else {
+                    stage_cost[s as usize].1
+                };
+                out[r].push((start, start + d));
+                free[r] = start + d;
+                done.insert((is_fwd, s, mb), start + d);
+                pc[r] += 1;
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    assert!(
+        pc.iter().zip(&orders).all(|(&i, o)| i == o.len()),
+        "reference stuck"
+    );
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulator against an equation-solving reference of the documented semantics.
+
+/// (start, end) of every instruction, per rank.
+type Spans = Vec<Vec<(f64, f64)>>;
+
+/// Times of every instruction by fixpoint iteration over the equations in the simulate
+/// module's documentation: a compute op ends `cost` after the previous instruction; a batch
+/// is posted when the previous instruction ends and ends at the latest completion of its
+/// messages; under rendezvous a message completes at max(both posts) + x, eagerly the send
+/// at its post and the recv at max(its post, the send's post + x). `None`: deadlock, with
+/// the first unresolved instruction of each stuck rank.
+fn reference(
+    p: &Program,
+    cost: f64,
+    x: f64,
+    rendezvous: bool,
+) -> Result<Spans, Vec<(usize, usize)>> {
+    let w = p.ranks.len();
+    // FIFO matching per ordered pair, counted independently of the simulator.
+    let mut partner: Vec<Vec<Option<(usize, usize)>>> =
+        p.ranks.iter().map(|r| vec![None; r.len()]).collect();
+    for a in 0..w {
+        for b in 0..w {
+            let sends: Vec<usize> = (0..p.ranks[a].len())
+                .filter(|&i| matches!(p.ranks[a][i], Instr::Send { peer, .. } if peer.index() == b))
+                .collect();
+            let recvs: Vec<usize> = (0..p.ranks[b].len())
+                .filter(|&i| matches!(p.ranks[b][i], Instr::Recv { peer, .. } if peer.index() == a))
+                .collect();
+            for (&s, &r) in sends.iter().zip(&recvs) {
+                partner[a][s] = Some((b, r));
+                partner[b][r] = Some((a, s));
+            }
+        }
+    }
+    // Batch bounds per instruction.
+    let bounds: Vec<Vec<(usize, usize)>> = p
+        .ranks
+        .iter()
+        .map(|instrs| {
+            let mut v = vec![(0, 0); instrs.len()];
+            let mut i = 0;
+            while i < instrs.len() {
+                if matches!(instrs[i], Instr::Compute(_)) {
+                    v[i] = (i, i + 1);
+                    i += 1;
+                    continue;
+                }
+                let mut j = i + 1;
+                while j < instrs.len()
+                    && !matches!(instrs[j], Instr::Compute(_))
+                    && instrs[j].batch() == instrs[i].batch()
+                {
+                    j += 1;
+                }
+                v[i..j].fill((i, j));
+                i = j;
+            }
+            v
+        })
+        .collect();
+    let mut end: Vec<Vec<Option<f64>>> = p.ranks.iter().map(|r| vec![None; r.len()]).collect();
+    let post = |end: &Vec<Vec<Option<f64>>>, r: usize, i: usize| -> Option<f64> {
+        let lo = bounds[r][i].0;
+        if lo == 0 {
+            Some(0.0)
+        } else {
+            end[r][lo - 1]
+        }
+    };
+    loop {
+        let mut changed = false;
+        for r in 0..w {
+            for i in 0..p.ranks[r].len() {
+                if end[r][i].is_some() {
+                    continue;
+                }
+                let Some(t) = post(&end, r, i) else { break };
+                if let Instr::Compute(_) = p.ranks[r][i] {
+                    end[r][i] = Some(t + cost);
+                    changed = true;
+                    continue;
+                }
+                let (lo, hi) = bounds[r][i];
+                let mut e = Some(t);
+                for (ins, part) in p.ranks[r][lo..hi].iter().zip(&partner[r][lo..hi]) {
+                    let is_send = matches!(ins, Instr::Send { .. });
+                    let c = match *part {
+                        // An eager send completes when posted, matched or not.
+                        _ if is_send && !rendezvous => Some(t),
+                        None => None,
+                        Some((q, j)) => {
+                            let tq = post(&end, q, j);
+                            if rendezvous {
+                                tq.map(|tq| t.max(tq) + x)
+                            } else {
+                                tq.map(|tq| t.max(tq + x))
+                            }
+                        }
+                    };
+                    e = match (e, c) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        _ => None,
+                    };
+                }
+                let Some(e) = e else { break };
+                end[r][lo..hi].fill(Some(e));
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    let stuck: Vec<(usize, usize)> = end
+        .iter()
+        .enumerate()
+        .filter_map(|(r, v)| v.iter().position(Option::is_none).map(|i| (r, i)))
+        .collect();
+    if !stuck.is_empty() {
+        return Err(stuck);
+    }
+    Ok((0..w)
+        .map(|r| {
+            (0..p.ranks[r].len())
+                .map(|i| (post(&end, r, i).unwrap(), end[r][i].unwrap()))
+                .collect()
+        })
+        .collect())
+}
+
+fn check_against_reference(p: &Program, x: f64, rendezvous: bool) -> Result<(), TestCaseError> {
+    let spec = format!("f=1,b=0.5,w=0.5,p2p={x},rendezvous={rendezvous}");
+    let costs = StageCosts::uniform(&CostModel::parse(&spec).unwrap(), p.num_stages());
+    let got = simulate(p, &costs);
+    match (reference(p, 1.0, x, rendezvous), got) {
+        (Ok(want), Ok(s)) => {
+            for (r, spans) in want.iter().enumerate() {
+                for (i, &(a, b)) in spans.iter().enumerate() {
+                    let sp = s.timeline.ranks[r][i];
+                    prop_assert!(
+                        close(sp.start, a) && close(sp.end, b),
+                        "rank {r} #{i}: {sp:?} vs ({a}, {b})"
+                    );
+                }
+            }
+        }
+        (Err(stuck), Err(SimError::Deadlock(d))) => {
+            let got: Vec<(usize, usize)> = d
+                .stuck
+                .iter()
+                .map(|s| (s.at.rank.index(), s.at.index as usize))
+                .collect();
+            prop_assert_eq!(got, stuck);
+        }
+        (want, got) => prop_assert!(false, "reference {want:?} vs simulator {got:?}"),
+    }
+    Ok(())
+}
+
+/// Random programs over 1..4 ranks: compute ops and comm batches of 1..3 messages to random
+/// peers. Most deadlock; the simulator must agree with the reference on every time and on
+/// every stuck rank, and never hang.
+fn arb_program() -> impl Strategy<Value = Program> {
+    (1usize..=4).prop_flat_map(|w| {
+        let item = prop_oneof![
+            Just(None),
+            proptest::collection::vec((any::<bool>(), 0..w as u32), 1..=3).prop_map(Some),
+        ];
+        proptest::collection::vec(proptest::collection::vec(item, 0..8), w).prop_map(move |ranks| {
+            let ranks = ranks
+                .into_iter()
+                .enumerate()
+                .map(|(r, items)| {
+                    let mut out = Vec::new();
+                    for (b, it) in items.into_iter().enumerate() {
+                        match it {
+                            None => out.push(Instr::Compute(Compute::Fwd(Task::new(r as u32, 0)))),
+                            Some(msgs) => {
+                                for (send, peer) in msgs {
+                                    let payload = Payload::act(0, 0);
+                                    out.push(if send {
+                                        Instr::Send {
+                                            peer: Rank(peer),
+                                            payload,
+                                            batch: b as u32,
+                                        }
+                                    } else {
+                                        Instr::Recv {
+                                            peer: Rank(peer),
+                                            payload,
+                                            batch: b as u32,
+                                        }
+                                    });
+                                }
+                            }
+                        }
+                    }
+                    out
+                })
+                .collect();
+            Program {
+                placement: Placement::looped(w as u32, 1),
+                microbatches: 1,
+                forward_only: false,
+                ranks,
+            }
+        })
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+    #[test]
+    fn simulator_matches_reference_on_random_programs(p in arb_program(), x in prop_oneof![Just(0.0), Just(0.5)], rv in any::<bool>()) {
+        check_against_reference(&p, x, rv)?;
+    }
+}
+
+/// Generated schedules, with a transfer time, under both send semantics.
+#[test]
+fn simulator_matches_reference_on_generated_schedules() {
+    for (kind, pp, vpp, m) in [
+        (ScheduleKind::Gpipe, 3, 1, 4),
+        (ScheduleKind::OneFOneB, 4, 1, 6),
+        (ScheduleKind::Interleaved1F1B, 4, 2, 8),
+        (ScheduleKind::Interleaved1F1B, 3, 3, 6),
+        (ScheduleKind::LoopedBfs, 3, 2, 4),
+    ] {
+        let c = build(kind, pp, vpp, m);
+        for rv in [true, false] {
+            for x in [0.0, 0.3] {
+                // Uniform compute cost 1 per op in the reference: f=1, full bwd = 0.5 + 0.5.
+                check_against_reference(&c.program, x, rv)
+                    .unwrap_or_else(|e| panic!("{kind}: {e}"));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Emitters parsed back.
+
+#[test]
+fn chrome_trace_has_one_event_per_instruction_and_one_flow_per_message() {
+    for (kind, pp, vpp, m) in [
+        (ScheduleKind::OneFOneB, 4, 1, 8),
+        (ScheduleKind::Interleaved1F1B, 2, 2, 4),
+    ] {
+        let c = build(kind, pp, vpp, m);
+        let s = sim(&c, "p2p=0.1");
+        let text = chrome::chrome_trace("test", &c.program, &s.timeline);
+        let v: serde_json::Value = serde_json::from_str(&text).expect("trace is JSON");
+        let events = v["traceEvents"].as_array().expect("traceEvents");
+        let ph = |p: &'static str| events.iter().filter(move |e| e["ph"] == p);
+        assert_eq!(ph("X").count(), c.program.len());
+        let sends = c
+            .program
+            .ranks
+            .iter()
+            .flatten()
+            .filter(|i| matches!(i, Instr::Send { .. }))
+            .count();
+        assert_eq!(ph("s").count(), sends);
+        assert_eq!(ph("f").count(), sends);
+        assert!(ph("f").all(|e| e["bp"] == "e"));
+        let mut ids: Vec<u64> = ph("s").map(|e| e["id"].as_u64().unwrap()).collect();
+        let mut fids: Vec<u64> = ph("f").map(|e| e["id"].as_u64().unwrap()).collect();
+        ids.sort();
+        fids.sort();
+        assert_eq!(ids, fids);
+        ids.dedup();
+        assert_eq!(ids.len(), sends);
+        let threads: Vec<&str> = ph("M")
+            .filter(|e| e["name"] == "thread_name")
+            .map(|e| e["args"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            threads,
+            (0..pp).map(|r| format!("rank {r}")).collect::<Vec<_>>()
+        );
+        // Every X event sits on its rank's thread, and each rank's compute events follow the
+        // program (count per tid).
+        for r in 0..pp {
+            let n = ph("X")
+                .filter(|e| e["tid"] == r && e["cat"] != "comm")
+                .count();
+            let want = c.program.ranks[r as usize]
+                .iter()
+                .filter(|i| matches!(i, Instr::Compute(_)))
+                .count();
+            assert_eq!(n, want);
+        }
+        // Flows start on the sending rank and end on the receiving one.
+        for e in ph("s") {
+            let id = &e["id"];
+            let f = ph("f").find(|f| &f["id"] == id).unwrap();
+            assert_ne!(e["tid"], f["tid"]);
+        }
+    }
+}
+
+#[test]
+fn svg_parses_and_has_one_rect_per_compute_op_in_its_rank_row() {
+    for (kind, pp, vpp, m) in [
+        (ScheduleKind::OneFOneB, 4, 1, 8),
+        (ScheduleKind::Interleaved1F1B, 16, 2, 16),
+        (ScheduleKind::Gpipe, 64, 1, 4),
+    ] {
+        let c = build(kind, pp, vpp, m);
+        let s = sim(&c, "");
+        let text = svg::render(&c.program, &s.timeline, &svg::SvgOptions::default());
+        let doc = roxmltree::Document::parse(&text).expect("SVG is XML");
+        let rects: Vec<_> = doc
+            .descendants()
+            .filter(|n| {
+                n.has_tag_name("rect") && n.attribute("class").is_some_and(|c| c.starts_with("op "))
+            })
+            .collect();
+        let computes = c
+            .program
+            .ranks
+            .iter()
+            .flatten()
+            .filter(|i| matches!(i, Instr::Compute(_)))
+            .count();
+        assert_eq!(rects.len(), computes, "{kind} pp={pp}");
+        // Rows: distinct y values, one per rank in rank order, each holding that rank's ops.
+        let mut rows: Vec<(f64, usize)> = Vec::new();
+        for r in &rects {
+            let y: f64 = r.attribute("y").unwrap().parse().unwrap();
+            match rows.iter_mut().find(|(ry, _)| *ry == y) {
+                Some(row) => row.1 += 1,
+                None => rows.push((y, 1)),
+            }
+            let title = r
+                .children()
+                .find(|n| n.has_tag_name("title"))
+                .expect("tooltip")
+                .text()
+                .unwrap();
+            assert!(title.starts_with("rank "), "{title}");
+        }
+        rows.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+        let per_rank: Vec<usize> = c
+            .program
+            .ranks
+            .iter()
+            .map(|r| r.iter().filter(|i| matches!(i, Instr::Compute(_))).count())
+            .collect();
+        assert_eq!(rows.iter().map(|r| r.1).collect::<Vec<_>>(), per_rank);
+        // Deterministic.
+        assert_eq!(
+            text,
+            svg::render(&c.program, &s.timeline, &svg::SvgOptions::default())
+        );
+    }
+}
+
+#[test]
+fn dot_full_and_condensed_views() {
+    let c = build(ScheduleKind::OneFOneB, 2, 1, 2);
+    let full = dot::render(&c.program, dot::Condense::None, None);
+    // One node per instruction, one program-order edge per consecutive pair, one message edge
+    // per send.
+    let nodes = full
+        .lines()
+        .filter(|l| l.trim_start().starts_with('r') && l.contains("[label="))
+        .count();
+    assert_eq!(nodes, c.program.len());
+    let order = full
+        .lines()
+        .filter(|l| l.contains("color=\"#999999\"]") && l.contains("->"))
+        .count();
+    assert_eq!(
+        order,
+        c.program.ranks.iter().map(|r| r.len() - 1).sum::<usize>()
+    );
+    let sends = c
+        .program
+        .ranks
+        .iter()
+        .flatten()
+        .filter(|i| matches!(i, Instr::Send { .. }))
+        .count();
+    assert_eq!(
+        full.matches("style=dashed, color=\"#e15759\"").count(),
+        sends
+    );
+    let big = build(ScheduleKind::Interleaved1F1B, 8, 2, 16);
+    assert_eq!(dot::Condense::auto(&big.program), dot::Condense::Stage);
+    let st = dot::render(&big.program, dot::Condense::Stage, None);
+    assert_eq!(st.matches("[label=\"stage ").count(), 16);
+    // 15 boundaries, each with an act and a grad edge of 16 messages.
+    assert_eq!(st.matches("×16\", color").count(), 30);
+    let rm = dot::render(&big.program, dot::Condense::RankMb, None);
+    assert_eq!(rm.matches("[label=\"mb ").count(), 8 * 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Snapshots of small cases (reviewed by eye).
+
+#[test]
+fn snapshot_views_of_small_schedules() {
+    let c = build(ScheduleKind::OneFOneB, 2, 1, 3);
+    let s = sim(&c, "");
+    insta::assert_snapshot!(
+        "svg_1f1b_pp2_m3",
+        svg::render(
+            &c.program,
+            &s.timeline,
+            &svg::SvgOptions {
+                width: 640.0,
+                title: Some("1f1b pp=2 microbatches=3".into())
+            }
+        )
+    );
+    insta::assert_snapshot!(
+        "dot_1f1b_pp2_m3",
+        dot::render(&c.program, dot::Condense::None, Some("1f1b"))
+    );
+    insta::assert_snapshot!(
+        "chrome_1f1b_pp2_m3",
+        chrome::chrome_trace("1f1b", &c.program, &s.timeline)
+    );
+    let c = build(ScheduleKind::Interleaved1F1B, 2, 2, 4);
+    let s = sim(&c, "");
+    insta::assert_snapshot!(
+        "text_interleaved_pp2_vpp2_m4",
+        timeline_text::render(
+            &c.program,
+            &s.timeline,
+            &timeline_text::TextOptions {
+                width: 100,
+                color: false
+            }
+        )
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line.
+
+fn pipec() -> Command {
+    let mut c = Command::from_std(pipec_tests::pipec());
+    c.env_remove("NO_COLOR").env_remove("COLUMNS");
+    c
+}
+
+fn compiled_dir(tmp: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let dir = tmp.join(name);
+    pipec()
+        .arg("compile")
+        .args(args)
+        .arg("-o")
+        .arg(&dir)
+        .assert()
+        .success();
+    dir
+}
+
+/// Two ranks that both send first, each in its own batch: a deadlock under rendezvous.
+fn deadlock_dir(tmp: &Path) -> PathBuf {
+    let program = Program {
+        placement: Placement::looped(2, 1),
+        microbatches: 1,
+        forward_only: false,
+        ranks: vec![
+            vec![
+                Instr::Compute(Compute::Fwd(Task::new(0, 0))),
+                Instr::Send {
+                    peer: Rank(1),
+                    payload: Payload::act(0, 0),
+                    batch: 0,
+                },
+                Instr::Recv {
+                    peer: Rank(1),
+                    payload: Payload::grad(1, 0),
+                    batch: 1,
+                },
+                Instr::Compute(Compute::Bwd(Task::new(0, 0))),
+            ],
+            vec![
+                Instr::Send {
+                    peer: Rank(0),
+                    payload: Payload::grad(1, 0),
+                    batch: 0,
+                },
+                Instr::Recv {
+                    peer: Rank(0),
+                    payload: Payload::act(0, 0),
+                    batch: 1,
+                },
+                Instr::Compute(Compute::Fwd(Task::new(1, 0))),
+                Instr::Compute(Compute::Bwd(Task::new(1, 0))),
+            ],
+        ],
+    };
+    let layout = Layout::uniform(2);
+    let header = Header {
+        source: "generated",
+        schedule: None,
+        comm_policy: None,
+        layout: &layout,
+    };
+    let dir = tmp.join("deadlock");
+    files::write_dir(
+        &dir,
+        &files::render(&header, &program, files::Encoding::Json),
+    )
+    .unwrap();
+    dir
+}
+
+fn stdout_of(c: &mut Command) -> String {
+    let out = c.output().unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn cli_show() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "a",
+        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
+    );
+    let out = pipec()
+        .arg("show")
+        .arg(&d)
+        .arg("--no-color")
+        .arg("--width")
+        .arg("100")
+        .assert()
+        .success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    insta::assert_snapshot!("show_1f1b_pp4_m8", text);
+    // Not a terminal: no colour unless forced; NO_COLOR and --no-color win over auto.
+    assert!(!stdout_of(pipec().arg("show").arg(&d)).contains('\x1b'));
+    assert!(
+        stdout_of(pipec().arg("show").arg(&d).args(["--color", "always"])).contains("\x1b[44;97m")
+    );
+    assert!(!stdout_of(
+        pipec()
+            .arg("show")
+            .arg(&d)
+            .args(["--color", "always", "--no-color"])
+    )
+    .contains('\x1b'));
+    assert!(!stdout_of(pipec().arg("show").arg(&d).env("NO_COLOR", "1")).contains('\x1b'));
+    // COLUMNS sets the width; every timeline line fits.
+    let narrow = stdout_of(pipec().arg("show").arg(&d).env("COLUMNS", "60"));
+    assert!(
+        narrow
+            .lines()
+            .filter(|l| l.starts_with("rank "))
+            .all(|l| l.chars().count() <= 60),
+        "{narrow}"
+    );
+    pipec()
+        .arg("show")
+        .arg(tmp.path().join("missing"))
+        .assert()
+        .code(2);
+    pipec()
+        .arg("show")
+        .arg(&d)
+        .args(["--cost", "f=1,zz=2"])
+        .assert()
+        .code(2);
+    pipec()
+        .arg("show")
+        .arg(deadlock_dir(tmp.path()))
+        .assert()
+        .code(1)
+        .stderr(predicates::str::contains("deadlock"));
+}
+
+#[test]
+fn cli_simulate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "a",
+        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
+    );
+    let json = stdout_of(
+        pipec()
+            .arg("simulate")
+            .arg(&d)
+            .arg("--json")
+            .args(["--cost", "f=1,b=2,w=0"]),
+    );
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    // (m + p - 1)(f + b) = 11 * 3.
+    assert_eq!(v["makespan"], 33.0);
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    for r in ranks {
+        assert!(close(r["bubble_ratio"].as_f64().unwrap(), 3.0 / 11.0));
+        assert_eq!(r["busy"], 24.0);
+        for k in ["rank", "peak_activations", "peak_at"] {
+            assert!(r.get(k).is_some(), "{k}");
+        }
+    }
+    assert_eq!(ranks[0]["peak_activations"], 4);
+    pipec()
+        .arg("simulate")
+        .arg(&d)
+        .assert()
+        .success()
+        .stdout(predicates::str::contains("makespan 33"));
+    // Errors: missing directory, bad spec (caret), bad file (path:line:col).
+    pipec()
+        .arg("simulate")
+        .arg(tmp.path().join("missing"))
+        .assert()
+        .code(2);
+    pipec()
+        .arg("simulate")
+        .arg(&d)
+        .args(["--cost", "f=1,b=x"])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "`x` is not a number\n  f=1,b=x\n        ^",
+        ));
+    let cf = tmp.path().join("costs.toml");
+    std::fs::write(&cf, "# per layer\nf = 1\nw = -2\n").unwrap();
+    pipec()
+        .arg("simulate")
+        .arg(&d)
+        .arg("--cost-file")
+        .arg(&cf)
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "costs.toml:3:5: `-2` is negative",
+        ));
+    std::fs::write(&cf, "f = 1\nb = 2\nw = 0\n").unwrap();
+    let json = stdout_of(
+        pipec()
+            .arg("simulate")
+            .arg(&d)
+            .arg("--json")
+            .arg("--cost-file")
+            .arg(&cf),
+    );
+    assert!(json.contains("\"makespan\": 33.0"), "{json}");
+    // Deadlock: exit 1, the stuck ranks named; with --json the report is JSON.
+    let dd = deadlock_dir(tmp.path());
+    pipec()
+        .arg("simulate")
+        .arg(&dd)
+        .assert()
+        .code(1)
+        .stderr(predicates::str::contains(
+            "rank 0, #1 waits in a comm batch",
+        ))
+        .stderr(predicates::str::contains(
+            "rank 1, #0 waits in a comm batch",
+        ));
+    let out = pipec()
+        .arg("simulate")
+        .arg(&dd)
+        .arg("--json")
+        .assert()
+        .code(1);
+    let v: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    assert_eq!(v["deadlock"]["stuck"].as_array().unwrap().len(), 2);
+    // Eager sends break the cycle.
+    pipec()
+        .arg("simulate")
+        .arg(&dd)
+        .args(["--cost", "rendezvous=false"])
+        .assert()
+        .success();
+}
+
+#[test]
+fn cli_compare() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = compiled_dir(
+        tmp.path(),
+        "a",
+        &["--schedule", "gpipe", "--pp", "4", "--microbatches", "8"],
+    );
+    let out = stdout_of(pipec().arg("compare").arg(&a).args([
+        "--schedule",
+        "1f1b",
+        "--schedule",
+        "interleaved-1f1b",
+        "--pp",
+        "4",
+        "--vpp",
+        "2",
+        "--microbatches",
+        "8",
+    ]));
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[1].starts_with("schedule"), "{out}");
+    assert!(
+        lines[3].starts_with("1f1b pp=4 vpp=1 microbatches=8"),
+        "{out}"
+    );
+    assert!(
+        lines[4].starts_with("interleaved-1f1b pp=4 vpp=2 microbatches=8"),
+        "{out}"
+    );
+    let json = stdout_of(pipec().arg("compare").arg(&a).args([
+        "--schedule",
+        "interleaved-1f1b",
+        "--pp",
+        "4",
+        "--vpp",
+        "2",
+        "--microbatches",
+        "8",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let s = v["schedules"].as_array().unwrap();
+    // GPipe (m+p-1)*3 = 33; interleaved 48 * (vm+p-1)/(vm) = 57.
+    assert_eq!(s[0]["makespan"], 33.0);
+    assert_eq!(s[1]["makespan"], 57.0);
+    assert_eq!(s[0]["peak_activations"], 8);
+    pipec()
+        .arg("compare")
+        .args(["--schedule", "1f1b"])
+        .assert()
+        .code(2);
+    pipec().arg("compare").assert().code(2);
+    pipec()
+        .arg("compare")
+        .arg(tmp.path().join("missing"))
+        .assert()
+        .code(2);
+    pipec()
+        .arg("compare")
+        .arg(&a)
+        .arg(deadlock_dir(tmp.path()))
+        .assert()
+        .code(1)
+        .stdout(predicates::str::contains("DEADLOCK"));
+}
+
+#[test]
+fn cli_export() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "a",
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+    );
+    let t = tmp.path().join("t.json");
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "chrome-trace", "-o"])
+        .arg(&t)
+        .assert()
+        .success();
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&t).unwrap()).unwrap();
+    assert!(!v["traceEvents"].as_array().unwrap().is_empty());
+    let s = tmp.path().join("t.svg");
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "svg", "-o"])
+        .arg(&s)
+        .assert()
+        .success();
+    roxmltree::Document::parse(&std::fs::read_to_string(&s).unwrap()).unwrap();
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "dot"])
+        .assert()
+        .success()
+        .stdout(predicates::str::starts_with("digraph pipec {"));
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "dot", "--condense", "rank-mb"])
+        .assert()
+        .success();
+    // torch CSV: one line per rank, and it imports back to the same compute order.
+    let loaded = pipec::files::load_dir(&d).unwrap();
+    for (flag, lines) in [
+        (None, loaded.program.world()),
+        (Some("--compute-only"), loaded.program.world()),
+    ] {
+        let mut cmd = pipec();
+        cmd.arg("export").arg(&d).args(["--format", "torch-csv"]);
+        if let Some(f) = flag {
+            cmd.arg(f);
+        }
+        let out = cmd.assert().success();
+        let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+        assert_eq!(text.lines().count() as u32, lines, "{text}");
+        let back = pipec::torch::import_csv(&text, &Default::default()).unwrap();
+        assert_eq!(
+            back.program.compute_orders(),
+            loaded.program.compute_orders()
+        );
+    }
+    pipec()
+        .arg("export")
+        .arg(tmp.path().join("missing"))
+        .args(["--format", "svg"])
+        .assert()
+        .code(2);
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "svg", "--cost", "p2p=-1"])
+        .assert()
+        .code(2);
+    pipec()
+        .arg("export")
+        .arg(deadlock_dir(tmp.path()))
+        .args(["--format", "chrome-trace"])
+        .assert()
+        .code(1);
+}
+
+/// 1F1B orders rewritten with split backwards (each `bwd` becomes `bwd_D`, its `bwd_W`
+/// deferred by one op) and with steady-state (B, next F) fused into overlapped `fwd_bwd` ops
+/// (one more forward in warmup, as Megatron's combined 1F1B), lowered one op per comm step: programs with every kind of compute op, until the
+/// zero-bubble and DualPipe generators exist.
+fn split_and_paired(pp: u32, m: u32) -> (Compiled, Program, Program) {
+    use pipec_schedules::{CommPolicy, RankOrder};
+    let c = build(ScheduleKind::OneFOneB, pp, 1, m);
+    let split: Vec<RankOrder> = c
+        .schedule
+        .ranks
+        .iter()
+        .map(|o| {
+            let mut ops = Vec::new();
+            let mut pending_w = None;
+            for op in &o.ops {
+                match *op {
+                    Compute::Bwd(t) => {
+                        ops.push(Compute::BwdD(t));
+                        if let Some(w) = pending_w.replace(Compute::BwdW(t)) {
+                            ops.push(w);
+                        }
+                    }
+                    other => ops.push(other),
+                }
+            }
+            ops.extend(pending_w);
+            RankOrder { ops, ..o.clone() }
+        })
+        .collect();
+    let paired: Vec<RankOrder> = c
+        .schedule
+        .ranks
+        .iter()
+        .map(|o| {
+            let mut ops = Vec::new();
+            let mut i = 0;
+            while i < o.ops.len() {
+                match (o.ops[i], o.ops.get(i + 1)) {
+                    (Compute::Bwd(b), Some(&Compute::Fwd(f))) if i > o.warmup as usize => {
+                        ops.push(Compute::FwdBwd { fwd: f, bwd: b });
+                        i += 2;
+                    }
+                    (op, _) => {
+                        ops.push(op);
+                        i += 1;
+                    }
+                }
+            }
+            RankOrder { ops, ..o.clone() }
+        })
+        .collect();
+    let lower = |orders: &[RankOrder]| {
+        pipec::lower_orders(
+            &c.schedule.placement,
+            m,
+            false,
+            CommPolicy::FusedPerOp,
+            orders,
+        )
+    };
+    let (s, p) = (lower(&split), lower(&paired));
+    (c, s, p)
+}
+
+#[test]
+fn snapshot_split_backward_and_pairs() {
+    let (c, split, paired) = split_and_paired(3, 4);
+    let costs = StageCosts::new(
+        &CostModel::parse("f=1,b=1,w=1,overlap=0.5").unwrap(),
+        &c.layout,
+        3,
+    );
+    let opts = timeline_text::TextOptions {
+        width: 100,
+        color: false,
+    };
+    let s = simulate(&split, &costs).expect("split program runs");
+    let p = simulate(&paired, &costs).expect("paired program runs");
+    insta::assert_snapshot!(
+        "text_split_and_paired_pp3_m4",
+        format!(
+            "{}\n{}",
+            timeline_text::render(&split, &s.timeline, &opts),
+            timeline_text::render(&paired, &p.timeline, &opts)
+        )
+    );
+    // Same compute, split: the busy time per rank is unchanged (bwd = bwd_D + bwd_W).
+    let full = sim(&c, "f=1,b=1,w=1");
+    for (a, b) in s.summary.ranks.iter().zip(&full.summary.ranks) {
+        assert!(close(a.busy, b.busy));
+    }
+    // A pair costs max(f, b) + (1 - overlap) * min(f, b) = 2 + 0.5.
+    let pair_spans: Vec<f64> = paired
+        .ranks
+        .iter()
+        .zip(&p.timeline.ranks)
+        .flat_map(|(is, ss)| is.iter().zip(ss))
+        .filter(|(i, _)| matches!(i, Instr::Compute(Compute::FwdBwd { .. })))
+        .map(|(_, s)| s.end - s.start)
+        .collect();
+    assert!(!pair_spans.is_empty() && pair_spans.iter().all(|&d| close(d, 2.5)));
+}
