@@ -22,6 +22,7 @@ fn req(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
         microbatches: m,
         group_size: None,
         forward_only: false,
+        combined: false,
         layout: None,
         num_layers: None,
         mtp_num_layers: None,
