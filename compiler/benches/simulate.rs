@@ -20,6 +20,7 @@ fn bench(c: &mut Criterion) {
             microbatches: m,
             group_size: None,
             forward_only: false,
+            combined: false,
             layout: None,
             num_layers: None,
             mtp_num_layers: None,

@@ -1,7 +1,7 @@
 //! A generated schedule: each rank's compute order, before any communication is placed.
 
 use crate::ids::Rank;
-use crate::op::{Compute, Pass};
+use crate::op::Compute;
 use crate::placement::Placement;
 use crate::spec::{Limits, ScheduleKind, ScheduleSpec, SpecError};
 use serde::{Deserialize, Serialize};
@@ -59,66 +59,44 @@ impl Schedule {
     }
 }
 
-/// Megatron's interleaved P2P placement, except when a rank runs every microbatch in warmup
-/// (`are_all_microbatches_in_warmup`, e.g. M = pp): then that rank's last forward send and
-/// first gradient receive pair with two different batches of its neighbour, which deadlocks
-/// under rendezvous, and the lockstep rounds are used instead.
-fn megatron_interleaved_policy(spec: &ScheduleSpec, orders: &[RankOrder]) -> CommPolicy {
-    let all_in_warmup = |o: &RankOrder| {
-        let forwards = o
-            .ops
-            .iter()
-            .flat_map(Compute::parts)
-            .filter(|p| p.0 == Pass::Fwd);
-        o.warmup as usize >= forwards.count()
-    };
-    if !spec.forward_only && spec.pp > 1 && orders.iter().any(all_in_warmup) {
-        CommPolicy::Lockstep
-    } else {
-        CommPolicy::MegatronInterleaved
-    }
-}
-
 /// Generate the schedule a spec asks for. Pure; validates the spec first.
 pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecError> {
     spec.validate(limits)?;
     let (placement, comm, ranks) = match spec.kind {
-        // GPipe and looped BFS send a stage's last forward output and then need its first
-        // gradient back, while the last rank receives that input before its forward and sends
-        // the gradient after its backward: fused per op they deadlock under rendezvous for
-        // every pp >= 2, so they use the lockstep rounds.
         ScheduleKind::Gpipe => (
             Placement::looped(spec.pp, 1),
             CommPolicy::Lockstep,
             crate::gpipe::orders(spec),
         ),
-        // Megatron runs combined 1F1B only from its interleaved loop; on the non-interleaved
-        // order (adjacent warmups differ by one) that step fusion deadlocks, so lockstep.
+        // Megatron runs combined 1F1B only from its interleaved loop; `1f1b --combined` takes
+        // that loop's P2P placement too (one batch after each step, a `fwd_bwd` one step).
         ScheduleKind::OneFOneB => (
             Placement::looped(spec.pp, 1),
             if spec.combined {
-                CommPolicy::Lockstep
+                CommPolicy::MegatronInterleaved
             } else {
                 CommPolicy::Megatron1F1B
             },
             crate::megatron::one_f_one_b(spec),
         ),
-        ScheduleKind::Interleaved1F1B => {
-            let orders = crate::megatron::interleaved(spec);
-            (
-                Placement::looped(spec.pp, spec.vpp),
-                megatron_interleaved_policy(spec, &orders),
-                orders,
-            )
-        }
+        ScheduleKind::Interleaved1F1B => (
+            Placement::looped(spec.pp, spec.vpp),
+            CommPolicy::MegatronInterleaved,
+            crate::megatron::interleaved(spec),
+        ),
         ScheduleKind::LoopedBfs => (
             Placement::looped(spec.pp, spec.vpp),
             CommPolicy::Lockstep,
             crate::looped_bfs::orders(spec),
         ),
+        // Fused per op is deadlock-free for ZB-H1 and costs it no time (checked over a grid by
+        // tests/integration/schedules.rs). It deadlocks for ZB-H2 (its doubled warmup offset
+        // pairs a rank's activation send with a gradient its neighbour sends one batch earlier),
+        // zb-v, v-half, v-min, dualpipe and dualpipe-v, and slows ZB-1P down; those use the
+        // lockstep rounds, deadlock-free for any valid order.
         ScheduleKind::ZbH1 => (
             Placement::looped(spec.pp, 1),
-            CommPolicy::Lockstep,
+            CommPolicy::FusedPerOp,
             crate::zero_bubble::zb_h1(spec),
         ),
         ScheduleKind::ZbH2 => (
@@ -168,7 +146,7 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
 #[cfg(test)]
 mod props {
     use super::*;
-    use crate::op::Task;
+    use crate::op::{Pass, Task};
     use proptest::prelude::*;
 
     /// Every task once forward and (training) once backward, on its placement rank; on each

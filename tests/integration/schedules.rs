@@ -3,8 +3,8 @@
 //! published bubble / memory figures under uniform op times.
 //!
 //! Every program goes through `pipec::verify::verify` and, independently, a small test-local
-//! model, [`rendezvous`] (step ranks; a comm batch completes when every batch its messages'
-//! peers sit in is posted too, transitively; all finish or it reports who is stuck). Times come
+//! model, [`rendezvous`] (step ranks; a comm batch completes when the peer op of each of its
+//! messages is posted; all finish or it reports who is stuck). Times come
 //! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
 //! and its inputs are done; communication is free), written before `pipec::simulate` existed.
 
@@ -215,36 +215,19 @@ fn rendezvous(p: &Program) -> Result<(), String> {
         if (0..w).all(|r| pc[r] == its[r].len()) {
             break;
         }
-        // Posted batches: the current item of each rank. A batch is blocked when a peer's
-        // batch is not posted, or (transitively) blocked.
-        let posted = |r: usize, k: usize| pc[r] == k;
+        // Posted batches: the current item of each rank. A message completes once both its ops
+        // are posted (NCCL under rendezvous: a send completes once its recv is posted and vice
+        // versa), so a batch completes when the peer op of each of its messages has been
+        // posted: it sits in the peer's current batch or in one the peer already finished.
+        let posted = |r: usize, k: usize| pc[r] >= k;
         let mut blocked = vec![false; w];
         for r in 0..w {
             if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
                 blocked[r] = v
                     .iter()
-                    .any(|&i| partner[r][i].is_some_and(|(q, k)| !posted(q, k)));
+                    .any(|&i| partner[r][i].is_none_or(|(q, k)| !posted(q, k)));
             } else {
                 blocked[r] = true; // finished
-            }
-        }
-        loop {
-            let mut changed = false;
-            for r in 0..w {
-                if blocked[r] {
-                    continue;
-                }
-                if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
-                    if v.iter()
-                        .any(|&i| partner[r][i].is_some_and(|(q, _)| blocked[q]))
-                    {
-                        blocked[r] = true;
-                        changed = true;
-                    }
-                }
-            }
-            if !changed {
-                break;
             }
         }
         let ready: Vec<usize> = (0..w).filter(|&r| !blocked[r]).collect();
@@ -1169,4 +1152,58 @@ fn new_kinds_train_like_the_unpipelined_reference() {
             );
         }
     }
+}
+
+/// Why the lockstep rounds: fused per op is invalid for these kinds (a wait cycle under
+/// rendezvous, or for the V orders also a k-th send meeting a k-th recv of another tensor,
+/// because a rank consumes a neighbour's tensors in another order than it produced them), and
+/// for ZB-1P it is valid but slower than its compute order.
+#[test]
+fn fused_per_op_fails_where_lockstep_is_used() {
+    use pipec::cost::{CostModel, StageCosts};
+    use pipec_schedules::CommPolicy;
+    let fused = |sch: &Schedule| {
+        pipec::lower::lower_orders(
+            &sch.placement,
+            sch.spec.microbatches,
+            false,
+            CommPolicy::FusedPerOp,
+            &sch.ranks,
+        )
+    };
+    for (k, pp, m) in [
+        (ScheduleKind::ZbH2, 2u32, 4u32),
+        (ScheduleKind::ZbV, 2, 2),
+        (ScheduleKind::VHalf, 2, 3),
+        (ScheduleKind::VMin, 2, 2),
+        (ScheduleKind::DualPipe, 2, 4),
+        (ScheduleKind::DualPipeV, 2, 4),
+    ] {
+        let sch = schedule(&spec(k, pp, m));
+        assert_eq!(sch.comm, CommPolicy::Lockstep);
+        let report = pipec::verify::verify(&fused(&sch), &pipec::verify::VerifyOptions::default());
+        assert!(
+            !report.is_valid(),
+            "{k} pp {pp} m {m}: fused per op verified"
+        );
+        assert!(rendezvous(&fused(&sch)).is_err(), "{k} pp {pp} m {m}");
+    }
+    // ZB-1P: find the configurations where fusing costs time; lockstep never does.
+    let mut slower = 0;
+    for pp in 2..=8u32 {
+        for m in [pp, 2 * pp, 3 * pp + 1] {
+            let sch = schedule(&spec(ScheduleKind::Zb1P, pp, m));
+            let costs = StageCosts::uniform(&CostModel::default(), sch.num_stages());
+            let t = |p: &Program| {
+                pipec::simulate::simulate(p, &costs)
+                    .unwrap()
+                    .summary
+                    .makespan
+            };
+            let (f, l) = (t(&fused(&sch)), t(&lower(&sch)));
+            assert!(l <= f, "zb-1p pp {pp} m {m}: lockstep {l} > fused {f}");
+            slower += (f > l) as u32;
+        }
+    }
+    assert!(slower > 0, "fused per op never slowed ZB-1P down");
 }

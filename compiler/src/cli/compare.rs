@@ -8,7 +8,7 @@ use super::{print_json, CliError};
 use pipec::compile::{compile, CompileRequest};
 use pipec::cost::{CostModel, StageCosts};
 use pipec::simulate::{simulate, SimError, Simulation};
-use pipec_schedules::{Limits, ScheduleKind};
+use pipec_schedules::{ChunkRule, Limits, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -50,7 +50,12 @@ fn in_memory(a: &Args, kind: ScheduleKind, model: &CostModel) -> Result<Row, Cli
             "--schedule needs --pp and --microbatches".to_string(),
         ));
     };
-    let vpp = if kind.multi_chunk() { a.vpp } else { None };
+    // --vpp goes to the kinds that take any chunk count; the V kinds keep their fixed 2.
+    let vpp = if kind.chunk_rule() == ChunkRule::Any {
+        a.vpp
+    } else {
+        None
+    };
     let group_size = if kind == ScheduleKind::Interleaved1F1B {
         a.group_size
     } else {
@@ -63,6 +68,7 @@ fn in_memory(a: &Args, kind: ScheduleKind, model: &CostModel) -> Result<Row, Cli
         microbatches: m,
         group_size,
         forward_only: false,
+        combined: false,
         layout: None,
         num_layers: None,
         mtp_num_layers: None,
