@@ -4,6 +4,7 @@ mod docs;
 mod layout;
 mod megatron;
 mod runtime;
+mod sweep;
 mod torch;
 mod verify;
 mod views;
