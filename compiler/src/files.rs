@@ -403,53 +403,93 @@ fn sha256_hex(bytes: &[u8]) -> String {
     s
 }
 
-/// The instruction lines of one rank, exactly as they appear in its file. Written by hand
-/// (not through serde) because it is the hot loop of emission at millions of instructions; the
-/// reader parses it with serde, and a test checks both agree.
-fn instruction_lines(instrs: &[Instr]) -> String {
-    let mut out = String::with_capacity(instrs.len() * 64);
+/// One rank file, exactly as written: a fixed header, then one instruction per line. Written by
+/// hand into one buffer (no serde, no `fmt`) because it is the hot loop of emission at
+/// millions of instructions; the reader parses it with serde, and a test checks both agree.
+fn rank_file_json(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(200 + instrs.len() * 64);
+    out.extend_from_slice(b"{\n  \"format\": \"");
+    out.extend_from_slice(RANK_FORMAT.as_bytes());
+    out.extend_from_slice(b"\",\n  \"version\": ");
+    push_u32(&mut out, FORMAT_VERSION);
+    out.extend_from_slice(b",\n  \"rank\": ");
+    push_u32(&mut out, rank);
+    out.extend_from_slice(b",\n  \"world_size\": ");
+    push_u32(&mut out, world);
+    out.extend_from_slice(b",\n  \"schedule_hash\": \"");
+    out.extend_from_slice(hash.as_bytes());
+    out.extend_from_slice(b"\",\n  \"instructions\": [\n");
     for (i, ins) in instrs.iter().enumerate() {
-        out.push_str("    ");
+        out.extend_from_slice(b"    ");
         write_instr(&mut out, ins);
         if i + 1 < instrs.len() {
-            out.push(',');
+            out.push(b',');
         }
-        out.push('\n');
+        out.push(b'\n');
     }
+    out.extend_from_slice(b"  ]\n}\n");
     out
 }
 
-fn write_instr(out: &mut String, ins: &Instr) {
-    let single = |out: &mut String, op: &str, t: Task| {
-        let _ = write!(
-            out,
-            r#"{{"op":"{op}","stage":{},"mb":{}}}"#,
-            t.stage.0, t.mb.0
-        );
+fn push_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+}
+
+/// `{"op":"<op>"` followed by `,"<key>":<value>` pairs and `}`.
+fn push_obj(out: &mut Vec<u8>, op: &str, fields: &[(&str, u32)], payload: Option<&str>) {
+    out.extend_from_slice(b"{\"op\":\"");
+    out.extend_from_slice(op.as_bytes());
+    out.push(b'"');
+    for (i, (k, v)) in fields.iter().enumerate() {
+        // The payload kind sits after the peer, as the serde form orders the fields.
+        if i == 1 {
+            if let Some(p) = payload {
+                out.extend_from_slice(b",\"payload\":\"");
+                out.extend_from_slice(p.as_bytes());
+                out.push(b'"');
+            }
+        }
+        out.extend_from_slice(b",\"");
+        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(b"\":");
+        push_u32(out, *v);
+    }
+    out.push(b'}');
+}
+
+fn write_instr(out: &mut Vec<u8>, ins: &Instr) {
+    let single = |out: &mut Vec<u8>, op: &str, t: Task| {
+        push_obj(out, op, &[("stage", t.stage.0), ("mb", t.mb.0)], None)
     };
-    let msg = |out: &mut String, op: &str, peer: Rank, p: &Payload, batch: u32| {
+    let msg = |out: &mut Vec<u8>, op: &str, peer: Rank, p: &Payload, batch: u32| {
         let kind = match p.kind {
             PayloadKind::Act => "act",
             PayloadKind::Grad => "grad",
         };
-        let _ = write!(
-            out,
-            r#"{{"op":"{op}","peer":{},"payload":"{kind}","stage":{},"mb":{},"batch":{batch}}}"#,
-            peer.0, p.stage.0, p.mb.0
-        );
+        let fields = [
+            ("peer", peer.0),
+            ("stage", p.stage.0),
+            ("mb", p.mb.0),
+            ("batch", batch),
+        ];
+        push_obj(out, op, &fields, Some(kind))
     };
     match ins {
         Instr::Compute(Compute::Fwd(t)) => single(out, "fwd", *t),
         Instr::Compute(Compute::Bwd(t)) => single(out, "bwd", *t),
         Instr::Compute(Compute::BwdD(t)) => single(out, "bwd_D", *t),
         Instr::Compute(Compute::BwdW(t)) => single(out, "bwd_W", *t),
-        Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
-            let _ = write!(
-                out,
-                r#"{{"op":"fwd_bwd","fwd_stage":{},"fwd_mb":{},"bwd_stage":{},"bwd_mb":{}}}"#,
-                fwd.stage.0, fwd.mb.0, bwd.stage.0, bwd.mb.0
-            );
-        }
+        Instr::Compute(Compute::FwdBwd { fwd, bwd }) => push_obj(
+            out,
+            "fwd_bwd",
+            &[
+                ("fwd_stage", fwd.stage.0),
+                ("fwd_mb", fwd.mb.0),
+                ("bwd_stage", bwd.stage.0),
+                ("bwd_mb", bwd.mb.0),
+            ],
+            None,
+        ),
         Instr::Send {
             peer,
             payload,
@@ -497,12 +537,6 @@ fn schedule_hash(header: &Header<'_>, program: &Program) -> String {
     })
 }
 
-fn rank_file_text(rank: u32, world: u32, hash: &str, lines: &str) -> String {
-    format!(
-        "{{\n  \"format\": \"{RANK_FORMAT}\",\n  \"version\": {FORMAT_VERSION},\n  \"rank\": {rank},\n  \"world_size\": {world},\n  \"schedule_hash\": \"{hash}\",\n  \"instructions\": [\n{lines}  ]\n}}\n"
-    )
-}
-
 /// The files of a compiled schedule, in memory: (file name, bytes), manifest first.
 pub fn render(
     header: &Header<'_>,
@@ -516,9 +550,7 @@ pub fn render(
     for (r, instrs) in program.ranks.iter().enumerate() {
         let r32 = r as u32;
         let bytes = match encoding {
-            Encoding::Json => {
-                rank_file_text(r32, world, &hash, &instruction_lines(instrs)).into_bytes()
-            }
+            Encoding::Json => rank_file_json(r32, world, &hash, instrs),
             Encoding::Postcard => postcard::to_stdvec(&RankFileBin {
                 format: RANK_FORMAT.to_string(),
                 version: FORMAT_VERSION,
@@ -895,8 +927,9 @@ mod tests {
             },
         ];
         for ins in all {
-            let mut line = String::new();
+            let mut line = Vec::new();
             write_instr(&mut line, &ins);
+            let line = String::from_utf8(line).unwrap();
             let via_serde = serde_json::to_string(&InstrJson::from(&ins)).unwrap();
             assert_eq!(line, via_serde);
             let back: InstrJson = serde_json::from_str(&line).unwrap();

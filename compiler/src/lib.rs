@@ -14,6 +14,7 @@ pub mod layout;
 pub mod lower;
 pub mod program;
 pub mod simulate;
+pub mod sweep;
 pub mod timeline;
 pub mod torch;
 pub mod verify;

@@ -5,6 +5,7 @@ mod layout;
 mod megatron;
 mod runtime;
 mod schedules;
+mod sweep;
 mod torch;
 mod verify;
 mod views;

@@ -1,8 +1,10 @@
-//! `pipec compile`: generate, lower, verify, write.
+//! `pipec compile`: generate, lower, verify, write. With `--config FILE`, many schedules at
+//! once (see [`pipec::sweep`]), on all cores, with a summary table.
 
 use super::CliError;
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::files::{self, Header};
+use pipec::sweep;
 use pipec_schedules::{Limits, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,17 +12,21 @@ use std::process::ExitCode;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Schedule kind (see `pipec schedules`).
-    #[arg(long, value_parser = parse_kind)]
-    pub schedule: ScheduleKind,
+    #[arg(long, value_parser = parse_kind, required_unless_present = "config")]
+    pub schedule: Option<ScheduleKind>,
     /// Pipeline-parallel size (ranks).
-    #[arg(long)]
-    pub pp: u32,
+    #[arg(long, required_unless_present = "config")]
+    pub pp: Option<u32>,
     /// Model chunks per rank; derived from --layout when one is given.
     #[arg(long)]
     pub vpp: Option<u32>,
     /// Number of microbatches.
-    #[arg(long)]
-    pub microbatches: u32,
+    #[arg(long, required_unless_present = "config")]
+    pub microbatches: Option<u32>,
+    /// A sweep file (TOML) of many schedules: each is compiled, verified and written to
+    /// OUT/<name>/; a summary table follows. See the README's "Sweeps" section.
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "group_size", "forward_only", "num_layers", "mtp_num_layers"])]
+    pub config: Option<PathBuf>,
     /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
     #[arg(long)]
     pub layout: Option<String>,
@@ -77,22 +83,28 @@ pub fn parse_kind(s: &str) -> Result<ScheduleKind, String> {
 }
 
 impl Args {
-    pub fn request(&self) -> CompileRequest {
-        CompileRequest {
-            kind: self.schedule,
-            pp: self.pp,
+    fn limits(&self) -> Limits {
+        Limits {
+            max_compute_ops: self.max_ops,
+        }
+    }
+
+    /// The single-schedule request; clap guarantees the three fields without `--config`.
+    pub fn request(&self) -> Result<CompileRequest, CliError> {
+        let missing = |f: &str| CliError::Usage(format!("--{f} is required (or give --config)"));
+        Ok(CompileRequest {
+            kind: self.schedule.ok_or_else(|| missing("schedule"))?,
+            pp: self.pp.ok_or_else(|| missing("pp"))?,
             vpp: self.vpp,
-            microbatches: self.microbatches,
+            microbatches: self.microbatches.ok_or_else(|| missing("microbatches"))?,
             group_size: self.group_size,
             forward_only: self.forward_only,
             combined: self.combined,
             layout: self.layout.clone(),
             num_layers: self.num_layers,
             mtp_num_layers: self.mtp_num_layers,
-            limits: Limits {
-                max_compute_ops: self.max_ops,
-            },
-        }
+            limits: self.limits(),
+        })
     }
 }
 
@@ -105,7 +117,10 @@ pub fn compile_error(e: CompileError) -> CliError {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    let c = compile(&a.request()).map_err(compile_error)?;
+    if let Some(cfg) = &a.config {
+        return sweep(&a, cfg);
+    }
+    let c = compile(&a.request()?).map_err(compile_error)?;
     // Verify before anything is written: an invalid schedule never reaches the disk unless
     // the user insists with --no-verify.
     let verdict = if a.no_verify {
@@ -144,4 +159,158 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         println!("{}", r.verdict_line());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The outcome of one configuration of a sweep.
+enum Outcome {
+    Ok {
+        ranks: u32,
+        instructions: usize,
+        peak: u64,
+        seconds: f64,
+    },
+    /// Invalid input (exit 1) or I/O (exit 2), with the reason.
+    Failed { io: bool, reason: String },
+}
+
+/// Compile, verify and write one configuration of a sweep.
+fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
+    let t0 = std::time::Instant::now();
+    let c = match compile(&cfg.request) {
+        Ok(c) => c,
+        Err(e) => {
+            return Outcome::Failed {
+                io: false,
+                reason: match compile_error(e) {
+                    CliError::Invalid(m) | CliError::Usage(m) => m,
+                },
+            }
+        }
+    };
+    let dir = out.join(&cfg.name);
+    let r = if a.no_verify {
+        None
+    } else {
+        match super::verify_before_write(&c.program, cfg.memory_limit.or(a.memory_limit), &dir) {
+            Ok(r) => Some(r),
+            Err(CliError::Invalid(m) | CliError::Usage(m)) => {
+                return Outcome::Failed {
+                    io: false,
+                    reason: m,
+                }
+            }
+        }
+    };
+    let header = Header {
+        source: "generated",
+        schedule: Some(c.spec),
+        comm_policy: Some(c.schedule.comm),
+        layout: &c.layout,
+    };
+    if let Err(e) = files::write_dir(
+        &dir,
+        &files::render(&header, &c.program, a.format.encoding()),
+    ) {
+        return Outcome::Failed {
+            io: true,
+            reason: e.to_string(),
+        };
+    }
+    Outcome::Ok {
+        ranks: c.program.world(),
+        instructions: c.program.len(),
+        peak: r
+            .map(|r| r.memory.iter().map(|m| m.peak).max().unwrap_or(0))
+            .unwrap_or(0),
+        seconds: t0.elapsed().as_secs_f64(),
+    }
+}
+
+/// `pipec compile --config FILE -o DIR`: every configuration on a pool of worker threads (one
+/// per core); one failure does not stop the others. Exit 0 when all succeed, 1 when any is
+/// invalid, 2 when any hit an I/O error (or the file itself is unreadable or malformed).
+fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    let configs = sweep::parse(&text, a.limits())
+        .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+    std::fs::create_dir_all(&a.out)
+        .map_err(|e| CliError::Usage(format!("{}: {e}", a.out.display())))?;
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(configs.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Outcome>>> = configs
+        .iter()
+        .map(|_| std::sync::Mutex::new(None))
+        .collect();
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(cfg) = configs.get(i) else { break };
+                let o = one(cfg, &a.out, a);
+                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(o);
+            });
+        }
+    });
+    let w = configs
+        .iter()
+        .map(|c| c.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(6);
+    println!(
+        "{:w$}  {:>6}  {:>5}  {:>12}  {:>8}  {:>8}",
+        "config", "status", "ranks", "instructions", "peak act", "seconds"
+    );
+    let (mut invalid, mut io) = (0, 0);
+    let mut failures = Vec::new();
+    for (cfg, slot) in configs.iter().zip(&results) {
+        match slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(Outcome::Ok {
+                ranks,
+                instructions,
+                peak,
+                seconds,
+            }) => println!(
+                "{:w$}  {:>6}  {ranks:>5}  {instructions:>12}  {peak:>8}  {seconds:>8.3}",
+                cfg.name, "ok"
+            ),
+            Some(Outcome::Failed { io: is_io, reason }) => {
+                if is_io {
+                    io += 1;
+                } else {
+                    invalid += 1;
+                }
+                println!(
+                    "{:w$}  {:>6}",
+                    cfg.name,
+                    if is_io { "I/O" } else { "FAILED" }
+                );
+                failures.push((cfg.name.clone(), reason));
+            }
+            None => unreachable!("every configuration is taken by a worker"),
+        }
+    }
+    println!(
+        "{} configurations, {} ok, {} failed, in {:.2} s on {workers} threads -> {}",
+        configs.len(),
+        configs.len() - invalid - io,
+        invalid + io,
+        t0.elapsed().as_secs_f64(),
+        a.out.display()
+    );
+    for (name, reason) in &failures {
+        eprintln!("error: {name}: {reason}");
+    }
+    Ok(if io > 0 {
+        ExitCode::from(2)
+    } else if invalid > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
