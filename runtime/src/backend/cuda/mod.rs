@@ -9,3 +9,10 @@
 pub mod kernels;
 pub mod launch;
 pub mod probe;
+
+#[cfg(feature = "cuda")]
+pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod device;
+#[cfg(feature = "cuda")]
+pub mod model;
