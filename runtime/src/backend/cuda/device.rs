@@ -32,6 +32,9 @@ struct Accum {
     sum: Vec<Vec<CudaSlice<f32>>>,
 }
 
+/// A forward's output and, when saved, its stash.
+type FwdResult<T> = Result<(GTensor<T>, Option<Vec<GStash<T>>>), BackendError>;
+
 pub struct CudaBackend<T: Elem> {
     pub rank: Rank,
     pub ctx: Arc<CudaContext>,
@@ -291,7 +294,7 @@ impl<T: Elem> CudaBackend<T> {
         t: Task,
         input: Option<GTensor<T>>,
         save: bool,
-    ) -> Result<(GTensor<T>, Option<Vec<GStash<T>>>), BackendError> {
+    ) -> FwdResult<T> {
         let dev = if side { &self.side } else { &self.main };
         let x = self.input(dev, t, input)?;
         let st = self.stage(t)?;
