@@ -4,3 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 cargo test --workspace --locked
+cargo build -p pipec-runtime --features cuda --locked && cargo clippy -p pipec-runtime --features cuda --all-targets --locked -- -D warnings

@@ -13,7 +13,7 @@ use std::time::Duration;
 enum BackendKind {
     /// One thread per rank, in-process rendezvous transport, f32 model on ndarray.
     Cpu,
-    /// CUDA + NCCL (needs the `cuda` feature; not implemented yet).
+    /// CUDA + NCCL (needs the `cuda` feature).
     Cuda,
 }
 
@@ -130,12 +130,21 @@ fn print_report(args: &Args, report: &RunReport) {
 
 fn run(args: &Args) -> Result<(), RunError> {
     if args.backend == BackendKind::Cuda {
-        return Err(RunError::Usage(if cfg!(feature = "cuda") {
-            "the CUDA backend is not implemented in this version of pipec-run; use --backend cpu"
-                .into()
-        } else {
-            "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda` (or use --backend cpu)".into()
-        }));
+        #[cfg(feature = "cuda")]
+        {
+            use pipec_runtime::backend::cuda;
+            let launch = cuda::launch::from_vars(|k| std::env::var(k).ok())
+                .map_err(|e| RunError::Usage(e.to_string()))?;
+            let multi = launch.as_ref().is_some_and(|l| l.world_size > 1);
+            cuda::probe_libraries(multi).map_err(|e| RunError::Usage(e.to_string()))?;
+            return Err(RunError::Usage(
+                "the CUDA backend's step driver is not wired into pipec-run yet (the device code is in pipec_runtime::backend::cuda); use --backend cpu".into(),
+            ));
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err(RunError::Usage(
+            "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda` (or use --backend cpu)".into(),
+        ));
     }
     if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= 1e6) {
         return Err(RunError::Usage(format!(

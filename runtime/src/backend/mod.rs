@@ -6,6 +6,7 @@
 //! tables, the backend and the transport.
 
 pub mod cpu;
+pub mod cuda;
 pub mod noop;
 
 use pipec::program::Payload;

@@ -1,0 +1,210 @@
+//! Point-to-point for the CUDA backend, on a communication stream ordered against compute
+//! with events (the comm stream waits for the compute issued before the batch; compute waits
+//! for the batch before it goes on, as the interpreter's program order says).
+//!
+//! - [`Net::Nccl`]: one process per rank; each comm batch is one `ncclGroupStart/End` of
+//!   `ncclSend`/`ncclRecv`. NCCL matches sends and receives per peer in FIFO order, the rule the
+//!   verifier proves schedules against. Receive sizes come from the layout ([`wire`]).
+//! - [`Net::Local`]: several ranks in one process (one thread each, one or several GPUs): the
+//!   runtime's rendezvous [`Transport`] matches and checks payloads exactly as for the CPU
+//!   backend, and the receiver copies the sender's buffer on its own comm stream (a
+//!   device-to-device or peer copy), so the rendezvous semantics are kept.
+
+use super::model::{err, Elem, GTensor};
+use crate::backend::{BackendError, CommOp, Dir};
+use crate::transport::Transport;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::nccl::Comm;
+use pipec::layout::{LayerKind, Layout};
+use pipec::program::{Payload, PayloadKind};
+use std::sync::Arc;
+
+pub enum Net<T> {
+    Local(Arc<Transport<GTensor<T>>>),
+    Nccl(Comm),
+}
+
+/// What a message carries, derived from the layout (NCCL receives need the size up front).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Wire {
+    Tokens,
+    Hidden,
+    Loss,
+    /// `LossGrad`/`TokenGrad`: no data; one byte travels so the pair still rendezvous.
+    Empty,
+}
+
+/// The tensor kind of `p` under `layout`: the activation leaving stage `s` is token ids while no
+/// layer has run yet, a loss once `L` has, else hidden; the gradient leaving stage `s` (of its
+/// input) likewise by what its input is.
+pub fn wire(layout: &Layout, p: Payload) -> Wire {
+    let s = p.stage.index();
+    let upto = |end: usize| layout.stages.iter().take(end).flatten().copied();
+    let kinds_before: Vec<LayerKind> = match p.kind {
+        PayloadKind::Act => upto(s + 1).collect(),
+        PayloadKind::Grad => upto(s).collect(),
+    };
+    let (any, loss) = (
+        !kinds_before.is_empty(),
+        kinds_before.contains(&LayerKind::Loss),
+    );
+    match (p.kind, any, loss) {
+        (PayloadKind::Act, false, _) => Wire::Tokens,
+        (PayloadKind::Act, true, true) => Wire::Loss,
+        (PayloadKind::Act, true, false) => Wire::Hidden,
+        (PayloadKind::Grad, true, false) => Wire::Hidden,
+        (PayloadKind::Grad, _, _) => Wire::Empty,
+    }
+}
+
+/// Copy `src` (possibly on another device) into a new buffer on `stream`.
+pub fn copy_in<U: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    src: &CudaSlice<U>,
+) -> Result<CudaSlice<U>, BackendError> {
+    if src.context().ordinal() == stream.context().ordinal() {
+        return stream.clone_dtod(src).map_err(err("device-to-device copy"));
+    }
+    let mut dst = unsafe { stream.alloc::<U>(src.len()) }.map_err(err("allocate"))?;
+    {
+        let (sp, _rs) = src.device_ptr(stream);
+        let (dp, _rd) = dst.device_ptr_mut(stream);
+        unsafe {
+            cudarc::driver::result::memcpy_peer_async(
+                stream.context().cu_ctx(),
+                dp,
+                src.context().cu_ctx(),
+                sp,
+                src.num_bytes(),
+                stream.cu_stream(),
+            )
+        }
+        .map_err(err("peer copy between GPUs"))?;
+    }
+    Ok(dst)
+}
+
+/// Post one batch over NCCL as one group. Receives get buffers of the size [`wire`] says.
+pub fn nccl_batch<T: Elem>(
+    comm: &Comm,
+    stream: &Arc<CudaStream>,
+    layout: &Layout,
+    seq: usize,
+    hidden: usize,
+    ops: &mut [CommOp<GTensor<T>>],
+) -> Result<(), BackendError> {
+    use cudarc::nccl::result::{group_end, group_start};
+    let nerr = |what: &'static str| {
+        move |e: cudarc::nccl::result::NcclError| BackendError(format!("NCCL {what}: {:?}", e.0))
+    };
+    let empty_is_loss_grad = |p: Payload| {
+        // The gradient of an input that is a loss (stages after `L`).
+        layout
+            .stages
+            .iter()
+            .take(p.stage.index())
+            .flatten()
+            .any(|&k| k == LayerKind::Loss)
+    };
+    // Buffers for the receives, allocated before the group.
+    let mut recv: Vec<Option<GTensor<T>>> = Vec::with_capacity(ops.len());
+    let mut dummies: Vec<CudaSlice<u8>> = Vec::new();
+    for op in ops.iter() {
+        recv.push(match op.dir {
+            Dir::Send => None,
+            Dir::Recv => Some(match wire(layout, op.payload) {
+                Wire::Tokens => {
+                    GTensor::Tokens(stream.alloc_zeros::<u32>(seq).map_err(err("allocate"))?)
+                }
+                Wire::Hidden => GTensor::Hidden(
+                    stream
+                        .alloc_zeros::<T>(seq * hidden)
+                        .map_err(err("allocate"))?,
+                ),
+                Wire::Loss => GTensor::Loss(stream.alloc_zeros::<f32>(1).map_err(err("allocate"))?),
+                Wire::Empty => {
+                    if empty_is_loss_grad(op.payload) {
+                        GTensor::LossGrad
+                    } else {
+                        GTensor::TokenGrad
+                    }
+                }
+            }),
+        });
+    }
+    for op in ops.iter() {
+        if matches!(op.dir, Dir::Send) {
+            if let Some(GTensor::LossGrad | GTensor::TokenGrad) = op.tensor {
+                dummies.push(stream.alloc_zeros::<u8>(1).map_err(err("allocate"))?);
+            }
+        }
+    }
+    group_start().map_err(nerr("group start"))?;
+    let mut posted: Result<(), BackendError> = Ok(());
+    let mut recv_dummies: Vec<CudaSlice<u8>> = Vec::new();
+    let mut d = 0;
+    for (op, slot) in ops.iter_mut().zip(recv.iter_mut()) {
+        let peer = op.peer.0 as i32;
+        let r = match op.dir {
+            Dir::Send => match op.tensor.as_ref() {
+                Some(GTensor::Tokens(t)) => comm.send(t, peer),
+                Some(GTensor::Hidden(t)) => comm.send(t, peer),
+                Some(GTensor::Loss(t)) => comm.send(t, peer),
+                Some(GTensor::LossGrad | GTensor::TokenGrad) => {
+                    d += 1;
+                    comm.send(&dummies[d - 1], peer)
+                }
+                None => {
+                    posted = Err(BackendError("a send without its tensor".into()));
+                    break;
+                }
+            },
+            Dir::Recv => match slot.as_mut() {
+                Some(GTensor::Tokens(t)) => comm.recv(t, peer).map(|_| ()),
+                Some(GTensor::Hidden(t)) => comm.recv(t, peer).map(|_| ()),
+                Some(GTensor::Loss(t)) => comm.recv(t, peer).map(|_| ()),
+                _ => {
+                    // Allocation inside a group is allowed: it is not an NCCL call.
+                    match stream.alloc_zeros::<u8>(1) {
+                        Ok(b) => {
+                            recv_dummies.push(b);
+                            let b = recv_dummies.last_mut().expect("just pushed");
+                            comm.recv(b, peer).map(|_| ())
+                        }
+                        Err(e) => {
+                            posted = Err(err("allocate")(e));
+                            break;
+                        }
+                    }
+                }
+            },
+        };
+        if let Err(e) = r {
+            posted = Err(nerr("send/recv")(e));
+            break;
+        }
+    }
+    group_end().map_err(nerr("group end"))?;
+    posted?;
+    for (op, slot) in ops.iter_mut().zip(recv) {
+        op.tensor = slot;
+    }
+    Ok(())
+}
+
+/// After the local transport delivered sender-owned buffers, copy them onto this rank's comm
+/// stream.
+pub fn local_receive<T: Elem>(
+    stream: &Arc<CudaStream>,
+    ops: &mut [CommOp<GTensor<T>>],
+) -> Result<(), BackendError> {
+    for op in ops.iter_mut().filter(|o| o.dir == Dir::Recv) {
+        op.tensor = match op.tensor.take() {
+            Some(GTensor::Tokens(t)) => Some(GTensor::Tokens(copy_in(stream, &t)?)),
+            Some(GTensor::Hidden(t)) => Some(GTensor::Hidden(copy_in(stream, &t)?)),
+            Some(GTensor::Loss(t)) => Some(GTensor::Loss(copy_in(stream, &t)?)),
+            other => other,
+        };
+    }
+    Ok(())
+}

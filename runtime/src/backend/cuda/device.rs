@@ -1,0 +1,509 @@
+//! [`CudaBackend`]: one rank on one GPU. Compute on a main stream (and a second stream for the
+//! forward half of an overlapped pair), communication on a third; CUDA events around every
+//! instruction give the measured timeline.
+
+use super::comm::{self, Net};
+use super::model::{err, Dev, Elem, GGrads, GPartial, GStage, GStash, GTensor, Kernels};
+use crate::backend::{Backend, BackendError, CommError, CommOp};
+use crate::model::{self, ModelConfig, Stage};
+use crate::watchdog::{Failure, FailureKind, Watch};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+use pipec::layout::{LayerKind, Layout};
+use pipec::program::InstrRef;
+use pipec_schedules::{Rank, Task};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Events of one interpreter call: `n` instructions (1 for compute, the batch size for comm),
+/// from `start` to `end` (and a second pair for the other stream of an overlapped pair).
+pub struct Mark {
+    pub n: usize,
+    pub compute: bool,
+    pub start: CudaEvent,
+    pub end: CudaEvent,
+    pub other: Option<(CudaEvent, CudaEvent)>,
+}
+
+struct Accum {
+    next: u32,
+    pending: BTreeMap<u32, usize>,
+    sum: Vec<Vec<CudaSlice<f32>>>,
+}
+
+/// A forward's output and, when saved, its stash.
+type FwdResult<T> = Result<(GTensor<T>, Option<Vec<GStash<T>>>), BackendError>;
+
+pub struct CudaBackend<T: Elem> {
+    pub rank: Rank,
+    pub ctx: Arc<CudaContext>,
+    main: Dev<T>,
+    side: Dev<T>,
+    comm_stream: Arc<CudaStream>,
+    net: Net<T>,
+    layout: Layout,
+    microbatches: u32,
+    step: u32,
+    stages: Vec<Option<GStage<T>>>,
+    accum: Vec<Option<Accum>>,
+    /// Out-of-order per-microbatch gradients waiting for their turn.
+    parked: Vec<Option<GGrads<T>>>,
+    losses: Vec<Option<CudaSlice<f32>>>,
+    origin: Option<CudaEvent>,
+    pub marks: Vec<Mark>,
+    watch: Arc<Watch>,
+    /// Index of the next instruction (for failure reports).
+    at: u32,
+}
+
+fn timing_event(s: &CudaStream) -> Result<CudaEvent, BackendError> {
+    s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(err("record an event"))
+}
+
+impl<T: Elem> CudaBackend<T> {
+    /// `ordinal`: the GPU; `model`: the whole CPU-initialized model, of which the stages in
+    /// `mine` are uploaded.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        rank: Rank,
+        ordinal: usize,
+        cfg: ModelConfig,
+        layout: &Layout,
+        microbatches: u32,
+        model: &[Stage<f32>],
+        mine: &[u32],
+        net: impl FnOnce(&Arc<CudaStream>) -> Result<Net<T>, BackendError>,
+        watch: Arc<Watch>,
+    ) -> Result<Self, BackendError> {
+        let ctx = CudaContext::new(ordinal).map_err(err("open the GPU"))?;
+        let k = Arc::new(Kernels::compile(&ctx, T::BF16)?);
+        let main = Dev::new(
+            ctx.new_stream().map_err(err("create a stream"))?,
+            k.clone(),
+            cfg,
+        )?;
+        let side = Dev::new(ctx.new_stream().map_err(err("create a stream"))?, k, cfg)?;
+        let comm_stream = ctx.new_stream().map_err(err("create a stream"))?;
+        let net = net(&comm_stream)?;
+        let mut stages: Vec<Option<GStage<T>>> = (0..model.len()).map(|_| None).collect();
+        let mut accum: Vec<Option<Accum>> = (0..model.len()).map(|_| None).collect();
+        for &s in mine {
+            let st = main.upload_stage(&model[s as usize])?;
+            let sum = st
+                .layers
+                .iter()
+                .map(|l| {
+                    l.tensors
+                        .iter()
+                        .map(|t| main.zeros::<f32>(t.len()))
+                        .collect()
+                })
+                .collect::<Result<_, _>>()?;
+            accum[s as usize] = Some(Accum {
+                next: 0,
+                pending: BTreeMap::new(),
+                sum,
+            });
+            stages[s as usize] = Some(st);
+        }
+        Ok(CudaBackend {
+            rank,
+            ctx,
+            main,
+            side,
+            comm_stream,
+            net,
+            layout: layout.clone(),
+            microbatches,
+            step: 0,
+            stages,
+            accum,
+            parked: Vec::new(),
+            losses: (0..microbatches).map(|_| None).collect(),
+            origin: None,
+            marks: Vec::new(),
+            watch,
+            at: 0,
+        })
+    }
+
+    /// Start step `step`: zero the gradient sums, forget losses and marks, record the origin.
+    pub fn begin_step(&mut self, step: u32) -> Result<(), BackendError> {
+        self.step = step;
+        for a in self.accum.iter_mut().flatten() {
+            a.next = 0;
+            a.pending.clear();
+            for t in a.sum.iter_mut().flatten() {
+                self.main
+                    .stream
+                    .memset_zeros(t)
+                    .map_err(err("zero gradients"))?;
+            }
+        }
+        self.parked.clear();
+        self.losses.iter_mut().for_each(|l| *l = None);
+        self.marks.clear();
+        self.at = 0;
+        self.side
+            .stream
+            .join(&self.main.stream)
+            .map_err(err("order streams"))?;
+        self.comm_stream
+            .join(&self.main.stream)
+            .map_err(err("order streams"))?;
+        self.origin = Some(timing_event(&self.main.stream)?);
+        Ok(())
+    }
+
+    /// Wait for all of this rank's GPU work, polling so that a hang (an NCCL peer that never
+    /// posts) becomes an error after `timeout` instead of blocking forever.
+    pub fn sync(&self, timeout: Duration) -> Result<(), BackendError> {
+        let ev = [&self.main.stream, &self.side.stream, &self.comm_stream]
+            .iter()
+            .map(|s| s.record_event(None).map_err(err("record an event")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let t0 = Instant::now();
+        loop {
+            let mut done = true;
+            for e in &ev {
+                done &= e.try_is_complete().map_err(err("GPU work"))?;
+            }
+            if done {
+                return Ok(());
+            }
+            if t0.elapsed() > timeout {
+                return Err(BackendError(format!(
+                    "{}: the GPU work of the step did not finish within {:.1} s (a communication hang?)",
+                    self.rank,
+                    timeout.as_secs_f64()
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Per-instruction spans in microseconds since the step's origin (after [`Self::sync`]).
+    pub fn spans(&self) -> Result<Vec<pipec::timeline::Span>, BackendError> {
+        let origin = self
+            .origin
+            .as_ref()
+            .ok_or_else(|| BackendError("no step ran".into()))?;
+        let us = |e: &CudaEvent| -> Result<f64, BackendError> {
+            Ok(origin.elapsed_ms(e).map_err(err("read an event"))? as f64 * 1000.0)
+        };
+        let mut out = Vec::new();
+        for m in &self.marks {
+            let (mut s, mut e) = (us(&m.start)?, us(&m.end)?);
+            if let Some((s2, e2)) = &m.other {
+                s = s.min(us(s2)?);
+                e = e.max(us(e2)?);
+            }
+            for _ in 0..m.n {
+                out.push(pipec::timeline::Span {
+                    start: s,
+                    end: e.max(s),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// (microbatch, loss) recorded on this rank (after [`Self::sync`]).
+    pub fn losses(&self) -> Result<Vec<(u32, f32)>, BackendError> {
+        let mut out = Vec::new();
+        for (m, l) in self.losses.iter().enumerate() {
+            if let Some(l) = l {
+                let v = self.main.stream.clone_dtoh(l).map_err(err("read a loss"))?;
+                out.push((m as u32, v[0]));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The step's gradient sums per local stage, as CPU arrays, with the count summed in order.
+    pub fn grads(&self) -> Result<Vec<(u32, model::StageGrads<f32>, u32)>, BackendError> {
+        let mut out = Vec::new();
+        for (s, (a, st)) in self.accum.iter().zip(&self.stages).enumerate() {
+            let (Some(a), Some(st)) = (a, st) else {
+                continue;
+            };
+            let mut layers = Vec::new();
+            for (l, sums) in st.layers.iter().zip(&a.sum) {
+                let mut tensors = Vec::new();
+                for (shape, t) in l.shapes.iter().zip(sums) {
+                    let v = self
+                        .main
+                        .stream
+                        .clone_dtoh(t)
+                        .map_err(err("read gradients"))?;
+                    tensors.push(
+                        ndarray::Array2::from_shape_vec(*shape, v)
+                            .map_err(|e| BackendError(format!("gradient shape: {e}")))?,
+                    );
+                }
+                layers.push(model::Layer {
+                    kind: l.kind,
+                    tensors,
+                });
+            }
+            out.push((s as u32, layers, a.next));
+        }
+        Ok(out)
+    }
+
+    pub fn sgd(&mut self, lr: f32) -> Result<(), BackendError> {
+        for (st, a) in self.stages.iter_mut().zip(&self.accum) {
+            if let (Some(st), Some(a)) = (st.as_mut(), a.as_ref()) {
+                self.main.sgd(st, &a.sum, lr)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn stage(&self, t: Task) -> Result<&GStage<T>, BackendError> {
+        self.stages
+            .get(t.stage.index())
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                BackendError(format!(
+                    "{} does not hold the weights of {}",
+                    self.rank, t.stage
+                ))
+            })
+    }
+
+    fn input(
+        &self,
+        dev: &Dev<T>,
+        t: Task,
+        input: Option<GTensor<T>>,
+    ) -> Result<GTensor<T>, BackendError> {
+        match input {
+            Some(x) => Ok(x),
+            None => Ok(GTensor::Tokens(
+                dev.upload_u32(&model::tokens(&dev.cfg, self.step, t.mb.0))?,
+            )),
+        }
+    }
+
+    fn fwd_on(
+        &mut self,
+        side: bool,
+        t: Task,
+        input: Option<GTensor<T>>,
+        save: bool,
+    ) -> FwdResult<T> {
+        let dev = if side { &self.side } else { &self.main };
+        let x = self.input(dev, t, input)?;
+        let st = self.stage(t)?;
+        let holds_loss = st.layers.iter().any(|l| l.kind == LayerKind::Loss);
+        let (out, stash) = dev.stage_fwd(st, x, self.step, t.mb.0)?;
+        if holds_loss {
+            if let GTensor::Loss(l) = &out {
+                let copy = dev.stream.clone_dtod(l).map_err(err("keep the loss"))?;
+                if let Some(slot) = self.losses.get_mut(t.mb.index()) {
+                    *slot = Some(copy);
+                }
+            }
+        }
+        Ok((out, save.then_some(stash)))
+    }
+
+    fn bwd_w_inner(
+        &mut self,
+        t: Task,
+        saved: &[GStash<T>],
+        partial: &[GPartial<T>],
+    ) -> Result<(), BackendError> {
+        let grads = self.main.stage_bwd_w(self.stage(t)?, saved, partial)?;
+        let s = t.stage.index();
+        let Some(acc) = self.accum[s].as_mut() else {
+            return Ok(());
+        };
+        // Add in microbatch order, parking early arrivals (bitwise-reproducible sums).
+        if t.mb.0 != acc.next {
+            self.parked.push(Some(grads));
+            acc.pending.insert(t.mb.0, self.parked.len() - 1);
+            return Ok(());
+        }
+        self.main.accumulate(&mut acc.sum, &grads)?;
+        acc.next += 1;
+        while let Some(i) = acc.pending.remove(&acc.next) {
+            if let Some(g) = self.parked[i].take() {
+                self.main.accumulate(&mut acc.sum, &g)?;
+            }
+            acc.next += 1;
+        }
+        Ok(())
+    }
+
+    fn mark<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<R, BackendError>,
+    ) -> Result<R, BackendError> {
+        let start = timing_event(&self.main.stream)?;
+        let r = f(self)?;
+        let end = timing_event(&self.main.stream)?;
+        self.marks.push(Mark {
+            n: 1,
+            compute: true,
+            start,
+            end,
+            other: None,
+        });
+        self.at += 1;
+        Ok(r)
+    }
+}
+
+impl<T: Elem> Backend for CudaBackend<T> {
+    type Tensor = GTensor<T>;
+    type Saved = Vec<GStash<T>>;
+    type Partial = Vec<GPartial<T>>;
+
+    fn fwd(
+        &mut self,
+        task: Task,
+        input: Option<GTensor<T>>,
+        save: bool,
+    ) -> Result<(GTensor<T>, Option<Self::Saved>), BackendError> {
+        self.mark(|b| b.fwd_on(false, task, input, save))
+    }
+
+    fn bwd(
+        &mut self,
+        task: Task,
+        saved: Self::Saved,
+        grad: Option<GTensor<T>>,
+    ) -> Result<GTensor<T>, BackendError> {
+        self.mark(|b| {
+            let (din, partial) = b.main.stage_bwd_d(
+                b.stage(task)?,
+                &saved,
+                grad.unwrap_or(GTensor::LossGrad),
+                b.microbatches,
+            )?;
+            b.bwd_w_inner(task, &saved, &partial)?;
+            Ok(din)
+        })
+    }
+
+    fn bwd_d(
+        &mut self,
+        task: Task,
+        saved: &Self::Saved,
+        grad: Option<GTensor<T>>,
+    ) -> Result<(GTensor<T>, Self::Partial), BackendError> {
+        self.mark(|b| {
+            b.main.stage_bwd_d(
+                b.stage(task)?,
+                saved,
+                grad.unwrap_or(GTensor::LossGrad),
+                b.microbatches,
+            )
+        })
+    }
+
+    fn bwd_w(
+        &mut self,
+        task: Task,
+        saved: Self::Saved,
+        partial: Self::Partial,
+    ) -> Result<(), BackendError> {
+        self.mark(|b| b.bwd_w_inner(task, &saved, &partial))
+    }
+
+    /// The forward on the side stream, the backward on the main stream: the GPU runs them
+    /// concurrently (cudarc orders each buffer's readers and writers across streams).
+    fn fwd_bwd(
+        &mut self,
+        fwd: Task,
+        input: Option<GTensor<T>>,
+        save: bool,
+        bwd: Task,
+        saved: Self::Saved,
+        grad: Option<GTensor<T>>,
+    ) -> Result<(GTensor<T>, Option<Self::Saved>, GTensor<T>), BackendError> {
+        self.side
+            .stream
+            .join(&self.main.stream)
+            .map_err(err("order streams"))?;
+        let s2 = timing_event(&self.side.stream)?;
+        let (out, stash) = self.fwd_on(true, fwd, input, save)?;
+        let e2 = timing_event(&self.side.stream)?;
+        let start = timing_event(&self.main.stream)?;
+        let (din, partial) = self.main.stage_bwd_d(
+            self.stage(bwd)?,
+            &saved,
+            grad.unwrap_or(GTensor::LossGrad),
+            self.microbatches,
+        )?;
+        self.bwd_w_inner(bwd, &saved, &partial)?;
+        let end = timing_event(&self.main.stream)?;
+        // Program order: what follows waits for both halves.
+        self.main.stream.wait(&e2).map_err(err("order streams"))?;
+        self.marks.push(Mark {
+            n: 1,
+            compute: true,
+            start,
+            end,
+            other: Some((s2, e2)),
+        });
+        self.at += 1;
+        Ok((out, stash, din))
+    }
+
+    fn exchange(&mut self, ops: &mut [CommOp<GTensor<T>>]) -> Result<(), CommError> {
+        let r = (|| -> Result<Result<(), CommError>, BackendError> {
+            self.comm_stream
+                .join(&self.main.stream)
+                .map_err(err("order streams"))?;
+            let start = timing_event(&self.comm_stream)?;
+            match &self.net {
+                Net::Local(t) => {
+                    if let Err(e) = t.exchange(self.rank, ops) {
+                        return Ok(Err(e));
+                    }
+                    comm::local_receive(&self.comm_stream, ops)?;
+                }
+                Net::Nccl(c) => {
+                    let cfg = self.main.cfg;
+                    comm::nccl_batch(c, &self.comm_stream, &self.layout, cfg.seq, cfg.hidden, ops)?
+                }
+            }
+            let end = timing_event(&self.comm_stream)?;
+            self.main.stream.wait(&end).map_err(err("order streams"))?;
+            self.marks.push(Mark {
+                n: ops.len(),
+                compute: false,
+                start,
+                end,
+                other: None,
+            });
+            self.at += ops.len() as u32;
+            Ok(Ok(()))
+        })();
+        match r {
+            Ok(x) => x,
+            Err(e) => {
+                self.watch.fail(Failure {
+                    kind: FailureKind::Compute,
+                    at: InstrRef {
+                        rank: self.rank,
+                        index: ops.first().map(|o| o.at).unwrap_or(self.at),
+                    },
+                    report: format!("{}: communication failed: {}", self.rank, e.0),
+                });
+                Err(CommError::Aborted)
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Net::Local(t) = &self.net {
+            t.finish(self.rank);
+        }
+    }
+}

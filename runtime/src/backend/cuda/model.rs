@@ -1,0 +1,568 @@
+//! The model of [`crate::model`] on one GPU: parameters and activations in device memory,
+//! GEMMs through cuBLAS (row-major operands mapped onto column-major `gemm` by computing
+//! `Cᵀ = op(B)ᵀ·op(A)ᵀ`), everything else through the NVRTC kernels of [`super::kernels`].
+//! The backward is split exactly as on the CPU: [`Dev::stage_bwd_d`] computes input gradients
+//! and keeps `dy`/`dh`/`dlogits`; [`Dev::stage_bwd_w`] computes weight gradients only.
+
+use super::kernels;
+use crate::backend::BackendError;
+use crate::model::{self, ModelConfig, Stage};
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use cudarc::nccl::NcclType;
+use pipec::layout::LayerKind;
+use std::sync::Arc;
+
+/// Turn any CUDA-side error into a backend error naming what was being done.
+pub fn err<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> BackendError + '_ {
+    move |e| BackendError(format!("CUDA: {what}: {e:?}"))
+}
+
+/// An element type of parameters and activations: `f32`, or `bf16` (cuBLAS `GemmEx` with
+/// bf16 operands and fp32 accumulation, via cudarc's `Gemm<bf16>`).
+pub trait Elem:
+    DeviceRepr + ValidAsZeroBits + NcclType + Copy + Default + Send + Sync + Unpin + 'static
+{
+    const BF16: bool;
+    const NAME: &'static str;
+    fn from_f32(x: f32) -> Self;
+    /// # Safety
+    /// `cfg` must describe matrices that fit the slices.
+    unsafe fn gemm(
+        blas: &CudaBlas,
+        cfg: GemmConfig<Self>,
+        a: &CudaSlice<Self>,
+        b: &CudaSlice<Self>,
+        c: &mut CudaSlice<Self>,
+    ) -> Result<(), cudarc::cublas::result::CublasError>;
+}
+
+impl Elem for f32 {
+    const BF16: bool = false;
+    const NAME: &'static str = "fp32";
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    unsafe fn gemm(
+        blas: &CudaBlas,
+        cfg: GemmConfig<f32>,
+        a: &CudaSlice<f32>,
+        b: &CudaSlice<f32>,
+        c: &mut CudaSlice<f32>,
+    ) -> Result<(), cudarc::cublas::result::CublasError> {
+        blas.gemm(cfg, a, b, c)
+    }
+}
+
+impl Elem for half::bf16 {
+    const BF16: bool = true;
+    const NAME: &'static str = "bf16";
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    unsafe fn gemm(
+        blas: &CudaBlas,
+        cfg: GemmConfig<half::bf16>,
+        a: &CudaSlice<half::bf16>,
+        b: &CudaSlice<half::bf16>,
+        c: &mut CudaSlice<half::bf16>,
+    ) -> Result<(), cudarc::cublas::result::CublasError> {
+        blas.gemm(cfg, a, b, c)
+    }
+}
+
+/// The compiled kernels of one element type, by [`kernels::NAMES`] index.
+pub struct Kernels {
+    f: Vec<CudaFunction>,
+}
+
+impl Kernels {
+    /// Compile [`kernels::source`] with NVRTC and load it into `ctx`.
+    pub fn compile(ctx: &Arc<CudaContext>, bf16: bool) -> Result<Kernels, BackendError> {
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            kernels::source(bf16),
+            cudarc::nvrtc::CompileOptions {
+                name: Some(
+                    if bf16 {
+                        "pipec_bf16.cu"
+                    } else {
+                        "pipec_f32.cu"
+                    }
+                    .into(),
+                ),
+                ..Default::default()
+            },
+        )
+        .map_err(err("NVRTC compile of the kernels"))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(err("load the kernel module"))?;
+        let f = kernels::NAMES
+            .iter()
+            .map(|n| module.load_function(n).map_err(err(n)))
+            .collect::<Result<_, _>>()?;
+        Ok(Kernels { f })
+    }
+
+    fn get(&self, name: &str) -> &CudaFunction {
+        let i = kernels::NAMES
+            .iter()
+            .position(|n| *n == name)
+            .expect("a kernel of kernels::NAMES");
+        &self.f[i]
+    }
+}
+
+/// A tensor that travels between stages (the GPU twin of [`model::Tensor`]).
+pub enum GTensor<T> {
+    Tokens(CudaSlice<u32>),
+    Hidden(CudaSlice<T>),
+    /// The microbatch's mean loss, one float.
+    Loss(CudaSlice<f32>),
+    LossGrad,
+    TokenGrad,
+}
+
+impl<T> GTensor<T> {
+    pub fn what(&self) -> &'static str {
+        match self {
+            GTensor::Tokens(_) => "token ids",
+            GTensor::Hidden(_) => "a hidden tensor",
+            GTensor::Loss(_) => "a loss",
+            GTensor::LossGrad => "the loss gradient",
+            GTensor::TokenGrad => "the token-id gradient",
+        }
+    }
+}
+
+pub enum GStash<T> {
+    Embedding {
+        tokens: CudaSlice<u32>,
+    },
+    Block {
+        x: CudaSlice<T>,
+        h: CudaSlice<T>,
+        a: CudaSlice<T>,
+    },
+    Head {
+        x: CudaSlice<T>,
+        probs: CudaSlice<T>,
+        targets: CudaSlice<u32>,
+    },
+}
+
+pub enum GPartial<T> {
+    Embedding { dy: CudaSlice<T> },
+    Block { dy: CudaSlice<T>, dh: CudaSlice<T> },
+    Head { dlogits: CudaSlice<T> },
+}
+
+pub struct GLayer<T> {
+    pub kind: LayerKind,
+    pub tensors: Vec<CudaSlice<T>>,
+    pub shapes: Vec<(usize, usize)>,
+}
+
+pub struct GStage<T> {
+    pub index: u32,
+    pub layers: Vec<GLayer<T>>,
+}
+
+/// Per-layer weight gradients of one stage.
+pub type GGrads<T> = Vec<Vec<CudaSlice<T>>>;
+
+/// One stream with its cuBLAS handle: a backend has two (the second runs the forward of an
+/// overlapped pair) and a communication stream.
+pub struct Dev<T> {
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    pub k: Arc<Kernels>,
+    pub cfg: ModelConfig,
+    _t: std::marker::PhantomData<T>,
+}
+
+macro_rules! launch {
+    ($dev:expr, $name:expr, $n:expr, [$($arg:expr),* $(,)?]) => {{
+        let func = $dev.k.get($name);
+        let mut b = $dev.stream.launch_builder(func);
+        $( b.arg($arg); )*
+        unsafe { b.launch(grid($n)) }.map_err(err($name))?;
+    }};
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn i32of(n: usize, what: &str) -> Result<i32, BackendError> {
+    i32::try_from(n)
+        .map_err(|_| BackendError(format!("{what} = {n} exceeds the kernels' i32 range")))
+}
+
+impl<T: Elem> Dev<T> {
+    pub fn new(
+        stream: Arc<CudaStream>,
+        k: Arc<Kernels>,
+        cfg: ModelConfig,
+    ) -> Result<Self, BackendError> {
+        let blas = CudaBlas::new(stream.clone()).map_err(err("create a cuBLAS handle"))?;
+        Ok(Dev {
+            stream,
+            blas,
+            k,
+            cfg,
+            _t: std::marker::PhantomData,
+        })
+    }
+
+    pub fn zeros<U: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<U>, BackendError> {
+        self.stream
+            .alloc_zeros::<U>(n.max(1))
+            .map_err(err("allocate"))
+    }
+
+    pub fn upload_u32(&self, v: &[u32]) -> Result<CudaSlice<u32>, BackendError> {
+        self.stream.clone_htod(v).map_err(err("copy to the device"))
+    }
+
+    /// Upload a CPU stage (the same initial weights as the CPU backend), converted to `T`.
+    pub fn upload_stage(&self, st: &Stage<f32>) -> Result<GStage<T>, BackendError> {
+        let mut layers = Vec::with_capacity(st.layers.len());
+        for l in &st.layers {
+            let mut tensors = Vec::new();
+            let mut shapes = Vec::new();
+            for t in &l.tensors {
+                let host: Vec<T> = t.iter().map(|&x| T::from_f32(x)).collect();
+                tensors.push(
+                    self.stream
+                        .clone_htod(&host)
+                        .map_err(err("upload weights"))?,
+                );
+                shapes.push(t.dim());
+            }
+            layers.push(GLayer {
+                kind: l.kind,
+                tensors,
+                shapes,
+            });
+        }
+        Ok(GStage {
+            index: st.index,
+            layers,
+        })
+    }
+
+    /// Row-major `c[m, n] = op(a)[m, k] · op(b)[k, n]` (`ta`/`tb`: the operand is stored
+    /// transposed). cuBLAS is column-major, so it computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+    #[allow(clippy::too_many_arguments)]
+    fn mm(
+        &self,
+        a: &CudaSlice<T>,
+        ta: bool,
+        b: &CudaSlice<T>,
+        tb: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<CudaSlice<T>, BackendError> {
+        let mut c = self.zeros::<T>(m * n)?;
+        let op = |t: bool| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (mi, ni, ki) = (i32of(m, "m")?, i32of(n, "n")?, i32of(k, "k")?);
+        let cfg = GemmConfig {
+            transa: op(tb),
+            transb: op(ta),
+            m: ni,
+            n: mi,
+            k: ki,
+            alpha: T::from_f32(1.0),
+            lda: if tb { ki } else { ni },
+            ldb: if ta { mi } else { ki },
+            beta: T::from_f32(0.0),
+            ldc: ni,
+        };
+        unsafe { T::gemm(&self.blas, cfg, b, a, &mut c) }.map_err(err("cuBLAS gemm"))?;
+        Ok(c)
+    }
+
+    fn col_sums(
+        &self,
+        a: &CudaSlice<T>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaSlice<T>, BackendError> {
+        let mut out = self.zeros::<T>(cols)?;
+        let (r, c) = (i32of(rows, "rows")?, i32of(cols, "cols")?);
+        launch!(self, "col_sums", cols, [a, &mut out, &r, &c]);
+        Ok(out)
+    }
+
+    fn bad(
+        stage: u32,
+        layer: usize,
+        kind: LayerKind,
+        expected: &str,
+        got: &'static str,
+    ) -> BackendError {
+        BackendError(format!(
+            "layer {layer} ({}) of stage {stage} expects {expected} but got {got}",
+            kind.symbol()
+        ))
+    }
+
+    /// Forward of one stage; when it holds `L` the output is the microbatch's mean loss.
+    pub fn stage_fwd(
+        &self,
+        stage: &GStage<T>,
+        input: GTensor<T>,
+        step: u32,
+        mb: u32,
+    ) -> Result<(GTensor<T>, Vec<GStash<T>>), BackendError> {
+        let (s, h, f, v) = (self.cfg.seq, self.cfg.hidden, self.cfg.ffn, self.cfg.vocab);
+        let (si, hi, vi) = (i32of(s, "seq")?, i32of(h, "hidden")?, i32of(v, "vocab")?);
+        let fi = i32of(f, "ffn")?;
+        let mut x = input;
+        let mut stash = Vec::with_capacity(stage.layers.len());
+        for (i, l) in stage.layers.iter().enumerate() {
+            let p = &l.tensors;
+            x = match (l.kind, x) {
+                (LayerKind::Embedding, GTensor::Tokens(tok)) => {
+                    let mut out = self.zeros::<T>(s * h)?;
+                    launch!(self, "embed_fwd", s * h, [&p[0], &tok, &mut out, &si, &hi]);
+                    stash.push(GStash::Embedding { tokens: tok });
+                    GTensor::Hidden(out)
+                }
+                (LayerKind::Decoder | LayerKind::Mtp, GTensor::Hidden(xin)) => {
+                    let mut hh = self.mm(&xin, false, &p[0], false, s, f, h)?;
+                    let mut a = self.zeros::<T>(s * f)?;
+                    launch!(
+                        self,
+                        "bias_gelu_fwd",
+                        s * f,
+                        [&mut hh, &mut a, &p[1], &si, &fi]
+                    );
+                    let mut y = self.mm(&a, false, &p[2], false, s, h, f)?;
+                    launch!(
+                        self,
+                        "add_bias_residual",
+                        s * h,
+                        [&mut y, &xin, &p[3], &si, &hi]
+                    );
+                    stash.push(GStash::Block { x: xin, h: hh, a });
+                    GTensor::Hidden(y)
+                }
+                (LayerKind::Loss, GTensor::Hidden(xin)) => {
+                    let mut z = self.mm(&xin, false, &p[0], false, s, v, h)?;
+                    launch!(self, "add_bias", s * v, [&mut z, &p[1], &si, &vi]);
+                    let targets = self.upload_u32(&model::targets(&self.cfg, step, mb))?;
+                    let mut row_loss = self.zeros::<f32>(s)?;
+                    let threads = v.next_power_of_two().clamp(32, 1024) as u32;
+                    let func = self.k.get("softmax_xent_fwd");
+                    let mut b = self.stream.launch_builder(func);
+                    b.arg(&mut z)
+                        .arg(&targets)
+                        .arg(&mut row_loss)
+                        .arg(&si)
+                        .arg(&vi);
+                    unsafe {
+                        b.launch(LaunchConfig {
+                            grid_dim: (s as u32, 1, 1),
+                            block_dim: (threads, 1, 1),
+                            shared_mem_bytes: 0,
+                        })
+                    }
+                    .map_err(err("softmax_xent_fwd"))?;
+                    let mut loss = self.zeros::<f32>(1)?;
+                    launch!(self, "loss_mean", 1, [&row_loss, &mut loss, &si]);
+                    stash.push(GStash::Head {
+                        x: xin,
+                        probs: z,
+                        targets,
+                    });
+                    GTensor::Loss(loss)
+                }
+                (LayerKind::Embedding, other) => {
+                    return Err(Self::bad(stage.index, i, l.kind, "token ids", other.what()))
+                }
+                (_, other) => {
+                    return Err(Self::bad(
+                        stage.index,
+                        i,
+                        l.kind,
+                        "a hidden tensor",
+                        other.what(),
+                    ))
+                }
+            };
+        }
+        Ok((x, stash))
+    }
+
+    /// Input-gradient pass (`bwd_D`). `loss_scale` is `1/M`.
+    pub fn stage_bwd_d(
+        &self,
+        stage: &GStage<T>,
+        stash: &[GStash<T>],
+        grad: GTensor<T>,
+        microbatches: u32,
+    ) -> Result<(GTensor<T>, Vec<GPartial<T>>), BackendError> {
+        let (s, h, f, v) = (self.cfg.seq, self.cfg.hidden, self.cfg.ffn, self.cfg.vocab);
+        let (si, vi) = (i32of(s, "seq")?, i32of(v, "vocab")?);
+        if stash.len() != stage.layers.len() {
+            return Err(BackendError(format!(
+                "stage {}: stash holds {} layers, the stage has {}",
+                stage.index,
+                stash.len(),
+                stage.layers.len()
+            )));
+        }
+        let mut g = grad;
+        let mut partial = Vec::with_capacity(stash.len());
+        for (i, (l, st)) in stage.layers.iter().zip(stash).enumerate().rev() {
+            let p = &l.tensors;
+            g = match (st, g) {
+                (GStash::Head { probs, targets, .. }, GTensor::LossGrad) => {
+                    // The CPU's `scale / rows` with `scale = 1 / M`, in f32.
+                    let k = (1.0f32 / microbatches as f32) / s as f32;
+                    let mut dl = self.zeros::<T>(s * v)?;
+                    launch!(
+                        self,
+                        "xent_bwd",
+                        s * v,
+                        [probs, targets, &mut dl, &k, &si, &vi]
+                    );
+                    let dx = self.mm(&dl, false, &p[0], true, s, h, v)?;
+                    partial.push(GPartial::Head { dlogits: dl });
+                    GTensor::Hidden(dx)
+                }
+                (GStash::Block { h: hh, .. }, GTensor::Hidden(dy)) => {
+                    let mut dh = self.mm(&dy, false, &p[2], true, s, f, h)?;
+                    let n = i32of(s * f, "seq*ffn")?;
+                    launch!(self, "gelu_bwd", s * f, [&mut dh, hh, &n]);
+                    let mut dx = self.mm(&dh, false, &p[0], true, s, h, f)?;
+                    let n = i32of(s * h, "seq*hidden")?;
+                    launch!(self, "add_into", s * h, [&mut dx, &dy, &n]);
+                    partial.push(GPartial::Block { dy, dh });
+                    GTensor::Hidden(dx)
+                }
+                (GStash::Embedding { .. }, GTensor::Hidden(dy)) => {
+                    partial.push(GPartial::Embedding { dy });
+                    GTensor::TokenGrad
+                }
+                (GStash::Head { .. }, other) => {
+                    return Err(Self::bad(
+                        stage.index,
+                        i,
+                        l.kind,
+                        "the loss gradient",
+                        other.what(),
+                    ))
+                }
+                (_, other) => {
+                    return Err(Self::bad(
+                        stage.index,
+                        i,
+                        l.kind,
+                        "a hidden gradient",
+                        other.what(),
+                    ))
+                }
+            };
+        }
+        partial.reverse();
+        Ok((g, partial))
+    }
+
+    /// Weight-gradient pass (`bwd_W`).
+    pub fn stage_bwd_w(
+        &self,
+        stage: &GStage<T>,
+        stash: &[GStash<T>],
+        partial: &[GPartial<T>],
+    ) -> Result<GGrads<T>, BackendError> {
+        let (s, h, f, v) = (self.cfg.seq, self.cfg.hidden, self.cfg.ffn, self.cfg.vocab);
+        let (si, hi) = (i32of(s, "seq")?, i32of(h, "hidden")?);
+        if partial.len() != stage.layers.len() || stash.len() != stage.layers.len() {
+            return Err(BackendError(format!(
+                "stage {}: partial gradients are missing layers",
+                stage.index
+            )));
+        }
+        let mut grads = Vec::with_capacity(stage.layers.len());
+        for (st, pa) in stash.iter().zip(partial) {
+            grads.push(match (st, pa) {
+                (GStash::Embedding { tokens }, GPartial::Embedding { dy }) => {
+                    let mut g = self.zeros::<T>(v * h)?;
+                    launch!(self, "embed_bwd", h, [&mut g, tokens, dy, &si, &hi]);
+                    vec![g]
+                }
+                (GStash::Block { x, a, .. }, GPartial::Block { dy, dh }) => vec![
+                    self.mm(x, true, dh, false, h, f, s)?,
+                    self.col_sums(dh, s, f)?,
+                    self.mm(a, true, dy, false, f, h, s)?,
+                    self.col_sums(dy, s, h)?,
+                ],
+                (GStash::Head { x, .. }, GPartial::Head { dlogits }) => vec![
+                    self.mm(x, true, dlogits, false, h, v, s)?,
+                    self.col_sums(dlogits, s, v)?,
+                ],
+                _ => {
+                    return Err(BackendError(format!(
+                        "stage {}: stash and partial gradients disagree on the layer kinds",
+                        stage.index
+                    )))
+                }
+            });
+        }
+        Ok(grads)
+    }
+
+    /// `sum += g` for every tensor (the step's sums are f32 on the device).
+    pub fn accumulate(
+        &self,
+        sum: &mut [Vec<CudaSlice<f32>>],
+        g: &GGrads<T>,
+    ) -> Result<(), BackendError> {
+        for (sl, gl) in sum.iter_mut().zip(g) {
+            for (s, g) in sl.iter_mut().zip(gl) {
+                let n = i32of(g.len(), "gradient size")?;
+                let len = g.len();
+                launch!(self, "accum", len, [s, g, &n]);
+            }
+        }
+        Ok(())
+    }
+
+    /// `w -= lr · g`.
+    pub fn sgd(
+        &self,
+        stage: &mut GStage<T>,
+        sum: &[Vec<CudaSlice<f32>>],
+        lr: f32,
+    ) -> Result<(), BackendError> {
+        for (l, gl) in stage.layers.iter_mut().zip(sum) {
+            for (w, g) in l.tensors.iter_mut().zip(gl) {
+                let n = i32of(w.len(), "weight size")?;
+                let len = w.len();
+                launch!(self, "sgd", len, [w, g, &lr, &n]);
+            }
+        }
+        Ok(())
+    }
+}
