@@ -534,6 +534,25 @@ impl<F: NdFloat> GradAccum<F> {
         }
     }
 
+    /// Move every microbatch this accumulator holds out of order (those it could not sum yet)
+    /// into `into`, which sums them in microbatch order. This is how two replicas of a stage
+    /// (DualPipe's two directions) reduce their gradients: the replica that saw microbatch 0
+    /// absorbs the other's, so the total is still summed in microbatch order and equals the
+    /// single-thread reference bitwise.
+    pub fn drain_into(&mut self, into: &mut GradAccum<F>) {
+        for (mb, g) in std::mem::take(&mut self.pending) {
+            into.add(mb, g);
+        }
+    }
+
+    /// Replace this accumulator's state with a copy of `other`'s (the reduced sum), so every
+    /// replica applies the same update.
+    pub fn copy_from(&mut self, other: &GradAccum<F>) {
+        self.next = other.next;
+        self.pending.clear();
+        self.sum.clone_from(&other.sum);
+    }
+
     /// Microbatches added in order so far.
     pub fn complete(&self) -> u32 {
         self.next

@@ -13,7 +13,7 @@ use pipec::files::MANIFEST_FILE;
 use pipec::layout::Layout;
 use pipec::program::{Instr, InstrRef, Program};
 use pipec::timeline::Timeline;
-use pipec_schedules::Rank;
+use pipec_schedules::{Rank, Task};
 use serde::Serialize;
 use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
@@ -93,6 +93,50 @@ fn stages_of(program: &Program, rank: usize) -> Vec<u32> {
     v.sort_unstable();
     v.dedup();
     v
+}
+
+/// Stages that run on more than one rank (DualPipe's bidirectional placement keeps a copy of
+/// every stage on rank `s` and rank `pp-1-s`) hold gradients of disjoint microbatches; like
+/// DualPipe's post-step all-reduce, sum them so every copy applies the same update. The copy
+/// that ran microbatch 0 absorbs the others' contributions in microbatch order (bitwise equal
+/// to an unpipelined step), then the sum is copied back to every replica.
+fn reduce_replicas(program: &Program, backends: &mut [CpuBackend]) {
+    let placement = &program.placement;
+    for s in 0..program.num_stages() {
+        let mut owners: Vec<usize> = (0..program.microbatches)
+            .map(|mb| placement.rank_of(Task::new(s, mb)).index())
+            .collect();
+        owners.sort_unstable();
+        owners.dedup();
+        if owners.len() < 2 {
+            continue;
+        }
+        let first = placement.rank_of(Task::new(s, 0)).index();
+        for &o in owners.iter().filter(|&&o| o != first) {
+            let (a, b) = pair_mut(backends, first, o);
+            if let (Some(into), Some(from)) = (a.accum_mut(s), b.accum_mut(s)) {
+                from.drain_into(into);
+            }
+        }
+        for &o in owners.iter().filter(|&&o| o != first) {
+            let (a, b) = pair_mut(backends, first, o);
+            if let (Some(src), Some(dst)) = (a.accum_mut(s), b.accum_mut(s)) {
+                dst.copy_from(src);
+            }
+        }
+    }
+}
+
+/// Two distinct elements of a slice, mutably.
+fn pair_mut<T>(v: &mut [T], i: usize, j: usize) -> (&mut T, &mut T) {
+    assert_ne!(i, j);
+    if i < j {
+        let (lo, hi) = v.split_at_mut(j);
+        (&mut lo[i], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(i);
+        (&mut hi[0], &mut lo[j])
+    }
 }
 
 /// Stops everyone if a rank thread panics, so no peer waits for it until the timeout.
@@ -214,6 +258,9 @@ pub fn run_cpu(
                     })))
                 }
             }
+        }
+        if !program.forward_only {
+            reduce_replicas(program, &mut backends);
         }
         // Gather the step's losses and gradients.
         let mut losses: Vec<Option<f32>> = vec![None; m as usize];

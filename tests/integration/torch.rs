@@ -1488,3 +1488,15 @@ fn export_refuses_what_the_csv_cannot_say() {
         Err(ExportError::NoNeighbour { .. })
     ));
 }
+
+/// DualPipe keeps stage s on two ranks (one per direction); torch's CSV cannot say that, so
+/// the export is refused up front instead of writing a file `pipec check` would then reject.
+#[test]
+fn export_refuses_bidirectional_placements() {
+    let s = spec(ScheduleKind::DualPipe, 4, 1, 8, false);
+    let p = pipec::lower(&generate(&s, &Limits::DEFAULT).unwrap());
+    for form in [CsvForm::ComputeOnly, CsvForm::ComputeComms] {
+        let e = export_csv(&p, form).unwrap_err();
+        assert!(e.to_string().contains("bidirectional"), "{e}");
+    }
+}

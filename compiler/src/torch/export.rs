@@ -64,6 +64,10 @@ pub enum ExportError {
         peer: Rank,
         expected: String,
     },
+    #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
+    Bidirectional {
+        kind: pipec_schedules::PlacementKind,
+    },
 }
 
 /// The CSV cell of a compute op.
@@ -136,6 +140,11 @@ fn p2p_action(
 /// Use from `pipec export --format torch-csv` (with the form the user picks, compute+comms by
 /// default being the one torch's runtime executes as written).
 pub fn export_csv(program: &Program, form: CsvForm) -> Result<String, ExportError> {
+    if program.placement.kind == pipec_schedules::PlacementKind::Bidirectional {
+        return Err(ExportError::Bidirectional {
+            kind: program.placement.kind,
+        });
+    }
     let mut out = String::with_capacity(program.len() * 8 + 16);
     let orders = match form {
         CsvForm::ComputeOnly => Vec::new(),

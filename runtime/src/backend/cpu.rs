@@ -83,6 +83,11 @@ impl CpuBackend {
     }
 
     /// Apply SGD with the step's gradients.
+    /// This rank's gradient accumulator of `stage`, if it runs that stage.
+    pub fn accum_mut(&mut self, stage: u32) -> Option<&mut GradAccum<f32>> {
+        self.accum.get_mut(stage as usize)?.as_mut()
+    }
+
     pub fn sgd(&mut self, lr: f32) {
         for (st, acc) in self.stages.iter_mut().zip(&self.accum) {
             if let (Some(st), Some(acc)) = (st.as_mut(), acc.as_ref()) {
