@@ -12,15 +12,7 @@ use std::hint::black_box;
 const SIZES: [(&str, u32, u32, u32); 3] = [("S", 8, 2, 64), ("M", 32, 4, 256), ("L", 64, 8, 1024)];
 
 fn spec(pp: u32, vpp: u32, m: u32) -> ScheduleSpec {
-    ScheduleSpec {
-        kind: ScheduleKind::Interleaved1F1B,
-        pp,
-        vpp,
-        microbatches: m,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-    }
+    ScheduleSpec::new(ScheduleKind::Interleaved1F1B, pp, vpp, m)
 }
 
 fn phases(c: &mut Criterion) {

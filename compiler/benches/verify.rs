@@ -17,15 +17,7 @@ fn bench(c: &mut Criterion) {
         ("medium pp=32 vpp=4 M=256", 32, 4, 256),
         ("large pp=64 vpp=8 M=1024", 64, 8, 1024),
     ] {
-        let spec = ScheduleSpec {
-            kind: ScheduleKind::Interleaved1F1B,
-            pp,
-            vpp,
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-        };
+        let spec = ScheduleSpec::new(ScheduleKind::Interleaved1F1B, pp, vpp, m);
         let program = lower(&generate(&spec, &Limits::DEFAULT).expect("valid spec"));
         let report = verify(&program, &VerifyOptions::default());
         assert!(report.is_valid(), "{report}");

@@ -428,15 +428,7 @@ mod tests {
     use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 
     fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> ScheduleSpec {
-        ScheduleSpec {
-            kind,
-            pp,
-            vpp,
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-        }
+        ScheduleSpec::new(kind, pp, vpp, m)
     }
 
     /// Between every ordered pair of ranks, the k-th send carries the k-th recv's payload.

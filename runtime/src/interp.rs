@@ -650,15 +650,7 @@ mod tests {
     use std::time::Duration;
 
     fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Program {
-        let spec = ScheduleSpec {
-            kind,
-            pp,
-            vpp,
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-        };
+        let spec = ScheduleSpec::new(kind, pp, vpp, m);
         pipec::lower(&generate(&spec, &Limits::DEFAULT).unwrap())
     }
 

@@ -207,15 +207,7 @@ mod tests {
     use crate::ScheduleKind;
 
     fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> ScheduleSpec {
-        ScheduleSpec {
-            kind,
-            pp,
-            vpp,
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-        }
+        ScheduleSpec::new(kind, pp, vpp, m)
     }
 
     /// Each task's passes appear exactly once: one forward, and either one backward (alone or

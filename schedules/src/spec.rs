@@ -310,6 +310,20 @@ pub enum SpecError {
 }
 
 impl ScheduleSpec {
+    /// A training schedule with Megatron's default group size and no combined pairs; set the
+    /// other fields with struct update syntax (`ScheduleSpec { forward_only: true, ..new }`).
+    pub fn new(kind: ScheduleKind, pp: u32, vpp: u32, microbatches: u32) -> Self {
+        ScheduleSpec {
+            kind,
+            pp,
+            vpp,
+            microbatches,
+            group_size: None,
+            forward_only: false,
+            combined: false,
+        }
+    }
+
     /// Number of stages, `pp * vpp`.
     pub fn num_stages(&self) -> u32 {
         self.pp * self.vpp

@@ -178,15 +178,7 @@ mod tests {
     use crate::ScheduleKind;
 
     fn spec(kind: ScheduleKind, pp: u32, m: u32) -> ScheduleSpec {
-        ScheduleSpec {
-            kind,
-            pp,
-            vpp: 2,
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-        }
+        ScheduleSpec::new(kind, pp, 2, m)
     }
 
     /// torch's pp = 2, M = 4 ZB-V, rank 0 (stages 0 and 3), written out from

@@ -187,15 +187,7 @@ mod tests {
     use crate::ScheduleKind;
 
     fn spec(kind: ScheduleKind, pp: u32, m: u32) -> ScheduleSpec {
-        ScheduleSpec {
-            kind,
-            pp,
-            vpp: 1,
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-        }
+        ScheduleSpec::new(kind, pp, 1, m)
     }
 
     /// Every (pass, microbatch) once on each rank, W after its I, I after its F.

@@ -166,15 +166,7 @@ fn layouts_with_empty_and_mtp_stages_check() {
 // ---- split backward and overlapped pairs, built from hand-made orders -----------------------
 
 fn orders(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Option<pipec_schedules::Schedule> {
-    let spec = ScheduleSpec {
-        kind,
-        pp,
-        vpp,
-        microbatches: m,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-    };
+    let spec = ScheduleSpec::new(kind, pp, vpp, m);
     generate(&spec, &Limits::DEFAULT).ok()
 }
 

@@ -21,15 +21,7 @@ fn shared() -> PathBuf {
 }
 
 fn spec(kind: ScheduleKind, pp: u32, m: u32) -> ScheduleSpec {
-    ScheduleSpec {
-        kind,
-        pp,
-        vpp: kind.default_vpp(),
-        microbatches: m,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-    }
+    ScheduleSpec::new(kind, pp, kind.default_vpp(), m)
 }
 
 fn schedule(s: &ScheduleSpec) -> Schedule {
