@@ -22,8 +22,11 @@ pub struct Args {
     #[arg(long)]
     pub microbatches: u32,
     /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
-    #[arg(long)]
+    #[arg(long, conflicts_with = "layout_file")]
     pub layout: Option<String>,
+    /// Read the layout string from a file (one trailing newline is ignored).
+    #[arg(long, value_name = "FILE")]
+    pub layout_file: Option<PathBuf>,
     /// Megatron's microbatch_group_size_per_vp_stage (interleaved-1f1b; default pp).
     #[arg(long)]
     pub group_size: Option<u32>,
@@ -99,7 +102,10 @@ pub fn compile_error(e: CompileError) -> CliError {
     }
 }
 
-pub fn run(a: Args) -> Result<ExitCode, CliError> {
+pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
+    if let Some(path) = &a.layout_file {
+        a.layout = Some(super::layout::read_layout_file(path)?);
+    }
     let c = compile(&a.request()).map_err(compile_error)?;
     // Verify before anything is written: an invalid schedule never reaches the disk unless
     // the user insists with --no-verify.
