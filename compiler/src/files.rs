@@ -658,8 +658,7 @@ pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
 pub fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, LoadError> {
     let path = path.to_path_buf();
     // Check format and version before the full schema, so a newer file gets the right message.
-    let probe: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
+    let probe: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
     check_format_version(&path, &probe, MANIFEST_FORMAT)?;
     let m: Manifest = serde_json::from_value(probe).map_err(|e| json_err(&path, e))?;
     if m.ranks.len() != m.world_size as usize {
@@ -840,7 +839,7 @@ pub fn parse_rank(
 
 /// Read a whole directory and check every file against the manifest and the schedule hash.
 pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
-    load_with(dir, |path| read(path))
+    load_with(dir, read)
 }
 
 /// [`load_dir`] over files held in memory, as [`render`] returns them: (file name, bytes).

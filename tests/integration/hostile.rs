@@ -141,7 +141,9 @@ fn non_ascii_digits_are_refused() {
 fn zero_repeat_count_is_handled() {
     // `t*0` expands to nothing, textually, as in Megatron; what remains decides. Either way:
     // no panic, a decision.
-    let out = pipec(["layout", "E|t*0|t|L", "--pp", "4"]).output().unwrap();
+    let out = pipec(["layout", "E|t*0|t|L", "--pp", "4"])
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
@@ -200,8 +202,7 @@ fn layout_file_round_trips_and_missing_file_is_an_io_error() {
     c.arg(&f);
     let from_file: serde_json::Value = serde_json::from_str(&ok(c)).unwrap();
     let inline: serde_json::Value =
-        serde_json::from_str(&ok(pipec(["layout", "Et|(t|)*2,L", "--pp", "2", "--json"])))
-            .unwrap();
+        serde_json::from_str(&ok(pipec(["layout", "Et|(t|)*2,L", "--pp", "2", "--json"]))).unwrap();
     assert_eq!(from_file, inline);
     let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
     c.arg(tmp.path().join("missing.layout"));
@@ -321,8 +322,22 @@ fn group_size_out_of_range_is_refused() {
 #[test]
 fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
     for args in [
-        &["--schedule", "gpipe", "--pp", "4000000000", "--microbatches", "4000000000"][..],
-        &["--schedule", "1f1b", "--pp", "64", "--microbatches", "4000000000"],
+        &[
+            "--schedule",
+            "gpipe",
+            "--pp",
+            "4000000000",
+            "--microbatches",
+            "4000000000",
+        ][..],
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "64",
+            "--microbatches",
+            "4000000000",
+        ],
         &[
             "--schedule",
             "interleaved-1f1b",
@@ -349,7 +364,8 @@ fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
     // The same small schedule passes with the default limit.
     let tmp = tempfile::tempdir().unwrap();
     let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
-    c.args(["--microbatches", "4", "-o"]).arg(tmp.path().join("o"));
+    c.args(["--microbatches", "4", "-o"])
+        .arg(tmp.path().join("o"));
     ok(c);
 }
 

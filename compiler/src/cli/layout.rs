@@ -8,7 +8,10 @@ use std::process::ExitCode;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The layout string, e.g. "Et*3|(tt|)*29,m|L".
-    #[arg(required_unless_present = "layout_file", conflicts_with = "layout_file")]
+    #[arg(
+        required_unless_present = "layout_file",
+        conflicts_with = "layout_file"
+    )]
     pub layout: Option<String>,
     /// Read the layout string from a file (one trailing newline is ignored).
     #[arg(long, value_name = "FILE")]
