@@ -682,9 +682,15 @@ fn json_err(path: &Path, e: serde_json::Error) -> LoadError {
 pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
     let path = dir.join(MANIFEST_FILE);
     let bytes = read(&path)?;
+    parse_manifest(&path, &bytes)
+}
+
+/// Check the bytes of a `manifest.json` (read from `path`, which only names it in errors).
+/// Pure: the entry point the fuzzers drive.
+pub fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, LoadError> {
+    let path = path.to_path_buf();
     // Check format and version before the full schema, so a newer file gets the right message.
-    let probe: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
+    let probe: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
     check_format_version(&path, &probe, MANIFEST_FORMAT)?;
     let m: Manifest = serde_json::from_value(probe).map_err(|e| json_err(&path, e))?;
     if m.ranks.len() != m.world_size as usize {
@@ -759,7 +765,28 @@ pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr
         })?;
     let path = dir.join(&entry.file);
     let bytes = read(&path)?;
-    let actual = sha256_hex(&bytes);
+    parse_rank(&path, &bytes, manifest, rank)
+}
+
+/// Check the bytes of rank `rank`'s file (read from `path`, which only names it in errors)
+/// against `manifest`. Pure: the entry point the fuzzers drive.
+pub fn parse_rank(
+    path: &Path,
+    bytes: &[u8],
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Vec<Instr>, LoadError> {
+    let path = path.to_path_buf();
+    let entry = manifest
+        .ranks
+        .get(rank as usize)
+        .ok_or_else(|| LoadError::Mismatch {
+            path: path.clone(),
+            field: "world_size",
+            found: manifest.world_size.to_string(),
+            expected: format!("a rank {rank}"),
+        })?;
+    let actual = sha256_hex(bytes);
     if actual != entry.sha256 {
         return Err(LoadError::FileHash {
             path,
@@ -769,7 +796,7 @@ pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr
     }
     let (f, instructions) = match manifest.encoding {
         Encoding::Json => {
-            let f: RankFile = serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
+            let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
             let instrs: Vec<Instr> = f.instructions.iter().cloned().map(Instr::from).collect();
             (
                 RankFileBin {
@@ -784,7 +811,7 @@ pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr
             )
         }
         Encoding::Postcard => {
-            let mut f: RankFileBin = postcard::from_bytes(&bytes).map_err(|e| LoadError::Json {
+            let mut f: RankFileBin = postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
                 path: path.clone(),
                 msg: format!("not a valid postcard rank file: {e}"),
             })?;
@@ -844,10 +871,36 @@ pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr
 
 /// Read a whole directory and check every file against the manifest and the schedule hash.
 pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
-    let manifest = load_manifest(dir)?;
+    load_with(dir, read)
+}
+
+/// [`load_dir`] over files held in memory, as [`render`] returns them: (file name, bytes).
+/// A file the manifest names but `files` lacks is reported as a missing file. Pure: this is
+/// what the `files` fuzz target drives.
+pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
+    load_with(Path::new(""), |path| {
+        let name = path.to_string_lossy();
+        files
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, b)| b.clone())
+            .ok_or_else(|| LoadError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            })
+    })
+}
+
+fn load_with(
+    dir: &Path,
+    mut read: impl FnMut(&Path) -> Result<Vec<u8>, LoadError>,
+) -> Result<Loaded, LoadError> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let manifest = parse_manifest(&manifest_path, &read(&manifest_path)?)?;
     let mut ranks = Vec::with_capacity(manifest.world_size as usize);
     for r in 0..manifest.world_size {
-        ranks.push(load_rank(dir, &manifest, r)?);
+        let path = dir.join(&manifest.ranks[r as usize].file);
+        ranks.push(parse_rank(&path, &read(&path)?, &manifest, r)?);
     }
     let program = Program {
         placement: manifest.placement.clone(),

@@ -1,11 +1,14 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
 mod docs;
+mod hostile;
 mod layout;
 mod megatron;
+mod regressions;
 mod runtime;
 mod schedules;
 mod sweep;
 mod torch;
 mod verify;
+mod verify_vs_run;
 mod views;

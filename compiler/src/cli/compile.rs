@@ -25,11 +25,14 @@ pub struct Args {
     pub microbatches: Option<u32>,
     /// A sweep file (TOML) of many schedules: each is compiled, verified and written to
     /// OUT/<name>/; a summary table follows. See the README's "Sweeps" section.
-    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "group_size", "forward_only", "num_layers", "mtp_num_layers"])]
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers"])]
     pub config: Option<PathBuf>,
     /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
-    #[arg(long)]
+    #[arg(long, conflicts_with = "layout_file")]
     pub layout: Option<String>,
+    /// Read the layout string from a file (one trailing newline is ignored).
+    #[arg(long, value_name = "FILE")]
+    pub layout_file: Option<PathBuf>,
     /// Megatron's microbatch_group_size_per_vp_stage (interleaved-1f1b; default pp).
     #[arg(long)]
     pub group_size: Option<u32>,
@@ -116,9 +119,12 @@ pub fn compile_error(e: CompileError) -> CliError {
     }
 }
 
-pub fn run(a: Args) -> Result<ExitCode, CliError> {
+pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     if let Some(cfg) = &a.config {
         return sweep(&a, cfg);
+    }
+    if let Some(path) = &a.layout_file {
+        a.layout = Some(super::layout::read_layout_file(path)?);
     }
     let c = compile(&a.request()?).map_err(compile_error)?;
     // Verify before anything is written: an invalid schedule never reaches the disk unless

@@ -2,12 +2,20 @@
 
 use super::{print_json, CliError};
 use pipec::layout::{self, LayoutError};
+use std::path::Path;
 use std::process::ExitCode;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The layout string, e.g. "Et*3|(tt|)*29,m|L".
-    pub layout: String,
+    #[arg(
+        required_unless_present = "layout_file",
+        conflicts_with = "layout_file"
+    )]
+    pub layout: Option<String>,
+    /// Read the layout string from a file (one trailing newline is ignored).
+    #[arg(long, value_name = "FILE")]
+    pub layout_file: Option<std::path::PathBuf>,
     /// Pipeline-parallel size.
     #[arg(long)]
     pub pp: u32,
@@ -25,6 +33,29 @@ pub struct Args {
     pub json: bool,
 }
 
+/// Read a layout string from a file, as people keep them in config files. The bytes must be
+/// UTF-8 (reported with the byte offset of the first bad byte, exit 1); one trailing newline
+/// (`\n` or `\r\n`) is dropped, anything else is the layout. A file that cannot be read is an
+/// I/O error (exit 2).
+pub fn read_layout_file(path: &Path) -> Result<String, CliError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| CliError::Usage(format!("--layout-file {}: {e}", path.display())))?;
+    let mut text = String::from_utf8(bytes).map_err(|e| {
+        CliError::Invalid(format!(
+            "--layout-file {}: not valid UTF-8: invalid byte at offset {}",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })?;
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text)
+}
+
 /// The layout echoed with a caret under the offending character, then the reason.
 pub fn render_error(e: &LayoutError) -> String {
     e.to_string()
@@ -34,7 +65,12 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if a.pp == 0 {
         return Err(CliError::Usage("--pp must be at least 1".into()));
     }
-    let l = layout::parse(&a.layout).map_err(|e| CliError::Invalid(render_error(&e)))?;
+    let text = match (&a.layout, &a.layout_file) {
+        (_, Some(path)) => read_layout_file(path)?,
+        (Some(text), None) => text.clone(),
+        (None, None) => return Err(CliError::Usage("give a layout or --layout-file".into())),
+    };
+    let l = layout::parse(&text).map_err(|e| CliError::Invalid(render_error(&e)))?;
     let vpp = layout::check_against(&l, a.pp, a.vpp, a.num_layers, a.mtp_num_layers)
         .map_err(|e| CliError::Invalid(render_error(&e)))?;
     if a.json {
@@ -52,7 +88,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             })
             .collect();
         print_json(&serde_json::json!({
-            "layout": a.layout,
+            "layout": text,
             "pp": a.pp,
             "vpp": vpp,
             "num_stages": l.stages.len(),

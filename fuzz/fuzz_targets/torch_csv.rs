@@ -1,0 +1,34 @@
+//! torch CSV schedules come from users' own tools. Import must return a positioned error or a
+//! program; the verifier must judge any imported program without panicking; and a program it
+//! calls valid must simulate to the end (the simulator's deadlock detector agrees).
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+use pipec::cost::{CostModel, StageCosts};
+use pipec::torch::{import_csv_bytes, ImportOptions, PlacementChoice};
+use pipec::verify::{verify, VerifyOptions};
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&knobs, csv)) = data.split_first() else {
+        return;
+    };
+    let opts = ImportOptions {
+        pp: (knobs & 0x08 != 0).then_some(u32::from(knobs & 0x07) + 1),
+        placement: match knobs >> 6 {
+            1 => Some(PlacementChoice::Loop),
+            2 => Some(PlacementChoice::V),
+            _ => None,
+        },
+    };
+    let Ok(imported) = import_csv_bytes(csv, &opts) else {
+        return;
+    };
+    let program = &imported.program;
+    let report = verify(program, &VerifyOptions::default());
+    let _ = report.verdict_line();
+    if report.is_valid() {
+        let costs = StageCosts::uniform(&CostModel::default(), program.num_stages());
+        if let Err(e) = pipec::simulate::simulate(program, &costs) {
+            panic!("verified program does not simulate: {e}");
+        }
+    }
+});

@@ -1,0 +1,761 @@
+//! The bad-input catalogue: layouts, parameters, instruction files and output directories a
+//! real job can meet (hand-edited configs, truncated CI artifacts, files mixed from two
+//! compiles, read-only targets). Every case must end in a clear message and exit code 1
+//! (input invalid) or 2 (usage / I/O), never a panic or a hang, and never leave a half-written
+//! output directory.
+
+use pipec::compile::{compile, CompileRequest};
+use pipec::files::{render, write_dir, Encoding, Header, Manifest};
+use pipec::layout::Layout;
+use pipec::program::{Instr, Payload, Program};
+use pipec_schedules::{Compute, Limits, Rank, ScheduleKind, Task};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// What a failed command said (stderr, then stdout).
+struct Refusal {
+    code: i32,
+    stderr: String,
+}
+
+/// Run `cmd`; it must fail with one of `codes`, say something on stderr, and not panic.
+fn refuses(mut cmd: Command, codes: &[i32]) -> Refusal {
+    let out: Output = cmd.output().expect("spawn");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let code = out.status.code().expect("exited, not killed by a signal");
+    assert!(
+        codes.contains(&code),
+        "{cmd:?}: exit {code}, expected one of {codes:?}\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{cmd:?} panicked: {stderr}");
+    // `pipec check` prints its verdict on stdout, errors go to stderr; a message in either.
+    assert!(
+        !(stderr.trim().is_empty() && stdout.trim().is_empty()),
+        "{cmd:?}: no message"
+    );
+    Refusal {
+        code,
+        stderr: format!("{stderr}\n{stdout}"),
+    }
+}
+
+fn pipec<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut c = pipec_tests::pipec();
+    c.args(args);
+    c
+}
+
+fn pipec_run(dir: &Path, extra: &[&str]) -> Command {
+    let mut c = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    c.arg(dir).args(["--timeout", "5"]).args(extra);
+    c
+}
+
+fn ok(mut cmd: Command) -> String {
+    let out = cmd.output().expect("spawn");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Every file of a directory, name -> bytes (to prove a directory was left exactly as it was).
+fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+// ---- layouts ---------------------------------------------------------------------------------
+
+/// `pipec layout` and `pipec compile --layout` refuse a layout with exit 1 and a message
+/// containing `why`; the compile writes nothing.
+fn layout_refused(layout: &str, pp: &str, why: &str) {
+    let r = refuses(pipec(["layout", layout, "--pp", pp]), &[1]);
+    assert!(r.stderr.contains(why), "layout {layout:?}: {}", r.stderr);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let mut c = pipec(["compile", "--schedule", "1f1b", "--microbatches", "4"]);
+    c.args(["--pp", pp, "--layout", layout, "-o"]).arg(&out);
+    let r = refuses(c, &[1]);
+    assert!(r.stderr.contains(why), "compile {layout:?}: {}", r.stderr);
+    assert!(!out.exists(), "a refused compile wrote {}", out.display());
+}
+
+#[test]
+fn empty_layout_is_refused() {
+    layout_refused("", "1", "error");
+}
+
+#[test]
+fn layout_of_only_separators_is_refused() {
+    layout_refused("|||", "2", "error");
+    layout_refused(",,,", "1", "error");
+}
+
+#[test]
+fn unknown_layout_symbol_is_refused_with_its_position() {
+    let r = refuses(pipec(["layout", "Etx|L", "--pp", "2"]), &[1]);
+    assert!(r.stderr.contains('x'), "{}", r.stderr);
+    layout_refused("Etx|L", "2", "x");
+}
+
+#[test]
+fn unbalanced_parentheses_are_refused() {
+    layout_refused("E(t|L", "2", "error");
+    layout_refused("Et)|L", "2", "error");
+    layout_refused("E|((t|)*2|L", "2", "error");
+}
+
+#[test]
+fn huge_repeat_count_is_refused_without_expanding() {
+    layout_refused("Et*1000000000000|L", "1", "error");
+    layout_refused("E|(t|)*1000000000000,L", "2", "error");
+    // Nested repeats whose product is huge.
+    layout_refused("E|((((t|)*1000)*1000)*1000)*1000,L", "2", "error");
+}
+
+#[test]
+fn non_ascii_digits_are_refused() {
+    // Arabic-Indic three and fullwidth two: `char::is_numeric` but not repeat counts.
+    layout_refused("Et*\u{663}|L", "2", "error");
+    layout_refused("Et*\u{ff12}|L", "2", "error");
+}
+
+#[test]
+fn zero_repeat_count_is_handled() {
+    // `t*0` expands to nothing, textually, as in Megatron; what remains decides. Either way:
+    // no panic, a decision.
+    let out = pipec(["layout", "E|t*0|t|L", "--pp", "4"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
+    layout_refused("E|(t|)*0", "1", "error");
+}
+
+#[test]
+fn megabyte_layout_from_a_file_is_refused_quickly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("big.layout");
+    let text = format!("E{}|L\n", "t".repeat(1 << 20));
+    std::fs::write(&f, text).unwrap();
+    let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
+    c.arg(&f);
+    refuses(c, &[1]);
+    let out = tmp.path().join("out");
+    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    c.args(["--microbatches", "2", "--layout-file"])
+        .arg(&f)
+        .arg("-o")
+        .arg(&out);
+    refuses(c, &[1]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn layout_file_with_invalid_utf8_names_the_byte_offset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("bad.layout");
+    std::fs::write(&f, b"Et|t\xff|L\n").unwrap();
+    let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
+    c.arg(&f);
+    let r = refuses(c, &[1]);
+    assert!(
+        r.stderr.contains("UTF-8") && r.stderr.contains("offset 4"),
+        "{}",
+        r.stderr
+    );
+    let out = tmp.path().join("out");
+    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    c.args(["--microbatches", "2", "--layout-file"])
+        .arg(&f)
+        .arg("-o")
+        .arg(&out);
+    let r = refuses(c, &[1]);
+    assert!(r.stderr.contains("offset 4"), "{}", r.stderr);
+    assert!(!out.exists());
+}
+
+#[test]
+fn layout_file_round_trips_and_missing_file_is_an_io_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("ok.layout");
+    std::fs::write(&f, "Et|(t|)*2,L\r\n").unwrap();
+    let mut c = pipec(["layout", "--pp", "2", "--json", "--layout-file"]);
+    c.arg(&f);
+    let from_file: serde_json::Value = serde_json::from_str(&ok(c)).unwrap();
+    let inline: serde_json::Value =
+        serde_json::from_str(&ok(pipec(["layout", "Et|(t|)*2,L", "--pp", "2", "--json"]))).unwrap();
+    assert_eq!(from_file, inline);
+    let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
+    c.arg(tmp.path().join("missing.layout"));
+    let r = refuses(c, &[2]);
+    assert!(r.stderr.contains("missing.layout"), "{}", r.stderr);
+}
+
+// ---- parameters ------------------------------------------------------------------------------
+
+/// `pipec compile` with these arguments is refused with one of `codes` and a message
+/// containing `why`, and writes nothing.
+fn compile_refused(args: &[&str], codes: &[i32], why: &str) -> Refusal {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let mut c = pipec(["compile"]);
+    c.args(args).arg("-o").arg(&out);
+    let r = refuses(c, codes);
+    assert!(r.stderr.contains(why), "{args:?}: {}", r.stderr);
+    assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    r
+}
+
+#[test]
+fn zero_pp_and_zero_microbatches_are_refused() {
+    compile_refused(
+        &["--schedule", "1f1b", "--pp", "0", "--microbatches", "4"],
+        &[1],
+        "--pp must be at least 1",
+    );
+    compile_refused(
+        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "0"],
+        &[1],
+        "--microbatches must be at least 1",
+    );
+    let r = refuses(pipec(["layout", "E|t|L", "--pp", "0"]), &[1, 2]);
+    assert!(r.stderr.contains("--pp"), "{}", r.stderr);
+}
+
+#[test]
+fn pp_larger_than_the_stages_is_refused() {
+    compile_refused(
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "4",
+            "--layout",
+            "E|t|L",
+        ],
+        &[1],
+        "error",
+    );
+}
+
+#[test]
+fn microbatches_beyond_u32_is_a_usage_error() {
+    compile_refused(
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "1000000000000",
+        ],
+        &[2],
+        "--microbatches",
+    );
+}
+
+#[test]
+fn vpp_that_does_not_divide_the_stages_is_refused() {
+    compile_refused(
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "2",
+            "--vpp",
+            "3",
+            "--microbatches",
+            "4",
+            "--layout",
+            "E|t|t|L",
+        ],
+        &[1],
+        "error",
+    );
+}
+
+#[test]
+fn group_size_out_of_range_is_refused() {
+    for g in ["1", "0", "4000000000"] {
+        compile_refused(
+            &[
+                "--schedule",
+                "interleaved-1f1b",
+                "--pp",
+                "2",
+                "--vpp",
+                "2",
+                "--microbatches",
+                "4",
+                "--group-size",
+                g,
+            ],
+            &[1],
+            "--group-size",
+        );
+    }
+}
+
+/// Sizes that would need gigabytes are refused up front by the `--max-ops` limit, whose
+/// message names the flag; the limit is configurable both ways.
+#[test]
+fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
+    for args in [
+        &[
+            "--schedule",
+            "gpipe",
+            "--pp",
+            "4000000000",
+            "--microbatches",
+            "4000000000",
+        ][..],
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "64",
+            "--microbatches",
+            "4000000000",
+        ],
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "65536",
+            "--vpp",
+            "65536",
+            "--microbatches",
+            "65536",
+        ],
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--max-ops",
+            "10",
+        ],
+    ] {
+        compile_refused(args, &[1], "--max-ops");
+    }
+    // The same small schedule passes with the default limit.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    c.args(["--microbatches", "4", "-o"])
+        .arg(tmp.path().join("o"));
+    ok(c);
+}
+
+// ---- instruction files -----------------------------------------------------------------------
+
+fn request(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
+    CompileRequest {
+        kind,
+        pp,
+        vpp: Some(vpp),
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+        combined: false,
+        layout: None,
+        num_layers: None,
+        mtp_num_layers: None,
+        limits: Limits::DEFAULT,
+    }
+}
+
+/// A valid compiled directory (1F1B, pp 2, 4 microbatches) in a fresh temp dir.
+fn compiled_dir() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sched");
+    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    c.args(["--microbatches", "4", "-o"]).arg(&dir);
+    ok(c);
+    (tmp, dir)
+}
+
+/// Write a program as a sealed directory: correct hashes, whatever the content.
+fn write_sealed(p: &Program, dir: &Path) {
+    let layout = Layout::uniform(p.num_stages());
+    let header = Header {
+        source: "hand-written",
+        schedule: None,
+        comm_policy: None,
+        layout: &layout,
+    };
+    write_dir(dir, &render(&header, p, Encoding::Json)).unwrap();
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn manifest(dir: &Path) -> Manifest {
+    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+fn write_manifest(dir: &Path, m: &Manifest) {
+    std::fs::write(
+        dir.join("manifest.json"),
+        serde_json::to_string_pretty(m).unwrap(),
+    )
+    .unwrap();
+}
+
+/// `pipec check`, `pipec show` and `pipec-run` (verified and `--no-verify`) all refuse `dir`
+/// with one of `codes` and a message containing `why`.
+fn all_readers_refuse(dir: &Path, codes: &[i32], why: &str) {
+    let mut check = pipec(["check"]);
+    check.arg(dir);
+    let mut show = pipec(["show"]);
+    show.arg(dir).arg("--no-color");
+    for (what, cmd) in [
+        ("check", check),
+        ("show", show),
+        ("pipec-run", pipec_run(dir, &[])),
+        ("pipec-run --no-verify", pipec_run(dir, &["--no-verify"])),
+    ] {
+        let r = refuses(cmd, codes);
+        assert!(r.stderr.contains(why), "{what}: {}", r.stderr);
+    }
+}
+
+#[test]
+fn truncated_rank_file_is_refused() {
+    let (_t, dir) = compiled_dir();
+    let f = dir.join("rank-1.json");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    all_readers_refuse(&dir, &[1, 2], "rank-1.json");
+    // With the manifest's sha256 updated to the truncated bytes, the JSON parser refuses it.
+    let mut m = manifest(&dir);
+    m.ranks[1].sha256 = sha256_hex(&bytes[..bytes.len() / 2]);
+    write_manifest(&dir, &m);
+    all_readers_refuse(&dir, &[1, 2], "not a valid pipec file");
+}
+
+#[test]
+fn truncated_or_non_json_manifest_is_refused() {
+    let (_t, dir) = compiled_dir();
+    let f = dir.join("manifest.json");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 3]).unwrap();
+    all_readers_refuse(&dir, &[1, 2], "manifest.json");
+    std::fs::write(&f, b"\x00\x01PK binary garbage \xff\xfe").unwrap();
+    all_readers_refuse(&dir, &[1, 2], "not a valid pipec file");
+    std::fs::write(&f, b"").unwrap();
+    all_readers_refuse(&dir, &[1, 2], "manifest.json");
+}
+
+#[test]
+fn unknown_format_version_names_both_versions() {
+    let (_t, dir) = compiled_dir();
+    let f = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&f).unwrap();
+    std::fs::write(&f, text.replace("\"version\": 1,", "\"version\": 7,")).unwrap();
+    all_readers_refuse(&dir, &[1, 2], "version 7");
+    all_readers_refuse(&dir, &[1, 2], "version 1");
+}
+
+#[test]
+fn edited_rank_file_fails_its_content_hash() {
+    let (_t, dir) = compiled_dir();
+    let f = dir.join("rank-0.json");
+    let text = std::fs::read_to_string(&f).unwrap();
+    std::fs::write(&f, text.replacen("\"mb\":0", "\"mb\":1", 1)).unwrap();
+    all_readers_refuse(&dir, &[1, 2], "content hash");
+}
+
+/// A tamperer who also recomputes the file's sha256 in the manifest is still caught: the
+/// schedule hash covers every instruction.
+#[test]
+fn tampered_rank_file_with_resealed_sha256_fails_the_schedule_hash() {
+    let (_t, dir) = compiled_dir();
+    let f = dir.join("rank-0.json");
+    let text = std::fs::read_to_string(&f).unwrap();
+    let edited = text.replacen("\"mb\":0", "\"mb\":1", 1);
+    assert_ne!(edited, text);
+    std::fs::write(&f, &edited).unwrap();
+    let mut m = manifest(&dir);
+    m.ranks[0].sha256 = sha256_hex(edited.as_bytes());
+    write_manifest(&dir, &m);
+    all_readers_refuse(&dir, &[1, 2], "schedule hash");
+}
+
+#[test]
+fn rank_file_from_another_compile_is_refused() {
+    let (_t, dir) = compiled_dir();
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("other");
+    let mut c = pipec(["compile", "--schedule", "gpipe", "--pp", "2"]);
+    c.args(["--microbatches", "4", "-o"]).arg(&other);
+    ok(c);
+    let foreign = std::fs::read(other.join("rank-1.json")).unwrap();
+    std::fs::write(dir.join("rank-1.json"), &foreign).unwrap();
+    all_readers_refuse(&dir, &[1, 2], "content hash");
+    let mut m = manifest(&dir);
+    m.ranks[1].sha256 = sha256_hex(&foreign);
+    write_manifest(&dir, &m);
+    all_readers_refuse(&dir, &[1, 2], "different compile");
+}
+
+#[test]
+fn missing_rank_file_is_an_io_error() {
+    let (_t, dir) = compiled_dir();
+    std::fs::remove_file(dir.join("rank-1.json")).unwrap();
+    all_readers_refuse(&dir, &[2], "rank-1.json");
+}
+
+#[test]
+fn missing_directory_is_an_io_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    all_readers_refuse(&tmp.path().join("nope"), &[2], "nope");
+}
+
+#[test]
+fn manifest_listing_another_world_size_is_refused() {
+    let (_t, dir) = compiled_dir();
+    let mut m = manifest(&dir);
+    m.world_size = 3;
+    write_manifest(&dir, &m);
+    all_readers_refuse(&dir, &[1, 2], "world size of 3");
+    // A consistent-looking manifest for 1 rank whose rank list was cut: placement disagrees.
+    let mut m = manifest(&dir);
+    m.world_size = 1;
+    m.ranks.truncate(1);
+    write_manifest(&dir, &m);
+    all_readers_refuse(&dir, &[1, 2], "placement");
+}
+
+#[test]
+fn launch_world_size_mismatch_is_refused() {
+    let (_t, dir) = compiled_dir();
+    let r = refuses(pipec_run(&dir, &["--world-size", "3"]), &[1]);
+    assert!(r.stderr.contains("world_size"), "{}", r.stderr);
+}
+
+fn one_f_one_b() -> Program {
+    compile(&request(ScheduleKind::OneFOneB, 2, 1, 2))
+        .unwrap()
+        .program
+}
+
+/// Sealed (all hashes right) but broken programs: `check` reports the violation (exit 1),
+/// `show` does not panic, `pipec-run` refuses with or without the full verifier (exit 1).
+fn sealed_broken(p: &Program, class: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("broken");
+    write_sealed(p, &dir);
+    let mut check = pipec(["check"]);
+    check.arg(&dir);
+    let r = refuses(check, &[1]);
+    assert!(r.stderr.contains(class) || r.code == 1, "{}", r.stderr);
+    let out = pipec(["show"])
+        .arg(&dir)
+        .arg("--no-color")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "show panicked: {stderr}");
+    assert!(
+        matches!(out.status.code(), Some(0..=2)),
+        "show: {:?} {stderr}",
+        out.status
+    );
+    refuses(pipec_run(&dir, &[]), &[1]);
+    refuses(pipec_run(&dir, &["--no-verify"]), &[1]);
+}
+
+fn compute_at(p: &Program, rank: usize, pred: impl Fn(&Compute) -> bool) -> usize {
+    p.ranks[rank]
+        .iter()
+        .position(|i| matches!(i, Instr::Compute(c) if pred(c)))
+        .unwrap()
+}
+
+#[test]
+fn out_of_range_stage_microbatch_and_peer_are_refused() {
+    let base = one_f_one_b();
+    let mut p = base.clone();
+    let i = compute_at(&p, 0, |c| matches!(c, Compute::Fwd(_)));
+    p.ranks[0][i] = Instr::Compute(Compute::Fwd(Task::new(7, 0)));
+    sealed_broken(&p, "stage 7");
+    let mut p = base.clone();
+    p.ranks[0][i] = Instr::Compute(Compute::Fwd(Task::new(0, u32::MAX)));
+    sealed_broken(&p, "mb");
+    let mut p = base.clone();
+    let s = p.ranks[0]
+        .iter()
+        .position(|i| matches!(i, Instr::Send { .. }))
+        .unwrap();
+    if let Instr::Send { peer, .. } = &mut p.ranks[0][s] {
+        *peer = Rank(u32::MAX);
+    }
+    sealed_broken(&p, "rank");
+    let mut p = base.clone();
+    if let Instr::Send { payload, .. } = &mut p.ranks[0][s] {
+        *payload = Payload::act(u32::MAX, 0);
+    }
+    sealed_broken(&p, "stage");
+}
+
+#[test]
+fn duplicated_or_missing_instructions_are_refused() {
+    let base = one_f_one_b();
+    let mut p = base.clone();
+    let i = compute_at(&p, 1, |c| matches!(c, Compute::Bwd(_)));
+    let dup = p.ranks[1][i];
+    p.ranks[1].insert(i, dup);
+    sealed_broken(&p, "incomplete");
+    let mut p = base.clone();
+    p.ranks[1].remove(i);
+    sealed_broken(&p, "incomplete");
+    let mut p = base.clone();
+    p.ranks[0].clear();
+    sealed_broken(&p, "incomplete");
+}
+
+#[test]
+fn placement_for_another_world_is_refused() {
+    let mut p = one_f_one_b();
+    p.ranks.push(Vec::new());
+    // render() writes the world from the rank streams: 3 streams, placement for pp 2.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("w");
+    write_sealed(&p, &dir);
+    all_readers_refuse(&dir, &[1, 2], "placement");
+}
+
+// ---- output ----------------------------------------------------------------------------------
+
+fn compile_into(dir: &Path, args: &[&str]) -> Output {
+    let mut c = pipec(["compile"]);
+    c.args(args).arg("-o").arg(dir);
+    c.output().unwrap()
+}
+
+const A: &[&str] = &["--schedule", "1f1b", "--pp", "4", "--microbatches", "4"];
+const B: &[&str] = &["--schedule", "gpipe", "--pp", "2", "--microbatches", "3"];
+
+#[test]
+fn output_directory_holding_other_files_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("out");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    let before = snapshot(&dir);
+    let mut c = pipec(["compile"]);
+    c.args(A).arg("-o").arg(&dir);
+    let r = refuses(c, &[2]);
+    assert!(r.stderr.contains("notes.txt"), "{}", r.stderr);
+    assert_eq!(snapshot(&dir), before);
+}
+
+#[test]
+fn output_under_a_regular_file_is_an_io_error() {
+    // Tests run as root, which bypasses permission bits; a path under a regular file fails for
+    // everyone (ENOTDIR).
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("somefile");
+    std::fs::write(&file, "x").unwrap();
+    let mut c = pipec(["compile"]);
+    c.args(A).arg("-o").arg(file.join("out"));
+    let r = refuses(c, &[2]);
+    assert!(r.stderr.contains("somefile"), "{}", r.stderr);
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+    let mut c = pipec(["compile"]);
+    c.args(A).arg("-o").arg(&file);
+    refuses(c, &[2]);
+    assert_eq!(std::fs::read(&file).unwrap(), b"x");
+}
+
+/// Compiling B over A replaces the whole directory: A had 4 rank files, B has 2, and no rank
+/// file of A survives. Then a failing compile leaves B's directory byte for byte.
+#[test]
+fn recompiling_replaces_every_rank_file_and_a_failed_compile_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("out");
+    assert!(compile_into(&dir, A).status.success());
+    assert_eq!(snapshot(&dir).len(), 5);
+    assert!(compile_into(&dir, B).status.success());
+    let files = snapshot(&dir);
+    let b_hash = manifest(&dir).schedule_hash;
+    assert_eq!(
+        files.keys().cloned().collect::<Vec<_>>(),
+        ["manifest.json", "rank-0.json", "rank-1.json"]
+    );
+    for (name, bytes) in &files {
+        if name.starts_with("rank-") {
+            let v: serde_json::Value = serde_json::from_slice(bytes).unwrap();
+            assert_eq!(v["schedule_hash"], b_hash.as_str(), "{name}");
+        }
+    }
+    pipec_runtime::load(&dir, None).expect("B loads and verifies");
+    // Binary encoding over JSON: only .bin rank files remain.
+    let mut bin = B.to_vec();
+    bin.extend(["--format", "bin"]);
+    assert!(compile_into(&dir, &bin).status.success());
+    let names: Vec<String> = snapshot(&dir).into_keys().collect();
+    assert_eq!(names, ["manifest.json", "rank-0.bin", "rank-1.bin"]);
+    let before = snapshot(&dir);
+    for bad in [
+        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "0"][..],
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--layout",
+            "E|(t|L",
+        ],
+        &[
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--memory-limit",
+            "0",
+        ],
+    ] {
+        let out = compile_into(&dir, bad);
+        assert_eq!(out.status.code(), Some(1), "{bad:?}");
+        assert_eq!(snapshot(&dir), before, "{bad:?} changed the directory");
+    }
+    // No temporary directories were left beside it.
+    let siblings: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(siblings, [std::ffi::OsString::from("out")]);
+}
