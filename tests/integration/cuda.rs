@@ -157,7 +157,6 @@ fn run_cuda_reports_a_missing_driver() {
     assert!(e.to_string().contains("CUDA driver not found"), "{e}");
 }
 
-#[cfg(feature = "cuda")]
 const TINY: [&str; 10] = [
     "--hidden", "64", "--ffn", "128", "--vocab", "96", "--seq", "16", "--steps", "2",
 ];
@@ -215,7 +214,31 @@ fn gpu_check_zb_v() {
     }
 }
 
-/// Two processes, one rank each, NCCL between them (both on GPU 0 when there is one GPU),
+/// The programs and flags of the GPU tests, on the CPU backend: they compile, verify and pass
+/// the (bitwise) check there, so a GPU failure is the GPU's.
+#[test]
+fn gpu_test_programs_pass_on_the_cpu_backend() {
+    for (kind, pp, vpp) in [
+        (ScheduleKind::OneFOneB, 4, 1),
+        (ScheduleKind::Interleaved1F1B, 2, 2),
+        (ScheduleKind::ZbV, 2, 2),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        compile_to(kind, pp, vpp, 2 * pp, tmp.path());
+        let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+            .arg(tmp.path())
+            .arg("--check")
+            .args(TINY)
+            .output()
+            .unwrap();
+        let so = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{kind:?}\n{so}");
+        assert_eq!(so.matches("  check: ").count(), 2, "{so}");
+    }
+}
+
+/// Two processes, one rank each on its own GPU (NCCL refuses two ranks of a communicator on
+/// one GPU, so this needs two GPUs),
 /// launched with torchrun's variables; rank 0 prints the loss, every rank its busy/idle line,
 /// and both pass the check of their own stages.
 #[cfg(feature = "cuda")]
@@ -231,6 +254,10 @@ fn gpu_two_process_nccl() {
     let loadable = unsafe { cudarc::nccl::sys::is_culib_present() };
     if !loadable && probe::find_nccl(&probe::NcclSearch::from_env()).is_err() {
         eprintln!("skipped: NCCL not found");
+        return;
+    }
+    if cudarc::driver::CudaContext::device_count().unwrap_or(0) < 2 {
+        eprintln!("skipped: needs 2 GPUs (NCCL allows one rank per GPU per communicator)");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

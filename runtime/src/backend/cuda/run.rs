@@ -258,13 +258,20 @@ fn rank_thread<T: Elem>(
         program.microbatches,
         sh.full,
         &mine,
-        |s| match net {
+        |s| {
+            match net {
             NetPlan::Local(t) => Ok(Net::Local(t)),
             NetPlan::Nccl { id, world } => {
                 cudarc::nccl::Comm::from_rank(s.clone(), rank as usize, world, id)
                     .map(Net::Nccl)
-                    .map_err(|e| BackendError(format!("NCCL: ncclCommInitRank: {:?}", e.0)))
+                    .map_err(|e| {
+                        BackendError(format!(
+                            "NCCL: ncclCommInitRank: {:?} (NCCL refuses two ranks of one communicator on the same GPU: launch at most one process per GPU; several ranks share a GPU in single-process mode)",
+                            e.0
+                        ))
+                    })
             }
+        }
         },
         sh.watch.clone(),
     );
