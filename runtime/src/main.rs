@@ -17,6 +17,13 @@ enum BackendKind {
     Cuda,
 }
 
+/// Element type of the CUDA backend.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum DtypeArg {
+    F32,
+    Bf16,
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "pipec-run",
@@ -28,6 +35,9 @@ struct Args {
     dir: PathBuf,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Weights and activations on the GPU (`--backend cuda` only; the CPU backend is f32).
+    #[arg(long, value_enum)]
+    dtype: Option<DtypeArg>,
     /// Compare the loss and every weight gradient with the same model run without pipelining
     /// on one thread (bitwise).
     #[arg(long)]
@@ -129,22 +139,26 @@ fn print_report(args: &Args, report: &RunReport) {
 }
 
 fn run(args: &Args) -> Result<(), RunError> {
+    if args.dtype.is_some() && args.backend != BackendKind::Cuda {
+        return Err(RunError::Usage(
+            "--dtype applies to --backend cuda only (the CPU backend computes in f32)".into(),
+        ));
+    }
+    #[cfg(not(feature = "cuda"))]
     if args.backend == BackendKind::Cuda {
-        #[cfg(feature = "cuda")]
-        {
-            use pipec_runtime::backend::cuda;
-            let launch = cuda::launch::from_vars(|k| std::env::var(k).ok())
-                .map_err(|e| RunError::Usage(e.to_string()))?;
-            let multi = launch.as_ref().is_some_and(|l| l.world_size > 1);
-            cuda::probe_libraries(multi).map_err(|e| RunError::Usage(e.to_string()))?;
-            return Err(RunError::Usage(
-                "the CUDA backend's step driver is not wired into pipec-run yet (the device code is in pipec_runtime::backend::cuda); use --backend cpu".into(),
-            ));
-        }
-        #[cfg(not(feature = "cuda"))]
         return Err(RunError::Usage(
             "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda` (or use --backend cpu)".into(),
         ));
+    }
+    #[cfg(all(feature = "cuda", unix))]
+    if args.backend == BackendKind::Cuda {
+        // A multi-process launch needs NCCL as `libnccl.so`; with only `libnccl.so.2` this
+        // re-executes pipec-run once with a link directory on LD_LIBRARY_PATH.
+        let launch = pipec_runtime::backend::cuda::launch::from_vars(|k| std::env::var(k).ok())
+            .map_err(|e| RunError::Usage(e.to_string()))?;
+        if launch.as_ref().is_some_and(|l| l.world_size > 1) {
+            pipec_runtime::backend::cuda::reexec_for_nccl().map_err(RunError::Usage)?;
+        }
     }
     if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= 1e6) {
         return Err(RunError::Usage(format!(
@@ -163,7 +177,8 @@ fn run(args: &Args) -> Result<(), RunError> {
         seed: args.seed,
     };
     let widest = cfg.hidden.max(cfg.ffn).max(cfg.vocab);
-    if cfg.seq * widest > 1 << 26 || cfg.hidden * cfg.ffn.max(cfg.vocab) > 1 << 26 {
+    let cpu_math = args.backend == BackendKind::Cpu || args.check;
+    if cpu_math && (cfg.seq * widest > 1 << 26 || cfg.hidden * cfg.ffn.max(cfg.vocab) > 1 << 26) {
         return Err(RunError::Usage(
             "the model is too large for the CPU reference backend (a tensor over 2^26 values)"
                 .into(),
@@ -180,18 +195,23 @@ fn run(args: &Args) -> Result<(), RunError> {
         .schedule
         .map(|s| format!("{}, pp {}, vpp {}", s.kind, s.pp, s.vpp))
         .unwrap_or_else(|| format!("{} schedule, pp {}", m.source, m.world_size));
-    println!(
-        "pipec-run: {} ({kind}, {} microbatches{}; layout {}), cpu backend, {} rank threads",
+    let header = format!(
+        "pipec-run: {} ({kind}, {} microbatches{}; layout {})",
         args.dir.display(),
         m.microbatches,
         if m.forward_only { ", forward only" } else { "" },
         m.layout.expanded(),
-        m.world_size
     );
-    println!(
+    let model_line = format!(
         "model: hidden {}, ffn {}, vocab {}, seq {}, seed {}, lr {}",
         cfg.hidden, cfg.ffn, cfg.vocab, cfg.seq, cfg.seed, args.lr
     );
+    if args.backend == BackendKind::Cuda {
+        #[cfg(feature = "cuda")]
+        return cuda_main::run(args, &loaded, cfg, &header, &model_line);
+    }
+    println!("{header}, cpu backend, {} rank threads", m.world_size);
+    println!("{model_line}");
     let opts = RunOptions {
         model: cfg,
         steps: args.steps,
@@ -207,6 +227,152 @@ fn run(args: &Args) -> Result<(), RunError> {
     }
     print_report(args, &report);
     Ok(())
+}
+
+/// `--backend cuda`: run, then print what this process ran and the calibration.
+#[cfg(feature = "cuda")]
+mod cuda_main {
+    use super::{ms, Args, DtypeArg};
+    use pipec::files::Loaded;
+    use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
+    use pipec_runtime::backend::cuda::launch;
+    use pipec_runtime::backend::cuda::run::{run_cuda, CudaRunOptions, Dtype};
+    use pipec_runtime::model::ModelConfig;
+    use pipec_runtime::RunError;
+    use std::time::Duration;
+
+    pub fn run(
+        args: &Args,
+        loaded: &Loaded,
+        cfg: ModelConfig,
+        header: &str,
+        model_line: &str,
+    ) -> Result<(), RunError> {
+        let launch = launch::from_vars(|k| std::env::var(k).ok())
+            .map_err(|e| RunError::Usage(e.to_string()))?;
+        let dtype = match args.dtype.unwrap_or(DtypeArg::F32) {
+            DtypeArg::F32 => Dtype::F32,
+            DtypeArg::Bf16 => Dtype::Bf16,
+        };
+        let opts = CudaRunOptions {
+            model: cfg,
+            steps: args.steps,
+            lr: args.lr,
+            timeout: Duration::from_secs_f64(args.timeout),
+            check: args.check,
+            dtype,
+            launch: launch.clone(),
+        };
+        let (program, layout) = (&loaded.program, &loaded.manifest.layout);
+        let report = run_cuda(program, layout, &opts)?;
+        // Only rank 0 of a multi-process launch prints what every rank shares.
+        let leader = match &launch {
+            None => true,
+            Some(l) => l.rank == 0,
+        };
+        if leader {
+            println!(
+                "{header}, cuda backend ({}), {}",
+                dtype.name(),
+                match &launch {
+                    None => format!(
+                        "{} rank threads on {} of {} GPUs",
+                        program.ranks.len(),
+                        {
+                            let mut d = report.devices.clone();
+                            d.sort_unstable();
+                            d.dedup();
+                            d.len()
+                        },
+                        report.device_count
+                    ),
+                    Some(l) => format!("{} processes ({})", l.world_size, l.from),
+                }
+            );
+            println!("{model_line}");
+        }
+        let static_peak = &report.run.static_peak_activations;
+        for (i, s) in report.run.steps.iter().enumerate() {
+            if leader {
+                println!(
+                    "step {}: loss {:.6}  wall {}",
+                    s.step + 1,
+                    s.loss,
+                    ms(s.wall_us)
+                );
+            }
+            for (st, (&r, &gpu)) in s.ranks.iter().zip(report.ranks.iter().zip(&report.devices)) {
+                let pct = if s.wall_us > 0.0 {
+                    100.0 * st.idle_us / s.wall_us
+                } else {
+                    0.0
+                };
+                println!(
+                    "  rank {r} (GPU {gpu}): busy {}  idle {} ({pct:.1}%)  peak activations {} (static {})",
+                    ms(st.busy_us),
+                    ms(st.idle_us),
+                    st.peak_activations,
+                    static_peak.get(r as usize).copied().unwrap_or(0)
+                );
+            }
+            if let (Some(c), Some(Some((rel, what)))) = (&s.check, report.worst.get(i)) {
+                println!(
+                    "  check: losses and {} gradient tensors ({} values) within {:.0e} (normwise relative) of the single-thread reference; worst {rel:.2e} in {what}",
+                    c.tensors,
+                    c.values,
+                    dtype.tolerance()
+                );
+            }
+        }
+        let timeline = &report.run.timeline;
+        if let Some(p) = &args.trace {
+            let text = pipec_runtime::trace::chrome_trace(program, timeline);
+            std::fs::write(p, text)
+                .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
+            println!("trace: {} (last step, CUDA event times)", p.display());
+        }
+        if launch.is_some() {
+            // The timeline holds this process's rank only: no global calibration.
+            return Ok(());
+        }
+        match calibrate(program, layout, timeline) {
+            Some(c) => {
+                println!(
+                    "calibrated (last step, per decoder layer): fwd {} bwd_D {} bwd_W {}{}, p2p {}",
+                    ms(c.f),
+                    ms(c.b),
+                    ms(c.w),
+                    if c.split {
+                        ""
+                    } else {
+                        " (half of each full bwd)"
+                    },
+                    ms(c.p2p)
+                );
+                let fl = layer_flops(cfg.seq, cfg.hidden, cfg.ffn);
+                println!(
+                    "layer GEMMs: {:.1} / {:.1} / {:.1} TFLOP/s (fwd / bwd_D / bwd_W; {:.3e} FLOP per layer pass)",
+                    tflops(fl, c.f),
+                    tflops(fl, c.b),
+                    tflops(fl, c.w),
+                    fl
+                );
+                println!(
+                    "makespan: measured {}  simulated {} (--cost {} in µs)",
+                    ms(c.measured_makespan),
+                    ms(c.simulated_makespan),
+                    c.spec
+                );
+                println!(
+                    "bubble (mean over ranks): measured {:.1}%  simulated {:.1}%",
+                    100.0 * c.measured_bubble,
+                    100.0 * c.simulated_bubble
+                );
+            }
+            None => println!("calibration: no forward of a decoder layer was measured"),
+        }
+        Ok(())
+    }
 }
 
 fn main() -> ExitCode {

@@ -1,5 +1,6 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
+mod cuda;
 mod docs;
 mod hostile;
 mod layout;

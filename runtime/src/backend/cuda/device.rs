@@ -222,6 +222,35 @@ impl<T: Elem> CudaBackend<T> {
         Ok(out)
     }
 
+    /// Every microbatch's loss, known on every rank. Single process: this rank's own (the
+    /// caller merges ranks). NCCL: the ranks that hold `L` contribute theirs and an all-reduce
+    /// (sum) of `[loss; m] ++ [present; m]` gives everyone all of them, so rank 0 can print
+    /// the loss whichever rank computes it (rank 0 under a V-shape placement, the last rank
+    /// under a looped one). Collective in NCCL mode: every rank calls it once per step.
+    pub fn all_losses(&self) -> Result<Vec<Option<f32>>, BackendError> {
+        let m = self.losses.len();
+        let mut v = vec![0.0f32; 2 * m];
+        for (mb, l) in self.losses()? {
+            v[mb as usize] = l;
+            v[m + mb as usize] = 1.0;
+        }
+        if let Net::Nccl(c) = &self.net {
+            let mut buf = self
+                .comm_stream
+                .clone_htod(&v)
+                .map_err(err("upload losses"))?;
+            c.all_reduce_in_place(&mut buf, &cudarc::nccl::ReduceOp::Sum)
+                .map_err(|e| BackendError(format!("NCCL all-reduce of the losses: {:?}", e.0)))?;
+            v = self
+                .comm_stream
+                .clone_dtoh(&buf)
+                .map_err(err("read losses"))?;
+        }
+        Ok((0..m)
+            .map(|mb| (v[m + mb] > 0.5).then_some(v[mb]))
+            .collect())
+    }
+
     /// The step's gradient sums per local stage, as CPU arrays, with the count summed in order.
     pub fn grads(&self) -> Result<Vec<(u32, model::StageGrads<f32>, u32)>, BackendError> {
         let mut out = Vec::new();

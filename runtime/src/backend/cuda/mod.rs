@@ -6,6 +6,7 @@
 //! needs the `cuda` feature; cudarc loads every library at run time, so `cargo build --features
 //! cuda` succeeds on machines without CUDA.
 
+pub mod calibrate;
 pub mod kernels;
 pub mod launch;
 pub mod probe;
@@ -16,6 +17,52 @@ pub mod comm;
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod model;
+#[cfg(feature = "cuda")]
+pub mod run;
+
+/// Set in the environment of the process [`reexec_for_nccl`] starts, so it happens once.
+pub const REEXEC_ENV: &str = "PIPEC_NCCL_REEXEC";
+
+/// cudarc dlopens NCCL by the name `libnccl.so` only, while the NCCL pip wheel
+/// (`nvidia-nccl-cu12`) and some system packages ship only `libnccl.so.2`. When
+/// [`probe::find_nccl`] finds only such a file, make a per-user directory holding a
+/// `libnccl.so` link to it ([`probe::link_dir`], under the temp dir) and replace this process
+/// by the same binary with the same arguments and that directory first on `LD_LIBRARY_PATH`
+/// ([`probe::reexec_env`]); the dynamic loader reads `LD_LIBRARY_PATH` only at start-up, so
+/// setting it in-process would not help. [`REEXEC_ENV`] marks the child so it never loops.
+///
+/// Returns `Ok(())` when nothing is to be done (NCCL loads, or this is already the
+/// re-executed process); on success it does not return.
+#[cfg(all(feature = "cuda", unix))]
+pub fn reexec_for_nccl() -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only tries to dlopen the candidate names.
+    if unsafe { cudarc::nccl::sys::is_culib_present() } || std::env::var_os(REEXEC_ENV).is_some() {
+        return Ok(());
+    }
+    let lib = probe::find_nccl(&probe::NcclSearch::from_env()).map_err(|e| e.to_string())?;
+    if !lib.needs_link {
+        return Ok(());
+    }
+    let dir = probe::link_dir(&lib.path, &std::env::temp_dir()).map_err(|e| {
+        format!(
+            "NCCL: cannot make a libnccl.so link to {} under {}: {e}",
+            lib.path.display(),
+            std::env::temp_dir().display()
+        )
+    })?;
+    let exe = std::env::current_exe().map_err(|e| format!("cannot re-execute pipec-run: {e}"))?;
+    let env = probe::reexec_env(&dir, std::env::var_os("LD_LIBRARY_PATH").as_ref());
+    let e = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("LD_LIBRARY_PATH", env)
+        .env(REEXEC_ENV, "1")
+        .exec();
+    Err(format!(
+        "cannot re-execute pipec-run with {} on LD_LIBRARY_PATH: {e}",
+        dir.display()
+    ))
+}
 
 /// Check that the CUDA driver, cuBLAS and NVRTC can be loaded, before any cudarc call (cudarc
 /// panics on a missing library). `need_nccl`: also NCCL (multi-process launches).

@@ -1,0 +1,238 @@
+//! A cost model calibrated from a measured timeline, and the simulated figures under it next
+//! to the measured ones: how far the real run is from what the schedule alone predicts.
+//!
+//! Per decoder layer (`t`/`m`), the mean measured time of a forward, an input-gradient
+//! backward (`bwd_D`) and a weight-gradient backward (`bwd_W`): a stage's op time divided by
+//! its decoder-layer count. Stages that hold only decoder layers are used when there are any,
+//! so the embedding and the head do not inflate the per-layer figure; pipec's cost model gives
+//! `E` and `L` no cost by default (see `pipec::cost`). A full `bwd` counts as `bwd_D + bwd_W`;
+//! when a program has no split backward, each half is taken as half of it (the `B = W`
+//! assumption of "Zero Bubble Pipeline Parallelism", Qi et al., 2024). Overlapped `fwd_bwd`
+//! pairs are not used. The message latency `p2p` is the lower quartile of the measured comm
+//! batch spans: a span also holds the time waiting for the peer to post, which the simulator
+//! adds itself, so the fastest batches are the closest to the transfer alone.
+//!
+//! Pure (no GPU): tested on simulated timelines, where it must recover the costs it was given.
+
+use pipec::cost::{CostModel, StageCosts};
+use pipec::layout::{LayerKind, Layout};
+use pipec::program::{Instr, Program};
+use pipec::simulate::{simulate, summarize};
+use pipec::timeline::Timeline;
+use pipec_schedules::{Compute, Task};
+use serde::Serialize;
+
+/// The calibrated model and the figures it gives.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Calibration {
+    /// Mean forward of one decoder layer (the timeline's unit).
+    pub f: f64,
+    /// Mean `bwd_D` of one decoder layer.
+    pub b: f64,
+    /// Mean `bwd_W` of one decoder layer.
+    pub w: f64,
+    /// Message latency.
+    pub p2p: f64,
+    /// `b` and `w` were measured separately (the program splits its backward).
+    pub split: bool,
+    /// The cost spec handed to [`CostModel::parse`].
+    pub spec: String,
+    pub measured_makespan: f64,
+    pub measured_bubble: f64,
+    pub simulated_makespan: f64,
+    pub simulated_bubble: f64,
+}
+
+#[derive(Default)]
+struct Mean {
+    sum: f64,
+    n: usize,
+}
+
+impl Mean {
+    fn add(&mut self, x: f64) {
+        self.sum += x;
+        self.n += 1;
+    }
+    fn get(&self) -> Option<f64> {
+        (self.n > 0).then(|| self.sum / self.n as f64)
+    }
+}
+
+fn decoders(layout: &Layout, t: Task) -> (usize, bool) {
+    let layers = layout
+        .stages
+        .get(t.stage.index())
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    let n = layers
+        .iter()
+        .filter(|k| matches!(k, LayerKind::Decoder | LayerKind::Mtp))
+        .count();
+    (n, n > 0 && n == layers.len())
+}
+
+/// Calibrate from `timeline` (one span per instruction; ranks with no spans are skipped) and
+/// simulate `program` under the result. `None` when no forward of a stage with decoder layers
+/// was measured.
+pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Option<Calibration> {
+    // [pure-decoder stages, all stages with decoders] x [f, b, w, full bwd]
+    let mut acc: [[Mean; 4]; 2] = Default::default();
+    let mut comm: Vec<f64> = Vec::new();
+    for (instrs, spans) in program.ranks.iter().zip(&timeline.ranks) {
+        if spans.len() != instrs.len() {
+            continue;
+        }
+        let mut i = 0;
+        while i < instrs.len() {
+            let d = spans[i].end - spans[i].start;
+            match &instrs[i] {
+                Instr::Compute(c) => {
+                    let (slot, t) = match *c {
+                        Compute::Fwd(t) => (0, t),
+                        Compute::BwdD(t) => (1, t),
+                        Compute::BwdW(t) => (2, t),
+                        Compute::Bwd(t) => (3, t),
+                        Compute::FwdBwd { .. } => {
+                            i += 1;
+                            continue;
+                        }
+                    };
+                    let (n, pure) = decoders(layout, t);
+                    if n > 0 {
+                        acc[1][slot].add(d / n as f64);
+                        if pure {
+                            acc[0][slot].add(d / n as f64);
+                        }
+                    }
+                    i += 1;
+                }
+                ins => {
+                    // One comm batch: its ops share one span.
+                    let b = ins.batch();
+                    let mut end = i + 1;
+                    while end < instrs.len()
+                        && matches!(instrs[end], Instr::Send { .. } | Instr::Recv { .. })
+                        && instrs[end].batch() == b
+                    {
+                        end += 1;
+                    }
+                    comm.push(d.max(0.0));
+                    i = end;
+                }
+            }
+        }
+    }
+    let set = if acc[0][0].n > 0 { &acc[0] } else { &acc[1] };
+    let f = set[0].get()?;
+    let full = set[3].get();
+    let (b, w, split) = match (set[1].get(), set[2].get(), full) {
+        (Some(b), Some(w), _) => (b, w, true),
+        (_, _, Some(full)) => (full / 2.0, full / 2.0, false),
+        // Forward only.
+        _ => (0.0, 0.0, false),
+    };
+    comm.sort_by(f64::total_cmp);
+    let p2p = if comm.is_empty() {
+        0.0
+    } else {
+        comm[(comm.len() - 1) / 4]
+    };
+    let spec = format!("f={f},b={b},w={w},p2p={p2p}");
+    let model = CostModel::parse(&spec).ok()?;
+    let costs = StageCosts::new(&model, layout, program.num_stages());
+    let sim = simulate(program, &costs).ok()?;
+    let measured = summarize(program, timeline);
+    Some(Calibration {
+        f,
+        b,
+        w,
+        p2p,
+        split,
+        spec,
+        measured_makespan: measured.makespan,
+        measured_bubble: measured.mean_bubble(),
+        simulated_makespan: sim.summary.makespan,
+        simulated_bubble: sim.summary.mean_bubble(),
+    })
+}
+
+/// FLOPs of one decoder layer's GEMMs in one pass: two `seq x hidden x ffn` products
+/// (`2·s·h·f` each) in the forward (`x·W1`, `a·W2`), in `bwd_D` (`dy·W2ᵀ`, `dh·W1ᵀ`) and in
+/// `bwd_W` (`aᵀ·dy`, `xᵀ·dh`): `4·s·h·f` for each pass.
+pub fn layer_flops(seq: usize, hidden: usize, ffn: usize) -> f64 {
+    4.0 * seq as f64 * hidden as f64 * ffn as f64
+}
+
+/// TFLOP/s of `flops` done in `us` microseconds (0 when no time was measured).
+pub fn tflops(flops: f64, us: f64) -> f64 {
+    if us > 0.0 {
+        flops / (us * 1e-6) / 1e12
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec::compile::{compile, CompileRequest};
+    use pipec_schedules::{Limits, ScheduleKind};
+
+    fn program(kind: ScheduleKind, pp: u32, m: u32) -> (Program, Layout) {
+        let c = compile(&CompileRequest {
+            kind,
+            pp,
+            vpp: Some(1),
+            microbatches: m,
+            group_size: None,
+            forward_only: false,
+            combined: false,
+            layout: None,
+            num_layers: None,
+            mtp_num_layers: None,
+            limits: Limits::DEFAULT,
+        })
+        .unwrap();
+        (c.program, c.layout)
+    }
+
+    /// On a timeline simulated under known costs, the calibration recovers them and so
+    /// re-simulates the same makespan.
+    #[test]
+    fn recovers_the_costs_of_a_simulated_timeline() {
+        for (kind, pp, split) in [
+            (ScheduleKind::OneFOneB, 4, false),
+            (ScheduleKind::ZbH1, 3, true),
+        ] {
+            let (p, layout) = program(kind, pp, 6);
+            let spec = if split {
+                "f=2,b=3,w=1.5"
+            } else {
+                "f=2,b=3,w=3"
+            };
+            let costs = StageCosts::new(&CostModel::parse(spec).unwrap(), &layout, p.num_stages());
+            let sim = simulate(&p, &costs).unwrap();
+            let c = calibrate(&p, &layout, &sim.timeline).unwrap();
+            assert_eq!(c.split, split, "{kind:?}");
+            assert_eq!(c.f, 2.0, "{kind:?}");
+            assert_eq!((c.b, c.w), if split { (3.0, 1.5) } else { (3.0, 3.0) });
+            assert_eq!(c.p2p, 0.0, "{kind:?}");
+            assert_eq!(c.simulated_makespan, sim.summary.makespan, "{kind:?}");
+            assert_eq!(c.measured_makespan, sim.summary.makespan, "{kind:?}");
+            assert_eq!(c.simulated_bubble, c.measured_bubble, "{kind:?}");
+        }
+    }
+
+    /// The Megatron-LM paper's count (Narayanan et al., 2021): a `b x s x h` by `h x 4h`
+    /// GEMM is `2·b·s·h·4h` FLOPs; two of them per pass with `ffn = 4h`.
+    #[test]
+    fn flops_per_layer_pass() {
+        assert_eq!(
+            layer_flops(4096, 4096, 16384),
+            2.0 * 2.0 * 4096.0 * 4096.0 * 16384.0
+        );
+        assert_eq!(tflops(1e12, 1e6), 1.0);
+        assert_eq!(tflops(1.0, 0.0), 0.0);
+    }
+}

@@ -1,0 +1,301 @@
+//! The CUDA backend (`pipec-run --backend cuda`, `pipec_runtime::backend::cuda::run::run_cuda`).
+//!
+//! Everywhere: the CLI's clear errors (without the feature; without a driver; `--dtype` on
+//! the CPU backend). On a GPU machine (`#[ignore]`d, needs the `cuda` feature):
+//!
+//! ```text
+//! cargo test -p pipec-tests --features cuda --test integration cuda -- --ignored --test-threads 1
+//! ```
+//!
+//! `--check` against the single-thread CPU reference for 1f1b, interleaved-1f1b and zb-v in
+//! fp32 and bf16 (one process, rank threads), and a 2-process NCCL launch with torchrun's
+//! variables.
+
+use pipec::compile::{compile, CompileRequest};
+use pipec::files::{render, write_dir, Encoding, Header};
+use pipec_schedules::{Limits, ScheduleKind};
+use std::path::Path;
+use std::process::Command;
+
+fn compile_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, dir: &Path) {
+    let c = compile(&CompileRequest {
+        kind,
+        pp,
+        vpp: Some(vpp),
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+        combined: false,
+        layout: None,
+        num_layers: None,
+        mtp_num_layers: None,
+        limits: Limits::DEFAULT,
+    })
+    .unwrap();
+    let header = Header {
+        source: "generated",
+        schedule: Some(c.spec),
+        comm_policy: Some(c.schedule.comm),
+        layout: &c.layout,
+    };
+    write_dir(dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+}
+
+/// `pipec-run` as built for these tests: with the `cuda` feature when this crate has it.
+fn pipec_run() -> Command {
+    #[cfg(feature = "cuda")]
+    {
+        cuda_bin()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+    }
+}
+
+/// `pipec-run` built with `--features cuda` (into its own target dir, so the default build's
+/// binary used by the other tests is not replaced).
+#[cfg(feature = "cuda")]
+fn cuda_bin() -> Command {
+    use std::sync::OnceLock;
+    static BIN: OnceLock<std::path::PathBuf> = OnceLock::new();
+    let bin = BIN.get_or_init(|| {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        let target = Path::new(root).join("target").join("cuda-tests");
+        let status = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "pipec-runtime",
+                "--features",
+                "cuda",
+                "--bin",
+                "pipec-run",
+                "--target-dir",
+            ])
+            .arg(&target)
+            .current_dir(root)
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "cargo build --features cuda failed");
+        target.join("debug").join("pipec-run")
+    });
+    Command::new(bin)
+}
+
+#[test]
+fn dtype_is_refused_on_the_cpu_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    compile_to(ScheduleKind::OneFOneB, 2, 1, 2, tmp.path());
+    let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+        .arg(tmp.path())
+        .args(["--dtype", "bf16"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--dtype applies to --backend cuda only"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Without the feature the binary says how to rebuild; with it but without a GPU driver it
+/// names the missing library. Both exit 2, before anything runs.
+#[test]
+fn cuda_backend_fails_clearly_without_feature_or_driver() {
+    let tmp = tempfile::tempdir().unwrap();
+    compile_to(ScheduleKind::OneFOneB, 2, 1, 2, tmp.path());
+    let out = pipec_run()
+        .arg(tmp.path())
+        .args(["--backend", "cuda"])
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "cuda") {
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: only tries to dlopen libcuda.
+            let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+            if !driver {
+                assert_eq!(out.status.code(), Some(2), "{err}");
+                assert!(err.contains("CUDA driver not found"), "{err}");
+            }
+        }
+    } else {
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("without the `cuda` feature"), "{err}");
+    }
+}
+
+/// The library function gives the same clear error (no panic from cudarc) without a driver.
+#[cfg(feature = "cuda")]
+#[test]
+fn run_cuda_reports_a_missing_driver() {
+    use pipec_runtime::backend::cuda::run::{run_cuda, CudaRunOptions, Dtype};
+    // SAFETY: only tries to dlopen libcuda.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        return; // a GPU machine: the #[ignore]d tests below cover it
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    compile_to(ScheduleKind::OneFOneB, 2, 1, 2, tmp.path());
+    let loaded = pipec_runtime::load(tmp.path(), None).unwrap();
+    let opts = CudaRunOptions {
+        model: Default::default(),
+        steps: 1,
+        lr: 0.1,
+        timeout: std::time::Duration::from_secs(5),
+        check: true,
+        dtype: Dtype::F32,
+        launch: None,
+    };
+    let e = run_cuda(&loaded.program, &loaded.manifest.layout, &opts).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    assert!(e.to_string().contains("CUDA driver not found"), "{e}");
+}
+
+const TINY: [&str; 10] = [
+    "--hidden", "64", "--ffn", "128", "--vocab", "96", "--seq", "16", "--steps", "2",
+];
+
+#[cfg(feature = "cuda")]
+fn check_single_process(kind: ScheduleKind, pp: u32, vpp: u32, dtype: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    compile_to(kind, pp, vpp, 2 * pp, tmp.path());
+    let trace = tmp.path().join("trace.json");
+    let out = cuda_bin()
+        .arg(tmp.path())
+        .args(["--backend", "cuda", "--check", "--dtype", dtype])
+        .args(TINY)
+        .arg("--trace")
+        .arg(&trace)
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{kind:?} {dtype}\n{so}\n{se}");
+    assert_eq!(so.matches("  check: ").count(), 2, "{so}");
+    assert!(so.contains("makespan: measured"), "{so}");
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    assert!(t.is_object() || t.is_array());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_check_1f1b() {
+    for dt in ["f32", "bf16"] {
+        check_single_process(ScheduleKind::OneFOneB, 4, 1, dt);
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_check_interleaved_1f1b() {
+    for dt in ["f32", "bf16"] {
+        check_single_process(ScheduleKind::Interleaved1F1B, 2, 2, dt);
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_check_zb_v() {
+    for dt in ["f32", "bf16"] {
+        check_single_process(ScheduleKind::ZbV, 2, 2, dt);
+    }
+}
+
+/// The programs and flags of the GPU tests, on the CPU backend: they compile, verify and pass
+/// the (bitwise) check there, so a GPU failure is the GPU's.
+#[test]
+fn gpu_test_programs_pass_on_the_cpu_backend() {
+    for (kind, pp, vpp) in [
+        (ScheduleKind::OneFOneB, 4, 1),
+        (ScheduleKind::Interleaved1F1B, 2, 2),
+        (ScheduleKind::ZbV, 2, 2),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        compile_to(kind, pp, vpp, 2 * pp, tmp.path());
+        let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+            .arg(tmp.path())
+            .arg("--check")
+            .args(TINY)
+            .output()
+            .unwrap();
+        let so = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{kind:?}\n{so}");
+        assert_eq!(so.matches("  check: ").count(), 2, "{so}");
+    }
+}
+
+/// Two processes, one rank each on its own GPU (NCCL refuses two ranks of a communicator on
+/// one GPU, so this needs two GPUs),
+/// launched with torchrun's variables; rank 0 prints the loss, every rank its busy/idle line,
+/// and both pass the check of their own stages.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU and NCCL: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_two_process_nccl() {
+    use pipec_runtime::backend::cuda::probe;
+    if pipec_runtime::backend::cuda::probe_libraries(false).is_err() {
+        eprintln!("skipped: no CUDA driver");
+        return;
+    }
+    // SAFETY: only tries to dlopen NCCL.
+    let loadable = unsafe { cudarc::nccl::sys::is_culib_present() };
+    if !loadable && probe::find_nccl(&probe::NcclSearch::from_env()).is_err() {
+        eprintln!("skipped: NCCL not found");
+        return;
+    }
+    if cudarc::driver::CudaContext::device_count().unwrap_or(0) < 2 {
+        eprintln!("skipped: needs 2 GPUs (NCCL allows one rank per GPU per communicator)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    compile_to(ScheduleKind::OneFOneB, 2, 1, 4, tmp.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            cuda_bin()
+                .arg(tmp.path())
+                .args(["--backend", "cuda", "--check", "--timeout", "60"])
+                .args(TINY)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        let (so, se) = (
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr),
+        );
+        assert_eq!(o.status.code(), Some(0), "rank {r}\n{so}\n{se}");
+        assert!(so.contains(&format!("  rank {r} (GPU ")), "{so}");
+        assert_eq!(so.contains("step 1: loss"), r == 0, "rank {r}: {so}");
+    }
+}
