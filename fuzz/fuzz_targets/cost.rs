@@ -10,14 +10,7 @@ use std::sync::OnceLock;
 fn program() -> &'static pipec::Program {
     static P: OnceLock<pipec::Program> = OnceLock::new();
     P.get_or_init(|| {
-        let spec = ScheduleSpec {
-            kind: ScheduleKind::Interleaved1F1B,
-            pp: 2,
-            vpp: 2,
-            microbatches: 4,
-            group_size: None,
-            forward_only: false,
-        };
+        let spec = ScheduleSpec::new(ScheduleKind::Interleaved1F1B, 2, 2, 4);
         pipec::lower(&generate(&spec, &Limits::DEFAULT).expect("spec is valid"))
     })
 }
