@@ -49,3 +49,49 @@ fn format_doc_example_is_current() {
         "rank-1.json example is stale"
     );
 }
+
+/// `pipec schedules` lists every kind pipec generates, in text and JSON, and each listed name
+/// compiles.
+#[test]
+fn schedules_command_lists_every_kind() {
+    let out = pipec_tests::pipec().arg("schedules").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    for k in ScheduleKind::ALL {
+        assert!(
+            text.lines().any(|l| l.starts_with(k.name())),
+            "{} missing from `pipec schedules`:\n{text}",
+            k.name()
+        );
+    }
+    let out = pipec_tests::pipec()
+        .args(["schedules", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    let want: Vec<&str> = ScheduleKind::ALL.iter().map(|k| k.name()).collect();
+    assert_eq!(names, want);
+    for n in names {
+        assert_eq!(n.parse::<ScheduleKind>().unwrap().name(), n);
+    }
+}
+
+/// The README's schedule table has a row for every kind.
+#[test]
+fn readme_schedule_table_lists_every_kind() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    for k in ScheduleKind::ALL {
+        assert!(
+            readme.contains(&format!("| `{}` |", k.name())),
+            "README's schedule table has no row for {}",
+            k.name()
+        );
+    }
+}
