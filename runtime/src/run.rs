@@ -95,6 +95,20 @@ fn stages_of(program: &Program, rank: usize) -> Vec<u32> {
     v
 }
 
+/// Every microbatch's loss of a step, or a check error naming the first one no rank computed.
+pub(crate) fn complete_losses(step: u32, losses: Vec<Option<f32>>) -> Result<Vec<f32>, RunError> {
+    losses
+        .into_iter()
+        .enumerate()
+        .map(|(mb, l)| {
+            l.ok_or_else(|| RunError::Check {
+                step,
+                msg: format!("no loss was computed for mb {mb}"),
+            })
+        })
+        .collect()
+}
+
 /// Stages that run on more than one rank (DualPipe's bidirectional placement keeps a copy of
 /// every stage on rank `s` and rank `pp-1-s`) hold gradients of disjoint microbatches; like
 /// DualPipe's post-step all-reduce, sum them so every copy applies the same update. The copy
@@ -269,16 +283,7 @@ pub fn run_cpu(
                 losses[mb as usize] = Some(l);
             }
         }
-        let losses: Vec<f32> = losses
-            .into_iter()
-            .enumerate()
-            .map(|(mb, l)| {
-                l.ok_or_else(|| RunError::Check {
-                    step,
-                    msg: format!("no loss was computed for mb {mb}"),
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        let losses = complete_losses(step, losses)?;
         let loss = model::step_loss(&losses);
         let mut grads: Vec<Option<&StageGrads<f32>>> = vec![None; program.num_stages() as usize];
         if !program.forward_only {

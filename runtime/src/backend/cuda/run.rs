@@ -557,16 +557,7 @@ fn finish_step(
             }
         }
     }
-    let losses: Vec<f32> = losses
-        .into_iter()
-        .enumerate()
-        .map(|(mb, l)| {
-            l.ok_or_else(|| RunError::Check {
-                step,
-                msg: format!("no loss was computed for mb {mb}"),
-            })
-        })
-        .collect::<Result<_, _>>()?;
+    let losses = crate::run::complete_losses(step, losses)?;
     let loss = model::step_loss(&losses);
     let wall = outs.iter().map(|o| o.run.end_us).fold(0.0, f64::max);
     let mut summary = None;
