@@ -7,24 +7,15 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use pipec::compile::{compile, CompileRequest};
 use pipec::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
-use pipec_schedules::{Limits, ScheduleKind};
+use pipec_schedules::ScheduleKind;
 
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("simulate/interleaved-1f1b");
     g.sample_size(10);
     for (pp, vpp, m) in [(8, 2, 64), (32, 4, 256), (64, 8, 1024)] {
         let compiled = compile(&CompileRequest {
-            kind: ScheduleKind::Interleaved1F1B,
-            pp,
             vpp: Some(vpp),
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-            layout: None,
-            num_layers: None,
-            mtp_num_layers: None,
-            limits: Limits::DEFAULT,
+            ..CompileRequest::new(ScheduleKind::Interleaved1F1B, pp, m)
         })
         .expect("valid spec");
         let costs = StageCosts::new(

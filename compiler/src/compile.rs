@@ -24,6 +24,27 @@ pub struct CompileRequest {
     pub limits: Limits,
 }
 
+impl CompileRequest {
+    /// A request with every optional field at its default (vpp from the kind or the layout, no
+    /// layout, Megatron's default group size, training, default limits); set others with struct
+    /// update syntax (`CompileRequest { vpp: Some(2), ..CompileRequest::new(k, 4, 8) }`).
+    pub fn new(kind: ScheduleKind, pp: u32, microbatches: u32) -> Self {
+        CompileRequest {
+            kind,
+            pp,
+            vpp: None,
+            microbatches,
+            group_size: None,
+            forward_only: false,
+            combined: false,
+            layout: None,
+            num_layers: None,
+            mtp_num_layers: None,
+            limits: Limits::DEFAULT,
+        }
+    }
+}
+
 #[derive(Debug, Error)]
 pub enum CompileError {
     #[error(transparent)]

@@ -929,21 +929,12 @@ fn load_with(
 mod tests {
     use super::*;
     use crate::compile::{compile, CompileRequest};
-    use pipec_schedules::{Limits, ScheduleKind};
+    use pipec_schedules::ScheduleKind;
 
     fn compiled() -> crate::compile::Compiled {
         compile(&CompileRequest {
-            kind: ScheduleKind::Interleaved1F1B,
-            pp: 4,
             vpp: Some(2),
-            microbatches: 8,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-            layout: None,
-            num_layers: None,
-            mtp_num_layers: None,
-            limits: Limits::DEFAULT,
+            ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 4, 8)
         })
         .unwrap()
     }

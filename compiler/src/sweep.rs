@@ -135,17 +135,12 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
                 .name
                 .unwrap_or_else(|| default_name(k, e.pp, e.vpp, e.microbatches)),
             request: CompileRequest {
-                kind: k,
-                pp: e.pp,
                 vpp: e.vpp,
-                microbatches: e.microbatches,
                 group_size: e.group_size,
                 forward_only: e.forward_only,
-                combined: false,
                 layout: e.layout,
-                num_layers: None,
-                mtp_num_layers: None,
                 limits,
+                ..CompileRequest::new(k, e.pp, e.microbatches)
             },
             memory_limit: e.memory_limit,
         });
@@ -166,17 +161,10 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
                         out.push(Config {
                             name: default_name(k, pp, Some(vpp), m),
                             request: CompileRequest {
-                                kind: k,
-                                pp,
                                 vpp: Some(vpp),
-                                microbatches: m,
-                                group_size: None,
                                 forward_only: g.forward_only,
-                                combined: false,
-                                layout: None,
-                                num_layers: None,
-                                mtp_num_layers: None,
                                 limits,
+                                ..CompileRequest::new(k, pp, m)
                             },
                             memory_limit: g.memory_limit,
                         });

@@ -8,7 +8,7 @@ use pipec::compile::{compile, CompileRequest};
 use pipec_runtime::backend::noop::NoopBackend;
 use pipec_runtime::interp::run_rank;
 use pipec_runtime::watchdog::Watch;
-use pipec_schedules::{Limits, Rank, ScheduleKind};
+use pipec_schedules::{Rank, ScheduleKind};
 use std::time::{Duration, Instant};
 
 fn bench(c: &mut Criterion) {
@@ -18,17 +18,8 @@ fn bench(c: &mut Criterion) {
         (ScheduleKind::Interleaved1F1B, 8, 4, 64),
     ] {
         let program = compile(&CompileRequest {
-            kind,
-            pp,
             vpp: Some(vpp),
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-            layout: None,
-            num_layers: None,
-            mtp_num_layers: None,
-            limits: Limits::DEFAULT,
+            ..CompileRequest::new(kind, pp, m)
         })
         .expect("compiles")
         .program;

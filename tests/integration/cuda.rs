@@ -13,23 +13,14 @@
 
 use pipec::compile::{compile, CompileRequest};
 use pipec::files::{render, write_dir, Encoding, Header};
-use pipec_schedules::{Limits, ScheduleKind};
+use pipec_schedules::ScheduleKind;
 use std::path::Path;
 use std::process::Command;
 
 fn compile_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, dir: &Path) {
     let c = compile(&CompileRequest {
-        kind,
-        pp,
         vpp: Some(vpp),
-        microbatches: m,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-        layout: None,
-        num_layers: None,
-        mtp_num_layers: None,
-        limits: Limits::DEFAULT,
+        ..CompileRequest::new(kind, pp, m)
     })
     .unwrap();
     let header = Header {

@@ -2,7 +2,7 @@
 
 use pipec::compile::{compile, CompileRequest};
 use pipec::files::{render, Encoding, Header};
-use pipec_schedules::{Limits, ScheduleKind};
+use pipec_schedules::ScheduleKind;
 
 /// The code blocks of `docs/format.md`'s example section, in order.
 fn example_blocks() -> Vec<String> {
@@ -18,20 +18,7 @@ fn example_blocks() -> Vec<String> {
 
 #[test]
 fn format_doc_example_is_current() {
-    let c = compile(&CompileRequest {
-        kind: ScheduleKind::OneFOneB,
-        pp: 2,
-        vpp: None,
-        microbatches: 2,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-        layout: None,
-        num_layers: None,
-        mtp_num_layers: None,
-        limits: Limits::DEFAULT,
-    })
-    .unwrap();
+    let c = compile(&CompileRequest::new(ScheduleKind::OneFOneB, 2, 2)).unwrap();
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),

@@ -8,7 +8,7 @@ use pipec::compile::{compile, CompileRequest};
 use pipec::files::{render, write_dir, Encoding, Header, Manifest};
 use pipec::layout::Layout;
 use pipec::program::{Instr, Payload, Program};
-use pipec_schedules::{Compute, Limits, Rank, ScheduleKind, Task};
+use pipec_schedules::{Compute, Rank, ScheduleKind, Task};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -373,17 +373,8 @@ fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
 
 fn request(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
     CompileRequest {
-        kind,
-        pp,
         vpp: Some(vpp),
-        microbatches: m,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-        layout: None,
-        num_layers: None,
-        mtp_num_layers: None,
-        limits: Limits::DEFAULT,
+        ..CompileRequest::new(kind, pp, m)
     }
 }
 

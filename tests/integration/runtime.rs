@@ -38,17 +38,9 @@ fn opts(steps: u32) -> RunOptions {
 
 fn request(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) -> CompileRequest {
     CompileRequest {
-        kind,
-        pp,
         vpp: Some(vpp),
-        microbatches: m,
-        group_size: None,
         forward_only,
-        combined: false,
-        layout: None,
-        num_layers: None,
-        mtp_num_layers: None,
-        limits: Limits::DEFAULT,
+        ..CompileRequest::new(kind, pp, m)
     }
 }
 

@@ -1085,17 +1085,8 @@ fn new_kinds_train_like_the_unpipelined_reference() {
         for pp in 1..=4u32 {
             for m in [1, pp, 2 * pp, 2 * pp + 1] {
                 let req = pipec::compile::CompileRequest {
-                    kind,
-                    pp,
-                    vpp: None,
-                    microbatches: m,
-                    group_size: None,
-                    forward_only: false,
                     combined,
-                    layout: None,
-                    num_layers: None,
-                    mtp_num_layers: None,
-                    limits: Limits::DEFAULT,
+                    ..pipec::compile::CompileRequest::new(kind, pp, m)
                 };
                 let req = if kind == ScheduleKind::Interleaved1F1B {
                     pipec::compile::CompileRequest {

@@ -10,23 +10,14 @@ use pipec::files::{self, Header};
 use pipec::layout::Layout;
 use pipec::simulate::{simulate, SimError, Simulation};
 use pipec::{Instr, Payload, Program};
-use pipec_schedules::{Compute, Limits, Placement, Rank, ScheduleKind, Task};
+use pipec_schedules::{Compute, Placement, Rank, ScheduleKind, Task};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
 fn req(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
     CompileRequest {
-        kind,
-        pp,
         vpp: Some(vpp),
-        microbatches: m,
-        group_size: None,
-        forward_only: false,
-        combined: false,
-        layout: None,
-        num_layers: None,
-        mtp_num_layers: None,
-        limits: Limits::DEFAULT,
+        ..CompileRequest::new(kind, pp, m)
     }
 }
 

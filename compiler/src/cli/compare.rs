@@ -8,7 +8,7 @@ use super::{print_json, CliError};
 use pipec::compile::{compile, CompileRequest};
 use pipec::cost::{CostModel, StageCosts};
 use pipec::simulate::{simulate, SimError, Simulation};
-use pipec_schedules::{ChunkRule, Limits, ScheduleKind};
+use pipec_schedules::{ChunkRule, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -62,17 +62,9 @@ fn in_memory(a: &Args, kind: ScheduleKind, model: &CostModel) -> Result<Row, Cli
         None
     };
     let c = compile(&CompileRequest {
-        kind,
-        pp,
         vpp,
-        microbatches: m,
         group_size,
-        forward_only: false,
-        combined: false,
-        layout: None,
-        num_layers: None,
-        mtp_num_layers: None,
-        limits: Limits::DEFAULT,
+        ..CompileRequest::new(kind, pp, m)
     })
     .map_err(compile_error)?;
     let costs = StageCosts::new(model, &c.layout, c.program.num_stages());

@@ -177,21 +177,12 @@ pub fn tflops(flops: f64, us: f64) -> f64 {
 mod tests {
     use super::*;
     use pipec::compile::{compile, CompileRequest};
-    use pipec_schedules::{Limits, ScheduleKind};
+    use pipec_schedules::ScheduleKind;
 
     fn program(kind: ScheduleKind, pp: u32, m: u32) -> (Program, Layout) {
         let c = compile(&CompileRequest {
-            kind,
-            pp,
             vpp: Some(1),
-            microbatches: m,
-            group_size: None,
-            forward_only: false,
-            combined: false,
-            layout: None,
-            num_layers: None,
-            mtp_num_layers: None,
-            limits: Limits::DEFAULT,
+            ..CompileRequest::new(kind, pp, m)
         })
         .unwrap();
         (c.program, c.layout)
