@@ -32,7 +32,12 @@ enum DtypeArg {
 )]
 struct Args {
     /// A directory written by `pipec compile` (manifest.json + rank-<r>.json).
-    dir: PathBuf,
+    #[arg(required_unless_present = "cuda_info")]
+    dir: Option<PathBuf>,
+    /// Report the CUDA driver, cuBLAS, NVRTC and NCCL libraries this binary loads (versions,
+    /// NVRTC's GPU architectures) and exit: 0 when all load, 2 otherwise. Needs no GPU.
+    #[arg(long, conflicts_with = "dir")]
+    cuda_info: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Weights and activations on the GPU (`--backend cuda` only; the CPU backend is f32).
@@ -139,6 +144,12 @@ fn print_report(args: &Args, report: &RunReport) {
 }
 
 fn run(args: &Args) -> Result<(), RunError> {
+    if args.cuda_info {
+        return cuda_info();
+    }
+    let Some(dir) = args.dir.as_deref() else {
+        return Err(RunError::Usage("a compiled directory is required".into()));
+    };
     if args.dtype.is_some() && args.backend != BackendKind::Cuda {
         return Err(RunError::Usage(
             "--dtype applies to --backend cuda only (the CPU backend computes in f32)".into(),
@@ -186,9 +197,9 @@ fn run(args: &Args) -> Result<(), RunError> {
     }
     let loaded = if args.no_verify {
         eprintln!("WARNING: --no-verify: the schedule was NOT verified; it may hang (the watchdog will report it) or compute on the wrong tensors");
-        load_unverified(&args.dir, world(args)?)?
+        load_unverified(dir, world(args)?)?
     } else {
-        load(&args.dir, world(args)?)?
+        load(dir, world(args)?)?
     };
     let m = &loaded.manifest;
     let kind = m
@@ -197,7 +208,7 @@ fn run(args: &Args) -> Result<(), RunError> {
         .unwrap_or_else(|| format!("{} schedule, pp {}", m.source, m.world_size));
     let header = format!(
         "pipec-run: {} ({kind}, {} microbatches{}; layout {})",
-        args.dir.display(),
+        dir.display(),
         m.microbatches,
         if m.forward_only { ", forward only" } else { "" },
         m.layout.expanded(),
@@ -227,6 +238,33 @@ fn run(args: &Args) -> Result<(), RunError> {
     }
     print_report(args, &report);
     Ok(())
+}
+
+/// `--cuda-info`: one line per library; NCCL is looked up as a launch would (re-executing
+/// with a `libnccl.so` link when only `libnccl.so.2` exists).
+fn cuda_info() -> Result<(), RunError> {
+    #[cfg(not(feature = "cuda"))]
+    return Err(RunError::Usage(
+        "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda`"
+            .into(),
+    ));
+    #[cfg(feature = "cuda")]
+    {
+        // When NCCL is nowhere, the report below says where it looked.
+        #[cfg(unix)]
+        let _ = pipec_runtime::backend::cuda::reexec_for_nccl();
+        let (lines, all) = pipec_runtime::backend::cuda::library_report();
+        for l in &lines {
+            println!("{l}");
+        }
+        if all {
+            Ok(())
+        } else {
+            Err(RunError::Usage(
+                "some CUDA libraries are missing (see above)".into(),
+            ))
+        }
+    }
 }
 
 /// `--backend cuda`: run, then print what this process ran and the calibration.

@@ -2,13 +2,16 @@
 //!
 //! Pure parts, compiled and tested everywhere: [`probe`] (finding the CUDA and NCCL libraries
 //! before cudarc would panic on their absence), [`launch`] (torchrun/Slurm variables and the TCP
-//! rendezvous that shares NCCL's unique id) and [`kernels`] (the NVRTC source). The device code
+//! rendezvous that shares NCCL's unique id), [`kernels`] (the NVRTC source) and [`gemm`] (the
+//! row-major to column-major mapping of cuBLAS calls). The device code
 //! needs the `cuda` feature; cudarc loads every library at run time, so `cargo build --features
 //! cuda` succeeds on machines without CUDA.
 
 pub mod calibrate;
+pub mod gemm;
 pub mod kernels;
 pub mod launch;
+pub mod nvrtc;
 pub mod probe;
 
 #[cfg(feature = "cuda")]
@@ -108,4 +111,83 @@ pub fn probe_libraries(need_nccl: bool) -> Result<(), probe::ProbeError> {
         }
     }
     Ok(())
+}
+
+/// One line per library the backend loads, with its version where it loads (`pipec-run
+/// --cuda-info`), and whether all of them load. Reads versions through the libraries' own
+/// calls (`cuDriverGetVersion`, `cublasGetProperty`, `nvrtcVersion`, `ncclGetVersion`), so it
+/// tells what the dynamic loader really found; none of them needs a GPU.
+#[cfg(feature = "cuda")]
+pub fn library_report() -> (Vec<String>, bool) {
+    let mut lines = Vec::new();
+    let mut all = true;
+    let mut line = |ok: bool, text: String| {
+        all &= ok;
+        lines.push(format!("{} {text}", if ok { "ok     " } else { "missing" }));
+    };
+    // SAFETY: each sys call runs only after its library's presence check; out-parameters
+    // are plain integers.
+    unsafe {
+        if cudarc::driver::sys::is_culib_present() {
+            let mut v = 0;
+            let _ = cudarc::driver::sys::cuDriverGetVersion(&mut v);
+            let gpus = cudarc::driver::CudaContext::device_count()
+                .map(|n| format!("{n} GPU(s)"))
+                .unwrap_or_else(|e| format!("no usable GPU ({e:?})"));
+            line(
+                true,
+                format!("CUDA driver {}.{}: {gpus}", v / 1000, (v % 1000) / 10),
+            );
+        } else {
+            line(false, "CUDA driver (libcuda.so, libcuda.so.1)".into());
+        }
+        if cudarc::cublas::sys::is_culib_present() {
+            use cudarc::cublas::sys::{cublasGetProperty, libraryPropertyType};
+            let (mut a, mut b, mut c) = (0, 0, 0);
+            let _ = cublasGetProperty(libraryPropertyType::MAJOR_VERSION, &mut a);
+            let _ = cublasGetProperty(libraryPropertyType::MINOR_VERSION, &mut b);
+            let _ = cublasGetProperty(libraryPropertyType::PATCH_LEVEL, &mut c);
+            line(true, format!("cuBLAS {a}.{b}.{c}"));
+        } else {
+            line(false, "cuBLAS (libcublas.so, libcublas.so.12)".into());
+        }
+        if cudarc::nvrtc::sys::is_culib_present() {
+            match nvrtc::info() {
+                Ok(((a, b), archs)) => line(
+                    true,
+                    format!(
+                        "NVRTC {a}.{b}: {}",
+                        archs
+                            .iter()
+                            .map(|a| format!("sm_{a}"))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    ),
+                ),
+                Err(e) => line(false, format!("NVRTC: {e}")),
+            }
+        } else {
+            line(false, "NVRTC (libnvrtc.so, libnvrtc.so.12)".into());
+        }
+        if cudarc::nccl::sys::is_culib_present() {
+            let mut v = 0;
+            let _ = cudarc::nccl::sys::ncclGetVersion(&mut v);
+            line(
+                true,
+                format!("NCCL {}.{}.{}", v / 10000, (v % 10000) / 100, v % 100),
+            );
+        } else {
+            match probe::find_nccl(&probe::NcclSearch::from_env()) {
+                Ok(l) => line(
+                    false,
+                    format!(
+                        "NCCL as libnccl.so (found {}; pipec-run links it when a launch needs it)",
+                        l.path.display()
+                    ),
+                ),
+                Err(e) => line(false, format!("NCCL: {e}")),
+            }
+        }
+    }
+    (lines, all)
 }

@@ -1,10 +1,10 @@
 //! The model of [`crate::model`] on one GPU: parameters and activations in device memory,
-//! GEMMs through cuBLAS (row-major operands mapped onto column-major `gemm` by computing
-//! `Cᵀ = op(B)ᵀ·op(A)ᵀ`), everything else through the NVRTC kernels of [`super::kernels`].
+//! GEMMs through cuBLAS (row-major operands mapped onto column-major `gemm` by
+//! [`super::gemm`]), everything else through the NVRTC kernels of [`super::kernels`].
 //! The backward is split exactly as on the CPU: [`Dev::stage_bwd_d`] computes input gradients
 //! and keeps `dy`/`dh`/`dlogits`; [`Dev::stage_bwd_w`] computes weight gradients only.
 
-use super::kernels;
+use super::{gemm, kernels, nvrtc};
 use crate::backend::BackendError;
 use crate::model::{self, ModelConfig, Stage};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
@@ -80,26 +80,24 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Compile [`kernels::source`] with NVRTC and load it into `ctx`.
+    /// Compile [`kernels::source`] with NVRTC for this GPU ([`nvrtc::choose_target`]: a CUBIN
+    /// when NVRTC knows its architecture) and load it into `ctx`.
     pub fn compile(ctx: &Arc<CudaContext>, bf16: bool) -> Result<Kernels, BackendError> {
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-            kernels::source(bf16),
-            cudarc::nvrtc::CompileOptions {
-                name: Some(
-                    if bf16 {
-                        "pipec_bf16.cu"
-                    } else {
-                        "pipec_f32.cu"
-                    }
-                    .into(),
-                ),
-                ..Default::default()
-            },
-        )
-        .map_err(err("NVRTC compile of the kernels"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(err("read the compute capability"))?;
+        let (_, archs) = nvrtc::info().map_err(|e| BackendError(format!("NVRTC: {e}")))?;
+        let target = nvrtc::choose_target((10 * major + minor).max(0) as u32, &archs)
+            .map_err(|e| BackendError(format!("NVRTC: {e}")))?;
+        let name = if bf16 {
+            "pipec_bf16.cu"
+        } else {
+            "pipec_f32.cu"
+        };
+        let image = nvrtc::compile(&kernels::source(bf16), name, target).map_err(BackendError)?;
         let module = ctx
-            .load_module(ptx)
-            .map_err(err("load the kernel module"))?;
+            .load_module(image.into_module_source())
+            .map_err(err(&format!("load the kernel module ({target})")))?;
         let f = kernels::NAMES
             .iter()
             .map(|n| module.load_function(n).map_err(err(n)))
@@ -264,7 +262,7 @@ impl<T: Elem> Dev<T> {
     }
 
     /// Row-major `c[m, n] = op(a)[m, k] · op(b)[k, n]` (`ta`/`tb`: the operand is stored
-    /// transposed). cuBLAS is column-major, so it computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+    /// transposed), as one column-major cuBLAS call planned by [`gemm::row_major`].
     #[allow(clippy::too_many_arguments)]
     fn mm(
         &self,
@@ -277,26 +275,24 @@ impl<T: Elem> Dev<T> {
         k: usize,
     ) -> Result<CudaSlice<T>, BackendError> {
         let mut c = self.zeros::<T>(m * n)?;
-        let op = |t: bool| {
-            if t {
-                cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublasOperation_t::CUBLAS_OP_N
-            }
+        let plan = gemm::row_major(ta, tb, m, n, k);
+        let op = |o: gemm::Op| match o {
+            gemm::Op::N => cublasOperation_t::CUBLAS_OP_N,
+            gemm::Op::T => cublasOperation_t::CUBLAS_OP_T,
         };
-        let (mi, ni, ki) = (i32of(m, "m")?, i32of(n, "n")?, i32of(k, "k")?);
         let cfg = GemmConfig {
-            transa: op(tb),
-            transb: op(ta),
-            m: ni,
-            n: mi,
-            k: ki,
+            transa: op(plan.transa),
+            transb: op(plan.transb),
+            m: i32of(plan.m, "gemm m")?,
+            n: i32of(plan.n, "gemm n")?,
+            k: i32of(plan.k, "gemm k")?,
             alpha: T::from_f32(1.0),
-            lda: if tb { ki } else { ni },
-            ldb: if ta { mi } else { ki },
+            lda: i32of(plan.lda, "gemm lda")?,
+            ldb: i32of(plan.ldb, "gemm ldb")?,
             beta: T::from_f32(0.0),
-            ldc: ni,
+            ldc: i32of(plan.ldc, "gemm ldc")?,
         };
+        // The BLAS `A` argument is the row-major right operand (see `gemm`).
         unsafe { T::gemm(&self.blas, cfg, b, a, &mut c) }.map_err(err("cuBLAS gemm"))?;
         Ok(c)
     }
