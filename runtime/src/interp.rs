@@ -433,10 +433,13 @@ pub fn run_rank<B: Backend>(
             }
         };
         if let Err(f) = res {
-            watch.set(r, Status::Stopped(i as u32));
+            // `Stopped` is published only after the report is filed: a peer that times out
+            // at the same moment then still reads as waiting in the report that wins (the
+            // first filed), never as "stopped" by a failure that was not yet recorded.
             if let Some(failure) = describe(program, rank, i, end, f, watch) {
                 watch.fail(failure);
             }
+            watch.set(r, Status::Stopped(i as u32));
             return Err(Stopped);
         }
         let t = Instant::now();
