@@ -1225,15 +1225,12 @@ fn block_input_gradient_matches_the_cpu_model() {
     }
 }
 
-/// Given the CPU's own `h` and `dy W2ᵀ`, `gelu_bwd` should give the CPU's `dh` bit for bit on
-/// a host where C's `tanhf` and Rust's `f32::tanh` are the same libm function (glibc, macOS).
-/// It does not. The kernel's `gelu_grad` computes `3.0f * GELU_K` in float, which is
-/// 0x3e095d4e. The CPU's `c::<F>(3.0 * GELU_K)` rounds the product from f64, which is
-/// 0x3e095d4f. Writing the kernel's constant as `0.134145f` (or the CPU's as
-/// `c(3.0) * c(GELU_K)`) makes this pass, and with it every f32 block-gradient check above is
-/// bitwise on the host.
+/// Regression (found by this harness): given the CPU's own `h` and `dy W2ᵀ`, `gelu_bwd` gives
+/// the CPU's `dh` bit for bit on a host where C's `tanhf` and Rust's `f32::tanh` are the same
+/// libm function (glibc, macOS). It did not while the kernel computed `3.0f * GELU_K` in float
+/// (0x3e095d4e, rounded twice); the CPU's `c::<F>(3.0 * GELU_K)` rounds the product once
+/// (0x3e095d4f), and so does the kernel's `GELU_3K` now.
 #[test]
-#[ignore = "bug: gelu_grad's 3*GELU_K is 0x3e095d4e in the kernel, 0x3e095d4f in the CPU model"]
 fn gelu_bwd_matches_the_cpu_bit_for_bit_given_the_same_inputs() {
     let Some(e) = emu(Ty::F32) else { return };
     for (si, sh) in SHAPES.iter().enumerate() {

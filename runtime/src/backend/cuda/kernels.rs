@@ -60,6 +60,9 @@ __device__ __forceinline__ T st(float f) { return f; }
 
 #define GELU_C 0.7978845608028654f
 #define GELU_K 0.044715f
+/* 3 * GELU_K rounded once from the exact product, as the CPU model's `c(3.0 * GELU_K)` is;
+   `3.0f * GELU_K` in float rounds twice and is 1 ulp lower. */
+#define GELU_3K 0.134145f
 #define GRID_STRIDE(i, n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)blockDim.x * gridDim.x)
 
 __device__ __forceinline__ float gelu(float x) {
@@ -69,7 +72,7 @@ __device__ __forceinline__ float gelu(float x) {
 
 __device__ __forceinline__ float gelu_grad(float x) {
     float t = tanhf(GELU_C * (x + GELU_K * x * x * x));
-    float dinner = GELU_C * (1.0f + 3.0f * GELU_K * x * x);
+    float dinner = GELU_C * (1.0f + GELU_3K * x * x);
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * dinner;
 }
 
@@ -147,8 +150,8 @@ extern "C" __global__ void softmax_xent_fwd(T* z, const unsigned int* tgt, float
         __syncthreads();
     }
     m = red[0];
-    float zy = ld(row[tgt[r]]) - m; /* read before anyone overwrites the row */
-    __syncthreads();
+    float zy = ld(row[tgt[r]]) - m;
+    __syncthreads(); /* everyone has read the max from red[0] before red is reused */
     float sum = 0.0f;
     for (int c = tid; c < vocab; c += blockDim.x) sum += expf(ld(row[c]) - m);
     red[tid] = sum;

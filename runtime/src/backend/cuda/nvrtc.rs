@@ -121,7 +121,10 @@ pub fn compile(src: &str, name: &str, target: Target) -> Result<Image, String> {
         }
     }
     let prog = Prog(prog);
-    let opts = [target.option()];
+    // No multiply-add contraction (NVRTC's default is `--fmad=true`): the kernels then round
+    // every product and sum as the CPU model does, leaving the GEMMs and the transcendental
+    // functions as the only sources of difference under `--check`.
+    let opts = [target.option(), "--fmad=false".to_string()];
     // SAFETY: `prog` is a live program.
     if let Err(e) = unsafe { result::compile_program(prog.0, &opts) } {
         let log = unsafe { result::get_program_log(prog.0) }
@@ -240,6 +243,13 @@ mod tests {
                 for name in kernels::NAMES {
                     assert!(ptx.contains(&format!(".entry {name}(")), "{name} missing");
                 }
+                // `--fmad=false` reached NVRTC: `sgd`'s `w - lr * g` is `mul.rn` + `sub.rn`,
+                // which ptxas may not fuse (with the default NVRTC emits `mul.f32`/`sub.f32`,
+                // which it may).
+                let sgd = ptx.split(".entry sgd(").nth(1).unwrap();
+                let sgd = sgd.split(".entry ").next().unwrap();
+                assert!(sgd.contains("mul.rn.f32"), "{sgd}");
+                assert!(!sgd.contains("fma.rn.f32"), "{sgd}");
             }
         }
 
