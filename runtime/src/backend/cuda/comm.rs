@@ -13,7 +13,7 @@
 use super::model::{err, Elem, GTensor};
 use crate::backend::{BackendError, CommOp, Dir};
 use crate::transport::Transport;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use cudarc::nccl::Comm;
 use pipec::layout::{LayerKind, Layout};
 use pipec::program::{Payload, PayloadKind};
@@ -58,6 +58,21 @@ pub fn wire(layout: &Layout, p: Payload) -> Wire {
 }
 
 /// Copy `src` (possibly on another device) into a new buffer on `stream`.
+///
+/// Same GPU: cudarc's `clone_dtod` orders the copy after `src`'s last write and records `src`'s
+/// read event on `stream`, so dropping `src` (a stream-ordered `cuMemFreeAsync` on the stream
+/// that allocated it) waits for the copy.
+///
+/// Another GPU: `src.device_ptr(stream)` still makes `stream` wait for `src`'s last write
+/// (`cuStreamWaitEvent` accepts an event of another context and then synchronizes across
+/// devices), but the guard it returns would record `src`'s read event, an event of `src`'s
+/// context, on `stream`: `CudaEvent::record` refuses a stream of another context with
+/// `CUDA_ERROR_INVALID_CONTEXT` (cudarc `driver/safe/core.rs`, `CudaEvent::record`), the guard
+/// stores that error in `stream`'s context (`SyncOnDrop::drop`, `record_err`) and the next cudarc
+/// call on this rank fails with it. So the guard is disarmed, and instead `src`'s own stream is
+/// made to wait for an event recorded after the copy, so that its free cannot overtake the copy
+/// (cudarc's own cross-context `memcpy_dtod` records the read event on the source stream before
+/// the copy is even enqueued, which does not order the free either).
 pub fn copy_in<U: DeviceRepr>(
     stream: &Arc<CudaStream>,
     src: &CudaSlice<U>,
@@ -67,7 +82,8 @@ pub fn copy_in<U: DeviceRepr>(
     }
     let mut dst = unsafe { stream.alloc::<U>(src.len()) }.map_err(err("allocate"))?;
     {
-        let (sp, _rs) = src.device_ptr(stream);
+        let (sp, mut rs) = src.device_ptr(stream);
+        disarm(&mut rs);
         let (dp, _rd) = dst.device_ptr_mut(stream);
         unsafe {
             cudarc::driver::result::memcpy_peer_async(
@@ -81,7 +97,24 @@ pub fn copy_in<U: DeviceRepr>(
         }
         .map_err(err("peer copy between GPUs"))?;
     }
+    let copied = stream.record_event(None).map_err(err("record an event"))?;
+    src.stream()
+        .wait(&copied)
+        .map_err(err("order the source's free after the peer copy"))?;
+    // `wait` made `src`'s context current on this thread; cuBLAS calls do not rebind it.
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(err("bind the GPU"))?;
     Ok(dst)
+}
+
+/// Make a [`SyncOnDrop`] guard record nothing when dropped.
+fn disarm(guard: &mut SyncOnDrop<'_>) {
+    match guard {
+        SyncOnDrop::Record(target) => *target = None,
+        SyncOnDrop::Sync(target) => *target = None,
+    }
 }
 
 /// Post one batch over NCCL as one group. Receives get buffers of the size [`wire`] says.
@@ -186,6 +219,27 @@ pub fn nccl_batch<T: Elem>(
     }
     group_end().map_err(nerr("group end"))?;
     posted?;
+    // cudarc's `Comm::send`/`Comm::recv` record the buffer's read/write event when they return,
+    // that is inside the group, before `ncclGroupEnd` enqueues the NCCL kernel (cudarc's own
+    // `nccl::Group` defers those records past `group_end` for this reason, nccl/safe.rs). Such
+    // events do not cover the transfer: a sent buffer's stream-ordered free, or a reader on
+    // another stream, would not wait for it. Record them again, now after the kernel.
+    for (op, slot) in ops.iter().zip(recv.iter_mut()) {
+        match op.dir {
+            Dir::Send => match op.tensor.as_ref() {
+                Some(GTensor::Tokens(t)) => drop(t.device_ptr(stream)),
+                Some(GTensor::Hidden(t)) => drop(t.device_ptr(stream)),
+                Some(GTensor::Loss(t)) => drop(t.device_ptr(stream)),
+                _ => {}
+            },
+            Dir::Recv => match slot.as_mut() {
+                Some(GTensor::Tokens(t)) => drop(t.device_ptr_mut(stream)),
+                Some(GTensor::Hidden(t)) => drop(t.device_ptr_mut(stream)),
+                Some(GTensor::Loss(t)) => drop(t.device_ptr_mut(stream)),
+                _ => {}
+            },
+        }
+    }
     for (op, slot) in ops.iter_mut().zip(recv) {
         op.tensor = slot;
     }
@@ -206,5 +260,11 @@ pub fn local_receive<T: Elem>(
             other => other,
         };
     }
+    // Dropping another GPU's buffer (`CudaSlice::drop` waits on its events through its own
+    // stream) makes that GPU's context current on this thread; rebind ours.
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(err("bind the GPU"))?;
     Ok(())
 }

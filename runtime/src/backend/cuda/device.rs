@@ -36,12 +36,17 @@ struct Accum {
 type FwdResult<T> = Result<(GTensor<T>, Option<Vec<GStash<T>>>), BackendError>;
 
 pub struct CudaBackend<T: Elem> {
+    /// First field, so dropped first (Rust drops fields in declaration order): `Comm`'s drop is
+    /// `ncclCommAbort`, which stops NCCL kernels still waiting for a peer, while dropping a
+    /// [`Dev`] runs `cublasDestroy`, which "implicitly calls `cudaDeviceSynchronize()`" (cuBLAS
+    /// docs, `cublasDestroy`) and so would block for ever on such a kernel after a hang was
+    /// reported; the rank thread would never end and `pipec-run` never exit.
+    net: Net<T>,
     pub rank: Rank,
     pub ctx: Arc<CudaContext>,
     main: Dev<T>,
     side: Dev<T>,
     comm_stream: Arc<CudaStream>,
-    net: Net<T>,
     layout: Layout,
     microbatches: u32,
     step: u32,
@@ -55,6 +60,26 @@ pub struct CudaBackend<T: Elem> {
     watch: Arc<Watch>,
     /// Index of the next instruction (for failure reports).
     at: u32,
+}
+
+/// Call `done` until it says `true` (then `Ok(true)`) or `timeout` has passed (`Ok(false)`),
+/// sleeping briefly between calls. The GPU is polled (`cuEventQuery` through
+/// `CudaEvent::try_is_complete`) rather than waited on with `cuEventSynchronize`/
+/// `cuStreamSynchronize`, which have no timeout: a hang must become a report.
+pub fn poll_until<E>(
+    timeout: Duration,
+    mut done: impl FnMut() -> Result<bool, E>,
+) -> Result<bool, E> {
+    let t0 = Instant::now();
+    loop {
+        if done()? {
+            return Ok(true);
+        }
+        if t0.elapsed() > timeout {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 fn timing_event(s: &CudaStream) -> Result<CudaEvent, BackendError> {
@@ -109,12 +134,12 @@ impl<T: Elem> CudaBackend<T> {
             stages[s as usize] = Some(st);
         }
         Ok(CudaBackend {
+            net,
             rank,
             ctx,
             main,
             side,
             comm_stream,
-            net,
             layout: layout.clone(),
             microbatches,
             step: 0,
@@ -164,24 +189,21 @@ impl<T: Elem> CudaBackend<T> {
             .iter()
             .map(|s| s.record_event(None).map_err(err("record an event")))
             .collect::<Result<Vec<_>, _>>()?;
-        let t0 = Instant::now();
-        loop {
+        let done = poll_until(timeout, || {
             let mut done = true;
             for e in &ev {
                 done &= e.try_is_complete().map_err(err("GPU work"))?;
             }
-            if done {
-                return Ok(());
-            }
-            if t0.elapsed() > timeout {
-                return Err(BackendError(format!(
-                    "{}: the GPU work of the step did not finish within {:.1} s (a communication hang?)",
-                    self.rank,
-                    timeout.as_secs_f64()
-                )));
-            }
-            std::thread::sleep(Duration::from_micros(200));
+            Ok(done)
+        })?;
+        if done {
+            return Ok(());
         }
+        Err(BackendError(format!(
+            "{}: the GPU work of the step did not finish within {:.1} s (a communication hang?)",
+            self.rank,
+            timeout.as_secs_f64()
+        )))
     }
 
     /// Per-instruction spans in microseconds since the step's origin (after [`Self::sync`]).
@@ -226,8 +248,9 @@ impl<T: Elem> CudaBackend<T> {
     /// caller merges ranks). NCCL: the ranks that hold `L` contribute theirs and an all-reduce
     /// (sum) of `[loss; m] ++ [present; m]` gives everyone all of them, so rank 0 can print
     /// the loss whichever rank computes it (rank 0 under a V-shape placement, the last rank
-    /// under a looped one). Collective in NCCL mode: every rank calls it once per step.
-    pub fn all_losses(&self) -> Result<Vec<Option<f32>>, BackendError> {
+    /// under a looped one). Collective in NCCL mode: every rank calls it once per step; a rank
+    /// whose peer never joins gets an error after `timeout` (see [`Self::sync`]).
+    pub fn all_losses(&self, timeout: Duration) -> Result<Vec<Option<f32>>, BackendError> {
         let m = self.losses.len();
         let mut v = vec![0.0f32; 2 * m];
         for (mb, l) in self.losses()? {
@@ -241,6 +264,25 @@ impl<T: Elem> CudaBackend<T> {
                 .map_err(err("upload losses"))?;
             c.all_reduce_in_place(&mut buf, &cudarc::nccl::ReduceOp::Sum)
                 .map_err(|e| BackendError(format!("NCCL all-reduce of the losses: {:?}", e.0)))?;
+            // A peer that stopped never joins the all-reduce, and `clone_dtoh` into a `Vec`
+            // blocks until the copy is done (`cuMemcpyDtoHAsync` to pageable memory returns
+            // only then; cudarc adds no wait of its own): poll first, as `sync` does.
+            let reduced = self
+                .comm_stream
+                .record_event(None)
+                .map_err(err("record an event"))?;
+            let done = poll_until(timeout, || {
+                reduced
+                    .try_is_complete()
+                    .map_err(err("NCCL all-reduce of the losses"))
+            })?;
+            if !done {
+                return Err(BackendError(format!(
+                    "{}: the all-reduce of the step's losses did not finish within {:.1} s (another rank stopped?)",
+                    self.rank,
+                    timeout.as_secs_f64()
+                )));
+            }
             v = self
                 .comm_stream
                 .clone_dtoh(&buf)
@@ -534,5 +576,27 @@ impl<T: Elem> Backend for CudaBackend<T> {
         if let Net::Local(t) = &self.net {
             t.finish(self.rank);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::poll_until;
+    use std::time::Duration;
+
+    /// Polling ends as soon as the condition holds, gives up (without an error) when it never
+    /// does, and passes an error of the query straight through.
+    #[test]
+    fn poll_until_returns_done_times_out_and_forwards_errors() {
+        let mut calls = 0;
+        let r: Result<bool, ()> = poll_until(Duration::from_secs(60), || {
+            calls += 1;
+            Ok(calls == 3)
+        });
+        assert_eq!((r, calls), (Ok(true), 3));
+        let r: Result<bool, ()> = poll_until(Duration::from_millis(1), || Ok(false));
+        assert_eq!(r, Ok(false));
+        let r: Result<bool, &str> = poll_until(Duration::from_secs(60), || Err("lost"));
+        assert_eq!(r, Err("lost"));
     }
 }

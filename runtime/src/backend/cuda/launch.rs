@@ -8,7 +8,8 @@
 //! rank.
 //!
 //! The rendezvous plays the part of torch's TCPStore for one value: rank 0 listens on
-//! `MASTER_PORT`, every other rank connects to `MASTER_ADDR:MASTER_PORT` (retrying until rank 0
+//! `MASTER_PORT` (`MASTER_PORT + 1` under torchrun, whose agent already listens on
+//! `MASTER_PORT`: [`AGENT_STORE_ENV`]), every other rank connects to it (retrying until rank 0
 //! is up or the deadline passes), says who it is, and once all `WORLD_SIZE - 1` peers have
 //! checked in rank 0 sends each of them the payload (the 128-byte `ncclUniqueId`). It is generic
 //! over the payload bytes and needs no GPU, so it is tested on loopback.
@@ -28,7 +29,8 @@ pub struct LaunchEnv {
     pub local_rank: u32,
     /// `MASTER_ADDR`.
     pub master_addr: String,
-    /// `MASTER_PORT`.
+    /// The port of pipec's rendezvous: `MASTER_PORT`, or `MASTER_PORT + 1` under torchrun's
+    /// agent store ([`AGENT_STORE_ENV`]), where torchrun itself listens on `MASTER_PORT`.
     pub master_port: u16,
     /// Which convention supplied the rank: "RANK" or "SLURM_PROCID".
     pub from: &'static str,
@@ -44,6 +46,13 @@ impl LaunchEnv {
         }
     }
 }
+
+/// Set by torchrun in every worker's environment (`LocalElasticAgent._start_workers`,
+/// `torch.distributed.elastic`). `True` means the agent of group rank 0 keeps a TCPStore server
+/// listening on `MASTER_PORT` for the whole job (static rendezvous: `StaticTCPRendezvous`,
+/// "listener on the agent with group_rank=0"; the workers connect to it as clients), so rank
+/// 0 of pipec-run cannot listen there: its rendezvous moves to the next port.
+pub const AGENT_STORE_ENV: &str = "TORCHELASTIC_USE_AGENT_STORE";
 
 /// A launch variable is missing or malformed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,7 +128,18 @@ pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEn
                 .ok_or_else(|| {
                     LaunchError(format!("MASTER_PORT=`{p}` is not a TCP port (1..65535)"))
                 })?;
-            (a, port)
+            let agent_store =
+                get(AGENT_STORE_ENV).is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+            if !agent_store {
+                (a, port)
+            } else {
+                let next = port.checked_add(1).ok_or_else(|| {
+                    LaunchError(format!(
+                        "MASTER_PORT={port} is torchrun's own store ({AGENT_STORE_ENV}=True) and pipec's rendezvous uses the next port, but there is none; pick a lower MASTER_PORT"
+                    ))
+                })?;
+                (a, next)
+            }
         }
         // One rank needs no rendezvous.
         _ if world == 1 => ("127.0.0.1".to_string(), 29500),
@@ -433,6 +453,35 @@ mod tests {
             ..e
         };
         assert_eq!(v6.master(), "[::1]:29500");
+    }
+
+    /// Under torchrun's agent store, `MASTER_PORT` is torchrun's TCPStore: pipec's rendezvous
+    /// takes the next port; without it (srun, or `False`) `MASTER_PORT` itself.
+    #[test]
+    fn torchrun_agent_store_moves_the_rendezvous_to_the_next_port() {
+        let base = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let with = |v: &'static str| {
+            let mut kv = base.to_vec();
+            kv.push((AGENT_STORE_ENV, v));
+            from_vars(vars(&kv))
+        };
+        assert_eq!(with("True").unwrap().unwrap().master_port, 29501);
+        assert_eq!(with("True").unwrap().unwrap().master(), "node0:29501");
+        assert_eq!(with("False").unwrap().unwrap().master_port, 29500);
+        assert_eq!(from_vars(vars(&base)).unwrap().unwrap().master_port, 29500);
+        let mut top = base.to_vec();
+        top[3] = ("MASTER_PORT", "65535");
+        top.push((AGENT_STORE_ENV, "True"));
+        let e = from_vars(vars(&top)).unwrap_err().to_string();
+        assert!(
+            e.contains("MASTER_PORT=65535") && e.contains("torchrun"),
+            "{e}"
+        );
     }
 
     #[test]

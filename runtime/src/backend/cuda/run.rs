@@ -8,9 +8,11 @@
 //!   between steps.
 //! - Multi-process ([`LaunchEnv`], torchrun or Slurm): this process runs only its rank, on GPU
 //!   `LOCAL_RANK % device_count`; rank 0 makes the NCCL unique id and hands it out over
-//!   [`launch::Server`] at `MASTER_ADDR:MASTER_PORT`, then every rank joins with
-//!   `ncclCommInitRank`. A rank's failure does not reach other processes: they stop at the
-//!   timeout of their own [`CudaBackend::sync`].
+//!   [`launch::Server`] at `MASTER_ADDR:MASTER_PORT` (the next port under torchrun, see
+//!   [`launch::AGENT_STORE_ENV`]), then every rank joins with `ncclCommInitRank`. A one-rank
+//!   launch (`WORLD_SIZE=1`) needs no NCCL and runs as a single process. A rank's failure
+//!   does not reach other processes: they stop at the timeout of their own
+//!   [`CudaBackend::sync`].
 //!
 //! Each step: `begin_step`, [`run_rank`] (which only enqueues GPU work and rendezvous), `sync`
 //! under the timeout (a hang is reported like the watchdog's), the measured CUDA-event spans
@@ -330,7 +332,7 @@ fn rank_thread<T: Elem>(
                 .map(|(_, s)| s.end - s.start)
                 .sum();
             let end = spans.iter().map(|s| s.end).fold(0.0, f64::max);
-            let losses = be.all_losses().map_err(c)?;
+            let losses = be.all_losses(opts.timeout).map_err(c)?;
             let grads = if opts.check && !program.forward_only {
                 be.grads().map_err(c)?
             } else {
@@ -438,6 +440,14 @@ fn run_typed<T: Elem>(
                 .map(|r| (r, r as usize % count, NetPlan::Local(t.clone())))
                 .collect()
         }
+        // `RANK=0 WORLD_SIZE=1`: nobody to talk to. NCCL is neither probed for this launch
+        // (`probe_libraries(multi)`) nor linked by `pipec-run`'s re-exec, and cudarc panics
+        // when `ncclGetUniqueId` cannot load it (`nccl::sys::culib`), so do not touch NCCL.
+        Some(l) if l.world_size == 1 => vec![(
+            l.rank,
+            l.local_rank as usize % count,
+            NetPlan::Local(Transport::<GTensor<T>>::new(world, watch.clone())),
+        )],
         Some(l) => {
             let ordinal = l.local_rank as usize % count;
             // The rendezvous gets the whole timeout of a step and at least a minute: the
@@ -446,13 +456,11 @@ fn run_typed<T: Elem>(
             let id = if l.rank == 0 {
                 let id = cudarc::nccl::Id::new()
                     .map_err(|e| RunError::Usage(format!("NCCL: ncclGetUniqueId: {:?}", e.0)))?;
-                if l.world_size > 1 {
-                    let server = launch::Server::bind(&format!("0.0.0.0:{}", l.master_port))
-                        .map_err(|e| RunError::Usage(e.to_string()))?;
-                    server
-                        .serve(l.world_size, &id_bytes(&id), rv_timeout)
-                        .map_err(|e| RunError::Usage(e.to_string()))?;
-                }
+                let server = launch::Server::bind(&format!("0.0.0.0:{}", l.master_port))
+                    .map_err(|e| RunError::Usage(e.to_string()))?;
+                server
+                    .serve(l.world_size, &id_bytes(&id), rv_timeout)
+                    .map_err(|e| RunError::Usage(e.to_string()))?;
                 id
             } else {
                 let bytes = launch::fetch(&l.master(), l.rank, l.world_size, rv_timeout)
