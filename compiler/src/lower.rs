@@ -13,9 +13,10 @@
 //! - [`CommPolicy::Megatron1F1B`] reproduces the P2P calls of Megatron's non-interleaved
 //!   schedule one for one (`recv_forward`, `send_forward`, `send_forward_recv_backward`,
 //!   `send_backward_recv_forward`, `recv_backward`, `send_backward`).
-//! - [`CommPolicy::Lockstep`] runs compute in unit-time rounds, each op as soon as its inputs
-//!   exist, and after each round posts one batch per rank with the round's sends and their
-//!   receives: deadlock-free by construction for any dependency-respecting order.
+//! - [`CommPolicy::Lockstep`] times compute by a list schedule (each op as soon as its rank is
+//!   free and its inputs exist) and posts, on each rank, one batch per instant at which a
+//!   message it takes part in is produced: deadlock-free by construction for any
+//!   dependency-respecting order.
 //! - Inside a batch, messages keep the order of the ops that produce (sends) or consume
 //!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
 
@@ -230,115 +231,176 @@ fn megatron_interleaved_steps(ops: &[Compute], warmup: usize) -> Vec<&[Compute]>
     steps
 }
 
-/// Where each tensor became available, by round; `NONE` until produced.
-const NONE: u32 = u32::MAX;
+/// Where each tensor became available, in ticks; `NONE` until produced.
+const NONE: u64 = u64::MAX;
 
-/// [`CommPolicy::Lockstep`]: a unit-time list schedule of the orders, then one batch per rank
-/// and round. If the orders cannot all run (an op waits for something its own order never
-/// produces), the rest is lowered one op at a time so that the verifier can say what is wrong.
+/// Ticks of one pass in the lockstep list schedule: `F = B = W = 1` per stage, the unit of the
+/// zero-bubble paper (Qi et al., 2023) and of pipec's default cost model, so a full backward
+/// is 2 and DualPipe's overlapped `F&B` chunk 3. Every op takes at least one tick, which keeps
+/// a send after the op that produces it.
+fn ticks(op: &Compute) -> u64 {
+    op.parts()
+        .map(|(pass, _)| match pass {
+            Pass::Fwd | Pass::BwdD | Pass::BwdW => 1,
+            Pass::Bwd => 2,
+        })
+        .sum::<u64>()
+        .max(1)
+}
+
+/// [`CommPolicy::Lockstep`]: a list schedule of the orders (each op starts when its rank is
+/// free and its inputs exist, [`ticks`] long), then, on every rank, one batch per instant at
+/// which a message it sends or receives is produced, placed before the compute that starts at
+/// that instant. Both ends of a message sit in a batch of the same instant, and each rank's
+/// stream runs in time order, so by induction on time every batch's partners are posted: the
+/// program is deadlock-free under rendezvous semantics for any dependency-respecting order.
+/// Timing the ops by their cost, not in unit rounds, keeps a rank in a long op (DualPipe's
+/// `F&B`) from holding its neighbours' batches back. If the orders cannot all run (an op waits
+/// for something its own order never produces), the rest is lowered one op at a time so that
+/// the verifier can say what is wrong.
 fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> Vec<Vec<Instr>> {
     let m = microbatches as usize;
     let cells = placement.num_stages() as usize * m;
     let last = placement.num_stages().saturating_sub(1);
-    // Round in which fwd (act), bwd/bwd_D (grad) of (stage, mb) ran.
+    // End tick of fwd (act) and bwd/bwd_D (grad) of (stage, mb).
     let mut act = vec![NONE; cells];
     let mut grad = vec![NONE; cells];
     let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
-    let avail = |table: &[u32], s: u32, mb: u32, round: u32| {
-        (mb as usize) >= m || table.get(idx(s, mb)).is_none_or(|&r| r < round)
+    // `Some(tick)` once the input exists (0 for inputs from outside the program).
+    let at = |table: &[u64], s: u32, mb: u32| -> Option<u64> {
+        if (mb as usize) >= m {
+            return Some(0);
+        }
+        match table.get(idx(s, mb)) {
+            None => Some(0),
+            Some(&NONE) => None,
+            Some(&t) => Some(t),
+        }
     };
-    let ready = |op: &Compute, act: &[u32], grad: &[u32], round: u32| {
-        op.parts().all(|(pass, t)| {
+    let inputs = |op: &Compute, act: &[u64], grad: &[u64]| -> Option<u64> {
+        let mut ready = 0;
+        for (pass, t) in op.parts() {
             let (s, mb) = (t.stage.0, t.mb.0);
-            match pass {
-                Pass::Fwd => s == 0 || avail(act, s - 1, mb, round),
+            let need = match pass {
+                Pass::Fwd if s == 0 => 0,
+                Pass::Fwd => at(act, s - 1, mb)?,
                 Pass::Bwd | Pass::BwdD => {
-                    avail(act, s, mb, round) && (s >= last || avail(grad, s + 1, mb, round))
+                    let a = at(act, s, mb)?;
+                    if s >= last {
+                        a
+                    } else {
+                        a.max(at(grad, s + 1, mb)?)
+                    }
                 }
-                Pass::BwdW => avail(grad, s, mb, round),
-            }
-        })
+                Pass::BwdW => at(grad, s, mb)?,
+            };
+            ready = ready.max(need);
+        }
+        Some(ready)
     };
     let world = orders.len();
+    // Start tick of every op, rank by rank.
+    let mut start: Vec<Vec<u64>> = orders
+        .iter()
+        .map(|o| Vec::with_capacity(o.ops.len()))
+        .collect();
+    let mut free = vec![0u64; world];
+    loop {
+        let mut progress = false;
+        for (r, order) in orders.iter().enumerate() {
+            while let Some(op) = order.ops.get(start[r].len()) {
+                let Some(ready) = inputs(op, &act, &grad) else {
+                    break;
+                };
+                let s = free[r].max(ready);
+                let e = s + ticks(op);
+                for (pass, t) in op.parts() {
+                    if (t.mb.0 as usize) < m && t.stage.0 <= last {
+                        match pass {
+                            Pass::Fwd => act[idx(t.stage.0, t.mb.0)] = e,
+                            Pass::Bwd | Pass::BwdD => grad[idx(t.stage.0, t.mb.0)] = e,
+                            Pass::BwdW => {}
+                        }
+                    }
+                }
+                start[r].push(s);
+                free[r] = e;
+                progress = true;
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+    // Messages as (tick, from, sequence on the sender, to, payload): sorted, this is the order
+    // in which both ends post them, so the k-th send on a channel meets the k-th recv.
+    let mut msgs: Vec<(u64, usize, usize, usize, Payload)> = Vec::new();
+    let (mut recvs, mut sends) = (Vec::new(), Vec::new());
+    for (r, order) in orders.iter().enumerate() {
+        for (op, &s) in order.ops.iter().zip(&start[r]) {
+            recvs.clear();
+            sends.clear();
+            op_io(op, placement, order.rank, &mut recvs, &mut sends);
+            let e = s + ticks(op);
+            for ep in &sends {
+                msgs.push((e, r, msgs.len(), ep.peer.index(), ep.payload));
+            }
+        }
+    }
+    msgs.sort_unstable_by_key(|&(t, from, seq, _, _)| (t, from, seq));
+    // Per rank, the messages it takes part in, in that order.
+    let mut mine: Vec<Vec<usize>> = vec![Vec::new(); world];
+    for (i, &(_, from, _, to, _)) in msgs.iter().enumerate() {
+        mine[from].push(i);
+        if to != from {
+            mine[to].push(i);
+        }
+    }
     let mut out: Vec<Vec<Instr>> = orders
         .iter()
         .map(|o| Vec::with_capacity(o.ops.len() * 3))
         .collect();
     let mut next_batch = vec![0u32; world];
-    let mut pos = vec![0usize; world];
-    let (mut recvs, mut sends) = (Vec::new(), Vec::new());
-    // Messages of the current round: (from, to, payload), in production order.
-    let mut msgs: Vec<(usize, usize, Payload)> = Vec::new();
-    let mut running: Vec<(usize, Compute)> = Vec::with_capacity(world);
-    let mut round = 0u32;
-    loop {
-        running.clear();
-        let mut left = false;
-        for (r, order) in orders.iter().enumerate() {
-            if let Some(op) = order.ops.get(pos[r]) {
-                left = true;
-                if ready(op, &act, &grad, round) {
-                    running.push((r, *op));
-                }
-            }
-        }
-        if !left {
-            break;
-        }
-        if running.is_empty() {
-            // Stuck: the orders are infeasible. Lower the rest op by op (recv before, send
-            // after) and let verification report the violation.
-            for (r, order) in orders.iter().enumerate() {
-                for op in &order.ops[pos[r]..] {
-                    recvs.clear();
-                    sends.clear();
-                    op_io(op, placement, order.rank, &mut recvs, &mut sends);
-                    push_batch(&mut out[r], &mut next_batch[r], &[], &recvs);
-                    out[r].push(Instr::Compute(*op));
-                    push_batch(&mut out[r], &mut next_batch[r], &sends, &[]);
-                }
-            }
-            break;
-        }
-        msgs.clear();
-        for &(r, op) in &running {
-            pos[r] += 1;
-            for (pass, t) in op.parts() {
-                if (t.mb.0 as usize) < m && t.stage.0 <= last {
-                    match pass {
-                        Pass::Fwd => act[idx(t.stage.0, t.mb.0)] = round,
-                        Pass::Bwd | Pass::BwdD => grad[idx(t.stage.0, t.mb.0)] = round,
-                        Pass::BwdW => {}
+    for (r, order) in orders.iter().enumerate() {
+        let list = &mine[r];
+        let mut k = 0;
+        // Post every batch of instants up to `until` (inclusive): one batch per instant.
+        let flush = |out: &mut Vec<Instr>, next: &mut u32, until: u64, k: &mut usize| {
+            while *k < list.len() && msgs[list[*k]].0 <= until {
+                let t = msgs[list[*k]].0;
+                let (mut snd, mut rcv) = (Vec::new(), Vec::new());
+                while *k < list.len() && msgs[list[*k]].0 == t {
+                    let (_, from, _, to, payload) = msgs[list[*k]];
+                    if from == r {
+                        snd.push(Endpoint {
+                            peer: Rank(to as u32),
+                            payload,
+                        });
+                    } else {
+                        rcv.push(Endpoint {
+                            peer: Rank(from as u32),
+                            payload,
+                        });
                     }
+                    *k += 1;
                 }
+                push_batch(out, next, &snd, &rcv);
             }
-            out[r].push(Instr::Compute(op));
+        };
+        for (op, &s) in order.ops.iter().zip(&start[r]) {
+            flush(&mut out[r], &mut next_batch[r], s, &mut k);
+            out[r].push(Instr::Compute(*op));
+        }
+        flush(&mut out[r], &mut next_batch[r], NONE, &mut k);
+        // Stuck orders: the rest op by op (recv before, send after) for the verifier to judge.
+        for op in &order.ops[start[r].len()..] {
             recvs.clear();
             sends.clear();
-            op_io(&op, placement, orders[r].rank, &mut recvs, &mut sends);
-            msgs.extend(sends.iter().map(|e| (r, e.peer.index(), e.payload)));
+            op_io(op, placement, order.rank, &mut recvs, &mut sends);
+            push_batch(&mut out[r], &mut next_batch[r], &[], &recvs);
+            out[r].push(Instr::Compute(*op));
+            push_batch(&mut out[r], &mut next_batch[r], &sends, &[]);
         }
-        // One batch per rank: its sends of this round, then its receives of this round.
-        for r in 0..world {
-            let mine: Vec<Endpoint> = msgs
-                .iter()
-                .filter(|m| m.0 == r)
-                .map(|m| Endpoint {
-                    peer: Rank(m.1 as u32),
-                    payload: m.2,
-                })
-                .collect();
-            let theirs: Vec<Endpoint> = msgs
-                .iter()
-                .filter(|m| m.1 == r)
-                .map(|m| Endpoint {
-                    peer: Rank(m.0 as u32),
-                    payload: m.2,
-                })
-                .collect();
-            push_batch(&mut out[r], &mut next_batch[r], &mine, &theirs);
-        }
-        round += 1;
     }
     out
 }

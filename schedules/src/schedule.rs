@@ -23,12 +23,13 @@ pub enum CommPolicy {
     /// The same rule with every compute op its own step: a batch between consecutive ops sends
     /// the outputs of the first and receives the inputs of the second.
     FusedPerOp,
-    /// Compute runs in unit-time rounds, each op as soon as its inputs exist (a list schedule
-    /// of the per-rank orders); after every round each rank posts one batch with the sends of
-    /// the tensors it produced in that round and the receives of the tensors produced for it.
-    /// A message's send and recv always sit in batches of the same round, so the program is
-    /// deadlock-free under rendezvous semantics by construction for any order that respects
-    /// dependencies; the price is that a tensor may wait in a receive buffer until it is used.
+    /// Compute is timed by a list schedule of the per-rank orders (each op as soon as its rank
+    /// is free and its inputs exist, `F = B = W = 1` per stage); each rank posts one batch per
+    /// instant at which a tensor it sends or receives is produced, before the compute starting
+    /// then. A message's send and recv always sit in batches of the same instant, so the
+    /// program is deadlock-free under rendezvous semantics by construction for any order that
+    /// respects dependencies; the price is that a tensor may wait in a receive buffer until it
+    /// is used.
     /// Schedules whose consumer runs long after the producer (looped BFS) need this: with late
     /// receives and blocking sends they deadlock.
     Lockstep,
