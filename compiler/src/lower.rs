@@ -332,66 +332,71 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             break;
         }
     }
-    // Messages as (tick, from, sequence on the sender, to, payload): sorted, this is the order
-    // in which both ends post them, so the k-th send on a channel meets the k-th recv.
-    let mut msgs: Vec<(u64, usize, usize, usize, Payload)> = Vec::new();
+    // Messages as (tick, to, payload), pushed sender by sender in op order, so each sender's
+    // are in (tick, index) order already. Both ends post a channel's messages in (tick, index)
+    // order, so the k-th send on a channel meets the k-th recv.
+    let mut msgs: Vec<(u64, usize, Payload)> = Vec::new();
+    let mut sent: Vec<std::ops::Range<usize>> = Vec::with_capacity(world);
     let (mut recvs, mut sends) = (Vec::new(), Vec::new());
     for (r, order) in orders.iter().enumerate() {
+        let first = msgs.len();
         for (op, &s) in order.ops.iter().zip(&start[r]) {
             recvs.clear();
             sends.clear();
             op_io(op, placement, order.rank, &mut recvs, &mut sends);
             let e = s + ticks(op);
-            for ep in &sends {
-                msgs.push((e, r, msgs.len(), ep.peer.index(), ep.payload));
-            }
+            msgs.extend(sends.iter().map(|ep| (e, ep.peer.index(), ep.payload)));
         }
+        sent.push(first..msgs.len());
     }
-    msgs.sort_unstable_by_key(|&(t, from, seq, _, _)| (t, from, seq));
-    // Per rank, the messages it takes part in, in that order.
-    let mut mine: Vec<Vec<usize>> = vec![Vec::new(); world];
-    for (i, &(_, from, _, to, _)) in msgs.iter().enumerate() {
-        mine[from].push(i);
-        if to != from {
-            mine[to].push(i);
-        }
+    let sender = |i: usize| sent.partition_point(|range| range.end <= i);
+    let mut received: Vec<Vec<usize>> = vec![Vec::new(); world];
+    for (i, &(_, to, _)) in msgs.iter().enumerate() {
+        received[to].push(i);
+    }
+    for list in &mut received {
+        list.sort_unstable_by_key(|&i| (msgs[i].0, i));
     }
     let mut out: Vec<Vec<Instr>> = orders
         .iter()
         .map(|o| Vec::with_capacity(o.ops.len() * 3))
         .collect();
     let mut next_batch = vec![0u32; world];
+    let (mut snd, mut rcv) = (Vec::new(), Vec::new());
     for (r, order) in orders.iter().enumerate() {
-        let list = &mine[r];
-        let mut k = 0;
+        let (mine, theirs) = (sent[r].clone(), &received[r]);
+        let (mut a, mut b) = (mine.start, 0);
         // Post every batch of instants up to `until` (inclusive): one batch per instant.
-        let flush = |out: &mut Vec<Instr>, next: &mut u32, until: u64, k: &mut usize| {
-            while *k < list.len() && msgs[list[*k]].0 <= until {
-                let t = msgs[list[*k]].0;
-                let (mut snd, mut rcv) = (Vec::new(), Vec::new());
-                while *k < list.len() && msgs[list[*k]].0 == t {
-                    let (_, from, _, to, payload) = msgs[list[*k]];
-                    if from == r {
-                        snd.push(Endpoint {
-                            peer: Rank(to as u32),
-                            payload,
-                        });
-                    } else {
-                        rcv.push(Endpoint {
-                            peer: Rank(from as u32),
-                            payload,
-                        });
-                    }
-                    *k += 1;
-                }
-                push_batch(out, next, &snd, &rcv);
+        let mut flush = |out: &mut Vec<Instr>, next: &mut u32, until: u64| loop {
+            let ta = if a < mine.end { msgs[a].0 } else { NONE };
+            let tb = theirs.get(b).map_or(NONE, |&i| msgs[i].0);
+            let t = ta.min(tb);
+            if t == NONE || t > until {
+                break;
             }
+            snd.clear();
+            rcv.clear();
+            while a < mine.end && msgs[a].0 == t {
+                snd.push(Endpoint {
+                    peer: Rank(msgs[a].1 as u32),
+                    payload: msgs[a].2,
+                });
+                a += 1;
+            }
+            while let Some(&i) = theirs.get(b).filter(|&&i| msgs[i].0 == t) {
+                rcv.push(Endpoint {
+                    peer: Rank(sender(i) as u32),
+                    payload: msgs[i].2,
+                });
+                b += 1;
+            }
+            push_batch(out, next, &snd, &rcv);
         };
         for (op, &s) in order.ops.iter().zip(&start[r]) {
-            flush(&mut out[r], &mut next_batch[r], s, &mut k);
+            flush(&mut out[r], &mut next_batch[r], s);
             out[r].push(Instr::Compute(*op));
         }
-        flush(&mut out[r], &mut next_batch[r], NONE, &mut k);
+        flush(&mut out[r], &mut next_batch[r], NONE - 1);
         // Stuck orders: the rest op by op (recv before, send after) for the verifier to judge.
         for op in &order.ops[start[r].len()..] {
             recvs.clear();
