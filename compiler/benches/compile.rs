@@ -52,6 +52,20 @@ fn phases(c: &mut Criterion) {
             });
         }
     }
+    // The lockstep lowering (a timed list schedule, then one batch per instant and rank) on
+    // the kinds that use it, at the L sizes.
+    for (label, kind, vpp) in [
+        ("looped-bfs", ScheduleKind::LoopedBfs, 8),
+        ("zb-v", ScheduleKind::ZbV, 2),
+        ("dualpipe", ScheduleKind::DualPipe, 1),
+    ] {
+        let s = ScheduleSpec::new(kind, 64, vpp, 1024);
+        let sched = generate(&s, &Limits::DEFAULT).unwrap();
+        g.throughput(Throughput::Elements(lower(&sched).len() as u64));
+        g.bench_function(format!("lower_lockstep/{label}/L"), |b| {
+            b.iter(|| lower(black_box(&sched)))
+        });
+    }
     g.finish();
 }
 
