@@ -249,9 +249,9 @@ fn ticks(op: &Compute) -> u64 {
 }
 
 /// [`CommPolicy::Lockstep`]: a list schedule of the orders (each op starts when its rank is
-/// free and its inputs exist, [`ticks`] long), then, on every rank, one batch per instant at
-/// which a message it sends or receives is produced, placed before the compute that starts at
-/// that instant. Both ends of a message sit in a batch of the same instant, and each rank's
+/// free and its inputs exist, [`ticks`] long); every message gets an instant (see below), and
+/// every rank posts one batch per instant it has messages at, before the compute that starts
+/// at that instant. Both ends of a message sit in a batch of the same instant, and each rank's
 /// stream runs in time order, so by induction on time every batch's partners are posted: the
 /// program is deadlock-free under rendezvous semantics for any dependency-respecting order.
 /// Timing the ops by their cost, not in unit rounds, keeps a rank in a long op (DualPipe's
@@ -332,30 +332,74 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             break;
         }
     }
-    // Messages as (tick, to, payload), pushed sender by sender in op order, so each sender's
-    // are in (tick, index) order already. Both ends post a channel's messages in (tick, index)
-    // order, so the k-th send on a channel meets the k-th recv.
-    let mut msgs: Vec<(u64, usize, Payload)> = Vec::new();
-    let mut sent: Vec<std::ops::Range<usize>> = Vec::with_capacity(world);
+    // Messages as (instant, from, to, payload), pushed sender by sender in op order, first
+    // with their production instant; and when each tensor's consumer starts.
+    let mut msgs: Vec<(u64, usize, usize, Payload)> = Vec::new();
+    let mut need_act = vec![NONE; cells];
+    let mut need_grad = vec![NONE; cells];
     let (mut recvs, mut sends) = (Vec::new(), Vec::new());
     for (r, order) in orders.iter().enumerate() {
-        let first = msgs.len();
         for (op, &s) in order.ops.iter().zip(&start[r]) {
             recvs.clear();
             sends.clear();
             op_io(op, placement, order.rank, &mut recvs, &mut sends);
+            for ep in &recvs {
+                let (st, mb) = (ep.payload.stage.0, ep.payload.mb.0);
+                if (mb as usize) < m && st <= last {
+                    let need = match ep.payload.kind {
+                        PayloadKind::Act => &mut need_act,
+                        PayloadKind::Grad => &mut need_grad,
+                    };
+                    let cell = &mut need[idx(st, mb)];
+                    *cell = (*cell).min(s);
+                }
+            }
             let e = s + ticks(op);
-            msgs.extend(sends.iter().map(|ep| (e, ep.peer.index(), ep.payload)));
+            msgs.extend(sends.iter().map(|ep| (e, r, ep.peer.index(), ep.payload)));
         }
-        sent.push(first..msgs.len());
     }
-    let sender = |i: usize| sent.partition_point(|range| range.end <= i);
+    // The end of the op of rank `r` running strictly across instant `t`, if any.
+    let busy_until = |r: usize, t: u64| -> Option<u64> {
+        let i = start[r].partition_point(|&s| s < t);
+        let op = orders[r].ops.get(i.checked_sub(1)?)?;
+        let end = start[r][i - 1] + ticks(op);
+        (end > t).then_some(end)
+    };
+    // Each message passes at the first instant at or after it exists at which neither end is
+    // inside an op, if that comes before its consumer starts: then neither end waits for the
+    // other and the program runs exactly as the list schedule. Otherwise it passes when
+    // produced (the receiver may make the sender wait). Both ends post a channel's messages in
+    // (instant, index) order, so the k-th send on a channel meets the k-th recv.
+    for msg in &mut msgs {
+        let (e, from, to, payload) = *msg;
+        let (st, mb) = (payload.stage.0, payload.mb.0);
+        let consumer = if (mb as usize) < m && st <= last {
+            match payload.kind {
+                PayloadKind::Act => need_act[idx(st, mb)],
+                PayloadKind::Grad => need_grad[idx(st, mb)],
+            }
+        } else {
+            NONE
+        };
+        let mut p = e;
+        while let Some(later) = busy_until(from, p).or_else(|| busy_until(to, p)) {
+            p = later;
+        }
+        if p <= consumer {
+            msg.0 = p;
+        }
+    }
+    let mut sent: Vec<Vec<usize>> = vec![Vec::new(); world];
     let mut received: Vec<Vec<usize>> = vec![Vec::new(); world];
-    for (i, &(_, to, _)) in msgs.iter().enumerate() {
+    for (i, &(_, from, to, _)) in msgs.iter().enumerate() {
+        sent[from].push(i);
         received[to].push(i);
     }
-    for list in &mut received {
-        list.sort_unstable_by_key(|&i| (msgs[i].0, i));
+    for list in sent.iter_mut().chain(&mut received) {
+        // Senders' lists are usually in order already (most messages pass when produced).
+        if !list.is_sorted_by_key(|&i| (msgs[i].0, i)) {
+            list.sort_unstable_by_key(|&i| (msgs[i].0, i));
+        }
     }
     let mut out: Vec<Vec<Instr>> = orders
         .iter()
@@ -364,11 +408,11 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
     let mut next_batch = vec![0u32; world];
     let (mut snd, mut rcv) = (Vec::new(), Vec::new());
     for (r, order) in orders.iter().enumerate() {
-        let (mine, theirs) = (sent[r].clone(), &received[r]);
-        let (mut a, mut b) = (mine.start, 0);
+        let (mine, theirs) = (&sent[r], &received[r]);
+        let (mut a, mut b) = (0, 0);
         // Post every batch of instants up to `until` (inclusive): one batch per instant.
         let mut flush = |out: &mut Vec<Instr>, next: &mut u32, until: u64| loop {
-            let ta = if a < mine.end { msgs[a].0 } else { NONE };
+            let ta = mine.get(a).map_or(NONE, |&i| msgs[i].0);
             let tb = theirs.get(b).map_or(NONE, |&i| msgs[i].0);
             let t = ta.min(tb);
             if t == NONE || t > until {
@@ -376,17 +420,17 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             }
             snd.clear();
             rcv.clear();
-            while a < mine.end && msgs[a].0 == t {
+            while let Some(&i) = mine.get(a).filter(|&&i| msgs[i].0 == t) {
                 snd.push(Endpoint {
-                    peer: Rank(msgs[a].1 as u32),
-                    payload: msgs[a].2,
+                    peer: Rank(msgs[i].2 as u32),
+                    payload: msgs[i].3,
                 });
                 a += 1;
             }
             while let Some(&i) = theirs.get(b).filter(|&&i| msgs[i].0 == t) {
                 rcv.push(Endpoint {
-                    peer: Rank(sender(i) as u32),
-                    payload: msgs[i].2,
+                    peer: Rank(msgs[i].1 as u32),
+                    payload: msgs[i].3,
                 });
                 b += 1;
             }

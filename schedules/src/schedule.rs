@@ -24,9 +24,10 @@ pub enum CommPolicy {
     /// the outputs of the first and receives the inputs of the second.
     FusedPerOp,
     /// Compute is timed by a list schedule of the per-rank orders (each op as soon as its rank
-    /// is free and its inputs exist, `F = B = W = 1` per stage); each rank posts one batch per
-    /// instant at which a tensor it sends or receives is produced, before the compute starting
-    /// then. A message's send and recv always sit in batches of the same instant, so the
+    /// is free and its inputs exist, `F = B = W = 1` per stage); each message passes at an
+    /// instant when neither end is inside an op where one exists before its consumer starts,
+    /// and each rank posts one batch per instant, before the compute starting then. A
+    /// message's send and recv always sit in batches of the same instant, so the
     /// program is deadlock-free under rendezvous semantics by construction for any order that
     /// respects dependencies; the price is that a tensor may wait in a receive buffer until it
     /// is used.

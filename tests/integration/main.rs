@@ -5,6 +5,7 @@ mod cuda_kernels;
 mod docs;
 mod hostile;
 mod layout;
+mod lowering;
 mod megatron;
 mod regressions;
 mod runtime;
