@@ -13,6 +13,7 @@ pub mod graph;
 pub mod layout;
 pub mod lower;
 pub mod program;
+pub mod sigpipe;
 pub mod simulate;
 pub mod sweep;
 pub mod timeline;

@@ -6,6 +6,7 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    pipec::sigpipe::restore_default();
     let args = cli::Cli::parse();
     match cli::run(args) {
         Ok(code) => code,

@@ -77,6 +77,10 @@ struct Args {
     /// Ranks of the launch; must equal the schedule's world size (default: `WORLD_SIZE` if set).
     #[arg(long)]
     world_size: Option<u32>,
+    /// Print the report as one JSON object on stdout instead of text (for scripts and CI);
+    /// errors still go to stderr with the same exit codes.
+    #[arg(long)]
+    json: bool,
     /// Run without the full verifier (structural checks only), to watch what a broken
     /// schedule does; the watchdog reports the hang. Not for training.
     #[arg(long)]
@@ -219,10 +223,12 @@ fn run(args: &Args) -> Result<(), RunError> {
     );
     if args.backend == BackendKind::Cuda {
         #[cfg(feature = "cuda")]
-        return cuda_main::run(args, &loaded, cfg, &header, &model_line);
+        return cuda_main::run(args, dir, &loaded, cfg, &header, &model_line);
     }
-    println!("{header}, cpu backend, {} rank threads", m.world_size);
-    println!("{model_line}");
+    if !args.json {
+        println!("{header}, cpu backend, {} rank threads", m.world_size);
+        println!("{model_line}");
+    }
     let opts = RunOptions {
         model: cfg,
         steps: args.steps,
@@ -236,8 +242,51 @@ fn run(args: &Args) -> Result<(), RunError> {
         std::fs::write(p, text)
             .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
     }
-    print_report(args, &report);
+    if args.json {
+        let mut out = json_head(args, dir, &loaded, cfg, "cpu", "f32");
+        out["steps"] = serde_json::json!(report.steps);
+        out["static_peak_activations"] = serde_json::json!(report.static_peak_activations);
+        print_json(&out);
+    } else {
+        print_report(args, &report);
+    }
     Ok(())
+}
+
+/// The fields every `--json` report starts with: what ran, on what, with which model.
+fn json_head(
+    args: &Args,
+    dir: &std::path::Path,
+    loaded: &pipec::files::Loaded,
+    cfg: ModelConfig,
+    backend: &str,
+    dtype: &str,
+) -> serde_json::Value {
+    let m = &loaded.manifest;
+    serde_json::json!({
+        "program": dir.display().to_string(),
+        "schedule": m.schedule.map(|s| serde_json::json!({
+            "kind": s.kind.to_string(), "pp": s.pp, "vpp": s.vpp,
+        })),
+        "source": m.source.to_string(),
+        "world_size": m.world_size,
+        "microbatches": m.microbatches,
+        "forward_only": m.forward_only,
+        "layout": m.layout.expanded(),
+        "backend": backend,
+        "dtype": dtype,
+        "model": cfg,
+        // Through its shortest decimal form, so 0.1 reads 0.1 and not 0.10000000149011612.
+        "lr": args.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
+        "trace": args.trace.as_ref().map(|p| p.display().to_string()),
+    })
+}
+
+fn print_json(v: &serde_json::Value) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).expect("a JSON value always serializes")
+    );
 }
 
 /// `--cuda-info`: one line per library; NCCL is looked up as a launch would (re-executing
@@ -270,7 +319,7 @@ fn cuda_info() -> Result<(), RunError> {
 /// `--backend cuda`: run, then print what this process ran and the calibration.
 #[cfg(feature = "cuda")]
 mod cuda_main {
-    use super::{ms, Args, DtypeArg};
+    use super::{json_head, ms, print_json, Args, DtypeArg};
     use pipec::files::Loaded;
     use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
     use pipec_runtime::backend::cuda::launch;
@@ -281,6 +330,7 @@ mod cuda_main {
 
     pub fn run(
         args: &Args,
+        dir: &std::path::Path,
         loaded: &Loaded,
         cfg: ModelConfig,
         header: &str,
@@ -303,6 +353,43 @@ mod cuda_main {
         };
         let (program, layout) = (&loaded.program, &loaded.manifest.layout);
         let report = run_cuda(program, layout, &opts)?;
+        if args.json {
+            let timeline = &report.run.timeline;
+            if let Some(p) = &args.trace {
+                let text = pipec_runtime::trace::chrome_trace(program, timeline);
+                std::fs::write(p, text)
+                    .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
+            }
+            let mut out = json_head(args, dir, loaded, cfg, "cuda", dtype.name());
+            out["ranks"] = serde_json::json!(report.ranks);
+            out["devices"] = serde_json::json!(report.devices);
+            out["device_count"] = serde_json::json!(report.device_count);
+            out["launch"] = serde_json::json!(launch.as_ref().map(|l| l.from));
+            out["steps"] = serde_json::json!(report.run.steps);
+            out["static_peak_activations"] = serde_json::json!(report.run.static_peak_activations);
+            out["check_worst"] = serde_json::json!(report
+                .worst
+                .iter()
+                .map(|w| w.as_ref().map(|(rel, what)| serde_json::json!({
+                    "normwise_relative": rel, "tensor": what,
+                })))
+                .collect::<Vec<_>>());
+            // Calibration needs every rank's timeline: single-process runs only.
+            let cal = launch
+                .is_none()
+                .then(|| calibrate(program, layout, timeline))
+                .flatten();
+            out["calibration"] = serde_json::json!(cal);
+            if let Some(c) = &cal {
+                let fl = layer_flops(cfg.seq, cfg.hidden, cfg.ffn);
+                out["layer_gemm_tflops"] = serde_json::json!({
+                    "fwd": tflops(fl, c.f), "bwd_d": tflops(fl, c.b), "bwd_w": tflops(fl, c.w),
+                    "flop_per_layer_pass": fl,
+                });
+            }
+            print_json(&out);
+            return Ok(());
+        }
         // Only rank 0 of a multi-process launch prints what every rank shares.
         let leader = match &launch {
             None => true,
@@ -414,6 +501,7 @@ mod cuda_main {
 }
 
 fn main() -> ExitCode {
+    pipec::sigpipe::restore_default();
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

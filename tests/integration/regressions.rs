@@ -75,3 +75,48 @@ fn merged_batch_rule_flagged_gpipe_pp2_m1() {
     );
     assert!(verify(&fused, &VerifyOptions::default()).is_valid());
 }
+
+/// `pipec show DIR | head -1` panicked ("failed printing to stdout: Broken pipe", exit 101):
+/// Rust ignores SIGPIPE and `println!` panics on the write error. Both binaries now restore
+/// the default action, so a closed reader ends them quietly, as it ends C tools.
+#[cfg(unix)]
+#[test]
+fn broken_pipe_panicked_pipec_show_and_pipec_run() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("p");
+    let out = pipec_tests::pipec()
+        .args([
+            "compile",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "-o",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let mut show = pipec_tests::pipec();
+    show.arg("show").arg(&dir);
+    let mut run = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    run.arg(&dir);
+    for mut cmd in [show, run] {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away before the first line is written.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{cmd:?}: {stderr}");
+        // SIGPIPE is 13 on Linux, macOS and the BSDs.
+        assert_eq!(out.status.signal(), Some(13), "{cmd:?}: {stderr}");
+    }
+}

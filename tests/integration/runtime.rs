@@ -776,3 +776,76 @@ fn cli_refusals_and_usage_errors() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("rank-1.json"));
 }
+
+/// `--json` prints one JSON object with what the text report says: the same losses (the text
+/// prints six decimals), one entry per step and rank, the check, and the static peaks the
+/// text prints as "(static N)".
+#[test]
+fn cli_json_report_matches_the_text_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = cli_dir(tmp.path(), "json", ScheduleKind::ZbV, 2, 2, 4);
+    let args = ["--check", "--steps", "2"];
+    let text = pipec_run()
+        .arg(&dir)
+        .args(args)
+        .args(TINY)
+        .output()
+        .unwrap();
+    assert!(text.status.success());
+    let text = String::from_utf8(text.stdout).unwrap();
+    let out = pipec_run()
+        .arg(&dir)
+        .args(args)
+        .args(TINY)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["backend"], "cpu");
+    assert_eq!(v["schedule"]["kind"], "zb-v");
+    assert_eq!(
+        (v["world_size"].as_u64(), v["microbatches"].as_u64()),
+        (Some(2), Some(4))
+    );
+    assert_eq!(v["model"]["hidden"], 4);
+    assert_eq!(v["lr"], 0.1);
+    let steps = v["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    let text_losses: Vec<&str> = text
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("step ")?
+                .split("loss ")
+                .nth(1)?
+                .split_whitespace()
+                .next()
+        })
+        .collect();
+    for (s, want) in steps.iter().zip(&text_losses) {
+        assert_eq!(format!("{:.6}", s["loss"].as_f64().unwrap()), *want);
+        assert_eq!(s["ranks"].as_array().unwrap().len(), 2);
+        assert_eq!(s["check"]["max_abs_diff"], 0.0);
+    }
+    for (r, peak) in v["static_peak_activations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        assert!(text.contains(&format!("rank {r}: ")), "{text}");
+        assert!(text.contains(&format!("(static {peak})")), "{text}");
+    }
+    // Errors stay on stderr with their exit codes.
+    let bad = pipec_run()
+        .arg(tmp.path().join("missing"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(bad.stdout.is_empty());
+}
