@@ -242,15 +242,61 @@ fn run(args: &Args) -> Result<(), RunError> {
         std::fs::write(p, text)
             .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
     }
+    let interp = Interp::measure(&loaded.program, &report.steps);
     if args.json {
         let mut out = json_head(args, dir, &loaded, cfg, "cpu", "f32");
         out["steps"] = serde_json::json!(report.steps);
         out["static_peak_activations"] = serde_json::json!(report.static_peak_activations);
+        interp.add_to(&mut out);
         print_json(&out);
     } else {
         print_report(args, &report);
+        interp.print();
     }
     Ok(())
+}
+
+/// The interpreter's own overhead ([`pipec_runtime::run::interpreter_us`]) against the
+/// measured steps.
+struct Interp {
+    per_rank_us: Option<Vec<f64>>,
+    share: Option<f64>,
+    instrs: usize,
+}
+
+impl Interp {
+    fn measure(
+        program: &pipec::program::Program,
+        steps: &[pipec_runtime::run::StepReport],
+    ) -> Self {
+        let per_rank_us = pipec_runtime::run::interpreter_us(program);
+        let mean_wall = steps.iter().map(|s| s.wall_us).sum::<f64>() / steps.len().max(1) as f64;
+        let share = per_rank_us
+            .as_deref()
+            .and_then(|u| pipec_runtime::run::interpreter_share(u, mean_wall));
+        let instrs = program.ranks.iter().map(Vec::len).max().unwrap_or(0);
+        Interp {
+            per_rank_us,
+            share,
+            instrs,
+        }
+    }
+
+    fn print(&self) {
+        if let (Some(us), Some(share)) = (&self.per_rank_us, self.share) {
+            println!(
+                "interpreter: {} per step on the busiest rank (up to {} instructions; no-op backend) = {:.2}% of the mean step wall time",
+                ms(us.iter().copied().fold(0.0, f64::max)),
+                self.instrs,
+                100.0 * share
+            );
+        }
+    }
+
+    fn add_to(&self, out: &mut serde_json::Value) {
+        out["interpreter_us"] = serde_json::json!(self.per_rank_us);
+        out["interpreter_share"] = serde_json::json!(self.share);
+    }
 }
 
 /// The fields every `--json` report starts with: what ran, on what, with which model.
@@ -319,7 +365,7 @@ fn cuda_info() -> Result<(), RunError> {
 /// `--backend cuda`: run, then print what this process ran and the calibration.
 #[cfg(feature = "cuda")]
 mod cuda_main {
-    use super::{json_head, ms, print_json, Args, DtypeArg};
+    use super::{json_head, ms, print_json, Args, DtypeArg, Interp};
     use pipec::files::Loaded;
     use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
     use pipec_runtime::backend::cuda::launch;
@@ -387,6 +433,7 @@ mod cuda_main {
                     "flop_per_layer_pass": fl,
                 });
             }
+            Interp::measure(program, &report.run.steps).add_to(&mut out);
             print_json(&out);
             return Ok(());
         }
@@ -448,6 +495,9 @@ mod cuda_main {
                     dtype.tolerance()
                 );
             }
+        }
+        if leader {
+            Interp::measure(program, &report.run.steps).print();
         }
         let timeline = &report.run.timeline;
         if let Some(p) = &args.trace {

@@ -840,6 +840,16 @@ fn cli_json_report_matches_the_text_report() {
         assert!(text.contains(&format!("rank {r}: ")), "{text}");
         assert!(text.contains(&format!("(static {peak})")), "{text}");
     }
+    // The interpreter's own time (a no-op backend run of each rank) is there for every rank;
+    // its share of the step is a measurement, so only its presence is checked.
+    let interp = v["interpreter_us"].as_array().unwrap();
+    assert_eq!(interp.len(), 2);
+    assert!(
+        interp.iter().all(|u| u.as_f64().unwrap() > 0.0),
+        "{interp:?}"
+    );
+    assert!(v["interpreter_share"].as_f64().unwrap() > 0.0);
+    assert!(text.contains("interpreter: "), "{text}");
     // Errors stay on stderr with their exit codes.
     let bad = pipec_run()
         .arg(tmp.path().join("missing"))
