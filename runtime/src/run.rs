@@ -415,6 +415,34 @@ fn compare(
     Ok(sum)
 }
 
+/// The interpreter's own time for one step of `program`, per rank, in microseconds: each rank
+/// run alone with the [`NoopBackend`](crate::backend::noop::NoopBackend) (compute returns at
+/// once, receives complete at once), best of three. What remains is the interpreter's work
+/// (tensor tables, batching, status publishing, span timing): the overhead it adds on top of a
+/// real backend's step, which `pipec-run` reports as a share of the measured step time. `None`
+/// when a rank cannot run alone to the end (an unverified, broken program).
+pub fn interpreter_us(program: &Program) -> Option<Vec<f64>> {
+    let watch = Watch::new(program.ranks.len(), Duration::from_secs(30));
+    (0..program.ranks.len())
+        .map(|r| {
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let mut be = crate::backend::noop::NoopBackend;
+                let t = Instant::now();
+                run_rank(program, Rank(r as u32), &mut be, &watch, t).ok()?;
+                best = best.min(t.elapsed().as_secs_f64() * 1e6);
+            }
+            Some(best)
+        })
+        .collect()
+}
+
+/// The busiest rank's interpreter time as a share of a step's wall time.
+pub fn interpreter_share(interp_us: &[f64], step_wall_us: f64) -> Option<f64> {
+    let worst = interp_us.iter().copied().fold(0.0, f64::max);
+    (step_wall_us > 0.0).then(|| worst / step_wall_us)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -453,32 +481,4 @@ mod tests {
         let e = compare(0, &losses, r.loss, &same, &r, &stages).unwrap_err();
         assert!(e.to_string().contains("loss of mb 2"), "{e}");
     }
-}
-
-/// The interpreter's own time for one step of `program`, per rank, in microseconds: each rank
-/// run alone with the [`NoopBackend`](crate::backend::noop::NoopBackend) (compute returns at
-/// once, receives complete at once), best of three. What remains is the interpreter's work
-/// (tensor tables, batching, status publishing, span timing): the overhead it adds on top of a
-/// real backend's step, which `pipec-run` reports as a share of the measured step time. `None`
-/// when a rank cannot run alone to the end (an unverified, broken program).
-pub fn interpreter_us(program: &Program) -> Option<Vec<f64>> {
-    let watch = Watch::new(program.ranks.len(), Duration::from_secs(30));
-    (0..program.ranks.len())
-        .map(|r| {
-            let mut best = f64::INFINITY;
-            for _ in 0..3 {
-                let mut be = crate::backend::noop::NoopBackend;
-                let t = Instant::now();
-                run_rank(program, Rank(r as u32), &mut be, &watch, t).ok()?;
-                best = best.min(t.elapsed().as_secs_f64() * 1e6);
-            }
-            Some(best)
-        })
-        .collect()
-}
-
-/// The busiest rank's interpreter time as a share of a step's wall time.
-pub fn interpreter_share(interp_us: &[f64], step_wall_us: f64) -> Option<f64> {
-    let worst = interp_us.iter().copied().fold(0.0, f64::max);
-    (step_wall_us > 0.0).then(|| worst / step_wall_us)
 }
