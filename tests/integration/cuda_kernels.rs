@@ -686,7 +686,8 @@ fn dev_embed_fwd(e: &Emu, grids: Grids, table: &Array2<f32>, tok: &[u32]) -> Arr
         .mat(2, s, h)
 }
 
-/// `stage_bwd_w`, `E`: one thread per column (`grid(h)`).
+/// `stage_bwd_w`, `E`: one thread per (distinct token, column) (`grid(segs * h)`), over the
+/// host-built [`kernels::EmbedPlan`].
 fn dev_embed_bwd(
     e: &Emu,
     grids: Grids,
@@ -694,12 +695,15 @@ fn dev_embed_bwd(
     tok: &[u32],
     dy: &Array2<f32>,
 ) -> Array2<f32> {
-    let (s, h) = (tok.len(), shape.1);
-    e.launch("embed_bwd", grids.cfg(h))
+    let h = shape.1;
+    let plan = kernels::EmbedPlan::new(tok);
+    e.launch("embed_bwd", grids.cfg(plan.segs() * h))
         .t_zeros(shape.0 * h)
         .u32s(tok)
+        .u32s(&plan.order)
+        .u32s(&plan.starts)
         .t(dy)
-        .i32(s)
+        .i32(plan.segs())
         .i32(h)
         .run()
         .mat(0, shape.0, h)
@@ -1033,17 +1037,17 @@ const MODEL_RS: &str = include_str!(concat!(
 
 /// Read model.rs's launches against the kernels' C signatures: as many arguments as
 /// parameters; `int` parameters get the i32 sizes model.rs makes with `i32of` (`si`, `hi`,
-/// `vi`, `fi`, `r`, `c`, `n`) and `float` ones `k` or `lr` (f32); a dimension parameter gets
-/// the matching size (`rows` the row count, `hidden` the hidden size, ...); token buffers go
-/// to `unsigned int*` and nothing else does; a buffer the kernel writes is passed `&mut` (or as
+/// `vi`, `fi`, `r`, `c`, `n`, `segi`) and `float` ones `k` or `lr` (f32); a dimension parameter
+/// gets the matching size (`rows` the row count, `hidden` the hidden size, ...); token and
+/// embedding-plan buffers go to `unsigned int*` and nothing else does; a buffer the kernel writes is passed `&mut` (or as
 /// a `&mut` binding from `iter_mut`). Returns the kernels launched and the problems found.
 fn launch_problems(model_rs: &str) -> (BTreeSet<String>, Vec<String>) {
     // model.rs's scalars: `let (si, hi, vi) = (i32of(s, ..)?, ..)`, `fi = i32of(f, ..)`,
-    // `(r, c) = (i32of(rows, ..)?, i32of(cols, ..)?)`, `n = i32of(..)`; `k` is `1.0f32 / ..`
-    // and `lr: f32`.
-    let i32s = ["si", "hi", "vi", "fi", "r", "c", "n"];
+    // `(r, c) = (i32of(rows, ..)?, i32of(cols, ..)?)`, `n = i32of(..)`, `segi = i32of(segs,
+    // ..)`; `k` is `1.0f32 / ..` and `lr: f32`. u32 buffers: token ids and the embedding plan.
+    let i32s = ["si", "hi", "vi", "fi", "r", "c", "n", "segi"];
     let f32s = ["k", "lr"];
-    let tokens = ["tok", "tokens", "targets"];
+    let tokens = ["tok", "tokens", "targets", "order", "starts"];
     // Which of model.rs's sizes each named kernel parameter may receive.
     let dims: BTreeMap<&str, &[&str]> = BTreeMap::from([
         ("rows", &["si", "r"][..]),
@@ -1052,6 +1056,7 @@ fn launch_problems(model_rs: &str) -> (BTreeSet<String>, Vec<String>) {
         ("vocab", &["vi"][..]),
         ("cols", &["hi", "fi", "vi", "c"][..]),
         ("n", &["n"][..]),
+        ("segs", &["segi"][..]),
         ("k", &["k"][..]),
         ("lr", &["lr"][..]),
     ]);
@@ -1160,12 +1165,36 @@ fn embedding_forward_and_weight_gradient_match_the_cpu_model() {
                 let y = dev_embed_fwd(e, grids, &e.round(&table), sh.tokens);
                 // Gather: a copy, exact in both types relative to the rounded table.
                 check2(&y, &want_y, e.exact(), &format!("embed_fwd {what}"));
-                // Scatter-add: one thread per column over tokens in order, as the CPU adds.
+                // Scatter-add: each row's positions added in position order, as the CPU adds.
                 let g = dev_embed_bwd(e, grids, table.dim(), sh.tokens, &e.round(&dy));
                 check2(&g, &want_g, e.exact(), &format!("embed_bwd {what}"));
                 same_bits_across_grids(&mut first, vec![flat(&y), flat(&g)], &what);
             }
         }
+    }
+}
+
+/// Regression: `embed_bwd` added each repeated token's rows into the bf16 table, rounding after
+/// every add, where every other reduction adds in float and rounds once. A token repeated 40
+/// times now gets exactly the bf16 rounding of the CPU's f32 sum (of the bf16 inputs, in
+/// position order), in both types.
+#[test]
+fn embedding_gradient_of_a_repeated_token_is_rounded_once() {
+    for ty in TYS {
+        let Some(e) = emu(ty) else { return };
+        let (vocab, hidden, seq) = (5, 7, 40);
+        let tokens: Vec<u32> = (0..seq as u32)
+            .map(|p| if p % 8 == 5 { 1 } else { 3 })
+            .collect();
+        let dy = e.round(&uniform(seq, hidden, 77, 1.0));
+        let want = e.round(&model::embed_bwd_w((vocab, hidden), &tokens, &dy));
+        let got = dev_embed_bwd(e, Grids::ALL[0], (vocab, hidden), &tokens, &dy);
+        check2(
+            &got,
+            &want,
+            Tol::Bits,
+            &format!("{ty:?} embed_bwd, token 3 x35"),
+        );
     }
 }
 

@@ -122,14 +122,17 @@ extern "C" __global__ void embed_fwd(const T* table, const unsigned int* tok, T*
     }
 }
 
-/* g (zeroed, [vocab, hidden]) [tok[i], c] += dy[i, c], tokens in order: one thread per column,
-   so repeated tokens add in the CPU's order. */
-extern "C" __global__ void embed_bwd(T* g, const unsigned int* tok, const T* dy, int seq, int hidden) {
-    GRID_STRIDE(c, hidden) {
-        for (int i = 0; i < seq; i++) {
-            long long at = (long long)tok[i] * hidden + c;
-            g[at] = st(ld(g[at]) + ld(dy[(long long)i * hidden + c]));
-        }
+/* Embedding weight gradient. g (zeroed, [vocab, hidden]): row tok[p] is the sum of the dy
+   rows at that token's positions p, added in position order in float and stored once (the
+   CPU's order; one rounding in bf16). One thread per (distinct token, column): `order` holds
+   the positions sorted by (token, position), the k-th distinct token's are
+   order[starts[k] .. starts[k+1]], `segs` tokens in all (see `embed_plan`). */
+extern "C" __global__ void embed_bwd(T* g, const unsigned int* tok, const unsigned int* order, const unsigned int* starts, const T* dy, int segs, int hidden) {
+    GRID_STRIDE(i, (long long)segs * hidden) {
+        long long k = i / hidden, c = i % hidden;
+        float s = 0.0f;
+        for (unsigned int j = starts[k]; j < starts[k + 1]; j++) s += ld(dy[(long long)order[j] * hidden + c]);
+        g[(long long)tok[order[starts[k]]] * hidden + c] = st(s);
     }
 }
 
@@ -200,6 +203,34 @@ extern "C" __global__ void to_f32(const T* x, float* y, int n) {
 }
 "#;
 
+/// The grouping `embed_bwd` reads: token positions sorted by (token, position), and where each
+/// distinct token's run starts (`starts` ends with the position count). Built on the host from
+/// the microbatch's tokens, which the host knows (`model::tokens`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmbedPlan {
+    pub order: Vec<u32>,
+    pub starts: Vec<u32>,
+}
+
+impl EmbedPlan {
+    pub fn new(tokens: &[u32]) -> EmbedPlan {
+        let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+        // Stable: equal tokens keep position order, the order the CPU adds them in.
+        order.sort_by_key(|&p| tokens[p as usize]);
+        let mut starts: Vec<u32> = (0..order.len())
+            .filter(|&j| j == 0 || tokens[order[j] as usize] != tokens[order[j - 1] as usize])
+            .map(|j| j as u32)
+            .collect();
+        starts.push(order.len() as u32);
+        EmbedPlan { order, starts }
+    }
+
+    /// Distinct tokens.
+    pub fn segs(&self) -> usize {
+        self.starts.len() - 1
+    }
+}
+
 /// Round-to-nearest-even float -> bf16 bits, the host twin of the kernels' `st`.
 pub fn bf16_bits(f: f32) -> u16 {
     let u = f.to_bits();
@@ -223,6 +254,20 @@ mod tests {
         assert!(!SOURCE.contains("#include"), "NVRTC must not need headers");
         assert!(source(true).starts_with("#define PIPEC_BF16 1\n"));
         assert_eq!(source(false), SOURCE);
+    }
+
+    /// Every position appears once, grouped by token, in position order within a token; one
+    /// run per distinct token.
+    #[test]
+    fn embed_plan_groups_positions_by_token_in_order() {
+        let tokens = [5u32, 2, 5, 9, 2, 5];
+        let p = EmbedPlan::new(&tokens);
+        assert_eq!(p.order, [1, 4, 0, 2, 5, 3]);
+        assert_eq!(p.starts, [0, 2, 5, 6]);
+        assert_eq!(p.segs(), 3);
+        let empty = EmbedPlan::new(&[]);
+        assert_eq!((empty.order.len(), empty.segs()), (0, 0));
+        assert_eq!(empty.starts, [0]);
     }
 
     /// The host twin of the bf16 store agrees with the `half` crate's rounding on ties, NaN,

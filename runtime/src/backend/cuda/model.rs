@@ -137,8 +137,13 @@ impl<T> GTensor<T> {
 }
 
 pub enum GStash<T> {
+    /// The token ids and their [`kernels::EmbedPlan`] (the ids always come from
+    /// `model::tokens` of the step and microbatch, so the host builds the plan).
     Embedding {
         tokens: CudaSlice<u32>,
+        order: CudaSlice<u32>,
+        starts: CudaSlice<u32>,
+        segs: usize,
     },
     Block {
         x: CudaSlice<T>,
@@ -341,7 +346,13 @@ impl<T: Elem> Dev<T> {
                 (LayerKind::Embedding, GTensor::Tokens(tok)) => {
                     let mut out = self.zeros::<T>(s * h)?;
                     launch!(self, "embed_fwd", s * h, [&p[0], &tok, &mut out, &si, &hi]);
-                    stash.push(GStash::Embedding { tokens: tok });
+                    let plan = kernels::EmbedPlan::new(&model::tokens(&self.cfg, step, mb));
+                    stash.push(GStash::Embedding {
+                        tokens: tok,
+                        order: self.upload_u32(&plan.order)?,
+                        starts: self.upload_u32(&plan.starts)?,
+                        segs: plan.segs(),
+                    });
                     GTensor::Hidden(out)
                 }
                 (LayerKind::Decoder | LayerKind::Mtp, GTensor::Hidden(xin)) => {
@@ -493,7 +504,7 @@ impl<T: Elem> Dev<T> {
         partial: &[GPartial<T>],
     ) -> Result<GGrads<T>, BackendError> {
         let (s, h, f, v) = (self.cfg.seq, self.cfg.hidden, self.cfg.ffn, self.cfg.vocab);
-        let (si, hi) = (i32of(s, "seq")?, i32of(h, "hidden")?);
+        let hi = i32of(h, "hidden")?;
         if partial.len() != stage.layers.len() || stash.len() != stage.layers.len() {
             return Err(BackendError(format!(
                 "stage {}: partial gradients are missing layers",
@@ -503,9 +514,23 @@ impl<T: Elem> Dev<T> {
         let mut grads = Vec::with_capacity(stage.layers.len());
         for (st, pa) in stash.iter().zip(partial) {
             grads.push(match (st, pa) {
-                (GStash::Embedding { tokens }, GPartial::Embedding { dy }) => {
+                (
+                    GStash::Embedding {
+                        tokens,
+                        order,
+                        starts,
+                        segs,
+                    },
+                    GPartial::Embedding { dy },
+                ) => {
                     let mut g = self.zeros::<T>(v * h)?;
-                    launch!(self, "embed_bwd", h, [&mut g, tokens, dy, &si, &hi]);
+                    let segi = i32of(*segs, "distinct tokens")?;
+                    launch!(
+                        self,
+                        "embed_bwd",
+                        segs * h,
+                        [&mut g, tokens, order, starts, dy, &segi, &hi]
+                    );
                     vec![g]
                 }
                 (GStash::Block { x, a, .. }, GPartial::Block { dy, dh }) => vec![
