@@ -380,7 +380,43 @@ fn compare(
     if loss.to_bits() != r.loss.to_bits() {
         return Err(mismatch("step loss".into(), loss, r.loss));
     }
+    for_each_gradient(
+        step,
+        grads,
+        r,
+        model,
+        |_| true,
+        |what, gt, rt| {
+            sum.tensors += 1;
+            for ((idx, &a), &b) in gt.indexed_iter().zip(rt.iter()) {
+                sum.values += 1;
+                let d = (a as f64 - b as f64).abs();
+                sum.max_abs_diff = sum.max_abs_diff.max(d);
+                if a.to_bits() != b.to_bits() {
+                    return Err(mismatch(format!("{what}[{}, {}]", idx.0, idx.1), a, b));
+                }
+            }
+            Ok(())
+        },
+    )?;
+    Ok(sum)
+}
+
+/// Pair every weight-gradient tensor of the stages `include` accepts with the reference's and
+/// hand both to `f` with the tensor's name (`gradient of stage 1, layer 0 (t), W1`): the walk
+/// the bitwise (CPU) and normwise (CUDA) checks share. A stage no rank produced is an error.
+pub(crate) fn for_each_gradient(
+    step: u32,
+    grads: &[Option<&StageGrads<f32>>],
+    r: &reference::RefStep,
+    model: &[Stage<f32>],
+    include: impl Fn(usize) -> bool,
+    mut f: impl FnMut(String, &ndarray::Array2<f32>, &ndarray::Array2<f32>) -> Result<(), RunError>,
+) -> Result<(), RunError> {
     for (s, rg) in r.grads.iter().enumerate() {
+        if !include(s) {
+            continue;
+        }
         let Some(g) = grads.get(s).copied().flatten() else {
             return Err(RunError::Check {
                 step,
@@ -390,29 +426,16 @@ fn compare(
         for (li, (gl, rl)) in g.iter().zip(rg).enumerate() {
             let names = model::Layer::<f32>::names(model[s].layers[li].kind);
             for (ti, (gt, rt)) in gl.tensors.iter().zip(&rl.tensors).enumerate() {
-                sum.tensors += 1;
-                for ((idx, &a), &b) in gt.indexed_iter().zip(rt.iter()) {
-                    sum.values += 1;
-                    let d = (a as f64 - b as f64).abs();
-                    sum.max_abs_diff = sum.max_abs_diff.max(d);
-                    if a.to_bits() != b.to_bits() {
-                        return Err(mismatch(
-                            format!(
-                                "gradient of stage {s}, layer {li} ({}), {}[{}, {}]",
-                                gl.kind.symbol(),
-                                names.get(ti).copied().unwrap_or("?"),
-                                idx.0,
-                                idx.1
-                            ),
-                            a,
-                            b,
-                        ));
-                    }
-                }
+                let what = format!(
+                    "gradient of stage {s}, layer {li} ({}), {}",
+                    gl.kind.symbol(),
+                    names.get(ti).copied().unwrap_or("?")
+                );
+                f(what, gt, rt)?;
             }
         }
     }
-    Ok(sum)
+    Ok(())
 }
 
 /// The interpreter's own time for one step of `program`, per rank, in microseconds: each rank

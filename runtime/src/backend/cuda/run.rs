@@ -29,7 +29,7 @@ use crate::error::RunError;
 use crate::interp::{run_rank, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
-use crate::run::{CheckSummary, RankStats, RunReport, StepReport};
+use crate::run::{for_each_gradient, CheckSummary, RankStats, RunReport, StepReport};
 use crate::transport::Transport;
 use crate::watchdog::{Failure, FailureKind, Watch};
 use cudarc::driver::CudaContext;
@@ -695,35 +695,13 @@ pub fn compare_normwise(
     );
     let (rel, abs) = rel_err(std::iter::once(loss), std::iter::once(r.loss));
     note(rel, abs, 1, "the step loss".into(), &mut sum);
-    for (s, rg) in r.grads.iter().enumerate() {
-        if !mine.get(s).copied().unwrap_or(false) {
-            continue;
-        }
-        let Some(g) = grads.get(s).copied().flatten() else {
-            return Err(RunError::Check {
-                step,
-                msg: format!("no rank produced the gradients of stage {s}"),
-            });
-        };
-        for (li, (gl, rl)) in g.iter().zip(rg).enumerate() {
-            let names = model::Layer::<f32>::names(model[s].layers[li].kind);
-            for (ti, (gt, rt)) in gl.tensors.iter().zip(&rl.tensors).enumerate() {
-                sum.tensors += 1;
-                let (rel, abs) = rel_err(gt.iter().copied(), rt.iter().copied());
-                note(
-                    rel,
-                    abs,
-                    rt.len(),
-                    format!(
-                        "gradient of stage {s}, layer {li} ({}), {}",
-                        gl.kind.symbol(),
-                        names.get(ti).copied().unwrap_or("?")
-                    ),
-                    &mut sum,
-                );
-            }
-        }
-    }
+    let include = |s: usize| mine.get(s).copied().unwrap_or(false);
+    for_each_gradient(step, grads, r, model, include, |what, gt, rt| {
+        sum.tensors += 1;
+        let (rel, abs) = rel_err(gt.iter().copied(), rt.iter().copied());
+        note(rel, abs, rt.len(), what, &mut sum);
+        Ok(())
+    })?;
     if worst.0 > tol {
         return Err(RunError::Check {
             step,
