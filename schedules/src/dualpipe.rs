@@ -18,11 +18,10 @@
 //! 5 `nB1F1B0`, 6 `nB1B0` (the second half of its backwards split), 7 `nWB0`, 8 `nW`.
 //! Split backwards queue their `W`; `W` steps run the oldest queued one.
 
-use crate::ids::Rank;
 use crate::op::{Compute, Task};
 use crate::schedule::RankOrder;
 use crate::spec::ScheduleSpec;
-use crate::v_shape::{forwards_only, leading_forwards};
+use crate::v_shape::rank_orders;
 use std::collections::VecDeque;
 
 /// Builds one rank's ops from the step program, given how a (phase, index) becomes a task.
@@ -150,55 +149,35 @@ fn steps<F: Fn(usize, u32) -> Task>(
 pub(crate) fn dualpipe(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let (pp, m) = (spec.pp, spec.microbatches);
     let half = m / 2;
-    let mut orders: Vec<RankOrder> = (0..pp)
-        .map(|r| {
-            let second_half = (r >= pp / 2) as usize;
-            let task = |phase: usize, k: u32| {
-                let direction = phase ^ second_half;
-                if direction == 0 {
-                    Task::new(r, k)
-                } else {
-                    Task::new(pp - 1 - r, half + k)
-                }
-            };
-            let ops = steps(pp / 2, r.min(pp - 1 - r), half, task);
-            RankOrder {
-                rank: Rank(r),
-                warmup: leading_forwards(&ops),
-                ops,
+    let per_rank = (0..pp).map(|r| {
+        let second_half = (r >= pp / 2) as usize;
+        let task = |phase: usize, k: u32| {
+            let direction = phase ^ second_half;
+            if direction == 0 {
+                Task::new(r, k)
+            } else {
+                Task::new(pp - 1 - r, half + k)
             }
-        })
-        .collect();
-    if spec.forward_only {
-        forwards_only(&mut orders);
-    }
-    orders
+        };
+        steps(pp / 2, r.min(pp - 1 - r), half, task)
+    });
+    rank_orders(spec, per_rank)
 }
 
 /// DualPipeV on `pp` ranks (V placement, `2pp` stages) and `M >= 2pp` microbatches.
 pub(crate) fn dualpipe_v(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let (pp, m) = (spec.pp, spec.microbatches);
-    let mut orders: Vec<RankOrder> = (0..pp)
-        .map(|r| {
-            let task = |phase: usize, k: u32| {
-                if phase == 0 {
-                    Task::new(r, k)
-                } else {
-                    Task::new(2 * pp - 1 - r, k)
-                }
-            };
-            let ops = steps(pp, r, m, task);
-            RankOrder {
-                rank: Rank(r),
-                warmup: leading_forwards(&ops),
-                ops,
+    let per_rank = (0..pp).map(|r| {
+        let task = |phase: usize, k: u32| {
+            if phase == 0 {
+                Task::new(r, k)
+            } else {
+                Task::new(2 * pp - 1 - r, k)
             }
-        })
-        .collect();
-    if spec.forward_only {
-        forwards_only(&mut orders);
-    }
-    orders
+        };
+        steps(pp, r, m, task)
+    });
+    rank_orders(spec, per_rank)
 }
 
 #[cfg(test)]

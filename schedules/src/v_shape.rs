@@ -24,25 +24,36 @@ fn stage(pp: u32, r: u32, c: u32) -> u32 {
     }
 }
 
-/// Number of leading forwards (`RankOrder::warmup`).
-pub(crate) fn leading_forwards(ops: &[Compute]) -> u32 {
-    ops.iter().take_while(|o| o.is_forward()).count() as u32
-}
-
-/// Keep only the forwards (forward-only runs drop every backward pass of the training order).
-pub(crate) fn forwards_only(orders: &mut [RankOrder]) {
-    for o in orders {
-        o.ops = o
-            .ops
-            .iter()
-            .filter_map(|op| match *op {
-                Compute::Fwd(t) => Some(Compute::Fwd(t)),
-                Compute::FwdBwd { fwd, .. } => Some(Compute::Fwd(fwd)),
-                _ => None,
-            })
-            .collect();
-        o.warmup = o.ops.len() as u32;
-    }
+/// Each rank's ops (rank `r` at index `r`) as [`RankOrder`]s: `warmup` is the number of
+/// leading forwards, and a forward-only spec keeps only the forwards of the training order
+/// (the forward half of an overlapped pair included). The tail every V-shape and DualPipe
+/// generator shares.
+pub(crate) fn rank_orders(
+    spec: &ScheduleSpec,
+    per_rank: impl IntoIterator<Item = Vec<Compute>>,
+) -> Vec<RankOrder> {
+    per_rank
+        .into_iter()
+        .enumerate()
+        .map(|(r, ops)| {
+            let ops: Vec<Compute> = if spec.forward_only {
+                ops.into_iter()
+                    .filter_map(|op| match op {
+                        Compute::Fwd(t) => Some(Compute::Fwd(t)),
+                        Compute::FwdBwd { fwd, .. } => Some(Compute::Fwd(fwd)),
+                        _ => None,
+                    })
+                    .collect()
+            } else {
+                ops
+            };
+            RankOrder {
+                rank: Rank(r as u32),
+                warmup: ops.iter().take_while(|o| o.is_forward()).count() as u32,
+                ops,
+            }
+        })
+        .collect()
 }
 
 /// ZB-V in torch `ScheduleZBVZeroBubble._calculate_single_rank_operations` order: warmup
@@ -53,87 +64,78 @@ pub(crate) fn forwards_only(orders: &mut [RankOrder]) {
 pub(crate) fn zb_v(spec: &ScheduleSpec) -> Vec<RankOrder> {
     let (pp, m) = (spec.pp, spec.microbatches);
     let n = m.max(2 * pp - 1);
-    let mut orders: Vec<RankOrder> = (0..pp)
-        .map(|r| {
-            let (s0, s1) = (stage(pp, r, 0), stage(pp, r, 1));
-            let mut ops = Vec::with_capacity(6 * n as usize);
-            let (mut f0, mut f1, mut b0, mut b1) = (0, 0, 0, 0);
-            let t = |s: u32, mb: u32| Task::new(s, mb);
-            for _ in 0..2 * (pp - r) - 1 {
+    let per_rank = (0..pp).map(|r| {
+        let (s0, s1) = (stage(pp, r, 0), stage(pp, r, 1));
+        let mut ops = Vec::with_capacity(6 * n as usize);
+        let (mut f0, mut f1, mut b0, mut b1) = (0, 0, 0, 0);
+        let t = |s: u32, mb: u32| Task::new(s, mb);
+        for _ in 0..2 * (pp - r) - 1 {
+            ops.push(Compute::Fwd(t(s0, f0)));
+            f0 += 1;
+        }
+        for _ in 0..r {
+            ops.push(Compute::Fwd(t(s1, f1)));
+            f1 += 1;
+            ops.push(Compute::Fwd(t(s0, f0)));
+            f0 += 1;
+        }
+        for _ in 0..pp - r {
+            ops.push(Compute::Fwd(t(s1, f1)));
+            f1 += 1;
+            ops.push(Compute::BwdD(t(s1, b1)));
+            ops.push(Compute::BwdW(t(s1, b1)));
+            b1 += 1;
+        }
+        while f1 < f0 || f0 < n {
+            if f0 < n {
                 ops.push(Compute::Fwd(t(s0, f0)));
                 f0 += 1;
             }
-            for _ in 0..r {
-                ops.push(Compute::Fwd(t(s1, f1)));
-                f1 += 1;
-                ops.push(Compute::Fwd(t(s0, f0)));
-                f0 += 1;
-            }
-            for _ in 0..pp - r {
-                ops.push(Compute::Fwd(t(s1, f1)));
-                f1 += 1;
-                ops.push(Compute::BwdD(t(s1, b1)));
-                ops.push(Compute::BwdW(t(s1, b1)));
-                b1 += 1;
-            }
-            while f1 < f0 || f0 < n {
-                if f0 < n {
-                    ops.push(Compute::Fwd(t(s0, f0)));
-                    f0 += 1;
-                }
-                ops.push(Compute::BwdD(t(s0, b0)));
-                ops.push(Compute::BwdW(t(s0, b0)));
-                b0 += 1;
-                ops.push(Compute::Fwd(t(s1, f1)));
-                f1 += 1;
-                ops.push(Compute::BwdD(t(s1, b1)));
-                ops.push(Compute::BwdW(t(s1, b1)));
-                b1 += 1;
-            }
-            let (mut w0, mut w1) = (b0, b1);
-            for _ in 0..r {
-                ops.push(Compute::BwdD(t(s0, b0)));
-                b0 += 1;
-                ops.push(Compute::BwdD(t(s1, b1)));
-                b1 += 1;
-            }
-            for _ in 0..pp - r {
-                ops.push(Compute::BwdD(t(s0, b0)));
-                b0 += 1;
-                ops.push(Compute::BwdW(t(s0, w0)));
-                w0 += 1;
-            }
-            while w1 < b1 {
-                ops.push(Compute::BwdW(t(s1, w1)));
-                w1 += 1;
-            }
-            while w0 < b0 {
-                ops.push(Compute::BwdW(t(s0, w0)));
-                w0 += 1;
-            }
-            debug_assert!(w0 == b0 && b0 == f0 && w1 == b1 && b1 == f1);
-            ops.retain(|op| op.parts().all(|(_, task)| task.mb.0 < m));
-            RankOrder {
-                rank: Rank(r),
-                warmup: leading_forwards(&ops),
-                ops,
-            }
-        })
-        .collect();
-    if spec.forward_only {
-        forwards_only(&mut orders);
-    }
-    orders
+            ops.push(Compute::BwdD(t(s0, b0)));
+            ops.push(Compute::BwdW(t(s0, b0)));
+            b0 += 1;
+            ops.push(Compute::Fwd(t(s1, f1)));
+            f1 += 1;
+            ops.push(Compute::BwdD(t(s1, b1)));
+            ops.push(Compute::BwdW(t(s1, b1)));
+            b1 += 1;
+        }
+        let (mut w0, mut w1) = (b0, b1);
+        for _ in 0..r {
+            ops.push(Compute::BwdD(t(s0, b0)));
+            b0 += 1;
+            ops.push(Compute::BwdD(t(s1, b1)));
+            b1 += 1;
+        }
+        for _ in 0..pp - r {
+            ops.push(Compute::BwdD(t(s0, b0)));
+            b0 += 1;
+            ops.push(Compute::BwdW(t(s0, w0)));
+            w0 += 1;
+        }
+        while w1 < b1 {
+            ops.push(Compute::BwdW(t(s1, w1)));
+            w1 += 1;
+        }
+        while w0 < b0 {
+            ops.push(Compute::BwdW(t(s0, w0)));
+            w0 += 1;
+        }
+        debug_assert!(w0 == b0 && b0 == f0 && w1 == b1 && b1 == f1);
+        ops.retain(|op| op.parts().all(|(_, task)| task.mb.0 < m));
+        ops
+    });
+    rank_orders(spec, per_rank)
 }
 
 fn from_greedy(spec: &ScheduleSpec, block: Block) -> Vec<RankOrder> {
     let pp = spec.pp;
-    let mut orders: Vec<RankOrder> = greedy::order(block, pp, spec.microbatches)
+    let per_rank = greedy::order(block, pp, spec.microbatches)
         .into_iter()
         .enumerate()
         .map(|(r, passes)| {
             let r = r as u32;
-            let ops: Vec<Compute> = passes
+            passes
                 .into_iter()
                 .map(|(ty, mb)| {
                     let mb = mb as u32;
@@ -148,18 +150,9 @@ fn from_greedy(spec: &ScheduleSpec, block: Block) -> Vec<RankOrder> {
                         _ => unreachable!("greedy::order yields six pass types"),
                     }
                 })
-                .collect();
-            RankOrder {
-                rank: Rank(r),
-                warmup: leading_forwards(&ops),
-                ops,
-            }
-        })
-        .collect();
-    if spec.forward_only {
-        forwards_only(&mut orders);
-    }
-    orders
+                .collect::<Vec<Compute>>()
+        });
+    rank_orders(spec, per_rank)
 }
 
 /// V-Half: the building block `stable_pattern_v_half` (about half of 1F1B's activations).
