@@ -237,11 +237,7 @@ fn run(args: &Args) -> Result<(), RunError> {
         check: args.check,
     };
     let report = run_cpu(&loaded.program, &m.layout, &opts)?;
-    if let Some(p) = &args.trace {
-        let text = pipec_runtime::trace::chrome_trace(&loaded.program, &report.timeline);
-        std::fs::write(p, text)
-            .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
-    }
+    write_trace(args, &loaded.program, &report.timeline)?;
     let interp = Interp::measure(&loaded.program, &report.steps);
     if args.json {
         let mut out = json_head(args, dir, &loaded, cfg, "cpu", "f32");
@@ -328,6 +324,20 @@ fn json_head(
     })
 }
 
+/// `--trace FILE`: the measured timeline as a Chrome trace.
+fn write_trace(
+    args: &Args,
+    program: &pipec::program::Program,
+    timeline: &pipec::timeline::Timeline,
+) -> Result<(), RunError> {
+    if let Some(p) = &args.trace {
+        let text = pipec_runtime::trace::chrome_trace(program, timeline);
+        std::fs::write(p, text)
+            .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
+    }
+    Ok(())
+}
+
 fn print_json(v: &serde_json::Value) {
     println!(
         "{}",
@@ -365,7 +375,7 @@ fn cuda_info() -> Result<(), RunError> {
 /// `--backend cuda`: run, then print what this process ran and the calibration.
 #[cfg(feature = "cuda")]
 mod cuda_main {
-    use super::{json_head, ms, print_json, Args, DtypeArg, Interp};
+    use super::{json_head, ms, print_json, write_trace, Args, DtypeArg, Interp};
     use pipec::files::Loaded;
     use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
     use pipec_runtime::backend::cuda::launch;
@@ -401,11 +411,7 @@ mod cuda_main {
         let report = run_cuda(program, layout, &opts)?;
         if args.json {
             let timeline = &report.run.timeline;
-            if let Some(p) = &args.trace {
-                let text = pipec_runtime::trace::chrome_trace(program, timeline);
-                std::fs::write(p, text)
-                    .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
-            }
+            write_trace(args, program, timeline)?;
             let mut out = json_head(args, dir, loaded, cfg, "cuda", dtype.name());
             out["ranks"] = serde_json::json!(report.ranks);
             out["devices"] = serde_json::json!(report.devices);
@@ -500,10 +506,8 @@ mod cuda_main {
             Interp::measure(program, &report.run.steps).print();
         }
         let timeline = &report.run.timeline;
+        write_trace(args, program, timeline)?;
         if let Some(p) = &args.trace {
-            let text = pipec_runtime::trace::chrome_trace(program, timeline);
-            std::fs::write(p, text)
-                .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
             println!("trace: {} (last step, CUDA event times)", p.display());
         }
         if launch.is_some() {
