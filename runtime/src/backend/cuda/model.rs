@@ -137,13 +137,13 @@ impl<T> GTensor<T> {
 }
 
 pub enum GStash<T> {
-    /// The token ids and their [`kernels::EmbedPlan`] (the ids always come from
-    /// `model::tokens` of the step and microbatch, so the host builds the plan).
+    /// The token ids, and the step and microbatch they are `model::tokens` of: the weight
+    /// gradient builds its [`kernels::EmbedPlan`] from those on the host (a forward-only run
+    /// never needs it).
     Embedding {
         tokens: CudaSlice<u32>,
-        order: CudaSlice<u32>,
-        starts: CudaSlice<u32>,
-        segs: usize,
+        step: u32,
+        mb: u32,
     },
     Block {
         x: CudaSlice<T>,
@@ -346,12 +346,10 @@ impl<T: Elem> Dev<T> {
                 (LayerKind::Embedding, GTensor::Tokens(tok)) => {
                     let mut out = self.zeros::<T>(s * h)?;
                     launch!(self, "embed_fwd", s * h, [&p[0], &tok, &mut out, &si, &hi]);
-                    let plan = kernels::EmbedPlan::new(&model::tokens(&self.cfg, step, mb));
                     stash.push(GStash::Embedding {
                         tokens: tok,
-                        order: self.upload_u32(&plan.order)?,
-                        starts: self.upload_u32(&plan.starts)?,
-                        segs: plan.segs(),
+                        step,
+                        mb,
                     });
                     GTensor::Hidden(out)
                 }
@@ -514,22 +512,20 @@ impl<T: Elem> Dev<T> {
         let mut grads = Vec::with_capacity(stage.layers.len());
         for (st, pa) in stash.iter().zip(partial) {
             grads.push(match (st, pa) {
-                (
-                    GStash::Embedding {
-                        tokens,
-                        order,
-                        starts,
-                        segs,
-                    },
-                    GPartial::Embedding { dy },
-                ) => {
+                (GStash::Embedding { tokens, step, mb }, GPartial::Embedding { dy }) => {
+                    let plan = kernels::EmbedPlan::new(&model::tokens(&self.cfg, *step, *mb));
+                    let (order, starts) = (
+                        self.upload_u32(&plan.order)?,
+                        self.upload_u32(&plan.starts)?,
+                    );
+                    let segs = plan.segs();
                     let mut g = self.zeros::<T>(v * h)?;
-                    let segi = i32of(*segs, "distinct tokens")?;
+                    let segi = i32of(segs, "distinct tokens")?;
                     launch!(
                         self,
                         "embed_bwd",
                         segs * h,
-                        [&mut g, tokens, order, starts, dy, &segi, &hi]
+                        [&mut g, tokens, &order, &starts, dy, &segi, &hi]
                     );
                     vec![g]
                 }
