@@ -25,5 +25,16 @@ if [ -f "$nvrtc_dir/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ]; then
 fi
 "${nvrtc_env[@]}" cargo test -p pipec-runtime --features cuda --locked
 cargo clippy -p pipec-runtime --features cuda --all-targets --locked -- -D warnings
+# Python (the Megatron recorder, tests/golden/megatron/record.py): linted and formatted with ruff,
+# installed once into target/ from PyPI.
+ruff=target/ruff-0.17.6/bin/ruff
+if [ ! -x "$ruff" ]; then
+  rm -rf target/ruff-0.17.6
+  python3 -m venv target/ruff-0.17.6 && target/ruff-0.17.6/bin/pip install --quiet ruff==0.17.6 ||
+    { rm -rf target/ruff-0.17.6; echo "test.sh: ruff not available from PyPI; Python lint skipped" >&2; }
+fi
+if [ -x "$ruff" ]; then
+  "$ruff" check . && "$ruff" format --check .
+fi
 # The fuzz targets (outside the workspace, run with `cargo +nightly fuzz`) still compile.
 cargo check --manifest-path fuzz/Cargo.toml --bins --locked

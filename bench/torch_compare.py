@@ -11,6 +11,7 @@ does, so no process group is needed.
 
 Usage: python bench/torch_compare.py [PIPEC_BINARY]   (needs torch; not part of CI)
 """
+
 import os
 import subprocess
 import sys
@@ -68,9 +69,23 @@ def pipec_time(binary, pp, vpp, m):
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             subprocess.run(
-                [binary, "compile", "--schedule", "interleaved-1f1b", "--pp", str(pp),
-                 "--vpp", str(vpp), "--microbatches", str(m), "-o", os.path.join(d, "s")],
-                check=True, stdout=subprocess.DEVNULL)
+                [
+                    binary,
+                    "compile",
+                    "--schedule",
+                    "interleaved-1f1b",
+                    "--pp",
+                    str(pp),
+                    "--vpp",
+                    str(vpp),
+                    "--microbatches",
+                    str(m),
+                    "-o",
+                    os.path.join(d, "s"),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             t = time.perf_counter() - t0
         best = t if best is None else min(best, t)
     return best
@@ -81,15 +96,23 @@ def main():
     print(f"torch {torch.__version__}")
     # torch's path = constructor (order + _validate_schedule + _add_send_recv, which it calls)
     # + _simulate_comms_compute; validate and add_send_recv are also shown alone, not added.
-    print(f"{'size':<22} {'torch ctor s':>12} {'validate s':>10} {'add_send_recv s':>15} "
-          f"{'simulate s':>10} {'torch path s':>12} {'pipec compile s':>15} {'speedup':>8}")
-    for name, pp, vpp, m in [("S pp=8 vpp=2 M=64", 8, 2, 64), ("pp=16 vpp=2 M=128", 16, 2, 128),
-                             ("M pp=32 vpp=4 M=256", 32, 4, 256)]:
+    print(
+        f"{'size':<22} {'torch ctor s':>12} {'validate s':>10} {'add_send_recv s':>15} "
+        f"{'simulate s':>10} {'torch path s':>12} {'pipec compile s':>15} {'speedup':>8}"
+    )
+    for name, pp, vpp, m in [
+        ("S pp=8 vpp=2 M=64", 8, 2, 64),
+        ("pp=16 vpp=2 M=128", 16, 2, 128),
+        ("M pp=32 vpp=4 M=256", 32, 4, 256),
+    ]:
         c, v, a, s = torch_times(pp, vpp, m)
         p = pipec_time(binary, pp, vpp, m)
         total = c + s
-        print(f"{name:<22} {c:>12.3f} {v:>10.3f} {a:>15.3f} {s:>10.3f} {total:>12.3f} {p:>15.4f} "
-              f"{total / p:>7.0f}x", flush=True)
+        print(
+            f"{name:<22} {c:>12.3f} {v:>10.3f} {a:>15.3f} {s:>10.3f} {total:>12.3f} {p:>15.4f} "
+            f"{total / p:>7.0f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 
 use std::path::PathBuf;
 
-/// The project's `shared/` folder (DESIGN.md, seeds, conformance), which sits beside the
-/// checkout. `PIPEC_SHARED` overrides. Panics with a clear message when it is missing: the
-/// conformance tests must not silently pass without their data.
+/// The conformance data the tests use, copied into the repository from the project's
+/// `shared/conformance/` (published examples made by running Megatron's and torch's own code)
+/// so that a plain clone runs every test. `PIPEC_SHARED` points at another `shared/` folder.
+/// Panics with a clear message when it is missing: the conformance tests must not silently
+/// pass without their data.
 pub fn shared_dir() -> PathBuf {
     if let Ok(p) = std::env::var("PIPEC_SHARED") {
         return PathBuf::from(p);
     }
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"));
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/golden"));
     assert!(
         p.join("conformance").is_dir(),
         "conformance data not found at {} (set PIPEC_SHARED to the shared/ folder)",
@@ -64,3 +66,11 @@ pub fn pipec() -> std::process::Command {
 }
 
 pub mod reference;
+
+/// The Megatron P2P mode a test asks for by default (pipec's own default rule).
+pub fn megatron_p2p_for(
+    kind: pipec_schedules::ScheduleKind,
+    pp: u32,
+) -> pipec_schedules::MegatronP2p {
+    pipec_schedules::MegatronP2p::default_for(kind, pp)
+}

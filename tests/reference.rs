@@ -94,6 +94,7 @@ pub fn execute(p: &Program) -> Outcome {
                 Instr::Send { peer, payload, .. } | Instr::Recv { peer, payload, .. } => {
                     peer.0 as usize >= world || payload.stage.0 >= stages || payload.mb.0 >= m
                 }
+                Instr::Wait { .. } => false,
             };
             if bad {
                 malformed = true;
@@ -127,6 +128,7 @@ pub fn execute(p: &Program) -> Outcome {
         .collect();
     let mut channels: HashMap<(usize, usize), Channel> = HashMap::new();
     let mut dependency = false;
+    let mut dependency_seen: HashSet<(usize, usize)> = HashSet::new();
     let mut executed: Vec<(usize, Pass, Task)> = Vec::new();
 
     loop {
@@ -147,8 +149,30 @@ pub fn execute(p: &Program) -> Outcome {
                 if pc >= instrs.len() {
                     break;
                 }
+                // A wait blocks until every op of the (last) batch it names is done; one that
+                // names nothing posted before waits for nothing and is a dependency error.
+                if let Instr::Wait { batch } = instrs[pc] {
+                    let lo = (0..pc).rev().find(|&i| instrs[i].batch() == Some(batch));
+                    if lo.is_none() && !dependency_seen.contains(&(r, pc)) {
+                        dependency_seen.insert((r, pc));
+                        dependency = true;
+                        problems.push(format!(
+                            "rank {r} #{pc}: waits for batch {batch}, never posted before"
+                        ));
+                    }
+                    if let Some(lo) = lo {
+                        let mut a = lo;
+                        while a > 0 && instrs[a - 1].batch() == Some(batch) {
+                            a -= 1;
+                        }
+                        if !(a..=lo).all(|i| ranks[r].done[i]) {
+                            break;
+                        }
+                    }
+                }
                 progress = true;
                 match instrs[pc] {
+                    Instr::Wait { .. } => ranks[r].pc += 1,
                     Instr::Compute(c) => {
                         // Inputs of every part first: the parts of a pair run at once.
                         let me = &mut ranks[r];
@@ -210,7 +234,15 @@ pub fn execute(p: &Program) -> Outcome {
                         while end < instrs.len() && instrs[end].batch() == Some(batch) {
                             end += 1;
                         }
-                        ranks[r].posted = Some((pc, end));
+                        // Left in flight when a later wait names it: the rank goes on.
+                        let waited = instrs[end..]
+                            .iter()
+                            .any(|x| matches!(x, Instr::Wait { batch: b } if *b == batch));
+                        if waited {
+                            ranks[r].pc = end;
+                        } else {
+                            ranks[r].posted = Some((pc, end));
+                        }
                         for i in pc..end {
                             match instrs[i] {
                                 Instr::Send { peer, payload, .. } => {
@@ -254,7 +286,9 @@ pub fn execute(p: &Program) -> Outcome {
                                         ch.recvs.push_back((r, i));
                                     }
                                 }
-                                Instr::Compute(_) => unreachable!("a batch holds only comm"),
+                                Instr::Compute(_) | Instr::Wait { .. } => {
+                                    unreachable!("a batch holds only comm")
+                                }
                             }
                         }
                     }

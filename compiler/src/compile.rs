@@ -3,7 +3,9 @@
 use crate::layout::{self, Layout, LayoutError};
 use crate::lower::lower;
 use crate::program::Program;
-use pipec_schedules::{generate, Limits, Schedule, ScheduleKind, ScheduleSpec, SpecError};
+use pipec_schedules::{
+    generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
+};
 use thiserror::Error;
 
 /// What the user asked for, before the layout decides vpp.
@@ -18,6 +20,8 @@ pub struct CompileRequest {
     pub forward_only: bool,
     /// Megatron's combined 1F1B (`--combined`).
     pub combined: bool,
+    /// How Megatron posts its P2P calls (1f1b, interleaved-1f1b).
+    pub megatron_p2p: MegatronP2p,
     pub layout: Option<String>,
     pub num_layers: Option<u32>,
     pub mtp_num_layers: Option<u32>,
@@ -37,6 +41,7 @@ impl CompileRequest {
             group_size: None,
             forward_only: false,
             combined: false,
+            megatron_p2p: MegatronP2p::default_for(kind, pp),
             layout: None,
             num_layers: None,
             mtp_num_layers: None,
@@ -81,6 +86,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
                 group_size: req.group_size,
                 forward_only: req.forward_only,
                 combined: req.combined,
+                megatron_p2p: req.megatron_p2p,
             };
             // Validate before the layout allocates pp * vpp stages.
             spec_probe.validate(&req.limits)?;
@@ -95,6 +101,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         group_size: req.group_size,
         forward_only: req.forward_only,
         combined: req.combined,
+        megatron_p2p: req.megatron_p2p,
     };
     let schedule = generate(&spec, &req.limits)?;
     let program = lower(&schedule);

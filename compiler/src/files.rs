@@ -114,6 +114,8 @@ enum InstrJson {
         mb: u32,
         batch: u32,
     },
+    #[serde(rename = "wait")]
+    Wait { batch: u32 },
 }
 
 impl From<&Instr> for InstrJson {
@@ -164,6 +166,7 @@ impl From<&Instr> for InstrJson {
                 mb: payload.mb.0,
                 batch,
             },
+            Instr::Wait { batch } => InstrJson::Wait { batch },
         }
     }
 }
@@ -215,6 +218,7 @@ impl From<InstrJson> for Instr {
                 payload: p(payload, stage, mb),
                 batch,
             },
+            InstrJson::Wait { batch } => Instr::Wait { batch },
         }
     }
 }
@@ -232,6 +236,8 @@ enum InstrBin {
     /// peer, payload (0 act, 1 grad), stage, mb, batch
     Send(u32, u8, u32, u32, u32),
     Recv(u32, u8, u32, u32, u32),
+    /// batch (appended: the variants above keep their indices and bytes)
+    Wait(u32),
 }
 
 impl From<&Instr> for InstrBin {
@@ -258,6 +264,7 @@ impl From<&Instr> for InstrBin {
                 payload,
                 batch,
             } => InstrBin::Recv(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
+            Instr::Wait { batch } => InstrBin::Wait(batch),
         }
     }
 }
@@ -294,6 +301,7 @@ impl TryFrom<InstrBin> for Instr {
                 payload: p(k, s, m)?,
                 batch,
             },
+            InstrBin::Wait(batch) => Instr::Wait { batch },
         })
     }
 }
@@ -500,6 +508,7 @@ fn write_instr(out: &mut Vec<u8>, ins: &Instr) {
             payload,
             batch,
         } => msg(out, "recv", *peer, payload, *batch),
+        Instr::Wait { batch } => push_obj(out, "wait", &[("batch", *batch)], None),
     }
 }
 

@@ -47,14 +47,35 @@ impl DepGraph {
                 offsets: vec![0],
             };
         };
+        // Program order. The ops of one comm batch are posted together, so none orders
+        // another: each follows what precedes the batch, and what follows the batch follows
+        // each of them.
         for (r, instrs) in program.ranks.iter().enumerate() {
+            let mut seg = 0usize; // start of the batch holding instruction i - 1
             for i in 0..instrs.len() {
                 let n = graph.add_node(InstrRef {
                     rank: Rank(r as u32),
                     index: i as u32,
                 });
-                if i > 0 {
-                    graph.add_edge(NodeIndex::new(n.index() - 1), n, Edge::Order);
+                if i == 0 {
+                    continue;
+                }
+                let id = instrs[i].batch();
+                let node = |k: usize| NodeIndex::new(n.index() - i + k);
+                if id.is_some() && instrs[i - 1].batch() == id {
+                    if seg > 0 {
+                        graph.add_edge(node(seg - 1), n, Edge::Order);
+                    }
+                } else {
+                    let from = if instrs[i - 1].batch().is_some() {
+                        seg
+                    } else {
+                        i - 1
+                    };
+                    for k in from..i {
+                        graph.add_edge(node(k), n, Edge::Order);
+                    }
+                    seg = i;
                 }
             }
         }
@@ -226,7 +247,7 @@ fn data_edges(ix: &Index<'_>, out: &mut Vec<(u32, u32)>) {
                         out.push((f, g));
                     }
                 }
-                Instr::Recv { .. } => {}
+                Instr::Recv { .. } | Instr::Wait { .. } => {}
             }
         }
     }

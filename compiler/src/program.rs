@@ -64,7 +64,10 @@ impl fmt::Display for Payload {
 }
 
 /// One instruction. Consecutive `Send`/`Recv` with the same `batch` on one rank are posted
-/// together (one NCCL group, one `batch_isend_irecv`) and complete together.
+/// together (one NCCL group, one `batch_isend_irecv`) and complete together. A batch is
+/// blocking (the rank waits for it right after posting) unless a later `Wait` on the same rank
+/// names it: then it is left in flight (`isend`/`irecv` handles, Megatron's
+/// `overlap_p2p_comm`) and the rank waits for it at the `Wait`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Instr {
     Compute(Compute),
@@ -78,6 +81,10 @@ pub enum Instr {
         payload: Payload,
         batch: u32,
     },
+    /// Block until the earlier batch `batch` of this rank has completed (`work.wait()`).
+    Wait {
+        batch: u32,
+    },
 }
 
 impl Instr {
@@ -85,7 +92,7 @@ impl Instr {
     pub fn batch(&self) -> Option<u32> {
         match *self {
             Instr::Send { batch, .. } | Instr::Recv { batch, .. } => Some(batch),
-            Instr::Compute(_) => None,
+            Instr::Compute(_) | Instr::Wait { .. } => None,
         }
     }
 
@@ -103,6 +110,7 @@ impl fmt::Display for Instr {
             Instr::Compute(c) => write!(f, "{c}"),
             Instr::Send { peer, payload, .. } => write!(f, "send({payload} -> {peer})"),
             Instr::Recv { peer, payload, .. } => write!(f, "recv({payload} <- {peer})"),
+            Instr::Wait { batch } => write!(f, "wait(batch {batch})"),
         }
     }
 }

@@ -362,6 +362,7 @@ fn check_ids(program: &Program, costs: &StageCosts) -> Result<(), SimError> {
                         });
                     }
                 }
+                Instr::Wait { .. } => {}
                 Instr::Send { peer, .. } | Instr::Recv { peer, .. } => {
                     if peer.0 >= world {
                         return Err(SimError::PeerOutOfRange {
@@ -401,6 +402,20 @@ struct Sim<'a> {
     ready: Vec<usize>,
     /// The rank posting a batch right now, `usize::MAX` when none.
     posting: usize,
+    /// Batches left in flight (named by a later `Wait`): per rank, batch id -> slot; per
+    /// global op, its slot (`NONE`); per slot, open ops, latest completion and op range.
+    flight_ids: Vec<std::collections::HashMap<u32, usize>>,
+    flight_of: Vec<u32>,
+    flight: Vec<Flight>,
+    /// Per rank: the slot its current `Wait` blocks on, `usize::MAX` when none.
+    waiting_on: Vec<usize>,
+}
+
+/// One batch left in flight.
+struct Flight {
+    open: u32,
+    done: f64,
+    ops: std::ops::Range<usize>,
 }
 
 impl<'a> Sim<'a> {
@@ -424,6 +439,22 @@ impl<'a> Sim<'a> {
             batch_end: vec![0; world],
             ready: (0..world).rev().collect(),
             posting: usize::MAX,
+            flight_ids: program
+                .ranks
+                .iter()
+                .map(|instrs| {
+                    instrs
+                        .iter()
+                        .filter_map(|i| match i {
+                            Instr::Wait { batch } => Some((*batch, usize::MAX)),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .collect(),
+            flight_of: vec![NONE; total],
+            flight: Vec::new(),
+            waiting_on: vec![usize::MAX; world],
         }
     }
 
@@ -435,6 +466,17 @@ impl<'a> Sim<'a> {
     /// wakes its rank, unless that rank is the one posting right now (it checks for itself).
     fn resolve(&mut self, g: usize, r: usize, t: f64) {
         self.resolved[g] = true;
+        let slot = self.flight_of[g];
+        if slot != NONE {
+            let f = &mut self.flight[slot as usize];
+            f.open -= 1;
+            f.done = f.done.max(t);
+            self.end[g] = t;
+            if f.open == 0 && self.waiting_on[r] == slot as usize {
+                self.ready.push(r);
+            }
+            return;
+        }
         self.batch_max[r] = self.batch_max[r].max(t);
         self.pending[r] -= 1;
         if self.pending[r] == 0 && r != self.posting {
@@ -466,11 +508,41 @@ impl<'a> Sim<'a> {
             self.pc[r] = self.batch_end[r];
             self.batch_end[r] = 0;
         }
+        // A wait whose batch has now completed.
+        let w = self.waiting_on[r];
+        if w != usize::MAX {
+            if self.flight[w].open != 0 {
+                return;
+            }
+            let g = base + self.pc[r];
+            self.clock[r] = self.clock[r].max(self.flight[w].done);
+            self.end[g] = self.clock[r];
+            self.pc[r] += 1;
+            self.waiting_on[r] = usize::MAX;
+        }
         let mut pc = self.pc[r];
         let mut clock = self.clock[r];
         while pc < instrs.len() {
             let g = base + pc;
             match &instrs[pc] {
+                Instr::Wait { batch } => {
+                    self.start[g] = clock;
+                    match self.flight_ids[r].get(batch).copied() {
+                        Some(slot) if slot != usize::MAX && self.flight[slot].open != 0 => {
+                            self.pc[r] = pc;
+                            self.clock[r] = clock;
+                            self.waiting_on[r] = slot;
+                            return;
+                        }
+                        Some(slot) if slot != usize::MAX => {
+                            clock = clock.max(self.flight[slot].done);
+                        }
+                        // A wait on nothing posted: the verifier reports it; time goes on.
+                        _ => {}
+                    }
+                    self.end[g] = clock;
+                    pc += 1;
+                }
                 Instr::Compute(op) => {
                     // Ids were range-checked in `check_ids`.
                     let d = self.costs.compute(op).unwrap_or(0.0);
@@ -487,6 +559,28 @@ impl<'a> Sim<'a> {
                         && instrs[hi].batch() == id
                     {
                         hi += 1;
+                    }
+                    if let Some(slot) = id.and_then(|b| self.flight_ids[r].get_mut(&b)) {
+                        // Left in flight: post it and go on; its `Wait` blocks.
+                        *slot = self.flight.len();
+                        self.flight.push(Flight {
+                            open: (hi - pc) as u32,
+                            done: clock,
+                            ops: base + pc..base + hi,
+                        });
+                        for k in pc..hi {
+                            let g = base + k;
+                            self.start[g] = clock;
+                            self.posted[g] = clock;
+                            self.flight_of[g] = *slot as u32;
+                        }
+                        self.posting = r;
+                        for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
+                            self.post(base + k, r, matches!(ins, Instr::Send { .. }));
+                        }
+                        self.posting = usize::MAX;
+                        pc = hi;
+                        continue;
                     }
                     self.pending[r] = 0;
                     self.batch_max[r] = clock;
@@ -564,7 +658,12 @@ impl<'a> Sim<'a> {
             let base = self.m.offsets[r];
             let lo = self.pc[r];
             let hi = self.batch_end[r].max(lo + 1);
-            let waiting = (lo..hi)
+            // At a wait, the ops of the batch it waits for.
+            let range = match self.waiting_on[r] {
+                usize::MAX => lo..hi,
+                w => self.flight[w].ops.start - base..self.flight[w].ops.end - base,
+            };
+            let waiting = range
                 .filter(|&k| !self.resolved[base + k])
                 .map(|k| {
                     let g = base + k;

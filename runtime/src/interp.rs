@@ -161,6 +161,11 @@ struct Interp<'a, B: Backend> {
     backend: &'a mut B,
     t: Tables<B>,
     ops: Vec<CommOp<B::Tensor>>,
+    /// Batch ids some `Wait` of this rank names: those batches are left in flight.
+    waited: std::collections::HashSet<u32>,
+    in_flight: std::collections::HashMap<u32, Vec<CommOp<B::Tensor>>>,
+    /// Batches left in flight that a wait has completed.
+    completed: std::collections::HashSet<u32>,
 }
 
 impl<'a, B: Backend> Interp<'a, B> {
@@ -330,9 +335,46 @@ impl<'a, B: Backend> Interp<'a, B> {
         })
     }
 
-    /// Post the batch `ops` (already filled) and file what arrived.
+    /// Post the batch at `first..end` and, unless it is left in flight (a later `Wait` names
+    /// it), wait for it and file what arrived.
     fn batch(&mut self, first: usize, end: usize) -> Result<(), Fault> {
         self.ops.clear();
+        self.fill_ops(first, end)?;
+        let id = self.program.ranks[self.rank.index()][first].batch();
+        if let Some(b) = id.filter(|b| self.waited.contains(b)) {
+            if self.in_flight.contains_key(&b) || self.completed.contains(&b) {
+                return Err(Fault::Schedule(format!(
+                    "batch {b} is posted twice, but a wait names it: which one it waits for is ambiguous"
+                )));
+            }
+            let mut ops = std::mem::take(&mut self.ops);
+            self.backend.post(&mut ops).map_err(Fault::Comm)?;
+            self.in_flight.insert(b, ops);
+            return Ok(());
+        }
+        self.backend.exchange(&mut self.ops).map_err(Fault::Comm)?;
+        let ops = std::mem::take(&mut self.ops);
+        self.file(ops)
+    }
+
+    /// `Wait { batch }`: complete a batch left in flight and file what arrived. A second wait
+    /// on the same batch does nothing (as `work.wait()` twice).
+    fn wait(&mut self, batch: u32) -> Result<(), Fault> {
+        let Some(mut ops) = self.in_flight.remove(&batch) else {
+            if self.completed.contains(&batch) {
+                return Ok(());
+            }
+            return Err(Fault::Schedule(format!(
+                "waits for batch {batch}, which this rank has not posted before"
+            )));
+        };
+        self.completed.insert(batch);
+        self.backend.complete(&mut ops).map_err(Fault::Comm)?;
+        self.file(ops)
+    }
+
+    /// Build the comm ops of `first..end` into `self.ops`, taking each send's tensor.
+    fn fill_ops(&mut self, first: usize, end: usize) -> Result<(), Fault> {
         let program = self.program;
         let instrs = &program.ranks[self.rank.index()];
         for (k, ins) in instrs[first..end].iter().enumerate() {
@@ -340,7 +382,9 @@ impl<'a, B: Backend> Interp<'a, B> {
             let (dir, peer, payload) = match *ins {
                 Instr::Send { peer, payload, .. } => (Dir::Send, peer, payload),
                 Instr::Recv { peer, payload, .. } => (Dir::Recv, peer, payload),
-                Instr::Compute(_) => unreachable!("a batch holds only send/recv"),
+                Instr::Compute(_) | Instr::Wait { .. } => {
+                    unreachable!("a batch holds only send/recv")
+                }
             };
             let tensor = match dir {
                 Dir::Send => {
@@ -365,8 +409,11 @@ impl<'a, B: Backend> Interp<'a, B> {
                 seq: 0,
             });
         }
-        self.backend.exchange(&mut self.ops).map_err(Fault::Comm)?;
-        let mut ops = std::mem::take(&mut self.ops);
+        Ok(())
+    }
+
+    /// File the tensors a completed batch received.
+    fn file(&mut self, mut ops: Vec<CommOp<B::Tensor>>) -> Result<(), Fault> {
         for op in ops.iter_mut().filter(|o| o.dir == Dir::Recv) {
             let i = self.msg_slot(Dir::Recv, op.payload)?;
             let v = op.tensor.take().ok_or_else(|| {
@@ -403,6 +450,15 @@ pub fn run_rank<B: Backend>(
         backend,
         t: Tables::new(program, r),
         ops: Vec::new(),
+        waited: instrs
+            .iter()
+            .filter_map(|i| match i {
+                Instr::Wait { batch } => Some(*batch),
+                _ => None,
+            })
+            .collect(),
+        in_flight: Default::default(),
+        completed: Default::default(),
     };
     let us = |t: Instant| t.saturating_duration_since(origin).as_secs_f64() * 1e6;
     let mut spans = Vec::with_capacity(instrs.len());
@@ -418,6 +474,10 @@ pub fn run_rank<B: Backend>(
             Instr::Compute(c) => {
                 watch.set(r, Status::Running(i as u32));
                 (it.compute(c), i + 1)
+            }
+            Instr::Wait { batch } => {
+                watch.set(r, Status::Waiting(i as u32));
+                (it.wait(*batch), i + 1)
             }
             ins => {
                 let b = ins.batch();
@@ -550,6 +610,13 @@ fn describe(
     let here = describe_instr(program, rank, i as u32);
     let (kind, at, report) = match f {
         Fault::Comm(CommError::Aborted) => return None,
+        Fault::Comm(CommError::InFlightUnsupported) => (
+            FailureKind::Schedule,
+            at,
+            format!(
+                "schedule error at {here}: this backend cannot leave a comm batch in flight (the schedule has wait instructions, e.g. Megatron's overlap P2P mode); run it on the cpu backend"
+            ),
+        ),
         Fault::Schedule(msg) => (
             FailureKind::Schedule,
             at,

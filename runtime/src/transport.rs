@@ -17,7 +17,7 @@ use crate::backend::{CommError, CommOp, Dir, Pending};
 use crate::watchdog::Watch;
 use pipec::program::Payload;
 use pipec_schedules::Rank;
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -32,7 +32,10 @@ struct Msg<T> {
 struct Pair<T> {
     sends_posted: u64,
     recvs_posted: u64,
-    queue: VecDeque<Msg<T>>,
+    /// Messages sent and not yet taken, by their send sequence number: the k-th receive
+    /// takes message k whenever it completes (a receive left in flight may complete after
+    /// later ones).
+    queue: HashMap<u64, Msg<T>>,
 }
 
 struct State<T> {
@@ -82,7 +85,7 @@ impl<T: Send + 'static> Transport<T> {
                     .map(|_| Pair {
                         sends_posted: 0,
                         recvs_posted: 0,
-                        queue: VecDeque::new(),
+                        queue: HashMap::new(),
                     })
                     .collect(),
                 finished: vec![false; world],
@@ -137,6 +140,13 @@ impl<T> Transport<T> {
 
     /// Post `ops` as one batch of `rank` and block until the whole batch completes.
     pub fn exchange(&self, rank: Rank, ops: &mut [CommOp<T>]) -> Result<(), CommError> {
+        self.post(rank, ops)?;
+        self.complete(rank, ops)
+    }
+
+    /// Post `ops` as one batch of `rank` without waiting (`isend`/`irecv` left in flight):
+    /// sends hand over their tensors and every op takes its place in its channel's FIFO.
+    pub fn post(&self, rank: Rank, ops: &mut [CommOp<T>]) -> Result<(), CommError> {
         let me = rank.index();
         let mut st = self.lock();
         for op in ops.iter_mut() {
@@ -161,11 +171,14 @@ impl<T> Transport<T> {
                     let pair = st.pair(me, peer);
                     op.seq = pair.sends_posted;
                     pair.sends_posted += 1;
-                    pair.queue.push_back(Msg {
-                        payload: op.payload,
-                        at: op.at,
-                        tensor,
-                    });
+                    pair.queue.insert(
+                        op.seq,
+                        Msg {
+                            payload: op.payload,
+                            at: op.at,
+                            tensor,
+                        },
+                    );
                 }
                 Dir::Recv => {
                     let pair = st.pair(peer, me);
@@ -174,9 +187,18 @@ impl<T> Transport<T> {
                 }
             }
         }
+        drop(st);
         for op in ops.iter() {
             self.cvs[op.peer.index()].notify_all();
         }
+        Ok(())
+    }
+
+    /// Block until every op of a batch `rank` posted with [`Transport::post`] is matched, then
+    /// take the received messages, checking what arrived.
+    pub fn complete(&self, rank: Rank, ops: &mut [CommOp<T>]) -> Result<(), CommError> {
+        let me = rank.index();
+        let mut st = self.lock();
         let start = Instant::now();
         let timeout = self.watch.timeout();
         loop {
@@ -215,7 +237,7 @@ impl<T> Transport<T> {
             let msg = st
                 .pair(peer.index(), me)
                 .queue
-                .pop_front()
+                .remove(&op.seq)
                 .expect("a matched receive has its message queued");
             if msg.payload != op.payload {
                 return Err(CommError::WrongPayload {
@@ -286,6 +308,34 @@ mod tests {
                 other => panic!("rank {r}: expected a stall, got {other:?}"),
             }
         }
+    }
+
+    /// Regression: a receive left in flight (posted, completed later) took whatever message was
+    /// at the front of its channel when it completed, not the one it was matched with when
+    /// posted: a later blocking receive on the same channel had taken its message first. Found
+    /// by `verify_vs_run` on mutated overlap-mode programs.
+    #[test]
+    fn in_flight_receive_completing_late_takes_its_own_message() {
+        let (_w, t) = setup(5_000);
+        std::thread::scope(|s| {
+            let t0 = t.clone();
+            s.spawn(move || {
+                for mb in 0..2 {
+                    let mut ops = [op(mb, Dir::Send, 1, Payload::act(0, mb), Some(100 + mb))];
+                    t0.exchange(Rank(0), &mut ops).unwrap();
+                }
+            });
+            let t1 = t.clone();
+            s.spawn(move || {
+                let mut first = [op(0, Dir::Recv, 0, Payload::act(0, 0), None)];
+                t1.post(Rank(1), &mut first).unwrap();
+                let mut second = [op(1, Dir::Recv, 0, Payload::act(0, 1), None)];
+                t1.exchange(Rank(1), &mut second).unwrap();
+                t1.complete(Rank(1), &mut first).unwrap();
+                assert_eq!(first[0].tensor, Some(100));
+                assert_eq!(second[0].tensor, Some(101));
+            });
+        });
     }
 
     /// The same two sends, each fused with the matching receive in one batch, complete.

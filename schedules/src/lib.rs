@@ -20,4 +20,6 @@ pub use ids::{Microbatch, Rank, StageId};
 pub use op::{Compute, Pass, Task};
 pub use placement::{Placement, PlacementKind};
 pub use schedule::{generate, CommPolicy, RankOrder, Schedule};
-pub use spec::{ChunkRule, KindInfo, Limits, ScheduleKind, ScheduleSpec, SpecError, UnknownKind};
+pub use spec::{
+    ChunkRule, KindInfo, Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError, UnknownKind,
+};

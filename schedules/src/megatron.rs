@@ -222,6 +222,7 @@ mod tests {
             group_size: None,
             forward_only: false,
             combined: true,
+            megatron_p2p: Default::default(),
         };
         let t = |mb| Task::new(0, mb);
         let fb = |f, b| Compute::FwdBwd {
@@ -252,6 +253,7 @@ mod tests {
             group_size: None,
             forward_only: false,
             combined: true,
+            megatron_p2p: Default::default(),
         };
         for order in one_f_one_b(&spec) {
             let r = order.rank.0;

@@ -3,7 +3,7 @@
 use crate::ids::Rank;
 use crate::op::Compute;
 use crate::placement::Placement;
-use crate::spec::{Limits, ScheduleKind, ScheduleSpec, SpecError};
+use crate::spec::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError};
 use serde::{Deserialize, Serialize};
 
 /// How lowering should group a rank's sends and receives into comm batches. Each variant is
@@ -16,10 +16,21 @@ pub enum CommPolicy {
     /// in the steady state, unfused `recv_backward` / `send_backward` in cooldown.
     #[serde(rename = "megatron_1f1b")]
     Megatron1F1B,
-    /// Megatron `forward_backward_pipelining_with_interleaving` (without `overlap_p2p_comm`):
-    /// after every step (a warmup forward, a steady forward+backward pair, a cooldown backward)
-    /// one batch sends what the step produced and receives what the next step needs.
+    /// Megatron `forward_backward_pipelining_with_interleaving` with `batch_p2p_comm`: its
+    /// P2P calls one for one, each one batch (`recv_tensor_from_previous_stage` decides what a
+    /// call receives: the first and last ranks receive as soon as the far end has produced).
     MegatronInterleaved,
+    /// [`CommPolicy::Megatron1F1B`]'s calls with `batch_p2p_comm=False`: each call's ops posted
+    /// in `_p2p_ops`' even/odd order and waited together.
+    #[serde(rename = "megatron_1f1b_unbatched")]
+    Megatron1F1BUnbatched,
+    /// [`CommPolicy::MegatronInterleaved`]'s calls with `batch_p2p_comm=False`.
+    MegatronInterleavedUnbatched,
+    /// Megatron's interleaved loop with `overlap_p2p_comm`: overlapped calls post each op as
+    /// its own batch and wait for it just before use (`Instr::Wait`).
+    MegatronInterleavedOverlap,
+    /// The same with `overlap_p2p_comm_warmup_flush`.
+    MegatronInterleavedOverlapFlush,
     /// The same rule with every compute op its own step: a batch between consecutive ops sends
     /// the outputs of the first and receives the inputs of the second.
     FusedPerOp,
@@ -34,6 +45,33 @@ pub enum CommPolicy {
     /// Schedules whose consumer runs long after the producer (looped BFS) need this: with late
     /// receives and blocking sends they deadlock.
     Lockstep,
+}
+
+impl CommPolicy {
+    /// The Megatron placement for a loop (`interleaved`, or the non-interleaved one) and mode.
+    pub fn megatron(interleaved: bool, mode: MegatronP2p) -> CommPolicy {
+        match (interleaved, mode) {
+            (false, MegatronP2p::Batched) => CommPolicy::Megatron1F1B,
+            (false, _) => CommPolicy::Megatron1F1BUnbatched,
+            (true, MegatronP2p::Batched) => CommPolicy::MegatronInterleaved,
+            (true, MegatronP2p::Unbatched) => CommPolicy::MegatronInterleavedUnbatched,
+            (true, MegatronP2p::Overlap) => CommPolicy::MegatronInterleavedOverlap,
+            (true, MegatronP2p::OverlapFlush) => CommPolicy::MegatronInterleavedOverlapFlush,
+        }
+    }
+
+    /// For the Megatron placements: whether it is the interleaved loop's, and its mode.
+    pub fn megatron_loop(self) -> Option<(bool, MegatronP2p)> {
+        Some(match self {
+            CommPolicy::Megatron1F1B => (false, MegatronP2p::Batched),
+            CommPolicy::Megatron1F1BUnbatched => (false, MegatronP2p::Unbatched),
+            CommPolicy::MegatronInterleaved => (true, MegatronP2p::Batched),
+            CommPolicy::MegatronInterleavedUnbatched => (true, MegatronP2p::Unbatched),
+            CommPolicy::MegatronInterleavedOverlap => (true, MegatronP2p::Overlap),
+            CommPolicy::MegatronInterleavedOverlapFlush => (true, MegatronP2p::OverlapFlush),
+            CommPolicy::FusedPerOp | CommPolicy::Lockstep => return None,
+        })
+    }
 }
 
 /// One rank's compute order.
@@ -74,16 +112,12 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
         // that loop's P2P placement too (one batch after each step, a `fwd_bwd` one step).
         ScheduleKind::OneFOneB => (
             Placement::looped(spec.pp, 1),
-            if spec.combined {
-                CommPolicy::MegatronInterleaved
-            } else {
-                CommPolicy::Megatron1F1B
-            },
+            CommPolicy::megatron(spec.combined, spec.megatron_p2p),
             crate::megatron::one_f_one_b(spec),
         ),
         ScheduleKind::Interleaved1F1B => (
             Placement::looped(spec.pp, spec.vpp),
-            CommPolicy::MegatronInterleaved,
+            CommPolicy::megatron(true, spec.megatron_p2p),
             crate::megatron::interleaved(spec),
         ),
         ScheduleKind::LoopedBfs => (
@@ -268,6 +302,7 @@ mod props {
             let (pp, m) = if kind == ScheduleKind::DualPipe { (pp + pp % 2, m + m % 2) } else { (pp, m) };
             let spec = ScheduleSpec {
                 kind, pp, vpp, microbatches: m, group_size: None, forward_only, combined,
+                megatron_p2p: Default::default(),
             };
             prop_assume!(spec.validate(&Limits::DEFAULT).is_ok());
             let s = generate(&spec, &Limits::DEFAULT).unwrap();

@@ -265,10 +265,89 @@ pub struct ScheduleSpec {
     /// Absent in files written before it existed, and omitted when false.
     #[serde(default, skip_serializing_if = "is_false")]
     pub combined: bool,
+    /// How Megatron posts its P2P calls (1f1b and interleaved-1f1b only). Omitted when it is
+    /// megatron-core's default, [`MegatronP2p::Batched`], so older files read unchanged.
+    #[serde(default, skip_serializing_if = "MegatronP2p::is_default")]
+    pub megatron_p2p: MegatronP2p,
 }
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+/// Megatron's P2P placement, set by `ModelParallelConfig.batch_p2p_comm`,
+/// `overlap_p2p_comm` and `overlap_p2p_comm_warmup_flush`
+/// (`megatron/core/pipeline_parallel/p2p_communication.py`, `schedules.py`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MegatronP2p {
+    /// `batch_p2p_comm=True`: each P2P call is one `batch_isend_irecv` of its sends and
+    /// receives, waited at once (megatron-core's default; the only mode of the
+    /// non-interleaved schedule in Megatron-LM's training script).
+    #[default]
+    Batched,
+    /// `batch_p2p_comm=False`, `overlap_p2p_comm=False`: each call posts its `isend`/`irecv`
+    /// one by one in `_p2p_ops`' even/odd order and waits for all of them at once.
+    Unbatched,
+    /// `overlap_p2p_comm=True` (interleaved only; Megatron-LM's training default there):
+    /// every `isend`/`irecv` is posted on its own and waited just before its tensor is used.
+    Overlap,
+    /// `overlap_p2p_comm` plus `overlap_p2p_comm_warmup_flush`: receives for the next warmup
+    /// and cooldown step are prefetched before the current compute.
+    OverlapFlush,
+}
+
+impl MegatronP2p {
+    pub const ALL: [MegatronP2p; 4] = [
+        MegatronP2p::Batched,
+        MegatronP2p::Unbatched,
+        MegatronP2p::Overlap,
+        MegatronP2p::OverlapFlush,
+    ];
+
+    pub fn is_default(&self) -> bool {
+        *self == MegatronP2p::Batched
+    }
+
+    /// The mode pipec uses when none is asked for: megatron-core's default (`batched`), except
+    /// interleaving at pp = 2, which Megatron runs only with `overlap_p2p_comm`.
+    pub fn default_for(kind: ScheduleKind, pp: u32) -> MegatronP2p {
+        if kind == ScheduleKind::Interleaved1F1B && pp == 2 {
+            MegatronP2p::Overlap
+        } else {
+            MegatronP2p::Batched
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MegatronP2p::Batched => "batched",
+            MegatronP2p::Unbatched => "unbatched",
+            MegatronP2p::Overlap => "overlap",
+            MegatronP2p::OverlapFlush => "overlap-flush",
+        }
+    }
+
+    /// Whether Megatron's `overlap_p2p_comm` is on.
+    pub fn overlaps(self) -> bool {
+        matches!(self, MegatronP2p::Overlap | MegatronP2p::OverlapFlush)
+    }
+}
+
+impl fmt::Display for MegatronP2p {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for MegatronP2p {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        MegatronP2p::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown Megatron P2P mode `{s}` (expected batched, unbatched, overlap or overlap-flush)"))
+    }
 }
 
 /// Why a spec is refused. Each names the parameters involved and the rule, as the user wrote them.
@@ -307,6 +386,17 @@ pub enum SpecError {
     },
     #[error("--combined (Megatron's combined 1F1B) applies to 1f1b and interleaved-1f1b only, not {kind}")]
     CombinedNotApplicable { kind: ScheduleKind },
+    #[error(
+        "the Megatron P2P mode `{mode}` applies to 1f1b and interleaved-1f1b only, not {kind}"
+    )]
+    P2pNotApplicable {
+        kind: ScheduleKind,
+        mode: MegatronP2p,
+    },
+    #[error("Megatron's non-interleaved 1F1B refuses the P2P mode `{mode}`: \"Non-interleaved pipeline parallelism does not support overlapping p2p communication\" (forward_backward_pipelining_without_interleaving)")]
+    OverlapNeedsInterleaving { mode: MegatronP2p },
+    #[error("interleaved-1f1b at pp = 2 cannot use the P2P mode `{mode}`: Megatron-LM refuses it (\"pipeline-model-parallel size should be greater than 2 to avoid having multiple p2p sends and recvs between same 2 ranks per communication batch\"): both neighbours are one rank, and a batched call sends a gradient then an activation to it while the peer receives an activation then a gradient, so FIFO matching swaps them (silently, as they have one shape); use overlap (Megatron-LM's default there), overlap-flush or unbatched")]
+    InterleavedPp2NeedsOverlap { mode: MegatronP2p },
 }
 
 impl ScheduleSpec {
@@ -321,6 +411,7 @@ impl ScheduleSpec {
             group_size: None,
             forward_only: false,
             combined: false,
+            megatron_p2p: MegatronP2p::default_for(kind, pp),
         }
     }
 
@@ -385,6 +476,18 @@ impl ScheduleSpec {
         }
         if self.combined && !self.kind.supports_combined() {
             return Err(SpecError::CombinedNotApplicable { kind: self.kind });
+        }
+        let mode = self.megatron_p2p;
+        match self.kind {
+            ScheduleKind::OneFOneB if mode.overlaps() => {
+                return Err(SpecError::OverlapNeedsInterleaving { mode })
+            }
+            ScheduleKind::Interleaved1F1B if self.pp == 2 && mode == MegatronP2p::Batched => {
+                return Err(SpecError::InterleavedPp2NeedsOverlap { mode })
+            }
+            ScheduleKind::OneFOneB | ScheduleKind::Interleaved1F1B => {}
+            kind if !mode.is_default() => return Err(SpecError::P2pNotApplicable { kind, mode }),
+            _ => {}
         }
         let (pp, m) = (self.pp, self.microbatches);
         match self.kind {
@@ -453,6 +556,7 @@ mod tests {
             group_size: g,
             forward_only: false,
             combined: false,
+            megatron_p2p: Default::default(),
         }
     }
 

@@ -7,6 +7,8 @@ mod hostile;
 mod layout;
 mod lowering;
 mod megatron;
+mod megatron_calls;
+mod megatron_p2p;
 mod regressions;
 mod runtime;
 mod schedules;

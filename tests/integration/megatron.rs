@@ -18,6 +18,7 @@ fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, g: Option<u32>, fo: bool)
         group_size: g,
         forward_only: fo,
         combined: false,
+        megatron_p2p: pipec_tests::megatron_p2p_for(kind, pp),
     }
 }
 
@@ -124,6 +125,7 @@ fn our_trace(p: &Program, rank: usize, pp: u32) -> Vec<TraceItem> {
                     .1
                     .push(entry);
             }
+            Instr::Wait { .. } => flush(&mut cur, &mut out),
         }
     }
     flush(&mut cur, &mut out);

@@ -43,28 +43,48 @@ const NEW_KINDS: [ScheduleKind; 8] = [
 // Test-local rendezvous executor
 // ---------------------------------------------------------------------------------------------
 
-/// One step of a rank: a compute op, or a comm batch (indices of its instructions).
+/// One step of a rank: a compute op, a comm batch (indices of its instructions), a batch left
+/// in flight (a later `Wait` names it), or a wait (the item index of its batch).
 enum Item {
     Compute(usize),
     Batch(Vec<usize>),
+    Flight(Vec<usize>),
+    Wait(usize),
 }
 
 fn items(instrs: &[Instr]) -> Vec<Item> {
+    let waited: std::collections::HashSet<u32> = instrs
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Wait { batch } => Some(*batch),
+            _ => None,
+        })
+        .collect();
     let mut out = Vec::new();
+    let mut item_of_batch: HashMap<u32, usize> = HashMap::new();
     let mut i = 0;
     while i < instrs.len() {
-        match instrs[i].batch() {
-            None => {
+        match (instrs[i], instrs[i].batch()) {
+            (Instr::Wait { batch }, _) => {
+                out.push(Item::Wait(item_of_batch[&batch]));
+                i += 1;
+            }
+            (_, None) => {
                 out.push(Item::Compute(i));
                 i += 1;
             }
-            Some(b) => {
+            (_, Some(b)) => {
                 let mut v = Vec::new();
                 while i < instrs.len() && instrs[i].batch() == Some(b) {
                     v.push(i);
                     i += 1;
                 }
-                out.push(Item::Batch(v));
+                item_of_batch.insert(b, out.len());
+                out.push(if waited.contains(&b) {
+                    Item::Flight(v)
+                } else {
+                    Item::Batch(v)
+                });
             }
         }
     }
@@ -87,7 +107,8 @@ fn rendezvous(p: &Program) -> Result<(), String> {
         for (k, it) in list.iter().enumerate() {
             match it {
                 Item::Compute(i) => item_of[r][*i] = k,
-                Item::Batch(v) => v.iter().for_each(|&i| item_of[r][i] = k),
+                Item::Batch(v) | Item::Flight(v) => v.iter().for_each(|&i| item_of[r][i] = k),
+                Item::Wait(_) => {}
             }
         }
     }
@@ -186,82 +207,121 @@ fn rendezvous(p: &Program) -> Result<(), String> {
         }
         Ok(())
     };
+    // Batches left in flight: posted (item index), completed, and what they received.
+    let mut flights: Vec<Vec<usize>> = vec![Vec::new(); w];
+    let mut landed: Vec<HashMap<usize, Vec<Payload>>> = vec![HashMap::new(); w];
     loop {
-        // Run computes up to the next batch on every rank.
+        // Run computes, post batches left in flight and pass satisfied waits on every rank.
         for r in 0..w {
-            while let Some(Item::Compute(i)) = its[r].get(pc[r]) {
-                let op = p.ranks[r][*i].as_compute().expect("compute item");
-                run_compute(
-                    r,
-                    op,
-                    &mut act,
-                    &mut grad,
-                    &mut fwd_done,
-                    &mut bwd_done,
-                    &mut d_done,
-                    &mut w_done,
-                )?;
+            loop {
+                match its[r].get(pc[r]) {
+                    Some(Item::Compute(i)) => {
+                        let op = p.ranks[r][*i].as_compute().expect("compute item");
+                        run_compute(
+                            r,
+                            op,
+                            &mut act,
+                            &mut grad,
+                            &mut fwd_done,
+                            &mut bwd_done,
+                            &mut d_done,
+                            &mut w_done,
+                        )?;
+                    }
+                    Some(Item::Flight(_)) => flights[r].push(pc[r]),
+                    Some(Item::Wait(k)) => {
+                        // Received tensors are usable only from their wait on.
+                        let Some(got) = landed[r].get(k) else { break };
+                        for payload in got {
+                            let (s, mb) = (payload.stage.index(), payload.mb.index());
+                            match payload.kind {
+                                PayloadKind::Act => act[r][idx(s, mb)] = true,
+                                PayloadKind::Grad => grad[r][idx(s, mb)] = true,
+                            }
+                        }
+                    }
+                    _ => break,
+                }
                 pc[r] += 1;
             }
         }
-        if (0..w).all(|r| pc[r] == its[r].len()) {
+        if (0..w).all(|r| pc[r] == its[r].len() && flights[r].is_empty()) {
             break;
         }
-        // Posted batches: the current item of each rank. A message completes once both its ops
-        // are posted (NCCL under rendezvous: a send completes once its recv is posted and vice
-        // versa), so a batch completes when the peer op of each of its messages has been
-        // posted: it sits in the peer's current batch or in one the peer already finished.
+        // Posted batches: the current item of each rank and its batches in flight. A message
+        // completes once both its ops are posted (NCCL under rendezvous: a send completes once
+        // its recv is posted and vice versa), so a batch completes when the peer op of each of
+        // its messages has been posted: it sits in the peer's current item or an earlier one.
         let posted = |r: usize, k: usize| pc[r] >= k;
-        let mut blocked = vec![false; w];
+        let complete = |r: usize, v: &[usize]| {
+            v.iter()
+                .all(|&i| partner[r][i].is_some_and(|(q, k)| posted(q, k)))
+        };
+        let mut ready: Vec<(usize, usize)> = Vec::new();
         for r in 0..w {
             if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
-                blocked[r] = v
-                    .iter()
-                    .any(|&i| partner[r][i].is_none_or(|(q, k)| !posted(q, k)));
-            } else {
-                blocked[r] = true; // finished
+                if complete(r, v) {
+                    ready.push((r, pc[r]));
+                }
             }
-        }
-        let ready: Vec<usize> = (0..w).filter(|&r| !blocked[r]).collect();
-        if ready.is_empty() {
-            let at: Vec<String> = (0..w)
-                .filter(|&r| pc[r] < its[r].len())
-                .map(|r| match &its[r][pc[r]] {
-                    Item::Batch(v) => format!("rank {r} at #{}", v[0]),
-                    Item::Compute(i) => format!("rank {r} at #{i}"),
-                })
-                .collect();
-            return Err(format!("deadlock: {}", at.join("; ")));
-        }
-        // Sends first check what they carry; then receives deliver.
-        for &r in &ready {
-            if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
-                for &i in v {
-                    if let Instr::Send { payload, .. } = p.ranks[r][i] {
-                        let (s, mb) = (payload.stage.index(), payload.mb.index());
-                        let have = match payload.kind {
-                            PayloadKind::Act => act[r][idx(s, mb)],
-                            PayloadKind::Grad => grad[r][idx(s, mb)],
-                        };
-                        if !have {
-                            return Err(format!(
-                                "rank {r} #{i} sends {payload} before producing it"
-                            ));
-                        }
+            for &k in &flights[r] {
+                if let Item::Flight(v) = &its[r][k] {
+                    if complete(r, v) {
+                        ready.push((r, k));
                     }
                 }
             }
         }
-        for &r in &ready {
-            if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
-                for &i in v {
-                    if let Instr::Recv { payload, .. } = p.ranks[r][i] {
-                        let (s, mb) = (payload.stage.index(), payload.mb.index());
-                        match payload.kind {
-                            PayloadKind::Act => act[r][idx(s, mb)] = true,
-                            PayloadKind::Grad => grad[r][idx(s, mb)] = true,
-                        }
+        if ready.is_empty() {
+            let at: Vec<String> = (0..w)
+                .filter(|&r| pc[r] < its[r].len())
+                .map(|r| match &its[r][pc[r]] {
+                    Item::Batch(v) | Item::Flight(v) => format!("rank {r} at #{}", v[0]),
+                    Item::Compute(i) => format!("rank {r} at #{i}"),
+                    Item::Wait(k) => format!("rank {r} waiting for item {k}"),
+                })
+                .collect();
+            return Err(format!("deadlock: {}", at.join("; ")));
+        }
+        let ops = |r: usize, k: usize| -> &[usize] {
+            match &its[r][k] {
+                Item::Batch(v) | Item::Flight(v) => v,
+                _ => &[],
+            }
+        };
+        // Sends first check what they carry; then receives deliver.
+        for &(r, k) in &ready {
+            for &i in ops(r, k) {
+                if let Instr::Send { payload, .. } = p.ranks[r][i] {
+                    let (s, mb) = (payload.stage.index(), payload.mb.index());
+                    let have = match payload.kind {
+                        PayloadKind::Act => act[r][idx(s, mb)],
+                        PayloadKind::Grad => grad[r][idx(s, mb)],
+                    };
+                    if !have {
+                        return Err(format!("rank {r} #{i} sends {payload} before producing it"));
                     }
+                }
+            }
+        }
+        for &(r, k) in &ready {
+            let got: Vec<Payload> = ops(r, k)
+                .iter()
+                .filter_map(|&i| match p.ranks[r][i] {
+                    Instr::Recv { payload, .. } => Some(payload),
+                    _ => None,
+                })
+                .collect();
+            if matches!(its[r][k], Item::Flight(_)) {
+                flights[r].retain(|&f| f != k);
+                landed[r].insert(k, got);
+                continue;
+            }
+            for payload in got {
+                let (s, mb) = (payload.stage.index(), payload.mb.index());
+                match payload.kind {
+                    PayloadKind::Act => act[r][idx(s, mb)] = true,
+                    PayloadKind::Grad => grad[r][idx(s, mb)] = true,
                 }
             }
             pc[r] += 1;
@@ -600,6 +660,7 @@ fn combined_1f1b_matches_megatron() {
         group_size: Some(g),
         forward_only: false,
         combined: true,
+        megatron_p2p: Default::default(),
     };
     let sch = schedule(&s);
     let ranks = v["ranks"].as_array().unwrap();

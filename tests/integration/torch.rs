@@ -39,6 +39,7 @@ fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) -> Sc
         group_size: None,
         forward_only,
         combined: false,
+        megatron_p2p: pipec_tests::megatron_p2p_for(kind, pp),
     }
 }
 
@@ -51,7 +52,7 @@ fn messages(p: &Program) -> Vec<Vec<(bool, Rank, Payload)>> {
                 .filter_map(|i| match *i {
                     Instr::Send { peer, payload, .. } => Some((true, peer, payload)),
                     Instr::Recv { peer, payload, .. } => Some((false, peer, payload)),
-                    Instr::Compute(_) => None,
+                    Instr::Compute(_) | Instr::Wait { .. } => None,
                 })
                 .collect()
         })
@@ -130,7 +131,7 @@ fn strict_deadlock_in(p: &Program, model: Model) -> Option<Vec<usize>> {
                     .entry((peer.index(), r))
                     .or_default()
                     .push(run_of[r][i]),
-                Instr::Compute(_) => {}
+                Instr::Compute(_) | Instr::Wait { .. } => {}
             }
         }
     }

@@ -23,6 +23,7 @@ fn spec(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) -> Sc
         group_size: None,
         forward_only,
         combined: false,
+        megatron_p2p: pipec_tests::megatron_p2p_for(kind, pp),
     }
 }
 

@@ -115,7 +115,7 @@ fn is_comm(i: &Instr) -> bool {
 fn payload_mut(i: &mut Instr) -> Option<&mut Payload> {
     match i {
         Instr::Send { payload, .. } | Instr::Recv { payload, .. } => Some(payload),
-        Instr::Compute(_) => None,
+        Instr::Compute(_) | Instr::Wait { .. } => None,
     }
 }
 

@@ -82,6 +82,9 @@ fn print(r: &Report, input: &std::path::Path, json: bool) {
     for v in &r.violations {
         println!("  [{}] {v}", v.class());
     }
+    for k in &r.risks {
+        println!("  [risk] {k}");
+    }
     println!("peak live activations:");
     for m in &r.memory {
         match m.at {

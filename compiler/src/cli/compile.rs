@@ -5,7 +5,7 @@ use super::CliError;
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::files::{self, Header};
 use pipec::sweep;
-use pipec_schedules::{Limits, ScheduleKind};
+use pipec_schedules::{Limits, MegatronP2p, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -43,6 +43,13 @@ pub struct Args {
     /// steady forward/backward pair one overlapped fwd_bwd op.
     #[arg(long)]
     pub combined: bool,
+    /// How Megatron posts its P2P calls (1f1b, interleaved-1f1b): batched (megatron-core's
+    /// default, batch_p2p_comm), unbatched, overlap (overlap_p2p_comm, Megatron-LM's training
+    /// default for interleaving), overlap-flush (plus overlap_p2p_comm_warmup_flush).
+    /// Default: batched, or overlap for interleaved-1f1b at pp = 2 (the only mode Megatron
+    /// runs there).
+    #[arg(long, value_parser = parse_p2p)]
+    pub megatron_p2p: Option<MegatronP2p>,
     /// Check the layout's decoder layer count.
     #[arg(long)]
     pub num_layers: Option<u32>,
@@ -95,14 +102,19 @@ impl Args {
     /// The single-schedule request; clap guarantees the three fields without `--config`.
     pub fn request(&self) -> Result<CompileRequest, CliError> {
         let missing = |f: &str| CliError::Usage(format!("--{f} is required (or give --config)"));
+        let kind = self.schedule.ok_or_else(|| missing("schedule"))?;
+        let pp = self.pp.ok_or_else(|| missing("pp"))?;
         Ok(CompileRequest {
-            kind: self.schedule.ok_or_else(|| missing("schedule"))?,
-            pp: self.pp.ok_or_else(|| missing("pp"))?,
+            kind,
+            pp,
             vpp: self.vpp,
             microbatches: self.microbatches.ok_or_else(|| missing("microbatches"))?,
             group_size: self.group_size,
             forward_only: self.forward_only,
             combined: self.combined,
+            megatron_p2p: self
+                .megatron_p2p
+                .unwrap_or_else(|| MegatronP2p::default_for(kind, pp)),
             layout: self.layout.clone(),
             num_layers: self.num_layers,
             mtp_num_layers: self.mtp_num_layers,
@@ -161,8 +173,32 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         c.program.len(),
         a.out.display()
     );
+    if !c.spec.megatron_p2p.is_default() {
+        println!(
+            "megatron p2p: {} (as Megatron runs with {})",
+            c.spec.megatron_p2p,
+            match c.spec.megatron_p2p {
+                MegatronP2p::Batched => "batch_p2p_comm",
+                MegatronP2p::Unbatched => "batch_p2p_comm=False",
+                MegatronP2p::Overlap => "overlap_p2p_comm",
+                MegatronP2p::OverlapFlush => "overlap_p2p_comm and overlap_p2p_comm_warmup_flush",
+            }
+        );
+    }
     if let Some(r) = verdict {
         println!("{}", r.verdict_line());
+        // Risks go to stderr, a few at a time: `pipec check` lists them all.
+        const SHOWN: usize = 5;
+        for k in r.risks.iter().take(SHOWN) {
+            eprintln!("warning: {k}");
+        }
+        if r.risks.len() > SHOWN {
+            eprintln!(
+                "warning: ... and {} more risks of the same kind (pipec check {} lists them all)",
+                r.risks.len() - SHOWN,
+                a.out.display()
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -319,4 +355,8 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+fn parse_p2p(s: &str) -> Result<MegatronP2p, String> {
+    s.parse()
 }

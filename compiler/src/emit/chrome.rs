@@ -125,6 +125,14 @@ impl TraceBuilder {
                             payload.mb.0
                         );
                     }
+                    Instr::Wait { batch } => {
+                        let _ = write!(
+                            e,
+                            r#"{{"ph":"X","name":"wait batch {batch}","cat":"comm","pid":{pid},"tid":{r},"ts":{},"dur":{},"args":{{"instr":{i},"batch":{batch}}}}}"#,
+                            at(s.start),
+                            dur(s.start, s.end),
+                        );
+                    }
                 }
                 self.events.push(e);
             }

@@ -209,7 +209,7 @@ fn by_stage(program: &Program, out: &mut String) {
                         *msgs.entry((payload.stage.0, to.0, k)).or_default() += 1;
                     }
                 }
-                Instr::Recv { .. } => {}
+                Instr::Recv { .. } | Instr::Wait { .. } => {}
             }
         }
     }

@@ -106,6 +106,7 @@ pub fn comm_name(i: &Instr) -> String {
         Instr::Send { peer, payload, .. } => ("send", "->", peer, payload),
         Instr::Recv { peer, payload, .. } => ("recv", "<-", peer, payload),
         Instr::Compute(c) => return op_name(c),
+        Instr::Wait { batch } => return format!("wait batch {batch}"),
     };
     let kind = match p.kind {
         PayloadKind::Act => "act",

@@ -252,6 +252,9 @@ fn comms_line(
                 }
                 cells.push(Cell::Action(a));
             }
+            // torch's runtime waits for a receive just before the compute that uses it and for
+            // sends with WAIT_SEND_*, so an explicit wait adds nothing to its CSV.
+            Instr::Wait { .. } => {}
         }
     }
     cells.append(&mut deferred);

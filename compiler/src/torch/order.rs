@@ -76,7 +76,7 @@ pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
                         key[id] = (peer.0, r as u32, q.len() as u32);
                         q.push(id);
                     }
-                    Instr::Compute(_) => {}
+                    Instr::Compute(_) | Instr::Wait { .. } => {}
                 }
             }
         }

@@ -17,6 +17,11 @@
 //! two batches of one rank through a peer (`b1 ~ c ~ b2`), merging reports a deadlock that does
 //! not happen (`b1` completes as soon as `c` is posted), so we check the per-batch graph.
 //!
+//! Batches left in flight (named by a later `Wait`, Megatron's `overlap_p2p_comm`) are
+//! posted without holding their rank: program order runs from blocking point to blocking
+//! point (a blocking batch or a `Wait`), and a `Wait` node completes after the batch it names.
+//! So the graph's nodes are batches and waits, with `pred` the last blocking node before.
+//!
 //! Both passes are iterative (Kahn's algorithm, then an explicit-stack Tarjan on what Kahn
 //! could not release): recursive graph algorithms overflow the stack at millions of nodes.
 
@@ -45,6 +50,11 @@ fn edges(ix: &Index<'_>, m: &Matching, mut f: impl FnMut(u32, u32, u32)) {
     for b in 0..ix.batch_start.len() as u32 {
         if let Some(a) = ix.pred(b) {
             f(a, b, NONE);
+        }
+        // A wait completes when the batch it names does.
+        let w = ix.wait_of[b as usize];
+        if w != NONE {
+            f(w, b, NONE);
         }
         let s = ix.batch_start[b as usize];
         for g in s..s + ix.batch_len[b as usize] {

@@ -66,7 +66,7 @@ impl Walk<'_, '_> {
                     }
                 }
                 Instr::Send { peer, payload, .. } => self.send(r, g, peer, payload),
-                Instr::Recv { .. } => {}
+                Instr::Recv { .. } | Instr::Wait { .. } => {}
             }
         }
         // Unused receives: only passes on this rank consume its receives.
@@ -179,6 +179,13 @@ impl Walk<'_, '_> {
                     self.user[pi] = g;
                     if j > g {
                         self.out.push(Violation::RunsBeforeInput {
+                            site,
+                            part,
+                            input,
+                            recv: ix.site(j),
+                        });
+                    } else if ix.ready(j) > g {
+                        self.out.push(Violation::RunsBeforeWait {
                             site,
                             part,
                             input,

@@ -48,6 +48,17 @@ pub(crate) struct Index<'p> {
     pub batch_start: Vec<u32>,
     pub batch_len: Vec<u32>,
     pub batch_rank: Vec<u32>,
+    /// Per node: for a `Wait` node (length 0, at the wait), the batch node it waits for;
+    /// `NONE` for batches.
+    pub wait_of: Vec<u32>,
+    /// Per node: a batch left in flight (some later `Wait` names it).
+    pub in_flight: Vec<bool>,
+    /// Per node: the nearest earlier node on its rank at which the rank blocks (a blocking
+    /// batch or a wait): it must complete before this node is reached.
+    pub block_pred: Vec<u32>,
+    /// Per position of a receive: where its tensor is ready (the receive itself, or the `Wait`
+    /// of its in-flight batch; `NONE` if that batch is never waited).
+    pub ready_at: HashMap<u32, u32>,
     pub stats: Stats,
     pub compute_parts: u64,
 }
@@ -111,6 +122,10 @@ impl<'p> Index<'p> {
             batch_start: Vec::new(),
             batch_len: Vec::new(),
             batch_rank: Vec::new(),
+            wait_of: Vec::new(),
+            in_flight: Vec::new(),
+            block_pred: Vec::new(),
+            ready_at: HashMap::new(),
             stats: Stats {
                 ranks: world,
                 instructions: total,
@@ -135,9 +150,40 @@ impl<'p> Index<'p> {
             let base = self.offsets[r];
             let rank = Rank(r as u32);
             let mut prev_batch: Option<u32> = None;
+            // Batch id -> its node on this rank (`NONE` when the id names two segments).
+            let mut by_id: HashMap<u32, u32> = HashMap::new();
             for (i, ins) in instrs.iter().enumerate() {
                 let g = base + i as u32;
                 match *ins {
+                    Instr::Wait { batch } => {
+                        prev_batch = None;
+                        let site = Site {
+                            at: InstrRef {
+                                rank,
+                                index: i as u32,
+                            },
+                            instr: *ins,
+                        };
+                        let target = match by_id.get(&batch) {
+                            Some(&n) if n != NONE => n,
+                            Some(_) => {
+                                out.push(Violation::WaitAmbiguous { site, batch });
+                                NONE
+                            }
+                            None => {
+                                out.push(Violation::WaitWithoutBatch { site, batch });
+                                NONE
+                            }
+                        };
+                        if target != NONE {
+                            self.in_flight[target as usize] = true;
+                        }
+                        self.batch_start.push(g);
+                        self.batch_len.push(0);
+                        self.batch_rank.push(r as u32);
+                        self.wait_of.push(target);
+                        self.in_flight.push(false);
+                    }
                     Instr::Compute(c) => {
                         prev_batch = None;
                         self.stats.compute_ops += 1;
@@ -200,9 +246,13 @@ impl<'p> Index<'p> {
                             self.stats.sends += 1;
                         }
                         if prev_batch != Some(batch) {
+                            let node = self.batch_start.len() as u32;
+                            by_id.entry(batch).and_modify(|n| *n = NONE).or_insert(node);
                             self.batch_start.push(g);
                             self.batch_len.push(0);
                             self.batch_rank.push(r as u32);
+                            self.wait_of.push(NONE);
+                            self.in_flight.push(false);
                         }
                         prev_batch = Some(batch);
                         let b = self.batch_start.len() - 1;
@@ -249,7 +299,49 @@ impl<'p> Index<'p> {
                 }
             }
         }
-        self.stats.batches = self.batch_start.len() as u64;
+        self.stats.batches = self.wait_of.iter().filter(|&&w| w == NONE).count() as u64;
+        self.link_waits();
+    }
+
+    /// `block_pred` of every node, and where each received tensor becomes usable.
+    fn link_waits(&mut self) {
+        let n = self.batch_start.len();
+        self.block_pred = vec![NONE; n];
+        let mut last = NONE;
+        let mut waited_at: HashMap<u32, u32> = HashMap::new();
+        for b in 0..n {
+            if b > 0 && self.batch_rank[b - 1] != self.batch_rank[b] {
+                last = NONE;
+            }
+            self.block_pred[b] = last;
+            let w = self.wait_of[b];
+            if w != NONE {
+                waited_at.entry(w).or_insert(self.batch_start[b]);
+            }
+            if !self.in_flight[b] {
+                last = b as u32;
+            }
+        }
+        for b in 0..n {
+            if !self.in_flight[b] {
+                continue;
+            }
+            let at = waited_at.get(&(b as u32)).copied().unwrap_or(NONE);
+            let s = self.batch_start[b];
+            for g in s..s + self.batch_len[b] {
+                self.ready_at.insert(g, at);
+            }
+        }
+    }
+
+    /// Where the tensor of the receive at `g` is ready to use: the receive itself, or the first
+    /// `Wait` of its in-flight batch.
+    #[inline]
+    pub fn ready(&self, g: u32) -> u32 {
+        if self.ready_at.is_empty() {
+            return g;
+        }
+        self.ready_at.get(&g).copied().unwrap_or(g)
     }
 
     /// Range-check a (stage, mb) pair, reporting each field out of range.
@@ -349,9 +441,11 @@ impl<'p> Index<'p> {
         }
     }
 
-    /// The batch before `b` on the same rank.
+    /// The node that must complete before `b` is reached: the nearest earlier blocking batch
+    /// or wait on the same rank (batches left in flight do not hold the rank).
     #[inline]
     pub fn pred(&self, b: u32) -> Option<u32> {
-        (b > 0 && self.batch_rank[b as usize - 1] == self.batch_rank[b as usize]).then(|| b - 1)
+        let p = self.block_pred[b as usize];
+        (p != NONE).then_some(p)
     }
 }

@@ -18,7 +18,7 @@ fn endpoint(i: &Instr) -> Option<(bool, u32, Payload)> {
     match *i {
         Instr::Send { peer, payload, .. } => Some((true, peer.0, payload)),
         Instr::Recv { peer, payload, .. } => Some((false, peer.0, payload)),
-        Instr::Compute(_) => None,
+        Instr::Compute(_) | Instr::Wait { .. } => None,
     }
 }
 

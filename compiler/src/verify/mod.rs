@@ -47,6 +47,9 @@
 //! - R1. Peak live activations per rank are reported with the instruction where they are first
 //!   reached; with a limit, exceeding it is a violation [`MemoryLimit`]. See [`memory`].
 //!
+//! Risks (reported beside the verdict, see [`risk`]): what holds under this model but is
+//! fragile on NCCL, such as two tensors to one peer in one batch.
+//!
 //! Costs are linear in the program (plus sorting cycle members when there are cycles): one
 //! indexing pass builds dense tables over positions, tasks and payloads, and every check reads
 //! them. [`crate::graph`] builds the same relations as a petgraph graph for export and queries.
@@ -82,9 +85,11 @@ pub(crate) mod index;
 pub(crate) mod matching;
 pub mod memory;
 pub mod report;
+pub mod risk;
 
 use crate::program::Program;
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
+pub use risk::Risk;
 
 /// What to check beyond the invariants every program must meet.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -101,6 +106,7 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
         return Report {
             violations,
             memory: Vec::new(),
+            risks: Vec::new(),
             stats: Stats {
                 ranks: program.world(),
                 instructions: program.len() as u64,
@@ -113,9 +119,11 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
     deadlock::check(&ix, &m, &mut violations);
     deps::check(&ix, &m, &mut violations);
     let memory = memory::check(&ix, opts.memory_limit, &mut violations);
+    let risks = risk::check(&ix);
     Report {
         violations,
         memory,
+        risks,
         stats: ix.stats,
     }
 }

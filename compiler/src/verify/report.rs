@@ -164,6 +164,17 @@ pub enum Violation {
     Unmatched { site: Site, sends: u32, recvs: u32 },
     /// A cycle of waits under rendezvous semantics.
     Deadlock { cycle: Vec<WaitStep> },
+    /// A `Wait` names a batch that this rank has not posted before it.
+    WaitWithoutBatch { site: Site, batch: u32 },
+    /// A `Wait` names a batch id that two separate batches of the rank use.
+    WaitAmbiguous { site: Site, batch: u32 },
+    /// A pass uses a tensor from a receive left in flight before (or without) waiting for it.
+    RunsBeforeWait {
+        site: Site,
+        part: Part,
+        input: Payload,
+        recv: Site,
+    },
     /// A pass runs before the receive that brings its input.
     RunsBeforeInput {
         site: Site,
@@ -249,6 +260,9 @@ impl Violation {
             WrongTensor { .. } => Class::WrongTensor,
             Unmatched { .. } | Deadlock { .. } => Class::Deadlock,
             RunsBeforeInput { .. }
+            | RunsBeforeWait { .. }
+            | WaitWithoutBatch { .. }
+            | WaitAmbiguous { .. }
             | InputNeverReceived { .. }
             | RunsBeforeLocal { .. }
             | InputUsedTwice { .. }
@@ -277,6 +291,9 @@ impl Violation {
             | BackwardInForwardOnly { site, .. }
             | Unmatched { site, .. }
             | RunsBeforeInput { site, .. }
+            | RunsBeforeWait { site, .. }
+            | WaitWithoutBatch { site, .. }
+            | WaitAmbiguous { site, .. }
             | InputNeverReceived { site, .. }
             | RunsBeforeLocal { site, .. }
             | InputUsedTwice { site, .. }
@@ -371,7 +388,7 @@ impl fmt::Display for Violation {
                 let (me, peer, what) = match site.instr {
                     Instr::Send { peer, .. } => (site.at.rank, peer, "recv"),
                     Instr::Recv { peer, .. } => (site.at.rank, peer, "send"),
-                    Instr::Compute(_) => (site.at.rank, site.at.rank, "peer"),
+                    Instr::Compute(_) | Instr::Wait { .. } => (site.at.rank, site.at.rank, "peer"),
                 };
                 let (src, dst) = if what == "recv" {
                     (me, peer)
@@ -403,6 +420,28 @@ impl fmt::Display for Violation {
                 }
                 Ok(())
             }
+            WaitWithoutBatch { site, batch } => write!(
+                f,
+                "{}: waits for batch {batch}, which this rank has not posted before",
+                site.at
+            ),
+            WaitAmbiguous { site, batch } => write!(
+                f,
+                "{}: waits for batch {batch}, but two separate batches of this rank use that id",
+                site.at
+            ),
+            RunsBeforeWait {
+                site,
+                part,
+                input,
+                recv,
+            } => write!(
+                f,
+                "{}: {part} uses its {} from the receive at {} before waiting for it (the receive is still in flight)",
+                site.at,
+                tensor_word(input.kind),
+                Near(site.at.rank, recv.at)
+            ),
             RunsBeforeInput {
                 site,
                 part,
@@ -521,6 +560,8 @@ pub struct Stats {
 pub struct Report {
     pub violations: Vec<Violation>,
     pub memory: Vec<RankMemory>,
+    /// Valid but fragile on NCCL ([`super::risk`]); not violations.
+    pub risks: Vec<super::risk::Risk>,
     pub stats: Stats,
 }
 
@@ -597,13 +638,25 @@ impl Serialize for Report {
                 detail: v,
             })
             .collect();
-        let mut st = s.serialize_struct("Report", 6)?;
+        let risks: Vec<serde_json::Value> = self
+            .risks
+            .iter()
+            .map(|r| {
+                let mut v = serde_json::to_value(r).unwrap_or_default();
+                if let Some(o) = v.as_object_mut() {
+                    o.insert("message".into(), r.to_string().into());
+                }
+                v
+            })
+            .collect();
+        let mut st = s.serialize_struct("Report", 7)?;
         st.serialize_field("valid", &self.is_valid())?;
         st.serialize_field("verdict", &self.verdict_line())?;
         st.serialize_field("class", &self.class())?;
         st.serialize_field("stats", &self.stats)?;
         st.serialize_field("memory", &self.memory)?;
         st.serialize_field("violations", &violations)?;
+        st.serialize_field("risks", &risks)?;
         st.end()
     }
 }
@@ -614,6 +667,9 @@ impl fmt::Display for Report {
         writeln!(f, "{}", self.verdict_line())?;
         for v in &self.violations {
             writeln!(f, "  [{}] {v}", v.class())?;
+        }
+        for r in &self.risks {
+            writeln!(f, "  [risk] {r}")?;
         }
         if !self.is_valid() {
             write!(f, "peak activations per rank:")?;

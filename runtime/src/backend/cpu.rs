@@ -188,6 +188,14 @@ impl Backend for CpuBackend {
         self.transport.exchange(self.rank, ops)
     }
 
+    fn post(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
+        self.transport.post(self.rank, ops)
+    }
+
+    fn complete(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
+        self.transport.complete(self.rank, ops)
+    }
+
     fn finish(&mut self) {
         self.transport.finish(self.rank);
     }

@@ -66,6 +66,9 @@ pub enum CommError {
         waited: Duration,
         peer_finished: Option<Rank>,
     },
+    /// The schedule leaves batches in flight (`wait` instructions), which this backend cannot
+    /// do.
+    InFlightUnsupported,
     /// The message that arrived is not the tensor the receive expects.
     WrongPayload {
         recv_at: u32,
@@ -140,6 +143,19 @@ pub trait Backend {
     /// Post one comm batch (one NCCL group) and wait for all of it: sends carry their tensor
     /// in `tensor`, receives get theirs there.
     fn exchange(&mut self, ops: &mut [CommOp<Self::Tensor>]) -> Result<(), CommError>;
+
+    /// Post one comm batch and return at once, leaving it in flight (Megatron's
+    /// `overlap_p2p_comm`); [`Backend::complete`] waits for it. Backends that cannot refuse.
+    fn post(&mut self, ops: &mut [CommOp<Self::Tensor>]) -> Result<(), CommError> {
+        let _ = ops;
+        Err(CommError::InFlightUnsupported)
+    }
+
+    /// Wait for a batch posted with [`Backend::post`]; receives get their tensors.
+    fn complete(&mut self, ops: &mut [CommOp<Self::Tensor>]) -> Result<(), CommError> {
+        let _ = ops;
+        Err(CommError::InFlightUnsupported)
+    }
 
     /// Called once when the rank has run its last instruction (a transport uses it to tell
     /// peers that nothing more will be posted).

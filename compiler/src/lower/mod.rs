@@ -20,6 +20,8 @@
 //! - Inside a batch, messages keep the order of the ops that produce (sends) or consume
 //!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
 
+mod megatron;
+
 use crate::program::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
     CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
@@ -163,72 +165,6 @@ impl<'p> Stream<'p> {
             self.batch(&s, &r);
         }
     }
-
-    /// Megatron's non-interleaved 1F1B P2P calls (`forward_backward_pipelining_without_interleaving`).
-    fn megatron_1f1b(&mut self, ops: &[Compute], warmup: usize) {
-        let forward_only = ops.iter().all(Compute::is_forward);
-        let (w, n) = if forward_only {
-            (ops.len(), ops.len())
-        } else {
-            (warmup, ops.len() / 2)
-        };
-        let remaining = n - w;
-        // Warmup: recv_forward; forward; send_forward.
-        for i in 0..w {
-            let op = &ops[i..i + 1];
-            let r = self.recvs_of(op);
-            self.batch(&[], &r);
-            self.compute(op);
-            let s = self.sends_of(op);
-            self.batch(&s, &[]);
-        }
-        // Steady state: ops alternate F, B after the warmup forwards.
-        let steady = &ops[w..w + 2 * remaining];
-        if remaining > 0 {
-            let r = self.recvs_of(&steady[..1]);
-            self.batch(&[], &r);
-        }
-        for j in 0..remaining {
-            let (f, b) = (&steady[2 * j..2 * j + 1], &steady[2 * j + 1..2 * j + 2]);
-            self.compute(f);
-            let (s, r) = (self.sends_of(f), self.recvs_of(b));
-            self.batch(&s, &r); // send_forward_recv_backward
-            self.compute(b);
-            let s = self.sends_of(b);
-            let r = if j + 1 < remaining {
-                self.recvs_of(&steady[2 * j + 2..2 * j + 3])
-            } else {
-                Vec::new()
-            };
-            self.batch(&s, &r); // send_backward_recv_forward, or send_backward
-        }
-        // Cooldown: recv_backward; backward; send_backward.
-        for i in w + 2 * remaining..ops.len() {
-            let op = &ops[i..i + 1];
-            let r = self.recvs_of(op);
-            self.batch(&[], &r);
-            self.compute(op);
-            let s = self.sends_of(op);
-            self.batch(&s, &[]);
-        }
-    }
-}
-
-/// Steps of Megatron's interleaved loop: warmup forwards one by one, steady (forward,
-/// backward) pairs, cooldown backwards one by one. Under combined 1F1B a steady pair is one
-/// `fwd_bwd` op (`combined_1f1b_schedule_for_interleaved_pipelining`), so every op is a step.
-fn megatron_interleaved_steps(ops: &[Compute], warmup: usize) -> Vec<&[Compute]> {
-    let forward_only = ops.iter().all(Compute::is_forward);
-    let combined = ops.iter().any(|o| matches!(o, Compute::FwdBwd { .. }));
-    if forward_only || combined {
-        return ops.chunks(1).collect();
-    }
-    let total = ops.len() / 2;
-    let remaining = total - warmup.min(total);
-    let mut steps: Vec<&[Compute]> = ops[..warmup].chunks(1).collect();
-    steps.extend(ops[warmup..warmup + 2 * remaining].chunks(2));
-    steps.extend(ops[warmup + 2 * remaining..].chunks(1));
-    steps
 }
 
 /// Where each tensor became available, in ticks; `NONE` until produced.
@@ -490,20 +426,37 @@ pub fn lower_orders(
             ranks: lockstep(placement, microbatches, orders),
         };
     }
+    let pp = placement.pp;
     let ranks = orders
         .iter()
-        .map(|order| {
-            let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
-            match policy {
-                CommPolicy::FusedPerOp => stream.fused_steps(order.ops.chunks(1)),
-                CommPolicy::MegatronInterleaved => {
-                    let steps = megatron_interleaved_steps(&order.ops, order.warmup as usize);
-                    stream.fused_steps(steps.into_iter())
+        .map(|order| match policy.megatron_loop() {
+            // Orders of several chunks per rank on one `1f1b --combined` rank run Megatron's
+            // interleaved loop (the only one combined 1F1B comes from).
+            Some((interleaved, mode)) => {
+                let combined = order
+                    .ops
+                    .iter()
+                    .any(|o| matches!(o, Compute::FwdBwd { .. }));
+                if interleaved || combined {
+                    megatron::interleaved(&megatron::Interleaved {
+                        pp,
+                        rank: order.rank.0,
+                        chunks: placement.num_stages() / pp.max(1),
+                        warmup: order.warmup,
+                        forward_only,
+                        combined,
+                        mode,
+                        ops: &order.ops,
+                    })
+                } else {
+                    megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
                 }
-                CommPolicy::Megatron1F1B => stream.megatron_1f1b(&order.ops, order.warmup as usize),
-                CommPolicy::Lockstep => unreachable!("lowered above"),
             }
-            stream.instrs
+            None => {
+                let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
+                stream.fused_steps(order.ops.chunks(1));
+                stream.instrs
+            }
         })
         .collect();
     Program {

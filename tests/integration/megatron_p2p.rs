@@ -1,0 +1,364 @@
+//! Megatron's P2P modes end to end (the issue "Megatron, exactly, in every configuration it
+//! runs"): every mode verifies, runs to the end on the brute-force executor, trains bitwise on
+//! the CPU runtime; batches left in flight are judged by their waits; what Megatron refuses is
+//! refused with its reason. Call-for-call equality with Megatron is `megatron_calls.rs`.
+
+use pipec::compile::{compile, CompileRequest};
+use pipec::files::{render, write_dir, Encoding, Header};
+use pipec::program::{Instr, Payload, Program};
+use pipec::verify::{verify, VerifyOptions, Violation};
+use pipec_runtime::model::ModelConfig;
+use pipec_runtime::{load, run_cpu, RunOptions};
+use pipec_schedules::{Compute, MegatronP2p, Placement, Rank, ScheduleKind, Task};
+use pipec_tests::reference::{execute, Verdict};
+use std::time::Duration;
+
+fn req(pp: u32, vpp: u32, m: u32, g: Option<u32>, fo: bool, mode: MegatronP2p) -> CompileRequest {
+    CompileRequest {
+        vpp: Some(vpp),
+        group_size: g,
+        forward_only: fo,
+        megatron_p2p: mode,
+        ..CompileRequest::new(
+            if vpp == 1 {
+                ScheduleKind::OneFOneB
+            } else {
+                ScheduleKind::Interleaved1F1B
+            },
+            pp,
+            m,
+        )
+    }
+}
+
+/// Every mode over a grid of legal (pp, vpp, M, g), training and forward-only: the verifier
+/// says valid and the independent brute-force executor runs every program to the end.
+#[test]
+fn every_mode_verifies_and_runs_on_the_reference_executor() {
+    let mut n = 0;
+    for mode in MegatronP2p::ALL {
+        for pp in 2..=5u32 {
+            for vpp in 1..=3u32 {
+                for m in [1, pp - 1, pp, pp + 1, 2 * pp, 3 * pp] {
+                    for g in [None, Some(pp + 1), Some(m)] {
+                        for fo in [false, true] {
+                            let r = req(pp, vpp, m, if vpp == 1 { None } else { g }, fo, mode);
+                            let Ok(c) = compile(&r) else { continue };
+                            let what = format!("{mode} pp {pp} vpp {vpp} M {m} g {g:?} fo {fo}");
+                            let report = verify(&c.program, &VerifyOptions::default());
+                            assert!(report.is_valid(), "{what}: {report}");
+                            let out = execute(&c.program);
+                            assert_eq!(out.verdict, Verdict::Valid, "{what}: {:?}", out.problems);
+                            assert!(out.finished, "{what}");
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(n > 400, "only {n} configurations");
+}
+
+/// The overlapped modes put in-flight batches and waits into the streams; the CPU runtime runs
+/// them and reproduces the single-thread reference bitwise (losses and every gradient).
+#[test]
+fn every_mode_trains_bitwise_on_the_cpu_runtime() {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = RunOptions {
+        model: ModelConfig {
+            hidden: 4,
+            ffn: 8,
+            vocab: 8,
+            seq: 3,
+            seed: 5,
+        },
+        steps: 2,
+        lr: 0.1,
+        timeout: Duration::from_secs(20),
+        check: true,
+    };
+    for mode in MegatronP2p::ALL {
+        for (pp, vpp, m, g) in [(2, 2, 4, None), (3, 2, 8, Some(4)), (4, 3, 8, Some(8))] {
+            if pp == 2 && mode == MegatronP2p::Batched {
+                continue; // refused, as Megatron-LM refuses it
+            }
+            let c = compile(&req(pp, vpp, m, g, false, mode)).unwrap();
+            if mode.overlaps() {
+                assert!(c
+                    .program
+                    .ranks
+                    .iter()
+                    .flatten()
+                    .any(|i| matches!(i, Instr::Wait { .. })));
+            }
+            let dir = tmp.path().join(format!("{mode}-{pp}-{vpp}-{m}"));
+            let header = Header {
+                source: "generated",
+                schedule: Some(c.spec),
+                comm_policy: Some(c.schedule.comm),
+                layout: &c.layout,
+            };
+            write_dir(&dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+            let loaded = load(&dir, None).unwrap();
+            assert_eq!(
+                loaded.program, c.program,
+                "the wait instructions round-trip"
+            );
+            let report = run_cpu(&loaded.program, &loaded.manifest.layout, &opts)
+                .unwrap_or_else(|e| panic!("{mode} pp {pp}: {e}"));
+            for s in &report.steps {
+                assert_eq!(
+                    s.check.as_ref().unwrap().max_abs_diff,
+                    0.0,
+                    "{mode} pp {pp}"
+                );
+            }
+        }
+    }
+}
+
+/// The configurations the issue found refused or wrong: group size above pp (rank 0 receives
+/// the last rank's activation as soon as it exists, in the same call as its own send) and
+/// M = pp (no gradient receive fused at the end of warmup).
+#[test]
+fn group_size_above_pp_was_refused_with_16_deadlocks() {
+    let c = compile(&req(4, 2, 8, Some(8), false, MegatronP2p::Batched)).unwrap();
+    assert!(verify(&c.program, &VerifyOptions::default()).is_valid());
+    // Megatron: after F(chunk 0, mb 3), rank 0's call is {recv act of stage 3 mb 0 from rank 3,
+    // send act of stage 0 mb 3 to rank 1}, in _batched_p2p_ops' order (recv_prev first).
+    let r0 = &c.program.ranks[0];
+    let at = r0
+        .iter()
+        .position(|i| *i == Instr::Compute(Compute::Fwd(Task::new(0, 3))))
+        .unwrap();
+    assert_eq!(
+        &r0[at + 1..at + 3],
+        &[
+            Instr::Recv {
+                peer: Rank(3),
+                payload: Payload::act(3, 0),
+                batch: 3
+            },
+            Instr::Send {
+                peer: Rank(1),
+                payload: Payload::act(0, 3),
+                batch: 3
+            }
+        ]
+    );
+}
+
+#[test]
+fn m_equal_pp_fused_a_gradient_receive_megatron_does_not_post() {
+    // pp = 4, vpp = 2, M = 4: rank 0's warmup covers every microbatch (8 >= 8), so its last
+    // warmup call only sends (Megatron: {send act 4/3}).
+    let c = compile(&req(4, 2, 4, None, false, MegatronP2p::Batched)).unwrap();
+    let r0 = &c.program.ranks[0];
+    let at = r0
+        .iter()
+        .position(|i| *i == Instr::Compute(Compute::Fwd(Task::new(4, 3))))
+        .unwrap();
+    assert_eq!(
+        r0[at + 1],
+        Instr::Send {
+            peer: Rank(1),
+            payload: Payload::act(4, 3),
+            batch: r0[at + 1].batch().unwrap()
+        }
+    );
+    assert!(!matches!(r0[at + 2], Instr::Recv { .. } if r0[at + 2].batch() == r0[at + 1].batch()));
+}
+
+/// What Megatron refuses, with Megatron's reason.
+#[test]
+fn megatron_refusals_say_why() {
+    let e = compile(&req(2, 2, 4, None, false, MegatronP2p::Batched)).unwrap_err();
+    assert!(
+        e.to_string().contains("greater than 2 to avoid having multiple p2p sends and recvs between same 2 ranks per communication batch"),
+        "{e}"
+    );
+    let e = compile(&req(4, 1, 8, None, false, MegatronP2p::Overlap)).unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "Non-interleaved pipeline parallelism does not support overlapping p2p communication"
+        ),
+        "{e}"
+    );
+    let e = compile(&CompileRequest {
+        megatron_p2p: MegatronP2p::Overlap,
+        ..CompileRequest::new(ScheduleKind::ZbV, 4, 8)
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("applies to 1f1b and interleaved-1f1b only"),
+        "{e}"
+    );
+    // Without a mode, interleaving at pp = 2 takes the one Megatron runs there.
+    let c = compile(&CompileRequest {
+        vpp: Some(2),
+        ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 2, 4)
+    })
+    .unwrap();
+    assert_eq!(c.spec.megatron_p2p, MegatronP2p::Overlap);
+}
+
+/// pp = 2 unbatched is valid but sends two tensors to one peer in one call: `check` says so.
+#[test]
+fn two_tensors_to_one_peer_in_one_call_is_reported_as_a_risk() {
+    let c = compile(&req(2, 2, 4, None, false, MegatronP2p::Unbatched)).unwrap();
+    let r = verify(&c.program, &VerifyOptions::default());
+    assert!(r.is_valid());
+    let first = r.risks.first().expect("a risk").to_string();
+    assert!(
+        first.starts_with("rank 0, #13: one comm batch sends 2 tensors to rank 1"),
+        "{first}"
+    );
+    // Batched 1F1B at pp = 4 has none.
+    let c = compile(&req(4, 1, 8, None, false, MegatronP2p::Batched)).unwrap();
+    assert!(verify(&c.program, &VerifyOptions::default())
+        .risks
+        .is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hand-written programs: the semantics of batches left in flight.
+
+fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
+    Program {
+        placement: Placement::looped(2, 1),
+        microbatches: 1,
+        forward_only: false,
+        ranks: vec![r0, r1],
+    }
+}
+
+fn fwd(s: u32) -> Instr {
+    Instr::Compute(Compute::Fwd(Task::new(s, 0)))
+}
+fn bwd(s: u32) -> Instr {
+    Instr::Compute(Compute::Bwd(Task::new(s, 0)))
+}
+fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
+    Instr::Send {
+        peer: Rank(peer),
+        payload,
+        batch,
+    }
+}
+fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
+    Instr::Recv {
+        peer: Rank(peer),
+        payload,
+        batch,
+    }
+}
+
+/// Rank 1 posts its activation receive in flight before rank 0 has sent: a posted but not
+/// waited receive does not block, so rank 1 can post the (blocking) nothing-else and wait.
+/// Each rank posts its receive first and in flight, then its blocking send: valid. With the
+/// receives blocking it is the classic crossing deadlock.
+#[test]
+fn a_receive_left_in_flight_does_not_block_its_rank() {
+    let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
+    let in_flight = two_ranks(
+        vec![
+            fwd(0),
+            recv(1, g, 0),
+            send(1, a, 1),
+            Instr::Wait { batch: 0 },
+            bwd(0),
+        ],
+        vec![
+            recv(0, a, 0),
+            Instr::Wait { batch: 0 },
+            fwd(1),
+            bwd(1),
+            send(0, g, 1),
+        ],
+    );
+    let r = verify(&in_flight, &VerifyOptions::default());
+    assert!(r.is_valid(), "{r}");
+    assert_eq!(execute(&in_flight).verdict, Verdict::Valid);
+    // The same receive blocking (no wait names it): rank 0 waits for a gradient that rank 1
+    // sends only after the activation rank 0 sends after that receive.
+    let blocking = two_ranks(
+        vec![fwd(0), recv(1, g, 0), send(1, a, 1), bwd(0)],
+        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+    );
+    let r = verify(&blocking, &VerifyOptions::default());
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| matches!(v, Violation::Deadlock { .. })),
+        "{r}"
+    );
+    assert_eq!(execute(&blocking).verdict, Verdict::Deadlock);
+}
+
+/// Using a received tensor before its wait, and waiting for a batch never posted.
+#[test]
+fn waits_are_checked() {
+    let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
+    let early = two_ranks(
+        vec![
+            fwd(0),
+            send(1, a, 0),
+            recv(1, g, 1),
+            bwd(0),
+            Instr::Wait { batch: 1 },
+        ],
+        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+    );
+    let r = verify(&early, &VerifyOptions::default());
+    let msgs: Vec<String> = r.violations.iter().map(|v| v.to_string()).collect();
+    assert_eq!(
+        msgs,
+        ["rank 0, #3: bwd(stage 0, mb 0) uses its gradient from the receive at #2 before waiting for it (the receive is still in flight)"]
+    );
+    let nothing = two_ranks(
+        vec![
+            fwd(0),
+            send(1, a, 0),
+            Instr::Wait { batch: 7 },
+            recv(1, g, 1),
+            bwd(0),
+        ],
+        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+    );
+    let msgs: Vec<String> = verify(&nothing, &VerifyOptions::default())
+        .violations
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    assert_eq!(
+        msgs,
+        ["rank 0, #2: waits for batch 7, which this rank has not posted before"]
+    );
+}
+
+/// A cycle through waits is a deadlock the verifier names.
+#[test]
+fn a_cycle_through_waits_is_a_deadlock() {
+    let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
+    // Rank 0 waits for its gradient before it sends the activation rank 1 needs to make it.
+    let p = two_ranks(
+        vec![
+            fwd(0),
+            recv(1, g, 0),
+            Instr::Wait { batch: 0 },
+            send(1, a, 1),
+            bwd(0),
+        ],
+        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+    );
+    let r = verify(&p, &VerifyOptions::default());
+    assert!(
+        r.violations
+            .iter()
+            .any(|v| matches!(v, Violation::Deadlock { .. })),
+        "{r}"
+    );
+    assert_eq!(execute(&p).verdict, Verdict::Deadlock);
+}
