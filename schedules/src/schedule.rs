@@ -31,6 +31,10 @@ pub enum CommPolicy {
     MegatronInterleavedOverlap,
     /// The same with `overlap_p2p_comm_warmup_flush`.
     MegatronInterleavedOverlapFlush,
+    /// [`CommPolicy::MegatronInterleavedOverlap`] with `deallocate_pipeline_outputs=False`.
+    MegatronInterleavedOverlapKeepOutputs,
+    /// [`CommPolicy::MegatronInterleavedOverlapFlush`] with `deallocate_pipeline_outputs=False`.
+    MegatronInterleavedOverlapFlushKeepOutputs,
     /// The same rule with every compute op its own step: a batch between consecutive ops sends
     /// the outputs of the first and receives the inputs of the second.
     FusedPerOp,
@@ -57,6 +61,12 @@ impl CommPolicy {
             (true, MegatronP2p::Unbatched) => CommPolicy::MegatronInterleavedUnbatched,
             (true, MegatronP2p::Overlap) => CommPolicy::MegatronInterleavedOverlap,
             (true, MegatronP2p::OverlapFlush) => CommPolicy::MegatronInterleavedOverlapFlush,
+            (true, MegatronP2p::OverlapKeepOutputs) => {
+                CommPolicy::MegatronInterleavedOverlapKeepOutputs
+            }
+            (true, MegatronP2p::OverlapFlushKeepOutputs) => {
+                CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs
+            }
         }
     }
 
@@ -69,6 +79,12 @@ impl CommPolicy {
             CommPolicy::MegatronInterleavedUnbatched => (true, MegatronP2p::Unbatched),
             CommPolicy::MegatronInterleavedOverlap => (true, MegatronP2p::Overlap),
             CommPolicy::MegatronInterleavedOverlapFlush => (true, MegatronP2p::OverlapFlush),
+            CommPolicy::MegatronInterleavedOverlapKeepOutputs => {
+                (true, MegatronP2p::OverlapKeepOutputs)
+            }
+            CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs => {
+                (true, MegatronP2p::OverlapFlushKeepOutputs)
+            }
             CommPolicy::FusedPerOp | CommPolicy::Lockstep => return None,
         })
     }

@@ -289,20 +289,29 @@ pub enum MegatronP2p {
     /// `batch_p2p_comm=False`, `overlap_p2p_comm=False`: each call posts its `isend`/`irecv`
     /// one by one in `_p2p_ops`' even/odd order and waits for all of them at once.
     Unbatched,
-    /// `overlap_p2p_comm=True` (interleaved only; Megatron-LM's training default there):
-    /// every `isend`/`irecv` is posted on its own and waited just before its tensor is used.
+    /// `overlap_p2p_comm=True` with `deallocate_pipeline_outputs=True` (interleaved only;
+    /// Megatron-LM's training default there): every `isend`/`irecv` is posted on its own and
+    /// waited just before its tensor is used; each forward's send is waited at once, before
+    /// its output is freed.
     Overlap,
-    /// `overlap_p2p_comm` plus `overlap_p2p_comm_warmup_flush`: receives for the next warmup
-    /// and cooldown step are prefetched before the current compute.
+    /// [`MegatronP2p::Overlap`] plus `overlap_p2p_comm_warmup_flush`: receives for the next
+    /// warmup and cooldown step are prefetched before the current compute.
     OverlapFlush,
+    /// [`MegatronP2p::Overlap`] with `deallocate_pipeline_outputs=False` (megatron-core's config
+    /// default): a forward's send is waited only when the next one is posted.
+    OverlapKeepOutputs,
+    /// [`MegatronP2p::OverlapFlush`] with `deallocate_pipeline_outputs=False`.
+    OverlapFlushKeepOutputs,
 }
 
 impl MegatronP2p {
-    pub const ALL: [MegatronP2p; 4] = [
+    pub const ALL: [MegatronP2p; 6] = [
         MegatronP2p::Batched,
         MegatronP2p::Unbatched,
         MegatronP2p::Overlap,
         MegatronP2p::OverlapFlush,
+        MegatronP2p::OverlapKeepOutputs,
+        MegatronP2p::OverlapFlushKeepOutputs,
     ];
 
     pub fn is_default(&self) -> bool {
@@ -325,12 +334,43 @@ impl MegatronP2p {
             MegatronP2p::Unbatched => "unbatched",
             MegatronP2p::Overlap => "overlap",
             MegatronP2p::OverlapFlush => "overlap-flush",
+            MegatronP2p::OverlapKeepOutputs => "overlap-keep-outputs",
+            MegatronP2p::OverlapFlushKeepOutputs => "overlap-flush-keep-outputs",
         }
     }
 
     /// Whether Megatron's `overlap_p2p_comm` is on.
     pub fn overlaps(self) -> bool {
+        !matches!(self, MegatronP2p::Batched | MegatronP2p::Unbatched)
+    }
+
+    /// Whether `overlap_p2p_comm_warmup_flush` is on.
+    pub fn flushes(self) -> bool {
+        matches!(
+            self,
+            MegatronP2p::OverlapFlush | MegatronP2p::OverlapFlushKeepOutputs
+        )
+    }
+
+    /// Whether `deallocate_pipeline_outputs` is on where it changes the calls (overlap modes).
+    pub fn deallocates_outputs(self) -> bool {
         matches!(self, MegatronP2p::Overlap | MegatronP2p::OverlapFlush)
+    }
+
+    /// The Megatron config flags of this mode, in words.
+    pub fn config(self) -> &'static str {
+        match self {
+            MegatronP2p::Batched => "batch_p2p_comm",
+            MegatronP2p::Unbatched => "batch_p2p_comm=False",
+            MegatronP2p::Overlap => "overlap_p2p_comm, deallocate_pipeline_outputs",
+            MegatronP2p::OverlapFlush => {
+                "overlap_p2p_comm, overlap_p2p_comm_warmup_flush, deallocate_pipeline_outputs"
+            }
+            MegatronP2p::OverlapKeepOutputs => "overlap_p2p_comm",
+            MegatronP2p::OverlapFlushKeepOutputs => {
+                "overlap_p2p_comm, overlap_p2p_comm_warmup_flush"
+            }
+        }
     }
 }
 
@@ -346,7 +386,13 @@ impl FromStr for MegatronP2p {
         MegatronP2p::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown Megatron P2P mode `{s}` (expected batched, unbatched, overlap or overlap-flush)"))
+            .ok_or_else(|| {
+                let names: Vec<&str> = MegatronP2p::ALL.iter().map(|m| m.name()).collect();
+                format!(
+                    "unknown Megatron P2P mode `{s}` (expected one of {})",
+                    names.join(", ")
+                )
+            })
     }
 }
 

@@ -182,6 +182,7 @@ fn every_rank_is_megatrons_calls_one_for_one() {
     let header = lines.next().expect("header");
     assert!(header.starts_with("# megatron-core 0.19.2"), "{header}");
     let (mut checked, mut refused, mut pp2) = (0, 0, 0);
+    let mut modes = std::collections::BTreeSet::new();
     let mut failures = Vec::new();
     for line in lines {
         let (head, rest) = match line.split_once(" ! ") {
@@ -234,6 +235,7 @@ fn every_rank_is_megatrons_calls_one_for_one() {
             failures.push(format!("{head}: Megatron runs it but pipec refuses: {e}"));
             continue;
         }
+        modes.insert(c.mode.name());
         let program = lower(&generate(&spec, &Limits::DEFAULT).unwrap());
         for (r, want) in ranks.split(" | ").enumerate() {
             let want: Vec<String> = want.split_whitespace().map(String::from).collect();
@@ -260,8 +262,9 @@ fn every_rank_is_megatrons_calls_one_for_one() {
     );
     eprintln!("megatron calls: {checked} configurations compared, {refused} refused by both, {pp2} (pp = 2 batched) refused by pipec as by Megatron-LM's training script");
     // The grid is broad: both loops, every mode, refusals included.
+    assert_eq!(modes.len(), MegatronP2p::ALL.len(), "{modes:?}");
     assert!(
-        checked > 1000 && refused > 100,
+        checked > 4000 && refused > 2000,
         "{checked} checked, {refused} refused"
     );
 }

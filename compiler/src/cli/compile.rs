@@ -44,8 +44,10 @@ pub struct Args {
     #[arg(long)]
     pub combined: bool,
     /// How Megatron posts its P2P calls (1f1b, interleaved-1f1b): batched (megatron-core's
-    /// default, batch_p2p_comm), unbatched, overlap (overlap_p2p_comm, Megatron-LM's training
-    /// default for interleaving), overlap-flush (plus overlap_p2p_comm_warmup_flush).
+    /// default, batch_p2p_comm), unbatched, overlap (overlap_p2p_comm with
+    /// deallocate_pipeline_outputs, Megatron-LM's training default for interleaving),
+    /// overlap-flush (plus overlap_p2p_comm_warmup_flush), overlap-keep-outputs and
+    /// overlap-flush-keep-outputs (deallocate_pipeline_outputs off).
     /// Default: batched, or overlap for interleaved-1f1b at pp = 2 (the only mode Megatron
     /// runs there).
     #[arg(long, value_parser = parse_p2p)]
@@ -177,12 +179,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         println!(
             "megatron p2p: {} (as Megatron runs with {})",
             c.spec.megatron_p2p,
-            match c.spec.megatron_p2p {
-                MegatronP2p::Batched => "batch_p2p_comm",
-                MegatronP2p::Unbatched => "batch_p2p_comm=False",
-                MegatronP2p::Overlap => "overlap_p2p_comm",
-                MegatronP2p::OverlapFlush => "overlap_p2p_comm and overlap_p2p_comm_warmup_flush",
-            }
+            c.spec.megatron_p2p.config()
         );
     }
     if let Some(r) = verdict {

@@ -15,7 +15,8 @@
 //!   `send_next, recv_prev, send_prev, recv_next`; odd ones `recv_prev, send_next, recv_next,
 //!   send_prev`), waited at once;
 //! - overlapped calls (`overlap_p2p_comm=True`): every op its own batch, left in flight; each
-//!   `handle.wait()` of Megatron is an [`Instr::Wait`] on that batch.
+//!   `handle.wait()` of Megatron is an [`Instr::Wait`] on that batch (with
+//!   `deallocate_pipeline_outputs`, a forward's send is waited right after it is posted).
 //!
 //! The tensor a receive carries is the one Megatron files it under: a receive appended to
 //! `input_tensors[c]` is the activation for chunk `c`'s next forward, one appended to
@@ -242,7 +243,7 @@ pub(crate) fn interleaved(x: &Interleaved<'_>) -> Vec<Instr> {
     let remaining = total - warmup;
     let forward_only = x.forward_only;
     let overlap = x.mode.overlaps();
-    let flush = x.mode == MegatronP2p::OverlapFlush;
+    let flush = x.mode.flushes();
     let (first, last) = (r == 0, r == pp - 1);
     // `_is_vp_first_stage(c) and is_pp_first_stage`: the model's first stage (no input to
     // receive, no gradient to send); likewise its last stage.
@@ -609,6 +610,11 @@ fn after_send(
         if let Some(b) = h.pop(recv) {
             recv_wait_handles.push(b);
         }
+    }
+    // "isend() copies asynchronously; wait until the copy is done before freeing the source
+    // buffer" (deallocate_pipeline_outputs): a forward's send is waited at once.
+    if send == Key::SendNext && comm.mode.deallocates_outputs() {
+        comm.wait(send_wait_handle.take());
     }
 }
 

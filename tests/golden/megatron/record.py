@@ -75,11 +75,16 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 SCRIPT = os.path.abspath(__file__)
 MODES = {
-    # name: (batch_p2p_comm, overlap_p2p_comm, overlap_p2p_comm_warmup_flush)
-    "batched": (True, False, False),
-    "unbatched": (False, False, False),
-    "overlap": (False, True, False),
-    "overlap_flush": (False, True, True),
+    # name: (batch_p2p_comm, overlap_p2p_comm, overlap_p2p_comm_warmup_flush,
+    #        deallocate_pipeline_outputs)
+    # Megatron-LM's training script sets deallocate_pipeline_outputs=True (then each forward's
+    # send is waited at once); megatron-core's config default is False ("keep_outputs").
+    "batched": (True, False, False, False),
+    "unbatched": (False, False, False, False),
+    "overlap": (False, True, False, True),
+    "overlap_flush": (False, True, True, True),
+    "overlap_keep_outputs": (False, True, False, False),
+    "overlap_flush_keep_outputs": (False, True, True, False),
 }
 
 
@@ -399,7 +404,7 @@ class Chunk(torch.nn.Module):
 
 
 def make_config(pp, vpp, g, mode, combined):
-    batch, overlap, flush = MODES[mode]
+    batch, overlap, flush, deallocate = MODES[mode]
     config = ModelParallelConfig(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
@@ -408,7 +413,7 @@ def make_config(pp, vpp, g, mode, combined):
         overlap_p2p_comm=overlap,
         overlap_p2p_comm_warmup_flush=flush,
         batch_p2p_sync=False,
-        deallocate_pipeline_outputs=False,
+        deallocate_pipeline_outputs=deallocate,
         variable_seq_lengths=False,
         pipeline_dtype=torch.float32,
         overlap_moe_expert_parallel_comm=combined,
@@ -532,7 +537,7 @@ def grid():
     for pp, vpp, M, g in interleaved_tuples():
         for fo in (0, 1):
             for combined in (0, 1) if fo == 0 else (0,):
-                for mode in ("batched", "unbatched", "overlap", "overlap_flush"):
+                for mode in MODES:
                     yield ("interleaved", pp, vpp, M, g, fo, combined, mode)
     for pp, M in onef1b_pairs():
         for fo in (0, 1):
