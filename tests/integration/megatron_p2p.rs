@@ -400,8 +400,9 @@ fn run_in_stream_order(p: &Program) -> Result<(), String> {
         }
     }
     // Partner of a send: the recv with the same channel sequence number.
-    let mut by_channel: HashMap<(usize, usize, usize, bool, usize), (usize, usize)> =
-        HashMap::new();
+    // (from, to, communicator, is send, sequence number) -> (rank, index).
+    type ChannelOp = (usize, usize, usize, bool, usize);
+    let mut by_channel: HashMap<ChannelOp, (usize, usize)> = HashMap::new();
     for (&(r, i), &((_, peer, c), n, send)) in &op_info {
         let (from, to) = if send { (r, peer) } else { (peer, r) };
         by_channel.insert((from, to, c, send, n), (r, i));
