@@ -56,9 +56,8 @@ pub(crate) struct Index<'p> {
     /// Per node: the nearest earlier node on its rank at which the rank blocks (a blocking
     /// batch or a wait): it must complete before this node is reached.
     pub block_pred: Vec<u32>,
-    /// Per position of a receive: where its tensor is ready (the receive itself, or the `Wait`
-    /// of its in-flight batch; `NONE` if that batch is never waited).
-    pub ready_at: HashMap<u32, u32>,
+    /// Per node: the position of the first `Wait` naming it (`NONE` when none does).
+    pub first_wait: Vec<u32>,
     pub stats: Stats,
     pub compute_parts: u64,
 }
@@ -125,7 +124,7 @@ impl<'p> Index<'p> {
             wait_of: Vec::new(),
             in_flight: Vec::new(),
             block_pred: Vec::new(),
-            ready_at: HashMap::new(),
+            first_wait: Vec::new(),
             stats: Stats {
                 ranks: world,
                 instructions: total,
@@ -151,7 +150,7 @@ impl<'p> Index<'p> {
             let rank = Rank(r as u32);
             let mut prev_batch: Option<u32> = None;
             // Batch id -> its node on this rank (`NONE` when the id names two segments).
-            let mut by_id: HashMap<u32, u32> = HashMap::new();
+            let mut by_id = BatchIds::new(instrs.len());
             for (i, ins) in instrs.iter().enumerate() {
                 let g = base + i as u32;
                 match *ins {
@@ -164,8 +163,8 @@ impl<'p> Index<'p> {
                             },
                             instr: *ins,
                         };
-                        let target = match by_id.get(&batch) {
-                            Some(&n) if n != NONE => n,
+                        let target = match by_id.get(batch) {
+                            Some(n) if n != NONE => n,
                             Some(_) => {
                                 out.push(Violation::WaitAmbiguous { site, batch });
                                 NONE
@@ -247,7 +246,7 @@ impl<'p> Index<'p> {
                         }
                         if prev_batch != Some(batch) {
                             let node = self.batch_start.len() as u32;
-                            by_id.entry(batch).and_modify(|n| *n = NONE).or_insert(node);
+                            by_id.insert(batch, node);
                             self.batch_start.push(g);
                             self.batch_len.push(0);
                             self.batch_rank.push(r as u32);
@@ -303,45 +302,37 @@ impl<'p> Index<'p> {
         self.link_waits();
     }
 
-    /// `block_pred` of every node, and where each received tensor becomes usable.
+    /// `block_pred` of every node, and the first wait of each batch left in flight.
     fn link_waits(&mut self) {
         let n = self.batch_start.len();
         self.block_pred = vec![NONE; n];
+        self.first_wait = vec![NONE; n];
         let mut last = NONE;
-        let mut waited_at: HashMap<u32, u32> = HashMap::new();
         for b in 0..n {
             if b > 0 && self.batch_rank[b - 1] != self.batch_rank[b] {
                 last = NONE;
             }
             self.block_pred[b] = last;
             let w = self.wait_of[b];
-            if w != NONE {
-                waited_at.entry(w).or_insert(self.batch_start[b]);
+            if w != NONE && self.first_wait[w as usize] == NONE {
+                self.first_wait[w as usize] = self.batch_start[b];
             }
             if !self.in_flight[b] {
                 last = b as u32;
             }
         }
-        for b in 0..n {
-            if !self.in_flight[b] {
-                continue;
-            }
-            let at = waited_at.get(&(b as u32)).copied().unwrap_or(NONE);
-            let s = self.batch_start[b];
-            for g in s..s + self.batch_len[b] {
-                self.ready_at.insert(g, at);
-            }
-        }
     }
 
     /// Where the tensor of the receive at `g` is ready to use: the receive itself, or the first
-    /// `Wait` of its in-flight batch.
+    /// `Wait` of its in-flight batch (`NONE` when that batch is never waited).
     #[inline]
     pub fn ready(&self, g: u32) -> u32 {
-        if self.ready_at.is_empty() {
-            return g;
+        let b = self.node_of[g as usize];
+        if b != NONE && self.in_flight[b as usize] {
+            self.first_wait[b as usize]
+        } else {
+            g
         }
-        self.ready_at.get(&g).copied().unwrap_or(g)
     }
 
     /// Range-check a (stage, mb) pair, reporting each field out of range.
@@ -449,3 +440,50 @@ impl<'p> Index<'p> {
         (p != NONE).then_some(p)
     }
 }
+
+/// Batch id -> node on one rank, dense while ids stay small (they count up from 0 in every
+/// file pipec writes), a map for files with sparse ids. `NONE` marks an id used by two
+/// separate batches.
+struct BatchIds {
+    dense: Vec<u32>,
+    sparse: HashMap<u32, u32>,
+    limit: usize,
+}
+
+impl BatchIds {
+    fn new(instructions: usize) -> Self {
+        BatchIds {
+            dense: Vec::new(),
+            sparse: HashMap::new(),
+            limit: 2 * instructions + 16,
+        }
+    }
+
+    fn get(&self, id: u32) -> Option<u32> {
+        match self.dense.get(id as usize) {
+            Some(&n) if n != UNSET => Some(n),
+            Some(_) => None,
+            None => self.sparse.get(&id).copied(),
+        }
+    }
+
+    /// Record that batch `id` starts node `node` (a second batch with the id makes it `NONE`).
+    fn insert(&mut self, id: u32, node: u32) {
+        let i = id as usize;
+        if i < self.limit {
+            if i >= self.dense.len() {
+                self.dense.resize(i + 1, UNSET);
+            }
+            let slot = &mut self.dense[i];
+            *slot = if *slot == UNSET { node } else { NONE };
+        } else {
+            self.sparse
+                .entry(id)
+                .and_modify(|n| *n = NONE)
+                .or_insert(node);
+        }
+    }
+}
+
+/// An id no batch has used yet.
+const UNSET: u32 = NONE - 1;
