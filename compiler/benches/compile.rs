@@ -66,6 +66,17 @@ fn phases(c: &mut Criterion) {
             b.iter(|| lower(black_box(&sched)))
         });
     }
+    // Megatron's training default for interleaving (overlap_p2p_comm): every op its own batch
+    // and a wait before use, so about 60% more instructions than the batched lowering.
+    let s = ScheduleSpec {
+        megatron_p2p: pipec_schedules::MegatronP2p::Overlap,
+        ..spec(64, 8, 1024)
+    };
+    let sched = generate(&s, &Limits::DEFAULT).unwrap();
+    g.throughput(Throughput::Elements(lower(&sched).len() as u64));
+    g.bench_function("lower_megatron_overlap/L", |b| {
+        b.iter(|| lower(black_box(&sched)))
+    });
     g.finish();
 }
 
