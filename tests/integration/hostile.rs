@@ -88,6 +88,13 @@ fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 fn layout_refused(layout: &str, pp: &str, why: &str) {
     let r = refuses(pipec(["layout", layout, "--pp", pp]), &[1]);
     assert!(r.stderr.contains(why), "layout {layout:?}: {}", r.stderr);
+    // The echo of the layout comes right after the headline.
+    assert!(
+        r.stderr
+            .starts_with(&format!("error: invalid layout:\n  {layout}\n")),
+        "layout {layout:?}: {}",
+        r.stderr
+    );
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
     let mut c = pipec(["compile", "--schedule", "1f1b", "--microbatches", "4"]);
@@ -97,15 +104,31 @@ fn layout_refused(layout: &str, pp: &str, why: &str) {
     assert!(!out.exists(), "a refused compile wrote {}", out.display());
 }
 
+/// As [`layout_refused`], and the caret sits under character `at` of the layout.
+fn layout_refused_at(layout: &str, pp: &str, at: usize, why: &str) {
+    layout_refused(layout, pp, why);
+    let r = refuses(pipec(["layout", layout, "--pp", pp]), &[1]);
+    let caret = r.stderr.lines().nth(2).unwrap_or_default();
+    assert_eq!(
+        caret,
+        format!("  {}^", " ".repeat(at)),
+        "layout {layout:?}: {}",
+        r.stderr
+    );
+}
+
+const NO_LAYERS: &str =
+    "the layout has no layers; it needs at least the embedding `E` and the loss `L`";
+
 #[test]
 fn empty_layout_is_refused() {
-    layout_refused("", "1", "error");
+    layout_refused("", "1", NO_LAYERS);
 }
 
 #[test]
 fn layout_of_only_separators_is_refused() {
-    layout_refused("|||", "2", "error");
-    layout_refused(",,,", "1", "error");
+    layout_refused("|||", "2", NO_LAYERS);
+    layout_refused(",,,", "1", NO_LAYERS);
 }
 
 #[test]
@@ -117,24 +140,30 @@ fn unknown_layout_symbol_is_refused_with_its_position() {
 
 #[test]
 fn unbalanced_parentheses_are_refused() {
-    layout_refused("E(t|L", "2", "error");
-    layout_refused("Et)|L", "2", "error");
-    layout_refused("E|((t|)*2|L", "2", "error");
+    layout_refused_at("E(t|L", "2", 1, "`(` is never closed");
+    layout_refused_at("Et)|L", "2", 2, "`)` without a matching `(`");
+    layout_refused_at("E|((t|)*2|L", "2", 2, "`(` is never closed");
 }
 
 #[test]
 fn huge_repeat_count_is_refused_without_expanding() {
-    layout_refused("Et*1000000000000|L", "1", "error");
-    layout_refused("E|(t|)*1000000000000,L", "2", "error");
+    let layers = "the layout expands to more than 1048576 layers";
+    layout_refused_at("Et*1000000000000|L", "1", 3, layers);
+    layout_refused_at("E|(t|)*1000000000000,L", "2", 7, layers);
     // Nested repeats whose product is huge.
-    layout_refused("E|((((t|)*1000)*1000)*1000)*1000,L", "2", "error");
+    layout_refused_at(
+        "E|((((t|)*1000)*1000)*1000)*1000,L",
+        "2",
+        16,
+        "the layout expands to more than 65536 stages",
+    );
 }
 
 #[test]
 fn non_ascii_digits_are_refused() {
     // Arabic-Indic three and fullwidth two: `char::is_numeric` but not repeat counts.
-    layout_refused("Et*\u{663}|L", "2", "error");
-    layout_refused("Et*\u{ff12}|L", "2", "error");
+    layout_refused_at("Et*\u{663}|L", "2", 3, "'\u{663}' is not an ASCII digit");
+    layout_refused_at("Et*\u{ff12}|L", "2", 3, "'\u{ff12}' is not an ASCII digit");
 }
 
 #[test]
@@ -147,7 +176,12 @@ fn zero_repeat_count_is_handled() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(matches!(out.status.code(), Some(0 | 1)), "{stderr}");
-    layout_refused("E|(t|)*0", "1", "error");
+    layout_refused_at(
+        "E|(t|)*0",
+        "1",
+        7,
+        "count of 0: Megatron would silently delete the item before `*0`",
+    );
 }
 
 #[test]
