@@ -56,36 +56,45 @@ impl fmt::Display for Risk {
     }
 }
 
-/// Every risk of the program, in program order.
+/// Every risk of the program, in program order. Batches are a handful of ops, so each is
+/// scanned pairwise in place; only a batch with a risk allocates.
 pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
     let mut out = Vec::new();
     for b in 0..ix.batch_start.len() {
-        if ix.wait_of[b] != NONE || ix.batch_len[b] < 2 {
+        let len = ix.batch_len[b] as usize;
+        if ix.wait_of[b] != NONE || len < 2 {
             continue;
         }
-        let s = ix.batch_start[b];
-        // (send, peer) -> payloads, first seen first.
-        let mut groups: Vec<((bool, Rank), Vec<Payload>)> = Vec::new();
-        for g in s..s + ix.batch_len[b] {
-            let (send, peer, payload) = match ix.instr(g) {
-                Instr::Send { peer, payload, .. } => (true, peer, payload),
-                Instr::Recv { peer, payload, .. } => (false, peer, payload),
-                _ => continue,
+        let r = ix.batch_rank[b] as usize;
+        let first = (ix.batch_start[b] - ix.offsets[r]) as usize;
+        let ops = &ix.p.ranks[r][first..first + len];
+        let end = |i: &Instr| match *i {
+            Instr::Send { peer, payload, .. } => Some((true, peer, payload)),
+            Instr::Recv { peer, payload, .. } => Some((false, peer, payload)),
+            _ => None,
+        };
+        for (k, op) in ops.iter().enumerate() {
+            let Some((send, peer, payload)) = end(op) else {
+                continue;
             };
-            match groups.iter_mut().find(|(k, _)| *k == (send, peer)) {
-                Some((_, v)) => v.push(payload),
-                None => groups.push(((send, peer), vec![payload])),
+            let same = |o: &Instr| end(o).is_some_and(|(s, q, _)| s == send && q == peer);
+            // Report each group once, at its first op.
+            if ops[..k].iter().any(same) || !ops[k + 1..].iter().any(same) {
+                continue;
             }
-        }
-        for ((send, peer), payloads) in groups {
-            if payloads.len() > 1 {
-                out.push(Risk::SamePeerTwice {
-                    site: ix.site(s),
-                    peer,
-                    send,
-                    payloads,
-                });
-            }
+            let mut payloads = vec![payload];
+            payloads.extend(
+                ops[k + 1..]
+                    .iter()
+                    .filter(|o| same(o))
+                    .filter_map(|o| end(o).map(|e| e.2)),
+            );
+            out.push(Risk::SamePeerTwice {
+                site: ix.site(ix.batch_start[b]),
+                peer,
+                send,
+                payloads,
+            });
         }
     }
     out
