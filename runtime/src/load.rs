@@ -22,7 +22,14 @@ pub struct LaunchWorld {
 /// Load `dir`, check it is runnable by a launch of `world` ranks (when given), and verify it.
 pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
     let loaded = load_unverified(dir, world)?;
-    let report = pipec::verify::verify(&loaded.program, &pipec::verify::VerifyOptions::default());
+    let opts = pipec::verify::VerifyOptions {
+        streams: pipec::verify::StreamRule::of_policy(
+            loaded.manifest.comm_policy,
+            loaded.program.world(),
+        ),
+        ..Default::default()
+    };
+    let report = pipec::verify::verify(&loaded.program, &opts);
     if !report.is_valid() {
         return Err(RunError::NotVerified {
             dir: dir.display().to_string(),

@@ -6,7 +6,7 @@
 use pipec::compile::{compile, CompileRequest};
 use pipec::files::{render, write_dir, Encoding, Header};
 use pipec::program::{Instr, Payload, Program};
-use pipec::verify::{verify, VerifyOptions, Violation};
+use pipec::verify::{verify, StreamRule, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, run_cpu, RunOptions};
 use pipec_schedules::{Compute, MegatronP2p, Placement, Rank, ScheduleKind, Task};
@@ -45,7 +45,11 @@ fn every_mode_verifies_and_runs_on_the_reference_executor() {
                             let r = req(pp, vpp, m, if vpp == 1 { None } else { g }, fo, mode);
                             let Ok(c) = compile(&r) else { continue };
                             let what = format!("{mode} pp {pp} vpp {vpp} M {m} g {g:?} fo {fo}");
-                            let report = verify(&c.program, &VerifyOptions::default());
+                            let opts = VerifyOptions {
+                                streams: StreamRule::of_policy(Some(c.schedule.comm), pp),
+                                ..VerifyOptions::default()
+                            };
+                            let report = verify(&c.program, &opts);
                             assert!(report.is_valid(), "{what}: {report}");
                             let out = execute(&c.program);
                             assert_eq!(out.verdict, Verdict::Valid, "{what}: {:?}", out.problems);
@@ -255,12 +259,20 @@ fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
     }
 }
 
-/// Rank 1 posts its activation receive in flight before rank 0 has sent: a posted but not
-/// waited receive does not block, so rank 1 can post the (blocking) nothing-else and wait.
-/// Each rank posts its receive first and in flight, then its blocking send: valid. With the
-/// receives blocking it is the classic crossing deadlock.
+/// Each rank posts its receive first and in flight, then its blocking send: a posted but not
+/// waited receive does not block its rank, so this is valid where each direction has its own
+/// NCCL stream (on one stream per pair the send would queue behind the receive: see
+/// `megatron_calls_do_not_hang_in_nccl_stream_order`). With the receives blocking it is the
+/// classic crossing deadlock.
 #[test]
 fn a_receive_left_in_flight_does_not_block_its_rank() {
+    let split = VerifyOptions {
+        streams: StreamRule {
+            per_direction: true,
+            ops_in_order: true,
+        },
+        ..VerifyOptions::default()
+    };
     let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
     let in_flight = two_ranks(
         vec![
@@ -278,7 +290,7 @@ fn a_receive_left_in_flight_does_not_block_its_rank() {
             send(0, g, 1),
         ],
     );
-    let r = verify(&in_flight, &VerifyOptions::default());
+    let r = verify(&in_flight, &split);
     assert!(r.is_valid(), "{r}");
     assert_eq!(execute(&in_flight).verdict, Verdict::Valid);
     // The same receive blocking (no wait names it): rank 0 waits for a gradient that rank 1
@@ -371,14 +383,15 @@ fn a_cycle_through_waits_is_a_deadlock() {
 // communicator (WORLD) for exactly that reason. An independent executor of that model.
 
 /// The communicator of a message from `from` (`_p2p_ops`: at pp = 2 even ranks send on the
-/// pipeline group and receive on WORLD, odd ranks the other way round).
-fn communicator(pp: usize, from: usize) -> usize {
-    usize::from(pp == 2 && from % 2 == 1)
+/// pipeline group and receive on WORLD, odd ranks the other way round), or always one
+/// communicator per pair (`megatron_groups` false).
+fn communicator(pp: usize, from: usize, megatron_groups: bool) -> usize {
+    usize::from(megatron_groups && pp == 2 && from % 2 == 1)
 }
 
 /// Runs `p` with every `isend`/`irecv` its own NCCL call on its (pair, communicator) stream;
 /// `Err` names where it hangs.
-fn run_in_stream_order(p: &Program) -> Result<(), String> {
+fn run_in_stream_order(p: &Program, megatron_groups: bool) -> Result<(), String> {
     use std::collections::{HashMap, VecDeque};
     let w = p.ranks.len();
     // Per op (rank, index): its stream key and its channel sequence number.
@@ -393,7 +406,7 @@ fn run_in_stream_order(p: &Program) -> Result<(), String> {
                 _ => continue,
             };
             let (from, to) = if send { (r, peer) } else { (peer, r) };
-            let c = communicator(w, from);
+            let c = communicator(w, from, megatron_groups);
             let n = seq.entry((from, to, c, send)).or_default();
             op_info.insert((r, i), ((r, peer, c), *n, send));
             *n += 1;
@@ -504,7 +517,7 @@ fn run_in_stream_order(p: &Program) -> Result<(), String> {
 /// receive posted before a send to the same peer on both sides of one stream hangs.
 #[test]
 fn megatron_calls_do_not_hang_in_nccl_stream_order() {
-    let mut n = 0;
+    let (mut n, mut single_comm_hangs) = (0, 0);
     for mode in MegatronP2p::ALL {
         if mode == MegatronP2p::Batched {
             continue; // one NCCL group per call, waited at once: the rendezvous model
@@ -516,9 +529,21 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
                         for fo in [false, true] {
                             let r = req(pp, vpp, m, if vpp == 1 { None } else { g }, fo, mode);
                             let Ok(c) = compile(&r) else { continue };
-                            run_in_stream_order(&c.program).unwrap_or_else(|e| {
-                                panic!("{mode} pp {pp} vpp {vpp} M {m} g {g:?} fo {fo}: {e}")
-                            });
+                            let what = format!("{mode} pp {pp} vpp {vpp} M {m} g {g:?} fo {fo}");
+                            run_in_stream_order(&c.program, true)
+                                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                            // The verifier's D2 with the program's own rule agrees...
+                            let rule = StreamRule::of_policy(Some(c.schedule.comm), pp);
+                            assert!(stream_deadlocks(&c.program, rule) == 0, "{what}");
+                            // ...and, with one communicator per pair, flags exactly the
+                            // programs that then hang (Megatron's WORLD group is needed).
+                            let one = StreamRule {
+                                per_direction: false,
+                                ..rule
+                            };
+                            let hangs = run_in_stream_order(&c.program, false).is_err();
+                            assert_eq!(stream_deadlocks(&c.program, one) > 0, hangs, "{what}");
+                            single_comm_hangs += usize::from(hangs);
                             n += 1;
                         }
                     }
@@ -527,8 +552,13 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
         }
     }
     assert!(n > 300, "{n}");
+    assert!(
+        single_comm_hangs > 0,
+        "the pp = 2 WORLD group never mattered"
+    );
     // Both ranks post a receive from the other before their send, on one stream (pp > 2
-    // communicator rule, here forced by three ranks with rank 2 idle): it hangs.
+    // communicator rule, here forced by three ranks with rank 2 idle): it hangs, and D2 says
+    // so though rendezvous (D1) alone finds it valid.
     let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
     let crossing = Program {
         placement: Placement::looped(3, 1),
@@ -545,7 +575,39 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
             vec![],
         ],
     };
-    assert!(run_in_stream_order(&crossing)
+    assert!(run_in_stream_order(&crossing, true)
         .unwrap_err()
         .starts_with("hangs"));
+    let r = verify(&crossing, &VerifyOptions::default());
+    let msgs: Vec<String> = r
+        .violations
+        .iter()
+        .filter(|v| matches!(v, Violation::StreamDeadlock { .. }))
+        .map(|v| v.to_string())
+        .collect();
+    assert_eq!(
+        msgs,
+        ["deadlock under NCCL's stream order (ops of one communicator between two ranks run in issue order):\n    rank 0, #1 recv(grad of stage 1, mb 0 <- rank 1)\n    rank 1, #0 recv(act of stage 0, mb 0 <- rank 0)\n    (each waits for the one after it, the last for the first)"],
+    );
+    // With each direction on its own communicator, nothing queues behind the receives.
+    let split = VerifyOptions {
+        streams: StreamRule {
+            per_direction: true,
+            ops_in_order: true,
+        },
+        ..VerifyOptions::default()
+    };
+    assert_eq!(stream_deadlocks(&crossing, split.streams), 0);
+}
+
+fn stream_deadlocks(p: &Program, streams: StreamRule) -> usize {
+    let opts = VerifyOptions {
+        streams,
+        ..VerifyOptions::default()
+    };
+    verify(p, &opts)
+        .violations
+        .iter()
+        .filter(|v| matches!(v, Violation::StreamDeadlock { .. }))
+        .count()
 }

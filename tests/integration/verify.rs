@@ -34,9 +34,20 @@ fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) ->
     Some(lower(&generate(&s, &Limits::DEFAULT).ok()?))
 }
 
+/// Verified as the independent judges here run programs: rendezvous, with no NCCL stream
+/// shared by the two directions of a pair (one stream per direction adds no constraint to
+/// rendezvous: on a channel the k-th op's partner is posted before the (k+1)-th's).
 fn check(p: &Program) -> Report {
-    verify(p, &VerifyOptions::default())
+    verify(p, &RENDEZVOUS)
 }
+
+const RENDEZVOUS: VerifyOptions = VerifyOptions {
+    memory_limit: None,
+    streams: pipec::verify::StreamRule {
+        per_direction: true,
+        ops_in_order: false,
+    },
+};
 
 fn messages(r: &Report) -> Vec<String> {
     r.violations.iter().map(|v| v.to_string()).collect()
@@ -183,6 +194,7 @@ fn memory_limit_exceeded_is_reported_where_it_happens() {
         &p,
         &VerifyOptions {
             memory_limit: Some(3),
+            ..VerifyOptions::default()
         },
     );
     assert_eq!(
@@ -195,7 +207,8 @@ fn memory_limit_exceeded_is_reported_where_it_happens() {
     assert!(verify(
         &p,
         &VerifyOptions {
-            memory_limit: Some(4)
+            memory_limit: Some(4),
+            ..VerifyOptions::default()
         }
     )
     .is_valid());
@@ -508,6 +521,7 @@ fn arbitrary_programs_never_panic() {
                 &p,
                 &VerifyOptions {
                     memory_limit: Some(2),
+                    ..VerifyOptions::default()
                 },
             );
             let _ = r.to_string();

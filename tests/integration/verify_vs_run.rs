@@ -308,7 +308,16 @@ fn verifier_verdicts_agree_with_cpu_runs_of_mutated_schedules() {
         for m in &applied {
             *by_mutation.entry(*m).or_default() += 1;
         }
-        let report = verify(&p, &VerifyOptions::default());
+        // The CPU runtime's transport is rendezvous with FIFO channels and no NCCL streams:
+        // the verifier's model with one stream per direction (which adds nothing to it).
+        let opts = VerifyOptions {
+            streams: pipec::verify::StreamRule {
+                per_direction: true,
+                ops_in_order: false,
+            },
+            ..VerifyOptions::default()
+        };
+        let report = verify(&p, &opts);
         let mut classes: Vec<Class> = report.violations.iter().map(|v| v.class()).collect();
         classes.sort();
         classes.dedup();

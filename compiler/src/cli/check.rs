@@ -4,7 +4,7 @@
 //! Exit 0 valid, 1 invalid, 2 usage or I/O error (missing directory, refused files).
 
 use super::CliError;
-use pipec::verify::{verify, Report, VerifyOptions};
+use pipec::verify::{verify, Report, StreamRule, VerifyOptions};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -31,8 +31,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         .input
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("csv"));
-    let opts = VerifyOptions {
+    let mut opts = VerifyOptions {
         memory_limit: a.memory_limit,
+        ..VerifyOptions::default()
     };
     if is_csv {
         // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
@@ -60,6 +61,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         ));
     }
     let loaded = super::load(&a.input)?;
+    opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
     let r = verify(&loaded.program, &opts);
     print(&r, &a.input, a.json);
     Ok(exit(&r))

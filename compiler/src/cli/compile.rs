@@ -153,6 +153,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         Some(super::verify_before_write(
             &c.program,
             a.memory_limit,
+            Some(c.schedule.comm),
             &a.out,
         )?)
     };
@@ -230,7 +231,12 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     let r = if a.no_verify {
         None
     } else {
-        match super::verify_before_write(&c.program, cfg.memory_limit.or(a.memory_limit), &dir) {
+        match super::verify_before_write(
+            &c.program,
+            cfg.memory_limit.or(a.memory_limit),
+            Some(c.schedule.comm),
+            &dir,
+        ) {
             Ok(r) => Some(r),
             Err(CliError::Invalid(m) | CliError::Usage(m)) => {
                 return Outcome::Failed {

@@ -67,7 +67,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if a.no_verify {
         eprintln!("WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors");
     } else {
-        super::verify_before_write(program, a.memory_limit, &a.out)?;
+        super::verify_before_write(program, a.memory_limit, header.comm_policy, &a.out)?;
     }
     let rendered = files::render(&header, program, files::Encoding::Json);
     files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;

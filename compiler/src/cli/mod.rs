@@ -103,9 +103,14 @@ pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
 pub fn verify_before_write(
     program: &pipec::Program,
     memory_limit: Option<u64>,
+    policy: Option<pipec_schedules::CommPolicy>,
     out: &std::path::Path,
 ) -> Result<pipec::verify::Report, CliError> {
-    let r = pipec::verify::verify(program, &pipec::verify::VerifyOptions { memory_limit });
+    let opts = pipec::verify::VerifyOptions {
+        memory_limit,
+        streams: pipec::verify::StreamRule::of_policy(policy, program.world()),
+    };
+    let r = pipec::verify::verify(program, &opts);
     if !r.is_valid() {
         let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
         for v in &r.violations {

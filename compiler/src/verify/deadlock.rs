@@ -33,10 +33,10 @@ use std::collections::VecDeque;
 /// The wait graph in compressed rows: `targets[start[u]..start[u + 1]]` are the batches that
 /// wait for `u`; `labels` holds the waiting op (global position) of a matched edge, or `NONE`
 /// for program order.
-struct Graph {
-    start: Vec<u32>,
-    targets: Vec<u32>,
-    labels: Vec<u32>,
+pub(crate) struct Graph {
+    pub start: Vec<u32>,
+    pub targets: Vec<u32>,
+    pub labels: Vec<u32>,
 }
 
 impl Graph {
@@ -46,7 +46,7 @@ impl Graph {
 }
 
 /// Calls `f(from, to, label)` for every edge.
-fn edges(ix: &Index<'_>, m: &Matching, mut f: impl FnMut(u32, u32, u32)) {
+fn edges(ix: &Index<'_>, m: &Matching, f: &mut dyn FnMut(u32, u32, u32)) {
     for b in 0..ix.batch_start.len() as u32 {
         if let Some(a) = ix.pred(b) {
             f(a, b, NONE);
@@ -70,27 +70,60 @@ fn edges(ix: &Index<'_>, m: &Matching, mut f: impl FnMut(u32, u32, u32)) {
     }
 }
 
-fn build(ix: &Index<'_>, m: &Matching) -> Graph {
-    let n = ix.batch_start.len();
-    let mut start = vec![0u32; n + 1];
-    edges(ix, m, |a, _, _| start[a as usize + 1] += 1);
-    for i in 0..n {
-        start[i + 1] += start[i];
+impl Graph {
+    /// Compressed rows of `n` nodes from an edge lister, called twice (count, then fill) so
+    /// no edge list is held.
+    pub(crate) fn from_edges(n: usize, edges: impl Fn(&mut dyn FnMut(u32, u32, u32))) -> Graph {
+        let mut start = vec![0u32; n + 1];
+        edges(&mut |a, _, _| start[a as usize + 1] += 1);
+        for i in 0..n {
+            start[i + 1] += start[i];
+        }
+        let e = start[n] as usize;
+        let mut fill = start.clone();
+        let mut targets = vec![0u32; e];
+        let mut labels = vec![0u32; e];
+        edges(&mut |a, b, l| {
+            let k = fill[a as usize] as usize;
+            targets[k] = b;
+            labels[k] = l;
+            fill[a as usize] += 1;
+        });
+        Graph {
+            start,
+            targets,
+            labels,
+        }
     }
-    let e = start[n] as usize;
-    let mut fill = start.clone();
-    let mut targets = vec![0u32; e];
-    let mut labels = vec![0u32; e];
-    edges(ix, m, |a, b, l| {
-        let k = fill[a as usize] as usize;
-        targets[k] = b;
-        labels[k] = l;
-        fill[a as usize] += 1;
-    });
-    Graph {
-        start,
-        targets,
-        labels,
+
+    /// One shortest cycle per strongly connected group of nodes that can never complete
+    /// (Kahn's algorithm releases everything else), in edge direction.
+    pub(crate) fn stuck_cycles(&self) -> Vec<Vec<(u32, u32)>> {
+        let n = self.start.len() - 1;
+        let mut indeg = vec![0u32; n];
+        for &t in &self.targets {
+            indeg[t as usize] += 1;
+        }
+        let mut ready: Vec<u32> = (0..n as u32).filter(|&v| indeg[v as usize] == 0).collect();
+        let mut released = 0usize;
+        while let Some(u) = ready.pop() {
+            released += 1;
+            for k in self.out(u) {
+                let t = self.targets[k] as usize;
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    ready.push(t as u32);
+                }
+            }
+        }
+        if released == n {
+            return Vec::new();
+        }
+        let stuck: Vec<bool> = indeg.iter().map(|&d| d > 0).collect();
+        cyclic_sccs(self, &stuck)
+            .iter()
+            .map(|scc| shortest_cycle(self, scc))
+            .collect()
     }
 }
 
@@ -102,29 +135,8 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
     if n == 0 {
         return;
     }
-    let g = build(ix, m);
-    let mut indeg = vec![0u32; n];
-    for &t in &g.targets {
-        indeg[t as usize] += 1;
-    }
-    let mut ready: Vec<u32> = (0..n as u32).filter(|&v| indeg[v as usize] == 0).collect();
-    let mut released = 0usize;
-    while let Some(u) = ready.pop() {
-        released += 1;
-        for k in g.out(u) {
-            let t = g.targets[k] as usize;
-            indeg[t] -= 1;
-            if indeg[t] == 0 {
-                ready.push(t as u32);
-            }
-        }
-    }
-    if released == n {
-        return;
-    }
-    let stuck: Vec<bool> = indeg.iter().map(|&d| d > 0).collect();
-    for scc in cyclic_sccs(&g, &stuck) {
-        let cycle = shortest_cycle(&g, &scc);
+    let g = Graph::from_edges(n, |f| edges(ix, m, f));
+    for cycle in g.stuck_cycles() {
         out.push(Violation::Deadlock {
             cycle: describe(ix, m, &cycle),
         });

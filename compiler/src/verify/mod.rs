@@ -29,6 +29,9 @@
 //!   together; an op completes when its partner is posted; a batch completes when all its ops
 //!   have), the wait graph of batches is acyclic [`Deadlock`], reported as the cycle of waits
 //!   in words. See [`deadlock`] for the graph and why it is exact.
+//! - D2. Where batches are left in flight or ops issued one by one, the same under NCCL's
+//!   stream order (ops of one communicator between two ranks run in issue order)
+//!   [`StreamDeadlock`]. See [`streams`].
 //!
 //! Dependencies (rule 2)
 //! - P1. `fwd(s,m)` runs after `fwd(s-1,m)`; `bwd(s,m)`/`bwd_D(s,m)` after `fwd(s,m)` and
@@ -54,6 +57,7 @@
 //! indexing pass builds dense tables over positions, tasks and payloads, and every check reads
 //! them. [`crate::graph`] builds the same relations as a petgraph graph for export and queries.
 //!
+//! [`StreamDeadlock`]: Violation::StreamDeadlock
 //! [`WorldMismatch`]: Violation::WorldMismatch
 //! [`PlacementOutOfRange`]: Violation::PlacementOutOfRange
 //! [`OutOfRange`]: Violation::OutOfRange
@@ -86,16 +90,21 @@ pub(crate) mod matching;
 pub mod memory;
 pub mod report;
 pub mod risk;
+pub mod streams;
 
 use crate::program::Program;
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
+pub use streams::StreamRule;
 
 /// What to check beyond the invariants every program must meet.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct VerifyOptions {
     /// Most live activations a rank may hold (`--memory-limit`).
     pub memory_limit: Option<u64>,
+    /// How ops map onto NCCL streams (D2); [`StreamRule::of_policy`] gives a compiled
+    /// program's.
+    pub streams: StreamRule,
 }
 
 /// Check every invariant of the module doc. Pure and deterministic: the same program gives
@@ -117,6 +126,12 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
     complete::check(&ix, &mut violations);
     let m = matching::match_messages(&ix, &mut violations);
     deadlock::check(&ix, &m, &mut violations);
+    if !violations
+        .iter()
+        .any(|v| matches!(v, Violation::Deadlock { .. }))
+    {
+        streams::check(&ix, &m, opts.streams, &mut violations);
+    }
     deps::check(&ix, &m, &mut violations);
     let memory = memory::check(&ix, opts.memory_limit, &mut violations);
     let risks = risk::check(&ix);

@@ -164,6 +164,9 @@ pub enum Violation {
     Unmatched { site: Site, sends: u32, recvs: u32 },
     /// A cycle of waits under rendezvous semantics.
     Deadlock { cycle: Vec<WaitStep> },
+    /// A cycle of ops that wait for each other under NCCL's stream order (each op waits for
+    /// the next: the op before it on a stream, its partner, or a blocking point).
+    StreamDeadlock { cycle: Vec<Site> },
     /// A `Wait` names a batch that this rank has not posted before it.
     WaitWithoutBatch { site: Site, batch: u32 },
     /// A `Wait` names a batch id that two separate batches of the rank use.
@@ -258,7 +261,7 @@ impl Violation {
             | MixedBackward { .. }
             | BackwardInForwardOnly { .. } => Class::Incomplete,
             WrongTensor { .. } => Class::WrongTensor,
-            Unmatched { .. } | Deadlock { .. } => Class::Deadlock,
+            Unmatched { .. } | Deadlock { .. } | StreamDeadlock { .. } => Class::Deadlock,
             RunsBeforeInput { .. }
             | RunsBeforeWait { .. }
             | WaitWithoutBatch { .. }
@@ -307,6 +310,7 @@ impl Violation {
             MixedBackward { bwd, .. } => Some(bwd.at),
             WrongTensor { recv, .. } => Some(recv.at),
             Deadlock { cycle } => cycle.first().map(|s| s.waiter().at),
+            StreamDeadlock { cycle } => cycle.first().map(|s| s.at),
             MemoryLimit { first_over, .. } => Some(first_over.at),
         }
     }
@@ -419,6 +423,16 @@ impl fmt::Display for Violation {
                     }
                 }
                 Ok(())
+            }
+            StreamDeadlock { cycle } => {
+                write!(
+                    f,
+                    "deadlock under NCCL's stream order (ops of one communicator between two ranks run in issue order):"
+                )?;
+                for s in cycle {
+                    write!(f, "\n    {s}")?;
+                }
+                write!(f, "\n    (each waits for the one after it, the last for the first)")
             }
             WaitWithoutBatch { site, batch } => write!(
                 f,

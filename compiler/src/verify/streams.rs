@@ -1,0 +1,154 @@
+//! D2: deadlock freedom under NCCL's stream order.
+//!
+//! torch's `ProcessGroupNCCL` runs the point-to-point ops of one communicator between two
+//! ranks in issue order on one CUDA stream: an op starts only once every op issued before it
+//! there has completed. Rendezvous (D1) treats ops independently, which is exact for blocking
+//! batches (nothing is queued behind them) but not for batches left in flight, nor for calls
+//! that issue their ops one by one (Megatron without `batch_p2p_comm`). So, whenever a program
+//! has either, this check builds the op-level wait graph:
+//!
+//! - a send or receive completes once both it and its partner are posted (their ranks passed
+//!   the blocking point before their batches) and the op before each of them on its stream has
+//!   completed;
+//! - a blocking batch (and a `Wait`) completes once its ops (the waited batch's ops) have, and
+//!   it is the next blocking point of its rank.
+//!
+//! Acyclic means deadlock-free under that order (the same induction as D1). Which ops share a
+//! stream is the [`StreamRule`]: one communicator per pair of ranks (torch's default), or one
+//! per direction (Megatron at pp = 2 sends odd-to-even traffic over WORLD, a second
+//! communicator, for exactly this reason), and whether a batch's ops are one NCCL group
+//! (unordered among themselves) or issued one by one.
+
+use super::deadlock::Graph;
+use super::index::{Index, NONE};
+use super::matching::Matching;
+use super::report::Violation;
+use pipec_schedules::{CommPolicy, MegatronP2p};
+
+/// How a program's ops map onto NCCL streams.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct StreamRule {
+    /// Each direction between two ranks is its own communicator (its own stream).
+    pub per_direction: bool,
+    /// A batch's ops are issued one by one in order (not one NCCL group).
+    pub ops_in_order: bool,
+}
+
+impl StreamRule {
+    /// The rule a program lowered with `policy` for `world` ranks runs under: Megatron's
+    /// unbatched and overlapped calls issue ops one by one (`_p2p_ops`), on one communicator
+    /// per direction at pp = 2; everything else posts each batch as one group.
+    pub fn of_policy(policy: Option<CommPolicy>, world: u32) -> StreamRule {
+        match policy.and_then(CommPolicy::megatron_loop) {
+            Some((_, mode)) if mode != MegatronP2p::Batched => StreamRule {
+                per_direction: world == 2,
+                ops_in_order: true,
+            },
+            _ => StreamRule::default(),
+        }
+    }
+}
+
+/// Adds D2's violations. Call only when D1 found no deadlock (every D1 cycle is one here too).
+pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Vec<Violation>) {
+    if !rule.ops_in_order && !ix.in_flight.iter().any(|&f| f) {
+        return;
+    }
+    let total = ix.node_of.len();
+    let nodes = total + ix.batch_start.len();
+    // The op before each op on its stream (`NONE` if first).
+    let before = stream_predecessors(ix, rule);
+    // Node of a blocking point (a blocking batch or a wait): after the op positions.
+    let point = |b: u32| total as u32 + b;
+    let g = Graph::from_edges(nodes, |f| {
+        for b in 0..ix.batch_start.len() {
+            let bu = b as u32;
+            if let Some(p) = ix.pred(bu) {
+                f(point(p), point(bu), NONE);
+            }
+            let w = ix.wait_of[b];
+            let s = ix.batch_start[b];
+            if w != NONE {
+                // A wait completes when the ops of its batch have.
+                let ws = ix.batch_start[w as usize];
+                for o in ws..ws + ix.batch_len[w as usize] {
+                    f(o, point(bu), NONE);
+                }
+                continue;
+            }
+            for o in s..s + ix.batch_len[b] {
+                if !ix.in_flight[b] {
+                    f(o, point(bu), NONE);
+                }
+                // Posted: this rank and the partner's passed their previous blocking points.
+                if let Some(p) = ix.pred(bu) {
+                    f(point(p), o, NONE);
+                }
+                let q = m.partner[o as usize];
+                if q == NONE {
+                    continue;
+                }
+                if let Some(p) = ix.pred(ix.node_of[q as usize]) {
+                    f(point(p), o, NONE);
+                }
+                // Both ends wait for the op before them on their streams.
+                for x in [before[o as usize], before[q as usize]] {
+                    if x != NONE {
+                        f(x, o, NONE);
+                    }
+                }
+            }
+        }
+    });
+    for cycle in g.stuck_cycles() {
+        // Edges point from what is waited for to the waiter: reversed, each waits for the next.
+        let ops: Vec<_> = cycle
+            .iter()
+            .rev()
+            .map(|&(n, _)| n as usize)
+            .filter(|&n| n < total)
+            .map(|n| ix.site(n as u32))
+            .collect();
+        if let Some(first) = (0..ops.len()).min_by_key(|&k| ops[k].at) {
+            let mut ops = ops;
+            ops.rotate_left(first);
+            out.push(Violation::StreamDeadlock { cycle: ops });
+        }
+    }
+}
+
+/// For each op, the op issued before it on the same stream of its rank, skipping ops of its
+/// own batch when a batch is one NCCL group.
+fn stream_predecessors(ix: &Index<'_>, rule: StreamRule) -> Vec<u32> {
+    let mut before = vec![NONE; ix.node_of.len()];
+    let world = ix.world as usize;
+    // Per stream key (peer, direction): (last op, its batch node, last op of an earlier batch).
+    let mut last = vec![(NONE, NONE, NONE); world * 2];
+    let mut touched: Vec<usize> = Vec::new();
+    for (r, instrs) in ix.p.ranks.iter().enumerate() {
+        for &k in &touched {
+            last[k] = (NONE, NONE, NONE);
+        }
+        touched.clear();
+        let base = ix.offsets[r];
+        for (i, ins) in instrs.iter().enumerate() {
+            let (peer, send) = match *ins {
+                crate::program::Instr::Send { peer, .. } => (peer.index(), true),
+                crate::program::Instr::Recv { peer, .. } => (peer.index(), false),
+                _ => continue,
+            };
+            if peer >= world {
+                continue;
+            }
+            let g = base + i as u32;
+            let b = ix.node_of[g as usize];
+            let key = peer * 2 + usize::from(rule.per_direction && send);
+            let (lg, lb, earlier) = last[key];
+            let earlier = if lb != b { lg } else { earlier };
+            before[g as usize] = if rule.ops_in_order { lg } else { earlier };
+            last[key] = (g, b, earlier);
+            touched.push(key);
+        }
+    }
+    before
+}
