@@ -50,10 +50,10 @@ pub struct Args {
     /// runs there).
     #[arg(long, value_parser = parse_p2p)]
     pub megatron_p2p: Option<MegatronP2p>,
-    /// Check the layout's decoder layer count.
+    /// Decoder layers: checked against --layout; without one, split evenly over the stages.
     #[arg(long)]
     pub num_layers: Option<u32>,
-    /// Check the layout's MTP layer count.
+    /// MTP layers: checked against --layout; without one, on the last stage.
     #[arg(long)]
     pub mtp_num_layers: Option<u32>,
     /// Refuse schedules with more compute ops than this.
@@ -128,6 +128,7 @@ pub fn compile_error(e: CompileError) -> CliError {
     match e {
         CompileError::Layout(l) => CliError::Invalid(super::layout::render_error(&l)),
         CompileError::Spec(s) => CliError::Invalid(s.to_string()),
+        e @ CompileError::UnevenLayers { .. } => CliError::Invalid(e.to_string()),
     }
 }
 
