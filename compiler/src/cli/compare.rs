@@ -12,8 +12,8 @@ use super::simulate::{run_sim, title, CostArgs};
 use super::{print_json, CliError};
 use pipec::compile::{compile, CompileRequest};
 use pipec::cost::{CostModel, StageCosts};
-use pipec::simulate::{simulate, SimError, Simulation, BUBBLE};
 use pipec::layout::{LayerKind, Layout};
+use pipec::simulate::{simulate, SimError, Simulation, BUBBLE};
 use pipec_schedules::{ChunkRule, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -69,7 +69,10 @@ struct Row {
 /// decoder layer per stage (see [`StageCosts::new`]).
 fn model_of(layout: &Layout, num_stages: u32) -> (usize, usize) {
     if layout.num_stages() == num_stages {
-        (layout.count(LayerKind::Decoder), layout.count(LayerKind::Mtp))
+        (
+            layout.count(LayerKind::Decoder),
+            layout.count(LayerKind::Mtp),
+        )
     } else {
         (num_stages as usize, 0)
     }
@@ -184,7 +187,10 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let model = a.cost.model()?;
     // The model every --schedule row is built on.
     let (num_layers, model_note) = match (&a.layout, a.num_layers, a.pp) {
-        (Some(l), _, _) => (a.num_layers, format!("model: the layout {l} for every schedule")),
+        (Some(l), _, _) => (
+            a.num_layers,
+            format!("model: the layout {l} for every schedule"),
+        ),
         (None, Some(n), _) => (
             Some(n),
             format!("model: {n} decoder layers, split evenly over each schedule's stages"),
@@ -294,7 +300,9 @@ fn table(rows: &[Row]) -> String {
                     r.instructions.to_string(),
                     pipec::cost::num(m),
                     match base {
-                        Some((b, bm)) if bm != r.model => format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE)),
+                        Some((b, bm)) if bm != r.model => {
+                            format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE))
+                        }
                         Some((b, _)) if b > 0.0 => format!("{:.2}x", m / b),
                         _ => "-".to_string(),
                     },

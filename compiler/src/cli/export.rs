@@ -38,8 +38,14 @@ pub enum CondenseArg {
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A compiled schedule directory.
+    /// A compiled schedule directory or a torch CSV schedule.
     pub input: PathBuf,
+    /// Pipeline-parallel size of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long)]
+    pub pp: Option<u32>,
+    /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long, value_parser = super::import::parse_placement)]
+    pub placement: Option<pipec::torch::PlacementChoice>,
     /// Output format.
     #[arg(long, value_enum)]
     pub format: Format,
@@ -105,7 +111,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             "--svg-width must be a positive number".to_string(),
         ));
     }
-    let loaded = super::load(&a.input)?;
+    let loaded = super::load_any(&a.input, a.pp, a.placement)?;
     let bytes = render(&a, &loaded)?;
     match a.out.as_deref() {
         None => write_stdout(&bytes),

@@ -98,6 +98,28 @@ pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
     pipec::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
 }
 
+/// A compiled directory, or a torch CSV file recognised by being a file (its content decides,
+/// not its extension), read as `check` reads it, so every viewer accepts what `check` accepts.
+pub fn load_any(
+    path: &std::path::Path,
+    pp: Option<u32>,
+    placement: Option<pipec::torch::PlacementChoice>,
+) -> Result<pipec::files::Loaded, CliError> {
+    if path.is_file() {
+        let imported = import::read_csv(path, pp, placement)?;
+        let layout = pipec::layout::Layout::uniform(imported.program.num_stages());
+        return pipec::files::load_files(&import::render_imported(&imported, &layout))
+            .map_err(|e| CliError::Usage(e.to_string()));
+    }
+    if pp.is_some() || placement.is_some() {
+        return Err(CliError::Usage(
+            "--pp and --placement apply to torch CSV input only; a compiled directory records its own placement"
+                .to_string(),
+        ));
+    }
+    load(path)
+}
+
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)
 /// when it is invalid, so an invalid schedule never reaches the disk.
 pub fn verify_before_write(
