@@ -125,7 +125,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
 /// last, MTP layers on the last stage), so that `--num-layers` without `--layout` builds the
 /// model it names instead of one layer per stage.
 pub fn even_layout(stages: u32, num_layers: u32, mtp_layers: u32) -> Result<Layout, CompileError> {
-    if stages == 0 || num_layers % stages != 0 {
+    if stages == 0 || !num_layers.is_multiple_of(stages) {
         return Err(CompileError::UnevenLayers { num_layers, stages });
     }
     let per = (num_layers / stages) as usize;
