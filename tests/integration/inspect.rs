@@ -513,3 +513,190 @@ fn csv_round_trip_keeps_the_layout_with_import_layout() {
         .assert()
         .code(1);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Exports: filters, flags that apply or are refused.
+
+#[test]
+fn export_filters_keep_the_ranks_and_window_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled(
+        tmp.path(),
+        "s",
+        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
+    );
+    let (program, timeline) = timeline_of(&d);
+    let (from, to) = (6.0, 15.0);
+    // Expected, counted here: spans of ranks 1 and 2 meeting [from, to].
+    let meets = |r: usize, compute: bool| {
+        program.ranks[r]
+            .iter()
+            .zip(&timeline.ranks[r])
+            .filter(|(i, s)| {
+                (!compute || matches!(i, Instr::Compute(_))) && s.end >= from && s.start <= to
+            })
+            .count()
+    };
+    let args = [
+        "--ranks",
+        "1-2",
+        "--from",
+        &from.to_string(),
+        "--to",
+        &to.to_string(),
+    ];
+    let trace: serde_json::Value = serde_json::from_str(&stdout(
+        pipec()
+            .arg("export")
+            .arg(&d)
+            .args(["--format", "chrome-trace"])
+            .args(args),
+    ))
+    .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for r in [0usize, 1, 2, 3] {
+        let slices = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == r as u64)
+            .count();
+        let want = if r == 1 || r == 2 { meets(r, false) } else { 0 };
+        assert_eq!(slices, want, "rank {r}");
+    }
+    // Compute only: no comm slices and no arrows.
+    let trace: serde_json::Value = serde_json::from_str(&stdout(
+        pipec()
+            .arg("export")
+            .arg(&d)
+            .args(["--format", "chrome-trace", "--compute-only"])
+            .args(args),
+    ))
+    .unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(events.iter().all(|e| e["cat"] != "comm" && e["ph"] != "s"));
+    assert_eq!(
+        events.iter().filter(|e| e["ph"] == "X").count(),
+        meets(1, true) + meets(2, true)
+    );
+    // The SVG: one op rect per kept compute op, rows for the kept ranks only.
+    let svg = stdout(
+        pipec()
+            .arg("export")
+            .arg(&d)
+            .args(["--format", "svg"])
+            .args(args),
+    );
+    assert_eq!(
+        svg.matches("<rect class=\"op ").count(),
+        meets(1, true) + meets(2, true)
+    );
+    assert_eq!(svg.matches("<rect class=\"lane\"").count(), 2);
+    assert!(svg.contains("showing 2 of 4 ranks"));
+}
+
+#[test]
+fn export_refuses_flags_that_do_not_apply() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled(
+        tmp.path(),
+        "s",
+        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
+    );
+    for (format, flags) in [
+        ("svg", &["--condense", "stage"][..]),
+        ("chrome-trace", &["--svg-width", "800"]),
+        ("dot", &["--compute-only"]),
+        ("dot", &["--ranks", "0"]),
+        ("torch-csv", &["--from", "1"]),
+        ("svg", &["--ranks", "5"]),
+        ("svg", &["--from", "3", "--to", "2"]),
+    ] {
+        pipec()
+            .arg("export")
+            .arg(&d)
+            .args(["--format", format])
+            .args(flags)
+            .assert()
+            .code(2)
+            .stderr(predicates::str::starts_with("error:"));
+    }
+}
+
+/// The verdict line of a wide pipeline lists a few peaks, not one per rank.
+#[test]
+fn compile_keeps_its_verdict_line_short_at_large_pp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = stdout(
+        pipec()
+            .args([
+                "compile",
+                "--schedule",
+                "gpipe",
+                "--pp",
+                "64",
+                "--microbatches",
+                "1",
+                "-o",
+            ])
+            .arg(tmp.path().join("wide")),
+    );
+    let verdict = out.lines().find(|l| l.starts_with("verified")).unwrap();
+    assert!(verdict.contains("64 ranks; pipec check"), "{verdict}");
+    assert!(verdict.len() < 200, "{verdict}");
+}
+
+/// Progress goes to a terminal only: piped, a compile writes nothing on stderr.
+#[test]
+fn no_progress_output_when_stderr_is_not_a_terminal() {
+    let tmp = tempfile::tempdir().unwrap();
+    pipec()
+        .args([
+            "compile",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "64",
+            "-o",
+        ])
+        .arg(tmp.path().join("s"))
+        .assert()
+        .success()
+        .stderr("");
+}
+
+/// At real sizes the default trace stays openable: smaller than 100 MiB, with a note saying
+/// what was kept; `--full` is the way to everything. (pp=64, vpp=8, M=512: about 250 MB whole.)
+#[test]
+fn a_large_trace_is_cut_to_an_openable_size_with_a_note() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled(
+        tmp.path(),
+        "big",
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "64",
+            "--vpp",
+            "8",
+            "--microbatches",
+            "512",
+            "--format",
+            "bin",
+        ],
+    );
+    let out = tmp.path().join("big.json");
+    let assert = pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "chrome-trace", "-o"])
+        .arg(&out)
+        .assert()
+        .success();
+    let err = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    assert!(err.contains("too big to open; kept"), "{err}");
+    let size = std::fs::metadata(&out).unwrap().len();
+    assert!(size < 100 << 20, "{size} bytes");
+    assert!(size > 10 << 20, "kept far less than it could: {size} bytes");
+}

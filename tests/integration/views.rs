@@ -688,7 +688,8 @@ fn snapshot_views_of_small_schedules() {
             &s.timeline,
             &svg::SvgOptions {
                 width: 640.0,
-                title: Some("1f1b pp=2 microbatches=3".into())
+                title: Some("1f1b pp=2 microbatches=3".into()),
+                ..Default::default()
             }
         )
     );

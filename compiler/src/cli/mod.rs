@@ -120,6 +120,31 @@ pub fn load_any(
     load(path)
 }
 
+/// A spinner on stderr naming the phase a long command is in. indicatif draws nothing when
+/// stderr is not a terminal, so pipes and logs stay clean.
+pub fn spinner(msg: &str) -> indicatif::ProgressBar {
+    let pb =
+        indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    pb.set_message(msg.to_string());
+    pb.enable_steady_tick(std::time::Duration::from_millis(120));
+    pb
+}
+
+/// Above this, a write gets a warning first: a user asking for a huge schedule should know
+/// before the disk fills.
+pub const BIG_WRITE_BYTES: u64 = 100 << 20;
+
+/// Warn on stderr before writing `bytes` to `to` when that is big.
+pub fn warn_big_write(bytes: u64, to: &std::path::Path) {
+    if bytes > BIG_WRITE_BYTES {
+        eprintln!("warning: writing {} MB to {}", bytes >> 20, to.display());
+    }
+}
+
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)
 /// when it is invalid, so an invalid schedule never reaches the disk.
 pub fn verify_before_write(
