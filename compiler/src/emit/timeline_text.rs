@@ -377,9 +377,6 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     if scale > 0.0 {
         let _ = write!(notes, ", one column = {}", fmt_num(1.0 / scale));
     }
-    if summarised {
-        notes.push_str("; a column too narrow for one op shows the kind filling 3/4 of its work, + if none does");
-    }
     if odd_chunk_seen {
         notes.push_str(if opts.color {
             "; lowercase, bright = odd model chunk"
@@ -388,6 +385,13 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         });
     }
     let _ = writeln!(out, "{pad} {notes}");
+    if summarised {
+        // Its own line, so the legend fits an 80-column terminal.
+        let _ = writeln!(
+            out,
+            "{pad} a lone letter: that kind does 3/4 of the column's work; + mixed"
+        );
+    }
     out
 }
 
