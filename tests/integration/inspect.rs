@@ -700,3 +700,24 @@ fn a_large_trace_is_cut_to_an_openable_size_with_a_note() {
     assert!(size < 100 << 20, "{size} bytes");
     assert!(size > 10 << 20, "kept far less than it could: {size} bytes");
 }
+
+/// "1 ranks" no more.
+#[test]
+fn compile_counts_in_words() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = stdout(
+        pipec()
+            .args([
+                "compile",
+                "--schedule",
+                "gpipe",
+                "--pp",
+                "1",
+                "--microbatches",
+                "1",
+                "-o",
+            ])
+            .arg(tmp.path().join("one")),
+    );
+    assert!(out.contains(": 1 rank, 1 stage, "), "{out}");
+}

@@ -169,14 +169,14 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     super::warn_big_write(rendered.iter().map(|(_, b)| b.len() as u64).sum(), &a.out);
     files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
     println!(
-        "compiled {} pp={} vpp={} microbatches={}: {} ranks, {} stages, {} instructions -> {}",
+        "compiled {} pp={} vpp={} microbatches={}: {}, {}, {} -> {}",
         c.spec.kind,
         c.spec.pp,
         c.spec.vpp,
         c.spec.microbatches,
-        c.program.world(),
-        c.program.num_stages(),
-        c.program.len(),
+        super::count(c.program.world() as usize, "rank"),
+        super::count(c.program.num_stages() as usize, "stage"),
+        super::count(c.program.len(), "instruction"),
         a.out.display()
     );
     if !c.spec.megatron_p2p.is_default() {

@@ -106,12 +106,12 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         PlacementSource::Given(c) => format!("{} (--placement)", c.name()),
     };
     println!(
-        "imported {} ({} form): {} ranks, {} stages, {} microbatches{}, placement {placement}",
+        "imported {} ({} form): {}, {}, {}{}, placement {placement}",
         a.input.display(),
         imported.form,
-        program.world(),
-        program.num_stages(),
-        program.microbatches,
+        super::count(program.world() as usize, "rank"),
+        super::count(program.num_stages() as usize, "stage"),
+        super::count(program.microbatches as usize, "microbatch"),
         if program.forward_only {
             " (forward only: the file has no backward)"
         } else {

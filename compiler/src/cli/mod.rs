@@ -88,6 +88,15 @@ impl fmt::Display for CliError {
     }
 }
 
+/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches`.
+pub fn count(n: usize, noun: &str) -> String {
+    match (n, noun.ends_with("ch")) {
+        (1, _) => format!("1 {noun}"),
+        (_, true) => format!("{n} {noun}es"),
+        _ => format!("{n} {noun}s"),
+    }
+}
+
 /// Print JSON to stdout with a trailing newline.
 pub fn print_json<T: serde::Serialize>(v: &T) {
     println!("{}", serde_json::to_string_pretty(v).expect("serializable"));
