@@ -1,6 +1,6 @@
 //! The whole compilation: layout + spec -> schedule -> program (-> verdict).
 
-use crate::layout::{self, Layout, LayoutError};
+use crate::layout::{self, LayerKind, Layout, LayoutError};
 use crate::lower::lower;
 use crate::program::Program;
 use pipec_schedules::{
@@ -56,6 +56,9 @@ pub enum CompileError {
     Layout(#[from] LayoutError),
     #[error(transparent)]
     Spec(#[from] SpecError),
+    /// `num_layers` without a layout must split evenly over the stages, as Megatron requires.
+    #[error("{num_layers} decoder layers do not split evenly over {stages} stages (pp x vpp); give a layout for an uneven split")]
+    UnevenLayers { num_layers: u32, stages: u32 },
 }
 
 /// A compiled schedule: everything the emitters and the runtime need.
@@ -90,7 +93,12 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
             };
             // Validate before the layout allocates pp * vpp stages.
             spec_probe.validate(&req.limits)?;
-            (Layout::uniform(req.pp * vpp), vpp)
+            let stages = req.pp * vpp;
+            let layout = match (req.num_layers, req.mtp_num_layers) {
+                (None, None) => Layout::uniform(stages),
+                (n, mtp) => even_layout(stages, n.unwrap_or(stages), mtp.unwrap_or(0))?,
+            };
+            (layout, vpp)
         }
     };
     let spec = ScheduleSpec {
@@ -110,5 +118,34 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         layout,
         schedule,
         program,
+    })
+}
+
+/// The layout of `num_layers` decoder layers split evenly over `stages` stages (`E` first, `L`
+/// last, MTP layers on the last stage), so that `--num-layers` without `--layout` builds the
+/// model it names instead of one layer per stage.
+pub fn even_layout(stages: u32, num_layers: u32, mtp_layers: u32) -> Result<Layout, CompileError> {
+    if stages == 0 || !num_layers.is_multiple_of(stages) {
+        return Err(CompileError::UnevenLayers { num_layers, stages });
+    }
+    let per = (num_layers / stages) as usize;
+    let n = stages as usize;
+    let layers = (0..n)
+        .map(|i| {
+            let mut st = Vec::with_capacity(per + 3);
+            if i == 0 {
+                st.push(LayerKind::Embedding);
+            }
+            st.extend(std::iter::repeat_n(LayerKind::Decoder, per));
+            if i + 1 == n {
+                st.extend(std::iter::repeat_n(LayerKind::Mtp, mtp_layers as usize));
+                st.push(LayerKind::Loss);
+            }
+            st
+        })
+        .collect();
+    Ok(Layout {
+        text: None,
+        stages: layers,
     })
 }

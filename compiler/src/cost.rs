@@ -376,6 +376,13 @@ impl StageCosts {
     }
 }
 
+/// The largest cost or size a spec may give. Sums over a billion ops of this size stay far
+/// from overflow and keep printable, meaningful figures; larger means a wrong unit.
+pub const MAX_VALUE: f64 = 1e12;
+
+/// The smallest nonzero cost or size: below it, sums of a billion ops lose their meaning.
+pub const MIN_VALUE: f64 = 1e-9;
+
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
     "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap";
@@ -540,6 +547,14 @@ fn number(text: &str, source: Option<&str>, e: &Entry, allow_inf: bool) -> Resul
             CostErrorKind::Negative(s.to_string()),
         ));
     }
+    if v > MAX_VALUE || (v != 0.0 && v < MIN_VALUE) {
+        return Err(err(
+            text,
+            source,
+            e.value,
+            CostErrorKind::OutOfRange(s.to_string()),
+        ));
+    }
     Ok(v)
 }
 
@@ -581,6 +596,8 @@ pub enum CostErrorKind {
     NotFinite(String),
     #[error("`{0}` is negative; costs and sizes are at least 0")]
     Negative(String),
+    #[error("`{0}` is out of range; a cost or size is at most {MAX_VALUE:e} (pick a larger time unit), and a nonzero one at least {MIN_VALUE:e}")]
+    OutOfRange(String),
     #[error("`bw` must be greater than 0 (use `inf` for free transfers)")]
     ZeroBandwidth,
     #[error("`overlap` must lie between 0 and 1")]

@@ -2,17 +2,47 @@
 
 mod cli;
 
-use clap::Parser;
+use clap::Parser as _;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
     pipec::sigpipe::restore_default();
-    let args = cli::Cli::parse();
+    let args = match cli::Cli::try_parse() {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(parse_exit(&e));
+        }
+    };
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("{e}");
             e.exit_code()
         }
+    }
+}
+
+/// A value the library refuses (an unknown schedule kind, a bad placement) is invalid input,
+/// exit 1 as the README says; every other parse error is usage (2), and help or version 0.
+fn parse_exit(e: &clap::Error) -> u8 {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => 0,
+        ErrorKind::ValueValidation | ErrorKind::InvalidValue => {
+            let arg = match e.get(ContextKind::InvalidArg) {
+                Some(ContextValue::String(s)) => s.as_str(),
+                _ => "",
+            };
+            if ["--schedule", "--placement", "--megatron-p2p"]
+                .iter()
+                .any(|f| arg.starts_with(f))
+            {
+                1
+            } else {
+                2
+            }
+        }
+        _ => 2,
     }
 }

@@ -134,6 +134,10 @@ impl Matching {
     }
 }
 
+/// What every output means by "bubble": one definition, named wherever a figure is printed,
+/// because papers also use a rank's own first-to-last span, which gives other numbers.
+pub const BUBBLE: &str = "idle share of the makespan, per rank (1 - busy / makespan)";
+
 /// One rank's figures.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RankSummary {

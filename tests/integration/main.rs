@@ -4,6 +4,7 @@ mod cuda;
 mod cuda_kernels;
 mod docs;
 mod hostile;
+mod inspect;
 mod layout;
 mod lowering;
 mod megatron;

@@ -1428,8 +1428,8 @@ mod cli {
             .arg("-o")
             .arg(&out)
             .assert()
-            .code(2);
-        // An output path that holds something else.
+            .code(1); // an unknown placement is invalid input (README: exit 1)
+                      // An output path that holds something else.
         let occupied = tmp.path().join("occupied");
         std::fs::create_dir(&occupied).unwrap();
         std::fs::write(occupied.join("notes.txt"), "keep").unwrap();

@@ -27,10 +27,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    let is_csv = a
-        .input
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("csv"));
+    // A file is a torch CSV whatever its name; the importer judges its content.
+    let is_csv = a.input.is_file();
     let mut opts = VerifyOptions {
         memory_limit: a.memory_limit,
         ..VerifyOptions::default()

@@ -1,13 +1,19 @@
 //! `pipec compare`: schedules side by side under one cost model: makespan, bubble and peak
 //! activations. Inputs are compiled directories and/or `--schedule` kinds compiled in memory
 //! with one `--pp`, `--vpp`, `--microbatches`.
+//!
+//! A makespan only compares on the same model: without `--layout` or `--num-layers`, every
+//! `--schedule` is built with the same decoder layers (the least common multiple of the
+//! candidates' stage counts) split evenly over its own stages, and rows whose models differ
+//! are flagged rather than ranked.
 
 use super::compile::{compile_error, parse_kind};
 use super::simulate::{run_sim, title, CostArgs};
 use super::{print_json, CliError};
 use pipec::compile::{compile, CompileRequest};
 use pipec::cost::{CostModel, StageCosts};
-use pipec::simulate::{simulate, SimError, Simulation};
+use pipec::layout::{LayerKind, Layout};
+use pipec::simulate::{simulate, SimError, Simulation, BUBBLE};
 use pipec_schedules::{ChunkRule, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -31,6 +37,19 @@ pub struct Args {
     /// Megatron's group size, for interleaved-1f1b only.
     #[arg(long)]
     pub group_size: Option<u32>,
+    /// One Megatron layout for every --schedule (each must fit its stage count).
+    #[arg(long, conflicts_with = "layout_file")]
+    pub layout: Option<String>,
+    /// Read the layout string from a file.
+    #[arg(long, value_name = "FILE")]
+    pub layout_file: Option<PathBuf>,
+    /// Decoder layers of the model, split evenly over each --schedule's stages (default: the
+    /// least common multiple of their stage counts, so every candidate gets the same model).
+    #[arg(long)]
+    pub num_layers: Option<u32>,
+    /// MTP layers of the model (on the last stage without --layout).
+    #[arg(long)]
+    pub mtp_num_layers: Option<u32>,
     #[command(flatten)]
     pub cost: CostArgs,
     /// Machine-readable output.
@@ -41,20 +60,68 @@ pub struct Args {
 struct Row {
     name: String,
     instructions: usize,
+    /// Decoder and MTP layers the row's costs were computed on.
+    model: (usize, usize),
     result: Result<Simulation, SimError>,
 }
 
-fn in_memory(a: &Args, kind: ScheduleKind, model: &CostModel) -> Result<Row, CliError> {
+/// The decoder and MTP layers a simulation costs: the layout's when it was used, else one
+/// decoder layer per stage (see [`StageCosts::new`]).
+fn model_of(layout: &Layout, num_stages: u32) -> (usize, usize) {
+    if layout.num_stages() == num_stages {
+        (
+            layout.count(LayerKind::Decoder),
+            layout.count(LayerKind::Mtp),
+        )
+    } else {
+        (num_stages as usize, 0)
+    }
+}
+
+/// `--vpp` goes to the kinds that take any chunk count; the V kinds keep their fixed 2.
+fn vpp_for(a: &Args, kind: ScheduleKind) -> Option<u32> {
+    if kind.chunk_rule() == ChunkRule::Any {
+        a.vpp
+    } else {
+        None
+    }
+}
+
+/// The default model of `--schedule` rows: the least common multiple of their stage counts,
+/// so each splits it evenly. `None` when the multiple overflows.
+fn common_layers(a: &Args, pp: u32) -> Option<u32> {
+    let gcd = |mut x: u64, mut y: u64| {
+        while y != 0 {
+            (x, y) = (y, x % y);
+        }
+        x
+    };
+    let mut l: u64 = 1;
+    for &k in &a.schedule {
+        let stages = u64::from(pp) * u64::from(vpp_for(a, k).unwrap_or(k.default_vpp()).max(1));
+        l = l / gcd(l, stages) * stages;
+        if l > u64::from(u32::MAX) {
+            return None;
+        }
+    }
+    u32::try_from(l).ok()
+}
+
+fn in_memory(
+    a: &Args,
+    kind: ScheduleKind,
+    model: &CostModel,
+    num_layers: Option<u32>,
+) -> Result<Row, CliError> {
     let (Some(pp), Some(m)) = (a.pp, a.microbatches) else {
         return Err(CliError::Usage(
             "--schedule needs --pp and --microbatches".to_string(),
         ));
     };
-    // --vpp goes to the kinds that take any chunk count; the V kinds keep their fixed 2.
-    let vpp = if kind.chunk_rule() == ChunkRule::Any {
-        a.vpp
-    } else {
+    let vpp = if a.layout.is_some() {
         None
+    } else {
+        vpp_for(a, kind)
     };
     let group_size = if kind == ScheduleKind::Interleaved1F1B {
         a.group_size
@@ -64,9 +131,15 @@ fn in_memory(a: &Args, kind: ScheduleKind, model: &CostModel) -> Result<Row, Cli
     let c = compile(&CompileRequest {
         vpp,
         group_size,
+        layout: a.layout.clone(),
+        num_layers,
+        mtp_num_layers: a.mtp_num_layers,
         ..CompileRequest::new(kind, pp, m)
     })
-    .map_err(compile_error)?;
+    .map_err(|e| match compile_error(e) {
+        CliError::Invalid(msg) => CliError::Invalid(format!("{kind}: {msg}")),
+        other => other,
+    })?;
     let costs = StageCosts::new(model, &c.layout, c.program.num_stages());
     Ok(Row {
         name: format!(
@@ -74,35 +147,80 @@ fn in_memory(a: &Args, kind: ScheduleKind, model: &CostModel) -> Result<Row, Cli
             c.spec.kind, c.spec.pp, c.spec.vpp, c.spec.microbatches
         ),
         instructions: c.program.len(),
+        model: model_of(&c.layout, c.program.num_stages()),
         result: simulate(&c.program, &costs),
     })
 }
 
-pub fn run(a: Args) -> Result<ExitCode, CliError> {
+/// `16 t` or `16 t + 1 m`.
+fn model_name((t, m): (usize, usize)) -> String {
+    if m == 0 {
+        format!("{t} t")
+    } else {
+        format!("{t} t + {m} m")
+    }
+}
+
+pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
+    if let Some(path) = &a.layout_file {
+        a.layout = Some(super::layout::read_layout_file(path)?);
+    }
     if a.dirs.is_empty() && a.schedule.is_empty() {
         return Err(CliError::Usage(
             "nothing to compare: give compiled directories and/or --schedule KIND".to_string(),
         ));
     }
-    if a.schedule.is_empty() && (a.pp.is_some() || a.microbatches.is_some() || a.vpp.is_some()) {
+    let model_flags = a.layout.is_some() || a.num_layers.is_some() || a.mtp_num_layers.is_some();
+    if a.schedule.is_empty()
+        && (a.pp.is_some() || a.microbatches.is_some() || a.vpp.is_some() || model_flags)
+    {
         return Err(CliError::Usage(
-            "--pp, --vpp and --microbatches apply to --schedule".to_string(),
+            "--pp, --vpp, --microbatches, --layout and --num-layers apply to --schedule"
+                .to_string(),
+        ));
+    }
+    if a.layout.is_some() && a.vpp.is_some() {
+        return Err(CliError::Usage(
+            "--vpp comes from --layout (stages / pp); give one or the other".to_string(),
         ));
     }
     let model = a.cost.model()?;
+    // The model every --schedule row is built on.
+    let (num_layers, model_note) = match (&a.layout, a.num_layers, a.pp) {
+        (Some(l), _, _) => (
+            a.num_layers,
+            format!("model: the layout {l} for every schedule"),
+        ),
+        (None, Some(n), _) => (
+            Some(n),
+            format!("model: {n} decoder layers, split evenly over each schedule's stages"),
+        ),
+        (None, None, Some(pp)) if !a.schedule.is_empty() => {
+            let n = common_layers(&a, pp).ok_or_else(|| {
+                CliError::Invalid("the candidates' stage counts have no common model below 2^32 layers; give --num-layers".to_string())
+            })?;
+            (
+                Some(n),
+                format!("model: {n} decoder layers (same for every schedule), split evenly over each schedule's stages; --num-layers or --layout to change"),
+            )
+        }
+        _ => (None, String::new()),
+    };
     let mut rows = Vec::new();
     for d in &a.dirs {
         let loaded = super::load(d)?;
         rows.push(Row {
             name: format!("{} ({})", d.display(), title(&loaded.manifest)),
             instructions: loaded.program.len(),
+            model: model_of(&loaded.manifest.layout, loaded.program.num_stages()),
             result: run_sim(&loaded, &model),
         });
     }
     for &k in &a.schedule {
-        rows.push(in_memory(&a, k, &model)?);
+        rows.push(in_memory(&a, k, &model, num_layers)?);
     }
     let failed = rows.iter().any(|r| r.result.is_err());
+    let same_model = rows.iter().all(|r| r.model == rows[0].model);
     if a.json {
         let items: Vec<_> = rows
             .iter()
@@ -110,6 +228,8 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 Ok(s) => serde_json::json!({
                     "name": r.name,
                     "instructions": r.instructions,
+                    "decoder_layers": r.model.0,
+                    "mtp_layers": r.model.1,
                     "makespan": s.summary.makespan,
                     "mean_bubble_ratio": s.summary.mean_bubble(),
                     "max_bubble_ratio": s.summary.max_bubble(),
@@ -123,10 +243,22 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 }),
             })
             .collect();
-        print_json(&serde_json::json!({ "cost": model, "schedules": items }));
+        print_json(&serde_json::json!({
+            "cost": model,
+            "same_model": same_model,
+            "bubble": BUBBLE,
+            "schedules": items,
+        }));
     } else {
         println!("cost: {}", model.describe());
+        if !model_note.is_empty() {
+            println!("{model_note}");
+        }
+        println!("bubble: {BUBBLE}");
         print!("{}", table(&rows));
+        if !same_model {
+            println!("* a different model from the first row: its makespan is not comparable");
+        }
         for r in &rows {
             if let Err(e) = &r.result {
                 eprintln!("{}: {e}", r.name);
@@ -141,11 +273,15 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
 }
 
 fn table(rows: &[Row]) -> String {
-    let base = rows
-        .iter()
-        .find_map(|r| r.result.as_ref().ok().map(|s| s.summary.makespan));
+    let base = rows.iter().find_map(|r| {
+        r.result
+            .as_ref()
+            .ok()
+            .map(|s| (s.summary.makespan, r.model))
+    });
     let head = [
         "schedule",
+        "model",
         "instrs",
         "makespan",
         "vs first",
@@ -153,17 +289,21 @@ fn table(rows: &[Row]) -> String {
         "bubble max",
         "peak act",
     ];
-    let cells: Vec<[String; 7]> = rows
+    let cells: Vec<[String; 8]> = rows
         .iter()
         .map(|r| match &r.result {
             Ok(s) => {
                 let m = s.summary.makespan;
                 [
                     r.name.clone(),
+                    model_name(r.model),
                     r.instructions.to_string(),
                     pipec::cost::num(m),
                     match base {
-                        Some(b) if b > 0.0 => format!("{:.2}x", m / b),
+                        Some((b, bm)) if bm != r.model => {
+                            format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE))
+                        }
+                        Some((b, _)) if b > 0.0 => format!("{:.2}x", m / b),
                         _ => "-".to_string(),
                     },
                     format!("{:.1}%", s.summary.mean_bubble() * 100.0),
@@ -178,6 +318,7 @@ fn table(rows: &[Row]) -> String {
                 };
                 [
                     r.name.clone(),
+                    model_name(r.model),
                     r.instructions.to_string(),
                     what.to_string(),
                     "-".into(),
@@ -188,7 +329,7 @@ fn table(rows: &[Row]) -> String {
             }
         })
         .collect();
-    let w: Vec<usize> = (0..7)
+    let w: Vec<usize> = (0..8)
         .map(|j| {
             cells
                 .iter()
@@ -201,7 +342,7 @@ fn table(rows: &[Row]) -> String {
     let mut out = String::new();
     let mut line = |c: &[&str]| {
         let mut s = format!("{:<w0$}", c[0], w0 = w[0]);
-        for j in 1..7 {
+        for j in 1..8 {
             s.push_str(&format!("  {:>wj$}", c[j], wj = w[j]));
         }
         out.push_str(s.trim_end());

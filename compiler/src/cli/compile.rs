@@ -52,10 +52,10 @@ pub struct Args {
     /// runs there).
     #[arg(long, value_parser = parse_p2p)]
     pub megatron_p2p: Option<MegatronP2p>,
-    /// Check the layout's decoder layer count.
+    /// Decoder layers: checked against --layout; without one, split evenly over the stages.
     #[arg(long)]
     pub num_layers: Option<u32>,
-    /// Check the layout's MTP layer count.
+    /// MTP layers: checked against --layout; without one, on the last stage.
     #[arg(long)]
     pub mtp_num_layers: Option<u32>,
     /// Refuse schedules with more compute ops than this.
@@ -130,6 +130,7 @@ pub fn compile_error(e: CompileError) -> CliError {
     match e {
         CompileError::Layout(l) => CliError::Invalid(super::layout::render_error(&l)),
         CompileError::Spec(s) => CliError::Invalid(s.to_string()),
+        e @ CompileError::UnevenLayers { .. } => CliError::Invalid(e.to_string()),
     }
 }
 
@@ -140,7 +141,9 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     if let Some(path) = &a.layout_file {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
+    let progress = super::spinner("generating and lowering");
     let c = compile(&a.request()?).map_err(compile_error)?;
+    progress.set_message(format!("verifying {} instructions", c.program.len()));
     // Verify before anything is written: an invalid schedule never reaches the disk unless
     // the user insists with --no-verify.
     let verdict = if a.no_verify {
@@ -163,17 +166,20 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
+    progress.set_message("encoding and writing");
     let rendered = files::render(&header, &c.program, a.format.encoding());
+    progress.finish_and_clear();
+    super::warn_big_write(rendered.iter().map(|(_, b)| b.len() as u64).sum(), &a.out);
     files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
     println!(
-        "compiled {} pp={} vpp={} microbatches={}: {} ranks, {} stages, {} instructions -> {}",
+        "compiled {} pp={} vpp={} microbatches={}: {}, {}, {} -> {}",
         c.spec.kind,
         c.spec.pp,
         c.spec.vpp,
         c.spec.microbatches,
-        c.program.world(),
-        c.program.num_stages(),
-        c.program.len(),
+        super::count(c.program.world() as usize, "rank"),
+        super::count(c.program.num_stages() as usize, "stage"),
+        super::count(c.program.len(), "instruction"),
         a.out.display()
     );
     if !c.spec.megatron_p2p.is_default() {
@@ -184,7 +190,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         );
     }
     if let Some(r) = verdict {
-        println!("{}", r.verdict_line());
+        println!("{}", short_verdict(&r.verdict_line(), &a.out));
         // Risks go to stderr, a few at a time: `pipec check` lists them all.
         const SHOWN: usize = 5;
         for k in r.risks.iter().take(SHOWN) {
@@ -291,6 +297,14 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
         .map(|_| std::sync::Mutex::new(None))
         .collect();
     let t0 = std::time::Instant::now();
+    let progress = indicatif::ProgressBar::with_draw_target(
+        Some(configs.len() as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} configurations ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| loop {
@@ -298,9 +312,11 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
                 let Some(cfg) = configs.get(i) else { break };
                 let o = one(cfg, &a.out, a);
                 *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(o);
+                progress.inc(1);
             });
         }
     });
+    progress.finish_and_clear();
     let w = configs
         .iter()
         .map(|c| c.name.len())
@@ -362,4 +378,25 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
 
 fn parse_p2p(s: &str) -> Result<MegatronP2p, String> {
     s.parse()
+}
+
+/// The verdict line with at most 16 per-rank peaks: at pp = 100000 the full list is one line
+/// of 100,000 numbers. `pipec check` prints them all.
+fn short_verdict(line: &str, out: &std::path::Path) -> String {
+    const KEEP: usize = 16;
+    let key = "peak activations per rank: ";
+    let Some(i) = line.find(key) else {
+        return line.to_string();
+    };
+    let (head, tail) = line.split_at(i + key.len());
+    let peaks: Vec<&str> = tail.split(' ').collect();
+    if peaks.len() <= KEEP {
+        return line.to_string();
+    }
+    format!(
+        "{head}{} ... ({} ranks; pipec check {} lists them all)",
+        peaks[..KEEP].join(" "),
+        peaks.len(),
+        out.display()
+    )
 }

@@ -3,7 +3,7 @@
 
 use super::simulate::{run_sim, sim_error, title, CostArgs};
 use super::CliError;
-use pipec::emit::{chrome, dot, svg};
+use pipec::emit::{chrome, dot, svg, Filter};
 use pipec::files::Loaded;
 use pipec::torch::{export_csv, CsvForm};
 use std::io::Write as _;
@@ -38,8 +38,14 @@ pub enum CondenseArg {
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A compiled schedule directory.
+    /// A compiled schedule directory or a torch CSV schedule.
     pub input: PathBuf,
+    /// Pipeline-parallel size of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long)]
+    pub pp: Option<u32>,
+    /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long, value_parser = super::import::parse_placement)]
+    pub placement: Option<pipec::torch::PlacementChoice>,
     /// Output format.
     #[arg(long, value_enum)]
     pub format: Format,
@@ -48,15 +54,106 @@ pub struct Args {
     pub out: Option<PathBuf>,
     #[command(flatten)]
     pub cost: CostArgs,
-    /// Graph size for --format dot.
-    #[arg(long, value_enum, default_value_t = CondenseArg::Auto)]
-    pub condense: CondenseArg,
-    /// For --format torch-csv: only the compute actions (torch's compute-only form).
+    /// Graph size for --format dot (default auto).
+    #[arg(long, value_enum)]
+    pub condense: Option<CondenseArg>,
+    /// Only the compute actions: torch's compute-only CSV form, or a trace without
+    /// communication (an SVG draws compute only anyway).
     #[arg(long)]
     pub compute_only: bool,
-    /// Picture width in pixels for --format svg.
-    #[arg(long, default_value_t = 1200.0)]
-    pub svg_width: f64,
+    /// Picture width in pixels for --format svg (default 1200).
+    #[arg(long)]
+    pub svg_width: Option<f64>,
+    /// Ranks to keep in a trace or SVG, e.g. "0,3-5".
+    #[arg(long, value_name = "LIST")]
+    pub ranks: Option<String>,
+    /// Keep a trace's or SVG's ops that end at or after this time (cost units).
+    #[arg(long, value_name = "T")]
+    pub from: Option<f64>,
+    /// Keep a trace's or SVG's ops that start at or before this time (cost units).
+    #[arg(long, value_name = "T")]
+    pub to: Option<f64>,
+    /// Write the whole trace or SVG even when it is too big for viewers to open.
+    #[arg(long)]
+    pub full: bool,
+}
+
+/// Bigger than this, Perfetto and browsers fail to open a trace or an SVG: by default the
+/// export keeps less, and says what.
+pub const OPENABLE_BYTES: usize = 100 << 20;
+
+/// The filter the flags ask for.
+fn filter(a: &Args, world: usize) -> Result<Filter, CliError> {
+    for (flag, v) in [("--from", a.from), ("--to", a.to)] {
+        if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+            return Err(CliError::Usage(format!(
+                "{flag} must be a finite time >= 0"
+            )));
+        }
+    }
+    if let (Some(f), Some(t)) = (a.from, a.to) {
+        if f >= t {
+            return Err(CliError::Usage(format!(
+                "--from {f} must be before --to {t}"
+            )));
+        }
+    }
+    Ok(Filter {
+        ranks: a
+            .ranks
+            .as_deref()
+            .map(|r| super::show::parse_ranks(r, world))
+            .transpose()?,
+        from: a.from,
+        to: a.to,
+        compute_only: a.compute_only,
+    })
+}
+
+/// Render a view under `base`, or, when that would pass [`OPENABLE_BYTES`] and the user did
+/// not ask for `--full`, a smaller part: first without communication (traces), then the
+/// first ranks only. Sizes are estimated from rank 0 alone, so the whole view is never built
+/// in memory. Returns the text and the note saying what was left out.
+fn capped(
+    render: impl Fn(&Filter) -> String,
+    base: &Filter,
+    world: usize,
+    full: bool,
+    drops_comm: bool,
+) -> (String, Option<String>) {
+    if full {
+        return (render(base), None);
+    }
+    let rows = base.rows(world);
+    let per_rank = |f: &Filter| {
+        let probe = Filter {
+            ranks: Some(vec![rows.first().copied().unwrap_or(0)]),
+            ..f.clone()
+        };
+        render(&probe).len().max(1)
+    };
+    let estimate = per_rank(base).saturating_mul(rows.len());
+    if estimate <= OPENABLE_BYTES {
+        return (render(base), None);
+    }
+    let mut f = base.clone();
+    let mut kept = Vec::new();
+    if drops_comm && !f.compute_only {
+        f.compute_only = true;
+        kept.push("compute ops only".to_string());
+    }
+    let each = per_rank(&f);
+    if each.saturating_mul(rows.len()) > OPENABLE_BYTES {
+        let k = (OPENABLE_BYTES / each).clamp(1, rows.len());
+        kept.push(format!("the first {k} of {} ranks", rows.len()));
+        f.ranks = Some(rows[..k].to_vec());
+    }
+    let note = format!(
+        "note: the whole view would be about {} MB, too big to open; kept {} (--ranks/--from/--to pick another part, --full writes everything)",
+        estimate >> 20,
+        kept.join(" and ")
+    );
+    (render(&f), Some(note))
 }
 
 /// The bytes of the export.
@@ -64,6 +161,7 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
     let name = title(&loaded.manifest);
     let model = a.cost.model()?;
     let timed = || run_sim(loaded, &model).map_err(sim_error);
+    let world = loaded.program.ranks.len();
     Ok(match a.format {
         Format::TorchCsv => {
             let form = if a.compute_only {
@@ -77,18 +175,43 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
         }
         Format::ChromeTrace => {
             let sim = timed()?;
-            chrome::chrome_trace(&name, &loaded.program, &sim.timeline).into_bytes()
+            let base = filter(a, world)?;
+            let (text, note) = capped(
+                |f| chrome::chrome_trace_filtered(&name, &loaded.program, &sim.timeline, f),
+                &base,
+                world,
+                a.full,
+                true,
+            );
+            if let Some(n) = note {
+                eprintln!("{n}");
+            }
+            text.into_bytes()
         }
         Format::Svg => {
             let sim = timed()?;
-            let opts = svg::SvgOptions {
-                width: a.svg_width,
-                title: Some(format!("{name}   ·   cost {}", model.describe())),
-            };
-            svg::render(&loaded.program, &sim.timeline, &opts).into_bytes()
+            let base = filter(a, world)?;
+            let (text, note) = capped(
+                |f| {
+                    let opts = svg::SvgOptions {
+                        width: a.svg_width.unwrap_or(1200.0),
+                        title: Some(format!("{name}   ·   cost {}", model.describe())),
+                        filter: f.clone(),
+                    };
+                    svg::render(&loaded.program, &sim.timeline, &opts)
+                },
+                &base,
+                world,
+                a.full,
+                false,
+            );
+            if let Some(n) = note {
+                eprintln!("{n}");
+            }
+            text.into_bytes()
         }
         Format::Dot => {
-            let c = match a.condense {
+            let c = match a.condense.unwrap_or(CondenseArg::Auto) {
                 CondenseArg::Auto => dot::Condense::auto(&loaded.program),
                 CondenseArg::None => dot::Condense::None,
                 CondenseArg::Stage => dot::Condense::Stage,
@@ -99,18 +222,54 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
     })
 }
 
-pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    if !(a.svg_width.is_finite() && a.svg_width > 0.0) {
+/// Every flag applies to some formats; a flag given with another format is refused, never
+/// silently ignored.
+fn check_flags(a: &Args) -> Result<(), CliError> {
+    let f = a.format;
+    let views = matches!(f, Format::ChromeTrace | Format::Svg);
+    let refuse = |flag: &str, formats: &str| {
+        Err(CliError::Usage(format!(
+            "{flag} applies to {formats}, not --format {}",
+            clap::ValueEnum::to_possible_value(&f)
+                .map_or(String::new(), |v| v.get_name().to_string())
+        )))
+    };
+    if a.condense.is_some() && f != Format::Dot {
+        return refuse("--condense", "--format dot");
+    }
+    if a.svg_width.is_some() && f != Format::Svg {
+        return refuse("--svg-width", "--format svg");
+    }
+    if a.compute_only && f == Format::Dot {
+        return refuse("--compute-only", "torch-csv, chrome-trace and svg");
+    }
+    for (flag, given) in [
+        ("--ranks", a.ranks.is_some()),
+        ("--from", a.from.is_some()),
+        ("--to", a.to.is_some()),
+        ("--full", a.full),
+    ] {
+        if given && !views {
+            return refuse(flag, "chrome-trace and svg");
+        }
+    }
+    if a.svg_width.is_some_and(|w| !(w.is_finite() && w > 0.0)) {
         return Err(CliError::Usage(
             "--svg-width must be a positive number".to_string(),
         ));
     }
-    let loaded = super::load(&a.input)?;
+    Ok(())
+}
+
+pub fn run(a: Args) -> Result<ExitCode, CliError> {
+    check_flags(&a)?;
+    let loaded = super::load_any(&a.input, a.pp, a.placement)?;
     let bytes = render(&a, &loaded)?;
     match a.out.as_deref() {
         None => write_stdout(&bytes),
         Some(p) if p.as_os_str() == "-" => write_stdout(&bytes),
         Some(p) => {
+            super::warn_big_write(bytes.len() as u64, p);
             std::fs::write(p, &bytes).map_err(|e| CliError::Usage(format!("{}: {e}", p.display())))
         }
     }?;

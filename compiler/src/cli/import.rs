@@ -24,6 +24,13 @@ pub struct Args {
     /// off the file (each stage on the rank whose line names it).
     #[arg(long, value_parser = parse_placement)]
     pub placement: Option<PlacementChoice>,
+    /// Megatron layout of the model (its stage count must be the file's), so that costs and
+    /// comparisons after a CSV round trip see the model the schedule was compiled for.
+    #[arg(long, conflicts_with = "layout_file")]
+    pub layout: Option<String>,
+    /// Read the layout string from a file.
+    #[arg(long, value_name = "FILE")]
+    pub layout_file: Option<PathBuf>,
     /// Most live activations (microbatch x stage units) a rank may hold.
     #[arg(long)]
     pub memory_limit: Option<u64>,
@@ -51,10 +58,8 @@ pub fn read_csv(
         .map_err(|e| CliError::Invalid(format!("{}: {e}", path.display())))
 }
 
-pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    let imported = read_csv(&a.input, a.pp, a.placement)?;
-    let program = &imported.program;
-    let layout = Layout::uniform(program.num_stages());
+/// The files of an imported schedule, as `import` writes them and the viewers load them.
+pub fn render_imported(imported: &Imported, layout: &Layout) -> Vec<(String, Vec<u8>)> {
     let header = Header {
         source: "torch-csv",
         schedule: None,
@@ -62,26 +67,52 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             CsvForm::ComputeOnly => Some(CommPolicy::Lockstep),
             CsvForm::ComputeComms => None,
         },
-        layout: &layout,
+        layout,
+    };
+    files::render(&header, &imported.program, files::Encoding::Json)
+}
+
+pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
+    if let Some(path) = &a.layout_file {
+        a.layout = Some(super::layout::read_layout_file(path)?);
+    }
+    let imported = read_csv(&a.input, a.pp, a.placement)?;
+    let program = &imported.program;
+    let layout = match &a.layout {
+        None => Layout::uniform(program.num_stages()),
+        Some(text) => {
+            let l = pipec::layout::parse(text)
+                .map_err(|e| CliError::Invalid(super::layout::render_error(&e)))?;
+            if l.num_stages() != program.num_stages() {
+                return Err(CliError::Invalid(format!(
+                    "--layout has {} stages but {} has {}",
+                    l.num_stages(),
+                    a.input.display(),
+                    program.num_stages()
+                )));
+            }
+            l
+        }
     };
     if a.no_verify {
         eprintln!("WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors");
     } else {
-        super::verify_before_write(program, a.memory_limit, header.comm_policy, &a.out)?;
+        // Imported P2P is posted batch by batch (torch), one communicator per pair.
+        super::verify_before_write(program, a.memory_limit, None, &a.out)?;
     }
-    let rendered = files::render(&header, program, files::Encoding::Json);
+    let rendered = render_imported(&imported, &layout);
     files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
     let placement = match imported.placement_source {
         PlacementSource::File => format!("{} (read off the file)", program.placement.kind),
         PlacementSource::Given(c) => format!("{} (--placement)", c.name()),
     };
     println!(
-        "imported {} ({} form): {} ranks, {} stages, {} microbatches{}, placement {placement}",
+        "imported {} ({} form): {}, {}, {}{}, placement {placement}",
         a.input.display(),
         imported.form,
-        program.world(),
-        program.num_stages(),
-        program.microbatches,
+        super::count(program.world() as usize, "rank"),
+        super::count(program.num_stages() as usize, "stage"),
+        super::count(program.microbatches as usize, "microbatch"),
         if program.forward_only {
             " (forward only: the file has no backward)"
         } else {

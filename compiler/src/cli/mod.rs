@@ -88,6 +88,15 @@ impl fmt::Display for CliError {
     }
 }
 
+/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches`.
+pub fn count(n: usize, noun: &str) -> String {
+    match (n, noun.ends_with("ch")) {
+        (1, _) => format!("1 {noun}"),
+        (_, true) => format!("{n} {noun}es"),
+        _ => format!("{n} {noun}s"),
+    }
+}
+
 /// Print JSON to stdout with a trailing newline.
 pub fn print_json<T: serde::Serialize>(v: &T) {
     println!("{}", serde_json::to_string_pretty(v).expect("serializable"));
@@ -96,6 +105,53 @@ pub fn print_json<T: serde::Serialize>(v: &T) {
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
 pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
     pipec::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
+}
+
+/// A compiled directory, or a torch CSV file recognised by being a file (its content decides,
+/// not its extension), read as `check` reads it, so every viewer accepts what `check` accepts.
+pub fn load_any(
+    path: &std::path::Path,
+    pp: Option<u32>,
+    placement: Option<pipec::torch::PlacementChoice>,
+) -> Result<pipec::files::Loaded, CliError> {
+    if path.is_file() {
+        let imported = import::read_csv(path, pp, placement)?;
+        let layout = pipec::layout::Layout::uniform(imported.program.num_stages());
+        return pipec::files::load_files(&import::render_imported(&imported, &layout))
+            .map_err(|e| CliError::Usage(e.to_string()));
+    }
+    if pp.is_some() || placement.is_some() {
+        return Err(CliError::Usage(
+            "--pp and --placement apply to torch CSV input only; a compiled directory records its own placement"
+                .to_string(),
+        ));
+    }
+    load(path)
+}
+
+/// A spinner on stderr naming the phase a long command is in. indicatif draws nothing when
+/// stderr is not a terminal, so pipes and logs stay clean.
+pub fn spinner(msg: &str) -> indicatif::ProgressBar {
+    let pb =
+        indicatif::ProgressBar::with_draw_target(None, indicatif::ProgressDrawTarget::stderr());
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    pb.set_message(msg.to_string());
+    pb.enable_steady_tick(std::time::Duration::from_millis(120));
+    pb
+}
+
+/// Above this, a write gets a warning first: a user asking for a huge schedule should know
+/// before the disk fills.
+pub const BIG_WRITE_BYTES: u64 = 100 << 20;
+
+/// Warn on stderr before writing `bytes` to `to` when that is big.
+pub fn warn_big_write(bytes: u64, to: &std::path::Path) {
+    if bytes > BIG_WRITE_BYTES {
+        eprintln!("warning: writing {} MB to {}", bytes >> 20, to.display());
+    }
 }
 
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)

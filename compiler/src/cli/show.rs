@@ -20,13 +20,28 @@ pub enum ColorChoice {
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A compiled schedule directory.
+    /// A compiled schedule directory or a torch CSV schedule.
     pub input: PathBuf,
+    /// Pipeline-parallel size of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long)]
+    pub pp: Option<u32>,
+    /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long, value_parser = super::import::parse_placement)]
+    pub placement: Option<pipec::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
-    /// Total width in columns (default: $COLUMNS, else 100).
+    /// Total width in columns, at least 20 (default: $COLUMNS, else 100).
     #[arg(long)]
     pub width: Option<usize>,
+    /// Ranks to draw, e.g. "0,3-5" (default: all).
+    #[arg(long, value_name = "LIST")]
+    pub ranks: Option<String>,
+    /// Start of the time window to draw, in cost units (default: 0).
+    #[arg(long, value_name = "T")]
+    pub from: Option<f64>,
+    /// End of the time window to draw, in cost units (default: the makespan).
+    #[arg(long, value_name = "T")]
+    pub to: Option<f64>,
     /// Colour: auto (a terminal and NO_COLOR unset), always, never.
     #[arg(long, value_enum, default_value_t = ColorChoice::Auto)]
     pub color: ColorChoice,
@@ -62,16 +77,91 @@ pub fn use_color(choice: ColorChoice, no_color: bool) -> bool {
     }
 }
 
+/// Narrower than this leaves no room for the timeline next to the rank labels.
+const MIN_WIDTH: usize = 20;
+
+/// Parse `0,3-5` into rank numbers (in the order given), each below `world`.
+pub fn parse_ranks(text: &str, world: usize) -> Result<Vec<usize>, CliError> {
+    let bad = |why: String| CliError::Usage(format!("--ranks {text:?}: {why}"));
+    let mut out = Vec::new();
+    for part in text.split(',') {
+        let part = part.trim();
+        let num = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("{s:?} is not a rank number")))
+        };
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if a > b {
+            return Err(bad(format!("{a}-{b} is an empty range")));
+        }
+        if b >= world {
+            return Err(bad(format!("rank {b} does not exist ({world} ranks)")));
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
+    if a.width.is_some_and(|w| w < MIN_WIDTH) {
+        return Err(CliError::Usage(format!(
+            "--width must be at least {MIN_WIDTH} columns"
+        )));
+    }
+    for (flag, v) in [("--from", a.from), ("--to", a.to)] {
+        if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+            return Err(CliError::Usage(format!(
+                "{flag} must be a finite time >= 0"
+            )));
+        }
+    }
+    if let (Some(f), Some(t)) = (a.from, a.to) {
+        if f >= t {
+            return Err(CliError::Usage(format!(
+                "--from {f} must be before --to {t}"
+            )));
+        }
+    }
     let model = a.cost.model()?;
-    let loaded = super::load(&a.input)?;
+    let loaded = super::load_any(&a.input, a.pp, a.placement)?;
     let sim = run_sim(&loaded, &model).map_err(sim_error)?;
+    let ranks = a
+        .ranks
+        .as_deref()
+        .map(|r| parse_ranks(r, loaded.program.ranks.len()))
+        .transpose()?;
+    let makespan = sim.summary.makespan;
+    if a.from.is_some_and(|f| f >= makespan) {
+        return Err(CliError::Usage(format!(
+            "--from is past the end of the schedule (makespan {})",
+            pipec::cost::num(makespan)
+        )));
+    }
     let opts = TextOptions {
-        width: width(a.width),
+        width: width(a.width).max(MIN_WIDTH),
         color: use_color(a.color, a.no_color),
+        ranks: ranks.clone(),
+        from: a.from,
+        to: a.to,
     };
     println!("{}", title(&loaded.manifest));
     println!("cost: {}", model.describe());
+    if ranks.is_some() || a.from.is_some() || a.to.is_some() {
+        let shown = match &ranks {
+            Some(r) => format!("{} of {} ranks", r.len(), loaded.program.ranks.len()),
+            None => format!("all {} ranks", loaded.program.ranks.len()),
+        };
+        println!(
+            "window: {shown}, time {} to {} of {}",
+            pipec::cost::num(a.from.unwrap_or(0.0)),
+            pipec::cost::num(a.to.unwrap_or(makespan).min(makespan)),
+            pipec::cost::num(makespan)
+        );
+    }
     println!();
     print!("{}", render(&loaded.program, &sim.timeline, &opts));
     println!();

@@ -24,7 +24,8 @@ pub struct CostArgs {
 }
 
 impl CostArgs {
-    /// The model: defaults, then the file, then the inline entries. Errors exit 2 with a caret.
+    /// The model: defaults, then the file, then the inline entries. A bad entry is invalid
+    /// input (exit 1, with a caret); an unreadable file is I/O (exit 2).
     pub fn model(&self) -> Result<CostModel, CliError> {
         let mut m = CostModel::default();
         if let Some(path) = &self.cost_file {
@@ -32,12 +33,12 @@ impl CostArgs {
                 .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
             let name = path.display().to_string();
             m.apply(&text, Some(&name))
-                .map_err(|e| CliError::Usage(e.render()))?;
+                .map_err(|e| CliError::Invalid(e.render()))?;
         }
         if let Some(spec) = &self.cost {
             // Applied after the file, so inline entries win over the file's.
             m.apply(spec, None)
-                .map_err(|e| CliError::Usage(e.render()))?;
+                .map_err(|e| CliError::Invalid(e.render()))?;
         }
         Ok(m)
     }
@@ -81,8 +82,14 @@ pub fn sim_error(e: SimError) -> CliError {
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A compiled schedule directory.
+    /// A compiled schedule directory or a torch CSV schedule.
     pub input: PathBuf,
+    /// Pipeline-parallel size of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long)]
+    pub pp: Option<u32>,
+    /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
+    #[arg(long, value_parser = super::import::parse_placement)]
+    pub placement: Option<pipec::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
     /// Machine-readable output.
@@ -92,7 +99,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let model = a.cost.model()?;
-    let loaded = super::load(&a.input)?;
+    let loaded = super::load_any(&a.input, a.pp, a.placement)?;
     let name = title(&loaded.manifest);
     match run_sim(&loaded, &model) {
         Ok(sim) => {
@@ -103,6 +110,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                     "unit": "cost",
                     "makespan": s.makespan,
                     "mean_bubble_ratio": s.mean_bubble(),
+                    "bubble": pipec::simulate::BUBBLE,
                     "max_bubble_ratio": s.max_bubble(),
                     "peak_activations": s.peak_activations(),
                     "instructions": loaded.program.len(),

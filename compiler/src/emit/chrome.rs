@@ -7,7 +7,7 @@
 //! written as milliseconds (one cost unit = 1000 trace microseconds); measured ones keep their
 //! microseconds. Times start at the timeline's earliest span.
 
-use super::{comm_name, op_name, timeline_text::origin};
+use super::{comm_name, op_name, timeline_text::origin, Filter};
 use crate::program::{Instr, PayloadKind, Program};
 use crate::simulate::Matching;
 use crate::timeline::{TimeUnit, Timeline};
@@ -47,6 +47,18 @@ impl TraceBuilder {
 
     /// Add one schedule as a process named `name`.
     pub fn add(&mut self, name: &str, program: &Program, timeline: &Timeline) {
+        self.add_filtered(name, program, timeline, &Filter::default());
+    }
+
+    /// Add the part of one schedule that `filter` keeps; a message arrow is kept when both
+    /// its ends are.
+    pub fn add_filtered(
+        &mut self,
+        name: &str,
+        program: &Program,
+        timeline: &Timeline,
+        filter: &Filter,
+    ) {
         let pid = self.next_pid;
         self.next_pid += 1;
         let scale = match timeline.unit {
@@ -63,7 +75,17 @@ impl TraceBuilder {
         self.events.push(format!(
             r#"{{"ph":"M","name":"process_sort_index","pid":{pid},"args":{{"sort_index":{pid}}}}}"#
         ));
-        for (r, instrs) in program.ranks.iter().enumerate() {
+        let rows = filter.rows(program.ranks.len());
+        let mut kept_rank = vec![false; program.ranks.len()];
+        for &r in &rows {
+            kept_rank[r] = true;
+        }
+        let kept = |at: crate::program::InstrRef, sp: crate::timeline::Span| {
+            kept_rank.get(at.rank.index()).copied().unwrap_or(false)
+                && filter.keeps(sp.start - t0, sp.end - t0)
+        };
+        for &r in &rows {
+            let instrs = &program.ranks[r];
             self.events.push(format!(
                 r#"{{"ph":"M","name":"thread_name","pid":{pid},"tid":{r},"args":{{"name":"rank {r}"}}}}"#
             ));
@@ -72,6 +94,11 @@ impl TraceBuilder {
             ));
             let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
             for (i, (ins, s)) in instrs.iter().zip(spans).enumerate() {
+                if !filter.keeps(s.start - t0, s.end - t0)
+                    || (filter.compute_only && ins.as_compute().is_none())
+                {
+                    continue;
+                }
                 let mut e = String::with_capacity(200);
                 match ins {
                     Instr::Compute(op) => {
@@ -138,11 +165,17 @@ impl TraceBuilder {
             }
         }
         // Flows: send -> recv, bound to the enclosing comm slices.
+        if filter.compute_only {
+            return;
+        }
         let matching = Matching::new(program);
         for (s, r) in matching.messages(program) {
             let (Some(ss), Some(rs)) = (span(timeline, s), span(timeline, r)) else {
                 continue;
             };
+            if !(kept(s, ss) && kept(r, rs)) {
+                continue;
+            }
             let Some(Instr::Send { payload, .. }) = program.get(s) else {
                 continue;
             };
@@ -199,7 +232,17 @@ fn span(timeline: &Timeline, at: crate::program::InstrRef) -> Option<crate::time
 
 /// A trace of one schedule. `name` names the process (e.g. `1f1b pp=4 m=8`).
 pub fn chrome_trace(name: &str, program: &Program, timeline: &Timeline) -> String {
+    chrome_trace_filtered(name, program, timeline, &Filter::default())
+}
+
+/// A trace of the part of one schedule that `filter` keeps.
+pub fn chrome_trace_filtered(
+    name: &str,
+    program: &Program,
+    timeline: &Timeline,
+    filter: &Filter,
+) -> String {
     let mut b = TraceBuilder::new();
-    b.add(name, program, timeline);
+    b.add_filtered(name, program, timeline, filter);
     b.finish()
 }

@@ -11,6 +11,41 @@ pub mod timeline_text;
 use crate::program::{Instr, PayloadKind, Program};
 use pipec_schedules::{Compute, Pass};
 
+/// Which part of a timeline a trace or picture shows: some ranks, a time window (in the
+/// timeline's unit, from its origin), with or without communication. The default is all of it.
+/// Large schedules need this: a whole trace at pp=64, M=1024 is too big for any viewer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Filter {
+    /// Ranks to keep, in order; all when `None`.
+    pub ranks: Option<Vec<usize>>,
+    /// Keep spans that end at or after this time.
+    pub from: Option<f64>,
+    /// Keep spans that start at or before this time.
+    pub to: Option<f64>,
+    /// Drop sends, receives, waits and message arrows.
+    pub compute_only: bool,
+}
+
+impl Filter {
+    /// The ranks kept, in drawing order, of a world of `world` ranks.
+    pub fn rows(&self, world: usize) -> Vec<usize> {
+        match &self.ranks {
+            Some(r) => r.iter().copied().filter(|&r| r < world).collect(),
+            None => (0..world).collect(),
+        }
+    }
+
+    /// Whether a span, given relative to the origin, meets the window.
+    pub fn keeps(&self, start: f64, end: f64) -> bool {
+        self.from.is_none_or(|f| end >= f) && self.to.is_none_or(|t| start <= t)
+    }
+
+    /// Whether this filter keeps everything.
+    pub fn is_all(&self) -> bool {
+        *self == Filter::default()
+    }
+}
+
 /// What a compute op looks like in every view: its kind, letter and label.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OpKind {

@@ -4,7 +4,7 @@
 //! deterministic: fixed number formatting, program order.
 
 use super::{
-    chunk_of, chunks, fmt_num, nice_step, op_label, op_name, timeline_text::origin, OpKind,
+    chunk_of, chunks, fmt_num, nice_step, op_label, op_name, timeline_text::origin, Filter, OpKind,
 };
 use crate::program::{Instr, Program};
 use crate::timeline::{TimeUnit, Timeline};
@@ -17,6 +17,8 @@ pub struct SvgOptions {
     pub width: f64,
     /// A heading above the legend.
     pub title: Option<String>,
+    /// The ranks and time window drawn (communication is never drawn).
+    pub filter: Filter,
 }
 
 impl Default for SvgOptions {
@@ -24,6 +26,7 @@ impl Default for SvgOptions {
         SvgOptions {
             width: 1200.0,
             title: None,
+            filter: Filter::default(),
         }
     }
 }
@@ -71,7 +74,8 @@ fn px(x: f64) -> String {
 
 /// The picture.
 pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> String {
-    let world = program.ranks.len().max(1);
+    let rows = opts.filter.rows(program.ranks.len());
+    let world = rows.len().max(1);
     let width = opts.width.max(300.0);
     let (left, right) = (64.0, 24.0);
     let plot_w = width - left - right;
@@ -89,11 +93,9 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     let height = axis_y + 44.0;
     let t0 = origin(timeline);
     let makespan = (timeline.makespan() - t0).max(0.0);
-    let scale = if makespan > 0.0 {
-        plot_w / makespan
-    } else {
-        0.0
-    };
+    let from = opts.filter.from.unwrap_or(0.0).clamp(0.0, makespan);
+    let to = opts.filter.to.unwrap_or(makespan).clamp(from, makespan);
+    let scale = if to > from { plot_w / (to - from) } else { 0.0 };
     let unit = match timeline.unit {
         TimeUnit::Cost => "cost units",
         TimeUnit::Micros => "µs",
@@ -125,8 +127,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     // Legend: the kinds present, idle, and the chunk shading when there are several chunks.
     let mut present = [false; 5];
     let mut odd_seen = false;
-    for instrs in &program.ranks {
-        for op in instrs.iter().filter_map(Instr::as_compute) {
+    for &r in &rows {
+        for op in program.ranks[r].iter().filter_map(Instr::as_compute) {
             present[OpKind::of(op) as usize] = true;
             odd_seen |= chunk_of(op, &chunk) % 2 == 1;
         }
@@ -171,8 +173,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
         (9.0 / row_h).ceil() as usize
     };
     let _ = writeln!(s, r##"<g class="lanes" fill="#f0f0f0">"##);
-    for r in 0..program.ranks.len() {
-        let y = top + r as f64 * row_h;
+    for j in 0..rows.len() {
+        let y = top + j as f64 * row_h;
         let _ = writeln!(
             s,
             r##"<rect class="lane" x="{}" y="{}" width="{}" height="{}"/>"##,
@@ -188,8 +190,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
         r##"<g class="ranks" font-size="{}" fill="#333" text-anchor="end">"##,
         px(font.max(8.0))
     );
-    for r in (0..program.ranks.len()).step_by(label_every) {
-        let y = top + r as f64 * row_h + row_h / 2.0;
+    for (j, &r) in rows.iter().enumerate().step_by(label_every) {
+        let y = top + j as f64 * row_h + row_h / 2.0;
         let _ = writeln!(
             s,
             r##"<text x="{}" y="{}" dominant-baseline="central">rank {r}</text>"##,
@@ -205,19 +207,25 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
         r##"<g class="ops" font-size="{}" text-anchor="middle">"##,
         px(font)
     );
-    for (r, instrs) in program.ranks.iter().enumerate() {
+    for (j, &r) in rows.iter().enumerate() {
+        let instrs = &program.ranks[r];
         let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
-        let y = top + r as f64 * row_h + gap / 2.0;
+        let y = top + j as f64 * row_h + gap / 2.0;
         let h = row_h - gap;
         for (i, (ins, sp)) in instrs.iter().zip(spans).enumerate() {
             let Instr::Compute(op) = ins else { continue };
             if !(sp.start.is_finite() && sp.end.is_finite()) {
                 continue;
             }
+            if !opts.filter.keeps(sp.start - t0, sp.end - t0) {
+                continue;
+            }
             let kind = OpKind::of(op);
             let (f, text_fill) = fill(kind, chunk_of(op, &chunk) % 2 == 1);
-            let x0 = left + (sp.start - t0) * scale;
-            let w = ((sp.end - sp.start) * scale).max(0.0);
+            // Clipped to the window.
+            let (a, b) = ((sp.start - t0).max(from), (sp.end - t0).min(to));
+            let x0 = left + (a - from) * scale;
+            let w = ((b - a) * scale).max(0.0);
             let stroke = if w >= 3.0 && h >= 6.0 {
                 r##" stroke="#ffffff" stroke-width="0.6""##
             } else {
@@ -265,10 +273,11 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     );
     if scale > 0.0 {
         let step = nice_step(70.0 / scale);
+        let first = (from / step).ceil() as u64;
         let mut k = 0u64;
-        while (k as f64) * step <= makespan + 1e-9 && k <= 1000 {
-            let t = k as f64 * step;
-            let xt = left + t * scale;
+        while ((first + k) as f64) * step <= to + 1e-9 && k <= 1000 {
+            let t = (first + k) as f64 * step;
+            let xt = left + (t - from) * scale;
             let _ = writeln!(
                 s,
                 r##"<line x1="{}" y1="{}" x2="{}" y2="{}"/><text x="{}" y="{}" stroke="none">{}</text>"##,
@@ -285,10 +294,21 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     }
     let _ = writeln!(
         s,
-        r##"<text x="{}" y="{}" stroke="none">time ({unit}); makespan {}</text>"##,
+        r##"<text x="{}" y="{}" stroke="none">time ({unit}); makespan {}{}</text>"##,
         px(left + plot_w / 2.0),
         px(axis_y + 34.0),
-        fmt_num(makespan)
+        fmt_num(makespan),
+        if opts.filter.is_all() {
+            String::new()
+        } else {
+            format!(
+                "; showing {} of {} ranks, {} to {}",
+                rows.len(),
+                program.ranks.len(),
+                fmt_num(from),
+                fmt_num(to)
+            )
+        }
     );
     let _ = writeln!(s, "</g>");
     s.push_str("</svg>\n");

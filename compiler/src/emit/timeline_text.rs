@@ -19,6 +19,13 @@ pub struct TextOptions {
     pub width: usize,
     /// ANSI colours.
     pub color: bool,
+    /// Ranks to draw, in this order; every rank when `None`. Ranks out of range are skipped
+    /// (the CLI refuses them first).
+    pub ranks: Option<Vec<usize>>,
+    /// Start of the drawn window, in the timeline's unit from its origin; 0 when `None`.
+    pub from: Option<f64>,
+    /// End of the drawn window; the makespan when `None`.
+    pub to: Option<f64>,
 }
 
 impl Default for TextOptions {
@@ -26,8 +33,141 @@ impl Default for TextOptions {
         TextOptions {
             width: 100,
             color: false,
+            ranks: None,
+            from: None,
+            to: None,
         }
     }
+}
+
+/// A column is drawn as one kind when that kind fills at least this share of its busy time;
+/// below it the column is "mixed" (`+`), so a column never claims one op while holding others.
+pub const DOMINANT_SHARE: f64 = 0.75;
+
+/// What one column of one rank shows. Columns summarise their whole time span, so a narrow
+/// picture of a regular schedule cannot alias into a false pattern.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Cell {
+    /// Busy less than half the column.
+    Idle,
+    /// Only this instruction runs in the column (and fills at least half of it).
+    Op(usize),
+    /// Several ops, one kind filling at least [`DOMINANT_SHARE`] of the busy time; `odd` when
+    /// most of that kind's time is on odd model chunks.
+    Kind { kind: OpKind, odd: bool },
+    /// Several kinds, none dominant.
+    Mixed,
+}
+
+/// The window drawn and its scale: `(from, to, columns per time unit, columns used)`, times
+/// from the timeline's origin; a scale below 1 is `1 / n` for a whole `n`. Column `c` covers `[from + c/scale, from + (c+1)/scale)`.
+pub fn geometry(
+    program: &Program,
+    timeline: &Timeline,
+    opts: &TextOptions,
+) -> (f64, f64, f64, usize) {
+    let label_w = label_width(program);
+    let cols = opts.width.saturating_sub(label_w + 3).max(10);
+    let makespan = (timeline.makespan() - origin(timeline)).max(0.0);
+    let from = opts.from.unwrap_or(0.0).clamp(0.0, makespan);
+    let to = opts.to.unwrap_or(makespan).clamp(from, makespan);
+    let span = to - from;
+    // Whole columns per time unit when the window fits, else whole time units per column:
+    // either way integral op costs land on column edges, so equal ops get equal widths.
+    let scale = if span <= 0.0 {
+        0.0
+    } else if span <= cols as f64 {
+        (cols as f64 / span).floor()
+    } else {
+        1.0 / (span / cols as f64).ceil()
+    };
+    let used = ((span * scale).round() as usize).min(cols);
+    (from, to, scale, used)
+}
+
+fn label_width(program: &Program) -> usize {
+    format!("rank {}", program.ranks.len().saturating_sub(1)).len()
+}
+
+/// The cells of one rank: what each column of the window holds.
+pub fn cells(
+    program: &Program,
+    timeline: &Timeline,
+    rank: usize,
+    from: f64,
+    scale: f64,
+    used: usize,
+) -> Vec<Cell> {
+    let Some(instrs) = program.ranks.get(rank) else {
+        return vec![Cell::Idle; used];
+    };
+    if used == 0 || scale <= 0.0 {
+        return Vec::new();
+    }
+    let t0 = origin(timeline);
+    let chunk = chunks(program);
+    let spans = timeline.ranks.get(rank).map_or(&[][..], |v| v.as_slice());
+    let u = 1.0 / scale;
+    let mut busy = vec![0.0f64; used];
+    let mut by_kind = vec![[0.0f64; 5]; used];
+    let mut odd_by_kind = vec![[0.0f64; 5]; used];
+    // The one op seen in a column, or usize::MAX once a second one shows up.
+    let mut sole: Vec<Option<usize>> = vec![None; used];
+    for (i, (ins, span)) in instrs.iter().zip(spans).enumerate() {
+        let Instr::Compute(op) = ins else { continue };
+        if !(span.start.is_finite() && span.end.is_finite()) {
+            continue;
+        }
+        let (s, e) = (span.start - t0 - from, span.end - t0 - from);
+        if e <= 0.0 || s >= used as f64 * u {
+            continue;
+        }
+        let kind = OpKind::of(op) as usize;
+        let odd = chunk_of(op, &chunk) % 2 == 1;
+        let c0 = ((s * scale).floor().max(0.0) as usize).min(used - 1);
+        let c1 = ((e * scale).ceil().max(0.0) as usize).min(used);
+        for c in c0..c1 {
+            let (a, b) = (c as f64 * u, (c + 1) as f64 * u);
+            let o = e.min(b) - s.max(a);
+            if o <= 0.0 {
+                continue;
+            }
+            busy[c] += o;
+            by_kind[c][kind] += o;
+            if odd {
+                odd_by_kind[c][kind] += o;
+            }
+            sole[c] = match sole[c] {
+                None => Some(i),
+                Some(j) if j == i => Some(i),
+                Some(_) => Some(usize::MAX),
+            };
+        }
+    }
+    (0..used)
+        .map(|c| {
+            if busy[c] * 2.0 < u {
+                return Cell::Idle;
+            }
+            if let Some(i) = sole[c].filter(|&i| i != usize::MAX) {
+                return Cell::Op(i);
+            }
+            let mut d = 0;
+            for k in 1..5 {
+                if by_kind[c][k] > by_kind[c][d] {
+                    d = k;
+                }
+            }
+            if by_kind[c][d] >= DOMINANT_SHARE * busy[c] {
+                Cell::Kind {
+                    kind: OpKind::ALL[d],
+                    odd: odd_by_kind[c][d] * 2.0 > by_kind[c][d],
+                }
+            } else {
+                Cell::Mixed
+            }
+        })
+        .collect()
 }
 
 const RESET: &str = "\x1b[0m";
@@ -76,19 +216,8 @@ pub fn origin(timeline: &Timeline) -> f64 {
 /// The timeline rows, the time axis and the legend.
 pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> String {
     let world = program.ranks.len();
-    let label_w = format!("rank {}", world.saturating_sub(1)).len();
-    let cols = opts.width.saturating_sub(label_w + 3).max(10);
-    let t0 = origin(timeline);
-    let makespan = (timeline.makespan() - t0).max(0.0);
-    // Whole columns per time unit when the schedule fits, so equal ops get equal widths.
-    let scale = if makespan <= 0.0 {
-        0.0
-    } else if makespan <= cols as f64 {
-        (cols as f64 / makespan).floor()
-    } else {
-        cols as f64 / makespan
-    };
-    let used = ((makespan * scale).round() as usize).min(cols);
+    let label_w = label_width(program);
+    let (from, to, scale, used) = geometry(program, timeline, opts);
     let chunk = chunks(program);
     if used == 0 {
         return format!(
@@ -96,36 +225,27 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
             unit_word(timeline.unit)
         );
     }
+    let ranks: Vec<usize> = match &opts.ranks {
+        Some(r) => r.iter().copied().filter(|&r| r < world).collect(),
+        None => (0..world).collect(),
+    };
     let mut kinds_seen = [false; 5];
     let mut odd_chunk_seen = false;
+    let mut summarised = false;
     let mut out = String::new();
-    for (r, instrs) in program.ranks.iter().enumerate() {
-        let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
-        // Which op (index into instrs) covers each column.
-        let mut cells: Vec<Option<usize>> = vec![None; used];
-        for (i, (ins, span)) in instrs.iter().zip(spans).enumerate() {
-            let Instr::Compute(_) = ins else { continue };
-            if !(span.start.is_finite() && span.end.is_finite()) {
-                continue;
-            }
-            let c0 = (((span.start - t0) * scale).round().max(0.0) as usize).min(used);
-            let c1 = (((span.end - t0) * scale).round().max(0.0) as usize).min(used);
-            if c1 > c0 {
-                cells[c0..c1].iter_mut().for_each(|c| *c = Some(i));
-            } else if c0 < used && cells[c0].is_none() {
-                cells[c0] = Some(i);
-            }
-        }
+    for &r in &ranks {
+        let instrs = &program.ranks[r];
+        let cells = cells(program, timeline, r, from, scale, used);
         let _ = write!(out, "{:>label_w$} │", format!("rank {r}"));
         let mut c = 0;
         while c < used {
             let mut e = c + 1;
-            while e < used && cells[e] == cells[c] {
+            while e < used && cells[e] == cells[c] && matches!(cells[c], Cell::Op(_) | Cell::Idle) {
                 e += 1;
             }
             let n = e - c;
-            match cells[c].and_then(|i| instrs[i].as_compute()) {
-                None => {
+            match cells[c] {
+                Cell::Idle => {
                     if opts.color {
                         out.push_str(DIM);
                     }
@@ -134,7 +254,29 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
                         out.push_str(RESET);
                     }
                 }
-                Some(op) => {
+                Cell::Mixed => {
+                    summarised = true;
+                    out.push('+');
+                }
+                Cell::Kind { kind, odd } => {
+                    summarised = true;
+                    kinds_seen[kind as usize] = true;
+                    odd_chunk_seen |= odd;
+                    let letter = if odd {
+                        kind.letter().to_ascii_lowercase()
+                    } else {
+                        kind.letter()
+                    };
+                    if opts.color {
+                        out.push_str(&sgr(kind, odd));
+                        out.push(letter);
+                        out.push_str(RESET);
+                    } else {
+                        out.push(letter);
+                    }
+                }
+                Cell::Op(i) => {
+                    let op = instrs[i].as_compute().expect("cells hold compute ops");
                     let kind = OpKind::of(op);
                     kinds_seen[kind as usize] = true;
                     let odd = chunk_of(op, &chunk) % 2 == 1;
@@ -181,12 +323,13 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let mut labels: Vec<char> = vec![' '; used + 8];
     let mut k = 0u64;
     let mut next_free = 0;
+    let first = (from / step).ceil() as u64;
     loop {
-        let t = k as f64 * step;
-        if t > makespan + 1e-9 {
+        let t = (first + k) as f64 * step;
+        if t > to + 1e-9 {
             break;
         }
-        let col = (t * scale).round() as usize;
+        let col = ((t - from) * scale).round() as usize;
         if col < used {
             border[col] = '┬';
         }
@@ -242,6 +385,13 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         });
     }
     let _ = writeln!(out, "{pad} {notes}");
+    if summarised {
+        // Its own line, so the legend fits an 80-column terminal.
+        let _ = writeln!(
+            out,
+            "{pad} a lone letter: that kind does 3/4 of the column's work; + mixed"
+        );
+    }
     out
 }
 
@@ -257,6 +407,7 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
         summary.mean_bubble() * 100.0,
         summary.peak_activations()
     );
+    let _ = writeln!(out, "bubble = {}", crate::simulate::BUBBLE);
     let rows: Vec<[String; 5]> = summary
         .ranks
         .iter()
@@ -333,7 +484,7 @@ mod tests {
         };
         let opts = TextOptions {
             width: 40,
-            color: false,
+            ..TextOptions::default()
         };
         let a = render(
             &p,
