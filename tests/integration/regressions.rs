@@ -106,13 +106,15 @@ fn broken_pipe_panicked_pipec_show_and_pipec_run() {
     let mut run = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
     run.arg(&dir);
     for mut cmd in [show, run] {
-        let mut child = cmd
-            .stdout(Stdio::piped())
+        // The reader is gone before the process starts, so the first write fails whatever the
+        // timing (dropping it after spawn raced with a small output fitting the pipe buffer).
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let child = cmd
+            .stdout(writer)
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        // The reader goes away before the first line is written.
-        drop(child.stdout.take());
         let out = child.wait_with_output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!stderr.contains("panicked"), "{cmd:?}: {stderr}");
