@@ -720,4 +720,6 @@ fn compile_counts_in_words() {
             .arg(tmp.path().join("one")),
     );
     assert!(out.contains(": 1 rank, 1 stage, "), "{out}");
+    // The verifier's verdict too.
+    assert!(out.contains("verified: 1 rank, 2 instructions, "), "{out}");
 }

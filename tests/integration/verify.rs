@@ -976,7 +976,7 @@ fn cli_check_torch_csv() {
         .args(["--pp", "1"])
         .assert()
         .success()
-        .stdout(predicates::str::contains("verified: 1 ranks"));
+        .stdout(predicates::str::contains("verified: 1 rank, "));
     // torch 2.15's Schedule1F1B plan for pp=2, M=2 with the last rank's known defect: its
     // forward of microbatch 0 is missing and microbatch 2 does not exist.
     let bad = tmp.path().join("bad.csv");
