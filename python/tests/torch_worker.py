@@ -48,6 +48,38 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
+    """The torchtitan recipe: torchtitan places the stages (by the class named in
+    ``pipeline_parallel_schedule``) and loads pipec's compute-only CSV itself."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import pipeline_parallel as tt
+
+    s_count, m = sched.num_stages, sched.num_microbatches
+    placed = list(
+        tt._get_pp_rank_to_stage_indices_mapping(rank, sched.pp, cfg["torchtitan"], s_count)
+    )
+    if sorted(placed) != pt.stage_indices(sched, rank):
+        raise AssertionError(
+            f"torchtitan places stages {placed}, pipec {pt.stage_indices(sched, rank)}"
+        )
+    stages = [
+        PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in placed
+    ]
+    parallelism = ParallelismConfig(
+        pipeline_parallel_degree=sched.pp,
+        pipeline_parallel_schedule=cfg["torchtitan"],
+        pipeline_parallel_schedule_csv=cfg["csv"],
+        pipeline_parallel_microbatch_size=ROWS,
+    )
+    runtime = tt._build_pipeline_schedule(
+        parallelism=parallelism,
+        local_batch_size=m * ROWS,
+        stages=stages,
+        loss_fn=lambda out, target: (loss_fn(out, target), None),
+    )
+    return stages, runtime
+
+
 def run(cfg: dict, rank: int, group) -> dict:
     if "dir" in cfg:
         sched = pipec.load(cfg["dir"])
@@ -57,8 +89,15 @@ def run(cfg: dict, rank: int, group) -> dict:
     layers = make_layers(s_count)
     ref = torch.nn.Sequential(*copy.deepcopy(layers))
     mine = pt.stage_indices(sched, rank)
-    stages = [PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine]
-    runtime = pt.build_schedule(sched, stages, loss_fn)
+    if "torchtitan" in cfg:
+        stages, runtime = torchtitan_schedule(cfg, sched, layers, rank, group)
+    else:
+        stages = [
+            PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine
+        ]
+        runtime = pt.build_schedule(sched, stages, loss_fn)
+    # torchtitan builds its schedule with scale_grads=False: gradients are sums over microbatches.
+    scale = m if "torchtitan" not in cfg else 1
     opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     loss_err = grad_err = 0.0
@@ -79,7 +118,7 @@ def run(cfg: dict, rank: int, group) -> dict:
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
             loss = loss_fn(ref(xm), ym)
             ref_losses.append(loss.detach())
-            (loss / m).backward()
+            (loss / scale).backward()
         if s_count - 1 in mine:
             if len(losses) != m:
                 raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
