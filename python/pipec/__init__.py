@@ -101,7 +101,8 @@ class Schedule:
 
     @property
     def placement(self) -> str:
-        """``"looped"``, ``"vshape"``, ``"bidirectional"`` or ``"custom"``."""
+        """``"looped"``, ``"v"``, ``"custom"``, or ``"bidirectional"`` (DualPipe: then
+        :attr:`stage_to_rank` is the first direction's table)."""
         return self._n.placement
 
     @property

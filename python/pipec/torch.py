@@ -98,7 +98,8 @@ class PipecScheduleRuntime(_ts._PipelineScheduleRuntime):
     pipec_schedule: Schedule
 
     def step(self, *args, **kwargs):
-        if self.pipec_schedule.forward_only:
+        # eval() comes through here with backward off; a direct step() would run backwards.
+        if self.pipec_schedule.forward_only and self._has_backward:
             raise PipecError(
                 "this pipec schedule is forward-only (compiled with forward_only=True): "
                 "call .eval(...), or compile a training schedule for .step(...)"

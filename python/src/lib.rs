@@ -24,37 +24,37 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 
 create_exception!(
-    _native,
+    pipec,
     PipecError,
     PyValueError,
     "Base of every pipec error."
 );
 create_exception!(
-    _native,
+    pipec,
     LayoutError,
     PipecError,
     "The layout string is invalid; the message echoes it with a caret."
 );
 create_exception!(
-    _native,
+    pipec,
     SpecError,
     PipecError,
     "The schedule parameters are invalid."
 );
 create_exception!(
-    _native,
+    pipec,
     InvalidSchedule,
     PipecError,
     "The schedule does not verify; `.violations` lists every violation in words."
 );
 create_exception!(
-    _native,
+    pipec,
     FileError,
     PipecError,
     "A compiled directory was refused; the message names the file and the reason."
 );
 create_exception!(
-    _native,
+    pipec,
     TorchExportError,
     PipecError,
     "The schedule cannot be expressed with torch's pipeline actions."

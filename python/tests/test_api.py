@@ -283,3 +283,24 @@ def test_torch_actions_are_torch_actions():
     csv = pipec.compile("interleaved-1f1b", 2, 4, vpp=2, combined=True).to_torch_csv()
     for r, line in enumerate(csv.splitlines()):
         assert [ts._Action.from_str(c) for c in line.split(",")] == acts[r]
+
+
+def test_eval_and_step_refusals():
+    pt = pytest.importorskip("pipec.torch")
+    train = pt.build_schedule(
+        pipec.compile("1f1b", 2, 4), fake_stages([0], 2, group_size=2), lambda a, b: a.sum()
+    )
+    with pytest.raises(pipec.PipecError, match="forward_only=True"):
+        train.eval()
+    infer = pt.build_schedule(
+        pipec.compile("1f1b", 2, 4, forward_only=True),
+        fake_stages([0], 2, group_size=2),
+        lambda a, b: a.sum(),
+    )
+    with pytest.raises(pipec.PipecError, match="forward-only"):
+        infer.step()
+
+
+def test_exception_names():
+    assert pipec.PipecError.__module__ == "pipec"
+    assert pipec.InvalidSchedule.__name__ == "InvalidSchedule"

@@ -60,6 +60,13 @@ CASES = [(f"{n}-{size}", kw, *SIZES[size]) for n, kw in KINDS for size in SIZES]
 ]
 
 
+EVAL_CASES = [
+    ("eval-1f1b", {"schedule": "1f1b"}, 4, 8),
+    ("eval-interleaved-1f1b", {"schedule": "interleaved-1f1b", "vpp": 2}, 2, 4),
+    ("eval-zb-v", {"schedule": "zb-v"}, 2, 4),
+]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
@@ -71,6 +78,17 @@ def trained(tmp_path_factory):
     saved = out / "zb-v-bin"
     pipec.compile("zb-v", 2, 4).save(saved, format="bin")
     configs.append({"name": "zb-v-from-dir", "pp": 2, "tol": TOL, "dir": str(saved)})
+    # Forward-only schedules through .eval (outputs compared instead of gradients).
+    for name, kw, pp, m in EVAL_CASES:
+        configs.append(
+            {
+                "name": name,
+                "pp": pp,
+                "tol": TOL,
+                "eval": True,
+                "compile": dict(kw, pp=pp, microbatches=m, forward_only=True),
+            }
+        )
     return launch.train_all(configs, WORLD, out, LAUNCH_TIMEOUT)
 
 
@@ -97,6 +115,11 @@ def test_trains_like_the_unpipelined_model(trained, name, kw, pp, m):
 
 def test_build_schedule_from_a_saved_directory(trained):
     check(trained, "zb-v-from-dir", 2)
+
+
+@pytest.mark.parametrize("name,pp", [(c[0], c[2]) for c in EVAL_CASES])
+def test_forward_only_schedules_evaluate_like_the_unpipelined_model(trained, name, pp):
+    check(trained, name, pp)
 
 
 def test_all_ranks_exited_cleanly(trained):

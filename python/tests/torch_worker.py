@@ -80,7 +80,37 @@ def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
     return stages, runtime
 
 
+def run_eval(cfg: dict, rank: int, group) -> dict:
+    """A forward-only pipec schedule through ``.eval``: the last stage's merged output equals
+    the unpipelined model's."""
+    sched = pipec.compile(**cfg["compile"])
+    s_count, m = sched.num_stages, sched.num_microbatches
+    layers = make_layers(s_count)
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    mine = pt.stage_indices(sched, rank)
+    stages = [PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine]
+    runtime = pt.build_schedule(sched, stages, None)
+    x = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        out = runtime.eval(*((x,) if 0 in mine else ()))
+        want = ref(x)
+    err = 0.0
+    if s_count - 1 in mine:
+        err = rel_err(out, want)
+        if not err <= cfg["tol"]:
+            raise AssertionError(f"eval output differs (relative {err:.3g})")
+    return {
+        "stages": mine,
+        "losses_compared": int(s_count - 1 in mine),
+        "grads_compared": 0,
+        "max_loss_rel_err": err,
+        "max_grad_rel_err": 0.0,
+    }
+
+
 def run(cfg: dict, rank: int, group) -> dict:
+    if cfg.get("eval"):
+        return run_eval(cfg, rank, group)
     if "dir" in cfg:
         sched = pipec.load(cfg["dir"])
     else:
