@@ -38,3 +38,54 @@ if [ -x "$ruff" ]; then
 fi
 # The fuzz targets (outside the workspace, run with `cargo +nightly fuzz`) still compile.
 cargo check --manifest-path fuzz/Cargo.toml --bins --locked
+# Python: the pipec package (python/, pyo3 + maturin) and its tests: the API and its errors,
+# training on torch's own pipeline runtime (multi-process, gloo on loopback, bounded in time),
+# the README's script and the torchtitan recipe. The virtual environment is created once under
+# target/ with torch from PyPI (the full wheel, a few minutes the first time); a warm run only
+# rebuilds the extension (incrementally) and runs pytest.
+py_venv=target/py312-venv
+py_deps=(torch==2.15.0 numpy==2.5.5 maturin==1.16.0 pytest==9.2.0 pytest-timeout==2.4.0)
+py_stamp="$py_venv/.pipec-deps-$(echo "${py_deps[*]}" | cksum | cut -d' ' -f1)"
+pypi_unreachable() {
+  ! python3 -c 'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=20)' 2>/dev/null
+}
+py_ready=0
+if [ -f "$py_stamp" ]; then
+  py_ready=1
+else
+  # CPython 3.12 (pyenv's when installed; a pyenv shim of another version fails the probe), or
+  # any python3 >= 3.10.
+  py=
+  for c in "${PIPEC_PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3 python3; do
+    if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null; then
+      py=$c && break
+    fi
+  done
+  [ -n "$py" ] || { echo "test.sh: no Python >= 3.10 found for the Python tests" >&2; exit 1; }
+  rm -rf "$py_venv"
+  if "$py" -m venv "$py_venv" && "$py_venv/bin/pip" install --quiet "${py_deps[@]}"; then
+    touch "$py_stamp" && py_ready=1
+  elif pypi_unreachable; then
+    rm -rf "$py_venv"
+    echo "test.sh: PyPI is not reachable; the Python package tests (python/tests) are SKIPPED" >&2
+  else
+    echo "test.sh: installing the Python test environment failed" >&2 && exit 1
+  fi
+fi
+if [ "$py_ready" = 1 ]; then
+  # torchtitan's schedule builder for the torchtitan recipe test, without its data and logging
+  # dependencies (the builder needs none of them); the tests skip it when absent.
+  tt_dir=target/py312-torchtitan
+  tt_deps=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0)
+  if [ ! -f "$tt_dir/.complete" ]; then
+    rm -rf "$tt_dir"
+    if "$py_venv/bin/pip" install --quiet --no-deps --target "$tt_dir" "${tt_deps[@]}"; then
+      touch "$tt_dir/.complete"
+    else
+      rm -rf "$tt_dir"
+      echo "test.sh: torchtitan not available from PyPI; its recipe test will say 'skipped'" >&2
+    fi
+  fi
+  "$py_venv/bin/pip" install --quiet --no-deps --force-reinstall --no-build-isolation ./python
+  PIPEC_TORCHTITAN_PATH="$PWD/$tt_dir" "$py_venv/bin/pytest" -q python/tests -p no:cacheprovider
+fi

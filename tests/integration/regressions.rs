@@ -110,11 +110,7 @@ fn broken_pipe_panicked_pipec_show_and_pipec_run() {
         // timing (dropping it after spawn raced with a small output fitting the pipe buffer).
         let (reader, writer) = std::io::pipe().unwrap();
         drop(reader);
-        let child = cmd
-            .stdout(writer)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = cmd.stdout(writer).stderr(Stdio::piped()).spawn().unwrap();
         let out = child.wait_with_output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!stderr.contains("panicked"), "{cmd:?}: {stderr}");

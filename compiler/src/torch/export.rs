@@ -140,25 +140,9 @@ fn p2p_action(
 /// Use from `pipec export --format torch-csv` (with the form the user picks, compute+comms by
 /// default being the one torch's runtime executes as written).
 pub fn export_csv(program: &Program, form: CsvForm) -> Result<String, ExportError> {
-    if program.placement.kind == pipec_schedules::PlacementKind::Bidirectional {
-        return Err(ExportError::Bidirectional {
-            kind: program.placement.kind,
-        });
-    }
+    let lines = export_cells(program, form)?;
     let mut out = String::with_capacity(program.len() * 8 + 16);
-    let orders = match form {
-        CsvForm::ComputeOnly => Vec::new(),
-        CsvForm::ComputeComms => emission_orders(program),
-    };
-    for (r, instrs) in program.ranks.iter().enumerate() {
-        let cells = match form {
-            CsvForm::ComputeOnly => instrs
-                .iter()
-                .filter_map(Instr::as_compute)
-                .map(compute_cell)
-                .collect(),
-            CsvForm::ComputeComms => comms_line(program, Rank(r as u32), instrs, &orders[r])?,
-        };
+    for cells in &lines {
         for (i, c) in cells.iter().enumerate() {
             if i > 0 {
                 out.push(',');
@@ -168,6 +152,32 @@ pub fn export_csv(program: &Program, form: CsvForm) -> Result<String, ExportErro
         out.push_str(LINE_END);
     }
     Ok(out)
+}
+
+/// The cells [`export_csv`] writes, one list per rank, as structured actions: what the Python
+/// adapter (`pipec.torch.build_schedule`) turns into torch `_Action`s without a CSV round trip.
+pub fn export_cells(program: &Program, form: CsvForm) -> Result<Vec<Vec<Cell>>, ExportError> {
+    if program.placement.kind == pipec_schedules::PlacementKind::Bidirectional {
+        return Err(ExportError::Bidirectional {
+            kind: program.placement.kind,
+        });
+    }
+    let orders = match form {
+        CsvForm::ComputeOnly => Vec::new(),
+        CsvForm::ComputeComms => emission_orders(program),
+    };
+    let mut lines = Vec::with_capacity(program.ranks.len());
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        lines.push(match form {
+            CsvForm::ComputeOnly => instrs
+                .iter()
+                .filter_map(Instr::as_compute)
+                .map(compute_cell)
+                .collect(),
+            CsvForm::ComputeComms => comms_line(program, Rank(r as u32), instrs, &orders[r])?,
+        });
+    }
+    Ok(lines)
 }
 
 /// The stages whose gradients are final after instruction `i` (the stage's last

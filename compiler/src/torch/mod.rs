@@ -20,7 +20,7 @@ pub mod import;
 pub mod order;
 
 pub use action::{Action, ActionType, Cell, CsvErrorKind};
-pub use export::{export_csv, ExportError};
+pub use export::{export_cells, export_csv, ExportError};
 pub use import::{
     import_csv, import_csv_bytes, CsvError, ImportOptions, Imported, PlacementChoice,
     PlacementSource,

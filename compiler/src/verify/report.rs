@@ -603,9 +603,7 @@ impl Report {
     /// One line: `verified: 4 ranks, 352 instructions, deadlock-free; peak activations per
     /// rank: 10 8 6 4`, or the count of violations per class.
     pub fn verdict_line(&self) -> String {
-        let plural = |n: u64, word: &str| {
-            format!("{n} {word}{}", if n == 1 { "" } else { "s" })
-        };
+        let plural = |n: u64, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
         let size = format!(
             "{}, {}",
             plural(self.stats.ranks as u64, "rank"),

@@ -1,0 +1,220 @@
+"""pipec: the pipeline-parallel schedule compiler, from Python.
+
+The same Rust core as the ``pipec`` CLI and ``pipec-run``: :func:`compile` generates, lowers and
+verifies a schedule; :func:`load` reads a compiled directory with every check ``pipec-run``
+makes. Nothing is compiled, loaded or verified in Python. torch is needed only by
+:mod:`pipec.torch`; ``import pipec`` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from . import _native
+from ._native import (
+    FileError,
+    InvalidSchedule,
+    LayoutError,
+    PipecError,
+    SpecError,
+    TorchExportError,
+)
+
+__version__ = _native.__version__
+
+__all__ = [
+    "FileError",
+    "InvalidSchedule",
+    "LayoutError",
+    "PipecError",
+    "Report",
+    "Schedule",
+    "SpecError",
+    "TorchExportError",
+    "compile",
+    "kinds",
+    "load",
+]
+
+_MEGATRON_P2P = ("batched", "unbatched", "overlap", "overlap-flush")
+
+
+@dataclass(frozen=True)
+class Report:
+    """The verifier's verdict (``Schedule.check``)."""
+
+    valid: bool
+    #: Every violation in words, each prefixed with its class (``[deadlock] ...``).
+    violations: list[str] = field(default_factory=list)
+    #: Peak live activations (microbatch x stage units), one entry per rank.
+    peak_activations: list[int] = field(default_factory=list)
+    #: Valid-but-fragile findings (NCCL risks); not violations.
+    risks: list[str] = field(default_factory=list)
+    #: The one-line verdict the CLI prints.
+    verdict: str = ""
+
+    def __bool__(self) -> bool:
+        return self.valid
+
+
+class Schedule:
+    """A verified, compiled schedule: per-rank instruction streams with their placement.
+
+    Made by :func:`compile` or :func:`load`; never constructed directly.
+    """
+
+    __slots__ = ("_n",)
+
+    def __init__(self, native: _native.NativeSchedule):
+        if not isinstance(native, _native.NativeSchedule):
+            raise TypeError("use pipec.compile(...) or pipec.load(path) to make a Schedule")
+        self._n = native
+
+    # --- shape ---
+    @property
+    def pp(self) -> int:
+        """Number of pipeline ranks (the world size the schedule is compiled for)."""
+        return self._n.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self._n.num_stages
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._n.num_microbatches
+
+    @property
+    def vpp(self) -> int | None:
+        return self._n.vpp
+
+    @property
+    def kind(self) -> str:
+        """The schedule kind (``"1f1b"``, ``"zb-v"``, ...), or ``"torch-csv"`` for an import."""
+        return self._n.kind
+
+    @property
+    def forward_only(self) -> bool:
+        return self._n.forward_only
+
+    @property
+    def placement(self) -> str:
+        """``"looped"``, ``"v"``, ``"custom"``, or ``"bidirectional"`` (DualPipe: then
+        :attr:`stage_to_rank` is the first direction's table)."""
+        return self._n.placement
+
+    @property
+    def stage_to_rank(self) -> list[int]:
+        """The rank of each stage, indexed by stage."""
+        return list(self._n.stage_to_rank)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages placed on ``rank``, in stage order."""
+        self._check_rank(rank)
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def __repr__(self) -> str:
+        return f"<pipec.Schedule {self._n.title_line}: {self.pp} ranks, {self.num_stages} stages>"
+
+    def _check_rank(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.pp:
+            raise ValueError(f"rank {rank!r} is out of range for a schedule of {self.pp} ranks")
+
+    # --- files ---
+    def save(self, path: str | os.PathLike, format: str = "json") -> None:
+        """Write the compiled directory (``format`` ``"json"`` or ``"bin"``), atomically."""
+        self._n.save(os.fspath(path), format)
+
+    def instructions(self, rank: int) -> list[dict]:
+        """The instruction records of ``rank``'s file (``rank-<r>.json``), in order."""
+        self._check_rank(rank)
+        files = dict(self._n.render("json"))
+        return json.loads(files[f"rank-{rank}.json"])["instructions"]
+
+    # --- analysis ---
+    def check(self, memory_limit: int | None = None) -> Report:
+        """Verify again (optionally against a per-rank activation limit)."""
+        d = json.loads(self._n.check(memory_limit))
+        return Report(
+            valid=d["valid"],
+            violations=d["violations"],
+            peak_activations=d["peak_activations"],
+            risks=d["risks"],
+            verdict=d["verdict"],
+        )
+
+    def simulate(self, cost: str | None = None) -> dict:
+        """What ``pipec simulate --json`` prints, under the cost model ``cost``
+        (e.g. ``"f=1,b=1,w=1,p2p=0.05"``; defaults as the CLI's)."""
+        return json.loads(self._n.simulate(cost))
+
+    # --- torch ---
+    def to_torch_csv(self, compute_only: bool = False) -> str:
+        """torch.distributed.pipelining's schedule CSV: compute+comms (run as written by
+        ``_PipelineScheduleRuntime``), or compute-only (torch adds the communication)."""
+        return self._n.to_torch_csv(compute_only)
+
+    def torch_actions(self, compute_only: bool = False) -> list[list]:
+        """The same actions as :meth:`to_torch_csv`, structured, one list per rank:
+        ``[stage, "TYPE", mb or None]``, or ``["OVERLAP_F_B", fwd, bwd]``."""
+        return json.loads(self._n.torch_actions(compute_only))
+
+
+def compile(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    vpp: int | None = None,
+    layout: str | None = None,
+    group_size: int | None = None,
+    forward_only: bool = False,
+    combined: bool = False,
+    memory_limit: int | None = None,
+    megatron_p2p: str | None = None,
+) -> Schedule:
+    """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
+
+    Raises :class:`LayoutError` (the message echoes the layout with a caret),
+    :class:`SpecError`, or :class:`InvalidSchedule` (``.violations``), all
+    :class:`PipecError` (a ``ValueError``).
+    """
+    if megatron_p2p is not None and megatron_p2p not in _MEGATRON_P2P:
+        raise SpecError(
+            f"megatron_p2p must be one of {', '.join(_MEGATRON_P2P)}, not {megatron_p2p!r}"
+        )
+    for name, v in (("pp", pp), ("microbatches", microbatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise SpecError(f"{name} must be a non-negative integer, not {v!r}")
+    for name, v in (("vpp", vpp), ("group_size", group_size), ("memory_limit", memory_limit)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise SpecError(f"{name} must be a non-negative integer or None, not {v!r}")
+    return Schedule(
+        _native.compile_schedule(
+            schedule,
+            pp,
+            microbatches,
+            vpp=vpp,
+            layout=layout,
+            group_size=group_size,
+            forward_only=forward_only,
+            combined=combined,
+            memory_limit=memory_limit,
+            megatron_p2p=megatron_p2p,
+        )
+    )
+
+
+def load(path: str | os.PathLike, world_size: int | None = None) -> Schedule:
+    """Load a compiled directory (JSON or binary rank files) with every check ``pipec-run``
+    makes: format versions, file hashes, one schedule hash, structure, full verification, and
+    ``world_size`` when given. A damaged or tampered directory raises :class:`FileError`
+    naming the file and the reason; one that loads but does not verify, :class:`InvalidSchedule`.
+    """
+    return Schedule(_native.load_dir(os.fspath(path), world_size))
+
+
+def kinds() -> list[str]:
+    """The schedule kinds pipec generates."""
+    return list(_native.kinds())

@@ -1,0 +1,196 @@
+"""Run pipec's verified schedules on torch.distributed.pipelining's own runtime.
+
+:func:`build_schedule` turns the verified instruction stream of this rank (compute and
+communication, in the order pipec proved deadlock-free) into torch ``_Action`` objects and hands
+them, as written, to torch's ``_PipelineScheduleRuntime``: the actions come from the Rust
+exporter as structured data, with no CSV in between. torch is imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import schedules as _ts
+
+from . import PipecError, Schedule, TorchExportError, load
+
+__all__ = ["PipecScheduleRuntime", "actions", "build_schedule", "stage_indices"]
+
+
+def _as_schedule(schedule: Schedule | str | os.PathLike) -> Schedule:
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, (str, os.PathLike)):
+        return load(schedule)
+    raise TypeError(
+        f"expected a pipec.Schedule or the path of a compiled directory, got {type(schedule)}"
+    )
+
+
+def _refuse_bidirectional(s: Schedule) -> None:
+    if s.placement == "bidirectional":
+        raise TorchExportError(
+            f"{s.kind} places each stage on two ranks (one per direction); torch's pipeline "
+            "runtime gives every stage exactly one rank and cannot run it (use dualpipe-v, "
+            "its V-shaped form)"
+        )
+
+
+def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int]:
+    """The stages ``rank`` must build (as ``PipelineStage``s), in the order
+    :func:`build_schedule` expects them: ascending stage index, for every placement pipec
+    generates (looped ``s % pp``, V-shaped, custom)."""
+    s = _as_schedule(schedule)
+    _refuse_bidirectional(s)
+    return s.stages_of(rank)
+
+
+def _action(cell: Any) -> _ts._Action | None:
+    if cell is None:
+        return None
+    if cell[0] == "OVERLAP_F_B":
+        fwd, bwd = (_action(c) for c in cell[1:])
+        return _ts._Action(-1, _ts._ComputationType.OVERLAP_F_B, None, (fwd, bwd))
+    stage, ty, mb = cell
+    return _ts._Action(stage, _ts._ComputationType(ty), mb)
+
+
+def actions(
+    schedule: Schedule | str | os.PathLike, compute_only: bool = False
+) -> dict[int, list[_ts._Action]]:
+    """Every rank's actions as torch ``_Action`` objects (compute+comms unless
+    ``compute_only``), built from pipec's exporter without a CSV round trip."""
+    s = _as_schedule(schedule)
+    _refuse_bidirectional(s)
+    return {r: [_action(c) for c in line] for r, line in enumerate(s.torch_actions(compute_only))}
+
+
+def _check_loss_order(s: Schedule, comms: dict[int, list[_ts._Action]]) -> None:
+    """torch keeps the last stage's losses in a list and takes microbatch m's loss at index m,
+    so the last stage must run its forwards in microbatch order."""
+    last = s.num_stages - 1
+    order = [
+        a.microbatch_index
+        for line in comms.values()
+        for c in line
+        for a in (c.sub_actions or (c,))
+        if a.stage_index == last and a.computation_type == _ts._ComputationType.FORWARD
+    ]
+    if order != sorted(order):
+        raise PipecError(
+            f"{s.kind} runs the last stage's forwards in the order {order}; torch's runtime "
+            "takes microbatch m's loss from position m of its loss list, so it would "
+            "backpropagate the wrong losses. Refusing to run it"
+        )
+
+
+class PipecScheduleRuntime(_ts._PipelineScheduleRuntime):
+    """torch's ``_PipelineScheduleRuntime`` executing a pipec schedule's actions as written.
+
+    ``step`` and ``eval`` are torch's. ``eval`` needs a forward-only pipec schedule: the
+    actions of a training schedule contain backwards, which torch cannot skip without changing
+    the send/receive order pipec verified, so that is refused rather than silently changed.
+    """
+
+    pipec_schedule: Schedule
+
+    def step(self, *args, **kwargs):
+        # eval() comes through here with backward off; a direct step() would run backwards.
+        if self.pipec_schedule.forward_only and self._has_backward:
+            raise PipecError(
+                "this pipec schedule is forward-only (compiled with forward_only=True): "
+                "call .eval(...), or compile a training schedule for .step(...)"
+            )
+        return super().step(*args, **kwargs)
+
+    def eval(self, *args, **kwargs):
+        if not self.pipec_schedule.forward_only:
+            raise PipecError(
+                f"{self.pipec_schedule.kind} is a training schedule: its verified actions "
+                "include backwards and the sends/receives that go with them, which torch's "
+                "eval() would have to drop. Build a second schedule from "
+                "pipec.compile(..., forward_only=True) for evaluation"
+            )
+        return _ts._PipelineSchedule.eval(self, *args, **kwargs)
+
+
+def build_schedule(
+    schedule: Schedule | str | os.PathLike,
+    stages: Sequence[Any],
+    loss_fn: Callable[..., torch.Tensor] | None,
+    n_microbatches: int | None = None,
+    scale_grads: bool = True,
+) -> PipecScheduleRuntime:
+    """A torch pipeline schedule that runs ``schedule`` (a :class:`pipec.Schedule` or the path
+    of a compiled directory, loaded with every ``pipec-run`` check) on this rank.
+
+    ``stages`` are this rank's ``torch.distributed.pipelining.PipelineStage``s in the order of
+    :func:`stage_indices`. The result has torch's schedule interface (``.step(*args,
+    target=..., losses=...)``, ``.eval(...)`` for forward-only schedules) and executes pipec's
+    instruction stream for this rank on torch's ``_PipelineScheduleRuntime``: every compute,
+    send, receive and wait action in pipec's order; overlapped forward/backward pairs as
+    ``OVERLAP_F_B``. Whatever torch cannot run as pipec verified it is refused with
+    :class:`pipec.PipecError`, never changed.
+    """
+    s = _as_schedule(schedule)
+    _refuse_bidirectional(s)
+    stages = list(stages)
+    if not stages:
+        raise PipecError("build_schedule needs this rank's PipelineStages (got none)")
+    group_size, rank = stages[0].group_size, stages[0].group_rank
+    if group_size != s.pp:
+        raise PipecError(
+            f"world size mismatch: the schedule is compiled for pp={s.pp} ranks, but the "
+            f"pipeline group of these stages has {group_size} ranks"
+        )
+    for st in stages:
+        if st.num_stages != s.num_stages:
+            raise PipecError(
+                f"stage {st.stage_index} was built for a model of {st.num_stages} stages, "
+                f"but the schedule has {s.num_stages}"
+            )
+        if (st.group_size, st.group_rank) != (group_size, rank):
+            raise PipecError("all stages given to build_schedule must be on one rank and group")
+    want = stage_indices(s, rank)
+    got = [st.stage_index for st in stages]
+    if got != want:
+        raise PipecError(
+            f"rank {rank} must build stages {want} of {s.kind} "
+            f"(pipec.torch.stage_indices(schedule, {rank})), in that order; got {got}"
+        )
+    m = s.num_microbatches
+    if n_microbatches is not None and n_microbatches != m:
+        raise PipecError(
+            f"n_microbatches={n_microbatches}, but the schedule is compiled for {m} microbatches"
+        )
+    if loss_fn is None and not s.forward_only:
+        raise PipecError("a training schedule needs a loss_fn (torch runs backward from it)")
+    comms = actions(s)
+    _check_loss_order(s, comms)
+    runtime = PipecScheduleRuntime(
+        stages,
+        n_microbatches=m,
+        loss_fn=loss_fn,
+        scale_grads=scale_grads,
+    )
+    runtime.pipec_schedule = s
+    runtime.pipeline_order = actions(s, compute_only=True)
+    mapping = dict(enumerate(s.stage_to_rank))
+    if s.forward_only:
+        # torch's validation counts backwards for training; a forward-only program is installed
+        # as written with pipec's placement.
+        runtime.stage_index_to_group_rank = mapping
+        for st in stages:
+            st.stage_index_to_group_rank = mapping
+        runtime.pipeline_order_with_comms = comms
+    else:
+        runtime._prepare_schedule_with_comms(comms, format="compute_comms")
+        if runtime.stage_index_to_group_rank != mapping:
+            raise PipecError(
+                f"torch placed the stages as {runtime.stage_index_to_group_rank}, pipec as "
+                f"{mapping}; refusing to run"
+            )
+    return runtime

@@ -1,0 +1,306 @@
+"""The Python API: compile, load, Schedule, and every documented error (no torch needed except
+where marked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pipec
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = REPO / "target" / "debug" / "pipec"
+
+
+def test_compile_and_inspect():
+    s = pipec.compile("1f1b", 4, 8)
+    assert (s.pp, s.num_stages, s.num_microbatches, s.kind) == (4, 4, 8, "1f1b")
+    assert s.stage_to_rank == [0, 1, 2, 3]
+    assert s.placement == "looped"
+    r = s.check()
+    assert r.valid and r.violations == [] and len(r.peak_activations) == 4
+    assert r.peak_activations == [4, 3, 2, 1]
+    assert "verified" in r.verdict
+    ins = s.instructions(0)
+    assert ins[0] == {"op": "fwd", "stage": 0, "mb": 0}
+    assert {i["op"] for i in ins} == {"fwd", "bwd", "send", "recv"}
+
+
+def test_placements():
+    v = pipec.compile("zb-v", 3, 6)
+    assert v.stage_to_rank == [0, 1, 2, 2, 1, 0]
+    assert v.stages_of(0) == [0, 5] and v.stages_of(2) == [2, 3]
+    loop = pipec.compile("interleaved-1f1b", 2, 4, vpp=2)
+    assert loop.stage_to_rank == [0, 1, 0, 1]
+    assert "interleaved-1f1b" in repr(loop)
+
+
+def test_layout_error_has_the_caret():
+    with pytest.raises(pipec.LayoutError) as e:
+        pipec.compile("1f1b", 2, 4, layout="Ett|tX|tL")
+    msg = str(e.value)
+    assert "^" in msg and "Ett|tX|tL" in msg, msg
+    assert isinstance(e.value, pipec.PipecError) and isinstance(e.value, ValueError)
+
+
+def test_layout_is_used():
+    s = pipec.compile("1f1b", 2, 4, layout="Ett|ttL")
+    assert s.num_stages == 2
+
+
+def test_spec_errors():
+    with pytest.raises(pipec.SpecError, match="unknown"):
+        pipec.compile("zigzag", 2, 4)
+    with pytest.raises(pipec.SpecError):
+        pipec.compile("1f1b", 0, 4)
+    with pytest.raises(pipec.SpecError, match="combined"):
+        pipec.compile("gpipe", 2, 4, combined=True)
+    with pytest.raises(pipec.SpecError, match="megatron_p2p"):
+        pipec.compile("1f1b", 2, 4, megatron_p2p="sideways")
+    for cls in (pipec.SpecError, pipec.LayoutError, pipec.InvalidSchedule, pipec.FileError):
+        assert issubclass(cls, pipec.PipecError) and issubclass(cls, ValueError)
+
+
+def test_megatron_p2p_modes():
+    for mode in ("batched", "unbatched", "overlap", "overlap-flush"):
+        s = pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p=mode)
+        assert s.check().valid
+    waits = [
+        i
+        for i in pipec.compile(
+            "interleaved-1f1b", 4, 8, vpp=2, megatron_p2p="overlap"
+        ).instructions(1)
+        if i["op"] == "wait"
+    ]
+    assert waits, "overlap mode leaves batches in flight and waits for them"
+
+
+def test_invalid_schedule_lists_violations():
+    with pytest.raises(pipec.InvalidSchedule) as e:
+        pipec.compile("gpipe", 2, 8, memory_limit=2)
+    assert e.value.violations, "violations in words"
+    assert all(isinstance(v, str) for v in e.value.violations)
+    assert any("memory" in v or "activation" in v for v in e.value.violations), e.value.violations
+    assert "gpipe" in str(e.value)
+    # check() reports the same without raising.
+    r = pipec.compile("gpipe", 2, 8).check(memory_limit=2)
+    assert not r.valid and r.violations
+
+
+@pytest.mark.parametrize("fmt", ["json", "bin"])
+def test_save_and_load(tmp_path, fmt):
+    s = pipec.compile("zb-v", 2, 4)
+    s.save(tmp_path / "s", format=fmt)
+    ext = "json" if fmt == "json" else "bin"
+    assert (tmp_path / "s" / "manifest.json").exists()
+    assert (tmp_path / "s" / f"rank-1.{ext}").exists()
+    t = pipec.load(tmp_path / "s")
+    assert (t.kind, t.pp, t.num_stages, t.stage_to_rank) == ("zb-v", 2, 4, s.stage_to_rank)
+    for r in range(2):
+        assert t.instructions(r) == s.instructions(r)
+    assert t.to_torch_csv() == s.to_torch_csv()
+    assert pipec.load(str(tmp_path / "s"), world_size=2).pp == 2
+
+
+def test_load_refuses_a_tampered_directory(tmp_path):
+    d = tmp_path / "s"
+    pipec.compile("1f1b", 2, 4).save(d)
+    f = d / "rank-1.json"
+    text = f.read_text()
+    assert '"mb":3' in text
+    f.write_text(text.replace('"mb":3', '"mb":2', 1))
+    with pytest.raises(pipec.FileError) as e:
+        pipec.load(d)
+    assert "rank-1.json" in str(e.value) and "hash" in str(e.value), str(e.value)
+
+
+def test_load_refuses_damaged_and_missing_files(tmp_path):
+    d = tmp_path / "s"
+    pipec.compile("1f1b", 2, 4).save(d)
+    (d / "manifest.json").write_text("{ not json")
+    with pytest.raises(pipec.FileError, match="manifest.json"):
+        pipec.load(d)
+    with pytest.raises(pipec.FileError, match="manifest.json"):
+        pipec.load(tmp_path / "nothing-here")
+    e = tmp_path / "e"
+    pipec.compile("1f1b", 2, 4).save(e)
+    os.remove(e / "rank-0.json")
+    with pytest.raises(pipec.FileError, match="rank-0.json"):
+        pipec.load(e)
+
+
+def test_load_refuses_a_world_size_that_does_not_match(tmp_path):
+    pipec.compile("1f1b", 2, 4).save(tmp_path / "s")
+    with pytest.raises(pipec.FileError) as e:
+        pipec.load(tmp_path / "s", world_size=4)
+    assert "world_size" in str(e.value) and "2 ranks" in str(e.value), str(e.value)
+
+
+def test_save_refuses_to_replace_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(pipec.FileError, match="notes.txt"):
+        pipec.compile("1f1b", 2, 4).save(tmp_path)
+
+
+def test_torch_csv_both_forms():
+    s = pipec.compile("1f1b", 2, 2)
+    assert s.to_torch_csv(compute_only=True) == "0F0,0F1,0B0,0B1\r\n1F0,1B0,1F1,1B1\r\n"
+    comms = s.to_torch_csv().splitlines()
+    assert len(comms) == 2 and "0SEND_F0" in comms[0] and "1RECV_F0" in comms[1]
+    acts = s.torch_actions()
+    assert acts[0][0] == [0, "UNSHARD", None]
+    assert [0, "F", 0] in acts[0]
+    combined = pipec.compile("1f1b", 2, 4, combined=True)
+    assert any(c[0] == "OVERLAP_F_B" for line in combined.torch_actions() for c in line)
+
+
+def test_dualpipe_is_refused_for_torch():
+    s = pipec.compile("dualpipe", 2, 4)
+    with pytest.raises(pipec.TorchExportError, match="bidirectional"):
+        s.to_torch_csv()
+
+
+def test_simulate_matches_the_cli(tmp_path):
+    s = pipec.compile("zb-1p", 4, 8)
+    sim = s.simulate()
+    assert sim["schedule"] == "zb-1p pp=4 vpp=1 microbatches=8"
+    assert sim["makespan"] > 0 and len(sim["ranks"]) == 4
+    assert s.simulate("f=1,b=2,w=1")["makespan"] > sim["makespan"]
+    with pytest.raises(pipec.SpecError):
+        s.simulate("f=banana")
+    if not CLI.exists():
+        pytest.skip(f"{CLI} not built (cargo build)")
+    s.save(tmp_path / "s")
+    out = subprocess.run(
+        [CLI, "simulate", tmp_path / "s", "--json", "--cost", "f=1,b=2,w=1"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert json.loads(out) == s.simulate("f=1,b=2,w=1")
+
+
+def test_compile_matches_the_cli(tmp_path):
+    if not CLI.exists():
+        pytest.skip(f"{CLI} not built (cargo build)")
+    subprocess.run(
+        [
+            CLI,
+            "compile",
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--microbatches",
+            "4",
+            "-o",
+            tmp_path / "cli",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    pipec.compile("interleaved-1f1b", 2, 4, vpp=2).save(tmp_path / "py")
+    for name in ("manifest.json", "rank-0.json", "rank-1.json"):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "py" / name).read_bytes()
+
+
+def test_import_pipec_needs_no_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import pipec\n"
+        "assert pipec.compile('1f1b', 2, 2).check().valid\n"
+        "try:\n"
+        "    import pipec.torch\n"
+        "except ImportError:\n"
+        "    print('torch only for pipec.torch')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "torch only for pipec.torch" in out.stdout
+
+
+def test_kinds():
+    assert {"gpipe", "1f1b", "zb-v", "dualpipe-v"} <= set(pipec.kinds())
+
+
+# --- pipec.torch without a process group: what build_schedule refuses before running ---
+
+
+def fake_stages(indices, num_stages, group_size, rank=0):
+    return [
+        types.SimpleNamespace(
+            stage_index=i, num_stages=num_stages, group_size=group_size, group_rank=rank
+        )
+        for i in indices
+    ]
+
+
+def test_build_schedule_refusals(tmp_path):
+    pt = pytest.importorskip("pipec.torch")
+    s = pipec.compile("zb-v", 2, 4)
+    assert pt.stage_indices(s, 0) == [0, 3] and pt.stage_indices(s, 1) == [1, 2]
+
+    def loss(a, b):
+        return a.sum()
+
+    with pytest.raises(pipec.PipecError, match="world size mismatch.*pp=2.*4 ranks"):
+        pt.build_schedule(s, fake_stages([0, 3], 4, group_size=4), loss)
+    with pytest.raises(pipec.PipecError, match=r"must build stages \[0, 3\]"):
+        pt.build_schedule(s, fake_stages([0, 1], 4, group_size=2), loss)
+    with pytest.raises(pipec.PipecError, match="n_microbatches=8"):
+        pt.build_schedule(s, fake_stages([0, 3], 4, group_size=2), loss, n_microbatches=8)
+    with pytest.raises(pipec.PipecError, match="6 stages"):
+        pt.build_schedule(s, fake_stages([0, 3], 6, group_size=2), loss)
+    with pytest.raises(pipec.PipecError, match="loss_fn"):
+        pt.build_schedule(s, fake_stages([0, 3], 4, group_size=2), None)
+    with pytest.raises(pipec.TorchExportError, match="dualpipe-v"):
+        pt.stage_indices(pipec.compile("dualpipe", 2, 4), 0)
+    # A path is loaded with load()'s checks.
+    s.save(tmp_path / "s")
+    shutil.copy(tmp_path / "s" / "rank-0.json", tmp_path / "s" / "rank-1.json")
+    with pytest.raises(pipec.FileError, match="rank-1.json"):
+        pt.build_schedule(tmp_path / "s", fake_stages([0, 3], 4, group_size=2), loss)
+
+
+def test_torch_actions_are_torch_actions():
+    pt = pytest.importorskip("pipec.torch")
+    from torch.distributed.pipelining import schedules as ts
+
+    acts = pt.actions(pipec.compile("interleaved-1f1b", 2, 4, vpp=2, combined=True))
+    flat = [a for line in acts.values() for a in line]
+    assert all(isinstance(a, ts._Action) for a in flat)
+    overlap = [a for a in flat if a.computation_type == ts._ComputationType.OVERLAP_F_B]
+    assert overlap and all(len(a.sub_actions) == 2 for a in overlap)
+    # Exactly what torch's own parser makes of the CSV pipec writes.
+    csv = pipec.compile("interleaved-1f1b", 2, 4, vpp=2, combined=True).to_torch_csv()
+    for r, line in enumerate(csv.splitlines()):
+        assert [ts._Action.from_str(c) for c in line.split(",")] == acts[r]
+
+
+def test_eval_and_step_refusals():
+    pt = pytest.importorskip("pipec.torch")
+    train = pt.build_schedule(
+        pipec.compile("1f1b", 2, 4), fake_stages([0], 2, group_size=2), lambda a, b: a.sum()
+    )
+    with pytest.raises(pipec.PipecError, match="forward_only=True"):
+        train.eval()
+    infer = pt.build_schedule(
+        pipec.compile("1f1b", 2, 4, forward_only=True),
+        fake_stages([0], 2, group_size=2),
+        lambda a, b: a.sum(),
+    )
+    with pytest.raises(pipec.PipecError, match="forward-only"):
+        infer.step()
+
+
+def test_exception_names():
+    assert pipec.PipecError.__module__ == "pipec"
+    assert pipec.InvalidSchedule.__name__ == "InvalidSchedule"

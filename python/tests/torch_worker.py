@@ -1,0 +1,219 @@
+"""One rank of the multi-process training tests (launched by ``launch.py``, gloo on loopback).
+
+For every configuration in the JSON file it is given, the ranks of the configuration's
+pipeline group build a small float64 model cut into the schedule's stages, train two SGD steps
+with ``pipec.torch.build_schedule``, and compare every microbatch loss and every parameter
+gradient with the same model run without pipelining on this rank. One JSON line per
+configuration goes to ``<out>/rank-<r>.jsonl`` as soon as it is done, so a hang loses only the
+configurations after it.
+
+Usage: python torch_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import pipec
+import pipec.torch as pt
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+DIM = 6
+ROWS = 2  # rows per microbatch
+STEPS = 2
+LR = 0.05
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def make_layers(num_stages: int) -> list[torch.nn.Module]:
+    torch.manual_seed(1234)
+    return [
+        torch.nn.Sequential(torch.nn.Linear(DIM, DIM, dtype=torch.float64), torch.nn.Tanh())
+        for _ in range(num_stages)
+    ]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
+    """The torchtitan recipe: torchtitan places the stages (by the class named in
+    ``pipeline_parallel_schedule``) and loads pipec's compute-only CSV itself."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import pipeline_parallel as tt
+
+    s_count, m = sched.num_stages, sched.num_microbatches
+    placed = list(
+        tt._get_pp_rank_to_stage_indices_mapping(rank, sched.pp, cfg["torchtitan"], s_count)
+    )
+    if sorted(placed) != pt.stage_indices(sched, rank):
+        raise AssertionError(
+            f"torchtitan places stages {placed}, pipec {pt.stage_indices(sched, rank)}"
+        )
+    stages = [
+        PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in placed
+    ]
+    parallelism = ParallelismConfig(
+        pipeline_parallel_degree=sched.pp,
+        pipeline_parallel_schedule=cfg["torchtitan"],
+        pipeline_parallel_schedule_csv=cfg["csv"],
+        pipeline_parallel_microbatch_size=ROWS,
+    )
+    runtime = tt._build_pipeline_schedule(
+        parallelism=parallelism,
+        local_batch_size=m * ROWS,
+        stages=stages,
+        loss_fn=lambda out, target: (loss_fn(out, target), None),
+    )
+    return stages, runtime
+
+
+def run_eval(cfg: dict, rank: int, group) -> dict:
+    """A forward-only pipec schedule through ``.eval``: the last stage's merged output equals
+    the unpipelined model's."""
+    sched = pipec.compile(**cfg["compile"])
+    s_count, m = sched.num_stages, sched.num_microbatches
+    layers = make_layers(s_count)
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    mine = pt.stage_indices(sched, rank)
+    stages = [PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine]
+    runtime = pt.build_schedule(sched, stages, None)
+    x = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        out = runtime.eval(*((x,) if 0 in mine else ()))
+        want = ref(x)
+    err = 0.0
+    if s_count - 1 in mine:
+        err = rel_err(out, want)
+        if not err <= cfg["tol"]:
+            raise AssertionError(f"eval output differs (relative {err:.3g})")
+    return {
+        "stages": mine,
+        "losses_compared": int(s_count - 1 in mine),
+        "grads_compared": 0,
+        "max_loss_rel_err": err,
+        "max_grad_rel_err": 0.0,
+    }
+
+
+def run(cfg: dict, rank: int, group) -> dict:
+    if cfg.get("eval"):
+        return run_eval(cfg, rank, group)
+    if "dir" in cfg:
+        sched = pipec.load(cfg["dir"])
+    else:
+        sched = pipec.compile(**cfg["compile"])
+    s_count, m = sched.num_stages, sched.num_microbatches
+    layers = make_layers(s_count)
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    mine = pt.stage_indices(sched, rank)
+    if "torchtitan" in cfg:
+        stages, runtime = torchtitan_schedule(cfg, sched, layers, rank, group)
+    else:
+        stages = [
+            PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine
+        ]
+        runtime = pt.build_schedule(sched, stages, loss_fn)
+    # torchtitan builds its schedule with scale_grads=False: gradients are sums over microbatches.
+    scale = m if "torchtitan" not in cfg else 1
+    opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    loss_err = grad_err = 0.0
+    n_losses = n_grads = 0
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=g)
+        y = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=g)
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        args = (x,) if 0 in mine else ()
+        kwargs = {"target": y, "losses": losses} if s_count - 1 in mine else {}
+        runtime.step(*args, **kwargs)
+        # The same model without pipelining: gradients of the mean microbatch loss
+        # (torch's scale_grads=True divides the accumulated gradients by M).
+        ref_opt.zero_grad()
+        ref_losses = []
+        for xm, ym in zip(x.chunk(m), y.chunk(m)):
+            loss = loss_fn(ref(xm), ym)
+            ref_losses.append(loss.detach())
+            (loss / scale).backward()
+        if s_count - 1 in mine:
+            if len(losses) != m:
+                raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
+            for mb, (a, b) in enumerate(zip(losses, ref_losses)):
+                e = rel_err(a.detach(), b)
+                loss_err = max(loss_err, e)
+                n_losses += 1
+                if not e <= cfg["tol"]:
+                    raise AssertionError(f"step {step} microbatch {mb}: loss {a} != {b}")
+        for i in mine:
+            for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters()):
+                if p.grad is None:
+                    raise AssertionError(f"step {step}: stage {i} {name} has no gradient")
+                e = rel_err(p.grad, q.grad)
+                grad_err = max(grad_err, e)
+                n_grads += 1
+                if not e <= cfg["tol"]:
+                    raise AssertionError(
+                        f"step {step}: stage {i} {name} gradient differs (relative {e:.3g})"
+                    )
+        opt.step()
+        ref_opt.step()
+    return {
+        "stages": mine,
+        "losses_compared": n_losses,
+        "grads_compared": n_grads,
+        "max_loss_rel_err": loss_err,
+        "max_grad_rel_err": grad_err,
+    }
+
+
+def main() -> None:
+    cfg_path, rank, world, port, out = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    with open(cfg_path) as f:
+        configs = json.load(f)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    groups = {}
+    for pp in sorted({c["pp"] for c in configs}):
+        groups[pp] = dist.new_group(list(range(pp)))
+    log = open(os.path.join(out, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115 (the process's life)
+    for cfg in configs:
+        if rank < cfg["pp"]:
+            t0 = time.perf_counter()
+            try:
+                res = {"ok": True, **run(cfg, rank, groups[cfg["pp"]])}
+            except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
+                res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+            res.update(name=cfg["name"], rank=rank, seconds=time.perf_counter() - t0)
+            log.write(json.dumps(res) + "\n")
+            log.flush()
+            if not res["ok"]:
+                # Peers may now wait forever on this rank: stop here; the launcher's timeout
+                # or the peers' gloo timeout ends the rest.
+                os._exit(1)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
