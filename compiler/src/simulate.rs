@@ -138,6 +138,40 @@ impl Matching {
 /// because papers also use a rank's own first-to-last span, which gives other numbers.
 pub const BUBBLE: &str = "idle share of the makespan, per rank (1 - busy / makespan)";
 
+/// What `pipec simulate --json` prints (and `pipec.Schedule.simulate()` returns) for a
+/// simulation of `program` named `name` under `model`; `None` for errors other than a
+/// deadlock, which the caller reports.
+pub fn json_report(
+    name: &str,
+    program: &Program,
+    model: &crate::cost::CostModel,
+    result: &Result<Simulation, SimError>,
+) -> Option<serde_json::Value> {
+    match result {
+        Ok(sim) => {
+            let s = &sim.summary;
+            Some(serde_json::json!({
+                "schedule": name,
+                "unit": "cost",
+                "makespan": s.makespan,
+                "mean_bubble_ratio": s.mean_bubble(),
+                "bubble": BUBBLE,
+                "max_bubble_ratio": s.max_bubble(),
+                "peak_activations": s.peak_activations(),
+                "instructions": program.len(),
+                "ranks": s.ranks,
+                "cost": model,
+            }))
+        }
+        Err(SimError::Deadlock(d)) => Some(serde_json::json!({
+            "schedule": name,
+            "deadlock": d,
+            "cost": model,
+        })),
+        Err(_) => None,
+    }
+}
+
 /// One rank's figures.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RankSummary {

@@ -12,7 +12,7 @@ use pipec::cost::{CostModel, StageCosts};
 use pipec::files::{self, Encoding, Header, Loaded};
 use pipec::layout::Layout;
 use pipec::program::Program;
-use pipec::simulate::{simulate, SimError};
+use pipec::simulate::simulate;
 use pipec::torch::{export_cells, export_csv, Action, Cell, CsvForm};
 use pipec::verify::{verify, StreamRule, VerifyOptions};
 use pipec_runtime::{load::LaunchWorld, RunError};
@@ -236,27 +236,13 @@ impl NativeSchedule {
         }
         let costs = StageCosts::new(&model, &self.layout, self.program.num_stages());
         let name = self.title();
-        let v = match simulate(&self.program, &costs) {
-            Ok(sim) => {
-                let s = &sim.summary;
-                json!({
-                    "schedule": name,
-                    "unit": "cost",
-                    "makespan": s.makespan,
-                    "mean_bubble_ratio": s.mean_bubble(),
-                    "max_bubble_ratio": s.max_bubble(),
-                    "peak_activations": s.peak_activations(),
-                    "instructions": self.program.len(),
-                    "ranks": s.ranks,
-                    "cost": model,
-                })
+        let result = simulate(&self.program, &costs);
+        let v = match pipec::simulate::json_report(&name, &self.program, &model, &result) {
+            Some(v) => v,
+            None => {
+                let e = result.err().map(|e| e.to_string()).unwrap_or_default();
+                return Err(InvalidSchedule::new_err(e));
             }
-            Err(SimError::Deadlock(d)) => json!({
-                "schedule": name,
-                "deadlock": d,
-                "cost": model,
-            }),
-            Err(e) => return Err(InvalidSchedule::new_err(e.to_string())),
         };
         Ok(v.to_string())
     }

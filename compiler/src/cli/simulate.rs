@@ -101,39 +101,26 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let model = a.cost.model()?;
     let loaded = super::load_any(&a.input, a.pp, a.placement)?;
     let name = title(&loaded.manifest);
-    match run_sim(&loaded, &model) {
-        Ok(sim) => {
-            let s = &sim.summary;
-            if a.json {
-                print_json(&serde_json::json!({
-                    "schedule": name,
-                    "unit": "cost",
-                    "makespan": s.makespan,
-                    "mean_bubble_ratio": s.mean_bubble(),
-                    "bubble": pipec::simulate::BUBBLE,
-                    "max_bubble_ratio": s.max_bubble(),
-                    "peak_activations": s.peak_activations(),
-                    "instructions": loaded.program.len(),
-                    "ranks": s.ranks,
-                    "cost": model,
-                }));
+    let result = run_sim(&loaded, &model);
+    if a.json {
+        if let Some(v) = pipec::simulate::json_report(&name, &loaded.program, &model, &result) {
+            print_json(&v);
+            return Ok(if result.is_ok() {
+                ExitCode::SUCCESS
             } else {
-                println!("{name}");
-                println!("cost: {}", model.describe());
-                print!(
-                    "{}",
-                    pipec::emit::timeline_text::render_summary(s, TimeUnit::Cost)
-                );
-            }
-            Ok(ExitCode::SUCCESS)
+                ExitCode::from(1)
+            });
         }
-        Err(SimError::Deadlock(d)) if a.json => {
-            print_json(&serde_json::json!({
-                "schedule": name,
-                "deadlock": d,
-                "cost": model,
-            }));
-            Ok(ExitCode::from(1))
+    }
+    match result {
+        Ok(sim) => {
+            println!("{name}");
+            println!("cost: {}", model.describe());
+            print!(
+                "{}",
+                pipec::emit::timeline_text::render_summary(&sim.summary, TimeUnit::Cost)
+            );
+            Ok(ExitCode::SUCCESS)
         }
         Err(e) => Err(sim_error(e)),
     }
