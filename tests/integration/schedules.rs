@@ -968,25 +968,25 @@ fn figures_table() -> String {
 }
 
 /// The README's table is the one pipec computes (regenerate with
-/// `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration readme_figures -- --nocapture`).
+/// `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration readme_figures -- --nocapture`; the table lives in docs/schedules.md).
 #[test]
 fn readme_figures_are_current() {
     let table = figures_table();
     if std::env::var_os("PIPEC_PRINT_FIGURES").is_some() {
         println!("{table}");
     }
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/schedules.md"))
+        .expect("docs/schedules.md");
     let (begin, end) = ("<!-- figures:begin -->\n", "<!-- figures:end -->");
-    let start = readme
+    let start = doc
         .find(begin)
-        .expect("figures:begin marker in README.md")
+        .expect("figures:begin marker in docs/schedules.md")
         + begin.len();
-    let stop = readme[start..].find(end).expect("figures:end marker") + start;
+    let stop = doc[start..].find(end).expect("figures:end marker") + start;
     assert_eq!(
-        &readme[start..stop],
+        &doc[start..stop],
         table,
-        "README figures are stale; the current table:\n{table}"
+        "docs/schedules.md figures are stale; the current table:\n{table}"
     );
 }
 
