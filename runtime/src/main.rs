@@ -56,6 +56,10 @@ struct Args {
     /// Write the measured timeline of the last step as a Chrome trace (JSON).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Steps to trace (cpu backend): `N`, `A..B` (1-based, inclusive) or `all`, one trace
+    /// process per step; default the last.
+    #[arg(long, requires = "trace")]
+    trace_steps: Option<String>,
     /// Seed of the weights and the synthetic data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -143,8 +147,36 @@ fn print_report(args: &Args, report: &RunReport) {
         }
     }
     if let Some(p) = &args.trace {
-        println!("trace: {} (last step)", p.display());
+        match args.trace_steps.as_deref() {
+            None => println!("trace: {} (last step)", p.display()),
+            Some(s) => println!("trace: {} (steps {s}, one process each)", p.display()),
+        }
     }
+}
+
+/// `--trace-steps`: `N`, `A..B` (1-based, inclusive) or `all`, within `--steps`; 0-based.
+fn trace_steps(args: &Args) -> Result<Option<(u32, u32)>, RunError> {
+    let Some(spec) = args.trace_steps.as_deref() else {
+        return Ok(None);
+    };
+    let bad = || {
+        RunError::Usage(format!(
+            "--trace-steps `{spec}`: expected N, A..B (1-based, within --steps {}) or all",
+            args.steps
+        ))
+    };
+    let num = |t: &str| t.trim().parse::<u32>().map_err(|_| bad());
+    let (a, b) = match spec.trim() {
+        "all" => (1, args.steps),
+        s => match s.split_once("..") {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(s)?, num(s)?),
+        },
+    };
+    if a == 0 || a > b || b > args.steps {
+        return Err(bad());
+    }
+    Ok(Some((a - 1, b - 1)))
 }
 
 fn run(args: &Args) -> Result<(), RunError> {
@@ -222,6 +254,12 @@ fn run(args: &Args) -> Result<(), RunError> {
         cfg.hidden, cfg.ffn, cfg.vocab, cfg.seq, cfg.seed, args.lr
     );
     if args.backend == BackendKind::Cuda {
+        if args.trace_steps.is_some() {
+            return Err(RunError::Usage(
+                "--trace-steps applies to the cpu backend (the cuda backend traces the last step)"
+                    .into(),
+            ));
+        }
         #[cfg(feature = "cuda")]
         return cuda_main::run(args, dir, &loaded, cfg, &header, &model_line);
     }
@@ -235,9 +273,23 @@ fn run(args: &Args) -> Result<(), RunError> {
         lr: args.lr,
         timeout: Duration::from_secs_f64(args.timeout),
         check: args.check,
+        trace_steps: trace_steps(args)?,
     };
     let report = run_cpu(&loaded.program, &m.layout, &opts)?;
-    write_trace(args, &loaded.program, &report.timeline)?;
+    if report.traced.is_empty() {
+        write_trace(args, &loaded.program, &report.timeline)?;
+    } else if let Some(p) = &args.trace {
+        let mut b = pipec::emit::chrome::TraceBuilder::new();
+        for (step, t) in &report.traced {
+            b.add(
+                &format!("measured (pipec-run) step {}", step + 1),
+                &loaded.program,
+                t,
+            );
+        }
+        std::fs::write(p, b.finish())
+            .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
+    }
     let interp = Interp::measure(&loaded.program, &report.steps);
     if args.json {
         let mut out = json_head(args, dir, &loaded, cfg, "cpu", "f32");

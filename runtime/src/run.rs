@@ -29,6 +29,9 @@ pub struct RunOptions {
     pub timeout: Duration,
     /// Compare every step with the single-thread reference.
     pub check: bool,
+    /// Keep the measured timelines of these steps (0-based, inclusive) in
+    /// [`RunReport::traced`]; the last step's is always in [`RunReport::timeline`].
+    pub trace_steps: Option<(u32, u32)>,
 }
 
 impl Default for RunOptions {
@@ -39,6 +42,7 @@ impl Default for RunOptions {
             lr: 0.1,
             timeout: Duration::from_secs(30),
             check: false,
+            trace_steps: None,
         }
     }
 }
@@ -81,6 +85,8 @@ pub struct RunReport {
     pub static_peak_activations: Vec<u32>,
     /// Measured timeline of the last step.
     pub timeline: Timeline,
+    /// (step, measured timeline) of each step of [`RunOptions::trace_steps`].
+    pub traced: Vec<(u32, Timeline)>,
 }
 
 /// The global stages a rank runs compute ops of.
@@ -221,6 +227,7 @@ pub fn run_cpu(
     let static_peak = static_peak_activations(program);
     let mut steps = Vec::with_capacity(opts.steps as usize);
     let mut last_runs = Vec::new();
+    let mut traced = Vec::new();
     for step in 0..opts.steps {
         transport.reset();
         watch.reset();
@@ -337,12 +344,19 @@ pub fn run_cpu(
                 .collect(),
             check,
         });
+        if opts
+            .trace_steps
+            .is_some_and(|(a, b)| (a..=b).contains(&step))
+        {
+            traced.push((step, trace::timeline(&runs)));
+        }
         last_runs = runs;
     }
     Ok(RunReport {
         steps,
         static_peak_activations: static_peak,
         timeline: trace::timeline(&last_runs),
+        traced,
     })
 }
 

@@ -81,6 +81,7 @@ fn every_mode_trains_bitwise_on_the_cpu_runtime() {
         lr: 0.1,
         timeout: Duration::from_secs(20),
         check: true,
+        trace_steps: None,
     };
     for mode in MegatronP2p::ALL {
         for (pp, vpp, m, g) in [(2, 2, 4, None), (3, 2, 8, Some(4)), (4, 3, 8, Some(8))] {

@@ -33,6 +33,7 @@ fn opts(steps: u32) -> RunOptions {
         lr: 0.1,
         timeout: Duration::from_secs(20),
         check: true,
+        trace_steps: None,
     }
 }
 
@@ -858,4 +859,59 @@ fn cli_json_report_matches_the_text_report() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
     assert!(bad.stdout.is_empty());
+}
+
+/// `--trace-steps` picks the steps of `pipec-run`'s trace: one trace process per step, each
+/// with one event per instruction of every rank; bad ranges are usage errors.
+#[test]
+fn trace_steps_selects_the_traced_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = cli_dir(tmp.path(), "ts", ScheduleKind::OneFOneB, 2, 1, 4);
+    let instrs = load(&dir, None).unwrap().program.len();
+    let trace = tmp.path().join("t.json");
+    let run = |steps: &str, spec: &str| {
+        pipec_run()
+            .arg(&dir)
+            .args(["--steps", steps, "--trace"])
+            .arg(&trace)
+            .args(["--trace-steps", spec])
+            .args(TINY)
+            .output()
+            .unwrap()
+    };
+    for (spec, want) in [("2..3", vec![2, 3]), ("all", vec![1, 2, 3]), ("1", vec![1])] {
+        let out = run("3", spec);
+        assert_eq!(out.status.code(), Some(0), "{spec}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+        let events = v["traceEvents"].as_array().unwrap();
+        let names: Vec<String> = events
+            .iter()
+            .filter(|e| e["name"] == "process_name")
+            .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+            .collect();
+        let expect: Vec<String> = want
+            .iter()
+            .map(|s| format!("measured (pipec-run) step {s}"))
+            .collect();
+        assert_eq!(names, expect, "{spec}");
+        let pids: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["name"] == "process_name")
+            .map(|e| &e["pid"])
+            .collect();
+        for pid in pids {
+            let x = events
+                .iter()
+                .filter(|e| e["ph"] == "X" && &e["pid"] == pid)
+                .count();
+            assert_eq!(x, instrs, "{spec}: process {pid}");
+        }
+    }
+    for bad in ["0", "4", "3..2", "x", "1..9"] {
+        let out = run("3", bad);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--trace-steps"), "{bad}: {err}");
+    }
 }

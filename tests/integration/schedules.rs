@@ -1143,6 +1143,7 @@ fn new_kinds_train_like_the_unpipelined_reference() {
         lr: 0.1,
         timeout: std::time::Duration::from_secs(20),
         check: true,
+        trace_steps: None,
     };
     // DualPipe runs stage s on two ranks (two parameter replicas, one per direction); the
     // runtime reduces their gradients after the step as DualPipe does, in microbatch order, so

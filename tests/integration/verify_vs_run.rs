@@ -245,6 +245,7 @@ fn run(p: &Program, timeout: Duration) -> Outcome {
         lr: 0.1,
         timeout,
         check: true,
+        trace_steps: None,
     };
     match run_cpu(p, &Layout::uniform(p.num_stages()), &opts) {
         Ok(r) => match &r.steps[0].check {
