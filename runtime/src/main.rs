@@ -253,13 +253,13 @@ fn run(args: &Args) -> Result<(), RunError> {
         "model: hidden {}, ffn {}, vocab {}, seq {}, seed {}, lr {}",
         cfg.hidden, cfg.ffn, cfg.vocab, cfg.seq, cfg.seed, args.lr
     );
+    if args.backend == BackendKind::Cuda && args.trace_steps.is_some() {
+        return Err(RunError::Usage(
+            "--trace-steps applies to the cpu backend (the cuda backend traces the last step)"
+                .into(),
+        ));
+    }
     if args.backend == BackendKind::Cuda {
-        if args.trace_steps.is_some() {
-            return Err(RunError::Usage(
-                "--trace-steps applies to the cpu backend (the cuda backend traces the last step)"
-                    .into(),
-            ));
-        }
         #[cfg(feature = "cuda")]
         return cuda_main::run(args, dir, &loaded, cfg, &header, &model_line);
     }

@@ -539,6 +539,7 @@ fn run_typed<T: Elem>(
                     .map(|r| r.map(|r| r.spans).unwrap_or_default())
                     .collect::<Vec<Vec<Span>>>(),
             },
+            traced: Vec::new(),
         },
         ranks,
         devices,
