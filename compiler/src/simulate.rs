@@ -138,6 +138,31 @@ impl Matching {
 /// because papers also use a rank's own first-to-last span, which gives other numbers.
 pub const BUBBLE: &str = "idle share of the makespan, per rank (1 - busy / makespan)";
 
+/// A one-line name for a schedule, as `pipec simulate` prints it: `1f1b pp=4 vpp=1
+/// microbatches=8`, or for an import `torch-csv schedule, 2 ranks, 4 stages, microbatches=2`.
+pub fn schedule_title(
+    spec: Option<&pipec_schedules::ScheduleSpec>,
+    source: &str,
+    program: &Program,
+) -> String {
+    match spec {
+        Some(s) => format!(
+            "{} pp={} vpp={} microbatches={}{}",
+            s.kind,
+            s.pp,
+            s.vpp,
+            s.microbatches,
+            if s.forward_only { " forward-only" } else { "" }
+        ),
+        None => format!(
+            "{source} schedule, {} ranks, {} stages, microbatches={}",
+            program.world(),
+            program.num_stages(),
+            program.microbatches
+        ),
+    }
+}
+
 /// What `pipec simulate --json` prints (and `pipec.Schedule.simulate()` returns) for a
 /// simulation of `program` named `name` under `model`; `None` for errors other than a
 /// deadlock, which the caller reports.

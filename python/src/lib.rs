@@ -105,23 +105,7 @@ impl NativeSchedule {
 
     /// `1f1b pp=4 vpp=1 microbatches=8`, as `pipec simulate` names a schedule.
     fn title(&self) -> String {
-        match &self.spec {
-            Some(s) => format!(
-                "{} pp={} vpp={} microbatches={}{}",
-                s.kind,
-                s.pp,
-                s.vpp,
-                s.microbatches,
-                if s.forward_only { " forward-only" } else { "" }
-            ),
-            None => format!(
-                "{} schedule, {} ranks, {} stages, microbatches={}",
-                self.source,
-                self.program.world(),
-                self.program.num_stages(),
-                self.program.microbatches
-            ),
-        }
+        pipec::simulate::schedule_title(self.spec.as_ref(), &self.source, &self.program)
     }
 }
 

@@ -210,7 +210,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     for d in &a.dirs {
         let loaded = super::load(d)?;
         rows.push(Row {
-            name: format!("{} ({})", d.display(), title(&loaded.manifest)),
+            name: format!("{} ({})", d.display(), title(&loaded)),
             instructions: loaded.program.len(),
             model: model_of(&loaded.manifest.layout, loaded.program.num_stages()),
             result: run_sim(&loaded, &model),

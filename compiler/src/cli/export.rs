@@ -158,7 +158,7 @@ fn capped(
 
 /// The bytes of the export.
 fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
-    let name = title(&loaded.manifest);
+    let name = title(loaded);
     let model = a.cost.model()?;
     let timed = || run_sim(loaded, &model).map_err(sim_error);
     let world = loaded.program.ranks.len();

@@ -148,7 +148,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         from: a.from,
         to: a.to,
     };
-    println!("{}", title(&loaded.manifest));
+    println!("{}", title(&loaded));
     println!("cost: {}", model.describe());
     if ranks.is_some() || a.from.is_some() || a.to.is_some() {
         let shown = match &ranks {

@@ -3,7 +3,7 @@
 
 use super::{print_json, CliError};
 use pipec::cost::{CostModel, StageCosts};
-use pipec::files::{Loaded, Manifest};
+use pipec::files::Loaded;
 use pipec::simulate::{simulate, SimError, Simulation};
 use pipec::timeline::TimeUnit;
 use std::path::PathBuf;
@@ -45,21 +45,8 @@ impl CostArgs {
 }
 
 /// A one-line name for a loaded schedule: `1f1b pp=4 vpp=1 microbatches=8`.
-pub fn title(m: &Manifest) -> String {
-    match &m.schedule {
-        Some(s) => format!(
-            "{} pp={} vpp={} microbatches={}{}",
-            s.kind,
-            s.pp,
-            s.vpp,
-            s.microbatches,
-            if s.forward_only { " forward-only" } else { "" }
-        ),
-        None => format!(
-            "{} schedule, {} ranks, {} stages, microbatches={}",
-            m.source, m.world_size, m.num_stages, m.microbatches
-        ),
-    }
+pub fn title(l: &Loaded) -> String {
+    pipec::simulate::schedule_title(l.manifest.schedule.as_ref(), &l.manifest.source, &l.program)
 }
 
 /// Simulate a loaded directory. A deadlock or a bad id is the input being invalid (exit 1).
@@ -100,7 +87,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let model = a.cost.model()?;
     let loaded = super::load_any(&a.input, a.pp, a.placement)?;
-    let name = title(&loaded.manifest);
+    let name = title(&loaded);
     let result = run_sim(&loaded, &model);
     if a.json {
         if let Some(v) = pipec::simulate::json_report(&name, &loaded.program, &model, &result) {
