@@ -74,3 +74,33 @@ pub fn megatron_p2p_for(
 ) -> pipec_schedules::MegatronP2p {
     pipec_schedules::MegatronP2p::default_for(kind, pp)
 }
+
+/// Instruction constructors for hand-written programs.
+pub mod ir {
+    use pipec::program::{Instr, Payload};
+    use pipec_schedules::{Compute, Rank, Task};
+
+    pub fn fwd(stage: u32, mb: u32) -> Instr {
+        Instr::Compute(Compute::Fwd(Task::new(stage, mb)))
+    }
+
+    pub fn bwd(stage: u32, mb: u32) -> Instr {
+        Instr::Compute(Compute::Bwd(Task::new(stage, mb)))
+    }
+
+    pub fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
+        Instr::Send {
+            peer: Rank(peer),
+            payload,
+            batch,
+        }
+    }
+
+    pub fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
+        Instr::Recv {
+            peer: Rank(peer),
+            payload,
+            batch,
+        }
+    }
+}

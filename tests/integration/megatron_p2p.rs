@@ -10,6 +10,7 @@ use pipec::verify::{verify, StreamRule, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, run_cpu, RunOptions};
 use pipec_schedules::{Compute, MegatronP2p, Placement, Rank, ScheduleKind, Task};
+use pipec_tests::ir::{bwd, fwd, recv, send};
 use pipec_tests::reference::{execute, Verdict};
 use std::time::Duration;
 
@@ -239,27 +240,6 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
     }
 }
 
-fn fwd(s: u32) -> Instr {
-    Instr::Compute(Compute::Fwd(Task::new(s, 0)))
-}
-fn bwd(s: u32) -> Instr {
-    Instr::Compute(Compute::Bwd(Task::new(s, 0)))
-}
-fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
-    Instr::Send {
-        peer: Rank(peer),
-        payload,
-        batch,
-    }
-}
-fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
-    Instr::Recv {
-        peer: Rank(peer),
-        payload,
-        batch,
-    }
-}
-
 /// Each rank posts its receive first and in flight, then its blocking send: a posted but not
 /// waited receive does not block its rank, so this is valid where each direction has its own
 /// NCCL stream (on one stream per pair the send would queue behind the receive: see
@@ -277,17 +257,17 @@ fn a_receive_left_in_flight_does_not_block_its_rank() {
     let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
     let in_flight = two_ranks(
         vec![
-            fwd(0),
+            fwd(0, 0),
             recv(1, g, 0),
             send(1, a, 1),
             Instr::Wait { batch: 0 },
-            bwd(0),
+            bwd(0, 0),
         ],
         vec![
             recv(0, a, 0),
             Instr::Wait { batch: 0 },
-            fwd(1),
-            bwd(1),
+            fwd(1, 0),
+            bwd(1, 0),
             send(0, g, 1),
         ],
     );
@@ -297,8 +277,8 @@ fn a_receive_left_in_flight_does_not_block_its_rank() {
     // The same receive blocking (no wait names it): rank 0 waits for a gradient that rank 1
     // sends only after the activation rank 0 sends after that receive.
     let blocking = two_ranks(
-        vec![fwd(0), recv(1, g, 0), send(1, a, 1), bwd(0)],
-        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+        vec![fwd(0, 0), recv(1, g, 0), send(1, a, 1), bwd(0, 0)],
+        vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
     let r = verify(&blocking, &VerifyOptions::default());
     assert!(
@@ -316,13 +296,13 @@ fn waits_are_checked() {
     let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
     let early = two_ranks(
         vec![
-            fwd(0),
+            fwd(0, 0),
             send(1, a, 0),
             recv(1, g, 1),
-            bwd(0),
+            bwd(0, 0),
             Instr::Wait { batch: 1 },
         ],
-        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+        vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
     let r = verify(&early, &VerifyOptions::default());
     let msgs: Vec<String> = r.violations.iter().map(|v| v.to_string()).collect();
@@ -332,13 +312,13 @@ fn waits_are_checked() {
     );
     let nothing = two_ranks(
         vec![
-            fwd(0),
+            fwd(0, 0),
             send(1, a, 0),
             Instr::Wait { batch: 7 },
             recv(1, g, 1),
-            bwd(0),
+            bwd(0, 0),
         ],
-        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+        vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
     let msgs: Vec<String> = verify(&nothing, &VerifyOptions::default())
         .violations
@@ -358,13 +338,13 @@ fn a_cycle_through_waits_is_a_deadlock() {
     // Rank 0 waits for its gradient before it sends the activation rank 1 needs to make it.
     let p = two_ranks(
         vec![
-            fwd(0),
+            fwd(0, 0),
             recv(1, g, 0),
             Instr::Wait { batch: 0 },
             send(1, a, 1),
-            bwd(0),
+            bwd(0, 0),
         ],
-        vec![recv(0, a, 0), fwd(1), bwd(1), send(0, g, 1)],
+        vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
     let r = verify(&p, &VerifyOptions::default());
     assert!(
@@ -567,7 +547,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
         forward_only: false,
         ranks: vec![
             vec![
-                fwd(0),
+                fwd(0, 0),
                 recv(1, g, 0),
                 send(1, a, 1),
                 Instr::Wait { batch: 0 },

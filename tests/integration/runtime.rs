@@ -14,9 +14,9 @@ use pipec_runtime::model::ModelConfig;
 use pipec_runtime::watchdog::FailureKind;
 use pipec_runtime::{load, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
 use pipec_schedules::{
-    generate, CommPolicy, Compute, Limits, Placement, Rank, RankOrder, ScheduleKind, ScheduleSpec,
-    Task,
+    generate, CommPolicy, Compute, Limits, Placement, RankOrder, ScheduleKind, ScheduleSpec, Task,
 };
+use pipec_tests::ir::{bwd, fwd, recv, send};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -394,27 +394,6 @@ fn deferred_weight_gradients_raise_the_activation_peak() {
 }
 
 // ---- the watchdog ---------------------------------------------------------------------------
-
-fn fwd(s: u32, m: u32) -> Instr {
-    Instr::Compute(Compute::Fwd(Task::new(s, m)))
-}
-fn bwd(s: u32, m: u32) -> Instr {
-    Instr::Compute(Compute::Bwd(Task::new(s, m)))
-}
-fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
-    Instr::Send {
-        peer: Rank(peer),
-        payload,
-        batch,
-    }
-}
-fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
-    Instr::Recv {
-        peer: Rank(peer),
-        payload,
-        batch,
-    }
-}
 
 /// 1F1B on two ranks with every send in its own batch (Megatron fuses `send_forward` with
 /// `recv_backward` precisely to avoid this): after warmup rank 0 sends act(0,1) while rank 1

@@ -8,6 +8,7 @@ use pipec::verify::{verify, Class, Report, VerifyOptions, Violation};
 use pipec_schedules::{
     generate, Compute, Limits, Placement, Rank, ScheduleKind, ScheduleSpec, Task,
 };
+use pipec_tests::ir::{fwd, recv, send};
 use pipec_tests::reference::{execute, Verdict};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -276,26 +277,6 @@ fn swapped_sends_deliver_the_wrong_tensor() {
     let o = execute(&p);
     assert_eq!(o.verdict, Verdict::WrongTensor);
     assert_eq!(o.received[1][6], Some(Payload::act(0, 4)));
-}
-
-fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
-    Instr::Send {
-        peer: Rank(peer),
-        payload,
-        batch,
-    }
-}
-
-fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
-    Instr::Recv {
-        peer: Rank(peer),
-        payload,
-        batch,
-    }
-}
-
-fn fwd(s: u32, m: u32) -> Instr {
-    Instr::Compute(Compute::Fwd(Task::new(s, m)))
 }
 
 /// Forward-only, 3 ranks x 2 chunks (stage s on rank s % 3), one microbatch: the activation
