@@ -64,15 +64,9 @@ pub struct Args {
     /// Picture width in pixels for --format svg (default 1200).
     #[arg(long)]
     pub svg_width: Option<f64>,
-    /// Ranks to keep in a trace or SVG, e.g. "0,3-5".
-    #[arg(long, value_name = "LIST")]
-    pub ranks: Option<String>,
-    /// Keep a trace's or SVG's ops that end at or after this time (cost units).
-    #[arg(long, value_name = "T")]
-    pub from: Option<f64>,
-    /// Keep a trace's or SVG's ops that start at or before this time (cost units).
-    #[arg(long, value_name = "T")]
-    pub to: Option<f64>,
+    /// For a trace or SVG.
+    #[command(flatten)]
+    pub window: super::window::WindowArgs,
     /// Write the whole trace or SVG even when it is too big for viewers to open.
     #[arg(long)]
     pub full: bool,
@@ -84,28 +78,11 @@ pub const OPENABLE_BYTES: usize = 100 << 20;
 
 /// The filter the flags ask for.
 fn filter(a: &Args, world: usize) -> Result<Filter, CliError> {
-    for (flag, v) in [("--from", a.from), ("--to", a.to)] {
-        if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
-            return Err(CliError::Usage(format!(
-                "{flag} must be a finite time >= 0"
-            )));
-        }
-    }
-    if let (Some(f), Some(t)) = (a.from, a.to) {
-        if f >= t {
-            return Err(CliError::Usage(format!(
-                "--from {f} must be before --to {t}"
-            )));
-        }
-    }
+    a.window.check()?;
     Ok(Filter {
-        ranks: a
-            .ranks
-            .as_deref()
-            .map(|r| super::show::parse_ranks(r, world))
-            .transpose()?,
-        from: a.from,
-        to: a.to,
+        ranks: a.window.ranks(world)?,
+        from: a.window.from,
+        to: a.window.to,
         compute_only: a.compute_only,
     })
 }
@@ -244,9 +221,9 @@ fn check_flags(a: &Args) -> Result<(), CliError> {
         return refuse("--compute-only", "torch-csv, chrome-trace and svg");
     }
     for (flag, given) in [
-        ("--ranks", a.ranks.is_some()),
-        ("--from", a.from.is_some()),
-        ("--to", a.to.is_some()),
+        ("--ranks", a.window.ranks.is_some()),
+        ("--from", a.window.from.is_some()),
+        ("--to", a.window.to.is_some()),
         ("--full", a.full),
     ] {
         if given && !views {

@@ -10,6 +10,7 @@ mod layout;
 mod schedules;
 mod show;
 mod simulate;
+mod window;
 
 use clap::{Parser, Subcommand};
 use std::fmt;

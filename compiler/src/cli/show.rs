@@ -33,15 +33,8 @@ pub struct Args {
     /// Total width in columns, at least 20 (default: $COLUMNS, else 100).
     #[arg(long)]
     pub width: Option<usize>,
-    /// Ranks to draw, e.g. "0,3-5" (default: all).
-    #[arg(long, value_name = "LIST")]
-    pub ranks: Option<String>,
-    /// Start of the time window to draw, in cost units (default: 0).
-    #[arg(long, value_name = "T")]
-    pub from: Option<f64>,
-    /// End of the time window to draw, in cost units (default: the makespan).
-    #[arg(long, value_name = "T")]
-    pub to: Option<f64>,
+    #[command(flatten)]
+    pub window: super::window::WindowArgs,
     /// Colour: auto (a terminal and NO_COLOR unset), always, never.
     #[arg(long, value_enum, default_value_t = ColorChoice::Auto)]
     pub color: ColorChoice,
@@ -112,30 +105,13 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             "--width must be at least {MIN_WIDTH} columns"
         )));
     }
-    for (flag, v) in [("--from", a.from), ("--to", a.to)] {
-        if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
-            return Err(CliError::Usage(format!(
-                "{flag} must be a finite time >= 0"
-            )));
-        }
-    }
-    if let (Some(f), Some(t)) = (a.from, a.to) {
-        if f >= t {
-            return Err(CliError::Usage(format!(
-                "--from {f} must be before --to {t}"
-            )));
-        }
-    }
+    a.window.check()?;
     let model = a.cost.model()?;
     let loaded = super::load_any(&a.input, a.pp, a.placement)?;
     let sim = run_sim(&loaded, &model).map_err(sim_error)?;
-    let ranks = a
-        .ranks
-        .as_deref()
-        .map(|r| parse_ranks(r, loaded.program.ranks.len()))
-        .transpose()?;
+    let ranks = a.window.ranks(loaded.program.ranks.len())?;
     let makespan = sim.summary.makespan;
-    if a.from.is_some_and(|f| f >= makespan) {
+    if a.window.from.is_some_and(|f| f >= makespan) {
         return Err(CliError::Usage(format!(
             "--from is past the end of the schedule (makespan {})",
             pipec::cost::num(makespan)
@@ -145,20 +121,20 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         width: width(a.width).max(MIN_WIDTH),
         color: use_color(a.color, a.no_color),
         ranks: ranks.clone(),
-        from: a.from,
-        to: a.to,
+        from: a.window.from,
+        to: a.window.to,
     };
     println!("{}", title(&loaded));
     println!("cost: {}", model.describe());
-    if ranks.is_some() || a.from.is_some() || a.to.is_some() {
+    if a.window.any() {
         let shown = match &ranks {
             Some(r) => format!("{} of {} ranks", r.len(), loaded.program.ranks.len()),
             None => format!("all {} ranks", loaded.program.ranks.len()),
         };
         println!(
             "window: {shown}, time {} to {} of {}",
-            pipec::cost::num(a.from.unwrap_or(0.0)),
-            pipec::cost::num(a.to.unwrap_or(makespan).min(makespan)),
+            pipec::cost::num(a.window.from.unwrap_or(0.0)),
+            pipec::cost::num(a.window.to.unwrap_or(makespan).min(makespan)),
             pipec::cost::num(makespan)
         );
     }
