@@ -131,8 +131,9 @@ def build_schedule(
     :func:`stage_indices`. The result has torch's schedule interface (``.step(*args,
     target=..., losses=...)``, ``.eval(...)`` for forward-only schedules) and executes pipec's
     instruction stream for this rank on torch's ``_PipelineScheduleRuntime``: every compute,
-    send, receive and wait action in pipec's order; overlapped forward/backward pairs as
-    ``OVERLAP_F_B``. Whatever torch cannot run as pipec verified it is refused with
+    send and receive in pipec's order, with torch's ``WAIT_SEND_*`` actions for the sends
+    (pipec's own ``wait`` instructions are left to torch, which waits for a receive right before
+    the compute that uses it); overlapped forward/backward pairs as ``OVERLAP_F_B``. Whatever torch cannot run as pipec verified it is refused with
     :class:`pipec.PipecError`, never changed.
     """
     s = _as_schedule(schedule)

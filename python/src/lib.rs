@@ -193,12 +193,12 @@ impl NativeSchedule {
 
     /// The verifier's report as JSON: valid, violations, peak activations per rank, risks.
     #[pyo3(signature = (memory_limit=None))]
-    fn check(&self, memory_limit: Option<u64>) -> String {
+    fn check(&self, py: Python<'_>, memory_limit: Option<u64>) -> String {
         let opts = VerifyOptions {
             memory_limit,
             streams: StreamRule::of_policy(self.comm_policy, self.program.world()),
         };
-        let r = verify(&self.program, &opts);
+        let r = py.detach(|| verify(&self.program, &opts));
         json!({
             "valid": r.is_valid(),
             "violations": r.violations.iter().map(|v| format!("[{}] {v}", v.class())).collect::<Vec<_>>(),
@@ -211,7 +211,7 @@ impl NativeSchedule {
 
     /// What `pipec simulate --json` prints, as JSON text.
     #[pyo3(signature = (cost=None))]
-    fn simulate(&self, cost: Option<&str>) -> PyResult<String> {
+    fn simulate(&self, py: Python<'_>, cost: Option<&str>) -> PyResult<String> {
         let mut model = CostModel::default();
         if let Some(spec) = cost {
             model
@@ -220,7 +220,7 @@ impl NativeSchedule {
         }
         let costs = StageCosts::new(&model, &self.layout, self.program.num_stages());
         let name = self.title();
-        let result = simulate(&self.program, &costs);
+        let result = py.detach(|| simulate(&self.program, &costs));
         let v = match pipec::simulate::json_report(&name, &self.program, &model, &result) {
             Some(v) => v,
             None => {

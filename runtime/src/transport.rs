@@ -148,23 +148,27 @@ impl<T> Transport<T> {
     /// sends hand over their tensors and every op takes its place in its channel's FIFO.
     pub fn post(&self, rank: Rank, ops: &mut [CommOp<T>]) -> Result<(), CommError> {
         let me = rank.index();
+        // Every op is checked before any is posted, so a refused batch leaves no trace.
+        if let Some(op) = ops
+            .iter()
+            .find(|op| op.peer.index() >= self.world || op.peer.index() == me)
+        {
+            // Refused by the loader's checks; kept as an error rather than a panic.
+            return Err(CommError::Stalled {
+                pending: vec![Pending {
+                    at: op.at,
+                    dir: op.dir,
+                    peer: op.peer,
+                    seq: 0,
+                    peer_posted: 0,
+                }],
+                waited: Default::default(),
+                peer_finished: Some(op.peer),
+            });
+        }
         let mut st = self.lock();
         for op in ops.iter_mut() {
             let peer = op.peer.index();
-            if peer >= self.world || peer == me {
-                // Refused by the loader's checks; kept as an error rather than a panic.
-                return Err(CommError::Stalled {
-                    pending: vec![Pending {
-                        at: op.at,
-                        dir: op.dir,
-                        peer: op.peer,
-                        seq: 0,
-                        peer_posted: 0,
-                    }],
-                    waited: Default::default(),
-                    peer_finished: Some(op.peer),
-                });
-            }
             match op.dir {
                 Dir::Send => {
                     let tensor = op.tensor.take().expect("a send carries its tensor");

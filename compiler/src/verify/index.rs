@@ -151,6 +151,8 @@ impl<'p> Index<'p> {
             let mut prev_batch: Option<u32> = None;
             // Batch id -> its node on this rank (`NONE` when the id names two segments).
             let mut by_id = BatchIds::new(instrs.len());
+            // The waits of this rank that named a batch: (position, id).
+            let mut waits: Vec<(usize, u32)> = Vec::new();
             for (i, ins) in instrs.iter().enumerate() {
                 let g = base + i as u32;
                 match *ins {
@@ -176,6 +178,7 @@ impl<'p> Index<'p> {
                         };
                         if target != NONE {
                             self.in_flight[target as usize] = true;
+                            waits.push((i, batch));
                         }
                         self.batch_start.push(g);
                         self.batch_len.push(0);
@@ -297,8 +300,24 @@ impl<'p> Index<'p> {
                     }
                 }
             }
+            // A waited id must name one batch of the rank, also counting batches after the
+            // wait: a runtime keys its handles by id for the whole stream.
+            for (i, batch) in waits {
+                if by_id.get(batch) == Some(NONE) {
+                    out.push(Violation::WaitAmbiguous {
+                        site: Site {
+                            at: InstrRef {
+                                rank,
+                                index: i as u32,
+                            },
+                            instr: instrs[i],
+                        },
+                        batch,
+                    });
+                }
+            }
         }
-        self.stats.batches = self.wait_of.iter().filter(|&&w| w == NONE).count() as u64;
+        self.stats.batches = self.batch_len.iter().filter(|&&n| n > 0).count() as u64;
         self.link_waits();
     }
 

@@ -56,8 +56,9 @@ impl fmt::Display for Risk {
     }
 }
 
-/// Every risk of the program, in program order. Batches are a handful of ops, so each is
-/// scanned pairwise in place; only a batch with a risk allocates.
+/// Every risk of the program, in program order. Most batches are a handful of ops and are
+/// scanned pairwise in place (no allocation); a long one (a file can hold any) is sorted by
+/// (direction, peer) first, so the check stays `n log n`.
 pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
     let mut out = Vec::new();
     for b in 0..ix.batch_start.len() {
@@ -68,29 +69,58 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
         let r = ix.batch_rank[b] as usize;
         let first = (ix.batch_start[b] - ix.offsets[r]) as usize;
         let ops = &ix.p.ranks[r][first..first + len];
-        let end = |i: &Instr| match *i {
-            Instr::Send { peer, payload, .. } => Some((true, peer, payload)),
-            Instr::Recv { peer, payload, .. } => Some((false, peer, payload)),
-            _ => None,
-        };
-        for (k, op) in ops.iter().enumerate() {
-            let Some((send, peer, payload)) = end(op) else {
-                continue;
-            };
-            let same = |o: &Instr| end(o).is_some_and(|(s, q, _)| s == send && q == peer);
-            // Report each group once, at its first op.
-            if ops[..k].iter().any(same) || !ops[k + 1..].iter().any(same) {
-                continue;
+        let site = || ix.site(ix.batch_start[b]);
+        if len <= 16 {
+            for (k, op) in ops.iter().enumerate() {
+                let Some((send, peer, payload)) = end(op) else {
+                    continue;
+                };
+                let same = |o: &Instr| end(o).is_some_and(|(s, q, _)| s == send && q == peer);
+                // Report each group once, at its first op.
+                if ops[..k].iter().any(same) || !ops[k + 1..].iter().any(same) {
+                    continue;
+                }
+                let mut payloads = vec![payload];
+                payloads.extend(
+                    ops[k + 1..]
+                        .iter()
+                        .filter_map(end)
+                        .filter(|e| e.0 == send && e.1 == peer)
+                        .map(|e| e.2),
+                );
+                out.push(Risk::SamePeerTwice {
+                    site: site(),
+                    peer,
+                    send,
+                    payloads,
+                });
             }
-            let mut payloads = vec![payload];
-            payloads.extend(
-                ops[k + 1..]
-                    .iter()
-                    .filter(|o| same(o))
-                    .filter_map(|o| end(o).map(|e| e.2)),
-            );
+            continue;
+        }
+        // (direction, peer, position in the batch) of every op, grouped by sorting.
+        let mut keyed: Vec<(bool, u32, usize)> = ops
+            .iter()
+            .enumerate()
+            .filter_map(|(k, o)| end(o).map(|(s, q, _)| (s, q.0, k)))
+            .collect();
+        keyed.sort_unstable();
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for w in keyed.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {
+            if w.len() > 1 {
+                groups.push((w[0].2, w.iter().map(|e| e.2).collect()));
+            }
+        }
+        // In the order of each group's first op, as the short path reports them.
+        groups.sort_unstable();
+        for (_, members) in groups {
+            let (send, peer, _) = end(&ops[members[0]]).expect("grouped ops are messages");
+            let payloads = members
+                .iter()
+                .filter_map(|&k| end(&ops[k]))
+                .map(|e| e.2)
+                .collect();
             out.push(Risk::SamePeerTwice {
-                site: ix.site(ix.batch_start[b]),
+                site: site(),
                 peer,
                 send,
                 payloads,
@@ -98,4 +128,13 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
         }
     }
     out
+}
+
+/// (is a send, peer, payload) of a message.
+fn end(i: &Instr) -> Option<(bool, Rank, Payload)> {
+    match *i {
+        Instr::Send { peer, payload, .. } => Some((true, peer, payload)),
+        Instr::Recv { peer, payload, .. } => Some((false, peer, payload)),
+        _ => None,
+    }
 }

@@ -10,8 +10,10 @@
 //! - a send or receive completes once both it and its partner are posted (their ranks passed
 //!   the blocking point before their batches) and the op before each of them on its stream has
 //!   completed;
-//! - a blocking batch (and a `Wait`) completes once its ops (the waited batch's ops) have, and
-//!   it is the next blocking point of its rank.
+//! - a batch completes once its ops have; a blocking batch is also the next blocking point of
+//!   its rank, and a `Wait` completes once the batch it names has;
+//! - a batch posted as one NCCL group is one kernel on its communicator: a later op on one of
+//!   its streams waits for the whole batch.
 //!
 //! Acyclic means deadlock-free under that order (the same induction as D1). Which ops share a
 //! stream is the [`StreamRule`]: one communicator per pair of ranks (torch's default), or one
@@ -56,10 +58,11 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
     }
     let total = ix.node_of.len();
     let nodes = total + ix.batch_start.len();
-    // The op before each op on its stream (`NONE` if first).
-    let before = stream_predecessors(ix, rule);
-    // Node of a blocking point (a blocking batch or a wait): after the op positions.
+    // Node of a batch's completion (for a blocking batch also its rank's blocking point) or
+    // of a wait: after the op positions.
     let point = |b: u32| total as u32 + b;
+    // What each op waits for on its stream (an op, or a whole earlier batch: see below).
+    let before = stream_predecessors(ix, rule, point);
     let g = Graph::from_edges(nodes, |f| {
         for b in 0..ix.batch_start.len() {
             let bu = b as u32;
@@ -67,19 +70,14 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
                 f(point(p), point(bu), NONE);
             }
             let w = ix.wait_of[b];
-            let s = ix.batch_start[b];
             if w != NONE {
-                // A wait completes when the ops of its batch have.
-                let ws = ix.batch_start[w as usize];
-                for o in ws..ws + ix.batch_len[w as usize] {
-                    f(o, point(bu), NONE);
-                }
+                // A wait completes when the batch it names has (one edge, however many waits).
+                f(point(w), point(bu), NONE);
                 continue;
             }
+            let s = ix.batch_start[b];
             for o in s..s + ix.batch_len[b] {
-                if !ix.in_flight[b] {
-                    f(o, point(bu), NONE);
-                }
+                f(o, point(bu), NONE);
                 // Posted: this rank and the partner's passed their previous blocking points.
                 if let Some(p) = ix.pred(bu) {
                     f(point(p), o, NONE);
@@ -91,7 +89,7 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
                 if let Some(p) = ix.pred(ix.node_of[q as usize]) {
                     f(point(p), o, NONE);
                 }
-                // Both ends wait for the op before them on their streams.
+                // Both ends wait for what is before them on their streams.
                 for x in [before[o as usize], before[q as usize]] {
                     if x != NONE {
                         f(x, o, NONE);
@@ -117,12 +115,13 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
     }
 }
 
-/// For each op, the op issued before it on the same stream of its rank, skipping ops of its
-/// own batch when a batch is one NCCL group.
-fn stream_predecessors(ix: &Index<'_>, rule: StreamRule) -> Vec<u32> {
+/// For each op, the node it waits for on its stream: with ops issued one by one, the op
+/// issued before it on that stream; with each batch one NCCL group (one kernel on the
+/// communicator), the whole earlier batch that used the stream (its completion node).
+fn stream_predecessors(ix: &Index<'_>, rule: StreamRule, point: impl Fn(u32) -> u32) -> Vec<u32> {
     let mut before = vec![NONE; ix.node_of.len()];
     let world = ix.world as usize;
-    // Per stream key (peer, direction): (last op, its batch node, last op of an earlier batch).
+    // Per stream key (peer, direction): (last op, its batch node, last earlier batch node).
     let mut last = vec![(NONE, NONE, NONE); world * 2];
     let mut touched: Vec<usize> = Vec::new();
     for (r, instrs) in ix.p.ranks.iter().enumerate() {
@@ -144,8 +143,14 @@ fn stream_predecessors(ix: &Index<'_>, rule: StreamRule) -> Vec<u32> {
             let b = ix.node_of[g as usize];
             let key = peer * 2 + usize::from(rule.per_direction && send);
             let (lg, lb, earlier) = last[key];
-            let earlier = if lb != b { lg } else { earlier };
-            before[g as usize] = if rule.ops_in_order { lg } else { earlier };
+            let earlier = if lb != b { lb } else { earlier };
+            before[g as usize] = if rule.ops_in_order {
+                lg
+            } else if earlier == NONE {
+                NONE
+            } else {
+                point(earlier)
+            };
             last[key] = (g, b, earlier);
             touched.push(key);
         }
