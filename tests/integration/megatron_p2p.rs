@@ -304,10 +304,8 @@ fn waits_are_checked() {
         ],
         vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
-    let r = verify(&early, &VerifyOptions::default());
-    let msgs: Vec<String> = r.violations.iter().map(|v| v.to_string()).collect();
     assert_eq!(
-        msgs,
+        messages(&early),
         ["rank 0, #3: bwd(stage 0, mb 0) uses its gradient from the receive at #2 before waiting for it (the receive is still in flight)"]
     );
     let nothing = two_ranks(
@@ -320,13 +318,8 @@ fn waits_are_checked() {
         ],
         vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
-    let msgs: Vec<String> = verify(&nothing, &VerifyOptions::default())
-        .violations
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
     assert_eq!(
-        msgs,
+        messages(&nothing),
         ["rank 0, #2: waits for batch 7, which this rank has not posted before"]
     );
 }
@@ -581,6 +574,15 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
     assert_eq!(stream_deadlocks(&crossing, split.streams), 0);
 }
 
+/// Every violation of `p` in words, under the default options.
+fn messages(p: &Program) -> Vec<String> {
+    verify(p, &VerifyOptions::default())
+        .violations
+        .iter()
+        .map(|v| v.to_string())
+        .collect()
+}
+
 fn stream_deadlocks(p: &Program, streams: StreamRule) -> usize {
     let opts = VerifyOptions {
         streams,
@@ -608,13 +610,8 @@ fn a_waited_batch_id_reused_after_its_wait_is_ambiguous() {
         ],
         vec![recv(0, a, 0), fwd(1, 0), bwd(1, 0), send(0, g, 1)],
     );
-    let msgs: Vec<String> = verify(&p, &VerifyOptions::default())
-        .violations
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
     assert_eq!(
-        msgs,
+        messages(&p),
         ["rank 0, #2: waits for batch 0, but two separate batches of this rank use that id"]
     );
 }
