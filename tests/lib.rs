@@ -77,7 +77,7 @@ pub fn megatron_p2p_for(
 
 /// Instruction constructors for hand-written programs.
 pub mod ir {
-    use pipec::program::{Instr, Payload};
+    use pipec::ir::{Instr, Payload};
     use pipec_schedules::{Compute, Rank, Task};
 
     pub fn fwd(stage: u32, mb: u32) -> Instr {

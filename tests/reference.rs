@@ -12,7 +12,7 @@
 //! received (each received tensor once), a send ships what its rank produced, a receive gets
 //! what the matched send shipped. Afterwards it judges what happened.
 
-use pipec::program::{Instr, Payload, PayloadKind, Program};
+use pipec::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{Pass, StageId, Task};
 use std::collections::{HashMap, HashSet, VecDeque};
 

@@ -3,8 +3,8 @@
 //! (about a million compute ops, three million instructions).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pipec::files::{render, Encoding, Header};
-use pipec::layout::{self, Layout};
+use pipec::back::files::{render, Encoding, Header};
+use pipec::front::layout::{self, Layout};
 use pipec::lower;
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 use std::hint::black_box;

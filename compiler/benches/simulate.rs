@@ -5,7 +5,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pipec::compile::{compile, CompileRequest};
-use pipec::cost::{CostModel, StageCosts};
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
 use pipec_schedules::ScheduleKind;
 

@@ -1,8 +1,8 @@
 //! The whole compilation: layout + spec -> schedule -> program (-> verdict).
 
-use crate::layout::{self, LayerKind, Layout, LayoutError};
+use crate::front::layout::{self, LayerKind, Layout, LayoutError};
+use crate::ir::Program;
 use crate::lower::lower;
-use crate::program::Program;
 use pipec_schedules::{
     generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
 };

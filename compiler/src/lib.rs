@@ -1,26 +1,26 @@
 //! pipec: the pipeline-parallel schedule compiler.
 //!
-//! Data flows one way: a layout string and a [`compile::CompileRequest`] become a
-//! [`pipec_schedules::Schedule`] (per-rank compute orders), which [`lower`]ing turns into a
-//! [`program::Program`] (per-rank instruction streams with explicit send/recv). Verification,
-//! simulation and the emitters read the program; [`files`] stores it.
+//! Data flows one way, and the modules are named for the stages it passes:
+//!
+//! ```text
+//! front (layout, sweep) -> compile -> lower -> ir (Program) -> verify -> back (files, torch, view)
+//!                                                         \-> simulate (cost, timeline)
+//! ```
+//!
+//! A layout string and a [`compile::CompileRequest`] become a [`pipec_schedules::Schedule`]
+//! (per-rank compute orders), which [`lower`]ing turns into an [`ir::Program`] (per-rank
+//! instruction streams with explicit send/recv). Verification, simulation and the back ends
+//! read the program; [`back::files`] stores it and reads it back.
 
+pub mod back;
 pub mod compile;
-pub mod cost;
-pub mod emit;
-pub mod files;
-pub mod graph;
-pub mod layout;
+pub mod front;
+pub mod ir;
 pub mod lower;
-pub mod program;
-pub mod sigpipe;
 pub mod simulate;
-pub mod sweep;
-pub mod timeline;
-pub mod torch;
 pub mod verify;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
+pub use ir::{Instr, InstrRef, Payload, PayloadKind, Program};
 pub use lower::{lower, lower_orders};
-pub use program::{Instr, InstrRef, Payload, PayloadKind, Program};
 pub use verify::{verify, Report, VerifyOptions, Violation};

@@ -6,7 +6,7 @@ use clap::Parser as _;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    pipec::sigpipe::restore_default();
+    cli::sigpipe::restore_default();
     let args = match cli::Cli::try_parse() {
         Ok(a) => a,
         Err(e) => {

@@ -3,7 +3,7 @@
 //! timeline it produces.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pipec::cost::{CostModel, StageCosts};
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 use std::sync::OnceLock;
 

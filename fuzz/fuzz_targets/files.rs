@@ -1,14 +1,14 @@
 //! Instruction files travel through CI artifacts and object stores before a job loads them.
 //! The input is a manifest and rank files separated by `\n%%\n`. Two passes:
-//! 1. the files as they are, through `pipec::files::load_files` (every check, hashes included);
+//! 1. the files as they are, through `pipec::back::files::load_files` (every check, hashes included);
 //! 2. the same files with each rank file's `sha256` in the manifest recomputed, so that mutated
 //!    instructions get past the content hash and reach the rank-file parser and the verifier
 //!    (the schedule hash still guards the real loader; here we call `parse_rank` directly).
 //! Nothing may panic; a program the verifier calls valid must simulate without deadlock.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pipec::cost::{CostModel, StageCosts};
-use pipec::files::{load_files, parse_manifest, parse_rank, rank_file_name, Encoding};
+use pipec::simulate::cost::{CostModel, StageCosts};
+use pipec::back::files::{load_files, parse_manifest, parse_rank, rank_file_name, Encoding};
 use pipec::verify::{verify, VerifyOptions};
 use pipec::Program;
 use sha2::{Digest, Sha256};

@@ -3,8 +3,8 @@
 //! calls valid must simulate to the end (the simulator's deadlock detector agrees).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pipec::cost::{CostModel, StageCosts};
-use pipec::torch::{import_csv_bytes, ImportOptions, PlacementChoice};
+use pipec::simulate::cost::{CostModel, StageCosts};
+use pipec::back::torch::{import_csv_bytes, ImportOptions, PlacementChoice};
 use pipec::verify::{verify, VerifyOptions};
 
 fuzz_target!(|data: &[u8]| {

@@ -2,18 +2,18 @@
 //!
 //! Everything here is a thin wrapper over the crates the CLI uses: [`pipec::compile`] and
 //! [`pipec::verify`] for `compile`, [`pipec_runtime::load`] (every check `pipec-run` makes) for
-//! `load`, [`pipec::files`] for `save` and the instruction records, [`pipec::simulate`] and
-//! [`pipec::torch`] for simulation and torch's actions. Results with structure are handed to
+//! `load`, [`pipec::back::files`] for `save` and the instruction records, [`pipec::simulate`] and
+//! [`pipec::back::torch`] for simulation and torch's actions. Results with structure are handed to
 //! Python as JSON text (the same JSON the CLI prints); `pipec/__init__.py` decodes them and
 //! maps the error kinds to the documented exception classes.
 
+use pipec::back::files::{self, Encoding, Header, Loaded};
+use pipec::back::torch::{export_cells, export_csv, Action, Cell, CsvForm};
 use pipec::compile::{compile, CompileError, CompileRequest};
-use pipec::cost::{CostModel, StageCosts};
-use pipec::files::{self, Encoding, Header, Loaded};
-use pipec::layout::Layout;
-use pipec::program::Program;
+use pipec::front::layout::Layout;
+use pipec::ir::Program;
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
-use pipec::torch::{export_cells, export_csv, Action, Cell, CsvForm};
 use pipec::verify::{verify, StreamRule, VerifyOptions};
 use pipec_runtime::{load::LaunchWorld, RunError};
 use pipec_schedules::{CommPolicy, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};

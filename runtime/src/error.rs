@@ -1,7 +1,7 @@
 //! Why a run did not succeed, and the exit code each reason maps to.
 
 use crate::watchdog::Failure;
-use pipec::files::LoadError;
+use pipec::back::files::LoadError;
 use thiserror::Error;
 
 #[derive(Debug, Error)]

@@ -19,8 +19,8 @@
 
 use crate::backend::{Backend, CommError, CommOp, Dir, Pending};
 use crate::watchdog::{Failure, FailureKind, Status, Watch};
-use pipec::program::{Instr, InstrRef, Payload, PayloadKind, Program};
-use pipec::timeline::Span;
+use pipec::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
+use pipec::simulate::timeline::Span;
 use pipec_schedules::{Compute, Rank, StageId, Task};
 use std::fmt::Write as _;
 use std::time::Instant;

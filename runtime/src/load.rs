@@ -1,13 +1,13 @@
 //! Loading a compiled directory for execution. Everything is checked before any rank starts:
-//! the instruction-file checks of [`pipec::files::load_dir`] (format, version, each rank
+//! the instruction-file checks of [`pipec::back::files::load_dir`] (format, version, each rank
 //! file's hash against the manifest, one schedule hash for all ranks), the world size of the
 //! launch, the layout against the stage count, the structure of the schedule ([`preverify`],
 //! which names the file and field at fault), and then the full verifier
 //! ([`pipec::verify::verify`]: completeness, dependencies, matching, deadlock freedom).
 
 use crate::error::RunError;
-use pipec::files::{load_dir, rank_file_name, Encoding, Loaded, MANIFEST_FILE};
-use pipec::program::{Instr, Payload, Program};
+use pipec::back::files::{load_dir, rank_file_name, Encoding, Loaded, MANIFEST_FILE};
+use pipec::ir::{Instr, Payload, Program};
 use pipec_schedules::{Compute, Pass, Rank, Task};
 use std::path::Path;
 
@@ -308,7 +308,7 @@ fn check_task(t: Task, stages: u32, m: u32) -> Result<(), (&'static str, String)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pipec::program::PayloadKind;
+    use pipec::ir::PayloadKind;
     use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec, StageId};
 
     fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Program {

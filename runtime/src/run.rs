@@ -9,10 +9,10 @@ use crate::reference;
 use crate::trace;
 use crate::transport::Transport;
 use crate::watchdog::{Failure, FailureKind, Watch};
-use pipec::files::MANIFEST_FILE;
-use pipec::layout::Layout;
-use pipec::program::{Instr, InstrRef, Program};
-use pipec::timeline::Timeline;
+use pipec::back::files::MANIFEST_FILE;
+use pipec::front::layout::Layout;
+use pipec::ir::{Instr, InstrRef, Program};
+use pipec::simulate::timeline::Timeline;
 use pipec_schedules::{Rank, Task};
 use serde::Serialize;
 use std::sync::{Arc, Barrier, OnceLock};
@@ -495,7 +495,7 @@ mod tests {
             seq: 2,
             seed: 1,
         };
-        let layout = pipec::layout::parse("Et|tL").unwrap();
+        let layout = pipec::front::layout::parse("Et|tL").unwrap();
         let stages = model::build::<f32>(&layout, &cfg).unwrap();
         let r = reference::step(&stages, &cfg, 0, 3, false).unwrap();
         let same: Vec<Option<&StageGrads<f32>>> = r.grads.iter().map(Some).collect();

@@ -1,8 +1,8 @@
 //! The measured timeline and its Chrome trace.
 
 use crate::interp::RankRun;
-use pipec::program::Program;
-use pipec::timeline::{TimeUnit, Timeline};
+use pipec::ir::Program;
+use pipec::simulate::timeline::{TimeUnit, Timeline};
 
 /// One span per instruction per rank, in microseconds.
 pub fn timeline(runs: &[RankRun]) -> Timeline {
@@ -16,5 +16,5 @@ pub fn timeline(runs: &[RankRun]) -> Timeline {
 /// chrome-trace` (one event per instruction, send->recv flow arrows), so simulated and
 /// measured timelines open side by side in Perfetto.
 pub fn chrome_trace(program: &Program, timeline: &Timeline) -> String {
-    pipec::emit::chrome::chrome_trace("measured (pipec-run)", program, timeline)
+    pipec::back::view::chrome::chrome_trace("measured (pipec-run)", program, timeline)
 }

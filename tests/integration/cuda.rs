@@ -11,8 +11,8 @@
 //! fp32 and bf16 (one process, rank threads), and a 2-process NCCL launch with torchrun's
 //! variables.
 
+use pipec::back::files::{render, write_dir, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
-use pipec::files::{render, write_dir, Encoding, Header};
 use pipec_schedules::ScheduleKind;
 use std::path::Path;
 use std::process::Command;

@@ -19,7 +19,7 @@
 //! launches always runs.
 
 use ndarray::{Array2, ArrayView2};
-use pipec::layout::LayerKind;
+use pipec::front::layout::LayerKind;
 use pipec_runtime::backend::cuda::kernels;
 use pipec_runtime::model::{self, GradAccum, Layer, ModelConfig, SplitMix64, Stage};
 use sha2::{Digest, Sha256};

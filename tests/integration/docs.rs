@@ -1,7 +1,7 @@
 //! The documentation's examples are what pipec actually writes.
 
+use pipec::back::files::{render, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
-use pipec::files::{render, Encoding, Header};
 use pipec_schedules::ScheduleKind;
 
 /// The code blocks of `docs/format.md`'s example section, in order.

@@ -4,10 +4,10 @@
 //! (input invalid) or 2 (usage / I/O), never a panic or a hang, and never leave a half-written
 //! output directory.
 
+use pipec::back::files::{render, write_dir, Encoding, Header, Manifest};
 use pipec::compile::{compile, CompileRequest};
-use pipec::files::{render, write_dir, Encoding, Header, Manifest};
-use pipec::layout::Layout;
-use pipec::program::{Instr, Payload, Program};
+use pipec::front::layout::Layout;
+use pipec::ir::{Instr, Payload, Program};
 use pipec_schedules::{Compute, Rank, ScheduleKind, Task};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -3,9 +3,9 @@
 //! codes, and CSV input wherever `check` takes it.
 
 use assert_cmd::Command;
-use pipec::cost::{CostModel, StageCosts};
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
-use pipec::timeline::Timeline;
+use pipec::simulate::timeline::Timeline;
 use pipec::{Instr, Program};
 use pipec_schedules::Compute;
 use std::path::{Path, PathBuf};
@@ -156,10 +156,10 @@ fn num_layers_without_layout_splits_the_layers() {
             "1",
         ],
     );
-    let loaded = pipec::files::load_dir(&d).unwrap();
+    let loaded = pipec::back::files::load_dir(&d).unwrap();
     let layout = &loaded.manifest.layout;
-    assert_eq!(layout.count(pipec::layout::LayerKind::Decoder), 16);
-    assert_eq!(layout.count(pipec::layout::LayerKind::Mtp), 1);
+    assert_eq!(layout.count(pipec::front::layout::LayerKind::Decoder), 16);
+    assert_eq!(layout.count(pipec::front::layout::LayerKind::Mtp), 1);
     pipec()
         .args([
             "compile",
@@ -183,7 +183,7 @@ fn num_layers_without_layout_splits_the_layers() {
 
 /// The simulated timeline of a compiled directory under the default costs.
 fn timeline_of(dir: &Path) -> (Program, Timeline) {
-    let loaded = pipec::files::load_dir(dir).unwrap();
+    let loaded = pipec::back::files::load_dir(dir).unwrap();
     let costs = StageCosts::new(
         &CostModel::default(),
         &loaded.manifest.layout,

@@ -7,8 +7,8 @@
 //! (lowering adds no wait), and never less. The compute-order times are computed here by a
 //! fixpoint over start times, independently of the lowering's own list schedule.
 
-use pipec::cost::{CostModel, StageCosts};
 use pipec::lower::lower_orders;
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::verify::{verify, VerifyOptions};
 use pipec_schedules::{CommPolicy, Compute, Microbatch, Placement, Rank, RankOrder, StageId, Task};
 use std::collections::HashMap;

@@ -3,9 +3,9 @@
 //! the CPU runtime; batches left in flight are judged by their waits; what Megatron refuses is
 //! refused with its reason. Call-for-call equality with Megatron is `megatron_calls.rs`.
 
+use pipec::back::files::{render, write_dir, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
-use pipec::files::{render, write_dir, Encoding, Header};
-use pipec::program::{Instr, Payload, Program};
+use pipec::ir::{Instr, Payload, Program};
 use pipec::verify::{verify, StreamRule, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, run_cpu, RunOptions};

@@ -6,10 +6,10 @@
 //! agree bitwise. The measured activation peak is compared with a count from the program alone.
 
 use assert_cmd::Command;
+use pipec::back::files::{render, write_dir, Encoding, Header};
 use pipec::compile::{compile, CompileRequest, Compiled};
-use pipec::files::{render, write_dir, Encoding, Header};
-use pipec::layout::Layout;
-use pipec::program::{Instr, Payload, Program};
+use pipec::front::layout::Layout;
+use pipec::ir::{Instr, Payload, Program};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::watchdog::FailureKind;
 use pipec_runtime::{load, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};

@@ -8,8 +8,8 @@
 //! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
 //! and its inputs are done; communication is free), written before `pipec::simulate` existed.
 
+use pipec::ir::{Instr, Payload, PayloadKind, Program};
 use pipec::lower::lower;
-use pipec::program::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
     generate, Compute, Limits, Pass, Placement, Rank, Schedule, ScheduleKind, ScheduleSpec, Task,
 };
@@ -759,7 +759,9 @@ fn dualpipe_v_matches_torch_pp2_m4() {
         assert_eq!(sch.placement.rank_of(Task::new(s, 0)), Rank(want));
     }
     // End to end: pipec's torch exporter writes the lowered program back as torch's file.
-    let csv = pipec::torch::export_csv(&lower(&sch), pipec::torch::CsvForm::ComputeOnly).unwrap();
+    let csv =
+        pipec::back::torch::export_csv(&lower(&sch), pipec::back::torch::CsvForm::ComputeOnly)
+            .unwrap();
     assert_eq!(csv.trim_end(), text.trim_end());
 }
 
@@ -894,7 +896,7 @@ fn dualpipe_bubble_and_memory_formulas() {
 /// held its neighbours' round batches back; the rounds are now timed by the ops' costs.
 #[test]
 fn pipec_simulate_agrees_with_the_compute_order() {
-    use pipec::cost::{CostModel, StageCosts};
+    use pipec::simulate::cost::{CostModel, StageCosts};
     for k in [ScheduleKind::OneFOneB, ScheduleKind::Gpipe]
         .into_iter()
         .chain(NEW_KINDS)
@@ -948,8 +950,8 @@ fn figures_table() -> String {
             // What `pipec simulate` and `compare` print: idle share of the makespan.
             let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(k, pp, m))
                 .expect("valid spec");
-            let costs = pipec::cost::StageCosts::uniform(
-                &pipec::cost::CostModel::default(),
+            let costs = pipec::simulate::cost::StageCosts::uniform(
+                &pipec::simulate::cost::CostModel::default(),
                 c.program.num_stages(),
             );
             let printed = pipec::simulate::simulate(&c.program, &costs)
@@ -1045,11 +1047,11 @@ fn cli_compiles_new_kinds_and_combined() {
             .arg(&out)
             .assert()
             .success();
-        let loaded = pipec::files::load_dir(&out).unwrap();
+        let loaded = pipec::back::files::load_dir(&out).unwrap();
         rendezvous(&loaded.program).unwrap();
     }
     // --combined reached the schedule: fwd_bwd ops in the written program.
-    let loaded = pipec::files::load_dir(&dir.path().join("combined")).unwrap();
+    let loaded = pipec::back::files::load_dir(&dir.path().join("combined")).unwrap();
     let fused = loaded
         .program
         .ranks
@@ -1060,7 +1062,7 @@ fn cli_compiles_new_kinds_and_combined() {
     // Megatron's combined_1f1b orders: 5 + 7 + 9 + 11 fused ops on the four ranks.
     assert_eq!(fused, 32);
     // zb-v without --vpp is vpp 2: 8 stages on 4 ranks.
-    let zbv = pipec::files::load_dir(&dir.path().join("zbv")).unwrap();
+    let zbv = pipec::back::files::load_dir(&dir.path().join("zbv")).unwrap();
     assert_eq!(zbv.program.num_stages(), 8);
 }
 
@@ -1192,7 +1194,7 @@ fn new_kinds_train_like_the_unpipelined_reference() {
             ..spec(ScheduleKind::DualPipe, pp, 2 * pp)
         };
         let sch = schedule(&s);
-        let layout = pipec::layout::Layout::uniform(pp);
+        let layout = pipec::front::layout::Layout::uniform(pp);
         let report = run_cpu(&lower(&sch), &layout, &opts).unwrap();
         for st in &report.steps {
             assert_eq!(
@@ -1210,7 +1212,7 @@ fn new_kinds_train_like_the_unpipelined_reference() {
 /// for ZB-1P it is valid but slower than its compute order.
 #[test]
 fn fused_per_op_fails_where_lockstep_is_used() {
-    use pipec::cost::{CostModel, StageCosts};
+    use pipec::simulate::cost::{CostModel, StageCosts};
     use pipec_schedules::CommPolicy;
     let fused = |sch: &Schedule| {
         pipec::lower::lower_orders(

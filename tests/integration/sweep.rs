@@ -51,7 +51,7 @@ fn one_invalid_config_fails_the_run_without_losing_the_others() {
     written.sort();
     assert_eq!(written.len(), 8, "{written:?}");
     for name in &written {
-        let loaded = pipec::files::load_dir(&out.join(name)).unwrap();
+        let loaded = pipec::back::files::load_dir(&out.join(name)).unwrap();
         let r = pipec::verify::verify(&loaded.program, &Default::default());
         assert!(r.is_valid(), "{name}: {r}");
         // The directory holds what its name says.

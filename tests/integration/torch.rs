@@ -1,12 +1,12 @@
 //! torch.distributed.pipelining CSV interop: conformance with files torch wrote, round trips,
 //! the rules torch's runtime imposes on compute+comms files, malformed input, and the CLI.
 
-use pipec::program::{Instr, Payload, Program};
-use pipec::torch::action::{parse_cell, ActionType, Cell};
-use pipec::torch::{
+use pipec::back::torch::action::{parse_cell, ActionType, Cell};
+use pipec::back::torch::{
     export_csv, import_csv, import_csv_bytes, CsvErrorKind, CsvForm, ImportOptions,
     PlacementChoice, PlacementSource,
 };
+use pipec::ir::{Instr, Payload, Program};
 use pipec_schedules::{
     generate, CommPolicy, Compute, Limits, Placement, PlacementKind, Rank, RankOrder, ScheduleKind,
     ScheduleSpec, Task,
@@ -1351,7 +1351,7 @@ mod cli {
                 .assert()
                 .success()
                 .stdout(contains("imported"));
-            let loaded = pipec::files::load_dir(&out).unwrap();
+            let loaded = pipec::back::files::load_dir(&out).unwrap();
             let want = import_csv(&conformance(name), &opts()).unwrap();
             assert_eq!(loaded.program, want.program, "{name}");
             assert_eq!(loaded.manifest.source, "torch-csv");
@@ -1364,7 +1364,7 @@ mod cli {
             assert_eq!(loaded.manifest.comm_policy, policy, "{name}");
             assert_eq!(
                 loaded.manifest.layout,
-                pipec::layout::Layout::uniform(want.program.num_stages())
+                pipec::front::layout::Layout::uniform(want.program.num_stages())
             );
         }
         // --pp and --placement that agree with the file.
@@ -1445,7 +1445,7 @@ mod cli {
 
 #[test]
 fn export_refuses_what_the_csv_cannot_say() {
-    use pipec::torch::ExportError;
+    use pipec::back::torch::ExportError;
     let mut p = pipec::lower(
         &generate(
             &spec(ScheduleKind::OneFOneB, 2, 1, 2, false),

@@ -2,8 +2,8 @@
 //! on thousands of mutated schedules, published peak-memory formulas, and hand-built
 //! defects whose violations are derived by hand.
 
+use pipec::ir::{Instr, Payload, Program};
 use pipec::lower::lower;
-use pipec::program::{Instr, Payload, Program};
 use pipec::verify::{verify, Class, Report, VerifyOptions, Violation};
 use pipec_schedules::{
     generate, Compute, Limits, Placement, Rank, ScheduleKind, ScheduleSpec, Task,
@@ -788,33 +788,6 @@ fn verifier_agrees_with_reference_executor_on_mutations() {
 }
 
 // ---------------------------------------------------------------------------------------
-// The petgraph dependency graph.
-
-#[test]
-fn dependency_graph_of_a_valid_schedule() {
-    let p = program(ScheduleKind::Interleaved1F1B, 4, 2, 8, false).unwrap();
-    let g = pipec::graph::DepGraph::build(&p);
-    assert_eq!(g.graph.node_count(), p.len());
-    assert!(g.is_acyclic());
-    // Rank 0's first forward reaches rank 3's backward of stage 7, mb 0 through the ring.
-    let first = pipec::InstrRef {
-        rank: Rank(0),
-        index: 0,
-    };
-    let b7 = p.ranks[3]
-        .iter()
-        .position(|i| *i == Instr::Compute(Compute::Bwd(Task::new(7, 0))))
-        .unwrap();
-    let b7 = pipec::InstrRef {
-        rank: Rank(3),
-        index: b7 as u32,
-    };
-    assert!(g.reaches(first, b7));
-    assert!(!g.reaches(b7, first));
-    assert!(g.to_dot(&p).starts_with("digraph pipec {"));
-}
-
-// ---------------------------------------------------------------------------------------
 // Reports serialize.
 
 #[test]
@@ -918,16 +891,16 @@ fn cli_check_reports_every_violation_of_a_broken_directory() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("broken");
     let p = ring(true);
-    let layout = pipec::layout::Layout::uniform(6);
-    let header = pipec::files::Header {
+    let layout = pipec::front::layout::Layout::uniform(6);
+    let header = pipec::back::files::Header {
         source: "generated",
         schedule: None,
         comm_policy: None,
         layout: &layout,
     };
-    pipec::files::write_dir(
+    pipec::back::files::write_dir(
         &dir,
-        &pipec::files::render(&header, &p, pipec::files::Encoding::Json),
+        &pipec::back::files::render(&header, &p, pipec::back::files::Encoding::Json),
     )
     .unwrap();
     let out = pipec().arg("check").arg(&dir).assert().code(1);

@@ -39,8 +39,8 @@
 //! before it counts as a disagreement. A short timeout can make a clean run look hung, never
 //! the other way round.
 
-use pipec::layout::Layout;
-use pipec::program::{Instr, Payload, PayloadKind, Program};
+use pipec::front::layout::Layout;
+use pipec::ir::{Instr, Payload, PayloadKind, Program};
 use pipec::verify::{verify, Class, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::watchdog::FailureKind;

@@ -3,11 +3,11 @@
 //! parsed back; snapshots of small cases; the CLI's commands and exit codes.
 
 use assert_cmd::Command;
+use pipec::back::files::{self, Header};
+use pipec::back::view::{chrome, dot, svg, timeline_text};
 use pipec::compile::{compile, CompileRequest, Compiled};
-use pipec::cost::{CostModel, StageCosts};
-use pipec::emit::{chrome, dot, svg, timeline_text};
-use pipec::files::{self, Header};
-use pipec::layout::Layout;
+use pipec::front::layout::Layout;
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::{simulate, SimError, Simulation};
 use pipec::{Instr, Payload, Program};
 use pipec_schedules::{Compute, Placement, Rank, ScheduleKind, Task};
@@ -1076,7 +1076,7 @@ fn cli_export() {
         .assert()
         .success();
     // torch CSV: one line per rank, and it imports back to the same compute order.
-    let loaded = pipec::files::load_dir(&d).unwrap();
+    let loaded = pipec::back::files::load_dir(&d).unwrap();
     for (flag, lines) in [
         (None, loaded.program.world()),
         (Some("--compute-only"), loaded.program.world()),
@@ -1089,7 +1089,7 @@ fn cli_export() {
         let out = cmd.assert().success();
         let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
         assert_eq!(text.lines().count() as u32, lines, "{text}");
-        let back = pipec::torch::import_csv(&text, &Default::default()).unwrap();
+        let back = pipec::back::torch::import_csv(&text, &Default::default()).unwrap();
         assert_eq!(
             back.program.compute_orders(),
             loaded.program.compute_orders()

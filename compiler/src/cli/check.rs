@@ -17,7 +17,7 @@ pub struct Args {
     pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (default: read off the file).
     #[arg(long, value_parser = super::import::parse_placement)]
-    placement: Option<pipec::torch::PlacementChoice>,
+    placement: Option<pipec::back::torch::PlacementChoice>,
     /// Most live activations (microbatch x stage units) a rank may hold.
     #[arg(long)]
     memory_limit: Option<u64>,

@@ -11,8 +11,8 @@ use super::compile::{compile_error, parse_kind};
 use super::simulate::{run_sim, title, CostArgs};
 use super::{print_json, CliError};
 use pipec::compile::{compile, CompileRequest};
-use pipec::cost::{CostModel, StageCosts};
-use pipec::layout::{LayerKind, Layout};
+use pipec::front::layout::{LayerKind, Layout};
+use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::{simulate, SimError, Simulation, BUBBLE};
 use pipec_schedules::{ChunkRule, ScheduleKind};
 use std::path::PathBuf;
@@ -298,7 +298,7 @@ fn table(rows: &[Row]) -> String {
                     r.name.clone(),
                     model_name(r.model),
                     r.instructions.to_string(),
-                    pipec::cost::num(m),
+                    pipec::simulate::cost::num(m),
                     match base {
                         Some((b, bm)) if bm != r.model => {
                             format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE))

@@ -3,9 +3,9 @@
 
 use super::simulate::{run_sim, sim_error, title, CostArgs};
 use super::CliError;
-use pipec::emit::{chrome, dot, svg, Filter};
-use pipec::files::Loaded;
-use pipec::torch::{export_csv, CsvForm};
+use pipec::back::files::Loaded;
+use pipec::back::torch::{export_csv, CsvForm};
+use pipec::back::view::{chrome, dot, svg, Filter};
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -45,7 +45,7 @@ pub struct Args {
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
     #[arg(long, value_parser = super::import::parse_placement)]
-    pub placement: Option<pipec::torch::PlacementChoice>,
+    pub placement: Option<pipec::back::torch::PlacementChoice>,
     /// Output format.
     #[arg(long, value_enum)]
     pub format: Format,

@@ -4,11 +4,11 @@
 //! caret under the cell), 2 for usage and I/O errors.
 
 use super::CliError;
-use pipec::files::{self, Header};
-use pipec::layout::Layout;
-use pipec::torch::{
+use pipec::back::files::{self, Header};
+use pipec::back::torch::{
     import_csv_bytes, CsvForm, ImportOptions, Imported, PlacementChoice, PlacementSource,
 };
+use pipec::front::layout::Layout;
 use pipec_schedules::CommPolicy;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -81,7 +81,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let layout = match &a.layout {
         None => Layout::uniform(program.num_stages()),
         Some(text) => {
-            let l = pipec::layout::parse(text)
+            let l = pipec::front::layout::parse(text)
                 .map_err(|e| CliError::Invalid(super::layout::render_error(&e)))?;
             if l.num_stages() != program.num_stages() {
                 return Err(CliError::Invalid(format!(

@@ -1,7 +1,7 @@
 //! `pipec layout`: the expanded stage table.
 
 use super::{print_json, CliError};
-use pipec::layout::{self, LayoutError};
+use pipec::front::layout::{self, LayoutError};
 use std::path::Path;
 use std::process::ExitCode;
 

@@ -9,6 +9,7 @@ mod import;
 mod layout;
 mod schedules;
 mod show;
+pub(crate) mod sigpipe;
 mod simulate;
 mod window;
 
@@ -104,8 +105,8 @@ pub fn print_json<T: serde::Serialize>(v: &T) {
 }
 
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
-pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
-    pipec::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
+pub fn load(dir: &std::path::Path) -> Result<pipec::back::files::Loaded, CliError> {
+    pipec::back::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
 }
 
 /// A compiled directory, or a torch CSV file recognised by being a file (its content decides,
@@ -113,12 +114,12 @@ pub fn load(dir: &std::path::Path) -> Result<pipec::files::Loaded, CliError> {
 pub fn load_any(
     path: &std::path::Path,
     pp: Option<u32>,
-    placement: Option<pipec::torch::PlacementChoice>,
-) -> Result<pipec::files::Loaded, CliError> {
+    placement: Option<pipec::back::torch::PlacementChoice>,
+) -> Result<pipec::back::files::Loaded, CliError> {
     if path.is_file() {
         let imported = import::read_csv(path, pp, placement)?;
-        let layout = pipec::layout::Layout::uniform(imported.program.num_stages());
-        return pipec::files::load_files(&import::render_imported(&imported, &layout))
+        let layout = pipec::front::layout::Layout::uniform(imported.program.num_stages());
+        return pipec::back::files::load_files(&import::render_imported(&imported, &layout))
             .map_err(|e| CliError::Usage(e.to_string()));
     }
     if pp.is_some() || placement.is_some() {

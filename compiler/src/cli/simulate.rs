@@ -2,10 +2,10 @@
 //! Also home of the cost-model arguments the other viewing commands share.
 
 use super::{print_json, CliError};
-use pipec::cost::{CostModel, StageCosts};
-use pipec::files::Loaded;
+use pipec::back::files::Loaded;
+use pipec::simulate::cost::{CostModel, StageCosts};
+use pipec::simulate::timeline::TimeUnit;
 use pipec::simulate::{simulate, SimError, Simulation};
-use pipec::timeline::TimeUnit;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -76,7 +76,7 @@ pub struct Args {
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
     #[arg(long, value_parser = super::import::parse_placement)]
-    pub placement: Option<pipec::torch::PlacementChoice>,
+    pub placement: Option<pipec::back::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
     /// Machine-readable output.
@@ -105,7 +105,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             println!("cost: {}", model.describe());
             print!(
                 "{}",
-                pipec::emit::timeline_text::render_summary(&sim.summary, TimeUnit::Cost)
+                pipec::back::view::timeline_text::render_summary(&sim.summary, TimeUnit::Cost)
             );
             Ok(ExitCode::SUCCESS)
         }

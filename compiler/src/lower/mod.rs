@@ -22,7 +22,7 @@
 
 mod megatron;
 
-use crate::program::{Instr, Payload, PayloadKind, Program};
+use crate::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
     CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
 };

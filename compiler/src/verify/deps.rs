@@ -16,7 +16,7 @@
 use super::index::{slot, Index, NONE};
 use super::matching::Matching;
 use super::report::{Part, Violation};
-use crate::program::{Instr, Payload, PayloadKind};
+use crate::ir::{Instr, Payload, PayloadKind};
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::HashMap;
 

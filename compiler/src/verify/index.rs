@@ -3,7 +3,7 @@
 //! read from a file cannot make the verifier panic.
 
 use super::report::{Field, Part, Site, Stats, Violation};
-use crate::program::{Instr, InstrRef, Payload, PayloadKind, Program};
+use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
 use pipec_schedules::{Microbatch, Pass, Rank, StageId, Task};
 use std::collections::HashMap;
 
@@ -436,11 +436,6 @@ impl<'p> Index<'p> {
             rank: Rank(r),
             index: g - self.offsets[r as usize],
         }
-    }
-
-    pub fn instr(&self, g: u32) -> Instr {
-        let at = self.instr_ref(g);
-        self.p.ranks[at.rank.index()][at.index as usize]
     }
 
     pub fn site(&self, g: u32) -> Site {

@@ -5,7 +5,7 @@
 
 use super::index::{Index, NONE};
 use super::report::Violation;
-use crate::program::{Instr, Payload};
+use crate::ir::{Instr, Payload};
 use std::collections::HashMap;
 
 /// Who meets whom.

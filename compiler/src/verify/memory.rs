@@ -11,7 +11,7 @@
 
 use super::index::{Index, NONE};
 use super::report::{RankMemory, Violation};
-use crate::program::{Instr, InstrRef};
+use crate::ir::{Instr, InstrRef};
 use pipec_schedules::{Pass, Rank};
 
 pub(crate) fn check(

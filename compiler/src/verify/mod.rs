@@ -55,7 +55,7 @@
 //!
 //! Costs are linear in the program (plus sorting cycle members when there are cycles): one
 //! indexing pass builds dense tables over positions, tasks and payloads, and every check reads
-//! them. [`crate::graph`] builds the same relations as a petgraph graph for export and queries.
+//! them.
 //!
 //! [`StreamDeadlock`]: Violation::StreamDeadlock
 //! [`WorldMismatch`]: Violation::WorldMismatch
@@ -92,7 +92,7 @@ pub mod report;
 pub mod risk;
 pub mod streams;
 
-use crate::program::Program;
+use crate::ir::Program;
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
 pub use streams::StreamRule;
@@ -146,7 +146,7 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::program::{Instr, Payload};
+    use crate::ir::{Instr, Payload};
     use pipec_schedules::{Compute, Placement, Rank, Task};
 
     #[test]

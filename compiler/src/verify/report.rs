@@ -3,7 +3,7 @@
 //! ([`InstrRef`]s, as [`Site`]s with the instruction itself so a message never needs the
 //! program to be printed).
 
-use crate::program::{Instr, InstrRef, Payload, PayloadKind};
+use crate::ir::{Instr, InstrRef, Payload, PayloadKind};
 use pipec_schedules::{Compute, Pass, Rank, StageId, Task};
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};

@@ -11,7 +11,7 @@
 
 use super::index::{Index, NONE};
 use super::report::Site;
-use crate::program::{Instr, Payload};
+use crate::ir::{Instr, Payload};
 use pipec_schedules::Rank;
 use serde::Serialize;
 use std::fmt;

@@ -132,8 +132,8 @@ fn stream_predecessors(ix: &Index<'_>, rule: StreamRule, point: impl Fn(u32) -> 
         let base = ix.offsets[r];
         for (i, ins) in instrs.iter().enumerate() {
             let (peer, send) = match *ins {
-                crate::program::Instr::Send { peer, .. } => (peer.index(), true),
-                crate::program::Instr::Recv { peer, .. } => (peer.index(), false),
+                crate::ir::Instr::Send { peer, .. } => (peer.index(), true),
+                crate::ir::Instr::Recv { peer, .. } => (peer.index(), false),
                 _ => continue,
             };
             if peer >= world {

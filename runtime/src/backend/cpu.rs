@@ -6,7 +6,7 @@ use crate::model::{
     self, Ctx, GradAccum, LayerPartial, LayerStash, ModelConfig, Stage, StageGrads, Tensor,
 };
 use crate::transport::Transport;
-use pipec::layout::LayerKind;
+use pipec::front::layout::LayerKind;
 use pipec_schedules::{Rank, Task};
 use std::sync::Arc;
 

@@ -9,7 +9,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod noop;
 
-use pipec::program::Payload;
+use pipec::ir::Payload;
 use pipec_schedules::{Rank, Task};
 use std::time::Duration;
 use thiserror::Error;

@@ -5,7 +5,7 @@
 //! backward (`bwd_D`) and a weight-gradient backward (`bwd_W`): a stage's op time divided by
 //! its decoder-layer count. Stages that hold only decoder layers are used when there are any,
 //! so the embedding and the head do not inflate the per-layer figure; pipec's cost model gives
-//! `E` and `L` no cost by default (see `pipec::cost`). A full `bwd` counts as `bwd_D + bwd_W`;
+//! `E` and `L` no cost by default (see `pipec::simulate::cost`). A full `bwd` counts as `bwd_D + bwd_W`;
 //! when a program has no split backward, each half is taken as half of it (the `B = W`
 //! assumption of "Zero Bubble Pipeline Parallelism", Qi et al., 2024). Overlapped `fwd_bwd`
 //! pairs are not used. The message latency `p2p` is the lower quartile of the measured comm
@@ -14,11 +14,11 @@
 //!
 //! Pure (no GPU): tested on simulated timelines, where it must recover the costs it was given.
 
-use pipec::cost::{CostModel, StageCosts};
-use pipec::layout::{LayerKind, Layout};
-use pipec::program::{Instr, Program};
+use pipec::front::layout::{LayerKind, Layout};
+use pipec::ir::{Instr, Program};
+use pipec::simulate::cost::{CostModel, StageCosts};
+use pipec::simulate::timeline::Timeline;
 use pipec::simulate::{simulate, summarize};
-use pipec::timeline::Timeline;
 use pipec_schedules::{Compute, Task};
 use serde::Serialize;
 

@@ -15,8 +15,8 @@ use crate::backend::{BackendError, CommOp, Dir};
 use crate::transport::Transport;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use cudarc::nccl::Comm;
-use pipec::layout::{LayerKind, Layout};
-use pipec::program::{Payload, PayloadKind};
+use pipec::front::layout::{LayerKind, Layout};
+use pipec::ir::{Payload, PayloadKind};
 use std::sync::Arc;
 
 pub enum Net<T> {

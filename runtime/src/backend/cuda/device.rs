@@ -9,8 +9,8 @@ use crate::model::{self, ModelConfig, Stage};
 use crate::watchdog::{Failure, FailureKind, Watch};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
-use pipec::layout::{LayerKind, Layout};
-use pipec::program::InstrRef;
+use pipec::front::layout::{LayerKind, Layout};
+use pipec::ir::InstrRef;
 use pipec_schedules::{Rank, Task};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -207,7 +207,7 @@ impl<T: Elem> CudaBackend<T> {
     }
 
     /// Per-instruction spans in microseconds since the step's origin (after [`Self::sync`]).
-    pub fn spans(&self) -> Result<Vec<pipec::timeline::Span>, BackendError> {
+    pub fn spans(&self) -> Result<Vec<pipec::simulate::timeline::Span>, BackendError> {
         let origin = self
             .origin
             .as_ref()
@@ -223,7 +223,7 @@ impl<T: Elem> CudaBackend<T> {
                 e = e.max(us(e2)?);
             }
             for _ in 0..m.n {
-                out.push(pipec::timeline::Span {
+                out.push(pipec::simulate::timeline::Span {
                     start: s,
                     end: e.max(s),
                 });

@@ -13,7 +13,7 @@ use cudarc::driver::{
     ValidAsZeroBits,
 };
 use cudarc::nccl::NcclType;
-use pipec::layout::LayerKind;
+use pipec::front::layout::LayerKind;
 use std::sync::Arc;
 
 /// Turn any CUDA-side error into a backend error naming what was being done.

@@ -33,10 +33,10 @@ use crate::run::{for_each_gradient, CheckSummary, RankStats, RunReport, StepRepo
 use crate::transport::Transport;
 use crate::watchdog::{Failure, FailureKind, Watch};
 use cudarc::driver::CudaContext;
-use pipec::files::MANIFEST_FILE;
-use pipec::layout::Layout;
-use pipec::program::{Instr, InstrRef, Program};
-use pipec::timeline::{Span, TimeUnit, Timeline};
+use pipec::back::files::MANIFEST_FILE;
+use pipec::front::layout::Layout;
+use pipec::ir::{Instr, InstrRef, Program};
+use pipec::simulate::timeline::{Span, TimeUnit, Timeline};
 use pipec_schedules::Rank;
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -730,7 +730,7 @@ mod tests {
             seq: 2,
             seed: 1,
         };
-        let layout = pipec::layout::parse("Et|tL").unwrap();
+        let layout = pipec::front::layout::parse("Et|tL").unwrap();
         let stages = model::build::<f32>(&layout, &cfg).unwrap();
         let r = reference::step(&stages, &cfg, 0, 3, false).unwrap();
         let all = [true, true];

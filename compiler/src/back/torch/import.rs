@@ -21,8 +21,8 @@
 use super::action::MAX_MICROBATCHES;
 use super::action::{parse_cell, Action, ActionType, Cell, CsvErrorKind, MAX_STAGES};
 use super::CsvForm;
+use crate::ir::{Instr, Payload, Program};
 use crate::lower::lower_orders;
-use crate::program::{Instr, Payload, Program};
 use pipec_schedules::{
     CommPolicy, Compute, Limits, Placement, PlacementKind, Rank, RankOrder, StageId, Task,
 };

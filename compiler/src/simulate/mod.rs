@@ -16,9 +16,12 @@
 //! finished, the schedule deadlocks, and [`Deadlock`] says which ranks wait at which batch for
 //! what.
 
-use crate::cost::StageCosts;
-use crate::program::{Instr, InstrRef, Program};
-use crate::timeline::{Span, TimeUnit, Timeline};
+pub mod cost;
+pub mod timeline;
+
+use crate::ir::{Instr, InstrRef, Program};
+use crate::simulate::cost::StageCosts;
+use crate::simulate::timeline::{Span, TimeUnit, Timeline};
 use pipec_schedules::{Compute, Rank};
 use serde::Serialize;
 use std::fmt;
@@ -169,7 +172,7 @@ pub fn schedule_title(
 pub fn json_report(
     name: &str,
     program: &Program,
-    model: &crate::cost::CostModel,
+    model: &crate::simulate::cost::CostModel,
     result: &Result<Simulation, SimError>,
 ) -> Option<serde_json::Value> {
     match result {
@@ -785,8 +788,8 @@ impl<'a> Sim<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::CostModel;
-    use crate::program::Payload;
+    use crate::ir::Payload;
+    use crate::simulate::cost::CostModel;
     use pipec_schedules::{Placement, Task};
 
     fn fwd(s: u32, m: u32) -> Instr {

@@ -8,9 +8,9 @@
 //! microseconds. Times start at the timeline's earliest span.
 
 use super::{comm_name, op_name, timeline_text::origin, Filter};
-use crate::program::{Instr, PayloadKind, Program};
+use crate::ir::{Instr, PayloadKind, Program};
+use crate::simulate::timeline::{TimeUnit, Timeline};
 use crate::simulate::Matching;
-use crate::timeline::{TimeUnit, Timeline};
 use pipec_schedules::Pass;
 use std::fmt::Write as _;
 
@@ -80,7 +80,7 @@ impl TraceBuilder {
         for &r in &rows {
             kept_rank[r] = true;
         }
-        let kept = |at: crate::program::InstrRef, sp: crate::timeline::Span| {
+        let kept = |at: crate::ir::InstrRef, sp: crate::simulate::timeline::Span| {
             kept_rank.get(at.rank.index()).copied().unwrap_or(false)
                 && filter.keeps(sp.start - t0, sp.end - t0)
         };
@@ -222,7 +222,7 @@ impl TraceBuilder {
     }
 }
 
-fn span(timeline: &Timeline, at: crate::program::InstrRef) -> Option<crate::timeline::Span> {
+fn span(timeline: &Timeline, at: crate::ir::InstrRef) -> Option<crate::simulate::timeline::Span> {
     timeline
         .ranks
         .get(at.rank.index())?

@@ -19,7 +19,7 @@
 //! rank. Deterministic; linear in the program size. Per-peer FIFO order is never changed: the
 //! k-th send to a peer always completes with the k-th recv there, before the (k+1)-th.
 
-use crate::program::{Instr, Program};
+use crate::ir::{Instr, Program};
 use std::collections::{BTreeMap, VecDeque};
 
 const NONE: usize = usize::MAX;

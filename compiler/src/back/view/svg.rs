@@ -6,8 +6,8 @@
 use super::{
     chunk_of, chunks, fmt_num, nice_step, op_label, op_name, timeline_text::origin, Filter, OpKind,
 };
-use crate::program::{Instr, Program};
-use crate::timeline::{TimeUnit, Timeline};
+use crate::ir::{Instr, Program};
+use crate::simulate::timeline::{TimeUnit, Timeline};
 use std::fmt::Write as _;
 
 /// How to draw.

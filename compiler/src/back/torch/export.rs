@@ -37,7 +37,7 @@
 use super::action::{Action, ActionType, Cell};
 use super::order::emission_orders;
 use super::CsvForm;
-use crate::program::{Instr, InstrRef, Payload, PayloadKind, Program};
+use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
 use pipec_schedules::{Compute, Pass, Rank, StageId};
 use std::collections::HashMap;
 use std::fmt::Write as _;

@@ -12,7 +12,7 @@
 //!   `Display` echoes the line with a caret under the offending cell.
 //! - [`action`] is the cell grammar both share.
 //!
-//! [`Program`]: crate::program::Program
+//! [`Program`]: crate::ir::Program
 
 pub mod action;
 pub mod export;

@@ -1,4 +1,4 @@
-//! Views of a program and a [`Timeline`](crate::timeline::Timeline): the terminal timeline,
+//! Views of a program and a [`Timeline`](crate::simulate::timeline::Timeline): the terminal timeline,
 //! Chrome/Perfetto traces, SVG pictures and Graphviz graphs. Every renderer takes the program
 //! and a timeline, simulated or measured, so the runtime's measurements render the same way.
 //! Renderers are pure (text in memory, deterministic); the CLI writes the files.
@@ -8,7 +8,7 @@ pub mod dot;
 pub mod svg;
 pub mod timeline_text;
 
-use crate::program::{Instr, PayloadKind, Program};
+use crate::ir::{Instr, PayloadKind, Program};
 use pipec_schedules::{Compute, Pass};
 
 /// Which part of a timeline a trace or picture shows: some ranks, a time window (in the

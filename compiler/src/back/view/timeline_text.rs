@@ -7,9 +7,9 @@
 //! in lowercase (and, with colour, in the bright shade) so interleaving is visible.
 
 use super::{chunk_of, chunks, fmt_num, nice_step, op_label, OpKind};
-use crate::program::{Instr, Program};
+use crate::ir::{Instr, Program};
+use crate::simulate::timeline::{TimeUnit, Timeline};
 use crate::simulate::Summary;
-use crate::timeline::{TimeUnit, Timeline};
 use std::fmt::Write as _;
 
 /// How to draw.
@@ -454,7 +454,7 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::timeline::Span;
+    use crate::simulate::timeline::Span;
     use pipec_schedules::{Compute, Placement, Task};
 
     /// A measured timeline (microseconds since some epoch) draws like a simulated one that

@@ -2,6 +2,10 @@
 //! in the library. Exit codes: 0 ok, 1 the schedule failed (refused, hang, check mismatch),
 //! 2 usage or I/O error.
 
+/// The same `SIGPIPE` reset as `pipec`'s: a binary's concern, so no library exports it.
+#[path = "../../../../compiler/src/cli/sigpipe.rs"]
+mod sigpipe;
+
 use clap::{Parser, ValueEnum};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, load_unverified, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
@@ -279,7 +283,7 @@ fn run(args: &Args) -> Result<(), RunError> {
     if report.traced.is_empty() {
         write_trace(args, &loaded.program, &report.timeline)?;
     } else if let Some(p) = &args.trace {
-        let mut b = pipec::emit::chrome::TraceBuilder::new();
+        let mut b = pipec::back::view::chrome::TraceBuilder::new();
         for (step, t) in &report.traced {
             b.add(
                 &format!("measured (pipec-run) step {}", step + 1),
@@ -313,10 +317,7 @@ struct Interp {
 }
 
 impl Interp {
-    fn measure(
-        program: &pipec::program::Program,
-        steps: &[pipec_runtime::run::StepReport],
-    ) -> Self {
+    fn measure(program: &pipec::ir::Program, steps: &[pipec_runtime::run::StepReport]) -> Self {
         let per_rank_us = pipec_runtime::run::interpreter_us(program);
         let mean_wall = steps.iter().map(|s| s.wall_us).sum::<f64>() / steps.len().max(1) as f64;
         let share = per_rank_us
@@ -351,7 +352,7 @@ impl Interp {
 fn json_head(
     args: &Args,
     dir: &std::path::Path,
-    loaded: &pipec::files::Loaded,
+    loaded: &pipec::back::files::Loaded,
     cfg: ModelConfig,
     backend: &str,
     dtype: &str,
@@ -379,8 +380,8 @@ fn json_head(
 /// `--trace FILE`: the measured timeline as a Chrome trace.
 fn write_trace(
     args: &Args,
-    program: &pipec::program::Program,
-    timeline: &pipec::timeline::Timeline,
+    program: &pipec::ir::Program,
+    timeline: &pipec::simulate::timeline::Timeline,
 ) -> Result<(), RunError> {
     if let Some(p) = &args.trace {
         let text = pipec_runtime::trace::chrome_trace(program, timeline);
@@ -428,7 +429,7 @@ fn cuda_info() -> Result<(), RunError> {
 #[cfg(feature = "cuda")]
 mod cuda_main {
     use super::{json_head, ms, print_json, write_trace, Args, DtypeArg, Interp};
-    use pipec::files::Loaded;
+    use pipec::back::files::Loaded;
     use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
     use pipec_runtime::backend::cuda::launch;
     use pipec_runtime::backend::cuda::run::{run_cuda, CudaRunOptions, Dtype};
@@ -607,7 +608,7 @@ mod cuda_main {
 }
 
 fn main() -> ExitCode {
-    pipec::sigpipe::restore_default();
+    sigpipe::restore_default();
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

@@ -9,7 +9,7 @@
 //! microbatch, edges counting the messages between them).
 
 use super::{comm_name, op_name, OpKind};
-use crate::program::{Instr, InstrRef, PayloadKind, Program};
+use crate::ir::{Instr, InstrRef, PayloadKind, Program};
 use crate::simulate::Matching;
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::{BTreeMap, HashMap};

@@ -34,7 +34,7 @@
 //! reason. `overlap = 0` (a pair costs the sum of its parts) is the honest default: two passes
 //! on one GPU share its compute; raise it for the communication the pair hides (DualPipe).
 
-use crate::layout::{LayerKind, Layout};
+use crate::front::layout::{LayerKind, Layout};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;
 use std::fmt;
@@ -806,7 +806,7 @@ mod tests {
     #[test]
     fn stage_costs_follow_the_layout() {
         let m = CostModel::parse("f=1,b=2,w=1,E.f=0.5,L.f=0.25,L.b=0.5,floor=0.1").unwrap();
-        let layout = crate::layout::parse("Ett|t||tL").unwrap();
+        let layout = crate::front::layout::parse("Ett|t||tL").unwrap();
         let c = StageCosts::new(&m, &layout, 4);
         assert!(c.layout_used);
         assert_eq!(c.pass(Pass::Fwd, StageId(0)), Some(2.5));

@@ -1,0 +1,381 @@
+//! The instruction-file format: versions, the manifest and rank-file types (JSON and
+//! postcard), and the hashes that make a directory self-checking.
+
+use crate::front::layout::Layout;
+use crate::ir::{Instr, Payload, PayloadKind, Program};
+use pipec_schedules::{
+    CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt::Write as _;
+
+pub const MANIFEST_FORMAT: &str = "pipec-schedule";
+pub const RANK_FORMAT: &str = "pipec-rank";
+/// The only version this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// How rank files are encoded. JSON is the default; postcard is the compact binary form for
+/// large schedules (about 10x smaller, see the README's benchmark figures).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    #[default]
+    Json,
+    Postcard,
+}
+
+impl Encoding {
+    fn extension(self) -> &'static str {
+        match self {
+            Encoding::Json => "json",
+            Encoding::Postcard => "bin",
+        }
+    }
+}
+
+pub fn rank_file_name(rank: u32, encoding: Encoding) -> String {
+    format!("rank-{rank}.{}", encoding.extension())
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub compiler: String,
+    /// Where the schedule came from: `generated`, or `torch-csv` for imports.
+    pub source: String,
+    /// The generating spec; absent for imported schedules.
+    pub schedule: Option<ScheduleSpec>,
+    pub comm_policy: Option<CommPolicy>,
+    pub layout: Layout,
+    pub placement: Placement,
+    pub world_size: u32,
+    pub num_stages: u32,
+    pub microbatches: u32,
+    pub forward_only: bool,
+    /// Encoding of the rank files.
+    pub encoding: Encoding,
+    pub schedule_hash: String,
+    pub ranks: Vec<RankEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankEntry {
+    pub rank: u32,
+    pub file: String,
+    pub sha256: String,
+    pub instructions: u64,
+}
+
+/// One instruction as stored. Flat and explicit so files read well and diff line by line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", deny_unknown_fields)]
+pub(crate) enum InstrJson {
+    #[serde(rename = "fwd")]
+    Fwd { stage: u32, mb: u32 },
+    #[serde(rename = "bwd")]
+    Bwd { stage: u32, mb: u32 },
+    #[serde(rename = "bwd_D")]
+    BwdD { stage: u32, mb: u32 },
+    #[serde(rename = "bwd_W")]
+    BwdW { stage: u32, mb: u32 },
+    #[serde(rename = "fwd_bwd")]
+    FwdBwd {
+        fwd_stage: u32,
+        fwd_mb: u32,
+        bwd_stage: u32,
+        bwd_mb: u32,
+    },
+    #[serde(rename = "send")]
+    Send {
+        peer: u32,
+        payload: PayloadKind,
+        stage: u32,
+        mb: u32,
+        batch: u32,
+    },
+    #[serde(rename = "recv")]
+    Recv {
+        peer: u32,
+        payload: PayloadKind,
+        stage: u32,
+        mb: u32,
+        batch: u32,
+    },
+    #[serde(rename = "wait")]
+    Wait { batch: u32 },
+}
+
+impl From<&Instr> for InstrJson {
+    fn from(i: &Instr) -> Self {
+        let sm = |t: Task| (t.stage.0, t.mb.0);
+        match *i {
+            Instr::Compute(Compute::Fwd(t)) => InstrJson::Fwd {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::Bwd(t)) => InstrJson::Bwd {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::BwdD(t)) => InstrJson::BwdD {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::BwdW(t)) => InstrJson::BwdW {
+                stage: sm(t).0,
+                mb: sm(t).1,
+            },
+            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => InstrJson::FwdBwd {
+                fwd_stage: fwd.stage.0,
+                fwd_mb: fwd.mb.0,
+                bwd_stage: bwd.stage.0,
+                bwd_mb: bwd.mb.0,
+            },
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            } => InstrJson::Send {
+                peer: peer.0,
+                payload: payload.kind,
+                stage: payload.stage.0,
+                mb: payload.mb.0,
+                batch,
+            },
+            Instr::Recv {
+                peer,
+                payload,
+                batch,
+            } => InstrJson::Recv {
+                peer: peer.0,
+                payload: payload.kind,
+                stage: payload.stage.0,
+                mb: payload.mb.0,
+                batch,
+            },
+            Instr::Wait { batch } => InstrJson::Wait { batch },
+        }
+    }
+}
+
+impl From<InstrJson> for Instr {
+    fn from(j: InstrJson) -> Self {
+        let t = |s, m| Task {
+            stage: StageId(s),
+            mb: Microbatch(m),
+        };
+        let p = |kind, s, m| Payload {
+            kind,
+            stage: StageId(s),
+            mb: Microbatch(m),
+        };
+        match j {
+            InstrJson::Fwd { stage, mb } => Instr::Compute(Compute::Fwd(t(stage, mb))),
+            InstrJson::Bwd { stage, mb } => Instr::Compute(Compute::Bwd(t(stage, mb))),
+            InstrJson::BwdD { stage, mb } => Instr::Compute(Compute::BwdD(t(stage, mb))),
+            InstrJson::BwdW { stage, mb } => Instr::Compute(Compute::BwdW(t(stage, mb))),
+            InstrJson::FwdBwd {
+                fwd_stage,
+                fwd_mb,
+                bwd_stage,
+                bwd_mb,
+            } => Instr::Compute(Compute::FwdBwd {
+                fwd: t(fwd_stage, fwd_mb),
+                bwd: t(bwd_stage, bwd_mb),
+            }),
+            InstrJson::Send {
+                peer,
+                payload,
+                stage,
+                mb,
+                batch,
+            } => Instr::Send {
+                peer: Rank(peer),
+                payload: p(payload, stage, mb),
+                batch,
+            },
+            InstrJson::Recv {
+                peer,
+                payload,
+                stage,
+                mb,
+                batch,
+            } => Instr::Recv {
+                peer: Rank(peer),
+                payload: p(payload, stage, mb),
+                batch,
+            },
+            InstrJson::Wait { batch } => Instr::Wait { batch },
+        }
+    }
+}
+
+/// One instruction in the binary encoding (postcard, externally tagged: the variant index is a
+/// varint, then the fields in order as varints). The variant order is part of format version 1
+/// (`docs/format.md`); it also defines the canonical bytes the schedule hash covers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum InstrBin {
+    Fwd(u32, u32),
+    Bwd(u32, u32),
+    BwdD(u32, u32),
+    BwdW(u32, u32),
+    FwdBwd(u32, u32, u32, u32),
+    /// peer, payload (0 act, 1 grad), stage, mb, batch
+    Send(u32, u8, u32, u32, u32),
+    Recv(u32, u8, u32, u32, u32),
+    /// batch (appended: the variants above keep their indices and bytes)
+    Wait(u32),
+}
+
+impl From<&Instr> for InstrBin {
+    fn from(i: &Instr) -> Self {
+        let k = |p: &Payload| match p.kind {
+            PayloadKind::Act => 0u8,
+            PayloadKind::Grad => 1u8,
+        };
+        match *i {
+            Instr::Compute(Compute::Fwd(t)) => InstrBin::Fwd(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::Bwd(t)) => InstrBin::Bwd(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::BwdD(t)) => InstrBin::BwdD(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::BwdW(t)) => InstrBin::BwdW(t.stage.0, t.mb.0),
+            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
+                InstrBin::FwdBwd(fwd.stage.0, fwd.mb.0, bwd.stage.0, bwd.mb.0)
+            }
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            } => InstrBin::Send(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
+            Instr::Recv {
+                peer,
+                payload,
+                batch,
+            } => InstrBin::Recv(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
+            Instr::Wait { batch } => InstrBin::Wait(batch),
+        }
+    }
+}
+
+impl TryFrom<InstrBin> for Instr {
+    type Error = String;
+    fn try_from(b: InstrBin) -> Result<Self, String> {
+        let t = Task::new;
+        let p = |k: u8, s, m| -> Result<Payload, String> {
+            match k {
+                0 => Ok(Payload::act(s, m)),
+                1 => Ok(Payload::grad(s, m)),
+                other => Err(format!(
+                    "payload kind {other} is neither 0 (act) nor 1 (grad)"
+                )),
+            }
+        };
+        Ok(match b {
+            InstrBin::Fwd(s, m) => Instr::Compute(Compute::Fwd(t(s, m))),
+            InstrBin::Bwd(s, m) => Instr::Compute(Compute::Bwd(t(s, m))),
+            InstrBin::BwdD(s, m) => Instr::Compute(Compute::BwdD(t(s, m))),
+            InstrBin::BwdW(s, m) => Instr::Compute(Compute::BwdW(t(s, m))),
+            InstrBin::FwdBwd(a, b, c, d) => Instr::Compute(Compute::FwdBwd {
+                fwd: t(a, b),
+                bwd: t(c, d),
+            }),
+            InstrBin::Send(peer, k, s, m, batch) => Instr::Send {
+                peer: Rank(peer),
+                payload: p(k, s, m)?,
+                batch,
+            },
+            InstrBin::Recv(peer, k, s, m, batch) => Instr::Recv {
+                peer: Rank(peer),
+                payload: p(k, s, m)?,
+                batch,
+            },
+            InstrBin::Wait(batch) => Instr::Wait { batch },
+        })
+    }
+}
+
+/// `rank-<r>.bin`: the same fields as the JSON rank file, postcard-encoded.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct RankFileBin {
+    pub(crate) format: String,
+    pub(crate) version: u32,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) schedule_hash: String,
+    pub(crate) instructions: Vec<InstrBin>,
+}
+
+/// Canonical bytes of one rank's instructions: the postcard encoding of its `InstrBin` list.
+pub(crate) fn canonical(instrs: &[Instr]) -> Vec<u8> {
+    let wire: Vec<InstrBin> = instrs.iter().map(InstrBin::from).collect();
+    postcard::to_stdvec(&wire).expect("instructions encode")
+}
+
+/// `rank-<r>.json`, as read.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RankFile {
+    pub(crate) format: String,
+    pub(crate) version: u32,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) schedule_hash: String,
+    pub(crate) instructions: Vec<InstrJson>,
+}
+
+/// What the header of a schedule says, independent of how it was produced.
+#[derive(Clone, Debug)]
+pub struct Header<'a> {
+    pub source: &'a str,
+    pub schedule: Option<ScheduleSpec>,
+    pub comm_policy: Option<CommPolicy>,
+    pub layout: &'a Layout,
+}
+
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
+    let d = Sha256::digest(bytes);
+    let mut s = String::with_capacity(64);
+    for b in d {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+#[derive(Serialize)]
+pub(crate) struct HashedHeader<'a> {
+    source: &'a str,
+    schedule: &'a Option<ScheduleSpec>,
+    comm_policy: &'a Option<CommPolicy>,
+    layout: &'a Layout,
+    placement: &'a Placement,
+    microbatches: u32,
+    forward_only: bool,
+}
+
+pub(crate) fn schedule_hash(header: &Header<'_>, program: &Program) -> String {
+    let h = HashedHeader {
+        source: header.source,
+        schedule: &header.schedule,
+        comm_policy: &header.comm_policy,
+        layout: header.layout,
+        placement: &program.placement,
+        microbatches: program.microbatches,
+        forward_only: program.forward_only,
+    };
+    let mut hasher = Sha256::new();
+    hasher.update(b"pipec-schedule-v1\n");
+    hasher.update(serde_json::to_vec(&h).expect("header serializes"));
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        hasher.update(format!("\nrank {r}\n").as_bytes());
+        hasher.update(canonical(instrs));
+    }
+    hasher.finalize().iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}

@@ -1,0 +1,326 @@
+//! Reading a directory back: every check a loader makes (format, version, file hashes,
+//! the manifest's fields, the schedule hash) before a program is handed out.
+
+use super::format::*;
+use crate::ir::{Instr, Program};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// Everything a reader gets back.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    pub manifest: Manifest,
+    pub program: Program,
+}
+
+/// Why a directory was refused. Every variant names the file, and the field where one is at fault.
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a valid pipec file: {msg}")]
+    Json { path: PathBuf, msg: String },
+    #[error("{path}: field `format` is `{found}`, expected `{expected}`")]
+    Format {
+        path: PathBuf,
+        found: String,
+        expected: &'static str,
+    },
+    #[error("{path}: format version {found} is not supported by this pipec (it reads version {supported})")]
+    Version {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    #[error("{path}: content hash {actual} does not match the manifest's `sha256` {expected}; the file was changed or corrupted after compilation")]
+    FileHash {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+    #[error("{path}: field `{field}` is {found}, but the manifest says {expected}")]
+    Mismatch {
+        path: PathBuf,
+        field: &'static str,
+        found: String,
+        expected: String,
+    },
+    #[error("{path}: the manifest lists {listed} rank files for a world size of {world}")]
+    RankList {
+        path: PathBuf,
+        listed: usize,
+        world: u32,
+    },
+    #[error(
+        "{path}: the recomputed schedule hash {actual} does not match `schedule_hash` {expected}"
+    )]
+    ScheduleHash {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+}
+
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
+    std::fs::read(path).map_err(|source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+pub(crate) fn json_err(path: &Path, e: serde_json::Error) -> LoadError {
+    LoadError::Json {
+        path: path.to_path_buf(),
+        msg: e.to_string(),
+    }
+}
+
+/// Read and check `manifest.json` alone.
+pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = read(&path)?;
+    parse_manifest(&path, &bytes)
+}
+
+/// Check the bytes of a `manifest.json` (read from `path`, which only names it in errors).
+/// Pure: the entry point the fuzzers drive.
+pub fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, LoadError> {
+    let path = path.to_path_buf();
+    // Check format and version before the full schema, so a newer file gets the right message.
+    let probe: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
+    check_format_version(&path, &probe, MANIFEST_FORMAT)?;
+    let m: Manifest = serde_json::from_value(probe).map_err(|e| json_err(&path, e))?;
+    if m.ranks.len() != m.world_size as usize {
+        return Err(LoadError::RankList {
+            path,
+            listed: m.ranks.len(),
+            world: m.world_size,
+        });
+    }
+    for (i, e) in m.ranks.iter().enumerate() {
+        let want = rank_file_name(i as u32, m.encoding);
+        if e.rank != i as u32 || e.file != want {
+            return Err(LoadError::Mismatch {
+                path,
+                field: "ranks",
+                found: format!("entry {i} for rank {} in `{}`", e.rank, e.file),
+                expected: format!("rank {i} in `{want}`"),
+            });
+        }
+    }
+    if m.placement.pp != m.world_size || m.placement.num_stages() != m.num_stages {
+        return Err(LoadError::Mismatch {
+            path,
+            field: "placement",
+            found: format!(
+                "pp {} with {} stages",
+                m.placement.pp,
+                m.placement.num_stages()
+            ),
+            expected: format!("world size {} with {} stages", m.world_size, m.num_stages),
+        });
+    }
+    Ok(m)
+}
+
+pub(crate) fn check_format_version(
+    path: &Path,
+    v: &serde_json::Value,
+    expected: &'static str,
+) -> Result<(), LoadError> {
+    let found = v
+        .get("format")
+        .and_then(|f| f.as_str())
+        .unwrap_or("<missing>");
+    if found != expected {
+        return Err(LoadError::Format {
+            path: path.to_path_buf(),
+            found: found.to_string(),
+            expected,
+        });
+    }
+    match v.get("version").and_then(|f| f.as_u64()) {
+        Some(n) if n == FORMAT_VERSION as u64 => Ok(()),
+        other => Err(LoadError::Version {
+            path: path.to_path_buf(),
+            found: other.map(|n| n.min(u32::MAX as u64) as u32).unwrap_or(0),
+            supported: FORMAT_VERSION,
+        }),
+    }
+}
+
+/// Read one rank's instructions, checked against the manifest.
+pub fn load_rank(dir: &Path, manifest: &Manifest, rank: u32) -> Result<Vec<Instr>, LoadError> {
+    let entry = manifest
+        .ranks
+        .get(rank as usize)
+        .ok_or_else(|| LoadError::Mismatch {
+            path: dir.join(MANIFEST_FILE),
+            field: "world_size",
+            found: manifest.world_size.to_string(),
+            expected: format!("a rank {rank}"),
+        })?;
+    let path = dir.join(&entry.file);
+    let bytes = read(&path)?;
+    parse_rank(&path, &bytes, manifest, rank)
+}
+
+/// Check the bytes of rank `rank`'s file (read from `path`, which only names it in errors)
+/// against `manifest`. Pure: the entry point the fuzzers drive.
+pub fn parse_rank(
+    path: &Path,
+    bytes: &[u8],
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<Vec<Instr>, LoadError> {
+    let path = path.to_path_buf();
+    let entry = manifest
+        .ranks
+        .get(rank as usize)
+        .ok_or_else(|| LoadError::Mismatch {
+            path: path.clone(),
+            field: "world_size",
+            found: manifest.world_size.to_string(),
+            expected: format!("a rank {rank}"),
+        })?;
+    let actual = sha256_hex(bytes);
+    if actual != entry.sha256 {
+        return Err(LoadError::FileHash {
+            path,
+            expected: entry.sha256.clone(),
+            actual,
+        });
+    }
+    let (f, instructions) = match manifest.encoding {
+        Encoding::Json => {
+            let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
+            let instrs: Vec<Instr> = f.instructions.iter().cloned().map(Instr::from).collect();
+            (
+                RankFileBin {
+                    format: f.format,
+                    version: f.version,
+                    rank: f.rank,
+                    world_size: f.world_size,
+                    schedule_hash: f.schedule_hash,
+                    instructions: Vec::new(),
+                },
+                instrs,
+            )
+        }
+        Encoding::Postcard => {
+            let mut f: RankFileBin = postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
+                path: path.clone(),
+                msg: format!("not a valid postcard rank file: {e}"),
+            })?;
+            let wire = std::mem::take(&mut f.instructions);
+            let mut instrs = Vec::with_capacity(wire.len());
+            for (i, w) in wire.into_iter().enumerate() {
+                instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
+                    path: path.clone(),
+                    msg: format!("instruction #{i}: {msg}"),
+                })?);
+            }
+            (f, instrs)
+        }
+    };
+    if f.format != RANK_FORMAT {
+        return Err(LoadError::Format {
+            path,
+            found: f.format,
+            expected: RANK_FORMAT,
+        });
+    }
+    if f.version != FORMAT_VERSION {
+        return Err(LoadError::Version {
+            path,
+            found: f.version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let mismatch = |field, found: String, expected: String| LoadError::Mismatch {
+        path: path.clone(),
+        field,
+        found,
+        expected,
+    };
+    if f.rank != rank {
+        return Err(mismatch("rank", f.rank.to_string(), rank.to_string()));
+    }
+    if f.world_size != manifest.world_size {
+        return Err(mismatch(
+            "world_size",
+            f.world_size.to_string(),
+            manifest.world_size.to_string(),
+        ));
+    }
+    if f.schedule_hash != manifest.schedule_hash {
+        return Err(mismatch(
+            "schedule_hash",
+            f.schedule_hash,
+            format!(
+                "{} (the rank file comes from a different compile)",
+                manifest.schedule_hash
+            ),
+        ));
+    }
+    Ok(instructions)
+}
+
+/// Read a whole directory and check every file against the manifest and the schedule hash.
+pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
+    load_with(dir, read)
+}
+
+/// [`load_dir`] over files held in memory, as [`render`] returns them: (file name, bytes).
+/// A file the manifest names but `files` lacks is reported as a missing file. Pure: this is
+/// what the `files` fuzz target drives.
+pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
+    load_with(Path::new(""), |path| {
+        let name = path.to_string_lossy();
+        files
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, b)| b.clone())
+            .ok_or_else(|| LoadError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+            })
+    })
+}
+
+pub(crate) fn load_with(
+    dir: &Path,
+    mut read: impl FnMut(&Path) -> Result<Vec<u8>, LoadError>,
+) -> Result<Loaded, LoadError> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let manifest = parse_manifest(&manifest_path, &read(&manifest_path)?)?;
+    let mut ranks = Vec::with_capacity(manifest.world_size as usize);
+    for r in 0..manifest.world_size {
+        let path = dir.join(&manifest.ranks[r as usize].file);
+        ranks.push(parse_rank(&path, &read(&path)?, &manifest, r)?);
+    }
+    let program = Program {
+        placement: manifest.placement.clone(),
+        microbatches: manifest.microbatches,
+        forward_only: manifest.forward_only,
+        ranks,
+    };
+    let header = Header {
+        source: &manifest.source,
+        schedule: manifest.schedule,
+        comm_policy: manifest.comm_policy,
+        layout: &manifest.layout,
+    };
+    let actual = schedule_hash(&header, &program);
+    if actual != manifest.schedule_hash {
+        return Err(LoadError::ScheduleHash {
+            path: dir.join(MANIFEST_FILE),
+            expected: manifest.schedule_hash.clone(),
+            actual,
+        });
+    }
+    Ok(Loaded { manifest, program })
+}
