@@ -19,13 +19,11 @@
 
 use crate::backend::{Backend, CommError, CommOp, Dir, Pending};
 use crate::watchdog::{Failure, FailureKind, Status, Watch};
-use pipec::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
+use pipec::ir::{Instr, InstrRef, OptIdx, Payload, PayloadKind, Program};
 use pipec::simulate::timeline::Span;
 use pipec_schedules::{Compute, Rank, StageId, Task};
 use std::fmt::Write as _;
 use std::time::Instant;
-
-const NONE: u32 = u32::MAX;
 
 /// What one rank measured in one run.
 #[derive(Clone, Debug)]
@@ -53,8 +51,8 @@ enum Fault {
 
 struct Tables<B: Backend> {
     m: usize,
-    /// Global stage -> local index, `NONE` when the rank does not run the stage.
-    local: Vec<u32>,
+    /// Global stage -> local index; none when the rank does not run the stage.
+    local: Vec<OptIdx>,
     act_in: Vec<Option<B::Tensor>>,
     grad_in: Vec<Option<B::Tensor>>,
     act_out: Vec<Option<B::Tensor>>,
@@ -71,14 +69,14 @@ fn none_vec<T>(n: usize) -> Vec<Option<T>> {
 
 impl<B: Backend> Tables<B> {
     fn new(program: &Program, rank: usize) -> Self {
-        let mut local = vec![NONE; program.num_stages() as usize];
+        let mut local = vec![OptIdx::NONE; program.num_stages() as usize];
         let mut n = 0u32;
         for ins in &program.ranks[rank] {
             if let Instr::Compute(c) = ins {
                 for (_, t) in c.parts() {
                     if let Some(l) = local.get_mut(t.stage.index()) {
-                        if *l == NONE {
-                            *l = n;
+                        if l.is_none() {
+                            *l = OptIdx::some(n);
                             n += 1;
                         }
                     }
@@ -102,8 +100,8 @@ impl<B: Backend> Tables<B> {
     }
 
     fn slot(&self, stage: u32, mb: u32) -> Option<usize> {
-        let l = *self.local.get(stage as usize)?;
-        (l != NONE && (mb as usize) < self.m).then(|| l as usize * self.m + mb as usize)
+        let l = self.local.get(stage as usize)?.get()?;
+        ((mb as usize) < self.m).then(|| l as usize * self.m + mb as usize)
     }
 
     fn task_slot(&self, t: Task, what: &str) -> Result<usize, Fault> {
@@ -479,15 +477,8 @@ pub fn run_rank<B: Backend>(
                 watch.set(r, Status::Waiting(i as u32));
                 (it.wait(*batch), i + 1)
             }
-            ins => {
-                let b = ins.batch();
-                let mut end = i + 1;
-                while end < instrs.len()
-                    && matches!(instrs[end], Instr::Send { .. } | Instr::Recv { .. })
-                    && instrs[end].batch() == b
-                {
-                    end += 1;
-                }
+            Instr::Send { .. } | Instr::Recv { .. } => {
+                let end = pipec::ir::batch_end(instrs, i);
                 watch.set(r, Status::Waiting(i as u32));
                 (it.batch(i, end), end)
             }

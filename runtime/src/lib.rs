@@ -18,5 +18,5 @@ pub mod transport;
 pub mod watchdog;
 
 pub use error::RunError;
-pub use load::{load, load_unverified, preverify, LaunchWorld};
+pub use load::{check_structure, load, load_unverified, LaunchWorld};
 pub use run::{run_cpu, RunOptions, RunReport};

@@ -586,7 +586,7 @@ fn tamper(dir: &Path) {
 }
 
 #[test]
-fn unmatched_program_is_refused_naming_file_and_field() {
+fn unmatched_program_is_refused_naming_rank_and_instruction() {
     let tmp = tempfile::tempdir().unwrap();
     let mut p = unfused_1f1b();
     p.ranks[1].remove(4); // rank 1 no longer receives act(0, 1)
@@ -594,11 +594,20 @@ fn unmatched_program_is_refused_naming_file_and_field() {
     write_program(&p, &dir);
     let e = load(&dir, None).unwrap_err();
     let msg = e.to_string();
+    assert!(msg.contains("refusing to run"), "{msg}");
     assert!(
-        msg.contains("rank-0.json") && msg.contains("instructions[3]"),
+        msg.contains("rank 0, #3 send(act of stage 0, mb 1 -> rank 1) has no matching recv"),
         "{msg}"
     );
-    assert!(msg.contains("this send has no receive"), "{msg}");
+    // Without the full verifier (`--no-verify`), the structural level refuses it too, naming
+    // the file and the instruction.
+    let e = pipec_runtime::load_unverified(&dir, None).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank-0.json: field `instructions[3]`")
+            && msg.contains("has no matching recv"),
+        "{msg}"
+    );
 }
 
 // ---- the binary -----------------------------------------------------------------------------

@@ -1,6 +1,15 @@
 //! The program IR: per-rank instruction streams with explicit send/recv ([`Program`]), the
-//! one value every later stage reads (verification, simulation, back ends, runtimes).
+//! one value every later stage reads (verification, simulation, back ends, runtimes), and the
+//! analyses of it they share, each written once: global instruction ids ([`Positions`]), the
+//! optional index of dense tables ([`OptIdx`]), a stream cut into compute ops, comm batches
+//! and waits ([`steps`]), and sends paired with receives ([`Matching`]).
 
+mod id;
+mod matching;
 mod program;
+mod steps;
 
+pub use id::{OptIdx, Positions, TooLarge};
+pub use matching::{Channel, Matching};
 pub use program::{Instr, InstrRef, Payload, PayloadKind, Program};
+pub use steps::{batch_end, steps, Step, Steps};

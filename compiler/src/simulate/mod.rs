@@ -19,123 +19,13 @@
 pub mod cost;
 pub mod timeline;
 
-use crate::ir::{Instr, InstrRef, Program};
+use crate::ir::{batch_end, Instr, InstrRef, Matching, OptIdx, Program};
 use crate::simulate::cost::StageCosts;
 use crate::simulate::timeline::{Span, TimeUnit, Timeline};
 use pipec_schedules::{Compute, Rank};
 use serde::Serialize;
 use std::fmt;
 use thiserror::Error;
-
-const NONE: u32 = u32::MAX;
-
-/// Send/recv matching: the k-th send from `a` to `b` meets the k-th recv on `b` from `a`.
-#[derive(Clone, Debug)]
-pub struct Matching {
-    offsets: Vec<usize>,
-    /// Per global instruction index: the global index of the matching op, or `NONE`.
-    partner: Vec<u32>,
-}
-
-impl Matching {
-    /// Match every send and recv of `program`. Ops whose peer is out of range, and ops left
-    /// over on one side of a pair, stay unmatched.
-    pub fn new(program: &Program) -> Self {
-        let world = program.ranks.len();
-        let mut offsets = Vec::with_capacity(world + 1);
-        let mut total = 0usize;
-        for r in &program.ranks {
-            offsets.push(total);
-            total += r.len();
-        }
-        offsets.push(total);
-        let mut partner = vec![NONE; total];
-        // Per ordered pair (src, dst): the global indices of sends and recvs in order. Pairs
-        // get dense ids: directly `src * world + dst` for any real pipeline, through a map
-        // when world^2 would be too big to allocate (a hostile file with many ranks).
-        let dense = world <= 1024;
-        let mut ids: std::collections::HashMap<(usize, usize), usize> = Default::default();
-        let mut pair = |a: usize, b: usize| {
-            if dense {
-                a * world + b
-            } else {
-                let n = ids.len();
-                *ids.entry((a, b)).or_insert(n)
-            }
-        };
-        let slots = if dense { world * world } else { 0 };
-        let mut sends: Vec<Vec<u32>> = vec![Vec::new(); slots];
-        let mut recvs: Vec<Vec<u32>> = vec![Vec::new(); slots];
-        for (r, instrs) in program.ranks.iter().enumerate() {
-            for (i, ins) in instrs.iter().enumerate() {
-                let g = (offsets[r] + i) as u32;
-                let (list, id) = match *ins {
-                    Instr::Send { peer, .. } if peer.index() < world => {
-                        (&mut sends, pair(r, peer.index()))
-                    }
-                    Instr::Recv { peer, .. } if peer.index() < world => {
-                        (&mut recvs, pair(peer.index(), r))
-                    }
-                    _ => continue,
-                };
-                if id >= list.len() {
-                    list.resize(id + 1, Vec::new());
-                }
-                list[id].push(g);
-            }
-        }
-        for (s, r) in sends.iter().zip(&recvs) {
-            for (&a, &b) in s.iter().zip(r) {
-                partner[a as usize] = b;
-                partner[b as usize] = a;
-            }
-        }
-        Matching { offsets, partner }
-    }
-
-    fn global(&self, at: InstrRef) -> Option<usize> {
-        let base = *self.offsets.get(at.rank.index())?;
-        let g = base + at.index as usize;
-        (g < *self.offsets.get(at.rank.index() + 1)?).then_some(g)
-    }
-
-    fn local(&self, g: usize) -> InstrRef {
-        // offsets is sorted; the rank is the last offset <= g (skipping empty ranks).
-        let r = self.offsets.partition_point(|&o| o <= g) - 1;
-        InstrRef {
-            rank: Rank(r as u32),
-            index: (g - self.offsets[r]) as u32,
-        }
-    }
-
-    /// The op that matches a send or recv, if any.
-    pub fn partner(&self, at: InstrRef) -> Option<InstrRef> {
-        let p = self.partner[self.global(at)?];
-        (p != NONE).then(|| self.local(p as usize))
-    }
-
-    /// Every matched message as (send, recv), in order of the sending rank and index.
-    pub fn messages(&self, program: &Program) -> Vec<(InstrRef, InstrRef)> {
-        let mut out = Vec::new();
-        for (r, instrs) in program.ranks.iter().enumerate() {
-            for (i, ins) in instrs.iter().enumerate() {
-                if let Instr::Send { .. } = ins {
-                    let g = self.offsets[r] + i;
-                    if self.partner[g] != NONE {
-                        out.push((
-                            InstrRef {
-                                rank: Rank(r as u32),
-                                index: i as u32,
-                            },
-                            self.local(self.partner[g] as usize),
-                        ));
-                    }
-                }
-            }
-        }
-        out
-    }
-}
 
 /// What every output means by "bubble": one definition, named wherever a figure is printed,
 /// because papers also use a rank's own first-to-last span, which gives other numbers.
@@ -332,6 +222,8 @@ pub enum SimError {
     },
     #[error("{0}")]
     Deadlock(Deadlock),
+    #[error("the program has {instructions} instructions, more than one simulation can number")]
+    TooLarge { instructions: u64 },
 }
 
 /// No rank can advance, and these have not finished.
@@ -397,7 +289,11 @@ impl fmt::Display for Deadlock {
 /// Simulate `program` under `costs`.
 pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, SimError> {
     check_ids(program, costs)?;
-    let matching = Matching::new(program);
+    let Some(matching) = Matching::of(program) else {
+        return Err(SimError::TooLarge {
+            instructions: program.len() as u64,
+        });
+    };
     let mut sim = Sim::new(program, costs, &matching);
     sim.run();
     if let Some(d) = sim.deadlock() {
@@ -469,9 +365,9 @@ struct Sim<'a> {
     /// The rank posting a batch right now, `usize::MAX` when none.
     posting: usize,
     /// Batches left in flight (named by a later `Wait`): per rank, batch id -> slot; per
-    /// global op, its slot (`NONE`); per slot, open ops, latest completion and op range.
+    /// global op, its slot; per slot, open ops, latest completion and op range.
     flight_ids: Vec<std::collections::HashMap<u32, usize>>,
-    flight_of: Vec<u32>,
+    flight_of: Vec<OptIdx>,
     flight: Vec<Flight>,
     /// Per rank: the slot its current `Wait` blocks on, `usize::MAX` when none.
     waiting_on: Vec<usize>,
@@ -486,7 +382,7 @@ struct Flight {
 
 impl<'a> Sim<'a> {
     fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching) -> Self {
-        let total = *m.offsets.last().unwrap_or(&0);
+        let total = m.positions().total() as usize;
         let world = program.ranks.len();
         Sim {
             program,
@@ -518,22 +414,21 @@ impl<'a> Sim<'a> {
                         .collect()
                 })
                 .collect(),
-            flight_of: vec![NONE; total],
+            flight_of: vec![OptIdx::NONE; total],
             flight: Vec::new(),
             waiting_on: vec![usize::MAX; world],
         }
     }
 
     fn rank_of(&self, g: usize) -> usize {
-        self.m.offsets.partition_point(|&o| o <= g) - 1
+        self.m.positions().rank_of(g as u32) as usize
     }
 
     /// Mark message op `g` (on rank `r`) complete at `t`. The last open message of a batch
     /// wakes its rank, unless that rank is the one posting right now (it checks for itself).
     fn resolve(&mut self, g: usize, r: usize, t: f64) {
         self.resolved[g] = true;
-        let slot = self.flight_of[g];
-        if slot != NONE {
+        if let Some(slot) = self.flight_of[g].get() {
             let f = &mut self.flight[slot as usize];
             f.open -= 1;
             f.done = f.done.max(t);
@@ -560,7 +455,7 @@ impl<'a> Sim<'a> {
     fn advance(&mut self, r: usize) {
         let program = self.program;
         let instrs = &program.ranks[r];
-        let base = self.m.offsets[r];
+        let base = self.m.positions().base(r) as usize;
         // A batch that was blocked and is now complete (or a spurious wake: still open).
         if self.batch_end[r] != 0 {
             if self.pending[r] != 0 {
@@ -619,13 +514,7 @@ impl<'a> Sim<'a> {
                 }
                 first => {
                     let id = first.batch();
-                    let mut hi = pc + 1;
-                    while hi < instrs.len()
-                        && !matches!(instrs[hi], Instr::Compute(_))
-                        && instrs[hi].batch() == id
-                    {
-                        hi += 1;
-                    }
+                    let hi = batch_end(instrs, pc);
                     if let Some(slot) = id.and_then(|b| self.flight_ids[r].get_mut(&b)) {
                         // Left in flight: post it and go on; its `Wait` blocks.
                         *slot = self.flight.len();
@@ -638,7 +527,7 @@ impl<'a> Sim<'a> {
                             let g = base + k;
                             self.start[g] = clock;
                             self.posted[g] = clock;
-                            self.flight_of[g] = *slot as u32;
+                            self.flight_of[g] = OptIdx::some(*slot as u32);
                         }
                         self.posting = r;
                         for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
@@ -686,13 +575,15 @@ impl<'a> Sim<'a> {
     /// Op `g` of rank `r` was just posted.
     fn post(&mut self, g: usize, r: usize, is_send: bool) {
         let t = self.posted[g];
-        let p = self.m.partner[g];
-        let partner_posted = p != NONE && !self.posted[p as usize].is_nan();
+        let p = self
+            .m
+            .partner_of(g as u32)
+            .map_or(usize::MAX, |p| p as usize);
+        let partner_posted = p != usize::MAX && !self.posted[p].is_nan();
         if !self.rendezvous && is_send {
             // Eager: the send is done when posted; a posted recv gets the data after transfer.
             self.resolve(g, r, t);
-            if partner_posted && !self.resolved[p as usize] {
-                let p = p as usize;
+            if partner_posted && !self.resolved[p] {
                 let done = self.posted[p].max(t + self.transfer);
                 self.resolve(p, self.rank_of(p), done);
             }
@@ -700,7 +591,6 @@ impl<'a> Sim<'a> {
             // Waits for its peer to post (or was completed by a peer in this same batch).
         } else if self.rendezvous {
             // Rendezvous: both ends complete together once both are posted.
-            let p = p as usize;
             let done = t.max(self.posted[p]) + self.transfer;
             self.resolve(g, r, done);
             if !self.resolved[p] {
@@ -708,7 +598,7 @@ impl<'a> Sim<'a> {
             }
         } else {
             // Eager recv whose send was posted (and completed) before.
-            let done = t.max(self.posted[p as usize] + self.transfer);
+            let done = t.max(self.posted[p] + self.transfer);
             self.resolve(g, r, done);
         }
     }
@@ -721,7 +611,7 @@ impl<'a> Sim<'a> {
             if self.pc[r] >= instrs.len() {
                 continue;
             }
-            let base = self.m.offsets[r];
+            let base = self.m.positions().base(r) as usize;
             let lo = self.pc[r];
             let hi = self.batch_end[r].max(lo + 1);
             // At a wait, the ops of the batch it waits for.
@@ -733,8 +623,7 @@ impl<'a> Sim<'a> {
                 .filter(|&k| !self.resolved[base + k])
                 .map(|k| {
                     let g = base + k;
-                    let p = self.m.partner[g];
-                    let partner = (p != NONE).then(|| self.m.local(p as usize));
+                    let partner = self.m.partner(self.m.positions().local(g as u32));
                     let peer_at = partner.and_then(|pa| {
                         let pr = pa.rank.index();
                         (self.pc[pr] < self.program.ranks[pr].len()).then_some(InstrRef {
@@ -743,7 +632,7 @@ impl<'a> Sim<'a> {
                         })
                     });
                     Waiting {
-                        op: self.m.local(g),
+                        op: self.m.positions().local(g as u32),
                         instr: instrs[k],
                         partner,
                         peer_at,
@@ -769,7 +658,7 @@ impl<'a> Sim<'a> {
             .iter()
             .enumerate()
             .map(|(r, instrs)| {
-                let base = self.m.offsets[r];
+                let base = self.m.positions().base(r) as usize;
                 (0..instrs.len())
                     .map(|i| Span {
                         start: self.start[base + i],
@@ -994,7 +883,7 @@ mod tests {
             ..program(vec![])
         };
         let p = Program { ranks, ..p };
-        let m = Matching::new(&p);
+        let m = Matching::of(&p).unwrap();
         assert_eq!(
             m.partner(InstrRef {
                 rank: Rank(0),

@@ -26,8 +26,8 @@
 //! could not release): recursive graph algorithms overflow the stack at millions of nodes.
 
 use super::index::{Index, NONE};
-use super::matching::Matching;
 use super::report::{Site, Violation, WaitStep};
+use crate::ir::Matching;
 use std::collections::VecDeque;
 
 /// The wait graph in compressed rows: `targets[start[u]..start[u + 1]]` are the batches that
@@ -58,10 +58,9 @@ fn edges(ix: &Index<'_>, m: &Matching, f: &mut dyn FnMut(u32, u32, u32)) {
         }
         let s = ix.batch_start[b as usize];
         for g in s..s + ix.batch_len[b as usize] {
-            let q = m.partner[g as usize];
-            if q == NONE {
+            let Some(q) = m.partner_of(g) else {
                 continue;
-            }
+            };
             let c = ix.node_of[q as usize];
             if let Some(pc) = ix.pred(c) {
                 f(pc, b, g);
@@ -263,7 +262,7 @@ fn describe(ix: &Index<'_>, m: &Matching, cycle: &[(u32, u32)]) -> Vec<WaitStep>
         if label == NONE {
             raw.push((None, ix.batch_start[head as usize]));
         } else {
-            raw.push((Some((label, m.partner[label as usize])), label));
+            raw.push((Some((label, m.partner_of(label).unwrap_or(label))), label));
         }
     }
     let first = (0..k).min_by_key(|&j| raw[j].1).unwrap_or(0);

@@ -14,8 +14,9 @@
 //! (reported as "runs before its input arrives") is not also reported as unused.
 
 use super::index::{slot, Index, NONE};
-use super::matching::Matching;
 use super::report::{Part, Violation};
+use super::routes;
+use crate::ir::Matching;
 use crate::ir::{Instr, Payload, PayloadKind};
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::HashMap;
@@ -49,7 +50,7 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
 impl Walk<'_, '_> {
     fn rank(&mut self, r: u32) {
         let ix = self.ix;
-        let base = ix.offsets[r as usize];
+        let base = ix.pos.base(r as usize);
         let forward_only = ix.p.forward_only;
         for (i, ins) in ix.p.ranks[r as usize].iter().enumerate() {
             let g = base + i as u32;
@@ -252,17 +253,6 @@ impl Walk<'_, '_> {
     }
 
     /// The consumer stage of a payload, if one exists.
-    fn consumer(&self, p: Payload) -> Option<Task> {
-        let s = match p.kind {
-            PayloadKind::Act => p.stage.0.checked_add(1).filter(|&c| c < self.ix.stages)?,
-            PayloadKind::Grad => p.stage.0.checked_sub(1)?,
-        };
-        Some(Task {
-            stage: StageId(s),
-            mb: p.mb,
-        })
-    }
-
     fn send(&mut self, r: u32, g: u32, peer: Rank, payload: Payload) {
         let ix = self.ix;
         let t = Task {
@@ -272,20 +262,8 @@ impl Walk<'_, '_> {
         if !ix.in_range(t) || peer.0 >= ix.world {
             return; // reported as out of range
         }
-        match self.consumer(payload) {
-            None => self.out.push(Violation::NoConsumer { site: ix.site(g) }),
-            Some(_) if peer.0 == r => self.out.push(Violation::SelfMessage { site: ix.site(g) }),
-            Some(c) => {
-                if let Some(o) = ix.owner(c) {
-                    if o != peer.0 {
-                        self.out.push(Violation::WrongDestination {
-                            site: ix.site(g),
-                            consumer: c.stage,
-                            owner: Rank(o),
-                        });
-                    }
-                }
-            }
+        if let Some(v) = routes::route(ix, r, g, peer, payload) {
+            self.out.push(v);
         }
         let producer = match payload.kind {
             PayloadKind::Act => self.first(Pass::Fwd, t),
@@ -316,7 +294,7 @@ impl Walk<'_, '_> {
             stage: payload.stage,
             mb: payload.mb,
         };
-        if !ix.in_range(t) || self.m.partner[g as usize] == NONE {
+        if !ix.in_range(t) || self.m.partner_of(g).is_none() {
             return;
         }
         let pi = ix.payload_index(payload);
@@ -328,7 +306,7 @@ impl Walk<'_, '_> {
         if used {
             return;
         }
-        let Some(c) = self.consumer(payload) else {
+        let Some(c) = ix.consumer(payload) else {
             return;
         };
         if ix.owner(c) != Some(r) {

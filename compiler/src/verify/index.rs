@@ -3,7 +3,7 @@
 //! read from a file cannot make the verifier panic.
 
 use super::report::{Field, Part, Site, Stats, Violation};
-use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
+use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Positions, Program};
 use pipec_schedules::{Microbatch, Pass, Rank, StageId, Task};
 use std::collections::HashMap;
 
@@ -28,8 +28,8 @@ pub(crate) struct Index<'p> {
     pub world: u32,
     pub stages: u32,
     pub mbs: u32,
-    /// Global position of each rank's instruction 0; `world + 1` entries.
-    pub offsets: Vec<u32>,
+    /// Global instruction ids.
+    pub pos: Positions,
     /// Whether the per-task tables below exist (see [`Index::build`]).
     pub dense: bool,
     pub tasks: usize,
@@ -67,13 +67,16 @@ impl<'p> Index<'p> {
     /// too large to number with u32 positions.
     pub fn build(p: &'p Program, out: &mut Vec<Violation>) -> Option<Index<'p>> {
         let world = p.ranks.len() as u32;
-        let total: u64 = p.ranks.iter().map(|r| r.len() as u64).sum();
-        if total >= NONE as u64 || p.ranks.len() as u64 >= NONE as u64 {
-            out.push(Violation::TooLarge {
-                instructions: total,
-            });
-            return None;
-        }
+        let pos = match Positions::new(p) {
+            Ok(pos) => pos,
+            Err(e) => {
+                out.push(Violation::TooLarge {
+                    instructions: e.instructions,
+                });
+                return None;
+            }
+        };
+        let total = pos.total() as u64;
         if p.placement.pp != world {
             out.push(Violation::WorldMismatch {
                 pp: p.placement.pp,
@@ -97,19 +100,12 @@ impl<'p> Index<'p> {
         // reported once instead of allocating for ids that never occur.
         let dense = tasks <= (4 * total).max(1 << 20);
         let tasks = if dense { tasks as usize } else { 0 };
-        let mut offsets = Vec::with_capacity(p.ranks.len() + 1);
-        let mut acc = 0u32;
-        for r in &p.ranks {
-            offsets.push(acc);
-            acc += r.len() as u32;
-        }
-        offsets.push(acc);
         let mut ix = Index {
             p,
             world,
             stages,
             mbs,
-            offsets,
+            pos,
             dense,
             tasks,
             first: std::array::from_fn(|_| vec![NONE; tasks]),
@@ -146,7 +142,7 @@ impl<'p> Index<'p> {
         let p = self.p;
         let forward_only = p.forward_only;
         for (r, instrs) in p.ranks.iter().enumerate() {
-            let base = self.offsets[r];
+            let base = self.pos.base(r);
             let rank = Rank(r as u32);
             let mut prev_batch: Option<u32> = None;
             // Batch id -> its node on this rank (`NONE` when the id names two segments).
@@ -392,6 +388,18 @@ impl<'p> Index<'p> {
         (r < self.world).then_some(r)
     }
 
+    /// The task that consumes a payload, `None` when it would fall off either end.
+    pub fn consumer(&self, p: Payload) -> Option<Task> {
+        let s = match p.kind {
+            PayloadKind::Act => p.stage.0.checked_add(1).filter(|&c| c < self.stages)?,
+            PayloadKind::Grad => p.stage.0.checked_sub(1)?,
+        };
+        Some(Task {
+            stage: StageId(s),
+            mb: p.mb,
+        })
+    }
+
     #[inline]
     pub fn task_index(&self, t: Task) -> usize {
         t.stage.index() * self.mbs as usize + t.mb.index()
@@ -418,24 +426,14 @@ impl<'p> Index<'p> {
         }
     }
 
-    /// Rank of a global position.
-    #[inline]
-    pub fn rank_of_pos(&self, g: u32) -> u32 {
-        (self.offsets.partition_point(|&o| o <= g) - 1) as u32
-    }
-
     /// Whether global position `g` is on rank `r`.
     #[inline]
     pub fn on_rank(&self, g: u32, r: u32) -> bool {
-        g >= self.offsets[r as usize] && g < self.offsets[r as usize + 1]
+        self.pos.on_rank(g, r)
     }
 
     pub fn instr_ref(&self, g: u32) -> InstrRef {
-        let r = self.rank_of_pos(g);
-        InstrRef {
-            rank: Rank(r),
-            index: g - self.offsets[r as usize],
-        }
+        self.pos.local(g)
     }
 
     pub fn site(&self, g: u32) -> Site {

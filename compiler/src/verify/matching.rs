@@ -3,93 +3,42 @@
 //! `_PipelineScheduleRuntime` relies on the same with tag 0), so the k-th send from `a` to `b`
 //! meets the k-th receive that `b` posts from `a`, whatever the two sides think they carry.
 
-use super::index::{Index, NONE};
+use super::index::Index;
 use super::report::Violation;
-use crate::ir::{Instr, Payload};
+use crate::ir::{Instr, Matching, Payload};
 use std::collections::HashMap;
 
-/// Who meets whom.
-pub(crate) struct Matching {
-    /// Per global position: the matched peer op, `NONE` for compute and unmatched ops.
-    pub partner: Vec<u32>,
-}
-
-fn endpoint(i: &Instr) -> Option<(bool, u32, Payload)> {
-    match *i {
-        Instr::Send { peer, payload, .. } => Some((true, peer.0, payload)),
-        Instr::Recv { peer, payload, .. } => Some((false, peer.0, payload)),
-        Instr::Compute(_) | Instr::Wait { .. } => None,
+/// The payload of the send or receive at global id `g` on rank `r`.
+fn payload(ix: &Index<'_>, r: u32, g: u32) -> Payload {
+    match ix.p.ranks[r as usize][(g - ix.pos.base(r as usize)) as usize] {
+        Instr::Send { payload, .. } | Instr::Recv { payload, .. } => payload,
+        // A channel holds only sends and receives.
+        Instr::Compute(_) | Instr::Wait { .. } => unreachable!("a channel holds only messages"),
     }
 }
 
-/// Pair sends and receives per channel; report wrong tensors and unmatched ops.
+/// Pair sends and receives per channel ([`Matching`]); report wrong tensors and unmatched ops.
 ///
 /// On a channel whose send and receive counts differ, the ops whose payload has no
 /// counterpart are reported as unmatched (the likely culprit: a dropped or extra message),
 /// and the shifted pairs behind them are not also reported as wrong tensors: the channel hangs
 /// anyway, and the shift is a consequence, not a second defect.
 pub(crate) fn match_messages(ix: &Index<'_>, out: &mut Vec<Violation>) -> Matching {
-    let world = ix.world as usize;
-    let mut partner = vec![NONE; ix.node_of.len()];
-    // Channel ids, assigned on first use per rank so that hashing is per channel, not per op.
-    let mut ids: HashMap<(u32, u32), u32> = HashMap::new();
-    let mut sends: Vec<Vec<(u32, Payload)>> = Vec::new();
-    let mut recvs: Vec<Vec<(u32, Payload)>> = Vec::new();
-    let mut send_slot = vec![NONE; world];
-    let mut recv_slot = vec![NONE; world];
-    let mut touched: Vec<usize> = Vec::new();
-    for (r, instrs) in ix.p.ranks.iter().enumerate() {
-        let base = ix.offsets[r];
-        for &p in &touched {
-            send_slot[p] = NONE;
-            recv_slot[p] = NONE;
-        }
-        touched.clear();
-        for (i, ins) in instrs.iter().enumerate() {
-            let Some((is_send, peer, payload)) = endpoint(ins) else {
-                continue;
-            };
-            if peer as usize >= world {
-                continue; // reported as out of range; it can never be matched
-            }
-            let p = peer as usize;
-            let table = if is_send {
-                &mut send_slot
-            } else {
-                &mut recv_slot
-            };
-            if table[p] == NONE {
-                let key = if is_send {
-                    (r as u32, peer)
-                } else {
-                    (peer, r as u32)
-                };
-                let next = sends.len() as u32;
-                let id = *ids.entry(key).or_insert_with(|| {
-                    sends.push(Vec::new());
-                    recvs.push(Vec::new());
-                    next
-                });
-                table[p] = id;
-                touched.push(p);
-            }
-            let id = table[p] as usize;
-            let g = base + i as u32;
-            if is_send {
-                sends[id].push((g, payload));
-            } else {
-                recvs[id].push((g, payload));
-            }
-        }
-    }
+    let m = Matching::new(ix.p, ix.pos.clone());
     let mut found = Vec::new();
-    for (s, r) in sends.iter().zip(&recvs) {
-        for (&(a, _), &(b, _)) in s.iter().zip(r) {
-            partner[a as usize] = b;
-            partner[b as usize] = a;
-        }
+    for c in m.channels() {
+        let s: Vec<(u32, Payload)> = c
+            .sends
+            .iter()
+            .map(|&g| (g, payload(ix, c.src, g)))
+            .collect();
+        let r: Vec<(u32, Payload)> = c
+            .recvs
+            .iter()
+            .map(|&g| (g, payload(ix, c.dst, g)))
+            .collect();
         if s.len() == r.len() {
-            for (&(a, pa), &(b, pb)) in s.iter().zip(r) {
+            for (&(a, pa), &(b, pb)) in s.iter().zip(&r) {
                 if pa != pb {
                     found.push(Violation::WrongTensor {
                         recv: ix.site(b),
@@ -98,12 +47,12 @@ pub(crate) fn match_messages(ix: &Index<'_>, out: &mut Vec<Violation>) -> Matchi
                 }
             }
         } else {
-            unbalanced(ix, s, r, &mut found);
+            unbalanced(ix, &s, &r, &mut found);
         }
     }
     found.sort_by_key(|v| v.at());
     out.extend(found);
-    Matching { partner }
+    m
 }
 
 /// Report the ops of an unbalanced channel whose payloads the other side does not carry (as

@@ -75,7 +75,7 @@ pub(crate) fn check(
         let rank = Rank(r as u32);
         let at = |index: u32| InstrRef { rank, index };
         if over_at != NONE {
-            let site = |i: u32| ix.site(ix.offsets[r] + i);
+            let site = |i: u32| ix.site(ix.pos.base(r) + i);
             out.push(Violation::MemoryLimit {
                 rank,
                 limit: limit.unwrap_or(0),

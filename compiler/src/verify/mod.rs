@@ -90,12 +90,27 @@ pub(crate) mod matching;
 pub mod memory;
 pub mod report;
 pub mod risk;
+mod routes;
 pub mod streams;
 
 use crate::ir::Program;
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
 pub use streams::StreamRule;
+
+/// How much to prove.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Level {
+    /// What a runtime needs before it can execute a program at all, each check linear and
+    /// cheap: S1-S2, C1-C3, M1-M2 and P3's routes (a send goes to the rank owning the stage
+    /// that consumes it). A program that passes cannot make an interpreter index out of range
+    /// or pair the wrong tensors; it may still deadlock or run a pass before its input
+    /// (`pipec-run --no-verify` runs it to watch that happen, under the watchdog).
+    Structure,
+    /// Every invariant of the module doc.
+    #[default]
+    Full,
+}
 
 /// What to check beyond the invariants every program must meet.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -110,6 +125,11 @@ pub struct VerifyOptions {
 /// Check every invariant of the module doc. Pure and deterministic: the same program gives
 /// the same report.
 pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
+    verify_at(program, opts, Level::Full)
+}
+
+/// Check the invariants of `level` ([`Level::Structure`] or all of them).
+pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Report {
     let mut violations = Vec::new();
     let Some(ix) = index::Index::build(program, &mut violations) else {
         return Report {
@@ -125,6 +145,15 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
     };
     complete::check(&ix, &mut violations);
     let m = matching::match_messages(&ix, &mut violations);
+    if level == Level::Structure {
+        routes::check(&ix, &mut violations);
+        return Report {
+            violations,
+            memory: Vec::new(),
+            risks: Vec::new(),
+            stats: ix.stats,
+        };
+    }
     deadlock::check(&ix, &m, &mut violations);
     if !violations
         .iter()

@@ -67,7 +67,7 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
             continue;
         }
         let r = ix.batch_rank[b] as usize;
-        let first = (ix.batch_start[b] - ix.offsets[r]) as usize;
+        let first = (ix.batch_start[b] - ix.pos.base(r)) as usize;
         let ops = &ix.p.ranks[r][first..first + len];
         let site = || ix.site(ix.batch_start[b]);
         if len <= 16 {

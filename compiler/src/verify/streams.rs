@@ -23,8 +23,8 @@
 
 use super::deadlock::Graph;
 use super::index::{Index, NONE};
-use super::matching::Matching;
 use super::report::Violation;
+use crate::ir::Matching;
 use pipec_schedules::{CommPolicy, MegatronP2p};
 
 /// How a program's ops map onto NCCL streams.
@@ -82,10 +82,9 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
                 if let Some(p) = ix.pred(bu) {
                     f(point(p), o, NONE);
                 }
-                let q = m.partner[o as usize];
-                if q == NONE {
+                let Some(q) = m.partner_of(o) else {
                     continue;
-                }
+                };
                 if let Some(p) = ix.pred(ix.node_of[q as usize]) {
                     f(point(p), o, NONE);
                 }
@@ -129,7 +128,7 @@ fn stream_predecessors(ix: &Index<'_>, rule: StreamRule, point: impl Fn(u32) -> 
             last[k] = (NONE, NONE, NONE);
         }
         touched.clear();
-        let base = ix.offsets[r];
+        let base = ix.pos.base(r);
         for (i, ins) in instrs.iter().enumerate() {
             let (peer, send) = match *ins {
                 crate::ir::Instr::Send { peer, .. } => (peer.index(), true),

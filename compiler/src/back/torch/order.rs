@@ -19,39 +19,38 @@
 //! rank. Deterministic; linear in the program size. Per-peer FIFO order is never changed: the
 //! k-th send to a peer always completes with the k-th recv there, before the (k+1)-th.
 
-use crate::ir::{Instr, Program};
-use std::collections::{BTreeMap, VecDeque};
+use crate::ir::{steps, Matching, Program, Step};
+use std::collections::VecDeque;
 
 const NONE: usize = usize::MAX;
 
 /// For each rank, the instruction indices in the order to write them.
 pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
     let w = program.ranks.len();
+    let Some(matching) = Matching::of(program) else {
+        // Too large to number with u32 ids (and to hold in memory): program order.
+        return program
+            .ranks
+            .iter()
+            .map(|r| (0..r.len()).collect())
+            .collect();
+    };
     // Global message ids: offset[r] + index.
-    let mut offset = Vec::with_capacity(w);
-    let mut total = 0usize;
-    for r in &program.ranks {
-        offset.push(total);
-        total += r.len();
-    }
+    let offset: Vec<usize> = (0..w)
+        .map(|r| matching.positions().base(r) as usize)
+        .collect();
+    let total = matching.positions().total() as usize;
 
-    // Runs of consecutive messages with one batch number: (rank, start, end).
+    // Comm batches ("runs"): (rank, start, end).
     let mut runs: Vec<(usize, usize, usize)> = Vec::new();
     let mut run_of = vec![NONE; total];
     for (r, instrs) in program.ranks.iter().enumerate() {
-        let mut i = 0;
-        while i < instrs.len() {
-            match instrs[i].batch() {
-                Some(b) => {
-                    let mut j = i;
-                    while j < instrs.len() && instrs[j].batch() == Some(b) {
-                        run_of[offset[r] + j] = runs.len();
-                        j += 1;
-                    }
-                    runs.push((r, i, j));
-                    i = j;
+        for step in steps(instrs) {
+            if let Step::Batch { ops, .. } = step {
+                for i in ops.clone() {
+                    run_of[offset[r] + i] = runs.len();
                 }
-                None => i += 1,
+                runs.push((r, ops.start, ops.end));
             }
         }
     }
@@ -59,32 +58,16 @@ pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
     // FIFO matching per ordered pair of ranks, and the fallback key of each message.
     let mut key = vec![(u32::MAX, u32::MAX, u32::MAX); total];
     let mut partner = vec![NONE; total];
-    {
-        // (sender, receiver) -> (send ids, recv ids), each in program order.
-        let mut pairs: BTreeMap<(usize, usize), (Vec<usize>, Vec<usize>)> = BTreeMap::new();
-        for (r, instrs) in program.ranks.iter().enumerate() {
-            for (i, ins) in instrs.iter().enumerate() {
-                let id = offset[r] + i;
-                match *ins {
-                    Instr::Send { peer, .. } => {
-                        let q = &mut pairs.entry((r, peer.index())).or_default().0;
-                        key[id] = (r as u32, peer.0, q.len() as u32);
-                        q.push(id);
-                    }
-                    Instr::Recv { peer, .. } => {
-                        let q = &mut pairs.entry((peer.index(), r)).or_default().1;
-                        key[id] = (peer.0, r as u32, q.len() as u32);
-                        q.push(id);
-                    }
-                    Instr::Compute(_) | Instr::Wait { .. } => {}
-                }
-            }
+    for c in matching.channels() {
+        for (k, &g) in c.sends.iter().enumerate() {
+            key[g as usize] = (c.src, c.dst, k as u32);
         }
-        for (sends, recvs) in pairs.values() {
-            for (&s, &t) in sends.iter().zip(recvs) {
-                partner[s] = t;
-                partner[t] = s;
-            }
+        for (k, &g) in c.recvs.iter().enumerate() {
+            key[g as usize] = (c.src, c.dst, k as u32);
+        }
+        for (&a, &b) in c.sends.iter().zip(&c.recvs) {
+            partner[a as usize] = b as usize;
+            partner[b as usize] = a as usize;
         }
     }
 

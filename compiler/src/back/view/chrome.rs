@@ -8,9 +8,9 @@
 //! microseconds. Times start at the timeline's earliest span.
 
 use super::{comm_name, op_name, timeline_text::origin, Filter};
+use crate::ir::Matching;
 use crate::ir::{Instr, PayloadKind, Program};
 use crate::simulate::timeline::{TimeUnit, Timeline};
-use crate::simulate::Matching;
 use pipec_schedules::Pass;
 use std::fmt::Write as _;
 
@@ -168,8 +168,8 @@ impl TraceBuilder {
         if filter.compute_only {
             return;
         }
-        let matching = Matching::new(program);
-        for (s, r) in matching.messages(program) {
+        let matching = Matching::of(program);
+        for (s, r) in matching.iter().flat_map(|m| m.messages(program)) {
             let (Some(ss), Some(rs)) = (span(timeline, s), span(timeline, r)) else {
                 continue;
             };

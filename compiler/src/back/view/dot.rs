@@ -9,8 +9,8 @@
 //! microbatch, edges counting the messages between them).
 
 use super::{comm_name, op_name, OpKind};
+use crate::ir::Matching;
 use crate::ir::{Instr, InstrRef, PayloadKind, Program};
-use crate::simulate::Matching;
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -125,8 +125,9 @@ fn full(program: &Program, out: &mut String) {
         }
         out.push_str("  }\n");
     }
-    let m = Matching::new(program);
-    for (s, r) in m.messages(program) {
+    // A program too large to number has no views anyway (it would not fit in memory).
+    let m = Matching::of(program);
+    for (s, r) in m.iter().flat_map(|m| m.messages(program)) {
         let _ = writeln!(
             out,
             "  {} -> {} [style=dashed, color=\"#e15759\", constraint=false];",
@@ -266,7 +267,7 @@ fn by_rank_mb(program: &Program, out: &mut String) {
     // Per (rank, mb): the compute parts in program order.
     let mut nodes: BTreeMap<(u32, u32), Vec<String>> = BTreeMap::new();
     let mut msgs: BTreeMap<(u32, u32, u32, &str), u64> = BTreeMap::new();
-    let m = Matching::new(program);
+    let m = Matching::of(program);
     for (r, instrs) in program.ranks.iter().enumerate() {
         for ins in instrs {
             if let Instr::Compute(op) = ins {
@@ -285,7 +286,7 @@ fn by_rank_mb(program: &Program, out: &mut String) {
             }
         }
     }
-    for (s, r) in m.messages(program) {
+    for (s, r) in m.iter().flat_map(|m| m.messages(program)) {
         if let Some(Instr::Send { payload, .. }) = program.get(s) {
             let k = match payload.kind {
                 PayloadKind::Act => "act",

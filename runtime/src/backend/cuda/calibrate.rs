@@ -107,19 +107,14 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
                     }
                     i += 1;
                 }
-                ins => {
+                Instr::Send { .. } | Instr::Recv { .. } => {
                     // One comm batch: its ops share one span.
-                    let b = ins.batch();
-                    let mut end = i + 1;
-                    while end < instrs.len()
-                        && matches!(instrs[end], Instr::Send { .. } | Instr::Recv { .. })
-                        && instrs[end].batch() == b
-                    {
-                        end += 1;
-                    }
+                    let end = pipec::ir::batch_end(instrs, i);
                     comm.push(d.max(0.0));
                     i = end;
                 }
+                // The CUDA backend runs no in-flight batches (it refuses waits before a run).
+                Instr::Wait { .. } => i += 1,
             }
         }
     }
