@@ -29,7 +29,16 @@ pub enum RunError {
     /// The pipelined step disagrees with the single-thread reference.
     #[error("check failed at step {step}: {msg}")]
     Check { step: u32, msg: String },
-    /// Bad arguments.
+    /// A run of zero steps was asked for.
+    #[error("the number of steps must be at least 1")]
+    ZeroSteps,
+    /// The GPU stack cannot run: a CUDA or NCCL library missing, no GPU, a driver call failed.
+    #[error("{0}")]
+    Device(String),
+    /// A multi-process launch could not form: the rendezvous that hands out NCCL's unique id.
+    #[error("launch: {0}")]
+    Launch(String),
+    /// Bad arguments (the binaries' own checks of their flags and environment).
     #[error("{0}")]
     Usage(String),
 }
@@ -38,7 +47,11 @@ impl RunError {
     /// 1: the schedule failed (refused, hang, check mismatch); 2: usage or I/O error.
     pub fn exit_code(&self) -> u8 {
         match self {
-            RunError::Load(LoadError::Io { .. }) | RunError::Usage(_) => 2,
+            RunError::Load(LoadError::Io { .. })
+            | RunError::Usage(_)
+            | RunError::ZeroSteps
+            | RunError::Device(_)
+            | RunError::Launch(_) => 2,
             _ => 1,
         }
     }

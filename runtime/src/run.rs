@@ -187,7 +187,7 @@ pub fn run_cpu(
     opts: &RunOptions,
 ) -> Result<RunReport, RunError> {
     if opts.steps == 0 {
-        return Err(RunError::Usage("--steps must be at least 1".into()));
+        return Err(RunError::ZeroSteps);
     }
     let world = program.ranks.len();
     let m = program.microbatches;

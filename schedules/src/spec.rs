@@ -95,62 +95,62 @@ impl ScheduleKind {
         let (summary, params, source) = match self {
             ScheduleKind::Gpipe => (
                 "all forwards, then all backwards",
-                "--pp, --microbatches; vpp = 1",
+                "pp, microbatches; vpp = 1",
                 "GPipe (Huang et al., 2019); torch ScheduleGPipe",
             ),
             ScheduleKind::OneFOneB => (
                 "warmup forwards, steady one-forward-one-backward, cooldown backwards",
-                "--pp, --microbatches; vpp = 1; --combined fuses steady pairs into fwd_bwd",
+                "pp, microbatches; vpp = 1; combined fuses steady pairs into fwd_bwd",
                 "PipeDream-Flush; Megatron forward_backward_pipelining_without_interleaving",
             ),
             ScheduleKind::Interleaved1F1B => (
                 "1F1B over vpp model chunks per rank, Megatron's exact order",
-                "--pp, --vpp, --microbatches, --group-size (default pp; pp <= g <= M); --combined fuses steady pairs into fwd_bwd",
+                "pp, vpp, microbatches, group size (default pp; pp <= g <= M); combined fuses steady pairs into fwd_bwd",
                 "Narayanan et al., 2021; Megatron forward_backward_pipelining_with_interleaving",
             ),
             ScheduleKind::LoopedBfs => (
                 "each chunk runs all microbatches forward, then backward in reverse",
-                "--pp, --vpp, --microbatches",
+                "pp, vpp, microbatches",
                 "Lamy-Poirier, Breadth-First Pipeline Parallelism (2022); torch ScheduleLoopedBFS",
             ),
             ScheduleKind::ZbH1 => (
                 "1F1B with split backward; the first W passes wait so B passes flow (1F1B memory, ~1/3 of its bubble)",
-                "--pp, --microbatches; vpp = 1",
+                "pp, microbatches; vpp = 1",
                 "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H1; sail-sg zb-h1-quick-start",
             ),
             ScheduleKind::ZbH2 => (
                 "split backward with 2(pp-1-r) warmup forwards: parallelogram, ~zero bubble at ~2x 1F1B memory",
-                "--pp, --microbatches; vpp = 1",
+                "pp, microbatches; vpp = 1",
                 "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
             ),
             ScheduleKind::Zb1P => (
                 "one-pass zero bubble: 1F1B warmup, then F and bwd_D, with each rank's bwd_W passes delayed by its rank",
-                "--pp, --microbatches; vpp = 1",
+                "pp, microbatches; vpp = 1",
                 "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
             ),
             ScheduleKind::ZbV => (
                 "zero bubble on a V placement, two chunks per rank, 1F1B memory",
-                "--pp, --microbatches; vpp = 2 (fixed)",
+                "pp, microbatches; vpp = 2 (fixed)",
                 "Qi et al. (2024) ZB-V; torch ScheduleZBVZeroBubble",
             ),
             ScheduleKind::VHalf => (
                 "V placement building block schedule at about half of 1F1B's activation memory",
-                "--pp, --microbatches; vpp = 2 (fixed)",
+                "pp, microbatches; vpp = 2 (fixed)",
                 "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Half; sail-sg zbv_greedy.py",
             ),
             ScheduleKind::VMin => (
                 "V placement building block schedule at about a third of 1F1B's activation memory",
-                "--pp, --microbatches; vpp = 2 (fixed)",
+                "pp, microbatches; vpp = 2 (fixed)",
                 "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Min; sail-sg zbv_greedy.py",
             ),
             ScheduleKind::DualPipe => (
                 "bidirectional: half the microbatches enter at each end, overlapped F&B chunks; parameters 2x",
-                "--pp (even), --microbatches (even, >= 2 pp); vpp = 1",
+                "pp (even), microbatches (even, >= 2 pp); vpp = 1",
                 "DeepSeek-V3 report (2024); deepseek-ai/DualPipe dualpipe.py",
             ),
             ScheduleKind::DualPipeV => (
                 "DualPipe folded onto a V placement (two chunks per rank), overlapped F&B chunks",
-                "--pp, --microbatches (>= 2 pp); vpp = 2 (fixed)",
+                "pp, microbatches (>= 2 pp); vpp = 2 (fixed)",
                 "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
             ),
         };
@@ -399,27 +399,27 @@ impl FromStr for MegatronP2p {
 /// Why a spec is refused. Each names the parameters involved and the rule, as the user wrote them.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum SpecError {
-    #[error("--pp must be at least 1")]
+    #[error("pp must be at least 1")]
     ZeroPp,
-    #[error("--vpp must be at least 1")]
+    #[error("vpp must be at least 1")]
     ZeroVpp,
-    #[error("--microbatches must be at least 1")]
+    #[error("microbatches must be at least 1")]
     ZeroMicrobatches,
     #[error("{kind} runs one model chunk per rank, but vpp = {vpp}; use interleaved-1f1b or looped-bfs for several chunks")]
     SingleChunkOnly { kind: ScheduleKind, vpp: u32 },
     #[error("{kind} with vpp = {vpp} needs pp >= 2: at pp = 1 Megatron runs forward_backward_no_pipelining, which has no model chunks to interleave")]
     ChunksNeedPipeline { kind: ScheduleKind, vpp: u32 },
-    #[error("--group-size applies to interleaved-1f1b only, not {kind}")]
+    #[error("a group size applies to interleaved-1f1b only, not {kind}")]
     GroupSizeNotApplicable { kind: ScheduleKind },
-    #[error("--group-size {g} is out of range: Megatron requires pp <= group size <= microbatches, here {pp} <= {g} <= {m} does not hold")]
+    #[error("group size {g} is out of range: Megatron requires pp <= group size <= microbatches, here {pp} <= {g} <= {m} does not hold")]
     GroupSizeOutOfRange { g: u32, pp: u32, m: u32 },
     #[error("microbatches = {m} leaves a last group of {rem} microbatches (group size {g}), fewer than pp = {pp}; Megatron rejects 0 < M % group size < pp because that last group cannot fill the ring")]
     PartialLastGroup { m: u32, g: u32, pp: u32, rem: u32 },
-    #[error("the schedule would have {ops} compute ops, over the limit of {limit} (raise it with --max-ops)")]
+    #[error("the schedule would have {ops} compute ops, over the limit of {limit}")]
     TooLarge { ops: u64, limit: u64 },
-    #[error("{kind} runs exactly 2 model chunks per rank on a V placement (stage s and 2pp-1-s on rank s), but vpp = {vpp}; omit --vpp or pass --vpp 2 (a layout must have 2 x pp stages)")]
+    #[error("{kind} runs exactly 2 model chunks per rank on a V placement (stage s and 2pp-1-s on rank s), but vpp = {vpp}; leave vpp unset or set it to 2 (a layout must have 2 x pp stages)")]
     VShapeNeedsTwoChunks { kind: ScheduleKind, vpp: u32 },
-    #[error("{kind} needs an even --pp (its microbatches enter from both ends and the ranks pair up around the middle), got {pp}")]
+    #[error("{kind} needs an even pp (its microbatches enter from both ends and the ranks pair up around the middle), got {pp}")]
     OddPp { kind: ScheduleKind, pp: u32 },
     #[error("{kind} needs an even number of microbatches (half go each direction), got {m}")]
     OddMicrobatches { kind: ScheduleKind, m: u32 },
@@ -430,7 +430,7 @@ pub enum SpecError {
         min: u32,
         source_rule: &'static str,
     },
-    #[error("--combined (Megatron's combined 1F1B) applies to 1f1b and interleaved-1f1b only, not {kind}")]
+    #[error("combined 1F1B (Megatron's) applies to 1f1b and interleaved-1f1b only, not {kind}")]
     CombinedNotApplicable { kind: ScheduleKind },
     #[error(
         "the Megatron P2P mode `{mode}` applies to 1f1b and interleaved-1f1b only, not {kind}"

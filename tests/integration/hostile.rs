@@ -264,12 +264,12 @@ fn zero_pp_and_zero_microbatches_are_refused() {
     compile_refused(
         &["--schedule", "1f1b", "--pp", "0", "--microbatches", "4"],
         &[1],
-        "--pp must be at least 1",
+        "pp must be at least 1",
     );
     compile_refused(
         &["--schedule", "1f1b", "--pp", "2", "--microbatches", "0"],
         &[1],
-        "--microbatches must be at least 1",
+        "microbatches must be at least 1",
     );
     let r = refuses(pipec(["layout", "E|t|L", "--pp", "0"]), &[1, 2]);
     assert!(r.stderr.contains("--pp"), "{}", r.stderr);
@@ -346,7 +346,7 @@ fn group_size_out_of_range_is_refused() {
                 g,
             ],
             &[1],
-            "--group-size",
+            "group size",
         );
     }
 }

@@ -743,10 +743,16 @@ fn cli_whole_layout_errors_and_exit_codes() {
     );
     let (code, err) = run(&["layout", "E|t|t|L", "--pp", "2", "--vpp", "4"]);
     assert_eq!(code, Some(1));
-    assert!(err.contains("--vpp 4 conflicts"), "{err}");
+    assert!(
+        err.contains("vpp 4 conflicts") && err.contains("(--vpp)"),
+        "{err}"
+    );
     let (code, err) = run(&["layout", "Et|L", "--pp", "1", "--num-layers", "2"]);
     assert_eq!(code, Some(1));
-    assert!(err.contains("--num-layers is 2"), "{err}");
+    assert!(
+        err.contains("the model has 2 (num_layers) (--num-layers)"),
+        "{err}"
+    );
     let (code, err) = run(&[
         "layout",
         "Et|t|m|L",

@@ -1085,7 +1085,7 @@ fn cli_refuses_bad_parameters_with_exit_1() {
         ),
         (
             vec!["--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"],
-            "even --pp",
+            "even pp",
         ),
         (
             vec![

@@ -1402,7 +1402,7 @@ mod cli {
             .arg(&out)
             .assert()
             .code(1)
-            .stderr(contains("--pp is 3"));
+            .stderr(contains("but pp is 3 (--pp)"));
         // Invalid UTF-8.
         std::fs::write(&bad, b"0F0\xc3\n").unwrap();
         pipec()

@@ -201,7 +201,7 @@ fn memory_limit_exceeded_is_reported_where_it_happens() {
     assert_eq!(
         messages(&r),
         vec![
-            "rank 0, #6 fwd(stage 0, mb 3): more than 3 live activations (--memory-limit); the rank peaks at 4 at #6"
+            "rank 0, #6 fwd(stage 0, mb 3): more than 3 live activations (the memory limit); the rank peaks at 4 at #6"
         ]
     );
     assert_eq!(r.class(), Some(Class::Memory));

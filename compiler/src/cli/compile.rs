@@ -5,7 +5,7 @@ use super::CliError;
 use pipec::back::files::{self, Header};
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::front::sweep;
-use pipec_schedules::{Limits, MegatronP2p, ScheduleKind};
+use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, SpecError};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -129,6 +129,10 @@ impl Args {
 pub fn compile_error(e: CompileError) -> CliError {
     match e {
         CompileError::Layout(l) => CliError::Invalid(super::layout::render_error(&l)),
+        // The library names parameters; the edge adds the flag that changes a limit.
+        CompileError::Spec(s @ SpecError::TooLarge { .. }) => {
+            CliError::Invalid(format!("{s} (raise it with --max-ops)"))
+        }
         CompileError::Spec(s) => CliError::Invalid(s.to_string()),
         e @ CompileError::UnevenLayers { .. } => CliError::Invalid(e.to_string()),
     }

@@ -6,7 +6,8 @@
 use super::CliError;
 use pipec::back::files::{self, Header};
 use pipec::back::torch::{
-    import_csv_bytes, CsvForm, ImportOptions, Imported, PlacementChoice, PlacementSource,
+    import_csv_bytes, CsvErrorKind, CsvForm, ImportOptions, Imported, PlacementChoice,
+    PlacementSource,
 };
 use pipec::front::layout::Layout;
 use pipec_schedules::CommPolicy;
@@ -54,8 +55,14 @@ pub fn read_csv(
 ) -> Result<Imported, CliError> {
     let bytes = std::fs::read(path)
         .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
-    import_csv_bytes(&bytes, &ImportOptions { pp, placement })
-        .map_err(|e| CliError::Invalid(format!("{}: {e}", path.display())))
+    import_csv_bytes(&bytes, &ImportOptions { pp, placement }).map_err(|e| {
+        let hint = match e.kind {
+            CsvErrorKind::RankWithoutStage { .. } => " (pass --placement loop|v)",
+            CsvErrorKind::LineCount { .. } => " (--pp)",
+            _ => "",
+        };
+        CliError::Invalid(format!("{}: {e}{hint}", path.display()))
+    })
 }
 
 /// The files of an imported schedule, as `import` writes them and the viewers load them.

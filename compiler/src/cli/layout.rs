@@ -1,7 +1,7 @@
 //! `pipec layout`: the expanded stage table.
 
 use super::{print_json, CliError};
-use pipec::front::layout::{self, LayoutError};
+use pipec::front::layout::{self, LayoutError, LayoutErrorKind};
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -58,7 +58,14 @@ pub fn read_layout_file(path: &Path) -> Result<String, CliError> {
 
 /// The layout echoed with a caret under the offending character, then the reason.
 pub fn render_error(e: &LayoutError) -> String {
-    e.to_string()
+    // The library names the parameter; the edge names the flag that sets it.
+    let flag = match e.kind {
+        LayoutErrorKind::VppConflict { .. } => " (--vpp)",
+        LayoutErrorKind::DecoderCount { .. } => " (--num-layers)",
+        LayoutErrorKind::MtpCount { .. } => " (--mtp-num-layers)",
+        _ => "",
+    };
+    format!("{e}{flag}")
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {

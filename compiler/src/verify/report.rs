@@ -541,7 +541,7 @@ impl fmt::Display for Violation {
                 ..
             } => write!(
                 f,
-                "{first_over}: more than {limit} live activations (--memory-limit); the rank peaks at {peak} at #{}",
+                "{first_over}: more than {limit} live activations (the memory limit); the rank peaks at {peak} at #{}",
                 peak_at.at.index
             ),
         }

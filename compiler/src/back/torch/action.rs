@@ -248,7 +248,7 @@ pub enum CsvErrorKind {
     EmptyInput,
     #[error("the input is not valid UTF-8 (first bad byte at byte offset {offset})")]
     InvalidUtf8 { offset: usize },
-    #[error("the file has {found} lines (one per rank), but --pp is {expected}")]
+    #[error("the file has {found} lines (one per rank), but pp is {expected}")]
     LineCount { found: usize, expected: u32 },
     #[error("an empty cell in a compute+comms file; torch's runtime executes every cell of that form and has no idle slot")]
     EmptyCellInComms,
@@ -265,7 +265,7 @@ pub enum CsvErrorKind {
     },
     #[error("stage {stage} appears on no line, but the file names stages up to {max}; every stage 0..{stages} must sit on some rank")]
     StageMissing { stage: u32, max: u32, stages: u32 },
-    #[error("rank {rank}'s line names no stage, so the file does not say which stages it owns; pass --placement loop|v")]
+    #[error("rank {rank}'s line names no stage, so the file does not say which stages it owns; give the placement (loop or v)")]
     RankWithoutStage { rank: u32 },
     #[error("stage {stage} is on rank {owner} under the {placement} placement, but this is rank {rank}'s line")]
     WrongRank {

@@ -71,7 +71,7 @@ pub enum LayoutErrorKind {
     ZeroPp,
     #[error("the layout has {stages} stages, which is not a multiple of pp = {pp}; add or remove stages (empty stages `||` are allowed)")]
     NotDivisible { stages: usize, pp: u32 },
-    #[error("--vpp {given} conflicts with the layout: {stages} stages / pp {pp} = vpp {derived}")]
+    #[error("vpp {given} conflicts with the layout: {stages} stages / pp {pp} = vpp {derived}")]
     VppConflict {
         stages: usize,
         pp: u32,
@@ -85,9 +85,13 @@ pub enum LayoutErrorKind {
         vpp_rank: u32,
         vpp: u32,
     },
-    #[error("the layout has {found} decoder layers `t`, but --num-layers is {expected}")]
+    #[error(
+        "the layout has {found} decoder layers `t`, but the model has {expected} (num_layers)"
+    )]
     DecoderCount { found: usize, expected: u32 },
-    #[error("the layout has {found} MTP layers `m`, but --mtp-num-layers is {expected}")]
+    #[error(
+        "the layout has {found} MTP layers `m`, but the model has {expected} (mtp_num_layers)"
+    )]
     MtpCount { found: usize, expected: u32 },
 }
 

@@ -376,7 +376,7 @@ pub fn run_cuda(
     opts: &CudaRunOptions,
 ) -> Result<CudaRunReport, RunError> {
     if opts.steps == 0 {
-        return Err(RunError::Usage("--steps must be at least 1".into()));
+        return Err(RunError::ZeroSteps);
     }
     let world = program.ranks.len();
     if let Some(l) = &opts.launch {
@@ -403,11 +403,11 @@ pub fn run_cuda(
         });
     }
     let multi = opts.launch.as_ref().is_some_and(|l| l.world_size > 1);
-    probe_libraries(multi).map_err(|e| RunError::Usage(e.to_string()))?;
+    probe_libraries(multi).map_err(|e| RunError::Device(e.to_string()))?;
     let count = CudaContext::device_count()
-        .map_err(|e| RunError::Usage(format!("CUDA: cannot count the GPUs: {e:?}")))?;
+        .map_err(|e| RunError::Device(format!("CUDA: cannot count the GPUs: {e:?}")))?;
     if count <= 0 {
-        return Err(RunError::Usage(
+        return Err(RunError::Device(
             "CUDA: the driver loads but reports no GPU".into(),
         ));
     }
@@ -455,17 +455,17 @@ fn run_typed<T: Elem>(
             let rv_timeout = opts.timeout.max(Duration::from_secs(60));
             let id = if l.rank == 0 {
                 let id = cudarc::nccl::Id::new()
-                    .map_err(|e| RunError::Usage(format!("NCCL: ncclGetUniqueId: {:?}", e.0)))?;
+                    .map_err(|e| RunError::Device(format!("NCCL: ncclGetUniqueId: {:?}", e.0)))?;
                 let server = launch::Server::bind(&format!("0.0.0.0:{}", l.master_port))
-                    .map_err(|e| RunError::Usage(e.to_string()))?;
+                    .map_err(|e| RunError::Launch(e.to_string()))?;
                 server
                     .serve(l.world_size, &id_bytes(&id), rv_timeout)
-                    .map_err(|e| RunError::Usage(e.to_string()))?;
+                    .map_err(|e| RunError::Launch(e.to_string()))?;
                 id
             } else {
                 let bytes = launch::fetch(&l.master(), l.rank, l.world_size, rv_timeout)
-                    .map_err(|e| RunError::Usage(e.to_string()))?;
-                id_from(&bytes).map_err(RunError::Usage)?
+                    .map_err(|e| RunError::Launch(e.to_string()))?;
+                id_from(&bytes).map_err(RunError::Launch)?
             };
             vec![(l.rank, ordinal, NetPlan::Nccl { id, world })]
         }
