@@ -19,9 +19,9 @@
 //! Split backwards queue their `W`; `W` steps run the oldest queued one.
 
 use crate::op::{Compute, Task};
-use crate::schedule::RankOrder;
+use crate::order::rank_orders;
+use crate::order::RankOrder;
 use crate::spec::ScheduleSpec;
-use crate::v_shape::rank_orders;
 use std::collections::VecDeque;
 
 /// Builds one rank's ops from the step program, given how a (phase, index) becomes a task.

@@ -3,7 +3,7 @@
 
 use crate::ids::Rank;
 use crate::op::{Compute, Task};
-use crate::schedule::RankOrder;
+use crate::order::RankOrder;
 use crate::spec::ScheduleSpec;
 
 pub(crate) fn orders(spec: &ScheduleSpec) -> Vec<RankOrder> {

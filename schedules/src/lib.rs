@@ -10,6 +10,7 @@ pub mod ids;
 mod looped_bfs;
 pub mod megatron;
 pub mod op;
+pub mod order;
 pub mod placement;
 pub mod schedule;
 pub mod spec;
@@ -18,8 +19,9 @@ mod zero_bubble;
 
 pub use ids::{Microbatch, Rank, StageId};
 pub use op::{Compute, Pass, Task};
+pub use order::RankOrder;
 pub use placement::{Placement, PlacementKind};
-pub use schedule::{generate, CommPolicy, RankOrder, Schedule};
+pub use schedule::{generate, CommPolicy, Schedule};
 pub use spec::{
     ChunkRule, KindInfo, Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError, UnknownKind,
 };

@@ -11,7 +11,7 @@
 
 use crate::ids::Rank;
 use crate::op::{Compute, Task};
-use crate::schedule::RankOrder;
+use crate::order::RankOrder;
 use crate::spec::ScheduleSpec;
 
 /// Megatron's per-rank microbatch counts (`get_pp_rank_microbatches`).

@@ -1,7 +1,6 @@
 //! A generated schedule: each rank's compute order, before any communication is placed.
 
-use crate::ids::Rank;
-use crate::op::Compute;
+use crate::order::RankOrder;
 use crate::placement::Placement;
 use crate::spec::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError};
 use serde::{Deserialize, Serialize};
@@ -88,16 +87,6 @@ impl CommPolicy {
             CommPolicy::FusedPerOp | CommPolicy::Lockstep => return None,
         })
     }
-}
-
-/// One rank's compute order.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RankOrder {
-    pub rank: Rank,
-    pub ops: Vec<Compute>,
-    /// Leading forwards before the first backward (Megatron's `num_warmup_microbatches`); the
-    /// Megatron comm policies derive their steps from it.
-    pub warmup: u32,
 }
 
 /// Per-rank compute orders plus the facts lowering and verification need.

@@ -9,9 +9,9 @@
 
 mod greedy;
 
-use crate::ids::Rank;
 use crate::op::{Compute, Task};
-use crate::schedule::RankOrder;
+use crate::order::rank_orders;
+use crate::order::RankOrder;
 use crate::spec::ScheduleSpec;
 use greedy::Block;
 
@@ -22,38 +22,6 @@ fn stage(pp: u32, r: u32, c: u32) -> u32 {
     } else {
         2 * pp - 1 - r
     }
-}
-
-/// Each rank's ops (rank `r` at index `r`) as [`RankOrder`]s: `warmup` is the number of
-/// leading forwards, and a forward-only spec keeps only the forwards of the training order
-/// (the forward half of an overlapped pair included). The tail every V-shape and DualPipe
-/// generator shares.
-pub(crate) fn rank_orders(
-    spec: &ScheduleSpec,
-    per_rank: impl IntoIterator<Item = Vec<Compute>>,
-) -> Vec<RankOrder> {
-    per_rank
-        .into_iter()
-        .enumerate()
-        .map(|(r, ops)| {
-            let ops: Vec<Compute> = if spec.forward_only {
-                ops.into_iter()
-                    .filter_map(|op| match op {
-                        Compute::Fwd(t) => Some(Compute::Fwd(t)),
-                        Compute::FwdBwd { fwd, .. } => Some(Compute::Fwd(fwd)),
-                        _ => None,
-                    })
-                    .collect()
-            } else {
-                ops
-            };
-            RankOrder {
-                rank: Rank(r as u32),
-                warmup: ops.iter().take_while(|o| o.is_forward()).count() as u32,
-                ops,
-            }
-        })
-        .collect()
 }
 
 /// ZB-V in torch `ScheduleZBVZeroBubble._calculate_single_rank_operations` order: warmup

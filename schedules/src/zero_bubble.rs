@@ -21,7 +21,7 @@
 
 use crate::ids::Rank;
 use crate::op::{Compute, Task};
-use crate::schedule::RankOrder;
+use crate::order::RankOrder;
 use crate::spec::ScheduleSpec;
 use std::collections::VecDeque;
 

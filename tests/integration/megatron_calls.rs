@@ -146,7 +146,8 @@ fn ours(p: &Program, r: usize, batched: bool) -> Vec<String> {
                 if group {
                     out.push("[".into());
                 }
-                while end < instrs.len() && instrs[end].batch() == Some(b) {
+                let stop = pipec::ir::batch_end(instrs, i);
+                while end < stop {
                     let (c, peer, pl) = match &instrs[end] {
                         Instr::Send {
                             peer, payload: pl, ..

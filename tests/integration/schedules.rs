@@ -62,25 +62,14 @@ fn items(instrs: &[Instr]) -> Vec<Item> {
         .collect();
     let mut out = Vec::new();
     let mut item_of_batch: HashMap<u32, usize> = HashMap::new();
-    let mut i = 0;
-    while i < instrs.len() {
-        match (instrs[i], instrs[i].batch()) {
-            (Instr::Wait { batch }, _) => {
-                out.push(Item::Wait(item_of_batch[&batch]));
-                i += 1;
-            }
-            (_, None) => {
-                out.push(Item::Compute(i));
-                i += 1;
-            }
-            (_, Some(b)) => {
-                let mut v = Vec::new();
-                while i < instrs.len() && instrs[i].batch() == Some(b) {
-                    v.push(i);
-                    i += 1;
-                }
-                item_of_batch.insert(b, out.len());
-                out.push(if waited.contains(&b) {
+    for step in pipec::ir::steps(instrs) {
+        match step {
+            pipec::ir::Step::Wait { batch, .. } => out.push(Item::Wait(item_of_batch[&batch])),
+            pipec::ir::Step::Compute(i) => out.push(Item::Compute(i)),
+            pipec::ir::Step::Batch { id, ops } => {
+                item_of_batch.insert(id, out.len());
+                let v: Vec<usize> = ops.collect();
+                out.push(if waited.contains(&id) {
                     Item::Flight(v)
                 } else {
                     Item::Batch(v)

@@ -102,18 +102,10 @@ fn strict_deadlock_in(p: &Program, model: Model) -> Option<Vec<usize>> {
     let mut run_of: Vec<Vec<usize>> = p.ranks.iter().map(|r| vec![usize::MAX; r.len()]).collect();
     let mut runs: Vec<(usize, usize, usize)> = Vec::new();
     for (r, instrs) in p.ranks.iter().enumerate() {
-        let mut i = 0;
-        while i < instrs.len() {
-            if let Some(b) = instrs[i].batch() {
-                let mut j = i;
-                while j < instrs.len() && instrs[j].batch() == Some(b) {
-                    run_of[r][j] = runs.len();
-                    j += 1;
-                }
-                runs.push((r, i, j));
-                i = j;
-            } else {
-                i += 1;
+        for step in pipec::ir::steps(instrs) {
+            if let pipec::ir::Step::Batch { ops, .. } = step {
+                run_of[r][ops.clone()].fill(runs.len());
+                runs.push((r, ops.start, ops.end));
             }
         }
     }

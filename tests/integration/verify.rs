@@ -563,20 +563,12 @@ fn mutation() -> impl Strategy<Value = Mutation> {
 
 /// Maximal runs of consecutive comm instructions with one batch id: (start, end).
 fn runs(instrs: &[Instr]) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < instrs.len() {
-        if let Some(b) = instrs[i].batch() {
-            let s = i;
-            while i < instrs.len() && instrs[i].batch() == Some(b) {
-                i += 1;
-            }
-            out.push((s, i));
-        } else {
-            i += 1;
-        }
-    }
-    out
+    pipec::ir::steps(instrs)
+        .filter_map(|s| match s {
+            pipec::ir::Step::Batch { ops, .. } => Some((ops.start, ops.end)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn set_batch(i: &mut Instr, b: u32) {

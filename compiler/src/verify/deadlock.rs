@@ -25,18 +25,18 @@
 //! Both passes are iterative (Kahn's algorithm, then an explicit-stack Tarjan on what Kahn
 //! could not release): recursive graph algorithms overflow the stack at millions of nodes.
 
-use super::index::{Index, NONE};
+use super::index::Index;
 use super::report::{Site, Violation, WaitStep};
-use crate::ir::Matching;
+use crate::ir::{Matching, OptIdx};
 use std::collections::VecDeque;
 
 /// The wait graph in compressed rows: `targets[start[u]..start[u + 1]]` are the batches that
-/// wait for `u`; `labels` holds the waiting op (global position) of a matched edge, or `NONE`
-/// for program order.
+/// wait for `u`; `labels` holds the waiting op (global position) of a matched edge, none for
+/// program order.
 pub(crate) struct Graph {
     pub start: Vec<u32>,
     pub targets: Vec<u32>,
-    pub labels: Vec<u32>,
+    pub labels: Vec<OptIdx>,
 }
 
 impl Graph {
@@ -46,24 +46,25 @@ impl Graph {
 }
 
 /// Calls `f(from, to, label)` for every edge.
-fn edges(ix: &Index<'_>, m: &Matching, f: &mut dyn FnMut(u32, u32, u32)) {
+fn edges(ix: &Index<'_>, m: &Matching, f: &mut dyn FnMut(u32, u32, OptIdx)) {
     for b in 0..ix.batch_start.len() as u32 {
         if let Some(a) = ix.pred(b) {
-            f(a, b, NONE);
+            f(a, b, OptIdx::NONE);
         }
         // A wait completes when the batch it names does.
-        let w = ix.wait_of[b as usize];
-        if w != NONE {
-            f(w, b, NONE);
+        if let Some(w) = ix.wait_of[b as usize].get() {
+            f(w, b, OptIdx::NONE);
         }
         let s = ix.batch_start[b as usize];
         for g in s..s + ix.batch_len[b as usize] {
             let Some(q) = m.partner_of(g) else {
                 continue;
             };
-            let c = ix.node_of[q as usize];
+            let Some(c) = ix.node_of[q as usize].get() else {
+                continue;
+            };
             if let Some(pc) = ix.pred(c) {
-                f(pc, b, g);
+                f(pc, b, OptIdx::some(g));
             }
         }
     }
@@ -72,7 +73,7 @@ fn edges(ix: &Index<'_>, m: &Matching, f: &mut dyn FnMut(u32, u32, u32)) {
 impl Graph {
     /// Compressed rows of `n` nodes from an edge lister, called twice (count, then fill) so
     /// no edge list is held.
-    pub(crate) fn from_edges(n: usize, edges: impl Fn(&mut dyn FnMut(u32, u32, u32))) -> Graph {
+    pub(crate) fn from_edges(n: usize, edges: impl Fn(&mut dyn FnMut(u32, u32, OptIdx))) -> Graph {
         let mut start = vec![0u32; n + 1];
         edges(&mut |a, _, _| start[a as usize + 1] += 1);
         for i in 0..n {
@@ -81,7 +82,7 @@ impl Graph {
         let e = start[n] as usize;
         let mut fill = start.clone();
         let mut targets = vec![0u32; e];
-        let mut labels = vec![0u32; e];
+        let mut labels = vec![OptIdx::NONE; e];
         edges(&mut |a, b, l| {
             let k = fill[a as usize] as usize;
             targets[k] = b;
@@ -97,7 +98,7 @@ impl Graph {
 
     /// One shortest cycle per strongly connected group of nodes that can never complete
     /// (Kahn's algorithm releases everything else), in edge direction.
-    pub(crate) fn stuck_cycles(&self) -> Vec<Vec<(u32, u32)>> {
+    pub(crate) fn stuck_cycles(&self) -> Vec<Vec<(u32, OptIdx)>> {
         let n = self.start.len() - 1;
         let mut indeg = vec![0u32; n];
         for &t in &self.targets {
@@ -146,8 +147,9 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
 /// node, or a self-loop), by an iterative Tarjan. Each is returned with its members sorted.
 fn cyclic_sccs(g: &Graph, stuck: &[bool]) -> Vec<Vec<u32>> {
     let n = stuck.len();
-    let mut index = vec![NONE; n];
-    let mut low = vec![NONE; n];
+    // Tarjan's visit number of each node (none until visited) and its low-link.
+    let mut index = vec![OptIdx::NONE; n];
+    let mut low = vec![0u32; n];
     let mut on_stack = vec![false; n];
     let mut stack: Vec<u32> = Vec::new();
     // The explicit call stack: (node, next out-edge to look at).
@@ -155,13 +157,13 @@ fn cyclic_sccs(g: &Graph, stuck: &[bool]) -> Vec<Vec<u32>> {
     let mut counter = 0u32;
     let mut found = Vec::new();
     for root in 0..n as u32 {
-        if !stuck[root as usize] || index[root as usize] != NONE {
+        if !stuck[root as usize] || index[root as usize].is_some() {
             continue;
         }
         let mut next = Some(root);
         loop {
             if let Some(v) = next.take() {
-                index[v as usize] = counter;
+                index[v as usize] = OptIdx::some(counter);
                 low[v as usize] = counter;
                 counter += 1;
                 stack.push(v);
@@ -177,10 +179,12 @@ fn cyclic_sccs(g: &Graph, stuck: &[bool]) -> Vec<Vec<u32>> {
                 if !stuck[w as usize] {
                     continue;
                 }
-                if index[w as usize] == NONE {
-                    next = Some(w);
-                } else if on_stack[w as usize] {
-                    low[v as usize] = low[v as usize].min(index[w as usize]);
+                match index[w as usize].get() {
+                    None => next = Some(w),
+                    Some(iw) if on_stack[w as usize] => {
+                        low[v as usize] = low[v as usize].min(iw);
+                    }
+                    Some(_) => {}
                 }
                 continue;
             }
@@ -188,7 +192,7 @@ fn cyclic_sccs(g: &Graph, stuck: &[bool]) -> Vec<Vec<u32>> {
             if let Some(&(u, _)) = call.last() {
                 low[u as usize] = low[u as usize].min(low[v as usize]);
             }
-            if low[v as usize] == index[v as usize] {
+            if index[v as usize].get() == Some(low[v as usize]) {
                 let mut scc = Vec::new();
                 loop {
                     let w = stack.pop().expect("tarjan stack holds the component");
@@ -212,13 +216,13 @@ fn cyclic_sccs(g: &Graph, stuck: &[bool]) -> Vec<Vec<u32>> {
 
 /// A shortest cycle through the first member of a strongly connected component, by breadth-
 /// first search: `(node, label of the edge from it to the next node)`, in edge direction.
-fn shortest_cycle(g: &Graph, scc: &[u32]) -> Vec<(u32, u32)> {
+fn shortest_cycle(g: &Graph, scc: &[u32]) -> Vec<(u32, OptIdx)> {
     let v = scc[0];
     let member = |w: u32| scc.binary_search(&w).is_ok();
     // parent[w] = (node before w, label of that edge), local to the component.
-    let mut parent: std::collections::HashMap<u32, (u32, u32)> = Default::default();
+    let mut parent: std::collections::HashMap<u32, (u32, OptIdx)> = Default::default();
     let mut queue = VecDeque::from([v]);
-    let mut last: Option<(u32, u32)> = None;
+    let mut last: Option<(u32, OptIdx)> = None;
     'bfs: while let Some(u) = queue.pop_front() {
         for k in g.out(u) {
             let w = g.targets[k];
@@ -251,18 +255,18 @@ fn shortest_cycle(g: &Graph, scc: &[u32]) -> Vec<(u32, u32)> {
 
 /// Put a cycle in words: who waits for whom, starting at the earliest waiting instruction.
 /// `cycle` is in edge direction (`n_i -> n_{i+1}` means `n_{i+1}` waits for `n_i`).
-fn describe(ix: &Index<'_>, m: &Matching, cycle: &[(u32, u32)]) -> Vec<WaitStep> {
+fn describe(ix: &Index<'_>, m: &Matching, cycle: &[(u32, OptIdx)]) -> Vec<WaitStep> {
     let k = cycle.len();
     // Walk against the edges: the waiter of step j is the head of edge (k - 1 - j).
     let mut raw: Vec<(Option<(u32, u32)>, u32)> = Vec::with_capacity(k); // (Some((x, partner)) | None, waiter pos)
     for j in 0..k {
         let e = (k + k - 1 - j) % k; // edge index n_e -> n_{e+1}
         let head = cycle[(e + 1) % k].0;
-        let label = cycle[e].1;
-        if label == NONE {
-            raw.push((None, ix.batch_start[head as usize]));
-        } else {
-            raw.push((Some((label, m.partner_of(label).unwrap_or(label))), label));
+        match cycle[e].1.get() {
+            None => raw.push((None, ix.batch_start[head as usize])),
+            Some(label) => {
+                raw.push((Some((label, m.partner_of(label).unwrap_or(label))), label));
+            }
         }
     }
     let first = (0..k).min_by_key(|&j| raw[j].1).unwrap_or(0);

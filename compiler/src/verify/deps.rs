@@ -13,11 +13,10 @@
 //! producer never runs (each already reported), and a receive that a too-early pass claimed
 //! (reported as "runs before its input arrives") is not also reported as unused.
 
-use super::index::{slot, Index, NONE};
+use super::index::{slot, Index};
 use super::report::{Part, Violation};
 use super::routes;
-use crate::ir::Matching;
-use crate::ir::{Instr, Payload, PayloadKind};
+use crate::ir::{Instr, Matching, OptIdx, Payload, PayloadKind};
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::HashMap;
 
@@ -25,7 +24,7 @@ struct Walk<'a, 'p> {
     ix: &'a Index<'p>,
     m: &'a Matching,
     /// Per payload with a single receive: the pass that consumed it.
-    user: Vec<u32>,
+    user: Vec<OptIdx>,
     /// Receives of multiply-received payloads: position -> consuming pass.
     multi_user: HashMap<u32, u32>,
     out: &'a mut Vec<Violation>,
@@ -38,7 +37,7 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
     let mut w = Walk {
         ix,
         m,
-        user: vec![NONE; 2 * ix.tasks],
+        user: vec![OptIdx::NONE; 2 * ix.tasks],
         multi_user: HashMap::new(),
         out,
     };
@@ -168,8 +167,8 @@ impl Walk<'_, '_> {
                         input,
                         from: Rank(owner),
                     });
-                } else if self.user[pi] != NONE {
-                    let first_use = ix.site(self.user[pi]);
+                } else if let Some(u) = self.user[pi].get() {
+                    let first_use = ix.site(u);
                     self.out.push(Violation::InputUsedTwice {
                         site,
                         part,
@@ -177,7 +176,7 @@ impl Walk<'_, '_> {
                         first_use,
                     });
                 } else {
-                    self.user[pi] = g;
+                    self.user[pi] = OptIdx::some(g);
                     if j > g {
                         self.out.push(Violation::RunsBeforeInput {
                             site,
@@ -185,7 +184,7 @@ impl Walk<'_, '_> {
                             input,
                             recv: ix.site(j),
                         });
-                    } else if ix.ready(j) > g {
+                    } else if ix.ready(j).get().is_none_or(|w| w > g) {
                         self.out.push(Violation::RunsBeforeWait {
                             site,
                             part,
@@ -299,7 +298,7 @@ impl Walk<'_, '_> {
         }
         let pi = ix.payload_index(payload);
         let used = if ix.recv_count[pi] == 1 {
-            self.user[pi] != NONE
+            self.user[pi].is_some()
         } else {
             self.multi_user.contains_key(&g)
         };

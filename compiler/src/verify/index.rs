@@ -3,12 +3,9 @@
 //! read from a file cannot make the verifier panic.
 
 use super::report::{Field, Part, Site, Stats, Violation};
-use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Positions, Program};
+use crate::ir::{Instr, InstrRef, OptIdx, Payload, PayloadKind, Positions, Program};
 use pipec_schedules::{Microbatch, Pass, Rank, StageId, Task};
 use std::collections::HashMap;
-
-/// "No position": an empty slot in the u32 tables.
-pub(crate) const NONE: u32 = u32::MAX;
 
 /// Table slot of a pass.
 #[inline]
@@ -33,31 +30,33 @@ pub(crate) struct Index<'p> {
     /// Whether the per-task tables below exist (see [`Index::build`]).
     pub dense: bool,
     pub tasks: usize,
-    /// Per pass slot: first position of each task's pass, and how often it runs (saturating).
+    /// Per pass slot: first position of each task's pass (meaningful where its count is not
+    /// zero), and how often it runs (saturating).
     pub first: [Vec<u32>; 4],
     pub count: [Vec<u8>; 4],
-    /// Per payload: first position of a receive of it, and how many receives there are.
+    /// Per payload: first position of a receive of it (meaningful where its count is not
+    /// zero), and how many receives there are.
     pub recv_first: Vec<u32>,
     pub recv_count: Vec<u8>,
     /// Every receive position of payloads received more than once.
     pub multi_recv: HashMap<u32, Vec<u32>>,
-    /// Per position: the comm batch of a send/recv, `NONE` for compute.
-    pub node_of: Vec<u32>,
+    /// Per position: the comm batch of a send/recv; none for compute and waits.
+    pub node_of: Vec<OptIdx>,
     /// Per batch: first position, length, rank. Batches are numbered rank-major in order, so
     /// the batch before `b` on its rank is `b - 1` when `batch_rank[b - 1] == batch_rank[b]`.
     pub batch_start: Vec<u32>,
     pub batch_len: Vec<u32>,
     pub batch_rank: Vec<u32>,
     /// Per node: for a `Wait` node (length 0, at the wait), the batch node it waits for;
-    /// `NONE` for batches.
-    pub wait_of: Vec<u32>,
+    /// none for batches.
+    pub wait_of: Vec<OptIdx>,
     /// Per node: a batch left in flight (some later `Wait` names it).
     pub in_flight: Vec<bool>,
     /// Per node: the nearest earlier node on its rank at which the rank blocks (a blocking
     /// batch or a wait): it must complete before this node is reached.
-    pub block_pred: Vec<u32>,
-    /// Per node: the position of the first `Wait` naming it (`NONE` when none does).
-    pub first_wait: Vec<u32>,
+    pub block_pred: Vec<OptIdx>,
+    /// Per node: the position of the first `Wait` naming it, if any.
+    pub first_wait: Vec<OptIdx>,
     pub stats: Stats,
     pub compute_parts: u64,
 }
@@ -108,12 +107,12 @@ impl<'p> Index<'p> {
             pos,
             dense,
             tasks,
-            first: std::array::from_fn(|_| vec![NONE; tasks]),
+            first: std::array::from_fn(|_| vec![0; tasks]),
             count: std::array::from_fn(|_| vec![0u8; tasks]),
-            recv_first: vec![NONE; 2 * tasks],
+            recv_first: vec![0; 2 * tasks],
             recv_count: vec![0u8; 2 * tasks],
             multi_recv: HashMap::new(),
-            node_of: vec![NONE; total as usize],
+            node_of: vec![OptIdx::NONE; total as usize],
             batch_start: Vec::new(),
             batch_len: Vec::new(),
             batch_rank: Vec::new(),
@@ -145,7 +144,7 @@ impl<'p> Index<'p> {
             let base = self.pos.base(r);
             let rank = Rank(r as u32);
             let mut prev_batch: Option<u32> = None;
-            // Batch id -> its node on this rank (`NONE` when the id names two segments).
+            // Batch id -> its node on this rank.
             let mut by_id = BatchIds::new(instrs.len());
             // The waits of this rank that named a batch: (position, id).
             let mut waits: Vec<(usize, u32)> = Vec::new();
@@ -162,18 +161,18 @@ impl<'p> Index<'p> {
                             instr: *ins,
                         };
                         let target = match by_id.get(batch) {
-                            Some(n) if n != NONE => n,
-                            Some(_) => {
+                            BatchId::One(n) => OptIdx::some(n),
+                            BatchId::Ambiguous => {
                                 out.push(Violation::WaitAmbiguous { site, batch });
-                                NONE
+                                OptIdx::NONE
                             }
-                            None => {
+                            BatchId::Unused => {
                                 out.push(Violation::WaitWithoutBatch { site, batch });
-                                NONE
+                                OptIdx::NONE
                             }
                         };
-                        if target != NONE {
-                            self.in_flight[target as usize] = true;
+                        if let Some(t) = target.get() {
+                            self.in_flight[t as usize] = true;
                             waits.push((i, batch));
                         }
                         self.batch_start.push(g);
@@ -249,13 +248,13 @@ impl<'p> Index<'p> {
                             self.batch_start.push(g);
                             self.batch_len.push(0);
                             self.batch_rank.push(r as u32);
-                            self.wait_of.push(NONE);
+                            self.wait_of.push(OptIdx::NONE);
                             self.in_flight.push(false);
                         }
                         prev_batch = Some(batch);
                         let b = self.batch_start.len() - 1;
                         self.batch_len[b] += 1;
-                        self.node_of[g as usize] = b as u32;
+                        self.node_of[g as usize] = OptIdx::some(b as u32);
                         let site = || Site {
                             at: InstrRef {
                                 rank,
@@ -299,7 +298,7 @@ impl<'p> Index<'p> {
             // A waited id must name one batch of the rank, also counting batches after the
             // wait: a runtime keys its handles by id for the whole stream.
             for (i, batch) in waits {
-                if by_id.get(batch) == Some(NONE) {
+                if by_id.get(batch) == BatchId::Ambiguous {
                     out.push(Violation::WaitAmbiguous {
                         site: Site {
                             at: InstrRef {
@@ -320,33 +319,32 @@ impl<'p> Index<'p> {
     /// `block_pred` of every node, and the first wait of each batch left in flight.
     fn link_waits(&mut self) {
         let n = self.batch_start.len();
-        self.block_pred = vec![NONE; n];
-        self.first_wait = vec![NONE; n];
-        let mut last = NONE;
+        self.block_pred = vec![OptIdx::NONE; n];
+        self.first_wait = vec![OptIdx::NONE; n];
+        let mut last = OptIdx::NONE;
         for b in 0..n {
             if b > 0 && self.batch_rank[b - 1] != self.batch_rank[b] {
-                last = NONE;
+                last = OptIdx::NONE;
             }
             self.block_pred[b] = last;
-            let w = self.wait_of[b];
-            if w != NONE && self.first_wait[w as usize] == NONE {
-                self.first_wait[w as usize] = self.batch_start[b];
+            if let Some(w) = self.wait_of[b].get() {
+                if self.first_wait[w as usize].is_none() {
+                    self.first_wait[w as usize] = OptIdx::some(self.batch_start[b]);
+                }
             }
             if !self.in_flight[b] {
-                last = b as u32;
+                last = OptIdx::some(b as u32);
             }
         }
     }
 
     /// Where the tensor of the receive at `g` is ready to use: the receive itself, or the first
-    /// `Wait` of its in-flight batch (`NONE` when that batch is never waited).
+    /// `Wait` of its in-flight batch (none when that batch is never waited).
     #[inline]
-    pub fn ready(&self, g: u32) -> u32 {
-        let b = self.node_of[g as usize];
-        if b != NONE && self.in_flight[b as usize] {
-            self.first_wait[b as usize]
-        } else {
-            g
+    pub fn ready(&self, g: u32) -> OptIdx {
+        match self.node_of[g as usize].get() {
+            Some(b) if self.in_flight[b as usize] => self.first_wait[b as usize],
+            _ => OptIdx::some(g),
         }
     }
 
@@ -448,17 +446,26 @@ impl<'p> Index<'p> {
     /// or wait on the same rank (batches left in flight do not hold the rank).
     #[inline]
     pub fn pred(&self, b: u32) -> Option<u32> {
-        let p = self.block_pred[b as usize];
-        (p != NONE).then_some(p)
+        self.block_pred[b as usize].get()
     }
 }
 
-/// Batch id -> node on one rank, dense while ids stay small (they count up from 0 in every
-/// file pipec writes), a map for files with sparse ids. `NONE` marks an id used by two
-/// separate batches.
+/// What a batch id names on one rank.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum BatchId {
+    /// No batch so far.
+    Unused,
+    /// One batch: its node.
+    One(u32),
+    /// Two separate batches (a wait naming it would be ambiguous).
+    Ambiguous,
+}
+
+/// Batch id -> [`BatchId`] on one rank, dense while ids stay small (they count up from 0 in
+/// every file pipec writes), a map for files with sparse ids.
 struct BatchIds {
-    dense: Vec<u32>,
-    sparse: HashMap<u32, u32>,
+    dense: Vec<BatchId>,
+    sparse: HashMap<u32, BatchId>,
     limit: usize,
 }
 
@@ -471,31 +478,29 @@ impl BatchIds {
         }
     }
 
-    fn get(&self, id: u32) -> Option<u32> {
+    fn get(&self, id: u32) -> BatchId {
         match self.dense.get(id as usize) {
-            Some(&n) if n != UNSET => Some(n),
-            Some(_) => None,
-            None => self.sparse.get(&id).copied(),
+            Some(&b) => b,
+            None => self.sparse.get(&id).copied().unwrap_or(BatchId::Unused),
         }
     }
 
-    /// Record that batch `id` starts node `node` (a second batch with the id makes it `NONE`).
+    /// Record that batch `id` starts node `node` (a second batch with the id makes it
+    /// ambiguous).
     fn insert(&mut self, id: u32, node: u32) {
+        let next = |b: BatchId| match b {
+            BatchId::Unused => BatchId::One(node),
+            BatchId::One(_) | BatchId::Ambiguous => BatchId::Ambiguous,
+        };
         let i = id as usize;
         if i < self.limit {
             if i >= self.dense.len() {
-                self.dense.resize(i + 1, UNSET);
+                self.dense.resize(i + 1, BatchId::Unused);
             }
-            let slot = &mut self.dense[i];
-            *slot = if *slot == UNSET { node } else { NONE };
+            self.dense[i] = next(self.dense[i]);
         } else {
-            self.sparse
-                .entry(id)
-                .and_modify(|n| *n = NONE)
-                .or_insert(node);
+            let e = self.sparse.entry(id).or_insert(BatchId::Unused);
+            *e = next(*e);
         }
     }
 }
-
-/// An id no batch has used yet.
-const UNSET: u32 = NONE - 1;

@@ -9,7 +9,7 @@
 //! pair counts while the backward half still holds its activation. In a forward-only program
 //! nothing is stashed: an activation lives only during its forward.
 
-use super::index::{Index, NONE};
+use super::index::Index;
 use super::report::{RankMemory, Violation};
 use crate::ir::{Instr, InstrRef};
 use pipec_schedules::{Pass, Rank};
@@ -31,8 +31,8 @@ pub(crate) fn check(
     for (r, instrs) in ix.p.ranks.iter().enumerate() {
         let tag = r as u32 + 1;
         let (mut live, mut peak) = (0u64, 0u64);
-        let mut peak_at = NONE;
-        let mut over_at = NONE;
+        let mut peak_at: Option<u32> = None;
+        let mut over_at: Option<u32> = None;
         for (i, ins) in instrs.iter().enumerate() {
             let Instr::Compute(c) = ins else { continue };
             let mut frees = 0u64;
@@ -63,18 +63,19 @@ pub(crate) fn check(
             }
             if live > peak {
                 peak = live;
-                peak_at = i as u32;
+                peak_at = Some(i as u32);
             }
             if let Some(l) = limit {
-                if live > l && over_at == NONE {
-                    over_at = i as u32;
+                if live > l && over_at.is_none() {
+                    over_at = Some(i as u32);
                 }
             }
             live = live.saturating_sub(frees);
         }
         let rank = Rank(r as u32);
         let at = |index: u32| InstrRef { rank, index };
-        if over_at != NONE {
+        // Over the limit means past a peak, so both are set.
+        if let (Some(over_at), Some(peak_at)) = (over_at, peak_at) {
             let site = |i: u32| ix.site(ix.pos.base(r) + i);
             out.push(Violation::MemoryLimit {
                 rank,
@@ -87,7 +88,7 @@ pub(crate) fn check(
         result.push(RankMemory {
             rank,
             peak,
-            at: (peak_at != NONE).then(|| at(peak_at)),
+            at: peak_at.map(at),
         });
     }
     result

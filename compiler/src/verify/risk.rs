@@ -9,7 +9,7 @@
 //!   known case: its batched call sends a gradient then an activation to the one neighbour,
 //!   which receives an activation then a gradient (Megatron-LM refuses it; pipec too).
 
-use super::index::{Index, NONE};
+use super::index::Index;
 use super::report::Site;
 use crate::ir::{Instr, Payload};
 use pipec_schedules::Rank;
@@ -63,7 +63,7 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
     let mut out = Vec::new();
     for b in 0..ix.batch_start.len() {
         let len = ix.batch_len[b] as usize;
-        if ix.wait_of[b] != NONE || len < 2 {
+        if ix.wait_of[b].is_some() || len < 2 {
             continue;
         }
         let r = ix.batch_rank[b] as usize;

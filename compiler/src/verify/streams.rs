@@ -22,9 +22,9 @@
 //! (unordered among themselves) or issued one by one.
 
 use super::deadlock::Graph;
-use super::index::{Index, NONE};
+use super::index::Index;
 use super::report::Violation;
-use crate::ir::Matching;
+use crate::ir::{Matching, OptIdx};
 use pipec_schedules::{CommPolicy, MegatronP2p};
 
 /// How a program's ops map onto NCCL streams.
@@ -67,31 +67,30 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
         for b in 0..ix.batch_start.len() {
             let bu = b as u32;
             if let Some(p) = ix.pred(bu) {
-                f(point(p), point(bu), NONE);
+                f(point(p), point(bu), OptIdx::NONE);
             }
-            let w = ix.wait_of[b];
-            if w != NONE {
+            if let Some(w) = ix.wait_of[b].get() {
                 // A wait completes when the batch it names has (one edge, however many waits).
-                f(point(w), point(bu), NONE);
+                f(point(w), point(bu), OptIdx::NONE);
                 continue;
             }
             let s = ix.batch_start[b];
             for o in s..s + ix.batch_len[b] {
-                f(o, point(bu), NONE);
+                f(o, point(bu), OptIdx::NONE);
                 // Posted: this rank and the partner's passed their previous blocking points.
                 if let Some(p) = ix.pred(bu) {
-                    f(point(p), o, NONE);
+                    f(point(p), o, OptIdx::NONE);
                 }
                 let Some(q) = m.partner_of(o) else {
                     continue;
                 };
-                if let Some(p) = ix.pred(ix.node_of[q as usize]) {
-                    f(point(p), o, NONE);
+                if let Some(p) = ix.node_of[q as usize].get().and_then(|c| ix.pred(c)) {
+                    f(point(p), o, OptIdx::NONE);
                 }
                 // Both ends wait for what is before them on their streams.
                 for x in [before[o as usize], before[q as usize]] {
-                    if x != NONE {
-                        f(x, o, NONE);
+                    if let Some(x) = x.get() {
+                        f(x, o, OptIdx::NONE);
                     }
                 }
             }
@@ -117,15 +116,20 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, rule: StreamRule, out: &mut Ve
 /// For each op, the node it waits for on its stream: with ops issued one by one, the op
 /// issued before it on that stream; with each batch one NCCL group (one kernel on the
 /// communicator), the whole earlier batch that used the stream (its completion node).
-fn stream_predecessors(ix: &Index<'_>, rule: StreamRule, point: impl Fn(u32) -> u32) -> Vec<u32> {
-    let mut before = vec![NONE; ix.node_of.len()];
+fn stream_predecessors(
+    ix: &Index<'_>,
+    rule: StreamRule,
+    point: impl Fn(u32) -> u32,
+) -> Vec<OptIdx> {
+    let mut before = vec![OptIdx::NONE; ix.node_of.len()];
     let world = ix.world as usize;
     // Per stream key (peer, direction): (last op, its batch node, last earlier batch node).
-    let mut last = vec![(NONE, NONE, NONE); world * 2];
+    let none = (OptIdx::NONE, OptIdx::NONE, OptIdx::NONE);
+    let mut last = vec![none; world * 2];
     let mut touched: Vec<usize> = Vec::new();
     for (r, instrs) in ix.p.ranks.iter().enumerate() {
         for &k in &touched {
-            last[k] = (NONE, NONE, NONE);
+            last[k] = none;
         }
         touched.clear();
         let base = ix.pos.base(r);
@@ -145,12 +149,10 @@ fn stream_predecessors(ix: &Index<'_>, rule: StreamRule, point: impl Fn(u32) -> 
             let earlier = if lb != b { lb } else { earlier };
             before[g as usize] = if rule.ops_in_order {
                 lg
-            } else if earlier == NONE {
-                NONE
             } else {
-                point(earlier)
+                earlier.get().map(&point).into()
             };
-            last[key] = (g, b, earlier);
+            last[key] = (OptIdx::some(g), b, earlier);
             touched.push(key);
         }
     }

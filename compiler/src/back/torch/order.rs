@@ -19,10 +19,8 @@
 //! rank. Deterministic; linear in the program size. Per-peer FIFO order is never changed: the
 //! k-th send to a peer always completes with the k-th recv there, before the (k+1)-th.
 
-use crate::ir::{steps, Matching, Program, Step};
+use crate::ir::{steps, Matching, OptIdx, Program, Step};
 use std::collections::VecDeque;
-
-const NONE: usize = usize::MAX;
 
 /// For each rank, the instruction indices in the order to write them.
 pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
@@ -43,31 +41,25 @@ pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
 
     // Comm batches ("runs"): (rank, start, end).
     let mut runs: Vec<(usize, usize, usize)> = Vec::new();
-    let mut run_of = vec![NONE; total];
+    let mut run_of = vec![OptIdx::NONE; total];
     for (r, instrs) in program.ranks.iter().enumerate() {
         for step in steps(instrs) {
             if let Step::Batch { ops, .. } = step {
-                for i in ops.clone() {
-                    run_of[offset[r] + i] = runs.len();
-                }
+                run_of[offset[r] + ops.start..offset[r] + ops.end]
+                    .fill(OptIdx::some(runs.len() as u32));
                 runs.push((r, ops.start, ops.end));
             }
         }
     }
 
-    // FIFO matching per ordered pair of ranks, and the fallback key of each message.
+    // The fallback key of each message: its channel and FIFO position there.
     let mut key = vec![(u32::MAX, u32::MAX, u32::MAX); total];
-    let mut partner = vec![NONE; total];
     for c in matching.channels() {
         for (k, &g) in c.sends.iter().enumerate() {
             key[g as usize] = (c.src, c.dst, k as u32);
         }
         for (k, &g) in c.recvs.iter().enumerate() {
             key[g as usize] = (c.src, c.dst, k as u32);
-        }
-        for (&a, &b) in c.sends.iter().zip(&c.recvs) {
-            partner[a as usize] = b as usize;
-            partner[b as usize] = a as usize;
         }
     }
 
@@ -82,7 +74,7 @@ pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
     let mut left: Vec<usize> = runs.iter().map(|&(_, s, e)| e - s).collect();
     let mut completed: Vec<Vec<usize>> = vec![Vec::new(); runs.len()];
     let mut pc = vec![0usize; w];
-    let mut current = vec![NONE; w];
+    let mut current: Vec<Option<usize>> = vec![None; w];
     let mut queue: VecDeque<usize> = (0..w).collect();
     while let Some(r) = queue.pop_front() {
         let instrs = &program.ranks[r];
@@ -91,20 +83,27 @@ pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
                 pc[r] += 1;
             }
             if pc[r] >= instrs.len() {
-                current[r] = NONE;
+                current[r] = None;
                 break;
             }
-            let run = run_of[offset[r] + pc[r]];
-            current[r] = run;
+            // The instruction at `pc` is a send or receive, so it has a run.
+            let Some(run) = run_of[offset[r] + pc[r]].get().map(|x| x as usize) else {
+                break;
+            };
+            current[r] = Some(run);
             if left[run] > 0 {
                 for id in members(run) {
-                    let p = partner[id];
-                    if done[id] || p == NONE {
+                    let Some(p) = matching.partner_of(id as u32).map(|p| p as usize) else {
+                        continue;
+                    };
+                    if done[id] {
                         continue;
                     }
-                    let prun = run_of[p];
+                    let Some(prun) = run_of[p].get().map(|x| x as usize) else {
+                        continue;
+                    };
                     let pr = runs[prun].0;
-                    if current[pr] != prun {
+                    if current[pr] != Some(prun) {
                         continue;
                     }
                     done[id] = true;
@@ -139,13 +138,16 @@ pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
             let mut order = Vec::with_capacity(instrs.len());
             let mut i = 0;
             while i < instrs.len() {
-                let run = run_of[offset[r] + i];
-                if run == NONE {
-                    order.push(i);
-                    i += 1;
-                } else {
-                    order.extend(completed[run].iter().map(|&id| id - offset[r]));
-                    i = runs[run].2;
+                match run_of[offset[r] + i].get() {
+                    None => {
+                        order.push(i);
+                        i += 1;
+                    }
+                    Some(run) => {
+                        let run = run as usize;
+                        order.extend(completed[run].iter().map(|&id| id - offset[r]));
+                        i = runs[run].2;
+                    }
                 }
             }
             order

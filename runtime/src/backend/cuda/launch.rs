@@ -668,7 +668,16 @@ mod tests {
 
     #[test]
     fn a_one_rank_world_needs_nobody() {
+        // With a peer to wait for, the same call would sit out its whole 30 s timeout.
         let server = Server::bind("127.0.0.1:0").unwrap();
-        server.serve(1, b"id", Duration::from_millis(10)).unwrap();
+        let t = Instant::now();
+        assert!(server.serve(1, b"id", Duration::from_secs(30)).is_ok());
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        // Two ranks and nobody connecting: refused once the timeout passes.
+        let server = Server::bind("127.0.0.1:0").unwrap();
+        let e = server
+            .serve(2, b"id", Duration::from_millis(50))
+            .unwrap_err();
+        assert!(e.to_string().contains("rank"), "{e}");
     }
 }
