@@ -133,6 +133,11 @@ def _chunk_attr(chunk: torch.nn.Module, name: str):
     return None
 
 
+def _grad_acc(p: torch.Tensor):
+    """The AccumulateGrad node of a parameter."""
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
 def _check_data_order(s: Schedule) -> None:
     """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
     iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
@@ -317,45 +322,79 @@ class _Executor:
         self._give_input_grad(stage, mb, ig)
 
     def bwd_d(self, stage: int, mb: int) -> None:
-        """Input gradient only; the graph is kept for :meth:`bwd_w` (see docs/megatron.md)."""
-        from torch.autograd import Variable
+        """The input-gradient half of a split backward (``bwd_D``); see docs/megatron.md.
 
+        megatron-core 0.19.2's own deferral (``delay_wgrad_compute``) needs Transformer
+        Engine layers and combined 1F1B; this is the equivalent for any model: torch's
+        zero-bubble split (``torch.distributed.pipelining._backward``): a backward to the stage
+        input only that records the gradients reaching the nodes which use the weights, from
+        which :meth:`bwd_w` computes the weight gradients later (through the weights'
+        accumulators, so Megatron's DDP hooks see them). Nothing runs twice through a node
+        that destroys its saved tensors (Megatron's fused cross entropy does).
+        """
+        from torch.autograd.graph import get_gradient_edge
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        c = self.chunk_of[stage]
         inp, out, og = self._take(stage, mb)
         if og is None and self.config.grad_scale_func is not None:
             out = self.config.grad_scale_func(out)  # as backward_step does on the last stage
-        if og is None:
-            og = torch.ones_like(out)
-        ig = None
-        if inp is not None and out.requires_grad:
-            (ig,) = Variable._execution_engine.run_backward(
-                tensors=(out,),
-                grad_tensors=(og,),
-                keep_graph=True,
-                create_graph=False,
-                inputs=(inp,),
-                allow_unreachable=True,
-                accumulate_grad=False,
+        params = [p for p in self.model[c].parameters() if p.requires_grad]
+        if inp is None or out.grad_fn is None:
+            # No stage input (the first stage): the whole backward is the weight gradient.
+            self.deferred[(stage, mb)] = ("full", out, og)
+            return
+        root = out if og is None else get_gradient_edge(out)  # outputs may be deallocated
+        accs = {_grad_acc(p): p for p in params}
+        (ig,), groups = stage_backward_input(
+            [root], None if og is None else [og], [inp], iter(params)
+        )
+        inp.grad = None
+        covered = {a for g in groups for a in g["params"]}
+        missing = [p for a, p in accs.items() if a not in covered]
+        self.deferred[(stage, mb)] = ("groups", groups, accs, missing)
+        if missing:
+            raise PipecError(
+                f"stage {stage}: {len(missing)} weights are not reached from the stage input; "
+                "pipec.megatron cannot split this stage's backward"
             )
-        self.deferred[(stage, mb)] = (out, og)
         self._give_input_grad(stage, mb, ig)
 
     def bwd_w(self, stage: int, mb: int) -> None:
-        from torch.autograd import Variable
+        """The weight-gradient half of a split backward (``bwd_W``)."""
+        from torch.autograd.graph import GradientEdge
 
         c = self.chunk_of[stage]
-        out, og = self.deferred.pop((stage, mb))
-        params = tuple(p for p in self.model[c].parameters() if p.requires_grad)
-        if out.requires_grad and params:
-            with self._grad_sync(c, stage, mb):
-                Variable._execution_engine.run_backward(
-                    tensors=(out,),
-                    grad_tensors=(og,),
-                    keep_graph=False,
-                    create_graph=False,
-                    inputs=params,
-                    allow_unreachable=True,
-                    accumulate_grad=True,
-                )
+        d = self.deferred.pop((stage, mb))
+        with self._grad_sync(c, stage, mb):
+            if d[0] == "full":
+                _, out, og = d
+                if out.requires_grad:
+                    torch.autograd.backward(out, og)
+                return
+            _, groups, accs, _ = d
+            for g in groups:
+                grads = g.get("grads")
+                if grads is None:
+                    continue
+                edges, gouts = [], []
+                for gt, node in zip(grads, g["intermediates"], strict=True):
+                    for i, gr in enumerate(gt):
+                        if gr is not None:
+                            edges.append(GradientEdge(node, i))
+                            gouts.append(gr)
+                handles = []
+                if len(g["intermediates"]) > 1:  # no double counting through descendants
+                    for gt, node in zip(grads, g["intermediates"], strict=True):
+                        handles.append(node.register_prehook(lambda _g, sg=gt: sg))
+                try:
+                    if edges:
+                        torch.autograd.backward(
+                            edges, gouts, inputs=[accs[a] for a in g["params"]]
+                        )
+                finally:
+                    for h in handles:
+                        h.remove()
 
     # ---- grad sync, as Megatron's schedules: reductions are held back (no_sync) except
     # during the last weight-gradient pass of each chunk.
