@@ -362,7 +362,7 @@ class _Executor:
 
     def bwd_w(self, stage: int, mb: int) -> None:
         """The weight-gradient half of a split backward (``bwd_W``)."""
-        from torch.autograd.graph import GradientEdge
+        from torch.autograd.graph import GradientEdge, get_gradient_edge
 
         c = self.chunk_of[stage]
         d = self.deferred.pop((stage, mb))
@@ -370,7 +370,9 @@ class _Executor:
             if d[0] == "full":
                 _, out, og = d
                 if out.requires_grad:
-                    torch.autograd.backward(out, og)
+                    # As backward_step, through the edge: the output may be deallocated.
+                    root = out if og is None else get_gradient_edge(out)
+                    torch.autograd.backward(root, og)
                 return
             _, groups, accs, _ = d
             for g in groups:
