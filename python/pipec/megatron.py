@@ -214,9 +214,7 @@ class _Executor:
                 else:
                     t = self.in_grads.pop(key)
                     done.append(("sent_grad", key))
-                op = dist.P2POp(
-                    dist.isend, t, self._global(ins["peer"]), self._group(self.rank)
-                )
+                op = dist.P2POp(dist.isend, t, self._global(ins["peer"]), self._group(self.rank))
             else:
                 t = torch.empty(
                     self.tensor_shape,
@@ -225,9 +223,7 @@ class _Executor:
                     dtype=self.config.pipeline_dtype,
                 )
                 recvd.append((ins["payload"], key, t))
-                op = dist.P2POp(
-                    dist.irecv, t, self._global(ins["peer"]), self._group(ins["peer"])
-                )
+                op = dist.P2POp(dist.irecv, t, self._global(ins["peer"]), self._group(ins["peer"]))
             p2p.append(op)
         if len(p2p) > 1 and not in_flight and not self.ops_in_order:
             works = dist.batch_isend_irecv(p2p)  # one comm batch = one NCCL group
@@ -391,9 +387,7 @@ class _Executor:
                         handles.append(node.register_prehook(lambda _g, sg=gt: sg))
                 try:
                     if edges:
-                        torch.autograd.backward(
-                            edges, gouts, inputs=[accs[a] for a in g["params"]]
-                        )
+                        torch.autograd.backward(edges, gouts, inputs=[accs[a] for a in g["params"]])
                 finally:
                     for h in handles:
                         h.remove()

@@ -7,83 +7,34 @@ model (same weights, same data), and, where a configuration names another one, w
 configuration's losses and gradients. A configuration runs either pipec's schedule through
 ``pipec.megatron.forward_backward_func`` or one of Megatron's own schedule functions.
 
-megatron-core 0.19.2 runs on a CPU with four test-only patches; each one counts its hits so
-that the test can check that it takes effect (a new megatron-core that no longer goes through
-them fails loudly instead of silently testing something else):
-  1. torch.cuda.current_device -> "cpu" (Megatron's P2P receive buffers)
-  2. the CUDA RNG tracker's fork -> a no-op context (attention dropout, probability 0)
-  3. torch.zeros/torch.empty with device="cuda" -> CPU (each schedule's token counter)
-  4. batch_p2p_sync=False in the config; torch.cuda.synchronize raises if called anyway.
+megatron-core 0.19.2 runs on a CPU with the four test-only patches of ``megatron_cpu.py``;
+every result line carries their hit counts.
 
 Usage: python megatron_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import traceback
-import warnings
 from datetime import timedelta
 
-warnings.filterwarnings("ignore")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-HITS = {"current_device": 0, "rng_fork": 0, "cuda_device_arg": 0, "synchronize": 0}
-
-
-def install_patches() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    def current_device():
-        HITS["current_device"] += 1
-        return "cpu"
-
-    torch.cuda.current_device = current_device
-
-    @contextlib.contextmanager
-    def fork(self, name=None):
-        HITS["rng_fork"] += 1
-        yield
-
-    mrandom.CudaRNGStatesTracker.fork = fork
-
-    def cpu(fn):
-        def wrapped(*a, **kw):
-            d = kw.get("device")
-            if d is not None and str(d).startswith("cuda"):
-                HITS["cuda_device_arg"] += 1
-                kw["device"] = "cpu"
-            return fn(*a, **kw)
-
-        return wrapped
-
-    torch.zeros, torch.empty = cpu(torch.zeros), cpu(torch.empty)
-
-    def synchronize(*a, **k):
-        HITS["synchronize"] += 1
-        raise AssertionError("torch.cuda.synchronize called although batch_p2p_sync=False")
-
-    torch.cuda.synchronize = synchronize
-
-
-install_patches()
-
-import pipec  # noqa: E402
-import pipec.megatron as pm  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.pipeline_parallel import schedules  # noqa: E402
-from megatron.core.transformer.transformer_block import (  # noqa: E402
+import megatron_cpu  # the test-only CPU patches, before anything of Megatron runs
+import pipec
+import pipec.megatron as pm
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer.transformer_block import (
     LayerNormImpl,
     TransformerBlockSubmodules,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 HIDDEN, HEADS, VOCAB, SEQ, MBS = 16, 2, 32, 8, 2
 STEPS, LR = 2, 0.1
@@ -173,7 +124,9 @@ def make_forward_step(loss_mode: str):
             labels=labels if model.post_process else None,
         )
 
-        def loss_func(output):
+        def loss_func(output, non_loss_data=False):
+            if non_loss_data:  # collect_non_loss_data=True: anything the user wants back
+                return output.detach().sum(dim=-1)
             if loss_mode == "per-token":  # (loss sum, tokens, ...): Megatron divides by both
                 n = torch.tensor(output.numel(), dtype=torch.int)
                 return output.sum(), n, {"lm loss": output.detach().mean()}
@@ -187,6 +140,11 @@ def make_forward_step(loss_mode: str):
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
+
+
+def value(entry) -> torch.Tensor:
+    """What one microbatch returned: the loss dict's loss, or collected non-loss data."""
+    return entry["lm loss"] if isinstance(entry, dict) else entry
 
 
 def run(cfg: dict, rank: int, memo: dict) -> dict:
@@ -222,35 +180,40 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
     n_losses = n_grads = 0
     record = {"losses": [], "grads": {}}
     holds_last = layers[-1].post_process and (len(layers) - 1) in mine
+    fo, collect = cfg.get("forward_only", False), cfg.get("collect", False)
+    grad_mode = torch.no_grad() if fo else torch.enable_grad()
     for step in range(STEPS):
         batch = data(step, m)
         opt.zero_grad()
         ref_opt.zero_grad()
-        losses = func(
-            forward_step_func=fstep,
-            data_iterator=[iter(batch) for _ in chunks] if vpp else iter(batch),
-            model=chunks if vpp else chunks[0],
-            num_microbatches=m,
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-            forward_only=False,
-        )
-        ref_losses = schedules.forward_backward_no_pipelining(
-            forward_step_func=fstep,
-            data_iterator=iter(batch),
-            model=ref,
-            num_microbatches=m,
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-            forward_only=False,
-        )
+        with grad_mode:
+            losses = func(
+                forward_step_func=fstep,
+                data_iterator=[iter(batch) for _ in chunks] if vpp else iter(batch),
+                model=chunks if vpp else chunks[0],
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                forward_only=fo,
+                collect_non_loss_data=collect,
+            )
+            ref_losses = schedules.forward_backward_no_pipelining(
+                forward_step_func=fstep,
+                data_iterator=iter(batch),
+                model=ref,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                forward_only=fo,
+                collect_non_loss_data=collect,
+            )
         if holds_last:
             if len(losses) != m:
                 raise AssertionError(f"step {step}: {len(losses)} loss entries for {m}")
             for a, b in zip(losses, ref_losses, strict=True):
-                loss_diff = max(loss_diff, max_abs(a["lm loss"], b["lm loss"]))
+                loss_diff = max(loss_diff, max_abs(value(a), value(b)))
                 n_losses += 1
-                record["losses"].append(float(a["lm loss"]))
+                record["losses"].append(float(value(a).sum()))
         elif losses:
             raise AssertionError(f"rank {rank} holds no last stage but returned {losses}")
         ref_params = dict(ref.named_parameters())
@@ -262,6 +225,10 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
                     i, rest = name[len("decoder.layers.") :].split(".", 1)
                     rname = f"decoder.layers.{lay.decoder_layers[int(i)]}.{rest}"
                 q = ref_params[rname]
+                if fo:
+                    if p.grad is not None or q.grad is not None:
+                        raise AssertionError(f"forward-only step {step}: {name} has a gradient")
+                    continue
                 if p.grad is None:
                     raise AssertionError(f"step {step}: stage {st} {name} has no gradient")
                 grad_diff = max(grad_diff, max_abs(p.grad, q.grad))
@@ -311,9 +278,9 @@ def main() -> None:
     for cfg in configs:
         try:
             res = dict(run(cfg, rank, memo), ok=True)
-        except Exception as e:  # reported to the test, which fails with it
+        except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
             res = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-        res.update(name=cfg["name"], rank=rank, hits=dict(HITS))
+        res.update(name=cfg["name"], rank=rank, hits=dict(megatron_cpu.HITS))
         log.write(json.dumps(res) + "\n")
         log.flush()
         if not res["ok"]:
