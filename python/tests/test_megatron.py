@@ -15,7 +15,10 @@ Every launch is killed after LAUNCH_TIMEOUT seconds: a hang fails the tests, it 
 
 from __future__ import annotations
 
+import re
+import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +147,8 @@ PP4 = [
 ]
 
 LAUNCHES = {2: PP2, 4: PP4}
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "python" / "examples" / "megatron_train.py"
 ALL = {c["name"]: (pp, c) for pp, cfgs in LAUNCHES.items() for c in cfgs}
 
 
@@ -347,3 +352,34 @@ def test_pinned_megatron_core_version():
 
     # The wheel's version carries a local build tag: 0.19.2+3370bb4.
     assert megatron.core.__version__.split("+")[0] == pm.MEGATRON_CORE_VERSION
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_docs_show_the_example_script():
+    doc = (REPO / "docs" / "megatron.md").read_text()
+    m = re.search(
+        r"<!-- python/examples/megatron_train.py -->\n```python\n(.*?)```", doc, re.DOTALL
+    )
+    assert m, "docs/megatron.md embeds python/examples/megatron_train.py"
+    assert m.group(1) == EXAMPLE.read_text()
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Use with Megatron-LM") :]
+    assert "python/examples/megatron_train.py" in section[: section.index("\n## ")]
+
+
+def test_the_example_script_trains(tmp_path):
+    """ZB-V on two CPU processes, the script unchanged; only the test-only CPU patches are
+    imported first."""
+    runner = (
+        "import runpy, sys; sys.path.insert(0, sys.argv[1]); import megatron_cpu; "
+        "runpy.run_path(sys.argv[2], run_name='__main__')"
+    )
+    here = str(Path(__file__).resolve().parent)
+    argv = [sys.executable, "-c", runner, here, str(EXAMPLE)]
+    ok, logs = launch.launch(lambda r, port: argv, 2, tmp_path, LAUNCH_TIMEOUT)
+    assert ok, logs
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", logs)]
+    assert len(losses) == 3, logs
+    assert losses[-1] < losses[0], logs
