@@ -60,6 +60,13 @@ def _manifest(s: Schedule) -> dict:
     return json.loads(dict(s._n.render("json"))["manifest.json"])
 
 
+def _files(s: Schedule) -> tuple[dict, list[list[dict]]]:
+    """The manifest and every rank's instruction records, from one rendering."""
+    files = dict(s._n.render("json"))
+    streams = [json.loads(files[f"rank-{r}.json"])["instructions"] for r in range(s.pp)]
+    return json.loads(files["manifest.json"]), streams
+
+
 def _refuse_bidirectional(s: Schedule) -> None:
     if s.placement == "bidirectional":
         raise PipecError(
@@ -138,12 +145,12 @@ def _grad_acc(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
-def _check_data_order(s: Schedule) -> None:
+def _check_data_order(s: Schedule, streams: list[list[dict]]) -> None:
     """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
     iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
-    for r in range(s.pp):
+    for r, stream in enumerate(streams):
         seen: dict[int, list[int]] = {}
-        for ins in s.instructions(r):
+        for ins in stream:
             if ins["op"] == "fwd":
                 seen.setdefault(ins["stage"], []).append(ins["mb"])
             elif ins["op"] == "fwd_bwd":
@@ -160,7 +167,7 @@ def _check_data_order(s: Schedule) -> None:
 class _Executor:
     """One call of the returned ``forward_backward_func`` on this rank."""
 
-    def __init__(self, s, model, config, pp_group, rank, kw, pg_collection, world_group):
+    def __init__(self, s, policy, model, config, pp_group, rank, kw, pg_collection, world_group):
         from megatron.core.pipeline_parallel import schedules as ms
 
         self.ms = ms
@@ -171,7 +178,6 @@ class _Executor:
         self.chunk_of = {st: c for c, st in enumerate(self.stages)}
         self.last = s.num_stages - 1
         self.forward_only = kw["forward_only"]
-        policy = _manifest(s)["comm_policy"]
         self.ops_in_order = policy is not None and policy.startswith("megatron_")
         self.ops_in_order = self.ops_in_order and policy not in _BATCHED_POLICIES
         # Megatron's _p2p_ops at pp=2: odd -> even goes over WORLD (a second communicator).
@@ -189,7 +195,8 @@ class _Executor:
         self.out_grads: dict[tuple[int, int], Any] = {}  # grad of a stage's output
         self.in_grads: dict[tuple[int, int], Any] = {}  # grad of a stage's input, to send
         self.deferred: dict[tuple[int, int], tuple] = {}  # bwd_D -> bwd_W
-        self.pending: dict[int, list] = {}  # batch id -> [(work, kind, key)]
+        self.pending: dict[int, list] = {}  # batch id -> [(work, (kind, key, tensor))]
+        self.sending: dict[tuple[int, int], Any] = {}  # activations whose send is in flight
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
@@ -203,17 +210,16 @@ class _Executor:
         return self.pp_group
 
     def _post(self, ops: list[dict], in_flight: bool) -> list:
-        works, done = [], []
-        p2p, recvd = [], []
+        """Post one comm batch; returns its record for :meth:`_complete`."""
+        p2p, what = [], []
         for ins in ops:
             key = (ins["stage"], ins["mb"])
             if ins["op"] == "send":
                 if ins["payload"] == "act":
                     t = self.outputs[key]
-                    done.append(("sent_act", key))
                 else:
                     t = self.in_grads.pop(key)
-                    done.append(("sent_grad", key))
+                what.append(("send_" + ins["payload"], key, t))
                 op = dist.P2POp(dist.isend, t, self._global(ins["peer"]), self._group(self.rank))
             else:
                 t = torch.empty(
@@ -222,35 +228,43 @@ class _Executor:
                     device=self.device,
                     dtype=self.config.pipeline_dtype,
                 )
-                recvd.append((ins["payload"], key, t))
+                what.append(("recv_" + ins["payload"], key, t))
                 op = dist.P2POp(dist.irecv, t, self._global(ins["peer"]), self._group(ins["peer"]))
             p2p.append(op)
         if len(p2p) > 1 and not in_flight and not self.ops_in_order:
             works = dist.batch_isend_irecv(p2p)  # one comm batch = one NCCL group
-        else:
-            for op in p2p:
-                if op.op is dist.isend:
-                    works.append(dist.isend(op.tensor, op.peer, op.group))
-                else:
-                    works.append(dist.irecv(op.tensor, op.peer, op.group))
-        return [works, done, recvd]
+        else:  # one op, a batch left in flight, or Megatron's op-by-op modes
+            works = [
+                (dist.isend if op.op is dist.isend else dist.irecv)(op.tensor, op.peer, op.group)
+                for op in p2p
+            ]
+        posted = list(zip(works, what, strict=True))
+        for w, (kind, key, _) in posted:
+            if kind == "send_act":
+                self.sending[key] = w
+        return posted
+
+    def _sent(self, key: tuple[int, int]) -> None:
+        """The send of the activation ``key`` completed: Megatron deallocates it then."""
+        if self.sending.pop(key, None) is None:
+            return
+        if self.forward_only:
+            self.outputs.pop(key, None)
+        elif key in self.outputs:
+            self.ms.deallocate_output_tensor(
+                self.outputs[key], self.config.deallocate_pipeline_outputs
+            )
 
     def _complete(self, posted) -> None:
-        works, done, recvd = posted
-        for w in works:
+        for w, _ in posted:
             w.wait()
-        for payload, key, t in recvd:
-            if payload == "act":  # the input of the next stage
+        for _, (kind, key, t) in posted:
+            if kind == "recv_act":  # the input of the next stage
                 self.inputs[(key[0] + 1, key[1])] = t
-            else:  # the grad of the previous stage's output
+            elif kind == "recv_grad":  # the grad of the previous stage's output
                 self.out_grads[(key[0] - 1, key[1])] = t
-        for what, key in done:
-            if what == "sent_act" and not self.forward_only:
-                self.ms.deallocate_output_tensor(
-                    self.outputs[key], self.config.deallocate_pipeline_outputs
-                )
-            elif what == "sent_act":
-                self.outputs.pop(key, None)
+            elif kind == "send_act":
+                self._sent(key)
 
     # ---- compute
     def _data(self, c: int):
@@ -305,6 +319,12 @@ class _Executor:
             self.in_grads[(stage, mb)] = grad
 
     def _take(self, stage: int, mb: int):
+        w = self.sending.get((stage, mb))
+        if w is not None:
+            # Its gradient came back, so the peer has received it: this op is complete (or
+            # completing); wait for it alone, then deallocate as Megatron would have.
+            w.wait()
+            self._sent((stage, mb))
         inp = self.inputs.pop((stage, mb), None)
         out = self.outputs.pop((stage, mb))
         og = None if stage == self.last else self.out_grads.pop((stage, mb))
@@ -537,7 +557,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     """
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
-    _check_data_order(s)
+    manifest, streams = _files(s)
+    _check_data_order(s, streams)
+    layers = stage_layers(s)
 
     def pipec_forward_backward(
         *,
@@ -601,6 +623,8 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
                 f"{len(model_list)} model chunks (give one per chunk, as Megatron's "
                 "interleaved schedule wants)"
             )
+        if data_iterator is None:
+            data_iterator = [None] * len(model_list)
         if not isinstance(data_iterator, list) and len(model_list) > 1:
             raise PipecError(
                 f"rank {rank} runs {len(model_list)} model chunks: give a list of one data "
@@ -608,7 +632,6 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
             )
         if adjust_tensor_shapes_fn is not None:
             raise PipecError("adjust_tensor_shapes_fn is not supported by pipec.megatron")
-        layers = stage_layers(s)
         for c, (chunk, st) in enumerate(zip(model_list, want, strict=True)):
             for attr, need in (
                 ("pre_process", layers[st].pre_process),
@@ -629,12 +652,18 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
                     f"chunk c must be built with vp_stage=c (or None)"
                 )
         config = get_model_config(model_list[0])
+        if config.num_microbatches_with_partial_activation_checkpoints is not None:
+            raise PipecError(
+                "num_microbatches_with_partial_activation_checkpoints is set: Megatron picks "
+                "the checkpointed microbatches from its own warmup count, which a pipec "
+                "schedule does not have; refusing rather than checkpointing other ones"
+            )
         if config.variable_seq_lengths:
             raise PipecError(
                 "variable_seq_lengths=True needs a shape exchange before every receive, "
                 "which pipec's verified stream does not have; refusing"
             )
-        needs_dtype = any(i["op"] == "recv" for i in s.instructions(rank))
+        needs_dtype = any(i["op"] == "recv" for i in streams[rank])
         if needs_dtype and config.pipeline_dtype is None:
             raise PipecError("config.pipeline_dtype must be set (the dtype of received tensors)")
         kw = {
@@ -647,8 +676,18 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
             "first_val_step": first_val_step,
             "force_all_reduce": force_all_reduce,
         }
-        ex = _Executor(s, model_list, config, pp_group, rank, kw, pg_collection, dist.group.WORLD)
-        return ex.run(s.instructions(rank))
+        ex = _Executor(
+            s,
+            manifest["comm_policy"],
+            model_list,
+            config,
+            pp_group,
+            rank,
+            kw,
+            pg_collection,
+            dist.group.WORLD,
+        )
+        return ex.run(streams[rank])
 
     pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
     return pipec_forward_backward
