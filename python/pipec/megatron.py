@@ -164,6 +164,21 @@ def _check_data_order(s: Schedule, streams: list[list[dict]]) -> None:
                 )
 
 
+class _Op:
+    """One posted isend/irecv: its work, what it carries, and whether it was waited (a gloo
+    work must not be waited twice: a second wait blocks for a completion that never comes)."""
+
+    __slots__ = ("done", "key", "kind", "tensor", "work")
+
+    def __init__(self, work, kind: str, key: tuple[int, int], tensor: torch.Tensor):
+        self.work, self.kind, self.key, self.tensor, self.done = work, kind, key, tensor, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
+
+
 class _Executor:
     """One call of the returned ``forward_backward_func`` on this rank."""
 
@@ -195,8 +210,8 @@ class _Executor:
         self.out_grads: dict[tuple[int, int], Any] = {}  # grad of a stage's output
         self.in_grads: dict[tuple[int, int], Any] = {}  # grad of a stage's input, to send
         self.deferred: dict[tuple[int, int], tuple] = {}  # bwd_D -> bwd_W
-        self.pending: dict[int, list] = {}  # batch id -> [(work, (kind, key, tensor))]
-        self.sending: dict[tuple[int, int], Any] = {}  # activations whose send is in flight
+        self.pending: dict[int, list[_Op]] = {}  # batches left in flight, by id
+        self.sending: dict[tuple[int, int], _Op] = {}  # activations whose send is in flight
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
@@ -209,7 +224,7 @@ class _Executor:
             return self.world_group
         return self.pp_group
 
-    def _post(self, ops: list[dict], in_flight: bool) -> list:
+    def _post(self, ops: list[dict], in_flight: bool) -> list[_Op]:
         """Post one comm batch; returns its record for :meth:`_complete`."""
         p2p, what = [], []
         for ins in ops:
@@ -238,10 +253,10 @@ class _Executor:
                 (dist.isend if op.op is dist.isend else dist.irecv)(op.tensor, op.peer, op.group)
                 for op in p2p
             ]
-        posted = list(zip(works, what, strict=True))
-        for w, (kind, key, _) in posted:
-            if kind == "send_act":
-                self.sending[key] = w
+        posted = [_Op(w, *x) for w, x in zip(works, what, strict=True)]
+        for op in posted:
+            if op.kind == "send_act":
+                self.sending[op.key] = op
         return posted
 
     def _sent(self, key: tuple[int, int]) -> None:
@@ -255,16 +270,16 @@ class _Executor:
                 self.outputs[key], self.config.deallocate_pipeline_outputs
             )
 
-    def _complete(self, posted) -> None:
-        for w, _ in posted:
-            w.wait()
-        for _, (kind, key, t) in posted:
-            if kind == "recv_act":  # the input of the next stage
-                self.inputs[(key[0] + 1, key[1])] = t
-            elif kind == "recv_grad":  # the grad of the previous stage's output
-                self.out_grads[(key[0] - 1, key[1])] = t
-            elif kind == "send_act":
-                self._sent(key)
+    def _complete(self, posted: list[_Op]) -> None:
+        for op in posted:
+            op.wait()
+        for op in posted:
+            if op.kind == "recv_act":  # the input of the next stage
+                self.inputs[(op.key[0] + 1, op.key[1])] = op.tensor
+            elif op.kind == "recv_grad":  # the grad of the previous stage's output
+                self.out_grads[(op.key[0] - 1, op.key[1])] = op.tensor
+            elif op.kind == "send_act":
+                self._sent(op.key)
 
     # ---- compute
     def _data(self, c: int):
@@ -319,11 +334,11 @@ class _Executor:
             self.in_grads[(stage, mb)] = grad
 
     def _take(self, stage: int, mb: int):
-        w = self.sending.get((stage, mb))
-        if w is not None:
+        op = self.sending.get((stage, mb))
+        if op is not None:
             # Its gradient came back, so the peer has received it: this op is complete (or
             # completing); wait for it alone, then deallocate as Megatron would have.
-            w.wait()
+            op.wait()
             self._sent((stage, mb))
         inp = self.inputs.pop((stage, mb), None)
         out = self.outputs.pop((stage, mb))

@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from pipec import _native
 
 HIDDEN, HEADS, VOCAB, SEQ, MBS = 16, 2, 32, 8, 2
 STEPS, LR = 2, 0.1
@@ -150,7 +151,13 @@ def value(entry) -> torch.Tensor:
 def run(cfg: dict, rank: int, memo: dict) -> dict:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if "compile" in cfg:
-        sched = pipec.compile(**cfg["compile"])
+        kw = cfg["compile"]
+        if kw.get("megatron_p2p", "batched") in pipec._MEGATRON_P2P:
+            sched = pipec.compile(**kw)
+        else:  # the keep-outputs modes: compiled by the CLI (pipec.compile offers four modes)
+            kw = dict(kw, vpp=kw.get("vpp"), group_size=None, forward_only=False)
+            kw.update(combined=False, memory_limit=None)
+            sched = pipec.Schedule(_native.compile_schedule(kw.pop("schedule"), **kw))
         mine = pm.stage_indices(sched, rank)
         layers = pm.stage_layers(sched)
         vpp = len(mine) if len(mine) > 1 else None

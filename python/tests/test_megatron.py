@@ -141,6 +141,38 @@ PP4 = [
         schedule="interleaved-1f1b",
         vpp=2,
     ),
+    # Megatron-core's config default (deallocate_pipeline_outputs=False): a forward's send is
+    # waited only when the next is posted, so one rank runs a backward of an output whose send
+    # is still in flight (rank 2, stage 6, mb 3); once with the outputs deallocated as well.
+    megatron_cfg(
+        "megatron-interleaved-overlap-keep-outputs-pp4",
+        MG_INTERLEAVED,
+        L4,
+        4,
+        2,
+        batch_p2p_comm=False,
+        overlap_p2p_comm=True,
+    ),
+    pipec_cfg(
+        "interleaved-1f1b-overlap-keep-outputs-pp4",
+        4,
+        4,
+        L4,
+        "megatron-interleaved-overlap-keep-outputs-pp4",
+        schedule="interleaved-1f1b",
+        vpp=2,
+        megatron_p2p="overlap-keep-outputs",
+    ),
+    pipec_cfg(
+        "interleaved-1f1b-overlap-keep-outputs-deallocated-pp4",
+        4,
+        4,
+        L4,
+        p2p={"deallocate_pipeline_outputs": True},
+        schedule="interleaved-1f1b",
+        vpp=2,
+        megatron_p2p="overlap-keep-outputs",
+    ),
     pipec_cfg("zb-1p-pp4", 4, 8, L4_1, schedule="zb-1p"),
     pipec_cfg("zb-v-pp4", 4, 8, L4, schedule="zb-v"),
     pipec_cfg("dualpipe-v-pp4", 4, 8, L4, schedule="dualpipe-v"),
