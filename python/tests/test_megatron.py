@@ -362,6 +362,17 @@ def test_refuses_chunks_built_for_megatrons_placement_on_a_v_schedule():
         call(fb, 2, 0, [Chunk(pre=True, vp_stage=0), Chunk(vp_stage=1)], 4)
 
 
+def test_loads_a_compiled_directory(tmp_path):
+    """A path is loaded with pipec.load's checks (here: the directory's microbatch count)."""
+    pipec.compile("zb-v", 2, 4).save(tmp_path / "zbv", format="bin")
+    fb = pm.forward_backward_func(tmp_path / "zbv")
+    assert fb.pipec_schedule.kind == "zb-v"
+    with pytest.raises(pipec.PipecError, match=r"num_microbatches=6.*compiled for 4"):
+        call(fb, 2, 0, [Chunk(pre=True), Chunk(post=True)], 6)
+    with pytest.raises(pipec.FileError):
+        pm.forward_backward_func(tmp_path / "missing")
+
+
 def test_refuses_forward_only_mismatch_and_data_iterators():
     fb = pm.forward_backward_func(pipec.compile("zb-v", 2, 4))
     chunks = [Chunk(pre=True), Chunk(post=True)]
