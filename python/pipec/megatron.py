@@ -115,9 +115,12 @@ def stage_layers(schedule: Schedule | str | os.PathLike) -> list[StageLayers]:
     output layer / loss (``post_process``). ``docs/megatron.md`` shows how to build a stage
     with Megatron's ``GPTModel`` from it (a ``TransformerBlockSubmodules`` with exactly
     ``num_layers`` layer specs), V placement included."""
-    s = _as_schedule(schedule)
+    return _stage_layers(_manifest(_as_schedule(schedule)))
+
+
+def _stage_layers(manifest: dict) -> list[StageLayers]:
     out, t, m = [], 0, 0
-    for i, layers in enumerate(_manifest(s)["layout"]["stages"]):
+    for i, layers in enumerate(manifest["layout"]["stages"]):
         dec = tuple(range(t, t + layers.count("t")))
         mtp = tuple(range(m, m + layers.count("m")))
         t, m = t + len(dec), m + len(mtp)
@@ -574,7 +577,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     _refuse_bidirectional(s)
     manifest, streams = _files(s)
     _check_data_order(s, streams)
-    layers = stage_layers(s)
+    layers = _stage_layers(manifest)
 
     def pipec_forward_backward(
         *,
