@@ -40,11 +40,15 @@ fi
 cargo check --manifest-path fuzz/Cargo.toml --bins --locked
 # Python: the pipec package (python/, pyo3 + maturin) and its tests: the API and its errors,
 # training on torch's own pipeline runtime (multi-process, gloo on loopback, bounded in time),
-# the README's script and the torchtitan recipe. The virtual environment is created once under
-# target/ with torch from PyPI (the full wheel, a few minutes the first time); a warm run only
-# rebuilds the extension (incrementally) and runs pytest.
+# the README's script, the torchtitan recipe, and training inside megatron-core (CPU, gloo).
+# The virtual environment is created once under target/ with torch from PyPI (the full wheel, a
+# few minutes the first time); a warm run only rebuilds the extension (incrementally) and runs
+# pytest.
 py_venv=target/py312-venv
-py_deps=(torch==2.15.0 numpy==2.5.5 maturin==1.16.0 pytest==9.2.0 pytest-timeout==2.4.0)
+# megatron-core (a CPython 3.12 wheel; it needs only torch, numpy and packaging) for the
+# Megatron-LM tests (python/tests/test_megatron.py).
+py_deps=(torch==2.15.0 numpy==2.5.5 maturin==1.16.0 pytest==9.2.0 pytest-timeout==2.4.0
+  megatron-core==0.19.2 packaging==26.3)
 py_stamp="$py_venv/.pipec-deps-$(echo "${py_deps[*]}" | cksum | cut -d' ' -f1)"
 pypi_unreachable() {
   ! python3 -c 'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=20)' 2>/dev/null

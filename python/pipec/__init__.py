@@ -3,7 +3,8 @@
 The same Rust core as the ``pipec`` CLI and ``pipec-run``: :func:`compile` generates, lowers and
 verifies a schedule; :func:`load` reads a compiled directory with every check ``pipec-run``
 makes. Nothing is compiled, loaded or verified in Python. torch is needed only by
-:mod:`pipec.torch`; ``import pipec`` works without it.
+:mod:`pipec.torch` and :mod:`pipec.megatron` (which also needs megatron-core); ``import pipec``
+works without either.
 """
 
 from __future__ import annotations

@@ -64,13 +64,15 @@ def launch(argv_of_rank, world: int, out: Path, timeout: float, env=None) -> tup
     return (not hung and all(p.returncode == 0 for p in procs)), text
 
 
-def train_all(configs: list[dict], world: int, out: Path, timeout: float):
-    """Run the training configurations in one launch of ``world`` worker processes; returns
-    ({(name, rank): result}, ok, logs)."""
+def train_all(
+    configs: list[dict], world: int, out: Path, timeout: float, worker: str = "torch_worker.py"
+):
+    """Run the training configurations in one launch of ``world`` processes of ``worker`` (a
+    script next to this file); returns ({(name, rank): result}, ok, logs)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "configs.json"
     cfg_path.write_text(json.dumps(configs))
-    worker = str(HERE / "torch_worker.py")
+    worker = str(HERE / worker)
     ok, logs = launch(
         lambda r, port: [
             sys.executable,

@@ -1,0 +1,711 @@
+"""Run pipec's verified schedules inside Megatron-LM training (megatron-core 0.19.2).
+
+:func:`forward_backward_func` returns a function with the signature of Megatron's
+``forward_backward_func`` (what ``megatron.core.pipeline_parallel.get_forward_backward_func()``
+returns) that executes this rank's pipec instruction stream with Megatron's own pieces:
+``schedules.forward_step`` and ``schedules.backward_step`` (loss scaling, per-token loss,
+``collect_non_loss_data``, forward-only, one data iterator per model chunk), Megatron's
+``deallocate_output_tensor`` and grad-sync hooks, and P2P through ``torch.distributed`` with
+exactly the communication pipec compiled and verified (a comm batch is one
+``batch_isend_irecv``; Megatron's unbatched and overlapped P2P modes post every op on its own
+and wait where the stream says ``wait``). :func:`stage_indices` says which global stages this
+rank builds and in which order the ``model`` list holds them; :func:`stage_layers` says what
+each stage holds, for building it with Megatron's own model code. Longer notes:
+``docs/megatron.md``.
+
+megatron-core and torch are imported only here; ``import pipec`` needs neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import PipecError, Schedule, load
+
+__all__ = [
+    "MEGATRON_CORE_VERSION",
+    "StageLayers",
+    "forward_backward_func",
+    "stage_indices",
+    "stage_layers",
+]
+
+#: The megatron-core release this module is written and tested against.
+MEGATRON_CORE_VERSION = "0.19.2"
+
+# Comm policies whose calls post their isend/irecv one by one (Megatron's _p2p_ops), in the
+# even/odd order pipec lowered; at pp=2 Megatron sends odd -> even over WORLD.
+_BATCHED_POLICIES = {"megatron_1f1b", "megatron_interleaved"}
+
+
+def _as_schedule(schedule: Schedule | str | os.PathLike) -> Schedule:
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, (str, os.PathLike)):
+        return load(schedule)
+    raise TypeError(
+        f"expected a pipec.Schedule or the path of a compiled directory, got {type(schedule)}"
+    )
+
+
+def _manifest(s: Schedule) -> dict:
+    return json.loads(dict(s._n.render("json"))["manifest.json"])
+
+
+def _files(s: Schedule) -> tuple[dict, list[list[dict]]]:
+    """The manifest and every rank's instruction records, from one rendering."""
+    files = dict(s._n.render("json"))
+    streams = [json.loads(files[f"rank-{r}.json"])["instructions"] for r in range(s.pp)]
+    return json.loads(files["manifest.json"]), streams
+
+
+def _refuse_bidirectional(s: Schedule) -> None:
+    if s.placement == "bidirectional":
+        raise PipecError(
+            f"{s.kind} places every stage on two ranks (one copy per direction, with their "
+            "gradients summed); a Megatron model chunk lives on one rank, so pipec.megatron "
+            "cannot run it (use dualpipe-v, its V-shaped form)"
+        )
+
+
+def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int]:
+    """The global stages pipeline rank ``rank`` must build, in the order the ``model`` list
+    given to :func:`forward_backward_func` must hold them: ascending stage index.
+
+    Looped placements (1f1b, interleaved-1f1b, zb-1p, ...) give Megatron's own order: chunk
+    ``c`` of rank ``r`` is stage ``c * pp + r``. A V placement (zb-v, dualpipe-v, v-half,
+    v-min) gives rank ``r`` the stages ``[r, 2 * pp - 1 - r]``: chunk 1 is *not* Megatron's
+    ``pp + r``, so build it from :func:`stage_layers` rather than from Megatron's layer offsets.
+    """
+    s = _as_schedule(schedule)
+    _refuse_bidirectional(s)
+    return s.stages_of(rank)
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """What one global stage holds, from the schedule's layout."""
+
+    stage: int
+    #: Global indices (0-based) of the decoder layers (``t``) of the stage, in model order.
+    decoder_layers: tuple[int, ...]
+    #: The stage holds the embedding (``E``): build it with ``pre_process=True``.
+    pre_process: bool
+    #: The stage holds the output layer and loss (``L``): ``post_process=True``.
+    post_process: bool
+    #: Global indices of the MTP layers (``m``) of the stage.
+    mtp_layers: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+
+def stage_layers(schedule: Schedule | str | os.PathLike) -> list[StageLayers]:
+    """What every global stage holds (indexed by stage), from the schedule's layout: its
+    decoder layers (global indices), whether it has the embedding (``pre_process``) and the
+    output layer / loss (``post_process``). ``docs/megatron.md`` shows how to build a stage
+    with Megatron's ``GPTModel`` from it (a ``TransformerBlockSubmodules`` with exactly
+    ``num_layers`` layer specs), V placement included."""
+    return _stage_layers(_manifest(_as_schedule(schedule)))
+
+
+def _stage_layers(manifest: dict) -> list[StageLayers]:
+    out, t, m = [], 0, 0
+    for i, layers in enumerate(manifest["layout"]["stages"]):
+        dec = tuple(range(t, t + layers.count("t")))
+        mtp = tuple(range(m, m + layers.count("m")))
+        t, m = t + len(dec), m + len(mtp)
+        out.append(StageLayers(i, dec, "E" in layers, "L" in layers, mtp))
+    return out
+
+
+# --------------------------------------------------------------------------- the executor
+
+
+def _chunk_attr(chunk: torch.nn.Module, name: str):
+    """An attribute of a (possibly DDP/Float16-wrapped) Megatron model chunk, or None."""
+    m = chunk
+    for _ in range(8):
+        if hasattr(m, name):
+            return getattr(m, name)
+        if not hasattr(m, "module"):
+            return None
+        m = m.module
+    return None
+
+
+def _grad_acc(p: torch.Tensor):
+    """The AccumulateGrad node of a parameter."""
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _check_data_order(s: Schedule, streams: list[list[dict]]) -> None:
+    """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
+    iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
+    for r, stream in enumerate(streams):
+        seen: dict[int, list[int]] = {}
+        for ins in stream:
+            if ins["op"] == "fwd":
+                seen.setdefault(ins["stage"], []).append(ins["mb"])
+            elif ins["op"] == "fwd_bwd":
+                seen.setdefault(ins["fwd_stage"], []).append(ins["fwd_mb"])
+        for stage, order in seen.items():
+            if order != sorted(order):
+                raise PipecError(
+                    f"{s.kind} runs the forwards of stage {stage} (rank {r}) in the order "
+                    f"{order}; Megatron's data iterators hand out microbatches in order, so "
+                    "the microbatches would get the wrong data. Refusing to run it"
+                )
+
+
+class _Op:
+    """One posted isend/irecv: its work, what it carries, and whether it was waited (a gloo
+    work must not be waited twice: a second wait blocks for a completion that never comes)."""
+
+    __slots__ = ("done", "key", "kind", "tensor", "work")
+
+    def __init__(self, work, kind: str, key: tuple[int, int], tensor: torch.Tensor):
+        self.work, self.kind, self.key, self.tensor, self.done = work, kind, key, tensor, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
+
+
+class _Executor:
+    """One call of the returned ``forward_backward_func`` on this rank."""
+
+    def __init__(self, s, policy, model, config, pp_group, rank, kw, pg_collection, world_group):
+        from megatron.core.pipeline_parallel import schedules as ms
+
+        self.ms = ms
+        self.s, self.model, self.config, self.kw = s, model, config, kw
+        self.pp_group, self.rank, self.pgc = pp_group, rank, pg_collection
+        self.world_group = world_group
+        self.stages = stage_indices(s, rank)
+        self.chunk_of = {st: c for c, st in enumerate(self.stages)}
+        self.last = s.num_stages - 1
+        self.forward_only = kw["forward_only"]
+        self.ops_in_order = policy is not None and policy.startswith("megatron_")
+        self.ops_in_order = self.ops_in_order and policy not in _BATCHED_POLICIES
+        # Megatron's _p2p_ops at pp=2: odd -> even goes over WORLD (a second communicator).
+        self.odd_sends_on_world = self.ops_in_order and s.pp == 2
+        p = next(iter(model[0].parameters()), None)
+        self.device = p.device if p is not None else torch.device("cpu")
+        cp = pg_collection.cp.size()
+        shape = [kw["seq_length"] // cp, kw["micro_batch_size"], config.hidden_size]
+        if config.sequence_parallel:
+            shape[0] //= pg_collection.tp.size()
+        self.tensor_shape = shape
+        # Live tensors, keyed by (stage, mb).
+        self.inputs: dict[tuple[int, int], Any] = {}  # a stage's input (received or local)
+        self.outputs: dict[tuple[int, int], Any] = {}  # a stage's output (loss on the last)
+        self.out_grads: dict[tuple[int, int], Any] = {}  # grad of a stage's output
+        self.in_grads: dict[tuple[int, int], Any] = {}  # grad of a stage's input, to send
+        self.deferred: dict[tuple[int, int], tuple] = {}  # bwd_D -> bwd_W
+        self.pending: dict[int, list[_Op]] = {}  # batches left in flight, by id
+        self.sending: dict[tuple[int, int], _Op] = {}  # activations whose send is in flight
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+
+    # ---- P2P
+    def _global(self, peer: int) -> int:
+        return dist.get_global_rank(self.pp_group, peer)
+
+    def _group(self, sender: int):
+        if self.odd_sends_on_world and sender % 2 == 1:
+            return self.world_group
+        return self.pp_group
+
+    def _post(self, ops: list[dict], in_flight: bool) -> list[_Op]:
+        """Post one comm batch; returns its record for :meth:`_complete`."""
+        p2p, what = [], []
+        for ins in ops:
+            key = (ins["stage"], ins["mb"])
+            if ins["op"] == "send":
+                if ins["payload"] == "act":
+                    t = self.outputs[key]
+                else:
+                    t = self.in_grads.pop(key)
+                what.append(("send_" + ins["payload"], key, t))
+                op = dist.P2POp(dist.isend, t, self._global(ins["peer"]), self._group(self.rank))
+            else:
+                t = torch.empty(
+                    self.tensor_shape,
+                    requires_grad=True,
+                    device=self.device,
+                    dtype=self.config.pipeline_dtype,
+                )
+                what.append(("recv_" + ins["payload"], key, t))
+                op = dist.P2POp(dist.irecv, t, self._global(ins["peer"]), self._group(ins["peer"]))
+            p2p.append(op)
+        if len(p2p) > 1 and not in_flight and not self.ops_in_order:
+            works = dist.batch_isend_irecv(p2p)  # one comm batch = one NCCL group
+        else:  # one op, a batch left in flight, or Megatron's op-by-op modes
+            works = [
+                (dist.isend if op.op is dist.isend else dist.irecv)(op.tensor, op.peer, op.group)
+                for op in p2p
+            ]
+        posted = [_Op(w, *x) for w, x in zip(works, what, strict=True)]
+        for op in posted:
+            if op.kind == "send_act":
+                self.sending[op.key] = op
+        return posted
+
+    def _sent(self, key: tuple[int, int]) -> None:
+        """The send of the activation ``key`` completed: Megatron deallocates it then."""
+        if self.sending.pop(key, None) is None:
+            return
+        if self.forward_only:
+            self.outputs.pop(key, None)
+        elif key in self.outputs:
+            self.ms.deallocate_output_tensor(
+                self.outputs[key], self.config.deallocate_pipeline_outputs
+            )
+
+    def _complete(self, posted: list[_Op]) -> None:
+        for op in posted:
+            op.wait()
+        for op in posted:
+            if op.kind == "recv_act":  # the input of the next stage
+                self.inputs[(op.key[0] + 1, op.key[1])] = op.tensor
+            elif op.kind == "recv_grad":  # the grad of the previous stage's output
+                self.out_grads[(op.key[0] - 1, op.key[1])] = op.tensor
+            elif op.kind == "send_act":
+                self._sent(op.key)
+
+    # ---- compute
+    def _data(self, c: int):
+        it = self.kw["data_iterator"]
+        return it[c] if isinstance(it, list) else it
+
+    def fwd(self, stage: int, mb: int) -> None:
+        ms, c = self.ms, self.chunk_of[stage]
+        if self.first_fwd.pop(c, False) and self.param_sync is not None:
+            self.param_sync[c](self.model[c].parameters())
+        inp = None if stage == 0 else self.inputs.get((stage, mb))
+        if stage > 0 and inp is None:
+            raise PipecError(f"rank {self.rank}: no input for stage {stage}, mb {mb}")
+        out, num_tokens = ms.forward_step(
+            self.kw["forward_step_func"],
+            self._data(c),
+            self.model[c],
+            self.s.num_microbatches,
+            inp,
+            self.forward_data_store,
+            self.config,
+            self.pgc.cp.size(),
+            collect_non_loss_data=self.kw["collect_non_loss_data"],
+            checkpoint_activations_microbatch=None,
+            is_first_microbatch=ms.check_first_val_step(
+                self.kw["first_val_step"], self.forward_only, mb == 0
+            ),
+            current_microbatch=mb,
+            vp_stage=self.vp_stage[c],
+            is_last_stage=stage == self.last,
+        )
+        self.total_num_tokens += num_tokens
+        if stage != self.last and self.chunk_of.get(stage + 1) is not None:
+            # A hand-off on this rank (the V turn): the next stage gets a fresh leaf, exactly
+            # what a receive would give it.
+            self.inputs[(stage + 1, mb)] = out.detach().requires_grad_()
+            if not self.forward_only:
+                ms.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+        if self.forward_only:
+            self.inputs.pop((stage, mb), None)
+            if stage != self.last and self.chunk_of.get(stage + 1) is None:
+                self.outputs[(stage, mb)] = out  # until its send completes
+            return
+        self.outputs[(stage, mb)] = out
+
+    def _give_input_grad(self, stage: int, mb: int, grad) -> None:
+        if stage == 0:
+            return
+        if self.chunk_of.get(stage - 1) is not None:
+            self.out_grads[(stage - 1, mb)] = grad
+        else:
+            self.in_grads[(stage, mb)] = grad
+
+    def _take(self, stage: int, mb: int):
+        op = self.sending.get((stage, mb))
+        if op is not None:
+            # Its gradient came back, so the peer has received it: this op is complete (or
+            # completing); wait for it alone, then deallocate as Megatron would have.
+            op.wait()
+            self._sent((stage, mb))
+        inp = self.inputs.pop((stage, mb), None)
+        out = self.outputs.pop((stage, mb))
+        og = None if stage == self.last else self.out_grads.pop((stage, mb))
+        return inp, out, og
+
+    def bwd(self, stage: int, mb: int) -> None:
+        c = self.chunk_of[stage]
+        inp, out, og = self._take(stage, mb)
+        with self._grad_sync(c, stage, mb):
+            ig = self.ms.backward_step(inp, out, og, self.config)
+        self._give_input_grad(stage, mb, ig)
+
+    def bwd_d(self, stage: int, mb: int) -> None:
+        """The input-gradient half of a split backward (``bwd_D``); see docs/megatron.md.
+
+        megatron-core 0.19.2's own deferral (``delay_wgrad_compute``) needs Transformer
+        Engine layers and combined 1F1B; this is the equivalent for any model: torch's
+        zero-bubble split (``torch.distributed.pipelining._backward``): a backward to the stage
+        input only that records the gradients reaching the nodes which use the weights, from
+        which :meth:`bwd_w` computes the weight gradients later (through the weights'
+        accumulators, so Megatron's DDP hooks see them). Nothing runs twice through a node
+        that destroys its saved tensors (Megatron's fused cross entropy does).
+        """
+        from torch.autograd.graph import get_gradient_edge
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        c = self.chunk_of[stage]
+        inp, out, og = self._take(stage, mb)
+        if og is None and self.config.grad_scale_func is not None:
+            out = self.config.grad_scale_func(out)  # as backward_step does on the last stage
+        params = [p for p in self.model[c].parameters() if p.requires_grad]
+        if inp is None or out.grad_fn is None:
+            # No stage input (the first stage): the whole backward is the weight gradient.
+            self.deferred[(stage, mb)] = ("full", out, og)
+            return
+        root = out if og is None else get_gradient_edge(out)  # outputs may be deallocated
+        accs = {_grad_acc(p): p for p in params}
+        (ig,), groups = stage_backward_input(
+            [root], None if og is None else [og], [inp], iter(params)
+        )
+        inp.grad = None
+        covered = {a for g in groups for a in g["params"]}
+        missing = [p for a, p in accs.items() if a not in covered]
+        self.deferred[(stage, mb)] = ("groups", groups, accs, missing)
+        if missing:
+            raise PipecError(
+                f"stage {stage}: {len(missing)} weights are not reached from the stage input; "
+                "pipec.megatron cannot split this stage's backward"
+            )
+        self._give_input_grad(stage, mb, ig)
+
+    def bwd_w(self, stage: int, mb: int) -> None:
+        """The weight-gradient half of a split backward (``bwd_W``)."""
+        from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+        c = self.chunk_of[stage]
+        d = self.deferred.pop((stage, mb))
+        with self._grad_sync(c, stage, mb):
+            if d[0] == "full":
+                _, out, og = d
+                if out.requires_grad:
+                    # As backward_step, through the edge: the output may be deallocated.
+                    root = out if og is None else get_gradient_edge(out)
+                    torch.autograd.backward(root, og)
+                return
+            _, groups, accs, _ = d
+            for g in groups:
+                grads = g.get("grads")
+                if grads is None:
+                    continue
+                edges, gouts = [], []
+                for gt, node in zip(grads, g["intermediates"], strict=True):
+                    for i, gr in enumerate(gt):
+                        if gr is not None:
+                            edges.append(GradientEdge(node, i))
+                            gouts.append(gr)
+                handles = []
+                if len(g["intermediates"]) > 1:  # no double counting through descendants
+                    for gt, node in zip(grads, g["intermediates"], strict=True):
+                        handles.append(node.register_prehook(lambda _g, sg=gt: sg))
+                try:
+                    if edges:
+                        torch.autograd.backward(edges, gouts, inputs=[accs[a] for a in g["params"]])
+                finally:
+                    for h in handles:
+                        h.remove()
+
+    # ---- grad sync, as Megatron's schedules: reductions are held back (no_sync) except
+    # during the last weight-gradient pass of each chunk.
+    @contextlib.contextmanager
+    def _grad_sync(self, c: int, stage: int, mb: int):
+        last = self.last_wgrad.get(c) == (stage, mb)
+        if last and self.config.grad_sync_func is None:
+            self._enable_grad_sync()
+        try:
+            yield
+        finally:
+            if last and self.config.grad_sync_func is not None:
+                gsf = self.config.grad_sync_func
+                (gsf[c] if isinstance(gsf, list) else gsf)(self.model[c].parameters())
+            if last:
+                self.synced.add(c)
+            self._disable_grad_sync()
+
+    def _disable_grad_sync(self) -> None:
+        if self.no_sync_ctx is None:
+            self.no_sync_ctx = self.no_sync_func()
+            self.no_sync_ctx.__enter__()
+
+    def _enable_grad_sync(self) -> None:
+        if self.no_sync_ctx is not None:
+            self.no_sync_ctx.__exit__(None, None, None)
+            self.no_sync_ctx = None
+
+    def run(self, instructions: list[dict]) -> list:
+        config, model = self.config, self.model
+        nsf = config.no_sync_func
+        if isinstance(nsf, list):
+
+            def multi():
+                stack = contextlib.ExitStack()
+                for f in nsf:
+                    stack.enter_context(f())
+                return stack
+
+            self.no_sync_func = multi
+        else:
+            self.no_sync_func = nsf if nsf is not None else contextlib.nullcontext
+        self.no_sync_ctx = None
+        self.synced: set[int] = set()
+        self.vp_stage = [
+            c if len(model) > 1 or _chunk_attr(m, "vp_stage") is not None else None
+            for c, m in enumerate(model)
+        ]
+        # The last weight-gradient op of each chunk (bwd / bwd_W / the bwd half of fwd_bwd).
+        self.last_wgrad: dict[int, tuple[int, int]] = {}
+        for ins in instructions:
+            if ins["op"] in ("bwd", "bwd_W"):
+                self.last_wgrad[self.chunk_of[ins["stage"]]] = (ins["stage"], ins["mb"])
+            elif ins["op"] == "fwd_bwd":
+                st = ins["bwd_stage"]
+                self.last_wgrad[self.chunk_of[st]] = (st, ins["bwd_mb"])
+        psf = config.param_sync_func
+        self.param_sync = None
+        if psf is not None and not self.forward_only:
+            self.param_sync = psf if isinstance(psf, list) else [psf] * len(model)
+        self.first_fwd = dict.fromkeys(range(len(model)), True)
+        waited = {i["batch"] for i in instructions if i["op"] == "wait"}
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            embedding_module = self.ms.clear_embedding_activation_buffer(
+                config, model, self.last in self.chunk_of
+            )
+        self._disable_grad_sync()
+        i, n = 0, len(instructions)
+        while i < n:
+            ins = instructions[i]
+            op = ins["op"]
+            if op in ("send", "recv"):
+                b = ins["batch"]
+                j = i
+                while (
+                    j < n
+                    and instructions[j]["op"] in ("send", "recv")
+                    and instructions[j]["batch"] == b
+                ):
+                    j += 1
+                posted = self._post(instructions[i:j], b in waited)
+                if b in waited:
+                    self.pending[b] = posted
+                else:
+                    self._complete(posted)
+                i = j
+                continue
+            if op == "wait":
+                self._complete(self.pending.pop(ins["batch"]))
+            elif op == "fwd":
+                self.fwd(ins["stage"], ins["mb"])
+            elif op == "bwd":
+                self.bwd(ins["stage"], ins["mb"])
+            elif op == "bwd_D":
+                self.bwd_d(ins["stage"], ins["mb"])
+            elif op == "bwd_W":
+                self.bwd_w(ins["stage"], ins["mb"])
+            elif op == "fwd_bwd":
+                # Overlapped F&B pair: run as its forward, then its backward (the same math;
+                # the overlap itself is a GPU-stream property, see docs/megatron.md).
+                self.fwd(ins["fwd_stage"], ins["fwd_mb"])
+                self.bwd(ins["bwd_stage"], ins["bwd_mb"])
+            else:
+                raise PipecError(f"rank {self.rank}: unknown instruction {ins!r}")
+            i += 1
+        if self.pending:
+            raise PipecError(f"rank {self.rank}: batches {sorted(self.pending)} never waited")
+        self._enable_grad_sync()
+        if config.grad_sync_func is not None and not self.forward_only:
+            gsf = config.grad_sync_func
+            for c in range(len(model)):
+                if c not in self.synced:
+                    (gsf[c] if isinstance(gsf, list) else gsf)(model[c].parameters())
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            self.ms.finish_embedding_wgrad_compute(
+                config, embedding_module, self.last in self.chunk_of, self.pgc.tp
+            )
+            config.finalize_model_grads_func(
+                model,
+                self.total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=self.pgc,
+                force_all_reduce=self.kw["force_all_reduce"],
+            )
+        return self.forward_data_store
+
+
+def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..., list]:
+    """A function with the signature of megatron-core 0.19.2's
+    ``forward_backward_pipelining_with_interleaving`` that runs ``schedule`` (a
+    :class:`pipec.Schedule`, or the path of a compiled directory, loaded with every
+    ``pipec-run`` check) on this rank. Use it wherever Megatron's
+    ``get_forward_backward_func()`` result is used; it returns what Megatron's returns (the
+    loss-function outputs of every microbatch on the rank holding the last stage, in
+    microbatch order; an empty list elsewhere).
+
+    Before the first instruction it refuses, with a :class:`pipec.PipecError` naming both
+    sides, a pipeline group of another size than the schedule's ``pp``, a ``model`` list of
+    another length than :func:`stage_indices` of this rank, chunks whose ``pre_process`` /
+    ``post_process`` / ``vp_stage`` disagree with the stages they are to run, another
+    ``num_microbatches``, ``forward_only`` that disagrees with the schedule, and what the
+    executor cannot do (variable sequence lengths, ``adjust_tensor_shapes_fn``). Megatron's
+    P2P flags in the model config (``batch_p2p_comm``, ``overlap_p2p_comm``) are not used:
+    the communication is the schedule's, as pipec verified it.
+    """
+    s = _as_schedule(schedule)
+    _refuse_bidirectional(s)
+    manifest, streams = _files(s)
+    _check_data_order(s, streams)
+    layers = _stage_layers(manifest)
+
+    def pipec_forward_backward(
+        *,
+        forward_step_func,
+        data_iterator: Iterator | list[Iterator],
+        model: torch.nn.Module | list[torch.nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+    ) -> list:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules as ms
+        from megatron.core.utils import get_model_config
+
+        model_list = model if isinstance(model, list) else [model]
+        if p2p_communicator is not None:
+            pp_group = p2p_communicator.pp_group
+        else:
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+        if pg_collection is None:
+            pg_collection = ms._build_default_pg_collection()
+        size, rank = pp_group.size(), pp_group.rank()
+        if size != s.pp:
+            raise PipecError(
+                f"world size mismatch: the schedule ({s.kind}) is compiled for pp={s.pp} "
+                f"pipeline ranks, but this pipeline-parallel group has {size}"
+            )
+        want = stage_indices(s, rank)
+        if len(model_list) != len(want):
+            raise PipecError(
+                f"model chunk mismatch: {s.kind} places {len(want)} stages {want} on pipeline "
+                f"rank {rank} (pipec.megatron.stage_indices(schedule, {rank})), but the model "
+                f"list has {len(model_list)} chunk(s)"
+            )
+        if num_microbatches != s.num_microbatches:
+            raise PipecError(
+                f"microbatch mismatch: num_microbatches={num_microbatches}, but the schedule "
+                f"is compiled for {s.num_microbatches} microbatches"
+            )
+        if forward_only != s.forward_only:
+            raise PipecError(
+                f"forward_only={forward_only}, but the schedule is "
+                + (
+                    "forward-only: compile a training schedule for training"
+                    if s.forward_only
+                    else "a training schedule (its sends and receives include gradients): "
+                    "compile one with forward_only=True for evaluation"
+                )
+            )
+        if isinstance(data_iterator, list) and len(data_iterator) != len(model_list):
+            raise PipecError(
+                f"data iterator mismatch: {len(data_iterator)} data iterators for "
+                f"{len(model_list)} model chunks (give one per chunk, as Megatron's "
+                "interleaved schedule wants)"
+            )
+        if data_iterator is None:
+            data_iterator = [None] * len(model_list)
+        if not isinstance(data_iterator, list) and len(model_list) > 1:
+            raise PipecError(
+                f"rank {rank} runs {len(model_list)} model chunks: give a list of one data "
+                "iterator per chunk (each chunk draws its own microbatches)"
+            )
+        if adjust_tensor_shapes_fn is not None:
+            raise PipecError("adjust_tensor_shapes_fn is not supported by pipec.megatron")
+        for c, (chunk, st) in enumerate(zip(model_list, want, strict=True)):
+            for attr, need in (
+                ("pre_process", layers[st].pre_process),
+                ("post_process", layers[st].post_process),
+            ):
+                got = _chunk_attr(chunk, attr)
+                if got is not None and bool(got) != need:
+                    raise PipecError(
+                        f"model chunk {c} of pipeline rank {rank} runs stage {st}, which "
+                        f"{'has' if need else 'does not have'} "
+                        f"{'the embedding' if attr == 'pre_process' else 'the output layer'}"
+                        f", but the chunk was built with {attr}={got}"
+                    )
+            vp = _chunk_attr(chunk, "vp_stage")
+            if vp is not None and vp != c:
+                raise PipecError(
+                    f"model chunk {c} of pipeline rank {rank} was built with vp_stage={vp}; "
+                    f"chunk c must be built with vp_stage=c (or None)"
+                )
+        config = get_model_config(model_list[0])
+        if config.num_microbatches_with_partial_activation_checkpoints is not None:
+            raise PipecError(
+                "num_microbatches_with_partial_activation_checkpoints is set: Megatron picks "
+                "the checkpointed microbatches from its own warmup count, which a pipec "
+                "schedule does not have; refusing rather than checkpointing other ones"
+            )
+        if config.variable_seq_lengths:
+            raise PipecError(
+                "variable_seq_lengths=True needs a shape exchange before every receive, "
+                "which pipec's verified stream does not have; refusing"
+            )
+        needs_dtype = any(i["op"] == "recv" for i in streams[rank])
+        if needs_dtype and config.pipeline_dtype is None:
+            raise PipecError("config.pipeline_dtype must be set (the dtype of received tensors)")
+        kw = {
+            "forward_step_func": forward_step_func,
+            "data_iterator": data_iterator,
+            "seq_length": seq_length,
+            "micro_batch_size": micro_batch_size,
+            "forward_only": forward_only,
+            "collect_non_loss_data": collect_non_loss_data,
+            "first_val_step": first_val_step,
+            "force_all_reduce": force_all_reduce,
+        }
+        ex = _Executor(
+            s,
+            manifest["comm_policy"],
+            model_list,
+            config,
+            pp_group,
+            rank,
+            kw,
+            pg_collection,
+            dist.group.WORLD,
+        )
+        return ex.run(streams[rank])
+
+    pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
+    return pipec_forward_backward

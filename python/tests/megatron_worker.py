@@ -1,0 +1,300 @@
+"""One rank of the Megatron-LM tests (launched by ``launch.py``, gloo on loopback, CPU only).
+
+Builds a small megatron-core GPTModel (local layer spec, CPU initialization, float32) cut into
+the stages of each configuration, trains it two steps and compares every microbatch loss and
+every parameter gradient with Megatron's own ``forward_backward_no_pipelining`` on the full
+model (same weights, same data), and, where a configuration names another one, with that
+configuration's losses and gradients. A configuration runs either pipec's schedule through
+``pipec.megatron.forward_backward_func`` or one of Megatron's own schedule functions.
+
+megatron-core 0.19.2 runs on a CPU with the four test-only patches of ``megatron_cpu.py``;
+every result line carries their hit counts.
+
+Usage: python megatron_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import megatron_cpu  # the test-only CPU patches, before anything of Megatron runs
+import pipec
+import pipec.megatron as pm
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from pipec import _native
+
+HIDDEN, HEADS, VOCAB, SEQ, MBS = 16, 2, 32, 8, 2
+STEPS, LR = 2, 0.1
+
+
+def make_config(num_layers: int, pp: int, vpp: int | None, **p2p) -> TransformerConfig:
+    cfg = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        batch_p2p_sync=False,
+        **p2p,
+    )
+    if cfg.batch_p2p_sync:
+        raise AssertionError("patch 4 did not take: batch_p2p_sync is on")
+    return cfg
+
+
+def build(config: TransformerConfig, num_layers: int, pre: bool, post: bool, vp_stage=None):
+    """Megatron's GPTModel with exactly ``num_layers`` decoder layers (the local layer spec),
+    whatever the placement: a TransformerBlockSubmodules is taken as given by the block."""
+    block = TransformerBlockSubmodules(
+        layer_specs=[get_gpt_layer_local_spec()] * num_layers,
+        layer_norm=LayerNormImpl,  # what Megatron's own block builder uses
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=False,
+        vp_stage=vp_stage,
+    )
+
+
+def reference(num_layers: int) -> GPTModel:
+    torch.manual_seed(1234)
+    return build(make_config(num_layers, 1, None), num_layers, True, True)
+
+
+def stage_state(ref_state: dict, lay: pm.StageLayers) -> dict:
+    """The reference model's weights of one stage, under the stage model's names."""
+    out = {}
+    for k, v in ref_state.items():
+        if k.startswith("decoder.layers."):
+            i, rest = k[len("decoder.layers.") :].split(".", 1)
+            if int(i) in lay.decoder_layers:
+                out[f"decoder.layers.{lay.decoder_layers.index(int(i))}.{rest}"] = v
+        elif k.startswith("embedding."):
+            if lay.pre_process:
+                out[k] = v
+        elif k.startswith(("output_layer.", "decoder.final_layernorm.")):
+            if lay.post_process:
+                out[k] = v
+        else:
+            raise AssertionError(f"unexpected parameter {k}")
+    return out
+
+
+def data(step: int, m: int) -> list:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (m, MBS, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (m, MBS, SEQ), generator=g)
+    return [(tokens[i], labels[i]) for i in range(m)]
+
+
+POSITION = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+MASK = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+
+
+def make_forward_step(loss_mode: str):
+    def forward_step_func(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        out = model(
+            tokens if model.pre_process else None,
+            POSITION,
+            MASK,
+            labels=labels if model.post_process else None,
+        )
+
+        def loss_func(output, non_loss_data=False):
+            if non_loss_data:  # collect_non_loss_data=True: anything the user wants back
+                return output.detach().sum(dim=-1)
+            if loss_mode == "per-token":  # (loss sum, tokens, ...): Megatron divides by both
+                n = torch.tensor(output.numel(), dtype=torch.int)
+                return output.sum(), n, {"lm loss": output.detach().mean()}
+            loss = output.mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return out, loss_func
+
+    return forward_step_func
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def value(entry) -> torch.Tensor:
+    """What one microbatch returned: the loss dict's loss, or collected non-loss data."""
+    return entry["lm loss"] if isinstance(entry, dict) else entry
+
+
+def run(cfg: dict, rank: int, memo: dict) -> dict:
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if "compile" in cfg:
+        kw = cfg["compile"]
+        if kw.get("megatron_p2p", "batched") in pipec._MEGATRON_P2P:
+            sched = pipec.compile(**kw)
+        else:  # the keep-outputs modes: compiled by the CLI (pipec.compile offers four modes)
+            kw = dict(kw, vpp=kw.get("vpp"), group_size=None, forward_only=False)
+            kw.update(combined=False, memory_limit=None)
+            sched = pipec.Schedule(_native.compile_schedule(kw.pop("schedule"), **kw))
+        mine = pm.stage_indices(sched, rank)
+        layers = pm.stage_layers(sched)
+        vpp = len(mine) if len(mine) > 1 else None
+        func = pm.forward_backward_func(sched)
+        m = sched.num_microbatches
+    else:  # one of Megatron's own schedule functions, Megatron's placement
+        vpp = cfg.get("vpp")
+        kind = ("looped-bfs", {"vpp": vpp}) if vpp else ("gpipe", {})
+        layers = pm.stage_layers(pipec.compile(kind[0], pp, 1, layout=cfg["layout"], **kind[1]))
+        mine = [c * pp + rank for c in range(vpp or 1)]
+        func = getattr(schedules, cfg["megatron"])
+        m = cfg["microbatches"]
+    num_layers = sum(lay.num_layers for lay in layers)
+    ref = reference(num_layers)
+    ref_state = ref.state_dict()
+    config = make_config(num_layers, pp, vpp, **cfg.get("p2p", {}))
+    chunks = []
+    for c, st in enumerate(mine):
+        lay = layers[st]
+        chunk = build(config, lay.num_layers, lay.pre_process, lay.post_process, c if vpp else None)
+        chunk.load_state_dict(stage_state(ref_state, lay))
+        chunks.append(chunk)
+    fstep = make_forward_step(cfg.get("loss", "mean"))
+    opt = torch.optim.SGD([p for ch in chunks for p in ch.parameters()], lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    loss_diff = grad_diff = 0.0
+    n_losses = n_grads = 0
+    record = {"losses": [], "grads": {}}
+    holds_last = layers[-1].post_process and (len(layers) - 1) in mine
+    fo, collect = cfg.get("forward_only", False), cfg.get("collect", False)
+    grad_mode = torch.no_grad() if fo else torch.enable_grad()
+    for step in range(STEPS):
+        batch = data(step, m)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with grad_mode:
+            losses = func(
+                forward_step_func=fstep,
+                data_iterator=[iter(batch) for _ in chunks] if vpp else iter(batch),
+                model=chunks if vpp else chunks[0],
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                forward_only=fo,
+                collect_non_loss_data=collect,
+            )
+            ref_losses = schedules.forward_backward_no_pipelining(
+                forward_step_func=fstep,
+                data_iterator=iter(batch),
+                model=ref,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                forward_only=fo,
+                collect_non_loss_data=collect,
+            )
+        if holds_last:
+            if len(losses) != m:
+                raise AssertionError(f"step {step}: {len(losses)} loss entries for {m}")
+            for a, b in zip(losses, ref_losses, strict=True):
+                loss_diff = max(loss_diff, max_abs(value(a), value(b)))
+                n_losses += 1
+                record["losses"].append(float(value(a).sum()))
+        elif losses:
+            raise AssertionError(f"rank {rank} holds no last stage but returned {losses}")
+        ref_params = dict(ref.named_parameters())
+        for c, st in enumerate(mine):
+            lay = layers[st]
+            for name, p in chunks[c].named_parameters():
+                rname = name
+                if name.startswith("decoder.layers."):
+                    i, rest = name[len("decoder.layers.") :].split(".", 1)
+                    rname = f"decoder.layers.{lay.decoder_layers[int(i)]}.{rest}"
+                q = ref_params[rname]
+                if fo:
+                    if p.grad is not None or q.grad is not None:
+                        raise AssertionError(f"forward-only step {step}: {name} has a gradient")
+                    continue
+                if p.grad is None:
+                    raise AssertionError(f"step {step}: stage {st} {name} has no gradient")
+                grad_diff = max(grad_diff, max_abs(p.grad, q.grad))
+                n_grads += 1
+                record["grads"][f"{step}:{rname}"] = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    memo[cfg["name"]] = record
+    result = {
+        "stages": mine,
+        "losses_compared": n_losses,
+        "grads_compared": n_grads,
+        "loss_diff": loss_diff,
+        "grad_diff": grad_diff,
+    }
+    other = cfg.get("compare_with")
+    if other is not None:
+        o = memo[other]
+        result["vs_loss_diff"] = max(
+            (abs(a - b) for a, b in zip(record["losses"], o["losses"], strict=True)), default=0.0
+        )
+        if record["grads"].keys() != o["grads"].keys():
+            raise AssertionError(f"{other} has other parameters than {cfg['name']}")
+        result["vs_grad_diff"] = max(
+            (max_abs(v, o["grads"][k]) for k, v in record["grads"].items()), default=0.0
+        )
+    return result
+
+
+def main() -> None:
+    cfg_path, rank, world, port, out = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    with open(cfg_path) as f:
+        configs = json.load(f)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=world, create_gloo_process_groups=False
+    )
+    log = open(os.path.join(out, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115 (the process's life)
+    memo: dict = {}
+    for cfg in configs:
+        try:
+            res = dict(run(cfg, rank, memo), ok=True)
+        except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+        res.update(name=cfg["name"], rank=rank, hits=dict(megatron_cpu.HITS))
+        log.write(json.dumps(res) + "\n")
+        log.flush()
+        if not res["ok"]:
+            break  # the other ranks may be stuck in this configuration's communication
+    log.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
