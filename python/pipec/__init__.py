@@ -39,7 +39,14 @@ __all__ = [
     "load",
 ]
 
-_MEGATRON_P2P = ("batched", "unbatched", "overlap", "overlap-flush")
+_MEGATRON_P2P = (
+    "batched",
+    "unbatched",
+    "overlap",
+    "overlap-flush",
+    "overlap-keep-outputs",
+    "overlap-flush-keep-outputs",
+)
 
 
 @dataclass(frozen=True)

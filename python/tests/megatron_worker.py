@@ -35,7 +35,6 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from pipec import _native
 
 HIDDEN, HEADS, VOCAB, SEQ, MBS = 16, 2, 32, 8, 2
 STEPS, LR = 2, 0.1
@@ -152,12 +151,7 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if "compile" in cfg:
         kw = cfg["compile"]
-        if kw.get("megatron_p2p", "batched") in pipec._MEGATRON_P2P:
-            sched = pipec.compile(**kw)
-        else:  # the keep-outputs modes: compiled by the CLI (pipec.compile offers four modes)
-            kw = dict(kw, vpp=kw.get("vpp"), group_size=None, forward_only=False)
-            kw.update(combined=False, memory_limit=None)
-            sched = pipec.Schedule(_native.compile_schedule(kw.pop("schedule"), **kw))
+        sched = pipec.compile(**kw)
         mine = pm.stage_indices(sched, rank)
         layers = pm.stage_layers(sched)
         vpp = len(mine) if len(mine) > 1 else None
