@@ -18,6 +18,7 @@ pub mod simulate;
 pub mod sweep;
 pub mod timeline;
 pub mod torch;
+pub mod tune;
 pub mod verify;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};

@@ -10,6 +10,7 @@ mod layout;
 mod schedules;
 mod show;
 mod simulate;
+mod tune;
 mod window;
 
 use clap::{Parser, Subcommand};
@@ -47,6 +48,8 @@ pub enum Command {
     Layout(layout::Args),
     /// List the schedule kinds and their parameters.
     Schedules(schedules::Args),
+    /// Find the fastest verified schedule and layer split for a model's costs and memory.
+    Tune(tune::Args),
 }
 
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
@@ -60,6 +63,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Import(a) => import::run(a),
         Command::Layout(a) => layout::run(a),
         Command::Schedules(a) => schedules::run(a),
+        Command::Tune(a) => tune::run(a),
     }
 }
 

@@ -1,0 +1,1 @@
+//! `pipec calibrate`: per-layer-kind costs from a measured timeline.

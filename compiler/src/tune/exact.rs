@@ -1,0 +1,1 @@
+//! Exact search for tiny instances (branch and bound).
