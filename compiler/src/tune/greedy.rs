@@ -103,28 +103,39 @@ impl PartialOrd for Event {
 const UNSET: f64 = f64::INFINITY;
 
 /// Forwards each rank can run before its first `bwd_D` can arrive (at least 1), from the
-/// as-soon-as-possible times of microbatch 0.
+/// as-soon-as-possible times of each direction's first microbatch.
 pub fn warmup_estimate(p: &Problem) -> Vec<f64> {
     let n = p.num_stages();
-    let mut fs = vec![0.0; n];
-    for s in 1..n {
-        fs[s] = fs[s - 1] + p.f[s - 1] + p.delay(s - 1, s);
+    let pp = p.pp();
+    let mut first = vec![f64::INFINITY; pp];
+    let mut first_b = vec![f64::INFINITY; pp];
+    let mut fsum = vec![0.0; pp];
+    let mut lanes = vec![0usize; pp];
+    for (lo, _) in p.directions() {
+        let mut fs = vec![0.0; n];
+        for s in 1..n {
+            fs[s] = fs[s - 1] + p.f[s - 1] + p.delay_mb(s - 1, s, lo);
+        }
+        let mut bs = vec![0.0; n];
+        bs[n - 1] = fs[n - 1] + p.f[n - 1];
+        for s in (0..n - 1).rev() {
+            bs[s] = (bs[s + 1] + p.b[s + 1] + p.delay_mb(s + 1, s, lo)).max(fs[s] + p.f[s]);
+        }
+        for s in 0..n {
+            let r = p.rank_of(s, lo);
+            first[r] = first[r].min(fs[s]);
+            first_b[r] = first_b[r].min(bs[s]);
+            fsum[r] += p.f[s];
+            lanes[r] += 1;
+        }
     }
-    let mut bs = vec![0.0; n];
-    bs[n - 1] = fs[n - 1] + p.f[n - 1];
-    for s in (0..n - 1).rev() {
-        bs[s] = (bs[s + 1] + p.b[s + 1] + p.delay(s + 1, s)).max(fs[s] + p.f[s]);
-    }
-    p.local_stages()
-        .iter()
-        .map(|ls| {
-            let first = ls.iter().map(|&s| fs[s]).fold(f64::INFINITY, f64::min);
-            let b = ls.iter().map(|&s| bs[s]).fold(f64::INFINITY, f64::min);
-            let mean_f = ls.iter().map(|&s| p.f[s]).sum::<f64>() / ls.len().max(1) as f64;
-            if mean_f <= 0.0 {
-                (p.microbatches as usize * ls.len()) as f64
+    (0..pp)
+        .map(|r| {
+            let mean_f = fsum[r] / lanes[r].max(1) as f64;
+            if mean_f <= 0.0 || !first[r].is_finite() {
+                (p.microbatches as usize * lanes[r].max(1)) as f64
             } else {
-                ((b - first) / mean_f).max(1.0)
+                ((first_b[r] - first[r]) / mean_f).max(1.0)
             }
         })
         .collect()
@@ -136,8 +147,11 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
     let n = p.num_stages();
     let m = p.microbatches as usize;
     let pp = p.pp();
-    let local = p.local_stages();
-    let rank_of: Vec<usize> = (0..n).map(|s| p.rank(s)).collect();
+    let lanes = p.lanes();
+    let mut local: Vec<Vec<usize>> = vec![Vec::new(); pp];
+    for (i, l) in lanes.iter().enumerate() {
+        local[l.rank].push(i);
+    }
     let warm = warmup_estimate(p);
     let cap: Vec<usize> = warm
         .iter()
@@ -149,21 +163,26 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
             }
         })
         .collect();
-    // Memory a forward of each local stage must leave free: the activations of the rank's
-    // later stages, so that the microbatch can still pass them.
-    let reserve: Vec<f64> = (0..n)
-        .map(|s| {
-            local[rank_of[s]]
+    // Memory a forward of each lane must leave free: the activations of the rank's later
+    // stages in the same direction, so that the microbatch can still pass them.
+    let reserve: Vec<f64> = lanes
+        .iter()
+        .map(|l| {
+            local[l.rank]
                 .iter()
-                .filter(|&&t| t > s)
-                .map(|&t| p.act[t])
+                .map(|&j| &lanes[j])
+                .filter(|o| o.dir == l.dir && o.stage > l.stage)
+                .map(|o| p.act[o.stage])
                 .sum()
         })
         .collect();
     let budget: Vec<f64> = (0..pp).map(|r| p.budget(r)).collect();
     let mut fend = vec![UNSET; n * m];
     let mut bend = vec![UNSET; n * m];
-    let (mut nf, mut nb, mut nw) = (vec![0usize; n], vec![0usize; n], vec![0usize; n]);
+    // Next microbatch of each pass kind per lane (global ids).
+    let mut nf: Vec<usize> = lanes.iter().map(|l| l.lo).collect();
+    let mut nb = nf.clone();
+    let mut nw = nf.clone();
     let mut free = vec![0.0f64; pp];
     let mut live = vec![0.0f64; pp];
     let mut peak = vec![0.0f64; pp];
@@ -193,65 +212,71 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
                 pending_w[r] = None;
             }
         }
-        // Candidates: (kind 0=F 1=B 2=W, stage).
         let mut best_f: Option<usize> = None;
         let mut best_b: Option<usize> = None;
         let mut best_w: Option<usize> = None;
-        for &s in &local[r] {
-            let mb = nf[s];
-            if mb < m {
+        for &li in &local[r] {
+            let l = &lanes[li];
+            let s = l.stage;
+            let mb = nf[li];
+            if mb < l.hi {
                 let ready = if s == 0 {
                     0.0
                 } else {
-                    fend[(s - 1) * m + mb] + p.delay(s - 1, s)
+                    fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
                 };
-                let fits = live[r] + p.act[s] + reserve[s] <= budget[r] + eps;
+                let fits = live[r] + p.act[s] + reserve[li] <= budget[r] + eps;
                 if ready <= t + eps && fits && inflight[r] < cap[r] {
                     let better = match best_f {
                         None => true,
                         Some(o) => {
                             if h.deep_first {
-                                s > o
+                                (s, usize::MAX - (mb - l.lo))
+                                    > (lanes[o].stage, usize::MAX - (nf[o] - lanes[o].lo))
                             } else {
-                                (mb, s) < (nf[o], o)
+                                (mb - l.lo, usize::MAX - s)
+                                    < (nf[o] - lanes[o].lo, usize::MAX - lanes[o].stage)
                             }
                         }
                     };
                     if better {
-                        best_f = Some(s);
+                        best_f = Some(li);
                     }
                 }
             }
-            let mb = nb[s];
-            if mb < nf[s] {
+            let mb = nb[li];
+            if mb < nf[li] {
                 let fe = fend[s * m + mb];
                 let ready = if s + 1 == n {
                     fe
                 } else {
-                    fe.max(bend[(s + 1) * m + mb] + p.delay(s + 1, s))
+                    fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
                 };
                 if ready <= t + eps {
                     let better = match best_b {
                         None => true,
-                        Some(o) => (mb, usize::MAX - s) < (nb[o], usize::MAX - o),
+                        Some(o) => {
+                            (mb - l.lo, usize::MAX - s)
+                                < (nb[o] - lanes[o].lo, usize::MAX - lanes[o].stage)
+                        }
                     };
                     if better {
-                        best_b = Some(s);
+                        best_b = Some(li);
                     }
                 }
             }
-            let mb = nw[s];
-            if mb < nb[s] && bend[s * m + mb] <= t + eps {
+            let mb = nw[li];
+            if mb < nb[li] && bend[s * m + mb] <= t + eps {
                 let better = match best_w {
                     None => true,
-                    Some(o) => mb < nw[o],
+                    Some(o) => mb - l.lo < nw[o] - lanes[o].lo,
                 };
                 if better {
-                    best_w = Some(s);
+                    best_w = Some(li);
                 }
             }
         }
-        let mem_tight = budget[r].is_finite() && live[r] > h.eager_w * budget[r] && h.eager_w < 1.0;
+        let mem_tight = budget[r].is_finite() && h.eager_w < 1.0 && live[r] > h.eager_w * budget[r];
         let pick = if mem_tight && best_w.is_some() && best_b.is_none() {
             best_w.map(|s| (2, s))
         } else if h.forward_first && best_f.is_some() {
@@ -265,44 +290,45 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
         } else {
             best_w.map(|s| (2, s))
         };
-        let Some((kind, s)) = pick else { continue };
+        let Some((kind, li)) = pick else { continue };
+        let s = lanes[li].stage;
         let start = t;
         let end;
         match kind {
             0 => {
-                let mb = nf[s];
+                let mb = nf[li];
                 end = start + p.f[s];
                 fend[s * m + mb] = end;
-                nf[s] += 1;
+                nf[li] += 1;
                 live[r] += p.act[s];
                 peak[r] = peak[r].max(live[r]);
                 inflight[r] += 1;
                 orders[r].push(Compute::Fwd(Task::new(s as u32, mb as u32)));
                 if s + 1 < n {
-                    let q = rank_of[s + 1];
+                    let q = p.rank_of(s + 1, mb);
                     if q != r {
-                        heap.push(Event(end + p.delay(s, s + 1), q as u32));
+                        heap.push(Event(end + p.comm, q as u32));
                     }
                 }
             }
             1 => {
-                let mb = nb[s];
+                let mb = nb[li];
                 end = start + p.b[s];
                 bend[s * m + mb] = end;
-                nb[s] += 1;
+                nb[li] += 1;
                 inflight[r] -= 1;
                 orders[r].push(Compute::BwdD(Task::new(s as u32, mb as u32)));
                 if s > 0 {
-                    let q = rank_of[s - 1];
+                    let q = p.rank_of(s - 1, mb);
                     if q != r {
-                        heap.push(Event(end + p.delay(s, s - 1), q as u32));
+                        heap.push(Event(end + p.comm, q as u32));
                     }
                 }
             }
             _ => {
-                let mb = nw[s];
+                let mb = nw[li];
                 end = start + p.w[s];
-                nw[s] += 1;
+                nw[li] += 1;
                 pending_w[r] = Some((s, end));
                 orders[r].push(Compute::BwdW(Task::new(s as u32, mb as u32)));
             }
@@ -363,7 +389,7 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
                         let ready = if s == 0 {
                             0.0
                         } else {
-                            fend[(s - 1) * m + mb] + p.delay(s - 1, s)
+                            fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
                         };
                         (ready, Some((true, s * m + mb)), p.f[s])
                     }
@@ -374,7 +400,7 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
                         let ready = if s + 1 == n {
                             fe
                         } else {
-                            fe.max(bend[(s + 1) * m + mb] + p.delay(s + 1, s))
+                            fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
                         };
                         (ready, Some((false, s * m + mb)), p.b[s])
                     }
@@ -389,7 +415,7 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
                         let ready = if s + 1 == n {
                             fe
                         } else {
-                            fe.max(bend[(s + 1) * m + mb] + p.delay(s + 1, s))
+                            fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
                         };
                         (ready, Some((false, s * m + mb)), p.b[s] + p.w[s])
                     }

@@ -147,12 +147,17 @@ fn model_size(req: &TuneRequest) -> (u32, u32) {
 }
 
 /// The placements the tuned scheduler tries, and the stage count they need.
-fn tuned_placements(pp: u32, stages: Option<usize>) -> Vec<Placement> {
+fn tuned_placements(pp: u32, microbatches: u32, stages: Option<usize>) -> Vec<Placement> {
     let mut v = vec![
         Placement::looped(pp, 1),
         Placement::looped(pp, 2),
         Placement::v_shape(pp),
     ];
+    // DualPipe's two directions, with pipec's own order: half the microbatches enter at
+    // each end (every rank holds two stages' parameters).
+    if pp >= 2 && microbatches >= 2 {
+        v.push(Placement::bidirectional(pp, microbatches / 2));
+    }
     if let Some(s) = stages {
         v.retain(|p| p.num_stages() as usize == s);
     }
@@ -345,7 +350,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     let limit = req.memory_limit;
     // Tuned candidates: every placement x split.
     let mut jobs: Vec<(Placement, Layout)> = Vec::new();
-    for pl in tuned_placements(req.pp, user_stages) {
+    for pl in tuned_placements(req.pp, req.microbatches, user_stages) {
         for l in layouts_for(req, &pl) {
             jobs.push((pl.clone(), l));
         }

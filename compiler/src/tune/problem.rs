@@ -144,7 +144,7 @@ impl Problem {
         self.limit[r] - self.param[r]
     }
 
-    /// Delay of a tensor from stage `a` to stage `b`.
+    /// Delay of a tensor from stage `a` to stage `b` (first direction).
     pub fn delay(&self, a: usize, b: usize) -> f64 {
         if self.rank(a) == self.rank(b) {
             0.0
@@ -152,4 +152,59 @@ impl Problem {
             self.comm
         }
     }
+
+    /// Rank of the task (stage `s`, microbatch `mb`): the placement's, mirrored for the second
+    /// direction of a bidirectional placement.
+    #[inline]
+    pub fn rank_of(&self, s: usize, mb: usize) -> usize {
+        self.placement
+            .rank_of(Task::new(s as u32, mb as u32))
+            .index()
+    }
+
+    /// Delay of microbatch `mb`'s tensor from stage `a` to stage `b`.
+    #[inline]
+    pub fn delay_mb(&self, a: usize, b: usize, mb: usize) -> f64 {
+        if self.rank_of(a, mb) == self.rank_of(b, mb) {
+            0.0
+        } else {
+            self.comm
+        }
+    }
+
+    /// The microbatch ranges of the directions: one, or two for a bidirectional placement.
+    pub fn directions(&self) -> Vec<(usize, usize)> {
+        let m = self.microbatches as usize;
+        match self.placement.mirror_from() {
+            Some(h) if (h as usize) < m && h > 0 => vec![(0, h as usize), (h as usize, m)],
+            _ => vec![(0, m)],
+        }
+    }
+
+    /// Every (stage, direction) lane with its rank, in stage order per direction.
+    pub fn lanes(&self) -> Vec<Lane> {
+        let mut out = Vec::new();
+        for (d, &(lo, hi)) in self.directions().iter().enumerate() {
+            for s in 0..self.num_stages() {
+                out.push(Lane {
+                    stage: s,
+                    dir: d,
+                    lo,
+                    hi,
+                    rank: self.rank_of(s, lo),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// The microbatches `lo..hi` of one direction on one stage, run by `rank`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Lane {
+    pub stage: usize,
+    pub dir: usize,
+    pub lo: usize,
+    pub hi: usize,
+    pub rank: usize,
 }
