@@ -432,11 +432,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         });
         built.extend(results.into_iter().flatten());
     }
-    if built.is_empty() {
-        return Err(TuneError::Nothing(
-            "no placement fits the layout and pp".into(),
-        ));
-    }
     let bytes = req
         .model
         .memory
@@ -445,14 +440,31 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         || limit.is_some_and(|l| l > 1e5);
     let mut order: Vec<usize> = (0..built.len()).filter(|&i| built[i].cand.fits).collect();
     if order.is_empty() {
-        let b = built
+        let Some(limit) = limit else {
+            return Err(TuneError::Nothing(
+                "no placement fits the layout and pp".into(),
+            ));
+        };
+        // The smallest peak: the built-ins' and the tuned scheduler's least (bisection over
+        // the limit it plans under).
+        let mut best: Option<(f64, String)> = built
             .iter()
             .min_by(|a, b| a.cand.peak_memory.total_cmp(&b.cand.peak_memory))
-            .expect("nonempty");
+            .map(|b| (b.cand.peak_memory, describe(&b.cand)));
+        for (pl, layout) in &jobs {
+            let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, None);
+            if let Some(x) = min_peak(&p) {
+                if best.as_ref().is_none_or(|(b, _)| x < *b) {
+                    let vpp = pl.num_stages() / req.pp;
+                    best = Some((x, format!("tuned {} vpp={vpp}", placement_name(pl))));
+                }
+            }
+        }
+        let (peak, by) = best.unwrap_or((f64::INFINITY, "nothing".into()));
         return Err(TuneError::Memory {
-            limit: fmt_mem(limit.unwrap_or(0.0), bytes),
-            best: fmt_mem(b.cand.peak_memory, bytes),
-            by: describe(&b.cand),
+            limit: fmt_mem(limit, bytes),
+            best: fmt_mem(peak, bytes),
+            by,
         });
     }
     order.sort_by(|&a, &b| {
@@ -508,6 +520,36 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     Err(TuneError::Nothing(
         "every candidate failed verification".into(),
     ))
+}
+
+/// The least peak memory (largest over ranks) the tuned scheduler reaches on `p`: the
+/// smallest limit it can still plan under, by bisection.
+pub fn min_peak(p: &Problem) -> Option<f64> {
+    let hs: Vec<greedy::Heuristic> = greedy::heuristics()
+        .into_iter()
+        .filter(|h| h.eager_w < 1.0 && !h.forward_first)
+        .collect();
+    let under = |limit: f64| -> Option<f64> {
+        let mut q = p.clone();
+        q.limit = vec![limit; q.pp()];
+        hs.iter()
+            .filter_map(|h| greedy::schedule(&q, h))
+            .map(|plan| plan.peak.iter().fold(0.0, |a: f64, &x| a.max(x)))
+            .min_by(f64::total_cmp)
+    };
+    let mut hi = under(f64::INFINITY)?;
+    let mut lo = 0.0f64;
+    for _ in 0..30 {
+        let mid = (lo + hi) / 2.0;
+        match under(mid) {
+            Some(x) => hi = x.min(mid),
+            None => lo = mid,
+        }
+        if hi - lo <= 1e-6 * hi.max(1e-9) {
+            break;
+        }
+    }
+    Some(hi)
 }
 
 /// `zb-v`, `interleaved-1f1b vpp=2 g=16`, `tuned loop vpp=1`.

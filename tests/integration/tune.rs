@@ -1,0 +1,506 @@
+//! `pipec tune`: the cost-aware scheduler, its lowering, memory, bounds, layer split and CLI.
+//!
+//! Expectations are derived independently of the code under test: makespans by pipec's
+//! simulator on the lowered program (not the scheduler's own clock), peaks by the verifier,
+//! the bound from the costs alone, built-in kinds compiled by `pipec compile`'s path.
+
+use assert_cmd::Command;
+use pipec::cost::{CostModel, StageCosts};
+use pipec::layout::{self, Layout};
+use pipec::lower::lower;
+use pipec::simulate::simulate;
+use pipec::tune::{self, greedy, problem::Problem, split, TuneRequest};
+use pipec::verify::{memory::weighted_peaks, verify, StreamRule, VerifyOptions};
+use pipec_schedules::{generate, CommPolicy, Limits, Placement, ScheduleKind, ScheduleSpec};
+use proptest::prelude::*;
+
+fn pipec() -> Command {
+    Command::from_std(pipec_tests::pipec())
+}
+
+/// Heavy first and last stages (embedding, output layer and loss), `b > f`, `w < b`.
+const UNEVEN: &str = "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1";
+
+fn placements(pp: u32, m: u32) -> Vec<Placement> {
+    vec![
+        Placement::looped(pp, 1),
+        Placement::looped(pp, 2),
+        Placement::v_shape(pp),
+        Placement::bidirectional(pp, m / 2),
+    ]
+}
+
+fn simulated(program: &pipec::Program, model: &CostModel, layout: &Layout) -> f64 {
+    let costs = StageCosts::new(model, layout, program.num_stages());
+    simulate(program, &costs).unwrap().summary.makespan
+}
+
+fn valid(program: &pipec::Program) -> bool {
+    let r = verify(
+        program,
+        &VerifyOptions {
+            memory_limit: None,
+            streams: StreamRule::of_policy(Some(CommPolicy::Lockstep), program.world()),
+        },
+    );
+    if !r.is_valid() {
+        eprintln!("{}", r.verdict_line());
+        for v in r.violations.iter().take(5) {
+            eprintln!("  {v}");
+        }
+    }
+    r.is_valid()
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0)
+}
+
+/// The tuned order's own event-driven makespan, the list schedule of its orders, and pipec's
+/// simulation of the lowered program agree, with and without transfer time; the lowered
+/// program verifies (deadlock-free, matched) and its verifier-rule peak memory is the plan's.
+#[test]
+fn lowering_keeps_the_order_time() {
+    let mut checked = 0;
+    for cost in [
+        UNEVEN,
+        "f=1,b=1,w=1",
+        "f=1,b=2,w=0.5,p2p=0.3",
+        "f=2,b=3,w=1,E.f=5,L.b=4,p2p=0.1",
+    ] {
+        let model = CostModel::parse(cost).unwrap();
+        for (pp, m, layers) in [(2, 4, 3), (4, 8, 10), (4, 13, 14), (3, 7, 9)] {
+            for pl in placements(pp, m) {
+                let counts = split::candidates(&model, &pl, layers, 0).remove(0);
+                let layout = split::layout_of(&counts, 0);
+                for limit in [None, Some(12.0)] {
+                    let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                    for h in greedy::heuristics() {
+                        let Some(plan) = greedy::schedule(&p, &h) else {
+                            continue;
+                        };
+                        let list = greedy::list_makespan(&p, &plan.orders).unwrap();
+                        assert!(close(plan.makespan, list), "{cost} {pl:?} {h:?}");
+                        let prog = tune::lower::lower_timed(&p, &plan.orders).unwrap();
+                        let sim = simulated(&prog, &model, &layout);
+                        assert!(
+                            close(sim, plan.makespan),
+                            "{cost} pp={pp} m={m} {:?} {}: planned {} simulated {sim}",
+                            pl.kind,
+                            h.name(),
+                            plan.makespan
+                        );
+                        let (act, sparam) = tune::problem::stage_memory(&model, &layout);
+                        let param = tune::problem::rank_params(&pl, &sparam);
+                        let peaks = weighted_peaks(&prog, &act, &param);
+                        for (a, b) in peaks.iter().zip(&plan.peak) {
+                            assert!(close(*a, *b), "peak {peaks:?} vs plan {:?}", plan.peak);
+                        }
+                        if let Some(l) = limit {
+                            assert!(peaks.iter().all(|&x| x <= l + 1e-9));
+                        }
+                        checked += 1;
+                    }
+                    // Verifying every heuristic's program is slow in debug builds: the best.
+                    if let Some((plan, _)) = tune::best_plan(&p) {
+                        assert!(valid(&tune::lower::lower_timed(&p, &plan.orders).unwrap()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "{checked}");
+}
+
+/// With every weight 1 and no parameters the weighted peak is the verifier's peak, for every
+/// built-in kind.
+#[test]
+fn weighted_peak_is_the_verifiers_peak() {
+    for kind in ScheduleKind::ALL {
+        for (pp, m) in [(2, 4), (4, 8), (4, 9)] {
+            let vpp = match kind {
+                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => 2,
+                k => k.default_vpp(),
+            };
+            let spec = ScheduleSpec::new(kind, pp, vpp, m);
+            if spec.validate(&Limits::DEFAULT).is_err() {
+                continue;
+            }
+            let program = lower(&generate(&spec, &Limits::DEFAULT).unwrap());
+            let n = program.num_stages() as usize;
+            let peaks = weighted_peaks(&program, &vec![1.0; n], &[]);
+            let report = verify(&program, &VerifyOptions::default());
+            let want: Vec<f64> = report.memory.iter().map(|r| r.peak as f64).collect();
+            assert_eq!(peaks, want, "{kind} pp={pp} m={m}");
+        }
+    }
+}
+
+fn request(pp: u32, m: u32, cost: &str, layers: u32) -> TuneRequest {
+    TuneRequest {
+        num_layers: Some(layers),
+        ..TuneRequest::new(pp, m, CostModel::parse(cost).unwrap())
+    }
+}
+
+/// The best built-in kind (fitting the limit) of a tune result.
+fn best_builtin(t: &tune::Tuned) -> &tune::Candidate {
+    t.candidates
+        .iter()
+        .filter(|c| c.schedule != "tuned" && c.fits)
+        .min_by(|a, b| a.makespan.total_cmp(&b.makespan))
+        .unwrap()
+}
+
+fn best_tuned(t: &tune::Tuned) -> &tune::Candidate {
+    t.candidates
+        .iter()
+        .filter(|c| c.schedule == "tuned" && c.fits)
+        .min_by(|a, b| a.makespan.total_cmp(&b.makespan))
+        .unwrap()
+}
+
+/// On uniform costs (one decoder layer per stage, as the published formulas assume) the
+/// tuned scheduler on its own is never slower than the best built-in kind, and the result
+/// never beats the bound.
+#[test]
+fn uniform_costs_tuned_is_never_worse_than_the_best_builtin() {
+    for pp in [2, 3, 4, 6, 8] {
+        for m in [pp, 2 * pp, 4 * pp] {
+            let t = tune::tune(&request(pp, m, "f=1,b=1,w=1", 2 * pp)).unwrap();
+            let (bt, bb) = (best_tuned(&t), best_builtin(&t));
+            assert!(
+                bt.makespan <= bb.makespan + 1e-9,
+                "pp={pp} m={m}: tuned {} > {} {}",
+                bt.makespan,
+                bb.schedule,
+                bb.makespan
+            );
+            assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
+        }
+    }
+}
+
+/// Uneven costs: the tuned schedule is strictly faster than every built-in kind that leaves
+/// bubbles, also under a memory limit between 1x and 2x of 1F1B's peak.
+#[test]
+fn uneven_costs_tuned_beats_every_builtin() {
+    for (pp, m, layers) in [
+        (4, 16, 14),
+        (4, 8, 14),
+        (8, 32, 30),
+        (6, 12, 20),
+        (8, 16, 62),
+    ] {
+        let base = tune::tune(&request(pp, m, UNEVEN, layers)).unwrap();
+        let one_f_one_b = base
+            .candidates
+            .iter()
+            .find(|c| c.schedule == "1f1b")
+            .unwrap()
+            .peak_memory;
+        for limit in [None, Some(1.5 * one_f_one_b), Some(1.0 * one_f_one_b)] {
+            let t = tune::tune(&TuneRequest {
+                memory_limit: limit,
+                ..request(pp, m, UNEVEN, layers)
+            })
+            .unwrap();
+            assert_eq!(t.best.schedule, "tuned", "pp={pp} m={m} limit={limit:?}");
+            for c in t
+                .candidates
+                .iter()
+                .filter(|c| c.schedule != "tuned" && c.fits)
+            {
+                assert!(c.bubble > 0.0);
+                assert!(
+                    t.best.makespan < c.makespan,
+                    "pp={pp} m={m} limit={limit:?}: {} {} <= tuned {}",
+                    c.schedule,
+                    c.makespan,
+                    t.best.makespan
+                );
+            }
+            assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
+            if let Some(l) = limit {
+                assert!(t.peak_memory.iter().all(|&x| x <= l + 1e-9));
+            }
+        }
+    }
+}
+
+/// What `tune` reports is what the program does: the simulated makespan of the program, the
+/// verifier-rule peak memory, a valid verdict, a layout string pipec parses back to the split.
+#[test]
+fn reported_figures_are_the_programs() {
+    let model = CostModel::parse(&format!("{UNEVEN},t.act=2,E.param=5,t.param=1")).unwrap();
+    for (pp, m) in [(4, 8), (4, 12), (2, 6)] {
+        let t = tune::tune(&TuneRequest {
+            num_layers: Some(11),
+            memory_limit: Some(40.0),
+            ..TuneRequest::new(pp, m, model.clone())
+        })
+        .unwrap();
+        assert!(t.report.is_valid());
+        assert!(close(
+            t.best.makespan,
+            simulated(&t.program, &model, &t.layout)
+        ));
+        let (act, sparam) = tune::problem::stage_memory(&model, &t.layout);
+        let param = tune::problem::rank_params(&t.program.placement, &sparam);
+        assert_eq!(t.peak_memory, weighted_peaks(&t.program, &act, &param));
+        assert!(t.peak_memory.iter().all(|&x| x <= 40.0));
+        let back = layout::parse(&t.best.layout).unwrap();
+        assert_eq!(back.stages, t.layout.stages);
+        assert_eq!(
+            layout::check_against(&back, pp, None, Some(11), None).unwrap(),
+            t.program.num_stages() / pp
+        );
+    }
+}
+
+/// `--layout` keeps the user's split; `--rebalance` moves layers off the heavy ends.
+#[test]
+fn user_layout_is_kept_unless_rebalanced() {
+    let model = CostModel::parse(UNEVEN).unwrap();
+    let text = "Ettt|ttt|ttt|tttL";
+    let user = layout::parse(text).unwrap();
+    let t = tune::tune(&TuneRequest {
+        layout: Some(user.clone()),
+        ..TuneRequest::new(4, 16, model.clone())
+    })
+    .unwrap();
+    assert_eq!(t.layout.stages, user.stages);
+    assert!(t
+        .candidates
+        .iter()
+        .all(|c| c.layout == "Et*3|(t*3|)*2,t*3,L"));
+    let r = tune::tune(&TuneRequest {
+        layout: Some(user),
+        rebalance: true,
+        ..TuneRequest::new(4, 16, model)
+    })
+    .unwrap();
+    assert!(r.best.makespan < t.best.makespan);
+    assert_eq!(
+        layout::parse(&r.best.layout)
+            .unwrap()
+            .count(layout::LayerKind::Decoder),
+        12
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+    /// Random small costs and limits: the tuned program verifies, respects the limit, never
+    /// beats the bound, and its makespan is the simulator's.
+    #[test]
+    fn random_costs_give_valid_programs(
+        pp in 1u32..=4,
+        m in 1u32..=8,
+        layers in 1u32..=10,
+        f in 0.1f64..3.0,
+        b in 0.1f64..3.0,
+        w in 0.0f64..2.0,
+        e in 0.0f64..4.0,
+        l in 0.0f64..4.0,
+        p2p in prop_oneof![Just(0.0), 0.0f64..0.5],
+        slack in 1.0f64..3.0,
+    ) {
+        let cost = format!("f={f},b={b},w={w},E.f={e},E.b={e},L.f={l},L.b={l},p2p={p2p}");
+        let model = CostModel::parse(&cost).unwrap();
+        let free = tune::tune(&TuneRequest { num_layers: Some(layers), ..TuneRequest::new(pp, m, model.clone()) }).unwrap();
+        let peak = free.peak_memory.iter().fold(0.0f64, |a, &x| a.max(x));
+        let limit = (peak / slack).max(layers as f64 / pp as f64 + 1.0);
+        match tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), ..TuneRequest::new(pp, m, model.clone()) }) {
+            Ok(t) => {
+                prop_assert!(t.report.is_valid());
+                prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
+                prop_assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
+                prop_assert!(close(t.best.makespan, simulated(&t.program, &model, &t.layout)));
+            }
+            Err(e) => prop_assert!(e.to_string().contains("smallest peak memory"), "{}", e),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line.
+
+fn cost_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let p = dir.join("c.toml");
+    std::fs::write(
+        &p,
+        "# an uneven model\nf = 1\nb = 1.5\nw = 0.7\nE.f = 2\nE.b = 2\nE.w = 1\nL.f = 3\nL.b = 3\nL.w = 1\nt.act = 1GiB\nt.param = 200MiB\nE.param = 2GiB\nL.param = 2GiB\n",
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn cli_report_json_and_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = cost_file(tmp.path());
+    let out = pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "16",
+            "--num-layers",
+            "14",
+        ])
+        .arg("--cost-file")
+        .arg(&c)
+        .args(["--memory-limit", "24GiB"])
+        .assert()
+        .success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    for want in [
+        "schedule: tuned",
+        "layout:",
+        "makespan:",
+        "lower bound",
+        "peak memory per rank:",
+        "candidate",
+        "1f1b",
+        "zb-v",
+        "verified",
+    ] {
+        assert!(text.contains(want), "{want} missing in\n{text}");
+    }
+    let dir = tmp.path().join("tuned");
+    let out = pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "16",
+            "--num-layers",
+            "14",
+            "--json",
+        ])
+        .arg("--cost-file")
+        .arg(&c)
+        .args(["--memory-limit", "24GiB", "-o"])
+        .arg(&dir)
+        .assert()
+        .success();
+    let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    for key in [
+        "makespan",
+        "lower_bound",
+        "layout",
+        "schedule",
+        "peak_memory",
+        "candidates",
+    ] {
+        assert!(j.get(key).is_some(), "{key}");
+    }
+    assert_eq!(j["peak_memory"].as_array().unwrap().len(), 4);
+    assert!(j["peak_memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|x| x.as_f64().unwrap() <= 24.0 * (1u64 << 30) as f64));
+    assert!(j["makespan"].as_f64().unwrap() >= j["lower_bound"].as_f64().unwrap());
+    // The written directory is a compiled schedule like any other.
+    pipec().arg("check").arg(&dir).assert().success();
+    let sim = pipec()
+        .arg("simulate")
+        .arg(&dir)
+        .arg("--cost-file")
+        .arg(&c)
+        .arg("--json")
+        .assert()
+        .success();
+    let s: serde_json::Value = serde_json::from_slice(&sim.get_output().stdout).unwrap();
+    assert!(close(
+        s["makespan"].as_f64().unwrap(),
+        j["makespan"].as_f64().unwrap()
+    ));
+    pipec().arg("show").arg(&dir).assert().success();
+    // The layout string is one `pipec layout` accepts.
+    pipec()
+        .args([
+            "layout",
+            j["layout"].as_str().unwrap(),
+            "--pp",
+            "4",
+            "--num-layers",
+            "14",
+        ])
+        .assert()
+        .success();
+}
+
+#[test]
+fn cli_errors() {
+    // A limit nothing meets: exit 1, naming the smallest peak reached.
+    let out = pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--num-layers",
+            "8",
+            "--memory-limit",
+            "1",
+        ])
+        .assert()
+        .code(1);
+    let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    assert!(
+        err.contains(
+            "no schedule fits the memory limit 1: the smallest peak memory pipec reached is"
+        ),
+        "{err}"
+    );
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--memory-limit",
+            "lots",
+        ])
+        .assert()
+        .code(1);
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--layout",
+            "Et|tL",
+        ])
+        .assert()
+        .code(1);
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--cost",
+            "t.act=-1",
+        ])
+        .assert()
+        .code(1);
+    pipec()
+        .args(["tune", "--microbatches", "8"])
+        .assert()
+        .code(2);
+    pipec()
+        .args(["tune", "--pp", "2", "--microbatches", "4", "--rebalance"])
+        .assert()
+        .code(2);
+}
