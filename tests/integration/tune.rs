@@ -504,3 +504,138 @@ fn cli_errors() {
         .assert()
         .code(2);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Exact search.
+
+/// Every order of one rank's ops that runs each op after the ops of its own rank it needs.
+fn linear_extensions(ops: &[pipec_schedules::Compute], p: &Problem) -> Vec<Vec<pipec_schedules::Compute>> {
+    use pipec_schedules::Compute::*;
+    let needs = |a: &pipec_schedules::Compute, b: &pipec_schedules::Compute| -> bool {
+        // Does `a` need `b` directly (same rank)?
+        match (*a, *b) {
+            (Fwd(x), Fwd(y)) => x.mb == y.mb && y.stage.0 + 1 == x.stage.0,
+            (BwdD(x), Fwd(y)) => x == y,
+            (BwdD(x), BwdD(y)) => x.mb == y.mb && x.stage.0 + 1 == y.stage.0,
+            (BwdW(x), BwdD(y)) => x == y,
+            _ => false,
+        }
+    };
+    let _ = p;
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut used = vec![false; ops.len()];
+    fn rec(
+        ops: &[pipec_schedules::Compute],
+        used: &mut Vec<bool>,
+        cur: &mut Vec<pipec_schedules::Compute>,
+        out: &mut Vec<Vec<pipec_schedules::Compute>>,
+        needs: &dyn Fn(&pipec_schedules::Compute, &pipec_schedules::Compute) -> bool,
+    ) {
+        if cur.len() == ops.len() {
+            out.push(cur.clone());
+            return;
+        }
+        for i in 0..ops.len() {
+            if used[i] {
+                continue;
+            }
+            if (0..ops.len()).any(|j| !used[j] && j != i && needs(&ops[i], &ops[j])) {
+                continue;
+            }
+            used[i] = true;
+            cur.push(ops[i]);
+            rec(ops, used, cur, out, needs);
+            cur.pop();
+            used[i] = false;
+        }
+    }
+    rec(ops, &mut used, &mut cur, &mut out, &needs);
+    out
+}
+
+/// Brute force: every combination of per-rank orders, run by pipec's simulator on the timed
+/// lowering; orders that wait on each other or exceed the memory limit are skipped.
+fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
+    use pipec_schedules::{Compute, RankOrder, Task};
+    let n = p.num_stages();
+    let m = p.microbatches as usize;
+    let mut per_rank: Vec<Vec<Compute>> = vec![Vec::new(); p.pp()];
+    for s in 0..n {
+        for mb in 0..m {
+            let t = Task::new(s as u32, mb as u32);
+            let r = p.rank_of(s, mb);
+            per_rank[r].extend([Compute::Fwd(t), Compute::BwdD(t), Compute::BwdW(t)]);
+        }
+    }
+    let exts: Vec<Vec<Vec<Compute>>> = per_rank.iter().map(|o| linear_extensions(o, p)).collect();
+    let mut best: Option<f64> = None;
+    let mut idx = vec![0usize; exts.len()];
+    loop {
+        let orders: Vec<RankOrder> = idx
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| RankOrder { rank: pipec_schedules::Rank(r as u32), ops: exts[r][i].clone(), warmup: 0 })
+            .collect();
+        if let Some(prog) = tune::lower::lower_timed(p, &orders) {
+            let peaks = weighted_peaks(&prog, &p.act, &p.param);
+            if peaks.iter().zip(&p.limit).all(|(x, l)| *x <= l + 1e-9) {
+                let sim = simulate(&prog, costs).unwrap().summary.makespan;
+                best = Some(best.map_or(sim, |b: f64| b.min(sim)));
+            }
+        }
+        // Next combination.
+        let mut r = 0;
+        loop {
+            if r == idx.len() {
+                return best;
+            }
+            idx[r] += 1;
+            if idx[r] < exts[r].len() {
+                break;
+            }
+            idx[r] = 0;
+            r += 1;
+        }
+    }
+}
+
+
+/// The branch and bound finds exactly the brute-force optimum on tiny instances (loop, V and
+/// bidirectional placements; uneven costs; with and without a memory limit), and the list
+/// scheduler is never better than it.
+#[test]
+fn exact_search_agrees_with_brute_force() {
+    let mut cases = 0;
+    for cost in ["f=1,b=2,w=1", "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5,p2p=0.25"] {
+        let model = CostModel::parse(cost).unwrap();
+        for (pl, m, counts) in [
+            (Placement::looped(2, 1), 2, vec![1, 1]),
+            (Placement::looped(2, 1), 2, vec![2, 1]),
+            (Placement::looped(3, 1), 1, vec![1, 1, 1]),
+            (Placement::v_shape(1), 2, vec![1, 1]),
+            (Placement::v_shape(2), 1, vec![1, 1, 1, 1]),
+            (Placement::bidirectional(2, 1), 2, vec![1, 2]),
+        ] {
+            let layout = split::layout_of(&counts, 0);
+            let costs = StageCosts::new(&model, &layout, pl.num_stages());
+            for limit in [None, Some(2.0), Some(3.0)] {
+                let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                let brute = brute_force(&p, &costs);
+                let exact = tune::exact::exact(&p, None, u64::MAX);
+                assert_eq!(brute.is_some(), exact.is_some(), "{cost} {pl:?} m={m} {limit:?}");
+                let (Some(brute), Some(exact)) = (brute, exact) else { continue };
+                assert!(exact.proven);
+                assert!(close(brute, exact.makespan), "{cost} {:?} m={m} {limit:?}: brute {brute} exact {}", pl.kind, exact.makespan);
+                // Its orders run in exactly that time.
+                let prog = tune::lower::lower_timed(&p, &exact.orders).unwrap();
+                assert!(close(simulate(&prog, &costs).unwrap().summary.makespan, brute));
+                if let Some((plan, _)) = tune::best_plan(&p) {
+                    assert!(plan.makespan >= brute - 1e-9);
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert!(cases >= 20, "{cases}");
+}
