@@ -187,7 +187,7 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         num(b.makespan),
         num(lb),
         if lb > 0.0 {
-            (b.makespan / lb - 1.0) * 100.0
+            ((b.makespan / lb - 1.0) * 100.0).max(0.0)
         } else {
             0.0
         },

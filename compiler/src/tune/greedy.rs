@@ -76,6 +76,32 @@ pub fn heuristics() -> Vec<Heuristic> {
     v
 }
 
+/// The heuristics that can differ on `p`: the deep-first tie break only matters where a rank
+/// runs several lanes, the early `bwd_W` only under a memory limit.
+pub fn heuristics_for(p: &Problem) -> Vec<Heuristic> {
+    let lanes = p.lanes();
+    let mut per_rank = vec![0usize; p.pp()];
+    for l in &lanes {
+        per_rank[l.rank] += 1;
+    }
+    let multi = per_rank.iter().any(|&c| c > 1);
+    let limited = p.limit.iter().any(|l| l.is_finite());
+    heuristics()
+        .into_iter()
+        .filter(|h| (multi || h.deep_first) && (limited || h.eager_w >= 1.0))
+        .collect()
+}
+
+/// A few heuristics that are usually among the best, to rank candidate splits quickly.
+pub fn quick_heuristics(p: &Problem) -> Vec<Heuristic> {
+    heuristics_for(p)
+        .into_iter()
+        .filter(|h| !h.forward_first && (h.cap == 1.0 || h.cap == 1.5 || h.cap.is_infinite()))
+        .filter(|h| h.eager_w < 1.0 || p.limit.iter().all(|l| l.is_infinite()))
+        .filter(|h| h.deep_first)
+        .collect()
+}
+
 /// A planned schedule: per-rank orders and the times the list schedule gives them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {

@@ -42,8 +42,18 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
     let times = list_times(p, orders)?;
     let placement = &p.placement;
     let world = orders.len();
-    // Consumer of each (payload) on its rank: (rank, op index).
-    let mut consumer: std::collections::HashMap<Payload, (usize, usize)> = Default::default();
+    // Consumer of each payload on its rank: (rank, op index), dense over (kind, stage, mb).
+    let m = p.microbatches as usize;
+    let cells = p.num_stages() * m;
+    let slot = |pl: &Payload| -> usize {
+        let k = match pl.kind {
+            crate::program::PayloadKind::Act => 0,
+            crate::program::PayloadKind::Grad => cells,
+        };
+        k + pl.stage.index() * m + pl.mb.index()
+    };
+    const NO: (usize, usize) = (usize::MAX, usize::MAX);
+    let mut consumer: Vec<(usize, usize)> = vec![NO; 2 * cells];
     let (mut recvs, mut sends): (Vec<Endpoint>, Vec<Endpoint>) = (Vec::new(), Vec::new());
     for (r, o) in orders.iter().enumerate() {
         for (i, op) in o.ops.iter().enumerate() {
@@ -51,7 +61,7 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
             sends.clear();
             op_io(op, placement, Rank(r as u32), &mut recvs, &mut sends);
             for ep in &recvs {
-                consumer.insert(ep.payload, (r, i));
+                consumer[slot(&ep.payload)] = (r, i);
             }
         }
     }
@@ -62,7 +72,10 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
             sends.clear();
             op_io(op, placement, Rank(r as u32), &mut recvs, &mut sends);
             for (k, ep) in sends.iter().enumerate() {
-                let &(to, use_at) = consumer.get(&ep.payload)?;
+                let (to, use_at) = consumer[slot(&ep.payload)];
+                if to == usize::MAX {
+                    return None;
+                }
                 msgs.push(Msg {
                     e: times[r][i].1,
                     from: r,
@@ -117,10 +130,11 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
         posts[msg.to][j].push(Item::Recv(mi));
         waits[msg.to][msg.use_at].push((mi, false));
     }
+    let mut send_batch = vec![0u32; msgs.len()];
+    let mut recv_batch = vec![0u32; msgs.len()];
     let mut ranks = Vec::with_capacity(world);
     for (r, o) in orders.iter().enumerate() {
         let mut out = Vec::with_capacity(o.ops.len() * 4);
-        let mut batch_of = std::collections::HashMap::new();
         let mut next = 0u32;
         for j in 0..=o.ops.len() {
             // Posts of a slot in global message order (pushed in that order already).
@@ -132,7 +146,11 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
                 let m = &msgs[mi];
                 let b = next;
                 next += 1;
-                batch_of.insert((mi, is_send), b);
+                if is_send {
+                    send_batch[mi] = b;
+                } else {
+                    recv_batch[mi] = b;
+                }
                 out.push(if is_send {
                     Instr::Send {
                         peer: Rank(m.to as u32),
@@ -148,7 +166,11 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
                 });
             }
             for &(mi, is_send) in &waits[r][j] {
-                let b = batch_of[&(mi, is_send)];
+                let b = if is_send {
+                    send_batch[mi]
+                } else {
+                    recv_batch[mi]
+                };
                 out.push(Instr::Wait { batch: b });
             }
             if let Some(op) = o.ops.get(j) {

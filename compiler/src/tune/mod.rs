@@ -214,7 +214,14 @@ fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
 
 /// The best plan of the tuned scheduler on one problem over every heuristic.
 pub fn best_plan(p: &Problem) -> Option<(greedy::Plan, greedy::Heuristic)> {
-    let hs = greedy::heuristics();
+    best_plan_with(p, greedy::heuristics_for(p))
+}
+
+/// The best plan over the heuristics `hs`.
+pub fn best_plan_with(
+    p: &Problem,
+    hs: Vec<greedy::Heuristic>,
+) -> Option<(greedy::Plan, greedy::Heuristic)> {
     let plans = par_map(&hs, |h| greedy::schedule(p, h));
     let mut best: Option<(greedy::Plan, greedy::Heuristic)> = None;
     for (plan, h) in plans.into_iter().zip(hs) {
@@ -283,14 +290,18 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
     let (pp, m) = (req.pp, req.microbatches);
     let mut out = Vec::new();
     for kind in ScheduleKind::ALL {
+        // Large instances weigh the common choices only (vpp 2, Megatron's group size), to
+        // stay within seconds; small ones every vpp up to 4 and the group size M too.
+        let big = pp as u64 * m as u64 > 16_384;
         let vpps: Vec<u32> = match kind.chunk_rule() {
             ChunkRule::One => vec![1],
             ChunkRule::TwoV => vec![2],
+            ChunkRule::Any if big => vec![2],
             ChunkRule::Any => vec![2, 3, 4],
         };
         for vpp in vpps {
             let mut groups = vec![None];
-            if kind == ScheduleKind::Interleaved1F1B && m > pp {
+            if kind == ScheduleKind::Interleaved1F1B && m > pp && !big {
                 groups.push(Some(m));
             }
             for g in groups {
@@ -356,7 +367,26 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         }
     }
     let mut built: Vec<Built> = Vec::new();
-    for (pl, layout) in &jobs {
+    // Large instances: rank the splits of each placement with a few heuristics first, and run
+    // every heuristic on the best split only.
+    let per_job_ops = 3 * 2 * req.pp as u64 * req.microbatches as u64;
+    let selected: Vec<(Placement, Layout)> = if per_job_ops > 60_000 {
+        let mut keep: Vec<(Placement, Layout, f64)> = Vec::new();
+        for (pl, layout) in &jobs {
+            let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
+            let score = best_plan_with(&p, greedy::quick_heuristics(&p))
+                .map_or(f64::INFINITY, |(plan, _)| plan.makespan);
+            match keep.iter_mut().find(|k| k.0 == *pl) {
+                Some(k) if score < k.2 => *k = (pl.clone(), layout.clone(), score),
+                Some(_) => {}
+                None => keep.push((pl.clone(), layout.clone(), score)),
+            }
+        }
+        keep.into_iter().map(|(p, l, _)| (p, l)).collect()
+    } else {
+        jobs.clone()
+    };
+    for (pl, layout) in &selected {
         let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
         let Some((plan, h)) = best_plan(&p) else {
             continue;
