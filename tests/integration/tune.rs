@@ -509,7 +509,10 @@ fn cli_errors() {
 // Exact search.
 
 /// Every order of one rank's ops that runs each op after the ops of its own rank it needs.
-fn linear_extensions(ops: &[pipec_schedules::Compute], p: &Problem) -> Vec<Vec<pipec_schedules::Compute>> {
+fn linear_extensions(
+    ops: &[pipec_schedules::Compute],
+    p: &Problem,
+) -> Vec<Vec<pipec_schedules::Compute>> {
     use pipec_schedules::Compute::*;
     let needs = |a: &pipec_schedules::Compute, b: &pipec_schedules::Compute| -> bool {
         // Does `a` need `b` directly (same rank)?
@@ -575,7 +578,11 @@ fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
         let orders: Vec<RankOrder> = idx
             .iter()
             .enumerate()
-            .map(|(r, &i)| RankOrder { rank: pipec_schedules::Rank(r as u32), ops: exts[r][i].clone(), warmup: 0 })
+            .map(|(r, &i)| RankOrder {
+                rank: pipec_schedules::Rank(r as u32),
+                ops: exts[r][i].clone(),
+                warmup: 0,
+            })
             .collect();
         if let Some(prog) = tune::lower::lower_timed(p, &orders) {
             let peaks = weighted_peaks(&prog, &p.act, &p.param);
@@ -600,14 +607,16 @@ fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
     }
 }
 
-
 /// The branch and bound finds exactly the brute-force optimum on tiny instances (loop, V and
 /// bidirectional placements; uneven costs; with and without a memory limit), and the list
 /// scheduler is never better than it.
 #[test]
 fn exact_search_agrees_with_brute_force() {
     let mut cases = 0;
-    for cost in ["f=1,b=2,w=1", "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5,p2p=0.25"] {
+    for cost in [
+        "f=1,b=2,w=1",
+        "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5,p2p=0.25",
+    ] {
         let model = CostModel::parse(cost).unwrap();
         for (pl, m, counts) in [
             (Placement::looped(2, 1), 2, vec![1, 1]),
@@ -623,13 +632,27 @@ fn exact_search_agrees_with_brute_force() {
                 let p = Problem::new(&model, &layout, pl.clone(), m, limit);
                 let brute = brute_force(&p, &costs);
                 let exact = tune::exact::exact(&p, None, u64::MAX);
-                assert_eq!(brute.is_some(), exact.is_some(), "{cost} {pl:?} m={m} {limit:?}");
-                let (Some(brute), Some(exact)) = (brute, exact) else { continue };
+                assert_eq!(
+                    brute.is_some(),
+                    exact.is_some(),
+                    "{cost} {pl:?} m={m} {limit:?}"
+                );
+                let (Some(brute), Some(exact)) = (brute, exact) else {
+                    continue;
+                };
                 assert!(exact.proven);
-                assert!(close(brute, exact.makespan), "{cost} {:?} m={m} {limit:?}: brute {brute} exact {}", pl.kind, exact.makespan);
+                assert!(
+                    close(brute, exact.makespan),
+                    "{cost} {:?} m={m} {limit:?}: brute {brute} exact {}",
+                    pl.kind,
+                    exact.makespan
+                );
                 // Its orders run in exactly that time.
                 let prog = tune::lower::lower_timed(&p, &exact.orders).unwrap();
-                assert!(close(simulate(&prog, &costs).unwrap().summary.makespan, brute));
+                assert!(close(
+                    simulate(&prog, &costs).unwrap().summary.makespan,
+                    brute
+                ));
                 if let Some((plan, _)) = tune::best_plan(&p) {
                     assert!(plan.makespan >= brute - 1e-9);
                 }

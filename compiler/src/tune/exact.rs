@@ -183,11 +183,7 @@ impl Search<'_> {
 /// solution `upper` (e.g. the list scheduler's best plan: its makespan and orders), returned
 /// when nothing beats it. Stops after `node_limit` nodes. `None` when no order fits the
 /// memory limit and no `upper` was given.
-pub fn exact(
-    p: &Problem,
-    upper: Option<(f64, Vec<RankOrder>)>,
-    node_limit: u64,
-) -> Option<Exact> {
+pub fn exact(p: &Problem, upper: Option<(f64, Vec<RankOrder>)>, node_limit: u64) -> Option<Exact> {
     let start = upper.as_ref().map_or(f64::INFINITY, |u| u.0);
     let n = p.num_stages();
     let m = p.microbatches as usize;
