@@ -662,3 +662,56 @@ fn exact_search_agrees_with_brute_force() {
     }
     assert!(cases >= 20, "{cases}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Calibration.
+
+/// A measured run closes the loop: `pipec-run --trace` on a tuned schedule, `pipec calibrate`
+/// of that trace, and `pipec tune` planning from the fitted costs.
+#[test]
+fn calibrate_from_a_pipec_run_trace_feeds_tune() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    pipec()
+        .args(["tune", "--pp", "2", "--microbatches", "4", "--layout", "Ett|ttL", "-o"])
+        .arg(&dir)
+        .assert()
+        .success();
+    let trace = tmp.path().join("trace.json");
+    let run = Command::from_std(pipec_tests::workspace_bin("pipec-runtime", "pipec-run"))
+        .arg(&dir)
+        .arg("--trace")
+        .arg(&trace)
+        .assert();
+    run.success();
+    let costs = tmp.path().join("cost.toml");
+    pipec()
+        .arg("calibrate")
+        .arg(&trace)
+        .arg("--schedule")
+        .arg(&dir)
+        .arg("-o")
+        .arg(&costs)
+        .assert()
+        .success();
+    let text = std::fs::read_to_string(&costs).unwrap();
+    assert!(text.contains("t.f = ") && text.contains("t.b = ") && text.contains("t.w = "), "{text}");
+    let mut m = CostModel::default();
+    m.apply(&text, Some("cost.toml")).unwrap();
+    assert!(m.layer(pipec::layout::LayerKind::Decoder).f > 0.0);
+    pipec()
+        .args(["tune", "--pp", "2", "--microbatches", "4", "--num-layers", "4", "--cost-file"])
+        .arg(&costs)
+        .assert()
+        .success();
+    // Errors: no layout source (usage, 2); a file that is not a trace (invalid, 1).
+    pipec().arg("calibrate").arg(&trace).assert().code(2);
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, "{\"traceEvents\": []}").unwrap();
+    pipec()
+        .arg("calibrate")
+        .arg(&bad)
+        .args(["--layout", "Ett|ttL"])
+        .assert()
+        .code(1);
+}
