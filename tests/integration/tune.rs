@@ -673,7 +673,16 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("run");
     pipec()
-        .args(["tune", "--pp", "2", "--microbatches", "4", "--layout", "Ett|ttL", "-o"])
+        .args([
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--layout",
+            "Ett|ttL",
+            "-o",
+        ])
         .arg(&dir)
         .assert()
         .success();
@@ -695,12 +704,24 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
         .assert()
         .success();
     let text = std::fs::read_to_string(&costs).unwrap();
-    assert!(text.contains("t.f = ") && text.contains("t.b = ") && text.contains("t.w = "), "{text}");
+    assert!(
+        text.contains("t.f = ") && text.contains("t.b = ") && text.contains("t.w = "),
+        "{text}"
+    );
     let mut m = CostModel::default();
     m.apply(&text, Some("cost.toml")).unwrap();
     assert!(m.layer(pipec::layout::LayerKind::Decoder).f > 0.0);
     pipec()
-        .args(["tune", "--pp", "2", "--microbatches", "4", "--num-layers", "4", "--cost-file"])
+        .args([
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--num-layers",
+            "4",
+            "--cost-file",
+        ])
         .arg(&costs)
         .assert()
         .success();
@@ -714,4 +735,103 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
         .args(["--layout", "Ett|ttL"])
         .assert()
         .code(1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The README's figures: `cargo test -p pipec-tests --release tune::figures -- --ignored --nocapture`.
+
+#[test]
+#[ignore = "prints the README's tables"]
+fn figures() {
+    println!("| model | pp | M | limit | best built-in | tuned | faster | lower bound |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let heavy = UNEVEN;
+    let cases: Vec<(&str, &str, u32, u32, u32, Option<f64>)> = vec![
+        ("uniform, 1 layer/stage", "f=1,b=1,w=1", 8, 64, 16, None),
+        ("uneven, 14 layers", heavy, 4, 16, 14, None),
+        ("uneven, 62 layers", heavy, 8, 64, 62, None),
+        ("uneven, 62 layers", heavy, 8, 64, 62, Some(1.5)),
+        ("uneven, 62 layers", heavy, 8, 64, 62, Some(1.0)),
+        ("uneven, 126 layers", heavy, 16, 128, 126, None),
+        (
+            "uneven, 126 layers, p2p=0.2",
+            "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1,p2p=0.2",
+            16,
+            128,
+            126,
+            Some(1.5),
+        ),
+    ];
+    for (name, cost, pp, m, layers, factor) in cases {
+        let base = tune::tune(&request(pp, m, cost, layers)).unwrap();
+        let limit = factor.map(|f| {
+            f * base
+                .candidates
+                .iter()
+                .find(|c| c.schedule == "1f1b")
+                .unwrap()
+                .peak_memory
+        });
+        let t = tune::tune(&TuneRequest {
+            memory_limit: limit,
+            ..request(pp, m, cost, layers)
+        })
+        .unwrap();
+        let bb = best_builtin(&t);
+        let bt = best_tuned(&t);
+        println!(
+            "| {name} | {pp} | {m} | {} | {} {} | {} {} | {:.1}% | {} |",
+            factor.map_or("none".into(), |f| format!("{f}x 1F1B")),
+            tune::describe(bb),
+            bb.makespan,
+            tune::describe(bt),
+            (bt.makespan * 1e4).round() / 1e4,
+            (bb.makespan / bt.makespan - 1.0) * 100.0,
+            (t.lower_bound.value * 1e4).round() / 1e4
+        );
+    }
+    println!();
+    println!("| instance | costs | limit | list scheduler | exact | gap | nodes |");
+    println!("|---|---|---|---|---|---|---|");
+    for cost in [
+        "f=1,b=1,w=1",
+        "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5",
+    ] {
+        for (pl, m, counts) in [
+            (Placement::looped(2, 1), 4, vec![1, 1]),
+            (Placement::looped(3, 1), 3, vec![1, 1, 1]),
+            (Placement::looped(2, 1), 3, vec![2, 1]),
+            (Placement::v_shape(2), 2, vec![1, 1, 1, 1]),
+            (Placement::bidirectional(2, 2), 4, vec![1, 2]),
+        ] {
+            let model = CostModel::parse(cost).unwrap();
+            let layout = split::layout_of(&counts, 0);
+            for limit in [None, Some(3.0)] {
+                let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                let Some((plan, _)) = tune::best_plan(&p) else {
+                    continue;
+                };
+                let e =
+                    tune::exact::exact(&p, Some((plan.makespan, plan.orders.clone())), 50_000_000)
+                        .unwrap();
+                println!(
+                    "| {:?} pp={} M={m} {} | {} | {} | {} | {}{} | {:.1}% | {} |",
+                    pl.kind,
+                    pl.pp,
+                    split::layout_string(&layout),
+                    if cost.contains("E.f") {
+                        "uneven"
+                    } else {
+                        "uniform"
+                    },
+                    limit.map_or("none".into(), |l| l.to_string()),
+                    plan.makespan,
+                    e.makespan,
+                    if e.proven { "" } else { " (not proven)" },
+                    (plan.makespan / e.makespan - 1.0) * 100.0,
+                    e.nodes
+                );
+            }
+        }
+    }
 }

@@ -62,7 +62,7 @@ pub fn heuristics() -> Vec<Heuristic> {
     for cap in [0.5, 0.75, 1.0, 1.5, f64::INFINITY] {
         for forward_first in [false, true] {
             for deep_first in [true, false] {
-                for eager_w in [1.0, 0.5] {
+                for eager_w in [1.0, 0.5, 0.0] {
                     v.push(Heuristic {
                         cap,
                         forward_first,
