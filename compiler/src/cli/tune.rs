@@ -5,7 +5,7 @@ use super::simulate::CostArgs;
 use super::{print_json, CliError};
 use pipec::cost::{num, parse_memory};
 use pipec::files::{self, Header};
-use pipec::tune::{describe, tune, TuneError, TuneRequest, Tuned};
+use pipec::tune::{describe, fmt_mem, tune, TuneError, TuneRequest, Tuned};
 use pipec_schedules::Limits;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -197,11 +197,11 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         "peak memory per rank: {}{}",
         t.peak_memory
             .iter()
-            .map(|&x| num(x))
+            .map(|&x| fmt_mem(x, t.bytes))
             .collect::<Vec<_>>()
             .join(" "),
         req.memory_limit
-            .map(|l| format!(" (limit {})", num(l)))
+            .map(|l| format!(" (limit {})", fmt_mem(l, t.bytes)))
             .unwrap_or_default()
     );
     println!("verdict:  {}", t.report.verdict_line());
@@ -209,26 +209,34 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         println!("wrote {}", o.display());
     }
     println!();
+    let names: Vec<String> = t
+        .candidates
+        .iter()
+        .map(|c| {
+            let mut name = describe(c);
+            if !c.fits {
+                name.push_str(" (over limit)");
+            }
+            name
+        })
+        .collect();
+    let w = names.iter().map(|n| n.len()).max().unwrap_or(9).max(9);
     println!(
-        "{:<34} {:>12} {:>8} {:>12}  layout",
+        "{:<w$} {:>10} {:>7} {:>10}  layout",
         "candidate", "makespan", "bubble", "peak mem"
     );
-    for c in &t.candidates {
-        let mut name = describe(c);
-        if !c.fits {
-            name.push_str(" (over limit)");
-        }
+    for (c, name) in t.candidates.iter().zip(names) {
         let lay = if c.layout.len() > 40 {
             format!("{}...", &c.layout[..37])
         } else {
             c.layout.clone()
         };
         println!(
-            "{:<34} {:>12} {:>7.1}% {:>12}  {}",
+            "{:<w$} {:>10} {:>6.1}% {:>10}  {}",
             name,
             num(c.makespan),
             c.bubble * 100.0,
-            num(c.peak_memory),
+            fmt_mem(c.peak_memory, t.bytes),
             lay
         );
     }

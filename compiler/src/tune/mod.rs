@@ -121,6 +121,8 @@ pub struct Tuned {
     pub report: Report,
     /// The tuned scheduler's own (list schedule) makespan of the winning order, when it won.
     pub planned_makespan: Option<f64>,
+    /// Whether memory figures are bytes (a model or limit given in bytes).
+    pub bytes: bool,
 }
 
 /// A candidate with its program, before the winner is chosen.
@@ -323,7 +325,8 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
     out
 }
 
-fn fmt_mem(x: f64, bytes: bool) -> String {
+/// A memory figure for people: GiB/MiB when the model's memory is in bytes, else a number.
+pub fn fmt_mem(x: f64, bytes: bool) -> String {
     if !bytes {
         return crate::cost::num(x);
     }
@@ -545,6 +548,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             lower_bound,
             report,
             planned_makespan: b.planned,
+            bytes,
         });
     }
     Err(TuneError::Nothing(
