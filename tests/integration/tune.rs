@@ -746,7 +746,9 @@ fn figures() {
     println!("| model | pp | M | limit | best built-in | tuned | faster | lower bound |");
     println!("|---|---|---|---|---|---|---|---|");
     let heavy = UNEVEN;
-    let cases: Vec<(&str, &str, u32, u32, u32, Option<f64>)> = vec![
+    // (name, costs, pp, M, decoder layers, memory limit as a multiple of 1F1B's peak)
+    type Case<'a> = (&'a str, &'a str, u32, u32, u32, Option<f64>);
+    let cases: Vec<Case> = vec![
         ("uniform, 1 layer/stage", "f=1,b=1,w=1", 8, 64, 16, None),
         ("uneven, 14 layers", heavy, 4, 16, 14, None),
         ("uneven, 62 layers", heavy, 8, 64, 62, None),

@@ -194,11 +194,12 @@ fn nnls(rows: &[([f64; 4], f64)], cols: &[usize]) -> [f64; 4] {
             if d.abs() < 1e-300 {
                 continue;
             }
-            for r in 0..k {
+            let pivot = a[c].clone();
+            for (r, row) in a.iter_mut().enumerate() {
                 if r != c {
-                    let f = a[r][c] / d;
-                    for j in c..=k {
-                        a[r][j] -= f * a[c][j];
+                    let f = row[c] / d;
+                    for (x, pv) in row.iter_mut().zip(&pivot).skip(c) {
+                        *x -= f * pv;
                     }
                 }
             }

@@ -255,6 +255,7 @@ fn placement_name(p: &Placement) -> String {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn finish(
     mut cand: Candidate,
     layout: Layout,

@@ -92,9 +92,9 @@ pub fn balanced_counts(
         per_rank[r] += 1;
     }
     let mut counts = vec![0u32; n];
-    for r in 0..pp {
+    for (r, &layers) in per_rank.iter().enumerate() {
         let stages: Vec<usize> = (0..n).filter(|&s| rank_of[s] == r).collect();
-        for _ in 0..per_rank[r] {
+        for _ in 0..layers {
             let s = *stages
                 .iter()
                 .min_by(|&&a, &&b| {
@@ -189,8 +189,8 @@ pub fn layout_string(layout: &Layout) -> String {
                 out.push_str(&texts[i]);
             }
         } else {
-            for k in i..j {
-                out.push_str(&texts[k]);
+            for (k, t) in texts.iter().enumerate().take(j).skip(i) {
+                out.push_str(t);
                 if k + 1 < n {
                     out.push('|');
                 }
