@@ -471,3 +471,85 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
         }
     }
 }
+
+/// Peak memory per rank of fixed orders (parameters plus the most `act`-weighted live
+/// activations: a forward allocates, a `bwd_W` or full `bwd` frees, as the verifier counts),
+/// and whether every rank stays within its limit.
+pub fn order_peaks(p: &Problem, orders: &[RankOrder]) -> (Vec<f64>, bool) {
+    let mut fits = true;
+    let peaks = orders
+        .iter()
+        .enumerate()
+        .map(|(r, o)| {
+            let (mut live, mut peak) = (0.0f64, 0.0f64);
+            for op in &o.ops {
+                match *op {
+                    Compute::Fwd(t) => {
+                        live += p.act[t.stage.index()];
+                        peak = peak.max(live);
+                    }
+                    Compute::BwdW(t) | Compute::Bwd(t) => live -= p.act[t.stage.index()],
+                    _ => {}
+                }
+            }
+            let total = peak + p.param[r];
+            if total > p.limit[r] + 1e-9 {
+                fits = false;
+            }
+            total
+        })
+        .collect();
+    (peaks, fits)
+}
+
+/// Local search on a plan: move one op of one rank up to 8 places earlier or later and keep
+/// the move when the list schedule gets shorter within the memory limit (orders that cannot
+/// run are rejected by the list schedule itself), until no move helps or `max_evals`
+/// schedules have been evaluated.
+pub fn improve(p: &Problem, plan: &Plan, max_evals: usize) -> Plan {
+    const WINDOW: usize = 8;
+    let mut orders = plan.orders.clone();
+    let mut best = plan.makespan;
+    let mut evals = 0;
+    let mut improved = true;
+    while improved && evals < max_evals {
+        improved = false;
+        for r in 0..orders.len() {
+            let n = orders[r].ops.len();
+            for i in 0..n {
+                for j in i.saturating_sub(WINDOW)..(i + WINDOW + 1).min(n) {
+                    if j == i || evals >= max_evals {
+                        continue;
+                    }
+                    let op = orders[r].ops.remove(i);
+                    orders[r].ops.insert(j, op);
+                    evals += 1;
+                    let keep = order_peaks(p, &orders).1
+                        && list_makespan(p, &orders).is_some_and(|m| {
+                            if m < best - 1e-9 {
+                                best = m;
+                                true
+                            } else {
+                                false
+                            }
+                        });
+                    if keep {
+                        improved = true;
+                    } else {
+                        let op = orders[r].ops.remove(j);
+                        orders[r].ops.insert(i, op);
+                    }
+                }
+            }
+        }
+    }
+    for o in &mut orders {
+        o.warmup = o.ops.iter().take_while(|op| op.is_forward()).count() as u32;
+    }
+    let peak = order_peaks(p, &orders).0;
+    Plan {
+        orders,
+        makespan: best,
+        peak,
+    }
+}

@@ -161,6 +161,11 @@ fn tuned_placements(pp: u32, microbatches: u32, stages: Option<usize>) -> Vec<Pl
         v.push(Placement::bidirectional(pp, microbatches / 2));
     }
     if let Some(s) = stages {
+        // A user layout with more chunks per rank: the loop with that many.
+        let vpp = s as u32 / pp.max(1);
+        if vpp > 2 {
+            v.push(Placement::looped(pp, vpp));
+        }
         v.retain(|p| p.num_stages() as usize == s);
     }
     v
@@ -240,6 +245,19 @@ pub fn best_plan_with(
             }
         };
         if better {
+            best = Some((plan, h));
+        }
+    }
+    // Small instances: polish the best plan by local search (moves of one op), unless it
+    // already meets the bound. The budget keeps the work near 2M op visits.
+    let ops = 3 * p.num_stages() * p.microbatches as usize;
+    if ops <= 1000 {
+        if let Some((plan, h)) = best.take() {
+            let plan = if plan.makespan > bound::lower_bound(p).value + 1e-9 {
+                greedy::improve(p, &plan, (2_000_000 / ops.max(1)).min(20_000))
+            } else {
+                plan
+            };
             best = Some((plan, h));
         }
     }
