@@ -374,12 +374,10 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         }
         _ => None,
     };
-    let (n_layers, _) = model_size(req);
     let ops = 3 * req.pp as u64 * 2 * req.microbatches as u64;
     if ops > req.limits.max_compute_ops {
         return Err(TuneError::TooBig(ops, req.limits.max_compute_ops));
     }
-    let _ = n_layers;
     let limit = req.memory_limit;
     // Tuned candidates: every placement x split.
     let mut jobs: Vec<(Placement, Layout)> = Vec::new();
