@@ -317,6 +317,10 @@ proptest! {
                 prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
                 prop_assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
                 prop_assert!(close(t.best.makespan, simulated(&t.program, &model, &t.layout)));
+                // The tuned order's own clock and the simulation of its lowered program agree.
+                if let Some(planned) = t.planned_makespan {
+                    prop_assert!(close(planned, t.best.makespan), "planned {} simulated {}", planned, t.best.makespan);
+                }
             }
             Err(e) => prop_assert!(e.to_string().contains("smallest peak memory"), "{}", e),
         }
