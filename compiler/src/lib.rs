@@ -18,6 +18,7 @@ pub mod front;
 pub mod ir;
 pub mod lower;
 pub mod simulate;
+pub mod tune;
 pub mod verify;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};

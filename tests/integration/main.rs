@@ -15,6 +15,7 @@ mod runtime;
 mod schedules;
 mod sweep;
 mod torch;
+mod tune;
 mod verify;
 mod verify_vs_run;
 mod views;

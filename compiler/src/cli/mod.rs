@@ -1,6 +1,7 @@
 //! Subcommands. Each module owns one command: its arguments and its output.
 //! Exit codes: 0 ok, 1 the input is invalid (violations found), 2 usage or I/O error.
 
+mod calibrate;
 mod check;
 mod compare;
 mod compile;
@@ -11,6 +12,7 @@ mod schedules;
 mod show;
 pub(crate) mod sigpipe;
 mod simulate;
+mod tune;
 mod window;
 
 use clap::{Parser, Subcommand};
@@ -48,6 +50,10 @@ pub enum Command {
     Layout(layout::Args),
     /// List the schedule kinds and their parameters.
     Schedules(schedules::Args),
+    /// Find the fastest verified schedule and layer split for a model's costs and memory.
+    Tune(tune::Args),
+    /// Fit per-layer-kind costs to a measured trace; writes a cost file for tune/simulate.
+    Calibrate(calibrate::Args),
 }
 
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
@@ -61,6 +67,8 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Import(a) => import::run(a),
         Command::Layout(a) => layout::run(a),
         Command::Schedules(a) => schedules::run(a),
+        Command::Tune(a) => tune::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
     }
 }
 

@@ -20,7 +20,11 @@
 //! | `bw` | bandwidth, in `msg` units per time unit; `inf` means transfers are free | `inf` |
 //! | `rendezvous` | `true`: a send completes only once its recv is posted (NCCL's strictest behaviour); `false`: eager, a send completes when posted | `true` |
 //! | `overlap` | how much of an overlapped `fwd_bwd` pair hides: the pair costs `max(F, B) + (1 - overlap) * min(F, B)` | `0` |
+//! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
+//! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //!
+//! `act` and `param` are read by `pipec tune` only: a rank's peak memory is the `param` of
+//! the layers of its stages plus the most `act`-weighted live activations at any instant.
 //! A stage's pass costs the sum over its layers (the manifest's layout), so uneven layouts
 //! cost what they should. A full `bwd` costs `bwd_D + bwd_W`. A message takes
 //! `p2p + msg / bw`. Times are in "cost units": pick the unit you like (say milliseconds) and
@@ -49,6 +53,13 @@ pub struct PassCost {
     pub b: f64,
     /// Weight-gradient backward (`bwd_W`).
     pub w: f64,
+}
+
+/// Memory of one layer: activations one microbatch keeps alive, and parameters + optimizer.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+pub struct LayerMemory {
+    pub act: f64,
+    pub param: f64,
 }
 
 impl PassCost {
@@ -90,7 +101,30 @@ pub struct CostModel {
     pub bw: f64,
     pub rendezvous: bool,
     pub overlap: f64,
+    /// Per layer kind, in [`KINDS`] order: `K.act` and `K.param` (read by `pipec tune`).
+    pub memory: [LayerMemory; 4],
 }
+
+/// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
+/// nothing for the embedding and the loss, no parameters.
+pub const DEFAULT_MEMORY: [LayerMemory; 4] = [
+    LayerMemory {
+        act: 0.0,
+        param: 0.0,
+    },
+    LayerMemory {
+        act: 1.0,
+        param: 0.0,
+    },
+    LayerMemory {
+        act: 1.0,
+        param: 0.0,
+    },
+    LayerMemory {
+        act: 0.0,
+        param: 0.0,
+    },
+];
 
 impl Serialize for CostModel {
     fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
@@ -109,6 +143,14 @@ impl Serialize for CostModel {
         }
         m.serialize_entry("rendezvous", &self.rendezvous)?;
         m.serialize_entry("overlap", &self.overlap)?;
+        // Only when given, so the output of specs without memory keys is unchanged.
+        if self.memory != DEFAULT_MEMORY {
+            let mem: std::collections::BTreeMap<String, LayerMemory> = KINDS
+                .iter()
+                .map(|&k| (k.symbol().to_string(), self.memory[kind_index(k)]))
+                .collect();
+            m.serialize_entry("memory", &mem)?;
+        }
         m.end()
     }
 }
@@ -128,6 +170,7 @@ impl Default for CostModel {
             bw: f64::INFINITY,
             rendezvous: true,
             overlap: 0.0,
+            memory: DEFAULT_MEMORY,
         }
     }
 }
@@ -136,6 +179,11 @@ impl CostModel {
     /// The costs of one layer kind.
     pub fn layer(&self, k: LayerKind) -> PassCost {
         self.layers[kind_index(k)]
+    }
+
+    /// The memory of one layer kind (`K.act`, `K.param`).
+    pub fn layer_memory(&self, k: LayerKind) -> LayerMemory {
+        self.memory[kind_index(k)]
     }
 
     /// Time of one message: `p2p + msg / bw`.
@@ -179,6 +227,15 @@ impl CostModel {
                 Key::Base(_) => {}
                 Key::Kind(k, p) => {
                     *pass_mut(&mut self.layers[kind_index(k)], p) = number(text, source, e, false)?
+                }
+                Key::Mem(k, p) => {
+                    let v = memory_value(text, source, e)?;
+                    let c = &mut self.memory[kind_index(k)];
+                    if p == 0 {
+                        c.act = v;
+                    } else {
+                        c.param = v;
+                    }
                 }
                 Key::Floor => self.floor = number(text, source, e, false)?,
                 Key::P2p => self.p2p = number(text, source, e, false)?,
@@ -385,13 +442,15 @@ pub const MIN_VALUE: f64 = 1e-9;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap";
+    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param (K in E t m L)";
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Key {
     /// `f`, `b`, `w` as 0, 1, 2.
     Base(usize),
     Kind(LayerKind, usize),
+    /// `K.act` (0) and `K.param` (1).
+    Mem(LayerKind, usize),
     Floor,
     P2p,
     Msg,
@@ -421,7 +480,11 @@ fn key(s: &str) -> Option<Key> {
                 if chars.next().is_some() {
                     return None;
                 }
-                Key::Kind(kind, pass(p)?)
+                match p {
+                    "act" => Key::Mem(kind, 0),
+                    "param" => Key::Mem(kind, 1),
+                    _ => Key::Kind(kind, pass(p)?),
+                }
             } else {
                 Key::Base(pass(s)?)
             }
@@ -556,6 +619,74 @@ fn number(text: &str, source: Option<&str>, e: &Entry, allow_inf: bool) -> Resul
         ));
     }
     Ok(v)
+}
+
+/// A memory value: a plain number, or bytes with a unit (`B`, `KB`, `MB`, `GB`, `TB`, `KiB`,
+/// `MiB`, `GiB`, `TiB`).
+fn memory_value(text: &str, source: Option<&str>, e: &Entry) -> Result<f64, CostError> {
+    let s = &text[e.value.0..e.value.1];
+    parse_bytes(s).map_err(|_| {
+        err(
+            text,
+            source,
+            e.value,
+            CostErrorKind::BadNumber(s.to_string()),
+        )
+    })
+}
+
+/// The largest memory figure (bytes or units) a spec or limit may give: 1 EiB.
+pub const MAX_MEMORY: f64 = 1.152921504606847e18;
+
+/// Parse a memory figure: a plain non-negative number, or one followed by a byte unit (`B`,
+/// `KB`, `MB`, `GB`, `TB` in powers of 1000, `KiB`, `MiB`, `GiB`, `TiB` in powers of 1024;
+/// case of the letters ignored, a space allowed before the unit). Returns the value and
+/// whether it had a unit.
+pub fn parse_memory(s: &str) -> Result<(f64, bool), String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '_' | 'e' | 'E' | '+')))
+        .unwrap_or(s.len());
+    // `1e3` is a number, `1EiB` a unit: an `e`/`E` followed by a letter starts the unit.
+    let mut split = split;
+    if let Some(i) = s[..split].find(['e', 'E']) {
+        if s[i + 1..]
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic())
+        {
+            split = i;
+        }
+    }
+    let (num, unit) = (&s[..split], s[split..].trim());
+    let bad =
+        || format!("`{s}` is not a memory size (a number, or bytes with a unit such as 40GiB)");
+    if num.is_empty() || !num.chars().next().unwrap().is_ascii_digit() && !num.starts_with('.') {
+        return Err(bad());
+    }
+    let v: f64 = num.replace('_', "").parse().map_err(|_| bad())?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" => 1.0,
+        "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(bad()),
+    };
+    let x = v * scale;
+    if !x.is_finite() || !(0.0..=MAX_MEMORY).contains(&x) {
+        return Err(bad());
+    }
+    Ok((x, !unit.is_empty()))
+}
+
+fn parse_bytes(s: &str) -> Result<f64, String> {
+    parse_memory(s).map(|(v, _)| v)
 }
 
 /// 1-based line and column (in characters) of a byte offset.
@@ -715,6 +846,37 @@ mod tests {
         assert_eq!(m.overlap, 1.0);
         assert_eq!(m.transfer(), 0.0);
         assert_eq!(m.floor, 0.1);
+    }
+
+    #[test]
+    fn memory_keys_take_numbers_and_byte_units() {
+        let m = CostModel::parse("t.act=2, E.param=1.5GiB, L.act=300MB, t.param = 1e3").unwrap();
+        assert_eq!(m.layer_memory(LayerKind::Decoder).act, 2.0);
+        assert_eq!(m.layer_memory(LayerKind::Decoder).param, 1000.0);
+        assert_eq!(
+            m.layer_memory(LayerKind::Embedding).param,
+            1.5 * 1024.0 * 1024.0 * 1024.0
+        );
+        assert_eq!(m.layer_memory(LayerKind::Loss).act, 3e8);
+        assert_eq!(m.layer_memory(LayerKind::Mtp), DEFAULT_MEMORY[2]);
+        assert_eq!(
+            CostModel::parse("t.act=lots").unwrap_err().kind,
+            CostErrorKind::BadNumber("lots".into())
+        );
+        assert_eq!(
+            parse_memory("40GiB"),
+            Ok((40.0 * (1u64 << 30) as f64, true))
+        );
+        assert_eq!(parse_memory("12"), Ok((12.0, false)));
+        assert_eq!(parse_memory("2 kb"), Ok((2000.0, true)));
+        assert!(parse_memory("-1").is_err());
+        assert!(parse_memory("4 parsecs").is_err());
+        assert!(parse_memory("").is_err());
+        // Without memory keys the JSON form is what it was.
+        let j = serde_json::to_value(CostModel::default()).unwrap();
+        assert!(j.get("memory").is_none());
+        let j = serde_json::to_value(m).unwrap();
+        assert_eq!(j["memory"]["t"]["act"], 2.0);
     }
 
     #[test]

@@ -93,3 +93,52 @@ pub(crate) fn check(
     }
     result
 }
+
+/// Peak memory per rank with each stage's activation weighted: `param[r]` plus the most
+/// `act[stage]`-weighted activations live at once, under exactly the rules of [`check`]
+/// (allocated by `fwd`, freed by `bwd` or `bwd_W` on the same rank, allocation before freeing
+/// within an instruction, nothing stashed in a forward-only program). With every weight 1 and
+/// no parameters it is the verifier's peak. `pipec tune` reports and limits this figure.
+/// Stages or microbatches out of range count with weight 0.
+pub fn weighted_peaks(program: &crate::ir::Program, act: &[f64], param: &[f64]) -> Vec<f64> {
+    let m = program.microbatches as usize;
+    let cells = act.len().saturating_mul(m);
+    let mut holder = vec![0u32; cells];
+    let forward_only = program.forward_only;
+    let mut out = Vec::with_capacity(program.ranks.len());
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        let tag = r as u32 + 1;
+        let (mut live, mut peak) = (0.0f64, 0.0f64);
+        for ins in instrs {
+            let Instr::Compute(c) = ins else { continue };
+            let mut frees = 0.0;
+            for (pass, t) in c.parts() {
+                let (s, mb) = (t.stage.index(), t.mb.index());
+                if s >= act.len() || mb >= m {
+                    continue;
+                }
+                let wgt = act[s];
+                let cell = s * m + mb;
+                match pass {
+                    Pass::Fwd => {
+                        live += wgt;
+                        if forward_only {
+                            frees += wgt;
+                        } else {
+                            holder[cell] = tag;
+                        }
+                    }
+                    Pass::Bwd | Pass::BwdW if !forward_only && holder[cell] == tag => {
+                        holder[cell] = 0;
+                        frees += wgt;
+                    }
+                    _ => {}
+                }
+            }
+            peak = peak.max(live);
+            live -= frees;
+        }
+        out.push(peak + param.get(r).copied().unwrap_or(0.0));
+    }
+    out
+}

@@ -1,0 +1,555 @@
+//! The cost-aware automatic scheduler: list scheduling in the zero-bubble family.
+//!
+//! Backward is split (`bwd_D`, `bwd_W`). An event-driven simulation runs every rank: whenever a
+//! rank is free it starts the ready pass its priority rules rank first, under the real
+//! per-stage costs and the tensor delay between ranks; when nothing is ready it idles until
+//! something arrives. Forwards run ahead only while the rank's activation memory (weighted by
+//! each stage's `act`, parameters subtracted from the limit) and a warmup cap allow; `bwd_W`
+//! passes fill what would otherwise be bubbles, or run early when memory runs short. Per stage
+//! the passes of each kind run in microbatch order.
+//!
+//! A [`Heuristic`] fixes the priority rules; [`schedule`] runs one, [`heuristics`] lists the
+//! ones `pipec tune` tries (the best is kept). The result's times are exactly those of a list
+//! schedule of its orders (each op starts when its rank is free and its inputs exist), which
+//! is what the timed lockstep lowering reproduces.
+
+use super::problem::Problem;
+use pipec_schedules::{Compute, Rank, RankOrder, Task};
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+/// Priority rules of one run of the list scheduler.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Heuristic {
+    /// Most forwards in flight (done, `bwd_D` not yet) per rank, as a multiple of the rank's
+    /// warmup estimate (the forwards that fit before its first `bwd_D` can arrive);
+    /// `f64::INFINITY`: only memory limits them.
+    pub cap: f64,
+    /// A forward goes before a ready `bwd_D` while the rank is under its cap (warmup first);
+    /// otherwise `bwd_D` always goes first (critical path first).
+    pub forward_first: bool,
+    /// Among ready forwards of several chunks, the deeper stage first (the microbatch nearest
+    /// the loss); otherwise the oldest microbatch first.
+    pub deep_first: bool,
+    /// A `bwd_W` goes before forwards once the rank's activations fill more than this share of
+    /// its budget (1: never; `bwd_W` then runs only when nothing else is ready).
+    pub eager_w: f64,
+}
+
+impl Heuristic {
+    pub fn name(&self) -> String {
+        format!(
+            "cap={}{}{}{}",
+            if self.cap.is_infinite() {
+                "mem".to_string()
+            } else {
+                crate::simulate::cost::num(self.cap)
+            },
+            if self.forward_first { ",F>B" } else { ",B>F" },
+            if self.deep_first { ",deep" } else { "" },
+            if self.eager_w < 1.0 {
+                format!(",W@{}", crate::simulate::cost::num(self.eager_w))
+            } else {
+                String::new()
+            }
+        )
+    }
+}
+
+/// The heuristics `pipec tune` tries on every placement and split.
+pub fn heuristics() -> Vec<Heuristic> {
+    let mut v = Vec::new();
+    for cap in [0.5, 0.75, 1.0, 1.5, f64::INFINITY] {
+        for forward_first in [false, true] {
+            for deep_first in [true, false] {
+                for eager_w in [1.0, 0.5, 0.0] {
+                    v.push(Heuristic {
+                        cap,
+                        forward_first,
+                        deep_first,
+                        eager_w,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The heuristics that can differ on `p`: the deep-first tie break only matters where a rank
+/// runs several lanes, the early `bwd_W` only under a memory limit.
+pub fn heuristics_for(p: &Problem) -> Vec<Heuristic> {
+    let lanes = p.lanes();
+    let mut per_rank = vec![0usize; p.pp()];
+    for l in &lanes {
+        per_rank[l.rank] += 1;
+    }
+    let multi = per_rank.iter().any(|&c| c > 1);
+    let limited = p.limit.iter().any(|l| l.is_finite());
+    heuristics()
+        .into_iter()
+        .filter(|h| (multi || h.deep_first) && (limited || h.eager_w >= 1.0))
+        .collect()
+}
+
+/// A few heuristics that are usually among the best, to rank candidate splits quickly.
+pub fn quick_heuristics(p: &Problem) -> Vec<Heuristic> {
+    heuristics_for(p)
+        .into_iter()
+        .filter(|h| !h.forward_first && (h.cap == 1.0 || h.cap == 1.5 || h.cap.is_infinite()))
+        .filter(|h| h.eager_w < 1.0 || p.limit.iter().all(|l| l.is_infinite()))
+        .filter(|h| h.deep_first)
+        .collect()
+}
+
+/// A planned schedule: per-rank orders and the times the list schedule gives them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub orders: Vec<RankOrder>,
+    pub makespan: f64,
+    /// Per rank: peak activation memory plus parameters.
+    pub peak: Vec<f64>,
+}
+
+#[derive(Copy, Clone, PartialEq)]
+struct Event(f64, u32);
+impl Eq for Event {}
+impl Ord for Event {
+    fn cmp(&self, o: &Self) -> Ordering {
+        // Min-heap on time, then rank.
+        o.0.total_cmp(&self.0).then(o.1.cmp(&self.1))
+    }
+}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+const UNSET: f64 = f64::INFINITY;
+
+/// Forwards each rank can run before its first `bwd_D` can arrive (at least 1), from the
+/// as-soon-as-possible times of each direction's first microbatch.
+pub fn warmup_estimate(p: &Problem) -> Vec<f64> {
+    let n = p.num_stages();
+    let pp = p.pp();
+    let mut first = vec![f64::INFINITY; pp];
+    let mut first_b = vec![f64::INFINITY; pp];
+    let mut fsum = vec![0.0; pp];
+    let mut lanes = vec![0usize; pp];
+    for (lo, _) in p.directions() {
+        let mut fs = vec![0.0; n];
+        for s in 1..n {
+            fs[s] = fs[s - 1] + p.f[s - 1] + p.delay_mb(s - 1, s, lo);
+        }
+        let mut bs = vec![0.0; n];
+        bs[n - 1] = fs[n - 1] + p.f[n - 1];
+        for s in (0..n - 1).rev() {
+            bs[s] = (bs[s + 1] + p.b[s + 1] + p.delay_mb(s + 1, s, lo)).max(fs[s] + p.f[s]);
+        }
+        for s in 0..n {
+            let r = p.rank_of(s, lo);
+            first[r] = first[r].min(fs[s]);
+            first_b[r] = first_b[r].min(bs[s]);
+            fsum[r] += p.f[s];
+            lanes[r] += 1;
+        }
+    }
+    (0..pp)
+        .map(|r| {
+            let mean_f = fsum[r] / lanes[r].max(1) as f64;
+            if mean_f <= 0.0 || !first[r].is_finite() {
+                (p.microbatches as usize * lanes[r].max(1)) as f64
+            } else {
+                ((first_b[r] - first[r]) / mean_f).max(1.0)
+            }
+        })
+        .collect()
+}
+
+/// Run the list scheduler with one heuristic. `None` when the memory limit leaves some rank
+/// unable to move (no order under these rules fits).
+pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
+    let n = p.num_stages();
+    let m = p.microbatches as usize;
+    let pp = p.pp();
+    let lanes = p.lanes();
+    let mut local: Vec<Vec<usize>> = vec![Vec::new(); pp];
+    for (i, l) in lanes.iter().enumerate() {
+        local[l.rank].push(i);
+    }
+    let warm = warmup_estimate(p);
+    let cap: Vec<usize> = warm
+        .iter()
+        .map(|&w| {
+            if h.cap.is_infinite() {
+                usize::MAX
+            } else {
+                ((w * h.cap).round() as usize).max(1)
+            }
+        })
+        .collect();
+    // Memory a forward of each lane must leave free: the activations of the rank's later
+    // stages in the same direction, so that the microbatch can still pass them.
+    let reserve: Vec<f64> = lanes
+        .iter()
+        .map(|l| {
+            local[l.rank]
+                .iter()
+                .map(|&j| &lanes[j])
+                .filter(|o| o.dir == l.dir && o.stage > l.stage)
+                .map(|o| p.act[o.stage])
+                .sum()
+        })
+        .collect();
+    let budget: Vec<f64> = (0..pp).map(|r| p.budget(r)).collect();
+    let mut fend = vec![UNSET; n * m];
+    let mut bend = vec![UNSET; n * m];
+    // Next microbatch of each pass kind per lane (global ids).
+    let mut nf: Vec<usize> = lanes.iter().map(|l| l.lo).collect();
+    let mut nb = nf.clone();
+    let mut nw = nf.clone();
+    let mut free = vec![0.0f64; pp];
+    let mut live = vec![0.0f64; pp];
+    let mut peak = vec![0.0f64; pp];
+    let mut inflight = vec![0usize; pp];
+    let mut orders: Vec<Vec<Compute>> = local
+        .iter()
+        .map(|ls| Vec::with_capacity(ls.len() * m * 3))
+        .collect();
+    let mut pending_w: Vec<Option<(usize, f64)>> = vec![None; pp];
+    let total = n * m * 3;
+    let mut done = 0usize;
+    let mut heap = BinaryHeap::with_capacity(pp * 4);
+    for r in 0..pp {
+        heap.push(Event(0.0, r as u32));
+    }
+    let mut makespan = 0.0f64;
+    let eps = 1e-9;
+    while let Some(Event(t, r)) = heap.pop() {
+        let r = r as usize;
+        if free[r] > t {
+            continue;
+        }
+        // A bwd_W that ended frees its activation when the rank is next free.
+        if let Some((s, end)) = pending_w[r] {
+            if end <= t {
+                live[r] -= p.act[s];
+                pending_w[r] = None;
+            }
+        }
+        let mut best_f: Option<usize> = None;
+        let mut best_b: Option<usize> = None;
+        let mut best_w: Option<usize> = None;
+        for &li in &local[r] {
+            let l = &lanes[li];
+            let s = l.stage;
+            let mb = nf[li];
+            if mb < l.hi {
+                let ready = if s == 0 {
+                    0.0
+                } else {
+                    fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
+                };
+                let fits = live[r] + p.act[s] + reserve[li] <= budget[r] + eps;
+                if ready <= t + eps && fits && inflight[r] < cap[r] {
+                    let better = match best_f {
+                        None => true,
+                        Some(o) => {
+                            if h.deep_first {
+                                (s, usize::MAX - (mb - l.lo))
+                                    > (lanes[o].stage, usize::MAX - (nf[o] - lanes[o].lo))
+                            } else {
+                                (mb - l.lo, usize::MAX - s)
+                                    < (nf[o] - lanes[o].lo, usize::MAX - lanes[o].stage)
+                            }
+                        }
+                    };
+                    if better {
+                        best_f = Some(li);
+                    }
+                }
+            }
+            let mb = nb[li];
+            if mb < nf[li] {
+                let fe = fend[s * m + mb];
+                let ready = if s + 1 == n {
+                    fe
+                } else {
+                    fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
+                };
+                if ready <= t + eps {
+                    let better = match best_b {
+                        None => true,
+                        Some(o) => {
+                            (mb - l.lo, usize::MAX - s)
+                                < (nb[o] - lanes[o].lo, usize::MAX - lanes[o].stage)
+                        }
+                    };
+                    if better {
+                        best_b = Some(li);
+                    }
+                }
+            }
+            let mb = nw[li];
+            if mb < nb[li] && bend[s * m + mb] <= t + eps {
+                let better = match best_w {
+                    None => true,
+                    Some(o) => mb - l.lo < nw[o] - lanes[o].lo,
+                };
+                if better {
+                    best_w = Some(li);
+                }
+            }
+        }
+        let mem_tight = budget[r].is_finite() && h.eager_w < 1.0 && live[r] > h.eager_w * budget[r];
+        let pick = if mem_tight && best_w.is_some() && best_b.is_none() {
+            best_w.map(|s| (2, s))
+        } else if h.forward_first && best_f.is_some() {
+            best_f.map(|s| (0, s))
+        } else if let Some(s) = best_b {
+            Some((1, s))
+        } else if mem_tight && best_w.is_some() {
+            best_w.map(|s| (2, s))
+        } else if let Some(s) = best_f {
+            Some((0, s))
+        } else {
+            best_w.map(|s| (2, s))
+        };
+        let Some((kind, li)) = pick else { continue };
+        let s = lanes[li].stage;
+        let start = t;
+        let end;
+        match kind {
+            0 => {
+                let mb = nf[li];
+                end = start + p.f[s];
+                fend[s * m + mb] = end;
+                nf[li] += 1;
+                live[r] += p.act[s];
+                peak[r] = peak[r].max(live[r]);
+                inflight[r] += 1;
+                orders[r].push(Compute::Fwd(Task::new(s as u32, mb as u32)));
+                if s + 1 < n {
+                    let q = p.rank_of(s + 1, mb);
+                    if q != r {
+                        heap.push(Event(end + p.comm, q as u32));
+                    }
+                }
+            }
+            1 => {
+                let mb = nb[li];
+                end = start + p.b[s];
+                bend[s * m + mb] = end;
+                nb[li] += 1;
+                inflight[r] -= 1;
+                orders[r].push(Compute::BwdD(Task::new(s as u32, mb as u32)));
+                if s > 0 {
+                    let q = p.rank_of(s - 1, mb);
+                    if q != r {
+                        heap.push(Event(end + p.comm, q as u32));
+                    }
+                }
+            }
+            _ => {
+                let mb = nw[li];
+                end = start + p.w[s];
+                nw[li] += 1;
+                pending_w[r] = Some((s, end));
+                orders[r].push(Compute::BwdW(Task::new(s as u32, mb as u32)));
+            }
+        }
+        free[r] = end;
+        makespan = makespan.max(end);
+        done += 1;
+        heap.push(Event(end, r as u32));
+    }
+    if done < total {
+        return None;
+    }
+    let orders = orders
+        .into_iter()
+        .enumerate()
+        .map(|(r, ops)| RankOrder {
+            rank: Rank(r as u32),
+            warmup: ops.iter().take_while(|o| o.is_forward()).count() as u32,
+            ops,
+        })
+        .collect();
+    let peak = peak.iter().zip(&p.param).map(|(a, b)| a + b).collect();
+    Some(Plan {
+        orders,
+        makespan,
+        peak,
+    })
+}
+
+/// As-soon-as-possible times of fixed per-rank orders (each op starts when its rank is free
+/// and its inputs exist, tensors between ranks delayed by `comm`): the makespan, or `None`
+/// when the orders wait on each other. An independent check of [`schedule`]'s times.
+pub fn list_makespan(p: &Problem, orders: &[RankOrder]) -> Option<f64> {
+    list_times(p, orders).map(|t| t.iter().flatten().map(|&(_, e)| e).fold(0.0, f64::max))
+}
+
+/// The (start, end) of every op of fixed per-rank orders in their list schedule (see
+/// [`list_makespan`]); `None` when the orders wait on each other.
+pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64)>>> {
+    let n = p.num_stages();
+    let m = p.microbatches as usize;
+    let mut fend = vec![UNSET; n * m];
+    let mut bend = vec![UNSET; n * m];
+    let mut pc = vec![0usize; orders.len()];
+    let mut free = vec![0.0f64; orders.len()];
+    let mut times: Vec<Vec<(f64, f64)>> = orders
+        .iter()
+        .map(|o| Vec::with_capacity(o.ops.len()))
+        .collect();
+    loop {
+        let mut progress = false;
+        for (r, o) in orders.iter().enumerate() {
+            while let Some(op) = o.ops.get(pc[r]) {
+                let (ready, end_slot, cost) = match *op {
+                    Compute::Fwd(t) => {
+                        let s = t.stage.index();
+                        let mb = t.mb.index();
+                        let ready = if s == 0 {
+                            0.0
+                        } else {
+                            fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
+                        };
+                        (ready, Some((true, s * m + mb)), p.f[s])
+                    }
+                    Compute::BwdD(t) => {
+                        let s = t.stage.index();
+                        let mb = t.mb.index();
+                        let fe = fend[s * m + mb];
+                        let ready = if s + 1 == n {
+                            fe
+                        } else {
+                            fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
+                        };
+                        (ready, Some((false, s * m + mb)), p.b[s])
+                    }
+                    Compute::BwdW(t) => {
+                        let s = t.stage.index();
+                        (bend[s * m + t.mb.index()], None, p.w[s])
+                    }
+                    Compute::Bwd(t) => {
+                        let s = t.stage.index();
+                        let mb = t.mb.index();
+                        let fe = fend[s * m + mb];
+                        let ready = if s + 1 == n {
+                            fe
+                        } else {
+                            fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
+                        };
+                        (ready, Some((false, s * m + mb)), p.b[s] + p.w[s])
+                    }
+                    Compute::FwdBwd { .. } => return None,
+                };
+                if ready == UNSET {
+                    break;
+                }
+                let start = free[r].max(ready);
+                let end = start + cost;
+                match end_slot {
+                    Some((true, i)) => fend[i] = end,
+                    Some((false, i)) => bend[i] = end,
+                    None => {}
+                }
+                free[r] = end;
+                times[r].push((start, end));
+                pc[r] += 1;
+                progress = true;
+            }
+        }
+        if pc.iter().zip(orders).all(|(&c, o)| c == o.ops.len()) {
+            return Some(times);
+        }
+        if !progress {
+            return None;
+        }
+    }
+}
+
+/// Peak memory per rank of fixed orders (parameters plus the most `act`-weighted live
+/// activations: a forward allocates, a `bwd_W` or full `bwd` frees, as the verifier counts),
+/// and whether every rank stays within its limit.
+pub fn order_peaks(p: &Problem, orders: &[RankOrder]) -> (Vec<f64>, bool) {
+    let mut fits = true;
+    let peaks = orders
+        .iter()
+        .enumerate()
+        .map(|(r, o)| {
+            let (mut live, mut peak) = (0.0f64, 0.0f64);
+            for op in &o.ops {
+                match *op {
+                    Compute::Fwd(t) => {
+                        live += p.act[t.stage.index()];
+                        peak = peak.max(live);
+                    }
+                    Compute::BwdW(t) | Compute::Bwd(t) => live -= p.act[t.stage.index()],
+                    _ => {}
+                }
+            }
+            let total = peak + p.param[r];
+            if total > p.limit[r] + 1e-9 {
+                fits = false;
+            }
+            total
+        })
+        .collect();
+    (peaks, fits)
+}
+
+/// Local search on a plan: move one op of one rank up to 8 places earlier or later and keep
+/// the move when the list schedule gets shorter within the memory limit (orders that cannot
+/// run are rejected by the list schedule itself), until no move helps or `max_evals`
+/// schedules have been evaluated.
+pub fn improve(p: &Problem, plan: &Plan, max_evals: usize) -> Plan {
+    const WINDOW: usize = 8;
+    let mut orders = plan.orders.clone();
+    let mut best = plan.makespan;
+    let mut evals = 0;
+    let mut improved = true;
+    while improved && evals < max_evals {
+        improved = false;
+        for r in 0..orders.len() {
+            let n = orders[r].ops.len();
+            for i in 0..n {
+                for j in i.saturating_sub(WINDOW)..(i + WINDOW + 1).min(n) {
+                    if j == i || evals >= max_evals {
+                        continue;
+                    }
+                    let op = orders[r].ops.remove(i);
+                    orders[r].ops.insert(j, op);
+                    evals += 1;
+                    let keep = order_peaks(p, &orders).1
+                        && list_makespan(p, &orders).is_some_and(|m| {
+                            if m < best - 1e-9 {
+                                best = m;
+                                true
+                            } else {
+                                false
+                            }
+                        });
+                    if keep {
+                        improved = true;
+                    } else {
+                        let op = orders[r].ops.remove(j);
+                        orders[r].ops.insert(i, op);
+                    }
+                }
+            }
+        }
+    }
+    for o in &mut orders {
+        o.warmup = o.ops.iter().take_while(|op| op.is_forward()).count() as u32;
+    }
+    let peak = order_peaks(p, &orders).0;
+    Plan {
+        orders,
+        makespan: best,
+        peak,
+    }
+}

@@ -1,0 +1,188 @@
+//! Lowering that keeps an order's time under real costs ("timed in-flight" placement).
+//!
+//! The order's list schedule under the real per-stage costs (each op as soon as its rank is
+//! free and its inputs exist, a tensor between ranks taking the transfer time) gives every op
+//! a start and an end. Every message then becomes its own comm batch left in flight
+//! (`isend`/`irecv`), so that no rank blocks on a peer's post:
+//! - the sender posts the send right after the op that produces the tensor, at its end `e`;
+//! - the receiver posts the receive at its last op boundary at or before `e` (before the op
+//!   it is running at `e`, or in the idle gap that contains `e`);
+//! - the receiver waits for the receive right before the op that consumes it; the sender waits
+//!   for the send before its first op that starts after the send has completed (`e +
+//!   transfer`), or at the end of its stream.
+//!
+//! Both ends post no later than `e`, so under rendezvous a message completes at `e + transfer`,
+//! exactly when the list schedule lets its consumer start: no wait ever blocks, and the
+//! program simulates to the order's makespan. On every rank the sends and receives are posted
+//! in order of `e` (ties by sender, op, payload), which is the same order on both ends of every
+//! pair of ranks: FIFO matching pairs the right tensors, and NCCL's per-pair stream order holds
+//! no op behind one its peer posts later, so the program is deadlock-free.
+
+use super::greedy::list_times;
+use super::problem::Problem;
+use crate::ir::{Instr, Payload, Program};
+use crate::lower::{op_io, Endpoint};
+use pipec_schedules::{Rank, RankOrder};
+
+/// One message: produced at `e` by op `op` of rank `from`, consumed by op `use_at` of `to`.
+struct Msg {
+    e: f64,
+    from: usize,
+    op: usize,
+    to: usize,
+    use_at: usize,
+    payload: Payload,
+    /// Position of the payload among the op's sends (tie break).
+    k: usize,
+}
+
+/// Lower `orders` of problem `p` keeping their list-schedule time. `None` when the orders
+/// wait on each other (they cannot run at all).
+pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
+    let times = list_times(p, orders)?;
+    let placement = &p.placement;
+    let world = orders.len();
+    // Consumer of each payload on its rank: (rank, op index), dense over (kind, stage, mb).
+    let m = p.microbatches as usize;
+    let cells = p.num_stages() * m;
+    let slot = |pl: &Payload| -> usize {
+        let k = match pl.kind {
+            crate::ir::PayloadKind::Act => 0,
+            crate::ir::PayloadKind::Grad => cells,
+        };
+        k + pl.stage.index() * m + pl.mb.index()
+    };
+    const NO: (usize, usize) = (usize::MAX, usize::MAX);
+    let mut consumer: Vec<(usize, usize)> = vec![NO; 2 * cells];
+    let (mut recvs, mut sends): (Vec<Endpoint>, Vec<Endpoint>) = (Vec::new(), Vec::new());
+    for (r, o) in orders.iter().enumerate() {
+        for (i, op) in o.ops.iter().enumerate() {
+            recvs.clear();
+            sends.clear();
+            op_io(op, placement, Rank(r as u32), &mut recvs, &mut sends);
+            for ep in &recvs {
+                consumer[slot(&ep.payload)] = (r, i);
+            }
+        }
+    }
+    let mut msgs: Vec<Msg> = Vec::new();
+    for (r, o) in orders.iter().enumerate() {
+        for (i, op) in o.ops.iter().enumerate() {
+            recvs.clear();
+            sends.clear();
+            op_io(op, placement, Rank(r as u32), &mut recvs, &mut sends);
+            for (k, ep) in sends.iter().enumerate() {
+                let (to, use_at) = consumer[slot(&ep.payload)];
+                if to == usize::MAX {
+                    return None;
+                }
+                msgs.push(Msg {
+                    e: times[r][i].1,
+                    from: r,
+                    op: i,
+                    to,
+                    use_at,
+                    payload: ep.payload,
+                    k,
+                });
+            }
+        }
+    }
+    // Global order of messages: by production instant, then sender, op, payload.
+    msgs.sort_by(|a, b| {
+        a.e.total_cmp(&b.e)
+            .then(a.from.cmp(&b.from))
+            .then(a.op.cmp(&b.op))
+            .then(a.k.cmp(&b.k))
+    });
+    // Slot j of a rank is the stream position before its op j (slot n: after the last op).
+    #[derive(Clone, Copy)]
+    enum Item {
+        Send(usize),
+        Recv(usize),
+    }
+    let mut posts: Vec<Vec<Vec<Item>>> = orders
+        .iter()
+        .map(|o| vec![Vec::new(); o.ops.len() + 1])
+        .collect();
+    // Waits: (slot, message index, is_send).
+    let mut waits: Vec<Vec<Vec<(usize, bool)>>> = posts
+        .clone()
+        .into_iter()
+        .map(|v| v.into_iter().map(|_| Vec::new()).collect())
+        .collect();
+    let transfer = p.comm;
+    for (mi, msg) in msgs.iter().enumerate() {
+        // Sender: post right after op `op`, i.e. in slot op + 1.
+        posts[msg.from][msg.op + 1].push(Item::Send(mi));
+        // Its wait: before the first op starting at or after completion, else at the end.
+        let done = msg.e + transfer;
+        let t = &times[msg.from];
+        let j = (msg.op + 1..t.len())
+            .find(|&j| t[j].0 >= done - 1e-9 * done.abs().max(1.0))
+            .unwrap_or(t.len());
+        waits[msg.from][j].push((mi, true));
+        // Receiver: the slot before the first op that ends after e (the op running at e, or
+        // the next one when e falls in an idle gap).
+        let t = &times[msg.to];
+        let j = t.partition_point(|&(_, end)| end <= msg.e);
+        let j = j.min(msg.use_at);
+        posts[msg.to][j].push(Item::Recv(mi));
+        waits[msg.to][msg.use_at].push((mi, false));
+    }
+    let mut send_batch = vec![0u32; msgs.len()];
+    let mut recv_batch = vec![0u32; msgs.len()];
+    let mut ranks = Vec::with_capacity(world);
+    for (r, o) in orders.iter().enumerate() {
+        let mut out = Vec::with_capacity(o.ops.len() * 4);
+        let mut next = 0u32;
+        for j in 0..=o.ops.len() {
+            // Posts of a slot in global message order (pushed in that order already).
+            for &it in &posts[r][j] {
+                let (mi, is_send) = match it {
+                    Item::Send(mi) => (mi, true),
+                    Item::Recv(mi) => (mi, false),
+                };
+                let m = &msgs[mi];
+                let b = next;
+                next += 1;
+                if is_send {
+                    send_batch[mi] = b;
+                } else {
+                    recv_batch[mi] = b;
+                }
+                out.push(if is_send {
+                    Instr::Send {
+                        peer: Rank(m.to as u32),
+                        payload: m.payload,
+                        batch: b,
+                    }
+                } else {
+                    Instr::Recv {
+                        peer: Rank(m.from as u32),
+                        payload: m.payload,
+                        batch: b,
+                    }
+                });
+            }
+            for &(mi, is_send) in &waits[r][j] {
+                let b = if is_send {
+                    send_batch[mi]
+                } else {
+                    recv_batch[mi]
+                };
+                out.push(Instr::Wait { batch: b });
+            }
+            if let Some(op) = o.ops.get(j) {
+                out.push(Instr::Compute(*op));
+            }
+        }
+        ranks.push(out);
+    }
+    Some(Program {
+        placement: placement.clone(),
+        microbatches: p.microbatches,
+        forward_only: false,
+        ranks,
+    })
+}

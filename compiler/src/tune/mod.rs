@@ -1,0 +1,638 @@
+//! `pipec tune`: the fastest verified schedule for a model's costs and memory, layer split
+//! included.
+//!
+//! For every placement (loop with one or two chunks per rank, V) and every candidate layer
+//! split ([`split`]), the cost-aware list scheduler ([`greedy`]) runs each of its heuristics
+//! and keeps the best order; the order is lowered with the timed lockstep placement (so the
+//! program keeps the order's time) and simulated. Every built-in kind (with its vpp and group
+//! size choices) is compiled on the same model and simulated too. The fastest candidate whose
+//! peak memory ([`crate::verify::memory::weighted_peaks`]) fits the limit wins, after the full
+//! verifier has accepted it. [`bound`] gives the lower bound it is measured against; [`exact`]
+//! the optimum of tiny instances.
+
+pub mod bound;
+pub mod calibrate;
+pub mod exact;
+pub mod greedy;
+pub mod lower;
+pub mod problem;
+pub mod split;
+
+use crate::front::layout::{LayerKind, Layout};
+use crate::ir::Program;
+use crate::lower::lower;
+use crate::simulate::cost::{CostModel, StageCosts};
+use crate::simulate::{simulate, Summary};
+use crate::verify::{self, memory::weighted_peaks, Report, StreamRule, VerifyOptions};
+use pipec_schedules::{
+    generate, ChunkRule, CommPolicy, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
+};
+use problem::Problem;
+use serde::Serialize;
+use thiserror::Error;
+
+/// What to tune.
+#[derive(Clone, Debug)]
+pub struct TuneRequest {
+    pub pp: u32,
+    pub microbatches: u32,
+    pub model: CostModel,
+    /// The user's split (`--layout`); kept unless `rebalance`.
+    pub layout: Option<Layout>,
+    pub rebalance: bool,
+    /// Decoder and MTP layers to split (`--num-layers`, `--mtp-num-layers`) when no layout.
+    pub num_layers: Option<u32>,
+    pub mtp_num_layers: Option<u32>,
+    /// Per-rank memory limit, in the units of `K.act` / `K.param`.
+    pub memory_limit: Option<f64>,
+    pub limits: Limits,
+    /// Weigh the built-in kinds too (the CLI always does; benches may not).
+    pub builtins: bool,
+}
+
+impl TuneRequest {
+    pub fn new(pp: u32, microbatches: u32, model: CostModel) -> Self {
+        TuneRequest {
+            pp,
+            microbatches,
+            model,
+            layout: None,
+            rebalance: false,
+            num_layers: None,
+            mtp_num_layers: None,
+            memory_limit: None,
+            limits: Limits::DEFAULT,
+            builtins: true,
+        }
+    }
+}
+
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum TuneError {
+    #[error("--pp and --microbatches must be at least 1")]
+    Zero,
+    #[error("the layout has {stages} stages, which pp = {pp} does not divide")]
+    Stages { stages: usize, pp: u32 },
+    #[error("no schedule fits the memory limit {limit}: the smallest peak memory pipec reached is {best} ({by})")]
+    Memory {
+        limit: String,
+        best: String,
+        by: String,
+    },
+    #[error("no candidate schedule could be built for this request ({0})")]
+    Nothing(String),
+    #[error("{0} compute ops exceed the limit of {1}")]
+    TooBig(u64, u64),
+}
+
+/// One schedule weighed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    /// `1f1b`, `interleaved-1f1b`, ..., or `tuned`.
+    pub schedule: String,
+    pub vpp: u32,
+    pub group_size: Option<u32>,
+    pub placement: String,
+    /// The tuned scheduler's winning heuristic.
+    pub heuristic: Option<String>,
+    pub layout: String,
+    /// Simulated makespan of the lowered program.
+    pub makespan: f64,
+    /// Mean idle share of the makespan over ranks.
+    pub bubble: f64,
+    /// The largest per-rank peak memory.
+    pub peak_memory: f64,
+    pub fits: bool,
+}
+
+/// Everything about the winner.
+#[derive(Clone, Debug)]
+pub struct Tuned {
+    pub best: Candidate,
+    pub candidates: Vec<Candidate>,
+    pub layout: Layout,
+    /// The built-in spec, or `None` for the tuned scheduler's order.
+    pub spec: Option<ScheduleSpec>,
+    pub comm: CommPolicy,
+    pub program: Program,
+    pub summary: Summary,
+    pub peak_memory: Vec<f64>,
+    pub lower_bound: bound::Bound,
+    pub report: Report,
+    /// The tuned scheduler's own (list schedule) makespan of the winning order, when it won.
+    pub planned_makespan: Option<f64>,
+    /// Whether memory figures are bytes (a model or limit given in bytes).
+    pub bytes: bool,
+}
+
+/// A candidate with its program, before the winner is chosen.
+struct Built {
+    cand: Candidate,
+    layout: Layout,
+    spec: Option<ScheduleSpec>,
+    comm: CommPolicy,
+    program: Program,
+    summary: Summary,
+    peaks: Vec<f64>,
+    planned: Option<f64>,
+}
+
+/// The decoder and MTP layer counts of the model.
+fn model_size(req: &TuneRequest) -> (u32, u32) {
+    match (&req.layout, req.num_layers) {
+        (Some(l), _) => (
+            l.count(LayerKind::Decoder) as u32,
+            l.count(LayerKind::Mtp) as u32,
+        ),
+        (None, n) => (n.unwrap_or(2 * req.pp), req.mtp_num_layers.unwrap_or(0)),
+    }
+}
+
+/// The placements the tuned scheduler tries, and the stage count they need.
+fn tuned_placements(pp: u32, microbatches: u32, stages: Option<usize>) -> Vec<Placement> {
+    let mut v = vec![
+        Placement::looped(pp, 1),
+        Placement::looped(pp, 2),
+        Placement::v_shape(pp),
+    ];
+    // DualPipe's two directions, with pipec's own order: half the microbatches enter at
+    // each end (every rank holds two stages' parameters).
+    if pp >= 2 && microbatches >= 2 {
+        v.push(Placement::bidirectional(pp, microbatches / 2));
+    }
+    if let Some(s) = stages {
+        // A user layout with more chunks per rank: the loop with that many.
+        let vpp = s as u32 / pp.max(1);
+        if vpp > 2 {
+            v.push(Placement::looped(pp, vpp));
+        }
+        v.retain(|p| p.num_stages() as usize == s);
+    }
+    v
+}
+
+/// The layouts to weigh on `placement`: the user's when kept, else the candidate splits.
+fn layouts_for(req: &TuneRequest, placement: &Placement) -> Vec<Layout> {
+    if let (Some(l), false) = (&req.layout, req.rebalance) {
+        return if l.stages.len() == placement.num_stages() as usize {
+            vec![l.clone()]
+        } else {
+            Vec::new()
+        };
+    }
+    let (n, mtp) = model_size(req);
+    split::candidates(&req.model, placement, n, mtp)
+        .into_iter()
+        .map(|c| split::layout_of(&c, mtp))
+        .collect()
+}
+
+/// Run `f` over `jobs` on up to `threads` threads, results in job order.
+fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len())
+        .max(1);
+    if threads == 1 {
+        return jobs.iter().map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<R>>> =
+        jobs.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(job) = jobs.get(i) else { break };
+                let r = f(job);
+                *results[i].lock().expect("no panics while held") = Some(r);
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .expect("not poisoned")
+                .expect("every job ran")
+        })
+        .collect()
+}
+
+/// The best plan of the tuned scheduler on one problem over every heuristic.
+pub fn best_plan(p: &Problem) -> Option<(greedy::Plan, greedy::Heuristic)> {
+    best_plan_with(p, greedy::heuristics_for(p))
+}
+
+/// The best plan over the heuristics `hs`.
+pub fn best_plan_with(
+    p: &Problem,
+    hs: Vec<greedy::Heuristic>,
+) -> Option<(greedy::Plan, greedy::Heuristic)> {
+    let plans = par_map(&hs, |h| greedy::schedule(p, h));
+    let mut best: Option<(greedy::Plan, greedy::Heuristic)> = None;
+    for (plan, h) in plans.into_iter().zip(hs) {
+        let Some(plan) = plan else { continue };
+        let better = match &best {
+            None => true,
+            Some((b, _)) => {
+                let (pm, bm) = (
+                    plan.peak.iter().fold(0.0, |a: f64, &x| a.max(x)),
+                    b.peak.iter().fold(0.0, |a: f64, &x| a.max(x)),
+                );
+                plan.makespan < b.makespan - 1e-9
+                    || (plan.makespan <= b.makespan + 1e-9 && pm < bm - 1e-9)
+            }
+        };
+        if better {
+            best = Some((plan, h));
+        }
+    }
+    // Small instances: polish the best plan by local search (moves of one op), unless it
+    // already meets the bound. The budget keeps the work near 2M op visits.
+    let ops = 3 * p.num_stages() * p.microbatches as usize;
+    if ops <= 1000 {
+        if let Some((plan, h)) = best.take() {
+            let plan = if plan.makespan > bound::lower_bound(p).value + 1e-9 {
+                greedy::improve(p, &plan, (2_000_000 / ops.max(1)).min(20_000))
+            } else {
+                plan
+            };
+            best = Some((plan, h));
+        }
+    }
+    best
+}
+
+fn placement_name(p: &Placement) -> String {
+    match p.kind {
+        PlacementKind::Looped => "loop".into(),
+        PlacementKind::V => "v".into(),
+        PlacementKind::Bidirectional => "bidirectional".into(),
+        PlacementKind::Custom => "custom".into(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    mut cand: Candidate,
+    layout: Layout,
+    spec: Option<ScheduleSpec>,
+    comm: CommPolicy,
+    program: Program,
+    model: &CostModel,
+    limit: Option<f64>,
+    planned: Option<f64>,
+) -> Option<Built> {
+    let costs = StageCosts::new(model, &layout, program.num_stages());
+    let sim = simulate(&program, &costs).ok()?;
+    let (act, sparam) = problem::stage_memory(model, &layout);
+    let param = problem::rank_params(&program.placement, &sparam);
+    let peaks = weighted_peaks(&program, &act, &param);
+    cand.makespan = sim.summary.makespan;
+    cand.bubble = sim.summary.mean_bubble();
+    cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
+    cand.fits = limit.is_none_or(|l| cand.peak_memory <= l * (1.0 + 1e-12));
+    cand.layout = split::layout_string(&layout);
+    Some(Built {
+        cand,
+        layout,
+        spec,
+        comm,
+        program,
+        summary: sim.summary,
+        peaks,
+        planned,
+    })
+}
+
+/// The built-in specs to weigh: every kind with its vpp and group-size choices.
+fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> {
+    let (pp, m) = (req.pp, req.microbatches);
+    let mut out = Vec::new();
+    for kind in ScheduleKind::ALL {
+        // Large instances weigh the common choices only (vpp 2, Megatron's group size), to
+        // stay within seconds; small ones every vpp up to 4 and the group size M too.
+        let big = pp as u64 * m as u64 > 16_384;
+        let vpps: Vec<u32> = match kind.chunk_rule() {
+            ChunkRule::One => vec![1],
+            ChunkRule::TwoV => vec![2],
+            ChunkRule::Any if big => vec![2],
+            ChunkRule::Any => vec![2, 3, 4],
+        };
+        for vpp in vpps {
+            let mut groups = vec![None];
+            if kind == ScheduleKind::Interleaved1F1B && m > pp && !big {
+                groups.push(Some(m));
+            }
+            for g in groups {
+                let spec = ScheduleSpec {
+                    group_size: g,
+                    ..ScheduleSpec::new(kind, pp, vpp, m)
+                };
+                if spec.validate(&req.limits).is_err() {
+                    continue;
+                }
+                let s = spec.num_stages() as usize;
+                if stages.is_some_and(|n| n != s) {
+                    continue;
+                }
+                out.push(spec);
+            }
+        }
+    }
+    out
+}
+
+/// A memory figure for people: GiB/MiB when the model's memory is in bytes, else a number.
+pub fn fmt_mem(x: f64, bytes: bool) -> String {
+    if !bytes {
+        return crate::simulate::cost::num(x);
+    }
+    let gib = x / (1u64 << 30) as f64;
+    if gib >= 1.0 {
+        format!("{:.2}GiB", gib)
+    } else {
+        format!("{:.1}MiB", x / (1u64 << 20) as f64)
+    }
+}
+
+/// Tune: weigh every candidate, verify the winner, or say why nothing fits.
+pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
+    if req.pp == 0 || req.microbatches == 0 {
+        return Err(TuneError::Zero);
+    }
+    let user_stages = match (&req.layout, req.rebalance) {
+        (Some(l), false) => {
+            if l.stages.len() % req.pp as usize != 0 {
+                return Err(TuneError::Stages {
+                    stages: l.stages.len(),
+                    pp: req.pp,
+                });
+            }
+            Some(l.stages.len())
+        }
+        _ => None,
+    };
+    let ops = 3 * req.pp as u64 * 2 * req.microbatches as u64;
+    if ops > req.limits.max_compute_ops {
+        return Err(TuneError::TooBig(ops, req.limits.max_compute_ops));
+    }
+    let limit = req.memory_limit;
+    // Tuned candidates: every placement x split.
+    let mut jobs: Vec<(Placement, Layout)> = Vec::new();
+    for pl in tuned_placements(req.pp, req.microbatches, user_stages) {
+        for l in layouts_for(req, &pl) {
+            jobs.push((pl.clone(), l));
+        }
+    }
+    let mut built: Vec<Built> = Vec::new();
+    // Large instances: rank the splits of each placement with a few heuristics first, and run
+    // every heuristic on the best split only.
+    let per_job_ops = 3 * 2 * req.pp as u64 * req.microbatches as u64;
+    let selected: Vec<(Placement, Layout)> = if per_job_ops > 60_000 {
+        let mut keep: Vec<(Placement, Layout, f64)> = Vec::new();
+        for (pl, layout) in &jobs {
+            let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
+            let score = best_plan_with(&p, greedy::quick_heuristics(&p))
+                .map_or(f64::INFINITY, |(plan, _)| plan.makespan);
+            match keep.iter_mut().find(|k| k.0 == *pl) {
+                Some(k) if score < k.2 => *k = (pl.clone(), layout.clone(), score),
+                Some(_) => {}
+                None => keep.push((pl.clone(), layout.clone(), score)),
+            }
+        }
+        keep.into_iter().map(|(p, l, _)| (p, l)).collect()
+    } else {
+        jobs.clone()
+    };
+    for (pl, layout) in &selected {
+        let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
+        let Some((plan, h)) = best_plan(&p) else {
+            continue;
+        };
+        let Some(program) = lower::lower_timed(&p, &plan.orders) else {
+            continue;
+        };
+        let cand = Candidate {
+            schedule: "tuned".into(),
+            vpp: pl.num_stages() / req.pp,
+            group_size: None,
+            placement: placement_name(pl),
+            heuristic: Some(h.name()),
+            layout: String::new(),
+            makespan: 0.0,
+            bubble: 0.0,
+            peak_memory: 0.0,
+            fits: false,
+        };
+        if let Some(b) = finish(
+            cand,
+            layout.clone(),
+            None,
+            CommPolicy::Lockstep,
+            program,
+            &req.model,
+            limit,
+            Some(plan.makespan),
+        ) {
+            built.push(b);
+        }
+    }
+    // Keep the best split per tuned placement only: the table stays short.
+    built = keep_best_per(built);
+    if req.builtins {
+        let specs = builtin_specs(req, user_stages);
+        let layouts: Vec<(ScheduleSpec, Layout)> = specs
+            .into_iter()
+            .filter_map(|spec| {
+                let pl = match spec.kind.chunk_rule() {
+                    ChunkRule::TwoV => Placement::v_shape(req.pp),
+                    _ => Placement::looped(req.pp, spec.vpp),
+                };
+                // The first candidate split (the balanced one) for the kind's placement.
+                layouts_for(req, &pl).into_iter().next().map(|l| (spec, l))
+            })
+            .collect();
+        let results = par_map(&layouts, |(spec, layout)| {
+            let schedule = generate(spec, &req.limits).ok()?;
+            let program = lower(&schedule);
+            let cand = Candidate {
+                schedule: spec.kind.name().to_string(),
+                vpp: spec.vpp,
+                group_size: spec.group_size,
+                placement: placement_name(&schedule.placement),
+                heuristic: None,
+                layout: String::new(),
+                makespan: 0.0,
+                bubble: 0.0,
+                peak_memory: 0.0,
+                fits: false,
+            };
+            finish(
+                cand,
+                layout.clone(),
+                Some(*spec),
+                schedule.comm,
+                program,
+                &req.model,
+                limit,
+                None,
+            )
+        });
+        built.extend(results.into_iter().flatten());
+    }
+    let bytes = req
+        .model
+        .memory
+        .iter()
+        .any(|m| m.act > 1e5 || m.param > 1e5)
+        || limit.is_some_and(|l| l > 1e5);
+    let mut order: Vec<usize> = (0..built.len()).filter(|&i| built[i].cand.fits).collect();
+    if order.is_empty() {
+        let Some(limit) = limit else {
+            return Err(TuneError::Nothing(
+                "no placement fits the layout and pp".into(),
+            ));
+        };
+        // The smallest peak: the built-ins' and the tuned scheduler's least (bisection over
+        // the limit it plans under).
+        let mut best: Option<(f64, String)> = built
+            .iter()
+            .min_by(|a, b| a.cand.peak_memory.total_cmp(&b.cand.peak_memory))
+            .map(|b| (b.cand.peak_memory, describe(&b.cand)));
+        for (pl, layout) in &jobs {
+            let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, None);
+            if let Some(x) = min_peak(&p) {
+                if best.as_ref().is_none_or(|(b, _)| x < *b) {
+                    let vpp = pl.num_stages() / req.pp;
+                    best = Some((x, format!("tuned {} vpp={vpp}", placement_name(pl))));
+                }
+            }
+        }
+        let (peak, by) = best.unwrap_or((f64::INFINITY, "nothing".into()));
+        return Err(TuneError::Memory {
+            limit: fmt_mem(limit, bytes),
+            best: fmt_mem(peak, bytes),
+            by,
+        });
+    }
+    order.sort_by(|&a, &b| {
+        let (x, y) = (&built[a].cand, &built[b].cand);
+        x.makespan
+            .total_cmp(&y.makespan)
+            .then(x.peak_memory.total_cmp(&y.peak_memory))
+            // A built-in kind before the tuned order on a tie: it is the known schedule.
+            .then((x.schedule == "tuned").cmp(&(y.schedule == "tuned")))
+    });
+    let candidates: Vec<Candidate> = {
+        let mut c: Vec<Candidate> = built.iter().map(|b| b.cand.clone()).collect();
+        c.sort_by(|x, y| {
+            (!x.fits)
+                .cmp(&!y.fits)
+                .then(x.makespan.total_cmp(&y.makespan))
+        });
+        c
+    };
+    for i in order {
+        let b = &built[i];
+        let opts = VerifyOptions {
+            memory_limit: None,
+            streams: StreamRule::of_policy(Some(b.comm), b.program.world()),
+        };
+        let report = verify::verify(&b.program, &opts);
+        if !report.is_valid() {
+            continue;
+        }
+        let p = Problem::new(
+            &req.model,
+            &b.layout,
+            b.program.placement.clone(),
+            req.microbatches,
+            limit,
+        );
+        let lower_bound = bound::lower_bound(&p);
+        let b = built.swap_remove(i);
+        return Ok(Tuned {
+            best: b.cand,
+            candidates,
+            layout: b.layout,
+            spec: b.spec,
+            comm: b.comm,
+            program: b.program,
+            summary: b.summary,
+            peak_memory: b.peaks,
+            lower_bound,
+            report,
+            planned_makespan: b.planned,
+            bytes,
+        });
+    }
+    Err(TuneError::Nothing(
+        "every candidate failed verification".into(),
+    ))
+}
+
+/// The least peak memory (largest over ranks) the tuned scheduler reaches on `p`: the
+/// smallest limit it can still plan under, by bisection.
+pub fn min_peak(p: &Problem) -> Option<f64> {
+    let hs: Vec<greedy::Heuristic> = greedy::heuristics()
+        .into_iter()
+        .filter(|h| h.eager_w < 1.0 && !h.forward_first)
+        .collect();
+    let under = |limit: f64| -> Option<f64> {
+        let mut q = p.clone();
+        q.limit = vec![limit; q.pp()];
+        hs.iter()
+            .filter_map(|h| greedy::schedule(&q, h))
+            .map(|plan| plan.peak.iter().fold(0.0, |a: f64, &x| a.max(x)))
+            .min_by(f64::total_cmp)
+    };
+    let mut hi = under(f64::INFINITY)?;
+    let mut lo = 0.0f64;
+    for _ in 0..30 {
+        let mid = (lo + hi) / 2.0;
+        match under(mid) {
+            Some(x) => hi = x.min(mid),
+            None => lo = mid,
+        }
+        if hi - lo <= 1e-6 * hi.max(1e-9) {
+            break;
+        }
+    }
+    Some(hi)
+}
+
+/// `zb-v`, `interleaved-1f1b vpp=2 g=16`, `tuned loop vpp=1`.
+pub fn describe(c: &Candidate) -> String {
+    let mut s = c.schedule.clone();
+    if c.schedule == "tuned" {
+        s.push_str(&format!(" {} vpp={}", c.placement, c.vpp));
+    } else if c.vpp > 1 && c.placement == "loop" {
+        s.push_str(&format!(" vpp={}", c.vpp));
+    }
+    if let Some(g) = c.group_size {
+        s.push_str(&format!(" g={g}"));
+    }
+    s
+}
+
+/// Of the tuned candidates, the fastest fitting one per placement and vpp; built-ins untouched.
+fn keep_best_per(built: Vec<Built>) -> Vec<Built> {
+    let mut out: Vec<Built> = Vec::new();
+    for b in built {
+        if let Some(o) = out.iter_mut().find(|o| {
+            o.cand.schedule == b.cand.schedule
+                && o.cand.placement == b.cand.placement
+                && o.cand.vpp == b.cand.vpp
+        }) {
+            let better = (b.cand.fits, -b.cand.makespan) > (o.cand.fits, -o.cand.makespan);
+            if better {
+                *o = b;
+            }
+        } else {
+            out.push(b);
+        }
+    }
+    out
+}

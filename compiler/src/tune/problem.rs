@@ -1,0 +1,210 @@
+//! A tuning instance: the per-stage costs and memory of one model split over one placement.
+
+use crate::front::layout::Layout;
+use crate::simulate::cost::{CostModel, StageCosts};
+use pipec_schedules::{Pass, Placement, Rank, StageId, Task};
+
+/// What the schedulers plan against: dense per-stage tables, the placement and the memory
+/// each rank may fill with activations.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Problem {
+    pub placement: Placement,
+    pub microbatches: u32,
+    /// Per stage: forward, input-gradient backward (`bwd_D`), weight-gradient backward.
+    pub f: Vec<f64>,
+    pub b: Vec<f64>,
+    pub w: Vec<f64>,
+    /// Per stage: activation memory one microbatch keeps alive (allocated at the forward,
+    /// freed at the end of `bwd_W`).
+    pub act: Vec<f64>,
+    /// Per rank: parameter + optimizer memory of the stages it holds.
+    pub param: Vec<f64>,
+    /// Per rank: the memory limit (`f64::INFINITY` without one).
+    pub limit: Vec<f64>,
+    /// Time a tensor takes between two ranks (`p2p + msg / bw`); 0 on one rank.
+    pub comm: f64,
+}
+
+/// Per-stage activation memory and per-stage parameter memory of a layout under a model.
+pub fn stage_memory(model: &CostModel, layout: &Layout) -> (Vec<f64>, Vec<f64>) {
+    let mut act = Vec::with_capacity(layout.stages.len());
+    let mut param = Vec::with_capacity(layout.stages.len());
+    for st in &layout.stages {
+        act.push(st.iter().map(|&k| model.layer_memory(k).act).sum());
+        param.push(st.iter().map(|&k| model.layer_memory(k).param).sum());
+    }
+    (act, param)
+}
+
+/// The ranks that hold a stage's parameters: its rank, and for a bidirectional placement
+/// (DualPipe) also the mirrored one.
+pub fn holders(placement: &Placement, stage: u32) -> Vec<Rank> {
+    let mut v = vec![placement.rank_of(Task::new(stage, 0))];
+    if let Some(h) = placement.mirror_from() {
+        let r = placement.rank_of(Task::new(stage, h));
+        if !v.contains(&r) {
+            v.push(r);
+        }
+    }
+    v
+}
+
+/// Parameter memory per rank of a placement.
+pub fn rank_params(placement: &Placement, stage_param: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; placement.pp as usize];
+    for (s, p) in stage_param.iter().enumerate() {
+        for r in holders(placement, s as u32) {
+            out[r.index()] += p;
+        }
+    }
+    out
+}
+
+impl Problem {
+    /// The instance of `layout` (one stage per entry) on `placement` under `model`, with a
+    /// memory limit per rank in the units of `K.act` / `K.param`.
+    pub fn new(
+        model: &CostModel,
+        layout: &Layout,
+        placement: Placement,
+        microbatches: u32,
+        limit: Option<f64>,
+    ) -> Self {
+        let n = placement.num_stages();
+        let costs = StageCosts::new(model, layout, n);
+        let get = |p: Pass| -> Vec<f64> {
+            (0..n)
+                .map(|s| costs.pass(p, StageId(s)).unwrap_or(0.0))
+                .collect()
+        };
+        let (act, sparam) = stage_memory(model, layout);
+        let param = rank_params(&placement, &sparam);
+        let pp = placement.pp as usize;
+        Problem {
+            f: get(Pass::Fwd),
+            b: get(Pass::BwdD),
+            w: get(Pass::BwdW),
+            act,
+            param,
+            limit: vec![limit.unwrap_or(f64::INFINITY); pp],
+            comm: model.transfer(),
+            placement,
+            microbatches,
+        }
+    }
+
+    /// An instance given directly by its tables (tests, the exact search); no parameters.
+    pub fn from_tables(
+        placement: Placement,
+        microbatches: u32,
+        f: Vec<f64>,
+        b: Vec<f64>,
+        w: Vec<f64>,
+        limit: Option<f64>,
+    ) -> Self {
+        let n = f.len();
+        let pp = placement.pp as usize;
+        Problem {
+            placement,
+            microbatches,
+            f,
+            b,
+            w,
+            act: vec![1.0; n],
+            param: vec![0.0; pp],
+            limit: vec![limit.unwrap_or(f64::INFINITY); pp],
+            comm: 0.0,
+        }
+    }
+
+    pub fn num_stages(&self) -> usize {
+        self.f.len()
+    }
+
+    pub fn pp(&self) -> usize {
+        self.placement.pp as usize
+    }
+
+    /// Rank of a stage (loop and V placements: one rank per stage).
+    pub fn rank(&self, s: usize) -> usize {
+        self.placement.rank_of_stage(StageId(s as u32)).index()
+    }
+
+    /// Stages of each rank, in stage order.
+    pub fn local_stages(&self) -> Vec<Vec<usize>> {
+        let mut out = vec![Vec::new(); self.pp()];
+        for s in 0..self.num_stages() {
+            out[self.rank(s)].push(s);
+        }
+        out
+    }
+
+    /// Activation memory rank `r` may fill: its limit less its parameters.
+    pub fn budget(&self, r: usize) -> f64 {
+        self.limit[r] - self.param[r]
+    }
+
+    /// Delay of a tensor from stage `a` to stage `b` (first direction).
+    pub fn delay(&self, a: usize, b: usize) -> f64 {
+        if self.rank(a) == self.rank(b) {
+            0.0
+        } else {
+            self.comm
+        }
+    }
+
+    /// Rank of the task (stage `s`, microbatch `mb`): the placement's, mirrored for the second
+    /// direction of a bidirectional placement.
+    #[inline]
+    pub fn rank_of(&self, s: usize, mb: usize) -> usize {
+        self.placement
+            .rank_of(Task::new(s as u32, mb as u32))
+            .index()
+    }
+
+    /// Delay of microbatch `mb`'s tensor from stage `a` to stage `b`.
+    #[inline]
+    pub fn delay_mb(&self, a: usize, b: usize, mb: usize) -> f64 {
+        if self.rank_of(a, mb) == self.rank_of(b, mb) {
+            0.0
+        } else {
+            self.comm
+        }
+    }
+
+    /// The microbatch ranges of the directions: one, or two for a bidirectional placement.
+    pub fn directions(&self) -> Vec<(usize, usize)> {
+        let m = self.microbatches as usize;
+        match self.placement.mirror_from() {
+            Some(h) if (h as usize) < m && h > 0 => vec![(0, h as usize), (h as usize, m)],
+            _ => vec![(0, m)],
+        }
+    }
+
+    /// Every (stage, direction) lane with its rank, in stage order per direction.
+    pub fn lanes(&self) -> Vec<Lane> {
+        let mut out = Vec::new();
+        for (d, &(lo, hi)) in self.directions().iter().enumerate() {
+            for s in 0..self.num_stages() {
+                out.push(Lane {
+                    stage: s,
+                    dir: d,
+                    lo,
+                    hi,
+                    rank: self.rank_of(s, lo),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// The microbatches `lo..hi` of one direction on one stage, run by `rank`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Lane {
+    pub stage: usize,
+    pub dir: usize,
+    pub lo: usize,
+    pub hi: usize,
+    pub rank: usize,
+}

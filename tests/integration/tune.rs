@@ -1,0 +1,843 @@
+//! `pipec tune`: the cost-aware scheduler, its lowering, memory, bounds, layer split and CLI.
+//!
+//! Expectations are derived independently of the code under test: makespans by pipec's
+//! simulator on the lowered program (not the scheduler's own clock), peaks by the verifier,
+//! the bound from the costs alone, built-in kinds compiled by `pipec compile`'s path.
+
+use assert_cmd::Command;
+use pipec::front::layout::{self, Layout};
+use pipec::lower::lower;
+use pipec::simulate::cost::{CostModel, StageCosts};
+use pipec::simulate::simulate;
+use pipec::tune::{self, greedy, problem::Problem, split, TuneRequest};
+use pipec::verify::{memory::weighted_peaks, verify, StreamRule, VerifyOptions};
+use pipec_schedules::{generate, CommPolicy, Limits, Placement, ScheduleKind, ScheduleSpec};
+use proptest::prelude::*;
+
+fn pipec() -> Command {
+    Command::from_std(pipec_tests::pipec())
+}
+
+/// Heavy first and last stages (embedding, output layer and loss), `b > f`, `w < b`.
+const UNEVEN: &str = "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1";
+
+fn placements(pp: u32, m: u32) -> Vec<Placement> {
+    vec![
+        Placement::looped(pp, 1),
+        Placement::looped(pp, 2),
+        Placement::v_shape(pp),
+        Placement::bidirectional(pp, m / 2),
+    ]
+}
+
+fn simulated(program: &pipec::Program, model: &CostModel, layout: &Layout) -> f64 {
+    let costs = StageCosts::new(model, layout, program.num_stages());
+    simulate(program, &costs).unwrap().summary.makespan
+}
+
+fn valid(program: &pipec::Program) -> bool {
+    let r = verify(
+        program,
+        &VerifyOptions {
+            memory_limit: None,
+            streams: StreamRule::of_policy(Some(CommPolicy::Lockstep), program.world()),
+        },
+    );
+    if !r.is_valid() {
+        eprintln!("{}", r.verdict_line());
+        for v in r.violations.iter().take(5) {
+            eprintln!("  {v}");
+        }
+    }
+    r.is_valid()
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-6 * a.abs().max(b.abs()).max(1.0)
+}
+
+/// The tuned order's own event-driven makespan, the list schedule of its orders, and pipec's
+/// simulation of the lowered program agree, with and without transfer time; the lowered
+/// program verifies (deadlock-free, matched) and its verifier-rule peak memory is the plan's.
+#[test]
+fn lowering_keeps_the_order_time() {
+    let mut checked = 0;
+    for cost in [
+        UNEVEN,
+        "f=1,b=1,w=1",
+        "f=1,b=2,w=0.5,p2p=0.3",
+        "f=2,b=3,w=1,E.f=5,L.b=4,p2p=0.1",
+    ] {
+        let model = CostModel::parse(cost).unwrap();
+        for (pp, m, layers) in [(2, 4, 3), (4, 8, 10), (4, 13, 14), (3, 7, 9)] {
+            for pl in placements(pp, m) {
+                let counts = split::candidates(&model, &pl, layers, 0).remove(0);
+                let layout = split::layout_of(&counts, 0);
+                for limit in [None, Some(12.0)] {
+                    let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                    for h in greedy::heuristics() {
+                        let Some(plan) = greedy::schedule(&p, &h) else {
+                            continue;
+                        };
+                        let list = greedy::list_makespan(&p, &plan.orders).unwrap();
+                        assert!(close(plan.makespan, list), "{cost} {pl:?} {h:?}");
+                        let prog = tune::lower::lower_timed(&p, &plan.orders).unwrap();
+                        let sim = simulated(&prog, &model, &layout);
+                        assert!(
+                            close(sim, plan.makespan),
+                            "{cost} pp={pp} m={m} {:?} {}: planned {} simulated {sim}",
+                            pl.kind,
+                            h.name(),
+                            plan.makespan
+                        );
+                        let (act, sparam) = tune::problem::stage_memory(&model, &layout);
+                        let param = tune::problem::rank_params(&pl, &sparam);
+                        let peaks = weighted_peaks(&prog, &act, &param);
+                        for (a, b) in peaks.iter().zip(&plan.peak) {
+                            assert!(close(*a, *b), "peak {peaks:?} vs plan {:?}", plan.peak);
+                        }
+                        if let Some(l) = limit {
+                            assert!(peaks.iter().all(|&x| x <= l + 1e-9));
+                        }
+                        checked += 1;
+                    }
+                    // Verifying every heuristic's program is slow in debug builds: the best.
+                    if let Some((plan, _)) = tune::best_plan(&p) {
+                        assert!(valid(&tune::lower::lower_timed(&p, &plan.orders).unwrap()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "{checked}");
+}
+
+/// With every weight 1 and no parameters the weighted peak is the verifier's peak, for every
+/// built-in kind.
+#[test]
+fn weighted_peak_is_the_verifiers_peak() {
+    for kind in ScheduleKind::ALL {
+        for (pp, m) in [(2, 4), (4, 8), (4, 9)] {
+            let vpp = match kind {
+                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => 2,
+                k => k.default_vpp(),
+            };
+            let spec = ScheduleSpec::new(kind, pp, vpp, m);
+            if spec.validate(&Limits::DEFAULT).is_err() {
+                continue;
+            }
+            let program = lower(&generate(&spec, &Limits::DEFAULT).unwrap());
+            let n = program.num_stages() as usize;
+            let peaks = weighted_peaks(&program, &vec![1.0; n], &[]);
+            let report = verify(&program, &VerifyOptions::default());
+            let want: Vec<f64> = report.memory.iter().map(|r| r.peak as f64).collect();
+            assert_eq!(peaks, want, "{kind} pp={pp} m={m}");
+        }
+    }
+}
+
+fn request(pp: u32, m: u32, cost: &str, layers: u32) -> TuneRequest {
+    TuneRequest {
+        num_layers: Some(layers),
+        ..TuneRequest::new(pp, m, CostModel::parse(cost).unwrap())
+    }
+}
+
+/// The best built-in kind (fitting the limit) of a tune result.
+fn best_builtin(t: &tune::Tuned) -> &tune::Candidate {
+    t.candidates
+        .iter()
+        .filter(|c| c.schedule != "tuned" && c.fits)
+        .min_by(|a, b| a.makespan.total_cmp(&b.makespan))
+        .unwrap()
+}
+
+fn best_tuned(t: &tune::Tuned) -> &tune::Candidate {
+    t.candidates
+        .iter()
+        .filter(|c| c.schedule == "tuned" && c.fits)
+        .min_by(|a, b| a.makespan.total_cmp(&b.makespan))
+        .unwrap()
+}
+
+/// On uniform costs (one decoder layer per stage, as the published formulas assume) the
+/// tuned scheduler on its own is never slower than the best built-in kind, and the result
+/// never beats the bound.
+#[test]
+fn uniform_costs_tuned_is_never_worse_than_the_best_builtin() {
+    for pp in [2, 3, 4, 6, 8] {
+        for m in [pp, 2 * pp, 4 * pp] {
+            let t = tune::tune(&request(pp, m, "f=1,b=1,w=1", 2 * pp)).unwrap();
+            let (bt, bb) = (best_tuned(&t), best_builtin(&t));
+            assert!(
+                bt.makespan <= bb.makespan + 1e-9,
+                "pp={pp} m={m}: tuned {} > {} {}",
+                bt.makespan,
+                bb.schedule,
+                bb.makespan
+            );
+            assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
+        }
+    }
+}
+
+/// Uneven costs: the tuned schedule is strictly faster than every built-in kind that leaves
+/// bubbles, also under a memory limit between 1x and 2x of 1F1B's peak.
+#[test]
+fn uneven_costs_tuned_beats_every_builtin() {
+    for (pp, m, layers) in [
+        (4, 16, 14),
+        (4, 8, 14),
+        (8, 32, 30),
+        (6, 12, 20),
+        (8, 16, 62),
+    ] {
+        let base = tune::tune(&request(pp, m, UNEVEN, layers)).unwrap();
+        let one_f_one_b = base
+            .candidates
+            .iter()
+            .find(|c| c.schedule == "1f1b")
+            .unwrap()
+            .peak_memory;
+        for limit in [None, Some(1.5 * one_f_one_b), Some(1.0 * one_f_one_b)] {
+            let t = tune::tune(&TuneRequest {
+                memory_limit: limit,
+                ..request(pp, m, UNEVEN, layers)
+            })
+            .unwrap();
+            assert_eq!(t.best.schedule, "tuned", "pp={pp} m={m} limit={limit:?}");
+            for c in t
+                .candidates
+                .iter()
+                .filter(|c| c.schedule != "tuned" && c.fits)
+            {
+                assert!(c.bubble > 0.0);
+                assert!(
+                    t.best.makespan < c.makespan,
+                    "pp={pp} m={m} limit={limit:?}: {} {} <= tuned {}",
+                    c.schedule,
+                    c.makespan,
+                    t.best.makespan
+                );
+            }
+            assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
+            if let Some(l) = limit {
+                assert!(t.peak_memory.iter().all(|&x| x <= l + 1e-9));
+            }
+        }
+    }
+}
+
+/// What `tune` reports is what the program does: the simulated makespan of the program, the
+/// verifier-rule peak memory, a valid verdict, a layout string pipec parses back to the split.
+#[test]
+fn reported_figures_are_the_programs() {
+    let model = CostModel::parse(&format!("{UNEVEN},t.act=2,E.param=5,t.param=1")).unwrap();
+    for (pp, m) in [(4, 8), (4, 12), (2, 6)] {
+        let t = tune::tune(&TuneRequest {
+            num_layers: Some(11),
+            memory_limit: Some(40.0),
+            ..TuneRequest::new(pp, m, model.clone())
+        })
+        .unwrap();
+        assert!(t.report.is_valid());
+        assert!(close(
+            t.best.makespan,
+            simulated(&t.program, &model, &t.layout)
+        ));
+        let (act, sparam) = tune::problem::stage_memory(&model, &t.layout);
+        let param = tune::problem::rank_params(&t.program.placement, &sparam);
+        assert_eq!(t.peak_memory, weighted_peaks(&t.program, &act, &param));
+        assert!(t.peak_memory.iter().all(|&x| x <= 40.0));
+        let back = layout::parse(&t.best.layout).unwrap();
+        assert_eq!(back.stages, t.layout.stages);
+        assert_eq!(
+            layout::check_against(&back, pp, None, Some(11), None).unwrap(),
+            t.program.num_stages() / pp
+        );
+    }
+}
+
+/// `--layout` keeps the user's split; `--rebalance` moves layers off the heavy ends.
+#[test]
+fn user_layout_is_kept_unless_rebalanced() {
+    let model = CostModel::parse(UNEVEN).unwrap();
+    let text = "Ettt|ttt|ttt|tttL";
+    let user = layout::parse(text).unwrap();
+    let t = tune::tune(&TuneRequest {
+        layout: Some(user.clone()),
+        ..TuneRequest::new(4, 16, model.clone())
+    })
+    .unwrap();
+    assert_eq!(t.layout.stages, user.stages);
+    assert!(t
+        .candidates
+        .iter()
+        .all(|c| c.layout == "Et*3|(t*3|)*2,t*3,L"));
+    let r = tune::tune(&TuneRequest {
+        layout: Some(user),
+        rebalance: true,
+        ..TuneRequest::new(4, 16, model)
+    })
+    .unwrap();
+    assert!(r.best.makespan < t.best.makespan);
+    assert_eq!(
+        layout::parse(&r.best.layout)
+            .unwrap()
+            .count(layout::LayerKind::Decoder),
+        12
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+    /// Random small costs and limits: the tuned program verifies, respects the limit, never
+    /// beats the bound, and its makespan is the simulator's.
+    #[test]
+    fn random_costs_give_valid_programs(
+        pp in 1u32..=4,
+        m in 1u32..=8,
+        layers in 1u32..=10,
+        f in 0.1f64..3.0,
+        b in 0.1f64..3.0,
+        w in 0.0f64..2.0,
+        e in 0.0f64..4.0,
+        l in 0.0f64..4.0,
+        p2p in prop_oneof![Just(0.0), 0.0f64..0.5],
+        slack in 1.0f64..3.0,
+    ) {
+        let cost = format!("f={f},b={b},w={w},E.f={e},E.b={e},L.f={l},L.b={l},p2p={p2p}");
+        let model = CostModel::parse(&cost).unwrap();
+        let free = tune::tune(&TuneRequest { num_layers: Some(layers), ..TuneRequest::new(pp, m, model.clone()) }).unwrap();
+        let peak = free.peak_memory.iter().fold(0.0f64, |a, &x| a.max(x));
+        let limit = (peak / slack).max(layers as f64 / pp as f64 + 1.0);
+        match tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), ..TuneRequest::new(pp, m, model.clone()) }) {
+            Ok(t) => {
+                prop_assert!(t.report.is_valid());
+                prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
+                prop_assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
+                prop_assert!(close(t.best.makespan, simulated(&t.program, &model, &t.layout)));
+                // The tuned order's own clock and the simulation of its lowered program agree.
+                if let Some(planned) = t.planned_makespan {
+                    prop_assert!(close(planned, t.best.makespan), "planned {} simulated {}", planned, t.best.makespan);
+                }
+            }
+            Err(e) => prop_assert!(e.to_string().contains("smallest peak memory"), "{}", e),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line.
+
+fn cost_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let p = dir.join("c.toml");
+    std::fs::write(
+        &p,
+        "# an uneven model\nf = 1\nb = 1.5\nw = 0.7\nE.f = 2\nE.b = 2\nE.w = 1\nL.f = 3\nL.b = 3\nL.w = 1\nt.act = 1GiB\nt.param = 200MiB\nE.param = 2GiB\nL.param = 2GiB\n",
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn cli_report_json_and_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = cost_file(tmp.path());
+    let out = pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "16",
+            "--num-layers",
+            "14",
+        ])
+        .arg("--cost-file")
+        .arg(&c)
+        .args(["--memory-limit", "24GiB"])
+        .assert()
+        .success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    for want in [
+        "schedule: tuned",
+        "layout:",
+        "makespan:",
+        "lower bound",
+        "peak memory per rank:",
+        "candidate",
+        "1f1b",
+        "zb-v",
+        "verified",
+    ] {
+        assert!(text.contains(want), "{want} missing in\n{text}");
+    }
+    let dir = tmp.path().join("tuned");
+    let out = pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "16",
+            "--num-layers",
+            "14",
+            "--json",
+        ])
+        .arg("--cost-file")
+        .arg(&c)
+        .args(["--memory-limit", "24GiB", "-o"])
+        .arg(&dir)
+        .assert()
+        .success();
+    let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    for key in [
+        "makespan",
+        "lower_bound",
+        "layout",
+        "schedule",
+        "peak_memory",
+        "candidates",
+    ] {
+        assert!(j.get(key).is_some(), "{key}");
+    }
+    assert_eq!(j["peak_memory"].as_array().unwrap().len(), 4);
+    assert!(j["peak_memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|x| x.as_f64().unwrap() <= 24.0 * (1u64 << 30) as f64));
+    assert!(j["makespan"].as_f64().unwrap() >= j["lower_bound"].as_f64().unwrap());
+    // The written directory is a compiled schedule like any other.
+    pipec().arg("check").arg(&dir).assert().success();
+    let sim = pipec()
+        .arg("simulate")
+        .arg(&dir)
+        .arg("--cost-file")
+        .arg(&c)
+        .arg("--json")
+        .assert()
+        .success();
+    let s: serde_json::Value = serde_json::from_slice(&sim.get_output().stdout).unwrap();
+    assert!(close(
+        s["makespan"].as_f64().unwrap(),
+        j["makespan"].as_f64().unwrap()
+    ));
+    pipec().arg("show").arg(&dir).assert().success();
+    // The layout string is one `pipec layout` accepts.
+    pipec()
+        .args([
+            "layout",
+            j["layout"].as_str().unwrap(),
+            "--pp",
+            "4",
+            "--num-layers",
+            "14",
+        ])
+        .assert()
+        .success();
+}
+
+#[test]
+fn cli_errors() {
+    // A limit nothing meets: exit 1, naming the smallest peak reached.
+    let out = pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--num-layers",
+            "8",
+            "--memory-limit",
+            "1",
+        ])
+        .assert()
+        .code(1);
+    let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    assert!(
+        err.contains(
+            "no schedule fits the memory limit 1: the smallest peak memory pipec reached is"
+        ),
+        "{err}"
+    );
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--memory-limit",
+            "lots",
+        ])
+        .assert()
+        .code(1);
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--layout",
+            "Et|tL",
+        ])
+        .assert()
+        .code(1);
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--cost",
+            "t.act=-1",
+        ])
+        .assert()
+        .code(1);
+    pipec()
+        .args(["tune", "--microbatches", "8"])
+        .assert()
+        .code(2);
+    pipec()
+        .args(["tune", "--pp", "2", "--microbatches", "4", "--rebalance"])
+        .assert()
+        .code(2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact search.
+
+/// Every order of one rank's ops that runs each op after the ops of its own rank it needs.
+fn linear_extensions(
+    ops: &[pipec_schedules::Compute],
+    p: &Problem,
+) -> Vec<Vec<pipec_schedules::Compute>> {
+    use pipec_schedules::Compute::*;
+    let needs = |a: &pipec_schedules::Compute, b: &pipec_schedules::Compute| -> bool {
+        // Does `a` need `b` directly (same rank)?
+        match (*a, *b) {
+            (Fwd(x), Fwd(y)) => x.mb == y.mb && y.stage.0 + 1 == x.stage.0,
+            (BwdD(x), Fwd(y)) => x == y,
+            (BwdD(x), BwdD(y)) => x.mb == y.mb && x.stage.0 + 1 == y.stage.0,
+            (BwdW(x), BwdD(y)) => x == y,
+            _ => false,
+        }
+    };
+    let _ = p;
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut used = vec![false; ops.len()];
+    fn rec(
+        ops: &[pipec_schedules::Compute],
+        used: &mut Vec<bool>,
+        cur: &mut Vec<pipec_schedules::Compute>,
+        out: &mut Vec<Vec<pipec_schedules::Compute>>,
+        needs: &dyn Fn(&pipec_schedules::Compute, &pipec_schedules::Compute) -> bool,
+    ) {
+        if cur.len() == ops.len() {
+            out.push(cur.clone());
+            return;
+        }
+        for i in 0..ops.len() {
+            if used[i] {
+                continue;
+            }
+            if (0..ops.len()).any(|j| !used[j] && j != i && needs(&ops[i], &ops[j])) {
+                continue;
+            }
+            used[i] = true;
+            cur.push(ops[i]);
+            rec(ops, used, cur, out, needs);
+            cur.pop();
+            used[i] = false;
+        }
+    }
+    rec(ops, &mut used, &mut cur, &mut out, &needs);
+    out
+}
+
+/// Brute force: every combination of per-rank orders, run by pipec's simulator on the timed
+/// lowering; orders that wait on each other or exceed the memory limit are skipped.
+fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
+    use pipec_schedules::{Compute, RankOrder, Task};
+    let n = p.num_stages();
+    let m = p.microbatches as usize;
+    let mut per_rank: Vec<Vec<Compute>> = vec![Vec::new(); p.pp()];
+    for s in 0..n {
+        for mb in 0..m {
+            let t = Task::new(s as u32, mb as u32);
+            let r = p.rank_of(s, mb);
+            per_rank[r].extend([Compute::Fwd(t), Compute::BwdD(t), Compute::BwdW(t)]);
+        }
+    }
+    let exts: Vec<Vec<Vec<Compute>>> = per_rank.iter().map(|o| linear_extensions(o, p)).collect();
+    let mut best: Option<f64> = None;
+    let mut idx = vec![0usize; exts.len()];
+    loop {
+        let orders: Vec<RankOrder> = idx
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| RankOrder {
+                rank: pipec_schedules::Rank(r as u32),
+                ops: exts[r][i].clone(),
+                warmup: 0,
+            })
+            .collect();
+        if let Some(prog) = tune::lower::lower_timed(p, &orders) {
+            let peaks = weighted_peaks(&prog, &p.act, &p.param);
+            if peaks.iter().zip(&p.limit).all(|(x, l)| *x <= l + 1e-9) {
+                let sim = simulate(&prog, costs).unwrap().summary.makespan;
+                best = Some(best.map_or(sim, |b: f64| b.min(sim)));
+            }
+        }
+        // Next combination.
+        let mut r = 0;
+        loop {
+            if r == idx.len() {
+                return best;
+            }
+            idx[r] += 1;
+            if idx[r] < exts[r].len() {
+                break;
+            }
+            idx[r] = 0;
+            r += 1;
+        }
+    }
+}
+
+/// The branch and bound finds exactly the brute-force optimum on tiny instances (loop, V and
+/// bidirectional placements; uneven costs; with and without a memory limit), and the list
+/// scheduler is never better than it.
+#[test]
+fn exact_search_agrees_with_brute_force() {
+    let mut cases = 0;
+    for cost in [
+        "f=1,b=2,w=1",
+        "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5,p2p=0.25",
+    ] {
+        let model = CostModel::parse(cost).unwrap();
+        for (pl, m, counts) in [
+            (Placement::looped(2, 1), 2, vec![1, 1]),
+            (Placement::looped(2, 1), 2, vec![2, 1]),
+            (Placement::looped(3, 1), 1, vec![1, 1, 1]),
+            (Placement::v_shape(1), 2, vec![1, 1]),
+            (Placement::v_shape(2), 1, vec![1, 1, 1, 1]),
+            (Placement::bidirectional(2, 1), 2, vec![1, 2]),
+        ] {
+            let layout = split::layout_of(&counts, 0);
+            let costs = StageCosts::new(&model, &layout, pl.num_stages());
+            for limit in [None, Some(2.0), Some(3.0)] {
+                let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                let brute = brute_force(&p, &costs);
+                let exact = tune::exact::exact(&p, None, u64::MAX);
+                assert_eq!(
+                    brute.is_some(),
+                    exact.is_some(),
+                    "{cost} {pl:?} m={m} {limit:?}"
+                );
+                let (Some(brute), Some(exact)) = (brute, exact) else {
+                    continue;
+                };
+                assert!(exact.proven);
+                assert!(
+                    close(brute, exact.makespan),
+                    "{cost} {:?} m={m} {limit:?}: brute {brute} exact {}",
+                    pl.kind,
+                    exact.makespan
+                );
+                // Its orders run in exactly that time.
+                let prog = tune::lower::lower_timed(&p, &exact.orders).unwrap();
+                assert!(close(
+                    simulate(&prog, &costs).unwrap().summary.makespan,
+                    brute
+                ));
+                if let Some((plan, _)) = tune::best_plan(&p) {
+                    assert!(plan.makespan >= brute - 1e-9);
+                }
+                cases += 1;
+            }
+        }
+    }
+    assert!(cases >= 20, "{cases}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Calibration.
+
+/// A measured run closes the loop: `pipec-run --trace` on a tuned schedule, `pipec calibrate`
+/// of that trace, and `pipec tune` planning from the fitted costs.
+#[test]
+fn calibrate_from_a_pipec_run_trace_feeds_tune() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--layout",
+            "Ett|ttL",
+            "-o",
+        ])
+        .arg(&dir)
+        .assert()
+        .success();
+    let trace = tmp.path().join("trace.json");
+    let run = Command::from_std(pipec_tests::workspace_bin("pipec-runtime", "pipec-run"))
+        .arg(&dir)
+        .arg("--trace")
+        .arg(&trace)
+        .assert();
+    run.success();
+    let costs = tmp.path().join("cost.toml");
+    pipec()
+        .arg("calibrate")
+        .arg(&trace)
+        .arg("--schedule")
+        .arg(&dir)
+        .arg("-o")
+        .arg(&costs)
+        .assert()
+        .success();
+    let text = std::fs::read_to_string(&costs).unwrap();
+    assert!(
+        text.contains("t.f = ") && text.contains("t.b = ") && text.contains("t.w = "),
+        "{text}"
+    );
+    let mut m = CostModel::default();
+    m.apply(&text, Some("cost.toml")).unwrap();
+    assert!(m.layer(pipec::front::layout::LayerKind::Decoder).f > 0.0);
+    pipec()
+        .args([
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--num-layers",
+            "4",
+            "--cost-file",
+        ])
+        .arg(&costs)
+        .assert()
+        .success();
+    // Errors: no layout source (usage, 2); a file that is not a trace (invalid, 1).
+    pipec().arg("calibrate").arg(&trace).assert().code(2);
+    let bad = tmp.path().join("bad.json");
+    std::fs::write(&bad, "{\"traceEvents\": []}").unwrap();
+    pipec()
+        .arg("calibrate")
+        .arg(&bad)
+        .args(["--layout", "Ett|ttL"])
+        .assert()
+        .code(1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The README's figures: `cargo test -p pipec-tests --release tune::figures -- --ignored --nocapture`.
+
+#[test]
+#[ignore = "prints the README's tables"]
+fn figures() {
+    println!("| model | pp | M | limit | best built-in | tuned | faster | lower bound |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let heavy = UNEVEN;
+    // (name, costs, pp, M, decoder layers, memory limit as a multiple of 1F1B's peak)
+    type Case<'a> = (&'a str, &'a str, u32, u32, u32, Option<f64>);
+    let cases: Vec<Case> = vec![
+        ("uniform, 1 layer/stage", "f=1,b=1,w=1", 8, 64, 16, None),
+        ("uneven, 14 layers", heavy, 4, 16, 14, None),
+        ("uneven, 62 layers", heavy, 8, 64, 62, None),
+        ("uneven, 62 layers", heavy, 8, 64, 62, Some(1.5)),
+        ("uneven, 62 layers", heavy, 8, 64, 62, Some(1.0)),
+        ("uneven, 126 layers", heavy, 16, 128, 126, None),
+        (
+            "uneven, 126 layers, p2p=0.2",
+            "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1,p2p=0.2",
+            16,
+            128,
+            126,
+            Some(1.5),
+        ),
+    ];
+    for (name, cost, pp, m, layers, factor) in cases {
+        let base = tune::tune(&request(pp, m, cost, layers)).unwrap();
+        let limit = factor.map(|f| {
+            f * base
+                .candidates
+                .iter()
+                .find(|c| c.schedule == "1f1b")
+                .unwrap()
+                .peak_memory
+        });
+        let t = tune::tune(&TuneRequest {
+            memory_limit: limit,
+            ..request(pp, m, cost, layers)
+        })
+        .unwrap();
+        let bb = best_builtin(&t);
+        let bt = best_tuned(&t);
+        println!(
+            "| {name} | {pp} | {m} | {} | {} {} | {} {} | {:.1}% | {} |",
+            factor.map_or("none".into(), |f| format!("{f}x 1F1B")),
+            tune::describe(bb),
+            bb.makespan,
+            tune::describe(bt),
+            (bt.makespan * 1e4).round() / 1e4,
+            (bb.makespan / bt.makespan - 1.0) * 100.0,
+            (t.lower_bound.value * 1e4).round() / 1e4
+        );
+    }
+    println!();
+    println!("| instance | costs | limit | list scheduler | exact | gap | nodes |");
+    println!("|---|---|---|---|---|---|---|");
+    for cost in [
+        "f=1,b=1,w=1",
+        "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5",
+    ] {
+        for (pl, m, counts) in [
+            (Placement::looped(2, 1), 4, vec![1, 1]),
+            (Placement::looped(3, 1), 3, vec![1, 1, 1]),
+            (Placement::looped(2, 1), 3, vec![2, 1]),
+            (Placement::v_shape(2), 2, vec![1, 1, 1, 1]),
+            (Placement::bidirectional(2, 2), 4, vec![1, 2]),
+        ] {
+            let model = CostModel::parse(cost).unwrap();
+            let layout = split::layout_of(&counts, 0);
+            for limit in [None, Some(3.0)] {
+                let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                let Some((plan, _)) = tune::best_plan(&p) else {
+                    continue;
+                };
+                let e =
+                    tune::exact::exact(&p, Some((plan.makespan, plan.orders.clone())), 50_000_000)
+                        .unwrap();
+                println!(
+                    "| {:?} pp={} M={m} {} | {} | {} | {} | {}{} | {:.1}% | {} |",
+                    pl.kind,
+                    pl.pp,
+                    split::layout_string(&layout),
+                    if cost.contains("E.f") {
+                        "uneven"
+                    } else {
+                        "uniform"
+                    },
+                    limit.map_or("none".into(), |l| l.to_string()),
+                    plan.makespan,
+                    e.makespan,
+                    if e.proven { "" } else { " (not proven)" },
+                    (plan.makespan / e.makespan - 1.0) * 100.0,
+                    e.nodes
+                );
+            }
+        }
+    }
+}
