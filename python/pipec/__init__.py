@@ -37,6 +37,7 @@ __all__ = [
     "compile",
     "kinds",
     "load",
+    "tune",
 ]
 
 _MEGATRON_P2P = (
@@ -221,6 +222,46 @@ def load(path: str | os.PathLike, world_size: int | None = None) -> Schedule:
     naming the file and the reason; one that loads but does not verify, :class:`InvalidSchedule`.
     """
     return Schedule(_native.load_dir(os.fspath(path), world_size))
+
+
+def tune(
+    pp: int,
+    microbatches: int,
+    num_layers: int | None = None,
+    mtp_num_layers: int | None = None,
+    layout: str | None = None,
+    rebalance: bool = False,
+    cost: str | None = None,
+    memory_limit: str | float | None = None,
+) -> tuple[Schedule, dict]:
+    """``pipec tune``: the fastest verified schedule and layer split for a model's costs.
+
+    ``cost`` is the cost-spec text of ``--cost`` / ``--cost-file`` (per layer kind ``K.f``,
+    ``K.b``, ``K.w``, ``K.act``, ``K.param``, ``p2p``, ...); ``memory_limit`` is bytes with
+    units (``"40GiB"``) or a number of activation units, applied to every rank. Returns the
+    compiled, verified schedule (save it with :meth:`Schedule.save`) and the report
+    ``pipec tune --json`` prints: ``schedule``, ``layout`` (a Megatron layout string),
+    ``makespan``, ``lower_bound``, ``bubble``, ``peak_memory`` (per rank), ``candidates``.
+    A limit nothing meets raises :class:`SpecError` naming the smallest peak reached.
+    """
+    for name, v in (("pp", pp), ("microbatches", microbatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise SpecError(f"{name} must be a non-negative integer, not {v!r}")
+    if memory_limit is not None and not isinstance(memory_limit, str):
+        if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
+            raise SpecError(f"memory_limit must be a size or a number, not {memory_limit!r}")
+        memory_limit = repr(memory_limit)
+    native, report = _native.tune_schedule(
+        pp,
+        microbatches,
+        num_layers=num_layers,
+        mtp_num_layers=mtp_num_layers,
+        layout=layout,
+        rebalance=rebalance,
+        cost=cost,
+        memory_limit=memory_limit,
+    )
+    return Schedule(native), json.loads(report)
 
 
 def kinds() -> list[str]:

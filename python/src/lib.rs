@@ -14,6 +14,7 @@ use pipec::front::layout::Layout;
 use pipec::ir::Program;
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
+use pipec::tune::{tune, TuneRequest};
 use pipec::verify::{verify, StreamRule, VerifyOptions};
 use pipec_runtime::{load::LaunchWorld, RunError};
 use pipec_schedules::{CommPolicy, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
@@ -334,6 +335,76 @@ fn compile_schedule(
     })
 }
 
+/// `pipec tune` as a function: the fastest verified schedule and layer split for the costs
+/// (`cost`: the cost-spec text of `--cost`/`--cost-file`) under `memory_limit` (bytes with
+/// units, `"40GiB"`, or activation units). Returns the schedule and `pipec tune --json`'s
+/// object as JSON text.
+#[pyfunction]
+#[pyo3(signature = (pp, microbatches, num_layers=None, mtp_num_layers=None, layout=None,
+    rebalance=false, cost=None, memory_limit=None, max_ops=None))]
+#[allow(clippy::too_many_arguments)]
+fn tune_schedule(
+    py: Python<'_>,
+    pp: u32,
+    microbatches: u32,
+    num_layers: Option<u32>,
+    mtp_num_layers: Option<u32>,
+    layout: Option<String>,
+    rebalance: bool,
+    cost: Option<&str>,
+    memory_limit: Option<&str>,
+    max_ops: Option<u64>,
+) -> PyResult<(NativeSchedule, String)> {
+    let mut model = CostModel::default();
+    if let Some(spec) = cost {
+        model
+            .apply(spec, None)
+            .map_err(|e| SpecError::new_err(e.render()))?;
+    }
+    let layout = match layout {
+        Some(text) => Some(
+            pipec::front::layout::parse(&text).map_err(|e| LayoutError::new_err(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let memory_limit = match memory_limit {
+        Some(s) => Some(
+            pipec::simulate::cost::parse_memory(s)
+                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
+                .0,
+        ),
+        None => None,
+    };
+    let req = TuneRequest {
+        layout,
+        rebalance,
+        num_layers,
+        mtp_num_layers,
+        memory_limit,
+        limits: Limits {
+            max_compute_ops: max_ops.unwrap_or(Limits::DEFAULT.max_compute_ops),
+        },
+        ..TuneRequest::new(pp, microbatches, model)
+    };
+    let t0 = std::time::Instant::now();
+    let t = py
+        .detach(|| tune(&req))
+        .map_err(|e| SpecError::new_err(e.to_string()))?;
+    let report = t.json(t0.elapsed().as_secs_f64()).to_string();
+    let layout = t.file_layout();
+    let source = t.header(&layout).source.to_string();
+    Ok((
+        NativeSchedule {
+            program: t.program,
+            layout,
+            spec: t.spec,
+            comm_policy: Some(t.comm),
+            source,
+        },
+        report,
+    ))
+}
+
 /// Load a compiled directory with every check `pipec-run` makes.
 #[pyfunction]
 #[pyo3(signature = (path, world_size=None))]
@@ -382,6 +453,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeSchedule>()?;
     m.add_function(wrap_pyfunction!(compile_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(load_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(tune_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
     Ok(())
 }

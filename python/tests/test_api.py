@@ -304,3 +304,40 @@ def test_eval_and_step_refusals():
 def test_exception_names():
     assert pipec.PipecError.__module__ == "pipec"
     assert pipec.InvalidSchedule.__name__ == "InvalidSchedule"
+
+
+UNEVEN = "t.f=1,t.b=1.5,t.w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1"
+
+
+def test_tune_matches_the_cli(tmp_path):
+    s, report = pipec.tune(4, 16, num_layers=8, cost=UNEVEN)
+    assert s.pp == 4 and s.num_microbatches == 16
+    assert report["makespan"] >= report["lower_bound"] * (1 - 1e-9) > 0
+    assert len(report["peak_memory"]) == 4 and report["candidates"]
+    assert s.check().valid
+    # The schedule simulates to the reported makespan under the same costs.
+    assert s.simulate(UNEVEN)["makespan"] == pytest.approx(report["makespan"])
+    if not CLI.exists():
+        pytest.skip(f"{CLI} not built (cargo build)")
+    out = subprocess.run(
+        [CLI, "tune", "--pp", "4", "--microbatches", "16", "--num-layers", "8"]
+        + ["--cost", UNEVEN, "--json", "-o", tmp_path / "cli"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    cli = json.loads(out)
+    for key in ("schedule", "layout", "makespan", "lower_bound", "peak_memory", "candidates"):
+        assert cli[key] == report[key], key
+    s.save(tmp_path / "py")
+    for f in sorted(os.listdir(tmp_path / "cli")):
+        assert (tmp_path / "cli" / f).read_bytes() == (tmp_path / "py" / f).read_bytes(), f
+
+
+def test_tune_errors():
+    with pytest.raises(pipec.SpecError, match="smallest peak memory"):
+        pipec.tune(4, 16, num_layers=8, memory_limit=1)
+    with pytest.raises(pipec.SpecError):
+        pipec.tune(4, 16, cost="f=banana")
+    with pytest.raises(pipec.LayoutError):
+        pipec.tune(2, 4, layout="Et|x|L")

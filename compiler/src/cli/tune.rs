@@ -3,7 +3,7 @@
 use super::compile::FileFormat;
 use super::simulate::CostArgs;
 use super::{print_json, CliError};
-use pipec::back::files::{self, Header};
+use pipec::back::files;
 use pipec::simulate::cost::{num, parse_memory};
 use pipec::tune::{describe, fmt_mem, tune, TuneError, TuneRequest, Tuned};
 use pipec_schedules::Limits;
@@ -109,7 +109,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         write(&t, out, a.format)?;
     }
     if a.json {
-        print_json(&json(&t, seconds));
+        print_json(&t.json(seconds));
     } else {
         print_report(&t, &req, seconds, a.out.as_deref());
     }
@@ -120,47 +120,11 @@ fn write(t: &Tuned, out: &std::path::Path, format: FileFormat) -> Result<(), Cli
     // tune verified the program already (memory included); verify again as compile does,
     // so nothing unverified can reach the disk whatever changes upstream.
     super::verify_before_write(&t.program, None, Some(t.comm), out)?;
-    let layout = pipec::front::layout::Layout {
-        text: Some(t.best.layout.clone()),
-        stages: t.layout.stages.clone(),
-    };
-    let header = Header {
-        source: if t.spec.is_some() {
-            "generated"
-        } else {
-            "tuned"
-        },
-        schedule: t.spec,
-        comm_policy: Some(t.comm),
-        layout: &layout,
-    };
+    let layout = t.file_layout();
+    let header = t.header(&layout);
     let rendered = files::render(&header, &t.program, format.encoding());
     super::warn_big_write(rendered.iter().map(|(_, b)| b.len() as u64).sum(), out);
     files::write_dir(out, &rendered).map_err(|e| CliError::Usage(e.to_string()))
-}
-
-/// The `--json` object.
-pub fn json(t: &Tuned, seconds: f64) -> serde_json::Value {
-    serde_json::json!({
-        "schedule": {
-            "kind": t.best.schedule,
-            "vpp": t.best.vpp,
-            "group_size": t.best.group_size,
-            "placement": t.best.placement,
-            "heuristic": t.best.heuristic,
-        },
-        "layout": t.best.layout,
-        "makespan": t.best.makespan,
-        "planned_makespan": t.planned_makespan,
-        "lower_bound": t.lower_bound.value,
-        "lower_bound_parts": t.lower_bound,
-        "bubble": t.summary.mean_bubble(),
-        "bubble_per_rank": t.summary.ranks.iter().map(|r| r.bubble_ratio).collect::<Vec<_>>(),
-        "peak_memory": t.peak_memory,
-        "candidates": t.candidates,
-        "verdict": t.report.verdict_line(),
-        "seconds": seconds,
-    })
 }
 
 fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::path::Path>) {

@@ -69,7 +69,7 @@ impl TuneRequest {
 
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum TuneError {
-    #[error("--pp and --microbatches must be at least 1")]
+    #[error("pp and microbatches must be at least 1")]
     Zero,
     #[error("the layout has {stages} stages, which pp = {pp} does not divide")]
     Stages { stages: usize, pp: u32 },
@@ -217,6 +217,57 @@ fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
                 .expect("every job ran")
         })
         .collect()
+}
+
+impl Tuned {
+    /// What `pipec tune --json` prints and `pipec.tune` returns: the choice, its layout
+    /// string, makespan against the lower bound, bubble, peak memory per rank, every
+    /// candidate weighed, the verdict, and `seconds` (how long the search took).
+    pub fn json(&self, seconds: f64) -> serde_json::Value {
+        serde_json::json!({
+            "schedule": {
+                "kind": self.best.schedule,
+                "vpp": self.best.vpp,
+                "group_size": self.best.group_size,
+                "placement": self.best.placement,
+                "heuristic": self.best.heuristic,
+            },
+            "layout": self.best.layout,
+            "makespan": self.best.makespan,
+            "planned_makespan": self.planned_makespan,
+            "lower_bound": self.lower_bound.value,
+            "lower_bound_parts": self.lower_bound,
+            "bubble": self.summary.mean_bubble(),
+            "bubble_per_rank": self.summary.ranks.iter().map(|r| r.bubble_ratio).collect::<Vec<_>>(),
+            "peak_memory": self.peak_memory,
+            "candidates": self.candidates,
+            "verdict": self.report.verdict_line(),
+            "seconds": seconds,
+        })
+    }
+
+    /// The layout the written files carry: the chosen split, with its Megatron string.
+    pub fn file_layout(&self) -> Layout {
+        Layout {
+            text: Some(self.best.layout.clone()),
+            stages: self.layout.stages.clone(),
+        }
+    }
+
+    /// The header of the written files (`layout` from [`Tuned::file_layout`]): a built-in
+    /// kind that won is `generated` with its spec; a plan of the tuner's own is `tuned`.
+    pub fn header<'a>(&self, layout: &'a Layout) -> crate::back::files::Header<'a> {
+        crate::back::files::Header {
+            source: if self.spec.is_some() {
+                "generated"
+            } else {
+                "tuned"
+            },
+            schedule: self.spec,
+            comm_policy: Some(self.comm),
+            layout,
+        }
+    }
 }
 
 /// The best plan of the tuned scheduler on one problem over every heuristic.
