@@ -175,8 +175,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             })
         });
         let prepared = files::prepare(&header, &c.program, a.format.encoding());
-        let bytes = prepared.bytes();
         let gate = || {
+            let bytes = prepared.bytes();
             let verdict = verifying
                 .map(|v| v.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
                 .transpose()?;

@@ -15,45 +15,52 @@ use thiserror::Error;
 /// check both agree with serde.
 pub(crate) fn rank_file_json(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
     let mut out = Vec::with_capacity(json_size(rank, world, hash, instrs) as usize);
-    let _ = stream_rank_json(&mut out, usize::MAX, rank, world, hash, instrs, |_| Ok(()));
+    let _ = stream_rank_json(&mut Chunk::new(), rank, world, hash, instrs, |b| {
+        out.extend_from_slice(b);
+        Ok(())
+    });
     out
 }
 
-/// Emit rank `rank`'s JSON file into `buf`, handing it to `flush` (which must empty it)
-/// whenever it holds `chunk` bytes or more, and once more at the end.
+/// Emit rank `rank`'s JSON file through `chunk`, handing `flush` the bytes whenever about
+/// [`CHUNK`] of them are ready, and the rest at the end.
 pub(crate) fn stream_rank_json(
-    buf: &mut Vec<u8>,
-    chunk: usize,
+    chunk: &mut Chunk,
     rank: u32,
     world: u32,
     hash: &str,
     instrs: &[Instr],
-    mut flush: impl FnMut(&mut Vec<u8>) -> std::io::Result<()>,
+    mut flush: impl FnMut(&[u8]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
-    buf.extend_from_slice(b"{\n  \"format\": \"");
-    buf.extend_from_slice(RANK_FORMAT.as_bytes());
-    buf.extend_from_slice(b"\",\n  \"version\": ");
-    push_u32(buf, FORMAT_VERSION);
-    buf.extend_from_slice(b",\n  \"rank\": ");
-    push_u32(buf, rank);
-    buf.extend_from_slice(b",\n  \"world_size\": ");
-    push_u32(buf, world);
-    buf.extend_from_slice(b",\n  \"schedule_hash\": \"");
-    buf.extend_from_slice(hash.as_bytes());
-    buf.extend_from_slice(b"\",\n  \"instructions\": [\n");
-    let mut line = Line::new();
+    let mut head = Vec::with_capacity(200 + hash.len());
+    head.extend_from_slice(b"{\n  \"format\": \"");
+    head.extend_from_slice(RANK_FORMAT.as_bytes());
+    head.extend_from_slice(b"\",\n  \"version\": ");
+    push_u32(&mut head, FORMAT_VERSION);
+    head.extend_from_slice(b",\n  \"rank\": ");
+    push_u32(&mut head, rank);
+    head.extend_from_slice(b",\n  \"world_size\": ");
+    push_u32(&mut head, world);
+    head.extend_from_slice(b",\n  \"schedule_hash\": \"");
+    head.extend_from_slice(hash.as_bytes());
+    head.extend_from_slice(b"\",\n  \"instructions\": [\n");
+    chunk.n = 0;
+    if head.len() > LINE_MAX {
+        flush(&head)?;
+    } else {
+        chunk.s(&head);
+    }
     for (i, ins) in instrs.iter().enumerate() {
-        line.n = 0;
-        line.s(b"    ");
-        line.instr(ins);
-        line.s(if i + 1 < instrs.len() { b",\n" } else { b"\n" });
-        buf.extend_from_slice(line.bytes());
-        if buf.len() >= chunk {
-            flush(buf)?;
+        chunk.s(b"    ");
+        chunk.instr(ins);
+        chunk.s(if i + 1 < instrs.len() { b",\n" } else { b"\n" });
+        if chunk.n >= CHUNK {
+            flush(chunk.bytes())?;
+            chunk.n = 0;
         }
     }
-    buf.extend_from_slice(b"  ]\n}\n");
-    flush(buf)
+    chunk.s(b"  ]\n}\n");
+    flush(chunk.bytes())
 }
 
 /// The exact size of [`rank_file_json`]'s output, without writing it.
@@ -95,23 +102,37 @@ pub(crate) fn json_size(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> 
     n + instrs.len().saturating_sub(1) as u64
 }
 
+#[inline]
 fn digits(v: u32) -> u32 {
-    v.checked_ilog10().unwrap_or(0) + 1
+    // Ids are mostly small: comparisons before the general case.
+    match v {
+        0..=9 => 1,
+        10..=99 => 2,
+        100..=999 => 3,
+        _ => v.ilog10() + 1,
+    }
 }
 
 pub(crate) fn push_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
 }
 
-/// One instruction line, assembled on the stack and appended to the output in one copy.
-struct Line {
-    b: [u8; 160],
+/// The longest instruction line (a `send` with every number at `u32::MAX` is 115 bytes).
+const LINE_MAX: usize = 256;
+
+/// A buffer rank files are assembled in, [`CHUNK`] bytes at a time: each line is written
+/// straight into it (the literals as fixed-size copies), never through a growing `Vec`.
+pub(crate) struct Chunk {
+    b: Box<[u8]>,
     n: usize,
 }
 
-impl Line {
-    fn new() -> Self {
-        Line { b: [0; 160], n: 0 }
+impl Chunk {
+    pub(crate) fn new() -> Self {
+        Chunk {
+            b: vec![0; CHUNK + LINE_MAX].into_boxed_slice(),
+            n: 0,
+        }
     }
 
     fn bytes(&self) -> &[u8] {
@@ -216,7 +237,7 @@ impl Line {
 /// One instruction as its JSON object (no indent, no comma).
 #[cfg(test)]
 pub(crate) fn write_instr(out: &mut Vec<u8>, ins: &Instr) {
-    let mut line = Line::new();
+    let mut line = Chunk::new();
     line.instr(ins);
     out.extend_from_slice(line.bytes());
 }
@@ -349,7 +370,7 @@ impl Prepared<'_> {
     }
 
     /// Write rank `r`'s file to `path`, streaming; returns its SHA-256.
-    fn write_rank(&self, r: usize, path: &Path, buf: &mut Vec<u8>) -> std::io::Result<String> {
+    fn write_rank(&self, r: usize, path: &Path, chunk: &mut Chunk) -> std::io::Result<String> {
         use sha2::{Digest, Sha256};
         use std::io::Write;
         let mut file = std::fs::File::create(path)?;
@@ -357,19 +378,15 @@ impl Prepared<'_> {
         let r32 = r as u32;
         match self.encoding {
             Encoding::Json => {
-                buf.clear();
                 stream_rank_json(
-                    buf,
-                    CHUNK,
+                    chunk,
                     r32,
                     self.world,
                     &self.hash,
                     &self.program.ranks[r],
                     |b| {
-                        sha.update(&b[..]);
-                        file.write_all(b)?;
-                        b.clear();
-                        Ok(())
+                        sha.update(b);
+                        file.write_all(b)
                     },
                 )?;
             }
@@ -416,7 +433,7 @@ pub fn write_prepared<T: Send, E: Send>(
     let staged = refuse_foreign(dir).and_then(|()| Staging::create(dir));
     let work = || {
         let Ok(staging) = &staged else { return };
-        let mut buf = Vec::with_capacity(CHUNK + 256);
+        let mut chunk = Chunk::new();
         while !stop.load(Ordering::Relaxed) {
             let r = next.fetch_add(1, Ordering::Relaxed);
             if r >= world {
@@ -425,7 +442,7 @@ pub fn write_prepared<T: Send, E: Send>(
             let path = staging
                 .tmp
                 .join(rank_file_name(r as u32, prepared.encoding));
-            match prepared.write_rank(r, &path, &mut buf) {
+            match prepared.write_rank(r, &path, &mut chunk) {
                 Ok(sha) => lock(&shas)[r] = Some(sha),
                 Err(source) => {
                     stop.store(true, Ordering::Relaxed);
