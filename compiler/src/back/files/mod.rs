@@ -218,6 +218,13 @@ mod tests {
             }
             assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
         }
+        // Parents made for the staging directory go too.
+        let deep = parent.join("a/b/out");
+        assert!(matches!(
+            write_prepared(&deep, &p, 2, || Err::<(), _>("invalid")),
+            Err(Gated::Gate("invalid"))
+        ));
+        assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("notes.txt"), "mine").unwrap();
         assert!(matches!(

@@ -482,7 +482,7 @@ pub fn write_prepared<T: Send, E: Send>(
     };
     let staging = match (verdict, staged) {
         (Err(e), Ok(staging)) => {
-            staging.abandon();
+            staging.abandon_all();
             return Err(Gated::Gate(e));
         }
         (Err(e), Err(_)) => return Err(Gated::Gate(e)),
@@ -587,6 +587,8 @@ struct Staging {
     parent: PathBuf,
     base: String,
     tmp: PathBuf,
+    /// The parent directories that did not exist before (innermost first).
+    created: Vec<PathBuf>,
 }
 
 impl Staging {
@@ -601,12 +603,18 @@ impl Staging {
             .unwrap_or_else(|| "out".to_string());
         let tmp = parent.join(format!(".{base}.pipec-tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
+        let created = parent
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
         std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
         Ok(Staging {
             dir: dir.to_path_buf(),
             parent,
             base,
             tmp,
+            created,
         })
     }
 
@@ -640,5 +648,16 @@ impl Staging {
 
     fn abandon(&self) {
         let _ = std::fs::remove_dir_all(&self.tmp);
+    }
+
+    /// [`Staging::abandon`], and the parent directories made for it too: as if nothing had
+    /// been attempted (a refused schedule leaves no trace).
+    fn abandon_all(&self) {
+        self.abandon();
+        for d in &self.created {
+            if std::fs::remove_dir(d).is_err() {
+                break;
+            }
+        }
     }
 }
