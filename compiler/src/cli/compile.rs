@@ -162,10 +162,10 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     // Verification and the files run side by side: the files go to a staging directory that
     // takes the place of the output only once the verifier has passed the schedule, so an
     // invalid schedule never reaches the output unless the user insists with --no-verify.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let verdict = std::thread::scope(|s| {
-        let verifying = (!a.no_verify).then(|| {
-            s.spawn(|| {
+    let threads = files::threads_for(c.program.len() as u64);
+    let verify = || {
+        (!a.no_verify)
+            .then(|| {
                 super::verify_before_write(
                     &c.program,
                     a.memory_limit,
@@ -173,13 +173,18 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                     &a.out,
                 )
             })
-        });
+            .transpose()
+    };
+    let verdict = std::thread::scope(|s| {
+        // A small schedule is verified and then written on this thread (see threads_for).
+        let verifying = (threads > 1).then(|| s.spawn(verify));
         let prepared = files::prepare(&header, &c.program, a.format.encoding());
         let gate = || {
             let bytes = prepared.bytes();
-            let verdict = verifying
-                .map(|v| v.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .transpose()?;
+            let verdict = match verifying {
+                Some(v) => v.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                None => verify(),
+            }?;
             super::warn_big_write(bytes, &a.out);
             Ok(verdict)
         };

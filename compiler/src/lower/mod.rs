@@ -469,10 +469,14 @@ pub fn lower_orders(
 /// threads to pay (a small one is lowered in microseconds).
 fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) -> Vec<T> {
     const PARALLEL_OPS: usize = 1 << 16;
+    // Size first: asking for the core count reads cgroup files (tens of microseconds).
+    if orders.iter().map(|o| o.ops.len()).sum::<usize>() < PARALLEL_OPS {
+        return orders.iter().map(f).collect();
+    }
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(orders.len());
-    if threads <= 1 || orders.iter().map(|o| o.ops.len()).sum::<usize>() < PARALLEL_OPS {
+    if threads <= 1 {
         return orders.iter().map(f).collect();
     }
     let next = std::sync::atomic::AtomicUsize::new(0);

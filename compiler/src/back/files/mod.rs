@@ -19,7 +19,8 @@ pub use read::{
     load_dir, load_files, load_manifest, load_rank, parse_manifest, parse_rank, LoadError, Loaded,
 };
 pub use write::{
-    prepare, render, write_dir, write_prepared, write_program, Gated, Prepared, WriteError,
+    prepare, render, threads_for, write_dir, write_prepared, write_program, Gated, Prepared,
+    WriteError,
 };
 
 #[cfg(test)]
@@ -249,6 +250,19 @@ mod tests {
         write_program(&dir, &header(&c), &c.program, Encoding::Json).unwrap();
         std::fs::write(dir.join("rank-3.json"), "{}").unwrap();
         std::fs::remove_file(dir.join("rank-1.json")).unwrap();
+        // As load_dir reads a big schedule: on several threads.
+        let e = super::read::load_with(&dir, Some(3), |path, buf| {
+            *buf = std::fs::read(path).map_err(|source| LoadError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, LoadError::Io { path, .. } if path.ends_with("rank-1.json")),
+            "{e}"
+        );
         let e = load_dir(&dir).unwrap_err();
         assert!(
             matches!(&e, LoadError::Io { path, .. } if path.ends_with("rank-1.json")),

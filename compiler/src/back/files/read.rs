@@ -290,8 +290,7 @@ pub fn parse_rank(
 /// Rank files are read, hashed and parsed on every core; a refusal names the lowest rank at
 /// fault, as a loader reading them in order would.
 pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    load_with(dir, threads, |path, buf| {
+    load_with(dir, None, |path, buf| {
         use std::io::Read;
         // Into the thread's buffer of the previous rank: no fresh pages to fault in per file.
         buf.clear();
@@ -309,7 +308,7 @@ pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
 /// A file the manifest names but `files` lacks is reported as a missing file. Pure: this is
 /// what the `files` fuzz target drives.
 pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
-    load_with(Path::new(""), 1, |path, buf| {
+    load_with(Path::new(""), Some(1), |path, buf| {
         let name = path.to_string_lossy();
         files
             .iter()
@@ -325,15 +324,20 @@ pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
     })
 }
 
+/// `threads`: how many to read rank files on; `None`: as many as their size warrants.
 pub(crate) fn load_with(
     dir: &Path,
-    threads: usize,
+    threads: Option<usize>,
     read: impl Fn(&Path, &mut Vec<u8>) -> Result<(), LoadError> + Sync,
 ) -> Result<Loaded, LoadError> {
     let manifest_path = dir.join(MANIFEST_FILE);
     let mut buf = Vec::new();
     read(&manifest_path, &mut buf)?;
     let manifest = parse_manifest(&manifest_path, &buf)?;
+    let threads = threads.unwrap_or_else(|| {
+        let listed = manifest.ranks.iter().map(|e| e.instructions);
+        super::write::threads_for(listed.fold(0, u64::saturating_add))
+    });
     // Each rank: its instructions and their canonical bytes (what the schedule hash covers).
     let per_rank = try_map_ranks(manifest.world_size as usize, threads, |r, buf| {
         let path = dir.join(&manifest.ranks[r].file);

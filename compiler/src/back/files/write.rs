@@ -370,7 +370,12 @@ impl Prepared<'_> {
     }
 
     /// Write rank `r`'s file to `path`, streaming; returns its SHA-256.
-    fn write_rank(&self, r: usize, path: &Path, chunk: &mut Chunk) -> std::io::Result<String> {
+    fn write_rank(
+        &self,
+        r: usize,
+        path: &Path,
+        chunk: &mut Option<Chunk>,
+    ) -> std::io::Result<String> {
         use sha2::{Digest, Sha256};
         use std::io::Write;
         let mut file = std::fs::File::create(path)?;
@@ -379,7 +384,7 @@ impl Prepared<'_> {
         match self.encoding {
             Encoding::Json => {
                 stream_rank_json(
-                    chunk,
+                    chunk.get_or_insert_with(Chunk::new),
                     r32,
                     self.world,
                     &self.hash,
@@ -391,11 +396,9 @@ impl Prepared<'_> {
                 )?;
             }
             Encoding::Postcard => {
-                let prefix = bin_prefix(r32, self.world, &self.hash);
-                sha.update(&prefix);
-                sha.update(&self.canonical[r]);
-                file.write_all(&prefix)?;
-                file.write_all(&self.canonical[r])?;
+                let bytes = rank_file_bin(r32, self.world, &self.hash, &self.canonical[r]);
+                sha.update(&bytes);
+                file.write_all(&bytes)?;
             }
         }
         Ok(hex(&sha.finalize()))
@@ -433,7 +436,7 @@ pub fn write_prepared<T: Send, E: Send>(
     let staged = refuse_foreign(dir).and_then(|()| Staging::create(dir));
     let work = || {
         let Ok(staging) = &staged else { return };
-        let mut chunk = Chunk::new();
+        let mut chunk = None;
         while !stop.load(Ordering::Relaxed) {
             let r = next.fetch_add(1, Ordering::Relaxed);
             if r >= world {
@@ -511,14 +514,25 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// [`write_prepared`] with nothing to wait for, on every core.
+/// How many threads reading or writing the files of a program of `instructions` is worth:
+/// every core for a big one, one below about 64k instructions (milliseconds of work, where
+/// starting threads would cost more than it saves).
+pub fn threads_for(instructions: u64) -> usize {
+    if instructions < 1 << 16 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+/// [`write_prepared`] with nothing to wait for, on every core when the program is big.
 pub fn write_program(
     dir: &Path,
     header: &Header<'_>,
     program: &Program,
     encoding: Encoding,
 ) -> Result<(), WriteError> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads_for(program.len() as u64);
     let p = prepare(header, program, encoding);
     write_prepared(dir, &p, threads, || Ok::<(), ()>(())).map_err(|e| match e {
         Gated::Write(e) => e,
