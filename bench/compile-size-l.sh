@@ -31,7 +31,7 @@ measure() {
 }
 
 uptime
-printf '%-22s %9s %8s %8s %8s %7s %8s %8s\n' schedule instrs "wall s" "cpu s" "rss MiB" "MB out" "check s" "chk MiB"
+printf '%-24s %9s %8s %8s %8s %7s %8s %8s\n' schedule instrs "wall s" "cpu s" "rss MiB" "MB out" "check s" "chk MiB"
 for spec in "interleaved-1f1b 8 512" "interleaved-1f1b 8 1024" "interleaved-1f1b 8 2048" \
     "interleaved-1f1b 8 4096" "zb-v 2 1024" "dualpipe-v 2 1024"; do
   read -r kind vpp m <<<"$spec"
@@ -42,6 +42,6 @@ for spec in "interleaved-1f1b 8 512" "interleaved-1f1b 8 1024" "interleaved-1f1b
   instrs=$(python3 -c "import json;print(sum(r['instructions'] for r in json.load(open('$out/s/manifest.json'))['ranks']))")
   mb=$(du -sm "$out/s" | cut -f1)
   read -r cwall _ crss <<<"$(measure "$runs" ':' "$pipec" check "$out/s")"
-  printf '%-22s %9s %8s %8s %8s %7s %8s %8s\n' "$kind M=$m" "$instrs" "$wall" "$cpu" "$rss" "$mb" "$cwall" "$crss"
+  printf '%-24s %9s %8s %8s %8s %7s %8s %8s\n' "$kind M=$m" "$instrs" "$wall" "$cpu" "$rss" "$mb" "$cwall" "$crss"
 done
 uptime
