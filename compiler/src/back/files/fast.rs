@@ -207,6 +207,128 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Parsed> {
     })
 }
 
+/// Decode `bytes` when they are a binary rank file exactly as pipec writes it (minimal
+/// varints, known variants and payload kinds, nothing after the last instruction); `None`
+/// otherwise, and the caller decodes with postcard as before.
+pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
+    let mut c = Bin { b: bytes, i: 0 };
+    if c.str()? != RANK_FORMAT {
+        return None;
+    }
+    let version = c.u32()?;
+    let rank = c.u32()?;
+    let world_size = c.u32()?;
+    let schedule_hash = c.str()?.to_string();
+    let n = c.varint(u64::MAX)?;
+    // Every instruction takes at least two bytes.
+    if n > (bytes.len() - c.i) as u64 / 2 {
+        return None;
+    }
+    let mut instructions = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let tag = c.u32()?;
+        let ins = match tag {
+            0..=3 => {
+                let t = Task::new(c.u32()?, c.u32()?);
+                Instr::Compute(match tag {
+                    0 => Compute::Fwd(t),
+                    1 => Compute::Bwd(t),
+                    2 => Compute::BwdD(t),
+                    _ => Compute::BwdW(t),
+                })
+            }
+            4 => {
+                let fwd = Task::new(c.u32()?, c.u32()?);
+                let bwd = Task::new(c.u32()?, c.u32()?);
+                Instr::Compute(Compute::FwdBwd { fwd, bwd })
+            }
+            5 | 6 => {
+                let peer = Rank(c.u32()?);
+                let kind = match *c.b.get(c.i)? {
+                    0 => PayloadKind::Act,
+                    1 => PayloadKind::Grad,
+                    _ => return None,
+                };
+                c.i += 1;
+                let payload = Payload {
+                    kind,
+                    stage: StageId(c.u32()?),
+                    mb: Microbatch(c.u32()?),
+                };
+                let batch = c.u32()?;
+                if tag == 5 {
+                    Instr::Send {
+                        peer,
+                        payload,
+                        batch,
+                    }
+                } else {
+                    Instr::Recv {
+                        peer,
+                        payload,
+                        batch,
+                    }
+                }
+            }
+            7 => Instr::Wait { batch: c.u32()? },
+            _ => return None,
+        };
+        instructions.push(ins);
+    }
+    (c.i == bytes.len()).then_some(Parsed {
+        version,
+        rank,
+        world_size,
+        schedule_hash,
+        instructions,
+    })
+}
+
+struct Bin<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Bin<'a> {
+    /// A minimal LEB128 varint (postcard's) of at most `max`.
+    #[inline]
+    fn varint(&mut self, max: u64) -> Option<u64> {
+        let mut v = 0u64;
+        for k in 0..10 {
+            let byte = *self.b.get(self.i)?;
+            self.i += 1;
+            v |= ((byte & 0x7f) as u64) << (7 * k);
+            if byte & 0x80 == 0 {
+                // Minimal: no trailing zero group (except 0 itself), no overflow.
+                if (k > 0 && byte == 0) || (k == 9 && byte > 1) {
+                    return None;
+                }
+                return (v <= max).then_some(v);
+            }
+        }
+        None
+    }
+
+    #[inline]
+    fn u32(&mut self) -> Option<u32> {
+        // Fast path: one byte.
+        let byte = *self.b.get(self.i)?;
+        if byte < 0x80 {
+            self.i += 1;
+            return Some(byte as u32);
+        }
+        self.varint(u32::MAX as u64).map(|v| v as u32)
+    }
+
+    fn str(&mut self) -> Option<&'a str> {
+        let n = self.varint(u64::MAX)?;
+        let end = self.i.checked_add(usize::try_from(n).ok()?)?;
+        let s = std::str::from_utf8(self.b.get(self.i..end)?).ok()?;
+        self.i = end;
+        Some(s)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::write::rank_file_json;
@@ -333,5 +455,73 @@ mod tests {
         );
         assert!(parse(text.replace("}\n", "} \n").as_bytes()).is_none());
         assert!(parse(&[ok.as_slice(), b" "].concat()).is_none());
+    }
+
+    /// What postcard makes of the bytes, in the fast path's terms.
+    fn via_postcard(bytes: &[u8]) -> Option<Parsed> {
+        let f: RankFileBin = postcard::from_bytes(bytes).ok()?;
+        let mut instructions = Vec::new();
+        for w in f.instructions {
+            instructions.push(Instr::try_from(w).ok()?);
+        }
+        (f.format == RANK_FORMAT).then_some(Parsed {
+            version: f.version,
+            rank: f.rank,
+            world_size: f.world_size,
+            schedule_hash: f.schedule_hash,
+            instructions,
+        })
+    }
+
+    fn bin_file(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
+        let mut b = bin_prefix(rank, world, hash);
+        b.extend_from_slice(&canonical(instrs));
+        b
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn written_bin_files_decode_fast(instrs in proptest::collection::vec(instr(), 0..40),
+                                         rank in any::<u32>(), world in any::<u32>()) {
+            let bytes = bin_file(rank, world, &"ab".repeat(32), &instrs);
+            let fast = parse_bin(&bytes).expect("canonical file");
+            prop_assert!(same(&fast, &via_postcard(&bytes).unwrap()));
+            prop_assert_eq!(fast.instructions, instrs);
+        }
+
+        /// Damage anywhere: what the fast path accepts, postcard decodes to the same values.
+        #[test]
+        fn damaged_bin_files_agree_with_postcard(instrs in proptest::collection::vec(instr(), 0..12),
+                                                 edits in proptest::collection::vec(
+                                                     (any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4)) {
+            let mut bytes = bin_file(1, 4, &"ab".repeat(32), &instrs);
+            for (at, byte, how) in edits {
+                if bytes.is_empty() { break; }
+                let i = at.index(bytes.len());
+                match how {
+                    0 => bytes[i] = byte,
+                    1 => bytes.insert(i, byte),
+                    _ => { bytes.remove(i); }
+                }
+            }
+            if let Some(fast) = parse_bin(&bytes) {
+                let slow = via_postcard(&bytes);
+                prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)), "{bytes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn overlong_varints_fall_back() {
+        let ok = bin_file(0, 1, "ab", &[Instr::Wait { batch: 7 }]);
+        assert!(parse_bin(&ok).is_some());
+        let last = ok.len() - 1;
+        // The batch `7` as two bytes: what postcard may accept, not what pipec writes.
+        let mut long = ok[..last].to_vec();
+        long.extend_from_slice(&[0x87, 0x00]);
+        assert!(parse_bin(&long).is_none());
+        assert!(parse_bin(&[ok.as_slice(), &[0]].concat()).is_none());
     }
 }

@@ -227,21 +227,36 @@ pub fn parse_rank(
                 )
             }
         },
-        Encoding::Postcard => {
-            let mut f: RankFileBin = postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
-                path: path.clone(),
-                msg: format!("not a valid postcard rank file: {e}"),
-            })?;
-            let wire = std::mem::take(&mut f.instructions);
-            let mut instrs = Vec::with_capacity(wire.len());
-            for (i, w) in wire.into_iter().enumerate() {
-                instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
-                    path: path.clone(),
-                    msg: format!("instruction #{i}: {msg}"),
-                })?);
+        Encoding::Postcard => match super::fast::parse_bin(bytes) {
+            // The form pipec writes: the fast path.
+            Some(p) => (
+                RankFileBin {
+                    format: RANK_FORMAT.to_string(),
+                    version: p.version,
+                    rank: p.rank,
+                    world_size: p.world_size,
+                    schedule_hash: p.schedule_hash,
+                    instructions: Vec::new(),
+                },
+                p.instructions,
+            ),
+            None => {
+                let mut f: RankFileBin =
+                    postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
+                        path: path.clone(),
+                        msg: format!("not a valid postcard rank file: {e}"),
+                    })?;
+                let wire = std::mem::take(&mut f.instructions);
+                let mut instrs = Vec::with_capacity(wire.len());
+                for (i, w) in wire.into_iter().enumerate() {
+                    instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
+                        path: path.clone(),
+                        msg: format!("instruction #{i}: {msg}"),
+                    })?);
+                }
+                (f, instrs)
             }
-            (f, instrs)
-        }
+        },
     };
     if f.format != RANK_FORMAT {
         return Err(LoadError::Format {
