@@ -4,7 +4,7 @@
 # the microbatches to show linear growth, and zb-v / dualpipe-v at pp=64 M=1024; then
 # `pipec check` (load, hash, verify) of each interleaved output. Prints the median wall time,
 # CPU time (user + sys) and peak RSS of 5 runs (3 above M=1024) and the output size.
-# Usage: bench/compile-size-l.sh [--format json|bin]   (needs /usr/bin/time)
+# Usage: [PIPEC=binary] bench/compile-size-l.sh [--format json|bin]   (needs /usr/bin/time)
 # The output goes under $BENCH_DIR (default: a fresh directory in $TMPDIR or /tmp); the
 # filesystem matters at these sizes (see docs/testing.md).
 set -euo pipefail
@@ -14,7 +14,7 @@ fmt=json
 if [ "${1:-}" = "--format" ]; then fmt=${2:-json}; fi
 out=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/pipec-bench.XXXXXX")
 trap 'rm -rf "$out"' EXIT
-pipec=target/release/pipec
+pipec=${PIPEC:-target/release/pipec}
 
 # median WALL CPU RSS_MIB of N runs of a command; PRE runs before each, untimed.
 measure() {
