@@ -3,7 +3,7 @@
 //! (about a million compute ops, three million instructions).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pipec::back::files::{render, Encoding, Header};
+use pipec::back::files::{load_dir, render, write_program, Encoding, Header};
 use pipec::front::layout::{self, Layout};
 use pipec::lower;
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
@@ -51,6 +51,20 @@ fn phases(c: &mut Criterion) {
                 )
             });
         }
+        // The whole files path as `pipec compile` and `pipec check` run it: written to a
+        // directory (on every core, streamed) and read back (hashes, parse, schedule hash).
+        let dir = std::env::temp_dir().join(format!("pipec-bench-files-{}", std::process::id()));
+        for (label, enc) in [("json", Encoding::Json), ("bin", Encoding::Postcard)] {
+            g.bench_function(format!("write_{label}/{name}"), |b| {
+                b.iter(|| write_program(&dir, &header, black_box(&prog), enc).unwrap())
+            });
+            // The directory as written (also when a filter skipped the write benchmark).
+            write_program(&dir, &header, &prog, enc).unwrap();
+            g.bench_function(format!("load_{label}/{name}"), |b| {
+                b.iter(|| load_dir(black_box(&dir)).unwrap())
+            });
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
     // The lockstep lowering (a timed list schedule, then one batch per instant and rank) on
     // the kinds that use it, at the L sizes.

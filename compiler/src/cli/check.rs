@@ -78,18 +78,29 @@ fn print(r: &Report, input: &std::path::Path, json: bool) {
         super::print_json(r);
         return;
     }
-    println!("{}: {}", input.display(), r.verdict_line());
-    for v in &r.violations {
-        println!("  [{}] {v}", v.class());
-    }
-    for k in &r.risks {
-        println!("  [risk] {k}");
-    }
-    println!("peak live activations:");
-    for m in &r.memory {
-        match m.at {
-            Some(at) => println!("  {}: {} (first at #{})", m.rank, m.peak, at.index),
-            None => println!("  {}: 0", m.rank),
+    // One buffered write for what can be hundreds of thousands of lines (every risk of a big
+    // schedule): stdout alone flushes at each line.
+    use std::io::Write;
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    let result = (|| -> std::io::Result<()> {
+        writeln!(out, "{}: {}", input.display(), r.verdict_line())?;
+        for v in &r.violations {
+            writeln!(out, "  [{}] {v}", v.class())?;
         }
+        for k in &r.risks {
+            writeln!(out, "  [risk] {k}")?;
+        }
+        writeln!(out, "peak live activations:")?;
+        for m in &r.memory {
+            match m.at {
+                Some(at) => writeln!(out, "  {}: {} (first at #{})", m.rank, m.peak, at.index)?,
+                None => writeln!(out, "  {}: 0", m.rank)?,
+            }
+        }
+        out.flush()
+    })();
+    // As println! does.
+    if let Err(e) = result {
+        panic!("failed printing to stdout: {e}");
     }
 }

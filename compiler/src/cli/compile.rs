@@ -147,34 +147,59 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     }
     let progress = super::spinner("generating and lowering");
     let c = compile(&a.request()?).map_err(compile_error)?;
-    progress.set_message(format!("verifying {} instructions", c.program.len()));
-    // Verify before anything is written: an invalid schedule never reaches the disk unless
-    // the user insists with --no-verify.
-    let verdict = if a.no_verify {
+    if a.no_verify {
         eprintln!(
             "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
             if a.memory_limit.is_some() { " (--memory-limit was not checked either)" } else { "" }
         );
-        None
-    } else {
-        Some(super::verify_before_write(
-            &c.program,
-            a.memory_limit,
-            Some(c.schedule.comm),
-            &a.out,
-        )?)
-    };
+    }
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
-    progress.set_message("encoding and writing");
-    let rendered = files::render(&header, &c.program, a.format.encoding());
+    progress.set_message(format!(
+        "verifying and writing {} instructions",
+        c.program.len()
+    ));
+    // Verification and the files run side by side: the files go to a staging directory that
+    // takes the place of the output only once the verifier has passed the schedule, so an
+    // invalid schedule never reaches the output unless the user insists with --no-verify.
+    let threads = files::threads_for(c.program.len() as u64);
+    let verify = || {
+        (!a.no_verify)
+            .then(|| {
+                super::verify_before_write(
+                    &c.program,
+                    a.memory_limit,
+                    Some(c.schedule.comm),
+                    &a.out,
+                )
+            })
+            .transpose()
+    };
+    let verdict = std::thread::scope(|s| {
+        // A small schedule is verified and then written on this thread (see threads_for).
+        let verifying = (threads > 1).then(|| s.spawn(verify));
+        let prepared = files::prepare(&header, &c.program, a.format.encoding());
+        let gate = || {
+            let bytes = prepared.bytes();
+            let verdict = match verifying {
+                Some(v) => v.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                None => verify(),
+            }?;
+            super::warn_big_write(bytes, &a.out);
+            Ok(verdict)
+        };
+        files::write_prepared(&a.out, &prepared, threads, gate)
+    })
+    .map_err(|e| match e {
+        files::Gated::Gate(e) => e,
+        files::Gated::Write(e) => CliError::Usage(e.to_string()),
+    });
     progress.finish_and_clear();
-    super::warn_big_write(rendered.iter().map(|(_, b)| b.len() as u64).sum(), &a.out);
-    files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
+    let verdict = verdict?;
     println!(
         "compiled {} pp={} vpp={} microbatches={}: {}, {}, {} -> {}",
         c.spec.kind,
@@ -238,39 +263,41 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         }
     };
     let dir = out.join(&cfg.name);
-    let r = if a.no_verify {
-        None
-    } else {
-        match super::verify_before_write(
-            &c.program,
-            cfg.memory_limit.or(a.memory_limit),
-            Some(c.schedule.comm),
-            &dir,
-        ) {
-            Ok(r) => Some(r),
-            Err(CliError::Invalid(m) | CliError::Usage(m)) => {
-                return Outcome::Failed {
-                    io: false,
-                    reason: m,
-                }
-            }
-        }
-    };
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
-    if let Err(e) = files::write_dir(
-        &dir,
-        &files::render(&header, &c.program, a.format.encoding()),
-    ) {
-        return Outcome::Failed {
-            io: true,
-            reason: e.to_string(),
-        };
-    }
+    // One thread per configuration: the sweep already runs one configuration per core.
+    let prepared = files::prepare(&header, &c.program, a.format.encoding());
+    let r = files::write_prepared(&dir, &prepared, 1, || {
+        if a.no_verify {
+            return Ok(None);
+        }
+        super::verify_before_write(
+            &c.program,
+            cfg.memory_limit.or(a.memory_limit),
+            Some(c.schedule.comm),
+            &dir,
+        )
+        .map(Some)
+    });
+    let r = match r {
+        Ok(r) => r,
+        Err(files::Gated::Gate(CliError::Invalid(m) | CliError::Usage(m))) => {
+            return Outcome::Failed {
+                io: false,
+                reason: m,
+            }
+        }
+        Err(files::Gated::Write(e)) => {
+            return Outcome::Failed {
+                io: true,
+                reason: e.to_string(),
+            }
+        }
+    };
     Outcome::Ok {
         ranks: c.program.world(),
         instructions: c.program.len(),

@@ -427,44 +427,81 @@ pub fn lower_orders(
         };
     }
     let pp = placement.pp;
-    let ranks = orders
-        .iter()
-        .map(|order| match policy.megatron_loop() {
-            // Orders of several chunks per rank on one `1f1b --combined` rank run Megatron's
-            // interleaved loop (the only one combined 1F1B comes from).
-            Some((interleaved, mode)) => {
-                let combined = order
-                    .ops
-                    .iter()
-                    .any(|o| matches!(o, Compute::FwdBwd { .. }));
-                if interleaved || combined {
-                    megatron::interleaved(&megatron::Interleaved {
-                        pp,
-                        rank: order.rank.0,
-                        chunks: placement.num_stages() / pp.max(1),
-                        warmup: order.warmup,
-                        forward_only,
-                        combined,
-                        mode,
-                        ops: &order.ops,
-                    })
-                } else {
-                    megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
-                }
+    // Each rank's stream depends on its own order only: ranks are lowered in parallel.
+    let ranks = map_ranks(orders, |order| match policy.megatron_loop() {
+        // Orders of several chunks per rank on one `1f1b --combined` rank run Megatron's
+        // interleaved loop (the only one combined 1F1B comes from).
+        Some((interleaved, mode)) => {
+            let combined = order
+                .ops
+                .iter()
+                .any(|o| matches!(o, Compute::FwdBwd { .. }));
+            if interleaved || combined {
+                megatron::interleaved(&megatron::Interleaved {
+                    pp,
+                    rank: order.rank.0,
+                    chunks: placement.num_stages() / pp.max(1),
+                    warmup: order.warmup,
+                    forward_only,
+                    combined,
+                    mode,
+                    ops: &order.ops,
+                })
+            } else {
+                megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
             }
-            None => {
-                let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
-                stream.fused_steps(order.ops.chunks(1));
-                stream.instrs
-            }
-        })
-        .collect();
+        }
+        None => {
+            let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
+            stream.fused_steps(order.ops.chunks(1));
+            stream.instrs
+        }
+    });
     Program {
         placement: placement.clone(),
         microbatches,
         forward_only,
         ranks,
     }
+}
+
+/// `f` over every rank's order, in order; on every core when the schedule is big enough for
+/// threads to pay (a small one is lowered in microseconds).
+fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) -> Vec<T> {
+    const PARALLEL_OPS: usize = 1 << 16;
+    // Size first: asking for the core count reads cgroup files (tens of microseconds).
+    if orders.iter().map(|o| o.ops.len()).sum::<usize>() < PARALLEL_OPS {
+        return orders.iter().map(f).collect();
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(orders.len());
+    if threads <= 1 {
+        return orders.iter().map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<T>>> =
+        orders.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let work = || loop {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let Some(order) = orders.get(i) else { break };
+        let v = f(order);
+        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            s.spawn(work);
+        }
+        work();
+    });
+    slots
+        .into_iter()
+        .map(|s| {
+            s.into_inner()
+                .unwrap_or_else(|p| p.into_inner())
+                .expect("every rank lowered")
+        })
+        .collect()
 }
 
 /// Lower a generated schedule with its own comm policy.

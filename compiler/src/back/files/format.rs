@@ -8,7 +8,6 @@ use pipec_schedules::{
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use std::fmt::Write as _;
 
 pub const MANIFEST_FORMAT: &str = "pipec-schedule";
 pub const RANK_FORMAT: &str = "pipec-rank";
@@ -312,8 +311,91 @@ pub(crate) struct RankFileBin {
 
 /// Canonical bytes of one rank's instructions: the postcard encoding of its `InstrBin` list.
 pub(crate) fn canonical(instrs: &[Instr]) -> Vec<u8> {
-    let wire: Vec<InstrBin> = instrs.iter().map(InstrBin::from).collect();
-    postcard::to_stdvec(&wire).expect("instructions encode")
+    let mut out = Vec::with_capacity(5 + instrs.len() * 8);
+    push_canonical(&mut out, instrs);
+    out
+}
+
+/// Append [`canonical`]'s bytes to `out`, encoded by hand (postcard's varints, the variant
+/// index first): the same bytes as `postcard::to_stdvec(&Vec<InstrBin>)`, a test checks,
+/// without the intermediate `Vec<InstrBin>`.
+pub(crate) fn push_canonical(out: &mut Vec<u8>, instrs: &[Instr]) {
+    push_varint(out, instrs.len() as u64);
+    for ins in instrs {
+        push_canonical_instr(out, ins);
+    }
+}
+
+#[inline]
+pub(crate) fn push_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+#[inline]
+fn push_canonical_instr(out: &mut Vec<u8>, ins: &Instr) {
+    let v = |out: &mut Vec<u8>, x: u32| push_varint(out, x as u64);
+    let task = |out: &mut Vec<u8>, tag: u8, t: &Task| {
+        out.push(tag);
+        v(out, t.stage.0);
+        v(out, t.mb.0);
+    };
+    let msg = |out: &mut Vec<u8>, tag: u8, peer: Rank, p: &Payload, batch: u32| {
+        out.push(tag);
+        v(out, peer.0);
+        out.push(match p.kind {
+            PayloadKind::Act => 0,
+            PayloadKind::Grad => 1,
+        });
+        v(out, p.stage.0);
+        v(out, p.mb.0);
+        v(out, batch);
+    };
+    // Variant indices of `InstrBin`, all below 128: one varint byte each.
+    match ins {
+        Instr::Compute(Compute::Fwd(t)) => task(out, 0, t),
+        Instr::Compute(Compute::Bwd(t)) => task(out, 1, t),
+        Instr::Compute(Compute::BwdD(t)) => task(out, 2, t),
+        Instr::Compute(Compute::BwdW(t)) => task(out, 3, t),
+        Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
+            task(out, 4, fwd);
+            v(out, bwd.stage.0);
+            v(out, bwd.mb.0);
+        }
+        Instr::Send {
+            peer,
+            payload,
+            batch,
+        } => msg(out, 5, *peer, payload, *batch),
+        Instr::Recv {
+            peer,
+            payload,
+            batch,
+        } => msg(out, 6, *peer, payload, *batch),
+        Instr::Wait { batch } => {
+            out.push(7);
+            v(out, *batch);
+        }
+    }
+}
+
+/// The bytes of `rank-<r>.bin` before its instruction list: postcard's encoding of
+/// [`RankFileBin`]'s other fields. The file is this prefix followed by [`canonical`].
+pub(crate) fn bin_prefix(rank: u32, world: u32, hash: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(96);
+    let s = |out: &mut Vec<u8>, x: &str| {
+        push_varint(out, x.len() as u64);
+        out.extend_from_slice(x.as_bytes());
+    };
+    s(&mut out, RANK_FORMAT);
+    push_varint(&mut out, FORMAT_VERSION as u64);
+    push_varint(&mut out, rank as u64);
+    push_varint(&mut out, world as u64);
+    s(&mut out, hash);
+    out
 }
 
 /// `rank-<r>.json`, as read.
@@ -338,12 +420,7 @@ pub struct Header<'a> {
 }
 
 pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
-    let d = Sha256::digest(bytes);
-    let mut s = String::with_capacity(64);
-    for b in d {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
+    hex(&Sha256::digest(bytes))
 }
 
 #[derive(Serialize)]
@@ -357,25 +434,56 @@ pub(crate) struct HashedHeader<'a> {
     forward_only: bool,
 }
 
+#[cfg(test)]
 pub(crate) fn schedule_hash(header: &Header<'_>, program: &Program) -> String {
-    let h = HashedHeader {
-        source: header.source,
-        schedule: &header.schedule,
-        comm_policy: &header.comm_policy,
-        layout: header.layout,
-        placement: &program.placement,
-        microbatches: program.microbatches,
-        forward_only: program.forward_only,
-    };
-    let mut hasher = Sha256::new();
-    hasher.update(b"pipec-schedule-v1\n");
-    hasher.update(serde_json::to_vec(&h).expect("header serializes"));
+    let mut h = ScheduleHasher::new(header, program);
+    let mut buf = Vec::new();
     for (r, instrs) in program.ranks.iter().enumerate() {
-        hasher.update(format!("\nrank {r}\n").as_bytes());
-        hasher.update(canonical(instrs));
+        buf.clear();
+        push_canonical(&mut buf, instrs);
+        h.rank(r, &buf);
     }
-    hasher.finalize().iter().fold(String::new(), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    h.finish()
+}
+
+/// The schedule hash, fed one rank's canonical bytes at a time in rank order (so callers
+/// that already hold them, or encode them in parallel, hash each byte once).
+pub(crate) struct ScheduleHasher(Sha256);
+
+impl ScheduleHasher {
+    pub(crate) fn new(header: &Header<'_>, program: &Program) -> Self {
+        let h = HashedHeader {
+            source: header.source,
+            schedule: &header.schedule,
+            comm_policy: &header.comm_policy,
+            layout: header.layout,
+            placement: &program.placement,
+            microbatches: program.microbatches,
+            forward_only: program.forward_only,
+        };
+        let mut hasher = Sha256::new();
+        hasher.update(b"pipec-schedule-v1\n");
+        hasher.update(serde_json::to_vec(&h).expect("header serializes"));
+        ScheduleHasher(hasher)
+    }
+
+    /// Rank `r`'s [`canonical`] bytes; ranks must come in order 0, 1, ...
+    pub(crate) fn rank(&mut self, r: usize, canonical: &[u8]) {
+        self.0.update(format!("\nrank {r}\n").as_bytes());
+        self.0.update(canonical);
+    }
+
+    pub(crate) fn finish(self) -> String {
+        hex(&self.0.finalize())
+    }
+}
+
+pub(crate) fn hex(digest: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(digest.len() * 2);
+    for &b in digest {
+        s.push(HEX[(b >> 4) as usize] as char);
+        s.push(HEX[(b & 15) as usize] as char);
+    }
+    s
 }

@@ -6,6 +6,7 @@
 //! self-checking: the manifest holds each rank file's SHA-256 and a schedule hash over the
 //! spec, layout, placement and every instruction, which each rank file repeats.
 
+mod fast;
 mod format;
 mod read;
 mod write;
@@ -17,7 +18,10 @@ pub use format::{
 pub use read::{
     load_dir, load_files, load_manifest, load_rank, parse_manifest, parse_rank, LoadError, Loaded,
 };
-pub use write::{render, write_dir, WriteError};
+pub use write::{
+    prepare, render, threads_for, write_dir, write_prepared, write_program, Gated, Prepared,
+    WriteError,
+};
 
 #[cfg(test)]
 mod tests {
@@ -116,5 +120,154 @@ mod tests {
             size(&json),
             size(&bin)
         );
+    }
+
+    /// The hand-written encoders give postcard's bytes; the size estimate is exact; the
+    /// streaming writer writes what `render` returns.
+    #[test]
+    fn hand_written_encodings_equal_postcard() {
+        use super::format::{bin_prefix, canonical, schedule_hash, InstrBin, RankFileBin};
+        use super::write::{json_size, rank_file_json};
+        for (kind, vpp, p2p) in [
+            (ScheduleKind::Interleaved1F1B, Some(2), None),
+            (
+                ScheduleKind::Interleaved1F1B,
+                Some(3),
+                Some(pipec_schedules::MegatronP2p::Overlap),
+            ),
+            (ScheduleKind::DualPipeV, None, None),
+            (ScheduleKind::ZbV, None, None),
+        ] {
+            let mut req = CompileRequest {
+                vpp,
+                ..CompileRequest::new(kind, 4, 200)
+            };
+            if let Some(p) = p2p {
+                req.megatron_p2p = p;
+            }
+            let c = compile(&req).unwrap();
+            let h = header(&c);
+            let p = prepare(&h, &c.program, Encoding::Postcard);
+            let hash = schedule_hash(&h, &c.program);
+            for (r, instrs) in c.program.ranks.iter().enumerate() {
+                let wire: Vec<InstrBin> = instrs.iter().map(InstrBin::from).collect();
+                assert_eq!(canonical(instrs), postcard::to_stdvec(&wire).unwrap());
+                let file = RankFileBin {
+                    format: RANK_FORMAT.to_string(),
+                    version: FORMAT_VERSION,
+                    rank: r as u32,
+                    world_size: 4,
+                    schedule_hash: hash.clone(),
+                    instructions: wire,
+                };
+                let mut ours = bin_prefix(r as u32, 4, &hash);
+                ours.extend_from_slice(&canonical(instrs));
+                assert_eq!(ours, postcard::to_stdvec(&file).unwrap());
+                let json = rank_file_json(r as u32, 4, &hash, instrs);
+                assert_eq!(json.len() as u64, json_size(r as u32, 4, &hash, instrs));
+            }
+            for enc in [Encoding::Json, Encoding::Postcard] {
+                let files = render(&h, &c.program, enc);
+                let p = prepare(&h, &c.program, enc);
+                let m: Manifest = serde_json::from_slice(&files[0].1).unwrap();
+                assert_eq!(m.schedule_hash, hash);
+                assert_eq!(
+                    p.bytes(),
+                    files.iter().map(|f| f.1.len() as u64).sum::<u64>()
+                );
+                let dir = std::env::temp_dir().join(format!(
+                    "pipec-files-stream-{}-{kind}-{enc:?}",
+                    std::process::id()
+                ));
+                let _ = std::fs::remove_dir_all(&dir);
+                for threads in [1, 2, 5] {
+                    write_prepared(&dir, &p, threads, || Ok::<(), ()>(())).unwrap();
+                    let mut names: Vec<_> = std::fs::read_dir(&dir)
+                        .unwrap()
+                        .map(|e| e.unwrap().file_name().into_string().unwrap())
+                        .collect();
+                    names.sort();
+                    let mut want: Vec<_> = files.iter().map(|f| f.0.clone()).collect();
+                    want.sort();
+                    assert_eq!(names, want);
+                    for (name, bytes) in &files {
+                        assert_eq!(&std::fs::read(dir.join(name)).unwrap(), bytes, "{name}");
+                    }
+                    assert_eq!(load_dir(&dir).unwrap().program, c.program);
+                }
+                std::fs::remove_dir_all(&dir).unwrap();
+            }
+            assert!(p.bytes() > 0);
+        }
+    }
+
+    /// A gate that refuses leaves nothing behind (no output, no staging directory) and wins
+    /// over a write error; one that passes lets a write error through.
+    #[test]
+    fn refused_gate_writes_nothing() {
+        let c = compiled();
+        let h = header(&c);
+        let p = prepare(&h, &c.program, Encoding::Json);
+        let parent = std::env::temp_dir().join(format!("pipec-files-gate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&parent);
+        std::fs::create_dir_all(&parent).unwrap();
+        let dir = parent.join("out");
+        for threads in [1, 2] {
+            match write_prepared(&dir, &p, threads, || Err::<(), _>("invalid")) {
+                Err(Gated::Gate("invalid")) => {}
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
+        }
+        // Parents made for the staging directory go too.
+        let deep = parent.join("a/b/out");
+        assert!(matches!(
+            write_prepared(&deep, &p, 2, || Err::<(), _>("invalid")),
+            Err(Gated::Gate("invalid"))
+        ));
+        assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+        assert!(matches!(
+            write_prepared(&dir, &p, 2, || Err::<(), _>("invalid")),
+            Err(Gated::Gate("invalid"))
+        ));
+        assert!(matches!(
+            write_prepared(&dir, &p, 2, || Ok::<(), ()>(())),
+            Err(Gated::Write(WriteError::NotASchedule { .. }))
+        ));
+        assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 1);
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&parent).unwrap();
+    }
+
+    /// Ranks are loaded in parallel, but a refusal names the lowest rank at fault.
+    #[test]
+    fn parallel_load_reports_the_lowest_rank() {
+        let c = compiled();
+        let dir = std::env::temp_dir().join(format!("pipec-files-low-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        write_program(&dir, &header(&c), &c.program, Encoding::Json).unwrap();
+        std::fs::write(dir.join("rank-3.json"), "{}").unwrap();
+        std::fs::remove_file(dir.join("rank-1.json")).unwrap();
+        // As load_dir reads a big schedule: on several threads.
+        let e = super::read::load_with(&dir, Some(3), |path, buf| {
+            *buf = std::fs::read(path).map_err(|source| LoadError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, LoadError::Io { path, .. } if path.ends_with("rank-1.json")),
+            "{e}"
+        );
+        let e = load_dir(&dir).unwrap_err();
+        assert!(
+            matches!(&e, LoadError::Io { path, .. } if path.ends_with("rank-1.json")),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

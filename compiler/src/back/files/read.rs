@@ -4,6 +4,8 @@
 use super::format::*;
 use crate::ir::{Instr, Program};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use thiserror::Error;
 
 /// Everything a reader gets back.
@@ -195,36 +197,66 @@ pub fn parse_rank(
         });
     }
     let (f, instructions) = match manifest.encoding {
-        Encoding::Json => {
-            let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
-            let instrs: Vec<Instr> = f.instructions.iter().cloned().map(Instr::from).collect();
-            (
+        Encoding::Json => match super::fast::parse(bytes) {
+            // The form pipec writes: the fast path.
+            Some(p) => (
                 RankFileBin {
-                    format: f.format,
-                    version: f.version,
-                    rank: f.rank,
-                    world_size: f.world_size,
-                    schedule_hash: f.schedule_hash,
+                    format: RANK_FORMAT.to_string(),
+                    version: p.version,
+                    rank: p.rank,
+                    world_size: p.world_size,
+                    schedule_hash: p.schedule_hash,
                     instructions: Vec::new(),
                 },
-                instrs,
-            )
-        }
-        Encoding::Postcard => {
-            let mut f: RankFileBin = postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
-                path: path.clone(),
-                msg: format!("not a valid postcard rank file: {e}"),
-            })?;
-            let wire = std::mem::take(&mut f.instructions);
-            let mut instrs = Vec::with_capacity(wire.len());
-            for (i, w) in wire.into_iter().enumerate() {
-                instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
-                    path: path.clone(),
-                    msg: format!("instruction #{i}: {msg}"),
-                })?);
+                p.instructions,
+            ),
+            // Anything else serde judges, as it always did.
+            None => {
+                let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
+                let instrs: Vec<Instr> = f.instructions.into_iter().map(Instr::from).collect();
+                (
+                    RankFileBin {
+                        format: f.format,
+                        version: f.version,
+                        rank: f.rank,
+                        world_size: f.world_size,
+                        schedule_hash: f.schedule_hash,
+                        instructions: Vec::new(),
+                    },
+                    instrs,
+                )
             }
-            (f, instrs)
-        }
+        },
+        Encoding::Postcard => match super::fast::parse_bin(bytes) {
+            // The form pipec writes: the fast path.
+            Some(p) => (
+                RankFileBin {
+                    format: RANK_FORMAT.to_string(),
+                    version: p.version,
+                    rank: p.rank,
+                    world_size: p.world_size,
+                    schedule_hash: p.schedule_hash,
+                    instructions: Vec::new(),
+                },
+                p.instructions,
+            ),
+            None => {
+                let mut f: RankFileBin =
+                    postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
+                        path: path.clone(),
+                        msg: format!("not a valid postcard rank file: {e}"),
+                    })?;
+                let wire = std::mem::take(&mut f.instructions);
+                let mut instrs = Vec::with_capacity(wire.len());
+                for (i, w) in wire.into_iter().enumerate() {
+                    instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
+                        path: path.clone(),
+                        msg: format!("instruction #{i}: {msg}"),
+                    })?);
+                }
+                (f, instrs)
+            }
+        },
     };
     if f.format != RANK_FORMAT {
         return Err(LoadError::Format {
@@ -270,20 +302,36 @@ pub fn parse_rank(
 }
 
 /// Read a whole directory and check every file against the manifest and the schedule hash.
+/// Rank files are read, hashed and parsed on every core; a refusal names the lowest rank at
+/// fault, as a loader reading them in order would.
 pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
-    load_with(dir, read)
+    load_with(dir, None, |path, buf| {
+        use std::io::Read;
+        // Into the thread's buffer of the previous rank: no fresh pages to fault in per file.
+        buf.clear();
+        std::fs::File::open(path)
+            .and_then(|mut f| f.read_to_end(buf))
+            .map(drop)
+            .map_err(|source| LoadError::Io {
+                path: path.to_path_buf(),
+                source,
+            })
+    })
 }
 
 /// [`load_dir`] over files held in memory, as [`render`] returns them: (file name, bytes).
 /// A file the manifest names but `files` lacks is reported as a missing file. Pure: this is
 /// what the `files` fuzz target drives.
 pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
-    load_with(Path::new(""), |path| {
+    load_with(Path::new(""), Some(1), |path, buf| {
         let name = path.to_string_lossy();
         files
             .iter()
             .find(|(n, _)| *n == name)
-            .map(|(_, b)| b.clone())
+            .map(|(_, b)| {
+                buf.clear();
+                buf.extend_from_slice(b)
+            })
             .ok_or_else(|| LoadError::Io {
                 path: path.to_path_buf(),
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
@@ -291,16 +339,33 @@ pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
     })
 }
 
+/// `threads`: how many to read rank files on; `None`: as many as their size warrants.
 pub(crate) fn load_with(
     dir: &Path,
-    mut read: impl FnMut(&Path) -> Result<Vec<u8>, LoadError>,
+    threads: Option<usize>,
+    read: impl Fn(&Path, &mut Vec<u8>) -> Result<(), LoadError> + Sync,
 ) -> Result<Loaded, LoadError> {
     let manifest_path = dir.join(MANIFEST_FILE);
-    let manifest = parse_manifest(&manifest_path, &read(&manifest_path)?)?;
-    let mut ranks = Vec::with_capacity(manifest.world_size as usize);
-    for r in 0..manifest.world_size {
-        let path = dir.join(&manifest.ranks[r as usize].file);
-        ranks.push(parse_rank(&path, &read(&path)?, &manifest, r)?);
+    let mut buf = Vec::new();
+    read(&manifest_path, &mut buf)?;
+    let manifest = parse_manifest(&manifest_path, &buf)?;
+    let threads = threads.unwrap_or_else(|| {
+        let listed = manifest.ranks.iter().map(|e| e.instructions);
+        super::write::threads_for(listed.fold(0, u64::saturating_add))
+    });
+    // Each rank: its instructions and their canonical bytes (what the schedule hash covers).
+    let per_rank = try_map_ranks(manifest.world_size as usize, threads, |r, buf| {
+        let path = dir.join(&manifest.ranks[r].file);
+        read(&path, buf)?;
+        let instrs = parse_rank(&path, buf, &manifest, r as u32)?;
+        let canonical = canonical(&instrs);
+        Ok((instrs, canonical))
+    })?;
+    let mut ranks = Vec::with_capacity(per_rank.len());
+    let mut canonicals = Vec::with_capacity(per_rank.len());
+    for (instrs, canonical) in per_rank {
+        ranks.push(instrs);
+        canonicals.push(canonical);
     }
     let program = Program {
         placement: manifest.placement.clone(),
@@ -314,7 +379,12 @@ pub(crate) fn load_with(
         comm_policy: manifest.comm_policy,
         layout: &manifest.layout,
     };
-    let actual = schedule_hash(&header, &program);
+    let mut hasher = ScheduleHasher::new(&header, &program);
+    for (r, c) in canonicals.iter().enumerate() {
+        hasher.rank(r, c);
+    }
+    drop(canonicals);
+    let actual = hasher.finish();
     if actual != manifest.schedule_hash {
         return Err(LoadError::ScheduleHash {
             path: dir.join(MANIFEST_FILE),
@@ -323,4 +393,51 @@ pub(crate) fn load_with(
         });
     }
     Ok(Loaded { manifest, program })
+}
+
+/// `f` over `0..n` on up to `threads` threads (ranks taken in order as threads free up); the
+/// results in order, or the error of the lowest failing index. Once an index fails, higher
+/// ones are no longer started.
+fn try_map_ranks<T: Send, S: Default>(
+    n: usize,
+    threads: usize,
+    f: impl Fn(usize, &mut S) -> Result<T, LoadError> + Sync,
+) -> Result<Vec<T>, LoadError> {
+    if threads <= 1 || n <= 1 {
+        let mut state = S::default();
+        return (0..n).map(|i| f(i, &mut state)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let first_failed = AtomicUsize::new(usize::MAX);
+    let slots: Vec<Mutex<Option<Result<T, LoadError>>>> =
+        (0..n).map(|_| Mutex::new(None)).collect();
+    let work = || {
+        let mut state = S::default();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n || i > first_failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let r = f(i, &mut state);
+            if r.is_err() {
+                first_failed.fetch_min(i, Ordering::Relaxed);
+            }
+            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads.min(n) {
+            s.spawn(work);
+        }
+        work();
+    });
+    let mut out = Vec::with_capacity(n);
+    for slot in slots {
+        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(v)) => out.push(v),
+            Some(Err(e)) => return Err(e),
+            None => unreachable!("every index below the first failure is done"),
+        }
+    }
+    Ok(out)
 }

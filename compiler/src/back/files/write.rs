@@ -5,107 +5,248 @@ use super::format::*;
 use crate::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{Compute, Rank, Task};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use thiserror::Error;
 
 /// One rank file, exactly as written: a fixed header, then one instruction per line. Written by
-/// hand into one buffer (no serde, no `fmt`) because it is the hot loop of emission at
-/// millions of instructions; the reader parses it with serde, and a test checks both agree.
+/// hand (no serde, no `fmt`) because it is the hot loop of emission at millions of
+/// instructions; the loader's fast path ([`super::fast`]) parses exactly this form, and tests
+/// check both agree with serde.
 pub(crate) fn rank_file_json(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(200 + instrs.len() * 64);
-    out.extend_from_slice(b"{\n  \"format\": \"");
-    out.extend_from_slice(RANK_FORMAT.as_bytes());
-    out.extend_from_slice(b"\",\n  \"version\": ");
-    push_u32(&mut out, FORMAT_VERSION);
-    out.extend_from_slice(b",\n  \"rank\": ");
-    push_u32(&mut out, rank);
-    out.extend_from_slice(b",\n  \"world_size\": ");
-    push_u32(&mut out, world);
-    out.extend_from_slice(b",\n  \"schedule_hash\": \"");
-    out.extend_from_slice(hash.as_bytes());
-    out.extend_from_slice(b"\",\n  \"instructions\": [\n");
-    for (i, ins) in instrs.iter().enumerate() {
-        out.extend_from_slice(b"    ");
-        write_instr(&mut out, ins);
-        if i + 1 < instrs.len() {
-            out.push(b',');
-        }
-        out.push(b'\n');
-    }
-    out.extend_from_slice(b"  ]\n}\n");
+    let mut out = Vec::with_capacity(json_size(rank, world, hash, instrs) as usize);
+    let _ = stream_rank_json(&mut Chunk::new(), rank, world, hash, instrs, |b| {
+        out.extend_from_slice(b);
+        Ok(())
+    });
     out
+}
+
+/// Emit rank `rank`'s JSON file through `chunk`, handing `flush` the bytes whenever about
+/// [`CHUNK`] of them are ready, and the rest at the end.
+pub(crate) fn stream_rank_json(
+    chunk: &mut Chunk,
+    rank: u32,
+    world: u32,
+    hash: &str,
+    instrs: &[Instr],
+    mut flush: impl FnMut(&[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(200 + hash.len());
+    head.extend_from_slice(b"{\n  \"format\": \"");
+    head.extend_from_slice(RANK_FORMAT.as_bytes());
+    head.extend_from_slice(b"\",\n  \"version\": ");
+    push_u32(&mut head, FORMAT_VERSION);
+    head.extend_from_slice(b",\n  \"rank\": ");
+    push_u32(&mut head, rank);
+    head.extend_from_slice(b",\n  \"world_size\": ");
+    push_u32(&mut head, world);
+    head.extend_from_slice(b",\n  \"schedule_hash\": \"");
+    head.extend_from_slice(hash.as_bytes());
+    head.extend_from_slice(b"\",\n  \"instructions\": [\n");
+    chunk.n = 0;
+    if head.len() > LINE_MAX {
+        flush(&head)?;
+    } else {
+        chunk.s(&head);
+    }
+    for (i, ins) in instrs.iter().enumerate() {
+        chunk.s(b"    ");
+        chunk.instr(ins);
+        chunk.s(if i + 1 < instrs.len() { b",\n" } else { b"\n" });
+        if chunk.n >= CHUNK {
+            flush(chunk.bytes())?;
+            chunk.n = 0;
+        }
+    }
+    chunk.s(b"  ]\n}\n");
+    flush(chunk.bytes())
+}
+
+/// The exact size of [`rank_file_json`]'s output, without writing it.
+pub(crate) fn json_size(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> u64 {
+    let d = |v: u32| digits(v) as u64;
+    // The header and footer around the numbers and the hash (see `stream_rank_json`).
+    let fixed = 15 + RANK_FORMAT.len() as u64 + 16 + 12 + 18 + 22 + 23 + 6;
+    let mut n = fixed + d(FORMAT_VERSION) + d(rank) + d(world) + hash.len() as u64;
+    for ins in instrs {
+        // Indent, `{"op":"`, `"` after the op, `}`, newline: 13; the comma is added below.
+        n += 13;
+        n += match ins {
+            Instr::Compute(c) => match c {
+                Compute::Fwd(t) | Compute::Bwd(t) => 3 + 16 + d(t.stage.0) + d(t.mb.0),
+                Compute::BwdD(t) | Compute::BwdW(t) => 5 + 16 + d(t.stage.0) + d(t.mb.0),
+                Compute::FwdBwd { fwd, bwd } => {
+                    7 + 47 + d(fwd.stage.0) + d(fwd.mb.0) + d(bwd.stage.0) + d(bwd.mb.0)
+                }
+            },
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            }
+            | Instr::Recv {
+                peer,
+                payload,
+                batch,
+            } => {
+                let kind = match payload.kind {
+                    PayloadKind::Act => 3,
+                    PayloadKind::Grad => 4,
+                };
+                4 + 46 + kind + d(peer.0) + d(payload.stage.0) + d(payload.mb.0) + d(*batch)
+            }
+            Instr::Wait { batch } => 4 + 10 + d(*batch),
+        };
+    }
+    n + instrs.len().saturating_sub(1) as u64
+}
+
+#[inline]
+fn digits(v: u32) -> u32 {
+    // Ids are mostly small: comparisons before the general case.
+    match v {
+        0..=9 => 1,
+        10..=99 => 2,
+        100..=999 => 3,
+        _ => v.ilog10() + 1,
+    }
 }
 
 pub(crate) fn push_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
 }
 
-/// `{"op":"<op>"` followed by `,"<key>":<value>` pairs and `}`.
-pub(crate) fn push_obj(out: &mut Vec<u8>, op: &str, fields: &[(&str, u32)], payload: Option<&str>) {
-    out.extend_from_slice(b"{\"op\":\"");
-    out.extend_from_slice(op.as_bytes());
-    out.push(b'"');
-    for (i, (k, v)) in fields.iter().enumerate() {
-        // The payload kind sits after the peer, as the serde form orders the fields.
-        if i == 1 {
-            if let Some(p) = payload {
-                out.extend_from_slice(b",\"payload\":\"");
-                out.extend_from_slice(p.as_bytes());
-                out.push(b'"');
-            }
-        }
-        out.extend_from_slice(b",\"");
-        out.extend_from_slice(k.as_bytes());
-        out.extend_from_slice(b"\":");
-        push_u32(out, *v);
-    }
-    out.push(b'}');
+/// The longest instruction line (a `send` with every number at `u32::MAX` is 115 bytes).
+const LINE_MAX: usize = 256;
+
+/// A buffer rank files are assembled in, [`CHUNK`] bytes at a time: each line is written
+/// straight into it (the literals as fixed-size copies), never through a growing `Vec`.
+pub(crate) struct Chunk {
+    b: Box<[u8]>,
+    n: usize,
 }
 
-pub(crate) fn write_instr(out: &mut Vec<u8>, ins: &Instr) {
-    let single = |out: &mut Vec<u8>, op: &str, t: Task| {
-        push_obj(out, op, &[("stage", t.stage.0), ("mb", t.mb.0)], None)
-    };
-    let msg = |out: &mut Vec<u8>, op: &str, peer: Rank, p: &Payload, batch: u32| {
-        let kind = match p.kind {
-            PayloadKind::Act => "act",
-            PayloadKind::Grad => "grad",
-        };
-        let fields = [
-            ("peer", peer.0),
-            ("stage", p.stage.0),
-            ("mb", p.mb.0),
-            ("batch", batch),
-        ];
-        push_obj(out, op, &fields, Some(kind))
-    };
-    match ins {
-        Instr::Compute(Compute::Fwd(t)) => single(out, "fwd", *t),
-        Instr::Compute(Compute::Bwd(t)) => single(out, "bwd", *t),
-        Instr::Compute(Compute::BwdD(t)) => single(out, "bwd_D", *t),
-        Instr::Compute(Compute::BwdW(t)) => single(out, "bwd_W", *t),
-        Instr::Compute(Compute::FwdBwd { fwd, bwd }) => push_obj(
-            out,
-            "fwd_bwd",
-            &[
-                ("fwd_stage", fwd.stage.0),
-                ("fwd_mb", fwd.mb.0),
-                ("bwd_stage", bwd.stage.0),
-                ("bwd_mb", bwd.mb.0),
-            ],
-            None,
-        ),
-        Instr::Send {
-            peer,
-            payload,
-            batch,
-        } => msg(out, "send", *peer, payload, *batch),
-        Instr::Recv {
-            peer,
-            payload,
-            batch,
-        } => msg(out, "recv", *peer, payload, *batch),
-        Instr::Wait { batch } => push_obj(out, "wait", &[("batch", *batch)], None),
+impl Chunk {
+    pub(crate) fn new() -> Self {
+        Chunk {
+            b: vec![0; CHUNK + LINE_MAX].into_boxed_slice(),
+            n: 0,
+        }
     }
+
+    fn bytes(&self) -> &[u8] {
+        &self.b[..self.n]
+    }
+
+    #[inline(always)]
+    fn s(&mut self, s: &[u8]) {
+        self.b[self.n..self.n + s.len()].copy_from_slice(s);
+        self.n += s.len();
+    }
+
+    #[inline(always)]
+    fn u(&mut self, v: u32) {
+        const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
+              2021222324252627282930313233343536373839\
+              4041424344454647484950515253545556575859\
+              6061626364656667686970717273747576777879\
+              8081828384858687888990919293949596979899";
+        if v < 10 {
+            self.b[self.n] = b'0' + v as u8;
+            self.n += 1;
+        } else if v < 100 {
+            let i = v as usize * 2;
+            self.s(&PAIRS[i..i + 2]);
+        } else if v < 10_000 {
+            let (hi, lo) = (v as usize / 100 * 2, v as usize % 100 * 2);
+            if v < 1000 {
+                self.s(&PAIRS[hi + 1..hi + 2]);
+            } else {
+                self.s(&PAIRS[hi..hi + 2]);
+            }
+            self.s(&PAIRS[lo..lo + 2]);
+        } else {
+            self.s(itoa::Buffer::new().format(v).as_bytes());
+        }
+    }
+
+    #[inline(always)]
+    fn task(&mut self, op: &[u8], t: &Task) {
+        self.s(op);
+        self.s(b"\",\"stage\":");
+        self.u(t.stage.0);
+        self.s(b",\"mb\":");
+        self.u(t.mb.0);
+    }
+
+    #[inline(always)]
+    fn message(&mut self, op: &[u8], peer: Rank, p: &Payload, batch: u32) {
+        self.s(op);
+        self.s(b"\",\"peer\":");
+        self.u(peer.0);
+        self.s(match p.kind {
+            PayloadKind::Act => b",\"payload\":\"act\",\"stage\":",
+            PayloadKind::Grad => b",\"payload\":\"grad\",\"stage\":",
+        });
+        self.u(p.stage.0);
+        self.s(b",\"mb\":");
+        self.u(p.mb.0);
+        self.s(b",\"batch\":");
+        self.u(batch);
+    }
+
+    /// `{"op":"<op>","<key>":<value>...}`, keys in `InstrJson`'s order.
+    #[inline(always)]
+    fn instr(&mut self, ins: &Instr) {
+        self.s(b"{\"op\":\"");
+        match ins {
+            Instr::Compute(Compute::Fwd(t)) => self.task(b"fwd", t),
+            Instr::Compute(Compute::Bwd(t)) => self.task(b"bwd", t),
+            Instr::Compute(Compute::BwdD(t)) => self.task(b"bwd_D", t),
+            Instr::Compute(Compute::BwdW(t)) => self.task(b"bwd_W", t),
+            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
+                self.s(b"fwd_bwd\",\"fwd_stage\":");
+                self.u(fwd.stage.0);
+                self.s(b",\"fwd_mb\":");
+                self.u(fwd.mb.0);
+                self.s(b",\"bwd_stage\":");
+                self.u(bwd.stage.0);
+                self.s(b",\"bwd_mb\":");
+                self.u(bwd.mb.0);
+            }
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            } => self.message(b"send", *peer, payload, *batch),
+            Instr::Recv {
+                peer,
+                payload,
+                batch,
+            } => self.message(b"recv", *peer, payload, *batch),
+            Instr::Wait { batch } => {
+                self.s(b"wait\",\"batch\":");
+                self.u(*batch);
+            }
+        }
+        self.s(b"}");
+    }
+}
+
+/// One instruction as its JSON object (no indent, no comma).
+#[cfg(test)]
+pub(crate) fn write_instr(out: &mut Vec<u8>, ins: &Instr) {
+    let mut line = Chunk::new();
+    line.instr(ins);
+    out.extend_from_slice(line.bytes());
+}
+
+/// Rank `r`'s file in the binary encoding.
+fn rank_file_bin(r: u32, world: u32, hash: &str, canonical: &[u8]) -> Vec<u8> {
+    let mut bytes = bin_prefix(r, world, hash);
+    bytes.extend_from_slice(canonical);
+    bytes
 }
 
 /// The files of a compiled schedule, in memory: (file name, bytes), manifest first.
@@ -114,53 +255,289 @@ pub fn render(
     program: &Program,
     encoding: Encoding,
 ) -> Vec<(String, Vec<u8>)> {
-    let world = program.world();
-    let hash = schedule_hash(header, program);
+    let p = prepare(header, program, encoding);
     let mut files = Vec::with_capacity(program.ranks.len() + 1);
-    let mut entries = Vec::with_capacity(program.ranks.len());
+    let mut shas = Vec::with_capacity(program.ranks.len());
     for (r, instrs) in program.ranks.iter().enumerate() {
         let r32 = r as u32;
         let bytes = match encoding {
-            Encoding::Json => rank_file_json(r32, world, &hash, instrs),
-            Encoding::Postcard => postcard::to_stdvec(&RankFileBin {
-                format: RANK_FORMAT.to_string(),
-                version: FORMAT_VERSION,
-                rank: r32,
-                world_size: world,
-                schedule_hash: hash.clone(),
-                instructions: instrs.iter().map(InstrBin::from).collect(),
-            })
-            .expect("rank file encodes"),
+            Encoding::Json => rank_file_json(r32, p.world, &p.hash, instrs),
+            Encoding::Postcard => rank_file_bin(r32, p.world, &p.hash, &p.canonical[r]),
         };
-        entries.push(RankEntry {
-            rank: r32,
-            file: rank_file_name(r32, encoding),
-            sha256: sha256_hex(&bytes),
-            instructions: instrs.len() as u64,
-        });
+        shas.push(sha256_hex(&bytes));
         files.push((rank_file_name(r32, encoding), bytes));
     }
-    let manifest = Manifest {
-        format: MANIFEST_FORMAT.to_string(),
-        version: FORMAT_VERSION,
-        compiler: format!("pipec {}", env!("CARGO_PKG_VERSION")),
-        source: header.source.to_string(),
-        schedule: header.schedule,
-        comm_policy: header.comm_policy,
-        layout: header.layout.clone(),
-        placement: program.placement.clone(),
-        world_size: world,
-        num_stages: program.num_stages(),
-        microbatches: program.microbatches,
-        forward_only: program.forward_only,
-        encoding,
-        schedule_hash: hash,
-        ranks: entries,
-    };
-    let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
-    m.push('\n');
-    files.insert(0, (MANIFEST_FILE.to_string(), m.into_bytes()));
+    files.insert(0, (MANIFEST_FILE.to_string(), p.manifest(shas)));
     files
+}
+
+/// A program ready to be written: its schedule hash (which every rank file repeats, so it
+/// comes first) and, for the binary encoding, each rank's canonical bytes, which are also the
+/// body of its file.
+pub struct Prepared<'a> {
+    header: &'a Header<'a>,
+    program: &'a Program,
+    encoding: Encoding,
+    world: u32,
+    hash: String,
+    canonical: Vec<Vec<u8>>,
+}
+
+/// Compute what every file of `program` needs before any is written (the schedule hash).
+pub fn prepare<'a>(
+    header: &'a Header<'a>,
+    program: &'a Program,
+    encoding: Encoding,
+) -> Prepared<'a> {
+    let mut hasher = ScheduleHasher::new(header, program);
+    let mut canonical = Vec::new();
+    let mut buf = Vec::new();
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        buf.clear();
+        push_canonical(&mut buf, instrs);
+        hasher.rank(r, &buf);
+        if encoding == Encoding::Postcard {
+            canonical.push(buf.clone());
+        }
+    }
+    Prepared {
+        header,
+        program,
+        encoding,
+        world: program.world(),
+        hash: hasher.finish(),
+        canonical,
+    }
+}
+
+impl Prepared<'_> {
+    /// The manifest, given each rank file's SHA-256.
+    fn manifest(&self, shas: Vec<String>) -> Vec<u8> {
+        let entries = shas
+            .into_iter()
+            .enumerate()
+            .map(|(r, sha256)| RankEntry {
+                rank: r as u32,
+                file: rank_file_name(r as u32, self.encoding),
+                sha256,
+                instructions: self.program.ranks[r].len() as u64,
+            })
+            .collect();
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT.to_string(),
+            version: FORMAT_VERSION,
+            compiler: format!("pipec {}", env!("CARGO_PKG_VERSION")),
+            source: self.header.source.to_string(),
+            schedule: self.header.schedule,
+            comm_policy: self.header.comm_policy,
+            layout: self.header.layout.clone(),
+            placement: self.program.placement.clone(),
+            world_size: self.world,
+            num_stages: self.program.num_stages(),
+            microbatches: self.program.microbatches,
+            forward_only: self.program.forward_only,
+            encoding: self.encoding,
+            schedule_hash: self.hash.clone(),
+            ranks: entries,
+        };
+        let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
+        m.push('\n');
+        m.into_bytes()
+    }
+
+    /// The total size of the files [`write_prepared`] writes, in bytes (exact).
+    pub fn bytes(&self) -> u64 {
+        // A SHA-256 in hex is 64 characters whatever it is.
+        let manifest = self
+            .manifest(vec!["0".repeat(64); self.world as usize])
+            .len() as u64;
+        let ranks: u64 = match self.encoding {
+            Encoding::Json => self
+                .program
+                .ranks
+                .iter()
+                .enumerate()
+                .map(|(r, instrs)| json_size(r as u32, self.world, &self.hash, instrs))
+                .sum(),
+            Encoding::Postcard => (0..self.world)
+                .map(|r| {
+                    (bin_prefix(r, self.world, &self.hash).len() + self.canonical[r as usize].len())
+                        as u64
+                })
+                .sum(),
+        };
+        manifest + ranks
+    }
+
+    /// Write rank `r`'s file to `path`, streaming; returns its SHA-256.
+    fn write_rank(
+        &self,
+        r: usize,
+        path: &Path,
+        chunk: &mut Option<Chunk>,
+    ) -> std::io::Result<String> {
+        use sha2::{Digest, Sha256};
+        use std::io::Write;
+        let mut file = std::fs::File::create(path)?;
+        let mut sha = Sha256::new();
+        let r32 = r as u32;
+        match self.encoding {
+            Encoding::Json => {
+                stream_rank_json(
+                    chunk.get_or_insert_with(Chunk::new),
+                    r32,
+                    self.world,
+                    &self.hash,
+                    &self.program.ranks[r],
+                    |b| {
+                        sha.update(b);
+                        file.write_all(b)
+                    },
+                )?;
+            }
+            Encoding::Postcard => {
+                let bytes = rank_file_bin(r32, self.world, &self.hash, &self.canonical[r]);
+                sha.update(&bytes);
+                file.write_all(&bytes)?;
+            }
+        }
+        Ok(hex(&sha.finalize()))
+    }
+}
+
+/// How much of a rank file is assembled before it is hashed and written: small enough to stay
+/// in cache between the two, large enough that system calls are few.
+const CHUNK: usize = 256 << 10;
+
+/// Why [`write_prepared`] did not write: its `gate` refused, or the write failed.
+#[derive(Debug)]
+pub enum Gated<E> {
+    Gate(E),
+    Write(WriteError),
+}
+
+/// Write `prepared` into `dir` atomically (as [`write_dir`] does) on `threads` threads, each
+/// rank file streamed from the program (no whole-output buffer), while `gate` runs on a thread
+/// of its own (a verifier, say). The directory is put in place only when `gate` returns `Ok`;
+/// otherwise what was written is removed and `gate`'s error returned, whatever happened to the
+/// write. With `threads <= 1`, `gate` runs first and then the files are written on the calling
+/// thread.
+pub fn write_prepared<T: Send, E: Send>(
+    dir: &Path,
+    prepared: &Prepared<'_>,
+    threads: usize,
+    gate: impl FnOnce() -> Result<T, E> + Send,
+) -> Result<T, Gated<E>> {
+    let world = prepared.world as usize;
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let shas: Mutex<Vec<Option<String>>> = Mutex::new(vec![None; world]);
+    let failed: Mutex<Option<(usize, WriteError)>> = Mutex::new(None);
+    let staged = refuse_foreign(dir).and_then(|()| Staging::create(dir));
+    let work = || {
+        let Ok(staging) = &staged else { return };
+        let mut chunk = None;
+        while !stop.load(Ordering::Relaxed) {
+            let r = next.fetch_add(1, Ordering::Relaxed);
+            if r >= world {
+                break;
+            }
+            let path = staging
+                .tmp
+                .join(rank_file_name(r as u32, prepared.encoding));
+            match prepared.write_rank(r, &path, &mut chunk) {
+                Ok(sha) => lock(&shas)[r] = Some(sha),
+                Err(source) => {
+                    stop.store(true, Ordering::Relaxed);
+                    let mut f = lock(&failed);
+                    if f.as_ref().is_none_or(|(at, _)| r < *at) {
+                        *f = Some((r, WriteError::Io { path, source }));
+                    }
+                }
+            }
+        }
+    };
+    let verdict = if threads <= 1 {
+        let v = gate();
+        if v.is_ok() {
+            work();
+        }
+        v
+    } else {
+        std::thread::scope(|s| {
+            let gated = s.spawn(|| {
+                let v = gate();
+                if v.is_ok() {
+                    work();
+                } else {
+                    stop.store(true, Ordering::Relaxed);
+                }
+                v
+            });
+            for _ in 2..threads {
+                s.spawn(work);
+            }
+            work();
+            gated
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    };
+    let staging = match (verdict, staged) {
+        (Err(e), Ok(staging)) => {
+            staging.abandon_all();
+            return Err(Gated::Gate(e));
+        }
+        (Err(e), Err(_)) => return Err(Gated::Gate(e)),
+        (Ok(_), Err(e)) => return Err(Gated::Write(e)),
+        (Ok(v), Ok(staging)) => (v, staging),
+    };
+    let (v, staging) = staging;
+    if let Some((_, e)) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        staging.abandon();
+        return Err(Gated::Write(e));
+    }
+    let shas = shas
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner())
+        .into_iter()
+        .map(|s| s.expect("every rank written"))
+        .collect();
+    let result = staging.put(MANIFEST_FILE, &prepared.manifest(shas));
+    match result.and_then(|()| staging.commit()) {
+        Ok(()) => Ok(v),
+        Err(e) => Err(Gated::Write(e)),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How many threads reading or writing the files of a program of `instructions` is worth:
+/// every core for a big one, one below about 64k instructions (milliseconds of work, where
+/// starting threads would cost more than it saves).
+pub fn threads_for(instructions: u64) -> usize {
+    if instructions < 1 << 16 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+/// [`write_prepared`] with nothing to wait for, on every core when the program is big.
+pub fn write_program(
+    dir: &Path,
+    header: &Header<'_>,
+    program: &Program,
+    encoding: Encoding,
+) -> Result<(), WriteError> {
+    let threads = threads_for(program.len() as u64);
+    let p = prepare(header, program, encoding);
+    write_prepared(dir, &p, threads, || Ok::<(), ()>(())).map_err(|e| match e {
+        Gated::Write(e) => e,
+        Gated::Gate(()) => unreachable!("the gate always opens"),
+    })
 }
 
 /// Why a directory could not be written.
@@ -186,6 +563,19 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError +
 /// renamed into place, so a reader never sees a mix of old and new rank files. An existing
 /// `dir` is replaced only when it is empty or itself a pipec schedule.
 pub fn write_dir(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), WriteError> {
+    refuse_foreign(dir)?;
+    let staging = Staging::create(dir)?;
+    for (name, bytes) in files {
+        if let Err(e) = staging.put(name, bytes) {
+            staging.abandon();
+            return Err(e);
+        }
+    }
+    staging.commit()
+}
+
+/// An existing `dir` that holds anything but a pipec schedule is not ours to replace.
+fn refuse_foreign(dir: &Path) -> Result<(), WriteError> {
     if dir.exists() {
         let entries = std::fs::read_dir(dir).map_err(io_err(dir))?;
         for e in entries {
@@ -202,35 +592,86 @@ pub fn write_dir(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), WriteErr
             }
         }
     }
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let base = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".to_string());
-    let tmp = parent.join(format!(".{base}.pipec-tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
-    let result = (|| {
-        for (name, bytes) in files {
-            let p = tmp.join(name);
-            std::fs::write(&p, bytes).map_err(io_err(&p))?;
-        }
-        if dir.exists() {
-            let old = parent.join(format!(".{base}.pipec-old-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&old);
-            std::fs::rename(dir, &old).map_err(io_err(dir))?;
-            std::fs::rename(&tmp, dir).map_err(io_err(dir))?;
-            let _ = std::fs::remove_dir_all(&old);
-        } else {
-            std::fs::rename(&tmp, dir).map_err(io_err(dir))?;
-        }
-        Ok(())
-    })();
-    if result.is_err() {
+    Ok(())
+}
+
+/// The fresh sibling directory files are written into before it replaces `dir`.
+struct Staging {
+    dir: PathBuf,
+    parent: PathBuf,
+    base: String,
+    tmp: PathBuf,
+    /// The parent directories that did not exist before (innermost first).
+    created: Vec<PathBuf>,
+}
+
+impl Staging {
+    fn create(dir: &Path) -> Result<Self, WriteError> {
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let base = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "out".to_string());
+        let tmp = parent.join(format!(".{base}.pipec-tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
+        let created = parent
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        Ok(Staging {
+            dir: dir.to_path_buf(),
+            parent,
+            base,
+            tmp,
+            created,
+        })
     }
-    result
+
+    fn put(&self, name: &str, bytes: &[u8]) -> Result<(), WriteError> {
+        let p = self.tmp.join(name);
+        std::fs::write(&p, bytes).map_err(io_err(&p))
+    }
+
+    /// Put the staged directory in place of `dir` (the old one, if any, is removed).
+    fn commit(self) -> Result<(), WriteError> {
+        let dir = &self.dir;
+        let result = (|| {
+            if dir.exists() {
+                let old =
+                    self.parent
+                        .join(format!(".{}.pipec-old-{}", self.base, std::process::id()));
+                let _ = std::fs::remove_dir_all(&old);
+                std::fs::rename(dir, &old).map_err(io_err(dir))?;
+                std::fs::rename(&self.tmp, dir).map_err(io_err(dir))?;
+                let _ = std::fs::remove_dir_all(&old);
+            } else {
+                std::fs::rename(&self.tmp, dir).map_err(io_err(dir))?;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            self.abandon();
+        }
+        result
+    }
+
+    fn abandon(&self) {
+        let _ = std::fs::remove_dir_all(&self.tmp);
+    }
+
+    /// [`Staging::abandon`], and the parent directories made for it too: as if nothing had
+    /// been attempted (a refused schedule leaves no trace).
+    fn abandon_all(&self) {
+        self.abandon();
+        for d in &self.created {
+            if std::fs::remove_dir(d).is_err() {
+                break;
+            }
+        }
+    }
 }

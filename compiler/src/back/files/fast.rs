@@ -1,0 +1,527 @@
+//! A parser for rank files exactly as pipec writes them ([`super::write`]'s fixed header, one
+//! instruction per line, fields in a fixed order, numbers without sign, exponent or leading
+//! zero). It is the loader's fast path: about ten times faster than serde's generic parse of
+//! the same bytes. It accepts a subset of what serde accepts and yields the same values for it
+//! (a differential test below checks); anything else, a hand-edited file say, returns `None`
+//! and the loader parses the file with serde as before, so errors and their messages are
+//! serde's.
+
+use super::format::*;
+use crate::ir::{Instr, Payload, PayloadKind};
+use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
+
+/// A rank file's fields, as [`RankFile`] holds them.
+pub(crate) struct Parsed {
+    pub(crate) version: u32,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    pub(crate) schedule_hash: String,
+    pub(crate) instructions: Vec<Instr>,
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl Cursor<'_> {
+    #[inline]
+    fn lit(&mut self, s: &[u8]) -> Option<()> {
+        if self.b.get(self.i..self.i + s.len())? == s {
+            self.i += s.len();
+            Some(())
+        } else {
+            None
+        }
+    }
+
+    /// A JSON number serde reads as this `u32`, in the form pipec writes: `0`, or a nonzero
+    /// digit and at most nine more, at most `u32::MAX`.
+    #[inline]
+    fn num(&mut self) -> Option<u32> {
+        let b = self.b;
+        let first = *b.get(self.i)?;
+        if first == b'0' {
+            self.i += 1;
+            return (!b.get(self.i).is_some_and(u8::is_ascii_digit)).then_some(0);
+        }
+        if !first.is_ascii_digit() {
+            return None;
+        }
+        let mut v = 0u64;
+        let start = self.i;
+        while let Some(&c) = b.get(self.i) {
+            if !c.is_ascii_digit() {
+                break;
+            }
+            v = v * 10 + (c - b'0') as u64;
+            self.i += 1;
+            if self.i - start > 10 {
+                return None;
+            }
+        }
+        u32::try_from(v).ok()
+    }
+
+    /// A string of lowercase hex digits (what a schedule hash is), after its opening quote.
+    fn hex_string(&mut self) -> Option<String> {
+        let start = self.i;
+        while let Some(&c) = self.b.get(self.i) {
+            match c {
+                b'0'..=b'9' | b'a'..=b'f' => self.i += 1,
+                b'"' => {
+                    let s = std::str::from_utf8(&self.b[start..self.i]).ok()?;
+                    self.i += 1;
+                    return Some(s.to_string());
+                }
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    #[inline]
+    fn task(&mut self) -> Option<Task> {
+        self.lit(b",\"stage\":")?;
+        let stage = self.num()?;
+        self.lit(b",\"mb\":")?;
+        let mb = self.num()?;
+        Some(Task {
+            stage: StageId(stage),
+            mb: Microbatch(mb),
+        })
+    }
+
+    /// `,"peer":P,"payload":"K","stage":S,"mb":M,"batch":B`.
+    #[inline]
+    fn message(&mut self) -> Option<(Rank, Payload, u32)> {
+        self.lit(b",\"peer\":")?;
+        let peer = self.num()?;
+        self.lit(b",\"payload\":\"")?;
+        let kind = if self.lit(b"act\"").is_some() {
+            PayloadKind::Act
+        } else {
+            self.lit(b"grad\"")?;
+            PayloadKind::Grad
+        };
+        let t = self.task()?;
+        self.lit(b",\"batch\":")?;
+        let batch = self.num()?;
+        Some((
+            Rank(peer),
+            Payload {
+                kind,
+                stage: t.stage,
+                mb: t.mb,
+            },
+            batch,
+        ))
+    }
+
+    /// One instruction object, after `{"op":"`, through its closing `}`.
+    #[inline]
+    fn instr(&mut self) -> Option<Instr> {
+        let rest = self.b.get(self.i..)?;
+        let end = rest.iter().take(8).position(|&c| c == b'"')?;
+        let op = &rest[..end];
+        self.i += end + 1;
+        let ins = match op {
+            b"fwd" => Instr::Compute(Compute::Fwd(self.task()?)),
+            b"bwd" => Instr::Compute(Compute::Bwd(self.task()?)),
+            b"bwd_D" => Instr::Compute(Compute::BwdD(self.task()?)),
+            b"bwd_W" => Instr::Compute(Compute::BwdW(self.task()?)),
+            b"fwd_bwd" => {
+                self.lit(b",\"fwd_stage\":")?;
+                let fs = self.num()?;
+                self.lit(b",\"fwd_mb\":")?;
+                let fm = self.num()?;
+                self.lit(b",\"bwd_stage\":")?;
+                let bs = self.num()?;
+                self.lit(b",\"bwd_mb\":")?;
+                let bm = self.num()?;
+                Instr::Compute(Compute::FwdBwd {
+                    fwd: Task::new(fs, fm),
+                    bwd: Task::new(bs, bm),
+                })
+            }
+            b"send" => {
+                let (peer, payload, batch) = self.message()?;
+                Instr::Send {
+                    peer,
+                    payload,
+                    batch,
+                }
+            }
+            b"recv" => {
+                let (peer, payload, batch) = self.message()?;
+                Instr::Recv {
+                    peer,
+                    payload,
+                    batch,
+                }
+            }
+            b"wait" => {
+                self.lit(b",\"batch\":")?;
+                Instr::Wait { batch: self.num()? }
+            }
+            _ => return None,
+        };
+        self.lit(b"}")?;
+        Some(ins)
+    }
+}
+
+/// Parse `bytes` when they are a rank file in exactly the form pipec writes; `None` otherwise
+/// (the caller then parses with serde).
+pub(crate) fn parse(bytes: &[u8]) -> Option<Parsed> {
+    let mut c = Cursor { b: bytes, i: 0 };
+    c.lit(b"{\n  \"format\": \"")?;
+    c.lit(RANK_FORMAT.as_bytes())?;
+    c.lit(b"\",\n  \"version\": ")?;
+    let version = c.num()?;
+    c.lit(b",\n  \"rank\": ")?;
+    let rank = c.num()?;
+    c.lit(b",\n  \"world_size\": ")?;
+    let world_size = c.num()?;
+    c.lit(b",\n  \"schedule_hash\": \"")?;
+    let schedule_hash = c.hex_string()?;
+    c.lit(b",\n  \"instructions\": [\n")?;
+    // The shortest line, `    {"op":"wait","batch":0},`, is 29 bytes.
+    let mut instructions = Vec::with_capacity(bytes.len().saturating_sub(c.i) / 29);
+    if c.lit(b"  ]\n}\n").is_none() {
+        loop {
+            c.lit(b"    {\"op\":\"")?;
+            instructions.push(c.instr()?);
+            if c.lit(b",\n").is_none() {
+                c.lit(b"\n  ]\n}\n")?;
+                break;
+            }
+        }
+    }
+    (c.i == bytes.len()).then_some(Parsed {
+        version,
+        rank,
+        world_size,
+        schedule_hash,
+        instructions,
+    })
+}
+
+/// Decode `bytes` when they are a binary rank file exactly as pipec writes it (minimal
+/// varints, known variants and payload kinds, nothing after the last instruction); `None`
+/// otherwise, and the caller decodes with postcard as before.
+pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
+    let mut c = Bin { b: bytes, i: 0 };
+    if c.str()? != RANK_FORMAT {
+        return None;
+    }
+    let version = c.u32()?;
+    let rank = c.u32()?;
+    let world_size = c.u32()?;
+    let schedule_hash = c.str()?.to_string();
+    let n = c.varint(u64::MAX)?;
+    // Every instruction takes at least two bytes.
+    if n > (bytes.len() - c.i) as u64 / 2 {
+        return None;
+    }
+    let mut instructions = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let tag = c.u32()?;
+        let ins = match tag {
+            0..=3 => {
+                let t = Task::new(c.u32()?, c.u32()?);
+                Instr::Compute(match tag {
+                    0 => Compute::Fwd(t),
+                    1 => Compute::Bwd(t),
+                    2 => Compute::BwdD(t),
+                    _ => Compute::BwdW(t),
+                })
+            }
+            4 => {
+                let fwd = Task::new(c.u32()?, c.u32()?);
+                let bwd = Task::new(c.u32()?, c.u32()?);
+                Instr::Compute(Compute::FwdBwd { fwd, bwd })
+            }
+            5 | 6 => {
+                let peer = Rank(c.u32()?);
+                let kind = match *c.b.get(c.i)? {
+                    0 => PayloadKind::Act,
+                    1 => PayloadKind::Grad,
+                    _ => return None,
+                };
+                c.i += 1;
+                let payload = Payload {
+                    kind,
+                    stage: StageId(c.u32()?),
+                    mb: Microbatch(c.u32()?),
+                };
+                let batch = c.u32()?;
+                if tag == 5 {
+                    Instr::Send {
+                        peer,
+                        payload,
+                        batch,
+                    }
+                } else {
+                    Instr::Recv {
+                        peer,
+                        payload,
+                        batch,
+                    }
+                }
+            }
+            7 => Instr::Wait { batch: c.u32()? },
+            _ => return None,
+        };
+        instructions.push(ins);
+    }
+    (c.i == bytes.len()).then_some(Parsed {
+        version,
+        rank,
+        world_size,
+        schedule_hash,
+        instructions,
+    })
+}
+
+struct Bin<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Bin<'a> {
+    /// A minimal LEB128 varint (postcard's) of at most `max`.
+    #[inline]
+    fn varint(&mut self, max: u64) -> Option<u64> {
+        let mut v = 0u64;
+        for k in 0..10 {
+            let byte = *self.b.get(self.i)?;
+            self.i += 1;
+            v |= ((byte & 0x7f) as u64) << (7 * k);
+            if byte & 0x80 == 0 {
+                // Minimal: no trailing zero group (except 0 itself), no overflow.
+                if (k > 0 && byte == 0) || (k == 9 && byte > 1) {
+                    return None;
+                }
+                return (v <= max).then_some(v);
+            }
+        }
+        None
+    }
+
+    #[inline]
+    fn u32(&mut self) -> Option<u32> {
+        // Fast path: one byte.
+        let byte = *self.b.get(self.i)?;
+        if byte < 0x80 {
+            self.i += 1;
+            return Some(byte as u32);
+        }
+        self.varint(u32::MAX as u64).map(|v| v as u32)
+    }
+
+    fn str(&mut self) -> Option<&'a str> {
+        let n = self.varint(u64::MAX)?;
+        let end = self.i.checked_add(usize::try_from(n).ok()?)?;
+        let s = std::str::from_utf8(self.b.get(self.i..end)?).ok()?;
+        self.i = end;
+        Some(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::write::rank_file_json;
+    use super::*;
+    use proptest::prelude::*;
+
+    /// What serde makes of the bytes, in the fast path's terms (`None`: serde refuses them).
+    fn via_serde(bytes: &[u8]) -> Option<Parsed> {
+        let f: RankFile = serde_json::from_slice(bytes).ok()?;
+        (f.format == RANK_FORMAT).then(|| Parsed {
+            version: f.version,
+            rank: f.rank,
+            world_size: f.world_size,
+            schedule_hash: f.schedule_hash,
+            instructions: f.instructions.into_iter().map(Instr::from).collect(),
+        })
+    }
+
+    fn same(a: &Parsed, b: &Parsed) -> bool {
+        (
+            a.version,
+            a.rank,
+            a.world_size,
+            &a.schedule_hash,
+            &a.instructions,
+        ) == (
+            b.version,
+            b.rank,
+            b.world_size,
+            &b.schedule_hash,
+            &b.instructions,
+        )
+    }
+
+    fn instr() -> impl Strategy<Value = Instr> {
+        let n = prop_oneof![Just(0u32), 0u32..20, Just(u32::MAX), any::<u32>()];
+        let t = (n.clone(), n.clone()).prop_map(|(s, m)| Task::new(s, m));
+        let p = (any::<bool>(), n.clone(), n.clone()).prop_map(|(g, s, m)| {
+            if g {
+                Payload::grad(s, m)
+            } else {
+                Payload::act(s, m)
+            }
+        });
+        prop_oneof![
+            t.clone().prop_map(|t| Instr::Compute(Compute::Fwd(t))),
+            t.clone().prop_map(|t| Instr::Compute(Compute::Bwd(t))),
+            t.clone().prop_map(|t| Instr::Compute(Compute::BwdD(t))),
+            t.clone().prop_map(|t| Instr::Compute(Compute::BwdW(t))),
+            (t.clone(), t).prop_map(|(fwd, bwd)| Instr::Compute(Compute::FwdBwd { fwd, bwd })),
+            (n.clone(), p.clone(), n.clone()).prop_map(|(r, payload, batch)| Instr::Send {
+                peer: Rank(r),
+                payload,
+                batch
+            }),
+            (n.clone(), p, n.clone()).prop_map(|(r, payload, batch)| Instr::Recv {
+                peer: Rank(r),
+                payload,
+                batch
+            }),
+            n.prop_map(|batch| Instr::Wait { batch }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Every file pipec writes takes the fast path, with serde's values.
+        #[test]
+        fn written_files_parse_fast(instrs in proptest::collection::vec(instr(), 0..40),
+                                    rank in any::<u32>(), world in any::<u32>()) {
+            let hash = "0123456789abcdef".repeat(4);
+            let bytes = rank_file_json(rank, world, &hash, &instrs);
+            let fast = parse(&bytes).expect("canonical file");
+            prop_assert!(same(&fast, &via_serde(&bytes).unwrap()));
+            prop_assert_eq!(fast.instructions, instrs);
+        }
+
+        /// Damage anywhere: what the fast path accepts, serde accepts with the same values.
+        #[test]
+        fn damaged_files_agree_with_serde(instrs in proptest::collection::vec(instr(), 0..12),
+                                          edits in proptest::collection::vec(
+                                              (any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4)) {
+            let mut bytes = rank_file_json(1, 4, &"ab".repeat(32), &instrs);
+            for (at, byte, how) in edits {
+                if bytes.is_empty() { break; }
+                let i = at.index(bytes.len());
+                let byte = b"0123456789,:{}[]\" \nabdefgprstwDW_-.e+"[byte as usize % 37];
+                match how {
+                    0 => bytes[i] = byte,
+                    1 => bytes.insert(i, byte),
+                    _ => { bytes.remove(i); }
+                }
+            }
+            if let Some(fast) = parse(&bytes) {
+                let slow = via_serde(&bytes);
+                prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)),
+                    "fast path accepted what serde reads differently: {}", String::from_utf8_lossy(&bytes));
+            }
+        }
+    }
+
+    #[test]
+    fn numbers_serde_would_read_differently_fall_back() {
+        let ok = rank_file_json(0, 1, "ab", &[Instr::Wait { batch: 7 }]);
+        let text = String::from_utf8(ok.clone()).unwrap();
+        assert!(parse(&ok).is_some());
+        for bad in [
+            "\"batch\":07",
+            "\"batch\":7.0",
+            "\"batch\":7e0",
+            "\"batch\":-7",
+            "\"batch\":4294967296",
+            "\"batch\":99999999999",
+            "\"batch\": 7",
+        ] {
+            let t = text.replace("\"batch\":7", bad);
+            assert!(parse(t.as_bytes()).is_none(), "{bad}");
+        }
+        let t = text.replace("\"batch\":7", "\"batch\":4294967295");
+        assert_eq!(
+            parse(t.as_bytes()).unwrap().instructions,
+            [Instr::Wait { batch: u32::MAX }]
+        );
+        assert!(parse(text.replace("}\n", "} \n").as_bytes()).is_none());
+        assert!(parse(&[ok.as_slice(), b" "].concat()).is_none());
+    }
+
+    /// What postcard makes of the bytes, in the fast path's terms.
+    fn via_postcard(bytes: &[u8]) -> Option<Parsed> {
+        let f: RankFileBin = postcard::from_bytes(bytes).ok()?;
+        let mut instructions = Vec::new();
+        for w in f.instructions {
+            instructions.push(Instr::try_from(w).ok()?);
+        }
+        (f.format == RANK_FORMAT).then_some(Parsed {
+            version: f.version,
+            rank: f.rank,
+            world_size: f.world_size,
+            schedule_hash: f.schedule_hash,
+            instructions,
+        })
+    }
+
+    fn bin_file(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
+        let mut b = bin_prefix(rank, world, hash);
+        b.extend_from_slice(&canonical(instrs));
+        b
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn written_bin_files_decode_fast(instrs in proptest::collection::vec(instr(), 0..40),
+                                         rank in any::<u32>(), world in any::<u32>()) {
+            let bytes = bin_file(rank, world, &"ab".repeat(32), &instrs);
+            let fast = parse_bin(&bytes).expect("canonical file");
+            prop_assert!(same(&fast, &via_postcard(&bytes).unwrap()));
+            prop_assert_eq!(fast.instructions, instrs);
+        }
+
+        /// Damage anywhere: what the fast path accepts, postcard decodes to the same values.
+        #[test]
+        fn damaged_bin_files_agree_with_postcard(instrs in proptest::collection::vec(instr(), 0..12),
+                                                 edits in proptest::collection::vec(
+                                                     (any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4)) {
+            let mut bytes = bin_file(1, 4, &"ab".repeat(32), &instrs);
+            for (at, byte, how) in edits {
+                if bytes.is_empty() { break; }
+                let i = at.index(bytes.len());
+                match how {
+                    0 => bytes[i] = byte,
+                    1 => bytes.insert(i, byte),
+                    _ => { bytes.remove(i); }
+                }
+            }
+            if let Some(fast) = parse_bin(&bytes) {
+                let slow = via_postcard(&bytes);
+                prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)), "{bytes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn overlong_varints_fall_back() {
+        let ok = bin_file(0, 1, "ab", &[Instr::Wait { batch: 7 }]);
+        assert!(parse_bin(&ok).is_some());
+        let last = ok.len() - 1;
+        // The batch `7` as two bytes: what postcard may accept, not what pipec writes.
+        let mut long = ok[..last].to_vec();
+        long.extend_from_slice(&[0x87, 0x00]);
+        assert!(parse_bin(&long).is_none());
+        assert!(parse_bin(&[ok.as_slice(), &[0]].concat()).is_none());
+    }
+}
