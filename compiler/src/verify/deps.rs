@@ -150,10 +150,11 @@ impl Walk<'_, '_> {
             return self.local(r, g, part, producer);
         }
         let pi = ix.payload_index(input);
-        let site = ix.site(g);
+        // Built only for a violation: this runs for every received input.
+        let site = || ix.site(g);
         match ix.recv_count[pi] {
             0 => self.out.push(Violation::InputNeverReceived {
-                site,
+                site: site(),
                 part,
                 input,
                 from: Rank(owner),
@@ -162,7 +163,7 @@ impl Walk<'_, '_> {
                 let j = ix.recv_first[pi];
                 if !ix.on_rank(j, r) {
                     self.out.push(Violation::InputNeverReceived {
-                        site,
+                        site: site(),
                         part,
                         input,
                         from: Rank(owner),
@@ -170,7 +171,7 @@ impl Walk<'_, '_> {
                 } else if let Some(u) = self.user[pi].get() {
                     let first_use = ix.site(u);
                     self.out.push(Violation::InputUsedTwice {
-                        site,
+                        site: site(),
                         part,
                         recv: ix.site(j),
                         first_use,
@@ -179,14 +180,14 @@ impl Walk<'_, '_> {
                     self.user[pi] = OptIdx::some(g);
                     if j > g {
                         self.out.push(Violation::RunsBeforeInput {
-                            site,
+                            site: site(),
                             part,
                             input,
                             recv: ix.site(j),
                         });
                     } else if ix.ready(j).get().is_none_or(|w| w > g) {
                         self.out.push(Violation::RunsBeforeWait {
-                            site,
+                            site: site(),
                             part,
                             input,
                             recv: ix.site(j),
