@@ -1,5 +1,7 @@
 //! The whole compilation: layout + spec -> schedule -> program (-> verdict).
 
+pub mod sweep;
+
 use crate::front::layout::{self, LayerKind, Layout, LayoutError};
 use crate::ir::Program;
 use crate::lower::lower;

@@ -3,7 +3,7 @@
 //! Data flows one way, and the modules are named for the stages it passes:
 //!
 //! ```text
-//! front (layout, sweep) -> compile -> lower -> ir (Program) -> verify -> back (files, torch, view)
+//! front (layout) -> compile (+ sweep files) -> lower -> ir (Program) -> verify -> back (files, torch, view)
 //!                                                         \-> simulate (cost, timeline)
 //! ```
 //!

@@ -1,10 +1,10 @@
 //! `pipec compile`: generate, lower, verify, write. With `--config FILE`, many schedules at
-//! once (see [`pipec::front::sweep`]), on all cores, with a summary table.
+//! once (see [`pipec::compile::sweep`]), on all cores, with a summary table.
 
 use super::CliError;
 use pipec::back::files::{self, Header};
+use pipec::compile::sweep;
 use pipec::compile::{compile, CompileError, CompileRequest};
-use pipec::front::sweep;
 use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, SpecError};
 use std::path::PathBuf;
 use std::process::ExitCode;

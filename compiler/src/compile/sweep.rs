@@ -22,7 +22,7 @@
 //! Expansion is pure and bounded: the number of configurations is computed before anything
 //! is allocated for them, and refused above [`MAX_CONFIGS`].
 
-use crate::compile::CompileRequest;
+use super::CompileRequest;
 use pipec_schedules::{ChunkRule, Limits, ScheduleKind};
 use serde::Deserialize;
 use thiserror::Error;
