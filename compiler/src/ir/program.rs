@@ -88,6 +88,23 @@ pub enum Instr {
 }
 
 impl Instr {
+    /// A send (`is_send`) or receive of `payload` with `peer`, in comm batch `batch`.
+    pub fn message(is_send: bool, peer: Rank, payload: Payload, batch: u32) -> Instr {
+        if is_send {
+            Instr::Send {
+                peer,
+                payload,
+                batch,
+            }
+        } else {
+            Instr::Recv {
+                peer,
+                payload,
+                batch,
+            }
+        }
+    }
+
     /// The comm batch of a send or recv.
     pub fn batch(&self) -> Option<u32> {
         match *self {

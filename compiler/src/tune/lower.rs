@@ -151,19 +151,8 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
                 } else {
                     recv_batch[mi] = b;
                 }
-                out.push(if is_send {
-                    Instr::Send {
-                        peer: Rank(m.to as u32),
-                        payload: m.payload,
-                        batch: b,
-                    }
-                } else {
-                    Instr::Recv {
-                        peer: Rank(m.from as u32),
-                        payload: m.payload,
-                        batch: b,
-                    }
-                });
+                let peer = Rank(if is_send { m.to } else { m.from } as u32);
+                out.push(Instr::message(is_send, peer, m.payload, b));
             }
             for &(mi, is_send) in &waits[r][j] {
                 let b = if is_send {

@@ -255,20 +255,7 @@ pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
                     stage: StageId(c.u32()?),
                     mb: Microbatch(c.u32()?),
                 };
-                let batch = c.u32()?;
-                if tag == 5 {
-                    Instr::Send {
-                        peer,
-                        payload,
-                        batch,
-                    }
-                } else {
-                    Instr::Recv {
-                        peer,
-                        payload,
-                        batch,
-                    }
-                }
+                Instr::message(tag == 5, peer, payload, c.u32()?)
             }
             7 => Instr::Wait { batch: c.u32()? },
             _ => return None,
@@ -413,16 +400,8 @@ mod tests {
                                           edits in proptest::collection::vec(
                                               (any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4)) {
             let mut bytes = rank_file_json(1, 4, &"ab".repeat(32), &instrs);
-            for (at, byte, how) in edits {
-                if bytes.is_empty() { break; }
-                let i = at.index(bytes.len());
-                let byte = b"0123456789,:{}[]\" \nabdefgprstwDW_-.e+"[byte as usize % 37];
-                match how {
-                    0 => bytes[i] = byte,
-                    1 => bytes.insert(i, byte),
-                    _ => { bytes.remove(i); }
-                }
-            }
+            // Bytes JSON is made of, so damage often still parses.
+            damage(&mut bytes, &edits, |b| b"0123456789,:{}[]\" \nabdefgprstwDW_-.e+"[b as usize % 37]);
             if let Some(fast) = parse(&bytes) {
                 let slow = via_serde(&bytes);
                 prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)),
@@ -473,6 +452,27 @@ mod tests {
         })
     }
 
+    /// Apply `edits` in order: (where, byte through `byte`, 0 overwrite / 1 insert / 2 remove).
+    fn damage(
+        bytes: &mut Vec<u8>,
+        edits: &[(prop::sample::Index, u8, u8)],
+        byte: impl Fn(u8) -> u8,
+    ) {
+        for (at, b, how) in edits {
+            if bytes.is_empty() {
+                break;
+            }
+            let i = at.index(bytes.len());
+            match how {
+                0 => bytes[i] = byte(*b),
+                1 => bytes.insert(i, byte(*b)),
+                _ => {
+                    bytes.remove(i);
+                }
+            }
+        }
+    }
+
     fn bin_file(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
         let mut b = bin_prefix(rank, world, hash);
         b.extend_from_slice(&canonical(instrs));
@@ -497,15 +497,7 @@ mod tests {
                                                  edits in proptest::collection::vec(
                                                      (any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..4)) {
             let mut bytes = bin_file(1, 4, &"ab".repeat(32), &instrs);
-            for (at, byte, how) in edits {
-                if bytes.is_empty() { break; }
-                let i = at.index(bytes.len());
-                match how {
-                    0 => bytes[i] = byte,
-                    1 => bytes.insert(i, byte),
-                    _ => { bytes.remove(i); }
-                }
-            }
+            damage(&mut bytes, &edits, |b| b);
             if let Some(fast) = parse_bin(&bytes) {
                 let slow = via_postcard(&bytes);
                 prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)), "{bytes:?}");

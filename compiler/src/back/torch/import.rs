@@ -536,19 +536,7 @@ fn p2p_instr(
             rank: rank.0,
         });
     }
-    Ok(if send {
-        Instr::Send {
-            peer,
-            payload,
-            batch,
-        }
-    } else {
-        Instr::Recv {
-            peer,
-            payload,
-            batch,
-        }
-    })
+    Ok(Instr::message(send, peer, payload, batch))
 }
 
 /// The placement the file implies: each stage on the rank of the line(s) that name it.
