@@ -196,67 +196,54 @@ pub fn parse_rank(
             actual,
         });
     }
-    let (f, instructions) = match manifest.encoding {
-        Encoding::Json => match super::fast::parse(bytes) {
-            // The form pipec writes: the fast path.
-            Some(p) => (
+    let fast = match manifest.encoding {
+        Encoding::Json => super::fast::parse(bytes),
+        Encoding::Postcard => super::fast::parse_bin(bytes),
+    };
+    let (f, instructions) = match (fast, manifest.encoding) {
+        // The form pipec writes: the fast path.
+        (Some(p), _) => (
+            RankFileBin {
+                format: RANK_FORMAT.to_string(),
+                version: p.version,
+                rank: p.rank,
+                world_size: p.world_size,
+                schedule_hash: p.schedule_hash,
+                instructions: Vec::new(),
+            },
+            p.instructions,
+        ),
+        // Anything else serde or postcard judges, as they always did.
+        (None, Encoding::Json) => {
+            let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
+            let instrs: Vec<Instr> = f.instructions.into_iter().map(Instr::from).collect();
+            (
                 RankFileBin {
-                    format: RANK_FORMAT.to_string(),
-                    version: p.version,
-                    rank: p.rank,
-                    world_size: p.world_size,
-                    schedule_hash: p.schedule_hash,
+                    format: f.format,
+                    version: f.version,
+                    rank: f.rank,
+                    world_size: f.world_size,
+                    schedule_hash: f.schedule_hash,
                     instructions: Vec::new(),
                 },
-                p.instructions,
-            ),
-            // Anything else serde judges, as it always did.
-            None => {
-                let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
-                let instrs: Vec<Instr> = f.instructions.into_iter().map(Instr::from).collect();
-                (
-                    RankFileBin {
-                        format: f.format,
-                        version: f.version,
-                        rank: f.rank,
-                        world_size: f.world_size,
-                        schedule_hash: f.schedule_hash,
-                        instructions: Vec::new(),
-                    },
-                    instrs,
-                )
+                instrs,
+            )
+        }
+        (None, Encoding::Postcard) => {
+            let mut f: RankFileBin = postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
+                path: path.clone(),
+                msg: format!("not a valid postcard rank file: {e}"),
+            })?;
+            let wire = std::mem::take(&mut f.instructions);
+            let mut instrs = Vec::with_capacity(wire.len());
+            for (i, w) in wire.into_iter().enumerate() {
+                instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
+                    path: path.clone(),
+                    msg: format!("instruction #{i}: {msg}"),
+                })?);
             }
-        },
-        Encoding::Postcard => match super::fast::parse_bin(bytes) {
-            // The form pipec writes: the fast path.
-            Some(p) => (
-                RankFileBin {
-                    format: RANK_FORMAT.to_string(),
-                    version: p.version,
-                    rank: p.rank,
-                    world_size: p.world_size,
-                    schedule_hash: p.schedule_hash,
-                    instructions: Vec::new(),
-                },
-                p.instructions,
-            ),
-            None => {
-                let mut f: RankFileBin =
-                    postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
-                        path: path.clone(),
-                        msg: format!("not a valid postcard rank file: {e}"),
-                    })?;
-                let wire = std::mem::take(&mut f.instructions);
-                let mut instrs = Vec::with_capacity(wire.len());
-                for (i, w) in wire.into_iter().enumerate() {
-                    instrs.push(Instr::try_from(w).map_err(|msg| LoadError::Json {
-                        path: path.clone(),
-                        msg: format!("instruction #{i}: {msg}"),
-                    })?);
-                }
-                (f, instrs)
-            }
-        },
+            (f, instrs)
+        }
     };
     if f.format != RANK_FORMAT {
         return Err(LoadError::Format {
