@@ -419,7 +419,8 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
                         };
                         (ready, Some((true, s * m + mb)), p.f[s])
                     }
-                    Compute::BwdD(t) => {
+                    // A full backward is `bwd_D` and `bwd_W` back to back: same inputs.
+                    Compute::BwdD(t) | Compute::Bwd(t) => {
                         let s = t.stage.index();
                         let mb = t.mb.index();
                         let fe = fend[s * m + mb];
@@ -428,22 +429,16 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
                         } else {
                             fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
                         };
-                        (ready, Some((false, s * m + mb)), p.b[s])
+                        let w = if matches!(op, Compute::Bwd(_)) {
+                            p.w[s]
+                        } else {
+                            0.0
+                        };
+                        (ready, Some((false, s * m + mb)), p.b[s] + w)
                     }
                     Compute::BwdW(t) => {
                         let s = t.stage.index();
                         (bend[s * m + t.mb.index()], None, p.w[s])
-                    }
-                    Compute::Bwd(t) => {
-                        let s = t.stage.index();
-                        let mb = t.mb.index();
-                        let fe = fend[s * m + mb];
-                        let ready = if s + 1 == n {
-                            fe
-                        } else {
-                            fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
-                        };
-                        (ready, Some((false, s * m + mb)), p.b[s] + p.w[s])
                     }
                     Compute::FwdBwd { .. } => return None,
                 };
