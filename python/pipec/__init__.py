@@ -264,6 +264,18 @@ def tune(
     return Schedule(native), json.loads(report)
 
 
+def _as_schedule(schedule: Schedule | str | os.PathLike) -> Schedule:
+    """A schedule given as itself or as the path of a compiled directory (loaded with every
+    check), for the adapters (:mod:`pipec.torch`, :mod:`pipec.megatron`)."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, (str, os.PathLike)):
+        return load(schedule)
+    raise TypeError(
+        f"expected a pipec.Schedule or the path of a compiled directory, got {type(schedule)}"
+    )
+
+
 def kinds() -> list[str]:
     """The schedule kinds pipec generates."""
     return list(_native.kinds())

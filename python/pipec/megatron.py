@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import PipecError, Schedule, load
+from . import PipecError, Schedule, _as_schedule
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
@@ -46,25 +46,16 @@ MEGATRON_CORE_VERSION = "0.19.2"
 _BATCHED_POLICIES = {"megatron_1f1b", "megatron_interleaved"}
 
 
-def _as_schedule(schedule: Schedule | str | os.PathLike) -> Schedule:
-    if isinstance(schedule, Schedule):
-        return schedule
-    if isinstance(schedule, (str, os.PathLike)):
-        return load(schedule)
-    raise TypeError(
-        f"expected a pipec.Schedule or the path of a compiled directory, got {type(schedule)}"
-    )
-
-
 def _manifest(s: Schedule) -> dict:
-    return json.loads(dict(s._n.render("json"))["manifest.json"])
+    """The manifest's ``layout`` and ``comm_policy`` (no rank file rendered)."""
+    return json.loads(s._n.header_json())
 
 
 def _files(s: Schedule) -> tuple[dict, list[list[dict]]]:
-    """The manifest and every rank's instruction records, from one rendering."""
+    """The manifest's header fields and every rank's instruction records, from one rendering."""
     files = dict(s._n.render("json"))
     streams = [json.loads(files[f"rank-{r}.json"])["instructions"] for r in range(s.pp)]
-    return json.loads(files["manifest.json"]), streams
+    return _manifest(s), streams
 
 
 def _refuse_bidirectional(s: Schedule) -> None:

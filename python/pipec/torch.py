@@ -15,19 +15,9 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import schedules as _ts
 
-from . import PipecError, Schedule, TorchExportError, load
+from . import PipecError, Schedule, TorchExportError, _as_schedule
 
 __all__ = ["PipecScheduleRuntime", "actions", "build_schedule", "stage_indices"]
-
-
-def _as_schedule(schedule: Schedule | str | os.PathLike) -> Schedule:
-    if isinstance(schedule, Schedule):
-        return schedule
-    if isinstance(schedule, (str, os.PathLike)):
-        return load(schedule)
-    raise TypeError(
-        f"expected a pipec.Schedule or the path of a compiled directory, got {type(schedule)}"
-    )
 
 
 def _refuse_bidirectional(s: Schedule) -> None:

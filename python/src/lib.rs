@@ -175,6 +175,12 @@ impl NativeSchedule {
         self.title()
     }
 
+    /// The manifest's `layout` and `comm_policy` fields as JSON, without rendering the rank
+    /// files the whole manifest would need (for their hashes).
+    fn header_json(&self) -> String {
+        json!({ "layout": self.layout, "comm_policy": self.comm_policy }).to_string()
+    }
+
     #[getter]
     fn instruction_count(&self) -> usize {
         self.program.len()
