@@ -194,8 +194,9 @@ impl NativeSchedule {
 
     fn save(&self, path: PathBuf, encoding: &str) -> PyResult<()> {
         let enc = parse_encoding(encoding)?;
-        let rendered = files::render(&self.header(), &self.program, enc);
-        files::write_dir(&path, &rendered).map_err(|e| FileError::new_err(e.to_string()))
+        // Streamed from the program, as `pipec compile` writes (no whole-output buffer).
+        files::write_program(&path, &self.header(), &self.program, enc)
+            .map_err(|e| FileError::new_err(e.to_string()))
     }
 
     /// The verifier's report as JSON: valid, violations, peak activations per rank, risks.
