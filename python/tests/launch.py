@@ -95,3 +95,25 @@ def train_all(
                 d = json.loads(line)
                 results[(d["name"], d["rank"])] = d
     return results, ok, logs
+
+
+def start_worker(argv: list[str]) -> tuple[list, int, int, str]:
+    """In a worker started by :func:`launch` (argv: config file, rank, world, port, output):
+    read its configurations and join the gloo process group. Returns (configs, rank, world,
+    output path)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    cfg_path, rank, world, port, out = argv
+    rank, world = int(rank), int(world)
+    with open(cfg_path) as f:
+        configs = json.load(f)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+    return configs, rank, world, out

@@ -19,13 +19,13 @@ import json
 import os
 import sys
 import traceback
-from datetime import timedelta
 
 import megatron_cpu  # the test-only CPU patches, before anything of Megatron runs
 import pipec
 import pipec.megatron as pm
 import torch
 import torch.distributed as dist
+from launch import start_worker
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -260,17 +260,7 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
 
 
 def main() -> None:
-    cfg_path, rank, world, port, out = sys.argv[1:6]
-    rank, world = int(rank), int(world)
-    with open(cfg_path) as f:
-        configs = json.load(f)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
+    configs, rank, world, out = start_worker(sys.argv[1:6])
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=world, create_gloo_process_groups=False
     )

@@ -18,12 +18,12 @@ import os
 import sys
 import time
 import traceback
-from datetime import timedelta
 
 import pipec
 import pipec.torch as pt
 import torch
 import torch.distributed as dist
+from launch import start_worker
 from torch.distributed.pipelining import PipelineStage
 
 DIM = 6
@@ -181,17 +181,7 @@ def run(cfg: dict, rank: int, group) -> dict:
 
 
 def main() -> None:
-    cfg_path, rank, world, port, out = sys.argv[1:6]
-    rank, world = int(rank), int(world)
-    with open(cfg_path) as f:
-        configs = json.load(f)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
+    configs, rank, _world, out = start_worker(sys.argv[1:6])
     groups = {}
     for pp in sorted({c["pp"] for c in configs}):
         groups[pp] = dist.new_group(list(range(pp)))
