@@ -167,8 +167,9 @@ impl<'p> Stream<'p> {
     }
 }
 
-/// Where each tensor became available, in ticks; `NONE` until produced.
-const NONE: u64 = u64::MAX;
+/// The tick of a tensor not produced (or not needed) yet: later than every real tick, so
+/// "earliest" comparisons need no special case.
+const NEVER: u64 = u64::MAX;
 
 /// Ticks of one pass in the lockstep list schedule: `F = B = W = 1` per stage, the unit of the
 /// zero-bubble paper (Qi et al., 2023) and of pipec's default cost model, so a full backward
@@ -199,8 +200,8 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
     let cells = placement.num_stages() as usize * m;
     let last = placement.num_stages().saturating_sub(1);
     // End tick of fwd (act) and bwd/bwd_D (grad) of (stage, mb).
-    let mut act = vec![NONE; cells];
-    let mut grad = vec![NONE; cells];
+    let mut act = vec![NEVER; cells];
+    let mut grad = vec![NEVER; cells];
     let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
     // `Some(tick)` once the input exists (0 for inputs from outside the program).
     let at = |table: &[u64], s: u32, mb: u32| -> Option<u64> {
@@ -209,7 +210,7 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
         }
         match table.get(idx(s, mb)) {
             None => Some(0),
-            Some(&NONE) => None,
+            Some(&NEVER) => None,
             Some(&t) => Some(t),
         }
     };
@@ -271,8 +272,8 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
     // Messages as (instant, from, to, payload), pushed sender by sender in op order, first
     // with their production instant; and when each tensor's consumer starts.
     let mut msgs: Vec<(u64, usize, usize, Payload)> = Vec::new();
-    let mut need_act = vec![NONE; cells];
-    let mut need_grad = vec![NONE; cells];
+    let mut need_act = vec![NEVER; cells];
+    let mut need_grad = vec![NEVER; cells];
     let (mut recvs, mut sends) = (Vec::new(), Vec::new());
     for (r, order) in orders.iter().enumerate() {
         for (op, &s) in order.ops.iter().zip(&start[r]) {
@@ -315,7 +316,7 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
                 PayloadKind::Grad => need_grad[idx(st, mb)],
             }
         } else {
-            NONE
+            NEVER
         };
         let mut p = e;
         while let Some(later) = busy_until(from, p).or_else(|| busy_until(to, p)) {
@@ -348,10 +349,10 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
         let (mut a, mut b) = (0, 0);
         // Post every batch of instants up to `until` (inclusive): one batch per instant.
         let mut flush = |out: &mut Vec<Instr>, next: &mut u32, until: u64| loop {
-            let ta = mine.get(a).map_or(NONE, |&i| msgs[i].0);
-            let tb = theirs.get(b).map_or(NONE, |&i| msgs[i].0);
+            let ta = mine.get(a).map_or(NEVER, |&i| msgs[i].0);
+            let tb = theirs.get(b).map_or(NEVER, |&i| msgs[i].0);
             let t = ta.min(tb);
-            if t == NONE || t > until {
+            if t == NEVER || t > until {
                 break;
             }
             snd.clear();
@@ -376,7 +377,7 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             flush(&mut out[r], &mut next_batch[r], s);
             out[r].push(Instr::Compute(*op));
         }
-        flush(&mut out[r], &mut next_batch[r], NONE - 1);
+        flush(&mut out[r], &mut next_batch[r], NEVER - 1);
         // Stuck orders: the rest op by op (recv before, send after) for the verifier to judge.
         for op in &order.ops[start[r].len()..] {
             recvs.clear();
