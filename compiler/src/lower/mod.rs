@@ -469,14 +469,8 @@ pub fn lower_orders(
 /// `f` over every rank's order, in order; on every core when the schedule is big enough for
 /// threads to pay (a small one is lowered in microseconds).
 fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) -> Vec<T> {
-    const PARALLEL_OPS: usize = 1 << 16;
-    // Size first: asking for the core count reads cgroup files (tens of microseconds).
-    if orders.iter().map(|o| o.ops.len()).sum::<usize>() < PARALLEL_OPS {
-        return orders.iter().map(f).collect();
-    }
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(orders.len());
+    let ops = orders.iter().map(|o| o.ops.len() as u64).sum::<u64>();
+    let threads = crate::par::threads_for(ops).min(orders.len());
     if threads <= 1 {
         return orders.iter().map(f).collect();
     }

@@ -47,6 +47,8 @@ pub(crate) struct Index<'p> {
     pub batch_start: Vec<u32>,
     pub batch_len: Vec<u32>,
     pub batch_rank: Vec<u32>,
+    /// Per rank: its first node; `world + 1` entries, the last the node count.
+    pub rank_nodes: Vec<u32>,
     /// Per node: for a `Wait` node (length 0, at the wait), the batch node it waits for;
     /// none for batches.
     pub wait_of: Vec<OptIdx>,
@@ -116,6 +118,7 @@ impl<'p> Index<'p> {
             batch_start: Vec::new(),
             batch_len: Vec::new(),
             batch_rank: Vec::new(),
+            rank_nodes: Vec::new(),
             wait_of: Vec::new(),
             in_flight: Vec::new(),
             block_pred: Vec::new(),
@@ -141,6 +144,7 @@ impl<'p> Index<'p> {
         let p = self.p;
         let forward_only = p.forward_only;
         for (r, instrs) in p.ranks.iter().enumerate() {
+            self.rank_nodes.push(self.batch_start.len() as u32);
             let base = self.pos.base(r);
             let rank = Rank(r as u32);
             let mut prev_batch: Option<u32> = None;
@@ -312,6 +316,7 @@ impl<'p> Index<'p> {
                 }
             }
         }
+        self.rank_nodes.push(self.batch_start.len() as u32);
         self.stats.batches = self.batch_len.iter().filter(|&&n| n > 0).count() as u64;
         self.link_waits();
     }

@@ -17,29 +17,18 @@ fn payload(ix: &Index<'_>, r: u32, g: u32) -> Payload {
     }
 }
 
-/// Pair sends and receives per channel ([`Matching`]); report wrong tensors and unmatched ops.
+/// Report wrong tensors and unmatched ops of the pairing of sends and receives ([`Matching`]).
 ///
 /// On a channel whose send and receive counts differ, the ops whose payload has no
 /// counterpart are reported as unmatched (the likely culprit: a dropped or extra message),
 /// and the shifted pairs behind them are not also reported as wrong tensors: the channel hangs
 /// anyway, and the shift is a consequence, not a second defect.
-pub(crate) fn match_messages(ix: &Index<'_>, out: &mut Vec<Violation>) -> Matching {
-    let m = Matching::new(ix.p, ix.pos.clone());
+pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
     let mut found = Vec::new();
     for c in m.channels() {
-        let s: Vec<(u32, Payload)> = c
-            .sends
-            .iter()
-            .map(|&g| (g, payload(ix, c.src, g)))
-            .collect();
-        let r: Vec<(u32, Payload)> = c
-            .recvs
-            .iter()
-            .map(|&g| (g, payload(ix, c.dst, g)))
-            .collect();
-        if s.len() == r.len() {
-            for (&(a, pa), &(b, pb)) in s.iter().zip(&r) {
-                if pa != pb {
+        if c.sends.len() == c.recvs.len() {
+            for (&a, &b) in c.sends.iter().zip(&c.recvs) {
+                if payload(ix, c.src, a) != payload(ix, c.dst, b) {
                     found.push(Violation::WrongTensor {
                         recv: ix.site(b),
                         send: ix.site(a),
@@ -47,12 +36,19 @@ pub(crate) fn match_messages(ix: &Index<'_>, out: &mut Vec<Violation>) -> Matchi
                 }
             }
         } else {
-            unbalanced(ix, &s, &r, &mut found);
+            let with_payloads = |ops: &[u32], r: u32| -> Vec<(u32, Payload)> {
+                ops.iter().map(|&g| (g, payload(ix, r, g))).collect()
+            };
+            unbalanced(
+                ix,
+                &with_payloads(&c.sends, c.src),
+                &with_payloads(&c.recvs, c.dst),
+                &mut found,
+            );
         }
     }
     found.sort_by_key(|v| v.at());
     out.extend(found);
-    m
 }
 
 /// Report the ops of an unbalanced channel whose payloads the other side does not carry (as

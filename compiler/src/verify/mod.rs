@@ -93,7 +93,7 @@ pub mod risk;
 mod routes;
 pub mod streams;
 
-use crate::ir::Program;
+use crate::ir::{Matching, Program};
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
 pub use streams::StreamRule;
@@ -129,9 +129,24 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
 }
 
 /// Check the invariants of `level` ([`Level::Structure`] or all of them).
+///
+/// On a big program the independent checks run on two threads (indexing beside matching,
+/// then the matching and deadlock checks beside the rest); the violations are gathered in the
+/// order the module doc lists them either way, so the report does not depend on the threads.
 pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Report {
+    let threads = crate::par::threads_for(program.len() as u64);
+    verify_on(program, opts, level, threads)
+}
+
+/// [`verify_at`] on `threads` threads (one or more: two are used at most).
+fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
     let mut violations = Vec::new();
-    let Some(ix) = index::Index::build(program, &mut violations) else {
+    let (m, ix) = crate::par::join(
+        threads,
+        || Matching::of(program),
+        || index::Index::build(program, &mut violations),
+    );
+    let (Some(ix), Some(m)) = (ix, m) else {
         return Report {
             violations,
             memory: Vec::new(),
@@ -143,27 +158,43 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
             },
         };
     };
-    complete::check(&ix, &mut violations);
-    let m = matching::match_messages(&ix, &mut violations);
-    if level == Level::Structure {
-        routes::check(&ix, &mut violations);
-        return Report {
-            violations,
-            memory: Vec::new(),
-            risks: Vec::new(),
-            stats: ix.stats,
-        };
-    }
-    deadlock::check(&ix, &m, &mut violations);
-    if !violations
-        .iter()
-        .any(|v| matches!(v, Violation::Deadlock { .. }))
-    {
-        streams::check(&ix, &m, opts.streams, &mut violations);
-    }
-    deps::check(&ix, &m, &mut violations);
-    let memory = memory::check(&ix, opts.memory_limit, &mut violations);
-    let risks = risk::check(&ix);
+    let full = level == Level::Full;
+    // Thread one: M1-M2, then D1, D2 and the risks. Thread two: C1-C2, then P1-P3 (or only
+    // P3's routes) and R1. About even at size L.
+    let (comm, rest) = crate::par::join(
+        threads,
+        || {
+            let mut found = Vec::new();
+            matching::check(&ix, &m, &mut found);
+            if !full {
+                return (found, Vec::new());
+            }
+            deadlock::check(&ix, &m, &mut found);
+            if !found
+                .iter()
+                .any(|v| matches!(v, Violation::Deadlock { .. }))
+            {
+                streams::check(&ix, &m, opts.streams, &mut found);
+            }
+            (found, risk::check(&ix))
+        },
+        || {
+            let mut complete = Vec::new();
+            complete::check(&ix, &mut complete);
+            let mut found = Vec::new();
+            if !full {
+                routes::check(&ix, &mut found);
+                return (complete, found, Vec::new());
+            }
+            deps::check(&ix, &m, &mut found);
+            let memory = memory::check(&ix, opts.memory_limit, &mut found);
+            (complete, found, memory)
+        },
+    );
+    let ((comm, risks), (complete, later, memory)) = (comm, rest);
+    violations.extend(complete);
+    violations.extend(comm);
+    violations.extend(later);
     Report {
         violations,
         memory,
@@ -177,6 +208,68 @@ mod tests {
     use super::*;
     use crate::ir::{Instr, Payload};
     use pipec_schedules::{Compute, Placement, Rank, Task};
+
+    /// The report is the same on one thread and two, for valid programs of every kind and for
+    /// programs damaged in every way the checks look at (the violations of each thread are
+    /// put back in the serial order).
+    #[test]
+    fn two_threads_report_what_one_does() {
+        use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n.max(1) as u64) as usize
+        };
+        let mut cases = 0;
+        for kind in ScheduleKind::ALL {
+            let vpp = if kind.multi_chunk() { 2 } else { 1 };
+            let spec = ScheduleSpec::new(kind, 4, vpp, 8);
+            let Ok(s) = generate(&spec, &Limits::DEFAULT) else {
+                continue;
+            };
+            let base = crate::lower(&s);
+            for damage in 0..8 {
+                let mut p = base.clone();
+                for _ in 0..damage.min(3) {
+                    let r = next(p.ranks.len());
+                    let len = p.ranks[r].len();
+                    let i = next(len);
+                    match damage % 4 {
+                        0 if len > 1 => p.ranks[r].swap(i, (i + 1) % len),
+                        1 => drop(p.ranks[r].remove(i)),
+                        2 => {
+                            let ins = p.ranks[r][i];
+                            p.ranks[(r + 1) % 4].push(ins);
+                        }
+                        _ => p.ranks[r].insert(i, Instr::Wait { batch: i as u32 }),
+                    }
+                }
+                for opts in [
+                    VerifyOptions::default(),
+                    VerifyOptions {
+                        memory_limit: Some(2),
+                        streams: StreamRule {
+                            per_direction: true,
+                            ops_in_order: true,
+                        },
+                    },
+                ] {
+                    for level in [Level::Structure, Level::Full] {
+                        let one = verify_on(&p, &opts, level, 1);
+                        assert_eq!(
+                            one,
+                            verify_on(&p, &opts, level, 2),
+                            "{kind} damage {damage}"
+                        );
+                        cases += usize::from(!one.violations.is_empty());
+                    }
+                }
+            }
+        }
+        assert!(cases > 100, "only {cases} reports with violations");
+    }
 
     #[test]
     fn huge_microbatch_count_is_reported_not_allocated() {

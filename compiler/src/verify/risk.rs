@@ -71,27 +71,27 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
         let ops = &ix.p.ranks[r][first..first + len];
         let site = || ix.site(ix.batch_start[b]);
         if len <= 16 {
+            // Compared by (direction, peer) alone: copying payloads out of every op of every
+            // batch was most of this check's time at size L.
             for (k, op) in ops.iter().enumerate() {
-                let Some((send, peer, payload)) = end(op) else {
+                let Some(key) = way(op) else {
                     continue;
                 };
-                let same = |o: &Instr| end(o).is_some_and(|(s, q, _)| s == send && q == peer);
+                let same = |o: &Instr| way(o) == Some(key);
                 // Report each group once, at its first op.
                 if ops[..k].iter().any(same) || !ops[k + 1..].iter().any(same) {
                     continue;
                 }
-                let mut payloads = vec![payload];
-                payloads.extend(
-                    ops[k + 1..]
-                        .iter()
-                        .filter_map(end)
-                        .filter(|e| e.0 == send && e.1 == peer)
-                        .map(|e| e.2),
-                );
+                let payloads = ops[k..]
+                    .iter()
+                    .filter(|o| same(o))
+                    .filter_map(end)
+                    .map(|e| e.2)
+                    .collect();
                 out.push(Risk::SamePeerTwice {
                     site: site(),
-                    peer,
-                    send,
+                    peer: key.1,
+                    send: key.0,
                     payloads,
                 });
             }
@@ -101,7 +101,7 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
         let mut keyed: Vec<(bool, u32, usize)> = ops
             .iter()
             .enumerate()
-            .filter_map(|(k, o)| end(o).map(|(s, q, _)| (s, q.0, k)))
+            .filter_map(|(k, o)| way(o).map(|(s, q)| (s, q.0, k)))
             .collect();
         keyed.sort_unstable();
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -128,6 +128,16 @@ pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
         }
     }
     out
+}
+
+/// (is a send, peer) of a message.
+#[inline]
+fn way(i: &Instr) -> Option<(bool, Rank)> {
+    match *i {
+        Instr::Send { peer, .. } => Some((true, peer)),
+        Instr::Recv { peer, .. } => Some((false, peer)),
+        _ => None,
+    }
 }
 
 /// (is a send, peer, payload) of a message.

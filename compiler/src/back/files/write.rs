@@ -297,7 +297,7 @@ pub fn prepare<'a>(
         push_canonical(&mut buf, instrs);
         hasher.rank(r, &buf);
         if encoding == Encoding::Postcard {
-            canonical.push(buf.clone());
+            canonical.push(std::mem::take(&mut buf));
         }
     }
     Prepared {
@@ -514,16 +514,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// How many threads reading or writing the files of a program of `instructions` is worth:
-/// every core for a big one, one below about 64k instructions (milliseconds of work, where
-/// starting threads would cost more than it saves).
-pub fn threads_for(instructions: u64) -> usize {
-    if instructions < 1 << 16 {
-        1
-    } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    }
-}
+pub use crate::par::threads_for;
 
 /// [`write_prepared`] with nothing to wait for, on every core when the program is big.
 pub fn write_program(
