@@ -172,11 +172,23 @@ pub fn verify_before_write(
     policy: Option<pipec_schedules::CommPolicy>,
     out: &std::path::Path,
 ) -> Result<pipec::verify::Report, CliError> {
+    let threads = pipec::par::threads_for(program.len() as u64);
+    verify_before_write_on(program, memory_limit, policy, out, threads)
+}
+
+/// [`verify_before_write`] on at most `threads` threads ([`pipec::verify::verify_on`]).
+pub fn verify_before_write_on(
+    program: &pipec::Program,
+    memory_limit: Option<u64>,
+    policy: Option<pipec_schedules::CommPolicy>,
+    out: &std::path::Path,
+    threads: usize,
+) -> Result<pipec::verify::Report, CliError> {
     let opts = pipec::verify::VerifyOptions {
         memory_limit,
         streams: pipec::verify::StreamRule::of_policy(policy, program.world()),
     };
-    let r = pipec::verify::verify(program, &opts);
+    let r = pipec::verify::verify_on(program, &opts, pipec::verify::Level::Full, threads);
     if !r.is_valid() {
         let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
         for v in &r.violations {

@@ -138,8 +138,11 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
     verify_on(program, opts, level, threads)
 }
 
-/// [`verify_at`] on `threads` threads (one or more: two are used at most).
-fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
+/// [`verify_at`] on at most `threads` threads (two are used at most; one below 64k
+/// instructions is best, see [`crate::par::threads_for`]). For callers that run other work
+/// beside the verifier: `pipec compile` writing 200 MB of JSON keeps both cores busy without
+/// it, and is faster verifying on one thread.
+pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
     let mut violations = Vec::new();
     let (m, ix) = crate::par::join(
         threads,

@@ -487,3 +487,61 @@ pub(crate) fn hex(digest: &[u8]) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Payload;
+    use pipec_schedules::{Microbatch, StageId};
+    use proptest::prelude::*;
+
+    /// Values whose varints change length, and their neighbours.
+    fn edgy() -> impl Strategy<Value = u32> {
+        let edges: Vec<u32> = (0..=4)
+            .flat_map(|k| {
+                let b = 1u64 << (7 * k);
+                [b - 1, b, b + 1]
+            })
+            .map(|v| v.min(u64::from(u32::MAX)) as u32)
+            .chain([u32::MAX - 1, u32::MAX, 1 << 31])
+            .collect();
+        prop_oneof![prop::sample::select(edges), any::<u32>(), 0u32..300]
+    }
+
+    fn instr() -> impl Strategy<Value = Instr> {
+        let task = || {
+            (edgy(), edgy()).prop_map(|(s, m)| Task {
+                stage: StageId(s),
+                mb: Microbatch(m),
+            })
+        };
+        (0u8..8, task(), task(), edgy(), edgy(), any::<bool>()).prop_map(
+            |(tag, a, b, peer, batch, grad)| {
+                let payload = if grad {
+                    Payload::grad(a.stage.0, a.mb.0)
+                } else {
+                    Payload::act(a.stage.0, a.mb.0)
+                };
+                match tag {
+                    0 => Instr::Compute(Compute::Fwd(a)),
+                    1 => Instr::Compute(Compute::Bwd(a)),
+                    2 => Instr::Compute(Compute::BwdD(a)),
+                    3 => Instr::Compute(Compute::BwdW(a)),
+                    4 => Instr::Compute(Compute::FwdBwd { fwd: a, bwd: b }),
+                    5 | 6 => Instr::message(tag == 5, Rank(peer), payload, batch),
+                    _ => Instr::Wait { batch },
+                }
+            },
+        )
+    }
+
+    proptest! {
+        /// The hand-written encoder gives postcard's bytes for every field value, across the
+        /// chunk boundary (up to 600 instructions of at most 22 bytes).
+        #[test]
+        fn canonical_is_postcard(instrs in prop::collection::vec(instr(), 0..600)) {
+            let wire: Vec<InstrBin> = instrs.iter().map(InstrBin::from).collect();
+            prop_assert_eq!(canonical(&instrs), postcard::to_stdvec(&wire).unwrap());
+        }
+    }
+}
