@@ -55,7 +55,9 @@
 //!
 //! Costs are linear in the program (plus sorting cycle members when there are cycles): one
 //! indexing pass builds dense tables over positions, tasks and payloads, and every check reads
-//! them.
+//! them. D1 first runs the ranks against each other and builds the wait graph only for a
+//! program that gets stuck. On a big program the checks run on two threads ([`verify_at`]),
+//! with the report the same as on one.
 //!
 //! [`StreamDeadlock`]: Violation::StreamDeadlock
 //! [`WorldMismatch`]: Violation::WorldMismatch
