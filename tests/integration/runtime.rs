@@ -6,7 +6,7 @@
 //! agree bitwise. The measured activation peak is compared with a count from the program alone.
 
 use assert_cmd::Command;
-use pipec::back::files::{render, write_dir, Encoding, Header};
+use pipec::back::files::{self, Encoding, Header};
 use pipec::compile::{compile, CompileRequest, Compiled};
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, Payload, Program};
@@ -52,7 +52,7 @@ fn write_compiled(c: &Compiled, dir: &Path) {
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
-    write_dir(dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+    files::write_program(dir, &header, &c.program, Encoding::Json).unwrap();
 }
 
 /// Write a hand-made program (bypassing verification) with the uniform layout.
@@ -64,7 +64,7 @@ fn write_program(p: &Program, dir: &Path) {
         comm_policy: None,
         layout: &layout,
     };
-    write_dir(dir, &render(&header, p, Encoding::Json)).unwrap();
+    files::write_program(dir, &header, p, Encoding::Json).unwrap();
 }
 
 /// Load from disk and run: the path `pipec-run` takes, minus printing.
