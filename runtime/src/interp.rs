@@ -10,8 +10,9 @@
 //!   when the backward is split; `partial[s][m]` from `bwd_D` to `bwd_W`.
 //!
 //! The live count of `saved` is the activation memory the verifier bounds (DESIGN.md rule 5);
-//! [`static_peak_activations`] computes the same figure from the program alone, and a run
-//! reports both.
+//! a forward that saves nothing (forward-only) holds its activation while it runs, as the
+//! verifier counts it. [`static_peak_activations`] computes the same figure from the program
+//! alone, and a run reports both.
 //!
 //! Consecutive send/recv instructions with the same batch id are handed to the backend as one
 //! batch. Every instruction gets a [`Span`]: a compute op from its start to its end, each op of
@@ -19,7 +20,7 @@
 
 use crate::backend::{Backend, CommError, CommOp, Dir, Pending};
 use crate::watchdog::{Failure, FailureKind, Status, Watch};
-use pipec::ir::{Instr, InstrRef, OptIdx, Payload, PayloadKind, Program};
+use pipec::ir::{activations, Instr, InstrRef, OptIdx, Payload, PayloadKind, Program};
 use pipec::simulate::timeline::Span;
 use pipec_schedules::{Compute, Rank, StageId, Task};
 use std::fmt::Write as _;
@@ -34,7 +35,8 @@ pub struct RankRun {
     pub busy_us: f64,
     /// When the rank finished (microseconds since the origin).
     pub end_us: f64,
-    /// Peak number of live activation stashes.
+    /// Peak number of live activation stashes, counting the activation of a forward that
+    /// saves none (forward-only) while it runs: the verifier's figure.
     pub peak_activations: u32,
 }
 
@@ -124,6 +126,12 @@ impl<B: Backend> Tables<B> {
         self.live += 1;
         self.peak = self.peak.max(self.live);
         Ok(())
+    }
+
+    /// A forward that saves nothing still held its activation while it ran
+    /// ([`pipec::ir::activations`]: a forward-only rank that runs a forward peaks at 1).
+    fn held_while_running(&mut self) {
+        self.peak = self.peak.max(self.live + 1);
     }
 }
 
@@ -256,9 +264,12 @@ impl<'a, B: Backend> Interp<'a, B> {
             Compute::Fwd(t) => {
                 let input = self.fwd_input(t)?;
                 let (out, stash) = self.backend.fwd(t, input, save).map_err(be)?;
-                if let Some(s) = stash {
-                    let i = self.t.task_slot(t, "the forward")?;
-                    self.t.save(i, s)?;
+                match stash {
+                    Some(s) => {
+                        let i = self.t.task_slot(t, "the forward")?;
+                        self.t.save(i, s)?;
+                    }
+                    None => self.t.held_while_running(),
                 }
                 self.route_act(t, out)
             }
@@ -308,9 +319,12 @@ impl<'a, B: Backend> Interp<'a, B> {
                     .map_err(be)?;
                 // Both stashes were alive during the pair: count the new one before the old
                 // one is released, as the static count does.
-                if let Some(s) = stash {
-                    let i = self.t.task_slot(fwd, "the forward")?;
-                    self.t.save(i, s)?;
+                match stash {
+                    Some(s) => {
+                        let i = self.t.task_slot(fwd, "the forward")?;
+                        self.t.save(i, s)?;
+                    }
+                    None => self.t.held_while_running(),
                 }
                 self.t.live -= 1;
                 self.route_act(fwd, out)?;
@@ -674,32 +688,13 @@ fn describe(
     })
 }
 
-/// Peak live activation stashes per rank, from the program alone: `fwd(s, m)` adds one (in
-/// training), `bwd(s, m)` or `bwd_W(s, m)` releases it; in an overlapped pair the forward's
-/// stash is counted before the backward's is released. Forward-only programs keep none.
+/// Peak live activations per rank from the program alone: the verifier's figure
+/// ([`pipec::ir::activations::peaks`]), so a run's measured peak is checked against the number
+/// `pipec check` reports.
 pub fn static_peak_activations(program: &Program) -> Vec<u32> {
-    program
-        .ranks
+    activations::peaks(program)
         .iter()
-        .map(|instrs| {
-            if program.forward_only {
-                return 0;
-            }
-            let (mut live, mut peak) = (0i64, 0i64);
-            for c in instrs.iter().filter_map(Instr::as_compute) {
-                for (pass, _) in c.parts() {
-                    match pass {
-                        pipec_schedules::Pass::Fwd => {
-                            live += 1;
-                            peak = peak.max(live);
-                        }
-                        pipec_schedules::Pass::Bwd | pipec_schedules::Pass::BwdW => live -= 1,
-                        pipec_schedules::Pass::BwdD => {}
-                    }
-                }
-            }
-            peak.max(0) as u32
-        })
+        .map(|p| u32::try_from(p.peak).unwrap_or(u32::MAX))
         .collect()
 }
 
@@ -710,30 +705,43 @@ mod tests {
     use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
     use std::time::Duration;
 
-    fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Program {
-        let spec = ScheduleSpec::new(kind, pp, vpp, m);
+    fn program_fo(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) -> Program {
+        let spec = ScheduleSpec {
+            forward_only,
+            ..ScheduleSpec::new(kind, pp, vpp, m)
+        };
         pipec::lower(&generate(&spec, &Limits::DEFAULT).unwrap())
     }
 
+    fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Program {
+        program_fo(kind, pp, vpp, m, false)
+    }
+
     /// With the no-op backend each rank runs alone; the measured stash peak equals the static
-    /// count, and every instruction gets one span.
+    /// count, training and forward-only, and every instruction gets one span.
     #[test]
     fn noop_runs_measure_the_static_peak() {
-        for (k, vpp) in [
-            (ScheduleKind::Gpipe, 1),
-            (ScheduleKind::OneFOneB, 1),
-            (ScheduleKind::Interleaved1F1B, 2),
-        ] {
-            let p = program(k, 4, vpp, 8);
-            let statics = static_peak_activations(&p);
-            let watch = Watch::new(4, Duration::from_secs(5));
-            for r in 0..4u32 {
-                let run = run_rank(&p, Rank(r), &mut NoopBackend, &watch, Instant::now()).unwrap();
-                assert_eq!(run.spans.len(), p.ranks[r as usize].len());
-                assert_eq!(run.peak_activations, statics[r as usize], "{k} rank {r}");
+        for forward_only in [false, true] {
+            for (k, vpp) in [
+                (ScheduleKind::Gpipe, 1),
+                (ScheduleKind::OneFOneB, 1),
+                (ScheduleKind::Interleaved1F1B, 2),
+                (ScheduleKind::ZbH1, 1),
+            ] {
+                let p = program_fo(k, 4, vpp, 8, forward_only);
+                let statics = static_peak_activations(&p);
+                let watch = Watch::new(4, Duration::from_secs(5));
+                for r in 0..4u32 {
+                    let run =
+                        run_rank(&p, Rank(r), &mut NoopBackend, &watch, Instant::now()).unwrap();
+                    assert_eq!(run.spans.len(), p.ranks[r as usize].len());
+                    let what = format!("{k} forward-only {forward_only} rank {r}");
+                    assert_eq!(run.peak_activations, statics[r as usize], "{what}");
+                }
             }
         }
-        // 1F1B keeps pp - r activations on rank r (PipeDream-Flush), GPipe all M.
+        // 1F1B keeps pp - r activations on rank r (PipeDream-Flush), GPipe all M; forward-only,
+        // a forward's activation lives while it runs.
         assert_eq!(
             static_peak_activations(&program(ScheduleKind::OneFOneB, 4, 1, 8)),
             vec![4, 3, 2, 1]
@@ -741,6 +749,10 @@ mod tests {
         assert_eq!(
             static_peak_activations(&program(ScheduleKind::Gpipe, 2, 1, 5)),
             vec![5, 5]
+        );
+        assert_eq!(
+            static_peak_activations(&program_fo(ScheduleKind::OneFOneB, 4, 1, 8, true)),
+            vec![1, 1, 1, 1]
         );
     }
 

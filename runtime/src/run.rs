@@ -81,7 +81,7 @@ pub struct StepReport {
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
     pub steps: Vec<StepReport>,
-    /// Peak live activations per rank computed from the program alone.
+    /// Peak live activations per rank computed from the program alone (the verifier's figure).
     pub static_peak_activations: Vec<u32>,
     /// Measured timeline of the last step.
     pub timeline: Timeline,

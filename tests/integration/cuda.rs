@@ -11,7 +11,7 @@
 //! fp32 and bf16 (one process, rank threads), and a 2-process NCCL launch with torchrun's
 //! variables.
 
-use pipec::back::files::{render, write_dir, Encoding, Header};
+use pipec::back::files::{write_program, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
 use pipec_schedules::ScheduleKind;
 use std::path::Path;
@@ -29,7 +29,7 @@ fn compile_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, dir: &Path) {
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
-    write_dir(dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+    write_program(dir, &header, &c.program, Encoding::Json).unwrap();
 }
 
 /// `pipec-run` as built for these tests: with the `cuda` feature when this crate has it.

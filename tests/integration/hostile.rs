@@ -4,7 +4,7 @@
 //! (input invalid) or 2 (usage / I/O), never a panic or a hang, and never leave a half-written
 //! output directory.
 
-use pipec::back::files::{render, write_dir, Encoding, Header, Manifest};
+use pipec::back::files::{write_program, Encoding, Header, Manifest};
 use pipec::compile::{compile, CompileRequest};
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, Payload, Program};
@@ -431,7 +431,7 @@ fn write_sealed(p: &Program, dir: &Path) {
         comm_policy: None,
         layout: &layout,
     };
-    write_dir(dir, &render(&header, p, Encoding::Json)).unwrap();
+    write_program(dir, &header, p, Encoding::Json).unwrap();
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -671,7 +671,7 @@ fn duplicated_or_missing_instructions_are_refused() {
 fn placement_for_another_world_is_refused() {
     let mut p = one_f_one_b();
     p.ranks.push(Vec::new());
-    // render() writes the world from the rank streams: 3 streams, placement for pp 2.
+    // The files take the world from the rank streams: 3 streams, placement for pp 2.
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("w");
     write_sealed(&p, &dir);

@@ -3,7 +3,7 @@
 //! the CPU runtime; batches left in flight are judged by their waits; what Megatron refuses is
 //! refused with its reason. Call-for-call equality with Megatron is `megatron_calls.rs`.
 
-use pipec::back::files::{render, write_dir, Encoding, Header};
+use pipec::back::files::{write_program, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
 use pipec::ir::{Instr, Payload, Program};
 use pipec::verify::{verify, StreamRule, VerifyOptions, Violation};
@@ -105,7 +105,7 @@ fn every_mode_trains_bitwise_on_the_cpu_runtime() {
                 comm_policy: Some(c.schedule.comm),
                 layout: &c.layout,
             };
-            write_dir(&dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+            write_program(&dir, &header, &c.program, Encoding::Json).unwrap();
             let loaded = load(&dir, None).unwrap();
             assert_eq!(
                 loaded.program, c.program,

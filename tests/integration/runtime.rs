@@ -6,7 +6,7 @@
 //! agree bitwise. The measured activation peak is compared with a count from the program alone.
 
 use assert_cmd::Command;
-use pipec::back::files::{render, write_dir, Encoding, Header};
+use pipec::back::files::{self, Encoding, Header};
 use pipec::compile::{compile, CompileRequest, Compiled};
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, Payload, Program};
@@ -52,7 +52,7 @@ fn write_compiled(c: &Compiled, dir: &Path) {
         comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
-    write_dir(dir, &render(&header, &c.program, Encoding::Json)).unwrap();
+    files::write_program(dir, &header, &c.program, Encoding::Json).unwrap();
 }
 
 /// Write a hand-made program (bypassing verification) with the uniform layout.
@@ -64,7 +64,7 @@ fn write_program(p: &Program, dir: &Path) {
         comm_policy: None,
         layout: &layout,
     };
-    write_dir(dir, &render(&header, p, Encoding::Json)).unwrap();
+    files::write_program(dir, &header, p, Encoding::Json).unwrap();
 }
 
 /// Load from disk and run: the path `pipec-run` takes, minus printing.
@@ -125,8 +125,10 @@ fn check_passes_for_every_generated_kind() {
     assert!(ran >= 30, "only {ran} configurations compiled");
 }
 
+/// A forward-only program stashes nothing, but each forward holds its activation while it
+/// runs: the verifier's peak of 1, which the static count and the measured one agree with.
 #[test]
-fn forward_only_programs_run_and_keep_no_activations() {
+fn forward_only_programs_run_holding_one_activation_at_a_time() {
     let tmp = tempfile::tempdir().unwrap();
     for (kind, vpp) in [
         (ScheduleKind::OneFOneB, 1),
@@ -137,9 +139,91 @@ fn forward_only_programs_run_and_keep_no_activations() {
         write_compiled(&c, &dir);
         let report = run_dir(&dir, &opts(1)).unwrap();
         assert_checked(&report, kind.name());
-        assert_eq!(report.static_peak_activations, vec![0, 0]);
+        assert_eq!(report.static_peak_activations, vec![1, 1]);
         assert_eq!(report.steps[0].check.as_ref().unwrap().tensors, 0);
     }
+}
+
+/// Peak live activations are one analysis (`pipec::ir::activations`): the verifier's peak and
+/// where it is reached, `pipec tune`'s weighted peak at weight 1, the simulator's peak and its
+/// time, the runtime's static figure and the interpreter's measured peak agree for every
+/// built-in kind, training (split backwards and combined pairs included) and forward-only.
+#[test]
+fn every_peak_activation_figure_is_the_verifiers() {
+    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec_runtime::backend::noop::NoopBackend;
+    use pipec_runtime::interp::{run_rank, static_peak_activations};
+    use pipec_runtime::watchdog::Watch;
+    use pipec_schedules::Rank;
+    use std::time::Instant;
+    let (mut ran, mut forward_only_ran, mut split, mut paired) = (0, 0, 0, 0);
+    for kind in ScheduleKind::ALL {
+        for (pp, m) in [(2u32, 4u32), (4, 8), (4, 9)] {
+            for (forward_only, combined) in [(false, false), (true, false), (false, true)] {
+                if combined && !kind.supports_combined() {
+                    continue;
+                }
+                let vpp = match kind {
+                    ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => Some(2),
+                    _ => None,
+                };
+                let req = CompileRequest {
+                    vpp,
+                    forward_only,
+                    combined,
+                    ..CompileRequest::new(kind, pp, m)
+                };
+                let Ok(c) = compile(&req) else { continue };
+                let p = &c.program;
+                let what =
+                    format!("{kind} pp {pp} m {m} fwd-only {forward_only} combined {combined}");
+                let report = pipec::verify(p, &pipec::VerifyOptions::default());
+                assert!(report.is_valid(), "{what}: {report}");
+                let peaks: Vec<u64> = report.memory.iter().map(|r| r.peak).collect();
+                let n = p.num_stages() as usize;
+                let weighted = pipec::verify::memory::weighted_peaks(p, &vec![1.0; n], &[]);
+                let want: Vec<f64> = peaks.iter().map(|&x| x as f64).collect();
+                assert_eq!(weighted, want, "{what}: tune");
+                let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
+                let sim = pipec::simulate::simulate(p, &costs).unwrap();
+                let t0 = sim
+                    .timeline
+                    .ranks
+                    .iter()
+                    .flatten()
+                    .map(|s| s.start)
+                    .fold(f64::INFINITY, f64::min);
+                for (r, (mem, got)) in report.memory.iter().zip(&sim.summary.ranks).enumerate() {
+                    assert_eq!(got.peak_activations, mem.peak, "{what}: simulator rank {r}");
+                    let at = mem
+                        .at
+                        .map_or(0.0, |a| sim.timeline.ranks[r][a.index as usize].start - t0);
+                    assert_eq!(got.peak_at, at, "{what}: simulator's peak time rank {r}");
+                }
+                let statics = static_peak_activations(p);
+                let want: Vec<u32> = peaks.iter().map(|&x| x as u32).collect();
+                assert_eq!(statics, want, "{what}: runtime's static figure");
+                let watch = Watch::new(p.ranks.len(), Duration::from_secs(5));
+                for r in 0..p.world() {
+                    let run = run_rank(p, Rank(r), &mut NoopBackend, &watch, Instant::now())
+                        .unwrap_or_else(|_| panic!("{what}: rank {r} stopped"));
+                    assert_eq!(
+                        run.peak_activations, want[r as usize],
+                        "{what}: measured rank {r}"
+                    );
+                }
+                let computes = || p.ranks.iter().flatten().filter_map(Instr::as_compute);
+                split += computes().any(|c| matches!(c, Compute::BwdW(_))) as u32;
+                paired += computes().any(|c| matches!(c, Compute::FwdBwd { .. })) as u32;
+                forward_only_ran += forward_only as u32;
+                ran += 1;
+            }
+        }
+    }
+    assert!(
+        ran >= 60 && forward_only_ran >= 20 && split >= 10 && paired >= 2,
+        "ran {ran}, forward-only {forward_only_ran}, split {split}, paired {paired}"
+    );
 }
 
 /// A layout with empty stages and `m` layers: identity stages at both ends carry token ids

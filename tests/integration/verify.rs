@@ -890,11 +890,8 @@ fn cli_check_reports_every_violation_of_a_broken_directory() {
         comm_policy: None,
         layout: &layout,
     };
-    pipec::back::files::write_dir(
-        &dir,
-        &pipec::back::files::render(&header, &p, pipec::back::files::Encoding::Json),
-    )
-    .unwrap();
+    pipec::back::files::write_program(&dir, &header, &p, pipec::back::files::Encoding::Json)
+        .unwrap();
     let out = pipec().arg("check").arg(&dir).assert().code(1);
     let stdout = String::from_utf8(out.get_output().stdout.clone()).unwrap();
     assert!(

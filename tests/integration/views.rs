@@ -782,11 +782,7 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
         layout: &layout,
     };
     let dir = tmp.join("deadlock");
-    files::write_dir(
-        &dir,
-        &files::render(&header, &program, files::Encoding::Json),
-    )
-    .unwrap();
+    files::write_program(&dir, &header, &program, files::Encoding::Json).unwrap();
     dir
 }
 

@@ -200,11 +200,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             super::warn_big_write(bytes, &a.out);
             Ok(verdict)
         };
-        files::write_prepared(&a.out, &prepared, threads, gate)
-    })
-    .map_err(|e| match e {
-        files::Gated::Gate(e) => e,
-        files::Gated::Write(e) => CliError::Usage(e.to_string()),
+        super::write_gated(&a.out, &prepared, threads, gate)
     });
     progress.finish_and_clear();
     let verdict = verdict?;

@@ -65,9 +65,9 @@ pub fn read_csv(
     })
 }
 
-/// The files of an imported schedule, as `import` writes them and the viewers load them.
-pub fn render_imported(imported: &Imported, layout: &Layout) -> Vec<(String, Vec<u8>)> {
-    let header = Header {
+/// The header of an imported schedule's files.
+fn header<'a>(imported: &Imported, layout: &'a Layout) -> Header<'a> {
+    Header {
         source: "torch-csv",
         schedule: None,
         comm_policy: match imported.form {
@@ -75,8 +75,17 @@ pub fn render_imported(imported: &Imported, layout: &Layout) -> Vec<(String, Vec
             CsvForm::ComputeComms => None,
         },
         layout,
-    };
-    files::render(&header, &imported.program, files::Encoding::Json)
+    }
+}
+
+/// The files of an imported schedule in memory, as `import` writes them: what the viewers
+/// load a torch CSV as.
+pub fn render_imported(imported: &Imported, layout: &Layout) -> Vec<(String, Vec<u8>)> {
+    files::render(
+        &header(imported, layout),
+        &imported.program,
+        files::Encoding::Json,
+    )
 }
 
 pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
@@ -103,12 +112,18 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     };
     if a.no_verify {
         eprintln!("WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors");
-    } else {
-        // Imported P2P is posted batch by batch (torch), one communicator per pair.
-        super::verify_before_write(program, a.memory_limit, None, &a.out)?;
     }
-    let rendered = render_imported(&imported, &layout);
-    files::write_dir(&a.out, &rendered).map_err(|e| CliError::Usage(e.to_string()))?;
+    // Written as `pipec compile` writes (streamed), in place only once verified.
+    let header = header(&imported, &layout);
+    let prepared = files::prepare(&header, program, files::Encoding::Json);
+    let threads = files::threads_for(program.len() as u64);
+    super::write_gated(&a.out, &prepared, threads, || {
+        if !a.no_verify {
+            // Imported P2P is posted batch by batch (torch), one communicator per pair.
+            super::verify_before_write(program, a.memory_limit, None, &a.out)?;
+        }
+        Ok(())
+    })?;
     let placement = match imported.placement_source {
         PlacementSource::File => format!("{} (read off the file)", program.placement.kind),
         PlacementSource::Given(c) => format!("{} (--placement)", c.name()),

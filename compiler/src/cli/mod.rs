@@ -16,6 +16,7 @@ mod tune;
 mod window;
 
 use clap::{Parser, Subcommand};
+use pipec::back::files;
 use std::fmt;
 use std::process::ExitCode;
 
@@ -162,6 +163,21 @@ pub fn warn_big_write(bytes: u64, to: &std::path::Path) {
     if bytes > BIG_WRITE_BYTES {
         eprintln!("warning: writing {} MB to {}", bytes >> 20, to.display());
     }
+}
+
+/// Stream `prepared` into `out` as every command that writes a schedule does
+/// ([`files::write_prepared`]): the output takes its place only once `gate` passes, so what
+/// `gate` refuses never reaches it; a write error is a usage error (exit 2).
+pub fn write_gated<T: Send>(
+    out: &std::path::Path,
+    prepared: &files::Prepared<'_>,
+    threads: usize,
+    gate: impl FnOnce() -> Result<T, CliError> + Send,
+) -> Result<T, CliError> {
+    files::write_prepared(out, prepared, threads, gate).map_err(|e| match e {
+        files::Gated::Gate(e) => e,
+        files::Gated::Write(e) => CliError::Usage(e.to_string()),
+    })
 }
 
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)

@@ -116,15 +116,19 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Write the tuned schedule as `pipec compile` writes one (the same bytes, streamed).
 fn write(t: &Tuned, out: &std::path::Path, format: FileFormat) -> Result<(), CliError> {
-    // tune verified the program already (memory included); verify again as compile does,
-    // so nothing unverified can reach the disk whatever changes upstream.
-    super::verify_before_write(&t.program, None, Some(t.comm), out)?;
     let layout = t.file_layout();
     let header = t.header(&layout);
-    let rendered = files::render(&header, &t.program, format.encoding());
-    super::warn_big_write(rendered.iter().map(|(_, b)| b.len() as u64).sum(), out);
-    files::write_dir(out, &rendered).map_err(|e| CliError::Usage(e.to_string()))
+    let prepared = files::prepare(&header, &t.program, format.encoding());
+    let threads = files::threads_for(t.program.len() as u64);
+    super::write_gated(out, &prepared, threads, || {
+        // tune verified the program already (memory included); verify again as compile
+        // does, so nothing unverified can reach the disk whatever changes upstream.
+        super::verify_before_write(&t.program, None, Some(t.comm), out)?;
+        super::warn_big_write(prepared.bytes(), out);
+        Ok(())
+    })
 }
 
 fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::path::Path>) {

@@ -2,8 +2,10 @@
 //! one value every later stage reads (verification, simulation, back ends, runtimes), and the
 //! analyses of it they share, each written once: global instruction ids ([`Positions`]), the
 //! optional index of dense tables ([`OptIdx`]), a stream cut into compute ops, comm batches
-//! and waits ([`steps`]), and sends paired with receives ([`Matching`]).
+//! and waits ([`steps`]), sends paired with receives ([`Matching`]), and live activations per
+//! rank ([`activations`]).
 
+pub mod activations;
 mod id;
 mod matching;
 mod program;

@@ -173,6 +173,15 @@ impl Program {
         self.len() == 0
     }
 
+    /// Whether a table with a slot per task (`stages * M`) is affordable. A complete program
+    /// holds a pass per task, so a table much larger than the program means missing work (the
+    /// verifier reports it once); analyses then do without, rather than allocate for ids that
+    /// never occur.
+    pub fn task_tables_fit(&self) -> bool {
+        let tasks = self.num_stages() as u64 * self.microbatches as u64;
+        tasks <= (4 * self.len() as u64).max(1 << 20)
+    }
+
     pub fn get(&self, at: InstrRef) -> Option<&Instr> {
         self.ranks.get(at.rank.index())?.get(at.index as usize)
     }

@@ -19,10 +19,11 @@
 pub mod cost;
 pub mod timeline;
 
+use crate::ir::activations::{Activations, Peak};
 use crate::ir::{batch_end, Instr, InstrRef, Matching, OptIdx, Program};
 use crate::simulate::cost::StageCosts;
 use crate::simulate::timeline::{Span, TimeUnit, Timeline};
-use pipec_schedules::{Compute, Rank};
+use pipec_schedules::Rank;
 use serde::Serialize;
 use std::fmt;
 use thiserror::Error;
@@ -98,10 +99,10 @@ pub struct RankSummary {
     pub busy: f64,
     /// Idle share of the makespan: `1 - busy / makespan` (0 for an empty schedule).
     pub bubble_ratio: f64,
-    /// Most activations alive at once: an activation of (stage, microbatch) lives from the
-    /// start of its forward to the end of its backward (or of its `bwd_W` when split).
+    /// Most activations alive at once, the verifier's figure ([`crate::ir::activations`]),
+    /// over the instructions that have a span.
     pub peak_activations: u64,
-    /// When the peak is first reached (the start of the forward that reaches it).
+    /// When the peak is first reached (the start of the instruction that reaches it).
     pub peak_at: f64,
 }
 
@@ -149,6 +150,7 @@ pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
         .fold(f64::INFINITY, f64::min);
     let t0 = if t0.is_finite() { t0 } else { 0.0 };
     let makespan = (timeline.makespan() - t0).max(0.0);
+    let mut walk = Activations::new(program);
     let ranks = program
         .ranks
         .iter()
@@ -156,18 +158,14 @@ pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
         .map(|(r, instrs)| {
             let spans: &[Span] = timeline.ranks.get(r).map_or(&[], |v| v.as_slice());
             let mut busy = 0.0;
-            let (mut live, mut peak, mut peak_at) = (0i64, 0i64, 0.0);
             for (ins, span) in instrs.iter().zip(spans) {
-                let Instr::Compute(op) = ins else { continue };
-                busy += span.end - span.start;
-                let (alloc, free) = activation_delta(op, program.forward_only);
-                live += alloc;
-                if live > peak {
-                    peak = live;
-                    peak_at = span.start - t0;
+                if let Instr::Compute(_) = ins {
+                    busy += span.end - span.start;
                 }
-                live -= free;
             }
+            let ran = |&(i, _): &(u32, u64)| (i as usize) < spans.len();
+            let peak = Peak::of(walk.live(r, |_| 1u64).take_while(ran));
+            let peak_at = peak.at.map_or(0.0, |i| spans[i as usize].start - t0);
             let bubble_ratio = if makespan > 0.0 {
                 (1.0 - busy / makespan).clamp(0.0, 1.0)
             } else {
@@ -177,23 +175,12 @@ pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
                 rank: r as u32,
                 busy,
                 bubble_ratio,
-                peak_activations: peak.max(0) as u64,
+                peak_activations: peak.peak,
                 peak_at,
             }
         })
         .collect();
     Summary { makespan, ranks }
-}
-
-/// Activations allocated at the start and freed at the end of an op. In a forward-only
-/// program nothing waits for a backward, so a forward frees what it allocated.
-fn activation_delta(op: &Compute, forward_only: bool) -> (i64, i64) {
-    match op {
-        Compute::Fwd(_) => (1, forward_only as i64),
-        Compute::Bwd(_) | Compute::BwdW(_) => (0, 1),
-        Compute::BwdD(_) => (0, 0),
-        Compute::FwdBwd { .. } => (1, 1),
-    }
 }
 
 /// A finished simulation.
@@ -679,7 +666,7 @@ mod tests {
     use super::*;
     use crate::ir::Payload;
     use crate::simulate::cost::CostModel;
-    use pipec_schedules::{Placement, Task};
+    use pipec_schedules::{Compute, Placement, Task};
 
     fn fwd(s: u32, m: u32) -> Instr {
         Instr::Compute(Compute::Fwd(Task::new(s, m)))

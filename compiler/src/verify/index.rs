@@ -96,10 +96,9 @@ impl<'p> Index<'p> {
         let stages = p.placement.num_stages();
         let mbs = p.microbatches;
         let tasks = stages as u64 * mbs as u64;
-        // Dense per-task tables cost a few bytes per task; a program is complete only if it
-        // holds a pass per task, so a table much larger than the program means missing work,
-        // reported once instead of allocating for ids that never occur.
-        let dense = tasks <= (4 * total).max(1 << 20);
+        // Dense per-task tables cost a few bytes per task; without them the program is
+        // reported as missing work (TooFewOps) once.
+        let dense = p.task_tables_fit();
         let tasks = if dense { tasks as usize } else { 0 };
         let mut ix = Index {
             p,

@@ -19,8 +19,7 @@ pub use read::{
     load_dir, load_files, load_manifest, load_rank, parse_manifest, parse_rank, LoadError, Loaded,
 };
 pub use write::{
-    prepare, render, threads_for, write_dir, write_prepared, write_program, Gated, Prepared,
-    WriteError,
+    prepare, render, threads_for, write_prepared, write_program, Gated, Prepared, WriteError,
 };
 
 #[cfg(test)]
@@ -93,11 +92,11 @@ mod tests {
             let dir = std::env::temp_dir()
                 .join(format!("pipec-files-test-{}-{enc:?}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
-            write_dir(&dir, &a).unwrap();
+            write_program(&dir, &header(&c), &c.program, enc).unwrap();
             let loaded = load_dir(&dir).unwrap();
             assert_eq!(loaded.program, c.program);
             // Rewriting over a previous schedule is allowed, in either encoding.
-            write_dir(&dir, &render(&header(&c), &c.program, Encoding::Json)).unwrap();
+            write_program(&dir, &header(&c), &c.program, Encoding::Json).unwrap();
             std::fs::remove_dir_all(&dir).unwrap();
         }
     }

@@ -249,7 +249,9 @@ fn rank_file_bin(r: u32, world: u32, hash: &str, canonical: &[u8]) -> Vec<u8> {
     bytes
 }
 
-/// The files of a compiled schedule, in memory: (file name, bytes), manifest first.
+/// The files of a compiled schedule, in memory: (file name, bytes), manifest first; the bytes
+/// [`write_program`] writes. For callers that want them in memory (Python's
+/// `Schedule.render`, the viewers reading a torch CSV); writing streams instead.
 pub fn render(
     header: &Header<'_>,
     program: &Program,
@@ -416,9 +418,11 @@ pub enum Gated<E> {
     Write(WriteError),
 }
 
-/// Write `prepared` into `dir` atomically (as [`write_dir`] does) on `threads` threads, each
-/// rank file streamed from the program (no whole-output buffer), while `gate` runs on a thread
-/// of its own (a verifier, say). The directory is put in place only when `gate` returns `Ok`;
+/// Write `prepared` into `dir` atomically on `threads` threads, each rank file streamed from
+/// the program (no whole-output buffer), while `gate` runs on a thread of its own (a verifier,
+/// say). Atomically: everything goes to a fresh sibling directory that is renamed into place,
+/// so a reader never sees a mix of old and new rank files; an existing `dir` is replaced only
+/// when it is empty or itself a pipec schedule. The directory is put in place only when `gate` returns `Ok`;
 /// otherwise what was written is removed and `gate`'s error returned, whatever happened to the
 /// write. With `threads <= 1`, `gate` runs first and then the files are written on the calling
 /// thread.
@@ -549,21 +553,6 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError +
         path: path.to_path_buf(),
         source,
     }
-}
-
-/// Write the files into `dir` atomically: everything goes to a fresh sibling directory that is
-/// renamed into place, so a reader never sees a mix of old and new rank files. An existing
-/// `dir` is replaced only when it is empty or itself a pipec schedule.
-pub fn write_dir(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), WriteError> {
-    refuse_foreign(dir)?;
-    let staging = Staging::create(dir)?;
-    for (name, bytes) in files {
-        if let Err(e) = staging.put(name, bytes) {
-            staging.abandon();
-            return Err(e);
-        }
-    }
-    staging.commit()
 }
 
 /// An existing `dir` that holds anything but a pipec schedule is not ours to replace.

@@ -1,0 +1,254 @@
+//! Live activations per rank, counted once for every reader: the verifier's memory check (R1),
+//! `pipec tune`'s weighted peak, the simulator's summary and the runtime's static figure, so
+//! that their numbers cannot disagree (DESIGN.md "Correctness rules" 5). The unit is one
+//! microbatch's activations on one stage, the unit the published formulas use (GPipe holds
+//! `M`, 1F1B `p - r` on rank `r`: Narayanan et al., "Efficient Large-Scale Language Model
+//! Training on GPU Clusters Using Megatron-LM", 2021).
+//!
+//! The rule, per compute instruction of a rank in program order:
+//! - a `fwd(s, m)` part allocates the activation of `(s, m)`;
+//! - a `bwd(s, m)` part frees it, or a `bwd_W(s, m)` part when the backward is split (the
+//!   weight gradient still needs the stashed input), but only if this rank allocated it and it
+//!   is still live: a backward on the wrong rank, a second one or one before its forward frees
+//!   nothing, so an invalid program cannot count less than it holds;
+//! - within one instruction allocation comes before freeing, so the forward half of a
+//!   `fwd_bwd` pair counts while the backward half still holds its activation;
+//! - a forward-only program stashes nothing, but a forward's activation is live while it runs
+//!   (allocated and freed by the same instruction): a rank that runs a forward peaks at 1.
+//!
+//! Tasks out of range are allocated and never freed. A program too small to afford a table
+//! per task ([`Program::task_tables_fit`], reported by the verifier as too few ops) is counted
+//! without one: every backward frees one activation, never below zero.
+
+use crate::ir::{Instr, Program};
+use pipec_schedules::{Pass, Task};
+use std::iter::Enumerate;
+use std::slice;
+
+/// What a live count is measured in: activations (`u64`, the verifier's unit) or weighted
+/// memory (`f64`, `pipec tune`).
+pub trait Amount: Copy + PartialOrd + Default {
+    fn plus(self, other: Self) -> Self;
+    /// `self - other`; activations never go below zero.
+    fn minus(self, other: Self) -> Self;
+}
+
+impl Amount for u64 {
+    fn plus(self, other: u64) -> u64 {
+        self.saturating_add(other)
+    }
+    fn minus(self, other: u64) -> u64 {
+        self.saturating_sub(other)
+    }
+}
+
+impl Amount for f64 {
+    fn plus(self, other: f64) -> f64 {
+        self + other
+    }
+    fn minus(self, other: f64) -> f64 {
+        self - other
+    }
+}
+
+/// The most live at once on one rank, and the first instruction (index in the rank's stream)
+/// where it is reached; `None` when nothing is ever live.
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct Peak<W> {
+    pub peak: W,
+    pub at: Option<u32>,
+}
+
+impl<W: Amount> Peak<W> {
+    /// Take in the live count during instruction `index`.
+    pub fn see(&mut self, index: u32, live: W) {
+        if live > self.peak {
+            self.peak = live;
+            self.at = Some(index);
+        }
+    }
+
+    /// The peak of a [`Live`] walk (or a prefix of one).
+    pub fn of(live: impl IntoIterator<Item = (u32, W)>) -> Self {
+        let mut p = Peak::default();
+        for (i, l) in live {
+            p.see(i, l);
+        }
+        p
+    }
+}
+
+/// Peak live activations of every rank, in rank order.
+pub fn peaks(program: &Program) -> Vec<Peak<u64>> {
+    let mut walk = Activations::new(program);
+    (0..program.ranks.len())
+        .map(|r| Peak::of(walk.live(r, |_| 1u64)))
+        .collect()
+}
+
+/// Walks ranks under the rule of the module doc. One holder table serves every rank (each
+/// walk marks with a fresh tag), so walking all ranks is linear in the program.
+pub struct Activations<'p> {
+    program: &'p Program,
+    /// Per task (`stage * M + mb`): the tag of the walk whose rank holds its activation. Empty
+    /// when the program cannot afford it.
+    holder: Vec<u32>,
+    dense: bool,
+    tag: u32,
+}
+
+impl<'p> Activations<'p> {
+    pub fn new(program: &'p Program) -> Self {
+        let dense = program.task_tables_fit();
+        let tasks = if dense {
+            program.num_stages() as usize * program.microbatches as usize
+        } else {
+            0
+        };
+        Activations {
+            program,
+            holder: vec![0; tasks],
+            dense,
+            tag: 0,
+        }
+    }
+
+    /// The live count during each compute instruction of `rank` (after its allocations,
+    /// before its frees), as `(index in the rank's stream, live)`, with each activation
+    /// counted as `weight(task)`. A rank the program does not have yields nothing.
+    pub fn live<W: Amount, F: Fn(Task) -> W>(
+        &mut self,
+        rank: usize,
+        weight: F,
+    ) -> Live<'_, 'p, W, F> {
+        self.tag = self.tag.wrapping_add(1);
+        if self.tag == 0 {
+            // Tags from 4 billion walks ago could collide: start over.
+            self.holder.fill(0);
+            self.tag = 1;
+        }
+        let instrs = self.program.ranks.get(rank).map_or(&[][..], Vec::as_slice);
+        Live {
+            instrs: instrs.iter().enumerate(),
+            walk: self,
+            weight,
+            live: W::default(),
+            frees: W::default(),
+        }
+    }
+
+    fn slot(&self, t: Task) -> Option<usize> {
+        let p = self.program;
+        (self.dense && t.stage.0 < p.num_stages() && t.mb.0 < p.microbatches)
+            .then(|| t.stage.index() * p.microbatches as usize + t.mb.index())
+    }
+}
+
+/// Iterator of [`Activations::live`].
+pub struct Live<'a, 'p, W, F> {
+    walk: &'a mut Activations<'p>,
+    instrs: Enumerate<slice::Iter<'p, Instr>>,
+    weight: F,
+    live: W,
+    /// Freed by the previous instruction, taken off before the next one counts.
+    frees: W,
+}
+
+impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
+    type Item = (u32, W);
+
+    fn next(&mut self) -> Option<(u32, W)> {
+        let forward_only = self.walk.program.forward_only;
+        let tag = self.walk.tag;
+        loop {
+            let (i, ins) = self.instrs.next()?;
+            let Instr::Compute(c) = ins else { continue };
+            self.live = self.live.minus(self.frees);
+            self.frees = W::default();
+            for (pass, t) in c.parts() {
+                let slot = self.walk.slot(t);
+                match pass {
+                    Pass::Fwd => {
+                        let w = (self.weight)(t);
+                        self.live = self.live.plus(w);
+                        if forward_only {
+                            self.frees = self.frees.plus(w);
+                        } else if let Some(s) = slot {
+                            self.walk.holder[s] = tag;
+                        }
+                    }
+                    Pass::Bwd | Pass::BwdW if !forward_only => match slot {
+                        Some(s) if self.walk.holder[s] == tag => {
+                            self.walk.holder[s] = 0;
+                            self.frees = self.frees.plus((self.weight)(t));
+                        }
+                        None if !self.walk.dense => {
+                            self.frees = self.frees.plus((self.weight)(t));
+                        }
+                        _ => {}
+                    },
+                    _ => {}
+                }
+            }
+            return Some((i as u32, self.live));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_schedules::{Compute, Placement};
+
+    fn program(forward_only: bool, ranks: Vec<Vec<Compute>>) -> Program {
+        Program {
+            placement: Placement::looped(ranks.len() as u32, 1),
+            microbatches: 2,
+            forward_only,
+            ranks: ranks
+                .into_iter()
+                .map(|r| r.into_iter().map(Instr::Compute).collect())
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_forward_only_forward_is_live_while_it_runs() {
+        let p = program(
+            true,
+            vec![vec![
+                Compute::Fwd(Task::new(0, 0)),
+                Compute::Fwd(Task::new(0, 1)),
+            ]],
+        );
+        assert_eq!(
+            peaks(&p),
+            vec![Peak {
+                peak: 1,
+                at: Some(0)
+            }]
+        );
+    }
+
+    #[test]
+    fn a_pair_holds_both_and_a_foreign_backward_frees_nothing() {
+        let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
+        let p = program(
+            false,
+            vec![
+                vec![Compute::Fwd(t0), Compute::FwdBwd { fwd: t1, bwd: t0 }],
+                // Rank 0 still holds (0, 1): a backward of it on rank 1 frees nothing.
+                vec![
+                    Compute::Fwd(Task::new(1, 0)),
+                    Compute::Bwd(t1),
+                    Compute::Fwd(Task::new(1, 1)),
+                ],
+            ],
+        );
+        let mut walk = Activations::new(&p);
+        let live: Vec<_> = walk.live(0, |_| 1u64).collect();
+        assert_eq!(live, vec![(0, 1), (1, 2)]);
+        let live: Vec<_> = walk.live(1, |_| 1u64).collect();
+        assert_eq!(live, vec![(0, 1), (1, 1), (2, 2)]);
+    }
+}
