@@ -166,7 +166,7 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
     let full = level == Level::Full;
     // Thread one: M1-M2, then D1, D2 and the risks. Thread two: C1-C2, then P1-P3 (or only
     // P3's routes) and R1. About even at size L.
-    let (comm, rest) = crate::par::join(
+    let ((comm, risks), (complete, later, memory)) = crate::par::join(
         threads,
         || {
             let mut found = Vec::new();
@@ -196,7 +196,6 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             (complete, found, memory)
         },
     );
-    let ((comm, risks), (complete, later, memory)) = (comm, rest);
     violations.extend(complete);
     violations.extend(comm);
     violations.extend(later);
