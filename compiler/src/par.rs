@@ -1,4 +1,4 @@
-//! When a pass over a program is worth threads, and the two ways pipec uses them. Scoped std
+//! When a pass over a program is worth threads, and the ways pipec uses them. Scoped std
 //! threads only: the work is a handful of coarse pieces (ranks, independent checks), so a
 //! thread pool would add a dependency and nothing else.
 
@@ -32,4 +32,53 @@ pub fn join<A: Send, B: Send>(
         let a = a.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         (a, b)
     })
+}
+
+/// `f(i, state)` for every `i` in `0..n` on up to `threads` threads (indices taken in order as
+/// threads free up, each thread with its own `state`, a reusable buffer say); the results in
+/// order, or the error of the lowest failing index. Once an index fails, higher ones are no
+/// longer started.
+pub fn try_map<T: Send, S: Default, E: Send>(
+    n: usize,
+    threads: usize,
+    f: impl Fn(usize, &mut S) -> Result<T, E> + Sync,
+) -> Result<Vec<T>, E> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    if threads <= 1 || n <= 1 {
+        let mut state = S::default();
+        return (0..n).map(|i| f(i, &mut state)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let first_failed = AtomicUsize::new(usize::MAX);
+    let slots: Vec<Mutex<Option<Result<T, E>>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    let work = || {
+        let mut state = S::default();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n || i > first_failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let r = f(i, &mut state);
+            if r.is_err() {
+                first_failed.fetch_min(i, Ordering::Relaxed);
+            }
+            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads.min(n) {
+            s.spawn(work);
+        }
+        work();
+    });
+    let mut out = Vec::with_capacity(n);
+    for slot in slots {
+        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(v)) => out.push(v),
+            Some(Err(e)) => return Err(e),
+            None => unreachable!("every index below the first failure is done"),
+        }
+    }
+    Ok(out)
 }

@@ -470,33 +470,11 @@ pub fn lower_orders(
 /// threads to pay (a small one is lowered in microseconds).
 fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) -> Vec<T> {
     let ops = orders.iter().map(|o| o.ops.len() as u64).sum::<u64>();
-    let threads = crate::par::threads_for(ops).min(orders.len());
-    if threads <= 1 {
-        return orders.iter().map(f).collect();
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let slots: Vec<std::sync::Mutex<Option<T>>> =
-        orders.iter().map(|_| std::sync::Mutex::new(None)).collect();
-    let work = || loop {
-        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some(order) = orders.get(i) else { break };
-        let v = f(order);
-        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads {
-            s.spawn(work);
-        }
-        work();
-    });
-    slots
-        .into_iter()
-        .map(|s| {
-            s.into_inner()
-                .unwrap_or_else(|p| p.into_inner())
-                .expect("every rank lowered")
-        })
-        .collect()
+    let threads = crate::par::threads_for(ops);
+    crate::par::try_map(orders.len(), threads, |i, _: &mut ()| {
+        Ok::<_, std::convert::Infallible>(f(&orders[i]))
+    })
+    .unwrap_or_else(|never| match never {})
 }
 
 /// Lower a generated schedule with its own comm policy.

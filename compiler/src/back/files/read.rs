@@ -4,8 +4,6 @@
 use super::format::*;
 use crate::ir::{Instr, Program};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use thiserror::Error;
 
 /// Everything a reader gets back.
@@ -341,13 +339,17 @@ pub(crate) fn load_with(
         super::write::threads_for(listed.fold(0, u64::saturating_add))
     });
     // Each rank: its instructions and their canonical bytes (what the schedule hash covers).
-    let per_rank = try_map_ranks(manifest.world_size as usize, threads, |r, buf| {
-        let path = dir.join(&manifest.ranks[r].file);
-        read(&path, buf)?;
-        let instrs = parse_rank(&path, buf, &manifest, r as u32)?;
-        let canonical = canonical(&instrs);
-        Ok((instrs, canonical))
-    })?;
+    let per_rank = crate::par::try_map(
+        manifest.world_size as usize,
+        threads,
+        |r, buf: &mut Vec<u8>| {
+            let path = dir.join(&manifest.ranks[r].file);
+            read(&path, buf)?;
+            let instrs = parse_rank(&path, buf, &manifest, r as u32)?;
+            let canonical = canonical(&instrs);
+            Ok((instrs, canonical))
+        },
+    )?;
     let mut ranks = Vec::with_capacity(per_rank.len());
     let mut canonicals = Vec::with_capacity(per_rank.len());
     for (instrs, canonical) in per_rank {
@@ -380,51 +382,4 @@ pub(crate) fn load_with(
         });
     }
     Ok(Loaded { manifest, program })
-}
-
-/// `f` over `0..n` on up to `threads` threads (ranks taken in order as threads free up); the
-/// results in order, or the error of the lowest failing index. Once an index fails, higher
-/// ones are no longer started.
-fn try_map_ranks<T: Send, S: Default>(
-    n: usize,
-    threads: usize,
-    f: impl Fn(usize, &mut S) -> Result<T, LoadError> + Sync,
-) -> Result<Vec<T>, LoadError> {
-    if threads <= 1 || n <= 1 {
-        let mut state = S::default();
-        return (0..n).map(|i| f(i, &mut state)).collect();
-    }
-    let next = AtomicUsize::new(0);
-    let first_failed = AtomicUsize::new(usize::MAX);
-    let slots: Vec<Mutex<Option<Result<T, LoadError>>>> =
-        (0..n).map(|_| Mutex::new(None)).collect();
-    let work = || {
-        let mut state = S::default();
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= n || i > first_failed.load(Ordering::Relaxed) {
-                break;
-            }
-            let r = f(i, &mut state);
-            if r.is_err() {
-                first_failed.fetch_min(i, Ordering::Relaxed);
-            }
-            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-        }
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads.min(n) {
-            s.spawn(work);
-        }
-        work();
-    });
-    let mut out = Vec::with_capacity(n);
-    for slot in slots {
-        match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(v)) => out.push(v),
-            Some(Err(e)) => return Err(e),
-            None => unreachable!("every index below the first failure is done"),
-        }
-    }
-    Ok(out)
 }

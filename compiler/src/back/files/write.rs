@@ -422,10 +422,10 @@ pub enum Gated<E> {
 /// the program (no whole-output buffer), while `gate` runs on a thread of its own (a verifier,
 /// say). Atomically: everything goes to a fresh sibling directory that is renamed into place,
 /// so a reader never sees a mix of old and new rank files; an existing `dir` is replaced only
-/// when it is empty or itself a pipec schedule. The directory is put in place only when `gate` returns `Ok`;
-/// otherwise what was written is removed and `gate`'s error returned, whatever happened to the
-/// write. With `threads <= 1`, `gate` runs first and then the files are written on the calling
-/// thread.
+/// when it is empty or itself a pipec schedule. The directory is put in place only when
+/// `gate` returns `Ok`; otherwise what was written is removed and `gate`'s error returned,
+/// whatever happened to the write. With `threads <= 1`, `gate` runs first and then the files
+/// are written on the calling thread.
 pub fn write_prepared<T: Send, E: Send>(
     dir: &Path,
     prepared: &Prepared<'_>,
