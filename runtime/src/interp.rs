@@ -374,6 +374,7 @@ impl<'a, B: Backend> Interp<'a, B> {
     fn wait(&mut self, batch: u32) -> Result<(), Fault> {
         let Some(mut ops) = self.in_flight.remove(&batch) else {
             if self.completed.contains(&batch) {
+                self.backend.rewait();
                 return Ok(());
             }
             return Err(Fault::Schedule(format!(
@@ -462,13 +463,7 @@ pub fn run_rank<B: Backend>(
         backend,
         t: Tables::new(program, r),
         ops: Vec::new(),
-        waited: instrs
-            .iter()
-            .filter_map(|i| match i {
-                Instr::Wait { batch } => Some(*batch),
-                _ => None,
-            })
-            .collect(),
+        waited: pipec::ir::waited_batches(instrs),
         in_flight: Default::default(),
         completed: Default::default(),
     };

@@ -13,16 +13,27 @@
 
 use pipec::back::files::{write_program, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
-use pipec_schedules::ScheduleKind;
+use pipec_schedules::{MegatronP2p, ScheduleKind};
 use std::path::Path;
 use std::process::Command;
 
 fn compile_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, dir: &Path) {
-    let c = compile(&CompileRequest {
-        vpp: Some(vpp),
-        ..CompileRequest::new(kind, pp, m)
-    })
-    .unwrap();
+    compile_p2p_to(kind, pp, vpp, m, MegatronP2p::default_for(kind, pp), dir)
+}
+
+fn compile_p2p_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, p2p: MegatronP2p, dir: &Path) {
+    compile_req_to(
+        CompileRequest {
+            vpp: Some(vpp),
+            megatron_p2p: p2p,
+            ..CompileRequest::new(kind, pp, m)
+        },
+        dir,
+    )
+}
+
+fn compile_req_to(req: CompileRequest, dir: &Path) {
+    let c = compile(&req).unwrap();
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
@@ -45,12 +56,16 @@ fn pipec_run() -> Command {
 }
 
 /// `pipec-run` built with `--features cuda` (into its own target dir, so the default build's
-/// binary used by the other tests is not replaced).
+/// binary used by the other tests is not replaced), or the prebuilt one named by
+/// `PIPEC_CUDA_RUN_BIN` (a GPU machine without a Rust toolchain).
 #[cfg(feature = "cuda")]
 fn cuda_bin() -> Command {
     use std::sync::OnceLock;
     static BIN: OnceLock<std::path::PathBuf> = OnceLock::new();
     let bin = BIN.get_or_init(|| {
+        if let Some(prebuilt) = std::env::var_os("PIPEC_CUDA_RUN_BIN") {
+            return prebuilt.into();
+        }
         let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
         let target = Path::new(root).join("target").join("cuda-tests");
         let status = Command::new(env!("CARGO"))
@@ -154,11 +169,23 @@ const TINY: [&str; 10] = [
 
 #[cfg(feature = "cuda")]
 fn check_single_process(kind: ScheduleKind, pp: u32, vpp: u32, dtype: &str) {
+    check_single_process_p2p(kind, pp, vpp, MegatronP2p::default_for(kind, pp), dtype)
+}
+
+#[cfg(feature = "cuda")]
+fn check_single_process_p2p(kind: ScheduleKind, pp: u32, vpp: u32, p2p: MegatronP2p, dtype: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    compile_to(kind, pp, vpp, 2 * pp, tmp.path());
-    let trace = tmp.path().join("trace.json");
+    compile_p2p_to(kind, pp, vpp, 2 * pp, p2p, tmp.path());
+    gpu_check(tmp.path(), dtype, &format!("{kind:?} {p2p:?}"));
+}
+
+/// `pipec-run DIR --backend cuda --check` in one process passes both steps and writes its
+/// trace.
+#[cfg(feature = "cuda")]
+fn gpu_check(dir: &Path, dtype: &str, what: &str) {
+    let trace = dir.join("trace.json");
     let out = cuda_bin()
-        .arg(tmp.path())
+        .arg(dir)
         .args(["--backend", "cuda", "--check", "--dtype", dtype])
         .args(TINY)
         .arg("--trace")
@@ -171,7 +198,7 @@ fn check_single_process(kind: ScheduleKind, pp: u32, vpp: u32, dtype: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
-    assert_eq!(out.status.code(), Some(0), "{kind:?} {dtype}\n{so}\n{se}");
+    assert_eq!(out.status.code(), Some(0), "{what} {dtype}\n{so}\n{se}");
     assert_eq!(so.matches("  check: ").count(), 2, "{so}");
     assert!(so.contains("makespan: measured"), "{so}");
     let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
@@ -196,6 +223,104 @@ fn gpu_check_interleaved_1f1b() {
     }
 }
 
+/// Megatron's P2P modes on the GPU: batches left in flight (`wait` instructions) post on the
+/// comm stream while compute goes on, and the compute stream waits for them at the `wait`.
+/// pp = 4 with vpp = 2 and 8 microbatches: the group size (pp) equals the microbatches / 2.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_check_interleaved_every_p2p_mode() {
+    for p2p in [
+        MegatronP2p::Overlap,
+        MegatronP2p::OverlapFlush,
+        MegatronP2p::OverlapKeepOutputs,
+        MegatronP2p::Unbatched,
+        MegatronP2p::Batched,
+    ] {
+        check_single_process_p2p(ScheduleKind::Interleaved1F1B, 4, 2, p2p, "f32");
+    }
+    check_single_process_p2p(
+        ScheduleKind::Interleaved1F1B,
+        2,
+        3,
+        MegatronP2p::Overlap,
+        "bf16",
+    );
+}
+
+/// Programs with overlapped `fwd_bwd` pairs.
+fn overlapped_pair_programs() -> [(&'static str, CompileRequest); 2] {
+    [
+        (
+            "dualpipe-v",
+            CompileRequest::new(ScheduleKind::DualPipeV, 2, 4),
+        ),
+        (
+            "1f1b combined",
+            CompileRequest {
+                combined: true,
+                ..CompileRequest::new(ScheduleKind::OneFOneB, 4, 8)
+            },
+        ),
+    ]
+}
+
+/// Overlapped `fwd_bwd` pairs (the forward on the second stream beside the backward):
+/// DualPipe-V's F&B steps and Megatron's combined 1F1B, against the CPU reference.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_check_overlapped_pairs() {
+    for (name, req) in overlapped_pair_programs() {
+        for dtype in ["f32", "bf16"] {
+            let tmp = tempfile::tempdir().unwrap();
+            compile_req_to(req.clone(), tmp.path());
+            gpu_check(tmp.path(), dtype, name);
+        }
+    }
+}
+
+/// Under a launcher (NCCL, one process per rank) a schedule with batches left in flight is
+/// refused before anything touches NCCL or a GPU: the NCCL mode has one comm stream per rank,
+/// not the per-pair order the verifier proves. Runs without a GPU (a stand-in NCCL file only
+/// gets `pipec-run` past its link-and-re-execute step).
+#[cfg(all(feature = "cuda", unix))]
+#[test]
+fn cuda_nccl_mode_refuses_batches_left_in_flight() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("il");
+    compile_p2p_to(
+        ScheduleKind::Interleaved1F1B,
+        2,
+        2,
+        4,
+        MegatronP2p::Overlap,
+        &dir,
+    );
+    let fake = tmp.path().join("libnccl.so.2");
+    std::fs::write(&fake, b"").unwrap();
+    let out = cuda_bin()
+        .arg(&dir)
+        .args(["--backend", "cuda"])
+        .env("PIPEC_NCCL_LIB", &fake)
+        .env_remove("PIPEC_NCCL_REEXEC")
+        .env("RANK", "0")
+        .env("LOCAL_RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "1")
+        .output()
+        .unwrap();
+    let se = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{se}");
+    assert!(
+        se.contains("manifest.json: field `schedule`: rank 0, #")
+            && se.contains(" wait(batch ")
+            && se.contains("runs only in one process"),
+        "{se}"
+    );
+}
+
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
@@ -209,23 +334,41 @@ fn gpu_check_zb_v() {
 /// the (bitwise) check there, so a GPU failure is the GPU's.
 #[test]
 fn gpu_test_programs_pass_on_the_cpu_backend() {
-    for (kind, pp, vpp) in [
-        (ScheduleKind::OneFOneB, 4, 1),
-        (ScheduleKind::Interleaved1F1B, 2, 2),
-        (ScheduleKind::ZbV, 2, 2),
+    use MegatronP2p::*;
+    let il = ScheduleKind::Interleaved1F1B;
+    for (kind, pp, vpp, p2p) in [
+        (ScheduleKind::OneFOneB, 4, 1, Batched),
+        (il, 2, 2, MegatronP2p::default_for(il, 2)),
+        (ScheduleKind::ZbV, 2, 2, Batched),
+        (il, 4, 2, Overlap),
+        (il, 4, 2, OverlapFlush),
+        (il, 4, 2, OverlapKeepOutputs),
+        (il, 4, 2, Unbatched),
+        (il, 4, 2, Batched),
+        (il, 2, 3, Overlap),
     ] {
         let tmp = tempfile::tempdir().unwrap();
-        compile_to(kind, pp, vpp, 2 * pp, tmp.path());
-        let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
-            .arg(tmp.path())
-            .arg("--check")
-            .args(TINY)
-            .output()
-            .unwrap();
-        let so = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(0), "{kind:?}\n{so}");
-        assert_eq!(so.matches("  check: ").count(), 2, "{so}");
+        compile_p2p_to(kind, pp, vpp, 2 * pp, p2p, tmp.path());
+        cpu_check(tmp.path(), &format!("{kind:?} {p2p:?}"));
     }
+    for (name, req) in overlapped_pair_programs() {
+        let tmp = tempfile::tempdir().unwrap();
+        compile_req_to(req, tmp.path());
+        cpu_check(tmp.path(), name);
+    }
+}
+
+/// `pipec-run DIR --check` on the CPU backend passes (bitwise) on the GPU tests' model size.
+fn cpu_check(dir: &Path, what: &str) {
+    let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+        .arg(dir)
+        .arg("--check")
+        .args(TINY)
+        .output()
+        .unwrap();
+    let so = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{what}\n{so}");
+    assert_eq!(so.matches("  check: ").count(), 2, "{so}");
 }
 
 /// Two processes, one rank each on its own GPU (NCCL refuses two ranks of a communicator on

@@ -14,4 +14,4 @@ mod steps;
 pub use id::{OptIdx, Positions, TooLarge};
 pub use matching::{Channel, Matching};
 pub use program::{Instr, InstrRef, Payload, PayloadKind, Program};
-pub use steps::{batch_end, steps, Step, Steps};
+pub use steps::{batch_end, steps, waited_batches, Step, Steps};

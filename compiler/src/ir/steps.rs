@@ -34,6 +34,17 @@ pub fn batch_end(instrs: &[Instr], first: usize) -> usize {
     end
 }
 
+/// The batch ids some `Wait` of this stream names: the batches it leaves in flight.
+pub fn waited_batches(instrs: &[Instr]) -> std::collections::HashSet<u32> {
+    instrs
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Wait { batch } => Some(*batch),
+            _ => None,
+        })
+        .collect()
+}
+
 /// The stream's units in order.
 pub fn steps(instrs: &[Instr]) -> Steps<'_> {
     Steps { instrs, pc: 0 }

@@ -157,6 +157,10 @@ pub trait Backend {
         Err(CommError::InFlightUnsupported)
     }
 
+    /// A `wait` for a batch that an earlier `wait` already completed (as `work.wait()` twice):
+    /// nothing to do, but a backend that keeps one timing mark per instruction keeps one here.
+    fn rewait(&mut self) {}
+
     /// Called once when the rank has run its last instruction (a transport uses it to tell
     /// peers that nothing more will be posted).
     fn finish(&mut self) {}

@@ -83,6 +83,7 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
         if spans.len() != instrs.len() {
             continue;
         }
+        let waited = pipec::ir::waited_batches(instrs);
         let mut i = 0;
         while i < instrs.len() {
             let d = spans[i].end - spans[i].start;
@@ -108,12 +109,14 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
                     i += 1;
                 }
                 Instr::Send { .. } | Instr::Recv { .. } => {
-                    // One comm batch: its ops share one span.
+                    // One comm batch: its ops share one span. A batch left in flight spans
+                    // its post to its wait, compute in between: not a transfer time.
                     let end = pipec::ir::batch_end(instrs, i);
-                    comm.push(d.max(0.0));
+                    if !instrs[i].batch().is_some_and(|b| waited.contains(&b)) {
+                        comm.push(d.max(0.0));
+                    }
                     i = end;
                 }
-                // The CUDA backend runs no in-flight batches (it refuses waits before a run).
                 Instr::Wait { .. } => i += 1,
             }
         }

@@ -60,6 +60,8 @@ pub struct CudaBackend<T: Elem> {
     watch: Arc<Watch>,
     /// Index of the next instruction (for failure reports).
     at: u32,
+    /// Batches left in flight: (first op's instruction index, index of the batch's mark).
+    in_flight: Vec<(u32, usize)>,
 }
 
 /// Call `done` until it says `true` (then `Ok(true)`) or `timeout` has passed (`Ok(false)`),
@@ -151,6 +153,7 @@ impl<T: Elem> CudaBackend<T> {
             marks: Vec::new(),
             watch,
             at: 0,
+            in_flight: Vec::new(),
         })
     }
 
@@ -170,6 +173,7 @@ impl<T: Elem> CudaBackend<T> {
         self.parked.clear();
         self.losses.iter_mut().for_each(|l| *l = None);
         self.marks.clear();
+        self.in_flight.clear();
         self.at = 0;
         self.side
             .stream
@@ -204,6 +208,94 @@ impl<T: Elem> CudaBackend<T> {
             self.rank,
             timeout.as_secs_f64()
         )))
+    }
+
+    /// Post a comm batch on the comm stream (after the compute issued so far) and push its
+    /// mark; its end event is provisional until [`Self::finish_batch`]. The outer error is the
+    /// GPU's, the inner one the rendezvous'.
+    fn post_batch(
+        &mut self,
+        ops: &mut [CommOp<GTensor<T>>],
+    ) -> Result<Result<(), CommError>, BackendError> {
+        self.comm_stream
+            .join(&self.main.stream)
+            .map_err(err("order streams"))?;
+        let start = timing_event(&self.comm_stream)?;
+        match &self.net {
+            Net::Local(t) => {
+                if let Err(e) = t.post(self.rank, ops) {
+                    return Ok(Err(e));
+                }
+            }
+            Net::Nccl(c) => {
+                let cfg = self.main.cfg;
+                comm::nccl_batch(c, &self.comm_stream, &self.layout, cfg.seq, cfg.hidden, ops)?
+            }
+        }
+        let end = timing_event(&self.comm_stream)?;
+        self.marks.push(Mark {
+            n: ops.len(),
+            compute: false,
+            start,
+            end,
+            other: None,
+        });
+        self.at += ops.len() as u32;
+        Ok(Ok(()))
+    }
+
+    /// Complete a posted batch: in one process, wait for the peers' posts (the transport's
+    /// rendezvous) and copy what arrived onto the comm stream; NCCL already enqueued it all.
+    /// Returns the event after the batch's last GPU work, which is also the batch mark's end.
+    fn finish_batch(
+        &mut self,
+        ops: &mut [CommOp<GTensor<T>>],
+    ) -> Result<Result<CudaEvent, CommError>, BackendError> {
+        if let Net::Local(t) = &self.net {
+            if let Err(e) = t.complete(self.rank, ops) {
+                return Ok(Err(e));
+            }
+            comm::local_receive(&self.comm_stream, ops)?;
+        }
+        timing_event(&self.comm_stream).map(Ok)
+    }
+
+    /// The span of a `wait` instruction: from `start` (recorded on the compute stream before
+    /// it waited) to now.
+    fn push_wait_mark(&mut self, start: CudaEvent) -> Result<(), BackendError> {
+        let end = timing_event(&self.main.stream)?;
+        self.marks.push(Mark {
+            n: 1,
+            compute: false,
+            start,
+            end,
+            other: None,
+        });
+        self.at += 1;
+        Ok(())
+    }
+
+    /// A comm call's result: a GPU error fails the run (reported here, with the batch's first
+    /// instruction); a rendezvous error goes back to the interpreter, which words it.
+    fn comm_result(
+        &self,
+        r: Result<Result<(), CommError>, BackendError>,
+        ops: &[CommOp<GTensor<T>>],
+    ) -> Result<(), CommError> {
+        match r {
+            Ok(x) => x,
+            Err(e) => {
+                self.watch.fail(Failure {
+                    kind: FailureKind::Compute,
+                    at: InstrRef {
+                        rank: self.rank,
+                        index: ops.first().map(|o| o.at).unwrap_or(self.at),
+                    },
+                    report: format!("{}: communication failed: {}", self.rank, e.0),
+                });
+                Err(CommError::Aborted)
+            }
+        }
     }
 
     /// Per-instruction spans in microseconds since the step's origin (after [`Self::sync`]).
@@ -527,48 +619,76 @@ impl<T: Elem> Backend for CudaBackend<T> {
     }
 
     fn exchange(&mut self, ops: &mut [CommOp<GTensor<T>>]) -> Result<(), CommError> {
-        let r = (|| -> Result<Result<(), CommError>, BackendError> {
-            self.comm_stream
-                .join(&self.main.stream)
-                .map_err(err("order streams"))?;
-            let start = timing_event(&self.comm_stream)?;
-            match &self.net {
-                Net::Local(t) => {
-                    if let Err(e) = t.exchange(self.rank, ops) {
-                        return Ok(Err(e));
-                    }
-                    comm::local_receive(&self.comm_stream, ops)?;
-                }
-                Net::Nccl(c) => {
-                    let cfg = self.main.cfg;
-                    comm::nccl_batch(c, &self.comm_stream, &self.layout, cfg.seq, cfg.hidden, ops)?
-                }
+        let r = (|| {
+            if let Err(e) = self.post_batch(ops)? {
+                return Ok(Err(e));
             }
-            let end = timing_event(&self.comm_stream)?;
+            let end = match self.finish_batch(ops)? {
+                Ok(end) => end,
+                Err(e) => return Ok(Err(e)),
+            };
+            // Compute goes on only once the batch is done, as the program says.
             self.main.stream.wait(&end).map_err(err("order streams"))?;
-            self.marks.push(Mark {
-                n: ops.len(),
-                compute: false,
-                start,
-                end,
-                other: None,
-            });
-            self.at += ops.len() as u32;
+            if let Some(m) = self.marks.last_mut() {
+                m.end = end;
+            }
             Ok(Ok(()))
         })();
-        match r {
-            Ok(x) => x,
-            Err(e) => {
-                self.watch.fail(Failure {
-                    kind: FailureKind::Compute,
-                    at: InstrRef {
-                        rank: self.rank,
-                        index: ops.first().map(|o| o.at).unwrap_or(self.at),
-                    },
-                    report: format!("{}: communication failed: {}", self.rank, e.0),
-                });
-                Err(CommError::Aborted)
+        self.comm_result(r, ops)
+    }
+
+    /// Post the batch on the comm stream and leave it there: compute goes on until the `wait`
+    /// that names it ([`Backend::complete`]). Single process only; `run_cuda` refuses programs
+    /// with waits under NCCL (see there).
+    fn post(&mut self, ops: &mut [CommOp<GTensor<T>>]) -> Result<(), CommError> {
+        let r = (|| {
+            let posted = self.post_batch(ops)?;
+            if posted.is_ok() {
+                let key = ops.first().map_or(u32::MAX, |o| o.at);
+                self.in_flight.push((key, self.marks.len() - 1));
             }
+            Ok(posted)
+        })();
+        self.comm_result(r, ops)
+    }
+
+    /// The `wait` of a batch left in flight: receive what arrived (the rendezvous), then make
+    /// the compute stream wait for the batch's last copy. The wait itself gets its own span
+    /// (on the compute stream: how long compute stalled for it); the batch's span runs from its
+    /// post to its completion.
+    fn complete(&mut self, ops: &mut [CommOp<GTensor<T>>]) -> Result<(), CommError> {
+        let r = (|| {
+            let key = ops.first().map_or(u32::MAX, |o| o.at);
+            let Some(pos) = self.in_flight.iter().position(|&(k, _)| k == key) else {
+                return Err(BackendError(
+                    "a wait for a batch this backend did not post".into(),
+                ));
+            };
+            let (_, mark) = self.in_flight.swap_remove(pos);
+            let start = timing_event(&self.main.stream)?;
+            let end = match self.finish_batch(ops)? {
+                Ok(end) => end,
+                Err(e) => return Ok(Err(e)),
+            };
+            self.main.stream.wait(&end).map_err(err("order streams"))?;
+            self.marks[mark].end = end;
+            self.push_wait_mark(start)?;
+            Ok(Ok(()))
+        })();
+        self.comm_result(r, ops)
+    }
+
+    fn rewait(&mut self) {
+        let r = timing_event(&self.main.stream).and_then(|start| self.push_wait_mark(start));
+        if let Err(e) = r {
+            self.watch.fail(Failure {
+                kind: FailureKind::Compute,
+                at: InstrRef {
+                    rank: self.rank,
+                    index: self.at,
+                },
+                report: format!("{}: {}", self.rank, e.0),
+            });
         }
     }
 

@@ -403,6 +403,25 @@ pub fn run_cuda(
         });
     }
     let multi = opts.launch.as_ref().is_some_and(|l| l.world_size > 1);
+    if multi {
+        if let Some((r, i)) = first_wait(program) {
+            // torch's `ProcessGroupNCCL` runs one pair's P2P ops on that pair's own stream,
+            // the order the verifier proves (D2); this backend has one communicator and one
+            // comm stream per rank, where an op left in flight would also hold back the ops to
+            // every other peer: an order nothing has checked, so a possible hang.
+            return Err(RunError::Refused {
+                file: MANIFEST_FILE.into(),
+                field: "schedule".into(),
+                msg: format!(
+                    "{}: the schedule leaves comm batches in flight (`wait` instructions, e.g. \
+                     Megatron's overlap P2P mode), which the CUDA backend runs only in one \
+                     process (its NCCL mode has one stream per rank, not one per pair of \
+                     ranks); run it without a launcher or on the cpu backend",
+                    crate::interp::describe_instr(program, Rank(r as u32), i as u32)
+                ),
+            });
+        }
+    }
     probe_libraries(multi).map_err(|e| RunError::Device(e.to_string()))?;
     let count = CudaContext::device_count()
         .map_err(|e| RunError::Device(format!("CUDA: cannot count the GPUs: {e:?}")))?;
@@ -416,6 +435,16 @@ pub fn run_cuda(
         Dtype::F32 => run_typed::<f32>(program, layout, opts, count),
         Dtype::Bf16 => run_typed::<half::bf16>(program, layout, opts, count),
     }
+}
+
+/// The first `wait` instruction, as (rank, index).
+fn first_wait(program: &Program) -> Option<(usize, usize)> {
+    program.ranks.iter().enumerate().find_map(|(r, instrs)| {
+        instrs
+            .iter()
+            .position(|i| matches!(i, Instr::Wait { .. }))
+            .map(|i| (r, i))
+    })
 }
 
 fn run_typed<T: Elem>(
