@@ -35,6 +35,9 @@ pub struct Calibration {
     pub p2p: f64,
     /// `b` and `w` were measured separately (the program splits its backward).
     pub split: bool,
+    /// Measured on stages of decoder layers alone; `false` when every measured stage also
+    /// holds the embedding, the head or the loss (their time then counts as the layers').
+    pub pure: bool,
     /// The cost spec handed to [`CostModel::parse`].
     pub spec: String,
     pub measured_makespan: f64,
@@ -121,7 +124,8 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
             }
         }
     }
-    let set = if acc[0][0].n > 0 { &acc[0] } else { &acc[1] };
+    let pure = acc[0][0].n > 0;
+    let set = if pure { &acc[0] } else { &acc[1] };
     let f = set[0].get()?;
     let full = set[3].get();
     let (b, w, split) = match (set[1].get(), set[2].get(), full) {
@@ -147,6 +151,7 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
         w,
         p2p,
         split,
+        pure,
         spec,
         measured_makespan: measured.makespan,
         measured_bubble: measured.mean_bubble(),
@@ -204,6 +209,7 @@ mod tests {
             let sim = simulate(&p, &costs).unwrap();
             let c = calibrate(&p, &layout, &sim.timeline).unwrap();
             assert_eq!(c.split, split, "{kind:?}");
+            assert!(c.pure, "{kind:?}");
             assert_eq!(c.f, 2.0, "{kind:?}");
             assert_eq!((c.b, c.w), if split { (3.0, 1.5) } else { (3.0, 3.0) });
             assert_eq!(c.p2p, 0.0, "{kind:?}");
@@ -211,6 +217,60 @@ mod tests {
             assert_eq!(c.measured_makespan, sim.summary.makespan, "{kind:?}");
             assert_eq!(c.simulated_bubble, c.measured_bubble, "{kind:?}");
         }
+    }
+
+    /// Batches left in flight (Megatron's overlap mode) span their post to their wait, compute
+    /// in between: they are no measure of a transfer and stay out of `p2p`, which the blocking
+    /// batches still give exactly.
+    #[test]
+    fn batches_left_in_flight_are_not_taken_for_transfers() {
+        let c = compile(&CompileRequest {
+            vpp: Some(2),
+            megatron_p2p: pipec_schedules::MegatronP2p::Overlap,
+            ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 4, 8)
+        })
+        .unwrap();
+        let (p, layout) = (c.program, c.layout);
+        assert!(p.ranks[0].iter().any(|i| matches!(i, Instr::Wait { .. })));
+        let model = CostModel::parse("f=2,b=3,w=3,p2p=0.5").unwrap();
+        let sim = simulate(&p, &StageCosts::new(&model, &layout, p.num_stages())).unwrap();
+        // Whatever a batch left in flight measures, from its post to its wait (as the CUDA
+        // backend does) or nothing at all, the latency comes from the blocking batches.
+        for stretch in [true, false] {
+            let mut timeline = sim.timeline.clone();
+            for (instrs, spans) in p.ranks.iter().zip(&mut timeline.ranks) {
+                for (w, ins) in instrs.iter().enumerate() {
+                    let Instr::Wait { batch } = ins else { continue };
+                    for (i, op) in instrs.iter().enumerate().take(w) {
+                        if op.batch() == Some(*batch) {
+                            spans[i].end = if stretch {
+                                spans[w].end
+                            } else {
+                                spans[i].start
+                            };
+                        }
+                    }
+                }
+            }
+            let cal = calibrate(&p, &layout, &timeline).unwrap();
+            assert_eq!(
+                (cal.f, cal.b, cal.p2p),
+                (2.0, 3.0, 0.5),
+                "stretch {stretch}"
+            );
+            assert!(cal.pure);
+        }
+    }
+
+    /// One stage holding the embedding, the layers and the head: the per-layer figures are
+    /// the whole stage's, and the calibration says so.
+    #[test]
+    fn a_single_stage_is_not_a_pure_decoder_measurement() {
+        let (p, layout) = program(ScheduleKind::OneFOneB, 1, 2);
+        let model = CostModel::parse("f=2,b=3,w=3").unwrap();
+        let sim = simulate(&p, &StageCosts::new(&model, &layout, p.num_stages())).unwrap();
+        let cal = calibrate(&p, &layout, &sim.timeline).unwrap();
+        assert!(!cal.pure);
     }
 
     /// The Megatron-LM paper's count (Narayanan et al., 2021): a `b x s x h` by `h x 4h`

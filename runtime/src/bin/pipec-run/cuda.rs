@@ -133,7 +133,12 @@ pub fn run(
     match calibrate(program, layout, timeline) {
         Some(c) => {
             println!(
-                "calibrated (last step, per decoder layer): fwd {} bwd_D {} bwd_W {}{}, p2p {}",
+                "calibrated (last step, per decoder layer{}): fwd {} bwd_D {} bwd_W {}{}, p2p {}",
+                if c.pure {
+                    ""
+                } else {
+                    ", embedding and head included: no stage holds decoder layers alone"
+                },
                 ms(c.f),
                 ms(c.b),
                 ms(c.w),
