@@ -121,30 +121,52 @@ pub(crate) fn complete_losses(step: u32, losses: Vec<Option<f32>>) -> Result<Vec
 /// that ran microbatch 0 absorbs the others' contributions in microbatch order (bitwise equal
 /// to an unpipelined step), then the sum is copied back to every replica.
 fn reduce_replicas(program: &Program, backends: &mut [CpuBackend]) {
-    let placement = &program.placement;
-    for s in 0..program.num_stages() {
-        let mut owners: Vec<usize> = (0..program.microbatches)
-            .map(|mb| placement.rank_of(Task::new(s, mb)).index())
-            .collect();
-        owners.sort_unstable();
-        owners.dedup();
-        if owners.len() < 2 {
-            continue;
-        }
-        let first = placement.rank_of(Task::new(s, 0)).index();
-        for &o in owners.iter().filter(|&&o| o != first) {
-            let (a, b) = pair_mut(backends, first, o);
+    for r in replicated_stages(program) {
+        let (s, first) = (r.stage, r.first as usize);
+        for &o in &r.others {
+            let (a, b) = pair_mut(backends, first, o as usize);
             if let (Some(into), Some(from)) = (a.accum_mut(s), b.accum_mut(s)) {
                 from.drain_into(into);
             }
         }
-        for &o in owners.iter().filter(|&&o| o != first) {
-            let (a, b) = pair_mut(backends, first, o);
+        for &o in &r.others {
+            let (a, b) = pair_mut(backends, first, o as usize);
             if let (Some(src), Some(dst)) = (a.accum_mut(s), b.accum_mut(s)) {
                 dst.copy_from(src);
             }
         }
     }
+}
+
+/// A stage that runs on more than one rank, and who sums its gradients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replicated {
+    pub stage: u32,
+    /// The rank that runs microbatch 0: it absorbs the others' gradients in microbatch order.
+    pub first: u32,
+    /// The other ranks holding a copy, ascending.
+    pub others: Vec<u32>,
+}
+
+/// Every stage whose microbatches run on more than one rank (DualPipe's two directions).
+pub fn replicated_stages(program: &Program) -> Vec<Replicated> {
+    let placement = &program.placement;
+    (0..program.num_stages())
+        .filter_map(|s| {
+            let first = placement.rank_of(Task::new(s, 0)).0;
+            let mut others: Vec<u32> = (0..program.microbatches)
+                .map(|mb| placement.rank_of(Task::new(s, mb)).0)
+                .filter(|&r| r != first)
+                .collect();
+            others.sort_unstable();
+            others.dedup();
+            (!others.is_empty()).then_some(Replicated {
+                stage: s,
+                first,
+                others,
+            })
+        })
+        .collect()
 }
 
 /// Two distinct elements of a slice, mutably.

@@ -248,6 +248,46 @@ fn gpu_check_interleaved_every_p2p_mode() {
     );
 }
 
+/// Every schedule kind at pp = 4 with 8 microbatches (each kind's default chunks and P2P
+/// mode), two forward-only programs and an uneven layout with an MTP layer.
+fn every_kind_programs() -> Vec<(String, CompileRequest)> {
+    let mut v: Vec<(String, CompileRequest)> = ScheduleKind::ALL
+        .iter()
+        .map(|&k| (k.name().to_string(), CompileRequest::new(k, 4, 8)))
+        .collect();
+    for k in [ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B] {
+        v.push((
+            format!("{} forward-only", k.name()),
+            CompileRequest {
+                forward_only: true,
+                ..CompileRequest::new(k, 4, 8)
+            },
+        ));
+    }
+    v.push((
+        "interleaved layout Et|tt|t,m|L".into(),
+        CompileRequest {
+            layout: Some("Et|tt|t,m|L".into()),
+            ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 2, 4)
+        },
+    ));
+    v
+}
+
+/// Every kind on the GPU, fp32 and bf16, against the CPU reference.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
+fn gpu_check_every_kind() {
+    for (name, req) in every_kind_programs() {
+        for dtype in ["f32", "bf16"] {
+            let tmp = tempfile::tempdir().unwrap();
+            compile_req_to(req.clone(), tmp.path());
+            gpu_check(tmp.path(), dtype, &name);
+        }
+    }
+}
+
 /// Programs with overlapped `fwd_bwd` pairs.
 fn overlapped_pair_programs() -> [(&'static str, CompileRequest); 2] {
     [
@@ -280,45 +320,60 @@ fn gpu_check_overlapped_pairs() {
     }
 }
 
-/// Under a launcher (NCCL, one process per rank) a schedule with batches left in flight is
-/// refused before anything touches NCCL or a GPU: the NCCL mode has one comm stream per rank,
-/// not the per-pair order the verifier proves. Runs without a GPU (a stand-in NCCL file only
+/// Under a launcher (NCCL, one process per rank) what that mode cannot run is refused before
+/// anything touches NCCL or a GPU: batches left in flight (its one comm stream per rank is not
+/// the per-pair order the verifier proves) and stages held by two ranks (DualPipe: their
+/// gradients are summed in one process only). Runs without a GPU (a stand-in NCCL file only
 /// gets `pipec-run` past its link-and-re-execute step).
 #[cfg(all(feature = "cuda", unix))]
 #[test]
-fn cuda_nccl_mode_refuses_batches_left_in_flight() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("il");
-    compile_p2p_to(
-        ScheduleKind::Interleaved1F1B,
-        2,
-        2,
-        4,
-        MegatronP2p::Overlap,
-        &dir,
-    );
-    let fake = tmp.path().join("libnccl.so.2");
-    std::fs::write(&fake, b"").unwrap();
-    let out = cuda_bin()
-        .arg(&dir)
-        .args(["--backend", "cuda"])
-        .env("PIPEC_NCCL_LIB", &fake)
-        .env_remove("PIPEC_NCCL_REEXEC")
-        .env("RANK", "0")
-        .env("LOCAL_RANK", "0")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", "1")
-        .output()
-        .unwrap();
-    let se = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{se}");
-    assert!(
-        se.contains("manifest.json: field `schedule`: rank 0, #")
-            && se.contains(" wait(batch ")
-            && se.contains("runs only in one process"),
-        "{se}"
-    );
+fn cuda_nccl_mode_refuses_what_it_cannot_run() {
+    let overlap = CompileRequest {
+        vpp: Some(2),
+        megatron_p2p: MegatronP2p::Overlap,
+        ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 2, 4)
+    };
+    let dualpipe = CompileRequest::new(ScheduleKind::DualPipe, 2, 4);
+    for (req, want) in [
+        (
+            overlap,
+            &[
+                "manifest.json: field `schedule`: rank 0, #",
+                " wait(batch ",
+                "runs only in one process",
+            ][..],
+        ),
+        (
+            dualpipe,
+            &[
+                "manifest.json: field `placement`: stage 0 runs on ranks 0 and 1",
+                "summed after each step only in one process",
+            ][..],
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("p");
+        compile_req_to(req, &dir);
+        let fake = tmp.path().join("libnccl.so.2");
+        std::fs::write(&fake, b"").unwrap();
+        let out = cuda_bin()
+            .arg(&dir)
+            .args(["--backend", "cuda"])
+            .env("PIPEC_NCCL_LIB", &fake)
+            .env_remove("PIPEC_NCCL_REEXEC")
+            .env("RANK", "0")
+            .env("LOCAL_RANK", "0")
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", "1")
+            .output()
+            .unwrap();
+        let se = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{se}");
+        for w in want {
+            assert!(se.contains(w), "{w}\n{se}");
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -355,6 +410,11 @@ fn gpu_test_programs_pass_on_the_cpu_backend() {
         let tmp = tempfile::tempdir().unwrap();
         compile_req_to(req, tmp.path());
         cpu_check(tmp.path(), name);
+    }
+    for (name, req) in every_kind_programs() {
+        let tmp = tempfile::tempdir().unwrap();
+        compile_req_to(req, tmp.path());
+        cpu_check(tmp.path(), &name);
     }
 }
 

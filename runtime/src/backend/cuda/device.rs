@@ -3,7 +3,9 @@
 //! instruction give the measured timeline.
 
 use super::comm::{self, Net};
-use super::model::{err, Dev, Elem, GGrads, GPartial, GStage, GStash, GTensor, Kernels};
+use super::model::{
+    err, ByMicrobatch, Dev, Elem, GGrads, GPartial, GStage, GStash, GSums, GTensor, Kernels,
+};
 use crate::backend::{Backend, BackendError, CommError, CommOp};
 use crate::model::{self, ModelConfig, Stage};
 use crate::watchdog::{Failure, FailureKind, Watch};
@@ -29,7 +31,7 @@ pub struct Mark {
 struct Accum {
     next: u32,
     pending: BTreeMap<u32, usize>,
-    sum: Vec<Vec<CudaSlice<f32>>>,
+    sum: GSums,
 }
 
 /// A forward's output and, when saved, its stash.
@@ -82,6 +84,17 @@ pub fn poll_until<E>(
         }
         std::thread::sleep(Duration::from_micros(200));
     }
+}
+
+/// Copies of per-layer tensors onto `stream` (from any GPU of this process).
+fn copy_all<U: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    layers: &[Vec<CudaSlice<U>>],
+) -> Result<Vec<Vec<CudaSlice<U>>>, BackendError> {
+    layers
+        .iter()
+        .map(|l| l.iter().map(|t| comm::copy_in(stream, t)).collect())
+        .collect()
 }
 
 fn timing_event(s: &CudaStream) -> Result<CudaEvent, BackendError> {
@@ -416,6 +429,55 @@ impl<T: Elem> CudaBackend<T> {
         Ok(out)
     }
 
+    /// The gradients of stage `s` this rank could not add in order (a replica's: another rank
+    /// ran the earlier microbatches), by microbatch, for the replica that sums them.
+    pub fn take_parked(&mut self, s: u32) -> ByMicrobatch<T> {
+        let Some(acc) = self.accum.get_mut(s as usize).and_then(Option::as_mut) else {
+            return Vec::new();
+        };
+        let pending = std::mem::take(&mut acc.pending);
+        pending
+            .into_iter()
+            .filter_map(|(mb, i)| self.parked[i].take().map(|g| (mb, g)))
+            .collect()
+    }
+
+    /// Add another replica's gradients of stage `s` (from [`Self::take_parked`], possibly on
+    /// another GPU) in microbatch order, after copying them onto this rank's GPU.
+    pub fn absorb(&mut self, s: u32, grads: ByMicrobatch<T>) -> Result<(), BackendError> {
+        for (mb, g) in grads {
+            let local = copy_all(&self.main.stream, &g)?;
+            drop(g);
+            self.ctx.bind_to_thread().map_err(err("bind the GPU"))?;
+            self.add_in_order(s as usize, mb, local)?;
+        }
+        Ok(())
+    }
+
+    /// A copy of stage `s`'s gradient sum and how many microbatches it holds in order.
+    pub fn sum_copy(&self, s: u32) -> Result<(GSums, u32), BackendError> {
+        let acc = self
+            .accum
+            .get(s as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                BackendError(format!("{} holds no gradients of stage {s}", self.rank))
+            })?;
+        Ok((copy_all(&self.main.stream, &acc.sum)?, acc.next))
+    }
+
+    /// Make stage `s`'s sum the replica's reduced one, so every copy applies the same update.
+    pub fn replace_sum(&mut self, s: u32, sum: &GSums, next: u32) -> Result<(), BackendError> {
+        let local = copy_all(&self.main.stream, sum)?;
+        self.ctx.bind_to_thread().map_err(err("bind the GPU"))?;
+        if let Some(acc) = self.accum.get_mut(s as usize).and_then(Option::as_mut) {
+            acc.sum = local;
+            acc.next = next;
+            acc.pending.clear();
+        }
+        Ok(())
+    }
+
     pub fn sgd(&mut self, lr: f32) -> Result<(), BackendError> {
         for (st, a) in self.stages.iter_mut().zip(&self.accum) {
             if let (Some(st), Some(a)) = (st.as_mut(), a.as_ref()) {
@@ -481,14 +543,18 @@ impl<T: Elem> CudaBackend<T> {
         partial: &[GPartial<T>],
     ) -> Result<(), BackendError> {
         let grads = self.main.stage_bwd_w(self.stage(t)?, saved, partial)?;
-        let s = t.stage.index();
-        let Some(acc) = self.accum[s].as_mut() else {
+        self.add_in_order(t.stage.index(), t.mb.0, grads)
+    }
+
+    /// Add microbatch `mb`'s gradients of stage `s` to its sum in microbatch order, parking
+    /// early arrivals (bitwise-reproducible sums).
+    fn add_in_order(&mut self, s: usize, mb: u32, grads: GGrads<T>) -> Result<(), BackendError> {
+        let Some(acc) = self.accum.get_mut(s).and_then(Option::as_mut) else {
             return Ok(());
         };
-        // Add in microbatch order, parking early arrivals (bitwise-reproducible sums).
-        if t.mb.0 != acc.next {
+        if mb != acc.next {
             self.parked.push(Some(grads));
-            acc.pending.insert(t.mb.0, self.parked.len() - 1);
+            acc.pending.insert(mb, self.parked.len() - 1);
             return Ok(());
         }
         self.main.accumulate(&mut acc.sum, &grads)?;

@@ -177,6 +177,12 @@ pub struct GStage<T> {
 /// Per-layer weight gradients of one stage.
 pub type GGrads<T> = Vec<Vec<CudaSlice<T>>>;
 
+/// A stage's gradient sums (fp32 whatever the element type).
+pub type GSums = GGrads<f32>;
+
+/// A replica's gradients of one stage, by microbatch.
+pub type ByMicrobatch<T> = Vec<(u32, GGrads<T>)>;
+
 /// One stream with its cuBLAS handle: a backend has two (the second runs the forward of an
 /// overlapped pair) and a communication stream.
 pub struct Dev<T> {

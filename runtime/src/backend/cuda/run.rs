@@ -22,14 +22,17 @@
 
 use super::device::CudaBackend;
 use super::launch::{self, LaunchEnv};
-use super::model::{err, Elem, GTensor};
+use super::model::{err, ByMicrobatch, Elem, GSums, GTensor};
 use super::{comm::Net, probe_libraries};
 use crate::backend::BackendError;
 use crate::error::RunError;
 use crate::interp::{run_rank, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
-use crate::run::{for_each_gradient, CheckSummary, RankStats, RunReport, StepReport};
+use crate::run::{
+    for_each_gradient, replicated_stages, CheckSummary, RankStats, Replicated, RunReport,
+    StepReport,
+};
 use crate::transport::Transport;
 use crate::watchdog::{Failure, FailureKind, Watch};
 use cudarc::driver::CudaContext;
@@ -163,6 +166,81 @@ struct Shared<'a> {
     full: &'a [Stage<f32>],
     watch: Arc<Watch>,
     gate: Gate,
+    /// Stages held by several ranks (DualPipe), whose gradients are summed after each step.
+    replicated: Vec<Replicated>,
+}
+
+/// Where the rank threads of one process hand each other a replicated stage's gradients.
+struct Mailbox<T> {
+    /// (stage, that replica's gradients by microbatch), for the rank that sums them.
+    parked: Mutex<Vec<(u32, ByMicrobatch<T>)>>,
+    /// (stage, the reduced sum, microbatches in it), for the other replicas.
+    sums: Mutex<Vec<(u32, GSums, u32)>>,
+}
+
+fn lock<X>(m: &Mutex<X>) -> std::sync::MutexGuard<'_, X> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// DualPipe's post-step gradient all-reduce between the copies of a stage, in one process:
+/// each other replica hands over the gradients it could not add in order, the rank that ran
+/// microbatch 0 adds them in microbatch order (so the sum equals the CPU reference's), then
+/// every replica takes a copy of the sum. Three gate rounds; the first owner frees its
+/// published copies after the last. `Err` with an empty message: the gate broke (another rank
+/// failed and reported).
+fn reduce_replicas<T: Elem>(
+    sh: &Shared<'_>,
+    mail: &Mailbox<T>,
+    rank: u32,
+    be: &mut CudaBackend<T>,
+) -> Result<(), (FailureKind, String)> {
+    let c = |e: BackendError| (FailureKind::Compute, format!("rank {rank}: {e}"));
+    let round = || {
+        sh.gate
+            .wait()
+            .map(drop)
+            .map_err(|_| (FailureKind::Compute, String::new()))
+    };
+    for r in sh.replicated.iter().filter(|r| r.others.contains(&rank)) {
+        let g = be.take_parked(r.stage);
+        lock(&mail.parked).push((r.stage, g));
+    }
+    round()?;
+    for r in sh.replicated.iter().filter(|r| r.first == rank) {
+        let theirs: Vec<_> = {
+            let mut p = lock(&mail.parked);
+            let (mine, rest) = std::mem::take(&mut *p)
+                .into_iter()
+                .partition(|(s, _)| *s == r.stage);
+            *p = rest;
+            mine
+        };
+        for (_, g) in theirs {
+            be.absorb(r.stage, g).map_err(c)?;
+        }
+        let (sum, next) = be.sum_copy(r.stage).map_err(c)?;
+        lock(&mail.sums).push((r.stage, sum, next));
+    }
+    round()?;
+    for r in sh.replicated.iter().filter(|r| r.others.contains(&rank)) {
+        let sums = lock(&mail.sums);
+        let Some((_, sum, next)) = sums.iter().find(|x| x.0 == r.stage) else {
+            return Err(c(BackendError(format!(
+                "no reduced gradients of stage {} from rank {}",
+                r.stage, r.first
+            ))));
+        };
+        be.replace_sum(r.stage, sum, *next).map_err(c)?;
+    }
+    round()?;
+    for r in sh.replicated.iter().filter(|r| r.first == rank) {
+        lock(&mail.sums).retain(|x| x.0 != r.stage);
+    }
+    be.ctx
+        .bind_to_thread()
+        .map_err(err("bind the GPU"))
+        .map_err(c)?;
+    Ok(())
 }
 
 fn compute_failure(rank: u32, index: u32, report: String) -> Failure {
@@ -229,6 +307,7 @@ enum NetPlan<T: Elem> {
 /// rounds. Errors go to the watch (first failure wins) and break the gate.
 fn rank_thread<T: Elem>(
     sh: &Shared<'_>,
+    mail: &Mailbox<T>,
     rank: u32,
     ordinal: usize,
     net: NetPlan<T>,
@@ -333,6 +412,9 @@ fn rank_thread<T: Elem>(
                 .sum();
             let end = spans.iter().map(|s| s.end).fold(0.0, f64::max);
             let losses = be.all_losses(opts.timeout).map_err(c)?;
+            if !program.forward_only && !sh.replicated.is_empty() {
+                reduce_replicas(sh, mail, rank, &mut be)?;
+            }
             let grads = if opts.check && !program.forward_only {
                 be.grads().map_err(c)?
             } else {
@@ -404,6 +486,26 @@ pub fn run_cuda(
     }
     let multi = opts.launch.as_ref().is_some_and(|l| l.world_size > 1);
     if multi {
+        if let Some(r) = replicated_stages(program).first() {
+            // DualPipe's copies of a stage must sum their gradients after each step, a
+            // cross-process all-reduce this mode does not run: each copy would step on half.
+            return Err(RunError::Refused {
+                file: MANIFEST_FILE.into(),
+                field: "placement".into(),
+                msg: format!(
+                    "stage {} runs on ranks {} and {} (DualPipe's two directions): their \
+                     gradients are summed after each step only in one process; run it \
+                     without a launcher or on the cpu backend",
+                    r.stage,
+                    r.first,
+                    r.others
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
         if let Some((r, i)) = first_wait(program) {
             // torch's `ProcessGroupNCCL` runs one pair's P2P ops on that pair's own stream,
             // the order the verifier proves (D2); this backend has one communicator and one
@@ -500,6 +602,10 @@ fn run_typed<T: Elem>(
         }
     };
     let mut ref_model = opts.check.then(|| full.clone());
+    let mail = Mailbox::<T> {
+        parked: Mutex::new(Vec::new()),
+        sums: Mutex::new(Vec::new()),
+    };
     let sh = Shared {
         program,
         layout,
@@ -507,6 +613,7 @@ fn run_typed<T: Elem>(
         full: &full,
         watch: watch.clone(),
         gate: Gate::new(plan.len()),
+        replicated: replicated_stages(program),
     };
     let ranks: Vec<u32> = plan.iter().map(|p| p.0).collect();
     let devices: Vec<usize> = plan.iter().map(|p| p.1).collect();
@@ -518,10 +625,12 @@ fn run_typed<T: Elem>(
     let outcome: Result<(), RunError> = std::thread::scope(|s| {
         for (rank, ordinal, net) in plan {
             let tx = tx.clone();
-            let sh = &sh;
+            let (sh, mail) = (&sh, &mail);
             std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
-                .spawn_scoped(s, move || rank_thread::<T>(sh, rank, ordinal, net, tx))
+                .spawn_scoped(s, move || {
+                    rank_thread::<T>(sh, mail, rank, ordinal, net, tx)
+                })
                 .expect("spawn a rank thread");
         }
         drop(tx);
