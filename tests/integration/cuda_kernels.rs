@@ -1280,6 +1280,33 @@ fn gelu_bwd_matches_the_cpu_bit_for_bit_given_the_same_inputs() {
     }
 }
 
+/// `col_sums` loads eight rows ahead: with row counts around and past multiples of eight
+/// (the model shapes above have fewer than eight rows), the sums are still each column's rows
+/// added in order from zero, bit for bit in f32.
+#[test]
+fn col_sums_of_many_rows_add_in_row_order() {
+    for ty in TYS {
+        let Some(e) = emu(ty) else { return };
+        for (k, rows) in [8usize, 9, 16, 23, 64].into_iter().enumerate() {
+            let a = e.round(&spread(rows, 6, 900 + k as u64));
+            let mut want = Array2::<f32>::zeros((1, 6));
+            for c in 0..6 {
+                want[[0, c]] = a.column(c).iter().fold(0.0f32, |s, &v| s + v);
+            }
+            let want = e.round(&want);
+            for grids in Grids::ALL {
+                let got = dev_col_sums(e, grids, &a);
+                check2(
+                    &got,
+                    &want,
+                    e.exact(),
+                    &format!("{ty:?} rows {rows} {grids:?}"),
+                );
+            }
+        }
+    }
+}
+
 /// The bias gradients of `bwd_W` (`col_sums`; the weight gradients are cuBLAS's). ndarray's
 /// `sum_axis(Axis(0))` on a row-major `[rows, cols]` array (cols > 1) adds whole rows in row
 /// order starting from zero, exactly the kernel's loop, so f32 must agree bit for bit.
