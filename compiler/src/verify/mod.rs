@@ -132,8 +132,8 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
 
 /// Check the invariants of `level` ([`Level::Structure`] or all of them).
 ///
-/// On a big program the independent checks run on two threads (indexing beside matching,
-/// then the matching and deadlock checks beside the rest); the violations are gathered in the
+/// On a big program the independent checks run on two threads (indexing beside matching and
+/// the risks, then the matching, deadlock and memory checks beside the rest); the violations are gathered in the
 /// order the module doc lists them either way, so the report does not depend on the threads.
 pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Report {
     let threads = crate::par::threads_for(program.len() as u64);
@@ -146,9 +146,19 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
 /// it, and is faster verifying on one thread.
 pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
     let mut violations = Vec::new();
-    let (m, ix) = crate::par::join(
+    let full = level == Level::Full;
+    // Thread one: the matching (which compares payloads as it pairs), then the risks, which
+    // read the program alone; thread two: the index, the longer of the two passes.
+    let ((m, risks), ix) = crate::par::join(
         threads,
-        || Matching::of(program),
+        || {
+            let m = Matching::of(program);
+            let risks = match &m {
+                Some(_) if full => risk::check(program),
+                _ => Vec::new(),
+            };
+            (m, risks)
+        },
         || index::Index::build(program, &mut violations),
     );
     let (Some(ix), Some(m)) = (ix, m) else {
@@ -163,16 +173,15 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             },
         };
     };
-    let full = level == Level::Full;
-    // Thread one: M1-M2, then D1, D2 and the risks. Thread two: C1-C2, then P1-P3 (or only
-    // P3's routes) and R1. About even at size L.
-    let ((comm, risks), (complete, later, memory)) = crate::par::join(
+    // Thread one: M1-M2, then D1, D2 and R1. Thread two: C1-C2, then P1-P3 (or only P3's
+    // routes). About even at size L.
+    let ((comm, (limit, memory)), (complete, later)) = crate::par::join(
         threads,
         || {
             let mut found = Vec::new();
             matching::check(&ix, &m, &mut found);
             if !full {
-                return (found, Vec::new());
+                return (found, (Vec::new(), Vec::new()));
             }
             deadlock::check(&ix, &m, &mut found);
             if !found
@@ -181,7 +190,9 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             {
                 streams::check(&ix, &m, opts.streams, &mut found);
             }
-            (found, risk::check(&ix))
+            let mut limit = Vec::new();
+            let memory = memory::check(&ix, opts.memory_limit, &mut limit);
+            (found, (limit, memory))
         },
         || {
             let mut complete = Vec::new();
@@ -189,16 +200,16 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             let mut found = Vec::new();
             if !full {
                 routes::check(&ix, &mut found);
-                return (complete, found, Vec::new());
+                return (complete, found);
             }
             deps::check(&ix, &m, &mut found);
-            let memory = memory::check(&ix, opts.memory_limit, &mut found);
-            (complete, found, memory)
+            (complete, found)
         },
     );
     violations.extend(complete);
     violations.extend(comm);
     violations.extend(later);
+    violations.extend(limit);
     Report {
         violations,
         memory,
