@@ -132,8 +132,8 @@ pub fn verify(program: &Program, opts: &VerifyOptions) -> Report {
 
 /// Check the invariants of `level` ([`Level::Structure`] or all of them).
 ///
-/// On a big program the independent checks run on two threads (indexing beside matching and
-/// the risks, then the matching, deadlock and memory checks beside the rest); the violations are gathered in the
+/// On a big program the independent checks run on two threads (indexing beside matching,
+/// then the matching and deadlock checks beside the rest); the violations are gathered in the
 /// order the module doc lists them either way, so the report does not depend on the threads.
 pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Report {
     let threads = crate::par::threads_for(program.len() as u64);
@@ -146,19 +146,9 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
 /// it, and is faster verifying on one thread.
 pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
     let mut violations = Vec::new();
-    let full = level == Level::Full;
-    // Thread one: the matching (which compares payloads as it pairs), then the risks, which
-    // read the program alone; thread two: the index, the longer of the two passes.
-    let ((m, risks), ix) = crate::par::join(
+    let (m, ix) = crate::par::join(
         threads,
-        || {
-            let m = Matching::of(program);
-            let risks = match &m {
-                Some(_) if full => risk::check(program),
-                _ => Vec::new(),
-            };
-            (m, risks)
-        },
+        || Matching::of(program),
         || index::Index::build(program, &mut violations),
     );
     let (Some(ix), Some(m)) = (ix, m) else {
@@ -173,15 +163,16 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             },
         };
     };
-    // Thread one: M1-M2, then D1, D2 and R1. Thread two: C1-C2, then P1-P3 (or only P3's
-    // routes). About even at size L.
-    let ((comm, (limit, memory)), (complete, later)) = crate::par::join(
+    let full = level == Level::Full;
+    // Thread one: M1-M2 (the matching compared the payloads already), then D1, D2 and the
+    // risks. Thread two: C1-C2, then P1-P3 (or only P3's routes) and R1. About even at size L.
+    let ((comm, risks), (complete, later, memory)) = crate::par::join(
         threads,
         || {
             let mut found = Vec::new();
             matching::check(&ix, &m, &mut found);
             if !full {
-                return (found, (Vec::new(), Vec::new()));
+                return (found, Vec::new());
             }
             deadlock::check(&ix, &m, &mut found);
             if !found
@@ -190,9 +181,7 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             {
                 streams::check(&ix, &m, opts.streams, &mut found);
             }
-            let mut limit = Vec::new();
-            let memory = memory::check(&ix, opts.memory_limit, &mut limit);
-            (found, (limit, memory))
+            (found, risk::check(&ix))
         },
         || {
             let mut complete = Vec::new();
@@ -200,16 +189,16 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
             let mut found = Vec::new();
             if !full {
                 routes::check(&ix, &mut found);
-                return (complete, found);
+                return (complete, found, Vec::new());
             }
             deps::check(&ix, &m, &mut found);
-            (complete, found)
+            let memory = memory::check(&ix, opts.memory_limit, &mut found);
+            (complete, found, memory)
         },
     );
     violations.extend(complete);
     violations.extend(comm);
     violations.extend(later);
-    violations.extend(limit);
     Report {
         violations,
         memory,

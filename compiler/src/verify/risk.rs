@@ -9,8 +9,9 @@
 //!   known case: its batched call sends a gradient then an activation to the one neighbour,
 //!   which receives an activation then a gradient (Megatron-LM refuses it; pipec too).
 
+use super::index::Index;
 use super::report::Site;
-use crate::ir::{batch_end, Instr, InstrRef, Payload, Program};
+use crate::ir::{Instr, Payload};
 use pipec_schedules::Rank;
 use serde::Serialize;
 use std::fmt;
@@ -55,95 +56,78 @@ impl fmt::Display for Risk {
     }
 }
 
-/// Every risk of the program, in program order. It reads the program alone (batches cut by
-/// [`batch_end`], as the index cuts them), not the verifier's index, so it runs beside the
-/// indexing pass.
-pub(crate) fn check(p: &Program) -> Vec<Risk> {
+/// Every risk of the program, in program order. Most batches are a handful of ops and are
+/// scanned pairwise in place (no allocation); a long one (a file can hold any) is sorted by
+/// (direction, peer) first, so the check stays `n log n`.
+pub(crate) fn check(ix: &Index<'_>) -> Vec<Risk> {
     let mut out = Vec::new();
-    for (r, instrs) in p.ranks.iter().enumerate() {
-        let mut next = 0;
-        while next < instrs.len() {
-            let first = next;
-            let last = batch_end(instrs, first);
-            next = last.max(first + 1);
-            let len = last - first;
-            if len < 2 {
-                continue;
-            }
-            let ops = &instrs[first..last];
-            let site = || Site {
-                at: InstrRef {
-                    rank: Rank(r as u32),
-                    index: first as u32,
-                },
-                instr: instrs[first],
-            };
-            batch(ops, site, &mut out);
+    for b in 0..ix.batch_start.len() {
+        let len = ix.batch_len[b] as usize;
+        if ix.wait_of[b].is_some() || len < 2 {
+            continue;
         }
-    }
-    out
-}
-
-/// K1 in the comm batch `ops` (two ops or more), which starts at `site`. Most batches are a
-/// handful of ops and are scanned pairwise in place (no allocation); a long one (a file can
-/// hold any) is sorted by (direction, peer) first, so the check stays `n log n`.
-fn batch(ops: &[Instr], site: impl Fn() -> Site, out: &mut Vec<Risk>) {
-    if ops.len() <= 16 {
-        // Compared by (direction, peer) alone: copying payloads out of every op of every
-        // batch was most of this check's time at size L.
-        for (k, op) in ops.iter().enumerate() {
-            let Some(key) = way(op) else {
-                continue;
-            };
-            let same = |o: &Instr| way(o) == Some(key);
-            // Report each group once, at its first op.
-            if ops[..k].iter().any(same) || !ops[k + 1..].iter().any(same) {
-                continue;
+        let r = ix.batch_rank[b] as usize;
+        let first = (ix.batch_start[b] - ix.pos.base(r)) as usize;
+        let ops = &ix.p.ranks[r][first..first + len];
+        let site = || ix.site(ix.batch_start[b]);
+        if len <= 16 {
+            // Compared by (direction, peer) alone: copying payloads out of every op of every
+            // batch was most of this check's time at size L.
+            for (k, op) in ops.iter().enumerate() {
+                let Some(key) = way(op) else {
+                    continue;
+                };
+                let same = |o: &Instr| way(o) == Some(key);
+                // Report each group once, at its first op.
+                if ops[..k].iter().any(same) || !ops[k + 1..].iter().any(same) {
+                    continue;
+                }
+                let payloads = ops[k..]
+                    .iter()
+                    .filter(|o| same(o))
+                    .filter_map(end)
+                    .map(|e| e.2)
+                    .collect();
+                out.push(Risk::SamePeerTwice {
+                    site: site(),
+                    peer: key.1,
+                    send: key.0,
+                    payloads,
+                });
             }
-            let payloads = ops[k..]
+            continue;
+        }
+        // (direction, peer, position in the batch) of every op, grouped by sorting.
+        let mut keyed: Vec<(bool, u32, usize)> = ops
+            .iter()
+            .enumerate()
+            .filter_map(|(k, o)| way(o).map(|(s, q)| (s, q.0, k)))
+            .collect();
+        keyed.sort_unstable();
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for w in keyed.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {
+            if w.len() > 1 {
+                groups.push((w[0].2, w.iter().map(|e| e.2).collect()));
+            }
+        }
+        // In the order of each group's first op, as the short path reports them.
+        groups.sort_unstable();
+        for (_, members) in groups {
+            let (send, peer, _) = end(&ops[members[0]]).expect("grouped ops are messages");
+            let payloads = members
                 .iter()
-                .filter(|o| same(o))
-                .filter_map(end)
+                .filter_map(|&k| end(&ops[k]))
                 .map(|e| e.2)
                 .collect();
             out.push(Risk::SamePeerTwice {
                 site: site(),
-                peer: key.1,
-                send: key.0,
+                peer,
+                send,
                 payloads,
             });
         }
-        return;
     }
-    // (direction, peer, position in the batch) of every op, grouped by sorting.
-    let mut keyed: Vec<(bool, u32, usize)> = ops
-        .iter()
-        .enumerate()
-        .filter_map(|(k, o)| way(o).map(|(s, q)| (s, q.0, k)))
-        .collect();
-    keyed.sort_unstable();
-    let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
-    for w in keyed.chunk_by(|a, b| a.0 == b.0 && a.1 == b.1) {
-        if w.len() > 1 {
-            groups.push((w[0].2, w.iter().map(|e| e.2).collect()));
-        }
-    }
-    // In the order of each group's first op, as the short path reports them.
-    groups.sort_unstable();
-    for (_, members) in groups {
-        let (send, peer, _) = end(&ops[members[0]]).expect("grouped ops are messages");
-        let payloads = members
-            .iter()
-            .filter_map(|&k| end(&ops[k]))
-            .map(|e| e.2)
-            .collect();
-        out.push(Risk::SamePeerTwice {
-            site: site(),
-            peer,
-            send,
-            payloads,
-        });
-    }
+    out
 }
 
 /// (is a send, peer) of a message.
