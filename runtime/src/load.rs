@@ -7,7 +7,9 @@
 //! ([`pipec::verify::verify`]: completeness, dependencies, matching, deadlock freedom).
 
 use crate::error::RunError;
-use pipec::back::files::{load_dir, rank_file_name, Encoding, Loaded, MANIFEST_FILE};
+use pipec::back::files::{
+    load_dir, load_dir_then, rank_file_name, Encoding, Loaded, MANIFEST_FILE,
+};
 use pipec::ir::Program;
 use pipec::verify::{verify_at, Level, VerifyOptions, Violation};
 use std::path::Path;
@@ -23,15 +25,19 @@ pub struct LaunchWorld {
 /// Load `dir`, check it is runnable by a launch of `world` ranks (when given), and verify it
 /// (the full verifier, which includes the structural level of [`load_unverified`]).
 pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
-    let loaded = load_launchable(dir, world)?;
-    let opts = pipec::verify::VerifyOptions {
-        streams: pipec::verify::StreamRule::of_policy(
-            loaded.manifest.comm_policy,
-            loaded.program.world(),
-        ),
-        ..Default::default()
-    };
-    let report = pipec::verify::verify(&loaded.program, &opts);
+    // The verifier runs while the loader checks the schedule hash; its report counts only
+    // once the launch checks pass too, so refusals come in the same order as without it.
+    let (loaded, report) = load_dir_then(dir, |loaded| {
+        let opts = pipec::verify::VerifyOptions {
+            streams: pipec::verify::StreamRule::of_policy(
+                loaded.manifest.comm_policy,
+                loaded.program.world(),
+            ),
+            ..Default::default()
+        };
+        pipec::verify::verify(&loaded.program, &opts)
+    })?;
+    let loaded = check_launchable(dir, loaded, world)?;
     if !report.is_valid() {
         return Err(RunError::NotVerified {
             dir: dir.display().to_string(),
@@ -58,7 +64,15 @@ pub fn load_unverified(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded,
 
 /// The instruction-file checks, the launch's world size and the layout's stage count.
 fn load_launchable(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
-    let loaded = load_dir(dir)?;
+    check_launchable(dir, load_dir(dir)?, world)
+}
+
+/// The launch's world size and the layout's stage count, of a directory [`load_dir`] accepted.
+fn check_launchable(
+    dir: &Path,
+    loaded: Loaded,
+    world: Option<LaunchWorld>,
+) -> Result<Loaded, RunError> {
     let m = &loaded.manifest;
     if let Some(w) = world {
         if w.size != m.world_size {

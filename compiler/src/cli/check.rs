@@ -58,9 +58,12 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             "--placement applies to torch CSV input only".to_string(),
         ));
     }
-    let loaded = super::load(&a.input)?;
-    opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
-    let r = verify(&loaded.program, &opts);
+    // The verifier runs while the loader checks the schedule hash (see `load_dir_then`).
+    let (_, r) = pipec::back::files::load_dir_then(&a.input, |loaded| {
+        opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
+        verify(&loaded.program, &opts)
+    })
+    .map_err(|e| CliError::Usage(e.to_string()))?;
     print(&r, &a.input, a.json);
     Ok(exit(&r))
 }

@@ -4,7 +4,8 @@
 //! are posted (FIFO per peer and communicator; torch's `_PipelineScheduleRuntime` relies on the
 //! same with tag 0), so the k-th send from `a` to `b` meets the k-th receive that `b` posts
 //! from `a`, whatever the two sides think they carry. Whether the payloads agree is the
-//! verifier's question ([`crate::verify`], M1/M2); this module only pairs.
+//! verifier's question ([`crate::verify`], M1/M2); this module pairs, and notes on the way
+//! which pairs carry different payloads ([`Channel::differing`]) for the verifier to report.
 
 use super::id::{OptIdx, Positions};
 use super::{Instr, InstrRef, Program};
@@ -16,6 +17,12 @@ pub struct Channel {
     pub dst: u32,
     pub sends: Vec<u32>,
     pub recvs: Vec<u32>,
+    /// The `k` (in order) whose `sends[k]` and `recvs[k]` carry different payloads. Found
+    /// while pairing, when the op paired second is the one being read and its partner was
+    /// read moments before (mostly on the previous rank, still in cache): comparing
+    /// afterwards, channel by channel, fetches both ops from memory again (that was about a
+    /// third of one verifier thread's time at size L).
+    pub differing: Vec<u32>,
 }
 
 /// Sends paired with receives, per global id.
@@ -40,12 +47,22 @@ impl Matching {
         let mut table = vec![OptIdx::NONE; if dense { world * world } else { 0 }];
         let mut map: std::collections::HashMap<(u32, u32), u32> = Default::default();
         let mut channels: Vec<Channel> = Vec::new();
+        // Each op is paired as soon as the other side of its channel has an op at its index:
+        // the pair's first op was pushed earlier, this one completes it.
+        let mut partner = vec![OptIdx::NONE; positions.total() as usize];
+        // The payload of the op at global id `g` on rank `r`.
+        let payload_at = |r: u32, g: u32| match program.ranks[r as usize]
+            [(g - positions.base(r as usize)) as usize]
+        {
+            Instr::Send { payload, .. } | Instr::Recv { payload, .. } => payload,
+            Instr::Compute(_) | Instr::Wait { .. } => unreachable!("a channel holds messages"),
+        };
         for (r, instrs) in program.ranks.iter().enumerate() {
             let base = positions.base(r);
             for (i, ins) in instrs.iter().enumerate() {
-                let (is_send, peer) = match *ins {
-                    Instr::Send { peer, .. } => (true, peer.0),
-                    Instr::Recv { peer, .. } => (false, peer.0),
+                let (is_send, peer, payload) = match *ins {
+                    Instr::Send { peer, payload, .. } => (true, peer.0, payload),
+                    Instr::Recv { peer, payload, .. } => (false, peer.0, payload),
                     Instr::Compute(_) | Instr::Wait { .. } => continue,
                 };
                 if peer as usize >= world {
@@ -72,22 +89,25 @@ impl Matching {
                         dst,
                         sends: Vec::new(),
                         recvs: Vec::new(),
+                        differing: Vec::new(),
                     });
                 }
                 let c = &mut channels[id as usize];
                 let g = base + i as u32;
-                if is_send {
-                    c.sends.push(g);
+                let (mine, theirs) = if is_send {
+                    (&mut c.sends, &c.recvs)
                 } else {
-                    c.recvs.push(g);
+                    (&mut c.recvs, &c.sends)
+                };
+                let k = mine.len();
+                mine.push(g);
+                if let Some(&q) = theirs.get(k) {
+                    partner[g as usize] = OptIdx::some(q);
+                    partner[q as usize] = OptIdx::some(g);
+                    if payload_at(peer, q) != payload {
+                        c.differing.push(k as u32);
+                    }
                 }
-            }
-        }
-        let mut partner = vec![OptIdx::NONE; positions.total() as usize];
-        for c in &channels {
-            for (&a, &b) in c.sends.iter().zip(&c.recvs) {
-                partner[a as usize] = OptIdx::some(b);
-                partner[b as usize] = OptIdx::some(a);
             }
         }
         Matching {

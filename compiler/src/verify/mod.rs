@@ -164,8 +164,8 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
         };
     };
     let full = level == Level::Full;
-    // Thread one: M1-M2, then D1, D2 and the risks. Thread two: C1-C2, then P1-P3 (or only
-    // P3's routes) and R1. About even at size L.
+    // Thread one: M1-M2 (the matching compared the payloads already), then D1, D2 and the
+    // risks. Thread two: C1-C2, then P1-P3 (or only P3's routes) and R1. About even at size L.
     let ((comm, risks), (complete, later, memory)) = crate::par::join(
         threads,
         || {

@@ -17,6 +17,10 @@ pub(crate) struct Parsed {
     pub(crate) world_size: u32,
     pub(crate) schedule_hash: String,
     pub(crate) instructions: Vec<Instr>,
+    /// Where the bytes from here to the end are exactly [`canonical`]`(&instructions)` (a
+    /// binary file as pipec writes it), so the loader hashes them instead of encoding the
+    /// instructions again; `None` for JSON.
+    pub(crate) canonical_at: Option<usize>,
 }
 
 struct Cursor<'a> {
@@ -204,6 +208,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Parsed> {
         world_size,
         schedule_hash,
         instructions,
+        canonical_at: None,
     })
 }
 
@@ -219,6 +224,10 @@ pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
     let rank = c.u32()?;
     let world_size = c.u32()?;
     let schedule_hash = c.str()?.to_string();
+    // From here on the file is postcard's `Vec<InstrBin>`, which is what `canonical` writes;
+    // every field below is read back in the one encoding it has there (minimal varints,
+    // payload kind 0 or 1, nothing after the end), so these bytes are the canonical ones.
+    let canonical_at = c.i;
     let n = c.varint(u64::MAX)?;
     // Every instruction takes at least two bytes.
     if n > (bytes.len() - c.i) as u64 / 2 {
@@ -268,6 +277,7 @@ pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
         world_size,
         schedule_hash,
         instructions,
+        canonical_at: Some(canonical_at),
     })
 }
 
@@ -331,6 +341,7 @@ mod tests {
             world_size: f.world_size,
             schedule_hash: f.schedule_hash,
             instructions: f.instructions.into_iter().map(Instr::from).collect(),
+            canonical_at: None,
         })
     }
 
@@ -449,6 +460,7 @@ mod tests {
             world_size: f.world_size,
             schedule_hash: f.schedule_hash,
             instructions,
+            canonical_at: None,
         })
     }
 
@@ -488,6 +500,7 @@ mod tests {
             let bytes = bin_file(rank, world, &"ab".repeat(32), &instrs);
             let fast = parse_bin(&bytes).expect("canonical file");
             prop_assert!(same(&fast, &via_postcard(&bytes).unwrap()));
+            prop_assert_eq!(&bytes[fast.canonical_at.unwrap()..], &canonical(&fast.instructions)[..]);
             prop_assert_eq!(fast.instructions, instrs);
         }
 
@@ -501,6 +514,8 @@ mod tests {
             if let Some(fast) = parse_bin(&bytes) {
                 let slow = via_postcard(&bytes);
                 prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)), "{bytes:?}");
+                // The loader hashes these bytes as the canonical ones.
+                prop_assert_eq!(&bytes[fast.canonical_at.unwrap()..], &canonical(&fast.instructions)[..]);
             }
         }
     }

@@ -16,7 +16,8 @@ pub use format::{
     MANIFEST_FORMAT, RANK_FORMAT,
 };
 pub use read::{
-    load_dir, load_files, load_manifest, load_rank, parse_manifest, parse_rank, LoadError, Loaded,
+    load_dir, load_dir_then, load_files, load_manifest, load_rank, parse_manifest, parse_rank,
+    LoadError, Loaded,
 };
 pub use write::{
     prepare, render, threads_for, write_prepared, write_program, Gated, Prepared, WriteError,

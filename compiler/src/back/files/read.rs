@@ -176,6 +176,18 @@ pub fn parse_rank(
     manifest: &Manifest,
     rank: u32,
 ) -> Result<Vec<Instr>, LoadError> {
+    parse_rank_at(path, bytes, manifest, rank).map(|(instrs, _)| instrs)
+}
+
+/// [`parse_rank`], with where in `bytes` the instructions' [`canonical`] bytes begin when
+/// the file holds them as they are (a binary file as pipec writes it): the loader hashes
+/// that tail instead of encoding the instructions again.
+fn parse_rank_at(
+    path: &Path,
+    bytes: &[u8],
+    manifest: &Manifest,
+    rank: u32,
+) -> Result<(Vec<Instr>, Option<usize>), LoadError> {
     let path = path.to_path_buf();
     let entry = manifest
         .ranks
@@ -198,19 +210,23 @@ pub fn parse_rank(
         Encoding::Json => super::fast::parse(bytes),
         Encoding::Postcard => super::fast::parse_bin(bytes),
     };
+    let mut canonical_at = None;
     let (f, instructions) = match (fast, manifest.encoding) {
         // The form pipec writes: the fast path.
-        (Some(p), _) => (
-            RankFileBin {
-                format: RANK_FORMAT.to_string(),
-                version: p.version,
-                rank: p.rank,
-                world_size: p.world_size,
-                schedule_hash: p.schedule_hash,
-                instructions: Vec::new(),
-            },
-            p.instructions,
-        ),
+        (Some(p), _) => {
+            canonical_at = p.canonical_at;
+            (
+                RankFileBin {
+                    format: RANK_FORMAT.to_string(),
+                    version: p.version,
+                    rank: p.rank,
+                    world_size: p.world_size,
+                    schedule_hash: p.schedule_hash,
+                    instructions: Vec::new(),
+                },
+                p.instructions,
+            )
+        }
         // Anything else serde or postcard judges, as they always did.
         (None, Encoding::Json) => {
             let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
@@ -283,25 +299,50 @@ pub fn parse_rank(
             ),
         ));
     }
-    Ok(instructions)
+    Ok((instructions, canonical_at))
 }
 
 /// Read a whole directory and check every file against the manifest and the schedule hash.
 /// Rank files are read, hashed and parsed on every core; a refusal names the lowest rank at
 /// fault, as a loader reading them in order would.
 pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
-    load_with(dir, None, |path, buf| {
-        use std::io::Read;
-        // Into the thread's buffer of the previous rank: no fresh pages to fault in per file.
-        buf.clear();
-        std::fs::File::open(path)
-            .and_then(|mut f| f.read_to_end(buf))
-            .map(drop)
-            .map_err(|source| LoadError::Io {
-                path: path.to_path_buf(),
-                source,
-            })
-    })
+    load_dir_then(dir, |_| ()).map(|(loaded, ())| loaded)
+}
+
+/// [`load_dir`], running `then` on the directory while its schedule hash is checked, and
+/// returning both when every check passes. The schedule hash is SHA-256 over every rank's
+/// canonical bytes in rank order (23 MB at size L): one thread's work, which `pipec check`
+/// and `pipec-run` overlap with the verifier (their `then`) instead of waiting for it. On a
+/// small directory, or one core, the hash is checked first and `then` runs only if it
+/// matches. `then` sees a program whose schedule hash may still turn out wrong: it must
+/// treat it as untrusted, as the verifier does; its result is dropped on a refusal.
+pub fn load_dir_then<T: Send>(
+    dir: &Path,
+    then: impl FnOnce(&Loaded) -> T,
+) -> Result<(Loaded, T), LoadError> {
+    let (loaded, hashed, threads) = read_with(dir, None, read_file)?;
+    if threads <= 1 {
+        hashed.check(dir, &loaded)?;
+        let t = then(&loaded);
+        return Ok((loaded, t));
+    }
+    let (hash, t) = crate::par::join(threads, || hashed.check(dir, &loaded), || then(&loaded));
+    hash?;
+    Ok((loaded, t))
+}
+
+/// Read `path` into `buf`, the reading thread's buffer of its previous rank: no fresh pages
+/// to fault in per file.
+fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<(), LoadError> {
+    use std::io::Read;
+    buf.clear();
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_to_end(buf))
+        .map(drop)
+        .map_err(|source| LoadError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// [`load_dir`] over files held in memory, as [`render`] returns them: (file name, bytes).
@@ -324,12 +365,54 @@ pub fn load_files(files: &[(String, Vec<u8>)]) -> Result<Loaded, LoadError> {
     })
 }
 
+/// The canonical bytes of every rank, in order, waiting to be hashed (see [`load_dir_then`]).
+struct Canonicals(Vec<Vec<u8>>);
+
+impl Canonicals {
+    /// Whether the schedule hash of `loaded` (its header and these bytes) is the manifest's.
+    fn check(self, dir: &Path, loaded: &Loaded) -> Result<(), LoadError> {
+        let manifest = &loaded.manifest;
+        let header = Header {
+            source: &manifest.source,
+            schedule: manifest.schedule,
+            comm_policy: manifest.comm_policy,
+            layout: &manifest.layout,
+        };
+        let mut hasher = ScheduleHasher::new(&header, &loaded.program);
+        for (r, c) in self.0.iter().enumerate() {
+            hasher.rank(r, c);
+        }
+        drop(self);
+        let actual = hasher.finish();
+        if actual != manifest.schedule_hash {
+            return Err(LoadError::ScheduleHash {
+                path: dir.join(MANIFEST_FILE),
+                expected: manifest.schedule_hash.clone(),
+                actual,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// `threads`: how many to read rank files on; `None`: as many as their size warrants.
 pub(crate) fn load_with(
     dir: &Path,
     threads: Option<usize>,
     read: impl Fn(&Path, &mut Vec<u8>) -> Result<(), LoadError> + Sync,
 ) -> Result<Loaded, LoadError> {
+    let (loaded, hashed, _) = read_with(dir, threads, read)?;
+    hashed.check(dir, &loaded)?;
+    Ok(loaded)
+}
+
+/// Every check of [`load_with`] but the schedule hash, whose input comes back; with the
+/// number of threads the files were read on.
+fn read_with(
+    dir: &Path,
+    threads: Option<usize>,
+    read: impl Fn(&Path, &mut Vec<u8>) -> Result<(), LoadError> + Sync,
+) -> Result<(Loaded, Canonicals, usize), LoadError> {
     let manifest_path = dir.join(MANIFEST_FILE);
     let mut buf = Vec::new();
     read(&manifest_path, &mut buf)?;
@@ -345,8 +428,11 @@ pub(crate) fn load_with(
         |r, buf: &mut Vec<u8>| {
             let path = dir.join(&manifest.ranks[r].file);
             read(&path, buf)?;
-            let instrs = parse_rank(&path, buf, &manifest, r as u32)?;
-            let canonical = canonical(&instrs);
+            let (instrs, at) = parse_rank_at(&path, buf, &manifest, r as u32)?;
+            let canonical = match at {
+                Some(at) => buf[at..].to_vec(),
+                None => canonical(&instrs),
+            };
             Ok((instrs, canonical))
         },
     )?;
@@ -362,24 +448,9 @@ pub(crate) fn load_with(
         forward_only: manifest.forward_only,
         ranks,
     };
-    let header = Header {
-        source: &manifest.source,
-        schedule: manifest.schedule,
-        comm_policy: manifest.comm_policy,
-        layout: &manifest.layout,
-    };
-    let mut hasher = ScheduleHasher::new(&header, &program);
-    for (r, c) in canonicals.iter().enumerate() {
-        hasher.rank(r, c);
-    }
-    drop(canonicals);
-    let actual = hasher.finish();
-    if actual != manifest.schedule_hash {
-        return Err(LoadError::ScheduleHash {
-            path: dir.join(MANIFEST_FILE),
-            expected: manifest.schedule_hash.clone(),
-            actual,
-        });
-    }
-    Ok(Loaded { manifest, program })
+    Ok((
+        Loaded { manifest, program },
+        Canonicals(canonicals),
+        threads,
+    ))
 }
