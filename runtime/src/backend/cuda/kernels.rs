@@ -109,17 +109,7 @@ extern "C" __global__ void add_into(T* dx, const T* dy, int n) {
 extern "C" __global__ void col_sums(const T* a, T* out, int rows, int cols) {
     GRID_STRIDE(c, cols) {
         float s = 0.0f;
-        int r = 0;
-        /* One thread per column is few threads: load eight rows ahead so eight loads are in
-           flight, then add them in order (the same sum, bit for bit). */
-        for (; r + 8 <= rows; r += 8) {
-            const T* p = a + (long long)r * cols + c;
-            long long k = cols;
-            float v0 = ld(p[0]), v1 = ld(p[k]), v2 = ld(p[2 * k]), v3 = ld(p[3 * k]);
-            float v4 = ld(p[4 * k]), v5 = ld(p[5 * k]), v6 = ld(p[6 * k]), v7 = ld(p[7 * k]);
-            s += v0; s += v1; s += v2; s += v3; s += v4; s += v5; s += v6; s += v7;
-        }
-        for (; r < rows; r++) s += ld(a[(long long)r * cols + c]);
+        for (int r = 0; r < rows; r++) s += ld(a[(long long)r * cols + c]);
         out[c] = st(s);
     }
 }
