@@ -279,11 +279,17 @@ fn every_kind_programs() -> Vec<(String, CompileRequest)> {
 #[test]
 #[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
 fn gpu_check_every_kind() {
-    for (name, req) in every_kind_programs() {
+    gpu_check_each(every_kind_programs());
+}
+
+/// [`gpu_check`] of each program in fp32 and in bf16.
+#[cfg(feature = "cuda")]
+fn gpu_check_each<S: AsRef<str>>(programs: impl IntoIterator<Item = (S, CompileRequest)>) {
+    for (name, req) in programs {
         for dtype in ["f32", "bf16"] {
             let tmp = tempfile::tempdir().unwrap();
             compile_req_to(req.clone(), tmp.path());
-            gpu_check(tmp.path(), dtype, &name);
+            gpu_check(tmp.path(), dtype, name.as_ref());
         }
     }
 }
@@ -311,13 +317,7 @@ fn overlapped_pair_programs() -> [(&'static str, CompileRequest); 2] {
 #[test]
 #[ignore = "needs a GPU: cargo test -p pipec-tests --features cuda -- --ignored"]
 fn gpu_check_overlapped_pairs() {
-    for (name, req) in overlapped_pair_programs() {
-        for dtype in ["f32", "bf16"] {
-            let tmp = tempfile::tempdir().unwrap();
-            compile_req_to(req.clone(), tmp.path());
-            gpu_check(tmp.path(), dtype, name);
-        }
-    }
+    gpu_check_each(overlapped_pair_programs());
 }
 
 /// Under a launcher (NCCL, one process per rank) what that mode cannot run is refused before

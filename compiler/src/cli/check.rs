@@ -59,11 +59,10 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         ));
     }
     // The verifier runs while the loader checks the schedule hash (see `load_dir_then`).
-    let (_, r) = pipec::back::files::load_dir_then(&a.input, |loaded| {
+    let (_, r) = super::load_then(&a.input, |loaded| {
         opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
         verify(&loaded.program, &opts)
-    })
-    .map_err(|e| CliError::Usage(e.to_string()))?;
+    })?;
     print(&r, &a.input, a.json);
     Ok(exit(&r))
 }

@@ -115,7 +115,16 @@ pub fn print_json<T: serde::Serialize>(v: &T) {
 
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
 pub fn load(dir: &std::path::Path) -> Result<pipec::back::files::Loaded, CliError> {
-    pipec::back::files::load_dir(dir).map_err(|e| CliError::Usage(e.to_string()))
+    load_then(dir, |_| ()).map(|(loaded, ())| loaded)
+}
+
+/// [`load`], running `then` (the verifier) while the schedule hash is checked
+/// ([`pipec::back::files::load_dir_then`]).
+pub fn load_then<T: Send>(
+    dir: &std::path::Path,
+    then: impl FnOnce(&pipec::back::files::Loaded) -> T,
+) -> Result<(pipec::back::files::Loaded, T), CliError> {
+    pipec::back::files::load_dir_then(dir, then).map_err(|e| CliError::Usage(e.to_string()))
 }
 
 /// A compiled directory, or a torch CSV file recognised by being a file (its content decides,

@@ -273,13 +273,13 @@ impl<T: Elem> CudaBackend<T> {
         timing_event(&self.comm_stream).map(Ok)
     }
 
-    /// The span of a `wait` instruction: from `start` (recorded on the compute stream before
-    /// it waited) to now.
-    fn push_wait_mark(&mut self, start: CudaEvent) -> Result<(), BackendError> {
+    /// Close the span of one instruction on the compute stream, opened by `start`: a compute
+    /// pass, or a `wait` (how long compute stalled for its batch).
+    fn close_mark(&mut self, start: CudaEvent, compute: bool) -> Result<(), BackendError> {
         let end = timing_event(&self.main.stream)?;
         self.marks.push(Mark {
             n: 1,
-            compute: false,
+            compute,
             start,
             end,
             other: None,
@@ -574,15 +574,7 @@ impl<T: Elem> CudaBackend<T> {
     ) -> Result<R, BackendError> {
         let start = timing_event(&self.main.stream)?;
         let r = f(self)?;
-        let end = timing_event(&self.main.stream)?;
-        self.marks.push(Mark {
-            n: 1,
-            compute: true,
-            start,
-            end,
-            other: None,
-        });
-        self.at += 1;
+        self.close_mark(start, true)?;
         Ok(r)
     }
 }
@@ -738,14 +730,14 @@ impl<T: Elem> Backend for CudaBackend<T> {
             };
             self.main.stream.wait(&end).map_err(err("order streams"))?;
             self.marks[mark].end = end;
-            self.push_wait_mark(start)?;
+            self.close_mark(start, false)?;
             Ok(Ok(()))
         })();
         self.comm_result(r, ops)
     }
 
     fn rewait(&mut self) {
-        let r = timing_event(&self.main.stream).and_then(|start| self.push_wait_mark(start));
+        let r = timing_event(&self.main.stream).and_then(|start| self.close_mark(start, false));
         if let Err(e) = r {
             self.watch.fail(Failure {
                 kind: FailureKind::Compute,
