@@ -176,8 +176,9 @@ impl Cursor<'_> {
 }
 
 /// Parse `bytes` when they are a rank file in exactly the form pipec writes; `None` otherwise
-/// (the caller then parses with serde).
-pub(crate) fn parse(bytes: &[u8]) -> Option<Parsed> {
+/// (the caller then parses with serde). `expected`: how many instructions the manifest
+/// lists, a capacity hint only (the file decides).
+pub(crate) fn parse(bytes: &[u8], expected: Option<u64>) -> Option<Parsed> {
     let mut c = Cursor { b: bytes, i: 0 };
     c.lit(b"{\n  \"format\": \"")?;
     c.lit(RANK_FORMAT.as_bytes())?;
@@ -190,8 +191,12 @@ pub(crate) fn parse(bytes: &[u8]) -> Option<Parsed> {
     c.lit(b",\n  \"schedule_hash\": \"")?;
     let schedule_hash = c.hex_string()?;
     c.lit(b",\n  \"instructions\": [\n")?;
-    // The shortest line, `    {"op":"wait","batch":0},`, is 29 bytes.
-    let mut instructions = Vec::with_capacity(bytes.len().saturating_sub(c.i) / 29);
+    // The shortest line, `    {"op":"wait","batch":0},`, is 29 bytes: no more than that
+    // many, and no more than listed (a typical line is twice as long, and capacity past the
+    // end is pages touched for nothing once the allocator hands out huge pages).
+    let most = bytes.len().saturating_sub(c.i) / 29;
+    let cap = expected.map_or(most, |n| most.min(usize::try_from(n).unwrap_or(most)));
+    let mut instructions = Vec::with_capacity(cap);
     if c.lit(b"  ]\n}\n").is_none() {
         loop {
             c.lit(b"    {\"op\":\"")?;
@@ -394,13 +399,15 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
-        /// Every file pipec writes takes the fast path, with serde's values.
+        /// Every file pipec writes takes the fast path, with serde's values; the manifest's
+        /// count is a capacity hint only (a wrong or absurd one changes nothing).
         #[test]
         fn written_files_parse_fast(instrs in proptest::collection::vec(instr(), 0..40),
-                                    rank in any::<u32>(), world in any::<u32>()) {
+                                    rank in any::<u32>(), world in any::<u32>(),
+                                    hint in proptest::option::of(any::<u64>())) {
             let hash = "0123456789abcdef".repeat(4);
             let bytes = rank_file_json(rank, world, &hash, &instrs);
-            let fast = parse(&bytes).expect("canonical file");
+            let fast = parse(&bytes, hint).expect("canonical file");
             prop_assert!(same(&fast, &via_serde(&bytes).unwrap()));
             prop_assert_eq!(fast.instructions, instrs);
         }
@@ -413,7 +420,7 @@ mod tests {
             let mut bytes = rank_file_json(1, 4, &"ab".repeat(32), &instrs);
             // Bytes JSON is made of, so damage often still parses.
             damage(&mut bytes, &edits, |b| b"0123456789,:{}[]\" \nabdefgprstwDW_-.e+"[b as usize % 37]);
-            if let Some(fast) = parse(&bytes) {
+            if let Some(fast) = parse(&bytes, None) {
                 let slow = via_serde(&bytes);
                 prop_assert!(slow.as_ref().is_some_and(|s| same(&fast, s)),
                     "fast path accepted what serde reads differently: {}", String::from_utf8_lossy(&bytes));
@@ -425,7 +432,7 @@ mod tests {
     fn numbers_serde_would_read_differently_fall_back() {
         let ok = rank_file_json(0, 1, "ab", &[Instr::Wait { batch: 7 }]);
         let text = String::from_utf8(ok.clone()).unwrap();
-        assert!(parse(&ok).is_some());
+        assert!(parse(&ok, None).is_some());
         for bad in [
             "\"batch\":07",
             "\"batch\":7.0",
@@ -436,15 +443,15 @@ mod tests {
             "\"batch\": 7",
         ] {
             let t = text.replace("\"batch\":7", bad);
-            assert!(parse(t.as_bytes()).is_none(), "{bad}");
+            assert!(parse(t.as_bytes(), None).is_none(), "{bad}");
         }
         let t = text.replace("\"batch\":7", "\"batch\":4294967295");
         assert_eq!(
-            parse(t.as_bytes()).unwrap().instructions,
+            parse(t.as_bytes(), None).unwrap().instructions,
             [Instr::Wait { batch: u32::MAX }]
         );
-        assert!(parse(text.replace("}\n", "} \n").as_bytes()).is_none());
-        assert!(parse(&[ok.as_slice(), b" "].concat()).is_none());
+        assert!(parse(text.replace("}\n", "} \n").as_bytes(), None).is_none());
+        assert!(parse(&[ok.as_slice(), b" "].concat(), None).is_none());
     }
 
     /// What postcard makes of the bytes, in the fast path's terms.

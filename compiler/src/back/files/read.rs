@@ -207,7 +207,7 @@ fn parse_rank_at(
         });
     }
     let fast = match manifest.encoding {
-        Encoding::Json => super::fast::parse(bytes),
+        Encoding::Json => super::fast::parse(bytes, Some(entry.instructions)),
         Encoding::Postcard => super::fast::parse_bin(bytes),
     };
     let mut canonical_at = None;

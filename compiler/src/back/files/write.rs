@@ -295,11 +295,15 @@ pub fn prepare<'a>(
     let mut canonical = Vec::new();
     let mut buf = Vec::new();
     for (r, instrs) in program.ranks.iter().enumerate() {
-        buf.clear();
-        push_canonical(&mut buf, instrs);
-        hasher.rank(r, &buf);
         if encoding == Encoding::Postcard {
-            canonical.push(std::mem::take(&mut buf));
+            // Sized up front: kept, so no doubling slack (or its copies) per rank.
+            let bytes = super::format::canonical(instrs);
+            hasher.rank(r, &bytes);
+            canonical.push(bytes);
+        } else {
+            buf.clear();
+            push_canonical(&mut buf, instrs);
+            hasher.rank(r, &buf);
         }
     }
     Prepared {

@@ -6,6 +6,11 @@
 #[path = "../../../../compiler/src/cli/sigpipe.rs"]
 mod sigpipe;
 
+/// mimalloc, as `pipec` uses (see its `main.rs`): loading a size-L directory faults in a
+/// tenth as many pages.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod args;
 #[cfg(feature = "cuda")]
 mod cuda;
