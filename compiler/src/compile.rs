@@ -6,7 +6,7 @@ use crate::front::layout::{self, LayerKind, Layout, LayoutError};
 use crate::ir::Program;
 use crate::lower::lower;
 use pipec_schedules::{
-    generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
+    generate, CommPolicy, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
 };
 use thiserror::Error;
 
@@ -70,6 +70,28 @@ pub struct Compiled {
     pub layout: Layout,
     pub schedule: Schedule,
     pub program: Program,
+}
+
+/// A [`Compiled`] without the per-rank orders lowering has consumed: what verifying and
+/// writing need, and 21 MB lighter at size L (pages a large compile no longer touches).
+#[derive(Clone, Debug)]
+pub struct Lowered {
+    pub spec: ScheduleSpec,
+    pub layout: Layout,
+    pub comm: CommPolicy,
+    pub program: Program,
+}
+
+impl Compiled {
+    /// Drop the orders, keeping what the emitters and the verifier use.
+    pub fn into_lowered(self) -> Lowered {
+        Lowered {
+            spec: self.spec,
+            layout: self.layout,
+            comm: self.schedule.comm,
+            program: self.program,
+        }
+    }
 }
 
 /// Resolve the layout, generate and lower. Verification is the caller's next step.

@@ -146,7 +146,10 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
     let progress = super::spinner("generating and lowering");
-    let c = compile(&a.request()?).map_err(compile_error)?;
+    // The orders are lowered: freed here, before verifying and writing.
+    let c = compile(&a.request()?)
+        .map_err(compile_error)?
+        .into_lowered();
     if a.no_verify {
         eprintln!(
             "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
@@ -156,7 +159,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
+        comm_policy: Some(c.comm),
         layout: &c.layout,
     };
     progress.set_message(format!(
@@ -180,7 +183,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                 super::verify_before_write_on(
                     &c.program,
                     a.memory_limit,
-                    Some(c.schedule.comm),
+                    Some(c.comm),
                     &a.out,
                     verifier_threads,
                 )
@@ -266,11 +269,12 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
             }
         }
     };
+    let c = c.into_lowered();
     let dir = out.join(&cfg.name);
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
+        comm_policy: Some(c.comm),
         layout: &c.layout,
     };
     // One thread per configuration: the sweep already runs one configuration per core.
@@ -282,7 +286,7 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         super::verify_before_write(
             &c.program,
             cfg.memory_limit.or(a.memory_limit),
-            Some(c.schedule.comm),
+            Some(c.comm),
             &dir,
         )
         .map(Some)
