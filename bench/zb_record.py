@@ -52,18 +52,22 @@ def read(checkout, name):
     if os.path.exists(path):
         with open(path) as f:
             return f.read()
-    git = ["git", f"--git-dir={checkout}"] if not os.path.isdir(
-        os.path.join(checkout, ".git")
-    ) else ["git", "-C", checkout]
+    git = (
+        ["git", f"--git-dir={checkout}"]
+        if not os.path.isdir(os.path.join(checkout, ".git"))
+        else ["git", "-C", checkout]
+    )
     return subprocess.run(
         git + ["show", f"HEAD:{SCHED}/{name}"], check=True, capture_output=True, text=True
     ).stdout
 
 
 def commit(checkout):
-    git = ["git", f"--git-dir={checkout}"] if not os.path.isdir(
-        os.path.join(checkout, ".git")
-    ) else ["git", "-C", checkout]
+    git = (
+        ["git", f"--git-dir={checkout}"]
+        if not os.path.isdir(os.path.join(checkout, ".git"))
+        else ["git", "-C", checkout]
+    )
     return subprocess.run(
         git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True
     ).stdout.strip()

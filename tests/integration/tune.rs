@@ -758,7 +758,10 @@ const ZB_TOLERANCE: f64 = 1e-9;
 /// Cases where pipec's tune is slower than their scheduler, with the measured gap: none since
 /// the staircase and patient-`bwd_W` heuristics (before them, 8 of the 180 cases lost on the
 /// loop placement, by up to 2.25%). A loss not listed here fails the test.
-const ZB_KNOWN_LOSSES: &[(u32, u32, [f64; 4], Option<f64>, f64)] = &[];
+const ZB_KNOWN_LOSSES: &[ZbCase] = &[];
+
+/// pp, microbatches, (f, b, w, comm), memory limit, and pipec's gap (ours / theirs - 1).
+type ZbCase = (u32, u32, [f64; 4], Option<f64>, f64);
 
 /// Their case on pipec: `pp` stages of one decoder layer (`E` and `L` free), `t`'s f/b/w
 /// their F/B/W (pipec's `b` is bwd_D as their B), `p2p` their `cost_comm` (both a latency
