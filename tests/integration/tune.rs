@@ -742,6 +742,165 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Against the zero-bubble authors' automatic scheduler (docs/tune.md).
+
+/// `tests/golden/zb/auto_schedule.json`, recorded by `bench/zb_record.py` from
+/// sail-sg/zero-bubble-pipeline-parallelism's `zb.initial_solution` (the heuristic behind
+/// their `zb.create_schedule`): 180 cases, pp 2/4/8, one layer per stage, their makespan.
+fn zb_golden() -> serde_json::Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/golden/zb/auto_schedule.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("golden zb file")).unwrap()
+}
+
+/// Relative slack on "pipec <= theirs": float noise only (both sides sum the same costs).
+const ZB_TOLERANCE: f64 = 1e-9;
+
+/// Cases where pipec's tune is slower than their scheduler, with the measured gap: none since
+/// the staircase and patient-`bwd_W` heuristics (before them, 8 of the 180 cases lost on the
+/// loop placement, by up to 2.25%). A loss not listed here fails the test.
+const ZB_KNOWN_LOSSES: &[ZbCase] = &[];
+
+/// pp, microbatches, (f, b, w, comm), memory limit, and pipec's gap (ours / theirs - 1).
+type ZbCase = (u32, u32, [f64; 4], Option<f64>, f64);
+
+/// Their case on pipec: `pp` stages of one decoder layer (`E` and `L` free), `t`'s f/b/w
+/// their F/B/W (pipec's `b` is bwd_D as their B), `p2p` their `cost_comm` (both a latency
+/// between the producing op's end and the consumer's start), `t.act = 1` and the limit in
+/// activations (their `mem_f = 1, mem_b = 0, mem_w = -1`: held from F to W, pipec's rule).
+fn zb_problem(c: &serde_json::Value) -> (u32, u32, CostModel, Layout, Option<f64>) {
+    let pp = c["pp"].as_u64().unwrap() as u32;
+    let m = c["microbatches"].as_u64().unwrap() as u32;
+    let g = |k: &str| c[k].as_f64().unwrap();
+    let cost = format!(
+        "t.f={},t.b={},t.w={},p2p={},t.act=1,E.f=0,E.b=0,E.w=0,L.f=0,L.b=0,L.w=0",
+        g("f"),
+        g("b"),
+        g("w"),
+        g("comm")
+    );
+    let layout = layout::parse(&format!("E{}L", vec!["t"; pp as usize].join("|"))).unwrap();
+    (
+        pp,
+        m,
+        CostModel::parse(&cost).unwrap(),
+        layout,
+        c["limit"].as_f64(),
+    )
+}
+
+/// Their per-stage order (`F0 F1 B0 W0 ...`) as pipec rank orders.
+fn zb_orders(c: &serde_json::Value) -> Option<Vec<pipec_schedules::RankOrder>> {
+    use pipec_schedules::{Compute, Rank, RankOrder, Task};
+    let stages = c["order"].as_array()?;
+    Some(
+        stages
+            .iter()
+            .enumerate()
+            .map(|(s, o)| {
+                let ops: Vec<Compute> = o
+                    .as_str()
+                    .unwrap()
+                    .split(' ')
+                    .map(|t| {
+                        let task = Task::new(s as u32, t[1..].parse().unwrap());
+                        match &t[..1] {
+                            "F" => Compute::Fwd(task),
+                            "B" => Compute::BwdD(task),
+                            "W" => Compute::BwdW(task),
+                            x => panic!("op {x}"),
+                        }
+                    })
+                    .collect();
+                RankOrder {
+                    rank: Rank(s as u32),
+                    warmup: ops.iter().take_while(|o| o.is_forward()).count() as u32,
+                    ops,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The mapping is faithful: wherever the golden file has their order, pipec's list schedule
+/// of that order under the mapped costs gives exactly their makespan, and it fits the limit
+/// under pipec's memory rule. Then pipec's tune (through the library, verified, memory limit
+/// included) is no slower than their scheduler on every case, both overall and restricted to
+/// the loop placement their scheduler uses; losses must be listed in `ZB_KNOWN_LOSSES`.
+#[test]
+fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
+    let golden = zb_golden();
+    let cases = golden["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 180);
+    let (mut replayed, mut tuned, mut faster_loop, mut faster) = (0, 0, 0, 0);
+    let mut losses = Vec::new();
+    for c in cases {
+        let (pp, m, model, lay, limit) = zb_problem(c);
+        let theirs = c["makespan"].as_f64().unwrap();
+        let what = format!("pp={pp} m={m} costs={model:?} limit={limit:?}");
+        if let Some(orders) = zb_orders(c) {
+            let p = Problem::new(&model, &lay, Placement::looped(pp, 1), m, limit);
+            let replay = greedy::list_makespan(&p, &orders).expect("their order runs");
+            assert!(close(replay, theirs), "{what}: replay {replay} != {theirs}");
+            assert!(greedy::order_peaks(&p, &orders).1, "{what}: their peak");
+            replayed += 1;
+        }
+        // Debug-build time: pp=8 under 1.5x and 2x 1F1B's peak is left to docs/tune.md's
+        // release run of the whole grid (pipec is no slower there either).
+        if pp == 8 && c["limit_x_1f1b"].as_f64().is_some_and(|x| x > 1.0) {
+            continue;
+        }
+        tuned += 1;
+        let t = tune::tune(&TuneRequest {
+            layout: Some(lay.clone()),
+            memory_limit: limit,
+            ..TuneRequest::new(pp, m, model.clone())
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(t.report.is_valid(), "{what}");
+        assert!(close(t.best.makespan, simulated(&t.program, &model, &lay)));
+        if let Some(l) = limit {
+            assert!(t.peak_memory.iter().all(|&x| x <= l + 1e-9), "{what}");
+        }
+        let looped = t
+            .candidates
+            .iter()
+            .filter(|c| c.placement == "loop" && c.fits)
+            .map(|c| c.makespan)
+            .fold(f64::INFINITY, f64::min);
+        let key = (
+            pp,
+            m,
+            ["f", "b", "w", "comm"].map(|k| c[k].as_f64().unwrap()),
+            limit,
+        );
+        for (ours, count) in [(looped, &mut faster_loop), (t.best.makespan, &mut faster)] {
+            if ours > theirs * (1.0 + ZB_TOLERANCE) {
+                losses.push((key.0, key.1, key.2, key.3, ours / theirs - 1.0));
+            } else if ours < theirs * (1.0 - ZB_TOLERANCE) {
+                *count += 1;
+            }
+        }
+    }
+    for l in &losses {
+        let known = ZB_KNOWN_LOSSES
+            .iter()
+            .any(|k| (k.0, k.1, k.2, k.3) == (l.0, l.1, l.2, l.3) && l.4 <= k.4 * (1.0 + 1e-6));
+        assert!(known, "pipec slower than the zero-bubble scheduler: {l:?}");
+    }
+    // Their orders are recorded for pp * M <= 64; the counts of strict wins guard against a
+    // regression to "merely equal" (docs/tune.md has the table).
+    eprintln!(
+        "{tuned} cases tuned: faster on {faster} (loop placement: {faster_loop}), no slower on all"
+    );
+    assert_eq!((replayed, tuned), (140, 150));
+    assert!(
+        faster_loop >= 8,
+        "loop placement faster on {faster_loop} cases"
+    );
+    assert!(faster >= 134, "faster overall on {faster} cases");
+}
+
+// ---------------------------------------------------------------------------------------------
 // The README's figures: `cargo test -p pipec-tests --release tune::figures -- --ignored --nocapture`.
 
 #[test]

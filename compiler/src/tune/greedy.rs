@@ -34,12 +34,22 @@ pub struct Heuristic {
     /// A `bwd_W` goes before forwards once the rank's activations fill more than this share of
     /// its budget (1: never; `bwd_W` then runs only when nothing else is ready).
     pub eager_w: f64,
+    /// One-chunk loop placements only: every rank may hold at most one forward in flight
+    /// fewer than the rank before it (1F1B's staircase warmup), the previous rank's allowance
+    /// counted after its memory limit. Keeps a free activation slot on the middle ranks
+    /// under a tight limit instead of filling every rank's memory during warmup.
+    pub staircase: bool,
+    /// A `bwd_W` that fills a gap only starts if it ends by the time the rank's next forward
+    /// or `bwd_D` input is known to arrive; otherwise the rank idles until then (a short
+    /// bubble instead of delaying the critical path by the rest of the `bwd_W`). Without it
+    /// the schedule never idles while work is ready.
+    pub patient_w: bool,
 }
 
 impl Heuristic {
     pub fn name(&self) -> String {
         format!(
-            "cap={}{}{}{}",
+            "cap={}{}{}{}{}{}",
             if self.cap.is_infinite() {
                 "mem".to_string()
             } else {
@@ -51,7 +61,9 @@ impl Heuristic {
                 format!(",W@{}", crate::simulate::cost::num(self.eager_w))
             } else {
                 String::new()
-            }
+            },
+            if self.staircase { ",stair" } else { "" },
+            if self.patient_w { ",Wfit" } else { "" }
         )
     }
 }
@@ -63,12 +75,25 @@ pub fn heuristics() -> Vec<Heuristic> {
         for forward_first in [false, true] {
             for deep_first in [true, false] {
                 for eager_w in [1.0, 0.5, 0.0] {
-                    v.push(Heuristic {
-                        cap,
-                        forward_first,
-                        deep_first,
-                        eager_w,
-                    });
+                    for staircase in [false, true] {
+                        for patient_w in [false, true] {
+                            // Measured against the zero-bubble authors' scheduler
+                            // (docs/tune.md): waiting for an input pays with `bwd_D` first,
+                            // and the staircase with patient `bwd_W`s; the other
+                            // combinations never won and would only cost time.
+                            if (patient_w && forward_first) || (staircase && !patient_w) {
+                                continue;
+                            }
+                            v.push(Heuristic {
+                                cap,
+                                forward_first,
+                                deep_first,
+                                eager_w,
+                                staircase,
+                                patient_w,
+                            });
+                        }
+                    }
                 }
             }
         }
@@ -86,10 +111,17 @@ pub fn heuristics_for(p: &Problem) -> Vec<Heuristic> {
     }
     let multi = per_rank.iter().any(|&c| c > 1);
     let limited = p.limit.iter().any(|l| l.is_finite());
+    let stair = staircase_applies(p);
     heuristics()
         .into_iter()
         .filter(|h| (multi || h.deep_first) && (limited || h.eager_w >= 1.0))
+        .filter(|h| stair || !h.staircase)
         .collect()
+}
+
+/// Whether the staircase cap can apply: one direction, one stage per rank.
+pub fn staircase_applies(p: &Problem) -> bool {
+    p.directions().len() == 1 && p.num_stages() == p.pp() && p.pp() > 1
 }
 
 /// A few heuristics that are usually among the best, to rank candidate splits quickly.
@@ -98,7 +130,7 @@ pub fn quick_heuristics(p: &Problem) -> Vec<Heuristic> {
         .into_iter()
         .filter(|h| !h.forward_first && (h.cap == 1.0 || h.cap == 1.5 || h.cap.is_infinite()))
         .filter(|h| h.eager_w < 1.0 || p.limit.iter().all(|l| l.is_infinite()))
-        .filter(|h| h.deep_first)
+        .filter(|h| h.deep_first && !h.staircase && !h.patient_w)
         .collect()
 }
 
@@ -203,6 +235,30 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
         })
         .collect();
     let budget: Vec<f64> = (0..pp).map(|r| p.budget(r)).collect();
+    let mut cap = cap;
+    if h.staircase && staircase_applies(p) {
+        // Stage order along the pipeline; every rank holds one lane.
+        let mut prev = usize::MAX;
+        for s in 0..n {
+            let li = lanes
+                .iter()
+                .position(|l| l.stage == s)
+                .expect("one lane per stage");
+            let r = lanes[li].rank;
+            let room = budget[r] - reserve[li];
+            let by_mem = if p.act[s] > 0.0 && room.is_finite() {
+                ((room + 1e-9) / p.act[s]).floor().max(0.0) as usize
+            } else {
+                usize::MAX
+            };
+            let mut c = cap[r].min(by_mem);
+            if s > 0 {
+                c = c.min(prev.saturating_sub(1));
+            }
+            cap[r] = c.max(1);
+            prev = cap[r];
+        }
+    }
     let mut fend = vec![UNSET; n * m];
     let mut bend = vec![UNSET; n * m];
     // Next microbatch of each pass kind per lane (global ids).
@@ -241,6 +297,9 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
         let mut best_f: Option<usize> = None;
         let mut best_b: Option<usize> = None;
         let mut best_w: Option<usize> = None;
+        // The earliest later time a forward (one the rules would let run) or a `bwd_D` of
+        // this rank is known to become ready.
+        let mut next_ready = f64::INFINITY;
         for &li in &local[r] {
             let l = &lanes[li];
             let s = l.stage;
@@ -252,6 +311,9 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
                     fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
                 };
                 let fits = live[r] + p.act[s] + reserve[li] <= budget[r] + eps;
+                if ready > t + eps && fits && inflight[r] < cap[r] {
+                    next_ready = next_ready.min(ready);
+                }
                 if ready <= t + eps && fits && inflight[r] < cap[r] {
                     let better = match best_f {
                         None => true,
@@ -278,6 +340,9 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
                 } else {
                     fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
                 };
+                if ready > t + eps {
+                    next_ready = next_ready.min(ready);
+                }
                 if ready <= t + eps {
                     let better = match best_b {
                         None => true,
@@ -318,6 +383,11 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
         };
         let Some((kind, li)) = pick else { continue };
         let s = lanes[li].stage;
+        if h.patient_w && kind == 2 && !mem_tight && t + p.w[s] > next_ready + eps {
+            // Idle until the input arrives (its event is already queued).
+            heap.push(Event(next_ready, r as u32));
+            continue;
+        }
         let start = t;
         let end;
         match kind {
