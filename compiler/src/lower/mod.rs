@@ -295,9 +295,12 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             msgs.extend(sends.iter().map(|ep| (e, r, ep.peer.index(), ep.payload)));
         }
     }
-    // The end of the op of rank `r` running strictly across instant `t`, if any.
-    let busy_until = |r: usize, t: u64| -> Option<u64> {
-        let i = start[r].partition_point(|&s| s < t);
+    // The end of the op of rank `r` running strictly across instant `t`, if any. A rank's
+    // queries mostly move forward (a sender's messages come in its op order), so each search
+    // gallops from where the rank's last one ended instead of bisecting all its ops.
+    let mut hint = vec![0usize; world];
+    let mut busy_until = |r: usize, t: u64| -> Option<u64> {
+        let i = seek(&start[r], &mut hint[r], t);
         let op = orders[r].ops.get(i.checked_sub(1)?)?;
         let end = start[r][i - 1] + ticks(op);
         (end > t).then_some(end)
@@ -389,6 +392,36 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
         }
     }
     out
+}
+
+/// `sorted.partition_point(|&x| x < t)`, searched outward from `*hint` (exponential then
+/// binary search: O(log d) for an answer d places away), which it then becomes.
+fn seek(sorted: &[u64], hint: &mut usize, t: u64) -> usize {
+    let n = sorted.len();
+    let h = (*hint).min(n);
+    let i = if h < n && sorted[h] < t {
+        // The answer is in (h, n]; `sorted[lo - 1] < t` throughout.
+        let (mut lo, mut step) = (h + 1, 1);
+        loop {
+            let hi = (lo + step).min(n);
+            if hi == n || sorted[hi] >= t {
+                break lo + sorted[lo..hi].partition_point(|&x| x < t);
+            }
+            (lo, step) = (hi + 1, step * 2);
+        }
+    } else {
+        // The answer is in [0, h]; `hi == n || sorted[hi] >= t` throughout.
+        let (mut hi, mut step) = (h, 1);
+        loop {
+            let lo = hi.saturating_sub(step);
+            if lo == 0 || sorted[lo - 1] < t {
+                break lo + sorted[lo..hi].partition_point(|&x| x < t);
+            }
+            (hi, step) = (lo - 1, step * 2);
+        }
+    };
+    *hint = i;
+    i
 }
 
 /// Append one batch (sends, then receives) unless it is empty.
@@ -520,6 +553,22 @@ mod tests {
             }
         }
         assert_eq!(sent, got);
+    }
+
+    proptest::proptest! {
+        /// `seek` is `partition_point` from any hint, duplicates and ends included, and leaves
+        /// the answer as the next hint.
+        #[test]
+        fn seek_is_partition_point(mut v in proptest::collection::vec(0u64..40, 0..60),
+                                   queries in proptest::collection::vec((0u64..45, 0usize..70), 1..20)) {
+            v.sort_unstable();
+            for (t, h) in queries {
+                let mut hint = h;
+                let i = seek(&v, &mut hint, t);
+                proptest::prop_assert_eq!(i, v.partition_point(|&x| x < t));
+                proptest::prop_assert_eq!(hint, i);
+            }
+        }
     }
 
     #[test]
