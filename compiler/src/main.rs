@@ -4,8 +4,8 @@ mod cli;
 
 /// mimalloc instead of the system allocator: at size L (3.1M instructions) glibc's
 /// allocator faulted in ~46k fresh 4 KiB pages per run, a fifth of `compile --format bin`'s
-/// CPU time on a virtual machine; mimalloc commits its arenas in large pieces (~1k faults).
-/// The price is peak RSS rounded up to those pieces (README, Speed).
+/// CPU time on a virtual machine; mimalloc commits its arenas in large pieces (300-1,500
+/// faults). The price is peak RSS rounded up to those pieces (docs/testing.md, fourth pass).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
