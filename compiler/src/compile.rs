@@ -104,7 +104,24 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
             (l, vpp)
         }
         None => {
-            let vpp = req.vpp.unwrap_or(req.kind.default_vpp());
+            let vpp = match (req.vpp, req.kind) {
+                (Some(v), _) => v,
+                (None, kind @ ScheduleKind::Interleaved1F1B) => {
+                    return Err(SpecError::ChunksNotGiven {
+                        kind,
+                        hint: "one chunk per rank is Megatron's non-interleaved schedule, 1f1b",
+                    }
+                    .into())
+                }
+                (None, kind @ ScheduleKind::LoopedBfs) => {
+                    return Err(SpecError::ChunksNotGiven {
+                        kind,
+                        hint: "give vpp = 1 explicitly for one chunk per rank",
+                    }
+                    .into())
+                }
+                (None, k) => k.default_vpp(),
+            };
             let spec_probe = ScheduleSpec {
                 kind: req.kind,
                 pp: req.pp,

@@ -21,6 +21,7 @@ pub mod par;
 pub mod simulate;
 pub mod tune;
 pub mod verify;
+pub mod words;
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
 pub use ir::{Instr, InstrRef, Payload, PayloadKind, Program};

@@ -17,8 +17,16 @@ fn main() -> ExitCode {
     let args = match cli::Cli::try_parse() {
         Ok(a) => a,
         Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(parse_exit(&e));
+            let code = parse_exit(&e);
+            match (code, invalid_value(&e)) {
+                // A value the library refused: its reason alone, as every other invalid input
+                // is reported (no usage footer: the command line was well formed).
+                (1, Some(msg)) => eprintln!("error: {msg}"),
+                _ => {
+                    let _ = e.print();
+                }
+            }
+            return ExitCode::from(code);
         }
     };
     match cli::run(args) {
@@ -41,9 +49,14 @@ fn parse_exit(e: &clap::Error) -> u8 {
                 Some(ContextValue::String(s)) => s.as_str(),
                 _ => "",
             };
-            if ["--schedule", "--placement", "--megatron-p2p"]
-                .iter()
-                .any(|f| arg.starts_with(f))
+            if [
+                "--schedule",
+                "--placement",
+                "--megatron-p2p",
+                "--memory-limit",
+            ]
+            .iter()
+            .any(|f| arg.starts_with(f))
             {
                 1
             } else {
@@ -52,4 +65,15 @@ fn parse_exit(e: &clap::Error) -> u8 {
         }
         _ => 2,
     }
+}
+
+/// `--flag VALUE: reason` for a value its parser refused, or None for other parse errors.
+fn invalid_value(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue};
+    let arg = match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(s)) => s.split_whitespace().next()?.to_string(),
+        _ => return None,
+    };
+    let reason = std::error::Error::source(e)?.to_string();
+    Some(format!("{arg}: {reason}"))
 }

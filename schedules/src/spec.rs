@@ -214,10 +214,45 @@ impl fmt::Display for ScheduleKind {
     }
 }
 
-/// An unknown kind name, with the list of known ones for the message.
+/// An unknown kind name, with the list of known ones and, where the name is one torch,
+/// torchtitan or Megatron users type for a kind pipec has, that kind as a suggestion.
 #[derive(Debug, Error, PartialEq, Eq)]
-#[error("unknown schedule kind `{0}` (known: {known})", known = ScheduleKind::known_names())]
+#[error("unknown schedule kind `{0}`{hint} (known: {known})", hint = self.hint(), known = ScheduleKind::known_names())]
 pub struct UnknownKind(pub String);
+
+/// Framework names that do not fold to a pipec name (torch's schedule classes otherwise do:
+/// `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`, `ScheduleDualPipeV`).
+/// torch's `ScheduleInterleavedZeroBubble` with several chunks has no exact counterpart.
+const FOREIGN_NAMES: [(&str, ScheduleKind); 1] = [("zbvzerobubble", ScheduleKind::ZbV)];
+
+impl UnknownKind {
+    /// The kind the user most likely meant: a pipec name typed in another case or without
+    /// hyphens, or the name torch and torchtitan give its exact counterpart.
+    pub fn suggestion(&self) -> Option<ScheduleKind> {
+        let folded: String = self
+            .0
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .map(|c| c.to_ascii_lowercase())
+            .collect();
+        let folded = folded.strip_prefix("schedule").unwrap_or(&folded);
+        ScheduleKind::ALL
+            .into_iter()
+            .find(|k| k.name().replace('-', "") == folded)
+            .or_else(|| {
+                FOREIGN_NAMES
+                    .iter()
+                    .find(|(n, _)| *n == folded)
+                    .map(|&(_, k)| k)
+            })
+    }
+
+    fn hint(&self) -> String {
+        self.suggestion()
+            .map(|k| format!("; did you mean `{k}`?"))
+            .unwrap_or_default()
+    }
+}
 
 impl FromStr for ScheduleKind {
     type Err = UnknownKind;
@@ -228,6 +263,14 @@ impl FromStr for ScheduleKind {
             .ok_or_else(|| UnknownKind(s.to_string()))
     }
 }
+
+/// Most pipeline ranks a schedule may have: 16 times the deepest pipelines trained today
+/// (pp = 256), and far below what would fill a disk with one file per rank.
+pub const MAX_PP: u32 = 4096;
+
+/// Most stages (pp x vpp) a schedule may have: as many as a layout string of
+/// [`MAX_PP`] ranks with 16 chunks each.
+pub const MAX_STAGES: u32 = 1 << 16;
 
 /// Bounds checked before anything proportional to the parameters is allocated.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -403,6 +446,13 @@ pub enum SpecError {
     ZeroPp,
     #[error("vpp must be at least 1")]
     ZeroVpp,
+    /// A kind that takes any number of chunks, asked for without vpp or a layout: silently
+    /// running one chunk gives a different schedule than the name promises.
+    #[error("{kind} needs the number of model chunks per rank (vpp) or a layout whose stage count gives it; {hint}")]
+    ChunksNotGiven {
+        kind: ScheduleKind,
+        hint: &'static str,
+    },
     #[error("microbatches must be at least 1")]
     ZeroMicrobatches,
     #[error("{kind} runs one model chunk per rank, but vpp = {vpp}; use interleaved-1f1b or looped-bfs for several chunks")]
@@ -415,6 +465,10 @@ pub enum SpecError {
     GroupSizeOutOfRange { g: u32, pp: u32, m: u32 },
     #[error("microbatches = {m} leaves a last group of {rem} microbatches (group size {g}), fewer than pp = {pp}; Megatron rejects 0 < M % group size < pp because that last group cannot fill the ring")]
     PartialLastGroup { m: u32, g: u32, pp: u32, rem: u32 },
+    #[error("pp = {pp} is over the limit of {MAX_PP} ranks: a schedule writes one file per rank, and no pipeline runs that deep")]
+    TooManyRanks { pp: u32 },
+    #[error("pp x vpp = {pp} x {vpp} stages is over the limit of {MAX_STAGES} stages")]
+    TooManyStages { pp: u32, vpp: u32 },
     #[error("the schedule would have {ops} compute ops, over the limit of {limit}")]
     TooLarge { ops: u64, limit: u64 },
     #[error("{kind} runs exactly 2 model chunks per rank on a V placement (stage s and 2pp-1-s on rank s), but vpp = {vpp}; leave vpp unset or set it to 2 (a layout must have 2 x pp stages)")]
@@ -446,6 +500,29 @@ pub enum SpecError {
 }
 
 impl ScheduleSpec {
+    /// The one-line name of this exact schedule: kind, sizes, and every parameter that makes
+    /// it differ from the kind's default (`group=G`, `combined`, `p2p=MODE`, `forward-only`),
+    /// so that variants compared side by side never print under one name.
+    pub fn label(&self) -> String {
+        let mut s = format!(
+            "{} pp={} vpp={} microbatches={}",
+            self.kind, self.pp, self.vpp, self.microbatches
+        );
+        if let Some(g) = self.group_size {
+            s.push_str(&format!(" group={g}"));
+        }
+        if self.combined {
+            s.push_str(" combined");
+        }
+        if self.megatron_p2p != MegatronP2p::default_for(self.kind, self.pp) {
+            s.push_str(&format!(" p2p={}", self.megatron_p2p));
+        }
+        if self.forward_only {
+            s.push_str(" forward-only");
+        }
+        s
+    }
+
     /// A training schedule with Megatron's default group size and no combined pairs; set the
     /// other fields with struct update syntax (`ScheduleSpec { forward_only: true, ..new }`).
     pub fn new(kind: ScheduleKind, pp: u32, vpp: u32, microbatches: u32) -> Self {
@@ -497,6 +574,16 @@ impl ScheduleSpec {
         }
         if self.microbatches == 0 {
             return Err(SpecError::ZeroMicrobatches);
+        }
+        if self.pp > MAX_PP {
+            return Err(SpecError::TooManyRanks { pp: self.pp });
+        }
+        let stages = u64::from(self.pp) * u64::from(self.vpp);
+        if stages > u64::from(MAX_STAGES) {
+            return Err(SpecError::TooManyStages {
+                pp: self.pp,
+                vpp: self.vpp,
+            });
         }
         let ops = self.compute_ops();
         if ops > limits.max_compute_ops || (self.pp as u64) * (self.vpp as u64) > u32::MAX as u64 {
@@ -642,7 +729,7 @@ mod tests {
 
     #[test]
     fn size_limit_is_checked_without_overflow() {
-        let s = spec(ScheduleKind::OneFOneB, u32::MAX, 1, u32::MAX, None);
+        let s = spec(ScheduleKind::OneFOneB, MAX_PP, 1, u32::MAX, None);
         assert!(matches!(
             s.validate(&Limits::DEFAULT),
             Err(SpecError::TooLarge { .. })
@@ -740,5 +827,70 @@ mod tests {
         for k in ScheduleKind::ALL {
             assert!(e.contains(k.name()), "{e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod kind_suggestion_tests {
+    use super::*;
+
+    /// Regression (#29): `--schedule 1F1B`, `Interleaved1F1B`, `ZBVZeroBubble`, `DualPipeV`,
+    /// the names torch and torchtitan users type, were unknown kinds with no suggestion.
+    #[test]
+    fn torch_names_suggest_the_pipec_kind() {
+        let cases = [
+            ("1F1B", ScheduleKind::OneFOneB),
+            ("Schedule1F1B", ScheduleKind::OneFOneB),
+            ("Interleaved1F1B", ScheduleKind::Interleaved1F1B),
+            ("ScheduleLoopedBFS", ScheduleKind::LoopedBfs),
+            ("GPipe", ScheduleKind::Gpipe),
+            ("ZBVZeroBubble", ScheduleKind::ZbV),
+            ("ScheduleZBVZeroBubble", ScheduleKind::ZbV),
+            ("DualPipeV", ScheduleKind::DualPipeV),
+            ("ZB_H1", ScheduleKind::ZbH1),
+        ];
+        for (typed, want) in cases {
+            let e = typed.parse::<ScheduleKind>().unwrap_err();
+            assert_eq!(e.suggestion(), Some(want), "{typed}");
+            assert!(
+                e.to_string()
+                    .contains(&format!("did you mean `{}`?", want.name())),
+                "{e}"
+            );
+        }
+        // No counterpart: no guess.
+        let e = "InterleavedZeroBubble".parse::<ScheduleKind>().unwrap_err();
+        assert_eq!(e.suggestion(), None);
+        assert!(!e.to_string().contains("did you mean"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+
+    /// Regression (#29): `compile --pp 100000` and `--vpp 100000` wrote 415 MB and 1.3 GB
+    /// with only a size warning.
+    #[test]
+    fn compile_pp_and_vpp_are_bounded() {
+        let l = Limits::DEFAULT;
+        let deep = ScheduleSpec::new(ScheduleKind::OneFOneB, 100_000, 1, 1);
+        assert_eq!(
+            deep.validate(&l),
+            Err(SpecError::TooManyRanks { pp: 100_000 })
+        );
+        let wide = ScheduleSpec::new(ScheduleKind::Interleaved1F1B, 2, 100_000, 2);
+        assert_eq!(
+            wide.validate(&l),
+            Err(SpecError::TooManyStages {
+                pp: 2,
+                vpp: 100_000
+            })
+        );
+        // The bounds themselves are accepted (the op count is the next limit).
+        let edge = ScheduleSpec::new(ScheduleKind::Gpipe, MAX_PP, 1, 1);
+        assert_eq!(edge.validate(&l), Ok(()));
+        let edge = ScheduleSpec::new(ScheduleKind::LoopedBfs, 2, MAX_STAGES / 2, 1);
+        assert_eq!(edge.validate(&l), Ok(()));
     }
 }

@@ -340,19 +340,29 @@ fn gpu_check_interleaved_every_p2p_mode() {
     );
 }
 
-/// Every schedule kind at pp = 4 with 8 microbatches (each kind's default chunks and P2P
-/// mode), two forward-only programs and an uneven layout with an MTP layer.
+/// `CompileRequest::new` with two chunks for the kinds that take any number (they have no
+/// default: one chunk would not be what their name promises).
+fn request(k: ScheduleKind, pp: u32, m: u32) -> CompileRequest {
+    CompileRequest {
+        vpp: (k.chunk_rule() == pipec_schedules::ChunkRule::Any).then_some(2),
+        ..CompileRequest::new(k, pp, m)
+    }
+}
+
+/// Every schedule kind at pp = 4 with 8 microbatches (each kind's default P2P mode, two
+/// chunks where the kind takes any number), two forward-only programs and an uneven layout
+/// with an MTP layer.
 fn every_kind_programs() -> Vec<(String, CompileRequest)> {
     let mut v: Vec<(String, CompileRequest)> = ScheduleKind::ALL
         .iter()
-        .map(|&k| (k.name().to_string(), CompileRequest::new(k, 4, 8)))
+        .map(|&k| (k.name().to_string(), request(k, 4, 8)))
         .collect();
     for k in [ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B] {
         v.push((
             format!("{} forward-only", k.name()),
             CompileRequest {
                 forward_only: true,
-                ..CompileRequest::new(k, 4, 8)
+                ..request(k, 4, 8)
             },
         ));
     }

@@ -271,8 +271,9 @@ fn zero_pp_and_zero_microbatches_are_refused() {
         &[1],
         "microbatches must be at least 1",
     );
-    let r = refuses(pipec(["layout", "E|t|L", "--pp", "0"]), &[1, 2]);
-    assert!(r.stderr.contains("--pp"), "{}", r.stderr);
+    // `layout --pp 0` in the same words and with the same exit code as `compile --pp 0`.
+    let r = refuses(pipec(["layout", "E|t|L", "--pp", "0"]), &[1]);
+    assert!(r.stderr.contains("pp must be at least 1"), "{}", r.stderr);
 }
 
 #[test]
@@ -360,7 +361,7 @@ fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
             "--schedule",
             "gpipe",
             "--pp",
-            "4000000000",
+            "4096",
             "--microbatches",
             "4000000000",
         ][..],
@@ -376,9 +377,9 @@ fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
             "--schedule",
             "interleaved-1f1b",
             "--pp",
-            "65536",
+            "4096",
             "--vpp",
-            "65536",
+            "16",
             "--microbatches",
             "65536",
         ],
@@ -401,6 +402,128 @@ fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
     c.args(["--microbatches", "4", "-o"])
         .arg(tmp.path().join("o"));
     ok(c);
+}
+
+/// Regression (#29): `compile --pp 100000` and `--vpp 100000` wrote 415 MB and 1.3 GB with
+/// only a size warning; now refused at once (exit 1), naming the bound, writing nothing.
+#[test]
+fn compile_pp_and_vpp_are_bounded() {
+    let deep = [
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "100000",
+        "--microbatches",
+        "1",
+    ];
+    compile_refused(&deep, &[1], "over the limit of 4096 ranks");
+    let wide = [
+        "--schedule",
+        "interleaved-1f1b",
+        "--pp",
+        "2",
+        "--vpp",
+        "100000",
+        "--microbatches",
+        "2",
+    ];
+    compile_refused(&wide, &[1], "stages is over the limit of 65536 stages");
+    // `compare --schedule` compiles in memory through the same check.
+    let r = refuses(
+        pipec([
+            "compare",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "100000",
+            "--microbatches",
+            "1",
+        ]),
+        &[1],
+    );
+    assert!(r.stderr.contains("4096 ranks"), "{}", r.stderr);
+}
+
+/// Regression (#29): `--schedule interleaved-1f1b` without `--vpp` silently compiled vpp=1
+/// (1F1B's makespan with nearly twice its activations); looped-bfs the same.
+#[test]
+fn interleaved_without_vpp_is_refused() {
+    for kind in ["interleaved-1f1b", "looped-bfs"] {
+        let args = ["--schedule", kind, "--pp", "4", "--microbatches", "8"];
+        let r = compile_refused(&args, &[1], "needs the number of model chunks per rank");
+        assert!(r.stderr.contains("--vpp"), "{}", r.stderr);
+    }
+    // With --vpp, or a layout that gives it, it compiles.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = pipec(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"]);
+    c.args(["--vpp", "2", "--microbatches", "4", "-o"])
+        .arg(tmp.path().join("a"));
+    ok(c);
+    let mut c = pipec(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"]);
+    c.args(["--layout", "Et|t|t|tL", "--microbatches", "4", "-o"])
+        .arg(tmp.path().join("b"));
+    ok(c);
+}
+
+/// Regression (#29): the same mistake exited differently and `--memory-limit -5GiB` was read
+/// as an unknown flag; an unknown kind printed clap's usage footer; `-1GiB` in a cost was
+/// "not a number".
+#[test]
+fn bad_values_exit_1_with_their_reason() {
+    let m = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"];
+    let neg = [&m[..], &["--memory-limit", "-5GiB"]].concat();
+    compile_refused(&neg, &[1], "--memory-limit: `-5GiB` is negative");
+    let bytes = [&m[..], &["--memory-limit", "40GiB"]].concat();
+    compile_refused(&bytes, &[1], "is a byte size");
+    let r = compile_refused(
+        &[
+            "--schedule",
+            "ZBVZeroBubble",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+        ],
+        &[1],
+        "did you mean `zb-v`?",
+    );
+    assert!(!r.stderr.contains("Usage:"), "{}", r.stderr);
+    assert!(!r.stderr.contains("--help"), "{}", r.stderr);
+    let (_t, dir) = compiled_dir();
+    let mut c = pipec(["simulate"]);
+    c.arg(&dir).args(["--cost", "t.act=-1GiB"]);
+    let r = refuses(c, &[1]);
+    assert!(r.stderr.contains("`-1GiB` is negative"), "{}", r.stderr);
+}
+
+/// Regression (#29): a permission error named pipec's hidden staging directory
+/// (`.x.pipec-tmp-3646`) rather than the path the user gave.
+#[cfg(unix)]
+#[test]
+fn write_errors_name_the_users_path() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let ro = tmp.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    // root ignores permission bits: nothing to observe there.
+    if std::fs::write(ro.join("probe"), b"").is_ok() {
+        std::fs::remove_file(ro.join("probe")).unwrap();
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // Make the parent a file instead: creating the output then fails for everyone.
+        std::fs::remove_dir(&ro).unwrap();
+        std::fs::write(&ro, b"not a directory").unwrap();
+    }
+    let out = ro.join("out");
+    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    c.args(["--microbatches", "4", "-o"]).arg(&out);
+    let r = refuses(c, &[2]);
+    assert!(
+        r.stderr.contains(&out.display().to_string()),
+        "{}",
+        r.stderr
+    );
+    assert!(!r.stderr.contains("pipec-tmp"), "{}", r.stderr);
 }
 
 // ---- instruction files -----------------------------------------------------------------------

@@ -142,10 +142,7 @@ fn in_memory(
     })?;
     let costs = StageCosts::new(model, &c.layout, c.program.num_stages());
     Ok(Row {
-        name: format!(
-            "{} pp={} vpp={} microbatches={}",
-            c.spec.kind, c.spec.pp, c.spec.vpp, c.spec.microbatches
-        ),
+        name: c.spec.label(),
         instructions: c.program.len(),
         model: model_of(&c.layout, c.program.num_stages()),
         result: simulate(&c.program, &costs),

@@ -65,7 +65,7 @@ pub struct Args {
     #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
     pub format: FileFormat,
     /// Most live activations (microbatch x stage units) a rank may hold; exceeding it is a violation.
-    #[arg(long)]
+    #[arg(long, value_parser = super::parse_unit_limit, allow_hyphen_values = true)]
     pub memory_limit: Option<u64>,
     /// Write the schedule without verifying it (not recommended).
     #[arg(long)]
@@ -132,6 +132,9 @@ pub fn compile_error(e: CompileError) -> CliError {
         // The library names parameters; the edge adds the flag that changes a limit.
         CompileError::Spec(s @ SpecError::TooLarge { .. }) => {
             CliError::Invalid(format!("{s} (raise it with --max-ops)"))
+        }
+        CompileError::Spec(s @ SpecError::ChunksNotGiven { .. }) => {
+            CliError::Invalid(format!("{s} (--vpp, or --layout)"))
         }
         CompileError::Spec(s) => CliError::Invalid(s.to_string()),
         e @ CompileError::UnevenLayers { .. } => CliError::Invalid(e.to_string()),
@@ -227,6 +230,21 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     }
     if let Some(r) = verdict {
         println!("{}", short_verdict(&r.verdict_line(), &a.out));
+        // DualPipe's own loop posts both directions of a step in one batch_isend_irecv
+        // (deepseek-ai/DualPipe, `_commit_and_wait_comm`): the same-peer batches are the
+        // kind's, not the user's to fix, so one line says what they mean.
+        if matches!(
+            c.spec.kind,
+            ScheduleKind::DualPipe | ScheduleKind::DualPipeV
+        ) && !r.risks.is_empty()
+        {
+            eprintln!(
+                "note: {} (a rank's sends or receives in one batch) carry two tensors for the same peer, as DeepSeek's DualPipe posts them; pipec-run and pipec's adapters post them in the order written, so nothing needs doing unless your own runtime reorders the operations inside a batch (pipec check {} lists them)",
+                super::count(r.risks.len(), "comm batch posting"),
+                a.out.display()
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
         // Risks go to stderr, a few at a time: `pipec check` lists them all.
         const SHOWN: usize = 5;
         for k in r.risks.iter().take(SHOWN) {

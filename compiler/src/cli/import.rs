@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub layout_file: Option<PathBuf>,
     /// Most live activations (microbatch x stage units) a rank may hold.
-    #[arg(long)]
+    #[arg(long, value_parser = super::parse_unit_limit, allow_hyphen_values = true)]
     pub memory_limit: Option<u64>,
     /// Write the schedule without verifying it (not recommended).
     #[arg(long)]

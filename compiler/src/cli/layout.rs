@@ -70,7 +70,10 @@ pub fn render_error(e: &LayoutError) -> String {
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if a.pp == 0 {
-        return Err(CliError::Usage("--pp must be at least 1".into()));
+        // The same words and exit code as `compile --pp 0`: the value is invalid input.
+        return Err(CliError::Invalid(
+            pipec_schedules::SpecError::ZeroPp.to_string(),
+        ));
     }
     let text = match (&a.layout, &a.layout_file) {
         (_, Some(path)) => read_layout_file(path)?,

@@ -99,12 +99,27 @@ impl fmt::Display for CliError {
     }
 }
 
-/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches`.
+/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches` ([`pipec::words::count`]).
 pub fn count(n: usize, noun: &str) -> String {
-    match (n, noun.ends_with("ch")) {
-        (1, _) => format!("1 {noun}"),
-        (_, true) => format!("{n} {noun}es"),
-        _ => format!("{n} {noun}s"),
+    pipec::words::count(n as u64, noun)
+}
+
+/// `--memory-limit` of the commands that count live activations in microbatch x stage units:
+/// a whole number. A negative value or a byte size gets its own reason instead of clap's
+/// "unexpected argument" (it took `-5` for a flag) or "invalid digit".
+pub fn parse_unit_limit(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("`{t}` is negative; a memory limit is at least 0"));
+    }
+    if let Ok(v) = t.replace('_', "").parse::<u64>() {
+        return Ok(v);
+    }
+    match pipec::simulate::cost::parse_memory(t) {
+        Ok((_, true)) => Err(format!(
+            "`{t}` is a byte size, but this limit counts live activations in microbatch x stage units: give a whole number"
+        )),
+        _ => Err(format!("`{t}` is not a whole number of microbatch x stage units")),
     }
 }
 

@@ -278,10 +278,21 @@ impl CostModel {
     pub fn describe(&self) -> String {
         let t = self.layer(LayerKind::Decoder);
         let mut s = format!("t: f={} b={} w={}", num(t.f), num(t.b), num(t.w));
+        // Kinds that cost nothing are named: the embedding and the loss are free by default,
+        // and a reader of a timeline should not take an idle last rank for the real thing.
+        let free: Vec<char> = KINDS
+            .iter()
+            .filter(|&&k| k != LayerKind::Decoder && self.layer(k) == PassCost::ZERO)
+            .map(|k| k.symbol())
+            .collect();
         for k in KINDS {
             let c = self.layer(k);
             let default = CostModel::default().layer(k);
-            if k != LayerKind::Decoder && c != default && !(k == LayerKind::Mtp && c == t) {
+            if k != LayerKind::Decoder
+                && c != default
+                && c != PassCost::ZERO
+                && !(k == LayerKind::Mtp && c == t)
+            {
                 s.push_str(&format!(
                     "; {}: f={} b={} w={}",
                     k.symbol(),
@@ -290,6 +301,19 @@ impl CostModel {
                     num(c.w)
                 ));
             }
+        }
+        if !free.is_empty() {
+            let list = |suffix: &str| {
+                free.iter()
+                    .map(|c| format!("{c}{suffix}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            s.push_str(&format!(
+                "; {} free (no cost given: set {})",
+                list(""),
+                list(".f")
+            ));
         }
         if self.floor > 0.0 {
             s.push_str(&format!("; empty stage {}", num(self.floor)));
@@ -626,12 +650,12 @@ fn number(text: &str, source: Option<&str>, e: &Entry, allow_inf: bool) -> Resul
 fn memory_value(text: &str, source: Option<&str>, e: &Entry) -> Result<f64, CostError> {
     let s = &text[e.value.0..e.value.1];
     parse_bytes(s).map_err(|_| {
-        err(
-            text,
-            source,
-            e.value,
-            CostErrorKind::BadNumber(s.to_string()),
-        )
+        let kind = if s.trim_start().starts_with('-') {
+            CostErrorKind::Negative(s.to_string())
+        } else {
+            CostErrorKind::BadNumber(s.to_string())
+        };
+        err(text, source, e.value, kind)
     })
 }
 
@@ -644,6 +668,9 @@ pub const MAX_MEMORY: f64 = 1.152921504606847e18;
 /// whether it had a unit.
 pub fn parse_memory(s: &str) -> Result<(f64, bool), String> {
     let s = s.trim();
+    if s.starts_with('-') {
+        return Err(format!("`{s}` is negative; a memory size is at least 0"));
+    }
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '_' | 'e' | 'E' | '+')))
         .unwrap_or(s.len());

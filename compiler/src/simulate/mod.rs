@@ -40,18 +40,11 @@ pub fn schedule_title(
     program: &Program,
 ) -> String {
     match spec {
-        Some(s) => format!(
-            "{} pp={} vpp={} microbatches={}{}",
-            s.kind,
-            s.pp,
-            s.vpp,
-            s.microbatches,
-            if s.forward_only { " forward-only" } else { "" }
-        ),
+        Some(s) => s.label(),
         None => format!(
-            "{source} schedule, {} ranks, {} stages, microbatches={}",
-            program.world(),
-            program.num_stages(),
+            "{source} schedule, {}, {}, microbatches={}",
+            crate::words::count(program.world(), "rank"),
+            crate::words::count(program.num_stages(), "stage"),
             program.microbatches
         ),
     }

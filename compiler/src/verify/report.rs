@@ -4,6 +4,7 @@
 //! program to be printed).
 
 use crate::ir::{Instr, InstrRef, Payload, PayloadKind};
+use crate::words::count;
 use pipec_schedules::{Compute, Pass, Rank, StageId, Task};
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -339,11 +340,9 @@ impl fmt::Display for Violation {
                 bound,
             } => {
                 let (what, range) = match field {
-                    Field::Stage => (format!("stage {value}"), format!("{bound} stages")),
-                    Field::Microbatch => {
-                        (format!("mb {value}"), format!("{bound} microbatches"))
-                    }
-                    Field::Peer => (format!("peer rank {value}"), format!("{bound} ranks")),
+                    Field::Stage => (format!("stage {value}"), count(*bound, "stage")),
+                    Field::Microbatch => (format!("mb {value}"), count(*bound, "microbatch")),
+                    Field::Peer => (format!("peer rank {value}"), count(*bound, "rank")),
                 };
                 write!(
                     f,
@@ -401,7 +400,9 @@ impl fmt::Display for Violation {
                 };
                 write!(
                     f,
-                    "{site} has no matching {what}: {src} sends {sends} messages to {dst}, which posts {recvs} receives from {src}"
+                    "{site} has no matching {what}: {src} sends {} to {dst}, which posts {} from {src}",
+                    count(*sends, "message"),
+                    count(*recvs, "receive"),
                 )
             }
             Deadlock { cycle } => {

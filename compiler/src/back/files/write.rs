@@ -455,15 +455,15 @@ pub fn write_prepared<T: Send, E: Send>(
             if r >= world {
                 break;
             }
-            let path = staging
-                .tmp
-                .join(rank_file_name(r as u32, prepared.encoding));
-            match prepared.write_rank(r, &path, &mut chunk) {
+            let name = rank_file_name(r as u32, prepared.encoding);
+            match prepared.write_rank(r, &staging.tmp.join(&name), &mut chunk) {
                 Ok(sha) => lock(&shas)[r] = Some(sha),
                 Err(source) => {
                     stop.store(true, Ordering::Relaxed);
                     let mut f = lock(&failed);
                     if f.as_ref().is_none_or(|(at, _)| r < *at) {
+                        // Named as the user will find it, not by the staging directory.
+                        let path = staging.dir.join(name);
                         *f = Some((r, WriteError::Io { path, source }));
                     }
                 }
@@ -612,7 +612,8 @@ impl Staging {
             .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
             .map(Path::to_path_buf)
             .collect();
-        std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        // Errors name the path the user gave: the staging directory is ours, not theirs.
+        std::fs::create_dir_all(&tmp).map_err(io_err(dir))?;
         Ok(Staging {
             dir: dir.to_path_buf(),
             parent,
@@ -623,8 +624,7 @@ impl Staging {
     }
 
     fn put(&self, name: &str, bytes: &[u8]) -> Result<(), WriteError> {
-        let p = self.tmp.join(name);
-        std::fs::write(&p, bytes).map_err(io_err(&p))
+        std::fs::write(self.tmp.join(name), bytes).map_err(io_err(&self.dir.join(name)))
     }
 
     /// Put the staged directory in place of `dir` (the old one, if any, is removed).

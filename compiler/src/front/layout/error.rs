@@ -134,16 +134,35 @@ impl LayoutError {
         self.kind.to_string()
     }
 
-    /// The echoed line and the caret column within it: the whole layout when short, else a
-    /// window of it around the caret with `...` marking the cut ends. Control characters are
-    /// shown as U+FFFD so the echo stays one line and the caret column stays right.
+    /// The 1-based line of the caret and that line's text, when the layout spans several
+    /// lines (a `--layout-file` written over lines): the echo then shows that line alone.
+    fn caret_line(&self) -> Option<(usize, &str, Option<usize>)> {
+        if !self.input.contains('\n') {
+            return None;
+        }
+        let pos = self.pos.unwrap_or(0).min(self.input.len());
+        let start = self.input[..pos].rfind('\n').map_or(0, |i| i + 1);
+        let end = self.input[start..]
+            .find('\n')
+            .map_or(self.input.len(), |i| start + i);
+        let line_no = self.input[..start].matches('\n').count() + 1;
+        let col = self.pos.map(|_| self.input[start..pos].chars().count());
+        Some((line_no, &self.input[start..end], col))
+    }
+
+    /// The echoed line and the caret column within it: the whole layout (or, over several
+    /// lines, the caret's line) when short, else a window of it around the caret with `...`
+    /// marking the cut ends. Control characters are shown as U+FFFD so the echo stays one
+    /// line and the caret column stays right.
     fn echo(&self) -> (String, Option<usize>) {
-        let chars: Vec<char> = self
-            .input
+        let (text, col) = match self.caret_line() {
+            Some((_, line, col)) => (line, col),
+            None => (self.input.as_str(), self.column()),
+        };
+        let chars: Vec<char> = text
             .chars()
             .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
             .collect();
-        let col = self.column();
         if chars.len() <= ECHO_WINDOW {
             return (chars.into_iter().collect(), col);
         }
@@ -167,7 +186,10 @@ impl LayoutError {
 impl fmt::Display for LayoutError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (line, col) = self.echo();
-        writeln!(f, "invalid layout:")?;
+        match self.caret_line() {
+            Some((n, _, _)) => writeln!(f, "invalid layout (line {n}):")?,
+            None => writeln!(f, "invalid layout:")?,
+        }
         writeln!(f, "  {line}")?;
         if let Some(c) = col {
             writeln!(f, "  {}^", " ".repeat(c))?;
@@ -215,9 +237,26 @@ mod tests {
 
     #[test]
     fn control_characters_keep_the_echo_on_one_line() {
-        let s = shown("E\nX", Some(2));
+        let s = shown("E\tX", Some(2));
         assert_eq!(s.lines().nth(1), Some("  E\u{FFFD}X"));
         assert_eq!(s.lines().nth(2), Some("    ^"));
+    }
+
+    /// Regression (#29): a layout file written over several lines echoed its newlines as
+    /// U+FFFD; the caret's line is shown alone, named by number.
+    #[test]
+    fn multi_line_layout_error_shows_the_caret_line() {
+        let s = shown("Et|t\nt|Xt\n|L", Some(7));
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "invalid layout (line 2):");
+        assert_eq!(lines[1], "  t|Xt");
+        assert_eq!(lines[2], "    ^");
+        assert!(!s.contains('\u{FFFD}'), "{s}");
+        // An error at the start of line 3.
+        let s = shown("Et\nt\n|X", Some(6));
+        assert_eq!(s.lines().nth(0), Some("invalid layout (line 3):"));
+        assert_eq!(s.lines().nth(1), Some("  |X"));
+        assert_eq!(s.lines().nth(2), Some("   ^"));
     }
 
     #[test]

@@ -1,0 +1,26 @@
+//! Counted nouns for messages: `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches`.
+//! One rule for the library's reports and the CLI's lines, so neither prints "1 messages".
+
+/// `n` and `noun`, plural unless `n` is 1 (`-ch`, `-s`, `-sh`, `-x` nouns take `-es`).
+pub fn count(n: impl Into<u128>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        return format!("1 {noun}");
+    }
+    let es = ["ch", "sh", "s", "x"].iter().any(|e| noun.ends_with(e));
+    format!("{n} {noun}{}", if es { "es" } else { "s" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count;
+
+    #[test]
+    fn singular_only_for_one() {
+        assert_eq!(count(1u32, "message"), "1 message");
+        assert_eq!(count(0u32, "message"), "0 messages");
+        assert_eq!(count(2u64, "microbatch"), "2 microbatches");
+        assert_eq!(count(1u64, "microbatch"), "1 microbatch");
+        assert_eq!(count(3usize as u64, "pass"), "3 passes");
+    }
+}
