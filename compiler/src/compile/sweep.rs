@@ -15,15 +15,22 @@
 //! [[grid]]
 //! schedule = ["1f1b", "interleaved-1f1b"]
 //! pp = [4, 8]
-//! vpp = [2, 4]                        # applies to kinds that take chunks; others use 1
+//! vpp = [2, 4]                        # required for kinds that take chunks; others use 1
 //! microbatches = [16, 32]
+//! megatron_p2p = "unbatched"          # optional, 1f1b and interleaved-1f1b only
+//! combined = true                     # optional, likewise
+//! num_layers = 32                     # optional (also mtp_num_layers)
 //! ```
+//!
+//! `megatron_p2p`, `combined`, `num_layers` and `mtp_num_layers` mean what `pipec compile`'s
+//! flags of the same names do; a default name gains a suffix for each (`-combined`,
+//! `-unbatched`, `-l32`, `-mtp1`) so that variants never share a directory.
 //!
 //! Expansion is pure and bounded: the number of configurations is computed before anything
 //! is allocated for them, and refused above [`MAX_CONFIGS`].
 
 use super::CompileRequest;
-use pipec_schedules::{ChunkRule, Limits, ScheduleKind};
+use pipec_schedules::{ChunkRule, Limits, MegatronP2p, ScheduleKind};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -52,6 +59,13 @@ struct Entry {
     #[serde(default)]
     forward_only: bool,
     memory_limit: Option<u64>,
+    // As `pipec compile`'s flags of the same names; in a grid, the Megatron options apply to
+    // the kinds that take them (1f1b, interleaved-1f1b), as vpp does.
+    megatron_p2p: Option<String>,
+    #[serde(default)]
+    combined: bool,
+    num_layers: Option<u32>,
+    mtp_num_layers: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -59,16 +73,27 @@ struct Entry {
 struct Grid {
     schedule: Vec<String>,
     pp: Vec<u32>,
-    #[serde(default = "one")]
+    /// Required when a listed kind takes any chunk count (no silent vpp = 1).
+    #[serde(default)]
     vpp: Vec<u32>,
     microbatches: Vec<u32>,
     #[serde(default)]
     forward_only: bool,
     memory_limit: Option<u64>,
+    // As `pipec compile`'s flags of the same names; in a grid, the Megatron options apply to
+    // the kinds that take them (1f1b, interleaved-1f1b), as vpp does.
+    megatron_p2p: Option<String>,
+    #[serde(default)]
+    combined: bool,
+    num_layers: Option<u32>,
+    mtp_num_layers: Option<u32>,
 }
 
-fn one() -> Vec<u32> {
-    vec![1]
+fn p2p(entry: &str, s: &str) -> Result<MegatronP2p, SweepError> {
+    s.parse().map_err(|msg| SweepError::Entry {
+        entry: entry.to_string(),
+        msg,
+    })
 }
 
 /// One configuration of a sweep.
@@ -108,6 +133,25 @@ fn default_name(k: ScheduleKind, pp: u32, vpp: Option<u32>, m: u32) -> String {
     format!("{}-pp{pp}-vpp{}-m{m}", k.name(), vpp.unwrap_or(1))
 }
 
+/// The default name, with a suffix for each option that makes the schedule differ from the
+/// kind's default, so a grid over them names every configuration apart.
+fn variant_name(base: String, r: &CompileRequest) -> String {
+    let mut name = base;
+    if r.combined {
+        name.push_str("-combined");
+    }
+    if r.megatron_p2p != MegatronP2p::default_for(r.kind, r.pp) {
+        name.push_str(&format!("-{}", r.megatron_p2p));
+    }
+    if let Some(n) = r.num_layers {
+        name.push_str(&format!("-l{n}"));
+    }
+    if let Some(n) = r.mtp_num_layers {
+        name.push_str(&format!("-mtp{n}"));
+    }
+    name
+}
+
 /// Parse and expand a sweep file. `limits` applies to every configuration.
 pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
     let file: SweepFile = toml::from_str(text).map_err(|e| SweepError::Toml(e.to_string()))?;
@@ -130,42 +174,74 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
     for (i, e) in file.schedule.into_iter().enumerate() {
         let label = format!("[[schedule]] #{}", i + 1);
         let k = kind(&label, &e.schedule)?;
-        out.push(Config {
-            name: e
-                .name
-                .unwrap_or_else(|| default_name(k, e.pp, e.vpp, e.microbatches)),
-            request: CompileRequest {
-                vpp: e.vpp,
-                group_size: e.group_size,
-                forward_only: e.forward_only,
-                layout: e.layout,
-                limits,
-                ..CompileRequest::new(k, e.pp, e.microbatches)
+        let base = CompileRequest::new(k, e.pp, e.microbatches);
+        let request = CompileRequest {
+            vpp: e.vpp,
+            group_size: e.group_size,
+            forward_only: e.forward_only,
+            layout: e.layout,
+            combined: e.combined,
+            megatron_p2p: match &e.megatron_p2p {
+                Some(m) => p2p(&label, m)?,
+                None => base.megatron_p2p,
             },
+            num_layers: e.num_layers,
+            mtp_num_layers: e.mtp_num_layers,
+            limits,
+            ..base
+        };
+        out.push(Config {
+            name: e.name.unwrap_or_else(|| {
+                variant_name(default_name(k, e.pp, e.vpp, e.microbatches), &request)
+            }),
+            request,
             memory_limit: e.memory_limit,
         });
     }
     for (i, g) in file.grid.iter().enumerate() {
         let label = format!("[[grid]] #{}", i + 1);
+        let mode = g
+            .megatron_p2p
+            .as_deref()
+            .map(|m| p2p(&label, m))
+            .transpose()?;
         for s in &g.schedule {
             let k = kind(&label, s)?;
             // vpp values apply to kinds that take any chunk count; the V kinds run exactly 2,
             // the others one chunk per rank.
             let vpps: Vec<u32> = match k.chunk_rule() {
+                ChunkRule::Any if g.vpp.is_empty() => {
+                    return Err(SweepError::Entry {
+                        entry: label,
+                        msg: format!(
+                            "{k} takes several model chunks per rank: give `vpp = [...]` (vpp = [1] for one chunk)"
+                        ),
+                    })
+                }
                 ChunkRule::Any => g.vpp.clone(),
                 rule => vec![if rule == ChunkRule::TwoV { 2 } else { 1 }],
             };
             for &pp in &g.pp {
                 for &vpp in &vpps {
                     for &m in &g.microbatches {
-                        out.push(Config {
-                            name: default_name(k, pp, Some(vpp), m),
-                            request: CompileRequest {
-                                vpp: Some(vpp),
-                                forward_only: g.forward_only,
-                                limits,
-                                ..CompileRequest::new(k, pp, m)
+                        let base = CompileRequest::new(k, pp, m);
+                        // Megatron's options go to its two loops (the kinds that take both).
+                        let request = CompileRequest {
+                            vpp: Some(vpp),
+                            forward_only: g.forward_only,
+                            combined: g.combined && k.supports_combined(),
+                            megatron_p2p: match mode {
+                                Some(m) if k.supports_combined() => m,
+                                _ => base.megatron_p2p,
                             },
+                            num_layers: g.num_layers,
+                            mtp_num_layers: g.mtp_num_layers,
+                            limits,
+                            ..base
+                        };
+                        out.push(Config {
+                            name: variant_name(default_name(k, pp, Some(vpp), m), &request),
+                            request,
                             memory_limit: g.memory_limit,
                         });
                     }
@@ -237,6 +313,71 @@ mod tests {
         );
         assert_eq!(c[0].request.layout.as_deref(), Some("Et*3|(tt|)*29,m|L"));
         assert_eq!(c[0].request.vpp, None);
+    }
+
+    /// Regression (#29): the sweep file could not set `megatron_p2p`, `combined`,
+    /// `num_layers`.
+    #[test]
+    fn sweep_sets_p2p_combined_and_layers() {
+        let text = r#"
+            [[schedule]]
+            schedule = "interleaved-1f1b"
+            pp = 4
+            vpp = 2
+            microbatches = 8
+            megatron_p2p = "overlap"
+            combined = true
+            num_layers = 16
+
+            [[grid]]
+            schedule = ["1f1b", "gpipe"]
+            pp = [2]
+            microbatches = [4]
+            megatron_p2p = "unbatched"
+            combined = true
+            num_layers = 4
+            mtp_num_layers = 1
+        "#;
+        let c = parse(text, Limits::DEFAULT).unwrap();
+        let names: Vec<&str> = c.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec![
+                "interleaved-1f1b-pp4-vpp2-m8-combined-overlap-l16",
+                "1f1b-pp2-vpp1-m4-combined-unbatched-l4-mtp1",
+                "gpipe-pp2-vpp1-m4-l4-mtp1",
+            ]
+        );
+        let r = &c[0].request;
+        assert_eq!(
+            (r.megatron_p2p, r.combined, r.num_layers),
+            (MegatronP2p::Overlap, true, Some(16))
+        );
+        let r = &c[1].request;
+        assert_eq!((r.megatron_p2p, r.combined), (MegatronP2p::Unbatched, true));
+        // gpipe takes neither Megatron option: it keeps its defaults, as vpp does.
+        let r = &c[2].request;
+        assert_eq!(
+            (r.megatron_p2p, r.combined, r.mtp_num_layers),
+            (MegatronP2p::Batched, false, Some(1))
+        );
+        // Every configuration compiles.
+        for cfg in &c {
+            crate::compile::compile(&cfg.request).unwrap();
+        }
+        let bad = "[[schedule]]\nschedule=\"1f1b\"\npp=2\nmicrobatches=2\nmegatron_p2p=\"fast\"\n";
+        assert!(matches!(
+            parse(bad, Limits::DEFAULT),
+            Err(SweepError::Entry { .. })
+        ));
+    }
+
+    /// Regression (#29): a grid listing interleaved-1f1b without `vpp` ran vpp = 1.
+    #[test]
+    fn grid_of_chunked_kinds_needs_vpp() {
+        let text = "[[grid]]\nschedule=[\"interleaved-1f1b\"]\npp=[2]\nmicrobatches=[4]\n";
+        let e = parse(text, Limits::DEFAULT).unwrap_err();
+        assert!(e.to_string().contains("give `vpp = [...]`"), "{e}");
     }
 
     #[test]
