@@ -84,7 +84,9 @@ def forward_step(data_iterator, chunk):
 
     def loss_func(per_token_loss):
         loss = per_token_loss.mean()
-        return loss, {"lm loss": loss.detach()}
+        # clone(): megatron-core divides the returned loss by the microbatch count in place,
+        # and detach() shares its storage.
+        return loss, {"lm loss": loss.detach().clone()}
 
     return out, loss_func
 
