@@ -3,6 +3,7 @@
 use pipec::back::files::{render, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
 use pipec_schedules::ScheduleKind;
+use pipec_tests::{pipec, workspace_bin};
 
 /// The code blocks of `docs/format.md`'s example section, in order.
 fn example_blocks() -> Vec<String> {
@@ -81,4 +82,88 @@ fn readme_schedule_table_lists_every_kind() {
             k.name()
         );
     }
+}
+
+/// The long flags of `--help` output (`-o, --out <OUT>` gives `--out`), less help/version.
+fn help_flags(help: &str) -> std::collections::BTreeSet<String> {
+    help.lines()
+        .filter_map(|l| {
+            let l = l.trim_start();
+            let l = l.strip_prefix("-").map_or(l, |_| {
+                l.split_once(", ").map_or(l, |(_, rest)| rest)
+            });
+            let flag = l.strip_prefix("--")?;
+            let name: String = flag
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect();
+            (!name.is_empty() && name != "help" && name != "version").then(|| format!("--{name}"))
+        })
+        .collect()
+}
+
+/// Regression (#29): the README's synopsis omitted `compile --num-layers/--mtp-num-layers/
+/// --max-ops`, `show --cost-file/--color/--pp/--placement`, `export --cost/--svg-width/
+/// --condense`. Each command's synopsis names exactly the flags its `--help` lists.
+#[test]
+fn readme_synopsis_matches_help() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let section = &readme[readme.find("## The command line").expect("synopsis section")..];
+    let block = &section[section.find("```\n").unwrap() + 4..];
+    let block = &block[..block.find("```").unwrap()];
+    let mut documented: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut current = String::new();
+    for line in block.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.first() {
+            Some(&"pipec") => current = words[1].to_string(),
+            Some(&"pipec-run") => current = "pipec-run".to_string(),
+            _ => {}
+        }
+        let flags = documented.entry(current.clone()).or_default();
+        for w in line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')) {
+            if let Some(name) = w.strip_prefix("--") {
+                if !name.is_empty() {
+                    flags.insert(format!("--{name}"));
+                }
+            }
+            if w == "-o" {
+                flags.insert("--out".to_string());
+            }
+        }
+    }
+    let out = pipec().arg("--help").output().unwrap();
+    let top = String::from_utf8(out.stdout).unwrap();
+    let commands: Vec<String> = top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .filter(|c| c != "help")
+        .collect();
+    assert!(commands.len() >= 10, "{top}");
+    let mut wrong = Vec::new();
+    for c in commands.iter().map(String::as_str).chain(["pipec-run"]) {
+        let out = if c == "pipec-run" {
+            workspace_bin("pipec-runtime", "pipec-run")
+                .arg("--help")
+                .output()
+        } else {
+            pipec().args([c, "--help"]).output()
+        }
+        .unwrap();
+        let help = help_flags(&String::from_utf8(out.stdout).unwrap());
+        let doc = documented.get(c).cloned().unwrap_or_default();
+        let missing: Vec<_> = help.difference(&doc).collect();
+        let extra: Vec<_> = doc.difference(&help).collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            wrong.push(format!(
+                "{c}: README lacks {missing:?}; README has but --help lacks {extra:?}"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
