@@ -182,7 +182,7 @@ fn num_layers_without_layout_splits_the_layers() {
 // `show`: every column against the simulated timeline.
 
 /// The simulated timeline of a compiled directory under the default costs.
-fn timeline_of(dir: &Path) -> (Program, Timeline) {
+pub(crate) fn timeline_of(dir: &Path) -> (Program, Timeline) {
     let loaded = pipec::back::files::load_dir(dir).unwrap();
     let costs = StageCosts::new(
         &CostModel::default(),
@@ -203,10 +203,13 @@ fn kind_letter(op: &Compute) -> char {
     }
 }
 
-/// Check the rank rows of `show --no-color` output against the timeline: the README's rule
-/// (a column is idle when less than half busy, a letter when that kind fills 3/4 of its work,
-/// `+` otherwise), with the column geometry the README states, computed here by brute force.
-fn check_rows(
+/// Check the rank rows of `show --no-color` output against the timeline, by brute force, with
+/// the geometry and rules the README states: the window fills all `width - label - 3` columns;
+/// a column is idle (`.`) when less than half busy; it belongs to an op (its label and `-`
+/// fill) when that op covers at least half of it, more than any other; otherwise a kind's
+/// letter when that kind does 3/4 of the work of the column and of the three columns centred
+/// on it, else `+`; a run of `+` starts with its work by kind (`B67%F33%`, as many as fit).
+pub(crate) fn check_rows(
     out: &str,
     program: &Program,
     timeline: &Timeline,
@@ -216,64 +219,161 @@ fn check_rows(
     to: Option<f64>,
 ) {
     let label_w = format!("rank {}", program.ranks.len() - 1).len();
-    let cols = (width - label_w - 3) as f64;
+    let cols = width - label_w - 3;
     let makespan = timeline.makespan();
     let span = to.unwrap_or(makespan).min(makespan) - from;
-    // Column width in time units: a whole fraction 1/k when the window fits, else whole units.
-    let u = if span <= cols {
-        1.0 / (cols / span).floor()
-    } else {
-        (span / cols).ceil()
-    };
-    let used = ((span / u).round() as usize).min(cols as usize);
+    let u = span / cols as f64;
     let rows: Vec<&str> = out.lines().filter(|l| l.contains(" │")).collect();
     assert_eq!(rows.len(), ranks.len(), "{out}");
-    let eps = 1e-9;
+    let eps = 1e-9 * (1.0 + makespan);
     for (&r, row) in ranks.iter().zip(&rows) {
         assert!(
             row.trim_start().starts_with(&format!("rank {r} │")),
             "{row}"
         );
         let cells: Vec<char> = row.split('│').nth(1).expect("row body").chars().collect();
-        assert_eq!(cells.len(), used, "rank {r} at width {width}: {row}");
-        for (c, &ch) in cells.iter().enumerate() {
+        assert_eq!(cells.len(), cols, "rank {r} at width {width}: {row}");
+        // Per column: each op's overlap, and the work per kind letter.
+        let ops: Vec<(usize, &Compute, f64, f64)> = program.ranks[r]
+            .iter()
+            .zip(&timeline.ranks[r])
+            .enumerate()
+            .filter_map(|(i, (ins, s))| match ins {
+                Instr::Compute(op) => Some((i, op, s.start, s.end)),
+                _ => None,
+            })
+            .collect();
+        let col = |c: usize| {
             let (a, b) = (from + c as f64 * u, from + (c + 1) as f64 * u);
+            let mut per_op: Vec<(usize, f64)> = Vec::new();
             let mut by_kind: Vec<(char, f64)> = Vec::new();
-            for (ins, s) in program.ranks[r].iter().zip(&timeline.ranks[r]) {
-                let Instr::Compute(op) = ins else { continue };
-                let o = s.end.min(b) - s.start.max(a);
+            for &(i, op, s, e) in &ops {
+                let o = e.min(b) - s.max(a);
                 if o > 0.0 {
+                    per_op.push((i, o));
                     let k = kind_letter(op);
                     match by_kind.iter_mut().find(|(x, _)| *x == k) {
-                        Some(e) => e.1 += o,
+                        Some(x) => x.1 += o,
                         None => by_kind.push((k, o)),
                     }
                 }
             }
-            let busy: f64 = by_kind.iter().map(|k| k.1).sum();
-            let ctx = format!("rank {r} column {c} [{a}, {b}) width {width}: {by_kind:?} in {row}");
-            if (busy - u / 2.0).abs() < eps {
-                continue; // on the threshold either reading is fair
+            (per_op, by_kind)
+        };
+        let work: Vec<_> = (0..cols).map(col).collect();
+        let busy = |c: usize| work[c].1.iter().map(|k| k.1).sum::<f64>();
+        let top = |c: usize| work[c].0.iter().map(|o| o.1).fold(0.0, f64::max);
+        let share = |c: usize, k: char| work[c].1.iter().find(|x| x.0 == k).map_or(0.0, |x| x.1);
+        // Whether kind `k` may be drawn as a lone letter in crowded column `c`.
+        let dominant = |c: usize, k: char, slack: f64| {
+            let (a, b) = (c.saturating_sub(1), (c + 2).min(cols));
+            let near: f64 = (a..b).map(|j| share(j, k)).sum();
+            let near_busy: f64 = (a..b).map(busy).sum();
+            share(c, k) >= 0.75 * busy(c) - slack && near >= 0.75 * near_busy - slack
+        };
+        let ctx = |c: usize| {
+            format!(
+                "rank {r} column {c} [{}, {}) width {width}: {:?} in {row}",
+                from + c as f64 * u,
+                from + (c + 1) as f64 * u,
+                work[c]
+            )
+        };
+        let crowded = |c: usize| {
+            assert!(busy(c) >= u / 2.0 - eps, "{}", ctx(c));
+            assert!(top(c) <= u / 2.0 + eps, "{}", ctx(c));
+        };
+        let mut c = 0;
+        while c < cols {
+            let ch = cells[c];
+            if ch == '.' {
+                assert!(busy(c) <= u / 2.0 + eps, "{}", ctx(c));
+                c += 1;
+                continue;
             }
-            match ch {
-                '.' => assert!(busy < u / 2.0, "{ctx}"),
-                '+' => {
-                    assert!(busy > u / 2.0, "{ctx}");
-                    assert!(by_kind.iter().all(|k| k.1 < 0.75 * busy + eps), "{ctx}");
+            // A run of mixed columns: its label (if any), then `+`.
+            let is_item = |j: usize| {
+                let mut k = j + 1;
+                while k < cols && cells[k].is_ascii_digit() {
+                    k += 1;
                 }
-                _ => {
-                    assert!(busy > u / 2.0, "{ctx}");
-                    // A label's digits and fill belong to the letter that starts it.
-                    let letter = cells[..=c]
+                cells[j].is_ascii_alphabetic() && k > j + 1 && k < cols && cells[k] == '%'
+            };
+            if ch == '+' || is_item(c) {
+                let start = c;
+                let mut label = String::new();
+                while c < cols && is_item(c) {
+                    while cells[c] != '%' {
+                        label.push(cells[c]);
+                        c += 1;
+                    }
+                    label.push('%');
+                    c += 1;
+                }
+                while c < cols && cells[c] == '+' {
+                    c += 1;
+                }
+                for (j, w) in work.iter().enumerate().take(c).skip(start) {
+                    crowded(j);
+                    for &(k, _) in &w.1 {
+                        assert!(!dominant(j, k, -eps), "{k} dominates: {}", ctx(j));
+                    }
+                }
+                if !label.is_empty() {
+                    // The run's work by kind, largest first, whole percents.
+                    let mut total: Vec<(char, f64)> = Vec::new();
+                    for w in &work[start..c] {
+                        for &(k, t) in &w.1 {
+                            match total.iter_mut().find(|x| x.0 == k) {
+                                Some(x) => x.1 += t,
+                                None => total.push((k, t)),
+                            }
+                        }
+                    }
+                    let sum: f64 = total.iter().map(|x| x.1).sum();
+                    let order = "FBIWX";
+                    total.sort_by(|a, b| {
+                        b.1.total_cmp(&a.1)
+                            .then(order.find(a.0).cmp(&order.find(b.0)))
+                    });
+                    let want: String = total
                         .iter()
-                        .rev()
-                        .find(|x| x.is_ascii_alphabetic())
-                        .expect("a label starts with its letter")
-                        .to_ascii_uppercase();
-                    let share = by_kind.iter().find(|k| k.0 == letter).map_or(0.0, |k| k.1);
-                    assert!(share >= 0.75 * busy - eps, "{ctx}");
+                        .map(|&(k, t)| format!("{k}{}%", (t / sum * 100.0).round()))
+                        .collect();
+                    assert!(
+                        want.starts_with(&label),
+                        "run label {label:?}, work {want:?}: {}",
+                        ctx(start)
+                    );
                 }
+                continue;
             }
+            assert!(ch.is_ascii_alphabetic(), "{}", ctx(c));
+            let letter = ch.to_ascii_uppercase();
+            // An op's run: its label (letter, digits) and `-` fill.
+            let start = c;
+            c += 1;
+            while c < cols && (cells[c].is_ascii_digit() || cells[c] == '/' || cells[c] == '-') {
+                c += 1;
+            }
+            let text: String = cells[start..c].iter().collect();
+            let label = text.trim_end_matches('-').to_ascii_uppercase();
+            let as_op = ops.iter().any(|&(i, op, _, _)| {
+                let l = pipec::back::view::op_label(op);
+                kind_letter(op) == letter
+                    && (label == l || label.len() == 1)
+                    && (start..c).all(|j| {
+                        let o = work[j].0.iter().find(|x| x.0 == i).map_or(0.0, |x| x.1);
+                        o >= u / 2.0 - eps && o >= top(j) - eps
+                    })
+            });
+            let as_kind =
+                c == start + 1 && top(start) <= u / 2.0 + eps && dominant(start, letter, eps);
+            assert!(
+                as_op || as_kind,
+                "{text:?} is neither an op's run nor a dominant kind: {}",
+                ctx(start)
+            );
         }
     }
 }

@@ -1213,3 +1213,500 @@ fn snapshot_split_backward_and_pairs() {
         .collect();
     assert!(!pair_spans.is_empty() && pair_spans.iter().all(|&d| close(d, 2.5)));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 29: bounded size flags, `show` at real sizes, SVG chunks and the SVG overview.
+
+/// The rows and legend of `render` at `width`: every line fits, colour codes aside.
+fn visible(s: &str) -> usize {
+    timeline_text::visible_width(s)
+}
+
+#[test]
+fn show_width_is_bounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "a",
+        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
+    );
+    // Each used to run for minutes or be killed for memory (100000000, 4294967295).
+    for bad in [
+        "100000000",
+        "4294967295",
+        "10001",
+        "19",
+        "0",
+        "-5",
+        "abc",
+        "1e3",
+    ] {
+        let t = std::time::Instant::now();
+        pipec()
+            .arg("show")
+            .arg(&d)
+            .args(["--width", bad])
+            .assert()
+            .code(2)
+            .stderr(predicates::str::contains("--width"))
+            .stderr(predicates::str::contains("20 to 10000 columns"));
+        assert!(t.elapsed().as_secs() < 20, "--width {bad}");
+    }
+    // The bounds themselves draw, using every column.
+    for w in [20usize, 10_000] {
+        let out =
+            stdout_of(
+                pipec()
+                    .arg("show")
+                    .arg(&d)
+                    .args(["--no-color", "--width", &w.to_string()]),
+            );
+        let rows: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("rank ") && l.contains('│'))
+            .collect();
+        assert_eq!(rows.len(), 4, "{out}");
+        assert!(rows.iter().all(|l| l.chars().count() == w), "{out}");
+    }
+    // COLUMNS is a terminal's hint: brought within the range, never an unbounded width.
+    for (cols, w) in [("100000000", 10_000usize), ("5", 20)] {
+        let out = stdout_of(pipec().arg("show").arg(&d).env("COLUMNS", cols));
+        assert!(
+            out.lines()
+                .filter(|l| l.starts_with("rank ") && l.contains('│'))
+                .all(|l| l.chars().count() == w),
+            "COLUMNS={cols}"
+        );
+    }
+}
+
+#[test]
+fn export_size_flags_are_bounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "a",
+        &["--schedule", "1f1b", "--pp", "8", "--microbatches", "1024"],
+    );
+    for bad in ["1e12", "32769", "299", "10", "-5", "nan", "inf", "wide"] {
+        pipec()
+            .arg("export")
+            .arg(&d)
+            .args(["--format", "svg", "--svg-width", bad])
+            .assert()
+            .code(2)
+            .stderr(predicates::str::contains("--svg-width"))
+            .stderr(predicates::str::contains("300 to 32768 pixels"));
+    }
+    // Every instruction as a node: more than Graphviz lays out, refused unless --full.
+    let loaded = pipec::back::files::load_dir(&d).unwrap();
+    assert!(loaded.program.len() > 20_000);
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "dot", "--condense", "none"])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains("--condense none"))
+        .stderr(predicates::str::contains("at most 20000"));
+    let full = stdout_of(pipec().arg("export").arg(&d).args([
+        "--format",
+        "dot",
+        "--condense",
+        "none",
+        "--full",
+    ]));
+    let nodes = full
+        .lines()
+        .filter(|l| l.trim_start().starts_with('r') && l.contains("[label="))
+        .count();
+    assert_eq!(nodes, loaded.program.len());
+    // The default (auto) and per-stage graphs stay small.
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "dot"])
+        .assert()
+        .success();
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "torch-csv", "--full"])
+        .assert()
+        .code(2);
+}
+
+#[test]
+fn show_uses_the_whole_width() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "a",
+        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
+    );
+    let (program, timeline) = crate::inspect::timeline_of(&d);
+    let mut seen = Vec::new();
+    for width in [30usize, 80, 100, 117, 250] {
+        let out = stdout_of(pipec().arg("show").arg(&d).args([
+            "--no-color",
+            "--width",
+            &width.to_string(),
+        ]));
+        // Rows fill the width exactly (rank label, two borders, the rest timeline).
+        for l in out
+            .lines()
+            .filter(|l| l.starts_with("rank ") && l.contains('│'))
+        {
+            assert_eq!(l.chars().count(), width, "{out}");
+        }
+        crate::inspect::check_rows(&out, &program, &timeline, width, &[0, 1, 2, 3], 0.0, None);
+        seen.push(out);
+    }
+    // 80 and 100 columns used to print the same picture (the scale snapped to whole units).
+    assert_ne!(seen[1], seen[2]);
+}
+
+#[test]
+fn show_legend_fits_the_width() {
+    let (c, split, paired) = split_and_paired(3, 4);
+    let costs = StageCosts::new(
+        &CostModel::parse("f=1,b=1,w=1,overlap=0.5").unwrap(),
+        &c.layout,
+        3,
+    );
+    for program in [&split, &paired, &c.program] {
+        let s = simulate(program, &costs).unwrap();
+        for width in (20..=140).step_by(3) {
+            for color in [false, true] {
+                let text = timeline_text::render(
+                    program,
+                    &s.timeline,
+                    &timeline_text::TextOptions {
+                        width,
+                        color,
+                        ..Default::default()
+                    },
+                );
+                for l in text.lines() {
+                    assert!(visible(l) <= width, "{width} {color}: {l:?}\n{text}");
+                }
+                // Nothing of the legend is lost: every kind drawn is named.
+                let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+                assert!(flat.contains("idle"), "{text}");
+            }
+        }
+    }
+    // At 80 columns the legend of all five kinds takes several lines, none wider than 80.
+    let s = simulate(&paired, &costs).unwrap();
+    let text = timeline_text::render(
+        &paired,
+        &s.timeline,
+        &timeline_text::TextOptions {
+            width: 80,
+            ..Default::default()
+        },
+    );
+    assert!(text.contains("overlapped forward + backward"), "{text}");
+    assert!(text.lines().all(|l| l.chars().count() <= 80), "{text}");
+}
+
+/// Llama-3 70B's pipeline (80 layers, pp=8, vpp=5, M=64): at 200 columns the steady state was
+/// 95% `+`. Each mixed run now names its work by kind, checked against the timeline.
+#[test]
+fn show_mixed_runs_name_their_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "llama",
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "8",
+            "--vpp",
+            "5",
+            "--microbatches",
+            "64",
+            "--num-layers",
+            "80",
+        ],
+    );
+    let (program, timeline) = crate::inspect::timeline_of(&d);
+    let all: Vec<usize> = (0..8).collect();
+    for width in [80usize, 100, 200, 300] {
+        let out = stdout_of(pipec().arg("show").arg(&d).args([
+            "--no-color",
+            "--width",
+            &width.to_string(),
+        ]));
+        crate::inspect::check_rows(&out, &program, &timeline, width, &all, 0.0, None);
+        if width <= 200 {
+            // The long steady state is one labelled run per rank: 1F1B does two backward
+            // time units per forward one (b + w = 2f), so B 67% F 33%.
+            for l in out
+                .lines()
+                .filter(|l| l.starts_with("rank ") && l.contains('│'))
+            {
+                assert!(l.contains("F3") && l.contains('%'), "{out}");
+            }
+            assert!(
+                out.contains("a run of them starts with its work by kind"),
+                "{out}"
+            );
+        }
+    }
+}
+
+/// The chunk of the stage in an SVG op's tooltip (`rank 1, #4: F s3 mb5 ...`), from the
+/// looped placement: stage s is chunk s / pp.
+fn tooltip_chunk(title: &str, pp: u32) -> u32 {
+    let s = title.split(" s").nth(1).unwrap();
+    let stage: u32 = s.split(' ').next().unwrap().parse().unwrap();
+    stage / pp
+}
+
+#[test]
+fn svg_chunks_distinct_when_vpp_gt_2() {
+    for vpp in 2..=12u32 {
+        let pp = 2;
+        let c = build(ScheduleKind::Interleaved1F1B, pp, vpp, 4);
+        let s = sim(&c, "");
+        let text = svg::render(&c.program, &s.timeline, &svg::SvgOptions::default());
+        let doc = roxmltree::Document::parse(&text).expect("SVG is XML");
+        let patterns: Vec<String> = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("pattern"))
+            .map(|n| n.attribute("id").unwrap().to_string())
+            .collect();
+        // kind letter -> chunk -> fill
+        let mut fills: std::collections::BTreeMap<(String, u32), String> = Default::default();
+        for r in doc.descendants().filter(|n| {
+            n.has_tag_name("rect") && n.attribute("class").is_some_and(|c| c.starts_with("op "))
+        }) {
+            let kind = r.attribute("class").unwrap()[3..].to_string();
+            let title = r
+                .children()
+                .find(|n| n.has_tag_name("title"))
+                .unwrap()
+                .text()
+                .unwrap();
+            let chunk = tooltip_chunk(title, pp);
+            let f = r.attribute("fill").unwrap().to_string();
+            if let Some(id) = f.strip_prefix("url(#").and_then(|x| x.strip_suffix(')')) {
+                assert!(patterns.iter().any(|p| p == id), "{f} undefined");
+            }
+            let prev = fills.insert((kind.clone(), chunk), f.clone());
+            assert!(
+                prev.is_none_or(|p| p == f),
+                "chunk {chunk} of {kind}: two looks"
+            );
+        }
+        assert_eq!(fills.len() as u32, 2 * vpp, "vpp={vpp}: {fills:?}");
+        // Within a kind, every chunk looks different; solid shades differ clearly (at least
+        // 40 in some RGB channel), not only by light/dark parity.
+        for kind in ["F", "B"] {
+            let looks: Vec<&String> = (0..vpp).map(|ch| &fills[&(kind.to_string(), ch)]).collect();
+            for a in 0..looks.len() {
+                for b in 0..a {
+                    assert_ne!(looks[a], looks[b], "vpp={vpp} chunks {a} and {b}");
+                    let rgb = |s: &str| {
+                        (0..3)
+                            .map(|i| i64::from_str_radix(&s[1 + 2 * i..3 + 2 * i], 16).unwrap())
+                            .collect::<Vec<_>>()
+                    };
+                    if looks[a].starts_with('#') && looks[b].starts_with('#') {
+                        let (x, y) = (rgb(looks[a]), rgb(looks[b]));
+                        let d = (0..3).map(|i| (x[i] - y[i]).abs()).max().unwrap();
+                        assert!(
+                            d >= 40,
+                            "vpp={vpp} chunks {a} {b}: {} {}",
+                            looks[a],
+                            looks[b]
+                        );
+                    }
+                }
+            }
+        }
+        if vpp == 2 {
+            // Two chunks keep the light/dark parity of before.
+            assert_eq!(fills[&("F".to_string(), 0)], "#4e79a7");
+            assert_eq!(fills[&("F".to_string(), 1)], "#9db5ce");
+            assert!(!text.contains("chunk 0"));
+        } else {
+            assert!(text.contains("chunk 0"), "the legend names the chunks");
+        }
+    }
+}
+
+/// The overview against the timeline: bucket `b` of rank `r` (the window cut into
+/// `data-buckets` equal buckets) is covered by one rect exactly when some op runs in it, in the
+/// colour class of the kind doing most work there, its opacity the busy share in tenths
+/// rounded up.
+#[test]
+fn svg_at_scale_is_an_overview() {
+    let c = build(ScheduleKind::Interleaved1F1B, 4, 3, 16);
+    let s = sim(&c, "f=1,b=2,w=1,p2p=0.25");
+    let opts = svg::SvgOptions {
+        max_ops: 100,
+        ..Default::default()
+    };
+    let text = svg::render(&c.program, &s.timeline, &opts);
+    let doc = roxmltree::Document::parse(&text).expect("SVG is XML");
+    assert!(
+        !text.contains("class=\"op "),
+        "an overview draws no single op"
+    );
+    let g = doc
+        .descendants()
+        .find(|n| n.attribute("class") == Some("overview"))
+        .expect("overview group");
+    let buckets: usize = g.attribute("data-buckets").unwrap().parse().unwrap();
+    let (left, plot_w) = (64.0, 1200.0 - 64.0 - 24.0);
+    let bw = plot_w / buckets as f64;
+    let makespan = s.timeline.makespan();
+    let u = makespan / buckets as f64;
+    let lanes: Vec<f64> = doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("lane"))
+        .map(|n| n.attribute("y").unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(lanes.len(), 4);
+    let mut covered = vec![vec![None; buckets]; 4];
+    for r in g.children().filter(|n| n.has_tag_name("rect")) {
+        let y: f64 = r.attribute("y").unwrap().parse().unwrap();
+        let rank = lanes
+            .iter()
+            .position(|&l| (l - y).abs() < 1e-6)
+            .expect("a lane");
+        let x: f64 = r.attribute("x").unwrap().parse().unwrap();
+        let w: f64 = r.attribute("width").unwrap().parse().unwrap();
+        let (b0, b1) = (
+            ((x - left) / bw).round() as usize,
+            ((x + w - left) / bw).round() as usize,
+        );
+        let kind = r.attribute("class").unwrap()["bucket ".len()..].to_string();
+        let op: f64 = r.attribute("fill-opacity").unwrap().parse().unwrap();
+        for cell in &mut covered[rank][b0..b1] {
+            assert!(cell.is_none(), "bucket drawn twice");
+            *cell = Some((kind.clone(), op));
+        }
+    }
+    for (r, row) in covered.iter().enumerate() {
+        for (b, cell) in row.iter().enumerate() {
+            let (a, z) = (b as f64 * u, (b + 1) as f64 * u);
+            let mut by_kind: Vec<(char, f64)> = Vec::new();
+            for (ins, sp) in c.program.ranks[r].iter().zip(&s.timeline.ranks[r]) {
+                let Instr::Compute(op) = ins else { continue };
+                let o = sp.end.min(z) - sp.start.max(a);
+                if o > 0.0 {
+                    let k = pipec::back::view::OpKind::of(op).letter();
+                    match by_kind.iter_mut().find(|x| x.0 == k) {
+                        Some(x) => x.1 += o,
+                        None => by_kind.push((k, o)),
+                    }
+                }
+            }
+            let busy: f64 = by_kind.iter().map(|x| x.1).sum();
+            match cell {
+                None => assert!(busy < 1e-9, "rank {r} bucket {b} busy {busy} not drawn"),
+                Some((kind, op)) => {
+                    let top = by_kind.iter().map(|x| x.1).fold(0.0, f64::max);
+                    let mine = by_kind
+                        .iter()
+                        .find(|x| x.0.to_string() == *kind)
+                        .map_or(0.0, |x| x.1);
+                    assert!(
+                        mine >= top - 1e-9,
+                        "rank {r} bucket {b}: {kind} {by_kind:?}"
+                    );
+                    let tenths = ((busy / u * 10.0 - 1e-9).ceil()).clamp(1.0, 10.0) / 10.0;
+                    let tenths_hi = ((busy / u * 10.0 + 1e-9).ceil()).clamp(1.0, 10.0) / 10.0;
+                    assert!(
+                        close(*op, tenths) || close(*op, tenths_hi),
+                        "rank {r} bucket {b}: opacity {op}, busy {busy} of {u}"
+                    );
+                }
+            }
+        }
+    }
+    // Below the threshold, or asked for, every op.
+    let ops = svg::render(
+        &c.program,
+        &s.timeline,
+        &svg::SvgOptions {
+            detail: svg::Detail::Ops,
+            ..opts.clone()
+        },
+    );
+    let computes = c
+        .program
+        .ranks
+        .iter()
+        .flatten()
+        .filter(|i| matches!(i, Instr::Compute(_)))
+        .count();
+    assert_eq!(ops.matches("class=\"op ").count(), computes);
+    assert_eq!(
+        ops,
+        svg::render(&c.program, &s.timeline, &svg::SvgOptions::default())
+    );
+}
+
+/// The CLI writes the overview above 20000 ops by default, says so and how to get every op.
+#[test]
+fn svg_export_at_scale_is_an_overview() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = compiled_dir(
+        tmp.path(),
+        "big",
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "8",
+            "--vpp",
+            "4",
+            "--microbatches",
+            "320",
+        ],
+    );
+    let out = pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "svg"])
+        .assert()
+        .success()
+        .stderr(predicates::str::contains("--svg-detail ops"));
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    roxmltree::Document::parse(&text).unwrap();
+    assert!(text.contains("class=\"overview\"") && !text.contains("class=\"op "));
+    assert!(text.len() < 2 << 20, "{} bytes", text.len());
+    for flags in [&["--svg-detail", "ops"][..], &["--full"]] {
+        let all = stdout_of(
+            pipec()
+                .arg("export")
+                .arg(&d)
+                .args(["--format", "svg"])
+                .args(flags),
+        );
+        assert_eq!(
+            all.matches("class=\"op ").count(),
+            8 * 4 * 320 * 2,
+            "{flags:?}"
+        );
+    }
+    // A window small enough draws every op without being asked.
+    let win = stdout_of(
+        pipec()
+            .arg("export")
+            .arg(&d)
+            .args(["--format", "svg", "--ranks", "0", "--to", "200"]),
+    );
+    assert!(win.contains("class=\"op ") && !win.contains("class=\"overview\""));
+    pipec()
+        .arg("export")
+        .arg(&d)
+        .args(["--format", "dot", "--svg-detail", "ops"])
+        .assert()
+        .code(2);
+}

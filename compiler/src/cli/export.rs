@@ -54,23 +54,62 @@ pub struct Args {
     pub out: Option<PathBuf>,
     #[command(flatten)]
     pub cost: CostArgs,
-    /// Graph size for --format dot (default auto).
+    /// Graph size for --format dot (default auto); a graph of more than 20000 nodes needs
+    /// --full.
     #[arg(long, value_enum)]
     pub condense: Option<CondenseArg>,
     /// Only the compute actions: torch's compute-only CSV form, or a trace without
     /// communication (an SVG draws compute only anyway).
     #[arg(long)]
     pub compute_only: bool,
-    /// Picture width in pixels for --format svg (default 1200).
-    #[arg(long)]
+    /// Picture width in pixels for --format svg, 300 to 32768 (default 1200).
+    #[arg(long, value_name = "PX", allow_negative_numbers = true, value_parser = parse_svg_width)]
     pub svg_width: Option<f64>,
+    /// For --format svg: every op, or an overview per rank and time bucket (auto: the
+    /// overview above 20000 ops, which browsers cannot open at once).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub svg_detail: Option<SvgDetail>,
     /// For a trace or SVG.
     #[command(flatten)]
     pub window: super::window::WindowArgs,
-    /// Write the whole trace or SVG even when it is too big for viewers to open.
+    /// Write the whole trace, SVG (every op) or graph even when it is too big for viewers
+    /// to open.
     #[arg(long)]
     pub full: bool,
 }
+
+/// What `--format svg` draws.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SvgDetail {
+    /// Every op up to 20000 ops, the overview above.
+    Auto,
+    /// Every op.
+    Ops,
+    /// One cell per rank and time bucket.
+    Overview,
+}
+
+/// Narrower than this, the SVG's legend and axis do not fit.
+pub const MIN_SVG_WIDTH: f64 = 300.0;
+/// Browsers refuse to draw an image wider than about 32767 pixels.
+pub const MAX_SVG_WIDTH: f64 = 32768.0;
+
+/// `--svg-width`: pixels in [`MIN_SVG_WIDTH`]..=[`MAX_SVG_WIDTH`]; clap reports the refusal as
+/// a usage error (exit 2) naming the flag.
+pub fn parse_svg_width(text: &str) -> Result<f64, String> {
+    let why = format!(
+        "must be {MIN_SVG_WIDTH} to {MAX_SVG_WIDTH} pixels: narrower leaves no room for the legend and axis, and browsers do not draw images wider than about 32767 pixels"
+    );
+    match text.trim().parse::<f64>() {
+        Ok(w) if (MIN_SVG_WIDTH..=MAX_SVG_WIDTH).contains(&w) => Ok(w),
+        Ok(_) => Err(why),
+        Err(_) => Err(format!("not a number; {why}")),
+    }
+}
+
+/// Graphviz does not lay out bigger graphs in useful time, and their text runs to hundreds of
+/// MB (every instruction of interleaved 1F1B at pp=64, vpp=8, M=1024: 545 MB).
+pub const DOT_MAX_NODES: usize = 20_000;
 
 /// Bigger than this, Perfetto and browsers fail to open a trace or an SVG: by default the
 /// export keeps less, and says what.
@@ -168,12 +207,35 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
         Format::Svg => {
             let sim = timed()?;
             let base = filter(a, world)?;
+            let mut opts = svg::SvgOptions {
+                width: a.svg_width.unwrap_or(1200.0),
+                title: Some(format!("{name}   ·   cost {}", model.describe())),
+                filter: base.clone(),
+                detail: match (a.svg_detail, a.full) {
+                    (Some(SvgDetail::Ops), _) | (None, true) => svg::Detail::Ops,
+                    (Some(SvgDetail::Overview), _) => svg::Detail::Overview,
+                    (Some(SvgDetail::Auto), _) | (None, false) => svg::Detail::Auto,
+                },
+                ..Default::default()
+            };
+            // Decided on the whole view, so the size probe of one rank draws the same way.
+            if svg::is_overview(&loaded.program, &sim.timeline, &opts) {
+                if opts.detail == svg::Detail::Auto {
+                    eprintln!(
+                        "note: {} ops are too many for a browser to open at once: wrote an overview per rank and time bucket (--svg-detail ops draws every op)",
+                        svg::ops_drawn(&loaded.program, &sim.timeline, &opts)
+                    );
+                }
+                opts.detail = svg::Detail::Overview;
+                opts.title = opts.title.map(|t| format!("{t}   ·   overview"));
+            } else {
+                opts.detail = svg::Detail::Ops;
+            }
             let (text, note) = capped(
                 |f| {
                     let opts = svg::SvgOptions {
-                        width: a.svg_width.unwrap_or(1200.0),
-                        title: Some(format!("{name}   ·   cost {}", model.describe())),
                         filter: f.clone(),
+                        ..opts.clone()
                     };
                     svg::render(&loaded.program, &sim.timeline, &opts)
                 },
@@ -194,6 +256,19 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
                 CondenseArg::Stage => dot::Condense::Stage,
                 CondenseArg::RankMb => dot::Condense::RankMb,
             };
+            let nodes = match c {
+                dot::Condense::None => loaded.program.len(),
+                dot::Condense::Stage => loaded.program.num_stages() as usize,
+                dot::Condense::RankMb => world.saturating_mul(loaded.program.microbatches as usize),
+            };
+            if nodes > DOT_MAX_NODES && !a.full {
+                return Err(CliError::Usage(format!(
+                    "--condense {}: a graph of about {nodes} nodes; at most {DOT_MAX_NODES} are drawn, since Graphviz does not lay out bigger graphs in useful time (--condense stage draws {} nodes; --full writes it anyway)",
+                    clap::ValueEnum::to_possible_value(&a.condense.unwrap_or(CondenseArg::Auto))
+                        .map_or(String::new(), |v| v.get_name().to_string()),
+                    loaded.program.num_stages()
+                )));
+            }
             dot::render(&loaded.program, c, Some(&name)).into_bytes()
         }
     })
@@ -217,6 +292,9 @@ fn check_flags(a: &Args) -> Result<(), CliError> {
     if a.svg_width.is_some() && f != Format::Svg {
         return refuse("--svg-width", "--format svg");
     }
+    if a.svg_detail.is_some() && f != Format::Svg {
+        return refuse("--svg-detail", "--format svg");
+    }
     if a.compute_only && f == Format::Dot {
         return refuse("--compute-only", "torch-csv, chrome-trace and svg");
     }
@@ -224,16 +302,13 @@ fn check_flags(a: &Args) -> Result<(), CliError> {
         ("--ranks", a.window.ranks.is_some()),
         ("--from", a.window.from.is_some()),
         ("--to", a.window.to.is_some()),
-        ("--full", a.full),
     ] {
         if given && !views {
             return refuse(flag, "chrome-trace and svg");
         }
     }
-    if a.svg_width.is_some_and(|w| !(w.is_finite() && w > 0.0)) {
-        return Err(CliError::Usage(
-            "--svg-width must be a positive number".to_string(),
-        ));
+    if a.full && f == Format::TorchCsv {
+        return refuse("--full", "chrome-trace, svg and dot");
     }
     Ok(())
 }

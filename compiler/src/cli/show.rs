@@ -30,8 +30,8 @@ pub struct Args {
     pub placement: Option<pipec::back::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
-    /// Total width in columns, at least 20 (default: $COLUMNS, else 100).
-    #[arg(long)]
+    /// Total width in columns, 20 to 10000 (default: $COLUMNS within that range, else 100).
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = parse_width)]
     pub width: Option<usize>,
     #[command(flatten)]
     pub window: super::window::WindowArgs,
@@ -43,15 +43,30 @@ pub struct Args {
     pub no_color: bool,
 }
 
-/// Width from the flag, then `COLUMNS`, then 100.
+/// Width from the flag, then `COLUMNS` (a terminal's hint, brought within
+/// [`MIN_WIDTH`]..=[`MAX_WIDTH`]), then 100.
 pub fn width(flag: Option<usize>) -> usize {
     flag.or_else(|| {
         std::env::var("COLUMNS")
             .ok()
-            .and_then(|c| c.trim().parse().ok())
+            .and_then(|c| c.trim().parse::<usize>().ok())
+            .filter(|&w| w > 0)
+            .map(|w| w.clamp(MIN_WIDTH, MAX_WIDTH))
     })
-    .filter(|&w| w > 0)
     .unwrap_or(100)
+}
+
+/// `--width`: a whole number of columns in [`MIN_WIDTH`]..=[`MAX_WIDTH`]; clap reports the
+/// refusal as a usage error (exit 2) naming the flag.
+pub fn parse_width(text: &str) -> Result<usize, String> {
+    let why = format!(
+        "must be {MIN_WIDTH} to {MAX_WIDTH} columns: narrower leaves no room for the timeline beside the rank labels, and wider is no terminal's width but costs memory and time for every rank"
+    );
+    match text.trim().parse::<i128>() {
+        Ok(w) if (MIN_WIDTH as i128..=MAX_WIDTH as i128).contains(&w) => Ok(w as usize),
+        Ok(_) => Err(why),
+        Err(_) => Err(format!("not a whole number; {why}")),
+    }
 }
 
 /// Whether to colour: flags first, then NO_COLOR (no-color.org: set and non-empty), then
@@ -71,7 +86,9 @@ pub fn use_color(choice: ColorChoice, no_color: bool) -> bool {
 }
 
 /// Narrower than this leaves no room for the timeline next to the rank labels.
-const MIN_WIDTH: usize = 20;
+pub const MIN_WIDTH: usize = 20;
+/// Wider than any terminal; the rows are built in memory, so the width must be bounded.
+pub const MAX_WIDTH: usize = 10_000;
 
 /// Parse `0,3-5` into rank numbers (in the order given), each below `world`.
 pub fn parse_ranks(text: &str, world: usize) -> Result<Vec<usize>, CliError> {
@@ -100,11 +117,6 @@ pub fn parse_ranks(text: &str, world: usize) -> Result<Vec<usize>, CliError> {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    if a.width.is_some_and(|w| w < MIN_WIDTH) {
-        return Err(CliError::Usage(format!(
-            "--width must be at least {MIN_WIDTH} columns"
-        )));
-    }
     a.window.check()?;
     let model = a.cost.model()?;
     let loaded = super::load_any(&a.input, a.pp, a.placement)?;
@@ -118,7 +130,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         )));
     }
     let opts = TextOptions {
-        width: width(a.width).max(MIN_WIDTH),
+        width: width(a.width),
         color: use_color(a.color, a.no_color),
         ranks: ranks.clone(),
         from: a.window.from,

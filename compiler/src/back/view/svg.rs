@@ -2,6 +2,10 @@
 //! with a `<title>` tooltip, a legend and a time axis. Rows shrink for large pipelines
 //! (24 px up to 16 ranks, down to 2 px), labels appear only where they fit. Output is
 //! deterministic: fixed number formatting, program order.
+//!
+//! Above [`OVERVIEW_ABOVE_OPS`] ops the picture is an overview instead (one cell per rank and
+//! time bucket: the kind doing most work there, its opacity the busy share), which a browser
+//! opens at once; a picture of every op stays available with [`Detail::Ops`].
 
 use super::{
     chunk_of, chunks, fmt_num, nice_step, op_label, op_name, timeline_text::origin, Filter, OpKind,
@@ -9,6 +13,26 @@ use super::{
 use crate::ir::{Instr, Program};
 use crate::simulate::timeline::{TimeUnit, Timeline};
 use std::fmt::Write as _;
+
+/// Every op, or an overview per rank and time bucket.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Detail {
+    /// Every op up to [`SvgOptions::max_ops`] ops drawn, the overview above.
+    #[default]
+    Auto,
+    /// One rect per op, whatever the size.
+    Ops,
+    /// One cell per rank and time bucket.
+    Overview,
+}
+
+/// Above this many ops drawn, [`Detail::Auto`] draws the overview: at about 100 bytes an op
+/// this is a few MB, which browsers open at once (interleaved 1F1B at pp=64, vpp=8, M=1024 has
+/// a million ops: 104 MB, which they do not).
+pub const OVERVIEW_ABOVE_OPS: usize = 20_000;
+
+/// Width of one overview time bucket in pixels.
+pub const BUCKET_PX: f64 = 2.0;
 
 /// How to draw.
 #[derive(Clone, Debug)]
@@ -19,6 +43,10 @@ pub struct SvgOptions {
     pub title: Option<String>,
     /// The ranks and time window drawn (communication is never drawn).
     pub filter: Filter,
+    /// Every op or an overview.
+    pub detail: Detail,
+    /// The most ops [`Detail::Auto`] draws one by one.
+    pub max_ops: usize,
 }
 
 impl Default for SvgOptions {
@@ -27,7 +55,40 @@ impl Default for SvgOptions {
             width: 1200.0,
             title: None,
             filter: Filter::default(),
+            detail: Detail::Auto,
+            max_ops: OVERVIEW_ABOVE_OPS,
         }
+    }
+}
+
+/// The compute ops a picture under `opts` would draw (in its ranks and window).
+pub fn ops_drawn(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> usize {
+    let t0 = origin(timeline);
+    opts.filter
+        .rows(program.ranks.len())
+        .iter()
+        .map(|&r| {
+            let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
+            program.ranks[r]
+                .iter()
+                .zip(spans)
+                .filter(|(i, sp)| {
+                    matches!(i, Instr::Compute(_))
+                        && sp.start.is_finite()
+                        && sp.end.is_finite()
+                        && opts.filter.keeps(sp.start - t0, sp.end - t0)
+                })
+                .count()
+        })
+        .sum()
+}
+
+/// Whether `opts` draws the overview.
+pub fn is_overview(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> bool {
+    match opts.detail {
+        Detail::Ops => false,
+        Detail::Overview => true,
+        Detail::Auto => ops_drawn(program, timeline, opts) > opts.max_ops,
     }
 }
 
@@ -44,13 +105,65 @@ fn color(kind: OpKind) -> (u8, u8, u8) {
 
 /// Fill and text colour; odd chunks are the colour mixed 45% towards white.
 fn fill(kind: OpKind, odd: bool) -> (String, &'static str) {
-    let (r, g, b) = color(kind);
     if odd {
-        let l = |c: u8| c + ((255 - c as u16) * 45 / 100) as u8;
-        (format!("#{:02x}{:02x}{:02x}", l(r), l(g), l(b)), "#1b1b1b")
+        (mix(color(kind), 45), "#1b1b1b")
     } else {
-        (format!("#{r:02x}{g:02x}{b:02x}"), "#ffffff")
+        (mix(color(kind), 0), "#ffffff")
     }
+}
+
+/// `rgb` mixed `pct` percent of the way towards white, as `#rrggbb`.
+fn mix((r, g, b): (u8, u8, u8), pct: u16) -> String {
+    let l = |c: u8| c + ((255 - c as u16) * pct / 100) as u8;
+    format!("#{:02x}{:02x}{:02x}", l(r), l(g), l(b))
+}
+
+/// With more than two chunks, light/dark parity would make chunks 0, 2 and 4 alike: chunk `c`
+/// gets the shade `CHUNK_SHADES[c % 4]` (percent mixed towards white, or towards black when
+/// negative) and the hatching `c / 4 % 4` (none, `/`, `\\`, crossed), so 16 chunks look
+/// distinct; more repeat.
+pub const CHUNK_SHADES: [i16; 4] = [0, 45, -35, 75];
+
+/// `rgb` shaded by `pct` ([`CHUNK_SHADES`]), as `#rrggbb`.
+fn shade(rgb: (u8, u8, u8), pct: i16) -> String {
+    if pct >= 0 {
+        mix(rgb, pct as u16)
+    } else {
+        let d = |c: u8| (c as u16 * (100 - pct.unsigned_abs()) / 100) as u8;
+        format!("#{:02x}{:02x}{:02x}", d(rgb.0), d(rgb.1), d(rgb.2))
+    }
+}
+
+/// The look of chunk `chunk` of `chunks` for a kind: `(fill, text colour, hatching)`; the fill
+/// is a pattern reference when the chunk is hatched.
+fn chunk_fill(kind: OpKind, chunk: u32, chunks: u32) -> (String, &'static str, u32) {
+    if chunks <= 2 {
+        let (f, t) = fill(kind, chunk % 2 == 1);
+        return (f, t, 0);
+    }
+    let pct = CHUNK_SHADES[(chunk % 4) as usize];
+    let hatch = chunk / 4 % 4;
+    let text = if pct >= 40 { "#1b1b1b" } else { "#ffffff" };
+    let f = if hatch == 0 {
+        shade(color(kind), pct)
+    } else {
+        format!("url(#{}{chunk})", kind.letter())
+    };
+    (f, text, hatch)
+}
+
+/// A pattern for a hatched chunk: its shade with white lines.
+fn hatch_pattern(kind: OpKind, chunk: u32) -> String {
+    let base = shade(color(kind), CHUNK_SHADES[(chunk % 4) as usize]);
+    let lines = match chunk / 4 % 4 {
+        1 => r##"<path d="M0,6 L6,0" stroke="#ffffff" stroke-width="1.5"/>"##,
+        2 => r##"<path d="M0,0 L6,6" stroke="#ffffff" stroke-width="1.5"/>"##,
+        _ => r##"<path d="M0,6 L6,0 M0,0 L6,6" stroke="#ffffff" stroke-width="1.2"/>"##,
+    };
+    format!(
+        r##"<pattern id="{}{chunk}" patternUnits="userSpaceOnUse" width="6" height="6"><rect width="6" height="6" fill="{base}"/>{lines}</pattern>"##,
+        kind.letter()
+    )
 }
 
 fn esc(s: &str) -> String {
@@ -101,6 +214,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
         TimeUnit::Micros => "µs",
     };
     let chunk = chunks(program);
+    let n_chunks = chunk.iter().max().map_or(1, |c| c + 1);
+    let overview = is_overview(program, timeline, opts);
     let font = (row_h * 0.55).clamp(6.0, 11.0);
 
     let mut s = String::new();
@@ -133,6 +248,16 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
             odd_seen |= chunk_of(op, &chunk) % 2 == 1;
         }
     }
+    let shaded = !overview && n_chunks > 2;
+    if shaded && n_chunks > 4 {
+        let _ = writeln!(s, "<defs>");
+        for k in OpKind::ALL.into_iter().filter(|&k| present[k as usize]) {
+            for c in (4..n_chunks).filter(|c| c / 4 % 4 != 0) {
+                let _ = writeln!(s, "{}", hatch_pattern(k, c));
+            }
+        }
+        let _ = writeln!(s, "</defs>");
+    }
     let mut x = left;
     let _ = writeln!(s, r##"<g class="legend" font-size="11" fill="#333">"##);
     let swatch = |s: &mut String, x: &mut f64, fill: &str, stroke: &str, text: &str| {
@@ -159,11 +284,47 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
             );
         }
     }
-    if odd_seen {
+    if overview {
+        // No chunks in the overview: a cell holds many ops.
+    } else if shaded {
+        let k = OpKind::ALL
+            .into_iter()
+            .find(|&k| present[k as usize])
+            .unwrap_or(OpKind::Fwd);
+        for c in 0..n_chunks {
+            let (f, _, _) = chunk_fill(k, c, n_chunks);
+            let text = if c == 0 {
+                "chunk 0".to_string()
+            } else {
+                c.to_string()
+            };
+            let _ = writeln!(
+                s,
+                r##"<rect class="swatch chunk" x="{}" y="{}" width="12" height="12" fill="{f}" stroke="#999999" stroke-width="0.5"/><text x="{}" y="{}">{}</text>"##,
+                px(x),
+                px(legend_y - 10.0),
+                px(x + 15.0),
+                px(legend_y),
+                esc(&text)
+            );
+            x += 15.0 + 6.2 * text.chars().count() as f64 + 8.0;
+        }
+        x += 10.0;
+    } else if odd_seen {
         let (f, _) = fill(OpKind::Fwd, true);
         swatch(&mut s, &mut x, &f, &f, "lighter: odd model chunk");
     }
     swatch(&mut s, &mut x, "#f0f0f0", "#d0d0d0", "idle");
+    if overview {
+        let buckets = (plot_w / BUCKET_PX).floor().max(1.0);
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="{}">overview: a cell is {} {unit}, coloured by the kind doing most work in it, fainter when partly idle</text>"##,
+            px(x),
+            px(legend_y),
+            fmt_num((to - from) / buckets)
+        );
+    }
     let _ = writeln!(s, "</g>");
 
     // Lanes and rank labels.
@@ -201,63 +362,86 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     }
     let _ = writeln!(s, "</g>");
 
-    // Ops.
-    let _ = writeln!(
-        s,
-        r##"<g class="ops" font-size="{}" text-anchor="middle">"##,
-        px(font)
-    );
-    for (j, &r) in rows.iter().enumerate() {
-        let instrs = &program.ranks[r];
-        let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
-        let y = top + j as f64 * row_h + gap / 2.0;
-        let h = row_h - gap;
-        for (i, (ins, sp)) in instrs.iter().zip(spans).enumerate() {
-            let Instr::Compute(op) = ins else { continue };
-            if !(sp.start.is_finite() && sp.end.is_finite()) {
-                continue;
-            }
-            if !opts.filter.keeps(sp.start - t0, sp.end - t0) {
-                continue;
-            }
-            let kind = OpKind::of(op);
-            let (f, text_fill) = fill(kind, chunk_of(op, &chunk) % 2 == 1);
-            // Clipped to the window.
-            let (a, b) = ((sp.start - t0).max(from), (sp.end - t0).min(to));
-            let x0 = left + (a - from) * scale;
-            let w = ((b - a) * scale).max(0.0);
-            let stroke = if w >= 3.0 && h >= 6.0 {
-                r##" stroke="#ffffff" stroke-width="0.6""##
-            } else {
-                ""
-            };
-            let _ = write!(
-                s,
-                r##"<rect class="op {}" x="{}" y="{}" width="{}" height="{}" fill="{f}"{stroke}><title>rank {r}, #{i}: {} [{} – {}]</title></rect>"##,
-                kind.letter(),
-                px(x0),
-                px(y),
-                px(w),
-                px(h),
-                esc(&op_name(op)),
-                fmt_num(sp.start - t0),
-                fmt_num(sp.end - t0)
-            );
-            let label = &op_label(op)[1..];
-            if h >= 10.0 && w >= font * 0.62 * label.len() as f64 + 3.0 {
+    if overview {
+        draw_overview(
+            &mut s,
+            program,
+            timeline,
+            &rows,
+            Frame {
+                left,
+                plot_w,
+                top,
+                row_h,
+                gap,
+                from,
+                to,
+            },
+        );
+    } else {
+        // Ops.
+        let _ = writeln!(
+            s,
+            r##"<g class="ops" font-size="{}" text-anchor="middle">"##,
+            px(font)
+        );
+        for (j, &r) in rows.iter().enumerate() {
+            let instrs = &program.ranks[r];
+            let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
+            let y = top + j as f64 * row_h + gap / 2.0;
+            let h = row_h - gap;
+            for (i, (ins, sp)) in instrs.iter().zip(spans).enumerate() {
+                let Instr::Compute(op) = ins else { continue };
+                if !(sp.start.is_finite() && sp.end.is_finite()) {
+                    continue;
+                }
+                if !opts.filter.keeps(sp.start - t0, sp.end - t0) {
+                    continue;
+                }
+                let kind = OpKind::of(op);
+                let c = chunk_of(op, &chunk);
+                let (f, text_fill, _) = chunk_fill(kind, c, n_chunks);
+                // Clipped to the window.
+                let (a, b) = ((sp.start - t0).max(from), (sp.end - t0).min(to));
+                let x0 = left + (a - from) * scale;
+                let w = ((b - a) * scale).max(0.0);
+                let stroke = if w >= 3.0 && h >= 6.0 {
+                    r##" stroke="#ffffff" stroke-width="0.6""##
+                } else {
+                    ""
+                };
                 let _ = write!(
                     s,
-                    r##"<text x="{}" y="{}" dominant-baseline="central" fill="{text_fill}">{}</text>"##,
-                    px(x0 + w / 2.0),
-                    px(y + h / 2.0),
-                    esc(label)
+                    r##"<rect class="op {}" x="{}" y="{}" width="{}" height="{}" fill="{f}"{stroke}><title>rank {r}, #{i}: {}{} [{} – {}]</title></rect>"##,
+                    kind.letter(),
+                    px(x0),
+                    px(y),
+                    px(w),
+                    px(h),
+                    esc(&op_name(op)),
+                    if n_chunks > 2 {
+                        format!(", chunk {c}")
+                    } else {
+                        String::new()
+                    },
+                    fmt_num(sp.start - t0),
+                    fmt_num(sp.end - t0)
                 );
+                let label = &op_label(op)[1..];
+                if h >= 10.0 && w >= font * 0.62 * label.len() as f64 + 3.0 {
+                    let _ = write!(
+                        s,
+                        r##"<text x="{}" y="{}" dominant-baseline="central" fill="{text_fill}">{}</text>"##,
+                        px(x0 + w / 2.0),
+                        px(y + h / 2.0),
+                        esc(label)
+                    );
+                }
+                s.push('\n');
             }
-            s.push('\n');
         }
+        let _ = writeln!(s, "</g>");
     }
-    let _ = writeln!(s, "</g>");
-
     // Time axis.
     let _ = writeln!(
         s,
@@ -313,4 +497,135 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     let _ = writeln!(s, "</g>");
     s.push_str("</svg>\n");
     s
+}
+
+/// Where the rows are drawn.
+struct Frame {
+    left: f64,
+    plot_w: f64,
+    top: f64,
+    row_h: f64,
+    gap: f64,
+    from: f64,
+    to: f64,
+}
+
+/// The overview: per rank, the window cut into buckets of [`BUCKET_PX`] pixels; a bucket is
+/// drawn in the colour of the kind doing most work in it (ties: [`OpKind::ALL`] order) with
+/// opacity its busy share in tenths (rounded up, so any work shows); equal neighbours merge
+/// into one rect whose tooltip gives its busy share and work by kind.
+fn draw_overview(s: &mut String, program: &Program, timeline: &Timeline, rows: &[usize], f: Frame) {
+    let buckets = (f.plot_w / BUCKET_PX).floor().max(1.0) as usize;
+    let span = f.to - f.from;
+    let u = span / buckets as f64;
+    let t0 = origin(timeline);
+    let _ = writeln!(
+        s,
+        r##"<g class="overview" data-buckets="{buckets}" font-size="10">"##
+    );
+    if span <= 0.0 {
+        let _ = writeln!(s, "</g>");
+        return;
+    }
+    let bw = f.plot_w / buckets as f64;
+    for (j, &r) in rows.iter().enumerate() {
+        let work = bucket_work(program, timeline, r, f.from, u, buckets, t0);
+        let y = f.top + j as f64 * f.row_h + f.gap / 2.0;
+        let h = f.row_h - f.gap;
+        let look = |b: usize| -> Option<(OpKind, u32)> {
+            let busy: f64 = work[b].iter().sum();
+            if busy <= 0.0 {
+                return None;
+            }
+            let mut d = 0;
+            for k in 1..5 {
+                if work[b][k] > work[b][d] {
+                    d = k;
+                }
+            }
+            let tenths = ((busy / u * 10.0).ceil() as u32).clamp(1, 10);
+            Some((OpKind::ALL[d], tenths))
+        };
+        let mut b = 0;
+        while b < buckets {
+            let Some(l) = look(b) else {
+                b += 1;
+                continue;
+            };
+            let mut e = b + 1;
+            while e < buckets && look(e) == Some(l) {
+                e += 1;
+            }
+            let (kind, tenths) = l;
+            let mut total = [0.0f64; 5];
+            for w in &work[b..e] {
+                for k in 0..5 {
+                    total[k] += w[k];
+                }
+            }
+            let busy: f64 = total.iter().sum();
+            let mut parts: Vec<(usize, f64)> = (0..5)
+                .filter(|&k| total[k] > 0.0)
+                .map(|k| (k, total[k]))
+                .collect();
+            parts.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let shares: Vec<String> = parts
+                .iter()
+                .map(|&(k, t)| format!("{} {:.0}%", OpKind::ALL[k].letter(), t / busy * 100.0))
+                .collect();
+            let (a, z) = (f.from + b as f64 * u, f.from + e as f64 * u);
+            let _ = writeln!(
+                s,
+                r##"<rect class="bucket {}" x="{}" y="{}" width="{}" height="{}" fill="{}" fill-opacity="{}"><title>rank {r}, {} – {}: busy {:.0}%, {}</title></rect>"##,
+                kind.letter(),
+                px(f.left + b as f64 * bw),
+                px(y),
+                px((e - b) as f64 * bw),
+                px(h),
+                fill(kind, false).0,
+                fmt_num(tenths as f64 / 10.0),
+                fmt_num(a),
+                fmt_num(z),
+                busy / (z - a) * 100.0,
+                shares.join(" ")
+            );
+            b = e;
+        }
+    }
+    let _ = writeln!(s, "</g>");
+}
+
+/// Busy time per kind in each of `buckets` buckets of `u` from `from` (times from the origin
+/// `t0`) on rank `r`.
+fn bucket_work(
+    program: &Program,
+    timeline: &Timeline,
+    r: usize,
+    from: f64,
+    u: f64,
+    buckets: usize,
+    t0: f64,
+) -> Vec<[f64; 5]> {
+    let mut work = vec![[0.0f64; 5]; buckets];
+    let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
+    for (ins, sp) in program.ranks[r].iter().zip(spans) {
+        let Instr::Compute(op) = ins else { continue };
+        if !(sp.start.is_finite() && sp.end.is_finite()) {
+            continue;
+        }
+        let (a, z) = (sp.start - t0 - from, sp.end - t0 - from);
+        if z <= 0.0 || a >= buckets as f64 * u {
+            continue;
+        }
+        let k = OpKind::of(op) as usize;
+        let b0 = ((a / u).floor().max(0.0) as usize).min(buckets - 1);
+        let b1 = ((z / u).ceil().max(0.0) as usize).min(buckets);
+        for (b, w) in work.iter_mut().enumerate().take(b1).skip(b0) {
+            let o = z.min((b + 1) as f64 * u) - a.max(b as f64 * u);
+            if o > 0.0 {
+                w[k] += o;
+            }
+        }
+    }
+    work
 }

@@ -40,8 +40,9 @@ impl Default for TextOptions {
     }
 }
 
-/// A column is drawn as one kind when that kind fills at least this share of its busy time;
-/// below it the column is "mixed" (`+`), so a column never claims one op while holding others.
+/// A crowded column (no op covers half of it) is drawn as one kind when that kind fills at
+/// least this share of its busy time; below it the column is "mixed" (`+`), so a column never
+/// claims one kind while holding others.
 pub const DOMINANT_SHARE: f64 = 0.75;
 
 /// What one column of one rank shows. Columns summarise their whole time span, so a narrow
@@ -50,69 +51,91 @@ pub const DOMINANT_SHARE: f64 = 0.75;
 pub enum Cell {
     /// Busy less than half the column.
     Idle,
-    /// Only this instruction runs in the column (and fills at least half of it).
+    /// This instruction covers at least half the column, more than any other: an op's
+    /// columns are its span rounded to whole columns.
     Op(usize),
-    /// Several ops, one kind filling at least [`DOMINANT_SHARE`] of the busy time; `odd` when
-    /// most of that kind's time is on odd model chunks.
+    /// No op covers half the column; one kind fills at least [`DOMINANT_SHARE`] of its busy
+    /// time and of the busy time of the three columns centred on it; `odd` when most of that
+    /// kind's time in the column is on odd model chunks.
     Kind { kind: OpKind, odd: bool },
-    /// Several kinds, none dominant.
+    /// No op covers half the column and no kind dominates it and its neighbours.
     Mixed,
 }
 
 /// The window drawn and its scale: `(from, to, columns per time unit, columns used)`, times
-/// from the timeline's origin; a scale below 1 is `1 / n` for a whole `n`. Column `c` covers `[from + c/scale, from + (c+1)/scale)`.
+/// from the timeline's origin. The window fills every column the width leaves (the scale is
+/// fractional): column `c` covers `[from + c/scale, from + (c+1)/scale)`.
 pub fn geometry(
     program: &Program,
     timeline: &Timeline,
     opts: &TextOptions,
 ) -> (f64, f64, f64, usize) {
-    let label_w = label_width(program);
-    let cols = opts.width.saturating_sub(label_w + 3).max(10);
+    let cols = columns(program, opts.width);
     let makespan = (timeline.makespan() - origin(timeline)).max(0.0);
     let from = opts.from.unwrap_or(0.0).clamp(0.0, makespan);
     let to = opts.to.unwrap_or(makespan).clamp(from, makespan);
     let span = to - from;
-    // Whole columns per time unit when the window fits, else whole time units per column:
-    // either way integral op costs land on column edges, so equal ops get equal widths.
-    let scale = if span <= 0.0 {
-        0.0
-    } else if span <= cols as f64 {
-        (cols as f64 / span).floor()
+    if span > 0.0 {
+        (from, to, cols as f64 / span, cols)
     } else {
-        1.0 / (span / cols as f64).ceil()
-    };
-    let used = ((span * scale).round() as usize).min(cols);
-    (from, to, scale, used)
+        (from, to, 0.0, 0)
+    }
+}
+
+/// Timeline columns left by `width` after the rank label and the two borders.
+pub fn columns(program: &Program, width: usize) -> usize {
+    width.saturating_sub(label_width(program) + 3).max(10)
 }
 
 fn label_width(program: &Program) -> usize {
     format!("rank {}", program.ranks.len().saturating_sub(1)).len()
 }
 
-/// The cells of one rank: what each column of the window holds.
-pub fn cells(
+/// The work in each column of one rank's window: busy time per [`OpKind`] (in time units).
+pub fn column_work(
     program: &Program,
     timeline: &Timeline,
     rank: usize,
     from: f64,
     scale: f64,
     used: usize,
-) -> Vec<Cell> {
+) -> Vec<[f64; 5]> {
+    scan(program, timeline, rank, from, scale, used).by_kind
+}
+
+/// Per-column overlaps of one rank's compute ops with the window's columns.
+struct Scan {
+    busy: Vec<f64>,
+    by_kind: Vec<[f64; 5]>,
+    odd_by_kind: Vec<[f64; 5]>,
+    /// The op covering most of each column and how much (the later op on a tie).
+    top: Vec<Option<(usize, f64)>>,
+}
+
+fn scan(
+    program: &Program,
+    timeline: &Timeline,
+    rank: usize,
+    from: f64,
+    scale: f64,
+    used: usize,
+) -> Scan {
+    let mut out = Scan {
+        busy: vec![0.0; used],
+        by_kind: vec![[0.0; 5]; used],
+        odd_by_kind: vec![[0.0; 5]; used],
+        top: vec![None; used],
+    };
     let Some(instrs) = program.ranks.get(rank) else {
-        return vec![Cell::Idle; used];
+        return out;
     };
     if used == 0 || scale <= 0.0 {
-        return Vec::new();
+        return out;
     }
     let t0 = origin(timeline);
     let chunk = chunks(program);
     let spans = timeline.ranks.get(rank).map_or(&[][..], |v| v.as_slice());
     let u = 1.0 / scale;
-    let mut busy = vec![0.0f64; used];
-    let mut by_kind = vec![[0.0f64; 5]; used];
-    let mut odd_by_kind = vec![[0.0f64; 5]; used];
-    // The one op seen in a column, or usize::MAX once a second one shows up.
-    let mut sole: Vec<Option<usize>> = vec![None; used];
     for (i, (ins, span)) in instrs.iter().zip(spans).enumerate() {
         let Instr::Compute(op) = ins else { continue };
         if !(span.start.is_finite() && span.end.is_finite()) {
@@ -132,42 +155,99 @@ pub fn cells(
             if o <= 0.0 {
                 continue;
             }
-            busy[c] += o;
-            by_kind[c][kind] += o;
+            out.busy[c] += o;
+            out.by_kind[c][kind] += o;
             if odd {
-                odd_by_kind[c][kind] += o;
+                out.odd_by_kind[c][kind] += o;
             }
-            sole[c] = match sole[c] {
-                None => Some(i),
-                Some(j) if j == i => Some(i),
-                Some(_) => Some(usize::MAX),
-            };
+            if out.top[c].is_none_or(|(_, t)| o >= t) {
+                out.top[c] = Some((i, o));
+            }
         }
     }
+    out
+}
+
+/// The cells of one rank: what each column of the window holds.
+pub fn cells(
+    program: &Program,
+    timeline: &Timeline,
+    rank: usize,
+    from: f64,
+    scale: f64,
+    used: usize,
+) -> Vec<Cell> {
+    if program.ranks.get(rank).is_none() {
+        return vec![Cell::Idle; used];
+    }
+    if used == 0 || scale <= 0.0 {
+        return Vec::new();
+    }
+    let u = 1.0 / scale;
+    let w = scan(program, timeline, rank, from, scale, used);
     (0..used)
         .map(|c| {
-            if busy[c] * 2.0 < u {
+            if w.busy[c] * 2.0 < u {
                 return Cell::Idle;
             }
-            if let Some(i) = sole[c].filter(|&i| i != usize::MAX) {
+            if let Some((i, _)) = w.top[c].filter(|&(_, o)| o * 2.0 >= u) {
                 return Cell::Op(i);
             }
             let mut d = 0;
             for k in 1..5 {
-                if by_kind[c][k] > by_kind[c][d] {
+                if w.by_kind[c][k] > w.by_kind[c][d] {
                     d = k;
                 }
             }
-            if by_kind[c][d] >= DOMINANT_SHARE * busy[c] {
+            // The same kind must lead the columns around it too, so a steady mix does not
+            // beat against the column width into a false pattern of letters.
+            let (a, b) = (c.saturating_sub(1), (c + 2).min(used));
+            let near: f64 = w.by_kind[a..b].iter().map(|k| k[d]).sum();
+            let near_busy: f64 = w.busy[a..b].iter().sum();
+            if w.by_kind[c][d] >= DOMINANT_SHARE * w.busy[c] && near >= DOMINANT_SHARE * near_busy {
                 Cell::Kind {
                     kind: OpKind::ALL[d],
-                    odd: odd_by_kind[c][d] * 2.0 > by_kind[c][d],
+                    odd: w.odd_by_kind[c][d] * 2.0 > w.by_kind[c][d],
                 }
             } else {
                 Cell::Mixed
             }
         })
         .collect()
+}
+
+/// The label of a run of mixed columns: its kinds by share of the run's busy time, largest
+/// first (ties in [`OpKind::ALL`] order), as many as fit in `room` characters, e.g.
+/// `B67%F33%`; empty when not even the first fits. Shares are whole percents, rounded.
+pub fn mix_label(work: &[[f64; 5]], room: usize) -> String {
+    let mut total = [0.0f64; 5];
+    for col in work {
+        for k in 0..5 {
+            total[k] += col[k];
+        }
+    }
+    let busy: f64 = total.iter().sum();
+    if busy <= 0.0 {
+        return String::new();
+    }
+    let mut order: Vec<usize> = (0..5).filter(|&k| total[k] > 0.0).collect();
+    order.sort_by(|&a, &b| total[b].total_cmp(&total[a]).then(a.cmp(&b)));
+    let mut out = String::new();
+    for k in order {
+        if (total[k] / busy * 100.0).round() < 1.0 {
+            break;
+        }
+        let item = format!(
+            "{}{}%",
+            OpKind::ALL[k].letter(),
+            (total[k] / busy * 100.0).round() as u32
+        );
+        if out.len() + item.len() > room {
+            break;
+        }
+        out.push_str(&item);
+    }
+    out
 }
 
 const RESET: &str = "\x1b[0m";
@@ -213,7 +293,7 @@ pub fn origin(timeline: &Timeline) -> f64 {
     }
 }
 
-/// The timeline rows, the time axis and the legend.
+/// The timeline rows, the time axis and the legend, every line within `opts.width` columns.
 pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> String {
     let world = program.ranks.len();
     let label_w = label_width(program);
@@ -232,6 +312,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let mut kinds_seen = [false; 5];
     let mut odd_chunk_seen = false;
     let mut summarised = false;
+    let mut mix_labelled = false;
     let mut out = String::new();
     for &r in &ranks {
         let instrs = &program.ranks[r];
@@ -240,7 +321,10 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         let mut c = 0;
         while c < used {
             let mut e = c + 1;
-            while e < used && cells[e] == cells[c] && matches!(cells[c], Cell::Op(_) | Cell::Idle) {
+            while e < used
+                && cells[e] == cells[c]
+                && matches!(cells[c], Cell::Op(_) | Cell::Idle | Cell::Mixed)
+            {
                 e += 1;
             }
             let n = e - c;
@@ -256,7 +340,16 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
                 }
                 Cell::Mixed => {
                     summarised = true;
-                    out.push('+');
+                    // A run of mixed columns names its work where the label fits.
+                    let label = if n >= MIX_LABEL_MIN_RUN {
+                        let work = column_work(program, timeline, r, from, scale, used);
+                        mix_label(&work[c..e], n)
+                    } else {
+                        String::new()
+                    };
+                    mix_labelled |= !label.is_empty();
+                    out.push_str(&label);
+                    out.push_str(&"+".repeat(n - label.len()));
                 }
                 Cell::Kind { kind, odd } => {
                     summarised = true;
@@ -320,7 +413,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         1.0
     };
     let mut border: Vec<char> = vec!['─'; used];
-    let mut labels: Vec<char> = vec![' '; used + 8];
+    // Labels stay inside the box's width (the last may not start past its right edge).
+    let mut labels: Vec<char> = vec![' '; used + 1];
     let mut k = 0u64;
     let mut next_free = 0;
     let first = (from / step).ceil() as u64;
@@ -349,7 +443,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let _ = writeln!(out, "{pad}└{}┘", border.iter().collect::<String>());
     let label_line: String = labels.iter().collect();
     let _ = writeln!(out, "{pad} {}", label_line.trim_end());
-    // Legend.
+    // Legend, wrapped to the width.
+    let room = opts.width.saturating_sub(pad.len() + 1).max(1);
     let mut legend = Vec::new();
     for kind in OpKind::ALL {
         if !kinds_seen[kind as usize] {
@@ -368,31 +463,126 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         ".".to_string()
     };
     legend.push(format!("{idle} idle"));
-    let _ = writeln!(out, "{pad} {}", legend.join("   "));
-    let mut notes = String::from("F5 = microbatch 5");
+    for line in wrap(&legend, "   ", room) {
+        let _ = writeln!(out, "{pad} {line}");
+    }
+    let mut notes = vec!["F5 = microbatch 5".to_string()];
     if kinds_seen[OpKind::Pair as usize] {
-        notes.push_str("; X5/2 = forward of 5 with backward of 2");
+        notes.push("X5/2 = forward of 5 with backward of 2".to_string());
     }
-    let _ = write!(notes, "; time in {}", unit_word(timeline.unit));
+    let mut time = format!("time in {}", unit_word(timeline.unit));
     if scale > 0.0 {
-        let _ = write!(notes, ", one column = {}", fmt_num(1.0 / scale));
+        let _ = write!(time, ", one column = {}", fmt_num(1.0 / scale));
     }
+    notes.push(time);
     if odd_chunk_seen {
-        notes.push_str(if opts.color {
-            "; lowercase, bright = odd model chunk"
-        } else {
-            "; lowercase = odd model chunk"
-        });
-    }
-    let _ = writeln!(out, "{pad} {notes}");
-    if summarised {
-        // Its own line, so the legend fits an 80-column terminal.
-        let _ = writeln!(
-            out,
-            "{pad} a lone letter: that kind does 3/4 of the column's work; + mixed"
+        notes.push(
+            if opts.color {
+                "lowercase, bright = odd model chunk"
+            } else {
+                "lowercase = odd model chunk"
+            }
+            .to_string(),
         );
     }
+    let notes: Vec<String> = notes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            if i + 1 < notes.len() {
+                format!("{n};")
+            } else {
+                n.clone()
+            }
+        })
+        .collect();
+    for line in wrap(&notes, " ", room) {
+        let _ = writeln!(out, "{pad} {line}");
+    }
+    if summarised {
+        let mut rule = vec![
+            "a lone letter: that kind does 3/4 of the column's work;".to_string(),
+            "+ mixed".to_string(),
+        ];
+        if mix_labelled {
+            *rule.last_mut().expect("two items") =
+                "+ mixed, a run of them starts with its work by kind (B67%F33%)".to_string();
+        }
+        for line in wrap(&rule, " ", room) {
+            let _ = writeln!(out, "{pad} {line}");
+        }
+    }
     out
+}
+
+/// Mixed runs shorter than this are only `+`: a label needs room to read as one.
+pub const MIX_LABEL_MIN_RUN: usize = 6;
+
+/// Columns a string takes on a terminal: characters outside ANSI escape sequences.
+pub fn visible_width(s: &str) -> usize {
+    let mut n = 0;
+    let mut esc = false;
+    for ch in s.chars() {
+        match (esc, ch) {
+            (false, '\x1b') => esc = true,
+            (true, 'm') => esc = false,
+            (true, _) => {}
+            (false, _) => n += 1,
+        }
+    }
+    n
+}
+
+/// Greedy wrapping of `items` joined by `sep` into lines of at most `room` visible columns;
+/// an item longer than a line is broken at its spaces (and, failing that, anywhere).
+fn wrap(items: &[String], sep: &str, room: usize) -> Vec<String> {
+    let mut pieces: Vec<String> = Vec::new();
+    for item in items {
+        if visible_width(item) <= room {
+            pieces.push(item.clone());
+            continue;
+        }
+        // Too long for any line: its words, each at most `room` wide.
+        let mut cur = String::new();
+        for word in item.split(' ') {
+            let mut word = word.to_string();
+            while visible_width(&word) > room {
+                let cut: String = word.chars().take(room).collect();
+                word = word.chars().skip(room).collect();
+                if !cur.is_empty() {
+                    pieces.push(std::mem::take(&mut cur));
+                }
+                pieces.push(cut);
+            }
+            if cur.is_empty() {
+                cur = word;
+            } else if visible_width(&cur) + 1 + visible_width(&word) <= room {
+                cur.push(' ');
+                cur.push_str(&word);
+            } else {
+                pieces.push(std::mem::replace(&mut cur, word));
+            }
+        }
+        if !cur.is_empty() {
+            pieces.push(cur);
+        }
+    }
+    let mut lines: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    for p in pieces {
+        if cur.is_empty() {
+            cur = p;
+        } else if visible_width(&cur) + sep.len() + visible_width(&p) <= room {
+            cur.push_str(sep);
+            cur.push_str(&p);
+        } else {
+            lines.push(std::mem::replace(&mut cur, p));
+        }
+    }
+    if !cur.is_empty() {
+        lines.push(cur);
+    }
+    lines
 }
 
 /// The figures under the timeline: makespan, then per rank busy time, bubble and peak
@@ -504,7 +694,7 @@ mod tests {
         );
         assert_eq!(a, b);
         assert!(
-            a.starts_with("rank 0 │F0--------..........F1--------│\n"),
+            a.starts_with("rank 0 │F0--------...........F1--------│\n"),
             "{a}"
         );
         let empty = render(
