@@ -36,13 +36,23 @@ from torch.distributed.pipelining import schedules as ts
 UNEVEN = "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1"
 HEAVY_ENDS = "t.f=1,t.b=1,t.w=1,E.f=1,L.f=2"
 SHAPES = {
-    "pp2-heavy-ends": dict(pp=2, microbatches=8, num_layers=6, cost=HEAVY_ENDS),
-    "pp2-heavy-ends-limit6": dict(
-        pp=2, microbatches=8, num_layers=6, cost=HEAVY_ENDS, memory_limit=6
-    ),
-    "pp4-uniform": dict(pp=4, microbatches=8, num_layers=8, cost="f=1,b=1,w=1"),
-    "pp4-uneven": dict(pp=4, microbatches=16, num_layers=14, cost=UNEVEN),
-    "pp4-uneven-limit8": dict(pp=4, microbatches=16, num_layers=14, cost=UNEVEN, memory_limit=8),
+    "pp2-heavy-ends": {"pp": 2, "microbatches": 8, "num_layers": 6, "cost": HEAVY_ENDS},
+    "pp2-heavy-ends-limit6": {
+        "pp": 2,
+        "microbatches": 8,
+        "num_layers": 6,
+        "cost": HEAVY_ENDS,
+        "memory_limit": 6,
+    },
+    "pp4-uniform": {"pp": 4, "microbatches": 8, "num_layers": 8, "cost": "f=1,b=1,w=1"},
+    "pp4-uneven": {"pp": 4, "microbatches": 16, "num_layers": 14, "cost": UNEVEN},
+    "pp4-uneven-limit8": {
+        "pp": 4,
+        "microbatches": 16,
+        "num_layers": 14,
+        "cost": UNEVEN,
+        "memory_limit": 8,
+    },
 }
 TARGETS = ["megatron", "torch", "torchtitan", "pipec-run", "any", None]
 TT = os.environ.get("PIPEC_TORCHTITAN_PATH")
@@ -86,9 +96,7 @@ def torch_accepts(d) -> str | None:
     s = pipec.load(d)
     try:
         for rank in range(s.pp):
-            dist.init_process_group(
-                "fake", rank=rank, world_size=s.pp, store=_fake_store()
-            )
+            dist.init_process_group("fake", rank=rank, world_size=s.pp, store=_fake_store())
             try:
                 mine = pt.stage_indices(s, rank)
                 stages = [
@@ -289,3 +297,17 @@ def test_winners_train_like_the_unpipelined_model(trained):
             assert res is not None, f"{cfg['name']}: rank {r} reported nothing\n{logs}"
             assert res["ok"], f"{cfg['name']}: rank {r}: {res.get('error')}\n{logs}"
             assert res["max_grad_rel_err"] <= TOL and res["max_loss_rel_err"] <= TOL
+
+
+def test_target_and_kinds_errors_match_the_cli():
+    with pytest.raises(pipec.SpecError, match="unknown target `jax`"):
+        pipec.tune(2, 4, target="jax")
+    with pytest.raises(pipec.SpecError, match="unknown schedule kind `1f1f`"):
+        pipec.tune(2, 4, exclude_kinds=["1f1f"])
+    with pytest.raises(pipec.SpecError, match="no candidate runs on deepspeed"):
+        pipec.tune(4, 8, target="deepspeed", kinds=["zb-v"])
+    with pytest.raises(pipec.SpecError, match="kinds must be a list"):
+        pipec.tune(4, 8, kinds="zb-v")
+    _, report = pipec.tune(4, 8, kinds=["1f1b"], target="megatron")
+    assert [c["schedule"] for c in report["candidates"]] == ["1f1b"]
+    assert report["run"]["megatron"][0].startswith("Megatron's own schedule")
