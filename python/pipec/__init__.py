@@ -124,6 +124,12 @@ class Schedule:
         self._check_rank(rank)
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
 
+    def refusal(self, target: str) -> str | None:
+        """Why ``target`` (``"megatron"``, ``"torch"``, ``"torchtitan"``, ``"pipec-run"``,
+        ``"deepspeed"``, ``"any"``) cannot run this schedule, or ``None``: the rule
+        ``pipec tune --target`` filters by, the one the adapters apply."""
+        return self._n.target_refusal(target)
+
     def __repr__(self) -> str:
         return f"<pipec.Schedule {self._n.title_line}: {self.pp} ranks, {self.num_stages} stages>"
 
@@ -233,6 +239,10 @@ def tune(
     rebalance: bool = False,
     cost: str | None = None,
     memory_limit: str | float | None = None,
+    target: str | None = None,
+    kinds: list[str] | None = None,
+    exclude_kinds: list[str] | None = None,
+    out: str | os.PathLike | None = None,
 ) -> tuple[Schedule, dict]:
     """``pipec tune``: the fastest verified schedule and layer split for a model's costs.
 
@@ -243,6 +253,14 @@ def tune(
     ``pipec tune --json`` prints: ``schedule``, ``layout`` (a Megatron layout string),
     ``makespan``, ``lower_bound``, ``bubble``, ``peak_memory`` (per rank), ``candidates``.
     A limit nothing meets raises :class:`SpecError` naming the smallest peak reached.
+
+    ``target`` is the framework that will run it (``"megatron"``, ``"torch"``,
+    ``"torchtitan"``, ``"pipec-run"``, ``"deepspeed"`` or ``"any"``): only candidates it runs are
+    eligible, by the rule its adapter applies. The default, ``None``, asks for a schedule every
+    framework runs. ``kinds`` / ``exclude_kinds`` name the kinds to weigh or skip (``"tuned"``
+    is pipec's own scheduler). The report's ``run`` says how to run the winner on the target,
+    naming ``out`` (where you will save it) as its directory; ``runs_on`` lists every framework
+    that runs it.
     """
     for name, v in (("pp", pp), ("microbatches", microbatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -251,6 +269,11 @@ def tune(
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
             raise SpecError(f"memory_limit must be a size or a number, not {memory_limit!r}")
         memory_limit = repr(memory_limit)
+    for name, v in (("kinds", kinds), ("exclude_kinds", exclude_kinds)):
+        if v is not None and (isinstance(v, str) or not all(isinstance(k, str) for k in v)):
+            raise SpecError(f"{name} must be a list of kind names, not {v!r}")
+    if target is not None and not isinstance(target, str):
+        raise SpecError(f"target must be a name such as 'torch', not {target!r}")
     native, report = _native.tune_schedule(
         pp,
         microbatches,
@@ -260,6 +283,10 @@ def tune(
         rebalance=rebalance,
         cost=cost,
         memory_limit=memory_limit,
+        target=target,
+        kinds=None if kinds is None else list(kinds),
+        exclude_kinds=None if exclude_kinds is None else list(exclude_kinds),
+        out=None if out is None else os.fspath(out),
     )
     return Schedule(native), json.loads(report)
 

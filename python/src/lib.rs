@@ -14,7 +14,7 @@ use pipec::front::layout::Layout;
 use pipec::ir::Program;
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
-use pipec::tune::{tune, TuneRequest};
+use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
 use pipec::verify::{verify, StreamRule, VerifyOptions};
 use pipec_runtime::{load::LaunchWorld, RunError};
 use pipec_schedules::{CommPolicy, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
@@ -179,6 +179,13 @@ impl NativeSchedule {
     /// files the whole manifest would need (for their hashes).
     fn header_json(&self) -> String {
         json!({ "layout": self.layout, "comm_policy": self.comm_policy }).to_string()
+    }
+
+    /// Why `target` (`megatron`, `torch`, `torchtitan`, `pipec-run`, `deepspeed`, `any`)
+    /// cannot run this schedule, or `None`: the rule `pipec tune --target` filters by.
+    fn target_refusal(&self, target: &str) -> PyResult<Option<String>> {
+        let t: Target = target.parse().map_err(SpecError::new_err)?;
+        Ok(t.check(&self.program).err())
     }
 
     #[getter]
@@ -348,7 +355,8 @@ fn compile_schedule(
 /// object as JSON text.
 #[pyfunction]
 #[pyo3(signature = (pp, microbatches, num_layers=None, mtp_num_layers=None, layout=None,
-    rebalance=false, cost=None, memory_limit=None, max_ops=None))]
+    rebalance=false, cost=None, memory_limit=None, max_ops=None, target=None, kinds=None,
+    exclude_kinds=None, out=None))]
 #[allow(clippy::too_many_arguments)]
 fn tune_schedule(
     py: Python<'_>,
@@ -361,7 +369,18 @@ fn tune_schedule(
     cost: Option<&str>,
     memory_limit: Option<&str>,
     max_ops: Option<u64>,
+    target: Option<&str>,
+    kinds: Option<Vec<String>>,
+    exclude_kinds: Option<Vec<String>>,
+    out: Option<String>,
 ) -> PyResult<(NativeSchedule, String)> {
+    let target = match target {
+        Some(t) => TargetChoice::One(
+            t.parse::<Target>()
+                .map_err(|e| SpecError::new_err(format!("target: {e}")))?,
+        ),
+        None => TargetChoice::Every,
+    };
     let mut model = CostModel::default();
     if let Some(spec) = cost {
         model
@@ -391,13 +410,18 @@ fn tune_schedule(
         limits: Limits {
             max_compute_ops: max_ops.unwrap_or(Limits::DEFAULT.max_compute_ops),
         },
+        target,
+        kinds,
+        exclude_kinds: exclude_kinds.unwrap_or_default(),
         ..TuneRequest::new(pp, microbatches, model)
     };
     let t0 = std::time::Instant::now();
     let t = py
         .detach(|| tune(&req))
         .map_err(|e| SpecError::new_err(e.to_string()))?;
-    let report = t.json(t0.elapsed().as_secs_f64()).to_string();
+    let report = t
+        .json_for(t0.elapsed().as_secs_f64(), out.as_deref())
+        .to_string();
     let layout = t.file_layout();
     let source = t.header(&layout).source.to_string();
     Ok((

@@ -1000,3 +1000,465 @@ fn figures() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Targets: which framework runs the winner (`--target`), kinds, and how to run it.
+
+use pipec::tune::{Target, TargetChoice};
+
+/// The programs of every built-in kind at pp=2 and pp=4 (interleaved and looped BFS with
+/// vpp 2 and 3).
+fn builtin_programs() -> Vec<(ScheduleKind, u32, pipec::Program)> {
+    let mut out = Vec::new();
+    for kind in ScheduleKind::ALL {
+        for (pp, m) in [(2, 4), (4, 8)] {
+            let vpps = match kind {
+                ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => vec![2, 3],
+                k => vec![k.default_vpp()],
+            };
+            for vpp in vpps {
+                let spec = ScheduleSpec::new(kind, pp, vpp, m);
+                if spec.validate(&Limits::DEFAULT).is_err() {
+                    continue;
+                }
+                out.push((
+                    kind,
+                    vpp,
+                    lower(&generate(&spec, &Limits::DEFAULT).unwrap()),
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The rule per target, against a table written from the frameworks' own placement rules
+/// (DESIGN.md "Facts learned about the peers"): torch and Megatron give a stage one rank
+/// (everything but DualPipe's two directions); torchtitan places stages looped or V
+/// (ZBVZeroBubble, DualPipeV), so the same; DeepSpeed runs one stage per rank, which only
+/// the one-chunk kinds are; pipec-run runs everything verified.
+#[test]
+fn target_rule_per_builtin_kind() {
+    use ScheduleKind::*;
+    let programs = builtin_programs();
+    assert!(programs.len() >= 24, "{}", programs.len());
+    for (kind, vpp, program) in &programs {
+        let one_stage_per_rank = matches!(kind, Gpipe | OneFOneB | ZbH1 | ZbH2 | Zb1P);
+        let two_directions = *kind == DualPipe;
+        for (target, want) in [
+            (Target::PipecRun, true),
+            (Target::Any, true),
+            (Target::Torch, !two_directions),
+            (Target::Megatron, !two_directions),
+            (Target::Torchtitan, !two_directions),
+            (Target::Deepspeed, one_stage_per_rank),
+        ] {
+            let got = target.check(program);
+            assert_eq!(
+                got.is_ok(),
+                want,
+                "{kind} vpp={vpp} pp={} on {target}: {got:?}",
+                program.world()
+            );
+        }
+        // The default wants every framework: exactly the one-stage-per-rank kinds.
+        assert_eq!(
+            TargetChoice::Every.refusal(program).is_none(),
+            one_stage_per_rank,
+            "{kind}"
+        );
+    }
+    // The placement half alone: a placement that is neither looped nor V (stage 0 on rank 1)
+    // is refused by torchtitan and DeepSpeed, which place stages by their own rule, and
+    // accepted by torch and Megatron, which take the placement from the schedule.
+    let swapped = Placement::custom(2, vec![pipec_schedules::Rank(1), pipec_schedules::Rank(0)]);
+    assert!(Target::Torchtitan.check_placement(&swapped).is_err());
+    assert!(Target::Deepspeed.check_placement(&swapped).is_err());
+    assert!(Target::Torch.check_placement(&swapped).is_ok());
+    assert!(Target::Megatron.check_placement(&swapped).is_ok());
+    // torchtitan's class for each placement (torchtitan 0.3.0 `_get_pp_rank_to_stage_indices_
+    // mapping`: "v" style only for ZBVZeroBubble and DualPipeV).
+    let class = |p: &Placement| tune::target::torchtitan_class(p).map(|c| c.0);
+    assert_eq!(class(&Placement::looped(4, 1)), Some("1F1B"));
+    assert_eq!(class(&Placement::looped(4, 2)), Some("Interleaved1F1B"));
+    assert_eq!(class(&Placement::v_shape(4)), Some("ZBVZeroBubble"));
+    assert_eq!(class(&swapped), None);
+}
+
+/// The ops half of the rule: a stage whose forwards leave microbatch order is refused by
+/// Megatron (its data iterators are in order) anywhere, by torch (and torchtitan) only on the
+/// last stage (its loss list), as `pipec.megatron._check_data_order` and
+/// `pipec.torch._check_loss_order` do.
+#[test]
+fn target_rule_forward_order() {
+    use pipec::ir::Instr;
+    use pipec_schedules::Compute;
+    let spec = ScheduleSpec::new(ScheduleKind::Gpipe, 2, 1, 2);
+    let program = lower(&generate(&spec, &Limits::DEFAULT).unwrap());
+    // Swap the two forwards of rank `r` (GPipe: F0 then F1 on every rank).
+    let swap = |r: usize| {
+        let mut p = program.clone();
+        let idx: Vec<usize> = p.ranks[r]
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| matches!(i, Instr::Compute(Compute::Fwd(_))))
+            .map(|(k, _)| k)
+            .collect();
+        assert_eq!(idx.len(), 2);
+        p.ranks[r].swap(idx[0], idx[1]);
+        p
+    };
+    let (first, last) = (swap(0), swap(1));
+    for t in [Target::Torch, Target::Torchtitan, Target::Megatron] {
+        assert!(t.check(&program).is_ok());
+        let err = t.check(&last).unwrap_err();
+        assert!(err.contains("stage 1 out of microbatch order"), "{err}");
+    }
+    assert!(Target::Megatron.check(&first).is_err());
+    assert!(Target::Torch.check(&first).is_ok());
+    assert!(Target::PipecRun.check(&last).is_ok());
+}
+
+/// Shapes of the issue: pp 2 and 4, uniform and heavy embedding/output costs, with and
+/// without a memory limit.
+fn target_shapes() -> Vec<(u32, u32, u32, &'static str, Option<f64>)> {
+    vec![
+        (2, 8, 6, "t.f=1,t.b=1,t.w=1,E.f=1,L.f=2", None),
+        (2, 8, 6, "t.f=1,t.b=1,t.w=1,E.f=1,L.f=2", Some(6.0)),
+        (4, 8, 8, "f=1,b=1,w=1", None),
+        (4, 16, 14, UNEVEN, None),
+        (4, 16, 14, UNEVEN, Some(8.0)),
+    ]
+}
+
+/// For every shape and target the winner is accepted by the target's rule, verifies, and is
+/// the fastest fitting candidate the target runs; `any` is never slower than a target (it
+/// weighs a superset); the default's winner runs on every framework.
+#[test]
+fn tune_winner_runs_on_its_target() {
+    for (pp, m, layers, cost, limit) in target_shapes() {
+        let base = TuneRequest {
+            num_layers: Some(layers),
+            memory_limit: limit,
+            ..TuneRequest::new(pp, m, CostModel::parse(cost).unwrap())
+        };
+        let any = tune::tune(&base).unwrap();
+        let mut choices: Vec<TargetChoice> = Target::ALL.map(TargetChoice::One).to_vec();
+        choices.push(TargetChoice::Every);
+        for choice in choices {
+            let what = format!("pp={pp} m={m} {cost} limit={limit:?} {}", choice.label());
+            let t = tune::tune(&TuneRequest {
+                target: choice,
+                ..base.clone()
+            })
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            for target in choice.targets() {
+                assert!(target.check(&t.program).is_ok(), "{what}: {target}");
+            }
+            assert!(valid(&t.program), "{what}");
+            assert!(t.best.not_runnable.is_none() && t.best.fits, "{what}");
+            for c in &t.candidates {
+                let refused = choice.targets().into_iter().any(|x| {
+                    c.not_runnable
+                        .as_deref()
+                        .is_some_and(|w| w.starts_with(&format!("not runnable on {x}: ")))
+                });
+                assert_eq!(refused, c.not_runnable.is_some(), "{what}: {c:?}");
+                if c.fits && c.not_runnable.is_none() {
+                    assert!(t.best.makespan <= c.makespan + 1e-9, "{what}: {c:?}");
+                }
+            }
+            assert!(any.best.makespan <= t.best.makespan + 1e-9, "{what}");
+            if choice == TargetChoice::Every {
+                assert_eq!(t.runs_on.len(), Target::FRAMEWORKS.len(), "{what}");
+            }
+        }
+    }
+    // The issue's example: `any` picks DualPipe's placement, which torch refuses; the
+    // torch target's winner is one torch runs and names no bidirectional placement.
+    let req = TuneRequest {
+        num_layers: Some(6),
+        ..TuneRequest::new(
+            2,
+            8,
+            CostModel::parse("t.f=1,t.b=1,t.w=1,E.f=1,L.f=2").unwrap(),
+        )
+    };
+    let any = tune::tune(&req).unwrap();
+    assert_eq!(
+        any.program.placement.kind,
+        pipec_schedules::PlacementKind::Bidirectional
+    );
+    assert!(Target::Torch.check(&any.program).is_err());
+    let torch = tune::tune(&TuneRequest {
+        target: TargetChoice::One(Target::Torch),
+        ..req
+    })
+    .unwrap();
+    assert_ne!(torch.best.placement, "bidirectional");
+}
+
+/// `kinds` / `exclude_kinds` restrict what is weighed; unknown names and a target nothing
+/// left can run are errors that say so.
+#[test]
+fn tune_kinds_and_impossible_targets() {
+    let req = |kinds: Option<&[&str]>, exclude: &[&str], target: Target| TuneRequest {
+        kinds: kinds.map(|k| k.iter().map(|s| s.to_string()).collect()),
+        exclude_kinds: exclude.iter().map(|s| s.to_string()).collect(),
+        target: TargetChoice::One(target),
+        ..TuneRequest::new(4, 8, CostModel::default())
+    };
+    let t = tune::tune(&req(Some(&["1f1b", "zb-v"]), &[], Target::Any)).unwrap();
+    let mut seen: Vec<&str> = t.candidates.iter().map(|c| c.schedule.as_str()).collect();
+    seen.sort();
+    assert_eq!(seen, ["1f1b", "zb-v"]);
+    let t = tune::tune(&req(None, &["tuned", "zb-v", "dualpipe"], Target::Any)).unwrap();
+    assert!(t
+        .candidates
+        .iter()
+        .all(|c| !["tuned", "zb-v", "dualpipe"].contains(&c.schedule.as_str())));
+    let e = tune::tune(&req(Some(&["zb-v"]), &[], Target::Deepspeed)).unwrap_err();
+    assert!(
+        e.to_string().starts_with("no candidate runs on deepspeed")
+            && e.to_string().contains("zb-v: not runnable on deepspeed: DeepSpeed's PipelineEngine runs one stage per rank"),
+        "{e}"
+    );
+    let e = tune::tune(&req(Some(&["zb-w"]), &[], Target::Any)).unwrap_err();
+    assert!(
+        e.to_string().contains("unknown schedule kind `zb-w`"),
+        "{e}"
+    );
+}
+
+/// Every heuristic has its own description, and the description says what the name says.
+#[test]
+fn heuristics_in_words() {
+    let hs = greedy::heuristics();
+    let mut words: Vec<String> = hs.iter().map(|h| h.describe()).collect();
+    for (h, w) in hs.iter().zip(&words) {
+        assert_eq!(
+            w.contains("bwd_D) before forwards"),
+            !h.forward_first,
+            "{}: {w}",
+            h.name()
+        );
+        assert_eq!(w.contains("as far as memory allows"), h.cap.is_infinite());
+        if h.cap.is_finite() {
+            assert!(
+                w.contains(&format!("{}x", pipec::simulate::cost::num(h.cap))),
+                "{w}"
+            );
+        }
+        assert_eq!(w.contains("staircase"), h.staircase);
+    }
+    let n = words.len();
+    words.sort();
+    words.dedup();
+    assert_eq!(words.len(), n);
+}
+
+fn tune_cli(args: &[&str]) -> assert_cmd::assert::Assert {
+    pipec().arg("tune").args(args).assert()
+}
+
+/// The report and `--json` per target: the marked candidates and their reasons, how to run
+/// the winner (Megatron's layout flag only where Megatron's placement is the schedule's,
+/// checked against the written manifest), the heuristic in words; bad names are errors.
+#[test]
+fn cli_tune_targets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let heavy = [
+        "--pp",
+        "2",
+        "--microbatches",
+        "8",
+        "--num-layers",
+        "6",
+        "--cost",
+        "t.f=1,t.b=1,t.w=1,E.f=1,L.f=2",
+    ];
+    // torch: DualPipe is in the table, marked, with the reason.
+    let out = tune_cli(&[&heavy[..], &["--target", "torch"]].concat()).success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    for want in [
+        "target:   torch",
+        "dualpipe (not runnable on torch)",
+        "not runnable on torch: dualpipe, tuned bidirectional vpp=1 (not planned): places every stage on two ranks",
+        "run it (write it with -o DIR):",
+        "pipec.torch.build_schedule(\"DIR\", stages, loss_fn)",
+        "pipec.torch.stage_indices(\"DIR\", rank)",
+    ] {
+        assert!(text.contains(want), "{want} missing in\n{text}");
+    }
+    // The default: every framework; the winner has one stage per rank.
+    let out = tune_cli(&[&heavy[..], &["--json"]].concat()).success();
+    let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    assert!(j["target"].is_null());
+    assert_eq!(j["schedule"]["vpp"], 1);
+    assert_eq!(j["schedule"]["placement"], "loop");
+    assert_eq!(j["runs_on"].as_array().unwrap().len(), 5);
+    for t in ["megatron", "torch", "torchtitan", "deepspeed", "pipec-run"] {
+        assert!(j["run"][t].as_array().is_some_and(|a| !a.is_empty()), "{t}");
+    }
+    assert_eq!(j["peak_memory"].as_array().unwrap().len(), 2);
+    // Megatron on a loop placement: the layout flag, and the manifest's placement is
+    // Megatron's (stage s on rank s % pp).
+    for (kinds, own) in [("1f1b", true), ("interleaved-1f1b", true), ("zb-1p", false)] {
+        let dir = tmp.path().join(kinds);
+        let out = tune_cli(&[
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--target",
+            "megatron",
+            "--kinds",
+            kinds,
+            "--json",
+            "-o",
+            dir.to_str().unwrap(),
+        ])
+        .success();
+        let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+        let run = j["run"]["megatron"][0].as_str().unwrap();
+        let flag = format!(
+            "--pipeline-model-parallel-layout \"{}\"",
+            j["layout"].as_str().unwrap()
+        );
+        assert!(run.contains(&flag), "{run}");
+        assert_eq!(run.starts_with("Megatron's own schedule"), own, "{run}");
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+        let text = manifest.to_string();
+        let table: Vec<u64> = manifest["placement"]["stage_rank"]
+            .as_array()
+            .unwrap_or_else(|| panic!("placement in {text}"))
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert!(
+            table.iter().enumerate().all(|(s, &r)| r == s as u64 % 4),
+            "{table:?}"
+        );
+        if !own {
+            assert!(j["run"]["megatron"][1].as_str().unwrap().contains(&format!(
+                "pipec.megatron.forward_backward_func(\"{}\")",
+                dir.display()
+            )));
+        }
+    }
+    let p2p = |kinds: &str, pp: &str| {
+        let out = tune_cli(&[
+            "--pp",
+            pp,
+            "--microbatches",
+            "8",
+            "--target",
+            "megatron",
+            "--kinds",
+            kinds,
+            "--json",
+        ])
+        .success();
+        let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+        j["run"]["megatron"][1].as_str().unwrap().to_string()
+    };
+    // Megatron-LM's interleaved schedule overlaps P2P unless told not to; pipec's default
+    // mode is batched except at pp = 2 (DESIGN.md, Megatron facts).
+    assert!(p2p("interleaved-1f1b", "4").contains("--no-overlap-p2p-communication"));
+    assert!(p2p("interleaved-1f1b", "2").contains("no flag"));
+    // Megatron on a V placement: stage_layers, not the layout flag.
+    let out = tune_cli(&[
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--target",
+        "megatron",
+        "--kinds",
+        "zb-v",
+        "--json",
+    ])
+    .success();
+    let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    let run = j["run"]["megatron"][0].as_str().unwrap();
+    assert!(
+        run.contains("pipec.megatron.stage_layers(\"DIR\")")
+            && run.contains("not from --pipeline-model-parallel-layout"),
+        "{run}"
+    );
+    // torchtitan: the class whose placement is the winner's, and the compute-only CSV.
+    let run = j["run"].get("torchtitan");
+    assert!(run.is_none());
+    let out = tune_cli(&[
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--target",
+        "torchtitan",
+        "--kinds",
+        "zb-v",
+        "--json",
+    ])
+    .success();
+    let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+    let run: Vec<&str> = j["run"]["torchtitan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap())
+        .collect();
+    assert!(run[0].contains("--compute-only"), "{run:?}");
+    assert!(
+        run[1].contains("pipeline_parallel_schedule ZBVZeroBubble"),
+        "{run:?}"
+    );
+    // A tuned winner: its heuristic in words.
+    let out = tune_cli(&[
+        "--pp",
+        "4",
+        "--microbatches",
+        "16",
+        "--num-layers",
+        "14",
+        "--cost",
+        UNEVEN,
+        "--target",
+        "torch",
+        "--kinds",
+        "tuned",
+    ])
+    .success();
+    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(
+        text.contains("order:    pipec's own list scheduler: "),
+        "{text}"
+    );
+    // Errors.
+    let out = tune_cli(&[
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--target",
+        "deepspeed",
+        "--kinds",
+        "zb-v,dualpipe-v",
+    ])
+    .code(1);
+    let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    assert!(err.contains("no candidate runs on deepspeed"), "{err}");
+    tune_cli(&["--pp", "4", "--microbatches", "8", "--target", "jax"]).code(2);
+    let out = tune_cli(&[
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--exclude-kinds",
+        "1f1f",
+    ])
+    .code(1);
+    let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    assert!(err.contains("unknown schedule kind `1f1f`"), "{err}");
+}

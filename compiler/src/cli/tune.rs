@@ -5,7 +5,7 @@ use super::simulate::CostArgs;
 use super::{print_json, CliError};
 use pipec::back::files;
 use pipec::simulate::cost::{num, parse_memory};
-use pipec::tune::{describe, fmt_mem, tune, TuneError, TuneRequest, Tuned};
+use pipec::tune::{describe, fmt_mem, tune, Target, TargetChoice, TuneError, TuneRequest, Tuned};
 use pipec_schedules::Limits;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,6 +38,18 @@ pub struct Args {
     /// one microbatch = 1).
     #[arg(long, value_name = "SIZE")]
     pub memory_limit: Option<String>,
+    /// The framework that will run the schedule: only candidates it runs are eligible
+    /// (megatron, torch, torchtitan, pipec-run, deepspeed, or any). Default: a schedule every
+    /// framework pipec has an adapter for runs (one stage per rank, stage s on rank s).
+    #[arg(long, value_parser = parse_target)]
+    pub target: Option<Target>,
+    /// Weigh only these kinds (comma-separated: `tuned` for pipec's own scheduler, `1f1b`,
+    /// `zb-v`, ...).
+    #[arg(long, value_delimiter = ',', value_name = "KINDS")]
+    pub kinds: Option<Vec<String>>,
+    /// Never weigh these kinds (comma-separated, as --kinds).
+    #[arg(long, value_delimiter = ',', value_name = "KINDS")]
+    pub exclude_kinds: Vec<String>,
     /// Print one JSON object instead of the report.
     #[arg(long)]
     pub json: bool,
@@ -50,6 +62,10 @@ pub struct Args {
     /// Refuse requests with more compute ops than this.
     #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops)]
     pub max_ops: u64,
+}
+
+fn parse_target(s: &str) -> Result<Target, String> {
+    s.parse()
 }
 
 fn request(a: &Args) -> Result<TuneRequest, CliError> {
@@ -88,6 +104,9 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         limits: Limits {
             max_compute_ops: a.max_ops,
         },
+        target: a.target.map_or(TargetChoice::Every, TargetChoice::One),
+        kinds: a.kinds.clone(),
+        exclude_kinds: a.exclude_kinds.clone(),
         ..TuneRequest::new(a.pp, a.microbatches, model)
     })
 }
@@ -101,15 +120,18 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::Stages { .. }
         | TuneError::Zero
         | TuneError::TooBig(..)
-        | TuneError::Nothing(_) => CliError::Invalid(e.to_string()),
+        | TuneError::Nothing(_)
+        | TuneError::Kind(..)
+        | TuneError::NotRunnable { .. } => CliError::Invalid(e.to_string()),
     })?;
     progress.finish_and_clear();
     let seconds = t0.elapsed().as_secs_f64();
     if let Some(out) = &a.out {
         write(&t, out, a.format)?;
     }
+    let dir = a.out.as_ref().map(|o| o.display().to_string());
     if a.json {
-        print_json(&t.json(seconds));
+        print_json(&t.json_for(seconds, dir.as_deref()));
     } else {
         print_report(&t, &req, seconds, a.out.as_deref());
     }
@@ -140,14 +162,17 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         seconds,
         t.candidates.len()
     );
-    println!(
-        "schedule: {}{}",
-        describe(b),
-        b.heuristic
-            .as_ref()
-            .map(|h| format!(" (heuristic {h})"))
-            .unwrap_or_default()
-    );
+    match t.target {
+        TargetChoice::Every => println!(
+            "target:   every framework ({}; --target names one, for plans only it runs)",
+            Target::FRAMEWORKS.map(|t| t.name()).join(", ")
+        ),
+        TargetChoice::One(x) => println!("target:   {x}"),
+    }
+    println!("schedule: {}", describe(b));
+    if let (Some(h), Some(words)) = (&b.heuristic, t.heuristic_description()) {
+        println!("order:    pipec's own list scheduler: {words} (heuristic {h})");
+    }
     println!("layout:   {}", b.layout);
     let lb = t.lower_bound.value;
     println!(
@@ -177,12 +202,40 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         println!("wrote {}", o.display());
     }
     println!();
+    let dir = out.map(|o| o.display().to_string());
+    println!(
+        "run it{}:",
+        if dir.is_none() {
+            " (write it with -o DIR)"
+        } else {
+            ""
+        }
+    );
+    for target in t.run_targets() {
+        for (i, line) in t.how_to_run(target, dir.as_deref()).iter().enumerate() {
+            let head = if i == 0 {
+                format!("{}:", target.name())
+            } else {
+                String::new()
+            };
+            println!("  {head:<12}{line}");
+        }
+    }
+    if t.target == TargetChoice::One(Target::Any) {
+        for (target, why) in &t.not_runnable_on {
+            println!("  {:<12}not runnable: {why}", format!("{}:", target.name()));
+        }
+    }
+    println!();
     let names: Vec<String> = t
         .candidates
         .iter()
         .map(|c| {
             let mut name = describe(c);
-            if !c.fits {
+            if let Some(why) = &c.not_runnable {
+                let on = why.split(':').next().unwrap_or(why);
+                name.push_str(&format!(" ({on})"));
+            } else if !c.fits {
                 name.push_str(" (over limit)");
             }
             name
@@ -207,5 +260,29 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             fmt_mem(c.peak_memory, t.bytes),
             lay
         );
+    }
+    // Why the marked candidates cannot run, one line per reason.
+    let mut reasons: Vec<(String, Vec<String>)> = Vec::new();
+    let marked = t
+        .candidates
+        .iter()
+        .filter_map(|c| c.not_runnable.clone().map(|w| (describe(c), w)))
+        .chain(
+            t.skipped
+                .iter()
+                .map(|(n, w)| (format!("{n} (not planned)"), w.clone())),
+        );
+    for (name, why) in marked {
+        match reasons.iter_mut().find(|(w, _)| *w == why) {
+            Some((_, names)) => names.push(name),
+            None => reasons.push((why, vec![name])),
+        }
+    }
+    if !reasons.is_empty() {
+        println!();
+        for (why, names) in reasons {
+            let (on, rest) = why.split_once(": ").unwrap_or((&why, ""));
+            println!("{on}: {}: {rest}", names.join(", "));
+        }
     }
 }

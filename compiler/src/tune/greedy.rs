@@ -68,6 +68,53 @@ impl Heuristic {
     }
 }
 
+impl Heuristic {
+    /// The priority rules in words, for people (`name` is the compact form).
+    pub fn describe(&self) -> String {
+        let mut parts = vec![if self.forward_first {
+            "warmup forwards before a ready input-gradient backward (bwd_D)".to_string()
+        } else {
+            "the input-gradient backward (bwd_D) before forwards".to_string()
+        }];
+        parts.push(if self.cap.is_infinite() {
+            "forwards run ahead as far as memory allows".to_string()
+        } else {
+            format!(
+                "forwards in flight capped at {}x the number that fit before the rank's first \
+                 backward can arrive",
+                crate::simulate::cost::num(self.cap)
+            )
+        });
+        parts.push(if self.deep_first {
+            "among ready forwards, the deepest stage first".to_string()
+        } else {
+            "among ready forwards, the oldest microbatch first".to_string()
+        });
+        parts.push(if self.eager_w >= 1.0 {
+            "weight-gradient passes (bwd_W) fill the bubbles".to_string()
+        } else if self.eager_w <= 0.0 {
+            "bwd_W before forwards whenever activations are live".to_string()
+        } else {
+            format!(
+                "bwd_W before forwards once activations fill {}% of the memory budget",
+                crate::simulate::cost::num(self.eager_w * 100.0)
+            )
+        });
+        if self.staircase {
+            parts.push(
+                "1F1B's staircase warmup (each rank one forward in flight fewer than the one before)"
+                    .to_string(),
+            );
+        }
+        if self.patient_w {
+            parts.push(
+                "a bwd_W fills a gap only if it ends before the next input arrives".to_string(),
+            );
+        }
+        parts.join("; ")
+    }
+}
+
 /// The heuristics `pipec tune` tries on every placement and split.
 pub fn heuristics() -> Vec<Heuristic> {
     let mut v = Vec::new();

@@ -17,6 +17,7 @@ pub mod greedy;
 pub mod lower;
 pub mod problem;
 pub mod split;
+pub mod target;
 
 use crate::front::layout::{LayerKind, Layout};
 use crate::ir::Program;
@@ -29,6 +30,7 @@ use pipec_schedules::{
 };
 use problem::Problem;
 use serde::Serialize;
+pub use target::{Target, TargetChoice};
 use thiserror::Error;
 
 /// What to tune.
@@ -48,6 +50,14 @@ pub struct TuneRequest {
     pub limits: Limits,
     /// Weigh the built-in kinds too (the CLI always does; benches may not).
     pub builtins: bool,
+    /// Only candidates this target runs are eligible (the others are listed, marked). The
+    /// library's default is [`Target::Any`]; the CLI and Python default to
+    /// [`TargetChoice::Every`].
+    pub target: TargetChoice,
+    /// Weigh only these kinds (`1f1b`, ..., `tuned` for pipec's own scheduler); `None`: all.
+    pub kinds: Option<Vec<String>>,
+    /// Never weigh these kinds.
+    pub exclude_kinds: Vec<String>,
 }
 
 impl TuneRequest {
@@ -63,6 +73,9 @@ impl TuneRequest {
             memory_limit: None,
             limits: Limits::DEFAULT,
             builtins: true,
+            target: TargetChoice::One(Target::Any),
+            kinds: None,
+            exclude_kinds: Vec::new(),
         }
     }
 }
@@ -83,6 +96,13 @@ pub enum TuneError {
     Nothing(String),
     #[error("{0} compute ops exceed the limit of {1}")]
     TooBig(u64, u64),
+    #[error("unknown schedule kind `{0}` (expected `tuned` or one of: {1})")]
+    Kind(String, String),
+    #[error("no candidate runs on {target}{}", reasons.iter().map(|r| format!("\n  {r}")).collect::<String>())]
+    NotRunnable {
+        target: String,
+        reasons: Vec<String>,
+    },
 }
 
 /// One schedule weighed.
@@ -103,6 +123,8 @@ pub struct Candidate {
     /// The largest per-rank peak memory.
     pub peak_memory: f64,
     pub fits: bool,
+    /// `not runnable on TARGET: why`, or `None` when the target runs it.
+    pub not_runnable: Option<String>,
 }
 
 /// Everything about the winner.
@@ -123,6 +145,13 @@ pub struct Tuned {
     pub planned_makespan: Option<f64>,
     /// Whether memory figures are bytes (a model or limit given in bytes).
     pub bytes: bool,
+    /// What the winner had to run on.
+    pub target: TargetChoice,
+    /// Every framework that runs the winner, and why the others do not.
+    pub runs_on: Vec<Target>,
+    pub not_runnable_on: Vec<(Target, String)>,
+    /// Tuned placements not planned on because the target cannot run them: (name, reason).
+    pub skipped: Vec<(String, String)>,
 }
 
 /// A candidate with its program, before the winner is chosen.
@@ -224,6 +253,21 @@ impl Tuned {
     /// string, makespan against the lower bound, bubble, peak memory per rank, every
     /// candidate weighed, the verdict, and `seconds` (how long the search took).
     pub fn json(&self, seconds: f64) -> serde_json::Value {
+        self.json_for(seconds, None)
+    }
+
+    /// [`Tuned::json`] with the run instructions naming `dir` (the `-o` directory).
+    pub fn json_for(&self, seconds: f64, dir: Option<&str>) -> serde_json::Value {
+        let run: serde_json::Map<String, serde_json::Value> = self
+            .run_targets()
+            .into_iter()
+            .map(|t| {
+                (
+                    t.name().to_string(),
+                    serde_json::json!(self.how_to_run(t, dir)),
+                )
+            })
+            .collect();
         serde_json::json!({
             "schedule": {
                 "kind": self.best.schedule,
@@ -231,6 +275,7 @@ impl Tuned {
                 "group_size": self.best.group_size,
                 "placement": self.best.placement,
                 "heuristic": self.best.heuristic,
+                "heuristic_description": self.heuristic_description(),
             },
             "layout": self.best.layout,
             "makespan": self.best.makespan,
@@ -240,10 +285,59 @@ impl Tuned {
             "bubble": self.summary.mean_bubble(),
             "bubble_per_rank": self.summary.ranks.iter().map(|r| r.bubble_ratio).collect::<Vec<_>>(),
             "peak_memory": self.peak_memory,
+            "target": match self.target {
+                TargetChoice::One(t) => serde_json::json!(t.name()),
+                TargetChoice::Every => serde_json::Value::Null,
+            },
+            "runs_on": self.runs_on.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            "not_runnable_on": self
+                .not_runnable_on
+                .iter()
+                .map(|(t, why)| (t.name().to_string(), serde_json::json!(why)))
+                .collect::<serde_json::Map<_, _>>(),
+            "run": run,
+            "not_planned": self
+                .skipped
+                .iter()
+                .map(|(n, why)| serde_json::json!({"schedule": n, "reason": why}))
+                .collect::<Vec<_>>(),
             "candidates": self.candidates,
             "verdict": self.report.verdict_line(),
             "seconds": seconds,
         })
+    }
+
+    /// The targets whose run instructions the report gives: the one asked for; every
+    /// framework for the default; every framework that runs the winner for `any`.
+    pub fn run_targets(&self) -> Vec<Target> {
+        match self.target {
+            TargetChoice::One(Target::Any) => self.runs_on.clone(),
+            TargetChoice::One(t) => vec![t],
+            TargetChoice::Every => Target::FRAMEWORKS.to_vec(),
+        }
+    }
+
+    /// How to run the winner on `t`, one line per step; `dir` is where its files are.
+    pub fn how_to_run(&self, t: Target, dir: Option<&str>) -> Vec<String> {
+        target::how_to_run(
+            t,
+            &target::Winner {
+                spec: self.spec.as_ref(),
+                placement: &self.program.placement,
+                microbatches: self.program.microbatches,
+                layout: &self.best.layout,
+                dir: dir.unwrap_or("DIR"),
+            },
+        )
+    }
+
+    /// The winning heuristic of the tuned scheduler, in words.
+    pub fn heuristic_description(&self) -> Option<String> {
+        let name = self.best.heuristic.as_ref()?;
+        greedy::heuristics()
+            .into_iter()
+            .find(|h| &h.name() == name)
+            .map(|h| h.describe())
     }
 
     /// The layout the written files carry: the chosen split, with its Megatron string.
@@ -334,7 +428,9 @@ fn finish(
     model: &CostModel,
     limit: Option<f64>,
     planned: Option<f64>,
+    target: TargetChoice,
 ) -> Option<Built> {
+    cand.not_runnable = target.refusal(&program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
     let sim = simulate(&program, &costs).ok()?;
     let (act, sparam) = problem::stage_memory(model, &layout);
@@ -430,11 +526,20 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         return Err(TuneError::TooBig(ops, req.limits.max_compute_ops));
     }
     let limit = req.memory_limit;
-    // Tuned candidates: every placement x split.
+    let allowed = allowed_kinds(req)?;
+    // Tuned candidates: every placement the target runs x split.
     let mut jobs: Vec<(Placement, Layout)> = Vec::new();
-    for pl in tuned_placements(req.pp, req.microbatches, user_stages) {
-        for l in layouts_for(req, &pl) {
-            jobs.push((pl.clone(), l));
+    let mut skipped: Vec<(String, String)> = Vec::new();
+    if allowed.iter().any(|k| k == "tuned") {
+        for pl in tuned_placements(req.pp, req.microbatches, user_stages) {
+            if let Some(why) = req.target.placement_refusal(&pl) {
+                let vpp = pl.num_stages() / req.pp;
+                skipped.push((format!("tuned {} vpp={vpp}", placement_name(&pl)), why));
+                continue;
+            }
+            for l in layouts_for(req, &pl) {
+                jobs.push((pl.clone(), l));
+            }
         }
     }
     let mut built: Vec<Built> = Vec::new();
@@ -476,6 +581,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             bubble: 0.0,
             peak_memory: 0.0,
             fits: false,
+            not_runnable: None,
         };
         if let Some(b) = finish(
             cand,
@@ -486,6 +592,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             &req.model,
             limit,
             Some(plan.makespan),
+            req.target,
         ) {
             built.push(b);
         }
@@ -493,7 +600,8 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     // Keep the best split per tuned placement only: the table stays short.
     built = keep_best_per(built);
     if req.builtins {
-        let specs = builtin_specs(req, user_stages);
+        let mut specs = builtin_specs(req, user_stages);
+        specs.retain(|s| allowed.iter().any(|k| k == s.kind.name()));
         let layouts: Vec<(ScheduleSpec, Layout)> = specs
             .into_iter()
             .filter_map(|spec| {
@@ -519,6 +627,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                 bubble: 0.0,
                 peak_memory: 0.0,
                 fits: false,
+                not_runnable: None,
             };
             finish(
                 cand,
@@ -529,6 +638,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                 &req.model,
                 limit,
                 None,
+                req.target,
             )
         });
         built.extend(results.into_iter().flatten());
@@ -539,17 +649,44 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         .iter()
         .any(|m| m.act > 1e5 || m.param > 1e5)
         || limit.is_some_and(|l| l > 1e5);
-    let mut order: Vec<usize> = (0..built.len()).filter(|&i| built[i].cand.fits).collect();
-    if order.is_empty() {
-        let Some(limit) = limit else {
+    let runnable = |b: &Built| b.cand.not_runnable.is_none();
+    let mut order: Vec<usize> = (0..built.len())
+        .filter(|&i| built[i].cand.fits && runnable(&built[i]))
+        .collect();
+    if order.is_empty() && (!built.iter().any(runnable) || limit.is_none()) {
+        if built.is_empty() && skipped.is_empty() {
             return Err(TuneError::Nothing(
-                "no placement fits the layout and pp".into(),
+                "no placement fits the layout and pp, or the kinds asked for exclude them all"
+                    .into(),
             ));
-        };
+        }
+        let mut reasons: Vec<String> = Vec::new();
+        for r in built
+            .iter()
+            .filter_map(|b| {
+                b.cand
+                    .not_runnable
+                    .as_ref()
+                    .map(|w| format!("{}: {w}", describe(&b.cand)))
+            })
+            .chain(skipped.iter().map(|(n, w)| format!("{n}: {w}")))
+        {
+            if !reasons.contains(&r) {
+                reasons.push(r);
+            }
+        }
+        return Err(TuneError::NotRunnable {
+            target: req.target.label(),
+            reasons,
+        });
+    }
+    if order.is_empty() {
+        let limit = limit.unwrap_or(f64::INFINITY);
         // The smallest peak: the built-ins' and the tuned scheduler's least (bisection over
-        // the limit it plans under).
+        // the limit it plans under), among what the target runs.
         let mut best: Option<(f64, String)> = built
             .iter()
+            .filter(|b| runnable(b))
             .min_by(|a, b| a.cand.peak_memory.total_cmp(&b.cand.peak_memory))
             .map(|b| (b.cand.peak_memory, describe(&b.cand)));
         for (pl, layout) in &jobs {
@@ -579,8 +716,9 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     let candidates: Vec<Candidate> = {
         let mut c: Vec<Candidate> = built.iter().map(|b| b.cand.clone()).collect();
         c.sort_by(|x, y| {
-            (!x.fits)
-                .cmp(&!y.fits)
+            (x.not_runnable.is_some())
+                .cmp(&y.not_runnable.is_some())
+                .then((!x.fits).cmp(&!y.fits))
                 .then(x.makespan.total_cmp(&y.makespan))
         });
         c
@@ -604,6 +742,14 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         );
         let lower_bound = bound::lower_bound(&p);
         let b = built.swap_remove(i);
+        let mut runs_on = Vec::new();
+        let mut not_runnable_on = Vec::new();
+        for t in Target::FRAMEWORKS {
+            match t.check(&b.program) {
+                Ok(()) => runs_on.push(t),
+                Err(why) => not_runnable_on.push((t, why)),
+            }
+        }
         return Ok(Tuned {
             best: b.cand,
             candidates,
@@ -617,11 +763,33 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             report,
             planned_makespan: b.planned,
             bytes,
+            target: req.target,
+            runs_on,
+            not_runnable_on,
+            skipped,
         });
     }
     Err(TuneError::Nothing(
         "every candidate failed verification".into(),
     ))
+}
+
+/// The kind names a request weighs (`tuned` and the built-in kinds), after `kinds` and
+/// `exclude_kinds`; an unknown name is an error.
+fn allowed_kinds(req: &TuneRequest) -> Result<Vec<String>, TuneError> {
+    let all: Vec<String> = std::iter::once("tuned".to_string())
+        .chain(ScheduleKind::ALL.iter().map(|k| k.name().to_string()))
+        .collect();
+    for k in req.kinds.iter().flatten().chain(&req.exclude_kinds) {
+        if !all.contains(k) {
+            return Err(TuneError::Kind(k.clone(), all.join(", ")));
+        }
+    }
+    Ok(all
+        .into_iter()
+        .filter(|k| req.kinds.as_ref().is_none_or(|ks| ks.contains(k)))
+        .filter(|k| !req.exclude_kinds.contains(k))
+        .collect())
 }
 
 /// The least peak memory (largest over ranks) the tuned scheduler reaches on `p`: the

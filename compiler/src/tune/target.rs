@@ -1,0 +1,407 @@
+//! Which framework can run a program: the one rule `pipec tune --target` filters by, and the
+//! words that tell a user how to run the winner there.
+//!
+//! The rule is what pipec's adapters refuse, written once:
+//! - `pipec.torch` (`_refuse_bidirectional`, `_check_loss_order`): torch's runtime gives every
+//!   stage one rank, and takes microbatch m's loss from position m of its loss list, so the
+//!   last stage must run its forwards in microbatch order. Any other stage -> rank table is
+//!   fine (`_prepare_schedule_with_comms` reads it off the actions).
+//! - `pipec.megatron` (`_refuse_bidirectional`, `_check_data_order`): a model chunk lives on
+//!   one rank; Megatron's data iterators hand out microbatches in order, so every stage runs
+//!   its forwards in microbatch order. V placements are built from `stage_layers`.
+//! - torchtitan lowers the compute-only CSV itself and places stages by the schedule class it
+//!   is told (`_get_pp_rank_to_stage_indices_mapping`, torchtitan 0.3.0): looped (`s % pp`)
+//!   except for `ZBVZeroBubble` / `DualPipeV` (V, two stages per rank). torch's rule applies
+//!   on top (the CSV runs on torch's runtime).
+//! - DeepSpeed's `PipelineEngine` (0.19.8): one stage per rank, stage `s` on rank `s`.
+//! - `pipec-run` runs every verified program.
+
+use crate::ir::Program;
+use pipec_schedules::{Compute, Placement, PlacementKind, Rank};
+use serde::Serialize;
+use std::fmt;
+
+/// A framework a tuned schedule is meant for (`pipec tune --target`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Target {
+    Megatron,
+    Torch,
+    Torchtitan,
+    PipecRun,
+    Deepspeed,
+    /// No restriction (the search over every placement; `pipec-run` runs the result).
+    Any,
+}
+
+impl Target {
+    /// The names `--target` takes.
+    pub const ALL: [Target; 6] = [
+        Target::Megatron,
+        Target::Torch,
+        Target::Torchtitan,
+        Target::PipecRun,
+        Target::Deepspeed,
+        Target::Any,
+    ];
+
+    /// The frameworks pipec has an adapter for.
+    pub const FRAMEWORKS: [Target; 5] = [
+        Target::Megatron,
+        Target::Torch,
+        Target::Torchtitan,
+        Target::Deepspeed,
+        Target::PipecRun,
+    ];
+
+    /// The same, strictest placement rule first: a refusal under the default names the
+    /// framework that refuses most.
+    const STRICTEST_FIRST: [Target; 5] = [
+        Target::Deepspeed,
+        Target::Torchtitan,
+        Target::Megatron,
+        Target::Torch,
+        Target::PipecRun,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Megatron => "megatron",
+            Target::Torch => "torch",
+            Target::Torchtitan => "torchtitan",
+            Target::PipecRun => "pipec-run",
+            Target::Deepspeed => "deepspeed",
+            Target::Any => "any",
+        }
+    }
+
+    /// Whether this target accepts `program`, or why not (the adapter's reason, in words).
+    pub fn check(self, program: &Program) -> Result<(), String> {
+        self.check_placement(&program.placement)?;
+        match self {
+            Target::Torch | Target::Torchtitan => forwards_in_order(program, true),
+            Target::Megatron => forwards_in_order(program, false),
+            Target::PipecRun | Target::Deepspeed | Target::Any => Ok(()),
+        }
+    }
+
+    /// The placement half of [`Target::check`]: what the target's stage -> rank rule allows.
+    /// `tune` skips the placements it refuses before planning on them.
+    pub fn check_placement(self, p: &Placement) -> Result<(), String> {
+        let two_ranks = || {
+            Err(
+                "places every stage on two ranks (one per direction); a stage lives on one rank \
+                 there (use dualpipe-v, its V-shaped form)"
+                    .to_string(),
+            )
+        };
+        match self {
+            Target::PipecRun | Target::Any => Ok(()),
+            Target::Torch | Target::Megatron if p.kind == PlacementKind::Bidirectional => {
+                two_ranks()
+            }
+            Target::Torch | Target::Megatron => Ok(()),
+            Target::Torchtitan => {
+                if p.kind == PlacementKind::Bidirectional {
+                    return two_ranks();
+                }
+                torchtitan_class(p).map(|_| ()).ok_or_else(|| {
+                    "torchtitan places stages by its schedule class, looped (s % pp) or V-shaped \
+                     (ZBVZeroBubble, DualPipeV); this placement is neither"
+                        .to_string()
+                })
+            }
+            Target::Deepspeed => {
+                if p.kind == PlacementKind::Bidirectional {
+                    return two_ranks();
+                }
+                let one_each = p.num_stages() == p.pp
+                    && p.table()
+                        .iter()
+                        .enumerate()
+                        .all(|(s, r)| *r == Rank(s as u32));
+                if one_each {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "DeepSpeed's PipelineEngine runs one stage per rank (stage s on rank s); \
+                         this schedule has {} stages on {} ranks",
+                        p.num_stages(),
+                        p.pp
+                    ))
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Target::ALL
+            .into_iter()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
+                format!(
+                    "unknown target `{s}` (expected one of {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// What a tune request must run on: one target, or (the default of the CLI and Python) every
+/// framework pipec has an adapter for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TargetChoice {
+    One(Target),
+    /// Every framework in [`Target::FRAMEWORKS`].
+    Every,
+}
+
+impl TargetChoice {
+    /// The targets the choice stands for.
+    pub fn targets(self) -> Vec<Target> {
+        match self {
+            TargetChoice::One(t) => vec![t],
+            TargetChoice::Every => Target::STRICTEST_FIRST.to_vec(),
+        }
+    }
+
+    /// `torch`, or `every framework` for the default.
+    pub fn label(self) -> String {
+        match self {
+            TargetChoice::One(t) => t.name().to_string(),
+            TargetChoice::Every => "every framework".to_string(),
+        }
+    }
+
+    /// `not runnable on torch: <reason>` from the first target that refuses, or `None`.
+    pub fn refusal(self, program: &Program) -> Option<String> {
+        self.targets().into_iter().find_map(|t| {
+            t.check(program)
+                .err()
+                .map(|why| format!("not runnable on {t}: {why}"))
+        })
+    }
+
+    /// The same, from the placement alone.
+    pub fn placement_refusal(self, p: &Placement) -> Option<String> {
+        self.targets().into_iter().find_map(|t| {
+            t.check_placement(p)
+                .err()
+                .map(|why| format!("not runnable on {t}: {why}"))
+        })
+    }
+}
+
+/// Each stage's forwards (all stages, or the last one only) in microbatch order per rank.
+fn forwards_in_order(program: &Program, last_only: bool) -> Result<(), String> {
+    let n = program.num_stages() as usize;
+    let last = n.saturating_sub(1);
+    for (r, stream) in program.compute_orders().iter().enumerate() {
+        let mut prev: Vec<Option<u32>> = vec![None; n];
+        for c in stream {
+            let fwd = match *c {
+                Compute::Fwd(t) => t,
+                Compute::FwdBwd { fwd, .. } => fwd,
+                _ => continue,
+            };
+            let s = fwd.stage.0 as usize;
+            if s >= n || (last_only && s != last) {
+                continue;
+            }
+            if prev[s].is_some_and(|p| fwd.mb.0 < p) {
+                let what = if last_only {
+                    "torch takes microbatch m's loss from position m of its loss list"
+                } else {
+                    "Megatron's data iterators hand out microbatches in order"
+                };
+                return Err(format!(
+                    "rank {r} runs the forwards of stage {s} out of microbatch order ({} after {}); {what}",
+                    fwd.mb.0,
+                    prev[s].unwrap_or(0)
+                ));
+            }
+            prev[s] = Some(fwd.mb.0);
+        }
+    }
+    Ok(())
+}
+
+/// torchtitan's `pipeline_parallel_schedule` class whose placement is `p`'s (torch's class in
+/// parentheses), with the extra flag it needs; `None` when no class places stages this way.
+pub fn torchtitan_class(p: &Placement) -> Option<(&'static str, &'static str, Option<String>)> {
+    let pp = p.pp.max(1);
+    let s = p.num_stages();
+    if !s.is_multiple_of(pp) {
+        return None;
+    }
+    let vpp = s / pp;
+    if p.table() == Placement::looped(pp, vpp).table() {
+        return Some(match vpp {
+            1 => ("1F1B", "Schedule1F1B", None),
+            2 => ("Interleaved1F1B", "ScheduleInterleaved1F1B", None),
+            _ => (
+                "Interleaved1F1B",
+                "ScheduleInterleaved1F1B",
+                Some(format!(
+                    "--parallelism.pipeline_parallel_layers_per_stage so that it builds {s} stages"
+                )),
+            ),
+        });
+    }
+    if vpp == 2 && p.table() == Placement::v_shape(pp).table() {
+        return Some(("ZBVZeroBubble", "ScheduleZBVZeroBubble", None));
+    }
+    None
+}
+
+/// What the run instructions need to know about the winner.
+pub struct Winner<'a> {
+    pub spec: Option<&'a pipec_schedules::ScheduleSpec>,
+    pub placement: &'a Placement,
+    pub microbatches: u32,
+    /// The Megatron layout string of the split.
+    pub layout: &'a str,
+    /// Where the files are (`-o`), or a placeholder.
+    pub dir: &'a str,
+}
+
+/// Whether Megatron's own schedule functions run this winner as it is: 1F1B
+/// (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B, loop placement.
+fn megatron_own(w: &Winner) -> Option<&'static str> {
+    use pipec_schedules::ScheduleKind;
+    let spec = w.spec?;
+    if spec.combined || spec.forward_only {
+        return None;
+    }
+    match spec.kind {
+        ScheduleKind::OneFOneB => Some("forward_backward_pipelining_without_interleaving"),
+        ScheduleKind::Interleaved1F1B => Some("forward_backward_pipelining_with_interleaving"),
+        _ => None,
+    }
+}
+
+/// Megatron-LM's command-line flags for a P2P mode (`megatron/training/arguments.py`: the
+/// interleaved schedule overlaps P2P unless `--no-overlap-p2p-communication`; the
+/// non-interleaved one always batches).
+fn megatron_p2p_flags(spec: &pipec_schedules::ScheduleSpec) -> String {
+    use pipec_schedules::{MegatronP2p, ScheduleKind};
+    let interleaved = spec.kind == ScheduleKind::Interleaved1F1B;
+    match (interleaved, spec.megatron_p2p) {
+        (false, MegatronP2p::Batched) => {
+            "P2P: Megatron-LM's default for this schedule (batch_p2p_comm), no flag".into()
+        }
+        (true, MegatronP2p::Batched) => {
+            "P2P: --no-overlap-p2p-communication (batch_p2p_comm)".into()
+        }
+        (true, MegatronP2p::Overlap) => {
+            "P2P: Megatron-LM's default for this schedule (overlap_p2p_comm, deallocate_pipeline_outputs), no flag".into()
+        }
+        (true, MegatronP2p::OverlapFlush) => {
+            "P2P: --overlap-p2p-communication-warmup-flush (overlap_p2p_comm, overlap_p2p_comm_warmup_flush)".into()
+        }
+        (_, mode) => format!("P2P: set ModelParallelConfig to {}", mode.config()),
+    }
+}
+
+/// How to run the winner on `target`, one line per step. `target` must accept it.
+pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
+    let pp = w.placement.pp;
+    let m = w.microbatches;
+    let dir = w.dir;
+    let layout_flags = format!(
+        "--pipeline-model-parallel-size {pp} --pipeline-model-parallel-layout \"{}\"",
+        w.layout
+    );
+    match target {
+        Target::Megatron => {
+            let looped = w.placement.table()
+                == Placement::looped(pp.max(1), w.placement.num_stages() / pp.max(1)).table();
+            if let (Some(func), Some(spec), true) = (megatron_own(w), w.spec, looped) {
+                let mut first = format!(
+                    "Megatron's own schedule ({func}): {layout_flags}, {m} microbatches per step"
+                );
+                if let Some(g) = spec.group_size {
+                    first.push_str(&format!(
+                        ", --microbatch-group-size-per-virtual-pipeline-stage {g}"
+                    ));
+                }
+                vec![first, megatron_p2p_flags(spec)]
+            } else if looped {
+                vec![
+                    format!(
+                        "build the model with {layout_flags} (Megatron's placement is the \
+                         schedule's: stage s on rank s % pp, chunk s / pp)"
+                    ),
+                    format!(
+                        "use pipec.megatron.forward_backward_func(\"{dir}\") in place of \
+                         get_forward_backward_func(), {m} microbatches; Megatron's P2P flags \
+                         are not used (the communication is the one pipec verified)"
+                    ),
+                ]
+            } else {
+                vec![
+                    format!(
+                        "build rank r's model chunks from pipec.megatron.stage_indices(\"{dir}\", r) \
+                         and pipec.megatron.stage_layers(\"{dir}\"), not from \
+                         --pipeline-model-parallel-layout (which puts stage s on rank s % pp)"
+                    ),
+                    format!(
+                        "use pipec.megatron.forward_backward_func(\"{dir}\") in place of \
+                         get_forward_backward_func(), {m} microbatches; Megatron's P2P flags \
+                         are not used"
+                    ),
+                ]
+            }
+        }
+        Target::Torch => {
+            let class = torchtitan_class(w.placement)
+                .map(|(_, torch, _)| format!(" (the placement of torch's {torch})"))
+                .unwrap_or_default();
+            vec![
+                format!("stages: pipec.torch.stage_indices(\"{dir}\", rank){class}"),
+                format!(
+                    "pipec.torch.build_schedule(\"{dir}\", stages, loss_fn): torch's \
+                     _PipelineScheduleRuntime runs the verified actions, {m} microbatches"
+                ),
+                format!(
+                    "or the CSV: pipec export {dir} --format torch-csv -o schedule.csv \
+                     (compute+comms, for _load_csv(..., format=\"compute_comms\"))"
+                ),
+            ]
+        }
+        Target::Torchtitan => {
+            let (class, extra) = match torchtitan_class(w.placement) {
+                Some((c, _, e)) => (c, e),
+                None => ("?", None),
+            };
+            let mut second = format!(
+                "--parallelism.pipeline_parallel_degree {pp} \
+                 --parallelism.pipeline_parallel_schedule {class} \
+                 --parallelism.pipeline_parallel_schedule_csv schedule.csv, {m} microbatches \
+                 per step"
+            );
+            if let Some(e) = extra {
+                second.push_str(&format!(", {e}"));
+            }
+            vec![
+                format!("pipec export {dir} --format torch-csv --compute-only -o schedule.csv"),
+                second,
+            ]
+        }
+        Target::PipecRun | Target::Any => vec![format!("pipec-run {dir} --backend cuda")],
+        Target::Deepspeed => vec![format!(
+            "pipec.deepspeed.use(engine, \"{dir}\") on a PipelineEngine of {pp} stages \
+             (gradient_accumulation_steps = {m}), layers split as the layout"
+        )],
+    }
+}
