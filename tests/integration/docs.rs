@@ -89,9 +89,11 @@ fn help_flags(help: &str) -> std::collections::BTreeSet<String> {
     help.lines()
         .filter_map(|l| {
             let l = l.trim_start();
-            let l = l.strip_prefix("-").map_or(l, |_| {
-                l.split_once(", ").map_or(l, |(_, rest)| rest)
-            });
+            // `-o, --out <OUT>`: the long form follows the short one.
+            let l = match l.as_bytes() {
+                [b'-', c, b',', b' ', ..] if *c != b'-' => &l[4..],
+                _ => l,
+            };
             let flag = l.strip_prefix("--")?;
             let name: String = flag
                 .chars()
@@ -110,7 +112,9 @@ fn readme_synopsis_matches_help() {
     use std::collections::{BTreeMap, BTreeSet};
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("README.md");
-    let section = &readme[readme.find("## The command line").expect("synopsis section")..];
+    let section = &readme[readme
+        .find("## The command line")
+        .expect("synopsis section")..];
     let block = &section[section.find("```\n").unwrap() + 4..];
     let block = &block[..block.find("```").unwrap()];
     let mut documented: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -166,4 +170,21 @@ fn readme_synopsis_matches_help() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// Regression (#29): the README's Python section listed 4 of the 6 Megatron P2P modes.
+#[test]
+fn readme_python_section_lists_every_p2p_mode() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let start = readme
+        .find("`pipec.compile(schedule, pp, microbatches")
+        .expect("compile()'s paragraph");
+    let para = &readme[start..start + readme[start..].find("\n\n").unwrap()];
+    for m in pipec_schedules::MegatronP2p::ALL {
+        assert!(
+            para.contains(&format!("`\"{m}\"`")),
+            "{m} missing from: {para}"
+        );
+    }
 }
