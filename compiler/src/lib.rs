@@ -19,6 +19,7 @@ pub mod ir;
 pub mod lower;
 pub mod par;
 pub mod simulate;
+pub mod tidy;
 pub mod tune;
 pub mod verify;
 pub mod words;

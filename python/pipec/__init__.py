@@ -50,6 +50,21 @@ _MEGATRON_P2P = (
 )
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 rank``, ``4 ranks`` (the CLI's rule)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _check_count(name: str, v, alternative: str = "") -> None:
+    """A size such as pp: an integer of at least 1, refused in the words the CLI uses
+    (``pp must be at least 1``) whether it is 0 or negative."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        alt = f" {alternative}" if alternative else ""
+        raise SpecError(f"{name} must be an integer{alt}, not {v!r}")
+    if v < 1:
+        raise SpecError(f"{name} must be at least 1, not {v}")
+
+
 @dataclass(frozen=True)
 class Report:
     """The verifier's verdict (``Schedule.check``)."""
@@ -131,11 +146,14 @@ class Schedule:
         return self._n.target_refusal(target)
 
     def __repr__(self) -> str:
-        return f"<pipec.Schedule {self._n.title_line}: {self.pp} ranks, {self.num_stages} stages>"
+        # The title already names the sizes (pp and vpp, or ranks and stages when imported).
+        return f"<pipec.Schedule {self._n.title_line}>"
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.pp:
-            raise ValueError(f"rank {rank!r} is out of range for a schedule of {self.pp} ranks")
+            raise ValueError(
+                f"rank {rank!r} is out of range for a schedule of {_count(self.pp, 'rank')}"
+            )
 
     # --- files ---
     def save(self, path: str | os.PathLike, format: str = "json") -> None:
@@ -200,11 +218,14 @@ def compile(
             f"megatron_p2p must be one of {', '.join(_MEGATRON_P2P)}, not {megatron_p2p!r}"
         )
     for name, v in (("pp", pp), ("microbatches", microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SpecError(f"{name} must be a non-negative integer, not {v!r}")
-    for name, v in (("vpp", vpp), ("group_size", group_size), ("memory_limit", memory_limit)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise SpecError(f"{name} must be a non-negative integer or None, not {v!r}")
+        _check_count(name, v)
+    for name, v in (("vpp", vpp), ("group_size", group_size)):
+        if v is not None:
+            _check_count(name, v, "or None")
+    if memory_limit is not None and (
+        isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 0
+    ):
+        raise SpecError(f"memory_limit must be an integer >= 0 or None, not {memory_limit!r}")
     return Schedule(
         _native.compile_schedule(
             schedule,
@@ -263,8 +284,7 @@ def tune(
     that runs it.
     """
     for name, v in (("pp", pp), ("microbatches", microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SpecError(f"{name} must be a non-negative integer, not {v!r}")
+        _check_count(name, v)
     if memory_limit is not None and not isinstance(memory_limit, str):
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
             raise SpecError(f"memory_limit must be a size or a number, not {memory_limit!r}")

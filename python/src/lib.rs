@@ -243,7 +243,7 @@ impl NativeSchedule {
                 return Err(InvalidSchedule::new_err(e));
             }
         };
-        Ok(v.to_string())
+        Ok(pipec::tidy::tidy(v).to_string())
     }
 
     /// torch's schedule CSV (compute+comms unless `compute_only`).
@@ -419,8 +419,8 @@ fn tune_schedule(
     let t = py
         .detach(|| tune(&req))
         .map_err(|e| SpecError::new_err(e.to_string()))?;
-    let report = t
-        .json_for(t0.elapsed().as_secs_f64(), out.as_deref())
+    // Rounded as `pipec tune --json` prints it.
+    let report = pipec::tidy::tidy(t.json_for(t0.elapsed().as_secs_f64(), out.as_deref()))
         .to_string();
     let layout = t.file_layout();
     let source = t.header(&layout).source.to_string();

@@ -341,3 +341,39 @@ def test_tune_errors():
         pipec.tune(4, 16, cost="f=banana")
     with pytest.raises(pipec.LayoutError):
         pipec.tune(2, 4, layout="Et|x|L")
+
+
+# ---- #29: what pipec tells a user, in the same words as the CLI ----------------------------
+
+
+def test_pp_messages_agree_for_zero_and_negative():
+    """Regression (#29): pp=-1 said "non-negative integer" while pp=0 said "at least 1"."""
+    for bad in (0, -1):
+        with pytest.raises(pipec.SpecError, match="pp must be at least 1"):
+            pipec.compile("1f1b", bad, 4)
+        with pytest.raises(pipec.SpecError, match="microbatches must be at least 1"):
+            pipec.compile("1f1b", 2, bad)
+        with pytest.raises(pipec.SpecError, match="pp must be at least 1"):
+            pipec.tune(bad, 4, num_layers=4)
+    with pytest.raises(pipec.SpecError, match="vpp must be an integer or None"):
+        pipec.compile("interleaved-1f1b", 2, 4, vpp="2")
+
+
+def test_repr_names_the_sizes_once():
+    """Regression (#29): ``Schedule.__repr__`` said "8 ranks, 16 stages" twice."""
+    s = pipec.compile("interleaved-1f1b", 8, 16, vpp=2)
+    assert repr(s) == "<pipec.Schedule interleaved-1f1b pp=8 vpp=2 microbatches=16>"
+    one = pipec.compile("1f1b", 1, 2)
+    with pytest.raises(ValueError, match="a schedule of 1 rank$"):
+        one.instructions(1)
+
+
+def test_interleaved_without_vpp_and_torch_names():
+    """Regression (#29): interleaved-1f1b without vpp silently ran one chunk; torch's class
+    names were unknown kinds with no suggestion."""
+    with pytest.raises(pipec.SpecError, match="needs the number of model chunks per rank"):
+        pipec.compile("interleaved-1f1b", 4, 8)
+    with pytest.raises(pipec.SpecError, match="did you mean `zb-v`"):
+        pipec.compile("ZBVZeroBubble", 2, 4)
+    with pytest.raises(pipec.SpecError, match="did you mean `dualpipe-v`"):
+        pipec.compile("DualPipeV", 2, 4)

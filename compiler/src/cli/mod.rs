@@ -123,9 +123,10 @@ pub fn parse_unit_limit(s: &str) -> Result<u64, String> {
     }
 }
 
-/// Print JSON to stdout with a trailing newline.
+/// Print JSON to stdout with a trailing newline, floats rounded ([`pipec::tidy`]).
 pub fn print_json<T: serde::Serialize>(v: &T) {
-    println!("{}", serde_json::to_string_pretty(v).expect("serializable"));
+    let v = pipec::tidy::tidy(serde_json::to_value(v).expect("serializable"));
+    println!("{}", serde_json::to_string_pretty(&v).expect("serializable"));
 }
 
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
