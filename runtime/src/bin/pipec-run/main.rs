@@ -183,6 +183,15 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
+            // Under --json stdout always holds a document, an error too (as `pipec check`):
+            // a consumer never parses an empty one.
+            if args.json {
+                print_json(&serde_json::json!({
+                    "dir": args.dir.as_ref().map(|d| d.display().to_string()),
+                    "error": e.to_string(),
+                    "exit_code": e.exit_code(),
+                }));
+            }
             ExitCode::from(e.exit_code())
         }
     }
