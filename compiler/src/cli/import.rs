@@ -74,10 +74,6 @@ fn read_input(path: &std::path::Path, importing: bool) -> Result<Vec<u8>, CliErr
     let bytes = std::fs::read(path)
         .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
     if let Some(found) = files::sniff(&bytes) {
-        let e = files::LoadError::NotADirectory {
-            path: path.to_path_buf(),
-            found: Some(found),
-        };
         if importing {
             let dir = match path.parent() {
                 Some(p) if !p.as_os_str().is_empty() => p,
@@ -89,6 +85,10 @@ fn read_input(path: &std::path::Path, importing: bool) -> Result<Vec<u8>, CliErr
                 already(dir)
             )));
         }
+        let e = files::LoadError::NotADirectory {
+            path: path.to_path_buf(),
+            found: Some(found),
+        };
         return Err(CliError::Usage(e.to_string()));
     }
     Ok(bytes)

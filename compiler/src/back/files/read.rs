@@ -215,7 +215,7 @@ pub(crate) fn json_err(path: &Path, e: serde_json::Error) -> LoadError {
 pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
     let path = dir.join(MANIFEST_FILE);
     let mut bytes = Vec::new();
-    read_manifest_of(dir, |p, b| read_file(p, b), &mut bytes)?;
+    read_manifest_of(dir, read_file, &mut bytes)?;
     parse_manifest(&path, &bytes)
 }
 
