@@ -687,3 +687,42 @@ fn seal_refuses_malformed_files_precisely() {
     assert_eq!(code, 2);
     assert!(err.contains("none"), "{err}");
 }
+
+/// The reverse fault: an existing file where a directory is written (`compile -o`, `seal`'s
+/// and `Schedule.save`'s writer), and a directory where `pipec-run --trace` writes a file,
+/// refused before any work with a message naming what was expected.
+#[test]
+fn output_file_where_directory_expected_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("afile");
+    std::fs::write(&file, "mine").unwrap();
+    let mut c = pipec([
+        "compile",
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+    ]);
+    c.arg("-o").arg(&file);
+    let (code, _, err) = run(c);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains(&format!(
+            "{} is a file; a schedule is written as a directory",
+            file.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), b"mine");
+    let dir = tmp.path().join("s");
+    compile(&dir, "1f1b", 2, 2, &[]);
+    let (code, out, err) = run(pipec_run(&dir, &["--trace", tmp.path().to_str().unwrap()]));
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "the run started: {out}");
+    assert!(
+        err.contains("a directory; the trace is written to a file"),
+        "{err}"
+    );
+}

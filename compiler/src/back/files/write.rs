@@ -574,6 +574,9 @@ pub enum WriteError {
     },
     #[error("{path} exists and holds files that are not a pipec schedule (e.g. `{example}`); refusing to replace it")]
     NotASchedule { path: PathBuf, example: String },
+    /// The output path is an existing file: a schedule is a directory.
+    #[error("{path} is a file; a schedule is written as a directory (manifest.json and rank files): name a directory")]
+    IsAFile { path: PathBuf },
 }
 
 pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError + '_ {
@@ -585,6 +588,11 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError +
 
 /// An existing `dir` that holds anything but a pipec schedule is not ours to replace.
 fn refuse_foreign(dir: &Path) -> Result<(), WriteError> {
+    if dir.is_file() {
+        return Err(WriteError::IsAFile {
+            path: dir.to_path_buf(),
+        });
+    }
     if dir.exists() {
         let entries = std::fs::read_dir(dir).map_err(io_err(dir))?;
         for e in entries {
