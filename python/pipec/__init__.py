@@ -37,6 +37,7 @@ __all__ = [
     "compile",
     "kinds",
     "load",
+    "seal",
     "tune",
 ]
 
@@ -247,8 +248,23 @@ def load(path: str | os.PathLike, world_size: int | None = None) -> Schedule:
     makes: format versions, file hashes, one schedule hash, structure, full verification, and
     ``world_size`` when given. A damaged or tampered directory raises :class:`FileError`
     naming the file and the reason; one that loads but does not verify, :class:`InvalidSchedule`.
+    A file is refused as ``pipec-run`` refuses it: one of pipec's own files names its
+    directory, and a torch CSV is imported first (``pipec import x.csv -o DIR``), where its
+    stage placement can be given (``--pp``, ``--placement``) and its communication is placed
+    and verified once.
     """
     return Schedule(_native.load_dir(os.fspath(path), world_size))
+
+
+def seal(path: str | os.PathLike) -> dict:
+    """``pipec seal``: recompute the hashes of a directory whose files another tool wrote or
+    edited, so that :func:`load` and ``pipec check`` judge their content instead of refusing
+    them as changed. The manifest then records ``sealed_by: "pipec seal"``. Returns
+    ``ranks``, ``instructions``, ``changed`` (rank files whose recorded hash no longer
+    matched) and ``unchanged`` (every hash already matched: nothing written). A missing or
+    malformed file raises :class:`FileError` with the CLI's message (file, field, line).
+    """
+    return json.loads(_native.seal_dir(os.fspath(path)))
 
 
 def tune(

@@ -462,6 +462,23 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
     })
 }
 
+/// `pipec seal`: recompute the hashes of a directory another tool wrote or edited
+/// ([`files::seal_dir`]); what was done as JSON. A malformed file raises `FileError` with the
+/// CLI's message.
+#[pyfunction]
+fn seal_dir(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    let s = py
+        .detach(|| files::seal_dir(&path))
+        .map_err(|e| FileError::new_err(e.to_string()))?;
+    Ok(json!({
+        "ranks": s.ranks,
+        "instructions": s.instructions,
+        "changed": s.changed,
+        "unchanged": s.unchanged,
+    })
+    .to_string())
+}
+
 /// The schedule kinds pipec generates.
 #[pyfunction]
 fn kinds() -> Vec<String> {
@@ -484,6 +501,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeSchedule>()?;
     m.add_function(wrap_pyfunction!(compile_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(load_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(seal_dir, m)?)?;
     m.add_function(wrap_pyfunction!(tune_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
     Ok(())

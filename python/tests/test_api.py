@@ -126,13 +126,78 @@ def test_load_refuses_damaged_and_missing_files(tmp_path):
     (d / "manifest.json").write_text("{ not json")
     with pytest.raises(pipec.FileError, match="manifest.json"):
         pipec.load(d)
-    with pytest.raises(pipec.FileError, match="manifest.json"):
+    # A missing directory is named as given, not as the manifest inside it.
+    with pytest.raises(pipec.FileError, match="nothing-here: "):
         pipec.load(tmp_path / "nothing-here")
     e = tmp_path / "e"
     pipec.compile("1f1b", 2, 4).save(e)
     os.remove(e / "rank-0.json")
     with pytest.raises(pipec.FileError, match="rank-0.json"):
         pipec.load(e)
+
+
+def _cli_error(*args) -> tuple[int, str]:
+    """Exit code and message (without ``error: ``) of a failing CLI call."""
+    if not CLI.exists():
+        pytest.skip(f"{CLI} not built (cargo build)")
+    p = subprocess.run([str(a) for a in args], check=False, capture_output=True, text=True)
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error: ")]
+    assert p.returncode != 0 and lines, p.stderr
+    return p.returncode, lines[-1][len("error: ") :]
+
+
+def test_load_csv_says_import_it(tmp_path):
+    """``pipec.load`` refuses a file as ``pipec-run`` does, with the same message: a torch
+    CSV is imported first, one of pipec's own files names its directory."""
+    csv = tmp_path / "x.csv"
+    csv.write_text("0F0,0B0\n")
+    with pytest.raises(pipec.FileError) as e:
+        pipec.load(csv)
+    assert f"`pipec import {csv} -o DIR`" in str(e.value), str(e.value)
+    code, msg = _cli_error(CLI.parent / "pipec-run", csv)
+    assert (code, msg) == (2, str(e.value))
+    d = tmp_path / "s"
+    pipec.compile("zb-v", 2, 4).save(d)
+    for name, what in (("manifest.json", "the manifest"), ("rank-1.json", "rank 1's instructions")):
+        with pytest.raises(pipec.FileError) as e:
+            pipec.load(d / name)
+        want = f"{d / name}: this is a pipec instruction file ({what}), not a schedule directory: pass its directory, {d}"
+        assert str(e.value) == want
+        assert _cli_error(CLI.parent / "pipec-run", d / name) == (2, want)
+        assert _cli_error(CLI, "check", d / name) == (2, want)
+
+
+def test_seal_then_load_judges_content(tmp_path):
+    d = tmp_path / "s"
+    pipec.compile("1f1b", 2, 4).save(d)
+    assert pipec.seal(d) == {"ranks": 2, "instructions": 32, "changed": [], "unchanged": True}
+    f = d / "rank-1.json"
+    text = f.read_text()
+    assert text.count('{"op":"bwd","stage":1,"mb":3}') == 1
+    # Rank 1 runs the backward of microbatch 2 twice and never that of microbatch 3.
+    f.write_text(text.replace('{"op":"bwd","stage":1,"mb":3}', '{"op":"bwd","stage":1,"mb":2}'))
+    with pytest.raises(pipec.FileError, match="pipec seal"):
+        pipec.load(d)
+    assert pipec.seal(d) == {
+        "ranks": 2,
+        "instructions": 32,
+        "changed": ["rank-1.json"],
+        "unchanged": False,
+    }
+    assert json.loads((d / "manifest.json").read_text())["sealed_by"] == "pipec seal"
+    with pytest.raises(pipec.InvalidSchedule) as e:
+        pipec.load(d)
+    v = e.value.violations
+    assert any(x.startswith("[incomplete] rank 1, #") and "bwd(stage 1, mb 2)" in x for x in v), v
+    assert any("bwd(stage 1, mb 3) never runs" in x for x in v), v
+    # A malformed file: the CLI's message, nothing written.
+    f.write_text(f.read_text().replace('"op":"fwd"', '"op":"fwdd"', 1))
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(pipec.FileError) as e:
+        pipec.seal(d)
+    assert "rank-1.json: not a valid pipec file: unknown variant `fwdd`" in str(e.value)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert _cli_error(CLI, "seal", d) == (2, str(e.value))
 
 
 def test_load_refuses_a_world_size_that_does_not_match(tmp_path):

@@ -48,6 +48,9 @@ impl RunError {
     pub fn exit_code(&self) -> u8 {
         match self {
             RunError::Load(LoadError::Io { .. })
+            // A path that is not a schedule directory: the launch named the wrong thing.
+            | RunError::Load(LoadError::NotADirectory { .. })
+            | RunError::Load(LoadError::HoldsSchedules { .. })
             | RunError::Usage(_)
             | RunError::ZeroSteps
             | RunError::Device(_)

@@ -1,5 +1,6 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
+mod check_cli;
 mod cuda;
 mod cuda_kernels;
 mod docs;

@@ -923,14 +923,19 @@ fn cli_json_report_matches_the_text_report() {
     );
     assert!(v["interpreter_share"].as_f64().unwrap() > 0.0);
     assert!(text.contains("interpreter: "), "{text}");
-    // Errors stay on stderr with their exit codes.
+    // Errors go to stderr with their exit codes, and stdout still holds one JSON document
+    // (issue 29: a JSON consumer never reads an empty one).
     let bad = pipec_run()
         .arg(tmp.path().join("missing"))
         .arg("--json")
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
-    assert!(bad.stdout.is_empty());
+    let stderr = String::from_utf8(bad.stderr).unwrap();
+    assert!(stderr.contains("missing"), "{stderr}");
+    let e: serde_json::Value = serde_json::from_slice(&bad.stdout).unwrap();
+    assert_eq!(e["exit_code"], 2);
+    assert!(stderr.contains(e["error"].as_str().unwrap()), "{e}");
 }
 
 /// `--trace-steps` picks the steps of `pipec-run`'s trace: one trace process per step, each

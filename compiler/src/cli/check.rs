@@ -1,16 +1,20 @@
-//! `pipec check DIR|FILE.csv [--pp N] [--memory-limit K] [--json]`: verify a compiled
-//! directory or a torch CSV schedule and print the
-//! verdict, every violation and the peak live activations of each rank.
-//! Exit 0 valid, 1 invalid, 2 usage or I/O error (missing directory, refused files).
+//! `pipec check DIR|FILE.csv [--pp N] [--memory-limit K] [--all-risks] [--strict] [--json]`:
+//! verify a compiled directory or a torch CSV schedule and print the verdict, every
+//! violation, a summary of the risks and the peak live activations of each rank.
+//! Exit 0 valid, 1 invalid (or risks under `--strict`), 2 usage or I/O error (missing
+//! directory, refused files). Under `--json` stdout always holds one JSON document, an error
+//! too, so a consumer never reads an empty one.
 
 use super::CliError;
+use pipec::verify::risk::Risk;
 use pipec::verify::{verify, Report, StreamRule, VerifyOptions};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A compiled schedule directory (manifest.json + rank-<r>.json).
+    /// A compiled schedule directory (manifest.json + rank-<r>.json), or a torch CSV schedule
+    /// file (compute-only or compute+comms).
     input: PathBuf,
     /// Pipeline-parallel size of a torch CSV schedule (CSV input only).
     #[arg(long)]
@@ -21,25 +25,83 @@ pub struct Args {
     /// Most live activations (microbatch x stage units) a rank may hold.
     #[arg(long)]
     memory_limit: Option<u64>,
-    /// Print the report as JSON.
+    /// List every risk (default: the count of each kind and the first few).
+    #[arg(long)]
+    all_risks: bool,
+    /// Fail (exit 1) when the schedule has risks, not only when it is invalid.
+    #[arg(long)]
+    strict: bool,
+    /// Print the report as JSON (also on errors: `error` and `exit_code`).
     #[arg(long)]
     json: bool,
 }
 
+/// How many risks are printed without `--all-risks` (as many as `pipec compile` warns about).
+pub const RISKS_SHOWN: usize = 5;
+
+/// A verdict and what the input was.
+struct Checked {
+    report: Report,
+    /// [`super::import::COMPUTE_ONLY_CAVEAT`] for a compute-only torch CSV.
+    caveat: Option<&'static str>,
+    /// The manifest's `sealed_by` (`pipec seal` re-hashed the files).
+    sealed_by: Option<String>,
+}
+
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    // A file is a torch CSV whatever its name; the importer judges its content.
-    let is_csv = a.input.is_file();
+    let (json, input) = (a.json, a.input.clone());
+    let (all, strict) = (a.all_risks, a.strict);
+    let checked = match judge(a) {
+        Ok(c) => c,
+        Err(e) => {
+            if json {
+                let (code, msg) = match &e {
+                    CliError::Invalid(m) => (1, m),
+                    CliError::Usage(m) => (2, m),
+                };
+                super::print_json(&serde_json::json!({
+                    "input": input.display().to_string(),
+                    "valid": false,
+                    "error": msg,
+                    "exit_code": code,
+                }));
+            }
+            return Err(e);
+        }
+    };
+    let risky = strict && !checked.report.risks.is_empty();
+    let code: u8 = if !checked.report.is_valid() || risky {
+        1
+    } else {
+        0
+    };
+    if json {
+        print_json(checked, &input, all, strict, code);
+    } else {
+        print(&checked, &input, all, strict);
+    }
+    Ok(ExitCode::from(code))
+}
+
+/// Load and verify the input: a file is a torch CSV whatever its name (the importer judges
+/// its content; pipec's own files are told apart and refused with their directory named).
+fn judge(a: Args) -> Result<Checked, CliError> {
     let mut opts = VerifyOptions {
         memory_limit: a.memory_limit,
         ..VerifyOptions::default()
     };
-    if is_csv {
+    if a.input.is_file() {
         // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
         // verified as written (each P2P action its own batch: see the README).
         let imported = super::import::read_csv(&a.input, a.pp, a.placement)?;
-        let r = verify(&imported.program, &opts);
-        print(&r, &a.input, a.json);
-        return Ok(exit(&r));
+        let report = verify(&imported.program, &opts);
+        let caveat = (imported.form == pipec::back::torch::CsvForm::ComputeOnly)
+            .then_some(super::import::COMPUTE_ONLY_CAVEAT);
+        return Ok(Checked {
+            report,
+            caveat,
+            sealed_by: None,
+        });
     }
     if a.pp.is_some() {
         return Err(CliError::Usage(
@@ -47,50 +109,117 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 .to_string(),
         ));
     }
-    if !a.input.is_dir() {
-        return Err(CliError::Usage(format!(
-            "{}: not a directory (expected a compiled schedule directory, or a torch .csv file)",
-            a.input.display()
-        )));
-    }
     if a.placement.is_some() {
         return Err(CliError::Usage(
             "--placement applies to torch CSV input only".to_string(),
         ));
     }
     // The verifier runs while the loader checks the schedule hash (see `load_dir_then`).
-    let (_, r) = super::load_then(&a.input, |loaded| {
+    // The loader words a missing path, a file, or a directory of schedules itself.
+    let (loaded, report) = super::load_then(&a.input, |loaded| {
         opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
         verify(&loaded.program, &opts)
     })?;
-    print(&r, &a.input, a.json);
-    Ok(exit(&r))
+    Ok(Checked {
+        report,
+        caveat: loaded.manifest.caveat(),
+        sealed_by: loaded.manifest.sealed_by,
+    })
 }
 
-fn exit(r: &Report) -> ExitCode {
-    if r.is_valid() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
+/// The JSON `kind` of a risk, which the summary counts by.
+fn kind(r: &Risk) -> &'static str {
+    match r {
+        Risk::SamePeerTwice { .. } => "same_peer_twice",
     }
 }
 
-fn print(r: &Report, input: &std::path::Path, json: bool) {
-    if json {
-        super::print_json(r);
-        return;
+/// Each kind of risk present and how many, in order of first appearance.
+fn per_kind(risks: &[Risk]) -> Vec<(&'static str, usize)> {
+    let mut counts: Vec<(&'static str, usize)> = Vec::new();
+    for r in risks {
+        let k = kind(r);
+        match counts.iter_mut().find(|(c, _)| *c == k) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((k, 1)),
+        }
     }
-    // One buffered write for what can be hundreds of thousands of lines (every risk of a big
-    // schedule): stdout alone flushes at each line.
+    counts
+}
+
+/// What the sealed line says (and `--json`'s `sealed_by` stands for).
+fn sealed_note(by: &str) -> String {
+    format!(
+        "sealed by `{by}`: the hashes were recomputed from these files as they are, so this verdict judges their content; it does not attest that pipec wrote them"
+    )
+}
+
+fn print_json(mut c: Checked, input: &Path, all: bool, strict: bool, code: u8) {
+    let total = c.report.risks.len();
+    let by_kind: serde_json::Map<String, serde_json::Value> = per_kind(&c.report.risks)
+        .into_iter()
+        .map(|(k, n)| (k.to_string(), n.into()))
+        .collect();
+    let shown = if all { total } else { total.min(RISKS_SHOWN) };
+    c.report.risks.truncate(shown);
+    let mut v = serde_json::to_value(&c.report).expect("serializable");
+    if let Some(o) = v.as_object_mut() {
+        o.insert("input".into(), input.display().to_string().into());
+        o.insert("caveat".into(), c.caveat.into());
+        o.insert("sealed_by".into(), c.sealed_by.into());
+        o.insert(
+            "risk_summary".into(),
+            serde_json::json!({"total": total, "shown": shown, "by_kind": by_kind}),
+        );
+        o.insert("strict".into(), strict.into());
+        o.insert("exit_code".into(), code.into());
+    }
+    super::print_json(&v);
+}
+
+fn print(c: &Checked, input: &Path, all: bool, strict: bool) {
+    let r = &c.report;
+    // One buffered write for what can be many lines: stdout alone flushes at each line.
     use std::io::Write;
     let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
     let result = (|| -> std::io::Result<()> {
-        writeln!(out, "{}: {}", input.display(), r.verdict_line())?;
+        let sealed = match &c.sealed_by {
+            Some(by) => format!(" (sealed by {by})"),
+            None => String::new(),
+        };
+        writeln!(out, "{}{sealed}: {}", input.display(), r.verdict_line())?;
         for v in &r.violations {
             writeln!(out, "  [{}] {v}", v.class())?;
         }
-        for k in &r.risks {
-            writeln!(out, "  [risk] {k}")?;
+        if let Some(caveat) = c.caveat {
+            writeln!(out, "note: {caveat}")?;
+        }
+        if let Some(by) = &c.sealed_by {
+            writeln!(out, "note: {}", sealed_note(by))?;
+        }
+        if !r.risks.is_empty() {
+            let kinds: Vec<String> = per_kind(&r.risks)
+                .iter()
+                .map(|(k, n)| format!("{n} {k}"))
+                .collect();
+            writeln!(
+                out,
+                "risks: {} ({}): valid, but fragile on NCCL (README, \"Risks\")",
+                r.risks.len(),
+                kinds.join(", ")
+            )?;
+            let shown = if all { r.risks.len() } else { RISKS_SHOWN };
+            for k in r.risks.iter().take(shown) {
+                writeln!(out, "  [risk] {k}")?;
+            }
+            if r.risks.len() > shown {
+                writeln!(
+                    out,
+                    "  ... and {} more (pipec check {} --all-risks lists them all; --strict fails on any)",
+                    r.risks.len() - shown,
+                    input.display()
+                )?;
+            }
         }
         writeln!(out, "peak live activations:")?;
         for m in &r.memory {
@@ -98,6 +227,14 @@ fn print(r: &Report, input: &std::path::Path, json: bool) {
                 Some(at) => writeln!(out, "  {}: {} (first at #{})", m.rank, m.peak, at.index)?,
                 None => writeln!(out, "  {}: 0", m.rank)?,
             }
+        }
+        if strict && !r.risks.is_empty() {
+            writeln!(
+                out,
+                "{}: FAILED under --strict: {} risks",
+                input.display(),
+                r.risks.len()
+            )?;
         }
         out.flush()
     })();

@@ -47,14 +47,69 @@ pub fn parse_placement(s: &str) -> Result<PlacementChoice, String> {
     s.parse()
 }
 
+pub use files::COMPUTE_ONLY_CAVEAT;
+
+/// Read a file given as a torch CSV. One of pipec's own instruction files (a manifest or a
+/// rank file, known by its content) is a usage error naming its directory, which the viewers
+/// (`importing` false) read as it is; `import` says the directory is already a schedule.
+fn read_input(path: &std::path::Path, importing: bool) -> Result<Vec<u8>, CliError> {
+    let already = |dir: &std::path::Path| {
+        format!(
+            "{} is already a compiled schedule; `pipec export {} --format torch-csv` writes it as a torch CSV",
+            dir.display(),
+            dir.display()
+        )
+    };
+    if path.is_dir() {
+        let why = if path.join(files::MANIFEST_FILE).is_file() {
+            already(path)
+        } else {
+            "import reads a torch CSV file".to_string()
+        };
+        return Err(CliError::Usage(format!(
+            "{}: a directory, not a torch CSV file: {why}",
+            path.display()
+        )));
+    }
+    let bytes = std::fs::read(path)
+        .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    if let Some(found) = files::sniff(&bytes) {
+        if importing {
+            let dir = match path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => std::path::Path::new("."),
+            };
+            return Err(CliError::Usage(format!(
+                "{}: this is a pipec instruction file ({found}), not a torch CSV: {}",
+                path.display(),
+                already(dir)
+            )));
+        }
+        let e = files::LoadError::NotADirectory {
+            path: path.to_path_buf(),
+            found: Some(found),
+        };
+        return Err(CliError::Usage(e.to_string()));
+    }
+    Ok(bytes)
+}
+
 /// Read and import a torch CSV: unreadable file -> exit 2, invalid CSV -> exit 1.
 pub fn read_csv(
     path: &std::path::Path,
     pp: Option<u32>,
     placement: Option<PlacementChoice>,
 ) -> Result<Imported, CliError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    read_csv_bytes(path, read_input(path, false)?, pp, placement)
+}
+
+/// [`read_csv`] of bytes already read from `path`.
+fn read_csv_bytes(
+    path: &std::path::Path,
+    bytes: Vec<u8>,
+    pp: Option<u32>,
+    placement: Option<PlacementChoice>,
+) -> Result<Imported, CliError> {
     import_csv_bytes(&bytes, &ImportOptions { pp, placement }).map_err(|e| {
         let hint = match e.kind {
             CsvErrorKind::RankWithoutStage { .. } => " (pass --placement loop|v)",
@@ -92,7 +147,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     if let Some(path) = &a.layout_file {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
-    let imported = read_csv(&a.input, a.pp, a.placement)?;
+    let bytes = read_input(&a.input, true)?;
+    let imported = read_csv_bytes(&a.input, bytes, a.pp, a.placement)?;
     let program = &imported.program;
     let layout = match &a.layout {
         None => Layout::uniform(program.num_stages()),
@@ -151,12 +207,15 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     if imported.idle_cells > 0 {
         notes.push(format!("{} idle cells dropped", imported.idle_cells));
     }
-    if imported.form == CsvForm::ComputeOnly {
-        notes.push("communication placed by pipec (lockstep)".to_string());
-    } else {
+    if imported.form == CsvForm::ComputeComms {
         notes.push("each SEND/RECV is its own comm batch".to_string());
     }
-    println!("  {}", notes.join("; "));
+    if !notes.is_empty() {
+        println!("  {}", notes.join("; "));
+    }
+    if imported.form == CsvForm::ComputeOnly {
+        println!("note: {COMPUTE_ONLY_CAVEAT}");
+    }
     println!("wrote {} ({} instructions)", a.out.display(), program.len());
     Ok(ExitCode::SUCCESS)
 }

@@ -9,6 +9,7 @@ mod export;
 mod import;
 mod layout;
 mod schedules;
+mod seal;
 mod show;
 pub(crate) mod sigpipe;
 mod simulate;
@@ -47,6 +48,8 @@ pub enum Command {
     Export(export::Args),
     /// Import a torch.distributed.pipelining CSV schedule into a compiled directory.
     Import(import::Args),
+    /// Recompute the hashes of a directory another tool wrote or edited, so `check` judges its content.
+    Seal(seal::Args),
     /// Expand a Megatron layout string into its stage table.
     Layout(layout::Args),
     /// List the schedule kinds and their parameters.
@@ -66,6 +69,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Compare(a) => compare::run(a),
         Command::Export(a) => export::run(a),
         Command::Import(a) => import::run(a),
+        Command::Seal(a) => seal::run(a),
         Command::Layout(a) => layout::run(a),
         Command::Schedules(a) => schedules::run(a),
         Command::Tune(a) => tune::run(a),

@@ -137,6 +137,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         to: a.window.to,
     };
     println!("{}", title(&loaded));
+    if let Some(c) = loaded.manifest.caveat() {
+        println!("note: {c}");
+    }
     println!("cost: {}", model.describe());
     if a.window.any() {
         let shown = match &ranks {

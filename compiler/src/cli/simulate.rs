@@ -90,7 +90,11 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let name = title(&loaded);
     let result = run_sim(&loaded, &model);
     if a.json {
-        if let Some(v) = pipec::simulate::json_report(&name, &loaded.program, &model, &result) {
+        if let Some(mut v) = pipec::simulate::json_report(&name, &loaded.program, &model, &result) {
+            // Only when there is one: the JSON stays what Python's `Schedule.simulate` returns.
+            if let (Some(o), Some(c)) = (v.as_object_mut(), loaded.manifest.caveat()) {
+                o.insert("caveat".into(), c.into());
+            }
             print_json(&v);
             return Ok(if result.is_ok() {
                 ExitCode::SUCCESS
@@ -102,6 +106,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     match result {
         Ok(sim) => {
             println!("{name}");
+            if let Some(c) = loaded.manifest.caveat() {
+                println!("note: {c}");
+            }
             println!("cost: {}", model.describe());
             print!(
                 "{}",

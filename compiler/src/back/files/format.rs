@@ -14,6 +14,8 @@ pub const RANK_FORMAT: &str = "pipec-rank";
 /// The only version this build reads and writes.
 pub const FORMAT_VERSION: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// What [`Manifest::sealed_by`] says of a directory `pipec seal` re-hashed.
+pub const SEALED_BY: &str = "pipec seal";
 
 /// How rank files are encoded. JSON is the default; postcard is the compact binary form for
 /// large schedules (about 10x smaller, see the README's benchmark figures).
@@ -60,6 +62,26 @@ pub struct Manifest {
     pub encoding: Encoding,
     pub schedule_hash: String,
     pub ranks: Vec<RankEntry>,
+    /// `"pipec seal"` when the hashes were recomputed from files another tool wrote or edited
+    /// ([`super::seal_dir`]): a reader then judges their content, not that pipec wrote them.
+    /// Absent from what `pipec compile` writes, so its bytes are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed_by: Option<String>,
+}
+
+/// The one sentence `pipec check`, `show`, `simulate` and `import` say of a compute-only
+/// torch CSV (and `--json` carries as `caveat`): pipec placed its communication itself, while
+/// the frameworks that run such a file (torchtitan's `pipeline_parallel_schedule_csv`, NeMo
+/// AutoModel's `pp_schedule_csv`) place it with torch's `_add_send_recv`.
+pub const COMPUTE_ONLY_CAVEAT: &str = "compute-only torch CSV: its sends and receives are pipec's own placement (lockstep), which is what pipec verifies, simulates and draws; torchtitan and NeMo AutoModel run the file with torch's `_add_send_recv` placement instead, which pipec does not check";
+
+impl Manifest {
+    /// [`COMPUTE_ONLY_CAVEAT`] when this is a compute-only torch CSV, read directly or written
+    /// by `pipec import` (source `torch-csv`, communication placed by pipec's lockstep).
+    pub fn caveat(&self) -> Option<&'static str> {
+        (self.source == "torch-csv" && self.comm_policy == Some(CommPolicy::Lockstep))
+            .then_some(COMPUTE_ONLY_CAVEAT)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -407,6 +429,19 @@ pub(crate) struct RankFile {
     pub(crate) rank: u32,
     pub(crate) world_size: u32,
     pub(crate) schedule_hash: String,
+    pub(crate) instructions: Vec<InstrJson>,
+}
+
+/// `rank-<r>.json` as `pipec seal` reads it: `schedule_hash` may be absent (sealing writes it).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RankFileLoose {
+    pub(crate) format: String,
+    pub(crate) version: u32,
+    pub(crate) rank: u32,
+    pub(crate) world_size: u32,
+    #[serde(default)]
+    pub(crate) schedule_hash: Option<String>,
     pub(crate) instructions: Vec<InstrJson>,
 }
 

@@ -9,16 +9,18 @@
 mod fast;
 mod format;
 mod read;
+mod seal;
 mod write;
 
 pub use format::{
-    rank_file_name, Encoding, Header, Manifest, RankEntry, FORMAT_VERSION, MANIFEST_FILE,
-    MANIFEST_FORMAT, RANK_FORMAT,
+    rank_file_name, Encoding, Header, Manifest, RankEntry, COMPUTE_ONLY_CAVEAT, FORMAT_VERSION,
+    MANIFEST_FILE, MANIFEST_FORMAT, RANK_FORMAT, SEALED_BY,
 };
 pub use read::{
     load_dir, load_dir_then, load_files, load_manifest, load_rank, parse_manifest, parse_rank,
-    LoadError, Loaded,
+    sniff, FileKind, LoadError, Loaded,
 };
+pub use seal::{seal_dir, SealError, Sealed};
 pub use write::{
     prepare, render, threads_for, write_prepared, write_program, Gated, Prepared, WriteError,
 };

@@ -35,7 +35,7 @@ pub enum LoadError {
         found: u32,
         supported: u32,
     },
-    #[error("{path}: content hash {actual} does not match the manifest's `sha256` {expected}; the file was changed or corrupted after compilation")]
+    #[error("{path}: content hash {actual} does not match the manifest's `sha256` {expected}; the file was changed or corrupted after compilation (if it was edited on purpose, `pipec seal {}` re-hashes the directory so that its content is checked)", parent_of(.path).display())]
     FileHash {
         path: PathBuf,
         expected: String,
@@ -55,13 +55,146 @@ pub enum LoadError {
         world: u32,
     },
     #[error(
-        "{path}: the recomputed schedule hash {actual} does not match `schedule_hash` {expected}"
+        "{path}: the recomputed schedule hash {actual} does not match `schedule_hash` {expected} (if the files were edited on purpose, `pipec seal {}` re-hashes them so that their content is checked)", parent_of(.path).display()
     )]
     ScheduleHash {
         path: PathBuf,
         expected: String,
         actual: String,
     },
+    /// A file where a schedule directory was expected: one of pipec's own files (`found`),
+    /// whose directory was meant, or anything else (a torch CSV, say, which is imported first).
+    #[error("{}", not_a_directory(.path, .found))]
+    NotADirectory {
+        path: PathBuf,
+        found: Option<FileKind>,
+    },
+    /// A directory without a manifest that holds compiled schedules (a sweep's output): one of
+    /// them was meant.
+    #[error("{path}: not a compiled schedule (no manifest.json), but it holds {count} (e.g. {example}): pass one of them")]
+    HoldsSchedules {
+        path: PathBuf,
+        count: usize,
+        example: PathBuf,
+    },
+}
+
+/// Which of pipec's instruction files some bytes are ([`sniff`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    Manifest,
+    Rank(u32),
+}
+
+impl std::fmt::Display for FileKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FileKind::Manifest => write!(f, "the manifest"),
+            FileKind::Rank(r) => write!(f, "rank {r}'s instructions"),
+        }
+    }
+}
+
+/// The directory a file sits in, as a user would type it (`.` for a bare file name).
+fn parent_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn not_a_directory(path: &Path, found: &Option<FileKind>) -> String {
+    let p = path.display();
+    match found {
+        Some(kind) => format!(
+            "{p}: this is a pipec instruction file ({kind}), not a schedule directory: pass its directory, {}",
+            parent_of(path).display()
+        ),
+        None => format!(
+            "{p}: a file, not a compiled schedule directory (manifest.json and rank files); a torch CSV schedule becomes one with `pipec import {p} -o DIR`"
+        ),
+    }
+}
+
+/// Whether `bytes` are one of pipec's instruction files, by content (a renamed file too):
+/// a JSON object whose `format` is pipec's, or a binary rank file's postcard prefix. A torch
+/// CSV never starts with `{` or with that prefix, so this never mistakes one.
+pub fn sniff(bytes: &[u8]) -> Option<FileKind> {
+    // `rank-<r>.bin`: the length of "pipec-rank" (a varint), the name, the version, the rank.
+    let bin = [&[RANK_FORMAT.len() as u8][..], RANK_FORMAT.as_bytes()].concat();
+    if let Some(rest) = bytes.strip_prefix(&bin[..]) {
+        // Then the version and the rank, varints.
+        let rank = postcard::take_from_bytes::<(u32, u32)>(rest).map_or(0, |((_, r), _)| r);
+        return Some(FileKind::Rank(rank));
+    }
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace())?;
+    if *first != b'{' {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        format: Option<String>,
+        rank: Option<u32>,
+    }
+    let p: Probe = serde_json::from_slice(bytes).ok()?;
+    match p.format.as_deref() {
+        Some(MANIFEST_FORMAT) => Some(FileKind::Manifest),
+        Some(RANK_FORMAT) => Some(FileKind::Rank(p.rank.unwrap_or(0))),
+        _ => None,
+    }
+}
+
+/// Why `dir`'s manifest could not be read, when a better reason than the I/O error exists:
+/// `dir` is missing (named itself), a file ([`LoadError::NotADirectory`]), or a directory of
+/// schedules ([`LoadError::HoldsSchedules`]).
+fn misplaced(dir: &Path) -> Option<LoadError> {
+    if dir.as_os_str().is_empty() {
+        return None;
+    }
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        // The path the user gave, not the manifest inside it.
+        Err(source) => {
+            return Some(LoadError::Io {
+                path: dir.to_path_buf(),
+                source,
+            })
+        }
+    };
+    if meta.is_file() {
+        let found = std::fs::read(dir).ok().and_then(|b| sniff(&b));
+        return Some(LoadError::NotADirectory {
+            path: dir.to_path_buf(),
+            found,
+        });
+    }
+    if !meta.is_dir() || dir.join(MANIFEST_FILE).exists() {
+        return None;
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join(MANIFEST_FILE).is_file())
+        .collect();
+    found.sort();
+    let example = found.first()?.clone();
+    Some(LoadError::HoldsSchedules {
+        path: dir.to_path_buf(),
+        count: found.len(),
+        example,
+    })
+}
+
+/// [`read`] of `dir`'s manifest, with [`misplaced`]'s reason when it fails.
+pub(crate) fn read_manifest_of(
+    dir: &Path,
+    read: impl Fn(&Path, &mut Vec<u8>) -> Result<(), LoadError>,
+    buf: &mut Vec<u8>,
+) -> Result<(), LoadError> {
+    read(&dir.join(MANIFEST_FILE), buf).map_err(|e| match e {
+        LoadError::Io { .. } => misplaced(dir).unwrap_or(e),
+        e => e,
+    })
 }
 
 pub(crate) fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
@@ -81,7 +214,8 @@ pub(crate) fn json_err(path: &Path, e: serde_json::Error) -> LoadError {
 /// Read and check `manifest.json` alone.
 pub fn load_manifest(dir: &Path) -> Result<Manifest, LoadError> {
     let path = dir.join(MANIFEST_FILE);
-    let bytes = read(&path)?;
+    let mut bytes = Vec::new();
+    read_manifest_of(dir, read_file, &mut bytes)?;
     parse_manifest(&path, &bytes)
 }
 
@@ -93,6 +227,12 @@ pub fn parse_manifest(path: &Path, bytes: &[u8]) -> Result<Manifest, LoadError> 
     let probe: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
     check_format_version(&path, &probe, MANIFEST_FORMAT)?;
     let m: Manifest = serde_json::from_value(probe).map_err(|e| json_err(&path, e))?;
+    check_manifest(path, m)
+}
+
+/// The manifest's checks after its schema: its rank list and its placement agree with its
+/// world size.
+pub(crate) fn check_manifest(path: PathBuf, m: Manifest) -> Result<Manifest, LoadError> {
     if m.ranks.len() != m.world_size as usize {
         return Err(LoadError::RankList {
             path,
@@ -188,12 +328,11 @@ fn parse_rank_at(
     manifest: &Manifest,
     rank: u32,
 ) -> Result<(Vec<Instr>, Option<usize>), LoadError> {
-    let path = path.to_path_buf();
     let entry = manifest
         .ranks
         .get(rank as usize)
         .ok_or_else(|| LoadError::Mismatch {
-            path: path.clone(),
+            path: path.to_path_buf(),
             field: "world_size",
             found: manifest.world_size.to_string(),
             expected: format!("a rank {rank}"),
@@ -201,13 +340,51 @@ fn parse_rank_at(
     let actual = sha256_hex(bytes);
     if actual != entry.sha256 {
         return Err(LoadError::FileHash {
-            path,
+            path: path.to_path_buf(),
             expected: entry.sha256.clone(),
             actual,
         });
     }
+    let d = decode_rank(path, bytes, manifest, rank, Some(entry.instructions), false)?;
+    let found = d.schedule_hash.unwrap_or_default();
+    if found != manifest.schedule_hash {
+        return Err(LoadError::Mismatch {
+            path: path.to_path_buf(),
+            field: "schedule_hash",
+            found,
+            expected: format!(
+                "{} (the rank file comes from a different compile)",
+                manifest.schedule_hash
+            ),
+        });
+    }
+    Ok((d.instructions, d.canonical_at))
+}
+
+/// A rank file decoded and checked against the manifest in everything but its hashes.
+pub(crate) struct Decoded {
+    pub(crate) instructions: Vec<Instr>,
+    /// Where [`canonical`] bytes begin, as [`super::fast::Parsed::canonical_at`].
+    pub(crate) canonical_at: Option<usize>,
+    /// The file's `schedule_hash`; `None` only when `lenient` and the file has none.
+    pub(crate) schedule_hash: Option<String>,
+}
+
+/// Decode rank `rank`'s file in the manifest's encoding and check its `format`, `version`,
+/// `rank` and `world_size`; the hashes are the caller's. `expected`: the instruction count
+/// the manifest lists, a hint for the fast path. `lenient` (for `pipec seal`) lets a JSON file
+/// omit `schedule_hash`, which sealing writes anyway.
+pub(crate) fn decode_rank(
+    path: &Path,
+    bytes: &[u8],
+    manifest: &Manifest,
+    rank: u32,
+    expected: Option<u64>,
+    lenient: bool,
+) -> Result<Decoded, LoadError> {
+    let path = path.to_path_buf();
     let fast = match manifest.encoding {
-        Encoding::Json => super::fast::parse(bytes, Some(entry.instructions)),
+        Encoding::Json => super::fast::parse(bytes, expected),
         Encoding::Postcard => super::fast::parse_bin(bytes),
     };
     let mut canonical_at = None;
@@ -216,12 +393,12 @@ fn parse_rank_at(
         (Some(p), _) => {
             canonical_at = p.canonical_at;
             (
-                RankFileBin {
+                RankFileLoose {
                     format: RANK_FORMAT.to_string(),
                     version: p.version,
                     rank: p.rank,
                     world_size: p.world_size,
-                    schedule_hash: p.schedule_hash,
+                    schedule_hash: Some(p.schedule_hash),
                     instructions: Vec::new(),
                 },
                 p.instructions,
@@ -229,19 +406,24 @@ fn parse_rank_at(
         }
         // Anything else serde or postcard judges, as they always did.
         (None, Encoding::Json) => {
-            let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
-            let instrs: Vec<Instr> = f.instructions.into_iter().map(Instr::from).collect();
-            (
-                RankFileBin {
+            let mut f: RankFileLoose = if lenient {
+                serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?
+            } else {
+                let f: RankFile = serde_json::from_slice(bytes).map_err(|e| json_err(&path, e))?;
+                RankFileLoose {
                     format: f.format,
                     version: f.version,
                     rank: f.rank,
                     world_size: f.world_size,
-                    schedule_hash: f.schedule_hash,
-                    instructions: Vec::new(),
-                },
-                instrs,
-            )
+                    schedule_hash: Some(f.schedule_hash),
+                    instructions: f.instructions,
+                }
+            };
+            let instrs: Vec<Instr> = std::mem::take(&mut f.instructions)
+                .into_iter()
+                .map(Instr::from)
+                .collect();
+            (f, instrs)
         }
         (None, Encoding::Postcard) => {
             let mut f: RankFileBin = postcard::from_bytes(bytes).map_err(|e| LoadError::Json {
@@ -256,7 +438,17 @@ fn parse_rank_at(
                     msg: format!("instruction #{i}: {msg}"),
                 })?);
             }
-            (f, instrs)
+            (
+                RankFileLoose {
+                    format: f.format,
+                    version: f.version,
+                    rank: f.rank,
+                    world_size: f.world_size,
+                    schedule_hash: Some(f.schedule_hash),
+                    instructions: Vec::new(),
+                },
+                instrs,
+            )
         }
     };
     if f.format != RANK_FORMAT {
@@ -289,17 +481,11 @@ fn parse_rank_at(
             manifest.world_size.to_string(),
         ));
     }
-    if f.schedule_hash != manifest.schedule_hash {
-        return Err(mismatch(
-            "schedule_hash",
-            f.schedule_hash,
-            format!(
-                "{} (the rank file comes from a different compile)",
-                manifest.schedule_hash
-            ),
-        ));
-    }
-    Ok((instructions, canonical_at))
+    Ok(Decoded {
+        instructions,
+        canonical_at,
+        schedule_hash: f.schedule_hash,
+    })
 }
 
 /// Read a whole directory and check every file against the manifest and the schedule hash.
@@ -333,7 +519,7 @@ pub fn load_dir_then<T: Send>(
 
 /// Read `path` into `buf`, the reading thread's buffer of its previous rank: no fresh pages
 /// to fault in per file.
-fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<(), LoadError> {
+pub(crate) fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<(), LoadError> {
     use std::io::Read;
     buf.clear();
     std::fs::File::open(path)
@@ -415,7 +601,7 @@ fn read_with(
 ) -> Result<(Loaded, Canonicals, usize), LoadError> {
     let manifest_path = dir.join(MANIFEST_FILE);
     let mut buf = Vec::new();
-    read(&manifest_path, &mut buf)?;
+    read_manifest_of(dir, &read, &mut buf)?;
     let manifest = parse_manifest(&manifest_path, &buf)?;
     let threads = threads.unwrap_or_else(|| {
         let listed = manifest.ranks.iter().map(|e| e.instructions);

@@ -283,6 +283,9 @@ pub struct Prepared<'a> {
     world: u32,
     hash: String,
     canonical: Vec<Vec<u8>>,
+    /// For `pipec seal`: the `compiler` the files named (kept, since pipec did not write
+    /// them), and the manifest records [`SEALED_BY`].
+    sealed: Option<String>,
 }
 
 /// Compute what every file of `program` needs before any is written (the schedule hash).
@@ -313,10 +316,22 @@ pub fn prepare<'a>(
         world: program.world(),
         hash: hasher.finish(),
         canonical,
+        sealed: None,
     }
 }
 
 impl Prepared<'_> {
+    /// The schedule hash every file will carry.
+    pub(crate) fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// Mark the manifest as sealed by `pipec seal`, keeping `compiler` (who wrote the files).
+    pub(crate) fn sealed(mut self, compiler: String) -> Self {
+        self.sealed = Some(compiler);
+        self
+    }
+
     /// The manifest, given each rank file's SHA-256.
     fn manifest(&self, shas: Vec<String>) -> Vec<u8> {
         let entries = shas
@@ -332,7 +347,10 @@ impl Prepared<'_> {
         let manifest = Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: FORMAT_VERSION,
-            compiler: format!("pipec {}", env!("CARGO_PKG_VERSION")),
+            compiler: match &self.sealed {
+                Some(c) => c.clone(),
+                None => format!("pipec {}", env!("CARGO_PKG_VERSION")),
+            },
             source: self.header.source.to_string(),
             schedule: self.header.schedule,
             comm_policy: self.header.comm_policy,
@@ -345,6 +363,7 @@ impl Prepared<'_> {
             encoding: self.encoding,
             schedule_hash: self.hash.clone(),
             ranks: entries,
+            sealed_by: self.sealed.as_ref().map(|_| SEALED_BY.to_string()),
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');
@@ -555,6 +574,9 @@ pub enum WriteError {
     },
     #[error("{path} exists and holds files that are not a pipec schedule (e.g. `{example}`); refusing to replace it")]
     NotASchedule { path: PathBuf, example: String },
+    /// The output path is an existing file: a schedule is a directory.
+    #[error("{path} is a file; a schedule is written as a directory (manifest.json and rank files): name a directory")]
+    IsAFile { path: PathBuf },
 }
 
 pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError + '_ {
@@ -566,6 +588,11 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> WriteError +
 
 /// An existing `dir` that holds anything but a pipec schedule is not ours to replace.
 fn refuse_foreign(dir: &Path) -> Result<(), WriteError> {
+    if dir.is_file() {
+        return Err(WriteError::IsAFile {
+            path: dir.to_path_buf(),
+        });
+    }
     if dir.exists() {
         let entries = std::fs::read_dir(dir).map_err(io_err(dir))?;
         for e in entries {

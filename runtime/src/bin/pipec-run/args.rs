@@ -27,7 +27,8 @@ pub(crate) enum DtypeArg {
     about = "Execute a compiled pipec schedule: train a small model with one rank per thread, measure the bubble, check against a single-thread reference"
 )]
 pub(crate) struct Args {
-    /// A directory written by `pipec compile` (manifest.json + rank-<r>.json).
+    /// A directory written by `pipec compile` or `pipec import` (manifest.json +
+    /// rank-<r>.json); a torch CSV is imported into one first.
     #[arg(required_unless_present = "cuda_info")]
     pub(crate) dir: Option<PathBuf>,
     /// Report the CUDA driver, cuBLAS, NVRTC and NCCL libraries this binary loads (versions,

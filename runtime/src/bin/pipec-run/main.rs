@@ -76,6 +76,13 @@ fn run(args: &Args) -> Result<(), RunError> {
                 .into(),
         ));
     }
+    // Before the run, not after it: a trace path that is a directory would waste the run.
+    if let Some(t) = args.trace.as_deref().filter(|t| t.is_dir()) {
+        return Err(RunError::Usage(format!(
+            "--trace {}: a directory; the trace is written to a file",
+            t.display()
+        )));
+    }
     let loaded = if args.no_verify {
         eprintln!("WARNING: --no-verify: the schedule was NOT verified; it may hang (the watchdog will report it) or compute on the wrong tensors");
         load_unverified(dir, world(args)?)?
@@ -183,6 +190,15 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
+            // Under --json stdout always holds a document, an error too (as `pipec check`):
+            // a consumer never parses an empty one.
+            if args.json {
+                print_json(&serde_json::json!({
+                    "dir": args.dir.as_ref().map(|d| d.display().to_string()),
+                    "error": e.to_string(),
+                    "exit_code": e.exit_code(),
+                }));
+            }
             ExitCode::from(e.exit_code())
         }
     }
