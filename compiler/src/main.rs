@@ -18,6 +18,18 @@ fn main() -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             let code = parse_exit(&e);
+            if code != 0 && std::env::args().any(|a| a == "--json") {
+                // clap's first line, the one that names the argument.
+                let rendered = e.render().to_string();
+                let first = rendered.lines().next().unwrap_or("invalid command line");
+                let msg = first.strip_prefix("error: ").unwrap_or(first).to_string();
+                let e = invalid_value(&e).unwrap_or(msg);
+                let err = match code {
+                    1 => cli::CliError::Invalid(e),
+                    _ => cli::CliError::Usage(e),
+                };
+                cli::print_json_error(&err);
+            }
             match (code, invalid_value(&e)) {
                 // A value the library refused: its reason alone, as every other invalid input
                 // is reported (no usage footer: the command line was well formed).
@@ -29,9 +41,13 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    let json_errors = args.json_errors_from_main();
     match cli::run(args) {
         Ok(code) => code,
         Err(e) => {
+            if json_errors {
+                cli::print_json_error(&e);
+            }
             eprintln!("{e}");
             e.exit_code()
         }

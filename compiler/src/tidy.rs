@@ -25,7 +25,10 @@ pub fn tidy(mut v: Value) -> Value {
     fn walk(v: &mut Value) {
         match v {
             Value::Number(n) if n.is_f64() => {
-                if let Some(x) = n.as_f64().and_then(|x| serde_json::Number::from_f64(round(x))) {
+                if let Some(x) = n
+                    .as_f64()
+                    .and_then(|x| serde_json::Number::from_f64(round(x)))
+                {
                     *n = x;
                 }
             }

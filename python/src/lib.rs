@@ -420,8 +420,8 @@ fn tune_schedule(
         .detach(|| tune(&req))
         .map_err(|e| SpecError::new_err(e.to_string()))?;
     // Rounded as `pipec tune --json` prints it.
-    let report = pipec::tidy::tidy(t.json_for(t0.elapsed().as_secs_f64(), out.as_deref()))
-        .to_string();
+    let report =
+        pipec::tidy::tidy(t.json_for(t0.elapsed().as_secs_f64(), out.as_deref())).to_string();
     let layout = t.file_layout();
     let source = t.header(&layout).source.to_string();
     Ok((

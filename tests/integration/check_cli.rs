@@ -726,3 +726,80 @@ fn output_file_where_directory_expected_is_named() {
         "{err}"
     );
 }
+
+/// Regression (#29, found beside `check --json`): `simulate`, `compare`, `layout`, `tune` and
+/// `calibrate` printed nothing on stdout under `--json` when they failed, nor did any command
+/// on a malformed command line. Each prints one document with the message and exit code.
+#[test]
+fn json_errors_are_documents_everywhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing");
+    let m = missing.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, i32)> = vec![
+        (vec!["simulate", m, "--json"], 2),
+        (vec!["compare", m, "--json"], 2),
+        (vec!["layout", "E|X|L", "--pp", "3", "--json"], 1),
+        (
+            vec!["tune", "--pp", "0", "--microbatches", "4", "--json"],
+            1,
+        ),
+        (vec!["calibrate", m, "--layout", "E|L", "--json"], 2),
+        (vec!["simulate", "--json", "--bogus"], 2),
+        (
+            vec![
+                "compile",
+                "--schedule",
+                "nope",
+                "--pp",
+                "2",
+                "--microbatches",
+                "2",
+                "-o",
+                m,
+                "--json",
+            ],
+            1,
+        ),
+    ];
+    for (args, want) in cases {
+        let (code, out, err) = run(pipec(&args));
+        assert_eq!(code, want, "{args:?}: {err}");
+        let v: Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out:?}"));
+        assert_eq!(v["exit_code"], want, "{args:?}: {v}");
+        let msg = v["error"].as_str().unwrap();
+        assert!(
+            !msg.is_empty() && err.contains(msg.lines().next().unwrap()),
+            "{args:?}: {msg} / {err}"
+        );
+    }
+}
+
+/// Regression (#29, found beside the file-for-directory fault): `--cost-file DIR`,
+/// `--layout-file DIR`, `--config DIR` and a trace that is a directory answered with the bare
+/// OS error "Is a directory".
+#[test]
+fn flag_file_that_is_a_directory_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let d = dir.to_str().unwrap();
+    let sched = dir.join("s");
+    compile(&sched, "1f1b", 2, 4, &[]);
+    let s = sched.to_str().unwrap();
+    for (args, flag) in [
+        (vec!["simulate", s, "--cost-file", d], "--cost-file"),
+        (
+            vec!["layout", "--layout-file", d, "--pp", "2"],
+            "--layout-file",
+        ),
+        (vec!["compile", "--config", d, "-o", s], "--config"),
+        (vec!["calibrate", d, "--layout", "E|L"], "trace"),
+    ] {
+        let (code, _, err) = run(pipec(&args));
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains(&format!("{flag} {d}: is a directory; give a file")),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -35,8 +35,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             ))
         }
     };
-    let text = std::fs::read_to_string(&a.trace)
-        .map_err(|e| CliError::Usage(format!("{}: {e}", a.trace.display())))?;
+    let text = super::read_text("trace", &a.trace)?;
     let s = samples(&text).map_err(|e| CliError::Invalid(format!("{}: {e}", a.trace.display())))?;
     let f = fit(&s, &layout).map_err(CliError::Invalid)?;
     let file = cost_file(&f, &a.trace.display().to_string());

@@ -252,7 +252,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         }
         if r.risks.len() > SHOWN {
             eprintln!(
-                "warning: ... and {} more risks of the same kind (pipec check {} lists them all)",
+                "warning: ... and {} more risks of the same kind (pipec check {} --all-risks lists them all)",
                 r.risks.len() - SHOWN,
                 a.out.display()
             );
@@ -338,8 +338,7 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
 /// per core); one failure does not stop the others. Exit 0 when all succeed, 1 when any is
 /// invalid, 2 when any hit an I/O error (or the file itself is unreadable or malformed).
 fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| CliError::Usage(format!("cannot read {}: {e}", path.display())))?;
+    let text = super::read_text("--config", path)?;
     let configs = sweep::parse(&text, a.limits())
         .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
     std::fs::create_dir_all(&a.out)

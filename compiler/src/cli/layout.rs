@@ -38,15 +38,7 @@ pub struct Args {
 /// (`\n` or `\r\n`) is dropped, anything else is the layout. A file that cannot be read is an
 /// I/O error (exit 2).
 pub fn read_layout_file(path: &Path) -> Result<String, CliError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| CliError::Usage(format!("--layout-file {}: {e}", path.display())))?;
-    let mut text = String::from_utf8(bytes).map_err(|e| {
-        CliError::Invalid(format!(
-            "--layout-file {}: not valid UTF-8: invalid byte at offset {}",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        ))
-    })?;
+    let mut text = super::read_text("--layout-file", path)?;
     if text.ends_with('\n') {
         text.pop();
         if text.ends_with('\r') {

@@ -60,6 +60,31 @@ pub enum Command {
     Calibrate(calibrate::Args),
 }
 
+impl Cli {
+    /// Whether the command was asked for JSON and does not report its own errors as JSON
+    /// (`check` does, with its input named): then `main` prints the error document.
+    pub fn json_errors_from_main(&self) -> bool {
+        match &self.command {
+            Command::Simulate(a) => a.json,
+            Command::Compare(a) => a.json,
+            Command::Layout(a) => a.json,
+            Command::Tune(a) => a.json,
+            Command::Calibrate(a) => a.json,
+            _ => false,
+        }
+    }
+}
+
+/// What stdout holds under `--json` when a command fails: one document with the message and
+/// the exit code, so a JSON consumer never parses an empty stream.
+pub fn print_json_error(e: &CliError) {
+    let (code, msg) = match e {
+        CliError::Invalid(m) => (1, m),
+        CliError::Usage(m) => (2, m),
+    };
+    print_json(&serde_json::json!({ "error": msg, "exit_code": code }));
+}
+
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Compile(a) => compile::run(a),
@@ -127,10 +152,36 @@ pub fn parse_unit_limit(s: &str) -> Result<u64, String> {
     }
 }
 
+/// Read the file a flag names (`what`: `--cost-file`, `the trace`, ...). A directory there gets
+/// its own reason instead of the OS's bare "Is a directory"; any failure is I/O (exit 2).
+pub fn read_file(what: &str, path: &std::path::Path) -> Result<Vec<u8>, CliError> {
+    if path.is_dir() {
+        return Err(CliError::Usage(format!(
+            "{what} {}: is a directory; give a file",
+            path.display()
+        )));
+    }
+    std::fs::read(path).map_err(|e| CliError::Usage(format!("{what} {}: {e}", path.display())))
+}
+
+/// [`read_file`] as UTF-8 text (invalid UTF-8 is invalid input, exit 1).
+pub fn read_text(what: &str, path: &std::path::Path) -> Result<String, CliError> {
+    String::from_utf8(read_file(what, path)?).map_err(|e| {
+        CliError::Invalid(format!(
+            "{what} {}: not valid UTF-8: invalid byte at offset {}",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
 /// Print JSON to stdout with a trailing newline, floats rounded ([`pipec::tidy`]).
 pub fn print_json<T: serde::Serialize>(v: &T) {
     let v = pipec::tidy::tidy(serde_json::to_value(v).expect("serializable"));
-    println!("{}", serde_json::to_string_pretty(&v).expect("serializable"));
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&v).expect("serializable")
+    );
 }
 
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.

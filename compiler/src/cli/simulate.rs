@@ -29,8 +29,7 @@ impl CostArgs {
     pub fn model(&self) -> Result<CostModel, CliError> {
         let mut m = CostModel::default();
         if let Some(path) = &self.cost_file {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
+            let text = super::read_text("--cost-file", path)?;
             let name = path.display().to_string();
             m.apply(&text, Some(&name))
                 .map_err(|e| CliError::Invalid(e.render()))?;

@@ -6,7 +6,7 @@ use super::{print_json, CliError};
 use pipec::back::files;
 use pipec::simulate::cost::{num, parse_memory};
 use pipec::tune::{describe, fmt_mem, tune, Target, TargetChoice, TuneError, TuneRequest, Tuned};
-use pipec_schedules::Limits;
+use pipec_schedules::{Limits, SpecError};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -90,10 +90,12 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         ),
         None => None,
     };
-    if a.pp == 0 || a.microbatches == 0 {
-        return Err(CliError::Invalid(
-            "--pp and --microbatches must be at least 1".into(),
-        ));
+    // In the words `compile` uses for the same values.
+    if a.pp == 0 {
+        return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
+    }
+    if a.microbatches == 0 {
+        return Err(CliError::Invalid(SpecError::ZeroMicrobatches.to_string()));
     }
     Ok(TuneRequest {
         layout,
