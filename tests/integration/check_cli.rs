@@ -803,3 +803,106 @@ fn flag_file_that_is_a_directory_is_named() {
         );
     }
 }
+
+/// Regression (#29): compiling stock dualpipe / dualpipe-v warned about each same-peer batch,
+/// which the user cannot act on (DualPipe's own loop posts them so); now one line says what
+/// they are and when to care. Other kinds' risks still print one by one.
+#[test]
+fn compile_dualpipe_explains_same_peer_batches_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    for kind in ["dualpipe", "dualpipe-v"] {
+        let out = tmp.path().join(kind);
+        let mut c = pipec([
+            "compile",
+            "--schedule",
+            kind,
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+        ]);
+        c.arg("-o").arg(&out);
+        let (code, _, err) = run(c);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(err.lines().count(), 1, "{kind}: {err}");
+        assert!(err.starts_with("note: "), "{err}");
+        assert!(err.contains("as DeepSeek's DualPipe posts them"), "{err}");
+        // The count is what check counts.
+        let (_, json, _) = run(pipec(["check", out.to_str().unwrap(), "--json"]));
+        let v: Value = serde_json::from_str(&json).unwrap();
+        let total = v["risk_summary"]["total"].as_u64().unwrap();
+        assert!(total > 0);
+        assert!(
+            err.contains(&format!("note: {total} comm batch postings")),
+            "{err}"
+        );
+    }
+}
+
+/// Regression (#29): cost headers said `t: f=1 b=1 w=1` and hid that the embedding and the
+/// loss cost nothing by default.
+#[test]
+fn cost_header_names_free_kinds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    compile(&dir, "1f1b", 2, 4, &["--layout", "Et|tL"]);
+    let d = dir.to_str().unwrap();
+    let (_, out, _) = run(pipec(["simulate", d]));
+    assert!(
+        out.contains("; E, L free (no cost given: set E.f, L.f)"),
+        "{out}"
+    );
+    let (_, out, _) = run(pipec(["simulate", d, "--cost", "E.f=0.5"]));
+    assert!(
+        out.contains("E: f=0.5 b=0 w=0; L free (no cost given: set L.f)"),
+        "{out}"
+    );
+    let (_, out, _) = run(pipec(["simulate", d, "--cost", "E.f=0.5,L.f=2"]));
+    assert!(!out.contains("free (no cost"), "{out}");
+}
+
+/// Regression (#29): `compare` rows did not show the P2P mode, `--combined` or the group size,
+/// so five interleaved variants printed under one name.
+#[test]
+fn compare_rows_name_variants() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = ["--layout", "Et|t|t|tL"];
+    let variants: [(&str, &[&str], &str); 4] = [
+        ("a", &[], "interleaved-1f1b pp=2 vpp=2 microbatches=4 ("),
+        ("b", &["--combined"], "microbatches=4 combined"),
+        (
+            "c",
+            &["--megatron-p2p", "overlap-flush"],
+            "microbatches=4 p2p=overlap-flush",
+        ),
+        ("d", &["--group-size", "4"], "microbatches=4 group=4"),
+    ];
+    let mut args = vec!["compare".to_string()];
+    for (name, extra, _) in &variants {
+        let dir = tmp.path().join(name);
+        let mut e: Vec<&str> = layout.to_vec();
+        e.extend_from_slice(extra);
+        compile(&dir, "interleaved-1f1b", 2, 4, &e);
+        args.push(dir.to_str().unwrap().to_string());
+    }
+    let (code, out, err) = run(pipec(&args));
+    assert_eq!(code, 0, "{err}");
+    for (_, _, want) in &variants {
+        assert!(out.contains(want), "{want}: {out}");
+    }
+}
+
+/// Regression (found beside #29's unbounded inputs): `pipec-run --timeout 1e300` echoed a
+/// 300-digit number.
+#[test]
+fn pipec_run_timeout_is_echoed_short() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    compile(&dir, "1f1b", 2, 2, &[]);
+    let mut c = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    c.arg(&dir).args(["--timeout", "1e300"]);
+    let (code, _, err) = run(c);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--timeout 1e300 must be"), "{err}");
+    assert!(err.len() < 200, "{err}");
+}

@@ -53,9 +53,15 @@ fn run(args: &Args) -> Result<(), RunError> {
         }
     }
     if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= 1e6) {
+        // Echoed short: `1e300`, not three hundred digits.
+        let t = args.timeout;
+        let shown = if t.abs() < 1e7 {
+            t.to_string()
+        } else {
+            format!("{t:e}")
+        };
         return Err(RunError::Usage(format!(
-            "--timeout {} must be a number of seconds in (0, 1e6]",
-            args.timeout
+            "--timeout {shown} must be a number of seconds in (0, 1e6]"
         )));
     }
     if !(args.lr.is_finite()) {
