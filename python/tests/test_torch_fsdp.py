@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("torch")
 
 import launch
+import pipec.torch as pt
+from torch.distributed.pipelining import schedules as ts
 
 TOL = 1e-10
 WRONG = 1e-4  # what the unrepaired runs are off by at least (measured: 5e-5 .. 1.8)
@@ -125,3 +127,14 @@ def test_fsdp_inside_an_unsharded_stage_is_refused(runs):
 def test_all_ranks_exited_cleanly(runs):
     _, ok, logs = runs
     assert ok, logs
+
+
+def test_where_the_re_gathers_go():
+    """Hand-worked: stage 0 reshards after forward, stage 1 does not."""
+    cells = "0UNSHARD 0F0 0F1 0I0 0W0 0F2 0I1 0F3 0W1 0B2 0W2 0I3 0W3 1F0 1I0 1W0"
+    line = [ts._Action.from_str(c) for c in cells.split()]
+    out = " ".join(str(a) for a in pt.regather_for_split_backward(line, [0]))
+    assert out == (
+        "0UNSHARD 0F0 0F1 0RESHARD 0UNSHARD 0I0 0W0 0F2 0RESHARD 0UNSHARD 0I1 0F3 "
+        "0RESHARD 0UNSHARD 0W1 0B2 0W2 0I3 0W3 1F0 1I0 1W0"
+    )
