@@ -17,7 +17,14 @@ from torch.distributed.pipelining import schedules as _ts
 
 from . import PipecError, Schedule, TorchExportError, _as_schedule
 
-__all__ = ["PipecScheduleRuntime", "actions", "build_schedule", "stage_indices"]
+__all__ = [
+    "PipecScheduleRuntime",
+    "actions",
+    "build_schedule",
+    "regather_for_split_backward",
+    "reshards_after_forward",
+    "stage_indices",
+]
 
 
 def _refuse_bidirectional(s: Schedule) -> None:
@@ -77,6 +84,111 @@ def _check_loss_order(s: Schedule, comms: dict[int, list[_ts._Action]]) -> None:
         )
 
 
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def _group_reshards(module: Any, is_root: bool) -> bool:
+    """Whether FSDP2 frees this module's gathered parameters after each forward.
+
+    FSDP2 keeps ``post_forward_mesh_info`` set exactly when it reshards after forward
+    (``FSDPParamGroup._reshard_after_forward``, torch 2.15); ``reshard_after_forward=None``
+    (the default) is turned off at lazy init for a root only (``FSDPState._lazy_init``), and an
+    FSDP module with no FSDP ancestor in the stage is the root of the stage's forward. Unknown
+    internals count as resharding: the repair then costs an all-gather but stays exact."""
+    try:
+        state = module._get_fsdp_state()
+        groups = list(state._fsdp_param_groups)
+        auto_root = bool(state._auto_reshard_after_forward) and (
+            state._is_root if state._is_root is not None else is_root
+        )
+        return not auto_root and any(g.post_forward_mesh_info is not None for g in groups)
+    except AttributeError:
+        return True
+
+
+def _fsdp_modules(module: Any, fsdp: type, under: bool = False):
+    """(FSDP module, whether it is a root: no FSDP ancestor) for every FSDP module inside."""
+    here = isinstance(module, fsdp)
+    if here:
+        yield module, not under
+    for child in module.children():
+        yield from _fsdp_modules(child, fsdp, under or here)
+
+
+def reshards_after_forward(stage: Any) -> bool:
+    """Whether ``stage.submod`` is FSDP2-sharded (``fully_shard``) with parameters that are
+    resharded after forward: ``reshard_after_forward`` true (or an int) on it or on any FSDP
+    module inside it, as FSDP2 will apply it after its lazy init.
+
+    Such a stage swaps its sharded parameters back into the module after every forward, so a
+    later ``I`` or ``W`` of torch's split backward (``stage_backward_input`` and
+    ``stage_backward_weight`` look the weights up through ``submod.parameters()``) finds
+    parameters that are not in the forward's autograd graph and drops or misplaces the weight
+    gradients. Raises :class:`pipec.PipecError` when such FSDP modules sit inside a stage whose
+    submodule is not an FSDP module itself: torch's runtime then issues no ``UNSHARD`` for the
+    stage and the repair cannot be expressed."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None:
+        return False
+    reshards = any(_group_reshards(m, root) for m, root in _fsdp_modules(stage.submod, fsdp))
+    if reshards and not isinstance(stage.submod, fsdp):
+        raise PipecError(
+            f"stage {stage.stage_index}: FSDP modules inside its submodule reshard after "
+            "forward, but the submodule itself is not fully_shard-ed; torch's pipeline "
+            "runtime gathers only stages whose submodule is an FSDPModule, so the split "
+            "backward (I/W) of this schedule cannot be repaired. Apply fully_shard to the "
+            "stage's submodule too, or use reshard_after_forward=False"
+        )
+    return reshards
+
+
+def regather_for_split_backward(
+    line: Sequence[_ts._Action], stages: set[int] | Sequence[int]
+) -> list[_ts._Action]:
+    """``line`` (one rank's compute+comms actions) with ``RESHARD`` + ``UNSHARD`` of stage s
+    inserted before each ``I``/``W`` of s that would otherwise run on s's sharded parameters,
+    for the stages in ``stages`` (those that reshard after forward).
+
+    Tracked per stage, as FSDP2 leaves it: a forward reshards; ``UNSHARD``, and a full backward
+    (FSDP's pre-backward hook; torch's stage turns reshard-after-backward off) leave it
+    gathered; ``I`` and ``W`` need it gathered and keep it so; ``RESHARD`` frees it. So a run
+    of ``I``/``W`` with no forward of the stage in between costs one all-gather, which
+    replaces the one FSDP's own pre-backward hook would issue in the ``I``: the only
+    all-gathers added to what torch issues are those before a ``W`` whose ``I`` was followed by
+    a forward of the same stage. The ``RESHARD`` is torch's bookkeeping (its runtime refuses to
+    ``UNSHARD`` a stage it still counts as gathered); on a stage FSDP has already resharded it
+    frees nothing."""
+    watched = set(stages)
+    gathered = dict.fromkeys(watched, True)  # the exporter starts each line with UNSHARDs
+    T = _ts._ComputationType
+    after = {
+        T.FORWARD: False,
+        T.FULL_BACKWARD: True,
+        T.BACKWARD_INPUT: True,
+        T.BACKWARD_WEIGHT: True,
+        T.UNSHARD: True,
+        T.RESHARD: False,
+    }
+    out: list[_ts._Action] = []
+    for a in line:
+        for sub in a.sub_actions or (a,):
+            s, ty = sub.stage_index, sub.computation_type
+            if s not in watched:
+                continue
+            if ty in (T.BACKWARD_INPUT, T.BACKWARD_WEIGHT) and not gathered[s]:
+                out.append(_ts._Action(s, T.RESHARD, None))
+                out.append(_ts._Action(s, T.UNSHARD, None))
+            if ty in after:
+                gathered[s] = after[ty]
+        out.append(a)
+    return out
+
+
 class PipecScheduleRuntime(_ts._PipelineScheduleRuntime):
     """torch's ``_PipelineScheduleRuntime`` executing a pipec schedule's actions as written.
 
@@ -123,8 +235,14 @@ def build_schedule(
     instruction stream for this rank on torch's ``_PipelineScheduleRuntime``: every compute,
     send and receive in pipec's order, with torch's ``WAIT_SEND_*`` actions for the sends
     (pipec's own ``wait`` instructions are left to torch, which waits for a receive right before
-    the compute that uses it); overlapped forward/backward pairs as ``OVERLAP_F_B``. Whatever torch cannot run as pipec verified it is refused with
-    :class:`pipec.PipecError`, never changed.
+    the compute that uses it); overlapped forward/backward pairs as ``OVERLAP_F_B``. Whatever
+    torch cannot run as pipec verified it is refused with :class:`pipec.PipecError`, never
+    changed.
+
+    FSDP2 (``fully_shard``) stages that reshard after forward and run split backward (``I``,
+    ``W``) get a ``RESHARD`` + ``UNSHARD`` before each ``I``/``W`` that would otherwise find
+    their sharded parameters (:func:`regather_for_split_backward`): without it torch drops or
+    corrupts their weight gradients, in its own zero-bubble classes too. Nothing else changes.
     """
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
@@ -161,6 +279,17 @@ def build_schedule(
         raise PipecError("a training schedule needs a loss_fn (torch runs backward from it)")
     comms = actions(s)
     _check_loss_order(s, comms)
+    split = {
+        a.stage_index
+        for c in comms[rank]
+        for a in c.sub_actions or (c,)
+        if a.computation_type in (_ts.BACKWARD_INPUT, _ts.BACKWARD_WEIGHT)
+    }
+    resharding = [
+        st.stage_index for st in stages if st.stage_index in split and reshards_after_forward(st)
+    ]
+    if resharding:
+        comms[rank] = regather_for_split_backward(comms[rank], resharding)
     runtime = PipecScheduleRuntime(
         stages,
         n_microbatches=m,

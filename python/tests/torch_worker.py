@@ -50,7 +50,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
     """The torchtitan recipe: torchtitan places the stages (by the class named in
-    ``pipeline_parallel_schedule``) and loads pipec's compute-only CSV itself."""
+    ``pipeline_parallel_schedule``) and loads pipec's compute-only CSV itself. torchtitan 0.3.0
+    takes the microbatch count as ``local_batch_size / pipeline_parallel_microbatch_size``;
+    its 2026 main branch names the count itself ``num_pp_microbatches``."""
+    import dataclasses
+
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import pipeline_parallel as tt
 
@@ -65,11 +69,13 @@ def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
     stages = [
         PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in placed
     ]
+    fields = {f.name for f in dataclasses.fields(ParallelismConfig)}
+    count = "num_pp_microbatches" in fields
     parallelism = ParallelismConfig(
         pipeline_parallel_degree=sched.pp,
         pipeline_parallel_schedule=cfg["torchtitan"],
         pipeline_parallel_schedule_csv=cfg["csv"],
-        pipeline_parallel_microbatch_size=ROWS,
+        **({"num_pp_microbatches": m} if count else {"pipeline_parallel_microbatch_size": ROWS}),
     )
     runtime = tt._build_pipeline_schedule(
         parallelism=parallelism,
@@ -77,7 +83,46 @@ def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
         stages=stages,
         loss_fn=lambda out, target: (loss_fn(out, target), None),
     )
-    return stages, runtime
+    if runtime._n_microbatches != m:
+        raise AssertionError(f"torchtitan made {runtime._n_microbatches} microbatches, not {m}")
+    field = "num_pp_microbatches" if count else "pipeline_parallel_microbatch_size"
+    return stages, runtime, field
+
+
+def automodel_schedule(cfg: dict, sched, layers, rank: int, group):
+    """The NeMo AutoModel recipe, with AutoModel's own code: its placement
+    (``stage_ids_this_rank``, V-shaped only when ``pp_schedule`` names ``ZBVZeroBubble``, the
+    rule of ``split_model_into_stages``) and its ``build_pipeline_schedule``, which loads
+    ``pp_schedule_csv`` into torch's ``_PipelineScheduleRuntime`` (``scale_grads=False``:
+    AutoModel divides the gradients afterwards with ``scale_grads_by_divisor``)."""
+    import inspect
+
+    from nemo_automodel.components.distributed.pipelining import functional as am
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, get_schedule_class
+
+    rule = 'style = "v" if schedule_class == ScheduleZBVZeroBubble else "loop"'
+    if rule not in inspect.getsource(am.split_model_into_stages):
+        raise AssertionError(f"AutoModel's split_model_into_stages no longer says `{rule}`")
+    s_count, m = sched.num_stages, sched.num_microbatches
+    style = "v" if get_schedule_class(cfg["automodel"]) == ScheduleZBVZeroBubble else "loop"
+    placed = list(am.stage_ids_this_rank(rank, sched.pp, s_count, style=style))
+    if sorted(placed) != pt.stage_indices(sched, rank):
+        raise AssertionError(
+            f"AutoModel places stages {placed}, pipec {pt.stage_indices(sched, rank)}"
+        )
+    stages = [
+        PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in placed
+    ]
+    runtime = am.build_pipeline_schedule(
+        pipeline_parallel_schedule_csv=cfg["csv"],
+        pipeline_parallel_schedule=cfg["automodel"],
+        microbatch_size=ROWS,
+        local_batch_size=m * ROWS,
+        stages=stages,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
+    return stages, runtime, lambda: am.scale_grads_by_divisor(stages, m)
 
 
 def run_eval(cfg: dict, rank: int, group) -> dict:
@@ -119,8 +164,14 @@ def run(cfg: dict, rank: int, group) -> dict:
     layers = make_layers(s_count)
     ref = torch.nn.Sequential(*copy.deepcopy(layers))
     mine = pt.stage_indices(sched, rank)
+    extra = {}
+    after_step = None
     if "torchtitan" in cfg:
-        stages, runtime = torchtitan_schedule(cfg, sched, layers, rank, group)
+        stages, runtime, extra["microbatch_field"] = torchtitan_schedule(
+            cfg, sched, layers, rank, group
+        )
+    elif "automodel" in cfg:
+        stages, runtime, after_step = automodel_schedule(cfg, sched, layers, rank, group)
     else:
         stages = [
             PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine
@@ -141,6 +192,8 @@ def run(cfg: dict, rank: int, group) -> dict:
         args = (x,) if 0 in mine else ()
         kwargs = {"target": y, "losses": losses} if s_count - 1 in mine else {}
         runtime.step(*args, **kwargs)
+        if after_step is not None:
+            after_step()
         # The same model without pipelining: gradients of the mean microbatch loss
         # (torch's scale_grads=True divides the accumulated gradients by M).
         ref_opt.zero_grad()
@@ -177,6 +230,7 @@ def run(cfg: dict, rank: int, group) -> dict:
         "grads_compared": n_grads,
         "max_loss_rel_err": loss_err,
         "max_grad_rel_err": grad_err,
+        **extra,
     }
 
 
