@@ -868,7 +868,7 @@ fn compare_rows_name_variants() {
     let tmp = tempfile::tempdir().unwrap();
     let layout = ["--layout", "Et|t|t|tL"];
     let variants: [(&str, &[&str], &str); 4] = [
-        ("a", &[], "interleaved-1f1b pp=2 vpp=2 microbatches=4 ("),
+        ("a", &[], "(interleaved-1f1b pp=2 vpp=2 microbatches=4)"),
         ("b", &["--combined"], "microbatches=4 combined"),
         (
             "c",

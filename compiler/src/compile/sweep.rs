@@ -160,7 +160,8 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
         let n = [
             g.schedule.len(),
             g.pp.len(),
-            g.vpp.len(),
+            // Kinds with a fixed chunk count take one vpp whatever the list (an upper bound).
+            g.vpp.len().max(1),
             g.microbatches.len(),
         ]
         .iter()
