@@ -254,7 +254,7 @@ mod tests {
         assert!(!s.contains('\u{FFFD}'), "{s}");
         // An error at the start of line 3.
         let s = shown("Et\nt\n|X", Some(6));
-        assert_eq!(s.lines().nth(0), Some("invalid layout (line 3):"));
+        assert_eq!(s.lines().next(), Some("invalid layout (line 3):"));
         assert_eq!(s.lines().nth(1), Some("  |X"));
         assert_eq!(s.lines().nth(2), Some("   ^"));
     }
