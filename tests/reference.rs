@@ -1,7 +1,7 @@
 //! A brute-force reference executor for pipec programs, used only by tests to judge the
 //! verifier. It shares no code with `pipec::verify`: it runs the program.
 //!
-//! Semantics (the strictest NCCL behaviour, as DESIGN.md states it): each rank runs its
+//! Semantics (the strictest NCCL behaviour, as docs/design.md states it): each rank runs its
 //! instructions in order; compute never blocks; a maximal run of consecutive send/recv with
 //! one batch id is posted as a whole; between an ordered pair of ranks the k-th posted send
 //! pairs with the k-th posted receive (FIFO), and both complete at the moment the second of

@@ -9,7 +9,7 @@
 //! - `saved[s][m]`: the activation stash, from `fwd(s, m)` to `bwd(s, m)`, or to `bwd_W(s, m)`
 //!   when the backward is split; `partial[s][m]` from `bwd_D` to `bwd_W`.
 //!
-//! The live count of `saved` is the activation memory the verifier bounds (DESIGN.md rule 5);
+//! The live count of `saved` is the activation memory the verifier bounds (docs/design.md rule 5);
 //! a forward that saves nothing (forward-only) holds its activation while it runs, as the
 //! verifier counts it. [`static_peak_activations`] computes the same figure from the program
 //! alone, and a run reports both.

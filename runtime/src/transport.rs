@@ -1,5 +1,5 @@
 //! In-process point-to-point transport with the semantics of NCCL blocking groups under
-//! rendezvous (the strictest NCCL behaviour, DESIGN.md rule 4):
+//! rendezvous (the strictest NCCL behaviour, docs/design.md rule 4):
 //!
 //! - A comm batch (one `ncclGroupStart/End`, one `batch_isend_irecv`) posts all its ops at once
 //!   and completes only when every op is matched: a send when its receive has been posted, a

@@ -53,7 +53,7 @@ fn one_f_one_b_at_pp1_held_two_activations() {
     assert_eq!(r.memory[0].peak, 1);
 }
 
-/// DESIGN.md's first deadlock rule (merge every batch with its partners' batches) reported
+/// docs/design.md's first deadlock rule (merge every batch with its partners' batches) reported
 /// GPipe at pp = 2, M = 1 as a deadlock: rank 0's batch {send act, recv grad} merges with two
 /// batches of rank 1 that have its forward and backward between them. NCCL completes it; the
 /// verifier's per-batch wait graph agrees.

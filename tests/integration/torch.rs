@@ -88,7 +88,7 @@ enum Model {
     /// matched with (FIFO per peer pair) has been posted, i.e. its rank has reached that
     /// message's batch.
     Posted,
-    /// DESIGN.md rule 4 read literally: a batch completes only together with all batches its
+    /// docs/design.md rule 4 read literally: a batch completes only together with all batches its
     /// messages are matched with (transitively), each the current batch of its rank.
     Merged,
 }

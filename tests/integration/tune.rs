@@ -1033,7 +1033,7 @@ fn builtin_programs() -> Vec<(ScheduleKind, u32, pipec::Program)> {
 }
 
 /// The rule per target, against a table written from the frameworks' own placement rules
-/// (DESIGN.md "Facts learned about the peers"): torch and Megatron give a stage one rank
+/// (docs/design.md "Facts learned about the peers"): torch and Megatron give a stage one rank
 /// (everything but DualPipe's two directions); torchtitan places stages looped or V
 /// (ZBVZeroBubble, DualPipeV), so the same; DeepSpeed runs one stage per rank, which only
 /// the one-chunk kinds are; pipec-run runs everything verified.
@@ -1364,7 +1364,7 @@ fn cli_tune_targets() {
         j["run"]["megatron"][1].as_str().unwrap().to_string()
     };
     // Megatron-LM's interleaved schedule overlaps P2P unless told not to; pipec's default
-    // mode is batched except at pp = 2 (DESIGN.md, Megatron facts).
+    // mode is batched except at pp = 2 (docs/design.md, Megatron facts).
     assert!(p2p("interleaved-1f1b", "4").contains("--no-overlap-p2p-communication"));
     assert!(p2p("interleaved-1f1b", "2").contains("no flag"));
     // Megatron on a V placement: stage_layers, not the layout flag.

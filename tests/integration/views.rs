@@ -37,7 +37,7 @@ fn close(a: f64, b: f64) -> bool {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Published formulas (/work/shared/conformance/README.md), uniform op times, free communication.
+// Published formulas (tests/golden/conformance/README.md), uniform op times, free communication.
 
 /// Per-layer costs (f, bwd_D, bwd_W) tried for every formula: the full backward is b + w.
 /// (1, 2, 0) and (1, 1, 1) are the classic "backward = 2 x forward"; the others check that

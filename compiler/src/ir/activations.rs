@@ -1,6 +1,6 @@
 //! Live activations per rank, counted once for every reader: the verifier's memory check (R1),
 //! `pipec tune`'s weighted peak, the simulator's summary and the runtime's static figure, so
-//! that their numbers cannot disagree (DESIGN.md "Correctness rules" 5). The unit is one
+//! that their numbers cannot disagree (docs/design.md "Correctness rules" 5). The unit is one
 //! microbatch's activations on one stage, the unit the published formulas use (GPipe holds
 //! `M`, 1F1B `p - r` on rank `r`: Narayanan et al., "Efficient Large-Scale Language Model
 //! Training on GPU Clusters Using Megatron-LM", 2021).

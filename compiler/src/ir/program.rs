@@ -19,7 +19,7 @@ pub enum PayloadKind {
     Grad,
 }
 
-/// A tensor that travels: named by its producing stage, as DESIGN.md's conventions say.
+/// A tensor that travels: named by its producing stage, as docs/design.md's conventions say.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Payload {
     pub kind: PayloadKind,

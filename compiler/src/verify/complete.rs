@@ -1,4 +1,4 @@
-//! Completeness (DESIGN.md "Correctness rules" 1): every (stage, microbatch) has exactly one
+//! Completeness (docs/design.md "Correctness rules" 1): every (stage, microbatch) has exactly one
 //! forward and exactly one backward, either a full `bwd` or a `bwd_D` + `bwd_W` pair (the split
 //! of "Zero Bubble Pipeline Parallelism", Qi et al., 2024), on the rank that owns it. A
 //! forward-only program has no backward at all. Duplicates, wrong ranks, out-of-range ids and

@@ -11,7 +11,7 @@
 //! induction along a topological order every batch completes; a batch on a cycle would have
 //! to complete strictly after itself).
 //!
-//! DESIGN.md phrases the rule as merging each batch with its matched peers' batches and
+//! docs/design.md phrases the rule as merging each batch with its matched peers' batches and
 //! checking the merged graph. The two agree whenever a merged group holds at most one batch
 //! per rank, which is the case for every schedule pipec generates; where a group would chain
 //! two batches of one rank through a peer (`b1 ~ c ~ b2`), merging reports a deadlock that does

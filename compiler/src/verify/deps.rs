@@ -1,6 +1,6 @@
 //! Data dependencies, on each rank by program order and across ranks through messages.
 //!
-//! What each pass needs (DESIGN.md "Correctness rules" 2): `fwd(s,m)` the activation of
+//! What each pass needs (docs/design.md "Correctness rules" 2): `fwd(s,m)` the activation of
 //! `(s-1,m)`; `bwd(s,m)`/`bwd_D(s,m)` its own `fwd(s,m)` and the gradient of `(s+1,m)`;
 //! `bwd_W(s,m)` its `bwd_D(s,m)`. An input made on the same rank must come from an earlier
 //! instruction there; one made on another rank must come from an earlier receive of exactly

@@ -1,4 +1,4 @@
-//! R1: peak live activations per rank (DESIGN.md "Correctness rules" 5), counted by the one
+//! R1: peak live activations per rank (docs/design.md "Correctness rules" 5), counted by the one
 //! rule of [`crate::ir::activations`], which the simulator and the runtime count by too.
 
 use super::index::Index;

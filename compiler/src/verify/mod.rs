@@ -12,7 +12,7 @@
 //!   and places every stage on one of them [`PlacementOutOfRange`].
 //! - S2. Every stage, microbatch and peer id is in range [`OutOfRange`].
 //!
-//! Completeness (DESIGN.md rule 1)
+//! Completeness (docs/design.md rule 1)
 //! - C1. Every `(s, m)` has exactly one `fwd` [`Missing`], [`Duplicate`].
 //! - C2. Unless the program is forward-only, every `(s, m)` has exactly one backward: one
 //!   `bwd`, or one `bwd_D` and one `bwd_W` [`Missing`], [`Duplicate`], [`UnpairedSplit`],
