@@ -15,8 +15,8 @@
 //!
 //! The driver is built once per element type into `target/<profile>/cuda_emu/`, under a key made
 //! of its inputs, so later test runs reuse it. Without a C++ compiler (`CXX`, `c++`, `g++` or
-//! `clang++`) the emulated tests print a skip line and pass. The static check of model.rs's
-//! launches always runs.
+//! `clang++`) the emulated tests print a skip line and pass, except under `CI=true`, where they
+//! fail. The static check of model.rs's launches always runs.
 
 use ndarray::{Array2, ArrayView2};
 use pipec::front::layout::LayerKind;
@@ -86,6 +86,11 @@ fn emu(ty: Ty) -> Option<&'static Emu> {
         .get_or_init(|| compiler().map(|cxx| build(cxx, ty)))
         .as_ref();
     if e.is_none() {
+        // CI must not pass having skipped the emulated kernels.
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "cuda_kernels: no C++ compiler under CI=true (set CXX or put c++, g++ or clang++ on PATH)"
+        );
         println!(
             "cuda_kernels: skipped: no C++ compiler (set CXX or put c++, g++ or clang++ on PATH)"
         );
