@@ -11,6 +11,10 @@
 //! - S1. The placement is for as many ranks as the program has streams [`WorldMismatch`],
 //!   and places every stage on one of them [`PlacementOutOfRange`].
 //! - S2. Every stage, microbatch and peer id is in range [`OutOfRange`].
+//! - S3. The instructions can be numbered by the verifier's positions [`TooLarge`], and the
+//!   (stage, microbatch) tasks are few enough for the program's compute ops to cover them
+//!   [`TooFewOps`] (else the per-task checks are skipped instead of allocating a table per
+//!   task).
 //!
 //! Completeness (docs/design.md rule 1)
 //! - C1. Every `(s, m)` has exactly one `fwd` [`Missing`], [`Duplicate`].
@@ -32,6 +36,9 @@
 //! - D2. Where batches are left in flight or ops issued one by one, the same under NCCL's
 //!   stream order (ops of one communicator between two ranks run in issue order)
 //!   [`StreamDeadlock`]. See [`streams`].
+//! - D3. A `wait` names a batch its rank posted earlier [`WaitWithoutBatch`], and only one
+//!   [`WaitAmbiguous`]; a pass using a tensor from a receive left in flight waits for it first
+//!   [`RunsBeforeWait`].
 //!
 //! Dependencies (rule 2)
 //! - P1. `fwd(s,m)` runs after `fwd(s-1,m)`; `bwd(s,m)`/`bwd_D(s,m)` after `fwd(s,m)` and
@@ -60,6 +67,11 @@
 //! with the report the same as on one.
 //!
 //! [`StreamDeadlock`]: Violation::StreamDeadlock
+//! [`TooLarge`]: Violation::TooLarge
+//! [`TooFewOps`]: Violation::TooFewOps
+//! [`WaitWithoutBatch`]: Violation::WaitWithoutBatch
+//! [`WaitAmbiguous`]: Violation::WaitAmbiguous
+//! [`RunsBeforeWait`]: Violation::RunsBeforeWait
 //! [`WorldMismatch`]: Violation::WorldMismatch
 //! [`PlacementOutOfRange`]: Violation::PlacementOutOfRange
 //! [`OutOfRange`]: Violation::OutOfRange
@@ -209,6 +221,31 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
 
 #[cfg(test)]
 mod tests {
+
+    /// Regression (#27): the module doc, the verifier's specification, omitted 5 of its
+    /// violations. Every variant of [`Violation`] is named in it.
+    #[test]
+    fn module_doc_names_every_violation() {
+        let doc = include_str!("mod.rs");
+        let report = include_str!("report.rs");
+        let body = &report[report.find("pub enum Violation {").unwrap()..];
+        let body = &body[..body.find("\n}\n").unwrap()];
+        let variants: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("    "))
+            .filter(|l| l.starts_with(|c: char| c.is_ascii_uppercase()))
+            .map(|l| {
+                l.split(|c: char| !c.is_ascii_alphanumeric())
+                    .next()
+                    .unwrap()
+            })
+            .collect();
+        assert!(variants.len() >= 29, "{variants:?}");
+        for v in variants {
+            assert!(doc.contains(&format!("[`{v}`]: Violation::{v}")), "{v}");
+        }
+    }
+
     use super::*;
     use crate::ir::{Instr, Payload};
     use pipec_schedules::{Compute, Placement, Rank, Task};
