@@ -188,3 +188,85 @@ fn readme_python_section_lists_every_p2p_mode() {
         );
     }
 }
+
+/// The serialized name of an enum value, as the files write it.
+fn wire<T: serde::Serialize>(v: T) -> String {
+    serde_json::to_value(v)
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Regression (#27): docs/format.md's value lists missed `bidirectional`, `mirror_from`, two
+/// Megatron P2P modes and two comm policies. Each list names every value the code writes.
+#[test]
+fn format_doc_lists_every_value() {
+    use pipec_schedules::{CommPolicy, MegatronP2p, PlacementKind};
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/format.md"))
+        .expect("docs/format.md");
+    let row = |field: &str| -> String {
+        doc.lines()
+            .find(|l| l.starts_with(&format!("| `{field}` |")))
+            .unwrap_or_else(|| panic!("no `{field}` row in docs/format.md"))
+            .to_string()
+    };
+    // Exhaustive matches: a new variant fails to compile here until it is listed.
+    let placement = |k: PlacementKind| match k {
+        PlacementKind::Looped | PlacementKind::V | PlacementKind::Custom => k,
+        PlacementKind::Bidirectional => k,
+    };
+    let policy = |p: CommPolicy| match p {
+        CommPolicy::Megatron1F1B
+        | CommPolicy::MegatronInterleaved
+        | CommPolicy::Megatron1F1BUnbatched
+        | CommPolicy::MegatronInterleavedUnbatched
+        | CommPolicy::MegatronInterleavedOverlap
+        | CommPolicy::MegatronInterleavedOverlapFlush
+        | CommPolicy::MegatronInterleavedOverlapKeepOutputs
+        | CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs
+        | CommPolicy::FusedPerOp
+        | CommPolicy::Lockstep => p,
+    };
+    let placement_row = row("placement");
+    for k in [
+        PlacementKind::Looped,
+        PlacementKind::V,
+        PlacementKind::Custom,
+        PlacementKind::Bidirectional,
+    ] {
+        let name = wire(placement(k));
+        assert!(
+            placement_row.contains(&format!("`{name}`")),
+            "{name}: {placement_row}"
+        );
+    }
+    assert!(placement_row.contains("`mirror_from`"), "{placement_row}");
+    let policy_row = row("comm_policy");
+    for p in [
+        CommPolicy::Megatron1F1B,
+        CommPolicy::MegatronInterleaved,
+        CommPolicy::Megatron1F1BUnbatched,
+        CommPolicy::MegatronInterleavedUnbatched,
+        CommPolicy::MegatronInterleavedOverlap,
+        CommPolicy::MegatronInterleavedOverlapFlush,
+        CommPolicy::MegatronInterleavedOverlapKeepOutputs,
+        CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs,
+        CommPolicy::FusedPerOp,
+        CommPolicy::Lockstep,
+    ] {
+        let name = wire(policy(p));
+        assert!(
+            policy_row.contains(&format!("`{name}`")),
+            "{name}: {policy_row}"
+        );
+    }
+    let schedule_row = row("schedule");
+    for m in MegatronP2p::ALL.into_iter().filter(|m| !m.is_default()) {
+        let name = wire(m);
+        assert!(
+            schedule_row.contains(&format!("`{name}`")),
+            "{name}: {schedule_row}"
+        );
+    }
+}
