@@ -164,8 +164,7 @@ class Schedule:
     def instructions(self, rank: int) -> list[dict]:
         """The instruction records of ``rank``'s file (``rank-<r>.json``), in order."""
         self._check_rank(rank)
-        files = dict(self._n.render("json"))
-        return json.loads(files[f"rank-{rank}.json"])["instructions"]
+        return json.loads(self._n.rank_instructions_json(rank))
 
     # --- analysis ---
     def check(self, memory_limit: int | None = None) -> Report:

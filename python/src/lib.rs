@@ -194,6 +194,16 @@ impl NativeSchedule {
     }
 
     /// The files of the schedule, manifest first: `[(name, bytes)]`.
+    /// Rank `rank`'s instruction records as JSON (the array of `rank-<r>.json`), rendering
+    /// that rank only.
+    fn rank_instructions_json(&self, rank: u32) -> PyResult<String> {
+        let instrs = self.program.ranks.get(rank as usize).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!("rank {rank} is out of range"))
+        })?;
+        // The writer emits ASCII only.
+        Ok(String::from_utf8_lossy(&pipec::back::files::instructions_json(instrs)).into_owned())
+    }
+
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {
         let enc = parse_encoding(encoding)?;
         Ok(files::render(&self.header(), &self.program, enc))

@@ -22,7 +22,8 @@ pub use read::{
 };
 pub use seal::{seal_dir, SealError, Sealed};
 pub use write::{
-    prepare, render, threads_for, write_prepared, write_program, Gated, Prepared, WriteError,
+    instructions_json, prepare, render, threads_for, write_prepared, write_program, Gated,
+    Prepared, WriteError,
 };
 
 #[cfg(test)]
@@ -34,6 +35,27 @@ mod tests {
     use crate::ir::{Instr, Payload};
     use pipec_schedules::ScheduleKind;
     use pipec_schedules::{Compute, Rank, Task};
+
+    /// One rank's records alone (Python's `Schedule.instructions(rank)`, O(that rank)) are
+    /// exactly the `instructions` of its rank file.
+    #[test]
+    fn instructions_json_is_the_rank_files_list() {
+        let c = compiled();
+        let header = Header {
+            source: "generated",
+            schedule: Some(c.spec),
+            comm_policy: Some(c.schedule.comm),
+            layout: &c.layout,
+        };
+        let files = render(&header, &c.program, Encoding::Json);
+        for (r, instrs) in c.program.ranks.iter().enumerate() {
+            let file: serde_json::Value = serde_json::from_slice(&files[r + 1].1).unwrap();
+            let alone: serde_json::Value =
+                serde_json::from_slice(&instructions_json(instrs)).unwrap();
+            assert_eq!(file["instructions"], alone, "rank {r}");
+        }
+        assert_eq!(instructions_json(&[]), b"[\n]");
+    }
 
     fn compiled() -> crate::compile::Compiled {
         compile(&CompileRequest {

@@ -22,6 +22,23 @@ pub(crate) fn rank_file_json(rank: u32, world: u32, hash: &str, instrs: &[Instr]
     out
 }
 
+/// One rank's instructions as the JSON array its rank file holds (the same records, one per
+/// line), without the header or the schedule hash that needs every rank: what a caller
+/// asking for one rank pays for that rank alone.
+pub fn instructions_json(instrs: &[Instr]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 * instrs.len() + 4);
+    let mut chunk = Chunk::new();
+    out.extend_from_slice(b"[\n");
+    for (i, ins) in instrs.iter().enumerate() {
+        chunk.n = 0;
+        chunk.instr(ins);
+        out.extend_from_slice(chunk.bytes());
+        out.extend_from_slice(if i + 1 < instrs.len() { b",\n" } else { b"\n" });
+    }
+    out.push(b']');
+    out
+}
+
 /// Emit rank `rank`'s JSON file through `chunk`, handing `flush` the bytes whenever about
 /// [`CHUNK`] of them are ready, and the rest at the end.
 pub(crate) fn stream_rank_json(
