@@ -12,7 +12,10 @@ SGD, ``gradient_accumulation_steps`` = microbatches), installs a pipec schedule 
 - the order in which this rank ran its forwards (found from what each forward received,
   matched against the unpipelined activations) and its weight-gradient passes (found from the
   gradient each added, matched against per-microbatch unpipelined gradients), with the
-  schedule's own order; and the adapter's trace of every compute op with the schedule.
+  schedule's own order; and the adapter's trace of every compute op with the schedule;
+- the work of every backward instruction (the aten ops torch's dispatcher runs in it) with one
+  whole backward of the same stage run unpipelined: ``bwd_D`` + ``bwd_W`` must do no more than
+  it, each weight gradient accumulated once per microbatch, in ``bwd_W``.
 
 Forward-only configurations run ``eval_batch``; refusal configurations call ``use`` with a
 schedule DeepSpeed cannot run and record the error. One JSON line per configuration goes to
@@ -23,11 +26,13 @@ Usage: python ds_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 import time
 import traceback
+from collections import Counter
 from datetime import timedelta
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -38,6 +43,7 @@ import pipec
 import pipec.deepspeed as pds
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The CPU accelerator JIT-builds a shared-memory op with ninja and g++ unless it is marked
 # incompatible; gloo needs none of it.
@@ -80,6 +86,77 @@ def data(step: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------- work counting
+# Ops that move or alias data but compute nothing (what a backward costs is the rest).
+NO_WORK = {
+    "t",
+    "view",
+    "expand",
+    "detach",
+    "alias",
+    "_to_copy",
+    "clone",
+    "copy_",
+    "empty_like",
+    "empty",
+    "zeros_like",
+    "ones_like",
+    "fill_",
+    "zero_",
+    "new_empty_strided",
+    "new_zeros",
+}
+
+
+class OpCount(TorchDispatchMode):
+    """Every aten op torch's dispatcher runs while active (the autograd engine carries the mode
+    into the backward), as (op, output shape) -> count."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shape = list(out.shape) if torch.is_tensor(out) else "-"
+        self.ops[f"{func.overloadpacket.__name__}{shape}"] += 1
+        return out
+
+
+def work(ops: Counter) -> Counter:
+    return Counter({k: v for k, v in ops.items() if k.split("[")[0].rstrip("-") not in NO_WORK})
+
+
+def layer_ops(ops: Counter) -> Counter:
+    """The ops of the Linear+Tanh layers' backward and of the gradient accumulation."""
+    return Counter({k: v for k, v in ops.items() if k.split("[")[0] in LAYER_OPS})
+
+
+LAYER_OPS = {"mm", "tanh_backward", "sum", "add_"}
+
+
+def reference_backward_work(pp: int, m: int, rank: int, ref, accumulate: bool) -> Counter:
+    """The ops of one whole backward of this rank's stage, unpipelined and without DeepSpeed:
+    a copy of its layers, the loss divided by the microbatch count on the last stage (as
+    DeepSpeed scales it), the output's gradient elsewhere; the stage input needs a gradient
+    except on the first stage (data). ``accumulate``: ``.grad`` already holds an earlier
+    microbatch's gradient (added to, where the first microbatch's is stored)."""
+    start, stop = rank * LAYERS_PER_STAGE, (rank + 1) * LAYERS_PER_STAGE
+    stage = copy.deepcopy(torch.nn.Sequential(*[ref[i] for i in range(start, stop)]))
+    for p in stage.parameters():
+        p.grad = torch.zeros_like(p) if accumulate else None
+    x, y = data(0, 1)[0]
+    x.requires_grad_(rank > 0)
+    out = stage(x)
+    root = loss_fn(out, y) if rank == pp - 1 else out
+    with OpCount() as c:
+        if rank == pp - 1:
+            (root / m).backward()
+        else:
+            root.backward(torch.ones_like(root))
+    return work(c.ops)
 
 
 def make_engine(pp: int, m: int):
@@ -157,6 +234,30 @@ def run_train(cfg: dict, rank: int) -> dict:
     grad_snaps: list[torch.Tensor] = []
     watched.register_post_accumulate_grad_hook(lambda p: grad_snaps.append(p.grad.detach().clone()))
 
+    # What every backward instruction of the adapter runs (torch's dispatcher, not the adapter,
+    # tells), and which pass each local parameter's gradient is accumulated in.
+    passes: dict[tuple[str, int], Counter] = {}
+    accumulated: list[tuple[str, int, str]] = []
+    current: list = [None]
+    if want is not None:
+        instr = pds._instructions()
+        for op in ("bwd", "bwd_D", "bwd_W"):
+            fn = engine._INSTRUCTION_MAP[instr[op]]
+
+            def counted(eng, buffer_id, fn=fn, op=op):
+                current[0] = (op, buffer_id)
+                with OpCount() as c:
+                    fn(eng, buffer_id)
+                current[0] = None
+                passes[(op, buffer_id)] = passes.get((op, buffer_id), Counter()) + c.ops
+
+            engine._INSTRUCTION_MAP[instr[op]] = counted
+        for name, p in module.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: accumulated.append((*(current[0] or ("none", -1)), name))
+            )
+    work_report = None
+
     loss_err = param_err = 0.0
     n_losses = 0
     traces, returned = [], []
@@ -181,6 +282,8 @@ def run_train(cfg: dict, rank: int) -> dict:
             ref_losses.append(loss.detach())
         seen_inputs.clear()
         grad_snaps.clear()
+        passes.clear()
+        accumulated.clear()
         out = engine.train_batch(iter(batch))
         returned.append(float(out))
         mean = torch.stack(ref_losses).mean()
@@ -225,6 +328,8 @@ def run_train(cfg: dict, rank: int) -> dict:
             if got != [tuple(t) for t in want]:
                 raise AssertionError(f"step {step}: trace {got} != schedule {want}")
         traces.append({"fwd": fwd_order, "w": w_order})
+        if want is not None:
+            work_report = check_work(pp, m, rank, ref, module, want, passes, accumulated)
         ref_opt.step()
     params = {}
     for i in range(start, stop):
@@ -244,7 +349,55 @@ def run_train(cfg: dict, rank: int) -> dict:
         "orders": traces,
         "max_loss_rel_err": loss_err,
         "max_param_rel_err": param_err,
+        "work": work_report,
     }
+
+
+def check_work(pp, m, rank, ref, module, want, passes, accumulated) -> dict:
+    """Each microbatch's backward work on this rank: bwd_D and bwd_W together run exactly the
+    ops of one whole unpipelined backward of the stage (the input-gradient chain once, each
+    weight gradient once), bwd_D accumulates no weight gradient, bwd_W none of the
+    input-gradient chain's ops (tanh_backward and the input-shaped mm), and every parameter's
+    gradient is accumulated exactly once per microbatch."""
+    first, later = (reference_backward_work(pp, m, rank, ref, acc) for acc in (False, True))
+    names = sorted(n for n, p in module.named_parameters() if p.requires_grad)
+    act = f"{[ROWS, DIM]}"
+    # The microbatch whose weight pass runs first on this rank stores .grad, the others add.
+    w_first = next(mb for op, _, mb in want if op in ("bwd", "bwd_W"))
+    for mb in range(m):
+        whole = first if mb == w_first else later
+        split = ("bwd_D", mb) in passes
+        if split:
+            d, w = work(passes[("bwd_D", mb)]), work(passes[("bwd_W", mb)])
+            got = d + w
+            if rank == 0:
+                # No input gradient to send: bwd_D does nothing, bwd_W the whole backward.
+                if d:
+                    raise AssertionError(f"mb {mb}: bwd_D of the first stage ran {d}")
+            elif d[f"tanh_backward{act}"] != LAYERS_PER_STAGE or w[f"tanh_backward{act}"]:
+                raise AssertionError(f"mb {mb}: the chain ran {d} in bwd_D, {w} in bwd_W")
+            elif w[f"mm{act}"] or d[f"mm{[DIM, DIM]}"]:
+                raise AssertionError(f"mb {mb}: an input gradient in bwd_W or a weight's in bwd_D")
+        else:
+            got = work(passes[("bwd", mb)])
+        # The layers' backward ops (each input- and weight-gradient mm, each tanh_backward,
+        # each bias sum, each accumulation into .grad) exactly as in one whole backward; in
+        # all, no more ops (on the last stage DeepSpeed's output hook divides the output's
+        # gradient by the microbatch count where its whole backward divides the loss).
+        if layer_ops(got) != layer_ops(whole) or sum(got.values()) > sum(whole.values()):
+            raise AssertionError(
+                f"mb {mb}: the backward ran {dict(got)}, one whole backward {dict(whole)}"
+            )
+        acc = sorted((op, n) for op, b, n in accumulated if b == mb)
+        if acc != sorted(("bwd_W" if split else "bwd", n) for n in names):
+            raise AssertionError(f"mb {mb}: weight gradients accumulated as {acc}")
+    report = {"whole": dict(first if w_first == 0 else later)}
+    if ("bwd_D", 0) in passes:
+        report["bwd_D"] = dict(work(passes[("bwd_D", 0)]))
+        report["bwd_W"] = dict(work(passes[("bwd_W", 0)]))
+    else:
+        report["bwd"] = dict(work(passes[("bwd", 0)]))
+    return report
 
 
 def run_eval(cfg: dict, rank: int) -> dict:

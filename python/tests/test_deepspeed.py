@@ -6,8 +6,11 @@ zb-h1, zb-h2, zb-1p and a tuned plan train two ``train_batch`` steps (pp=2 with 
 pp=4 with 8); every loss (the value ``train_batch`` returns on each rank and each microbatch's
 loss) and every parameter after the steps are compared with the unpipelined model on the same
 data, and the order each rank ran its forwards and weight-gradient passes (recovered from the
-tensors, not from the adapter) with the schedule. DeepSpeed's own ``TrainSchedule`` trains the
-same model for comparison with pipec's 1f1b; forward-only schedules run through ``eval_batch``;
+tensors, not from the adapter) with the schedule. The split backward of the zero-bubble kinds
+is checked to do the work of one whole backward: the ops torch's dispatcher runs in ``bwd_D``
+and ``bwd_W`` of each microbatch, against one whole backward of the same stage unpipelined.
+DeepSpeed's own ``TrainSchedule`` trains the same model for comparison with pipec's 1f1b;
+forward-only schedules run through ``eval_batch``;
 schedules DeepSpeed cannot run are refused on every rank. Tolerance: relative error <= 1e-5
 (fp32; the pipelined run sums the microbatch gradients in another order).
 
@@ -145,6 +148,42 @@ def test_trains_like_the_unpipelined_model(run, name):
     assert res[-1]["losses_compared"] == 2 * SIZES[pp]
     # train_batch returns the same loss on every rank, as DeepSpeed's does.
     assert all(r["returned"] == res[-1]["returned"] for r in res)
+
+
+SPLIT = ["zb-h1", "zb-h2", "zb-1p", "tuned"]
+ACT, WEIGHT = "[2, 6]", "[6, 6]"  # ds_worker's microbatch activations and Linear weights
+LAYER_OPS = ("mm[", "tanh_backward[", "sum[", "add_[")
+
+
+def layer_ops(ops: dict) -> dict:
+    return {k: v for k, v in ops.items() if k.startswith(LAYER_OPS)}
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_split_backward_does_the_work_of_one_backward(run, name):
+    """bwd_D + bwd_W of a microbatch run exactly the layer ops of one whole backward of the
+    stage (counted by torch's dispatcher in ds_worker, against the same stage run unpipelined
+    without DeepSpeed): the weight pass repeats nothing of the input-gradient chain. The worker
+    checks every microbatch (and that each weight gradient is accumulated once, in bwd_W);
+    here the first microbatch's counts, which the report shows."""
+    split_ranks = 0
+    for r in result(run, name):
+        w = r["work"]
+        if "bwd_D" not in w:
+            assert layer_ops(w["bwd"]) == layer_ops(w["whole"])
+            continue
+        d, wt, whole = w["bwd_D"], w["bwd_W"], w["whole"]
+        both = {k: d.get(k, 0) + wt.get(k, 0) for k in set(d) | set(wt)}
+        assert layer_ops(both) == layer_ops(whole), (d, wt, whole)
+        assert sum(both.values()) <= sum(whole.values()), (d, wt, whole)
+        if r["stage"] == 0:
+            assert d == {}  # nothing to send back: all of it is the weight pass
+            continue
+        split_ranks += 1
+        assert d[f"tanh_backward{ACT}"] == 2 and f"tanh_backward{ACT}" not in wt
+        assert f"mm{WEIGHT}" not in d and wt[f"mm{WEIGHT}"] == 2  # the two weights, in bwd_W
+        assert f"mm{ACT}" not in wt  # no input gradient in bwd_W
+    assert split_ranks >= 1
 
 
 def test_pipec_1f1b_equals_deepspeeds_own_train_schedule(run):
@@ -298,6 +337,56 @@ def test_check_refuses_split_backward_on_a_loss_scaling_engine():
         pds.check(s, 4, 4)
     with pytest.raises(pipec.PipecError, match=r"4 microbatches.*runs 8"):
         pds.check(s, 2, 8)
+
+
+def test_split_backward_equals_one_whole_backward_on_awkward_graphs():
+    """pipec.deepspeed's own split (torch's algorithm, public autograd API only) on a graph
+    with what a Linear chain lacks: weights that share a node (one group), a weight that joins
+    two groups, a weight used twice along the chain (intermediates leading to one another), a
+    root of weights only, an unused weight, two inputs and two roots. Input and weight
+    gradients must equal one whole backward; the input pass must leave no weight gradient and
+    the weight pass no input gradient."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    names = ["A", "B", "C", "E", "F", "T", "K", "U"]
+    p0 = {n: torch.randn(4, 4, generator=g) * 0.5 for n in names}
+    x0, z0 = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    g1, g2 = torch.randn(3, 4, generator=g), torch.randn((), generator=g)
+
+    def graph():
+        p = {n: t.clone().requires_grad_() for n, t in p0.items()}
+        x, z = x0.clone().requires_grad_(), z0.clone().requires_grad_()
+        h = torch.tanh(x @ p["A"] + z)
+        h = torch.tanh(h @ (p["B"] + p["C"] + p["E"]))  # B, C share a node; E joins ...
+        h = torch.tanh(h @ (p["F"] + p["E"]))  # ... this group too
+        h = torch.tanh(h @ p["T"]) @ p["T"]  # T twice along the chain
+        return p, [x, z], [h, (p["K"] ** 2).sum()]  # a root of a weight only; U unused
+
+    p, leaves, roots = graph()
+    torch.autograd.backward(roots, [g1, g2])
+    want = {n: t.grad for n, t in p.items()}, [t.grad for t in leaves]
+
+    from torch.autograd.graph import get_gradient_edge
+
+    p, leaves, roots = graph()
+    params = list(p.values())
+    deferred = pds._split_input([get_gradient_edge(r) for r in roots], [g1, g2], leaves, params)
+    assert all(t.grad is None for t in params), "no weight gradient in the input pass"
+    got_inputs = [t.grad.clone() for t in leaves]
+    groups, _, rest = deferred
+    assert sorted(len(gr["params"]) for gr in groups) == [1, 1, 4]  # A | B C E F | T
+    assert rest is not None and rest[2] == [p["K"]]
+    del roots
+    pds._split_weight(*deferred)
+    for a, b in zip(got_inputs, want[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(t.grad, a) for t, a in zip(leaves, got_inputs, strict=True))
+    for n, t in p.items():
+        if want[0][n] is None:
+            assert t.grad is None, n
+        else:
+            torch.testing.assert_close(t.grad, want[0][n], rtol=1e-6, atol=1e-7, msg=n)
 
 
 def test_use_refuses_what_is_not_an_engine():
