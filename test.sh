@@ -57,8 +57,11 @@ cargo check --manifest-path fuzz/Cargo.toml --bins --locked
 py_venv=target/py312-venv
 # megatron-core (a CPython 3.12 wheel; it needs only torch, numpy and packaging) for the
 # Megatron-LM tests (python/tests/test_megatron.py).
+# DeepSpeed 0.19.8 for python/tests/test_deepspeed.py: an sdist, built without its ops
+# (DS_BUILD_OPS=0; no compiler needed); it requires einops, hjson, msgpack, ninja, numpy,
+# packaging, psutil, py-cpuinfo, pydantic>=2, torch and tqdm (its PKG-INFO), which pip resolves.
 py_deps=(torch==2.15.0 numpy==2.5.5 maturin==1.16.0 pytest==9.2.0 pytest-timeout==2.4.0
-  megatron-core==0.19.2 packaging==26.3)
+  megatron-core==0.19.2 packaging==26.3 deepspeed==0.19.8)
 py_stamp="$py_venv/.pipec-deps-$(echo "${py_deps[*]}" | cksum | cut -d' ' -f1)"
 pypi_unreachable() {
   ! python3 -c 'import urllib.request; urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=20)' 2>/dev/null
@@ -77,7 +80,7 @@ else
   done
   [ -n "$py" ] || { echo "test.sh: no Python >= 3.10 found for the Python tests" >&2; exit 1; }
   rm -rf "$py_venv"
-  if "$py" -m venv "$py_venv" && "$py_venv/bin/pip" install --quiet "${py_deps[@]}"; then
+  if "$py" -m venv "$py_venv" && DS_BUILD_OPS=0 "$py_venv/bin/pip" install --quiet "${py_deps[@]}"; then
     touch "$py_stamp" && py_ready=1
   elif [ "${CI:-}" != true ] && pypi_unreachable; then
     rm -rf "$py_venv"

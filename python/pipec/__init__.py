@@ -166,6 +166,15 @@ class Schedule:
         self._check_rank(rank)
         return json.loads(self._n.rank_instructions_json(rank))
 
+    def blocking_order(self) -> list[list[int]]:
+        """For every rank, the indices of its instructions (into :meth:`instructions`) in an
+        order that cannot deadlock when each send and receive is posted alone and blocks until
+        its partner is posted (DeepSpeed's ``p2p.send``/``recv``; gloo's send waits for its
+        receive): compute ops keep their places, the ops of each comm batch are reordered,
+        waits are left out. Computed in Rust by running the verified program under exactly that
+        rule; raises :class:`PipecError` naming the stuck ops when it would stall."""
+        return [list(r) for r in self._n.blocking_order()]
+
     # --- analysis ---
     def check(self, memory_limit: int | None = None) -> Report:
         """Verify again (optionally against a per-rank activation limit)."""

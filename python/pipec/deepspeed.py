@@ -1,0 +1,711 @@
+"""Run pipec's verified schedules on DeepSpeed's ``PipelineEngine`` (DeepSpeed 0.19.8).
+
+:func:`use` installs this rank's pipec instruction stream on an engine made by
+``deepspeed.initialize(model=PipelineModule(...), ...)``: ``engine.train_batch`` then runs a
+training schedule and ``engine.eval_batch`` a forward-only one, with DeepSpeed's own forward,
+backward, data loading, gradient reduction, optimizer step and loss reporting. What the adapter
+changes, it changes on the instance (``_INSTRUCTION_MAP`` and the two schedule factories), as
+DeepSpeed's own ``DualPipeVEngine`` does on its class:
+
+- Sends and receives run one at a time, blocking (DeepSpeed's ``p2p.send``/``recv``; gloo's send
+  waits for its receive), in the order :meth:`pipec.Schedule.blocking_order` computes by running
+  the verified program under exactly that rule; a program that would stall there is refused.
+- Every microbatch has its own received activations, received gradients and loss (the stock
+  engine keeps one ``self.loss`` and one receive buffer, so gpipe, looped-bfs, zb-h2 and zb-1p
+  would break it or train silently wrong).
+- ``bwd_D`` and ``bwd_W`` are instructions of their own, split as torch's zero-bubble schedules
+  split them (``torch.distributed.pipelining._backward``): ``bwd_D`` computes only the input
+  gradient and keeps the gradients that reach the weights' nodes; ``bwd_W`` computes only the
+  weight gradients from those, into ``.grad``, before DeepSpeed's ``ReduceGrads`` and
+  ``OptimizerStep``. Together they do the work of one whole backward.
+
+Whatever DeepSpeed cannot run as pipec verified it is refused before the first step, on every
+rank alike, with :class:`pipec.PipecError`. Longer notes: ``docs/deepspeed.md``. DeepSpeed and
+torch are imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from . import PipecError, Schedule, _as_schedule
+
+__all__ = ["DEEPSPEED_VERSION", "check", "eligible", "use"]
+
+#: The DeepSpeed release this module is written and tested against.
+DEEPSPEED_VERSION = "0.19.8"
+
+_COMPUTE = ("fwd", "bwd", "bwd_D", "bwd_W", "fwd_bwd")
+
+
+def eligible(schedule: Schedule | str | os.PathLike) -> str | None:
+    """``None`` when the schedule's shape runs on DeepSpeed's ``PipelineEngine``, else why not.
+
+    The rule (``pipec tune --target deepspeed`` uses the same): exactly one stage per rank,
+    stage ``s`` on rank ``s`` (``num_stages == pp``, not V-shaped, not bidirectional). Every
+    kind with that placement runs: gpipe, 1f1b, zb-h1, zb-h2, zb-1p, looped-bfs at vpp=1, tuned
+    plans with one stage per rank, forward-only schedules (through ``eval_batch``).
+    """
+    s = _as_schedule(schedule)
+    deepspeed_side = "DeepSpeed's PipelineEngine runs exactly one stage per rank, stage s on rank s"
+    if s.placement == "bidirectional":
+        return (
+            f"{s.kind} places every stage on two ranks (one copy per direction); {deepspeed_side}"
+        )
+    if s.placement == "v":
+        return (
+            f"{s.kind} places its {s.num_stages} stages in a V (rank r holds stages r and "
+            f"{2 * s.pp - 1}-r); {deepspeed_side}"
+        )
+    table = s.stage_to_rank
+    if s.num_stages != s.pp:
+        return (
+            f"{s.kind} has {s.num_stages} stages on {s.pp} ranks "
+            f"({s.num_stages / s.pp:g} stages per rank); {deepspeed_side}"
+        )
+    if table != list(range(s.pp)):
+        return f"{s.kind} places its stages on ranks {table}; {deepspeed_side}"
+    return None
+
+
+def _streams(s: Schedule) -> list[list[dict]]:
+    """Every rank's instruction records, from one rendering of the files."""
+    files = dict(s._n.render("json"))
+    return [json.loads(files[f"rank-{r}.json"])["instructions"] for r in range(s.pp)]
+
+
+def check(
+    schedule: Schedule | str | os.PathLike,
+    pp: int,
+    microbatches: int,
+    split_backward: bool = True,
+) -> Schedule:
+    """Raise :class:`pipec.PipecError`, naming both sides, when ``schedule`` cannot run on a
+    DeepSpeed pipeline of ``pp`` stages with ``gradient_accumulation_steps == microbatches``
+    (``split_backward``: whether the engine can take ``bwd_D``/``bwd_W``, see :func:`use`).
+    The verdict depends only on the schedule and the engine's configuration, so every rank
+    reaches the same one. Returns the schedule."""
+    s = _as_schedule(schedule)
+    why = eligible(s)
+    if why is not None:
+        raise PipecError(f"{why}. Refusing to run it")
+    if s.pp != pp:
+        raise PipecError(
+            f"the schedule is compiled for pp={s.pp} ranks, but the DeepSpeed engine's pipeline "
+            f"has {pp} stages (PipelineModule num_stages / topology)"
+        )
+    if s.num_microbatches != microbatches:
+        raise PipecError(
+            f"the schedule is compiled for {s.num_microbatches} microbatches, but the DeepSpeed "
+            f"engine runs {microbatches} (gradient_accumulation_steps), which also scales the "
+            "loss: the two must be equal"
+        )
+    for r, stream in enumerate(_streams(s)):
+        for i, ins in enumerate(stream):
+            op = ins["op"]
+            if op in ("send", "recv"):
+                want = r + 1 if (op == "send") == (ins["payload"] == "act") else r - 1
+                if ins["peer"] != want:
+                    raise PipecError(
+                        f"rank {r}, #{i}: {op} of the {ins['payload']} of stage {ins['stage']} "
+                        f"with rank {ins['peer']}; DeepSpeed's p2p sends activations only to "
+                        "the next stage and gradients only to the previous one"
+                    )
+            elif op in ("bwd_D", "bwd_W") and not split_backward:
+                raise PipecError(
+                    f"{s.kind} splits the backward (rank {r}, #{i}: {op}), but this engine "
+                    "scales the loss (fp16, a bf16 optimizer or a loss scaler), which DeepSpeed "
+                    "applies only in its whole-backward path; compile a kind without split "
+                    "backward (1f1b, gpipe) or train in fp32"
+                )
+            elif op not in _COMPUTE and op != "wait" and op not in ("send", "recv"):
+                raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{op}`")
+    s.blocking_order()  # raises when blocking one-at-a-time P2P would stall
+    return s
+
+
+# --------------------------------------------------------------------------- instructions
+
+
+def _instructions():
+    """DeepSpeed instruction classes for pipec's ops (made on first use: DeepSpeed is imported
+    only when an engine is given)."""
+    global _INSTR
+    if _INSTR is not None:
+        return _INSTR
+    from deepspeed.runtime.pipe import schedule as ds
+
+    class PipecForward(ds.ForwardPass):
+        """``fwd``: load the microbatch's data if this stage reads it, then DeepSpeed's forward."""
+
+    class PipecBackward(ds.BackwardPass):
+        """``bwd``: DeepSpeed's whole backward of one microbatch."""
+
+    class PipecBackwardInput(ds.BufferOpInstruction):
+        """``bwd_D``: the input gradient of one microbatch only (the weight gradients wait)."""
+
+    class PipecBackwardWeight(ds.BufferOpInstruction):
+        """``bwd_W``: the deferred weight gradients of one microbatch, into ``.grad``."""
+
+    class PipecSendActivation(ds.SendActivation):
+        pass
+
+    class PipecRecvActivation(ds.RecvActivation):
+        pass
+
+    class PipecSendGrad(ds.SendGrad):
+        pass
+
+    class PipecRecvGrad(ds.RecvGrad):
+        pass
+
+    _INSTR = {
+        "fwd": PipecForward,
+        "bwd": PipecBackward,
+        "bwd_D": PipecBackwardInput,
+        "bwd_W": PipecBackwardWeight,
+        ("send", "act"): PipecSendActivation,
+        ("recv", "act"): PipecRecvActivation,
+        ("send", "grad"): PipecSendGrad,
+        ("recv", "grad"): PipecRecvGrad,
+    }
+    return _INSTR
+
+
+_INSTR: dict | None = None
+
+
+def _program(s: Schedule, rank: int) -> list[Any]:
+    """This rank's DeepSpeed instructions, in the blocking order (one per step)."""
+    cls = _instructions()
+    stream = s.instructions(rank)
+    out = []
+    for i in s.blocking_order()[rank]:
+        ins = stream[i]
+        op = ins["op"]
+        if op == "fwd_bwd":  # an overlapped pair runs as its forward, then its backward
+            out.append(cls["fwd"](buffer_id=ins["fwd_mb"]))
+            out.append(cls["bwd"](buffer_id=ins["bwd_mb"]))
+        elif op in ("send", "recv"):
+            out.append(cls[(op, ins["payload"])](buffer_id=ins["mb"]))
+        else:
+            out.append(cls[op](buffer_id=ins["mb"]))
+    return out
+
+
+def _schedule_class():
+    from deepspeed.runtime.pipe import schedule as ds
+
+    class PipecSchedule(ds.PipeSchedule):
+        """One rank's pipec program as a DeepSpeed schedule: one instruction per step, then
+        DeepSpeed's own gradient reduction and optimizer step (training)."""
+
+        def __init__(self, program, micro_batches, stages, stage_id, train):
+            super().__init__(micro_batches, stages, stage_id)
+            self.program, self.train = program, train
+
+        def num_pipe_buffers(self):
+            return self.micro_batches  # one slot per microbatch: buffer_id is the microbatch
+
+        def steps(self):
+            for cmd in self.program:
+                yield [cmd]
+            if self.train:
+                yield [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+
+    return PipecSchedule
+
+
+# --------------------------------------------------------------------------- handlers
+# Methods of the engine (bound with MethodType by DeepSpeed's _exec_schedule).
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [x] if torch.is_tensor(x) else list(x)
+
+
+def _float(x) -> list[torch.Tensor]:
+    return [t for t in _tensors(x) if t.is_floating_point()]
+
+
+def _state(engine) -> dict:
+    return engine._pipec
+
+
+def _load_up_to(engine, mb: int) -> None:
+    """DeepSpeed's LoadMicroBatch for every microbatch up to ``mb``, in microbatch order (the
+    data iterator has no ids: its k-th item is microbatch k)."""
+    st = _state(engine)
+    while st["loaded"] <= mb:
+        type(engine)._INSTRUCTION_MAP[_ds_schedule().LoadMicroBatch](engine, st["loaded"])
+        st["loaded"] += 1
+
+
+def _ds_schedule():
+    from deepspeed.runtime.pipe import schedule as ds
+
+    return ds
+
+
+def _exec_forward(self, buffer_id):
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    st = _state(self)
+    if self.is_first_stage() or self.is_last_stage():
+        _load_up_to(self, buffer_id)
+    st["trace"].append(("fwd", self.stage_id, buffer_id))
+    PipelineEngine._exec_forward_pass(self, buffer_id)
+    if self.is_last_stage():
+        st["losses"][buffer_id] = self.loss
+        if torch.is_tensor(self.loss):
+            st["loss_values"][buffer_id] = self.loss.detach().clone()
+        self.pipe_buffers["labels"][buffer_id] = None
+    if not torch.is_grad_enabled():
+        # No backward follows: the input is done with; the output lives until it is sent.
+        self.pipe_buffers["inputs"][buffer_id] = None
+        if self.is_last_stage():
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+
+def _roots(self, buffer_id):
+    """What a backward of this microbatch starts from: the loss on the last stage (DeepSpeed's
+    output hook divides its gradient by gradient_accumulation_steps there), else the outputs
+    with the received gradients."""
+    st = _state(self)
+    if self.is_last_stage():
+        return [st["losses"][buffer_id]], None
+    outputs = self.pipe_buffers["outputs"][buffer_id]
+    return _float(outputs), _tensors(st["grads"][buffer_id])
+
+
+def _free_after_backward(self, buffer_id):
+    st = _state(self)
+    st["losses"].pop(buffer_id, None)
+    st["grads"].pop(buffer_id, None)
+    self.pipe_buffers["outputs"][buffer_id] = None
+    self.pipe_buffers["output_tensors"][buffer_id] = None
+    if self.is_first_stage():
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+
+def _exec_backward(self, buffer_id):
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    st = _state(self)
+    st["trace"].append(("bwd", self.stage_id, buffer_id))
+    if self.is_last_stage():
+        self.loss = st["losses"][buffer_id]
+    else:
+        g = st["grads"][buffer_id]
+        self.grad_layer = g
+    PipelineEngine._exec_backward_pass(self, buffer_id)
+    self.grad_layer = None
+    _free_after_backward(self, buffer_id)
+
+
+# --------------------------------------------------------------------------- split backward
+# The zero-bubble split of torch's pipelining (torch.distributed.pipelining._backward,
+# stage_backward_input / stage_backward_weight), written here on public autograd API only
+# (Node.next_functions, Node.register_prehook, GradientEdge): no private import to break, and
+# torch.distributed.pipelining, which pulls in torch._dynamo (~1.4 s a process), stays unloaded.
+
+
+def _node(t: torch.Tensor):
+    """A tensor's grad_fn, or a leaf's AccumulateGrad node (what the weights are keyed on)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    with torch.enable_grad():
+        return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _reverse_edges(roots) -> dict:
+    """Every node reachable from ``roots`` -> the nodes that feed it a gradient."""
+    rev: dict = {r: [] for r in roots}
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in rev:
+                rev[nxt] = []
+                todo.append(nxt)
+            rev[nxt].append(node)
+    return rev
+
+
+def _towards_roots(starts, stop: set, rev: dict) -> tuple[set, set]:
+    """The nodes reached from ``starts`` against the gradient's flow, not going past nodes in
+    ``stop``; returns (the nodes, the ``stop`` nodes met)."""
+    seen, met = set(starts), set()
+    todo = list(starts)
+    while todo:
+        for n in rev.get(todo.pop(), ()):
+            if n in stop:
+                met.add(n)
+            elif n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen, met
+
+
+def _split_input(edges, grads, leaves, params) -> tuple:
+    """``bwd_D``: one backward from ``edges`` (with ``grads``) to ``leaves`` only, which stores
+    the leaves' ``.grad`` and records the gradient entering each node where a weight's branch
+    joins the input-gradient chain. Returns what :func:`_split_weight` needs.
+
+    As torch's ``stage_backward_input``: the chain is the nodes on a path from the roots to the
+    leaves; following each weight from its AccumulateGrad node towards the roots, the first
+    chain nodes met are its "intermediates". Weights that share an intermediate form one group
+    (a union of such sets, so no weight is in two groups). Weights whose branch meets no chain
+    node (a term of weights only) get their own backward from the roots in :func:`_split_weight`.
+    """
+    rev = _reverse_edges([e.node for e in edges])
+    chain, _ = _towards_roots([_node(t) for t in leaves], set(), rev)
+    accs = {_node(p): p for p in params}
+    group_of: dict = {}  # chain node or weight node -> group (dict with params, intermediates)
+    rest = []
+    for acc, p in accs.items():
+        if acc not in rev:
+            continue  # not used by this microbatch's graph: no gradient, as in a whole backward
+        _, met = _towards_roots([acc], chain, rev)
+        if not met:
+            rest.append(p)
+            continue
+        group = {"params": {acc}, "intermediates": set(met)}
+        for other in {id(g): g for g in (group_of.get(n) for n in met) if g}.values():
+            group["params"] |= other["params"]
+            group["intermediates"] |= other["intermediates"]
+        for n in group["intermediates"]:
+            group_of[n] = group
+    groups = list({id(g): g for g in group_of.values()}.values())
+    handles = []
+    for g in groups:
+        g["intermediates"] = list(g["intermediates"])
+        g["grads"] = [None] * len(g["intermediates"])
+        for i, node in enumerate(g["intermediates"]):
+
+            def record(grad_outputs, g=g, i=i):
+                g["grads"][i] = grad_outputs
+
+            handles.append(node.register_prehook(record))
+    try:
+        got = torch.autograd.grad(edges, leaves, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for t, gr in zip(leaves, got, strict=True):
+        if gr is not None:
+            t.grad = gr if t.grad is None else t.grad + gr
+    return groups, accs, (edges, grads, rest) if rest else None
+
+
+def _split_weight(groups, accs, rest) -> None:
+    """``bwd_W``: each group's weight gradients from the gradients :func:`_split_input`
+    recorded, through the weights' AccumulateGrad nodes (so ``.grad`` and its hooks see them,
+    as a whole backward leaves them), running no node of the input-gradient chain beyond the
+    group's own intermediates."""
+    from torch.autograd.graph import GradientEdge
+
+    for g in groups:
+        edges, gouts = [], []
+        for saved, node in zip(g["grads"], g["intermediates"], strict=True):
+            for i, gr in enumerate(saved or ()):
+                if gr is not None:
+                    edges.append(GradientEdge(node, i))
+                    gouts.append(gr)
+        if not edges:
+            continue  # no gradient reached the group
+        handles = []
+        if len(g["intermediates"]) > 1:
+            # One intermediate may lead to another: pin each to the gradient it got in the
+            # input pass, so nothing is counted twice (as torch's stage_backward_weight).
+            for saved, node in zip(g["grads"], g["intermediates"], strict=True):
+                handles.append(node.register_prehook(lambda _g, sg=saved: sg))
+        try:
+            torch.autograd.backward(edges, gouts, inputs=[accs[a] for a in g["params"]])
+        finally:
+            for h in handles:
+                h.remove()
+    if rest is not None:
+        edges, grads, params = rest
+        torch.autograd.backward(edges, grads, inputs=params)
+
+
+def _root_edges(self, buffer_id):
+    """The backward's roots as gradient edges and their gradients (ones for the loss:
+    DeepSpeed's output hook, registered by its forward, divides the gradient of the last
+    stage's output by gradient_accumulation_steps, as its whole backward divides the loss)."""
+    from torch.autograd.graph import get_gradient_edge
+
+    roots, grads = _roots(self, buffer_id)
+    if grads is None:
+        grads = [torch.ones_like(t) for t in roots]
+    pairs = [(get_gradient_edge(t), g) for t, g in zip(roots, grads) if t.requires_grad]
+    return [e for e, _ in pairs], [g for _, g in pairs]
+
+
+def _exec_backward_input(self, buffer_id):
+    """``bwd_D``: the input gradient only (:func:`_split_input`)."""
+    st = _state(self)
+    st["trace"].append(("bwd_D", self.stage_id, buffer_id))
+    inputs = self.pipe_buffers["inputs"][buffer_id]
+    leaves = [] if inputs is None else [t for t in _float(inputs) if t.requires_grad]
+    if not leaves:
+        # No input gradient to send (the first stage): all of the backward is the weight pass.
+        st["deferred"][buffer_id] = None
+        return
+    edges, grads = _root_edges(self, buffer_id)
+    params = [p for p in self.module.parameters() if p.requires_grad]
+    self._running_engine_backward = True  # as DeepSpeed's own _exec_backward_pass
+    try:
+        st["deferred"][buffer_id] = _split_input(edges, grads, leaves, params)
+    finally:
+        self._running_engine_backward = False
+    # The graph from the roots down to the recorded nodes is done with (torch's split detaches
+    # the outputs for the same reason): only the weights' branches live until bwd_W.
+    del edges, grads
+    _free_after_backward(self, buffer_id)
+
+
+def _exec_backward_weight(self, buffer_id):
+    """``bwd_W``: the weight gradients only (:func:`_split_weight`), into ``.grad`` before
+    DeepSpeed's ReduceGrads and OptimizerStep."""
+    st = _state(self)
+    st["trace"].append(("bwd_W", self.stage_id, buffer_id))
+    deferred = st["deferred"].pop(buffer_id)
+    self._running_engine_backward = True
+    try:
+        if deferred is None:
+            edges, grads = _root_edges(self, buffer_id)
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            if edges and params:
+                torch.autograd.backward(edges, grads, inputs=params)
+        else:
+            _split_weight(*deferred)
+    finally:
+        self._running_engine_backward = False
+    _free_after_backward(self, buffer_id)
+
+
+def _exec_send_activation(self, buffer_id):
+    from deepspeed.runtime.pipe import p2p
+
+    st = _state(self)
+    outputs = self.pipe_buffers["outputs"][buffer_id]
+    if self.dynamic_shape or st["first_send"]:
+        st["first_send"] = False
+        self._send_tensor_meta(outputs, self.next_stage)
+    for t in _tensors(outputs):
+        p2p.send(t.contiguous(), self.next_stage)
+    if not torch.is_grad_enabled():
+        self.pipe_buffers["outputs"][buffer_id] = None
+
+
+def _recv_meta(self) -> tuple[bool, list[tuple[list[int], torch.dtype]]]:
+    """DeepSpeed's tensor metadata message (``_send_tensor_meta``'s layout), decoded without
+    the engine's shared receive buffer."""
+    from deepspeed.runtime.pipe import engine as de
+    from deepspeed.runtime.pipe import p2p
+
+    buf = torch.empty(de.TENSOR_META_SIZE, dtype=torch.int32, device=self.device)
+    p2p.recv(buf, self.prev_stage)
+    meta = buf.tolist()
+    if meta[0] == 0:
+        dtype, ndims = self.ID_TO_DTYPE[meta[1]], meta[2]
+        return True, [(meta[3 : 3 + ndims], dtype)]
+    specs, off = [], 2
+    for _ in range(meta[1]):
+        dtype, ndims = self.ID_TO_DTYPE[meta[off]], meta[off + 1]
+        specs.append((meta[off + 2 : off + 2 + ndims], dtype))
+        off += 2 + ndims
+    return False, specs
+
+
+def _exec_recv_activation(self, buffer_id):
+    from deepspeed.runtime.pipe import p2p
+
+    st = _state(self)
+    if self.dynamic_shape or st["recv_spec"] is None:
+        st["recv_spec"] = _recv_meta(self)
+    single, specs = st["recv_spec"]
+    got = []
+    for shape, dtype in specs:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        p2p.recv(t, self.prev_stage)
+        t.requires_grad_(t.is_floating_point())
+        got.append(t)
+    self.pipe_buffers["inputs"][buffer_id] = got[0] if single else tuple(got)
+
+
+def _exec_send_grad(self, buffer_id):
+    from deepspeed.runtime.pipe import p2p
+
+    inputs = self.pipe_buffers["inputs"][buffer_id]
+    for t in _float(inputs):
+        if t.grad is None:
+            raise PipecError(
+                f"stage {self.stage_id}, microbatch {buffer_id}: the input has no gradient to "
+                "send (does the stage's output depend on its input?)"
+            )
+        p2p.send(t.grad, self.prev_stage)
+    self.pipe_buffers["inputs"][buffer_id] = None
+
+
+def _exec_recv_grad(self, buffer_id):
+    from deepspeed.runtime.pipe import p2p
+
+    outputs = self.pipe_buffers["outputs"][buffer_id]
+    grads = [torch.empty_like(t) for t in _float(outputs)]
+    for g in grads:
+        p2p.recv(g, self.next_stage)
+    _state(self)["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
+
+
+_HANDLERS = {
+    "fwd": _exec_forward,
+    "bwd": _exec_backward,
+    "bwd_D": _exec_backward_input,
+    "bwd_W": _exec_backward_weight,
+    ("send", "act"): _exec_send_activation,
+    ("recv", "act"): _exec_recv_activation,
+    ("send", "grad"): _exec_send_grad,
+    ("recv", "grad"): _exec_recv_grad,
+}
+
+
+# --------------------------------------------------------------------------- use
+
+
+def _engine_side(engine) -> tuple[int, int, bool]:
+    """(pp, microbatches, split backward possible) of a PipelineEngine, refusing settings the
+    adapter does not carry over."""
+    try:
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError as e:  # pragma: no cover - only without DeepSpeed
+        raise PipecError(f"pipec.deepspeed needs DeepSpeed {DEEPSPEED_VERSION}: {e}") from e
+    if not isinstance(engine, PipelineEngine):
+        raise PipecError(
+            f"pipec.deepspeed.use needs the PipelineEngine that deepspeed.initialize returns for "
+            f"a PipelineModule, got {type(engine).__name__}"
+        )
+    if isinstance(engine, DualPipeVEngine):
+        raise PipecError(
+            "this is a DualPipeVEngine (two stages per rank, DeepSpeed's own DualPipeV); "
+            "pipec.deepspeed runs one-stage-per-rank schedules on a PipelineEngine"
+        )
+    for flag, what in (
+        ("is_pipe_partitioned", "pipe_partitioned activations"),
+        ("is_grad_partitioned", "grad_partitioned gradients"),
+        ("has_attention_mask", "a boolean attention mask sent between stages"),
+        ("has_bool_tensors", "boolean tensors sent between stages"),
+    ):
+        if getattr(engine, flag, False):
+            raise PipecError(
+                f"the DeepSpeed engine uses {what} ({flag}); pipec.deepspeed sends whole "
+                "floating-point tensors only"
+            )
+    scaled = bool(engine.fp16_enabled()) or bool(getattr(engine, "using_bf16_optimizer", False))
+    scaled = scaled or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+    return engine.num_stages, engine.micro_batches, not scaled
+
+
+def use(engine, schedule: Schedule | str | os.PathLike) -> None:
+    """Run ``schedule`` (a :class:`pipec.Schedule` or a compiled directory) on ``engine``.
+
+    ``engine`` is the ``PipelineEngine`` that ``deepspeed.initialize(model=PipelineModule(...),
+    ...)`` returned on this rank. A training schedule is run by ``engine.train_batch(data_iter)``
+    (which returns what DeepSpeed's returns: the mean loss of the batch, on every rank); a
+    forward-only one (``pipec.compile(..., forward_only=True)``) by ``engine.eval_batch``. Call
+    ``use`` once for each; the other method keeps DeepSpeed's own schedule.
+
+    Refused with :class:`pipec.PipecError` before anything runs, on every rank alike (see
+    :func:`check` and :func:`eligible`): more than one stage per rank, a V or bidirectional
+    placement, a pp or microbatch count (``gradient_accumulation_steps``) other than the
+    engine's, split backward on an engine that scales the loss (fp16, bf16 optimizer), and
+    engine settings the adapter does not carry over (partitioned or boolean activations).
+
+    After a step, ``engine.pipec_trace`` holds the compute ops this rank ran, in order, as
+    ``(op, stage, microbatch)``, and ``engine.pipec_losses`` (last stage) each microbatch's loss.
+    """
+    pp, microbatches, split_ok = _engine_side(engine)
+    s = check(schedule, pp, microbatches, split_backward=split_ok)
+    rank = engine.stage_id
+    program = _program(s, rank)
+    if not hasattr(engine, "_pipec"):
+        _install(engine)
+    engine._pipec_plans["eval" if s.forward_only else "train"] = (s, program)
+
+
+def _install(engine) -> None:
+    cls = _instructions()
+    engine._pipec = _fresh_state()
+    engine._pipec_plans = {}
+    engine.pipec_trace = []
+    engine.pipec_losses = []
+    engine._INSTRUCTION_MAP = {
+        **type(engine)._INSTRUCTION_MAP,
+        **{cls[k]: fn for k, fn in _HANDLERS.items()},
+    }
+    sched_cls = _schedule_class()
+    stock_train = engine._train_schedule
+    stock_eval = engine._inference_schedule
+
+    def begin(plan, micro_batches, train):
+        _, program = plan
+        engine._pipec = _fresh_state(engine._pipec)
+        engine.pipec_trace = engine._pipec["trace"]
+        return sched_cls(program, micro_batches, engine.num_stages, engine.stage_id, train)
+
+    def train_schedule():
+        plan = engine._pipec_plans.get("train")
+        if plan is None:
+            return stock_train()
+        if engine.micro_batches != plan[0].num_microbatches:
+            raise PipecError(
+                f"gradient_accumulation_steps is now {engine.micro_batches}, but the pipec "
+                f"schedule is compiled for {plan[0].num_microbatches} microbatches"
+            )
+        return begin(plan, engine.micro_batches, True)
+
+    def inference_schedule(micro_batches):
+        plan = engine._pipec_plans.get("eval")
+        if plan is None:
+            return stock_eval(micro_batches)
+        if micro_batches != plan[0].num_microbatches:
+            raise PipecError(
+                f"eval_batch runs {micro_batches} microbatches, but the forward-only pipec "
+                f"schedule is compiled for {plan[0].num_microbatches}"
+            )
+        return begin(plan, micro_batches, False)
+
+    engine._train_schedule = train_schedule
+    engine._inference_schedule = inference_schedule
+    stock_exec = engine._exec_schedule
+
+    def exec_schedule(pipe_schedule):
+        stock_exec(pipe_schedule)
+        if isinstance(pipe_schedule, sched_cls) and engine.is_last_stage():
+            vals = engine._pipec["loss_values"]
+            engine.pipec_losses = [vals[m] for m in sorted(vals)]
+
+    engine._exec_schedule = exec_schedule
+
+
+def _fresh_state(old: dict | None = None) -> dict:
+    """Per-step state; the activation shape learned from the first receive is kept."""
+    return {
+        "loaded": 0,
+        "losses": {},
+        "loss_values": {},
+        "grads": {},
+        "deferred": {},
+        "trace": [],
+        "first_send": True if old is None else old["first_send"],
+        "recv_spec": None if old is None else old["recv_spec"],
+    }

@@ -1,0 +1,419 @@
+"""pipec schedules on DeepSpeed's PipelineEngine (DeepSpeed 0.19.8, CPU, gloo, loopback).
+
+Multi-process: one launch of 2 processes and one of 4 (``ds_worker.py``), each running every
+configuration in sequence: 1f1b, 1f1b --combined (overlapped pairs), gpipe, looped-bfs at vpp=1,
+zb-h1, zb-h2, zb-1p and a tuned plan train two ``train_batch`` steps (pp=2 with 4 microbatches,
+pp=4 with 8); every loss (the value ``train_batch`` returns on each rank and each microbatch's
+loss) and every parameter after the steps are compared with the unpipelined model on the same
+data, and the order each rank ran its forwards and weight-gradient passes (recovered from the
+tensors, not from the adapter) with the schedule. The split backward of the zero-bubble kinds
+is checked to do the work of one whole backward: the ops torch's dispatcher runs in ``bwd_D``
+and ``bwd_W`` of each microbatch, against one whole backward of the same stage unpipelined.
+DeepSpeed's own ``TrainSchedule`` trains the same model for comparison with pipec's 1f1b;
+forward-only schedules run through ``eval_batch``;
+schedules DeepSpeed cannot run are refused on every rank. Tolerance: relative error <= 1e-5
+(fp32; the pipelined run sums the microbatch gradients in another order).
+
+In-process: the blocking order of :meth:`pipec.Schedule.blocking_order` is checked by a
+brute-force simulation of blocking rendezvous written here, which also shows that the listed
+order deadlocks for 1f1b; and every refusal of :func:`pipec.deepspeed.check`.
+
+Each launch is killed after LAUNCH_TIMEOUT seconds: a hang fails the tests, never blocks CI.
+Under CI=true a missing DeepSpeed fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pipec
+import pytest
+
+if os.environ.get("CI") == "true":
+    import deepspeed  # noqa: F401  (under CI nothing may be skipped)
+else:
+    pytest.importorskip("deepspeed")
+
+import launch
+import pipec.deepspeed as pds
+
+TOL = 1e-5
+LAUNCH_TIMEOUT = 300
+SIZES = {2: 4, 4: 8}  # pp -> microbatches
+# pytest-timeout on top of the launcher's kill: a launch runs in the setup of its first test.
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+
+KINDS = [
+    ("1f1b", {"schedule": "1f1b"}),
+    ("1f1b-combined", {"schedule": "1f1b", "combined": True}),
+    ("gpipe", {"schedule": "gpipe"}),
+    ("looped-bfs", {"schedule": "looped-bfs", "vpp": 1}),
+    ("zb-h1", {"schedule": "zb-h1"}),
+    ("zb-h2", {"schedule": "zb-h2"}),
+    ("zb-1p", {"schedule": "zb-1p"}),
+]
+# f, b, w per layer (a weight pass that costs something makes the tuner split the backward) and
+# memory: with parameters this heavy, a limit of 30 units leaves no room for a second copy of a
+# stage (dualpipe) or a V, so pipec tune plans a loop with one stage per rank.
+TUNE_COST = "t.f=1,t.b=1,t.w=1,t.param=10,t.act=1,p2p=0.05"
+
+
+def tune_args(pp: int, m: int) -> dict:
+    layout = "|".join(["Ett"] + ["tt"] * (pp - 2) + ["ttL"])
+    return {"pp": pp, "microbatches": m, "layout": layout, "cost": TUNE_COST, "memory_limit": "30"}
+
+
+REFUSALS = {
+    "v-placement": {"schedule": "zb-v"},
+    "two-stages-per-rank": {"schedule": "interleaved-1f1b", "vpp": 2},
+    "bidirectional": {"schedule": "dualpipe"},
+}
+
+
+def configs(pp: int) -> list[dict]:
+    m = SIZES[pp]
+    out = [
+        {
+            "name": name,
+            "pp": pp,
+            "m": m,
+            "tol": TOL,
+            "compile": dict(kw, pp=pp, microbatches=m),
+        }
+        for name, kw in KINDS
+    ]
+    out.append(
+        {
+            "name": "tuned",
+            "pp": pp,
+            "m": m,
+            "tol": TOL,
+            "tune": tune_args(pp, m),
+        }
+    )
+    out.append({"name": "deepspeed-own-1f1b", "pp": pp, "m": m, "tol": TOL, "stock": True})
+    for kind in ("1f1b", "gpipe"):
+        out.append(
+            {
+                "name": f"eval-{kind}",
+                "pp": pp,
+                "m": m,
+                "tol": TOL,
+                "eval": True,
+                "compile": {"schedule": kind, "pp": pp, "microbatches": m, "forward_only": True},
+            }
+        )
+    refuse = {k: dict(kw, pp=pp, microbatches=2 * pp) for k, kw in REFUSALS.items()}
+    refuse["pp-mismatch"] = {"schedule": "1f1b", "pp": 6 - pp, "microbatches": m}
+    refuse["microbatch-mismatch"] = {"schedule": "1f1b", "pp": pp, "microbatches": m + 1}
+    out.append({"name": "refusals", "pp": pp, "m": m, "refuse": refuse})
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(SIZES))
+def run(request, tmp_path_factory):
+    pp = request.param
+    out = tmp_path_factory.mktemp(f"ds-pp{pp}")
+    results, ok, logs = launch.train_all(
+        configs(pp), pp, out, LAUNCH_TIMEOUT, worker="ds_worker.py"
+    )
+    return pp, results, ok, logs
+
+
+def result(run, name: str) -> list[dict]:
+    pp, results, _, logs = run
+    got = []
+    for r in range(pp):
+        res = results.get((name, r))
+        if res is None:
+            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
+        if not res["ok"]:
+            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
+        got.append(res)
+    return got
+
+
+@pytest.mark.parametrize("name", [n for n, _ in KINDS] + ["tuned"])
+def test_trains_like_the_unpipelined_model(run, name):
+    res = result(run, name)
+    for r in res:
+        assert r["max_loss_rel_err"] <= TOL and r["max_param_rel_err"] <= TOL
+        assert r["params"], "every rank compared its layers"
+        assert len(r["returned"]) == 2
+    # The last stage compared every microbatch loss of both steps.
+    pp = run[0]
+    assert res[-1]["losses_compared"] == 2 * SIZES[pp]
+    # train_batch returns the same loss on every rank, as DeepSpeed's does.
+    assert all(r["returned"] == res[-1]["returned"] for r in res)
+
+
+SPLIT = ["zb-h1", "zb-h2", "zb-1p", "tuned"]
+ACT, WEIGHT = "[2, 6]", "[6, 6]"  # ds_worker's microbatch activations and Linear weights
+LAYER_OPS = ("mm[", "tanh_backward[", "sum[", "add_[")
+
+
+def layer_ops(ops: dict) -> dict:
+    return {k: v for k, v in ops.items() if k.startswith(LAYER_OPS)}
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_split_backward_does_the_work_of_one_backward(run, name):
+    """bwd_D + bwd_W of a microbatch run exactly the layer ops of one whole backward of the
+    stage (counted by torch's dispatcher in ds_worker, against the same stage run unpipelined
+    without DeepSpeed): the weight pass repeats nothing of the input-gradient chain. The worker
+    checks every microbatch (and that each weight gradient is accumulated once, in bwd_W);
+    here the first microbatch's counts, which the report shows."""
+    split_ranks = 0
+    for r in result(run, name):
+        w = r["work"]
+        if "bwd_D" not in w:
+            assert layer_ops(w["bwd"]) == layer_ops(w["whole"])
+            continue
+        d, wt, whole = w["bwd_D"], w["bwd_W"], w["whole"]
+        both = {k: d.get(k, 0) + wt.get(k, 0) for k in set(d) | set(wt)}
+        assert layer_ops(both) == layer_ops(whole), (d, wt, whole)
+        assert sum(both.values()) <= sum(whole.values()), (d, wt, whole)
+        if r["stage"] == 0:
+            assert d == {}  # nothing to send back: all of it is the weight pass
+            continue
+        split_ranks += 1
+        assert d[f"tanh_backward{ACT}"] == 2 and f"tanh_backward{ACT}" not in wt
+        assert f"mm{WEIGHT}" not in d and wt[f"mm{WEIGHT}"] == 2  # the two weights, in bwd_W
+        assert f"mm{ACT}" not in wt  # no input gradient in bwd_W
+    assert split_ranks >= 1
+
+
+def test_pipec_1f1b_equals_deepspeeds_own_train_schedule(run):
+    ours, theirs = result(run, "1f1b"), result(run, "deepspeed-own-1f1b")
+    for a, b in zip(ours, theirs):
+        assert a["returned"] == b["returned"]
+        assert a["params"] == b["params"]
+
+
+@pytest.mark.parametrize("name", ["eval-1f1b", "eval-gpipe"])
+def test_forward_only_through_eval_batch(run, name):
+    for r in result(run, name):
+        assert r["max_loss_rel_err"] <= TOL
+
+
+def test_refusals_on_every_rank(run):
+    res = result(run, "refusals")
+    errors = [r["errors"] for r in res]
+    assert all(e == errors[0] for e in errors), "every rank refuses alike"
+    e = errors[0]
+    assert all(v is not None for v in e.values()), e
+    assert "V" in e["v-placement"] and "one stage per rank" in e["v-placement"]
+    assert "2 stages per rank" in e["two-stages-per-rank"]
+    assert "two ranks" in e["bidirectional"] and "one stage per rank" in e["bidirectional"]
+    pp = run[0]
+    assert f"pp={6 - pp}" in e["pp-mismatch"] and f"has {pp} stages" in e["pp-mismatch"]
+    m = SIZES[pp]
+    assert f"{m + 1} microbatches" in e["microbatch-mismatch"]
+    assert f"runs {m} (gradient_accumulation_steps)" in e["microbatch-mismatch"]
+
+
+def test_all_ranks_exited_cleanly(run):
+    _, _, ok, logs = run
+    assert ok, logs
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def simulate_blocking(streams: list[list[dict]], orders: list[list[int]] | None) -> bool:
+    """Brute force: every rank executes its ops one at a time; a send or receive completes only
+    when the peer's current op is its partner (the k-th send a->b with b's k-th receive from a).
+    Returns whether every rank reaches its end."""
+    world = len(streams)
+    if orders is None:
+        orders = [[i for i, ins in enumerate(s) if ins["op"] != "wait"] for s in streams]
+    seq = [[streams[r][i] for i in orders[r]] for r in range(world)]
+    # Number each message on its channel, in the order the ops run.
+    keyed = []
+    for r in range(world):
+        count: dict = {}
+        ks = []
+        for ins in seq[r]:
+            if ins["op"] in ("send", "recv"):
+                ch = (r, ins["peer"]) if ins["op"] == "send" else (ins["peer"], r)
+                k = count.get((ins["op"], ch), 0)
+                count[(ins["op"], ch)] = k + 1
+                ks.append((ch, k, ins["op"], (ins["payload"], ins["stage"], ins["mb"])))
+            else:
+                ks.append(None)
+        keyed.append(ks)
+    pc = [0] * world
+    progress = True
+    while progress:
+        progress = False
+        for r in range(world):
+            while pc[r] < len(seq[r]) and keyed[r][pc[r]] is None:
+                pc[r] += 1
+                progress = True
+            if pc[r] == len(seq[r]):
+                continue
+            ch, k, op, payload = keyed[r][pc[r]]
+            peer = ch[1] if op == "send" else ch[0]
+            if pc[peer] < len(seq[peer]) and keyed[peer][pc[peer]] is not None:
+                ch2, k2, op2, payload2 = keyed[peer][pc[peer]]
+                if ch2 == ch and k2 == k and op2 != op:
+                    assert payload == payload2, "the meeting ops carry the same tensor"
+                    pc[r] += 1
+                    pc[peer] += 1
+                    progress = True
+    return all(pc[r] == len(seq[r]) for r in range(world))
+
+
+ALL_KINDS = [kw for _, kw in KINDS]
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("kw", [*ALL_KINDS, "tuned"], ids=[*(n for n, _ in KINDS), "tuned"])
+def test_blocking_order_never_deadlocks(pp, kw):
+    if kw == "tuned":  # in-flight batches and waits (dropped: every batch blocks in place)
+        s, _ = pipec.tune(**tune_args(pp, SIZES[pp]))
+        assert any(i["op"] == "wait" for r in range(pp) for i in s.instructions(r))
+    else:
+        s = pipec.compile(**kw, pp=pp, microbatches=SIZES[pp])
+    streams = [s.instructions(r) for r in range(pp)]
+    orders = s.blocking_order()
+    for r, (stream, order) in enumerate(zip(streams, orders)):
+        # A permutation of the non-wait ops that moves ops only within their own comm batch:
+        # each op's unit (its own index for compute, the batch's first index for a send or
+        # receive) never decreases along the order.
+        assert sorted(order) == [i for i, ins in enumerate(stream) if ins["op"] != "wait"]
+        unit, first = [], None
+        for i, ins in enumerate(stream):
+            if ins["op"] in ("send", "recv"):
+                prev = stream[i - 1] if i else {}
+                if prev.get("op") not in ("send", "recv") or prev["batch"] != ins["batch"]:
+                    first = i
+                unit.append(first)
+            else:
+                unit.append(i)
+        units = [unit[i] for i in order]
+        assert units == sorted(units), f"rank {r}: an op left its batch"
+    assert simulate_blocking(streams, orders)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_listed_order_of_1f1b_deadlocks_under_blocking_sends(pp):
+    """The issue's fact, reproduced by the brute-force simulation: taken as listed, 1f1b's
+    batches deadlock with blocking one-at-a-time P2P; blocking_order's does not."""
+    s = pipec.compile("1f1b", pp, SIZES[pp])
+    streams = [s.instructions(r) for r in range(pp)]
+    assert not simulate_blocking(streams, None)
+    assert simulate_blocking(streams, s.blocking_order())
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_eligibility_rule(pp):
+    """One stage per rank, stage s on rank s: every such kind is eligible, nothing else."""
+    m = 2 * pp
+    for kw in ALL_KINDS:
+        assert pds.eligible(pipec.compile(**kw, pp=pp, microbatches=m)) is None
+    for kind, vpp in (("zb-v", None), ("dualpipe-v", None), ("dualpipe", None)):
+        assert pds.eligible(pipec.compile(kind, pp, m, vpp=vpp)) is not None
+    s = pipec.compile("interleaved-1f1b", pp, m, vpp=2)
+    assert "2 stages per rank" in pds.eligible(s)
+    tuned, _ = pipec.tune(**tune_args(pp, m))
+    assert tuned.placement == "looped" and tuned.stage_to_rank == list(range(pp))
+    assert pds.eligible(tuned) is None
+    assert any(i["op"] == "bwd_W" for i in tuned.instructions(0)), "a zero-bubble plan"
+    # Without the limit the tuner takes both directions (DualPipe's placement): refused.
+    free, _ = pipec.tune(**dict(tune_args(pp, m), memory_limit=None))
+    assert free.placement != "looped" and "two ranks" in pds.eligible(free)
+
+
+def test_check_refuses_split_backward_on_a_loss_scaling_engine():
+    s = pipec.compile("zb-h1", 2, 4)
+    with pytest.raises(pipec.PipecError, match=r"bwd_D.*scales the loss"):
+        pds.check(s, 2, 4, split_backward=False)
+    pds.check(pipec.compile("1f1b", 2, 4), 2, 4, split_backward=False)
+    with pytest.raises(pipec.PipecError, match=r"pp=2 ranks.*has 4 stages"):
+        pds.check(s, 4, 4)
+    with pytest.raises(pipec.PipecError, match=r"4 microbatches.*runs 8"):
+        pds.check(s, 2, 8)
+
+
+def test_split_backward_equals_one_whole_backward_on_awkward_graphs():
+    """pipec.deepspeed's own split (torch's algorithm, public autograd API only) on a graph
+    with what a Linear chain lacks: weights that share a node (one group), a weight that joins
+    two groups, a weight used twice along the chain (intermediates leading to one another), a
+    root of weights only, an unused weight, two inputs and two roots. Input and weight
+    gradients must equal one whole backward; the input pass must leave no weight gradient and
+    the weight pass no input gradient."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    names = ["A", "B", "C", "E", "F", "T", "K", "U"]
+    p0 = {n: torch.randn(4, 4, generator=g) * 0.5 for n in names}
+    x0, z0 = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    g1, g2 = torch.randn(3, 4, generator=g), torch.randn((), generator=g)
+
+    def graph():
+        p = {n: t.clone().requires_grad_() for n, t in p0.items()}
+        x, z = x0.clone().requires_grad_(), z0.clone().requires_grad_()
+        h = torch.tanh(x @ p["A"] + z)
+        h = torch.tanh(h @ (p["B"] + p["C"] + p["E"]))  # B, C share a node; E joins ...
+        h = torch.tanh(h @ (p["F"] + p["E"]))  # ... this group too
+        h = torch.tanh(h @ p["T"]) @ p["T"]  # T twice along the chain
+        return p, [x, z], [h, (p["K"] ** 2).sum()]  # a root of a weight only; U unused
+
+    p, leaves, roots = graph()
+    torch.autograd.backward(roots, [g1, g2])
+    want = {n: t.grad for n, t in p.items()}, [t.grad for t in leaves]
+
+    from torch.autograd.graph import get_gradient_edge
+
+    p, leaves, roots = graph()
+    params = list(p.values())
+    deferred = pds._split_input([get_gradient_edge(r) for r in roots], [g1, g2], leaves, params)
+    assert all(t.grad is None for t in params), "no weight gradient in the input pass"
+    got_inputs = [t.grad.clone() for t in leaves]
+    groups, _, rest = deferred
+    assert sorted(len(gr["params"]) for gr in groups) == [1, 1, 4]  # A | B C E F | T
+    assert rest is not None and rest[2] == [p["K"]]
+    del roots
+    pds._split_weight(*deferred)
+    for a, b in zip(got_inputs, want[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(t.grad, a) for t, a in zip(leaves, got_inputs, strict=True))
+    for n, t in p.items():
+        if want[0][n] is None:
+            assert t.grad is None, n
+        else:
+            torch.testing.assert_close(t.grad, want[0][n], rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_use_refuses_what_is_not_an_engine():
+    with pytest.raises(pipec.PipecError, match="PipelineEngine"):
+        pds.use(object(), pipec.compile("1f1b", 2, 4))
+
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "python" / "examples" / "deepspeed_train.py"
+
+
+def test_readme_shows_the_deepspeed_example():
+    readme = (REPO / "README.md").read_text()
+    m = re.search(
+        r"<!-- python/examples/deepspeed_train.py -->\n```python\n(.*?)```", readme, re.DOTALL
+    )
+    assert m, "the README's Use with DeepSpeed section embeds python/examples/deepspeed_train.py"
+    assert m.group(1) == EXAMPLE.read_text()
+
+
+def test_the_deepspeed_example_trains(tmp_path):
+    env = {"DS_ACCELERATOR": "cpu"}
+    ok, logs = launch.launch(
+        lambda r, port: [sys.executable, str(EXAMPLE)], 2, tmp_path, LAUNCH_TIMEOUT, env=env
+    )
+    assert ok, logs
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", logs)]
+    assert len(losses) == 3, logs
+    assert losses[-1] < losses[0], logs
+    assert re.search(r"eval: loss [0-9.]+", logs), logs
