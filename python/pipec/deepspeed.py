@@ -26,7 +26,6 @@ torch are imported only here.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -50,32 +49,13 @@ def eligible(schedule: Schedule | str | os.PathLike) -> str | None:
     kind with that placement runs: gpipe, 1f1b, zb-h1, zb-h2, zb-1p, looped-bfs at vpp=1, tuned
     plans with one stage per rank, forward-only schedules (through ``eval_batch``).
     """
-    s = _as_schedule(schedule)
-    deepspeed_side = "DeepSpeed's PipelineEngine runs exactly one stage per rank, stage s on rank s"
-    if s.placement == "bidirectional":
-        return (
-            f"{s.kind} places every stage on two ranks (one copy per direction); {deepspeed_side}"
-        )
-    if s.placement == "v":
-        return (
-            f"{s.kind} places its {s.num_stages} stages in a V (rank r holds stages r and "
-            f"{2 * s.pp - 1}-r); {deepspeed_side}"
-        )
-    table = s.stage_to_rank
-    if s.num_stages != s.pp:
-        return (
-            f"{s.kind} has {s.num_stages} stages on {s.pp} ranks "
-            f"({s.num_stages / s.pp:g} stages per rank); {deepspeed_side}"
-        )
-    if table != list(range(s.pp)):
-        return f"{s.kind} places its stages on ranks {table}; {deepspeed_side}"
-    return None
+    # The one rule, in Rust: what `pipec tune --target deepspeed` filters by.
+    return _as_schedule(schedule).refusal("deepspeed")
 
 
 def _streams(s: Schedule) -> list[list[dict]]:
     """Every rank's instruction records, from one rendering of the files."""
-    files = dict(s._n.render("json"))
-    return [json.loads(files[f"rank-{r}.json"])["instructions"] for r in range(s.pp)]
+    return [s.instructions(r) for r in range(s.pp)]
 
 
 def check(

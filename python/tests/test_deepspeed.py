@@ -323,9 +323,14 @@ def test_eligibility_rule(pp):
     assert tuned.placement == "looped" and tuned.stage_to_rank == list(range(pp))
     assert pds.eligible(tuned) is None
     assert any(i["op"] == "bwd_W" for i in tuned.instructions(0)), "a zero-bubble plan"
-    # Without the limit the tuner takes both directions (DualPipe's placement): refused.
-    free, _ = pipec.tune(**dict(tune_args(pp, m), memory_limit=None))
+    # Without the limit, free to pick any placement, the tuner takes both directions
+    # (DualPipe's placement): refused. Its default (every framework) and target="deepspeed"
+    # hand back only what this adapter runs.
+    free, _ = pipec.tune(**dict(tune_args(pp, m), memory_limit=None), target="any")
     assert free.placement != "looped" and "two ranks" in pds.eligible(free)
+    for target in (None, "deepspeed"):
+        chosen, _ = pipec.tune(**dict(tune_args(pp, m), memory_limit=None), target=target)
+        assert pds.eligible(chosen) is None, (target, chosen)
 
 
 def test_check_refuses_split_backward_on_a_loss_scaling_engine():

@@ -112,8 +112,13 @@ impl Target {
                 })
             }
             Target::Deepspeed => {
+                let engine =
+                    "DeepSpeed's PipelineEngine runs one stage per rank (stage s on rank s)";
                 if p.kind == PlacementKind::Bidirectional {
-                    return two_ranks();
+                    // Not `two_ranks()`: its remedy, dualpipe-v, is V-shaped, refused here too.
+                    return Err(format!(
+                        "{engine}; this schedule places every stage on two ranks (DualPipe's two directions)"
+                    ));
                 }
                 let one_each = p.num_stages() == p.pp
                     && p.table()
@@ -122,12 +127,23 @@ impl Target {
                         .all(|(s, r)| *r == Rank(s as u32));
                 if one_each {
                     Ok(())
-                } else {
+                } else if p.num_stages() != p.pp {
                     Err(format!(
-                        "DeepSpeed's PipelineEngine runs one stage per rank (stage s on rank s); \
-                         this schedule has {} stages on {} ranks",
+                        "{engine}; this schedule has {} stages on {} ranks ({} stages per rank{})",
                         p.num_stages(),
-                        p.pp
+                        p.pp,
+                        crate::simulate::cost::num(f64::from(p.num_stages()) / f64::from(p.pp)),
+                        if p.kind == PlacementKind::V {
+                            ", in a V"
+                        } else {
+                            ""
+                        }
+                    ))
+                } else {
+                    let table: Vec<String> = p.table().iter().map(|r| r.0.to_string()).collect();
+                    Err(format!(
+                        "{engine}; this schedule places its stages on ranks [{}]",
+                        table.join(", ")
                     ))
                 }
             }
