@@ -951,7 +951,22 @@ mod tests {
             1.5 * 1024.0 * 1024.0 * 1024.0
         );
         assert_eq!(m.layer_memory(LayerKind::Loss).act, 3e8);
-        assert_eq!(m.layer_memory(LayerKind::Mtp), DEFAULT_MEMORY[2]);
+        // Bytes given: the model is in bytes, and an MTP layer keeps what a decoder layer does.
+        assert!(m.memory_bytes);
+        assert_eq!(
+            m.layer_memory(LayerKind::Mtp),
+            m.layer_memory(LayerKind::Decoder)
+        );
+        assert!(!CostModel::parse("t.act=2").unwrap().memory_bytes);
+        // The manifest's spec reads back to the same model.
+        for spec in [
+            "t.act=2, E.param=1.5GiB, L.act=300MB, t.param = 1e3, bw=3, p2p=0.1",
+            "f=1.1,E.f=2,overlap=0.5,rendezvous=false",
+            "",
+        ] {
+            let a = CostModel::parse(spec).unwrap();
+            assert_eq!(CostModel::parse(&a.spec()).unwrap(), a, "{spec}");
+        }
         assert_eq!(
             CostModel::parse("t.act=lots").unwrap_err().kind,
             CostErrorKind::BadNumber("lots".into())
