@@ -17,6 +17,7 @@ pub mod compile;
 pub mod front;
 pub mod ir;
 pub mod lower;
+pub mod memory;
 pub mod par;
 pub mod simulate;
 pub mod tidy;

@@ -41,6 +41,16 @@ pub fn tidy(mut v: Value) -> Value {
     v
 }
 
+/// A memory figure as JSON: a whole number as an integer (what the unweighted count always
+/// printed), others as floats ([`crate::memory::figure`]).
+pub fn figure(x: f64) -> Value {
+    if x.fract() == 0.0 && x.abs() < 9.0e15 {
+        Value::from(x as i64)
+    } else {
+        Value::from(x)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -227,7 +227,8 @@ impl NativeSchedule {
         json!({
             "valid": r.is_valid(),
             "violations": r.violations.iter().map(|v| format!("[{}] {v}", v.class())).collect::<Vec<_>>(),
-            "peak_activations": r.memory.iter().map(|m| m.peak).collect::<Vec<_>>(),
+            "peak_activations": r.memory.iter().map(|m| pipec::tidy::figure(m.peak)).collect::<Vec<_>>(),
+            "memory_unit": r.memory_unit,
             "risks": r.risks.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
             "verdict": r.verdict_line(),
         })

@@ -474,7 +474,11 @@ fn bad_values_exit_1_with_their_reason() {
     let neg = [&m[..], &["--memory-limit", "-5GiB"]].concat();
     compile_refused(&neg, &[1], "--memory-limit: `-5GiB` is negative");
     let bytes = [&m[..], &["--memory-limit", "40GiB"]].concat();
-    compile_refused(&bytes, &[1], "is a byte size");
+    compile_refused(
+        &bytes,
+        &[1],
+        "is in bytes, but the cost model gives memory in layer-activations",
+    );
     let r = compile_refused(
         &[
             "--schedule",

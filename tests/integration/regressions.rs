@@ -50,7 +50,7 @@ fn one_f_one_b_at_pp1_held_two_activations() {
     let kinds: Vec<bool> = sched.ranks[0].ops.iter().map(Compute::is_forward).collect();
     assert_eq!(kinds, vec![true, false, true, false, true, false]);
     let r = verify(&lowered(&sched.spec), &VerifyOptions::default());
-    assert_eq!(r.memory[0].peak, 1);
+    assert_eq!(r.memory[0].peak, 1.0);
 }
 
 /// docs/design.md's first deadlock rule (merge every batch with its partners' batches) reported

@@ -179,7 +179,7 @@ fn every_peak_activation_figure_is_the_verifiers() {
                     format!("{kind} pp {pp} m {m} fwd-only {forward_only} combined {combined}");
                 let report = pipec::verify(p, &pipec::VerifyOptions::default());
                 assert!(report.is_valid(), "{what}: {report}");
-                let peaks: Vec<u64> = report.memory.iter().map(|r| r.peak).collect();
+                let peaks: Vec<u64> = report.memory.iter().map(|r| r.peak as u64).collect();
                 let n = p.num_stages() as usize;
                 let weighted = pipec::verify::memory::weighted_peaks(p, &vec![1.0; n], &[]);
                 let want: Vec<f64> = peaks.iter().map(|&x| x as f64).collect();

@@ -130,7 +130,7 @@ fn weighted_peak_is_the_verifiers_peak() {
             let n = program.num_stages() as usize;
             let peaks = weighted_peaks(&program, &vec![1.0; n], &[]);
             let report = verify(&program, &VerifyOptions::default());
-            let want: Vec<f64> = report.memory.iter().map(|r| r.peak as f64).collect();
+            let want: Vec<f64> = report.memory.iter().map(|r| r.peak).collect();
             assert_eq!(peaks, want, "{kind} pp={pp} m={m}");
         }
     }
@@ -459,7 +459,7 @@ fn cli_errors() {
     let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
     assert!(
         err.contains(
-            "no schedule fits the memory limit 1: the smallest peak memory pipec reached is"
+            "no schedule fits the memory limit 1 layer-activations: the smallest peak memory pipec reached is"
         ),
         "{err}"
     );

@@ -115,7 +115,7 @@ fn every_generated_schedule_verifies_clean() {
 // Peak memory against published formulas.
 
 fn peaks(p: &Program) -> Vec<u64> {
-    check(p).memory.iter().map(|m| m.peak).collect()
+    check(p).memory.iter().map(|m| m.peak as u64).collect()
 }
 
 /// 1F1B (PipeDream-Flush; Narayanan et al. 2021, sec. 2.2) keeps at most `p - r` microbatches
@@ -201,7 +201,7 @@ fn memory_limit_exceeded_is_reported_where_it_happens() {
     assert_eq!(
         messages(&r),
         vec![
-            "rank 0, #6 fwd(stage 0, mb 3): more than 3 live activations (the memory limit); the rank peaks at 4 at #6"
+            "rank 0, #6 fwd(stage 0, mb 3): more than 3 layer-activations (the memory limit: parameters + live activations); the rank peaks at 4 layer-activations at #6"
         ]
     );
     assert_eq!(r.class(), Some(Class::Memory));
@@ -826,7 +826,7 @@ fn cli_compile_verifies_and_check_accepts() {
     // 1F1B pp=4: peaks 4 3 2 1 (min(pp - r, M)).
     assert!(
         stdout.contains("verified: 4 ranks, ")
-            && stdout.contains("deadlock-free; peak activations per rank: 4 3 2 1"),
+            && stdout.contains("deadlock-free; peak memory per rank: 4 3 2 1 layer-activations"),
         "{stdout}"
     );
     let out = pipec().arg("check").arg(&dir).assert().code(0);
@@ -854,7 +854,7 @@ fn cli_compile_verifies_and_check_accepts() {
         stdout.contains("INVALID: 1 violation (1 memory)"),
         "{stdout}"
     );
-    assert!(stdout.contains("more than 3 live activations"), "{stdout}");
+    assert!(stdout.contains("more than 3 layer-activations"), "{stdout}");
 }
 
 #[test]
@@ -867,7 +867,7 @@ fn cli_compile_refuses_an_invalid_schedule_unless_told() {
     let stderr = String::from_utf8(out.get_output().stderr.clone()).unwrap();
     assert!(stderr.contains("refusing to write"), "{stderr}");
     assert!(
-        stderr.contains("rank 0,") && stderr.contains("more than 2 live activations"),
+        stderr.contains("rank 0,") && stderr.contains("more than 2 layer-activations"),
         "{stderr}"
     );
     assert!(!dir.exists(), "an invalid schedule was written");

@@ -129,12 +129,12 @@ fn peak_activations_match_the_published_counts() {
                 .summary
                 .ranks
                 .iter()
-                .all(|r| r.peak_activations == m as u64));
+                .all(|r| r.peak_activations == m as f64));
             let o = sim(&build(ScheduleKind::OneFOneB, p, 1, m), "");
             for r in &o.summary.ranks {
                 assert_eq!(
                     r.peak_activations,
-                    (p - r.rank).min(m) as u64,
+                    (p - r.rank).min(m) as f64,
                     "1f1b p={p} m={m}"
                 );
             }
@@ -146,7 +146,7 @@ fn peak_activations_match_the_published_counts() {
                     let warmup = 2 * (p - r.rank - 1) + (v - 1) * p;
                     let want = (warmup + 1).min(v * m);
                     assert_eq!(
-                        r.peak_activations, want as u64,
+                        r.peak_activations, want as f64,
                         "interleaved p={p} v={v} m={m} rank {}",
                         r.rank
                     );

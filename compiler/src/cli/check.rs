@@ -1,13 +1,13 @@
-//! `pipec check DIR|FILE.csv [--pp N] [--memory-limit K] [--all-risks] [--strict] [--json]`:
+//! `pipec check DIR|FILE.csv [--pp N] [--cost SPEC] [--cost-file F] [--memory-limit 80GiB] [--all-risks] [--strict] [--json]`:
 //! verify a compiled directory or a torch CSV schedule and print the verdict, every
-//! violation, a summary of the risks and the peak live activations of each rank.
+//! violation, a summary of the risks and the peak memory of each rank ([`pipec::memory`]).
 //! Exit 0 valid, 1 invalid (or risks under `--strict`), 2 usage or I/O error (missing
 //! directory, refused files). Under `--json` stdout always holds one JSON document, an error
 //! too, so a consumer never reads an empty one.
 
 use super::CliError;
 use pipec::verify::risk::Risk;
-use pipec::verify::{verify, Report, StreamRule, VerifyOptions};
+use pipec::verify::{verify_with, Level, Report, StreamRule, VerifyOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -22,9 +22,15 @@ pub struct Args {
     /// Stage placement of a torch CSV schedule (default: read off the file).
     #[arg(long, value_parser = super::import::parse_placement)]
     placement: Option<pipec::back::torch::PlacementChoice>,
-    /// Most live activations (microbatch x stage units) a rank may hold.
-    #[arg(long)]
-    memory_limit: Option<u64>,
+    /// Most memory a rank may hold (parameters + live activations): bytes with a unit
+    /// (80GiB) when the cost model gives memory in bytes, or a plain number of
+    /// layer-activations.
+    #[arg(long, value_parser = super::parse_limit, allow_hyphen_values = true)]
+    memory_limit: Option<pipec::memory::Limit>,
+    /// The cost model memory is counted with (K.act, K.param); default: the one the
+    /// manifest records, else one layer-activation per decoder layer.
+    #[command(flatten)]
+    cost: super::simulate::CostArgs,
     /// List every risk (default: the count of each kind and the first few).
     #[arg(long)]
     all_risks: bool,
@@ -86,15 +92,32 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
 /// Load and verify the input: a file is a torch CSV whatever its name (the importer judges
 /// its content; pipec's own files are told apart and refused with their directory named).
 fn judge(a: Args) -> Result<Checked, CliError> {
-    let mut opts = VerifyOptions {
-        memory_limit: a.memory_limit,
-        ..VerifyOptions::default()
+    let mut opts = VerifyOptions::default();
+    // The verifier with memory counted under `model` against the limit in its unit.
+    let run = |program: &pipec::Program,
+               layout: &pipec::front::layout::Layout,
+               model: &pipec::simulate::cost::CostModel,
+               opts: &VerifyOptions|
+     -> Result<Report, CliError> {
+        let mem = pipec::memory::MemoryModel::new(program, layout, model);
+        let limit = super::resolve_limit(a.memory_limit, mem.unit)?;
+        let threads = pipec::par::threads_for(program.len() as u64);
+        Ok(verify_with(
+            program,
+            opts,
+            Level::Full,
+            threads,
+            &mem,
+            limit,
+        ))
     };
     if a.input.is_file() {
         // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
         // verified as written (each P2P action its own batch: see the README).
+        let model = a.cost.model()?;
         let imported = super::import::read_csv(&a.input, a.pp, a.placement)?;
-        let report = verify(&imported.program, &opts);
+        let layout = pipec::front::layout::Layout::uniform(imported.program.num_stages());
+        let report = run(&imported.program, &layout, &model, &opts)?;
         let caveat = (imported.form == pipec::back::torch::CsvForm::ComputeOnly)
             .then_some(super::import::COMPUTE_ONLY_CAVEAT);
         return Ok(Checked {
@@ -118,10 +141,11 @@ fn judge(a: Args) -> Result<Checked, CliError> {
     // The loader words a missing path, a file, or a directory of schedules itself.
     let (loaded, report) = super::load_then(&a.input, |loaded| {
         opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
-        verify(&loaded.program, &opts)
+        let model = a.cost.model_for(loaded)?;
+        run(&loaded.program, &loaded.manifest.layout, &model, &opts)
     })?;
     Ok(Checked {
-        report,
+        report: report?,
         caveat: loaded.manifest.caveat(),
         sealed_by: loaded.manifest.sealed_by,
     })
@@ -221,11 +245,27 @@ fn print(c: &Checked, input: &Path, all: bool, strict: bool) {
                 )?;
             }
         }
-        writeln!(out, "peak live activations:")?;
+        let u = r.memory_unit;
+        writeln!(
+            out,
+            "peak memory per rank (parameters + live activations, in {}):",
+            u.label()
+        )?;
         for m in &r.memory {
+            let params = if m.params > 0.0 {
+                format!(", parameters {}", u.fmt(m.params))
+            } else {
+                String::new()
+            };
             match m.at {
-                Some(at) => writeln!(out, "  {}: {} (first at #{})", m.rank, m.peak, at.index)?,
-                None => writeln!(out, "  {}: 0", m.rank)?,
+                Some(at) => writeln!(
+                    out,
+                    "  {}: {} (first at #{}{params})",
+                    m.rank,
+                    u.fmt(m.peak),
+                    at.index
+                )?,
+                None => writeln!(out, "  {}: {}{params}", m.rank, u.fmt(m.peak))?,
             }
         }
         if strict && !r.risks.is_empty() {

@@ -230,7 +230,9 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                     "makespan": s.summary.makespan,
                     "mean_bubble_ratio": s.summary.mean_bubble(),
                     "max_bubble_ratio": s.summary.max_bubble(),
-                    "peak_activations": s.summary.peak_activations(),
+                    "peak_activations": pipec::tidy::figure(s.summary.peak_activations()),
+                    "peak_memory": pipec::tidy::figure(s.summary.peak_memory()),
+                    "memory_unit": s.summary.memory_unit,
                     "ranks": s.summary.ranks,
                 }),
                 Err(e) => serde_json::json!({
@@ -252,6 +254,10 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             println!("{model_note}");
         }
         println!("bubble: {BUBBLE}");
+        println!(
+            "peak mem: the worst rank's parameters + live activations, in {}",
+            pipec::memory::Unit::of(&model).label()
+        );
         print!("{}", table(&rows));
         if !same_model {
             println!("* a different model from the first row: its makespan is not comparable");
@@ -284,7 +290,7 @@ fn table(rows: &[Row]) -> String {
         "vs first",
         "bubble mean",
         "bubble max",
-        "peak act",
+        "peak mem",
     ];
     let cells: Vec<[String; 8]> = rows
         .iter()
@@ -305,7 +311,7 @@ fn table(rows: &[Row]) -> String {
                     },
                     format!("{:.1}%", s.summary.mean_bubble() * 100.0),
                     format!("{:.1}%", s.summary.max_bubble() * 100.0),
-                    s.summary.peak_activations().to_string(),
+                    s.summary.memory_unit.fmt(s.summary.peak_memory()),
                 ]
             }
             Err(e) => {

@@ -64,9 +64,14 @@ pub struct Args {
     /// Encoding of the rank files: json (default, readable) or bin (postcard, compact).
     #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
     pub format: FileFormat,
-    /// Most live activations (microbatch x stage units) a rank may hold; exceeding it is a violation.
-    #[arg(long, value_parser = super::parse_unit_limit, allow_hyphen_values = true)]
-    pub memory_limit: Option<u64>,
+    /// Most memory a rank may hold (parameters + live activations), exceeding it is a
+    /// violation: bytes with a unit (80GiB) when the cost model gives memory in bytes
+    /// (--cost t.act=1.5GiB), or a plain number of layer-activations.
+    #[arg(long, value_parser = super::parse_limit, allow_hyphen_values = true)]
+    pub memory_limit: Option<pipec::memory::Limit>,
+    /// The cost model memory is counted with (K.act, K.param); recorded in the manifest.
+    #[command(flatten)]
+    pub cost: super::simulate::CostArgs,
     /// Write the schedule without verifying it (not recommended).
     #[arg(long)]
     pub no_verify: bool,
@@ -148,11 +153,15 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     if let Some(path) = &a.layout_file {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
+    let model = a.cost.model()?;
+    let unit = pipec::memory::Unit::of(&model);
+    let limit = super::resolve_limit(a.memory_limit, unit)?;
     let progress = super::spinner("generating and lowering");
     // The orders are lowered: freed here, before verifying and writing.
     let c = compile(&a.request()?)
         .map_err(compile_error)?
         .into_lowered();
+    let mem = pipec::memory::MemoryModel::new(&c.program, &c.layout, &model);
     if a.no_verify {
         eprintln!(
             "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
@@ -185,7 +194,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             .then(|| {
                 super::verify_before_write_on(
                     &c.program,
-                    a.memory_limit,
+                    super::MemoryCheck { model: &mem, limit },
                     Some(c.comm),
                     &a.out,
                     verifier_threads,
@@ -196,7 +205,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let verdict = std::thread::scope(|s| {
         // A small schedule is verified and then written on this thread (see threads_for).
         let verifying = (threads > 1).then(|| s.spawn(verify));
-        let prepared = files::prepare(&header, &c.program, a.format.encoding());
+        let prepared = files::prepare(&header, &c.program, a.format.encoding())
+            .with_cost(a.cost.given().then(|| model.spec()));
         let gate = || {
             let bytes = prepared.bytes();
             let verdict = match verifying {
@@ -229,7 +239,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         );
     }
     if let Some(r) = verdict {
-        println!("{}", short_verdict(&r.verdict_line(), &a.out));
+        println!("{}", short_verdict(&r, &a.out));
         // DualPipe's own loop posts both directions of a step in one batch_isend_irecv
         // (deepseek-ai/DualPipe, `_commit_and_wait_comm`): the same-peer batches are the
         // kind's, not the user's to fix, so one line says what they mean.
@@ -266,7 +276,7 @@ enum Outcome {
     Ok {
         ranks: u32,
         instructions: usize,
-        peak: u64,
+        peak: f64,
         seconds: f64,
     },
     /// Invalid input (exit 1) or I/O (exit 2), with the reason.
@@ -297,13 +307,23 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     };
     // One thread per configuration: the sweep already runs one configuration per core.
     let prepared = files::prepare(&header, &c.program, a.format.encoding());
+    // A sweep counts in layer-activations (its files give no cost model).
+    let mem = pipec::memory::MemoryModel::new(
+        &c.program,
+        &c.layout,
+        &pipec::simulate::cost::CostModel::default(),
+    );
+    let limit = cfg
+        .memory_limit
+        .map(|l| l as f64)
+        .or(a.memory_limit.map(|l| l.value));
     let r = files::write_prepared(&dir, &prepared, 1, || {
         if a.no_verify {
             return Ok(None);
         }
         super::verify_before_write(
             &c.program,
-            cfg.memory_limit.or(a.memory_limit),
+            super::MemoryCheck { model: &mem, limit },
             Some(c.comm),
             &dir,
         )
@@ -328,8 +348,8 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         ranks: c.program.world(),
         instructions: c.program.len(),
         peak: r
-            .map(|r| r.memory.iter().map(|m| m.peak).max().unwrap_or(0))
-            .unwrap_or(0),
+            .map(|r| r.memory.iter().map(|m| m.peak).fold(0.0, f64::max))
+            .unwrap_or(0.0),
         seconds: t0.elapsed().as_secs_f64(),
     }
 }
@@ -338,6 +358,12 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
 /// per core); one failure does not stop the others. Exit 0 when all succeed, 1 when any is
 /// invalid, 2 when any hit an I/O error (or the file itself is unreadable or malformed).
 fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
+    if a.cost.given() {
+        return Err(CliError::Usage(
+            "--cost and --cost-file do not apply to --config: a sweep counts memory in layer-activations".to_string(),
+        ));
+    }
+    super::resolve_limit(a.memory_limit, pipec::memory::Unit::LayerActivations)?;
     let text = super::read_text("--config", path)?;
     let configs = sweep::parse(&text, a.limits())
         .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
@@ -381,7 +407,7 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
         .max(6);
     println!(
         "{:w$}  {:>6}  {:>5}  {:>12}  {:>8}  {:>8}",
-        "config", "status", "ranks", "instructions", "peak act", "seconds"
+        "config", "status", "ranks", "instructions", "peak mem", "seconds"
     );
     let (mut invalid, mut io) = (0, 0);
     let mut failures = Vec::new();
@@ -393,8 +419,10 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
                 peak,
                 seconds,
             }) => println!(
-                "{:w$}  {:>6}  {ranks:>5}  {instructions:>12}  {peak:>8}  {seconds:>8.3}",
-                cfg.name, "ok"
+                "{:w$}  {:>6}  {ranks:>5}  {instructions:>12}  {:>8}  {seconds:>8.3}",
+                cfg.name,
+                "ok",
+                pipec::simulate::cost::num(peak)
             ),
             Some(Outcome::Failed { io: is_io, reason }) => {
                 if is_io {
@@ -438,21 +466,21 @@ fn parse_p2p(s: &str) -> Result<MegatronP2p, String> {
 
 /// The verdict line with at most 16 per-rank peaks: at pp = 100000 the full list is one line
 /// of 100,000 numbers. `pipec check` prints them all.
-fn short_verdict(line: &str, out: &std::path::Path) -> String {
+fn short_verdict(r: &pipec::verify::Report, out: &std::path::Path) -> String {
     const KEEP: usize = 16;
-    let key = "peak activations per rank: ";
-    let Some(i) = line.find(key) else {
-        return line.to_string();
-    };
-    let (head, tail) = line.split_at(i + key.len());
-    let peaks: Vec<&str> = tail.split(' ').collect();
-    if peaks.len() <= KEEP {
-        return line.to_string();
+    let line = r.verdict_line();
+    if r.memory.len() <= KEEP || !r.is_valid() {
+        return line;
     }
+    let key = "peak memory per rank: ";
+    let Some(i) = line.find(key) else {
+        return line;
+    };
     format!(
-        "{head}{} ... ({} ranks; pipec check {} lists them all)",
-        peaks[..KEEP].join(" "),
-        peaks.len(),
+        "{}{} ... ({} ranks; pipec check {} lists them all)",
+        &line[..i + key.len()],
+        r.memory_unit.list(r.memory[..KEEP].iter().map(|m| m.peak)),
+        r.memory.len(),
         out.display()
     )
 }

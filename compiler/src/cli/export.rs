@@ -175,7 +175,7 @@ fn capped(
 /// The bytes of the export.
 fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
     let name = title(loaded);
-    let model = a.cost.model()?;
+    let model = a.cost.model_for(loaded)?;
     let timed = || run_sim(loaded, &model).map_err(sim_error);
     let world = loaded.program.ranks.len();
     Ok(match a.format {

@@ -32,9 +32,14 @@ pub struct Args {
     /// Read the layout string from a file.
     #[arg(long, value_name = "FILE")]
     pub layout_file: Option<PathBuf>,
-    /// Most live activations (microbatch x stage units) a rank may hold.
-    #[arg(long, value_parser = super::parse_unit_limit, allow_hyphen_values = true)]
-    pub memory_limit: Option<u64>,
+    /// Most memory a rank may hold (parameters + live activations): bytes with a unit
+    /// (80GiB) when the cost model gives memory in bytes, or a plain number of
+    /// layer-activations.
+    #[arg(long, value_parser = super::parse_limit, allow_hyphen_values = true)]
+    pub memory_limit: Option<pipec::memory::Limit>,
+    /// The cost model memory is counted with (K.act, K.param); recorded in the manifest.
+    #[command(flatten)]
+    pub cost: super::simulate::CostArgs,
     /// Write the schedule without verifying it (not recommended).
     #[arg(long)]
     pub no_verify: bool,
@@ -170,13 +175,22 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         eprintln!("WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors");
     }
     // Written as `pipec compile` writes (streamed), in place only once verified.
+    let model = a.cost.model()?;
+    let limit = super::resolve_limit(a.memory_limit, pipec::memory::Unit::of(&model))?;
+    let mem = pipec::memory::MemoryModel::new(program, &layout, &model);
     let header = header(&imported, &layout);
-    let prepared = files::prepare(&header, program, files::Encoding::Json);
+    let prepared = files::prepare(&header, program, files::Encoding::Json)
+        .with_cost(a.cost.given().then(|| model.spec()));
     let threads = files::threads_for(program.len() as u64);
     super::write_gated(&a.out, &prepared, threads, || {
         if !a.no_verify {
             // Imported P2P is posted batch by batch (torch), one communicator per pair.
-            super::verify_before_write(program, a.memory_limit, None, &a.out)?;
+            super::verify_before_write(
+                program,
+                super::MemoryCheck { model: &mem, limit },
+                None,
+                &a.out,
+            )?;
         }
         Ok(())
     })?;

@@ -133,23 +133,23 @@ pub fn count(n: usize, noun: &str) -> String {
     pipec::words::count(n as u64, noun)
 }
 
-/// `--memory-limit` of the commands that count live activations in microbatch x stage units:
-/// a whole number. A negative value or a byte size gets its own reason instead of clap's
-/// "unexpected argument" (it took `-5` for a flag) or "invalid digit".
-pub fn parse_unit_limit(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    if t.starts_with('-') {
-        return Err(format!("`{t}` is negative; a memory limit is at least 0"));
-    }
-    if let Ok(v) = t.replace('_', "").parse::<u64>() {
-        return Ok(v);
-    }
-    match pipec::simulate::cost::parse_memory(t) {
-        Ok((_, true)) => Err(format!(
-            "`{t}` is a byte size, but this limit counts live activations in microbatch x stage units: give a whole number"
-        )),
-        _ => Err(format!("`{t}` is not a whole number of microbatch x stage units")),
-    }
+/// `--memory-limit` of every command: bytes with a unit (`80GiB`) or a plain number in the
+/// unit memory is reported in ([`pipec::memory::Limit`]). A negative value gets its own reason
+/// instead of clap's "unexpected argument" (it took `-5` for a flag).
+pub fn parse_limit(s: &str) -> Result<pipec::memory::Limit, String> {
+    pipec::memory::Limit::parse(s)
+}
+
+/// The limit in the report's unit; bytes against a cost model without byte memory is invalid
+/// input (exit 1, as any other bad value) that says what to add.
+pub fn resolve_limit(
+    limit: Option<pipec::memory::Limit>,
+    unit: pipec::memory::Unit,
+) -> Result<Option<f64>, CliError> {
+    limit
+        .map(|l| l.resolve(unit))
+        .transpose()
+        .map_err(|e| CliError::Invalid(format!("--memory-limit: {e}")))
 }
 
 /// Read the file a flag names (`what`: `--cost-file`, `the trace`, ...). A directory there gets
@@ -260,31 +260,44 @@ pub fn write_gated<T: Send>(
     })
 }
 
+/// What a written schedule's memory is checked against: the model and the limit in its unit.
+pub struct MemoryCheck<'a> {
+    pub model: &'a pipec::memory::MemoryModel,
+    pub limit: Option<f64>,
+}
+
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)
 /// when it is invalid, so an invalid schedule never reaches the disk.
 pub fn verify_before_write(
     program: &pipec::Program,
-    memory_limit: Option<u64>,
+    memory: MemoryCheck<'_>,
     policy: Option<pipec_schedules::CommPolicy>,
     out: &std::path::Path,
 ) -> Result<pipec::verify::Report, CliError> {
     let threads = pipec::par::threads_for(program.len() as u64);
-    verify_before_write_on(program, memory_limit, policy, out, threads)
+    verify_before_write_on(program, memory, policy, out, threads)
 }
 
 /// [`verify_before_write`] on at most `threads` threads ([`pipec::verify::verify_on`]).
 pub fn verify_before_write_on(
     program: &pipec::Program,
-    memory_limit: Option<u64>,
+    memory: MemoryCheck<'_>,
     policy: Option<pipec_schedules::CommPolicy>,
     out: &std::path::Path,
     threads: usize,
 ) -> Result<pipec::verify::Report, CliError> {
     let opts = pipec::verify::VerifyOptions {
-        memory_limit,
+        memory_limit: None,
         streams: pipec::verify::StreamRule::of_policy(policy, program.world()),
     };
-    let r = pipec::verify::verify_on(program, &opts, pipec::verify::Level::Full, threads);
+    let r = pipec::verify::verify_with(
+        program,
+        &opts,
+        pipec::verify::Level::Full,
+        threads,
+        memory.model,
+        memory.limit,
+    );
     if !r.is_valid() {
         let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
         for v in &r.violations {

@@ -118,8 +118,9 @@ pub fn parse_ranks(text: &str, world: usize) -> Result<Vec<usize>, CliError> {
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     a.window.check()?;
-    let model = a.cost.model()?;
     let loaded = super::load_any(&a.input, a.pp, a.placement)?;
+    // The manifest's cost model (tune's) unless --cost / --cost-file is given.
+    let model = a.cost.model_for(&loaded)?;
     let sim = run_sim(&loaded, &model).map_err(sim_error)?;
     let ranks = a.window.ranks(loaded.program.ranks.len())?;
     let makespan = sim.summary.makespan;

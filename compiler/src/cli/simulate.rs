@@ -41,6 +41,22 @@ impl CostArgs {
         }
         Ok(m)
     }
+
+    /// Whether `--cost` or `--cost-file` was given.
+    pub fn given(&self) -> bool {
+        self.cost.is_some() || self.cost_file.is_some()
+    }
+
+    /// The model for a loaded schedule: the flags when given, else the cost model its
+    /// manifest records (the one `pipec tune` planned it with), else the defaults.
+    pub fn model_for(&self, loaded: &Loaded) -> Result<CostModel, CliError> {
+        match (&loaded.manifest.cost, self.given()) {
+            (Some(spec), false) => CostModel::parse(spec).map_err(|e| {
+                CliError::Invalid(format!("the manifest's cost model: {}", e.render()))
+            }),
+            _ => self.model(),
+        }
+    }
 }
 
 /// A one-line name for a loaded schedule: `1f1b pp=4 vpp=1 microbatches=8`.
@@ -84,8 +100,9 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    let model = a.cost.model()?;
     let loaded = super::load_any(&a.input, a.pp, a.placement)?;
+    // The manifest's cost model (tune's) unless --cost / --cost-file is given.
+    let model = a.cost.model_for(&loaded)?;
     let name = title(&loaded);
     let result = run_sim(&loaded, &model);
     if a.json {

@@ -4,7 +4,7 @@ use super::compile::FileFormat;
 use super::simulate::CostArgs;
 use super::{print_json, CliError};
 use pipec::back::files;
-use pipec::simulate::cost::{num, parse_memory};
+use pipec::simulate::cost::num;
 use pipec::tune::{describe, fmt_mem, tune, Target, TargetChoice, TuneError, TuneRequest, Tuned};
 use pipec_schedules::{Limits, SpecError};
 use std::path::PathBuf;
@@ -33,9 +33,9 @@ pub struct Args {
     pub rebalance: bool,
     #[command(flatten)]
     pub cost: CostArgs,
-    /// Memory every rank may use: bytes with a unit (40GiB, 500MB) or a plain number in the
-    /// units of the cost file's K.act / K.param (default: one decoder layer's activations of
-    /// one microbatch = 1).
+    /// Memory every rank may use (parameters + live activations): bytes with a unit (40GiB,
+    /// 500MB) when the cost model gives memory in bytes (t.act=1.5GiB), or a plain number of
+    /// layer-activations (one decoder layer's activations of one microbatch).
     #[arg(long, value_name = "SIZE")]
     pub memory_limit: Option<String>,
     /// The framework that will run the schedule: only candidates it runs are eligible
@@ -84,12 +84,13 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
     };
     let memory_limit = match &a.memory_limit {
         Some(s) => Some(
-            parse_memory(s)
-                .map_err(|e| CliError::Invalid(format!("--memory-limit: {e}")))?
-                .0,
+            pipec::memory::Limit::parse(s)
+                .map_err(|e| CliError::Invalid(format!("--memory-limit: {e}")))?,
         ),
         None => None,
     };
+    // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
+    let memory_limit = super::resolve_limit(memory_limit, pipec::memory::Unit::of(&model))?;
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
@@ -129,7 +130,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     progress.finish_and_clear();
     let seconds = t0.elapsed().as_secs_f64();
     if let Some(out) = &a.out {
-        write(&t, out, a.format)?;
+        write(&t, out, a.format, &req.model, a.cost.given())?;
     }
     let dir = a.out.as_ref().map(|o| o.display().to_string());
     if a.json {
@@ -141,15 +142,32 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
 }
 
 /// Write the tuned schedule as `pipec compile` writes one (the same bytes, streamed).
-fn write(t: &Tuned, out: &std::path::Path, format: FileFormat) -> Result<(), CliError> {
+fn write(
+    t: &Tuned,
+    out: &std::path::Path,
+    format: FileFormat,
+    model: &pipec::simulate::cost::CostModel,
+    record_cost: bool,
+) -> Result<(), CliError> {
     let layout = t.file_layout();
     let header = t.header(&layout);
-    let prepared = files::prepare(&header, &t.program, format.encoding());
+    // The manifest keeps the cost model tune planned with, so `show` draws tune's timeline.
+    let prepared = files::prepare(&header, &t.program, format.encoding())
+        .with_cost(record_cost.then(|| model.spec()));
+    let mem = pipec::memory::MemoryModel::new(&t.program, &layout, model);
     let threads = files::threads_for(t.program.len() as u64);
     super::write_gated(out, &prepared, threads, || {
         // tune verified the program already (memory included); verify again as compile
         // does, so nothing unverified can reach the disk whatever changes upstream.
-        super::verify_before_write(&t.program, None, Some(t.comm), out)?;
+        super::verify_before_write(
+            &t.program,
+            super::MemoryCheck {
+                model: &mem,
+                limit: None,
+            },
+            Some(t.comm),
+            out,
+        )?;
         super::warn_big_write(prepared.bytes(), out);
         Ok(())
     })
@@ -188,15 +206,12 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         },
         t.summary.mean_bubble() * 100.0
     );
+    let unit = pipec::memory::Unit::of(&req.model);
     println!(
         "peak memory per rank: {}{}",
-        t.peak_memory
-            .iter()
-            .map(|&x| fmt_mem(x, t.bytes))
-            .collect::<Vec<_>>()
-            .join(" "),
+        unit.list(t.peak_memory.iter().copied()),
         req.memory_limit
-            .map(|l| format!(" (limit {})", fmt_mem(l, t.bytes)))
+            .map(|l| format!(" (limit {})", unit.with_unit(l)))
             .unwrap_or_default()
     );
     println!("verdict:  {}", t.report.verdict_line());

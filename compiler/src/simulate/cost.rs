@@ -101,8 +101,12 @@ pub struct CostModel {
     pub bw: f64,
     pub rendezvous: bool,
     pub overlap: f64,
-    /// Per layer kind, in [`KINDS`] order: `K.act` and `K.param` (read by `pipec tune`).
+    /// Per layer kind, in [`KINDS`] order: `K.act` and `K.param`.
     pub memory: [LayerMemory; 4],
+    /// Whether `memory` is in bytes: some `K.act`/`K.param` was given with a byte unit
+    /// (`1GiB`); plain numbers then count bytes too. Otherwise memory is counted in
+    /// layer-activations ([`crate::memory`]).
+    pub memory_bytes: bool,
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -151,6 +155,9 @@ impl Serialize for CostModel {
                 .collect();
             m.serialize_entry("memory", &mem)?;
         }
+        if self.memory_bytes {
+            m.serialize_entry("memory_unit", "bytes")?;
+        }
         m.end()
     }
 }
@@ -171,6 +178,7 @@ impl Default for CostModel {
             rendezvous: true,
             overlap: 0.0,
             memory: DEFAULT_MEMORY,
+            memory_bytes: false,
         }
     }
 }
@@ -230,6 +238,9 @@ impl CostModel {
                 }
                 Key::Mem(k, p) => {
                     let v = memory_value(text, source, e)?;
+                    if parse_memory(&text[e.value.0..e.value.1]).is_ok_and(|(_, unit)| unit) {
+                        self.memory_bytes = true;
+                    }
                     let c = &mut self.memory[kind_index(k)];
                     if p == 0 {
                         c.act = v;
@@ -271,7 +282,53 @@ impl CostModel {
                 }
             }
         }
+        // In bytes, an MTP layer not given keeps what a decoder layer keeps (as its f/b/w
+        // do), not the 1-byte default of the unit-less model.
+        let mtp = kind_index(LayerKind::Mtp);
+        if self.memory_bytes
+            && self.memory[mtp] == DEFAULT_MEMORY[mtp]
+            && !entries
+                .iter()
+                .any(|e| matches!(e.key, Key::Mem(LayerKind::Mtp, _)))
+        {
+            self.memory[mtp] = self.memory[kind_index(LayerKind::Decoder)];
+        }
         Ok(())
+    }
+
+    /// Every entry of this model as a spec [`CostModel::parse`] reads back to the same model
+    /// (numbers in Rust's shortest round-trip form; memory in bytes carries the unit `B`).
+    /// What a manifest records as the cost model a schedule was planned with.
+    pub fn spec(&self) -> String {
+        let mut parts = Vec::new();
+        for k in KINDS {
+            let c = self.layer(k);
+            let y = k.symbol();
+            parts.push(format!("{y}.f={},{y}.b={},{y}.w={}", c.f, c.b, c.w));
+        }
+        let unit = if self.memory_bytes { "B" } else { "" };
+        for k in KINDS {
+            let m = self.layer_memory(k);
+            let y = k.symbol();
+            parts.push(format!(
+                "{y}.act={}{unit},{y}.param={}{unit}",
+                m.act, m.param
+            ));
+        }
+        parts.push(format!(
+            "floor={},p2p={},msg={},bw={},rendezvous={},overlap={}",
+            self.floor,
+            self.p2p,
+            self.msg,
+            if self.bw.is_infinite() {
+                "inf".to_string()
+            } else {
+                self.bw.to_string()
+            },
+            self.rendezvous,
+            self.overlap
+        ));
+        parts.join(",")
     }
 
     /// A short one-line description, for headers: `f=1 b=1 w=1, p2p free, rendezvous`.
@@ -368,6 +425,9 @@ pub struct StageCosts {
     /// False when the layout's stage count did not match the program's, and every stage was
     /// costed as one decoder layer instead.
     pub layout_used: bool,
+    /// Per stage: `K.act` and `K.param` summed over its layers ([`crate::memory`]).
+    pub act: Vec<f64>,
+    pub param: Vec<f64>,
 }
 
 impl StageCosts {
@@ -381,12 +441,16 @@ impl StageCosts {
         let mut fwd = Vec::with_capacity(n);
         let mut bwd_d = Vec::with_capacity(n);
         let mut bwd_w = Vec::with_capacity(n);
+        let mut act = Vec::with_capacity(n);
+        let mut param = Vec::with_capacity(n);
         for s in 0..n {
             let layers: &[LayerKind] = if layout_used {
                 &layout.stages[s]
             } else {
                 &one_t
             };
+            act.push(layers.iter().map(|&k| model.layer_memory(k).act).sum());
+            param.push(layers.iter().map(|&k| model.layer_memory(k).param).sum());
             if layers.is_empty() {
                 fwd.push(model.floor);
                 bwd_d.push(model.floor);
@@ -410,6 +474,8 @@ impl StageCosts {
             bwd_d,
             bwd_w,
             layout_used,
+            act,
+            param,
         }
     }
 
@@ -885,7 +951,22 @@ mod tests {
             1.5 * 1024.0 * 1024.0 * 1024.0
         );
         assert_eq!(m.layer_memory(LayerKind::Loss).act, 3e8);
-        assert_eq!(m.layer_memory(LayerKind::Mtp), DEFAULT_MEMORY[2]);
+        // Bytes given: the model is in bytes, and an MTP layer keeps what a decoder layer does.
+        assert!(m.memory_bytes);
+        assert_eq!(
+            m.layer_memory(LayerKind::Mtp),
+            m.layer_memory(LayerKind::Decoder)
+        );
+        assert!(!CostModel::parse("t.act=2").unwrap().memory_bytes);
+        // The manifest's spec reads back to the same model.
+        for spec in [
+            "t.act=2, E.param=1.5GiB, L.act=300MB, t.param = 1e3, bw=3, p2p=0.1",
+            "f=1.1,E.f=2,overlap=0.5,rendezvous=false",
+            "",
+        ] {
+            let a = CostModel::parse(spec).unwrap();
+            assert_eq!(CostModel::parse(&a.spec()).unwrap(), a, "{spec}");
+        }
         assert_eq!(
             CostModel::parse("t.act=lots").unwrap_err().kind,
             CostErrorKind::BadNumber("lots".into())

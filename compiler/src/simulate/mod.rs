@@ -69,7 +69,9 @@ pub fn json_report(
                 "mean_bubble_ratio": s.mean_bubble(),
                 "bubble": BUBBLE,
                 "max_bubble_ratio": s.max_bubble(),
-                "peak_activations": s.peak_activations(),
+                "peak_activations": crate::tidy::figure(s.peak_activations()),
+                "peak_memory": crate::tidy::figure(s.peak_memory()),
+                "memory_unit": s.memory_unit,
                 "instructions": program.len(),
                 "ranks": s.ranks,
                 "cost": model,
@@ -92,9 +94,16 @@ pub struct RankSummary {
     pub busy: f64,
     /// Idle share of the makespan: `1 - busy / makespan` (0 for an empty schedule).
     pub bubble_ratio: f64,
-    /// Most activations alive at once, the verifier's figure ([`crate::ir::activations`]),
-    /// over the instructions that have a span.
-    pub peak_activations: u64,
+    /// Most activations alive at once, weighted per stage ([`crate::memory`], the verifier's
+    /// rule), over the instructions that have a span, in the summary's `memory_unit`.
+    #[serde(serialize_with = "crate::memory::figure")]
+    pub peak_activations: f64,
+    /// Parameters of the stages the rank holds.
+    #[serde(serialize_with = "crate::memory::figure")]
+    pub params: f64,
+    /// `params + peak_activations`: the rank's peak memory.
+    #[serde(serialize_with = "crate::memory::figure")]
+    pub peak_memory: f64,
     /// When the peak is first reached (the start of the instruction that reaches it).
     pub peak_at: f64,
 }
@@ -104,6 +113,8 @@ pub struct RankSummary {
 pub struct Summary {
     pub makespan: f64,
     pub ranks: Vec<RankSummary>,
+    /// What the memory figures count.
+    pub memory_unit: crate::memory::Unit,
 }
 
 impl Summary {
@@ -123,18 +134,36 @@ impl Summary {
     }
 
     /// The worst rank's peak live activations.
-    pub fn peak_activations(&self) -> u64 {
+    pub fn peak_activations(&self) -> f64 {
         self.ranks
             .iter()
             .map(|r| r.peak_activations)
-            .max()
-            .unwrap_or(0)
+            .fold(0.0, f64::max)
+    }
+
+    /// The worst rank's peak memory (parameters + live activations).
+    pub fn peak_memory(&self) -> f64 {
+        self.ranks.iter().map(|r| r.peak_memory).fold(0.0, f64::max)
     }
 }
 
 /// Figures of any timeline of `program`, simulated or measured: the makespan is the span from
-/// the earliest start to the latest end. Missing spans count as not run.
+/// the earliest start to the latest end. Missing spans count as not run. Memory is counted
+/// one layer-activation per stage ([`crate::memory::MemoryModel::units`]).
 pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
+    summarize_with(
+        program,
+        timeline,
+        &crate::memory::MemoryModel::units(program),
+    )
+}
+
+/// [`summarize`] with memory counted under `mem`.
+pub fn summarize_with(
+    program: &Program,
+    timeline: &Timeline,
+    mem: &crate::memory::MemoryModel,
+) -> Summary {
     let t0 = timeline
         .ranks
         .iter()
@@ -156,8 +185,14 @@ pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
                     busy += span.end - span.start;
                 }
             }
-            let ran = |&(i, _): &(u32, u64)| (i as usize) < spans.len();
-            let peak = Peak::of(walk.live(r, |_| 1u64).take_while(ran));
+            let ran = |&(i, _): &(u32, f64)| (i as usize) < spans.len();
+            let m = program.microbatches;
+            let weight = |t: pipec_schedules::Task| match mem.act.get(t.stage.index()) {
+                Some(&w) if t.mb.0 < m => w,
+                _ => 0.0,
+            };
+            let peak = Peak::of(walk.live(r, weight).take_while(ran));
+            let params = mem.param.get(r).copied().unwrap_or(0.0);
             let peak_at = peak.at.map_or(0.0, |i| spans[i as usize].start - t0);
             let bubble_ratio = if makespan > 0.0 {
                 (1.0 - busy / makespan).clamp(0.0, 1.0)
@@ -169,11 +204,17 @@ pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
                 busy,
                 bubble_ratio,
                 peak_activations: peak.peak,
+                params,
+                peak_memory: params + peak.peak,
                 peak_at,
             }
         })
         .collect();
-    Summary { makespan, ranks }
+    Summary {
+        makespan,
+        ranks,
+        memory_unit: mem.unit,
+    }
 }
 
 /// A finished simulation.
@@ -280,7 +321,14 @@ pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, Sim
         return Err(SimError::Deadlock(d));
     }
     let timeline = sim.timeline();
-    let summary = summarize(program, &timeline);
+    let mut param = crate::tune::problem::rank_params(&program.placement, &costs.param);
+    param.resize(program.world() as usize, 0.0);
+    let mem = crate::memory::MemoryModel {
+        act: costs.act.clone(),
+        param,
+        unit: crate::memory::Unit::of(&costs.model),
+    };
+    let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })
 }
 
@@ -731,7 +779,7 @@ mod tests {
         assert_eq!(s.summary.makespan, 7.0);
         assert_eq!(s.summary.ranks[0].busy, 3.0);
         assert!((s.summary.ranks[0].bubble_ratio - 4.0 / 7.0).abs() < 1e-12);
-        assert_eq!(s.summary.ranks[1].peak_activations, 1);
+        assert_eq!(s.summary.ranks[1].peak_activations, 1.0);
         assert_eq!(s.summary.ranks[1].peak_at, 1.5);
     }
 

@@ -6,7 +6,7 @@
 //! and keeps the best order; the order is lowered with the timed lockstep placement (so the
 //! program keeps the order's time) and simulated. Every built-in kind (with its vpp and group
 //! size choices) is compiled on the same model and simulated too. The fastest candidate whose
-//! peak memory ([`crate::verify::memory::weighted_peaks`]) fits the limit wins, after the full
+//! peak memory ([`crate::memory`], the rule every command reports) fits the limit wins, after the full
 //! verifier has accepted it. [`bound`] gives the lower bound it is measured against; [`exact`]
 //! the optimum of tiny instances.
 
@@ -24,7 +24,7 @@ use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
 use crate::simulate::{simulate, Summary};
-use crate::verify::{self, memory::weighted_peaks, Report, StreamRule, VerifyOptions};
+use crate::verify::{self, Report, StreamRule, VerifyOptions};
 use pipec_schedules::{
     generate, ChunkRule, CommPolicy, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
 };
@@ -433,9 +433,12 @@ fn finish(
     cand.not_runnable = target.refusal(&program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
     let sim = simulate(&program, &costs).ok()?;
-    let (act, sparam) = problem::stage_memory(model, &layout);
-    let param = problem::rank_params(&program.placement, &sparam);
-    let peaks = weighted_peaks(&program, &act, &param);
+    // The one memory rule every command reports ([`crate::memory`]).
+    let mem = crate::memory::MemoryModel::new(&program, &layout, model);
+    let peaks: Vec<f64> = crate::memory::peaks(&program, &mem)
+        .iter()
+        .map(|p| p.peak)
+        .collect();
     cand.makespan = sim.summary.makespan;
     cand.bubble = sim.summary.mean_bubble();
     cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
@@ -493,15 +496,12 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
 
 /// A memory figure for people: GiB/MiB when the model's memory is in bytes, else a number.
 pub fn fmt_mem(x: f64, bytes: bool) -> String {
-    if !bytes {
-        return crate::simulate::cost::num(x);
-    }
-    let gib = x / (1u64 << 30) as f64;
-    if gib >= 1.0 {
-        format!("{:.2}GiB", gib)
+    let unit = if bytes {
+        crate::memory::Unit::Bytes
     } else {
-        format!("{:.1}MiB", x / (1u64 << 20) as f64)
-    }
+        crate::memory::Unit::LayerActivations
+    };
+    unit.with_unit(x)
 }
 
 /// Tune: weigh every candidate, verify the winner, or say why nothing fits.
@@ -643,12 +643,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         });
         built.extend(results.into_iter().flatten());
     }
-    let bytes = req
-        .model
-        .memory
-        .iter()
-        .any(|m| m.act > 1e5 || m.param > 1e5)
-        || limit.is_some_and(|l| l > 1e5);
+    let bytes = crate::memory::Unit::of(&req.model) == crate::memory::Unit::Bytes;
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
         .filter(|&i| built[i].cand.fits && runnable(&built[i]))
@@ -729,7 +724,15 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             memory_limit: None,
             streams: StreamRule::of_policy(Some(b.comm), b.program.world()),
         };
-        let report = verify::verify(&b.program, &opts);
+        let mem = crate::memory::MemoryModel::new(&b.program, &b.layout, &req.model);
+        let report = verify::verify_with(
+            &b.program,
+            &opts,
+            verify::Level::Full,
+            crate::par::threads_for(b.program.len() as u64),
+            &mem,
+            None,
+        );
         if !report.is_valid() {
             continue;
         }

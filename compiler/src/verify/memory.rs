@@ -3,42 +3,40 @@
 
 use super::index::Index;
 use super::report::{RankMemory, Violation};
-use crate::ir::activations::{Activations, Peak};
 use crate::ir::{InstrRef, Program};
+use crate::memory::MemoryModel;
 use pipec_schedules::Rank;
 
 pub(crate) fn check(
     ix: &Index<'_>,
-    limit: Option<u64>,
+    mem: &MemoryModel,
+    limit: Option<f64>,
     out: &mut Vec<Violation>,
 ) -> Vec<RankMemory> {
-    let mut walk = Activations::new(ix.p);
     let mut result = Vec::with_capacity(ix.world as usize);
-    for r in 0..ix.p.ranks.len() {
-        let mut peak = Peak::default();
-        let mut over_at: Option<u32> = None;
-        for (i, live) in walk.live(r, |_| 1u64) {
-            peak.see(i, live);
-            if over_at.is_none() && limit.is_some_and(|l| live > l) {
-                over_at = Some(i);
-            }
-        }
-        let rank = Rank(r as u32);
-        // Over the limit means past a peak, so both are set.
-        if let (Some(over_at), Some(peak_at)) = (over_at, peak.at) {
+    for (p, over_at) in crate::memory::walk(ix.p, mem, limit) {
+        let rank = Rank(p.rank);
+        let r = p.rank as usize;
+        if let Some(over_at) = over_at {
             let site = |i: u32| ix.site(ix.pos.base(r) + i);
-            out.push(Violation::MemoryLimit {
-                rank,
-                limit: limit.unwrap_or(0),
-                first_over: site(over_at),
-                peak: peak.peak,
-                peak_at: site(peak_at),
-            });
+            // Parameters alone over the limit: reported at the rank's first instruction.
+            let peak_at = p.at.unwrap_or(over_at);
+            if !ix.p.ranks[r].is_empty() {
+                out.push(Violation::MemoryLimit {
+                    rank,
+                    limit: limit.unwrap_or(0.0),
+                    first_over: site(over_at),
+                    peak: p.peak,
+                    peak_at: site(peak_at),
+                    unit: mem.unit,
+                });
+            }
         }
         result.push(RankMemory {
             rank,
-            peak: peak.peak,
-            at: peak.at.map(|index| InstrRef { rank, index }),
+            peak: p.peak,
+            params: p.params,
+            at: p.at.map(|index| InstrRef { rank, index }),
         });
     }
     result
@@ -50,13 +48,13 @@ pub(crate) fn check(
 /// peak. `pipec tune` reports and limits this figure. Stages or microbatches out of range
 /// count with weight 0.
 pub fn weighted_peaks(program: &Program, act: &[f64], param: &[f64]) -> Vec<f64> {
-    let m = program.microbatches;
-    let weight = |t: pipec_schedules::Task| match act.get(t.stage.index()) {
-        Some(&w) if t.mb.0 < m => w,
-        _ => 0.0,
+    let mem = MemoryModel {
+        act: act.to_vec(),
+        param: param.to_vec(),
+        unit: crate::memory::Unit::LayerActivations,
     };
-    let mut walk = Activations::new(program);
-    (0..program.ranks.len())
-        .map(|r| Peak::of(walk.live(r, weight)).peak + param.get(r).copied().unwrap_or(0.0))
+    crate::memory::peaks(program, &mem)
+        .iter()
+        .map(|p| p.peak)
         .collect()
 }

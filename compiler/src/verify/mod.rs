@@ -157,6 +157,22 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
 /// beside the verifier: `pipec compile` writing 200 MB of JSON keeps both cores busy without
 /// it, and is faster verifying on one thread.
 pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
+    let units = crate::memory::MemoryModel::units(program);
+    let limit = opts.memory_limit.map(|l| l as f64);
+    verify_with(program, opts, level, threads, &units, limit)
+}
+
+/// [`verify_on`] with R1 counted under `mem` (per-stage activation weights and per-rank
+/// parameters, [`crate::memory`]) against `limit` in `mem`'s unit; `opts.memory_limit` is
+/// not read. What every command that has a layout and a cost model verifies with.
+pub fn verify_with(
+    program: &Program,
+    opts: &VerifyOptions,
+    level: Level,
+    threads: usize,
+    mem: &crate::memory::MemoryModel,
+    limit: Option<f64>,
+) -> Report {
     let mut violations = Vec::new();
     let (m, ix) = crate::par::join(
         threads,
@@ -167,6 +183,7 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
         return Report {
             violations,
             memory: Vec::new(),
+            memory_unit: mem.unit,
             risks: Vec::new(),
             stats: Stats {
                 ranks: program.world(),
@@ -204,7 +221,7 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
                 return (complete, found, Vec::new());
             }
             deps::check(&ix, &m, &mut found);
-            let memory = memory::check(&ix, opts.memory_limit, &mut found);
+            let memory = memory::check(&ix, mem, limit, &mut found);
             (complete, found, memory)
         },
     );
@@ -214,6 +231,7 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
     Report {
         violations,
         memory,
+        memory_unit: mem.unit,
         risks,
         stats: ix.stats,
     }
@@ -328,7 +346,7 @@ mod tests {
                 compute_parts: 1
             }]
         );
-        assert_eq!(r.memory[0].peak, 1);
+        assert_eq!(r.memory[0].peak, 1.0);
     }
 
     /// A wait cycle through 2 * 100_000 batches: Kahn's algorithm and the explicit-stack

@@ -120,7 +120,7 @@ impl fmt::Display for Class {
 
 /// Everything that can be wrong with a program. Messages name ranks, instruction indices and
 /// payloads the way the rest of pipec prints them.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Violation {
     /// The placement is for `pp` ranks but the program has another number of rank streams.
@@ -221,10 +221,13 @@ pub enum Violation {
     /// More live activations than the limit.
     MemoryLimit {
         rank: Rank,
-        limit: u64,
+        #[serde(serialize_with = "crate::memory::figure")]
+        limit: f64,
         first_over: Site,
-        peak: u64,
+        #[serde(serialize_with = "crate::memory::figure")]
+        peak: f64,
         peak_at: Site,
+        unit: crate::memory::Unit,
     },
 }
 
@@ -539,10 +542,13 @@ impl fmt::Display for Violation {
                 first_over,
                 peak,
                 peak_at,
+                unit,
                 ..
             } => write!(
                 f,
-                "{first_over}: more than {limit} live activations (the memory limit); the rank peaks at {peak} at #{}",
+                "{first_over}: more than {} (the memory limit: parameters + live activations); the rank peaks at {} at #{}",
+                unit.with_unit(*limit),
+                unit.with_unit(*peak),
                 peak_at.at.index
             ),
         }
@@ -550,12 +556,24 @@ impl fmt::Display for Violation {
 }
 
 /// Peak live activations on one rank and the instruction where the peak is first reached.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
 pub struct RankMemory {
     pub rank: Rank,
-    pub peak: u64,
+    /// Parameters + the most live activations at once, in the report's `memory_unit`.
+    #[serde(serialize_with = "crate::memory::figure")]
+    pub peak: f64,
+    /// The parameters of the stages the rank holds (included in `peak`).
+    #[serde(
+        serialize_with = "crate::memory::figure",
+        skip_serializing_if = "is_zero"
+    )]
+    pub params: f64,
     /// `None` when the rank never holds an activation.
     pub at: Option<InstrRef>,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// Sizes of the verified program.
@@ -571,10 +589,12 @@ pub struct Stats {
 }
 
 /// The verdict on one program.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Report {
     pub violations: Vec<Violation>,
     pub memory: Vec<RankMemory>,
+    /// What `memory` counts ([`crate::memory`]).
+    pub memory_unit: crate::memory::Unit,
     /// Valid but fragile on NCCL ([`super::risk`]); not violations.
     pub risks: Vec<super::risk::Risk>,
     pub stats: Stats,
@@ -595,14 +615,13 @@ impl Report {
         !self.violations.iter().any(|v| v.class() == Class::Deadlock)
     }
 
-    /// `10 8 6 4`: the peak of each rank.
+    /// `10 8 6 4 layer-activations` or `40.00GiB 39.80GiB`: the peak of each rank, labelled.
     pub fn peaks(&self) -> String {
-        let v: Vec<String> = self.memory.iter().map(|m| m.peak.to_string()).collect();
-        v.join(" ")
+        self.memory_unit.list(self.memory.iter().map(|m| m.peak))
     }
 
-    /// One line: `verified: 4 ranks, 352 instructions, deadlock-free; peak activations per
-    /// rank: 10 8 6 4`, or the count of violations per class.
+    /// One line: `verified: 4 ranks, 352 instructions, deadlock-free; peak memory per
+    /// rank: 10 8 6 4 layer-activations`, or the count of violations per class.
     pub fn verdict_line(&self) -> String {
         let plural = |n: u64, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
         let size = format!(
@@ -612,7 +631,7 @@ impl Report {
         );
         if self.is_valid() {
             return format!(
-                "verified: {size}, deadlock-free; peak activations per rank: {}",
+                "verified: {size}, deadlock-free; peak memory per rank: {}",
                 self.peaks()
             );
         }
@@ -666,12 +685,13 @@ impl Serialize for Report {
                 v
             })
             .collect();
-        let mut st = s.serialize_struct("Report", 7)?;
+        let mut st = s.serialize_struct("Report", 8)?;
         st.serialize_field("valid", &self.is_valid())?;
         st.serialize_field("verdict", &self.verdict_line())?;
         st.serialize_field("class", &self.class())?;
         st.serialize_field("stats", &self.stats)?;
         st.serialize_field("memory", &self.memory)?;
+        st.serialize_field("memory_unit", &self.memory_unit)?;
         st.serialize_field("violations", &violations)?;
         st.serialize_field("risks", &risks)?;
         st.end()
@@ -689,11 +709,11 @@ impl fmt::Display for Report {
             writeln!(f, "  [risk] {r}")?;
         }
         if !self.is_valid() {
-            write!(f, "peak activations per rank:")?;
+            write!(f, "peak memory per rank ({}):", self.memory_unit.label())?;
             for m in &self.memory {
                 match m.at {
-                    Some(at) => write!(f, " {}@#{}", m.peak, at.index)?,
-                    None => write!(f, " 0")?,
+                    Some(at) => write!(f, " {}@#{}", self.memory_unit.fmt(m.peak), at.index)?,
+                    None => write!(f, " {}", self.memory_unit.fmt(m.peak))?,
                 }
             }
             writeln!(f)?;

@@ -67,6 +67,12 @@ pub struct Manifest {
     /// Absent from what `pipec compile` writes, so its bytes are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sealed_by: Option<String>,
+    /// The cost model the schedule was planned with (`pipec tune`, or `pipec compile
+    /// --cost`), as the full spec [`crate::simulate::cost::CostModel::spec`] writes;
+    /// `show`, `simulate` and `check` use it unless given `--cost`/`--cost-file`. Absent
+    /// without one, so those files are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<String>,
 }
 
 /// The one sentence `pipec check`, `show`, `simulate` and `import` say of a compute-only

@@ -70,6 +70,8 @@ struct ManifestLoose {
     ranks: Vec<RankEntryLoose>,
     #[serde(default)]
     sealed_by: Option<String>,
+    #[serde(default)]
+    cost: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -120,6 +122,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
             })
             .collect(),
         sealed_by: m.sealed_by,
+        cost: m.cost,
     };
     check_manifest(path, m)
 }
@@ -177,7 +180,9 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
     if unchanged {
         return Ok(sealed);
     }
-    let prepared = prepared.sealed(m.compiler.clone());
+    let prepared = prepared
+        .sealed(m.compiler.clone())
+        .with_cost(m.cost.clone());
     let threads = threads_for(instructions);
     write_prepared(dir, &prepared, threads, || {
         Ok::<(), std::convert::Infallible>(())

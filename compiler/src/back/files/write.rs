@@ -303,6 +303,8 @@ pub struct Prepared<'a> {
     /// For `pipec seal`: the `compiler` the files named (kept, since pipec did not write
     /// them), and the manifest records [`SEALED_BY`].
     sealed: Option<String>,
+    /// The manifest's `cost` ([`Prepared::with_cost`]).
+    cost: Option<String>,
 }
 
 /// Compute what every file of `program` needs before any is written (the schedule hash).
@@ -334,6 +336,7 @@ pub fn prepare<'a>(
         hash: hasher.finish(),
         canonical,
         sealed: None,
+        cost: None,
     }
 }
 
@@ -346,6 +349,13 @@ impl Prepared<'_> {
     /// Mark the manifest as sealed by `pipec seal`, keeping `compiler` (who wrote the files).
     pub(crate) fn sealed(mut self, compiler: String) -> Self {
         self.sealed = Some(compiler);
+        self
+    }
+
+    /// Record the cost model the schedule was planned with (the spec text of
+    /// [`crate::simulate::cost::CostModel::spec`]) in the manifest's `cost`.
+    pub fn with_cost(mut self, cost: Option<String>) -> Self {
+        self.cost = cost;
         self
     }
 
@@ -381,6 +391,7 @@ impl Prepared<'_> {
             schedule_hash: self.hash.clone(),
             ranks: entries,
             sealed_by: self.sealed.as_ref().map(|_| SEALED_BY.to_string()),
+            cost: self.cost.clone(),
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');

@@ -586,16 +586,16 @@ fn wrap(items: &[String], sep: &str, room: usize) -> Vec<String> {
 }
 
 /// The figures under the timeline: makespan, then per rank busy time, bubble and peak
-/// activations.
+/// memory ([`crate::memory`]: parameters + live activations, labelled with its unit).
 pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "makespan {} {}   mean bubble {:.1}%   peak activations {} (worst rank)",
+        "makespan {} {}   mean bubble {:.1}%   peak memory {} (worst rank)",
         fmt_num(summary.makespan),
         unit_word(unit),
         summary.mean_bubble() * 100.0,
-        summary.peak_activations()
+        summary.memory_unit.with_unit(summary.peak_memory())
     );
     let _ = writeln!(out, "bubble = {}", crate::simulate::BUBBLE);
     let rows: Vec<[String; 5]> = summary
@@ -606,12 +606,12 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
                 r.rank.to_string(),
                 fmt_num(r.busy),
                 format!("{:.1}%", r.bubble_ratio * 100.0),
-                r.peak_activations.to_string(),
+                summary.memory_unit.fmt(r.peak_memory),
                 fmt_num(r.peak_at),
             ]
         })
         .collect();
-    let head = ["rank", "busy", "bubble", "peak act", "at"];
+    let head = ["rank", "busy", "bubble", "peak mem", "at"];
     let w: Vec<usize> = (0..5)
         .map(|j| {
             rows.iter()
