@@ -51,6 +51,15 @@ _MEGATRON_P2P = (
 )
 
 
+def _limit_text(limit) -> str | None:
+    """A memory limit as the CLI reads it: ``"80GiB"``, or a plain number."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float, str)):
+        raise SpecError(f"memory_limit must be a size such as '80GiB' or a number, not {limit!r}")
+    return limit if isinstance(limit, str) else repr(limit)
+
+
 def _count(n: int, noun: str) -> str:
     """``1 rank``, ``4 ranks`` (the CLI's rule)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
@@ -73,12 +82,15 @@ class Report:
     valid: bool
     #: Every violation in words, each prefixed with its class (``[deadlock] ...``).
     violations: list[str] = field(default_factory=list)
-    #: Peak live activations (microbatch x stage units), one entry per rank.
-    peak_activations: list[int] = field(default_factory=list)
+    #: Peak memory per rank (parameters + live activations, the verifier's rule), in
+    #: ``memory_unit``.
+    peak_activations: list[float] = field(default_factory=list)
     #: Valid-but-fragile findings (NCCL risks); not violations.
     risks: list[str] = field(default_factory=list)
     #: The one-line verdict the CLI prints.
     verdict: str = ""
+    #: ``"bytes"`` or ``"layer-activations"``: the unit of ``peak_activations``.
+    memory_unit: str = "layer-activations"
 
     def __bool__(self) -> bool:
         return self.valid
@@ -176,15 +188,19 @@ class Schedule:
         return [list(r) for r in self._n.blocking_order()]
 
     # --- analysis ---
-    def check(self, memory_limit: int | None = None) -> Report:
-        """Verify again (optionally against a per-rank activation limit)."""
-        d = json.loads(self._n.check(memory_limit))
+    def check(self, memory_limit: float | str | None = None, cost: str | None = None) -> Report:
+        """Verify again, as ``pipec check`` does: memory per rank is counted under ``cost``
+        (the ``--cost`` text; ``K.act``/``K.param`` in bytes make it bytes, else
+        layer-activations) and checked against ``memory_limit`` (``"80GiB"``, or a number in the
+        report's unit)."""
+        d = json.loads(self._n.check(_limit_text(memory_limit), cost))
         return Report(
             valid=d["valid"],
             violations=d["violations"],
             peak_activations=d["peak_activations"],
             risks=d["risks"],
             verdict=d["verdict"],
+            memory_unit=d["memory_unit"],
         )
 
     def simulate(self, cost: str | None = None) -> dict:
@@ -213,10 +229,14 @@ def compile(
     group_size: int | None = None,
     forward_only: bool = False,
     combined: bool = False,
-    memory_limit: int | None = None,
+    memory_limit: float | str | None = None,
     megatron_p2p: str | None = None,
+    cost: str | None = None,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
+
+    ``memory_limit`` and ``cost`` mean what ``Schedule.check``'s do (``"80GiB"`` needs
+    ``K.act``/``K.param`` in bytes in ``cost``).
 
     Raises :class:`LayoutError` (the message echoes the layout with a caret),
     :class:`SpecError`, or :class:`InvalidSchedule` (``.violations``), all
@@ -231,10 +251,7 @@ def compile(
     for name, v in (("vpp", vpp), ("group_size", group_size)):
         if v is not None:
             _check_count(name, v, "or None")
-    if memory_limit is not None and (
-        isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 0
-    ):
-        raise SpecError(f"memory_limit must be an integer >= 0 or None, not {memory_limit!r}")
+
     return Schedule(
         _native.compile_schedule(
             schedule,
@@ -245,8 +262,9 @@ def compile(
             group_size=group_size,
             forward_only=forward_only,
             combined=combined,
-            memory_limit=memory_limit,
+            memory_limit=_limit_text(memory_limit),
             megatron_p2p=megatron_p2p,
+            cost=cost,
         )
     )
 

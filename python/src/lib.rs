@@ -15,7 +15,7 @@ use pipec::ir::{steps, Instr, Matching, Program, Step};
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
 use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
-use pipec::verify::{verify, StreamRule, VerifyOptions};
+use pipec::verify::{StreamRule, VerifyOptions};
 use pipec_runtime::{load::LaunchWorld, RunError};
 use pipec_schedules::{CommPolicy, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
 use pyo3::create_exception;
@@ -84,6 +84,60 @@ fn report_error(py: Python<'_>, what: &str, r: &pipec::verify::Report) -> PyErr 
     invalid(py, msg, violations)
 }
 
+/// The verifier with memory counted as every command counts it ([`pipec::memory`]): under
+/// `cost` (the `--cost` text; default: layer-activations), against `memory_limit` (`"80GiB"`
+/// or a plain number in the report's unit), as `pipec check --cost --memory-limit` does.
+fn verify_memory(
+    py: Python<'_>,
+    program: &Program,
+    layout: &Layout,
+    policy: Option<CommPolicy>,
+    memory_limit: Option<&str>,
+    cost: Option<&str>,
+) -> PyResult<pipec::verify::Report> {
+    let mut model = CostModel::default();
+    if let Some(spec) = cost {
+        model
+            .apply(spec, None)
+            .map_err(|e| SpecError::new_err(e.render()))?;
+    }
+    let mem = pipec::memory::MemoryModel::new(program, layout, &model);
+    let limit = memory_limit
+        .map(|s| {
+            pipec::memory::Limit::parse(s)
+                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
+                .resolve(mem.unit)
+                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
+        })
+        .transpose()?;
+    let opts = VerifyOptions {
+        memory_limit: None,
+        streams: StreamRule::of_policy(policy, program.world()),
+    };
+    let threads = pipec::par::threads_for(program.len() as u64);
+    Ok(py.detach(|| {
+        pipec::verify::verify_with(
+            program,
+            &opts,
+            pipec::verify::Level::Full,
+            threads,
+            &mem,
+            limit,
+        )
+    }))
+}
+
+/// The manifest's `cost` for a schedule made under `cost` (the full spec, as the CLI writes
+/// it with `--cost`), or none when no cost was given.
+fn recorded_cost(cost: Option<&str>) -> PyResult<Option<String>> {
+    cost.map(|c| {
+        CostModel::parse(c)
+            .map(|m| m.spec())
+            .map_err(|e| SpecError::new_err(e.render()))
+    })
+    .transpose()
+}
+
 /// A compiled (or loaded) schedule: its program and the header its files carry.
 #[pyclass(module = "pipec._native", frozen)]
 struct NativeSchedule {
@@ -92,6 +146,9 @@ struct NativeSchedule {
     spec: Option<ScheduleSpec>,
     comm_policy: Option<CommPolicy>,
     source: String,
+    /// The cost model it was planned or compiled with (the manifest's `cost`): written by
+    /// `save`, the default of `check` and `simulate`, as the CLI does.
+    cost: Option<String>,
 }
 
 impl NativeSchedule {
@@ -212,19 +269,35 @@ impl NativeSchedule {
     fn save(&self, path: PathBuf, encoding: &str) -> PyResult<()> {
         let enc = parse_encoding(encoding)?;
         // Streamed from the program, as `pipec compile` writes (no whole-output buffer).
-        files::write_program(&path, &self.header(), &self.program, enc)
-            .map_err(|e| FileError::new_err(e.to_string()))
+        let header = self.header();
+        let prepared = files::prepare(&header, &self.program, enc).with_cost(self.cost.clone());
+        let threads = files::threads_for(self.program.len() as u64);
+        files::write_prepared(&path, &prepared, threads, || {
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .map_err(|e| match e {
+            files::Gated::Write(e) => FileError::new_err(e.to_string()),
+            files::Gated::Gate(never) => match never {},
+        })
     }
 
     /// The verifier's report as JSON: valid, violations, peak activations per rank, risks.
-    #[pyo3(signature = (memory_limit=None))]
-    fn check(&self, py: Python<'_>, memory_limit: Option<u64>) -> String {
-        let opts = VerifyOptions {
+    #[pyo3(signature = (memory_limit=None, cost=None))]
+    fn check(
+        &self,
+        py: Python<'_>,
+        memory_limit: Option<&str>,
+        cost: Option<&str>,
+    ) -> PyResult<String> {
+        let r = verify_memory(
+            py,
+            &self.program,
+            &self.layout,
+            self.comm_policy,
             memory_limit,
-            streams: StreamRule::of_policy(self.comm_policy, self.program.world()),
-        };
-        let r = py.detach(|| verify(&self.program, &opts));
-        json!({
+            cost.or(self.cost.as_deref()),
+        )?;
+        Ok(json!({
             "valid": r.is_valid(),
             "violations": r.violations.iter().map(|v| format!("[{}] {v}", v.class())).collect::<Vec<_>>(),
             "peak_activations": r.memory.iter().map(|m| pipec::tidy::figure(m.peak)).collect::<Vec<_>>(),
@@ -232,14 +305,14 @@ impl NativeSchedule {
             "risks": r.risks.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
             "verdict": r.verdict_line(),
         })
-        .to_string()
+        .to_string())
     }
 
     /// What `pipec simulate --json` prints, as JSON text.
     #[pyo3(signature = (cost=None))]
     fn simulate(&self, py: Python<'_>, cost: Option<&str>) -> PyResult<String> {
         let mut model = CostModel::default();
-        if let Some(spec) = cost {
+        if let Some(spec) = cost.or(self.cost.as_deref()) {
             model
                 .apply(spec, None)
                 .map_err(|e| SpecError::new_err(e.render()))?;
@@ -399,7 +472,8 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 /// Generate, lower and verify, exactly as `pipec compile` does before it writes.
 #[pyfunction]
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
-    forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None))]
+    forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
+    cost=None))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -411,9 +485,10 @@ fn compile_schedule(
     group_size: Option<u32>,
     forward_only: bool,
     combined: bool,
-    memory_limit: Option<u64>,
+    memory_limit: Option<String>,
     megatron_p2p: Option<&str>,
     max_ops: Option<u64>,
+    cost: Option<&str>,
 ) -> PyResult<NativeSchedule> {
     let kind: ScheduleKind = schedule
         .parse()
@@ -439,11 +514,14 @@ fn compile_schedule(
         CompileError::Spec(s) => SpecError::new_err(s.to_string()),
         e @ CompileError::UnevenLayers { .. } => SpecError::new_err(e.to_string()),
     })?;
-    let opts = VerifyOptions {
-        memory_limit,
-        streams: StreamRule::of_policy(Some(c.schedule.comm), c.program.world()),
-    };
-    let r = py.detach(|| verify(&c.program, &opts));
+    let r = verify_memory(
+        py,
+        &c.program,
+        &c.layout,
+        Some(c.schedule.comm),
+        memory_limit.as_deref(),
+        cost,
+    )?;
     if !r.is_valid() {
         return Err(report_error(
             py,
@@ -457,6 +535,7 @@ fn compile_schedule(
         spec: Some(c.spec),
         comm_policy: Some(c.schedule.comm),
         source: "generated".into(),
+        cost: recorded_cost(cost)?,
     })
 }
 
@@ -542,6 +621,7 @@ fn tune_schedule(
             spec: t.spec,
             comm_policy: Some(t.comm),
             source,
+            cost: recorded_cost(cost)?,
         },
         report,
     ))
@@ -570,6 +650,7 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
         spec: m.schedule,
         comm_policy: m.comm_policy,
         source: m.source,
+        cost: m.cost,
     })
 }
 

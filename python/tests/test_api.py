@@ -457,3 +457,32 @@ def test_interleaved_without_vpp_and_torch_names():
         pipec.compile("ZBVZeroBubble", 2, 4)
     with pytest.raises(pipec.SpecError, match="did you mean `dualpipe-v`"):
         pipec.compile("DualPipeV", 2, 4)
+
+
+def test_memory_is_counted_as_the_cli_counts_it(tmp_path):
+    """#28: one memory model everywhere. Python's peaks equal `pipec check --json`'s, in
+    layer-activations and in bytes, and a byte limit without byte costs says what to add."""
+    s = pipec.compile("zb-v", 2, 4, layout="Et|tt|tt|tL")
+    s.save(tmp_path / "s")
+    for cost, args in (
+        (None, []),
+        ("t.act=1GiB,t.param=0.5GiB", ["--cost", "t.act=1GiB,t.param=0.5GiB"]),
+    ):
+        r = s.check(cost=cost)
+        p = subprocess.run(
+            [_cli(), "check", tmp_path / "s", "--json", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
+        d = json.loads(p.stdout)
+        assert r.peak_activations == [m["peak"] for m in d["memory"]], (cost, d)
+        assert r.memory_unit == d["memory_unit"]
+    assert s.check(cost="t.act=1GiB").memory_unit == "bytes"
+    peak = max(s.check(cost="t.act=1GiB").peak_activations)
+    assert not s.check(memory_limit=f"{peak - 1}B", cost="t.act=1GiB").valid
+    assert s.check(memory_limit=f"{peak}B", cost="t.act=1GiB").valid
+    with pytest.raises(pipec.SpecError, match="t.act="):
+        s.check(memory_limit="80GiB")
+    with pytest.raises(pipec.SpecError, match="is negative"):
+        s.check(memory_limit="-5GiB")
