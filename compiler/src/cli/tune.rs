@@ -191,7 +191,13 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
     }
     println!("schedule: {}", describe(b));
     if let (Some(h), Some(words)) = (&b.heuristic, t.heuristic_description()) {
-        println!("order:    pipec's own list scheduler: {words} (heuristic {h})");
+        // The zero-bubble authors' rules (`zb,...`) are theirs, reimplemented: not pipec's own.
+        let whose = if h.starts_with("zb") {
+            ""
+        } else {
+            "pipec's own list scheduler: "
+        };
+        println!("order:    {whose}{words} (heuristic {h})");
     }
     println!("layout:   {}", b.layout);
     let lb = t.lower_bound.value;

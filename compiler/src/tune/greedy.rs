@@ -44,10 +44,25 @@ pub struct Heuristic {
     /// bubble instead of delaying the critical path by the rest of the `bwd_W`). Without it
     /// the schedule never idles while work is ready.
     pub patient_w: bool,
+    /// The zero-bubble authors' greedy scheduler with these flags instead of the rules above
+    /// ([`super::zb`]; one stage per rank only).
+    pub zb: Option<super::zb::Rules>,
 }
 
 impl Heuristic {
     pub fn name(&self) -> String {
+        if let Some(z) = self.zb {
+            return format!(
+                "zb{}{}{}",
+                if z.bubble_before_first_b {
+                    ",warm+"
+                } else {
+                    ""
+                },
+                if z.prioritize_b { ",B>F" } else { "" },
+                if z.no_bubble_greedy { ",Wgap" } else { "" }
+            );
+        }
         format!(
             "cap={}{}{}{}{}{}",
             if self.cap.is_infinite() {
@@ -71,6 +86,29 @@ impl Heuristic {
 impl Heuristic {
     /// The priority rules in words, for people (`name` is the compact form).
     pub fn describe(&self) -> String {
+        if let Some(z) = self.zb {
+            let mut s = "the zero-bubble authors' greedy scheduler (sail-sg, zb.py): warmup \
+                         forwards until the first input-gradient backward (bwd_D) can arrive"
+                .to_string();
+            if z.bubble_before_first_b {
+                s.push_str(", the last one allowed to end after it");
+            }
+            s.push_str(
+                "; then one forward per stage per round and the bwd_Ds from the last stage; \
+                 weight-gradient passes (bwd_W) where they end before the next input arrives \
+                 or memory runs short",
+            );
+            if z.no_bubble_greedy {
+                s.push_str(", or fill a gap no longer than the largest bubble so far");
+            }
+            if z.prioritize_b {
+                s.push_str(
+                    "; a stage two forwards ahead of the next holds back a forward that would \
+                     delay the next stage",
+                );
+            }
+            return s;
+        }
         let mut parts = vec![if self.forward_first {
             "warmup forwards before a ready input-gradient backward (bwd_D)".to_string()
         } else {
@@ -138,6 +176,7 @@ pub fn heuristics() -> Vec<Heuristic> {
                                 eager_w,
                                 staircase,
                                 patient_w,
+                                zb: None,
                             });
                         }
                     }
@@ -145,6 +184,16 @@ pub fn heuristics() -> Vec<Heuristic> {
             }
         }
     }
+    // Last, so that on a tie pipec's own rules keep the plan.
+    v.extend(super::zb::Rules::all().into_iter().map(|z| Heuristic {
+        cap: f64::INFINITY,
+        forward_first: false,
+        deep_first: true,
+        eager_w: 1.0,
+        staircase: false,
+        patient_w: false,
+        zb: Some(z),
+    }));
     v
 }
 
@@ -163,6 +212,7 @@ pub fn heuristics_for(p: &Problem) -> Vec<Heuristic> {
         .into_iter()
         .filter(|h| (multi || h.deep_first) && (limited || h.eager_w >= 1.0))
         .filter(|h| stair || !h.staircase)
+        .filter(|h| h.zb.is_none() || super::zb::applies(p))
         .collect()
 }
 
@@ -177,7 +227,7 @@ pub fn quick_heuristics(p: &Problem) -> Vec<Heuristic> {
         .into_iter()
         .filter(|h| !h.forward_first && (h.cap == 1.0 || h.cap == 1.5 || h.cap.is_infinite()))
         .filter(|h| h.eager_w < 1.0 || p.limit.iter().all(|l| l.is_infinite()))
-        .filter(|h| h.deep_first && !h.staircase && !h.patient_w)
+        .filter(|h| h.deep_first && !h.staircase && !h.patient_w && h.zb.is_none())
         .collect()
 }
 
@@ -249,6 +299,9 @@ pub fn warmup_estimate(p: &Problem) -> Vec<f64> {
 /// Run the list scheduler with one heuristic. `None` when the memory limit leaves some rank
 /// unable to move (no order under these rules fits).
 pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
+    if let Some(z) = h.zb {
+        return super::zb::schedule(p, z);
+    }
     let n = p.num_stages();
     let m = p.microbatches as usize;
     let pp = p.pp();

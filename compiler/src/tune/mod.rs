@@ -18,6 +18,7 @@ pub mod lower;
 pub mod problem;
 pub mod split;
 pub mod target;
+pub mod zb;
 
 use crate::front::layout::{LayerKind, Layout};
 use crate::ir::Program;
