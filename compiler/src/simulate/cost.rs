@@ -38,6 +38,7 @@
 //! reason. `overlap = 0` (a pair costs the sum of its parts) is the honest default: two passes
 //! on one GPU share its compute; raise it for the communication the pair hides (DualPipe).
 
+use super::model::{Dtype, ModelShape, Norm, Recompute, MODEL_KEYS, REQUIRED};
 use crate::front::layout::{LayerKind, Layout};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;
@@ -103,6 +104,8 @@ pub struct CostModel {
     pub overlap: f64,
     /// Per layer kind, in [`KINDS`] order: `K.act` and `K.param` (read by `pipec tune`).
     pub memory: [LayerMemory; 4],
+    /// The `[model]` table the per-kind figures were derived from, if any.
+    pub shape: Option<ModelShape>,
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -151,6 +154,9 @@ impl Serialize for CostModel {
                 .collect();
             m.serialize_entry("memory", &mem)?;
         }
+        if let Some(shape) = &self.shape {
+            m.serialize_entry("model", shape)?;
+        }
         m.end()
     }
 }
@@ -171,6 +177,7 @@ impl Default for CostModel {
             rendezvous: true,
             overlap: 0.0,
             memory: DEFAULT_MEMORY,
+            shape: None,
         }
     }
 }
@@ -205,8 +212,21 @@ impl CostModel {
     /// Apply the entries of `text` on top of this model. `source` names a file in errors.
     /// Per-kind keys win over `f`/`b`/`w` whatever their order; a key given twice in one text
     /// is an error.
+    ///
+    /// A `[model]` table derives every kind's `f`/`b`/`w`/`act`/`param` from the model's
+    /// shape ([`super::model`]) before the text's own keys apply, so explicit keys win.
     pub fn apply(&mut self, text: &str, source: Option<&str>) -> Result<(), CostError> {
-        let entries = entries(text, source)?;
+        let (entries, section) = entries(text, source)?;
+        if let Some(sec) = section {
+            if self.shape.is_some() {
+                return Err(err(text, source, sec.header, CostErrorKind::ModelTwice));
+            }
+            let shape = parse_shape(text, source, &sec)?;
+            let d = shape.derive();
+            self.layers = d.layers;
+            self.memory = d.memory;
+            self.shape = Some(shape);
+        }
         // Base keys first, then per-kind ones, so `t.f=2,f=1` means what it says.
         let mut base: [Option<f64>; 3] = [None; 3];
         for e in &entries {
@@ -302,7 +322,21 @@ impl CostModel {
                 ));
             }
         }
-        if !free.is_empty() {
+        if let Some(shape) = &self.shape {
+            // Derived kinds are never free: say what the embedding and the output layer carry.
+            let e = self.layer_memory(LayerKind::Embedding);
+            let l = self.layer_memory(LayerKind::Loss);
+            s.push_str(&format!(
+                "; from [model] {} (times in decoder-layer forwards; E: no matmul, param {}, act {}; L: param {}, act {}; t: param {}, act {})",
+                shape.describe(),
+                bytes(e.param),
+                bytes(e.act),
+                bytes(l.param),
+                bytes(l.act),
+                bytes(self.layer_memory(LayerKind::Decoder).param),
+                bytes(self.layer_memory(LayerKind::Decoder).act),
+            ));
+        } else if !free.is_empty() {
             let list = |suffix: &str| {
                 free.iter()
                     .map(|c| format!("{c}{suffix}"))
@@ -333,6 +367,16 @@ impl CostModel {
             s.push_str(&format!("; overlap {}", num(self.overlap)));
         }
         s
+    }
+}
+
+/// Bytes for people, as `pipec tune` prints them: GiB from 1 GiB up, else MiB.
+pub fn bytes(x: f64) -> String {
+    let gib = x / (1u64 << 30) as f64;
+    if gib >= 1.0 {
+        format!("{gib:.2}GiB")
+    } else {
+        format!("{:.1}MiB", x / (1u64 << 20) as f64)
     }
 }
 
@@ -530,8 +574,16 @@ fn trim(text: &str, lo: usize, hi: usize) -> (usize, usize) {
     (start, end.max(start))
 }
 
-fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
+/// The `[model]` table: where its header is, and its raw `key = value` entries (key and
+/// value byte ranges), checked by [`parse_shape`].
+struct Section {
+    header: (usize, usize),
+    entries: Vec<((usize, usize), (usize, usize))>,
+}
+
+fn entries(text: &str, source: Option<&str>) -> Result<(Vec<Entry>, Option<Section>), CostError> {
     let mut out: Vec<(Entry, (usize, usize))> = Vec::new();
+    let mut section: Option<Section> = None;
     let mut line_start = 0;
     for line in text.split_inclusive('\n') {
         let line_end = line_start + line.len();
@@ -542,7 +594,29 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
                 .find(',')
                 .map_or(content_end, |i| lo + i);
             let (a, b) = trim(text, lo, hi);
-            if a < b {
+            if a < b && text[a..b].starts_with('[') {
+                // A table header: `[model]` (TOML's form; also an item of an inline spec).
+                let item = &text[a..b];
+                let name = item
+                    .strip_prefix('[')
+                    .and_then(|x| x.strip_suffix(']'))
+                    .map(str::trim);
+                if name != Some("model") {
+                    return Err(err(
+                        text,
+                        source,
+                        (a, b),
+                        CostErrorKind::UnknownSection(item.to_string()),
+                    ));
+                }
+                if section.is_some() {
+                    return Err(err(text, source, (a, b), CostErrorKind::ModelTwice));
+                }
+                section = Some(Section {
+                    header: (a, b),
+                    entries: Vec::new(),
+                });
+            } else if a < b {
                 let item = &text[a..b];
                 let Some(eq) = item.find('=') else {
                     return Err(err(text, source, (a, b), CostErrorKind::MissingEquals));
@@ -553,15 +627,24 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
                     return Err(err(text, source, (a, a + 1), CostErrorKind::EmptyKey));
                 }
                 let name = &text[k.0..k.1];
-                let Some(parsed) = key(name) else {
-                    return Err(err(
-                        text,
-                        source,
-                        k,
-                        CostErrorKind::UnknownKey(name.to_string()),
-                    ));
-                };
                 if v.0 == v.1 {
+                    if section.is_some() {
+                        if !MODEL_KEYS.split(", ").any(|x| x == name) {
+                            return Err(err(
+                                text,
+                                source,
+                                k,
+                                CostErrorKind::UnknownModelKey(name.to_string()),
+                            ));
+                        }
+                    } else if key(name).is_none() {
+                        return Err(err(
+                            text,
+                            source,
+                            k,
+                            CostErrorKind::UnknownKey(name.to_string()),
+                        ));
+                    }
                     return Err(err(
                         text,
                         source,
@@ -569,6 +652,19 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
                         CostErrorKind::EmptyValue(name.to_string()),
                     ));
                 }
+                if let Some(sec) = &mut section {
+                    sec.entries.push((k, v));
+                    lo = hi + 1;
+                    continue;
+                }
+                let Some(parsed) = key(name) else {
+                    let kind = if MODEL_KEYS.split(", ").any(|x| x == name) {
+                        CostErrorKind::ModelKeyOutside(name.to_string())
+                    } else {
+                        CostErrorKind::UnknownKey(name.to_string())
+                    };
+                    return Err(err(text, source, k, kind));
+                };
                 if let Some((_, first)) = out.iter().find(|(e, _)| e.key == parsed) {
                     let (line, col) = line_col(text, first.0);
                     return Err(err(
@@ -594,8 +690,184 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
         }
         line_start = line_end;
     }
-    Ok(out.into_iter().map(|(e, _)| e).collect())
+    Ok((out.into_iter().map(|(e, _)| e).collect(), section))
 }
+
+/// Check the `[model]` table and build the shape: every key known and given once, the
+/// required ones present, integers positive, strings and booleans from their lists, and the
+/// shape consistent (Megatron's own checks: heads divisible by kv_heads and tp, hidden by
+/// heads, kv_heads by tp).
+fn parse_shape(text: &str, source: Option<&str>, sec: &Section) -> Result<ModelShape, CostError> {
+    type Span = (usize, usize);
+    let mut seen: Vec<(&str, Span, Span)> = Vec::new();
+    for &(k, v) in &sec.entries {
+        let name = &text[k.0..k.1];
+        if !MODEL_KEYS.split(", ").any(|x| x == name) {
+            return Err(err(
+                text,
+                source,
+                k,
+                CostErrorKind::UnknownModelKey(name.to_string()),
+            ));
+        }
+        if let Some(&(_, first, _)) = seen.iter().find(|(n, _, _)| *n == name) {
+            let (line, col) = line_col(text, first.0);
+            return Err(err(
+                text,
+                source,
+                k,
+                CostErrorKind::Duplicate {
+                    key: name.to_string(),
+                    line,
+                    col,
+                },
+            ));
+        }
+        seen.push((name, k, v));
+    }
+    let get = |name: &str| seen.iter().find(|(n, _, _)| *n == name).map(|&(_, _, v)| v);
+    let bad = |name: &str, v: (usize, usize), want: &str| {
+        let value = &text[v.0..v.1];
+        err(
+            text,
+            source,
+            v,
+            CostErrorKind::BadModelValue(format!("`{name}` must be {want}, not `{value}`")),
+        )
+    };
+
+    let int = |name: &str, default: u64| -> Result<u64, CostError> {
+        let Some(v) = get(name) else {
+            return Ok(default);
+        };
+        let s = text[v.0..v.1].replace('_', "");
+        match s.parse::<u64>() {
+            Ok(x) if (1..=MAX_DIM).contains(&x) && s.chars().all(|c| c.is_ascii_digit()) => Ok(x),
+            _ => Err(bad(name, v, &format!("an integer from 1 to {MAX_DIM}"))),
+        }
+    };
+    let boolean = |name: &str| -> Result<Option<bool>, CostError> {
+        let Some(v) = get(name) else {
+            return Ok(None);
+        };
+        match &text[v.0..v.1] {
+            "true" => Ok(Some(true)),
+            "false" => Ok(Some(false)),
+            _ => Err(bad(name, v, "`true` or `false`")),
+        }
+    };
+    // A string, quoted as TOML wants or bare.
+    let choice = |name: &str, options: &[&str]| -> Result<Option<usize>, CostError> {
+        let Some(v) = get(name) else {
+            return Ok(None);
+        };
+        let raw = &text[v.0..v.1];
+        let s = raw
+            .strip_prefix('"')
+            .and_then(|x| x.strip_suffix('"'))
+            .unwrap_or(raw);
+        match options.iter().position(|o| *o == s) {
+            Some(i) => Ok(Some(i)),
+            None => {
+                let list: Vec<String> = options.iter().map(|o| format!("\"{o}\"")).collect();
+                Err(bad(name, v, &format!("one of {}", list.join(", "))))
+            }
+        }
+    };
+    let hidden = int("hidden", 0)?;
+    let heads = int("heads", 0)?;
+    let tp = int("tp", 1)?;
+    let shape = ModelShape {
+        hidden,
+        ffn: int("ffn", 0)?,
+        heads,
+        kv_heads: int("kv_heads", heads)?,
+        seq: int("seq", 0)?,
+        micro_batch: int("micro_batch", 1)?,
+        vocab: int("vocab", 0)?,
+        dtype: match choice("dtype", &["bf16", "fp16", "fp32"])? {
+            None | Some(0) => Dtype::Bf16,
+            Some(1) => Dtype::Fp16,
+            _ => Dtype::Fp32,
+        },
+        tp,
+        cp: int("cp", 1)?,
+        dp: int("dp", 1)?,
+        // Megatron recommends sequence parallelism with tensor parallelism.
+        sequence_parallel: boolean("sequence_parallel")?.unwrap_or(tp > 1),
+        distributed_optimizer: boolean("distributed_optimizer")?.unwrap_or(false),
+        recompute: match choice("recompute", &["none", "selective", "full"])? {
+            None | Some(0) => Recompute::None,
+            Some(1) => Recompute::Selective,
+            _ => Recompute::Full,
+        },
+        swiglu: boolean("swiglu")?.unwrap_or(false),
+        normalization: match choice("normalization", &["LayerNorm", "RMSNorm"])? {
+            None | Some(0) => Norm::LayerNorm,
+            _ => Norm::RMSNorm,
+        },
+    };
+    // Values first (each error at its value), then what is missing (at the header).
+    let missing: Vec<&str> = REQUIRED
+        .iter()
+        .copied()
+        .filter(|r| get(r).is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(err(
+            text,
+            source,
+            sec.header,
+            CostErrorKind::MissingModelKeys(missing.join(", ")),
+        ));
+    }
+    let at = |name: &str| get(name).unwrap_or(sec.header);
+    let inconsistent = |name: &str, why: String| {
+        err(
+            text,
+            source,
+            at(name),
+            CostErrorKind::InconsistentModel(why),
+        )
+    };
+    if !shape.hidden.is_multiple_of(shape.heads) {
+        return Err(inconsistent(
+            "heads",
+            format!(
+                "hidden ({}) is not a multiple of heads ({})",
+                shape.hidden, shape.heads
+            ),
+        ));
+    }
+    if !shape.heads.is_multiple_of(shape.kv_heads) {
+        return Err(inconsistent(
+            "kv_heads",
+            format!(
+                "heads ({}) is not a multiple of kv_heads ({})",
+                shape.heads, shape.kv_heads
+            ),
+        ));
+    }
+    if !shape.heads.is_multiple_of(shape.tp) || !shape.kv_heads.is_multiple_of(shape.tp) {
+        return Err(inconsistent(
+            "tp",
+            format!(
+                "tp ({}) does not divide heads ({}) and kv_heads ({}): Megatron splits attention heads over tensor-parallel ranks",
+                shape.tp, shape.heads, shape.kv_heads
+            ),
+        ));
+    }
+    if !shape.seq.is_multiple_of(shape.cp) {
+        return Err(inconsistent(
+            "cp",
+            format!("cp ({}) does not divide seq ({})", shape.cp, shape.seq),
+        ));
+    }
+    Ok(shape)
+}
+
+/// The largest size or parallel degree a `[model]` key takes: 2^40.
+pub const MAX_DIM: u64 = 1 << 40;
 
 fn number(text: &str, source: Option<&str>, e: &Entry, allow_inf: bool) -> Result<f64, CostError> {
     let s = &text[e.value.0..e.value.1];
@@ -762,6 +1034,21 @@ pub enum CostErrorKind {
     OverlapRange,
     #[error("`{0}` is not a boolean; use `true` or `false`")]
     BadBool(String),
+    #[error("unknown table `{0}`; the only table is `[model]`")]
+    UnknownSection(String),
+    #[error("the model is described twice (one `[model]` table per cost model)")]
+    ModelTwice,
+    #[error("unknown key `{0}` in `[model]` (known: {MODEL_KEYS})")]
+    UnknownModelKey(String),
+    #[error("`{0}` describes the model: put it under a `[model]` line, after the cost keys")]
+    ModelKeyOutside(String),
+    #[error("`[model]` lacks {0} (required: hidden, ffn, heads, seq, vocab)")]
+    MissingModelKeys(String),
+    /// `` `KEY` must be WANT, not `VALUE` `` (one string keeps the error small).
+    #[error("{0}")]
+    BadModelValue(String),
+    #[error("inconsistent model: {0}")]
+    InconsistentModel(String),
     #[error("`{key}` is given twice (first at line {line}, column {col})")]
     Duplicate {
         key: String,

@@ -643,11 +643,12 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         });
         built.extend(results.into_iter().flatten());
     }
-    let bytes = req
-        .model
-        .memory
-        .iter()
-        .any(|m| m.act > 1e5 || m.param > 1e5)
+    let bytes = req.model.shape.is_some()
+        || req
+            .model
+            .memory
+            .iter()
+            .any(|m| m.act > 1e5 || m.param > 1e5)
         || limit.is_some_and(|l| l > 1e5);
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
