@@ -23,6 +23,11 @@
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //!
+//! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
+//! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
+//! normalization) derives every kind's `f`/`b`/`w`/`act`/`param` from the model's shape
+//! ([`super::model`]); keys given explicitly win.
+//!
 //! `act` and `param` are read by `pipec tune` only: a rank's peak memory is the `param` of
 //! the layers of its stages plus the most `act`-weighted live activations at any instant.
 //! A stage's pass costs the sum over its layers (the manifest's layout), so uneven layouts
