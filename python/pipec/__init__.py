@@ -35,6 +35,7 @@ __all__ = [
     "SpecError",
     "TorchExportError",
     "compile",
+    "cost_model",
     "kinds",
     "load",
     "seal",
@@ -293,6 +294,60 @@ def seal(path: str | os.PathLike) -> dict:
     return json.loads(_native.seal_dir(os.fspath(path)))
 
 
+#: The keys of a cost file's ``[model]`` table (``pipec.tune(..., model={...})``).
+MODEL_KEYS = (
+    "hidden",
+    "ffn",
+    "heads",
+    "kv_heads",
+    "seq",
+    "micro_batch",
+    "vocab",
+    "dtype",
+    "tp",
+    "cp",
+    "dp",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "recompute",
+    "swiglu",
+    "normalization",
+)
+
+
+def _with_model(cost: str | None, model: dict | None) -> str | None:
+    """The cost text with ``model`` appended as a ``[model]`` table (the CLI's file form)."""
+    if cost is not None and not isinstance(cost, str):
+        raise SpecError(f"cost must be cost-spec text, not {cost!r}")
+    if model is None:
+        return cost
+    if not isinstance(model, dict):
+        raise SpecError(f"model must be a dict of [model] keys, not {model!r}")
+    lines = ["[model]"]
+    for key, value in model.items():
+        if key not in MODEL_KEYS:
+            raise SpecError(f"model: unknown key {key!r} (known: {', '.join(MODEL_KEYS)})")
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int):
+            text = str(value)
+        elif isinstance(value, str) and '"' not in value and "\n" not in value:
+            text = f'"{value}"'
+        else:
+            raise SpecError(f"model: {key} must be an integer, a boolean or a name, not {value!r}")
+        lines.append(f"{key} = {text}")
+    return ("" if cost is None else cost + "\n") + "\n".join(lines) + "\n"
+
+
+def cost_model(cost: str | None = None, model: dict | None = None) -> dict:
+    """The cost model that ``cost`` (``--cost-file`` text) and ``model`` (the ``[model]``
+    keys) describe, as a dict: per layer kind ``E``, ``t``, ``m``, ``L`` the pass times
+    ``f``, ``b``, ``w``, then ``memory`` (per kind ``act`` and ``param``, bytes when derived
+    from a model) and ``model`` (the shape, defaults filled in). Explicit keys in ``cost``
+    win over what the model derives (docs/tune.md, "Model shape")."""
+    return json.loads(_native.cost_model_json(_with_model(cost, model) or ""))
+
+
 def tune(
     pp: int,
     microbatches: int,
@@ -301,6 +356,7 @@ def tune(
     layout: str | None = None,
     rebalance: bool = False,
     cost: str | None = None,
+    model: dict | None = None,
     memory_limit: str | float | None = None,
     target: str | None = None,
     kinds: list[str] | None = None,
@@ -316,6 +372,12 @@ def tune(
     ``pipec tune --json`` prints: ``schedule``, ``layout`` (a Megatron layout string),
     ``makespan``, ``lower_bound``, ``bubble``, ``peak_memory`` (per rank), ``candidates``.
     A limit nothing meets raises :class:`SpecError` naming the smallest peak reached.
+
+    ``model`` describes the model by its shape, as the ``[model]`` table of a cost file
+    (``dict(hidden=8192, ffn=28672, heads=64, kv_heads=8, seq=8192, vocab=128256,
+    swiglu=True, normalization="RMSNorm", tp=8, dp=8, distributed_optimizer=True,
+    recompute="selective")``): per-layer activation, parameter and optimizer bytes and pass
+    times come from it (see :func:`cost_model`); keys in ``cost`` override them.
 
     ``target`` is the framework that will run it (``"megatron"``, ``"torch"``,
     ``"torchtitan"``, ``"pipec-run"``, ``"deepspeed"`` or ``"any"``): only candidates it runs are
@@ -343,7 +405,7 @@ def tune(
         mtp_num_layers=mtp_num_layers,
         layout=layout,
         rebalance=rebalance,
-        cost=cost,
+        cost=_with_model(cost, model),
         memory_limit=memory_limit,
         target=target,
         kinds=None if kinds is None else list(kinds),

@@ -671,6 +671,16 @@ fn seal_dir(py: Python<'_>, path: PathBuf) -> PyResult<String> {
     .to_string())
 }
 
+/// The cost model a spec describes (`--cost` / `--cost-file` text, `[model]` table
+/// included), as the JSON the cost model serializes to: per kind `f`/`b`/`w`, `memory`
+/// (`act`, `param` in bytes when derived) and `model` (the shape).
+#[pyfunction]
+fn cost_model_json(spec: &str) -> PyResult<String> {
+    let model = CostModel::parse(spec).map_err(|e| SpecError::new_err(e.render()))?;
+    let v = serde_json::to_value(&model).map_err(|e| SpecError::new_err(e.to_string()))?;
+    Ok(v.to_string())
+}
+
 /// The schedule kinds pipec generates.
 #[pyfunction]
 fn kinds() -> Vec<String> {
@@ -696,5 +706,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(seal_dir, m)?)?;
     m.add_function(wrap_pyfunction!(tune_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
+    m.add_function(wrap_pyfunction!(cost_model_json, m)?)?;
     Ok(())
 }

@@ -1545,3 +1545,93 @@ fn cli_tune_targets() {
     let err = String::from_utf8(out.get_output().stderr.clone()).unwrap();
     assert!(err.contains("unknown schedule kind `1f1f`"), "{err}");
 }
+
+/// The README's model-shape example: its `llama3-70b.toml` (taken from the README itself)
+/// gives, per target, the plan and per-rank peak memory its table shows, and a bad key in
+/// the table is refused with its line and column (exit 1).
+#[test]
+fn readme_model_shape_example_holds() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let start = readme.find("$ cat llama3-70b.toml\n").expect("the example") + 22;
+    let end = start + readme[start..].find("$ pipec tune").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("llama3-70b.toml");
+    std::fs::write(&file, &readme[start..end]).unwrap();
+    let gib = (1u64 << 30) as f64;
+    for (target, schedule, peaks) in [
+        (
+            None,
+            "tuned loop vpp=1",
+            "79.5 71.3 71.3 74.0 74.0 76.8 79.6 77.1",
+        ),
+        (
+            Some("megatron"),
+            "tuned loop vpp=2",
+            "48.7 42.1 42.1 42.1 42.1 43.5 43.5 45.0",
+        ),
+        (
+            Some("pipec-run"),
+            "tuned bidirectional",
+            "79.8 78.7 78.7 78.7 78.7 78.7 78.7 79.8",
+        ),
+    ] {
+        let mut cmd = pipec();
+        cmd.args([
+            "tune",
+            "--pp",
+            "8",
+            "--microbatches",
+            "64",
+            "--num-layers",
+            "80",
+        ])
+        .arg("--cost-file")
+        .arg(&file)
+        .args(["--memory-limit", "80GiB", "--json"]);
+        if let Some(t) = target {
+            cmd.args(["--target", t]);
+        }
+        let out = cmd.assert().success().get_output().stdout.clone();
+        let j: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let s = &j["schedule"];
+        let name = format!(
+            "tuned {} vpp={}",
+            s["placement"].as_str().unwrap(),
+            s["vpp"]
+        );
+        assert!(
+            schedule.starts_with(&name) || name.starts_with(schedule),
+            "{name}"
+        );
+        let layout = j["layout"].as_str().unwrap().replace('|', "\\|");
+        let row = format!("| {schedule}, `{layout}` |");
+        assert!(readme.contains(&row), "{row}");
+        let got: Vec<String> = j["peak_memory"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| format!("{:.1}", x.as_f64().unwrap() / gib))
+            .collect();
+        assert_eq!(got.join(" "), peaks, "{target:?}");
+        assert!(readme.contains(&format!("| {peaks} |")), "{peaks}");
+    }
+    std::fs::write(
+        &file,
+        "[model]\nhidden = 8192\nheads = 64\nffn = 1\nseq = 8\nvocab = 8\ntp = -8\n",
+    )
+    .unwrap();
+    let out = pipec()
+        .args(["tune", "--pp", "2", "--microbatches", "2", "--cost-file"])
+        .arg(&file)
+        .assert()
+        .code(1)
+        .get_output()
+        .stderr
+        .clone();
+    let err = String::from_utf8(out).unwrap();
+    assert!(
+        err.contains(":7:6: `tp` must be an integer from 1"),
+        "{err}"
+    );
+}

@@ -23,6 +23,11 @@
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //!
+//! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
+//! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
+//! normalization) derives every kind's `f`/`b`/`w`/`act`/`param` from the model's shape
+//! ([`super::model`]); keys given explicitly win.
+//!
 //! `act` and `param` are read by `pipec tune` only: a rank's peak memory is the `param` of
 //! the layers of its stages plus the most `act`-weighted live activations at any instant.
 //! A stage's pass costs the sum over its layers (the manifest's layout), so uneven layouts
@@ -38,6 +43,7 @@
 //! reason. `overlap = 0` (a pair costs the sum of its parts) is the honest default: two passes
 //! on one GPU share its compute; raise it for the communication the pair hides (DualPipe).
 
+use super::model::{Dtype, ModelShape, Norm, Recompute, MODEL_KEYS, REQUIRED};
 use crate::front::layout::{LayerKind, Layout};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;
@@ -107,6 +113,8 @@ pub struct CostModel {
     /// (`1GiB`); plain numbers then count bytes too. Otherwise memory is counted in
     /// layer-activations ([`crate::memory`]).
     pub memory_bytes: bool,
+    /// The `[model]` table the per-kind figures were derived from, if any.
+    pub shape: Option<ModelShape>,
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -158,6 +166,9 @@ impl Serialize for CostModel {
         if self.memory_bytes {
             m.serialize_entry("memory_unit", "bytes")?;
         }
+        if let Some(shape) = &self.shape {
+            m.serialize_entry("model", shape)?;
+        }
         m.end()
     }
 }
@@ -179,6 +190,7 @@ impl Default for CostModel {
             overlap: 0.0,
             memory: DEFAULT_MEMORY,
             memory_bytes: false,
+            shape: None,
         }
     }
 }
@@ -213,8 +225,23 @@ impl CostModel {
     /// Apply the entries of `text` on top of this model. `source` names a file in errors.
     /// Per-kind keys win over `f`/`b`/`w` whatever their order; a key given twice in one text
     /// is an error.
+    ///
+    /// A `[model]` table derives every kind's `f`/`b`/`w`/`act`/`param` from the model's
+    /// shape ([`super::model`]) before the text's own keys apply, so explicit keys win.
     pub fn apply(&mut self, text: &str, source: Option<&str>) -> Result<(), CostError> {
-        let entries = entries(text, source)?;
+        let (entries, section) = entries(text, source)?;
+        if let Some(sec) = section {
+            if self.shape.is_some() {
+                return Err(err(text, source, sec.header, CostErrorKind::ModelTwice));
+            }
+            let shape = parse_shape(text, source, &sec)?;
+            let d = shape.derive();
+            self.layers = d.layers;
+            self.memory = d.memory;
+            self.shape = Some(shape);
+            // The shape gives memory in bytes.
+            self.memory_bytes = true;
+        }
         // Base keys first, then per-kind ones, so `t.f=2,f=1` means what it says.
         let mut base: [Option<f64>; 3] = [None; 3];
         for e in &entries {
@@ -359,7 +386,21 @@ impl CostModel {
                 ));
             }
         }
-        if !free.is_empty() {
+        if let Some(shape) = &self.shape {
+            // Derived kinds are never free: say what the embedding and the output layer carry.
+            let e = self.layer_memory(LayerKind::Embedding);
+            let l = self.layer_memory(LayerKind::Loss);
+            s.push_str(&format!(
+                "; from [model] {} (times in decoder-layer forwards; E: no matmul, param {}, act {}; L: param {}, act {}; t: param {}, act {})",
+                shape.describe(),
+                bytes(e.param),
+                bytes(e.act),
+                bytes(l.param),
+                bytes(l.act),
+                bytes(self.layer_memory(LayerKind::Decoder).param),
+                bytes(self.layer_memory(LayerKind::Decoder).act),
+            ));
+        } else if !free.is_empty() {
             let list = |suffix: &str| {
                 free.iter()
                     .map(|c| format!("{c}{suffix}"))
@@ -390,6 +431,16 @@ impl CostModel {
             s.push_str(&format!("; overlap {}", num(self.overlap)));
         }
         s
+    }
+}
+
+/// Bytes for people, as `pipec tune` prints them: GiB from 1 GiB up, else MiB.
+pub fn bytes(x: f64) -> String {
+    let gib = x / (1u64 << 30) as f64;
+    if gib >= 1.0 {
+        format!("{gib:.2}GiB")
+    } else {
+        format!("{:.1}MiB", x / (1u64 << 20) as f64)
     }
 }
 
@@ -596,8 +647,16 @@ fn trim(text: &str, lo: usize, hi: usize) -> (usize, usize) {
     (start, end.max(start))
 }
 
-fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
+/// The `[model]` table: where its header is, and its raw `key = value` entries (key and
+/// value byte ranges), checked by [`parse_shape`].
+struct Section {
+    header: (usize, usize),
+    entries: Vec<((usize, usize), (usize, usize))>,
+}
+
+fn entries(text: &str, source: Option<&str>) -> Result<(Vec<Entry>, Option<Section>), CostError> {
     let mut out: Vec<(Entry, (usize, usize))> = Vec::new();
+    let mut section: Option<Section> = None;
     let mut line_start = 0;
     for line in text.split_inclusive('\n') {
         let line_end = line_start + line.len();
@@ -608,7 +667,29 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
                 .find(',')
                 .map_or(content_end, |i| lo + i);
             let (a, b) = trim(text, lo, hi);
-            if a < b {
+            if a < b && text[a..b].starts_with('[') {
+                // A table header: `[model]` (TOML's form; also an item of an inline spec).
+                let item = &text[a..b];
+                let name = item
+                    .strip_prefix('[')
+                    .and_then(|x| x.strip_suffix(']'))
+                    .map(str::trim);
+                if name != Some("model") {
+                    return Err(err(
+                        text,
+                        source,
+                        (a, b),
+                        CostErrorKind::UnknownSection(item.to_string()),
+                    ));
+                }
+                if section.is_some() {
+                    return Err(err(text, source, (a, b), CostErrorKind::ModelTwice));
+                }
+                section = Some(Section {
+                    header: (a, b),
+                    entries: Vec::new(),
+                });
+            } else if a < b {
                 let item = &text[a..b];
                 let Some(eq) = item.find('=') else {
                     return Err(err(text, source, (a, b), CostErrorKind::MissingEquals));
@@ -619,15 +700,24 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
                     return Err(err(text, source, (a, a + 1), CostErrorKind::EmptyKey));
                 }
                 let name = &text[k.0..k.1];
-                let Some(parsed) = key(name) else {
-                    return Err(err(
-                        text,
-                        source,
-                        k,
-                        CostErrorKind::UnknownKey(name.to_string()),
-                    ));
-                };
                 if v.0 == v.1 {
+                    if section.is_some() {
+                        if !MODEL_KEYS.split(", ").any(|x| x == name) {
+                            return Err(err(
+                                text,
+                                source,
+                                k,
+                                CostErrorKind::UnknownModelKey(name.to_string()),
+                            ));
+                        }
+                    } else if key(name).is_none() {
+                        return Err(err(
+                            text,
+                            source,
+                            k,
+                            CostErrorKind::UnknownKey(name.to_string()),
+                        ));
+                    }
                     return Err(err(
                         text,
                         source,
@@ -635,6 +725,19 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
                         CostErrorKind::EmptyValue(name.to_string()),
                     ));
                 }
+                if let Some(sec) = &mut section {
+                    sec.entries.push((k, v));
+                    lo = hi + 1;
+                    continue;
+                }
+                let Some(parsed) = key(name) else {
+                    let kind = if MODEL_KEYS.split(", ").any(|x| x == name) {
+                        CostErrorKind::ModelKeyOutside(name.to_string())
+                    } else {
+                        CostErrorKind::UnknownKey(name.to_string())
+                    };
+                    return Err(err(text, source, k, kind));
+                };
                 if let Some((_, first)) = out.iter().find(|(e, _)| e.key == parsed) {
                     let (line, col) = line_col(text, first.0);
                     return Err(err(
@@ -660,8 +763,184 @@ fn entries(text: &str, source: Option<&str>) -> Result<Vec<Entry>, CostError> {
         }
         line_start = line_end;
     }
-    Ok(out.into_iter().map(|(e, _)| e).collect())
+    Ok((out.into_iter().map(|(e, _)| e).collect(), section))
 }
+
+/// Check the `[model]` table and build the shape: every key known and given once, the
+/// required ones present, integers positive, strings and booleans from their lists, and the
+/// shape consistent (Megatron's own checks: heads divisible by kv_heads and tp, hidden by
+/// heads, kv_heads by tp).
+fn parse_shape(text: &str, source: Option<&str>, sec: &Section) -> Result<ModelShape, CostError> {
+    type Span = (usize, usize);
+    let mut seen: Vec<(&str, Span, Span)> = Vec::new();
+    for &(k, v) in &sec.entries {
+        let name = &text[k.0..k.1];
+        if !MODEL_KEYS.split(", ").any(|x| x == name) {
+            return Err(err(
+                text,
+                source,
+                k,
+                CostErrorKind::UnknownModelKey(name.to_string()),
+            ));
+        }
+        if let Some(&(_, first, _)) = seen.iter().find(|(n, _, _)| *n == name) {
+            let (line, col) = line_col(text, first.0);
+            return Err(err(
+                text,
+                source,
+                k,
+                CostErrorKind::Duplicate {
+                    key: name.to_string(),
+                    line,
+                    col,
+                },
+            ));
+        }
+        seen.push((name, k, v));
+    }
+    let get = |name: &str| seen.iter().find(|(n, _, _)| *n == name).map(|&(_, _, v)| v);
+    let bad = |name: &str, v: (usize, usize), want: &str| {
+        let value = &text[v.0..v.1];
+        err(
+            text,
+            source,
+            v,
+            CostErrorKind::BadModelValue(format!("`{name}` must be {want}, not `{value}`")),
+        )
+    };
+
+    let int = |name: &str, default: u64| -> Result<u64, CostError> {
+        let Some(v) = get(name) else {
+            return Ok(default);
+        };
+        let s = text[v.0..v.1].replace('_', "");
+        match s.parse::<u64>() {
+            Ok(x) if (1..=MAX_DIM).contains(&x) && s.chars().all(|c| c.is_ascii_digit()) => Ok(x),
+            _ => Err(bad(name, v, &format!("an integer from 1 to {MAX_DIM}"))),
+        }
+    };
+    let boolean = |name: &str| -> Result<Option<bool>, CostError> {
+        let Some(v) = get(name) else {
+            return Ok(None);
+        };
+        match &text[v.0..v.1] {
+            "true" => Ok(Some(true)),
+            "false" => Ok(Some(false)),
+            _ => Err(bad(name, v, "`true` or `false`")),
+        }
+    };
+    // A string, quoted as TOML wants or bare.
+    let choice = |name: &str, options: &[&str]| -> Result<Option<usize>, CostError> {
+        let Some(v) = get(name) else {
+            return Ok(None);
+        };
+        let raw = &text[v.0..v.1];
+        let s = raw
+            .strip_prefix('"')
+            .and_then(|x| x.strip_suffix('"'))
+            .unwrap_or(raw);
+        match options.iter().position(|o| *o == s) {
+            Some(i) => Ok(Some(i)),
+            None => {
+                let list: Vec<String> = options.iter().map(|o| format!("\"{o}\"")).collect();
+                Err(bad(name, v, &format!("one of {}", list.join(", "))))
+            }
+        }
+    };
+    let hidden = int("hidden", 0)?;
+    let heads = int("heads", 0)?;
+    let tp = int("tp", 1)?;
+    let shape = ModelShape {
+        hidden,
+        ffn: int("ffn", 0)?,
+        heads,
+        kv_heads: int("kv_heads", heads)?,
+        seq: int("seq", 0)?,
+        micro_batch: int("micro_batch", 1)?,
+        vocab: int("vocab", 0)?,
+        dtype: match choice("dtype", &["bf16", "fp16", "fp32"])? {
+            None | Some(0) => Dtype::Bf16,
+            Some(1) => Dtype::Fp16,
+            _ => Dtype::Fp32,
+        },
+        tp,
+        cp: int("cp", 1)?,
+        dp: int("dp", 1)?,
+        // Megatron recommends sequence parallelism with tensor parallelism.
+        sequence_parallel: boolean("sequence_parallel")?.unwrap_or(tp > 1),
+        distributed_optimizer: boolean("distributed_optimizer")?.unwrap_or(false),
+        recompute: match choice("recompute", &["none", "selective", "full"])? {
+            None | Some(0) => Recompute::None,
+            Some(1) => Recompute::Selective,
+            _ => Recompute::Full,
+        },
+        swiglu: boolean("swiglu")?.unwrap_or(false),
+        normalization: match choice("normalization", &["LayerNorm", "RMSNorm"])? {
+            None | Some(0) => Norm::LayerNorm,
+            _ => Norm::RMSNorm,
+        },
+    };
+    // Values first (each error at its value), then what is missing (at the header).
+    let missing: Vec<&str> = REQUIRED
+        .iter()
+        .copied()
+        .filter(|r| get(r).is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(err(
+            text,
+            source,
+            sec.header,
+            CostErrorKind::MissingModelKeys(missing.join(", ")),
+        ));
+    }
+    let at = |name: &str| get(name).unwrap_or(sec.header);
+    let inconsistent = |name: &str, why: String| {
+        err(
+            text,
+            source,
+            at(name),
+            CostErrorKind::InconsistentModel(why),
+        )
+    };
+    if !shape.hidden.is_multiple_of(shape.heads) {
+        return Err(inconsistent(
+            "heads",
+            format!(
+                "hidden ({}) is not a multiple of heads ({})",
+                shape.hidden, shape.heads
+            ),
+        ));
+    }
+    if !shape.heads.is_multiple_of(shape.kv_heads) {
+        return Err(inconsistent(
+            "kv_heads",
+            format!(
+                "heads ({}) is not a multiple of kv_heads ({})",
+                shape.heads, shape.kv_heads
+            ),
+        ));
+    }
+    if !shape.heads.is_multiple_of(shape.tp) || !shape.kv_heads.is_multiple_of(shape.tp) {
+        return Err(inconsistent(
+            "tp",
+            format!(
+                "tp ({}) does not divide heads ({}) and kv_heads ({}): Megatron splits attention heads over tensor-parallel ranks",
+                shape.tp, shape.heads, shape.kv_heads
+            ),
+        ));
+    }
+    if !shape.seq.is_multiple_of(shape.cp) {
+        return Err(inconsistent(
+            "cp",
+            format!("cp ({}) does not divide seq ({})", shape.cp, shape.seq),
+        ));
+    }
+    Ok(shape)
+}
+
+/// The largest size or parallel degree a `[model]` key takes: 2^40.
+pub const MAX_DIM: u64 = 1 << 40;
 
 fn number(text: &str, source: Option<&str>, e: &Entry, allow_inf: bool) -> Result<f64, CostError> {
     let s = &text[e.value.0..e.value.1];
@@ -828,6 +1107,21 @@ pub enum CostErrorKind {
     OverlapRange,
     #[error("`{0}` is not a boolean; use `true` or `false`")]
     BadBool(String),
+    #[error("unknown table `{0}`; the only table is `[model]`")]
+    UnknownSection(String),
+    #[error("the model is described twice (one `[model]` table per cost model)")]
+    ModelTwice,
+    #[error("unknown key `{0}` in `[model]` (known: {MODEL_KEYS})")]
+    UnknownModelKey(String),
+    #[error("`{0}` describes the model: put it under a `[model]` line, after the cost keys")]
+    ModelKeyOutside(String),
+    #[error("`[model]` lacks {0} (required: hidden, ffn, heads, seq, vocab)")]
+    MissingModelKeys(String),
+    /// `` `KEY` must be WANT, not `VALUE` `` (one string keeps the error small).
+    #[error("{0}")]
+    BadModelValue(String),
+    #[error("inconsistent model: {0}")]
+    InconsistentModel(String),
     #[error("`{key}` is given twice (first at line {line}, column {col})")]
     Duplicate {
         key: String,

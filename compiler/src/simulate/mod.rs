@@ -17,6 +17,7 @@
 //! what.
 
 pub mod cost;
+pub mod model;
 pub mod timeline;
 
 use crate::ir::activations::{Activations, Peak};
