@@ -60,7 +60,8 @@ pub struct Args {
     #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
     pub format: FileFormat,
     /// Refuse requests with more compute ops than this.
-    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops)]
+    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops,
+          value_parser = clap::value_parser!(u64).range(1..=pipec_schedules::MAX_COMPUTE_OPS))]
     pub max_ops: u64,
 }
 
@@ -124,6 +125,10 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::TooBig(..)
         | TuneError::Nothing(_)
         | TuneError::Kind(..)
+        | TuneError::Spec(_)
+        | TuneError::TooManyLayers { .. }
+        | TuneError::NoLayers
+        | TuneError::EmptyRank { .. }
         | TuneError::NotRunnable { .. } => CliError::Invalid(e.to_string()),
     })?;
     progress.finish_and_clear();

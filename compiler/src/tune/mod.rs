@@ -19,7 +19,7 @@ pub mod problem;
 pub mod split;
 pub mod target;
 
-use crate::front::layout::{LayerKind, Layout};
+use crate::front::layout::{LayerKind, Layout, MAX_LAYERS};
 use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
@@ -96,6 +96,20 @@ pub enum TuneError {
     Nothing(String),
     #[error("{0} compute ops exceed the limit of {1}")]
     TooBig(u64, u64),
+    /// pp over [`pipec_schedules::MAX_PP`], in the spec's own words.
+    #[error(transparent)]
+    Spec(#[from] pipec_schedules::SpecError),
+    /// More layers than a layout string may expand to ([`MAX_LAYERS`]): the split would
+    /// allocate one entry per layer.
+    #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
+    TooManyLayers { layers: u64, max: u64 },
+    /// No decoder layer: every schedule would run nothing but the embedding and the loss.
+    #[error("the model has no decoder layers: there is nothing to split over the stages")]
+    NoLayers,
+    /// Fewer decoder layers than the ranks between the first and the last: some rank would
+    /// hold no layer at all under every placement.
+    #[error("{layers} decoder layers leave a rank with no layer at pp = {pp}: at least {need} are needed (one per rank; the first and last ranks also hold the embedding and the loss)")]
+    EmptyRank { layers: u32, pp: u32, need: u32 },
     #[error("unknown schedule kind `{0}` (expected `tuned` or one of: {1})")]
     Kind(String, String),
     #[error("no candidate runs on {target}{}", reasons.iter().map(|r| format!("\n  {r}")).collect::<String>())]
@@ -509,6 +523,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     if req.pp == 0 || req.microbatches == 0 {
         return Err(TuneError::Zero);
     }
+    check_size(req)?;
     let user_stages = match (&req.layout, req.rebalance) {
         (Some(l), false) => {
             if l.stages.len() % req.pp as usize != 0 {
@@ -772,6 +787,41 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     Err(TuneError::Nothing(
         "every candidate failed verification".into(),
     ))
+}
+
+/// The bounds checked before anything proportional to the request is allocated: pp as the
+/// spec caps it, the layer count as layout strings cap it, and a model every rank has a layer
+/// of (a degenerate model is refused, not tuned to a makespan of nothing).
+fn check_size(req: &TuneRequest) -> Result<(), TuneError> {
+    if req.pp > pipec_schedules::MAX_PP {
+        return Err(pipec_schedules::SpecError::TooManyRanks { pp: req.pp }.into());
+    }
+    if req.layout.is_none() {
+        let layers =
+            u64::from(req.num_layers.unwrap_or(0)) + u64::from(req.mtp_num_layers.unwrap_or(0));
+        if layers > MAX_LAYERS {
+            return Err(TuneError::TooManyLayers {
+                layers,
+                max: MAX_LAYERS,
+            });
+        }
+    }
+    let (n, _) = model_size(req);
+    if n == 0 {
+        return Err(TuneError::NoLayers);
+    }
+    // Stages are kept as given without --rebalance: the layout check judged them.
+    if req.layout.is_none() || req.rebalance {
+        let need = req.pp.saturating_sub(2).max(1);
+        if n < need {
+            return Err(TuneError::EmptyRank {
+                layers: n,
+                pp: req.pp,
+                need,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The kind names a request weighs (`tuned` and the built-in kinds), after `kinds` and
