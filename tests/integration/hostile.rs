@@ -980,9 +980,10 @@ fn tune_num_layers_is_capped() {
     }
 }
 
-/// Regression (#28): `tune --num-layers 0` returned "gpipe, makespan 0" with exit 0; a model
-/// with fewer decoder layers than the ranks between the first and the last (which hold the
-/// embedding and the loss) left a rank with nothing to run. Both refused, naming the count.
+/// Regression (#28): `tune --num-layers 0` returned "gpipe, makespan 0" with exit 0; now
+/// refused. A model with fewer decoder layers than stages is tuned, and when the winner has
+/// stages with no layer at all (counted here from its own layout string, parsed back) the
+/// report says how many.
 #[test]
 fn tune_zero_layers_refused() {
     let r = refuses(
@@ -998,26 +999,6 @@ fn tune_zero_layers_refused() {
         &[1],
     );
     assert!(r.stderr.contains("no decoder layers"), "{}", r.stderr);
-    let r = refuses(
-        pipec([
-            "tune",
-            "--pp",
-            "8",
-            "--microbatches",
-            "8",
-            "--num-layers",
-            "5",
-        ]),
-        &[1],
-    );
-    assert!(
-        r.stderr
-            .contains("5 decoder layers leave a rank with no layer")
-            && r.stderr.contains("at least 6"),
-        "{}",
-        r.stderr
-    );
-    // pp - 2 layers: one per middle rank, the embedding and the loss on the ends.
     let out = ok(pipec([
         "tune",
         "--pp",
@@ -1025,11 +1006,25 @@ fn tune_zero_layers_refused() {
         "--microbatches",
         "8",
         "--num-layers",
-        "6",
-        "--json",
+        "2",
+        "--target",
+        "any",
     ]));
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert!(v["makespan"].as_f64().unwrap() > 0.0, "{out}");
+    let layout = out
+        .lines()
+        .find_map(|l| l.strip_prefix("layout:"))
+        .expect("a layout line")
+        .trim();
+    let stages = pipec::front::layout::parse(layout).unwrap().stages;
+    let empty = stages.iter().filter(|s| s.is_empty()).count();
+    assert!(empty > 0, "{out}");
+    assert!(
+        out.contains(&format!(
+            "note:     {empty} of {} stages hold no layer",
+            stages.len()
+        )),
+        "{out}"
+    );
 }
 
 /// Regression (#28): `tune --pp 4000` aborted on a failed allocation under 6 GB; pp is

@@ -128,7 +128,6 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::Spec(_)
         | TuneError::TooManyLayers { .. }
         | TuneError::NoLayers
-        | TuneError::EmptyRank { .. }
         | TuneError::NotRunnable { .. } => CliError::Invalid(e.to_string()),
     })?;
     progress.finish_and_clear();
@@ -181,6 +180,13 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         println!("order:    pipec's own list scheduler: {words} (heuristic {h})");
     }
     println!("layout:   {}", b.layout);
+    let empty = t.empty_stages();
+    if empty > 0 {
+        println!(
+            "note:     {empty} of {} stages hold no layer (fewer decoder layers than stages): their ranks only pass tensors on",
+            t.layout.stages.len()
+        );
+    }
     let lb = t.lower_bound.value;
     println!(
         "makespan: {} (lower bound {}, {:.1}% above; bubble {:.1}%)",
