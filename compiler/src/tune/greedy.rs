@@ -353,7 +353,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
             continue;
         }
         events = events.wrapping_add(1);
-        if cutoff.is_finite() && events % 256 == 0 {
+        if cutoff.is_finite() && events.is_multiple_of(256) {
             let bound = (0..pp)
                 .map(|q| free[q].max(t) + rem[q])
                 .fold(0.0f64, f64::max);

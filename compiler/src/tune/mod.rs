@@ -226,6 +226,9 @@ fn layouts_for(req: &TuneRequest, placement: &Placement) -> Vec<Layout> {
         .collect()
 }
 
+/// A placement and split to plan, with the (makespan, peak) of a plan already found on it.
+type Job = (Placement, Layout, Option<(f64, f64)>);
+
 /// Run `f` over `jobs` on up to `threads` threads, results in job order.
 fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
     let threads = std::thread::available_parallelism()
@@ -592,8 +595,8 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     // Large instances: rank the splits of each placement with a few heuristics first, and run
     // every heuristic on the best split only.
     let per_job_ops = 3 * 2 * req.pp as u64 * req.microbatches as u64;
-    let selected: Vec<(Placement, Layout, Option<(f64, f64)>)> = if per_job_ops > 60_000 {
-        let mut keep: Vec<(Placement, Layout, Option<(f64, f64)>)> = Vec::new();
+    let selected: Vec<Job> = if per_job_ops > 60_000 {
+        let mut keep: Vec<Job> = Vec::new();
         for (pl, layout) in &jobs {
             let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
             let best = best_plan_with(&p, greedy::quick_heuristics(&p)).map(|(plan, _)| {
