@@ -61,6 +61,10 @@ pub enum CompileError {
     /// `num_layers` without a layout must split evenly over the stages, as Megatron requires.
     #[error("{num_layers} decoder layers do not split evenly over {stages} stages (pp x vpp); give a layout for an uneven split")]
     UnevenLayers { num_layers: u32, stages: u32 },
+    /// More layers than a layout string may expand to: the even split allocates one entry
+    /// per layer.
+    #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
+    TooManyLayers { layers: u64, max: u64 },
 }
 
 /// A compiled schedule: everything the emitters and the runtime need.
@@ -166,6 +170,13 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
 /// last, MTP layers on the last stage), so that `--num-layers` without `--layout` builds the
 /// model it names instead of one layer per stage.
 pub fn even_layout(stages: u32, num_layers: u32, mtp_layers: u32) -> Result<Layout, CompileError> {
+    let layers = u64::from(num_layers) + u64::from(mtp_layers);
+    if layers > layout::MAX_LAYERS {
+        return Err(CompileError::TooManyLayers {
+            layers,
+            max: layout::MAX_LAYERS,
+        });
+    }
     if stages == 0 || !num_layers.is_multiple_of(stages) {
         return Err(CompileError::UnevenLayers { num_layers, stages });
     }

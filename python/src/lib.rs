@@ -504,15 +504,15 @@ fn compile_schedule(
         combined,
         megatron_p2p: p2p,
         layout,
-        limits: Limits {
-            max_compute_ops: max_ops.unwrap_or(Limits::DEFAULT.max_compute_ops),
-        },
+        limits: limits(max_ops)?,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let c = py.detach(|| compile(&req)).map_err(|e| match e {
         CompileError::Layout(l) => LayoutError::new_err(l.to_string()),
         CompileError::Spec(s) => SpecError::new_err(s.to_string()),
-        e @ CompileError::UnevenLayers { .. } => SpecError::new_err(e.to_string()),
+        e @ (CompileError::UnevenLayers { .. } | CompileError::TooManyLayers { .. }) => {
+            SpecError::new_err(e.to_string())
+        }
     })?;
     let r = verify_memory(
         py,
@@ -597,9 +597,7 @@ fn tune_schedule(
         num_layers,
         mtp_num_layers,
         memory_limit,
-        limits: Limits {
-            max_compute_ops: max_ops.unwrap_or(Limits::DEFAULT.max_compute_ops),
-        },
+        limits: limits(max_ops)?,
         target,
         kinds,
         exclude_kinds: exclude_kinds.unwrap_or_default(),
@@ -708,4 +706,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
     m.add_function(wrap_pyfunction!(cost_model_json, m)?)?;
     Ok(())
+}
+
+/// The op limit a call asks for, capped as the CLI's `--max-ops` is.
+fn limits(max_ops: Option<u64>) -> PyResult<Limits> {
+    let max = pipec_schedules::MAX_COMPUTE_OPS;
+    match max_ops {
+        Some(n) if n == 0 || n > max => Err(SpecError::new_err(format!(
+            "max_ops = {n} is out of range: 1 to {max}"
+        ))),
+        n => Ok(Limits {
+            max_compute_ops: n.unwrap_or(Limits::DEFAULT.max_compute_ops),
+        }),
+    }
 }

@@ -24,5 +24,5 @@ pub use placement::{Placement, PlacementKind};
 pub use schedule::{generate, CommPolicy, Schedule};
 pub use spec::{
     ChunkRule, KindInfo, Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError, UnknownKind,
-    MAX_PP, MAX_STAGES,
+    MAX_COMPUTE_OPS, MAX_PP, MAX_STAGES,
 };

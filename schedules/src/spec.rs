@@ -279,6 +279,10 @@ pub struct Limits {
     pub max_compute_ops: u64,
 }
 
+/// The highest `max_compute_ops` a request may raise the limit to: 16 times the default
+/// (268M compute ops; a program that size takes tens of GB of memory before it is written).
+pub const MAX_COMPUTE_OPS: u64 = 1 << 28;
+
 impl Limits {
     /// 16M compute ops: sixteen times the largest frontier configuration we benchmark
     /// (pp=64, vpp=8, M=1024 has about one million).

@@ -911,3 +911,170 @@ fn recompiling_replaces_every_rank_file_and_a_failed_compile_changes_nothing() {
         .collect();
     assert_eq!(siblings, [std::ffi::OsString::from("out")]);
 }
+
+/// The layer cap of layout strings, as `pipec layout` reports it (2^20): the same number
+/// every `--num-layers` / `--mtp-num-layers` bound must name.
+fn layout_layer_cap() -> String {
+    let r = refuses(pipec(["layout", "E,t*1048577,L", "--pp", "1"]), &[1]);
+    assert!(r.stderr.contains("1048576"), "{}", r.stderr);
+    "over the limit of 1048576 layers".to_string()
+}
+
+/// Regression (#28): `compile --num-layers 4000000000` aborted on a failed allocation (the
+/// even split built one entry per layer); `--mtp-num-layers` the same. Now refused (exit 1)
+/// at the layout strings' cap, before anything is allocated.
+#[test]
+fn compile_num_layers_is_capped() {
+    let why = layout_layer_cap();
+    let base = ["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"];
+    for extra in [
+        &["--num-layers", "4000000000"][..],
+        &["--num-layers", "1048580"],
+        &["--num-layers", "4", "--mtp-num-layers", "4000000000"],
+    ] {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        compile_refused(&args, &[1], &why);
+    }
+    // The cap itself is accepted (4 x 2^18 decoder layers split evenly).
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = pipec(["compile"]);
+    c.args(base)
+        .args(["--num-layers", "1048576", "-o"])
+        .arg(tmp.path().join("o"));
+    ok(c);
+}
+
+/// Regression (#28): `compare --num-layers 4000000000` aborted the same way.
+#[test]
+fn compare_num_layers_is_capped() {
+    let why = layout_layer_cap();
+    for extra in [
+        &["--num-layers", "4000000000"][..],
+        &["--num-layers", "4", "--mtp-num-layers", "4000000000"],
+    ] {
+        let mut c = pipec([
+            "compare",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+        ]);
+        c.args(extra);
+        let r = refuses(c, &[1]);
+        assert!(r.stderr.contains(&why), "{extra:?}: {}", r.stderr);
+    }
+}
+
+/// Regression (#28): `tune --num-layers 100000000` ran 70 s and 5.1 GB; now refused at the
+/// layout strings' cap like compile.
+#[test]
+fn tune_num_layers_is_capped() {
+    let why = layout_layer_cap();
+    for extra in [
+        &["--num-layers", "100000000"][..],
+        &["--num-layers", "4000000000"],
+        &["--num-layers", "8", "--mtp-num-layers", "4000000000"],
+    ] {
+        let mut c = pipec(["tune", "--pp", "4", "--microbatches", "8"]);
+        c.args(extra);
+        let r = refuses(c, &[1]);
+        assert!(r.stderr.contains(&why), "{extra:?}: {}", r.stderr);
+    }
+}
+
+/// Regression (#28): `tune --num-layers 0` returned "gpipe, makespan 0" with exit 0; now
+/// refused. A model with fewer decoder layers than stages is tuned, and when the winner has
+/// stages with no layer at all (counted here from its own layout string, parsed back) the
+/// report says how many.
+#[test]
+fn tune_zero_layers_refused() {
+    let r = refuses(
+        pipec([
+            "tune",
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+            "--num-layers",
+            "0",
+        ]),
+        &[1],
+    );
+    assert!(r.stderr.contains("no decoder layers"), "{}", r.stderr);
+    let out = ok(pipec([
+        "tune",
+        "--pp",
+        "8",
+        "--microbatches",
+        "8",
+        "--num-layers",
+        "2",
+        "--target",
+        "any",
+    ]));
+    let layout = out
+        .lines()
+        .find_map(|l| l.strip_prefix("layout:"))
+        .expect("a layout line")
+        .trim();
+    let stages = pipec::front::layout::parse(layout).unwrap().stages;
+    let empty = stages.iter().filter(|s| s.is_empty()).count();
+    assert!(empty > 0, "{out}");
+    assert!(
+        out.contains(&format!(
+            "note:     {empty} of {} stages hold no layer",
+            stages.len()
+        )),
+        "{out}"
+    );
+}
+
+/// Regression (#28): `tune --pp 4000` aborted on a failed allocation under 6 GB; pp is
+/// capped as the schedule spec caps it, in compile's words.
+#[test]
+fn tune_pp_is_capped() {
+    let c = compile_refused(
+        &["--schedule", "1f1b", "--pp", "4097", "--microbatches", "1"],
+        &[1],
+        "4096 ranks",
+    );
+    let r = refuses(pipec(["tune", "--pp", "4097", "--microbatches", "1"]), &[1]);
+    let line = |s: &str| {
+        s.lines()
+            .find(|l| l.contains("4096"))
+            .unwrap_or("")
+            .to_string()
+    };
+    assert_eq!(line(&r.stderr), line(&c.stderr), "{}", r.stderr);
+}
+
+/// Regression (#28): `--max-ops` took any value, so the op limit that guards every
+/// allocation could be switched off. Now 1 to 2^28 (a usage error, exit 2, outside it).
+#[test]
+fn max_ops_is_capped() {
+    for cmd in ["compile", "tune"] {
+        for bad in ["0", "268435457", "18446744073709551615"] {
+            let mut c = pipec([cmd, "--pp", "2", "--microbatches", "4", "--max-ops", bad]);
+            if cmd == "compile" {
+                c.args(["--schedule", "1f1b", "-o", "/nonexistent/never-written"]);
+            }
+            let r = refuses(c, &[2]);
+            assert!(r.stderr.contains("--max-ops"), "{cmd} {bad}: {}", r.stderr);
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = pipec([
+        "compile",
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+    ]);
+    c.args(["--max-ops", "268435456", "-o"])
+        .arg(tmp.path().join("o"));
+    ok(c);
+}

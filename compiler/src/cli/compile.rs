@@ -59,7 +59,8 @@ pub struct Args {
     #[arg(long)]
     pub mtp_num_layers: Option<u32>,
     /// Refuse schedules with more compute ops than this.
-    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops)]
+    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops,
+          value_parser = clap::value_parser!(u64).range(1..=pipec_schedules::MAX_COMPUTE_OPS))]
     pub max_ops: u64,
     /// Encoding of the rank files: json (default, readable) or bin (postcard, compact).
     #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
@@ -142,7 +143,9 @@ pub fn compile_error(e: CompileError) -> CliError {
             CliError::Invalid(format!("{s} (--vpp, or --layout)"))
         }
         CompileError::Spec(s) => CliError::Invalid(s.to_string()),
-        e @ CompileError::UnevenLayers { .. } => CliError::Invalid(e.to_string()),
+        e @ (CompileError::UnevenLayers { .. } | CompileError::TooManyLayers { .. }) => {
+            CliError::Invalid(e.to_string())
+        }
     }
 }
 

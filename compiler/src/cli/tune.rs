@@ -60,7 +60,8 @@ pub struct Args {
     #[arg(long = "format", value_enum, default_value_t = FileFormat::Json)]
     pub format: FileFormat,
     /// Refuse requests with more compute ops than this.
-    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops)]
+    #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops,
+          value_parser = clap::value_parser!(u64).range(1..=pipec_schedules::MAX_COMPUTE_OPS))]
     pub max_ops: u64,
 }
 
@@ -125,6 +126,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::TooBig(..)
         | TuneError::Nothing(_)
         | TuneError::Kind(..)
+        | TuneError::Spec(_)
+        | TuneError::TooManyLayers { .. }
+        | TuneError::NoLayers
         | TuneError::NotRunnable { .. } => CliError::Invalid(e.to_string()),
     })?;
     progress.finish_and_clear();
@@ -200,6 +204,13 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         println!("order:    {whose}{words} (heuristic {h})");
     }
     println!("layout:   {}", b.layout);
+    let empty = t.empty_stages();
+    if empty > 0 {
+        println!(
+            "note:     {empty} of {} stages hold no layer (fewer decoder layers than stages): their ranks only pass tensors on",
+            t.layout.stages.len()
+        );
+    }
     let lb = t.lower_bound.value;
     println!(
         "makespan: {} (lower bound {}, {:.1}% above; bubble {:.1}%)",

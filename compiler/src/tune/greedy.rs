@@ -299,6 +299,18 @@ pub fn warmup_estimate(p: &Problem) -> Vec<f64> {
 /// Run the list scheduler with one heuristic. `None` when the memory limit leaves some rank
 /// unable to move (no order under these rules fits).
 pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
+    schedule_within(p, h, f64::INFINITY, f64::INFINITY)
+}
+
+/// [`schedule`], given up (`None`) as soon as the plan is sure to end after `cutoff`: at
+/// event time `t` no rank can end before `max(t, free) + its remaining work` (events come in
+/// time order, so nothing starts before `t`), or as soon as some rank's peak memory
+/// (activations plus parameters) passes `peak_cutoff`. Branch and bound for the tuner: a
+/// heuristic that cannot beat a plan already in hand stops early instead of running to its
+/// end.
+pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64) -> Option<Plan> {
+    // The zero-bubble authors' rules (their own clock, [`super::zb`]) run to the end: they
+    // are cheap next to the list scheduler and a cut run would hide their plan.
     if let Some(z) = h.zb {
         return super::zb::schedule(p, z);
     }
@@ -382,10 +394,27 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
     }
     let mut makespan = 0.0f64;
     let eps = 1e-9;
+    // Work left per rank, for the cutoff's bound.
+    let mut rem = vec![0.0f64; pp];
+    if cutoff.is_finite() {
+        for l in &lanes {
+            rem[l.rank] += (l.hi - l.lo) as f64 * (p.f[l.stage] + p.b[l.stage] + p.w[l.stage]);
+        }
+    }
+    let mut events = 0u32;
     while let Some(Event(t, r)) = heap.pop() {
         let r = r as usize;
         if free[r] > t {
             continue;
+        }
+        events = events.wrapping_add(1);
+        if cutoff.is_finite() && events.is_multiple_of(256) {
+            let bound = (0..pp)
+                .map(|q| free[q].max(t) + rem[q])
+                .fold(0.0f64, f64::max);
+            if bound > cutoff {
+                return None;
+            }
         }
         // A bwd_W that ended frees its activation when the rank is next free.
         if let Some((s, end)) = pending_w[r] {
@@ -498,13 +527,14 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
                 nf[li] += 1;
                 live[r] += p.act[s];
                 peak[r] = peak[r].max(live[r]);
+                if peak[r] + p.param[r] > peak_cutoff {
+                    return None;
+                }
                 inflight[r] += 1;
                 orders[r].push(Compute::Fwd(Task::new(s as u32, mb as u32)));
                 if s + 1 < n {
                     let q = p.rank_of(s + 1, mb);
-                    if q != r {
-                        heap.push(Event(end + p.comm, q as u32));
-                    }
+                    wake(&mut heap, &free, t, q, r, end + p.comm);
                 }
             }
             1 => {
@@ -516,9 +546,7 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
                 orders[r].push(Compute::BwdD(Task::new(s as u32, mb as u32)));
                 if s > 0 {
                     let q = p.rank_of(s - 1, mb);
-                    if q != r {
-                        heap.push(Event(end + p.comm, q as u32));
-                    }
+                    wake(&mut heap, &free, t, q, r, end + p.comm);
                 }
             }
             _ => {
@@ -530,6 +558,7 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
             }
         }
         free[r] = end;
+        rem[r] -= end - start;
         makespan = makespan.max(end);
         done += 1;
         heap.push(Event(end, r as u32));
@@ -552,6 +581,17 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
         makespan,
         peak,
     })
+}
+
+/// Queue the arrival of a tensor at rank `q` (sent by `r` at time `now`) for time `at`, unless
+/// `q` is busy until then: its own end event (queued when its op started, still ahead since
+/// it ends after `now`) wakes it no earlier than the arrival, and the arrival's event would
+/// only be popped and dropped as stale. Keeps the heap to the events that do something.
+#[inline]
+fn wake(heap: &mut BinaryHeap<Event>, free: &[f64], now: f64, q: usize, r: usize, at: f64) {
+    if q != r && !(at <= free[q] && free[q] > now) {
+        heap.push(Event(at, q as u32));
+    }
 }
 
 /// As-soon-as-possible times of fixed per-rank orders (each op starts when its rank is free

@@ -20,7 +20,7 @@ pub mod split;
 pub mod target;
 pub mod zb;
 
-use crate::front::layout::{LayerKind, Layout};
+use crate::front::layout::{LayerKind, Layout, MAX_LAYERS};
 use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
@@ -97,6 +97,16 @@ pub enum TuneError {
     Nothing(String),
     #[error("{0} compute ops exceed the limit of {1}")]
     TooBig(u64, u64),
+    /// pp over [`pipec_schedules::MAX_PP`], in the spec's own words.
+    #[error(transparent)]
+    Spec(#[from] pipec_schedules::SpecError),
+    /// More layers than a layout string may expand to ([`MAX_LAYERS`]): the split would
+    /// allocate one entry per layer.
+    #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
+    TooManyLayers { layers: u64, max: u64 },
+    /// No decoder layer: every schedule would run nothing but the embedding and the loss.
+    #[error("the model has no decoder layers: there is nothing to split over the stages")]
+    NoLayers,
     #[error("unknown schedule kind `{0}` (expected `tuned` or one of: {1})")]
     Kind(String, String),
     #[error("no candidate runs on {target}{}", reasons.iter().map(|r| format!("\n  {r}")).collect::<String>())]
@@ -216,6 +226,9 @@ fn layouts_for(req: &TuneRequest, placement: &Placement) -> Vec<Layout> {
         .map(|c| split::layout_of(&c, mtp))
         .collect()
 }
+
+/// A placement and split to plan, with the (makespan, peak) of a plan already found on it.
+type Job = (Placement, Layout, Option<(f64, f64)>);
 
 /// Run `f` over `jobs` on up to `threads` threads, results in job order.
 fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
@@ -341,6 +354,12 @@ impl Tuned {
             .map(|h| h.describe())
     }
 
+    /// Stages of the winner's layout that hold no layer at all (fewer decoder layers than
+    /// stages): the report says so, since such a stage's rank only passes tensors on.
+    pub fn empty_stages(&self) -> usize {
+        self.layout.stages.iter().filter(|s| s.is_empty()).count()
+    }
+
     /// The layout the written files carry: the chosen split, with its Megatron string.
     pub fn file_layout(&self) -> Layout {
         Layout {
@@ -375,7 +394,36 @@ pub fn best_plan_with(
     p: &Problem,
     hs: Vec<greedy::Heuristic>,
 ) -> Option<(greedy::Plan, greedy::Heuristic)> {
-    let plans = par_map(&hs, |h| greedy::schedule(p, h));
+    best_plan_within(p, hs, None)
+}
+
+/// [`best_plan_with`] where one of `hs` is known to plan within `known` (its makespan and
+/// peak memory): the others stop as soon as they must end later
+/// ([`greedy::schedule_within`]); when `known` meets the lower bound (nothing ends sooner, so
+/// the choice below goes by peak memory), also as soon as their peak passes its peak. The
+/// margins are above the 1e-9 ties of the choice, so what is dropped could never have been
+/// chosen: the result is the same as without the cutoff.
+fn best_plan_within(
+    p: &Problem,
+    hs: Vec<greedy::Heuristic>,
+    known: Option<(f64, f64)>,
+) -> Option<(greedy::Plan, greedy::Heuristic)> {
+    let (cutoff, peak_cutoff) = match known {
+        Some((m, peak)) => (
+            m + 1e-6 * m.abs().max(1.0),
+            if m <= bound::lower_bound(p).value + 1e-9 {
+                peak + 1e-6 * peak.abs().max(1.0)
+            } else {
+                f64::INFINITY
+            },
+        ),
+        None => (f64::INFINITY, f64::INFINITY),
+    };
+    let plans = par_map(&hs, |h| greedy::schedule_within(p, h, cutoff, peak_cutoff));
+    if known.is_some() && plans.iter().all(Option::is_none) {
+        // `known` came from elsewhere than `hs`: plan without it.
+        return best_plan_within(p, hs, None);
+    }
     let mut best: Option<(greedy::Plan, greedy::Heuristic)> = None;
     for (plan, h) in plans.into_iter().zip(hs) {
         let Some(plan) = plan else { continue };
@@ -510,6 +558,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     if req.pp == 0 || req.microbatches == 0 {
         return Err(TuneError::Zero);
     }
+    check_size(req)?;
     let user_stages = match (&req.layout, req.rebalance) {
         (Some(l), false) => {
             if l.stages.len() % req.pp as usize != 0 {
@@ -547,25 +596,33 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     // Large instances: rank the splits of each placement with a few heuristics first, and run
     // every heuristic on the best split only.
     let per_job_ops = 3 * 2 * req.pp as u64 * req.microbatches as u64;
-    let selected: Vec<(Placement, Layout)> = if per_job_ops > 60_000 {
-        let mut keep: Vec<(Placement, Layout, f64)> = Vec::new();
+    let selected: Vec<Job> = if per_job_ops > 60_000 {
+        let mut keep: Vec<Job> = Vec::new();
         for (pl, layout) in &jobs {
             let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
-            let score = best_plan_with(&p, greedy::quick_heuristics(&p))
-                .map_or(f64::INFINITY, |(plan, _)| plan.makespan);
+            let best = best_plan_with(&p, greedy::quick_heuristics(&p)).map(|(plan, _)| {
+                let peak = plan.peak.iter().fold(0.0, |a: f64, &x| a.max(x));
+                (plan.makespan, peak)
+            });
+            let score = best.map_or(f64::INFINITY, |b| b.0);
             match keep.iter_mut().find(|k| k.0 == *pl) {
-                Some(k) if score < k.2 => *k = (pl.clone(), layout.clone(), score),
+                Some(k) if score < k.2.map_or(f64::INFINITY, |b| b.0) => {
+                    *k = (pl.clone(), layout.clone(), best)
+                }
                 Some(_) => {}
-                None => keep.push((pl.clone(), layout.clone(), score)),
+                None => keep.push((pl.clone(), layout.clone(), best)),
             }
         }
-        keep.into_iter().map(|(p, l, _)| (p, l)).collect()
+        keep
     } else {
-        jobs.clone()
+        jobs.iter()
+            .map(|(p, l)| (p.clone(), l.clone(), None))
+            .collect()
     };
-    for (pl, layout) in &selected {
+    for (pl, layout, known) in &selected {
         let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
-        let Some((plan, h)) = best_plan(&p) else {
+        // The quick heuristics are among these: their best plan bounds the others.
+        let Some((plan, h)) = best_plan_within(&p, greedy::heuristics_for(&p), *known) else {
             continue;
         };
         let Some(program) = lower::lower_timed(&p, &plan.orders) else {
@@ -776,6 +833,31 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     Err(TuneError::Nothing(
         "every candidate failed verification".into(),
     ))
+}
+
+/// The bounds checked before anything proportional to the request is allocated: pp as the
+/// spec caps it, the layer count as layout strings cap it, and a model every rank has a layer
+/// of (a model without decoder layers is refused, not tuned to a makespan of nothing; one
+/// with fewer layers than stages is tuned, and the report names its empty stages).
+fn check_size(req: &TuneRequest) -> Result<(), TuneError> {
+    if req.pp > pipec_schedules::MAX_PP {
+        return Err(pipec_schedules::SpecError::TooManyRanks { pp: req.pp }.into());
+    }
+    if req.layout.is_none() {
+        let layers =
+            u64::from(req.num_layers.unwrap_or(0)) + u64::from(req.mtp_num_layers.unwrap_or(0));
+        if layers > MAX_LAYERS {
+            return Err(TuneError::TooManyLayers {
+                layers,
+                max: MAX_LAYERS,
+            });
+        }
+    }
+    let (n, _) = model_size(req);
+    if n == 0 {
+        return Err(TuneError::NoLayers);
+    }
+    Ok(())
 }
 
 /// The kind names a request weighs (`tuned` and the built-in kinds), after `kinds` and
