@@ -486,3 +486,25 @@ def test_memory_is_counted_as_the_cli_counts_it(tmp_path):
         s.check(memory_limit="80GiB")
     with pytest.raises(pipec.SpecError, match="is negative"):
         s.check(memory_limit="-5GiB")
+
+
+def test_native_stub_matches_the_module():
+    """#27: the native module has a .pyi (and the package a py.typed); every name it declares
+    exists, and every public name of the module is declared."""
+    import ast
+
+    from pipec import _native
+
+    pkg = Path(pipec.__file__).parent
+    assert (pkg / "py.typed").exists()
+    tree = ast.parse((pkg / "_native.pyi").read_text())
+    top = {
+        n.name if not isinstance(n, ast.AnnAssign) else n.target.id
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AnnAssign))
+    }
+    public = {n for n in dir(_native) if not n.startswith("_")} | {"__version__"}
+    assert top == public
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NativeSchedule")
+    members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert members == {n for n in dir(_native.NativeSchedule) if not n.startswith("_")}
