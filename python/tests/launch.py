@@ -117,3 +117,52 @@ def start_worker(argv: list[str]) -> tuple[list, int, int, str]:
         timeout=timedelta(seconds=120),
     )
     return configs, rank, world, out
+
+
+def train_csv_recipes(cases, framework: str, path: str, out: Path, tol: float) -> tuple:
+    """Train each ``(name, compile kwargs, schedule name)`` case at pp=2, M=4 from pipec's
+    compute-only CSV through ``framework``'s own schedule builder (torch_worker.py's
+    ``torchtitan`` / ``automodel`` configs), with ``path`` (the framework's ``--no-deps``
+    install) on PYTHONPATH; :func:`train_all`'s result."""
+    import pipec
+
+    configs = []
+    for name, kw, cls in cases:
+        sched = pipec.compile(pp=2, microbatches=4, **kw)
+        csv = out / f"{name}.csv"
+        csv.write_text(sched.to_torch_csv(compute_only=True))
+        configs.append(
+            {
+                "name": name,
+                "pp": 2,
+                "tol": tol,
+                "compile": dict(kw, pp=2, microbatches=4),
+                framework: cls,
+                "csv": str(csv),
+            }
+        )
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = path + (os.pathsep + old if old else "")
+    try:
+        return train_all(configs, 2, out, 300)
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def rank_results(trained, name: str, world: int = 2) -> list[dict]:
+    """Each rank's result of config ``name``, failing the test on a hang or an error."""
+    import pytest
+
+    results, _, logs = trained
+    got = []
+    for r in range(world):
+        res = results.get((name, r))
+        if res is None:
+            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
+        if not res["ok"]:
+            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
+        got.append(res)
+    return got

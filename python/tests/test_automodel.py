@@ -46,42 +46,14 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("automodel")
-    configs = []
-    for name, kw, cls in CASES:
-        sched = pipec.compile(pp=2, microbatches=4, **kw)
-        csv = out / f"{name}.csv"
-        csv.write_text(sched.to_torch_csv(compute_only=True))
-        configs.append(
-            {
-                "name": name,
-                "pp": 2,
-                "tol": TOL,
-                "compile": dict(kw, pp=2, microbatches=4),
-                "automodel": cls,
-                "csv": str(csv),
-            }
-        )
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = AM + (os.pathsep + old if old else "")
-    try:
-        return launch.train_all(configs, 2, out, 300)
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
+    return launch.train_csv_recipes(
+        CASES, "automodel", AM, tmp_path_factory.mktemp("automodel"), TOL
+    )
 
 
 @pytest.mark.parametrize("name,kw,cls", CASES, ids=[c[0] for c in CASES])
 def test_automodel_trains_with_a_pipec_csv(trained, name, kw, cls):
-    results, _, logs = trained
-    for r in range(2):
-        res = results.get((name, r))
-        if res is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not res["ok"]:
-            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
+    for res in launch.rank_results(trained, name):
         assert res["max_grad_rel_err"] <= TOL and res["max_loss_rel_err"] <= TOL
         assert res["grads_compared"] > 0
 
