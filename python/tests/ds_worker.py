@@ -30,8 +30,6 @@ import copy
 import json
 import os
 import sys
-import time
-import traceback
 from collections import Counter
 from datetime import timedelta
 
@@ -43,6 +41,7 @@ import pipec
 import pipec.deepspeed as pds
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
+from launch import record_each
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The CPU accelerator JIT-builds a shared-memory op with ninja and g++ unless it is marked
@@ -447,23 +446,7 @@ def main() -> None:
     with open(cfg_path) as f:
         configs = json.load(f)
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120))
-    log = open(os.path.join(out, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115 (the process's life)
-    for cfg in configs:
-        t0 = time.perf_counter()
-        try:
-            res = {"ok": True, **run(cfg, rank)}
-        except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        res.update(name=cfg["name"], rank=rank, seconds=time.perf_counter() - t0)
-        log.write(json.dumps(res) + "\n")
-        log.flush()
-        if not res["ok"]:
-            # Peers may now wait forever on this rank: stop here; the launcher's timeout or the
-            # peers' gloo timeout ends the rest.
-            os._exit(1)
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    record_each(configs, rank, out, lambda cfg: run(cfg, rank))
 
 
 if __name__ == "__main__":

@@ -19,17 +19,13 @@ Usage: python fsdp_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
-import time
-import traceback
 
 import pipec
 import pipec.torch as pt
 import torch
 import torch.distributed as dist
-from launch import start_worker
+from launch import record_each, start_worker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
@@ -191,21 +187,7 @@ def run(cfg: dict, mesh) -> dict:
 def main() -> None:
     configs, rank, _world, out = start_worker(sys.argv[1:6])
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    log = open(os.path.join(out, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115 (the process's life)
-    for cfg in configs:
-        t0 = time.perf_counter()
-        try:
-            res = {"ok": True, **run(cfg, mesh)}
-        except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        res.update(name=cfg["name"], rank=rank, seconds=time.perf_counter() - t0)
-        log.write(json.dumps(res) + "\n")
-        log.flush()
-        if not res["ok"]:
-            os._exit(1)
-        dist.barrier()
-    dist.destroy_process_group()
+    record_each(configs, rank, out, lambda cfg: run(cfg, mesh))
 
 
 if __name__ == "__main__":

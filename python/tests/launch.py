@@ -119,6 +119,35 @@ def start_worker(argv: list[str]) -> tuple[list, int, int, str]:
     return configs, rank, world, out
 
 
+def record_each(configs, rank: int, out: str, run_one, takes_part=lambda cfg: True) -> None:
+    """In a worker: run ``run_one(cfg)`` for each configuration this rank ``takes_part`` in,
+    appending its result (or the error) to ``<out>/rank-<r>.jsonl`` as soon as it is done, so a
+    hang loses only the configuration it hit; every rank meets a barrier after each one. On an
+    error the process exits at once: its peers may wait forever on it, and the launcher's
+    timeout (or the peers' gloo timeout) ends the rest."""
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    log = open(os.path.join(out, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115 (the process's life)
+    for cfg in configs:
+        if takes_part(cfg):
+            t0 = time.perf_counter()
+            try:
+                res = {"ok": True, **run_one(cfg)}
+            except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
+                res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+            res.update(name=cfg["name"], rank=rank, seconds=time.perf_counter() - t0)
+            log.write(json.dumps(res) + "\n")
+            log.flush()
+            if not res["ok"]:
+                os._exit(1)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def train_csv_recipes(cases, framework: str, path: str, out: Path, tol: float) -> tuple:
     """Train each ``(name, compile kwargs, schedule name)`` case at pp=2, M=4 from pipec's
     compute-only CSV through ``framework``'s own schedule builder (torch_worker.py's

@@ -13,17 +13,13 @@ Usage: python torch_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
 from __future__ import annotations
 
 import copy
-import json
-import os
 import sys
-import time
-import traceback
 
 import pipec
 import pipec.torch as pt
 import torch
 import torch.distributed as dist
-from launch import start_worker
+from launch import record_each, start_worker
 from torch.distributed.pipelining import PipelineStage
 
 DIM = 6
@@ -239,24 +235,13 @@ def main() -> None:
     groups = {}
     for pp in sorted({c["pp"] for c in configs}):
         groups[pp] = dist.new_group(list(range(pp)))
-    log = open(os.path.join(out, f"rank-{rank}.jsonl"), "a")  # noqa: SIM115 (the process's life)
-    for cfg in configs:
-        if rank < cfg["pp"]:
-            t0 = time.perf_counter()
-            try:
-                res = {"ok": True, **run(cfg, rank, groups[cfg["pp"]])}
-            except Exception as e:  # noqa: BLE001 (recorded, and the test reports it)
-                res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                traceback.print_exc()
-            res.update(name=cfg["name"], rank=rank, seconds=time.perf_counter() - t0)
-            log.write(json.dumps(res) + "\n")
-            log.flush()
-            if not res["ok"]:
-                # Peers may now wait forever on this rank: stop here; the launcher's timeout
-                # or the peers' gloo timeout ends the rest.
-                os._exit(1)
-        dist.barrier()
-    dist.destroy_process_group()
+    record_each(
+        configs,
+        rank,
+        out,
+        lambda cfg: run(cfg, rank, groups[cfg["pp"]]),
+        takes_part=lambda cfg: rank < cfg["pp"],
+    )
 
 
 if __name__ == "__main__":
