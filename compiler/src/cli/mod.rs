@@ -152,21 +152,19 @@ pub fn resolve_limit(
         .map_err(|e| CliError::Invalid(format!("--memory-limit: {e}")))
 }
 
-/// Read the file a flag names (`what`: `--cost-file`, `the trace`, ...). A directory there gets
-/// its own reason instead of the OS's bare "Is a directory"; any failure is I/O (exit 2).
-pub fn read_file(what: &str, path: &std::path::Path) -> Result<Vec<u8>, CliError> {
+/// Read the text file a flag names (`what`: `--cost-file`, `trace`, ...). A directory there
+/// gets its own reason instead of the OS's bare "Is a directory"; a read failure is I/O (exit
+/// 2), invalid UTF-8 invalid input (exit 1).
+pub fn read_text(what: &str, path: &std::path::Path) -> Result<String, CliError> {
     if path.is_dir() {
         return Err(CliError::Usage(format!(
             "{what} {}: is a directory; give a file",
             path.display()
         )));
     }
-    std::fs::read(path).map_err(|e| CliError::Usage(format!("{what} {}: {e}", path.display())))
-}
-
-/// [`read_file`] as UTF-8 text (invalid UTF-8 is invalid input, exit 1).
-pub fn read_text(what: &str, path: &std::path::Path) -> Result<String, CliError> {
-    String::from_utf8(read_file(what, path)?).map_err(|e| {
+    let bytes = std::fs::read(path)
+        .map_err(|e| CliError::Usage(format!("{what} {}: {e}", path.display())))?;
+    String::from_utf8(bytes).map_err(|e| {
         CliError::Invalid(format!(
             "{what} {}: not valid UTF-8: invalid byte at offset {}",
             path.display(),
