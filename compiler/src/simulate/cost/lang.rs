@@ -10,7 +10,7 @@ use thiserror::Error;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param (K in E t m L)";
+    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit";
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Key {
@@ -25,6 +25,11 @@ pub(super) enum Key {
     Bw,
     Rendezvous,
     Overlap,
+    /// `offload` (decoder and MTP layers) or `K.offload`: copy time per layer and microbatch.
+    Offload(Option<LayerKind>),
+    Pcie,
+    OffloadPair,
+    TimeUnit,
 }
 
 fn key(s: &str) -> Option<Key> {
@@ -41,6 +46,10 @@ fn key(s: &str) -> Option<Key> {
         "bw" => Key::Bw,
         "rendezvous" => Key::Rendezvous,
         "overlap" => Key::Overlap,
+        "offload" => Key::Offload(None),
+        "pcie" => Key::Pcie,
+        "offload_pair" => Key::OffloadPair,
+        "time_unit" => Key::TimeUnit,
         _ => {
             if let Some((k, p)) = s.split_once('.') {
                 let mut chars = k.chars();
@@ -51,6 +60,7 @@ fn key(s: &str) -> Option<Key> {
                 match p {
                     "act" => Key::Mem(kind, 0),
                     "param" => Key::Mem(kind, 1),
+                    "offload" => Key::Offload(Some(kind)),
                     _ => Key::Kind(kind, pass(p)?),
                 }
             } else {
@@ -509,6 +519,16 @@ pub enum CostErrorKind {
     BadModelValue(String),
     #[error("inconsistent model: {0}")]
     InconsistentModel(String),
+    #[error("`{0}` is not a bandwidth: give activation units per time unit (`pcie = 2.5`), or bytes per second with a unit (`pcie = 25GB/s`)")]
+    BadBandwidth(String),
+    #[error("`pcie` must be greater than 0")]
+    ZeroPcie,
+    #[error("`pcie = {0}` is per second, but the costs' time unit is not known: add `time_unit = \"ms\"` (or `s`, `us`): what one cost unit is")]
+    PcieNeedsTimeUnit(String),
+    #[error("`pcie = {0}` is in bytes, but the activations are not: give `K.act` in bytes (`t.act = 1GiB`) or a `[model]` table, or `pcie` in activation units per time unit")]
+    PcieNeedsBytes(String),
+    #[error("`{0}` is not a time unit; use `s`, `ms` or `us`")]
+    BadTimeUnit(String),
     #[error("`{key}` is given twice (first at line {line}, column {col})")]
     Duplicate {
         key: String,

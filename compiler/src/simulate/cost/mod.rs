@@ -22,6 +22,10 @@
 //! | `overlap` | how much of an overlapped `fwd_bwd` pair hides: the pair costs `max(F, B) + (1 - overlap) * min(F, B)` | `0` |
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
+//! | `offload`, `K.offload` | time to copy one layer's activations of one microbatch to or from host memory, one way (`offload`: `t` and `m`) | `K.act / pcie` when `pcie` is given, else one forward of the layer |
+//! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`) | none |
+//! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes | `false` |
+//! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
 //! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
@@ -121,6 +125,15 @@ pub struct CostModel {
     pub memory_bytes: bool,
     /// The `[model]` table the per-kind figures were derived from, if any.
     pub shape: Option<ModelShape>,
+    /// Activation offload (issue #30): `K.offload` per kind in [`KINDS`] order, the time one
+    /// layer's activations of one microbatch take to copy to or from the host.
+    pub offload: [Option<f64>; 4],
+    /// `pcie`: host-link bandwidth in memory units (bytes when `memory_bytes`) per time unit.
+    pub pcie: Option<f64>,
+    /// `offload_pair`: ranks `2k` and `2k+1` share one host link (PipeOffload's assumption).
+    pub offload_pair: bool,
+    /// `time_unit`: seconds per cost unit, when given (`s`, `ms`, `us`).
+    pub time_unit: Option<f64>,
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -175,6 +188,23 @@ impl Serialize for CostModel {
         if let Some(shape) = &self.shape {
             m.serialize_entry("model", shape)?;
         }
+        // Offload keys only when given, as memory: older outputs stay byte-identical.
+        if self.offload.iter().any(Option::is_some) {
+            let o: std::collections::BTreeMap<String, f64> = KINDS
+                .iter()
+                .filter_map(|&k| Some((k.symbol().to_string(), self.offload[kind_index(k)]?)))
+                .collect();
+            m.serialize_entry("offload", &o)?;
+        }
+        if let Some(p) = self.pcie {
+            m.serialize_entry("pcie", &p)?;
+        }
+        if self.offload_pair {
+            m.serialize_entry("offload_pair", &true)?;
+        }
+        if let Some(u) = self.time_unit {
+            m.serialize_entry("time_unit_seconds", &u)?;
+        }
         m.end()
     }
 }
@@ -197,6 +227,10 @@ impl Default for CostModel {
             memory: DEFAULT_MEMORY,
             memory_bytes: false,
             shape: None,
+            offload: [None; 4],
+            pcie: None,
+            offload_pair: false,
+            time_unit: None,
         }
     }
 }
@@ -219,6 +253,54 @@ impl CostModel {
         } else {
             self.p2p + self.msg / self.bw
         }
+    }
+
+    /// Time to copy one layer's activations of one microbatch between device and host, one
+    /// way: `K.offload` when given; else `K.act / pcie` when the link's bandwidth is; else one
+    /// forward of the layer (PipeOffload's experiments span 0.25 to 3 forwards).
+    pub fn offload_time(&self, k: LayerKind) -> f64 {
+        match (self.offload[kind_index(k)], self.pcie) {
+            (Some(t), _) => t,
+            (None, Some(bw)) => self.layer_memory(k).act / bw,
+            (None, None) => self.layer(k).f,
+        }
+    }
+
+    /// `pcie`'s value in memory units per time unit: a plain number as it is, or bytes per
+    /// second (`25GB/s`, `/ms`, `/us` also) through `time_unit`, with activations in bytes.
+    fn bandwidth(
+        &self,
+        text: &str,
+        source: Option<&str>,
+        e: &lang::Entry,
+    ) -> Result<f64, CostError> {
+        let s = &text[e.value.0..e.value.1];
+        let fail = |kind| Err(err(text, source, e.value, kind));
+        let v = match s.split_once('/') {
+            None => number(text, source, e, false)?,
+            Some((size, per)) => {
+                let Ok((bytes, _)) = parse_memory(size) else {
+                    return fail(CostErrorKind::BadBandwidth(s.to_string()));
+                };
+                let per = match per.trim() {
+                    "s" => 1.0,
+                    "ms" => 1e-3,
+                    "us" => 1e-6,
+                    _ => return fail(CostErrorKind::BadBandwidth(s.to_string())),
+                };
+                if !self.memory_bytes {
+                    return fail(CostErrorKind::PcieNeedsBytes(s.to_string()));
+                }
+                let Some(unit) = self.time_unit else {
+                    return fail(CostErrorKind::PcieNeedsTimeUnit(s.to_string()));
+                };
+                bytes / per * unit
+            }
+        };
+        if v == 0.0 {
+            return fail(CostErrorKind::ZeroPcie);
+        }
+        Ok(v)
     }
 
     /// Parse an inline spec (`--cost`), starting from the defaults.
@@ -263,9 +345,40 @@ impl CostModel {
                 }
             }
         }
+        let mut pcie: Option<&lang::Entry> = None;
         for e in &entries {
             match e.key {
                 Key::Base(_) => {}
+                Key::Offload(None) => {
+                    let v = number(text, source, e, false)?;
+                    for k in [LayerKind::Decoder, LayerKind::Mtp] {
+                        // A per-kind key wins whatever the order.
+                        if !entries.iter().any(|x| x.key == Key::Offload(Some(k))) {
+                            self.offload[kind_index(k)] = Some(v);
+                        }
+                    }
+                }
+                Key::Offload(Some(k)) => {
+                    self.offload[kind_index(k)] = Some(number(text, source, e, false)?)
+                }
+                Key::Pcie => pcie = Some(e),
+                Key::OffloadPair => self.offload_pair = boolean(text, source, e)?,
+                Key::TimeUnit => {
+                    let v = text[e.value.0..e.value.1].trim_matches('"');
+                    self.time_unit = Some(match v {
+                        "s" => 1.0,
+                        "ms" => 1e-3,
+                        "us" => 1e-6,
+                        _ => {
+                            return Err(err(
+                                text,
+                                source,
+                                e.value,
+                                CostErrorKind::BadTimeUnit(v.to_string()),
+                            ))
+                        }
+                    });
+                }
                 Key::Kind(k, p) => {
                     *pass_mut(&mut self.layers[kind_index(k)], p) = number(text, source, e, false)?
                 }
@@ -298,22 +411,11 @@ impl CostModel {
                     }
                     self.overlap = v;
                 }
-                Key::Rendezvous => {
-                    let v = &text[e.value.0..e.value.1];
-                    self.rendezvous = match v {
-                        "true" => true,
-                        "false" => false,
-                        _ => {
-                            return Err(err(
-                                text,
-                                source,
-                                e.value,
-                                CostErrorKind::BadBool(v.to_string()),
-                            ))
-                        }
-                    };
-                }
+                Key::Rendezvous => self.rendezvous = boolean(text, source, e)?,
             }
+        }
+        if let Some(e) = pcie {
+            self.pcie = Some(self.bandwidth(text, source, e)?);
         }
         // In bytes, an MTP layer not given keeps what a decoder layer keeps (as its f/b/w
         // do), not the 1-byte default of the unit-less model.
@@ -361,6 +463,28 @@ impl CostModel {
             self.rendezvous,
             self.overlap
         ));
+        // Offload keys only when given (a manifest written without them is unchanged).
+        for k in KINDS {
+            if let Some(o) = self.offload[kind_index(k)] {
+                parts.push(format!("{}.offload={o}", k.symbol()));
+            }
+        }
+        if let Some(u) = self.time_unit {
+            let name = if u == 1.0 {
+                "s"
+            } else if u == 1e-3 {
+                "ms"
+            } else {
+                "us"
+            };
+            parts.push(format!("time_unit={name}"));
+        }
+        if let Some(p) = self.pcie {
+            parts.push(format!("pcie={p}"));
+        }
+        if self.offload_pair {
+            parts.push("offload_pair=true".to_string());
+        }
         parts.join(",")
     }
 
@@ -436,7 +560,32 @@ impl CostModel {
         if self.overlap > 0.0 {
             s.push_str(&format!("; overlap {}", num(self.overlap)));
         }
+        if self.offload.iter().any(Option::is_some) || self.pcie.is_some() {
+            s.push_str(&format!(
+                "; offload {} per t layer{}",
+                num(self.offload_time(LayerKind::Decoder)),
+                if self.offload_pair {
+                    ", host links shared by rank pairs"
+                } else {
+                    ""
+                }
+            ));
+        }
         s
+    }
+}
+
+fn boolean(text: &str, source: Option<&str>, e: &lang::Entry) -> Result<bool, CostError> {
+    let v = &text[e.value.0..e.value.1];
+    match v {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(err(
+            text,
+            source,
+            e.value,
+            CostErrorKind::BadBool(v.to_string()),
+        )),
     }
 }
 
@@ -461,6 +610,9 @@ pub struct StageCosts {
     /// Per stage: `K.act` and `K.param` summed over its layers ([`crate::memory`]).
     pub act: Vec<f64>,
     pub param: Vec<f64>,
+    /// Per stage: one microbatch's activations copied one way ([`CostModel::offload_time`]
+    /// summed over its layers).
+    pub offload: Vec<f64>,
 }
 
 impl StageCosts {
@@ -476,6 +628,7 @@ impl StageCosts {
         let mut bwd_w = Vec::with_capacity(n);
         let mut act = Vec::with_capacity(n);
         let mut param = Vec::with_capacity(n);
+        let mut offload = Vec::with_capacity(n);
         for s in 0..n {
             let layers: &[LayerKind] = if layout_used {
                 &layout.stages[s]
@@ -484,6 +637,7 @@ impl StageCosts {
             };
             act.push(layers.iter().map(|&k| model.layer_memory(k).act).sum());
             param.push(layers.iter().map(|&k| model.layer_memory(k).param).sum());
+            offload.push(layers.iter().map(|&k| model.offload_time(k)).sum());
             if layers.is_empty() {
                 fwd.push(model.floor);
                 bwd_d.push(model.floor);
@@ -509,6 +663,7 @@ impl StageCosts {
             layout_used,
             act,
             param,
+            offload,
         }
     }
 
@@ -553,6 +708,12 @@ impl StageCosts {
     /// Time of one message.
     pub fn transfer(&self) -> f64 {
         self.model.transfer()
+    }
+
+    /// Time to copy one microbatch's activations of `stage` one way (offload or reload), on
+    /// a link of its own; `None` for a stage out of range.
+    pub fn copy(&self, stage: StageId) -> Option<f64> {
+        self.offload.get(stage.index()).copied()
     }
 }
 
@@ -797,6 +958,49 @@ mod tests {
                     let _ = e.render();
                 }
             }
+        }
+    }
+
+    /// The offload keys (issue #30): per-kind copy times, the link's bandwidth in either
+    /// form, and what each refusal says.
+    #[test]
+    fn offload_keys() {
+        let d = CostModel::parse("f=2").unwrap();
+        // Nothing given: a copy takes one forward of the layer, and nothing is serialized.
+        assert_eq!(d.offload_time(LayerKind::Decoder), 2.0);
+        assert!(!serde_json::to_string(&d).unwrap().contains("offload"));
+        assert!(!d.spec().contains("offload"));
+        let m = CostModel::parse("offload=0.5,E.offload=0.1,t.offload=0.25").unwrap();
+        assert_eq!(
+            m.offload_time(LayerKind::Decoder),
+            0.25,
+            "the per-kind key wins"
+        );
+        assert_eq!(m.offload_time(LayerKind::Mtp), 0.5);
+        assert_eq!(m.offload_time(LayerKind::Embedding), 0.1);
+        // 1 GiB of activations per layer over 25 GB/s with times in ms: 42.9 ms.
+        let b = CostModel::parse("t.act=1GiB,time_unit=ms,pcie=25GB/s,offload_pair=true").unwrap();
+        let want = (1u64 << 30) as f64 / 25e9 * 1e3;
+        assert!((b.offload_time(LayerKind::Decoder) - want).abs() < 1e-9);
+        assert!(b.offload_pair);
+        // The spec reads back to the same model.
+        assert_eq!(CostModel::parse(&b.spec()).unwrap(), b);
+        assert_eq!(CostModel::parse(&m.spec()).unwrap(), m);
+        let costs = StageCosts::new(&m, &crate::front::layout::parse("Et|tt|tL").unwrap(), 3);
+        assert_eq!(costs.copy(StageId(1)), Some(0.5));
+        assert_eq!(costs.copy(StageId(0)), Some(0.35));
+        for (spec, want) in [
+            ("pcie=25GB/s", "is in bytes, but the activations are not"),
+            ("t.act=1GiB,pcie=25GB/s", "add `time_unit = \"ms\"`"),
+            ("pcie=0", "`pcie` must be greater than 0"),
+            ("pcie=fast", "is not a number"),
+            ("t.act=1GiB,time_unit=ms,pcie=25GB/h", "is not a bandwidth"),
+            ("time_unit=min", "is not a time unit"),
+            ("offload_pair=yes", "is not a boolean"),
+            ("t.offload=-1", "is negative"),
+        ] {
+            let e = CostModel::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(want), "{spec}: {e}");
         }
     }
 }
