@@ -163,7 +163,7 @@ impl NativeSchedule {
 
     /// `1f1b pp=4 vpp=1 microbatches=8`, as `pipec simulate` names a schedule.
     fn title(&self) -> String {
-        pipec::simulate::schedule_title(self.spec.as_ref(), &self.source, &self.program)
+        pipec::back::view::report::schedule_title(self.spec.as_ref(), &self.source, &self.program)
     }
 }
 
@@ -320,7 +320,8 @@ impl NativeSchedule {
         let costs = StageCosts::new(&model, &self.layout, self.program.num_stages());
         let name = self.title();
         let result = py.detach(|| simulate(&self.program, &costs));
-        let v = match pipec::simulate::json_report(&name, &self.program, &model, &result) {
+        let v = match pipec::back::view::report::json_report(&name, &self.program, &model, &result)
+        {
             Some(v) => v,
             None => {
                 let e = result.err().map(|e| e.to_string()).unwrap_or_default();

@@ -8,12 +8,11 @@
 //! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
 //! and its inputs are done; communication is free), written before `pipec::simulate` existed.
 
-use pipec::ir::{Instr, Payload, PayloadKind, Program};
+use pipec::ir::{Instr, Payload, Program};
 use pipec::lower::lower;
 use pipec_schedules::{
     generate, Compute, Limits, Pass, Placement, Rank, Schedule, ScheduleKind, ScheduleSpec, Task,
 };
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 fn shared() -> PathBuf {
@@ -40,298 +39,21 @@ const NEW_KINDS: [ScheduleKind; 8] = [
 ];
 
 // ---------------------------------------------------------------------------------------------
-// Test-local rendezvous executor
+// The rendezvous judge: the tests' one brute-force executor
 // ---------------------------------------------------------------------------------------------
 
-/// One step of a rank: a compute op, a comm batch (indices of its instructions), a batch left
-/// in flight (a later `Wait` names it), or a wait (the item index of its batch).
-enum Item {
-    Compute(usize),
-    Batch(Vec<usize>),
-    Flight(Vec<usize>),
-    Wait(usize),
-}
-
-fn items(instrs: &[Instr]) -> Vec<Item> {
-    let waited: std::collections::HashSet<u32> = instrs
-        .iter()
-        .filter_map(|i| match i {
-            Instr::Wait { batch } => Some(*batch),
-            _ => None,
-        })
-        .collect();
-    let mut out = Vec::new();
-    let mut item_of_batch: HashMap<u32, usize> = HashMap::new();
-    for step in pipec::ir::steps(instrs) {
-        match step {
-            pipec::ir::Step::Wait { batch, .. } => out.push(Item::Wait(item_of_batch[&batch])),
-            pipec::ir::Step::Compute(i) => out.push(Item::Compute(i)),
-            pipec::ir::Step::Batch { id, ops } => {
-                item_of_batch.insert(id, out.len());
-                let v: Vec<usize> = ops.collect();
-                out.push(if waited.contains(&id) {
-                    Item::Flight(v)
-                } else {
-                    Item::Batch(v)
-                });
-            }
-        }
-    }
-    out
-}
-
-/// Runs the program under rendezvous semantics and checks, on the way: every rank's ops sit
-/// on their placement rank, every compute has its inputs (received or produced locally), the
-/// k-th send between two ranks meets the k-th recv with the same payload, sends only carry
-/// what was produced, and every (stage, microbatch) has one forward and one backward.
+/// Runs the program under rendezvous semantics with `pipec_tests::reference` (the tests' one
+/// executor, sharing no code with the verifier): every op on its placement rank, every compute
+/// with its inputs, the k-th send between two ranks meeting the k-th recv with the same
+/// payload, one forward and one backward per (stage, microbatch). `Err` names what went wrong,
+/// starting with the verdict (`Deadlock: ...`).
 fn rendezvous(p: &Program) -> Result<(), String> {
-    let w = p.ranks.len();
-    let stages = p.num_stages() as usize;
-    let m = p.microbatches as usize;
-    let last = stages - 1;
-    let its: Vec<Vec<Item>> = p.ranks.iter().map(|r| items(r)).collect();
-    // item index of each instruction
-    let mut item_of: Vec<Vec<usize>> = p.ranks.iter().map(|r| vec![0; r.len()]).collect();
-    for (r, list) in its.iter().enumerate() {
-        for (k, it) in list.iter().enumerate() {
-            match it {
-                Item::Compute(i) => item_of[r][*i] = k,
-                Item::Batch(v) | Item::Flight(v) => v.iter().for_each(|&i| item_of[r][i] = k),
-                Item::Wait(_) => {}
-            }
-        }
-    }
-    // FIFO matching per ordered pair.
-    let mut sends: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
-    let mut recvs: HashMap<(usize, usize), Vec<usize>> = HashMap::new();
-    for (r, instrs) in p.ranks.iter().enumerate() {
-        for (i, ins) in instrs.iter().enumerate() {
-            match *ins {
-                Instr::Send { peer, .. } => sends.entry((r, peer.index())).or_default().push(i),
-                Instr::Recv { peer, .. } => recvs.entry((peer.index(), r)).or_default().push(i),
-                _ => {}
-            }
-        }
-    }
-    let mut partner: Vec<Vec<Option<(usize, usize)>>> =
-        p.ranks.iter().map(|r| vec![None; r.len()]).collect();
-    let mut pairs: Vec<_> = sends.keys().chain(recvs.keys()).copied().collect();
-    pairs.sort();
-    pairs.dedup();
-    for (a, b) in pairs {
-        let s = sends.get(&(a, b)).map_or(&[][..], |v| v);
-        let r = recvs.get(&(a, b)).map_or(&[][..], |v| v);
-        if s.len() != r.len() {
-            return Err(format!(
-                "rank {a} -> rank {b}: {} sends, {} recvs",
-                s.len(),
-                r.len()
-            ));
-        }
-        for (&si, &ri) in s.iter().zip(r) {
-            let (ps, pr) = match (p.ranks[a][si], p.ranks[b][ri]) {
-                (Instr::Send { payload: x, .. }, Instr::Recv { payload: y, .. }) => (x, y),
-                _ => unreachable!(),
-            };
-            if ps != pr {
-                return Err(format!(
-                    "rank {a} #{si} sends {ps} but rank {b} #{ri} receives {pr}"
-                ));
-            }
-            partner[a][si] = Some((b, item_of[b][ri]));
-            partner[b][ri] = Some((a, item_of[a][si]));
-        }
-    }
-    // State: which payloads each rank holds; which passes ran.
-    let idx = |s: usize, mb: usize| s * m + mb;
-    let mut act = vec![vec![false; stages * m]; w];
-    let mut grad = vec![vec![false; stages * m]; w];
-    let mut fwd_done = vec![0u32; stages * m];
-    let mut bwd_done = vec![0u32; stages * m];
-    let mut d_done = vec![false; stages * m];
-    let mut w_done = vec![0u32; stages * m];
-    let mut pc = vec![0usize; w];
-    let run_compute = |r: usize,
-                       op: &Compute,
-                       act: &mut Vec<Vec<bool>>,
-                       grad: &mut Vec<Vec<bool>>,
-                       fwd_done: &mut Vec<u32>,
-                       bwd_done: &mut Vec<u32>,
-                       d_done: &mut Vec<bool>,
-                       w_done: &mut Vec<u32>|
-     -> Result<(), String> {
-        for (pass, t) in op.parts() {
-            let (s, mb) = (t.stage.index(), t.mb.index());
-            if p.placement.rank_of(t) != Rank(r as u32) {
-                return Err(format!("rank {r} runs {op} whose stage is on another rank"));
-            }
-            match pass {
-                Pass::Fwd => {
-                    if s > 0 && !act[r][idx(s - 1, mb)] {
-                        return Err(format!("rank {r}: {op} without its input activation"));
-                    }
-                    fwd_done[idx(s, mb)] += 1;
-                    act[r][idx(s, mb)] = true;
-                }
-                Pass::Bwd | Pass::BwdD => {
-                    if !act[r][idx(s, mb)] {
-                        return Err(format!("rank {r}: {op} before its forward"));
-                    }
-                    if s < last && !grad[r][idx(s + 1, mb)] {
-                        return Err(format!("rank {r}: {op} without its output gradient"));
-                    }
-                    bwd_done[idx(s, mb)] += 1;
-                    if pass == Pass::BwdD {
-                        d_done[idx(s, mb)] = true;
-                    }
-                    grad[r][idx(s, mb)] = true;
-                }
-                Pass::BwdW => {
-                    if !d_done[idx(s, mb)] {
-                        return Err(format!("rank {r}: {op} before its bwd_D"));
-                    }
-                    w_done[idx(s, mb)] += 1;
-                }
-            }
-        }
+    let out = pipec_tests::reference::execute(p);
+    if out.verdict == pipec_tests::reference::Verdict::Valid && out.finished {
         Ok(())
-    };
-    // Batches left in flight: posted (item index), completed, and what they received.
-    let mut flights: Vec<Vec<usize>> = vec![Vec::new(); w];
-    let mut landed: Vec<HashMap<usize, Vec<Payload>>> = vec![HashMap::new(); w];
-    loop {
-        // Run computes, post batches left in flight and pass satisfied waits on every rank.
-        for r in 0..w {
-            loop {
-                match its[r].get(pc[r]) {
-                    Some(Item::Compute(i)) => {
-                        let op = p.ranks[r][*i].as_compute().expect("compute item");
-                        run_compute(
-                            r,
-                            op,
-                            &mut act,
-                            &mut grad,
-                            &mut fwd_done,
-                            &mut bwd_done,
-                            &mut d_done,
-                            &mut w_done,
-                        )?;
-                    }
-                    Some(Item::Flight(_)) => flights[r].push(pc[r]),
-                    Some(Item::Wait(k)) => {
-                        // Received tensors are usable only from their wait on.
-                        let Some(got) = landed[r].get(k) else { break };
-                        for payload in got {
-                            let (s, mb) = (payload.stage.index(), payload.mb.index());
-                            match payload.kind {
-                                PayloadKind::Act => act[r][idx(s, mb)] = true,
-                                PayloadKind::Grad => grad[r][idx(s, mb)] = true,
-                            }
-                        }
-                    }
-                    _ => break,
-                }
-                pc[r] += 1;
-            }
-        }
-        if (0..w).all(|r| pc[r] == its[r].len() && flights[r].is_empty()) {
-            break;
-        }
-        // Posted batches: the current item of each rank and its batches in flight. A message
-        // completes once both its ops are posted (NCCL under rendezvous: a send completes once
-        // its recv is posted and vice versa), so a batch completes when the peer op of each of
-        // its messages has been posted: it sits in the peer's current item or an earlier one.
-        let posted = |r: usize, k: usize| pc[r] >= k;
-        let complete = |r: usize, v: &[usize]| {
-            v.iter()
-                .all(|&i| partner[r][i].is_some_and(|(q, k)| posted(q, k)))
-        };
-        let mut ready: Vec<(usize, usize)> = Vec::new();
-        for r in 0..w {
-            if let Some(Item::Batch(v)) = its[r].get(pc[r]) {
-                if complete(r, v) {
-                    ready.push((r, pc[r]));
-                }
-            }
-            for &k in &flights[r] {
-                if let Item::Flight(v) = &its[r][k] {
-                    if complete(r, v) {
-                        ready.push((r, k));
-                    }
-                }
-            }
-        }
-        if ready.is_empty() {
-            let at: Vec<String> = (0..w)
-                .filter(|&r| pc[r] < its[r].len())
-                .map(|r| match &its[r][pc[r]] {
-                    Item::Batch(v) | Item::Flight(v) => format!("rank {r} at #{}", v[0]),
-                    Item::Compute(i) => format!("rank {r} at #{i}"),
-                    Item::Wait(k) => format!("rank {r} waiting for item {k}"),
-                })
-                .collect();
-            return Err(format!("deadlock: {}", at.join("; ")));
-        }
-        let ops = |r: usize, k: usize| -> &[usize] {
-            match &its[r][k] {
-                Item::Batch(v) | Item::Flight(v) => v,
-                _ => &[],
-            }
-        };
-        // Sends first check what they carry; then receives deliver.
-        for &(r, k) in &ready {
-            for &i in ops(r, k) {
-                if let Instr::Send { payload, .. } = p.ranks[r][i] {
-                    let (s, mb) = (payload.stage.index(), payload.mb.index());
-                    let have = match payload.kind {
-                        PayloadKind::Act => act[r][idx(s, mb)],
-                        PayloadKind::Grad => grad[r][idx(s, mb)],
-                    };
-                    if !have {
-                        return Err(format!("rank {r} #{i} sends {payload} before producing it"));
-                    }
-                }
-            }
-        }
-        for &(r, k) in &ready {
-            let got: Vec<Payload> = ops(r, k)
-                .iter()
-                .filter_map(|&i| match p.ranks[r][i] {
-                    Instr::Recv { payload, .. } => Some(payload),
-                    _ => None,
-                })
-                .collect();
-            if matches!(its[r][k], Item::Flight(_)) {
-                flights[r].retain(|&f| f != k);
-                landed[r].insert(k, got);
-                continue;
-            }
-            for payload in got {
-                let (s, mb) = (payload.stage.index(), payload.mb.index());
-                match payload.kind {
-                    PayloadKind::Act => act[r][idx(s, mb)] = true,
-                    PayloadKind::Grad => grad[r][idx(s, mb)] = true,
-                }
-            }
-            pc[r] += 1;
-        }
+    } else {
+        Err(format!("{:?}: {}", out.verdict, out.problems.join("; ")))
     }
-    for s in 0..stages {
-        for mb in 0..m {
-            let i = idx(s, mb);
-            if fwd_done[i] != 1 {
-                return Err(format!("stage {s} mb {mb}: {} forwards", fwd_done[i]));
-            }
-            let want_b = if p.forward_only { 0 } else { 1 };
-            if bwd_done[i] != want_b {
-                return Err(format!("stage {s} mb {mb}: {} backwards", bwd_done[i]));
-            }
-            if d_done[i] && w_done[i] != 1 {
-                return Err(format!("stage {s} mb {mb}: bwd_D without one bwd_W"));
-            }
-        }
-    }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -623,7 +345,7 @@ fn executor_finds_the_classic_1f1b_deadlock() {
         ranks,
     };
     let e = rendezvous(&p).unwrap_err();
-    assert!(e.starts_with("deadlock"), "{e}");
+    assert!(e.starts_with("Deadlock"), "{e}");
 }
 
 // ---------------------------------------------------------------------------------------------

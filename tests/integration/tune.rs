@@ -967,18 +967,21 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The README's figures: `cargo test -p pipec-tests --release tune::figures -- --ignored --nocapture`.
+// The README's figures. The tuning table is computed here and must equal the README's
+// (regenerate with `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration
+// readme_tune_table -- --nocapture`); the exact-search gaps, which take minutes, are printed
+// by `cargo test -p pipec-tests --release tune::exact_gaps -- --ignored --nocapture`.
 
-#[test]
-#[ignore = "prints the README's tables"]
-fn figures() {
-    println!("| model | pp | M | limit | best built-in | tuned | faster | lower bound |");
-    println!("|---|---|---|---|---|---|---|---|");
+/// The README's table of tune against the best built-in kind.
+fn readme_tune_table() -> String {
+    let mut table = String::from(
+        "| model | pp | M | memory limit | best built-in | tuned | faster |\n|---|---|---|---|---|---|---|\n",
+    );
     let heavy = UNEVEN;
     // (name, costs, pp, M, decoder layers, memory limit as a multiple of 1F1B's peak)
     type Case<'a> = (&'a str, &'a str, u32, u32, u32, Option<f64>);
     let cases: Vec<Case> = vec![
-        ("uniform, 1 layer/stage", "f=1,b=1,w=1", 8, 64, 16, None),
+        ("uniform, 16 layers", "f=1,b=1,w=1", 8, 64, 16, None),
         ("uneven, 14 layers", heavy, 4, 16, 14, None),
         ("uneven, 62 layers", heavy, 8, 64, 62, None),
         ("uneven, 62 layers", heavy, 8, 64, 62, Some(1.5)),
@@ -994,7 +997,12 @@ fn figures() {
         ),
     ];
     for (name, cost, pp, m, layers, factor) in cases {
-        let base = tune::tune(&request(pp, m, cost, layers)).unwrap();
+        // The library's default target is `any`, as the table says.
+        let any = |limit| TuneRequest {
+            memory_limit: limit,
+            ..request(pp, m, cost, layers)
+        };
+        let base = tune::tune(&any(None)).unwrap();
         let limit = factor.map(|f| {
             f * base
                 .candidates
@@ -1003,25 +1011,51 @@ fn figures() {
                 .unwrap()
                 .peak_memory
         });
-        let t = tune::tune(&TuneRequest {
-            memory_limit: limit,
-            ..request(pp, m, cost, layers)
-        })
-        .unwrap();
-        let bb = best_builtin(&t);
-        let bt = best_tuned(&t);
-        println!(
-            "| {name} | {pp} | {m} | {} | {} {} | {} {} | {:.1}% | {} |",
-            factor.map_or("none".into(), |f| format!("{f}x 1F1B")),
+        let t = tune::tune(&any(limit)).unwrap();
+        let (bb, bt) = (best_builtin(&t), best_tuned(&t));
+        let round = |x: f64| (x * 1e4).round() / 1e4;
+        let bound = if round(bt.makespan) == round(t.lower_bound.value) {
+            " (= bound)"
+        } else {
+            ""
+        };
+        table.push_str(&format!(
+            "| {name} | {pp} | {m} | {} | {} {} | {}{bound} | {:.1}% |\n",
+            factor.map_or("none".into(), |f| format!("{f}x 1F1B's peak")),
             tune::describe(bb),
-            bb.makespan,
-            tune::describe(bt),
-            (bt.makespan * 1e4).round() / 1e4,
+            round(bb.makespan),
+            round(bt.makespan),
             (bb.makespan / bt.makespan - 1.0) * 100.0,
-            (t.lower_bound.value * 1e4).round() / 1e4
-        );
+        ));
     }
-    println!();
+    table
+}
+
+#[test]
+fn readme_tune_table_is_current() {
+    let table = readme_tune_table();
+    if std::env::var_os("PIPEC_PRINT_FIGURES").is_some() {
+        println!("{table}");
+    }
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("README.md");
+    let (begin, end) = ("<!-- tune-figures:begin -->\n", "<!-- tune-figures:end -->");
+    let start = readme
+        .find(begin)
+        .expect("tune-figures:begin marker in README.md")
+        + begin.len();
+    let stop = readme[start..].find(end).expect("tune-figures:end marker") + start;
+    assert_eq!(
+        &readme[start..stop],
+        table,
+        "the README's tune table is stale; the current one:\n{table}"
+    );
+}
+
+/// The gap of the list scheduler to the exact search on tiny instances (docs/tune.md).
+#[test]
+#[ignore = "minutes in release: prints the exact-search gaps"]
+fn exact_gaps() {
     println!("| instance | costs | limit | list scheduler | exact | gap | nodes |");
     println!("|---|---|---|---|---|---|---|");
     for cost in [
@@ -1605,8 +1639,6 @@ fn readme_model_shape_example_holds() {
             "{name}"
         );
         let layout = j["layout"].as_str().unwrap().replace('|', "\\|");
-        let row = format!("| {schedule}, `{layout}` |");
-        assert!(readme.contains(&row), "{row}");
         let got: Vec<String> = j["peak_memory"]
             .as_array()
             .unwrap()
@@ -1614,7 +1646,10 @@ fn readme_model_shape_example_holds() {
             .map(|x| format!("{:.1}", x.as_f64().unwrap() / gib))
             .collect();
         assert_eq!(got.join(" "), peaks, "{target:?}");
-        assert!(readme.contains(&format!("| {peaks} |")), "{peaks}");
+        // The README's row: plan, layout, makespan and peaks, as computed.
+        let makespan = format!("{:.1}", j["makespan"].as_f64().unwrap());
+        let row = format!("| {schedule}, `{layout}` | {makespan} | {peaks} |");
+        assert!(readme.contains(&row), "the README lacks the row {row}");
     }
     std::fs::write(
         &file,

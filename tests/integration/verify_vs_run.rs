@@ -378,6 +378,34 @@ fn verifier_verdicts_agree_with_cpu_runs_of_mutated_schedules() {
             .collect::<Vec<_>>()
             .join("\n\n")
     );
+    // docs/robustness.md publishes the verdicts (deterministic: fixed seed, no timing).
+    let mut totals: BTreeMap<&str, usize> = BTreeMap::new();
+    for ((v, _), n) in &matrix {
+        *totals.entry(v.as_str()).or_default() += n;
+    }
+    let line = [
+        "valid",
+        "deadlock",
+        "wrong tensor",
+        "incomplete",
+        "dependency",
+    ]
+    .iter()
+    .map(|v| format!("{v} {}", totals.get(v).copied().unwrap_or(0)))
+    .collect::<Vec<_>>()
+    .join(", ");
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/robustness.md"
+    ))
+    .expect("docs/robustness.md");
+    let line = format!("verdicts: {line}\n");
+    assert!(
+        doc.contains(&format!(
+            "<!-- verify-vs-run:begin -->\n{line}<!-- verify-vs-run:end -->"
+        )),
+        "docs/robustness.md's verdict totals are stale; now: {line}"
+    );
     // The mix must exercise every side of the mapping, or the test proves little.
     let seen = |v: &str| matrix.keys().any(|(k, _)| k == v);
     for v in [

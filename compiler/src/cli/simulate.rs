@@ -61,7 +61,11 @@ impl CostArgs {
 
 /// A one-line name for a loaded schedule: `1f1b pp=4 vpp=1 microbatches=8`.
 pub fn title(l: &Loaded) -> String {
-    pipec::simulate::schedule_title(l.manifest.schedule.as_ref(), &l.manifest.source, &l.program)
+    pipec::back::view::report::schedule_title(
+        l.manifest.schedule.as_ref(),
+        &l.manifest.source,
+        &l.program,
+    )
 }
 
 /// Simulate a loaded directory. A deadlock or a bad id is the input being invalid (exit 1).
@@ -106,7 +110,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let name = title(&loaded);
     let result = run_sim(&loaded, &model);
     if a.json {
-        if let Some(mut v) = pipec::simulate::json_report(&name, &loaded.program, &model, &result) {
+        if let Some(mut v) =
+            pipec::back::view::report::json_report(&name, &loaded.program, &model, &result)
+        {
             // Only when there is one: the JSON stays what Python's `Schedule.simulate` returns.
             if let (Some(o), Some(c)) = (v.as_object_mut(), loaded.manifest.caveat()) {
                 o.insert("caveat".into(), c.into());

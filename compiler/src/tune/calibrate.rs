@@ -32,11 +32,12 @@ pub struct Sample {
     pub pass: Measured,
     pub stage: u32,
     pub mb: u32,
-    /// Microseconds.
+    /// The pass's duration: milliseconds from [`samples`]; [`fit`] answers in the unit it is
+    /// given (the CUDA backend's calibration passes its timeline's).
     pub dur: f64,
 }
 
-/// Fitted costs of one layer kind, in milliseconds (`None`: no event informs it).
+/// Fitted costs of one layer kind, in the samples' unit (`None`: no event informs it).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct KindFit {
     pub kind: char,
@@ -50,13 +51,13 @@ pub struct KindFit {
 pub struct Fit {
     pub kinds: Vec<KindFit>,
     pub samples: usize,
-    /// Root-mean-square error of the fitted durations, in milliseconds.
+    /// Root-mean-square error of the fitted durations, in the samples' unit.
     pub rms_ms: f64,
     /// True when `b` and `w` were split evenly from full backwards.
     pub split_evenly: bool,
 }
 
-/// Read the samples of a trace. Errors name what is wrong.
+/// Read the samples of a trace (durations in milliseconds). Errors name what is wrong.
 pub fn samples(text: &str) -> Result<Vec<Sample>, String> {
     let v: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("not a JSON trace: {e}"))?;
@@ -102,14 +103,17 @@ pub fn samples(text: &str) -> Result<Vec<Sample>, String> {
                 pass,
                 stage: stage as u32,
                 mb: mb as u32,
-                dur,
+                dur: dur / 1000.0,
             });
             continue;
         }
         // torch: "PP:<stage><F|I|W|B><mb>".
         if let Some(name) = e.get("name").and_then(|n| n.as_str()) {
             if let Some(s) = torch_action(name) {
-                out.push(Sample { dur, ..s });
+                out.push(Sample {
+                    dur: dur / 1000.0,
+                    ..s
+                });
             }
         }
     }
@@ -230,7 +234,9 @@ fn nnls(rows: &[([f64; 4], f64)], cols: &[usize]) -> [f64; 4] {
     }
 }
 
-/// Fit per-kind costs (milliseconds) to `samples` of a program laid out as `layout`.
+/// Fit per-kind costs to `samples` of a program laid out as `layout`, in the samples' unit.
+/// The one calibrator: `pipec calibrate` fits traces with it, and the CUDA backend its own
+/// measured timeline (`pipec_runtime::backend::cuda::calibrate`).
 pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
     let mut rows: [Vec<([f64; 4], f64)>; 4] = Default::default();
     for s in samples {
@@ -247,7 +253,7 @@ pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
             Measured::BwdW => 2,
             Measured::Bwd => 3,
         };
-        rows[i].push((c, s.dur / 1000.0));
+        rows[i].push((c, s.dur));
     }
     let present = |r: &[([f64; 4], f64)]| -> Vec<usize> {
         (0..4)
@@ -314,6 +320,22 @@ pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
         rms_ms: if n > 0 { (se / n as f64).sqrt() } else { 0.0 },
         split_evenly: !split,
     })
+}
+
+impl Fit {
+    /// The fit as a cost spec (`t.f=1,t.b=2,...`), as [`crate::simulate::cost::CostModel::parse`]
+    /// reads it, in the samples' unit.
+    pub fn spec(&self) -> String {
+        let mut parts = Vec::new();
+        for k in &self.kinds {
+            for (p, v) in [("f", k.f), ("b", k.b), ("w", k.w)] {
+                if let Some(v) = v {
+                    parts.push(format!("{}.{p}={}", k.kind, fmt6(v)));
+                }
+            }
+        }
+        parts.join(",")
+    }
 }
 
 /// The fit as a cost file (`K.f = ...` lines, TOML), milliseconds.

@@ -8,6 +8,7 @@
 //!
 //! - [`export_csv`]`(&program, form)` writes either form (used by `pipec export --format torch-csv`).
 //! - [`import_csv`]`(text, &opts)` / [`import_csv_bytes`] read either form into a [`Program`]
+//!   (the importer lives in the front end, [`crate::front::torch_csv`])
 //!   (used by `pipec import` and `pipec check FILE.csv`); errors are [`CsvError`]s whose
 //!   `Display` echoes the line with a caret under the offending cell.
 //! - [`action`] is the cell grammar both share.
@@ -16,12 +17,13 @@
 
 pub mod action;
 pub mod export;
-pub mod import;
 pub mod order;
 
 pub use action::{Action, ActionType, Cell, CsvErrorKind};
 pub use export::{export_cells, export_csv, ExportError};
-pub use import::{
+// The importer is a front end (`crate::front::torch_csv`); its names stay reachable here,
+// beside the exporter, for callers that treat the CSV as one format.
+pub use crate::front::torch_csv::{
     import_csv, import_csv_bytes, CsvError, ImportOptions, Imported, PlacementChoice,
     PlacementSource,
 };

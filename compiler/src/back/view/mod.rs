@@ -5,6 +5,7 @@
 
 pub mod chrome;
 pub mod dot;
+pub mod report;
 pub mod svg;
 pub mod timeline_text;
 

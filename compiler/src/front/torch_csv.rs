@@ -18,9 +18,9 @@
 //! file cannot make pipec allocate without bound.
 
 #[cfg(doc)]
-use super::action::MAX_MICROBATCHES;
-use super::action::{parse_cell, Action, ActionType, Cell, CsvErrorKind, MAX_STAGES};
-use super::CsvForm;
+use crate::back::torch::action::MAX_MICROBATCHES;
+use crate::back::torch::action::{parse_cell, Action, ActionType, Cell, CsvErrorKind, MAX_STAGES};
+use crate::back::torch::CsvForm;
 use crate::ir::{Instr, Payload, Program};
 use crate::lower::lower_orders;
 use pipec_schedules::{

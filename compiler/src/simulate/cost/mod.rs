@@ -22,6 +22,10 @@
 //! | `overlap` | how much of an overlapped `fwd_bwd` pair hides: the pair costs `max(F, B) + (1 - overlap) * min(F, B)` | `0` |
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
+//! | `offload`, `K.offload` | time to copy one layer's activations of one microbatch to or from host memory, one way (`offload`: `t` and `m`) | `K.act / pcie` when `pcie` is given, else one forward of the layer |
+//! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`) | none |
+//! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes | `false` |
+//! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
 //! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
@@ -43,12 +47,18 @@
 //! reason. `overlap = 0` (a pair costs the sum of its parts) is the honest default: two passes
 //! on one GPU share its compute; raise it for the communication the pair hides (DualPipe).
 
-use super::model::{Dtype, ModelShape, Norm, Recompute, MODEL_KEYS, REQUIRED};
+mod lang;
+mod units;
+
+pub use lang::{CostError, CostErrorKind, KEYS};
+pub use units::{bytes, num, parse_memory, MAX_MEMORY};
+
 use crate::front::layout::{LayerKind, Layout};
+use crate::simulate::model::ModelShape;
+use lang::{entries, err, memory_value, number, parse_shape, Key};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;
 use std::fmt;
-use thiserror::Error;
 
 /// Cost of the three passes of one layer.
 #[derive(Copy, Clone, Debug, PartialEq, Serialize)]
@@ -115,6 +125,15 @@ pub struct CostModel {
     pub memory_bytes: bool,
     /// The `[model]` table the per-kind figures were derived from, if any.
     pub shape: Option<ModelShape>,
+    /// Activation offload (issue #30): `K.offload` per kind in [`KINDS`] order, the time one
+    /// layer's activations of one microbatch take to copy to or from the host.
+    pub offload: [Option<f64>; 4],
+    /// `pcie`: host-link bandwidth in memory units (bytes when `memory_bytes`) per time unit.
+    pub pcie: Option<f64>,
+    /// `offload_pair`: ranks `2k` and `2k+1` share one host link (PipeOffload's assumption).
+    pub offload_pair: bool,
+    /// `time_unit`: seconds per cost unit, when given (`s`, `ms`, `us`).
+    pub time_unit: Option<f64>,
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -169,6 +188,23 @@ impl Serialize for CostModel {
         if let Some(shape) = &self.shape {
             m.serialize_entry("model", shape)?;
         }
+        // Offload keys only when given, as memory: older outputs stay byte-identical.
+        if self.offload.iter().any(Option::is_some) {
+            let o: std::collections::BTreeMap<String, f64> = KINDS
+                .iter()
+                .filter_map(|&k| Some((k.symbol().to_string(), self.offload[kind_index(k)]?)))
+                .collect();
+            m.serialize_entry("offload", &o)?;
+        }
+        if let Some(p) = self.pcie {
+            m.serialize_entry("pcie", &p)?;
+        }
+        if self.offload_pair {
+            m.serialize_entry("offload_pair", &true)?;
+        }
+        if let Some(u) = self.time_unit {
+            m.serialize_entry("time_unit_seconds", &u)?;
+        }
         m.end()
     }
 }
@@ -191,6 +227,10 @@ impl Default for CostModel {
             memory: DEFAULT_MEMORY,
             memory_bytes: false,
             shape: None,
+            offload: [None; 4],
+            pcie: None,
+            offload_pair: false,
+            time_unit: None,
         }
     }
 }
@@ -213,6 +253,54 @@ impl CostModel {
         } else {
             self.p2p + self.msg / self.bw
         }
+    }
+
+    /// Time to copy one layer's activations of one microbatch between device and host, one
+    /// way: `K.offload` when given; else `K.act / pcie` when the link's bandwidth is; else one
+    /// forward of the layer (PipeOffload's experiments span 0.25 to 3 forwards).
+    pub fn offload_time(&self, k: LayerKind) -> f64 {
+        match (self.offload[kind_index(k)], self.pcie) {
+            (Some(t), _) => t,
+            (None, Some(bw)) => self.layer_memory(k).act / bw,
+            (None, None) => self.layer(k).f,
+        }
+    }
+
+    /// `pcie`'s value in memory units per time unit: a plain number as it is, or bytes per
+    /// second (`25GB/s`, `/ms`, `/us` also) through `time_unit`, with activations in bytes.
+    fn bandwidth(
+        &self,
+        text: &str,
+        source: Option<&str>,
+        e: &lang::Entry,
+    ) -> Result<f64, CostError> {
+        let s = &text[e.value.0..e.value.1];
+        let fail = |kind| Err(err(text, source, e.value, kind));
+        let v = match s.split_once('/') {
+            None => number(text, source, e, false)?,
+            Some((size, per)) => {
+                let Ok((bytes, _)) = parse_memory(size) else {
+                    return fail(CostErrorKind::BadBandwidth(s.to_string()));
+                };
+                let per = match per.trim() {
+                    "s" => 1.0,
+                    "ms" => 1e-3,
+                    "us" => 1e-6,
+                    _ => return fail(CostErrorKind::BadBandwidth(s.to_string())),
+                };
+                if !self.memory_bytes {
+                    return fail(CostErrorKind::PcieNeedsBytes(s.to_string()));
+                }
+                let Some(unit) = self.time_unit else {
+                    return fail(CostErrorKind::PcieNeedsTimeUnit(s.to_string()));
+                };
+                bytes / per * unit
+            }
+        };
+        if v == 0.0 {
+            return fail(CostErrorKind::ZeroPcie);
+        }
+        Ok(v)
     }
 
     /// Parse an inline spec (`--cost`), starting from the defaults.
@@ -257,9 +345,40 @@ impl CostModel {
                 }
             }
         }
+        let mut pcie: Option<&lang::Entry> = None;
         for e in &entries {
             match e.key {
                 Key::Base(_) => {}
+                Key::Offload(None) => {
+                    let v = number(text, source, e, false)?;
+                    for k in [LayerKind::Decoder, LayerKind::Mtp] {
+                        // A per-kind key wins whatever the order.
+                        if !entries.iter().any(|x| x.key == Key::Offload(Some(k))) {
+                            self.offload[kind_index(k)] = Some(v);
+                        }
+                    }
+                }
+                Key::Offload(Some(k)) => {
+                    self.offload[kind_index(k)] = Some(number(text, source, e, false)?)
+                }
+                Key::Pcie => pcie = Some(e),
+                Key::OffloadPair => self.offload_pair = boolean(text, source, e)?,
+                Key::TimeUnit => {
+                    let v = text[e.value.0..e.value.1].trim_matches('"');
+                    self.time_unit = Some(match v {
+                        "s" => 1.0,
+                        "ms" => 1e-3,
+                        "us" => 1e-6,
+                        _ => {
+                            return Err(err(
+                                text,
+                                source,
+                                e.value,
+                                CostErrorKind::BadTimeUnit(v.to_string()),
+                            ))
+                        }
+                    });
+                }
                 Key::Kind(k, p) => {
                     *pass_mut(&mut self.layers[kind_index(k)], p) = number(text, source, e, false)?
                 }
@@ -292,22 +411,11 @@ impl CostModel {
                     }
                     self.overlap = v;
                 }
-                Key::Rendezvous => {
-                    let v = &text[e.value.0..e.value.1];
-                    self.rendezvous = match v {
-                        "true" => true,
-                        "false" => false,
-                        _ => {
-                            return Err(err(
-                                text,
-                                source,
-                                e.value,
-                                CostErrorKind::BadBool(v.to_string()),
-                            ))
-                        }
-                    };
-                }
+                Key::Rendezvous => self.rendezvous = boolean(text, source, e)?,
             }
+        }
+        if let Some(e) = pcie {
+            self.pcie = Some(self.bandwidth(text, source, e)?);
         }
         // In bytes, an MTP layer not given keeps what a decoder layer keeps (as its f/b/w
         // do), not the 1-byte default of the unit-less model.
@@ -355,6 +463,28 @@ impl CostModel {
             self.rendezvous,
             self.overlap
         ));
+        // Offload keys only when given (a manifest written without them is unchanged).
+        for k in KINDS {
+            if let Some(o) = self.offload[kind_index(k)] {
+                parts.push(format!("{}.offload={o}", k.symbol()));
+            }
+        }
+        if let Some(u) = self.time_unit {
+            let name = if u == 1.0 {
+                "s"
+            } else if u == 1e-3 {
+                "ms"
+            } else {
+                "us"
+            };
+            parts.push(format!("time_unit={name}"));
+        }
+        if let Some(p) = self.pcie {
+            parts.push(format!("pcie={p}"));
+        }
+        if self.offload_pair {
+            parts.push("offload_pair=true".to_string());
+        }
         parts.join(",")
     }
 
@@ -430,31 +560,32 @@ impl CostModel {
         if self.overlap > 0.0 {
             s.push_str(&format!("; overlap {}", num(self.overlap)));
         }
+        if self.offload.iter().any(Option::is_some) || self.pcie.is_some() {
+            s.push_str(&format!(
+                "; offload {} per t layer{}",
+                num(self.offload_time(LayerKind::Decoder)),
+                if self.offload_pair {
+                    ", host links shared by rank pairs"
+                } else {
+                    ""
+                }
+            ));
+        }
         s
     }
 }
 
-/// Bytes for people, as `pipec tune` prints them: GiB from 1 GiB up, else MiB.
-pub fn bytes(x: f64) -> String {
-    let gib = x / (1u64 << 30) as f64;
-    if gib >= 1.0 {
-        format!("{gib:.2}GiB")
-    } else {
-        format!("{:.1}MiB", x / (1u64 << 20) as f64)
-    }
-}
-
-/// A number printed without a trailing `.0`, at most 4 decimals.
-pub fn num(x: f64) -> String {
-    if x.is_infinite() {
-        return "inf".to_string();
-    }
-    let s = format!("{x:.4}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    if s == "-0" {
-        "0".to_string()
-    } else {
-        s.to_string()
+fn boolean(text: &str, source: Option<&str>, e: &lang::Entry) -> Result<bool, CostError> {
+    let v = &text[e.value.0..e.value.1];
+    match v {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        _ => Err(err(
+            text,
+            source,
+            e.value,
+            CostErrorKind::BadBool(v.to_string()),
+        )),
     }
 }
 
@@ -479,6 +610,9 @@ pub struct StageCosts {
     /// Per stage: `K.act` and `K.param` summed over its layers ([`crate::memory`]).
     pub act: Vec<f64>,
     pub param: Vec<f64>,
+    /// Per stage: one microbatch's activations copied one way ([`CostModel::offload_time`]
+    /// summed over its layers).
+    pub offload: Vec<f64>,
 }
 
 impl StageCosts {
@@ -494,6 +628,7 @@ impl StageCosts {
         let mut bwd_w = Vec::with_capacity(n);
         let mut act = Vec::with_capacity(n);
         let mut param = Vec::with_capacity(n);
+        let mut offload = Vec::with_capacity(n);
         for s in 0..n {
             let layers: &[LayerKind] = if layout_used {
                 &layout.stages[s]
@@ -502,6 +637,7 @@ impl StageCosts {
             };
             act.push(layers.iter().map(|&k| model.layer_memory(k).act).sum());
             param.push(layers.iter().map(|&k| model.layer_memory(k).param).sum());
+            offload.push(layers.iter().map(|&k| model.offload_time(k)).sum());
             if layers.is_empty() {
                 fwd.push(model.floor);
                 bwd_d.push(model.floor);
@@ -527,6 +663,7 @@ impl StageCosts {
             layout_used,
             act,
             param,
+            offload,
         }
     }
 
@@ -572,6 +709,12 @@ impl StageCosts {
     pub fn transfer(&self) -> f64 {
         self.model.transfer()
     }
+
+    /// Time to copy one microbatch's activations of `stage` one way (offload or reload), on
+    /// a link of its own; `None` for a stage out of range.
+    pub fn copy(&self, stage: StageId) -> Option<f64> {
+        self.offload.get(stage.index()).copied()
+    }
 }
 
 /// The largest cost or size a spec may give. Sums over a billion ops of this size stay far
@@ -580,614 +723,6 @@ pub const MAX_VALUE: f64 = 1e12;
 
 /// The smallest nonzero cost or size: below it, sums of a billion ops lose their meaning.
 pub const MIN_VALUE: f64 = 1e-9;
-
-/// The keys a spec may hold, for error messages.
-pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param (K in E t m L)";
-
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Key {
-    /// `f`, `b`, `w` as 0, 1, 2.
-    Base(usize),
-    Kind(LayerKind, usize),
-    /// `K.act` (0) and `K.param` (1).
-    Mem(LayerKind, usize),
-    Floor,
-    P2p,
-    Msg,
-    Bw,
-    Rendezvous,
-    Overlap,
-}
-
-fn key(s: &str) -> Option<Key> {
-    let pass = |p: &str| match p {
-        "f" => Some(0),
-        "b" => Some(1),
-        "w" => Some(2),
-        _ => None,
-    };
-    Some(match s {
-        "floor" => Key::Floor,
-        "p2p" => Key::P2p,
-        "msg" => Key::Msg,
-        "bw" => Key::Bw,
-        "rendezvous" => Key::Rendezvous,
-        "overlap" => Key::Overlap,
-        _ => {
-            if let Some((k, p)) = s.split_once('.') {
-                let mut chars = k.chars();
-                let kind = LayerKind::from_symbol(chars.next()?)?;
-                if chars.next().is_some() {
-                    return None;
-                }
-                match p {
-                    "act" => Key::Mem(kind, 0),
-                    "param" => Key::Mem(kind, 1),
-                    _ => Key::Kind(kind, pass(p)?),
-                }
-            } else {
-                Key::Base(pass(s)?)
-            }
-        }
-    })
-}
-
-/// One `key=value` entry: the parsed key and the byte ranges of key and value.
-struct Entry {
-    key: Key,
-    value: (usize, usize),
-}
-
-/// Byte range of `s[lo..hi]` with surrounding whitespace removed.
-fn trim(text: &str, lo: usize, hi: usize) -> (usize, usize) {
-    let s = &text[lo..hi];
-    let start = lo + (s.len() - s.trim_start().len());
-    let end = hi - (s.len() - s.trim_end().len());
-    (start, end.max(start))
-}
-
-/// The `[model]` table: where its header is, and its raw `key = value` entries (key and
-/// value byte ranges), checked by [`parse_shape`].
-struct Section {
-    header: (usize, usize),
-    entries: Vec<((usize, usize), (usize, usize))>,
-}
-
-fn entries(text: &str, source: Option<&str>) -> Result<(Vec<Entry>, Option<Section>), CostError> {
-    let mut out: Vec<(Entry, (usize, usize))> = Vec::new();
-    let mut section: Option<Section> = None;
-    let mut line_start = 0;
-    for line in text.split_inclusive('\n') {
-        let line_end = line_start + line.len();
-        let content_end = line_start + line.find('#').unwrap_or(line.len());
-        let mut lo = line_start;
-        while lo <= content_end {
-            let hi = text[lo..content_end]
-                .find(',')
-                .map_or(content_end, |i| lo + i);
-            let (a, b) = trim(text, lo, hi);
-            if a < b && text[a..b].starts_with('[') {
-                // A table header: `[model]` (TOML's form; also an item of an inline spec).
-                let item = &text[a..b];
-                let name = item
-                    .strip_prefix('[')
-                    .and_then(|x| x.strip_suffix(']'))
-                    .map(str::trim);
-                if name != Some("model") {
-                    return Err(err(
-                        text,
-                        source,
-                        (a, b),
-                        CostErrorKind::UnknownSection(item.to_string()),
-                    ));
-                }
-                if section.is_some() {
-                    return Err(err(text, source, (a, b), CostErrorKind::ModelTwice));
-                }
-                section = Some(Section {
-                    header: (a, b),
-                    entries: Vec::new(),
-                });
-            } else if a < b {
-                let item = &text[a..b];
-                let Some(eq) = item.find('=') else {
-                    return Err(err(text, source, (a, b), CostErrorKind::MissingEquals));
-                };
-                let k = trim(text, a, a + eq);
-                let v = trim(text, a + eq + 1, b);
-                if k.0 == k.1 {
-                    return Err(err(text, source, (a, a + 1), CostErrorKind::EmptyKey));
-                }
-                let name = &text[k.0..k.1];
-                if v.0 == v.1 {
-                    if section.is_some() {
-                        if !MODEL_KEYS.split(", ").any(|x| x == name) {
-                            return Err(err(
-                                text,
-                                source,
-                                k,
-                                CostErrorKind::UnknownModelKey(name.to_string()),
-                            ));
-                        }
-                    } else if key(name).is_none() {
-                        return Err(err(
-                            text,
-                            source,
-                            k,
-                            CostErrorKind::UnknownKey(name.to_string()),
-                        ));
-                    }
-                    return Err(err(
-                        text,
-                        source,
-                        (v.0, v.0),
-                        CostErrorKind::EmptyValue(name.to_string()),
-                    ));
-                }
-                if let Some(sec) = &mut section {
-                    sec.entries.push((k, v));
-                    lo = hi + 1;
-                    continue;
-                }
-                let Some(parsed) = key(name) else {
-                    let kind = if MODEL_KEYS.split(", ").any(|x| x == name) {
-                        CostErrorKind::ModelKeyOutside(name.to_string())
-                    } else {
-                        CostErrorKind::UnknownKey(name.to_string())
-                    };
-                    return Err(err(text, source, k, kind));
-                };
-                if let Some((_, first)) = out.iter().find(|(e, _)| e.key == parsed) {
-                    let (line, col) = line_col(text, first.0);
-                    return Err(err(
-                        text,
-                        source,
-                        k,
-                        CostErrorKind::Duplicate {
-                            key: name.to_string(),
-                            line,
-                            col,
-                        },
-                    ));
-                }
-                out.push((
-                    Entry {
-                        key: parsed,
-                        value: v,
-                    },
-                    k,
-                ));
-            }
-            lo = hi + 1;
-        }
-        line_start = line_end;
-    }
-    Ok((out.into_iter().map(|(e, _)| e).collect(), section))
-}
-
-/// Check the `[model]` table and build the shape: every key known and given once, the
-/// required ones present, integers positive, strings and booleans from their lists, and the
-/// shape consistent (Megatron's own checks: heads divisible by kv_heads and tp, hidden by
-/// heads, kv_heads by tp).
-fn parse_shape(text: &str, source: Option<&str>, sec: &Section) -> Result<ModelShape, CostError> {
-    type Span = (usize, usize);
-    let mut seen: Vec<(&str, Span, Span)> = Vec::new();
-    for &(k, v) in &sec.entries {
-        let name = &text[k.0..k.1];
-        if !MODEL_KEYS.split(", ").any(|x| x == name) {
-            return Err(err(
-                text,
-                source,
-                k,
-                CostErrorKind::UnknownModelKey(name.to_string()),
-            ));
-        }
-        if let Some(&(_, first, _)) = seen.iter().find(|(n, _, _)| *n == name) {
-            let (line, col) = line_col(text, first.0);
-            return Err(err(
-                text,
-                source,
-                k,
-                CostErrorKind::Duplicate {
-                    key: name.to_string(),
-                    line,
-                    col,
-                },
-            ));
-        }
-        seen.push((name, k, v));
-    }
-    let get = |name: &str| seen.iter().find(|(n, _, _)| *n == name).map(|&(_, _, v)| v);
-    let bad = |name: &str, v: (usize, usize), want: &str| {
-        let value = &text[v.0..v.1];
-        err(
-            text,
-            source,
-            v,
-            CostErrorKind::BadModelValue(format!("`{name}` must be {want}, not `{value}`")),
-        )
-    };
-
-    let int = |name: &str, default: u64| -> Result<u64, CostError> {
-        let Some(v) = get(name) else {
-            return Ok(default);
-        };
-        let s = text[v.0..v.1].replace('_', "");
-        match s.parse::<u64>() {
-            Ok(x) if (1..=MAX_DIM).contains(&x) && s.chars().all(|c| c.is_ascii_digit()) => Ok(x),
-            _ => Err(bad(name, v, &format!("an integer from 1 to {MAX_DIM}"))),
-        }
-    };
-    let boolean = |name: &str| -> Result<Option<bool>, CostError> {
-        let Some(v) = get(name) else {
-            return Ok(None);
-        };
-        match &text[v.0..v.1] {
-            "true" => Ok(Some(true)),
-            "false" => Ok(Some(false)),
-            _ => Err(bad(name, v, "`true` or `false`")),
-        }
-    };
-    // A string, quoted as TOML wants or bare.
-    let choice = |name: &str, options: &[&str]| -> Result<Option<usize>, CostError> {
-        let Some(v) = get(name) else {
-            return Ok(None);
-        };
-        let raw = &text[v.0..v.1];
-        let s = raw
-            .strip_prefix('"')
-            .and_then(|x| x.strip_suffix('"'))
-            .unwrap_or(raw);
-        match options.iter().position(|o| *o == s) {
-            Some(i) => Ok(Some(i)),
-            None => {
-                let list: Vec<String> = options.iter().map(|o| format!("\"{o}\"")).collect();
-                Err(bad(name, v, &format!("one of {}", list.join(", "))))
-            }
-        }
-    };
-    let hidden = int("hidden", 0)?;
-    let heads = int("heads", 0)?;
-    let tp = int("tp", 1)?;
-    let shape = ModelShape {
-        hidden,
-        ffn: int("ffn", 0)?,
-        heads,
-        kv_heads: int("kv_heads", heads)?,
-        seq: int("seq", 0)?,
-        micro_batch: int("micro_batch", 1)?,
-        vocab: int("vocab", 0)?,
-        dtype: match choice("dtype", &["bf16", "fp16", "fp32"])? {
-            None | Some(0) => Dtype::Bf16,
-            Some(1) => Dtype::Fp16,
-            _ => Dtype::Fp32,
-        },
-        tp,
-        cp: int("cp", 1)?,
-        dp: int("dp", 1)?,
-        // Megatron recommends sequence parallelism with tensor parallelism.
-        sequence_parallel: boolean("sequence_parallel")?.unwrap_or(tp > 1),
-        distributed_optimizer: boolean("distributed_optimizer")?.unwrap_or(false),
-        recompute: match choice("recompute", &["none", "selective", "full"])? {
-            None | Some(0) => Recompute::None,
-            Some(1) => Recompute::Selective,
-            _ => Recompute::Full,
-        },
-        swiglu: boolean("swiglu")?.unwrap_or(false),
-        normalization: match choice("normalization", &["LayerNorm", "RMSNorm"])? {
-            None | Some(0) => Norm::LayerNorm,
-            _ => Norm::RMSNorm,
-        },
-    };
-    // Values first (each error at its value), then what is missing (at the header).
-    let missing: Vec<&str> = REQUIRED
-        .iter()
-        .copied()
-        .filter(|r| get(r).is_none())
-        .collect();
-    if !missing.is_empty() {
-        return Err(err(
-            text,
-            source,
-            sec.header,
-            CostErrorKind::MissingModelKeys(missing.join(", ")),
-        ));
-    }
-    let at = |name: &str| get(name).unwrap_or(sec.header);
-    let inconsistent = |name: &str, why: String| {
-        err(
-            text,
-            source,
-            at(name),
-            CostErrorKind::InconsistentModel(why),
-        )
-    };
-    if !shape.hidden.is_multiple_of(shape.heads) {
-        return Err(inconsistent(
-            "heads",
-            format!(
-                "hidden ({}) is not a multiple of heads ({})",
-                shape.hidden, shape.heads
-            ),
-        ));
-    }
-    if !shape.heads.is_multiple_of(shape.kv_heads) {
-        return Err(inconsistent(
-            "kv_heads",
-            format!(
-                "heads ({}) is not a multiple of kv_heads ({})",
-                shape.heads, shape.kv_heads
-            ),
-        ));
-    }
-    if !shape.heads.is_multiple_of(shape.tp) || !shape.kv_heads.is_multiple_of(shape.tp) {
-        return Err(inconsistent(
-            "tp",
-            format!(
-                "tp ({}) does not divide heads ({}) and kv_heads ({}): Megatron splits attention heads over tensor-parallel ranks",
-                shape.tp, shape.heads, shape.kv_heads
-            ),
-        ));
-    }
-    if !shape.seq.is_multiple_of(shape.cp) {
-        return Err(inconsistent(
-            "cp",
-            format!("cp ({}) does not divide seq ({})", shape.cp, shape.seq),
-        ));
-    }
-    Ok(shape)
-}
-
-/// The largest size or parallel degree a `[model]` key takes: 2^40.
-pub const MAX_DIM: u64 = 1 << 40;
-
-fn number(text: &str, source: Option<&str>, e: &Entry, allow_inf: bool) -> Result<f64, CostError> {
-    let s = &text[e.value.0..e.value.1];
-    let bad = || {
-        err(
-            text,
-            source,
-            e.value,
-            CostErrorKind::BadNumber(s.to_string()),
-        )
-    };
-    if allow_inf && (s == "inf" || s == "+inf") {
-        return Ok(f64::INFINITY);
-    }
-    // Rust's float parser accepts `inf` and `NaN`; a cost must be a plain decimal number.
-    if !s
-        .chars()
-        .all(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E' | '_'))
-    {
-        return Err(bad());
-    }
-    let v: f64 = s.replace('_', "").parse().map_err(|_| bad())?;
-    if !v.is_finite() {
-        return Err(err(
-            text,
-            source,
-            e.value,
-            CostErrorKind::NotFinite(s.to_string()),
-        ));
-    }
-    if v < 0.0 {
-        return Err(err(
-            text,
-            source,
-            e.value,
-            CostErrorKind::Negative(s.to_string()),
-        ));
-    }
-    if v > MAX_VALUE || (v != 0.0 && v < MIN_VALUE) {
-        return Err(err(
-            text,
-            source,
-            e.value,
-            CostErrorKind::OutOfRange(s.to_string()),
-        ));
-    }
-    Ok(v)
-}
-
-/// A memory value: a plain number, or bytes with a unit (`B`, `KB`, `MB`, `GB`, `TB`, `KiB`,
-/// `MiB`, `GiB`, `TiB`).
-fn memory_value(text: &str, source: Option<&str>, e: &Entry) -> Result<f64, CostError> {
-    let s = &text[e.value.0..e.value.1];
-    parse_bytes(s).map_err(|_| {
-        let kind = if s.trim_start().starts_with('-') {
-            CostErrorKind::Negative(s.to_string())
-        } else {
-            CostErrorKind::BadNumber(s.to_string())
-        };
-        err(text, source, e.value, kind)
-    })
-}
-
-/// The largest memory figure (bytes or units) a spec or limit may give: 1 EiB.
-pub const MAX_MEMORY: f64 = 1.152921504606847e18;
-
-/// Parse a memory figure: a plain non-negative number, or one followed by a byte unit (`B`,
-/// `KB`, `MB`, `GB`, `TB` in powers of 1000, `KiB`, `MiB`, `GiB`, `TiB` in powers of 1024;
-/// case of the letters ignored, a space allowed before the unit). Returns the value and
-/// whether it had a unit.
-pub fn parse_memory(s: &str) -> Result<(f64, bool), String> {
-    let s = s.trim();
-    if s.starts_with('-') {
-        return Err(format!("`{s}` is negative; a memory size is at least 0"));
-    }
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || matches!(c, '.' | '_' | 'e' | 'E' | '+')))
-        .unwrap_or(s.len());
-    // `1e3` is a number, `1EiB` a unit: an `e`/`E` followed by a letter starts the unit.
-    let mut split = split;
-    if let Some(i) = s[..split].find(['e', 'E']) {
-        if s[i + 1..]
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic())
-        {
-            split = i;
-        }
-    }
-    let (num, unit) = (&s[..split], s[split..].trim());
-    let bad =
-        || format!("`{s}` is not a memory size (a number, or bytes with a unit such as 40GiB)");
-    if num.is_empty() || !num.chars().next().unwrap().is_ascii_digit() && !num.starts_with('.') {
-        return Err(bad());
-    }
-    let v: f64 = num.replace('_', "").parse().map_err(|_| bad())?;
-    let scale = match unit.to_ascii_lowercase().as_str() {
-        "" => 1.0,
-        "b" => 1.0,
-        "kb" => 1e3,
-        "mb" => 1e6,
-        "gb" => 1e9,
-        "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(bad()),
-    };
-    let x = v * scale;
-    if !x.is_finite() || !(0.0..=MAX_MEMORY).contains(&x) {
-        return Err(bad());
-    }
-    Ok((x, !unit.is_empty()))
-}
-
-fn parse_bytes(s: &str) -> Result<f64, String> {
-    parse_memory(s).map(|(v, _)| v)
-}
-
-/// 1-based line and column (in characters) of a byte offset.
-fn line_col(text: &str, pos: usize) -> (usize, usize) {
-    let before = &text[..pos.min(text.len())];
-    let line = before.matches('\n').count() + 1;
-    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-    (line, before[line_start..].chars().count() + 1)
-}
-
-fn err(text: &str, source: Option<&str>, span: (usize, usize), kind: CostErrorKind) -> CostError {
-    let (line, col) = line_col(text, span.0);
-    CostError {
-        file: source.map(str::to_string),
-        input: text.to_string(),
-        start: span.0,
-        end: span.1,
-        line,
-        col,
-        kind,
-    }
-}
-
-/// Why a cost spec was refused.
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum CostErrorKind {
-    #[error("expected `key=value`")]
-    MissingEquals,
-    #[error("missing key before `=`")]
-    EmptyKey,
-    #[error("unknown key `{0}` (known: {KEYS})")]
-    UnknownKey(String),
-    #[error("missing value for `{0}`")]
-    EmptyValue(String),
-    #[error("`{0}` is not a number")]
-    BadNumber(String),
-    #[error("`{0}` is not finite; costs are finite numbers (only `bw` may be `inf`)")]
-    NotFinite(String),
-    #[error("`{0}` is negative; costs and sizes are at least 0")]
-    Negative(String),
-    #[error("`{0}` is out of range; a cost or size is at most {MAX_VALUE:e} (pick a larger time unit), and a nonzero one at least {MIN_VALUE:e}")]
-    OutOfRange(String),
-    #[error("`bw` must be greater than 0 (use `inf` for free transfers)")]
-    ZeroBandwidth,
-    #[error("`overlap` must lie between 0 and 1")]
-    OverlapRange,
-    #[error("`{0}` is not a boolean; use `true` or `false`")]
-    BadBool(String),
-    #[error("unknown table `{0}`; the only table is `[model]`")]
-    UnknownSection(String),
-    #[error("the model is described twice (one `[model]` table per cost model)")]
-    ModelTwice,
-    #[error("unknown key `{0}` in `[model]` (known: {MODEL_KEYS})")]
-    UnknownModelKey(String),
-    #[error("`{0}` describes the model: put it under a `[model]` line, after the cost keys")]
-    ModelKeyOutside(String),
-    #[error("`[model]` lacks {0} (required: hidden, ffn, heads, seq, vocab)")]
-    MissingModelKeys(String),
-    /// `` `KEY` must be WANT, not `VALUE` `` (one string keeps the error small).
-    #[error("{0}")]
-    BadModelValue(String),
-    #[error("inconsistent model: {0}")]
-    InconsistentModel(String),
-    #[error("`{key}` is given twice (first at line {line}, column {col})")]
-    Duplicate {
-        key: String,
-        line: usize,
-        col: usize,
-    },
-}
-
-/// A refused cost spec: where (byte range, line and column) and why.
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-#[error("{}", self.render())]
-pub struct CostError {
-    /// The file the text came from, if any.
-    pub file: Option<String>,
-    pub input: String,
-    /// Byte range of the offending text.
-    pub start: usize,
-    pub end: usize,
-    /// 1-based line and column (characters) of `start`.
-    pub line: usize,
-    pub col: usize,
-    pub kind: CostErrorKind,
-}
-
-impl CostError {
-    /// The message, then the offending line with a caret under the fault:
-    ///
-    /// ```text
-    /// invalid cost spec at column 5: unknown key `x` (known: ...)
-    ///   f=1,x=2
-    ///       ^
-    /// ```
-    pub fn render(&self) -> String {
-        let whr = match &self.file {
-            Some(path) => format!("invalid cost file {path}:{}:{}", self.line, self.col),
-            None if self.input.contains('\n') => {
-                format!(
-                    "invalid cost spec at line {}, column {}",
-                    self.line, self.col
-                )
-            }
-            None => format!("invalid cost spec at column {}", self.col),
-        };
-        let line_text = self
-            .input
-            .split('\n')
-            .nth(self.line - 1)
-            .unwrap_or("")
-            .trim_end_matches('\r');
-        let shown: String = line_text
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .collect();
-        let width = self.input[self.start..self.end.max(self.start)]
-            .chars()
-            .take_while(|&c| c != '\n')
-            .count()
-            .max(1);
-        format!(
-            "{whr}: {}\n  {shown}\n  {}{}",
-            self.kind,
-            " ".repeat(self.col - 1),
-            "^".repeat(width)
-        )
-    }
-}
 
 impl fmt::Display for PassCost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1423,6 +958,49 @@ mod tests {
                     let _ = e.render();
                 }
             }
+        }
+    }
+
+    /// The offload keys (issue #30): per-kind copy times, the link's bandwidth in either
+    /// form, and what each refusal says.
+    #[test]
+    fn offload_keys() {
+        let d = CostModel::parse("f=2").unwrap();
+        // Nothing given: a copy takes one forward of the layer, and nothing is serialized.
+        assert_eq!(d.offload_time(LayerKind::Decoder), 2.0);
+        assert!(!serde_json::to_string(&d).unwrap().contains("offload"));
+        assert!(!d.spec().contains("offload"));
+        let m = CostModel::parse("offload=0.5,E.offload=0.1,t.offload=0.25").unwrap();
+        assert_eq!(
+            m.offload_time(LayerKind::Decoder),
+            0.25,
+            "the per-kind key wins"
+        );
+        assert_eq!(m.offload_time(LayerKind::Mtp), 0.5);
+        assert_eq!(m.offload_time(LayerKind::Embedding), 0.1);
+        // 1 GiB of activations per layer over 25 GB/s with times in ms: 42.9 ms.
+        let b = CostModel::parse("t.act=1GiB,time_unit=ms,pcie=25GB/s,offload_pair=true").unwrap();
+        let want = (1u64 << 30) as f64 / 25e9 * 1e3;
+        assert!((b.offload_time(LayerKind::Decoder) - want).abs() < 1e-9);
+        assert!(b.offload_pair);
+        // The spec reads back to the same model.
+        assert_eq!(CostModel::parse(&b.spec()).unwrap(), b);
+        assert_eq!(CostModel::parse(&m.spec()).unwrap(), m);
+        let costs = StageCosts::new(&m, &crate::front::layout::parse("Et|tt|tL").unwrap(), 3);
+        assert_eq!(costs.copy(StageId(1)), Some(0.5));
+        assert_eq!(costs.copy(StageId(0)), Some(0.35));
+        for (spec, want) in [
+            ("pcie=25GB/s", "is in bytes, but the activations are not"),
+            ("t.act=1GiB,pcie=25GB/s", "add `time_unit = \"ms\"`"),
+            ("pcie=0", "`pcie` must be greater than 0"),
+            ("pcie=fast", "is not a number"),
+            ("t.act=1GiB,time_unit=ms,pcie=25GB/h", "is not a bandwidth"),
+            ("time_unit=min", "is not a time unit"),
+            ("offload_pair=yes", "is not a boolean"),
+            ("t.offload=-1", "is negative"),
+        ] {
+            let e = CostModel::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(want), "{spec}: {e}");
         }
     }
 }

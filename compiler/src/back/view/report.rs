@@ -1,0 +1,61 @@
+//! What a simulation reports, as `pipec simulate` prints it and `pipec.Schedule.simulate()`
+//! returns it: the schedule's one-line title and the JSON document. Presentation only: the
+//! figures are [`crate::simulate`]'s.
+
+use crate::ir::Program;
+use crate::simulate::cost::CostModel;
+use crate::simulate::{SimError, Simulation, BUBBLE};
+
+/// A one-line name for a schedule, as `pipec simulate` prints it: `1f1b pp=4 vpp=1
+/// microbatches=8`, or for an import `torch-csv schedule, 2 ranks, 4 stages, microbatches=2`.
+pub fn schedule_title(
+    spec: Option<&pipec_schedules::ScheduleSpec>,
+    source: &str,
+    program: &Program,
+) -> String {
+    match spec {
+        Some(s) => s.label(),
+        None => format!(
+            "{source} schedule, {}, {}, microbatches={}",
+            crate::words::count(program.world(), "rank"),
+            crate::words::count(program.num_stages(), "stage"),
+            program.microbatches
+        ),
+    }
+}
+
+/// What `pipec simulate --json` prints (and `pipec.Schedule.simulate()` returns) for a
+/// simulation of `program` named `name` under `model`; `None` for errors other than a
+/// deadlock, which the caller reports.
+pub fn json_report(
+    name: &str,
+    program: &Program,
+    model: &CostModel,
+    result: &Result<Simulation, SimError>,
+) -> Option<serde_json::Value> {
+    match result {
+        Ok(sim) => {
+            let s = &sim.summary;
+            Some(serde_json::json!({
+                "schedule": name,
+                "unit": "cost",
+                "makespan": s.makespan,
+                "mean_bubble_ratio": s.mean_bubble(),
+                "bubble": BUBBLE,
+                "max_bubble_ratio": s.max_bubble(),
+                "peak_activations": crate::tidy::figure(s.peak_activations()),
+                "peak_memory": crate::tidy::figure(s.peak_memory()),
+                "memory_unit": s.memory_unit,
+                "instructions": program.len(),
+                "ranks": s.ranks,
+                "cost": model,
+            }))
+        }
+        Err(SimError::Deadlock(d)) => Some(serde_json::json!({
+            "schedule": name,
+            "deadlock": d,
+            "cost": model,
+        })),
+        Err(_) => None,
+    }
+}
