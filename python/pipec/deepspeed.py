@@ -4,8 +4,9 @@
 ``deepspeed.initialize(model=PipelineModule(...), ...)``: ``engine.train_batch`` then runs a
 training schedule and ``engine.eval_batch`` a forward-only one, with DeepSpeed's own forward,
 backward, data loading, gradient reduction, optimizer step and loss reporting. What the adapter
-changes, it changes on the instance (``_INSTRUCTION_MAP`` and the two schedule factories), as
-DeepSpeed's own ``DualPipeVEngine`` does on its class:
+changes, it changes on the instance (``_INSTRUCTION_MAP``, the two schedule factories and
+``_exec_schedule``, through :mod:`pipec._compat`), as DeepSpeed's own ``DualPipeVEngine`` does on
+its class:
 
 - Sends and receives run one at a time, blocking (DeepSpeed's ``p2p.send``/``recv``; gloo's send
   waits for its receive), in the order :meth:`pipec.Schedule.blocking_order` computes by running
