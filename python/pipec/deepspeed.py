@@ -4,8 +4,9 @@
 ``deepspeed.initialize(model=PipelineModule(...), ...)``: ``engine.train_batch`` then runs a
 training schedule and ``engine.eval_batch`` a forward-only one, with DeepSpeed's own forward,
 backward, data loading, gradient reduction, optimizer step and loss reporting. What the adapter
-changes, it changes on the instance (``_INSTRUCTION_MAP`` and the two schedule factories), as
-DeepSpeed's own ``DualPipeVEngine`` does on its class:
+changes, it changes on the instance (``_INSTRUCTION_MAP``, the two schedule factories and
+``_exec_schedule``, through :mod:`pipec._compat`), as DeepSpeed's own ``DualPipeVEngine`` does on
+its class:
 
 - Sends and receives run one at a time, blocking (DeepSpeed's ``p2p.send``/``recv``; gloo's send
   waits for its receive), in the order :meth:`pipec.Schedule.blocking_order` computes by running
@@ -21,7 +22,9 @@ DeepSpeed's own ``DualPipeVEngine`` does on its class:
 
 Whatever DeepSpeed cannot run as pipec verified it is refused before the first step, on every
 rank alike, with :class:`pipec.PipecError`. Longer notes: ``docs/deepspeed.md``. DeepSpeed and
-torch are imported only here.
+torch are imported only here. DeepSpeed's private parts are reached through :mod:`pipec._compat`,
+and importing this module checks that the installed DeepSpeed is in the tested series
+(:data:`pipec._compat.TESTED`; torch is used through public API only).
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ from typing import Any
 
 import torch
 
-from . import PipecError, Schedule, _as_schedule
+from . import PipecError, Schedule, _as_schedule, _compat
+
+_compat.require("pipec.deepspeed", "deepspeed")
 
 __all__ = ["DEEPSPEED_VERSION", "check", "eligible", "use"]
 
-#: The DeepSpeed release this module is written and tested against.
-DEEPSPEED_VERSION = "0.19.8"
+#: The DeepSpeed release this module is written and tested against; importing it refuses a
+#: release outside its series (``pipec._compat.accepted_range("deepspeed")``).
+DEEPSPEED_VERSION = _compat.TESTED["deepspeed"]
 
 _COMPUTE = ("fwd", "bwd", "bwd_D", "bwd_W", "fwd_bwd")
 
@@ -221,7 +227,7 @@ def _load_up_to(engine, mb: int) -> None:
     data iterator has no ids: its k-th item is microbatch k)."""
     st = _state(engine)
     while st["loaded"] <= mb:
-        type(engine)._INSTRUCTION_MAP[_ds_schedule().LoadMicroBatch](engine, st["loaded"])
+        _compat.ds_instruction_map(engine)[_ds_schedule().LoadMicroBatch](engine, st["loaded"])
         st["loaded"] += 1
 
 
@@ -232,13 +238,11 @@ def _ds_schedule():
 
 
 def _exec_forward(self, buffer_id):
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
     st = _state(self)
     if self.is_first_stage() or self.is_last_stage():
         _load_up_to(self, buffer_id)
     st["trace"].append(("fwd", self.stage_id, buffer_id))
-    PipelineEngine._exec_forward_pass(self, buffer_id)
+    _compat.ds_exec_forward_pass(self, buffer_id)
     if self.is_last_stage():
         st["losses"][buffer_id] = self.loss
         if torch.is_tensor(self.loss):
@@ -273,8 +277,6 @@ def _free_after_backward(self, buffer_id):
 
 
 def _exec_backward(self, buffer_id):
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
     st = _state(self)
     st["trace"].append(("bwd", self.stage_id, buffer_id))
     if self.is_last_stage():
@@ -282,7 +284,7 @@ def _exec_backward(self, buffer_id):
     else:
         g = st["grads"][buffer_id]
         self.grad_layer = g
-    PipelineEngine._exec_backward_pass(self, buffer_id)
+    _compat.ds_exec_backward_pass(self, buffer_id)
     self.grad_layer = None
     _free_after_backward(self, buffer_id)
 
@@ -441,11 +443,8 @@ def _exec_backward_input(self, buffer_id):
         return
     edges, grads = _root_edges(self, buffer_id)
     params = [p for p in self.module.parameters() if p.requires_grad]
-    self._running_engine_backward = True  # as DeepSpeed's own _exec_backward_pass
-    try:
+    with _compat.ds_engine_backward(self):  # as DeepSpeed's own _exec_backward_pass
         st["deferred"][buffer_id] = _split_input(edges, grads, leaves, params)
-    finally:
-        self._running_engine_backward = False
     # The graph from the roots down to the recorded nodes is done with (torch's split detaches
     # the outputs for the same reason): only the weights' branches live until bwd_W.
     del edges, grads
@@ -458,8 +457,7 @@ def _exec_backward_weight(self, buffer_id):
     st = _state(self)
     st["trace"].append(("bwd_W", self.stage_id, buffer_id))
     deferred = st["deferred"].pop(buffer_id)
-    self._running_engine_backward = True
-    try:
+    with _compat.ds_engine_backward(self):
         if deferred is None:
             edges, grads = _root_edges(self, buffer_id)
             params = [p for p in self.module.parameters() if p.requires_grad]
@@ -467,8 +465,6 @@ def _exec_backward_weight(self, buffer_id):
                 torch.autograd.backward(edges, grads, inputs=params)
         else:
             _split_weight(*deferred)
-    finally:
-        self._running_engine_backward = False
     _free_after_backward(self, buffer_id)
 
 
@@ -479,31 +475,11 @@ def _exec_send_activation(self, buffer_id):
     outputs = self.pipe_buffers["outputs"][buffer_id]
     if self.dynamic_shape or st["first_send"]:
         st["first_send"] = False
-        self._send_tensor_meta(outputs, self.next_stage)
+        _compat.ds_send_tensor_meta(self, outputs, self.next_stage)
     for t in _tensors(outputs):
         p2p.send(t.contiguous(), self.next_stage)
     if not torch.is_grad_enabled():
         self.pipe_buffers["outputs"][buffer_id] = None
-
-
-def _recv_meta(self) -> tuple[bool, list[tuple[list[int], torch.dtype]]]:
-    """DeepSpeed's tensor metadata message (``_send_tensor_meta``'s layout), decoded without
-    the engine's shared receive buffer."""
-    from deepspeed.runtime.pipe import engine as de
-    from deepspeed.runtime.pipe import p2p
-
-    buf = torch.empty(de.TENSOR_META_SIZE, dtype=torch.int32, device=self.device)
-    p2p.recv(buf, self.prev_stage)
-    meta = buf.tolist()
-    if meta[0] == 0:
-        dtype, ndims = self.ID_TO_DTYPE[meta[1]], meta[2]
-        return True, [(meta[3 : 3 + ndims], dtype)]
-    specs, off = [], 2
-    for _ in range(meta[1]):
-        dtype, ndims = self.ID_TO_DTYPE[meta[off]], meta[off + 1]
-        specs.append((meta[off + 2 : off + 2 + ndims], dtype))
-        off += 2 + ndims
-    return False, specs
 
 
 def _exec_recv_activation(self, buffer_id):
@@ -511,7 +487,7 @@ def _exec_recv_activation(self, buffer_id):
 
     st = _state(self)
     if self.dynamic_shape or st["recv_spec"] is None:
-        st["recv_spec"] = _recv_meta(self)
+        st["recv_spec"] = _compat.ds_recv_tensor_meta(self)
     single, specs = st["recv_spec"]
     got = []
     for shape, dtype in specs:
@@ -569,6 +545,7 @@ def _engine_side(engine) -> tuple[int, int, bool]:
         from deepspeed.runtime.pipe.engine import PipelineEngine
     except ImportError as e:  # pragma: no cover - only without DeepSpeed
         raise PipecError(f"pipec.deepspeed needs DeepSpeed {DEEPSPEED_VERSION}: {e}") from e
+    _compat.require_loaded("pipec.deepspeed", "deepspeed")
     if not isinstance(engine, PipelineEngine):
         raise PipecError(
             f"pipec.deepspeed.use needs the PipelineEngine that deepspeed.initialize returns for "
@@ -628,13 +605,12 @@ def _install(engine) -> None:
     engine._pipec_plans = {}
     engine.pipec_trace = []
     engine.pipec_losses = []
-    engine._INSTRUCTION_MAP = {
-        **type(engine)._INSTRUCTION_MAP,
+    instruction_map = {
+        **_compat.ds_instruction_map(engine),
         **{cls[k]: fn for k, fn in _HANDLERS.items()},
     }
     sched_cls = _schedule_class()
-    stock_train = engine._train_schedule
-    stock_eval = engine._inference_schedule
+    stock_train, stock_eval, stock_exec = _compat.ds_schedule_methods(engine)
 
     def begin(plan, micro_batches, train):
         _, program = plan
@@ -664,17 +640,13 @@ def _install(engine) -> None:
             )
         return begin(plan, micro_batches, False)
 
-    engine._train_schedule = train_schedule
-    engine._inference_schedule = inference_schedule
-    stock_exec = engine._exec_schedule
-
     def exec_schedule(pipe_schedule):
         stock_exec(pipe_schedule)
         if isinstance(pipe_schedule, sched_cls) and engine.is_last_stage():
             vals = engine._pipec["loss_values"]
             engine.pipec_losses = [vals[m] for m in sorted(vals)]
 
-    engine._exec_schedule = exec_schedule
+    _compat.ds_install(engine, instruction_map, train_schedule, inference_schedule, exec_schedule)
 
 
 def _fresh_state(old: dict | None = None) -> dict:

@@ -13,7 +13,9 @@ rank builds and in which order the ``model`` list holds them; :func:`stage_layer
 each stage holds, for building it with Megatron's own model code. Longer notes:
 ``docs/megatron.md``.
 
-megatron-core and torch are imported only here; ``import pipec`` needs neither.
+megatron-core and torch are imported only here; ``import pipec`` needs neither. Their private
+parts are reached through :mod:`pipec._compat`, and importing this module checks that the
+installed torch and megatron-core are in the tested series (:data:`pipec._compat.TESTED`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import PipecError, Schedule, _as_schedule
+from . import PipecError, Schedule, _as_schedule, _compat
+
+_compat.require("pipec.megatron", "torch")
+_compat.require("pipec.megatron", "megatron-core")
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
@@ -38,8 +43,9 @@ __all__ = [
     "stage_layers",
 ]
 
-#: The megatron-core release this module is written and tested against.
-MEGATRON_CORE_VERSION = "0.19.2"
+#: The megatron-core release this module is written and tested against; importing it refuses
+#: a release outside its series (``pipec._compat.accepted_range("megatron-core")``).
+MEGATRON_CORE_VERSION = _compat.TESTED["megatron-core"]
 
 # Comm policies whose calls post their isend/irecv one by one (Megatron's _p2p_ops), in the
 # even/odd order pipec lowered; at pp=2 Megatron sends odd -> even over WORLD.
@@ -358,7 +364,6 @@ class _Executor:
         that destroys its saved tensors (Megatron's fused cross entropy does).
         """
         from torch.autograd.graph import get_gradient_edge
-        from torch.distributed.pipelining._backward import stage_backward_input
 
         c = self.chunk_of[stage]
         inp, out, og = self._take(stage, mb)
@@ -371,7 +376,7 @@ class _Executor:
             return
         root = out if og is None else get_gradient_edge(out)  # outputs may be deallocated
         accs = {_grad_acc(p): p for p in params}
-        (ig,), groups = stage_backward_input(
+        (ig,), groups = _compat.stage_backward_input(
             [root], None if og is None else [og], [inp], iter(params)
         )
         inp.grad = None
@@ -588,8 +593,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         force_all_reduce: bool | None = False,
     ) -> list:
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import schedules as ms
         from megatron.core.utils import get_model_config
+
+        _compat.require_loaded("pipec.megatron", "megatron-core")
 
         model_list = model if isinstance(model, list) else [model]
         if p2p_communicator is not None:
@@ -597,7 +603,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         else:
             pp_group = parallel_state.get_pipeline_model_parallel_group()
         if pg_collection is None:
-            pg_collection = ms._build_default_pg_collection()
+            pg_collection = _compat.megatron_default_pg_collection()
         size, rank = pp_group.size(), pp_group.rank()
         if size != s.pp:
             raise PipecError(

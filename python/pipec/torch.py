@@ -3,7 +3,9 @@
 :func:`build_schedule` turns the verified instruction stream of this rank (compute and
 communication, in the order pipec proved deadlock-free) into torch ``_Action`` objects and hands
 them, as written, to torch's ``_PipelineScheduleRuntime``: the actions come from the Rust
-exporter as structured data, with no CSV in between. torch is imported only here.
+exporter as structured data, with no CSV in between. torch is imported only here; its private
+parts are reached through :mod:`pipec._compat`, and importing this module checks that the
+installed torch is in the tested series (:data:`pipec._compat.TESTED`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import schedules as _ts
 
-from . import PipecError, Schedule, TorchExportError, _as_schedule
+from . import PipecError, Schedule, TorchExportError, _as_schedule, _compat
+
+_compat.require("pipec.torch", "torch")
+
+_Action = _compat.torch_action()
+_ComputationType = _compat.torch_computation_type()
 
 __all__ = [
     "PipecScheduleRuntime",
@@ -45,19 +51,19 @@ def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int
     return s.stages_of(rank)
 
 
-def _action(cell: Any) -> _ts._Action | None:
+def _action(cell: Any) -> _Action | None:
     if cell is None:
         return None
     if cell[0] == "OVERLAP_F_B":
         fwd, bwd = (_action(c) for c in cell[1:])
-        return _ts._Action(-1, _ts._ComputationType.OVERLAP_F_B, None, (fwd, bwd))
+        return _Action(-1, _ComputationType.OVERLAP_F_B, None, (fwd, bwd))
     stage, ty, mb = cell
-    return _ts._Action(stage, _ts._ComputationType(ty), mb)
+    return _Action(stage, _ComputationType(ty), mb)
 
 
 def actions(
     schedule: Schedule | str | os.PathLike, compute_only: bool = False
-) -> dict[int, list[_ts._Action]]:
+) -> dict[int, list[_Action]]:
     """Every rank's actions as torch ``_Action`` objects (compute+comms unless
     ``compute_only``), built from pipec's exporter without a CSV round trip."""
     s = _as_schedule(schedule)
@@ -65,7 +71,7 @@ def actions(
     return {r: [_action(c) for c in line] for r, line in enumerate(s.torch_actions(compute_only))}
 
 
-def _check_loss_order(s: Schedule, comms: dict[int, list[_ts._Action]]) -> None:
+def _check_loss_order(s: Schedule, comms: dict[int, list[_Action]]) -> None:
     """torch keeps the last stage's losses in a list and takes microbatch m's loss at index m,
     so the last stage must run its forwards in microbatch order."""
     last = s.num_stages - 1
@@ -74,7 +80,7 @@ def _check_loss_order(s: Schedule, comms: dict[int, list[_ts._Action]]) -> None:
         for line in comms.values()
         for c in line
         for a in (c.sub_actions or (c,))
-        if a.stage_index == last and a.computation_type == _ts._ComputationType.FORWARD
+        if a.stage_index == last and a.computation_type == _ComputationType.FORWARD
     ]
     if order != sorted(order):
         raise PipecError(
@@ -90,25 +96,6 @@ def _fsdp_module_class():
     except ImportError:  # a torch without FSDP2
         return None
     return FSDPModule
-
-
-def _group_reshards(module: Any, is_root: bool) -> bool:
-    """Whether FSDP2 frees this module's gathered parameters after each forward.
-
-    FSDP2 keeps ``post_forward_mesh_info`` set exactly when it reshards after forward
-    (``FSDPParamGroup._reshard_after_forward``, torch 2.15); ``reshard_after_forward=None``
-    (the default) is turned off at lazy init for a root only (``FSDPState._lazy_init``), and an
-    FSDP module with no FSDP ancestor in the stage is the root of the stage's forward. Unknown
-    internals count as resharding: the repair then costs an all-gather but stays exact."""
-    try:
-        state = module._get_fsdp_state()
-        groups = list(state._fsdp_param_groups)
-        auto_root = bool(state._auto_reshard_after_forward) and (
-            state._is_root if state._is_root is not None else is_root
-        )
-        return not auto_root and any(g.post_forward_mesh_info is not None for g in groups)
-    except AttributeError:
-        return True
 
 
 def _fsdp_modules(module: Any, fsdp: type, under: bool = False):
@@ -135,7 +122,10 @@ def reshards_after_forward(stage: Any) -> bool:
     fsdp = _fsdp_module_class()
     if fsdp is None:
         return False
-    reshards = any(_group_reshards(m, root) for m, root in _fsdp_modules(stage.submod, fsdp))
+    reshards = any(
+        _compat.fsdp_reshards_after_forward(m, root)
+        for m, root in _fsdp_modules(stage.submod, fsdp)
+    )
     if reshards and not isinstance(stage.submod, fsdp):
         raise PipecError(
             f"stage {stage.stage_index}: FSDP modules inside its submodule reshard after "
@@ -148,8 +138,8 @@ def reshards_after_forward(stage: Any) -> bool:
 
 
 def regather_for_split_backward(
-    line: Sequence[_ts._Action], stages: set[int] | Sequence[int]
-) -> list[_ts._Action]:
+    line: Sequence[_Action], stages: set[int] | Sequence[int]
+) -> list[_Action]:
     """``line`` (one rank's compute+comms actions) with ``RESHARD`` + ``UNSHARD`` of stage s
     inserted before each ``I``/``W`` of s that would otherwise run on s's sharded parameters,
     for the stages in ``stages`` (those that reshard after forward).
@@ -165,7 +155,7 @@ def regather_for_split_backward(
     frees nothing."""
     watched = set(stages)
     gathered = dict.fromkeys(watched, True)  # the exporter starts each line with UNSHARDs
-    T = _ts._ComputationType
+    T = _ComputationType
     after = {
         T.FORWARD: False,
         T.FULL_BACKWARD: True,
@@ -174,22 +164,22 @@ def regather_for_split_backward(
         T.UNSHARD: True,
         T.RESHARD: False,
     }
-    out: list[_ts._Action] = []
+    out: list[_Action] = []
     for a in line:
         for sub in a.sub_actions or (a,):
             s, ty = sub.stage_index, sub.computation_type
             if s not in watched:
                 continue
             if ty in (T.BACKWARD_INPUT, T.BACKWARD_WEIGHT) and not gathered[s]:
-                out.append(_ts._Action(s, T.RESHARD, None))
-                out.append(_ts._Action(s, T.UNSHARD, None))
+                out.append(_Action(s, T.RESHARD, None))
+                out.append(_Action(s, T.UNSHARD, None))
             if ty in after:
                 gathered[s] = after[ty]
         out.append(a)
     return out
 
 
-class PipecScheduleRuntime(_ts._PipelineScheduleRuntime):
+class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
     """torch's ``_PipelineScheduleRuntime`` executing a pipec schedule's actions as written.
 
     ``step`` and ``eval`` are torch's. ``eval`` needs a forward-only pipec schedule: the
@@ -201,7 +191,7 @@ class PipecScheduleRuntime(_ts._PipelineScheduleRuntime):
 
     def step(self, *args, **kwargs):
         # eval() comes through here with backward off; a direct step() would run backwards.
-        if self.pipec_schedule.forward_only and self._has_backward:
+        if self.pipec_schedule.forward_only and _compat.torch_has_backward(self):
             raise PipecError(
                 "this pipec schedule is forward-only (compiled with forward_only=True): "
                 "call .eval(...), or compile a training schedule for .step(...)"
@@ -216,7 +206,7 @@ class PipecScheduleRuntime(_ts._PipelineScheduleRuntime):
                 "eval() would have to drop. Build a second schedule from "
                 "pipec.compile(..., forward_only=True) for evaluation"
             )
-        return _ts._PipelineSchedule.eval(self, *args, **kwargs)
+        return _compat.torch_schedule_eval(self, *args, **kwargs)
 
 
 def build_schedule(
@@ -283,7 +273,7 @@ def build_schedule(
         a.stage_index
         for c in comms[rank]
         for a in c.sub_actions or (c,)
-        if a.computation_type in (_ts.BACKWARD_INPUT, _ts.BACKWARD_WEIGHT)
+        if a.computation_type in (_ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT)
     }
     resharding = [
         st.stage_index for st in stages if st.stage_index in split and reshards_after_forward(st)
@@ -297,20 +287,17 @@ def build_schedule(
         scale_grads=scale_grads,
     )
     runtime.pipec_schedule = s
-    runtime.pipeline_order = actions(s, compute_only=True)
+    compute = actions(s, compute_only=True)
     mapping = dict(enumerate(s.stage_to_rank))
     if s.forward_only:
         # torch's validation counts backwards for training; a forward-only program is installed
         # as written with pipec's placement.
-        runtime.stage_index_to_group_rank = mapping
-        for st in stages:
-            st.stage_index_to_group_rank = mapping
-        runtime.pipeline_order_with_comms = comms
+        _compat.torch_install_forward_only(runtime, stages, compute, comms, mapping)
     else:
-        runtime._prepare_schedule_with_comms(comms, format="compute_comms")
-        if runtime.stage_index_to_group_rank != mapping:
+        _compat.torch_install_actions(runtime, compute, comms)
+        placed = _compat.torch_stage_placement(runtime)
+        if placed != mapping:
             raise PipecError(
-                f"torch placed the stages as {runtime.stage_index_to_group_rank}, pipec as "
-                f"{mapping}; refusing to run"
+                f"torch placed the stages as {placed}, pipec as {mapping}; refusing to run"
             )
     return runtime

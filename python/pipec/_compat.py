@@ -1,0 +1,369 @@
+"""Every private or undocumented part of torch, megatron-core and DeepSpeed that pipec's
+adapters use, and the version check that guards them.
+
+The adapters (:mod:`pipec.torch`, :mod:`pipec.megatron`, :mod:`pipec.deepspeed`) reach what
+these frameworks do not publish (underscored classes, methods, attributes and modules, the
+layout of dicts they return, a wire format) only through the small functions below. Each names
+the upstream object and the release it is tested with; ``python/tests/test_compat.py`` holds one
+contract test per touchpoint (the attribute exists, the signature has the parameters pipec
+passes, the returned dict has the keys pipec reads), so a release that moves one fails there,
+by name, rather than deep inside a training step.
+
+An adapter calls :func:`require` for the frameworks it touches when it is imported: a release
+outside :data:`TESTED`'s series raises :class:`pipec.PipecError` naming the installed and the
+tested versions, unless the environment variable :data:`OVERRIDE_ENV` is ``1`` (then it warns
+once and goes on). Nothing here imports torch, megatron-core or DeepSpeed at import time: each
+function imports what it touches when called, so ``import pipec`` stays light and
+:mod:`pipec.deepspeed` never loads ``torch.distributed.pipelining``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._native import PipecError
+
+# --------------------------------------------------------------------------- versions
+
+#: The releases the adapters are written and tested against: exactly the pins of ``test.sh``
+#: (``torch==2.15.0``, ``megatron-core==0.19.2``, ``deepspeed==0.19.8``).
+TESTED = {"torch": "2.15.0", "megatron-core": "0.19.2", "deepspeed": "0.19.8"}
+
+#: Set to ``1`` to run an adapter on a release outside the tested series, at your own risk.
+OVERRIDE_ENV = "PIPEC_ALLOW_UNTESTED_VERSIONS"
+
+_RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+_verified: set[str] = set()  # frameworks whose installed release was checked (or allowed)
+_warned: set[str] = set()
+
+
+def release(version: str) -> tuple[int, int, int] | None:
+    """The release number ``(major, minor, patch)`` of a version string, or ``None`` when it
+    has none. Pre-release, dev and local suffixes are ignored: NGC's ``2.15.0a0+git…`` builds
+    and megatron-core's ``0.19.2+3370bb4`` count as 2.15.0 and 0.19.2."""
+    m = _RELEASE.match(str(version))
+    if m is None:
+        return None
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def accepted(name: str) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(lowest, first refused)``: the tested release up to, not including, the next minor
+    release. Patch releases of these projects fix bugs and keep the internals pipec uses; their
+    minor releases are where such internals move (torch reworked ``_PipelineScheduleRuntime``
+    and ``_backward`` from 2.5 to 2.15; megatron-core's ``schedules`` signatures and DeepSpeed's
+    ``PipelineEngine`` change between minors). Older patches than the tested one are refused:
+    pipec may rely on their fixes."""
+    lo = release(TESTED[name])
+    assert lo is not None
+    return lo, (lo[0], lo[1] + 1, 0)
+
+
+def accepted_range(name: str) -> str:
+    """The accepted releases of ``name`` as a requirement: ``>=2.15.0,<2.16``."""
+    lo, hi = accepted(name)
+    return f">={'.'.join(map(str, lo))},<{hi[0]}.{hi[1]}"
+
+
+def check_version(name: str, installed: str, adapter: str = "pipec") -> None:
+    """Raise :class:`pipec.PipecError` unless ``installed`` (a version string of ``name``) is
+    in the tested series, or :data:`OVERRIDE_ENV` is ``1`` (then warn, once per framework).
+    ``adapter`` is the module that needs it, for the message."""
+    lo, hi = accepted(name)
+    r = release(installed)
+    if r is not None and lo <= r < hi:
+        _verified.add(name)
+        return
+    what = (
+        f"{adapter} is tested with {name} {TESTED[name]} and accepts {name}"
+        f"{accepted_range(name)}, but {name} {installed} is installed"
+    )
+    if os.environ.get(OVERRIDE_ENV) == "1":
+        _verified.add(name)
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"{what}; running anyway because {OVERRIDE_ENV}=1. It uses private parts of "
+                f"{name} (pipec/_compat.py) that may have changed",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return
+    raise PipecError(
+        f"{what}. {adapter} uses private parts of {name} (listed in pipec/_compat.py) that "
+        f"change between releases, so it refuses to run on an untested one: install "
+        f"{name}{accepted_range(name)}, or set {OVERRIDE_ENV}=1 to run anyway at your own risk"
+    )
+
+
+def installed_version(name: str) -> str | None:
+    """The installed version of the distribution ``name`` from its metadata (about a
+    millisecond; nothing is imported), or ``None`` when it is not installed as a distribution."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def require(adapter: str, name: str) -> None:
+    """The check ``adapter`` makes at import for a framework whose internals it uses.
+
+    torch is imported by every adapter anyway: its ``torch.__version__`` is checked. megatron-core
+    and DeepSpeed are not imported (seconds each): their distribution metadata is read; when
+    there is none (not installed, or a source checkout on ``PYTHONPATH``) the adapter still
+    imports (its layout helpers need neither) and :func:`require_loaded` checks the module's
+    own version when the adapter first imports the framework."""
+    if name == "torch":
+        import torch
+
+        check_version(name, torch.__version__, adapter)
+        return
+    v = installed_version(name)
+    if v is not None:
+        check_version(name, v, adapter)
+
+
+def require_loaded(adapter: str, name: str) -> None:
+    """Check ``name``'s imported module version unless :func:`require` already checked it
+    (called where ``adapter`` imports the framework; free after the first time)."""
+    if name in _verified:
+        return
+    if name == "megatron-core":
+        from megatron.core import package_info
+
+        check_version(name, package_info.__version__, adapter)
+    elif name == "deepspeed":
+        import deepspeed
+
+        check_version(name, deepspeed.__version__, adapter)
+    else:
+        require(adapter, name)
+
+
+# --------------------------------------------------------------------------- torch pipelining
+# torch.distributed.pipelining.schedules (torch 2.15.0): pipec hands its verified actions to
+# torch's own runtime for compute+comms schedules, which torch only exposes privately.
+
+
+def _schedules():
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+def torch_action() -> type:
+    """``torch.distributed.pipelining.schedules._Action`` (torch 2.15): the NamedTuple
+    ``(stage_index, computation_type, microbatch_index, sub_actions)`` of one action;
+    ``sub_actions`` holds the forward and backward of an ``OVERLAP_F_B``."""
+    return _schedules()._Action
+
+
+def torch_computation_type() -> type:
+    """``torch.distributed.pipelining.schedules._ComputationType`` (torch 2.15): the action
+    kinds, a ``str`` enum built from pipec's names (``"FORWARD"`` is ``"F"``, ``"UNSHARD"``...);
+    pipec uses ``FORWARD``, ``FULL_BACKWARD``, ``BACKWARD_INPUT``, ``BACKWARD_WEIGHT``,
+    ``UNSHARD``, ``RESHARD``, ``OVERLAP_F_B`` and construction from the exporter's values."""
+    return _schedules()._ComputationType
+
+
+def torch_schedule_runtime() -> type:
+    """``torch.distributed.pipelining.schedules._PipelineScheduleRuntime`` (torch 2.15): the
+    runtime that executes an explicit compute+comms action list. pipec subclasses it."""
+    return _schedules()._PipelineScheduleRuntime
+
+
+def torch_has_backward(runtime: Any) -> bool:
+    """``_PipelineSchedule._has_backward`` (torch 2.15): whether this call runs backwards
+    (``eval`` turns it off around ``step``)."""
+    return runtime._has_backward
+
+
+def torch_schedule_eval(runtime: Any, *args, **kwargs):
+    """``_PipelineSchedule.eval`` (torch 2.15), called on ``runtime``: ``step`` with
+    ``_has_backward`` off."""
+    return _schedules()._PipelineSchedule.eval(runtime, *args, **kwargs)
+
+
+def torch_install_actions(runtime: Any, compute: dict, comms: dict) -> None:
+    """Install a training program on ``runtime``: ``pipeline_order`` (the compute-only actions,
+    per rank) and, through ``_PipelineScheduleRuntime._prepare_schedule_with_comms(actions,
+    format="compute_comms")`` (torch 2.15), the compute+comms actions, which torch validates and
+    stores as written in ``pipeline_order_with_comms``; it also sets
+    ``stage_index_to_group_rank`` from them."""
+    runtime.pipeline_order = compute
+    runtime._prepare_schedule_with_comms(comms, format="compute_comms")
+
+
+def torch_install_forward_only(
+    runtime: Any, stages: list, compute: dict, comms: dict, mapping: dict[int, int]
+) -> None:
+    """Install a forward-only program as written (torch's validation counts backwards for
+    training): the attributes ``_prepare_schedule_with_comms`` would set (torch 2.15:
+    ``pipeline_order``, ``pipeline_order_with_comms``, and ``stage_index_to_group_rank`` on the
+    runtime and on each stage), with pipec's stage placement."""
+    runtime.pipeline_order = compute
+    runtime.stage_index_to_group_rank = mapping
+    for st in stages:
+        st.stage_index_to_group_rank = mapping
+    runtime.pipeline_order_with_comms = comms
+
+
+def torch_stage_placement(runtime: Any) -> dict[int, int]:
+    """``runtime.stage_index_to_group_rank`` (torch 2.15): the stage -> rank map torch derived
+    from the installed actions."""
+    return runtime.stage_index_to_group_rank
+
+
+# --------------------------------------------------------------------------- torch FSDP2
+
+
+def fsdp_reshards_after_forward(module: Any, is_root: bool) -> bool:
+    """Whether FSDP2 frees this ``FSDPModule``'s gathered parameters after each forward.
+
+    FSDP2's internals (torch 2.15): ``FSDPModule._get_fsdp_state()``, its
+    ``FSDPState._fsdp_param_groups``, ``_auto_reshard_after_forward`` and ``_is_root``, and each
+    ``FSDPParamGroup.post_forward_mesh_info``, set exactly when the group reshards after forward
+    (``FSDPParamGroup._reshard_after_forward``). ``reshard_after_forward=None`` (the default) is
+    turned off at lazy init for a root only (``FSDPState._lazy_init``), and an FSDP module with
+    no FSDP ancestor in the stage is the root of the stage's forward. Unknown internals count as
+    resharding: the repair then costs an all-gather but stays exact."""
+    try:
+        state = module._get_fsdp_state()
+        groups = list(state._fsdp_param_groups)
+        auto_root = bool(state._auto_reshard_after_forward) and (
+            state._is_root if state._is_root is not None else is_root
+        )
+        return not auto_root and any(g.post_forward_mesh_info is not None for g in groups)
+    except AttributeError:
+        return True
+
+
+# --------------------------------------------------------------------------- torch autograd split
+
+#: The keys of each dict ``stage_backward_input`` returns that pipec reads: ``"params"`` (the
+#: group's weights' AccumulateGrad nodes), ``"intermediates"`` (a list of autograd nodes) and
+#: ``"grads"`` (per intermediate, the gradients that entered it; absent when none did).
+PARAM_GROUP_KEYS = ("params", "intermediates", "grads")
+
+
+def stage_backward_input(
+    roots: list, grads: list | None, inputs: list, weights: Iterator
+) -> tuple[tuple, list[dict[str, Any]]]:
+    """``torch.distributed.pipelining._backward.stage_backward_input`` (a private module, torch
+    2.15): the input-gradient half of torch's zero-bubble backward split. Returns the inputs'
+    gradients and the weight groups, dicts keyed by :data:`PARAM_GROUP_KEYS`."""
+    from torch.distributed.pipelining._backward import stage_backward_input as f
+
+    return f(roots, grads, inputs, weights)
+
+
+# --------------------------------------------------------------------------- megatron-core
+
+
+def megatron_default_pg_collection() -> Any:
+    """``megatron.core.pipeline_parallel.schedules._build_default_pg_collection()``
+    (megatron-core 0.19.2): the ``ProcessGroupCollection`` Megatron's own schedules fall back to
+    when the caller passes no ``pg_collection`` (tp, cp, pp, dp... from ``parallel_state``)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules._build_default_pg_collection()
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+# deepspeed.runtime.pipe.engine.PipelineEngine (DeepSpeed 0.19.8). pipec changes what it changes
+# on the engine instance, as DeepSpeed's own DualPipeVEngine does on its class.
+
+
+def _engine_class() -> type:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return PipelineEngine
+
+
+def ds_instruction_map(engine: Any) -> dict:
+    """``PipelineEngine._INSTRUCTION_MAP`` (DeepSpeed 0.19.8) of the engine's class: instruction
+    class -> handler, which ``_exec_schedule`` binds to the engine and calls with the
+    instruction's kwargs (``buffer_id``)."""
+    return type(engine)._INSTRUCTION_MAP
+
+
+def ds_exec_forward_pass(engine: Any, buffer_id: int) -> None:
+    """``PipelineEngine._exec_forward_pass(buffer_id)`` (DeepSpeed 0.19.8): DeepSpeed's forward
+    of one buffer, which sets ``engine.loss`` on the last stage."""
+    _engine_class()._exec_forward_pass(engine, buffer_id)
+
+
+def ds_exec_backward_pass(engine: Any, buffer_id: int) -> None:
+    """``PipelineEngine._exec_backward_pass(buffer_id)`` (DeepSpeed 0.19.8): DeepSpeed's whole
+    backward of one buffer, from ``engine.loss`` (last stage) or ``engine.grad_layer``."""
+    _engine_class()._exec_backward_pass(engine, buffer_id)
+
+
+@contextlib.contextmanager
+def ds_engine_backward(engine: Any):
+    """``engine._running_engine_backward`` set while a backward runs, as DeepSpeed 0.19.8's own
+    ``_exec_backward_pass`` sets it (its post-backward hooks refuse a backward without it)."""
+    engine._running_engine_backward = True
+    try:
+        yield
+    finally:
+        engine._running_engine_backward = False
+
+
+def ds_send_tensor_meta(engine: Any, outputs: Any, recv_stage: int) -> None:
+    """``PipelineEngine._send_tensor_meta(buffer, recv_stage)`` (DeepSpeed 0.19.8): the message
+    announcing the shapes and dtypes of the activations that follow."""
+    engine._send_tensor_meta(outputs, recv_stage)
+
+
+def ds_recv_tensor_meta(engine: Any) -> tuple[bool, list[tuple[list[int], Any]]]:
+    """The message of ``_send_tensor_meta`` from the previous stage, decoded without the
+    engine's shared receive buffer (``_recv_tensor_meta`` allocates into it): ``(single tensor,
+    [(shape, dtype), ...])``. The layout (DeepSpeed 0.19.8): ``TENSOR_META_SIZE`` int32s,
+    ``[0, dtype id, ndims, *shape]`` for a tensor, ``[2, count, (dtype id, ndims, *shape)...]``
+    for a tuple; dtype ids index ``PipelineEngine.ID_TO_DTYPE``."""
+    import torch
+    from deepspeed.runtime.pipe import engine as de
+    from deepspeed.runtime.pipe import p2p
+
+    buf = torch.empty(de.TENSOR_META_SIZE, dtype=torch.int32, device=engine.device)
+    p2p.recv(buf, engine.prev_stage)
+    meta = buf.tolist()
+    if meta[0] == 0:
+        dtype, ndims = engine.ID_TO_DTYPE[meta[1]], meta[2]
+        return True, [(meta[3 : 3 + ndims], dtype)]
+    specs, off = [], 2
+    for _ in range(meta[1]):
+        dtype, ndims = engine.ID_TO_DTYPE[meta[off]], meta[off + 1]
+        specs.append((meta[off + 2 : off + 2 + ndims], dtype))
+        off += 2 + ndims
+    return False, specs
+
+
+def ds_schedule_methods(engine: Any) -> tuple[Callable, Callable, Callable]:
+    """The engine's ``_train_schedule()``, ``_inference_schedule(micro_batches)`` and
+    ``_exec_schedule(pipe_schedule)`` (DeepSpeed 0.19.8): ``train_batch`` and ``eval_batch``
+    build their schedule with the first two and run it with the third."""
+    return engine._train_schedule, engine._inference_schedule, engine._exec_schedule
+
+
+def ds_install(
+    engine: Any,
+    instruction_map: dict,
+    train_schedule: Callable,
+    inference_schedule: Callable,
+    exec_schedule: Callable,
+) -> None:
+    """Replace, on this engine instance only, ``_INSTRUCTION_MAP`` (read through ``self`` by
+    ``_exec_schedule``) and the three methods of :func:`ds_schedule_methods` (DeepSpeed
+    0.19.8)."""
+    engine._INSTRUCTION_MAP = instruction_map
+    engine._train_schedule = train_schedule
+    engine._inference_schedule = inference_schedule
+    engine._exec_schedule = exec_schedule
