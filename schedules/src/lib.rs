@@ -9,6 +9,7 @@ mod gpipe;
 pub mod ids;
 mod looped_bfs;
 pub mod megatron;
+pub mod megatron_recompute;
 pub mod op;
 pub mod order;
 pub mod placement;
@@ -18,6 +19,7 @@ mod v_shape;
 mod zero_bubble;
 
 pub use ids::{Microbatch, Rank, StageId};
+pub use megatron_recompute::{megatron_partial_recompute, PartialRecomputeError, RankCheckpoints};
 pub use op::{Compute, Pass, Task};
 pub use order::RankOrder;
 pub use placement::{Placement, PlacementKind};
