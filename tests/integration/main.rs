@@ -11,6 +11,7 @@ mod lowering;
 mod megatron;
 mod megatron_calls;
 mod megatron_p2p;
+mod megatron_recompute;
 mod memory_units;
 mod regressions;
 mod runtime;
