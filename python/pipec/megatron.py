@@ -303,6 +303,14 @@ class _Executor:
             self.config,
             self.pgc.cp.size(),
             collect_non_loss_data=self.kw["collect_non_loss_data"],
+            # Megatron's partial recompute (issue #30), once a schedule compiled with
+            # megatron_partial_recompute=N marks its forwards: pass, for every forward of such a
+            # schedule, the bool it carries (False included) and None otherwise. That is all
+            # Megatron's schedules do: they compute the bool per forward only when
+            # config.num_microbatches_with_partial_activation_checkpoints is not None, and
+            # Megatron's forward_step calls forward_step_func(data_iterator, model) when it is
+            # None, else forward_step_func(data_iterator, model, flag), the flag as a third
+            # positional argument (no signature inspection).
             checkpoint_activations_microbatch=None,
             is_first_microbatch=ms.check_first_val_step(
                 self.kw["first_val_step"], self.forward_only, mb == 0
@@ -667,6 +675,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
                     f"chunk c must be built with vp_stage=c (or None)"
                 )
         config = get_model_config(model_list[0])
+        # Issue #30: to run Megatron's partial recompute, accept N here when the schedule was
+        # compiled with megatron_partial_recompute equal to it (refuse any other N, and N on a
+        # schedule compiled without it), and pass each forward's flag in fwd() below.
         if config.num_microbatches_with_partial_activation_checkpoints is not None:
             raise PipecError(
                 "num_microbatches_with_partial_activation_checkpoints is set: Megatron picks "
