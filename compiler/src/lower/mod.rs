@@ -26,6 +26,8 @@ use crate::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
     CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
 };
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 /// One message endpoint as seen from the rank that posts it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -185,6 +187,99 @@ fn ticks(op: &Compute) -> u64 {
         .max(1)
 }
 
+/// The lockstep list schedule's start tick of every op, rank by rank; a rank's list stops
+/// at the first op whose inputs its order never lets exist.
+fn start_ticks(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> Vec<Vec<u64>> {
+    let m = microbatches as usize;
+    let cells = placement.num_stages() as usize * m;
+    let last = placement.num_stages().saturating_sub(1);
+    // End tick of fwd (act) and bwd/bwd_D (grad) of (stage, mb).
+    let mut act = vec![NEVER; cells];
+    let mut grad = vec![NEVER; cells];
+    let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
+    // `Ok(tick)` once the input exists (0 for inputs from outside the program), else the
+    // missing cell: (is a gradient, index).
+    let at = |table: &[u64], grad: bool, s: u32, mb: u32| -> Result<u64, (bool, usize)> {
+        if (mb as usize) >= m {
+            return Ok(0);
+        }
+        match table.get(idx(s, mb)) {
+            None => Ok(0),
+            Some(&NEVER) => Err((grad, idx(s, mb))),
+            Some(&t) => Ok(t),
+        }
+    };
+    let inputs = |op: &Compute, act: &[u64], grad: &[u64]| -> Result<u64, (bool, usize)> {
+        let mut ready = 0;
+        for (pass, t) in op.parts() {
+            let (s, mb) = (t.stage.0, t.mb.0);
+            let need = match pass {
+                Pass::Fwd if s == 0 => 0,
+                Pass::Fwd => at(act, false, s - 1, mb)?,
+                Pass::Bwd | Pass::BwdD => {
+                    let a = at(act, false, s, mb)?;
+                    if s >= last {
+                        a
+                    } else {
+                        a.max(at(grad, true, s + 1, mb)?)
+                    }
+                }
+                Pass::BwdW => at(grad, true, s, mb)?,
+            };
+            ready = ready.max(need);
+        }
+        Ok(ready)
+    };
+    let world = orders.len();
+    // Start tick of every op, rank by rank.
+    let mut start: Vec<Vec<u64>> = orders
+        .iter()
+        .map(|o| Vec::with_capacity(o.ops.len()))
+        .collect();
+    let mut free = vec![0u64; world];
+    // Sweeps over the ranks in order, each rank running as far as its inputs allow, until a
+    // sweep moves nothing. A sweep that visits every rank makes this `O(pp²)` (a wave that
+    // runs against the rank order, a V's chunk 1 or any backward, moves one rank a sweep), so
+    // a rank is visited only when it can move: in the first sweep, then when the tensor it
+    // waits for is written (in the same sweep by a lower rank, else the next). Visits run in
+    // the same (sweep, rank) order as the full sweeps' moving ones, so every tick is the same,
+    // even where an order produces a tensor twice.
+    let mut visits: BinaryHeap<Reverse<(u64, usize)>> =
+        (0..world).map(|r| Reverse((0, r))).collect();
+    let mut waiting: HashMap<(bool, usize), Vec<usize>> = HashMap::new();
+    while let Some(Reverse((sweep, r))) = visits.pop() {
+        let order = &orders[r];
+        while let Some(op) = order.ops.get(start[r].len()) {
+            let ready = match inputs(op, &act, &grad) {
+                Ok(ready) => ready,
+                Err(cell) => {
+                    waiting.entry(cell).or_default().push(r);
+                    break;
+                }
+            };
+            let s = free[r].max(ready);
+            let e = s + ticks(op);
+            for (pass, t) in op.parts() {
+                if (t.mb.0 as usize) < m && t.stage.0 <= last {
+                    let cell = match pass {
+                        Pass::Fwd => (false, idx(t.stage.0, t.mb.0)),
+                        Pass::Bwd | Pass::BwdD => (true, idx(t.stage.0, t.mb.0)),
+                        Pass::BwdW => continue,
+                    };
+                    let table = if cell.0 { &mut grad } else { &mut act };
+                    table[cell.1] = e;
+                    for w in waiting.remove(&cell).into_iter().flatten() {
+                        visits.push(Reverse((sweep + u64::from(w < r), w)));
+                    }
+                }
+            }
+            start[r].push(s);
+            free[r] = e;
+        }
+    }
+    start
+}
+
 /// [`CommPolicy::Lockstep`]: a list schedule of the orders (each op starts when its rank is
 /// free and its inputs exist, [`ticks`] long); every message gets an instant (see below), and
 /// every rank posts one batch per instant it has messages at, before the compute that starts
@@ -199,76 +294,9 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
     let m = microbatches as usize;
     let cells = placement.num_stages() as usize * m;
     let last = placement.num_stages().saturating_sub(1);
-    // End tick of fwd (act) and bwd/bwd_D (grad) of (stage, mb).
-    let mut act = vec![NEVER; cells];
-    let mut grad = vec![NEVER; cells];
     let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
-    // `Some(tick)` once the input exists (0 for inputs from outside the program).
-    let at = |table: &[u64], s: u32, mb: u32| -> Option<u64> {
-        if (mb as usize) >= m {
-            return Some(0);
-        }
-        match table.get(idx(s, mb)) {
-            None => Some(0),
-            Some(&NEVER) => None,
-            Some(&t) => Some(t),
-        }
-    };
-    let inputs = |op: &Compute, act: &[u64], grad: &[u64]| -> Option<u64> {
-        let mut ready = 0;
-        for (pass, t) in op.parts() {
-            let (s, mb) = (t.stage.0, t.mb.0);
-            let need = match pass {
-                Pass::Fwd if s == 0 => 0,
-                Pass::Fwd => at(act, s - 1, mb)?,
-                Pass::Bwd | Pass::BwdD => {
-                    let a = at(act, s, mb)?;
-                    if s >= last {
-                        a
-                    } else {
-                        a.max(at(grad, s + 1, mb)?)
-                    }
-                }
-                Pass::BwdW => at(grad, s, mb)?,
-            };
-            ready = ready.max(need);
-        }
-        Some(ready)
-    };
     let world = orders.len();
-    // Start tick of every op, rank by rank.
-    let mut start: Vec<Vec<u64>> = orders
-        .iter()
-        .map(|o| Vec::with_capacity(o.ops.len()))
-        .collect();
-    let mut free = vec![0u64; world];
-    loop {
-        let mut progress = false;
-        for (r, order) in orders.iter().enumerate() {
-            while let Some(op) = order.ops.get(start[r].len()) {
-                let Some(ready) = inputs(op, &act, &grad) else {
-                    break;
-                };
-                let s = free[r].max(ready);
-                let e = s + ticks(op);
-                for (pass, t) in op.parts() {
-                    if (t.mb.0 as usize) < m && t.stage.0 <= last {
-                        match pass {
-                            Pass::Fwd => act[idx(t.stage.0, t.mb.0)] = e,
-                            Pass::Bwd | Pass::BwdD => grad[idx(t.stage.0, t.mb.0)] = e,
-                            Pass::BwdW => {}
-                        }
-                    }
-                }
-                start[r].push(s);
-                free[r] = e;
-                progress = true;
-            }
-        }
-        if !progress {
-            break;
-        }
-    }
+    let start = start_ticks(placement, microbatches, orders);
     // Messages as (instant, from, to, payload), pushed sender by sender in op order, first
     // with their production instant; and when each tensor's consumer starts.
     let mut msgs: Vec<(u64, usize, usize, Payload)> = Vec::new();
@@ -568,6 +596,114 @@ mod tests {
                 proptest::prop_assert_eq!(i, v.partition_point(|&x| x < t));
                 proptest::prop_assert_eq!(hint, i);
             }
+        }
+    }
+
+    /// [`start_ticks`] as first written, every sweep visiting every rank: the reference.
+    fn start_ticks_sweeping(placement: &Placement, m: u32, orders: &[RankOrder]) -> Vec<Vec<u64>> {
+        let m = m as usize;
+        let last = placement.num_stages().saturating_sub(1);
+        let mut act = vec![NEVER; placement.num_stages() as usize * m];
+        let mut grad = act.clone();
+        let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
+        let at = |table: &[u64], s: u32, mb: u32| -> Option<u64> {
+            if (mb as usize) >= m {
+                return Some(0);
+            }
+            match table.get(idx(s, mb)) {
+                None => Some(0),
+                Some(&NEVER) => None,
+                Some(&t) => Some(t),
+            }
+        };
+        let inputs = |op: &Compute, act: &[u64], grad: &[u64]| -> Option<u64> {
+            let mut ready = 0;
+            for (pass, t) in op.parts() {
+                let (s, mb) = (t.stage.0, t.mb.0);
+                ready = ready.max(match pass {
+                    Pass::Fwd if s == 0 => 0,
+                    Pass::Fwd => at(act, s - 1, mb)?,
+                    Pass::Bwd | Pass::BwdD if s >= last => at(act, s, mb)?,
+                    Pass::Bwd | Pass::BwdD => at(act, s, mb)?.max(at(grad, s + 1, mb)?),
+                    Pass::BwdW => at(grad, s, mb)?,
+                });
+            }
+            Some(ready)
+        };
+        let mut start: Vec<Vec<u64>> = vec![Vec::new(); orders.len()];
+        let mut free = vec![0u64; orders.len()];
+        loop {
+            let mut progress = false;
+            for (r, order) in orders.iter().enumerate() {
+                while let Some(op) = order.ops.get(start[r].len()) {
+                    let Some(ready) = inputs(op, &act, &grad) else {
+                        break;
+                    };
+                    let s = free[r].max(ready);
+                    let e = s + ticks(op);
+                    for (pass, t) in op.parts() {
+                        if (t.mb.0 as usize) < m && t.stage.0 <= last {
+                            match pass {
+                                Pass::Fwd => act[idx(t.stage.0, t.mb.0)] = e,
+                                Pass::Bwd | Pass::BwdD => grad[idx(t.stage.0, t.mb.0)] = e,
+                                Pass::BwdW => {}
+                            }
+                        }
+                    }
+                    start[r].push(s);
+                    free[r] = e;
+                    progress = true;
+                }
+            }
+            if !progress {
+                return start;
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Visiting only the ranks that can move gives the full sweeps' ticks, for generated
+        /// orders and for broken ones (ops swapped, repeated or dropped, so that a tensor is
+        /// produced twice or never and some ranks get stuck).
+        #[test]
+        fn start_ticks_equal_full_sweeps(
+            kind in proptest::sample::select(vec![
+                ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B, ScheduleKind::ZbV,
+                ScheduleKind::VHalf, ScheduleKind::DualPipeV, ScheduleKind::DualPipe,
+                ScheduleKind::Gpipe, ScheduleKind::Zb1P,
+            ]),
+            pp in 1u32..7,
+            m in 1u32..14,
+            edits in proptest::collection::vec(
+                (0u8..3, proptest::prelude::any::<proptest::sample::Index>(),
+                 proptest::prelude::any::<proptest::sample::Index>(),
+                 proptest::prelude::any::<proptest::sample::Index>()),
+                0..6,
+            ),
+        ) {
+            let Ok(schedule) = generate(&spec(kind, pp, 2, m), &Limits::DEFAULT)
+                .or_else(|_| generate(&spec(kind, pp, 1, m), &Limits::DEFAULT))
+            else {
+                return Ok(());
+            };
+            let mut orders = schedule.ranks.clone();
+            for (what, r, i, j) in edits {
+                let ops = &mut orders[r.index(pp as usize)].ops;
+                if ops.is_empty() {
+                    continue;
+                }
+                let (i, j) = (i.index(ops.len()), j.index(ops.len()));
+                match what {
+                    0 => ops.swap(i, j),
+                    1 => ops.insert(j, ops[i]),
+                    _ => {
+                        ops.remove(i);
+                    }
+                }
+            }
+            let p = &schedule.placement;
+            proptest::prop_assert_eq!(start_ticks(p, m, &orders), start_ticks_sweeping(p, m, &orders));
         }
     }
 

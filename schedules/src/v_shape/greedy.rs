@@ -61,12 +61,14 @@ fn pattern(block: Block, n: i64) -> Vec<[i64; 4]> {
 }
 
 /// The next pass of one rank in slot order among the first `types` lists: (time, type).
+#[cfg(test)]
 fn head(stage: &[Vec<i64>], ptr: &[usize], types: usize) -> Option<(i64, usize)> {
     (0..types)
         .filter_map(|t| stage[t].get(ptr[t]).map(|&time| (time, t)))
         .min()
 }
 
+#[cfg(test)]
 fn bound(stage: &[Vec<i64>]) -> i64 {
     stage
         .iter()
@@ -77,39 +79,39 @@ fn bound(stage: &[Vec<i64>]) -> i64 {
 }
 
 /// `put_w`: walk the slots; each empty slot takes one pending `W` (chunk 1's first when
-/// split); the rest follow the last slot.
+/// split); the rest follow the last slot. Walks the passes and fills the gaps between them, so
+/// it costs the rank's passes, not its slots (which span `O(pp + m)`).
 fn put_w(stage: &mut Vec<Vec<i64>>, split: bool) {
     debug_assert_eq!(stage.len(), 4);
-    let last = bound(stage);
+    let mut passes: Vec<(i64, usize)> = (0..4)
+        .flat_map(|t| stage[t].iter().map(move |&time| (time, t)))
+        .collect();
+    passes.sort_unstable();
     stage.push(Vec::new());
     if split {
         stage.push(Vec::new());
     }
     let mut pending = [0usize; 2];
-    let mut ptr = [0usize; 4];
-    let mut i = 0;
-    while i <= last {
-        match head(stage, &ptr, 4) {
-            Some((time, t)) if time == i => {
-                ptr[t] += 1;
-                if t == B1 || t == B0 {
-                    pending[if split { t - B1 } else { 0 }] += 1;
-                }
-            }
-            _ => {
-                if let Some(w) = (0..2).find(|&w| pending[w] > 0) {
-                    stage[W1 + w].push(i);
-                    pending[w] -= 1;
-                }
-            }
+    // The first slot not walked yet.
+    let mut next = 0;
+    for (time, t) in passes {
+        while next < time {
+            let Some(w) = (0..2).find(|&w| pending[w] > 0) else {
+                break;
+            };
+            stage[W1 + w].push(next);
+            pending[w] -= 1;
+            next += 1;
         }
-        i += 1;
+        if t == B1 || t == B0 {
+            pending[if split { t - B1 } else { 0 }] += 1;
+        }
+        next = time + 1;
     }
-    let mut i = last;
     for w in 0..2 {
         while pending[w] > 0 {
-            i += 1;
-            stage[W1 + w].push(i);
+            stage[W1 + w].push(next);
+            next += 1;
             pending[w] -= 1;
         }
     }
@@ -200,16 +202,20 @@ fn eager(times: &Times) -> (Times, Vec<Vec<(usize, usize)>>) {
 }
 
 /// One rank's memory walk (`mem_of_stage`) kept up to date, so that trying a pass in an
-/// earlier slot costs the slots between the change and the point where the walk rejoins the
+/// earlier slot costs the passes between the change and the point where the walk rejoins the
 /// old one, instead of a walk over the whole rank (which makes `reorder` quadratic in `m`).
+///
+/// It holds the rank's passes, not its slots: a rank's slots span `O(pp + m)` while it has
+/// `O(m)` passes, and `reorder` keeps every rank's profile at once, so a table per slot is
+/// `pp²` (issue #28). Between two passes live activations only fall (an empty slot runs a
+/// pending implicit `W`), so the states right after the passes carry the whole walk's peak.
 struct Profile {
     has_w: bool,
-    /// Pass type at each slot `0..=bound`.
-    ev: Vec<Option<u8>>,
-    /// Walk state after each slot: (live activations, pending implicit `W`s).
+    /// The rank's passes in slot order: (slot, pass type).
+    ev: Vec<(i64, u8)>,
+    /// Walk state right after each pass: (live activations, pending implicit `W`s).
     state: Vec<(i32, i32)>,
-    /// Max-tree over `state[i].0`. (i32: a rank holds fewer than 2^31 passes; this halves the
-    /// memory of the largest schedules.)
+    /// Max-tree over `state[i].0`. (i32: a rank holds fewer than 2^31 passes.)
     tree: Vec<i32>,
     size: usize,
 }
@@ -218,38 +224,44 @@ const MEM: [i64; 5] = [1, 1, 0, 0, -1];
 
 impl Profile {
     fn new(stage: &[Vec<i64>]) -> Self {
-        let last = bound(stage) as usize;
-        let mut ev = vec![None; last + 1];
-        for (t, l) in stage.iter().enumerate() {
-            for &time in l {
-                ev[time as usize] = Some(t as u8);
-            }
-        }
-        let size = (last + 1).next_power_of_two();
+        let mut ev: Vec<(i64, u8)> = stage
+            .iter()
+            .enumerate()
+            .flat_map(|(t, l)| l.iter().map(move |&time| (time, t as u8)))
+            .collect();
+        ev.sort_unstable();
+        let size = ev.len().next_power_of_two();
         let mut p = Profile {
             has_w: stage.len() > 4,
-            ev,
-            state: vec![(0, 0); last + 1],
+            state: vec![(0, 0); ev.len()],
             tree: vec![i32::MIN; 2 * size],
             size,
+            ev,
         };
-        let mut st = (0, 0);
-        for i in 0..=last {
-            st = p.step(st, p.ev[i]);
+        let (mut st, mut prev) = ((0, 0), -1);
+        for i in 0..p.ev.len() {
+            let (time, t) = p.ev[i];
+            st = p.step(p.gap(st, time - prev - 1), t);
+            prev = time;
             p.set(i, st);
         }
         p
     }
 
-    fn step(&self, (cur, pending): (i32, i32), ev: Option<u8>) -> (i32, i32) {
-        match ev {
-            Some(t) => {
-                let b = t as usize == B1 || t as usize == B0;
-                (cur + MEM[t as usize] as i32, pending + b as i32)
-            }
-            None if !self.has_w && pending > 0 => (cur - 1, pending - 1),
-            None => (cur, pending),
+    /// The state after a pass of type `t`.
+    fn step(&self, (cur, pending): (i32, i32), t: u8) -> (i32, i32) {
+        let b = t as usize == B1 || t as usize == B0;
+        (cur + MEM[t as usize] as i32, pending + b as i32)
+    }
+
+    /// The state after `k` empty slots: each runs one pending implicit `W` (none when the
+    /// rank's `W` passes are placed).
+    fn gap(&self, (cur, pending): (i32, i32), k: i64) -> (i32, i32) {
+        if self.has_w {
+            return (cur, pending);
         }
+        let d = pending.min(k.clamp(0, i32::MAX as i64) as i32);
+        (cur - d, pending - d)
     }
 
     fn set(&mut self, i: usize, st: (i32, i32)) {
@@ -262,7 +274,7 @@ impl Profile {
         }
     }
 
-    /// Max of live activations over slots `lo..hi`.
+    /// Max of live activations after passes `lo..hi`.
     fn max(&self, lo: usize, hi: usize) -> i32 {
         let (mut l, mut r) = (lo + self.size, hi + self.size);
         let mut best = i32::MIN;
@@ -281,84 +293,71 @@ impl Profile {
         best
     }
 
-    fn bound(&self) -> usize {
-        self.ev.len() - 1
+    /// The number of passes before `slot`.
+    fn before(&self, slot: i64) -> usize {
+        self.ev.partition_point(|e| e.0 < slot)
     }
 
-    /// The walk with the pass at `from` moved to the empty slot `to < from`: yields
-    /// (slot, state) from `to` until it rejoins the old walk after `from`, and the new bound.
-    fn rewalk(&self, from: usize, to: usize, mut visit: impl FnMut(usize, (i32, i32)) -> bool) {
-        let ty = self.ev[from];
-        let last = if from == self.bound() {
-            (0..from)
-                .rev()
-                .find(|&i| i == to || self.ev[i].is_some())
-                .unwrap_or(to)
-        } else {
-            self.bound()
+    /// Whether no pass runs at `slot`.
+    fn is_free(&self, slot: i64) -> bool {
+        self.ev.get(self.before(slot)).is_none_or(|e| e.0 != slot)
+    }
+
+    /// The walk with the pass at slot `from` moved to the empty slot `to < from`: yields
+    /// (index of the pass in the new order, state after it) from the moved pass on until the
+    /// walk rejoins the old one after `from`, and returns the index where it rejoined.
+    fn rewalk(
+        &self,
+        from: i64,
+        to: i64,
+        mut visit: impl FnMut(usize, (i32, i32)),
+    ) -> Option<usize> {
+        let (jf, jt) = (self.before(from), self.before(to));
+        debug_assert!(jt <= jf && self.ev[jf].0 == from);
+        let mut st = match jt.checked_sub(1) {
+            Some(j) => self.gap(self.state[j], to - self.ev[j].0 - 1),
+            None => (0, 0),
         };
-        let mut st = if to == 0 { (0, 0) } else { self.state[to - 1] };
-        for i in to..=last {
-            let ev = if i == to {
-                ty
-            } else if i == from {
-                None
-            } else {
-                self.ev[i]
-            };
-            st = self.step(st, ev);
-            if !visit(i, st) {
-                return;
+        st = self.step(st, self.ev[jf].1);
+        visit(jt, st);
+        let mut prev = to;
+        for k in jt..self.ev.len() {
+            if k == jf {
+                continue;
             }
-            if i >= from && st == self.state[i] {
-                return;
+            let (time, t) = self.ev[k];
+            st = self.step(self.gap(st, time - prev - 1), t);
+            prev = time;
+            visit(if k < jf { k + 1 } else { k }, st);
+            if k > jf && st == self.state[k] {
+                return Some(k);
             }
         }
+        None
     }
 
     /// `mem_of_stage` after moving the pass at `from` to `to`.
-    fn peak_if_moved(&self, from: usize, to: usize) -> i32 {
-        let mut peak = 0.max(self.max(0, to));
-        let mut rejoined = None;
-        self.rewalk(from, to, |i, st| {
-            peak = peak.max(st.0);
-            if i >= from && st == self.state[i] {
-                rejoined = Some(i);
-            }
-            true
-        });
-        if let Some(i) = rejoined {
-            peak = peak.max(self.max(i + 1, self.bound() + 1));
+    fn peak_if_moved(&self, from: i64, to: i64) -> i32 {
+        let mut peak = 0.max(self.max(0, self.before(to)));
+        let rejoined = self.rewalk(from, to, |_, st| peak = peak.max(st.0));
+        if let Some(k) = rejoined {
+            peak = peak.max(self.max(k + 1, self.ev.len()));
         }
         peak
     }
 
     fn peak(&self) -> i32 {
-        0.max(self.max(0, self.bound() + 1))
+        0.max(self.max(0, self.ev.len()))
     }
 
-    fn commit_move(&mut self, from: usize, to: usize) {
+    fn commit_move(&mut self, from: i64, to: i64) {
         let mut updates = Vec::new();
-        self.rewalk(from, to, |i, st| {
-            updates.push((i, st));
-            true
-        });
-        let new_last = if from == self.bound() {
-            updates.last().map_or(to, |u| u.0)
-        } else {
-            self.bound()
-        };
-        self.ev[to] = self.ev[from];
-        self.ev[from] = None;
+        self.rewalk(from, to, |i, st| updates.push((i, st)));
+        let (jf, jt) = (self.before(from), self.before(to));
+        self.ev[jt..=jf].rotate_right(1);
+        self.ev[jt].0 = to;
         for (i, st) in updates {
             self.set(i, st);
-        }
-        if new_last < self.bound() {
-            for i in new_last + 1..=self.bound() {
-                self.set(i, (i32::MIN, 0));
-            }
-            self.ev.truncate(new_last + 1);
-            self.state.truncate(new_last + 1);
         }
     }
 }
@@ -402,10 +401,6 @@ fn reorder(mut times: Times, consider_w: bool) -> Times {
     let m = times.first().map_or(0, |s| s[F0].len());
     let mut profiles: Vec<Profile> = times.iter().map(|s| Profile::new(s)).collect();
     let current_mem = profiles.iter().map(Profile::peak).max().unwrap_or(0);
-    let mut occupied: Vec<Vec<bool>> = times
-        .iter()
-        .map(|s| vec![false; bound(s) as usize + 1])
-        .collect();
     let mut heap = BinaryHeap::new();
     for (s, stage) in times.iter().enumerate() {
         for (t, l) in stage.iter().enumerate() {
@@ -447,17 +442,18 @@ fn reorder(mut times: Times, consider_w: bool) -> Times {
             if mb > 0 {
                 dep = dep.max(times[s][t][mb - 1]);
             }
-            let from = next_time as usize;
+            // The passes are taken in slot order, so the rank's passes before `next_time`
+            // are exactly the ones already placed: a free slot there is one the original's
+            // `occupied` table has not marked.
             let slot = (dep + 1..next_time).find(|&slot| {
-                !occupied[s][slot as usize]
-                    && profiles[s].peak_if_moved(from, slot as usize) <= current_mem
+                profiles[s].is_free(slot)
+                    && profiles[s].peak_if_moved(next_time, slot) <= current_mem
             });
             if let Some(slot) = slot {
-                profiles[s].commit_move(from, slot as usize);
+                profiles[s].commit_move(next_time, slot);
                 times[s][t][mb] = slot;
             }
         }
-        occupied[s][times[s][t][mb] as usize] = true;
     }
     if !consider_w {
         for s in times.iter_mut() {
@@ -581,6 +577,7 @@ pub(crate) fn order(block: Block, pp: u32, m: u32) -> Vec<Vec<(usize, usize)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn put_w_fills_gaps_then_appends() {
@@ -649,6 +646,117 @@ mod tests {
                     .collect()
             })
             .collect()
+    }
+
+    /// `put_w` as `zbv_greedy.py` writes it, one slot at a time: the reference for the
+    /// pass-by-pass [`put_w`].
+    fn put_w_dense(stage: &mut Vec<Vec<i64>>, split: bool) {
+        let last = bound(stage);
+        stage.push(Vec::new());
+        if split {
+            stage.push(Vec::new());
+        }
+        let mut pending = [0usize; 2];
+        let mut ptr = [0usize; 4];
+        let mut i = 0;
+        while i <= last {
+            match head(stage, &ptr, 4) {
+                Some((time, t)) if time == i => {
+                    ptr[t] += 1;
+                    if t == B1 || t == B0 {
+                        pending[if split { t - B1 } else { 0 }] += 1;
+                    }
+                }
+                _ => {
+                    if let Some(w) = (0..2).find(|&w| pending[w] > 0) {
+                        stage[W1 + w].push(i);
+                        pending[w] -= 1;
+                    }
+                }
+            }
+            i += 1;
+        }
+        let mut i = last;
+        for w in 0..2 {
+            while pending[w] > 0 {
+                i += 1;
+                stage[W1 + w].push(i);
+                pending[w] -= 1;
+            }
+        }
+    }
+
+    /// A rank's lists from distinct slots and their pass types (each list sorted).
+    fn stage_of(slots: &[(i64, usize)], types: usize) -> Vec<Vec<i64>> {
+        let mut stage = vec![Vec::new(); types];
+        for &(time, t) in slots {
+            stage[t % types].push(time);
+        }
+        for l in stage.iter_mut() {
+            l.sort_unstable();
+        }
+        stage
+    }
+
+    /// Distinct slots under 96 (sparse or dense), each with a pass type.
+    fn random_slots() -> impl Strategy<Value = Vec<(i64, usize)>> {
+        proptest::collection::btree_map(0i64..96, 0usize..6, 1..40)
+            .prop_map(|m| m.into_iter().collect())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn put_w_equals_the_slot_walk(slots in random_slots(), split: bool) {
+            let mut a = stage_of(&slots, 4);
+            let mut b = a.clone();
+            put_w(&mut a, split);
+            put_w_dense(&mut b, split);
+            prop_assert_eq!(a, b);
+        }
+
+        /// The sparse profile against the full walk (`mem_of_stage` of the moved rank):
+        /// `peak_if_moved` for random moves of a pass to an earlier free slot, and `peak`
+        /// after committing some of them.
+        #[test]
+        fn profile_equals_the_full_walk(
+            slots in random_slots(),
+            with_w: bool,
+            moves in proptest::collection::vec((any::<prop::sample::Index>(), any::<prop::sample::Index>(), any::<bool>()), 0..30),
+        ) {
+            let types = if with_w { 5 } else { 4 };
+            let mut stage = stage_of(&slots, types);
+            let mut p = Profile::new(&stage);
+            prop_assert_eq!(p.peak() as i64, mem_of_stage(&stage));
+            for (pick, dest, commit) in moves {
+                let passes: Vec<(i64, usize)> = (0..types)
+                    .flat_map(|t| stage[t].iter().map(move |&x| (x, t)))
+                    .collect();
+                let (from, t) = passes[pick.index(passes.len())];
+                let free: Vec<i64> = (0..from).filter(|x| !passes.iter().any(|p| p.0 == *x)).collect();
+                if free.is_empty() {
+                    continue;
+                }
+                let to = free[dest.index(free.len())];
+                prop_assert!(p.is_free(to) && !p.is_free(from));
+                let mut moved = stage.clone();
+                let i = moved[t].iter().position(|&x| x == from).unwrap();
+                moved[t][i] = to;
+                moved[t].sort_unstable();
+                prop_assert_eq!(p.peak_if_moved(from, to) as i64, mem_of_stage(&moved), "{} -> {}", from, to);
+                if commit {
+                    p.commit_move(from, to);
+                    stage = moved;
+                    prop_assert_eq!(p.peak() as i64, mem_of_stage(&stage));
+                    let mut all: Vec<(i64, u8)> = (0..types)
+                        .flat_map(|t| stage[t].iter().map(move |&x| (x, t as u8)))
+                        .collect();
+                    all.sort_unstable();
+                    prop_assert_eq!(&p.ev, &all);
+                }
+            }
+        }
     }
 
     /// The incremental memory walk gives the same slots as `zbv_greedy.py`'s full walk.
