@@ -9,7 +9,7 @@
 # filesystem matters at these sizes (see docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --locked -q -p pipec
+cargo build --release --locked -q -p pipec-cli
 fmt=json
 if [ "${1:-}" = "--format" ]; then fmt=${2:-json}; fi
 out=$(mktemp -d "${BENCH_DIR:-${TMPDIR:-/tmp}}/pipec-bench.XXXXXX")

@@ -62,7 +62,7 @@ pub fn workspace_bin(package: &str, name: &str) -> std::process::Command {
 
 /// The `pipec` binary.
 pub fn pipec() -> std::process::Command {
-    workspace_bin("pipec", "pipec")
+    workspace_bin("pipec-cli", "pipec")
 }
 
 pub mod reference;

@@ -26,7 +26,7 @@ def _built() -> Path:
     CI=true, where that fails."""
     try:
         subprocess.run(
-            ["cargo", "build", "--quiet", "-p", "pipec", "-p", "pipec-runtime", "--bins"],
+            ["cargo", "build", "--quiet", "-p", "pipec-cli", "--bins"],
             cwd=REPO,
             check=True,
         )

@@ -18,7 +18,7 @@ where
 }
 
 fn pipec_run(dir: &Path, extra: &[&str]) -> Command {
-    let mut c = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    let mut c = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
     c.arg(dir).args(["--timeout", "5"]).args(extra);
     c
 }
@@ -899,7 +899,7 @@ fn pipec_run_timeout_is_echoed_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     compile(&dir, "1f1b", 2, 2, &[]);
-    let mut c = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    let mut c = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
     c.arg(&dir).args(["--timeout", "1e300"]);
     let (code, _, err) = run(c);
     assert_eq!(code, 2, "{err}");

@@ -124,7 +124,7 @@ fn pipec_run() -> Command {
     }
     #[cfg(not(feature = "cuda"))]
     {
-        pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+        pipec_tests::workspace_bin("pipec-cli", "pipec-run")
     }
 }
 
@@ -146,7 +146,7 @@ fn cuda_bin() -> Command {
                 "build",
                 "--quiet",
                 "-p",
-                "pipec-runtime",
+                "pipec-cli",
                 "--features",
                 "cuda",
                 "--bin",
@@ -167,7 +167,7 @@ fn cuda_bin() -> Command {
 fn dtype_is_refused_on_the_cpu_backend() {
     let tmp = tempfile::tempdir().unwrap();
     compile_to(ScheduleKind::OneFOneB, 2, 1, 2, tmp.path());
-    let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+    let out = pipec_tests::workspace_bin("pipec-cli", "pipec-run")
         .arg(tmp.path())
         .args(["--dtype", "bf16"])
         .output()
@@ -523,7 +523,7 @@ fn gpu_test_programs_pass_on_the_cpu_backend() {
 /// `pipec-run DIR --check` on the CPU backend passes (bitwise) on the GPU tests' model size.
 fn cpu_check(dir: &Path, what: &str) {
     let trace = dir.join("trace.json");
-    let out = pipec_tests::workspace_bin("pipec-runtime", "pipec-run")
+    let out = pipec_tests::workspace_bin("pipec-cli", "pipec-run")
         .arg(dir)
         .arg("--check")
         .args(TINY)

@@ -152,7 +152,7 @@ fn readme_synopsis_matches_help() {
     let mut wrong = Vec::new();
     for c in commands.iter().map(String::as_str).chain(["pipec-run"]) {
         let out = if c == "pipec-run" {
-            workspace_bin("pipec-runtime", "pipec-run")
+            workspace_bin("pipec-cli", "pipec-run")
                 .arg("--help")
                 .output()
         } else {

@@ -52,7 +52,7 @@ where
 }
 
 fn pipec_run(dir: &Path, extra: &[&str]) -> Command {
-    let mut c = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    let mut c = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
     c.arg(dir).args(["--timeout", "5"]).args(extra);
     c
 }

@@ -1,6 +1,7 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
 mod check_cli;
+mod crates;
 mod cuda;
 mod cuda_kernels;
 mod docs;

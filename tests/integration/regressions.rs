@@ -103,7 +103,7 @@ fn broken_pipe_panicked_pipec_show_and_pipec_run() {
     assert!(out.status.success());
     let mut show = pipec_tests::pipec();
     show.arg("show").arg(&dir);
-    let mut run = pipec_tests::workspace_bin("pipec-runtime", "pipec-run");
+    let mut run = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
     run.arg(&dir);
     for mut cmd in [show, run] {
         // The reader is gone before the process starts, so the first write fails whatever the

@@ -698,7 +698,7 @@ fn unmatched_program_is_refused_naming_rank_and_instruction() {
 
 /// The `pipec-run` binary (built once per test process, same profile).
 fn pipec_run() -> Command {
-    Command::from_std(pipec_tests::workspace_bin("pipec-runtime", "pipec-run"))
+    Command::from_std(pipec_tests::workspace_bin("pipec-cli", "pipec-run"))
 }
 
 fn cli_dir(tmp: &Path, name: &str, kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> PathBuf {

@@ -691,7 +691,7 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
         .assert()
         .success();
     let trace = tmp.path().join("trace.json");
-    let run = Command::from_std(pipec_tests::workspace_bin("pipec-runtime", "pipec-run"))
+    let run = Command::from_std(pipec_tests::workspace_bin("pipec-cli", "pipec-run"))
         .arg(&dir)
         .arg("--trace")
         .arg(&trace)

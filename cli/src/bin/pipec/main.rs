@@ -5,7 +5,7 @@ mod cli;
 /// mimalloc instead of the system allocator: at size L (3.1M instructions) glibc's
 /// allocator faulted in ~46k fresh 4 KiB pages per run, a fifth of `compile --format bin`'s
 /// CPU time on a virtual machine; mimalloc commits its arenas in large pieces (300-1,500
-/// faults). The price is peak RSS rounded up to those pieces (docs/testing.md, fourth pass).
+/// faults). The price is peak RSS rounded up to those pieces (bench/HISTORY.md, fourth pass).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -13,7 +13,7 @@ use clap::Parser as _;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    cli::sigpipe::restore_default();
+    pipec_cli::sigpipe::restore_default();
     let args = match cli::Cli::try_parse() {
         Ok(a) => a,
         Err(e) => {

@@ -11,7 +11,6 @@ mod layout;
 mod schedules;
 mod seal;
 mod show;
-pub(crate) mod sigpipe;
 mod simulate;
 mod tune;
 mod window;

@@ -2,10 +2,6 @@
 //! in the library. Exit codes: 0 ok, 1 the schedule failed (refused, hang, check mismatch),
 //! 2 usage or I/O error.
 
-/// The same `SIGPIPE` reset as `pipec`'s: a binary's concern, so no library exports it.
-#[path = "../../../../compiler/src/cli/sigpipe.rs"]
-mod sigpipe;
-
 /// mimalloc, as `pipec` uses (see its `main.rs`): loading a size-L directory faults in about
 /// 1,000-1,500 pages instead of ~43k.
 #[global_allocator]
@@ -39,7 +35,7 @@ fn run(args: &Args) -> Result<(), RunError> {
     #[cfg(not(feature = "cuda"))]
     if args.backend == BackendKind::Cuda {
         return Err(RunError::Usage(
-            "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda` (or use --backend cpu)".into(),
+            "pipec-run was built without the `cuda` feature; rebuild with `cargo build -p pipec-cli --features cuda` (or use --backend cpu)".into(),
         ));
     }
     #[cfg(all(feature = "cuda", unix))]
@@ -167,7 +163,7 @@ fn run(args: &Args) -> Result<(), RunError> {
 fn cuda_info() -> Result<(), RunError> {
     #[cfg(not(feature = "cuda"))]
     return Err(RunError::Usage(
-        "pipec-run was built without the `cuda` feature; rebuild with `cargo build --features cuda`"
+        "pipec-run was built without the `cuda` feature; rebuild with `cargo build -p pipec-cli --features cuda`"
             .into(),
     ));
     #[cfg(feature = "cuda")]
@@ -190,7 +186,7 @@ fn cuda_info() -> Result<(), RunError> {
 }
 
 fn main() -> ExitCode {
-    sigpipe::restore_default();
+    pipec_cli::sigpipe::restore_default();
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
