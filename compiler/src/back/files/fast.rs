@@ -30,7 +30,7 @@ pub(crate) struct Cursor<'a> {
 }
 
 impl Cursor<'_> {
-    #[inline]
+    #[inline(always)]
     pub(crate) fn lit(&mut self, s: &[u8]) -> Option<()> {
         if self.b.get(self.i..self.i + s.len())? == s {
             self.i += s.len();
@@ -42,7 +42,7 @@ impl Cursor<'_> {
 
     /// A JSON number serde reads as this `u32`, in the form pipec writes: `0`, or a nonzero
     /// digit and at most nine more, at most `u32::MAX`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn num(&mut self) -> Option<u32> {
         let b = self.b;
         let first = *b.get(self.i)?;
@@ -233,7 +233,7 @@ impl<'a> Bin<'a> {
         None
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn u32(&mut self) -> Option<u32> {
         // Fast path: one byte.
         let byte = *self.b.get(self.i)?;
@@ -245,7 +245,7 @@ impl<'a> Bin<'a> {
     }
 
     /// One byte, as it is.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn byte(&mut self) -> Option<u8> {
         let b = *self.b.get(self.i)?;
         self.i += 1;
