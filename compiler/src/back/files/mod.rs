@@ -5,6 +5,9 @@
 //! instruction per line), versioned (a reader refuses a version it does not know), and
 //! self-checking: the manifest holds each rank file's SHA-256 and a schedule hash over the
 //! spec, layout, placement and every instruction, which each rank file repeats.
+//!
+//! The instructions a rank file holds are defined once, in `schema.rs`'s table; every encoding
+//! (JSON, postcard, the hashed bytes) is generated from it.
 
 mod fast;
 mod format;

@@ -23,7 +23,8 @@ use serde::Serialize;
 /// The table. `$m!` receives the rows: `index op { field: Type, ... } => [Instr form]`.
 /// The index is the postcard variant index, part of format version 1 (`docs/format.md`):
 /// rows are only ever appended. Op and field names are the JSON keys and values, and the
-/// field order is the file's.
+/// field order is the file's. Every op has at least one field (the JSON writer writes the op
+/// and the first key as one copy); a field type is any [`Field`].
 macro_rules! instructions {
     ($m:ident) => {
         $m! {
