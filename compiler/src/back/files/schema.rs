@@ -12,10 +12,7 @@
 use super::fast::{Bin, Cursor};
 use super::format::push_varint;
 use super::write::Chunk;
-#[allow(unused_imports)] // used by the rows of `instructions!`
-use crate::ir::Payload;
-use crate::ir::{Instr, PayloadKind};
-#[allow(unused_imports)]
+use crate::ir::{Instr, Payload, PayloadKind};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
