@@ -689,6 +689,17 @@ fn kinds() -> Vec<String> {
         .collect()
 }
 
+/// The rank file's instructions as its one schema defines them
+/// (`pipec::back::files::OPS`): `(op, [(field, kind)])` in variant-index order, so that the
+/// Python executors are tested against it rather than against a copy.
+#[pyfunction]
+fn instruction_schema() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
+    pipec::back::files::OPS
+        .iter()
+        .map(|o| (o.name, o.fields.to_vec()))
+        .collect()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -706,6 +717,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tune_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
     m.add_function(wrap_pyfunction!(cost_model_json, m)?)?;
+    m.add_function(wrap_pyfunction!(instruction_schema, m)?)?;
     Ok(())
 }
 

@@ -7,6 +7,7 @@
 //! serde's.
 
 use super::format::*;
+use super::schema::{instructions, Field};
 use crate::ir::{Instr, Payload, PayloadKind};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 
@@ -23,14 +24,14 @@ pub(crate) struct Parsed {
     pub(crate) canonical_at: Option<usize>,
 }
 
-struct Cursor<'a> {
+pub(crate) struct Cursor<'a> {
     b: &'a [u8],
     i: usize,
 }
 
 impl Cursor<'_> {
-    #[inline]
-    fn lit(&mut self, s: &[u8]) -> Option<()> {
+    #[inline(always)]
+    pub(crate) fn lit(&mut self, s: &[u8]) -> Option<()> {
         if self.b.get(self.i..self.i + s.len())? == s {
             self.i += s.len();
             Some(())
@@ -41,8 +42,8 @@ impl Cursor<'_> {
 
     /// A JSON number serde reads as this `u32`, in the form pipec writes: `0`, or a nonzero
     /// digit and at most nine more, at most `u32::MAX`.
-    #[inline]
-    fn num(&mut self) -> Option<u32> {
+    #[inline(always)]
+    pub(crate) fn num(&mut self) -> Option<u32> {
         let b = self.b;
         let first = *b.get(self.i)?;
         if first == b'0' {
@@ -83,97 +84,51 @@ impl Cursor<'_> {
         }
         None
     }
-
-    #[inline]
-    fn task(&mut self) -> Option<Task> {
-        self.lit(b",\"stage\":")?;
-        let stage = self.num()?;
-        self.lit(b",\"mb\":")?;
-        let mb = self.num()?;
-        Some(Task {
-            stage: StageId(stage),
-            mb: Microbatch(mb),
-        })
-    }
-
-    /// `,"peer":P,"payload":"K","stage":S,"mb":M,"batch":B`.
-    #[inline]
-    fn message(&mut self) -> Option<(Rank, Payload, u32)> {
-        self.lit(b",\"peer\":")?;
-        let peer = self.num()?;
-        self.lit(b",\"payload\":\"")?;
-        let kind = if self.lit(b"act\"").is_some() {
-            PayloadKind::Act
-        } else {
-            self.lit(b"grad\"")?;
-            PayloadKind::Grad
-        };
-        let t = self.task()?;
-        self.lit(b",\"batch\":")?;
-        let batch = self.num()?;
-        Some((
-            Rank(peer),
-            Payload {
-                kind,
-                stage: t.stage,
-                mb: t.mb,
-            },
-            batch,
-        ))
-    }
-
-    /// One instruction object, after `{"op":"`, through its closing `}`.
-    #[inline]
-    fn instr(&mut self) -> Option<Instr> {
-        let rest = self.b.get(self.i..)?;
-        let end = rest.iter().take(8).position(|&c| c == b'"')?;
-        let op = &rest[..end];
-        self.i += end + 1;
-        let ins = match op {
-            b"fwd" => Instr::Compute(Compute::Fwd(self.task()?)),
-            b"bwd" => Instr::Compute(Compute::Bwd(self.task()?)),
-            b"bwd_D" => Instr::Compute(Compute::BwdD(self.task()?)),
-            b"bwd_W" => Instr::Compute(Compute::BwdW(self.task()?)),
-            b"fwd_bwd" => {
-                self.lit(b",\"fwd_stage\":")?;
-                let fs = self.num()?;
-                self.lit(b",\"fwd_mb\":")?;
-                let fm = self.num()?;
-                self.lit(b",\"bwd_stage\":")?;
-                let bs = self.num()?;
-                self.lit(b",\"bwd_mb\":")?;
-                let bm = self.num()?;
-                Instr::Compute(Compute::FwdBwd {
-                    fwd: Task::new(fs, fm),
-                    bwd: Task::new(bs, bm),
-                })
-            }
-            b"send" => {
-                let (peer, payload, batch) = self.message()?;
-                Instr::Send {
-                    peer,
-                    payload,
-                    batch,
-                }
-            }
-            b"recv" => {
-                let (peer, payload, batch) = self.message()?;
-                Instr::Recv {
-                    peer,
-                    payload,
-                    batch,
-                }
-            }
-            b"wait" => {
-                self.lit(b",\"batch\":")?;
-                Instr::Wait { batch: self.num()? }
-            }
-            _ => return None,
-        };
-        self.lit(b"}")?;
-        Some(ins)
-    }
 }
+
+macro_rules! gen_parse {
+    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+        impl Cursor<'_> {
+            /// One instruction object, after `{"op":"`, through its closing `}`.
+            #[inline]
+            fn instr(&mut self) -> Option<Instr> {
+                let rest = self.b.get(self.i..)?;
+                let end = rest.iter().take(OP_MAX + 1).position(|&c| c == b'"')?;
+                let op = &rest[..end];
+                self.i += end + 1;
+                $( if op == stringify!($op).as_bytes() {
+                    $(
+                        self.lit(concat!(",\"", stringify!($f), "\":").as_bytes())?;
+                        let $f = <$t as Field>::parse_json(self)?;
+                    )+
+                    self.lit(b"}")?;
+                    return Some($($ir)+);
+                } )*
+                None
+            }
+        }
+
+        /// The longest op name.
+        const OP_MAX: usize = {
+            let mut n = 0;
+            $( if stringify!($op).len() > n { n = stringify!($op).len(); } )*
+            n
+        };
+
+        /// One instruction of a binary file, exactly as [`canonical`] writes it.
+        #[inline]
+        fn bin_instr(c: &mut Bin<'_>) -> Option<Instr> {
+            Some(match c.u32()? {
+                $( $idx => {
+                    $( let $f = <$t as Field>::parse_bin(c)?; )+
+                    $($ir)+
+                } )*
+                _ => return None,
+            })
+        }
+    };
+}
+instructions!(gen_parse);
 
 /// Parse `bytes` when they are a rank file in exactly the form pipec writes; `None` otherwise
 /// (the caller then parses with serde). `expected`: how many instructions the manifest
@@ -240,40 +195,7 @@ pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
     }
     let mut instructions = Vec::with_capacity(n as usize);
     for _ in 0..n {
-        let tag = c.u32()?;
-        let ins = match tag {
-            0..=3 => {
-                let t = Task::new(c.u32()?, c.u32()?);
-                Instr::Compute(match tag {
-                    0 => Compute::Fwd(t),
-                    1 => Compute::Bwd(t),
-                    2 => Compute::BwdD(t),
-                    _ => Compute::BwdW(t),
-                })
-            }
-            4 => {
-                let fwd = Task::new(c.u32()?, c.u32()?);
-                let bwd = Task::new(c.u32()?, c.u32()?);
-                Instr::Compute(Compute::FwdBwd { fwd, bwd })
-            }
-            5 | 6 => {
-                let peer = Rank(c.u32()?);
-                let kind = match *c.b.get(c.i)? {
-                    0 => PayloadKind::Act,
-                    1 => PayloadKind::Grad,
-                    _ => return None,
-                };
-                c.i += 1;
-                let payload = Payload {
-                    kind,
-                    stage: StageId(c.u32()?),
-                    mb: Microbatch(c.u32()?),
-                };
-                Instr::message(tag == 5, peer, payload, c.u32()?)
-            }
-            7 => Instr::Wait { batch: c.u32()? },
-            _ => return None,
-        };
+        let ins = bin_instr(&mut c)?;
         instructions.push(ins);
     }
     (c.i == bytes.len()).then_some(Parsed {
@@ -286,7 +208,7 @@ pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
     })
 }
 
-struct Bin<'a> {
+pub(crate) struct Bin<'a> {
     b: &'a [u8],
     i: usize,
 }
@@ -311,8 +233,8 @@ impl<'a> Bin<'a> {
         None
     }
 
-    #[inline]
-    fn u32(&mut self) -> Option<u32> {
+    #[inline(always)]
+    pub(crate) fn u32(&mut self) -> Option<u32> {
         // Fast path: one byte.
         let byte = *self.b.get(self.i)?;
         if byte < 0x80 {
@@ -320,6 +242,14 @@ impl<'a> Bin<'a> {
             return Some(byte as u32);
         }
         self.varint(u32::MAX as u64).map(|v| v as u32)
+    }
+
+    /// One byte, as it is.
+    #[inline(always)]
+    pub(crate) fn byte(&mut self) -> Option<u8> {
+        let b = *self.b.get(self.i)?;
+        self.i += 1;
+        Some(b)
     }
 
     fn str(&mut self) -> Option<&'a str> {
@@ -368,32 +298,7 @@ mod tests {
 
     fn instr() -> impl Strategy<Value = Instr> {
         let n = prop_oneof![Just(0u32), 0u32..20, Just(u32::MAX), any::<u32>()];
-        let t = (n.clone(), n.clone()).prop_map(|(s, m)| Task::new(s, m));
-        let p = (any::<bool>(), n.clone(), n.clone()).prop_map(|(g, s, m)| {
-            if g {
-                Payload::grad(s, m)
-            } else {
-                Payload::act(s, m)
-            }
-        });
-        prop_oneof![
-            t.clone().prop_map(|t| Instr::Compute(Compute::Fwd(t))),
-            t.clone().prop_map(|t| Instr::Compute(Compute::Bwd(t))),
-            t.clone().prop_map(|t| Instr::Compute(Compute::BwdD(t))),
-            t.clone().prop_map(|t| Instr::Compute(Compute::BwdW(t))),
-            (t.clone(), t).prop_map(|(fwd, bwd)| Instr::Compute(Compute::FwdBwd { fwd, bwd })),
-            (n.clone(), p.clone(), n.clone()).prop_map(|(r, payload, batch)| Instr::Send {
-                peer: Rank(r),
-                payload,
-                batch
-            }),
-            (n.clone(), p, n.clone()).prop_map(|(r, payload, batch)| Instr::Recv {
-                peer: Rank(r),
-                payload,
-                batch
-            }),
-            n.prop_map(|batch| Instr::Wait { batch }),
-        ]
+        super::super::schema::arb_instr(n)
     }
 
     proptest! {

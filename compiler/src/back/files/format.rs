@@ -1,6 +1,7 @@
 //! The instruction-file format: versions, the manifest and rank-file types (JSON and
 //! postcard), and the hashes that make a directory self-checking.
 
+use super::schema::{instructions, Field};
 use crate::front::layout::Layout;
 use crate::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
@@ -99,232 +100,76 @@ pub struct RankEntry {
     pub instructions: u64,
 }
 
-/// One instruction as stored. Flat and explicit so files read well and diff line by line.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "op", deny_unknown_fields)]
-pub(crate) enum InstrJson {
-    #[serde(rename = "fwd")]
-    Fwd { stage: u32, mb: u32 },
-    #[serde(rename = "bwd")]
-    Bwd { stage: u32, mb: u32 },
-    #[serde(rename = "bwd_D")]
-    BwdD { stage: u32, mb: u32 },
-    #[serde(rename = "bwd_W")]
-    BwdW { stage: u32, mb: u32 },
-    #[serde(rename = "fwd_bwd")]
-    FwdBwd {
-        fwd_stage: u32,
-        fwd_mb: u32,
-        bwd_stage: u32,
-        bwd_mb: u32,
-    },
-    #[serde(rename = "send")]
-    Send {
-        peer: u32,
-        payload: PayloadKind,
-        stage: u32,
-        mb: u32,
-        batch: u32,
-    },
-    #[serde(rename = "recv")]
-    Recv {
-        peer: u32,
-        payload: PayloadKind,
-        stage: u32,
-        mb: u32,
-        batch: u32,
-    },
-    #[serde(rename = "wait")]
-    Wait { batch: u32 },
-}
-
-impl From<&Instr> for InstrJson {
-    fn from(i: &Instr) -> Self {
-        let sm = |t: Task| (t.stage.0, t.mb.0);
-        match *i {
-            Instr::Compute(Compute::Fwd(t)) => InstrJson::Fwd {
-                stage: sm(t).0,
-                mb: sm(t).1,
-            },
-            Instr::Compute(Compute::Bwd(t)) => InstrJson::Bwd {
-                stage: sm(t).0,
-                mb: sm(t).1,
-            },
-            Instr::Compute(Compute::BwdD(t)) => InstrJson::BwdD {
-                stage: sm(t).0,
-                mb: sm(t).1,
-            },
-            Instr::Compute(Compute::BwdW(t)) => InstrJson::BwdW {
-                stage: sm(t).0,
-                mb: sm(t).1,
-            },
-            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => InstrJson::FwdBwd {
-                fwd_stage: fwd.stage.0,
-                fwd_mb: fwd.mb.0,
-                bwd_stage: bwd.stage.0,
-                bwd_mb: bwd.mb.0,
-            },
-            Instr::Send {
-                peer,
-                payload,
-                batch,
-            } => InstrJson::Send {
-                peer: peer.0,
-                payload: payload.kind,
-                stage: payload.stage.0,
-                mb: payload.mb.0,
-                batch,
-            },
-            Instr::Recv {
-                peer,
-                payload,
-                batch,
-            } => InstrJson::Recv {
-                peer: peer.0,
-                payload: payload.kind,
-                stage: payload.stage.0,
-                mb: payload.mb.0,
-                batch,
-            },
-            Instr::Wait { batch } => InstrJson::Wait { batch },
+macro_rules! gen_format {
+    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+        /// One instruction as stored in JSON: flat and explicit, so files read well and diff
+        /// line by line. Variants are named as the ops, which serde writes as `op`.
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+        #[serde(tag = "op", deny_unknown_fields)]
+        pub(crate) enum InstrJson {
+            $( $op { $($f: $t),+ }, )*
         }
-    }
-}
 
-impl From<InstrJson> for Instr {
-    fn from(j: InstrJson) -> Self {
-        let t = |s, m| Task {
-            stage: StageId(s),
-            mb: Microbatch(m),
-        };
-        let p = |kind, s, m| Payload {
-            kind,
-            stage: StageId(s),
-            mb: Microbatch(m),
-        };
-        match j {
-            InstrJson::Fwd { stage, mb } => Instr::Compute(Compute::Fwd(t(stage, mb))),
-            InstrJson::Bwd { stage, mb } => Instr::Compute(Compute::Bwd(t(stage, mb))),
-            InstrJson::BwdD { stage, mb } => Instr::Compute(Compute::BwdD(t(stage, mb))),
-            InstrJson::BwdW { stage, mb } => Instr::Compute(Compute::BwdW(t(stage, mb))),
-            InstrJson::FwdBwd {
-                fwd_stage,
-                fwd_mb,
-                bwd_stage,
-                bwd_mb,
-            } => Instr::Compute(Compute::FwdBwd {
-                fwd: t(fwd_stage, fwd_mb),
-                bwd: t(bwd_stage, bwd_mb),
-            }),
-            InstrJson::Send {
-                peer,
-                payload,
-                stage,
-                mb,
-                batch,
-            } => Instr::Send {
-                peer: Rank(peer),
-                payload: p(payload, stage, mb),
-                batch,
-            },
-            InstrJson::Recv {
-                peer,
-                payload,
-                stage,
-                mb,
-                batch,
-            } => Instr::Recv {
-                peer: Rank(peer),
-                payload: p(payload, stage, mb),
-                batch,
-            },
-            InstrJson::Wait { batch } => Instr::Wait { batch },
-        }
-    }
-}
-
-/// One instruction in the binary encoding (postcard, externally tagged: the variant index is a
-/// varint, then the fields in order as varints). The variant order is part of format version 1
-/// (`docs/format.md`); it also defines the canonical bytes the schedule hash covers.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum InstrBin {
-    Fwd(u32, u32),
-    Bwd(u32, u32),
-    BwdD(u32, u32),
-    BwdW(u32, u32),
-    FwdBwd(u32, u32, u32, u32),
-    /// peer, payload (0 act, 1 grad), stage, mb, batch
-    Send(u32, u8, u32, u32, u32),
-    Recv(u32, u8, u32, u32, u32),
-    /// batch (appended: the variants above keep their indices and bytes)
-    Wait(u32),
-}
-
-impl From<&Instr> for InstrBin {
-    fn from(i: &Instr) -> Self {
-        let k = |p: &Payload| match p.kind {
-            PayloadKind::Act => 0u8,
-            PayloadKind::Grad => 1u8,
-        };
-        match *i {
-            Instr::Compute(Compute::Fwd(t)) => InstrBin::Fwd(t.stage.0, t.mb.0),
-            Instr::Compute(Compute::Bwd(t)) => InstrBin::Bwd(t.stage.0, t.mb.0),
-            Instr::Compute(Compute::BwdD(t)) => InstrBin::BwdD(t.stage.0, t.mb.0),
-            Instr::Compute(Compute::BwdW(t)) => InstrBin::BwdW(t.stage.0, t.mb.0),
-            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
-                InstrBin::FwdBwd(fwd.stage.0, fwd.mb.0, bwd.stage.0, bwd.mb.0)
+        impl From<&Instr> for InstrJson {
+            fn from(i: &Instr) -> Self {
+                match *i {
+                    $( $($ir)+ => InstrJson::$op { $($f),+ }, )*
+                }
             }
-            Instr::Send {
-                peer,
-                payload,
-                batch,
-            } => InstrBin::Send(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
-            Instr::Recv {
-                peer,
-                payload,
-                batch,
-            } => InstrBin::Recv(peer.0, k(&payload), payload.stage.0, payload.mb.0, batch),
-            Instr::Wait { batch } => InstrBin::Wait(batch),
         }
-    }
-}
 
-impl TryFrom<InstrBin> for Instr {
-    type Error = String;
-    fn try_from(b: InstrBin) -> Result<Self, String> {
-        let t = Task::new;
-        let p = |k: u8, s, m| -> Result<Payload, String> {
-            match k {
-                0 => Ok(Payload::act(s, m)),
-                1 => Ok(Payload::grad(s, m)),
-                other => Err(format!(
-                    "payload kind {other} is neither 0 (act) nor 1 (grad)"
-                )),
+        impl From<InstrJson> for Instr {
+            fn from(j: InstrJson) -> Self {
+                match j {
+                    $( InstrJson::$op { $($f),+ } => $($ir)+, )*
+                }
             }
-        };
-        Ok(match b {
-            InstrBin::Fwd(s, m) => Instr::Compute(Compute::Fwd(t(s, m))),
-            InstrBin::Bwd(s, m) => Instr::Compute(Compute::Bwd(t(s, m))),
-            InstrBin::BwdD(s, m) => Instr::Compute(Compute::BwdD(t(s, m))),
-            InstrBin::BwdW(s, m) => Instr::Compute(Compute::BwdW(t(s, m))),
-            InstrBin::FwdBwd(a, b, c, d) => Instr::Compute(Compute::FwdBwd {
-                fwd: t(a, b),
-                bwd: t(c, d),
-            }),
-            InstrBin::Send(peer, k, s, m, batch) => Instr::Send {
-                peer: Rank(peer),
-                payload: p(k, s, m)?,
-                batch,
-            },
-            InstrBin::Recv(peer, k, s, m, batch) => Instr::Recv {
-                peer: Rank(peer),
-                payload: p(k, s, m)?,
-                batch,
-            },
-            InstrBin::Wait(batch) => Instr::Wait { batch },
-        })
-    }
+        }
+
+        /// One instruction in the binary encoding (postcard, externally tagged: the variant
+        /// index is a varint, then the fields in order). The variant order is part of format
+        /// version 1 (`docs/format.md`); it also defines the canonical bytes the schedule hash
+        /// covers.
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+        pub(crate) enum InstrBin {
+            $( $op($(<$t as Field>::Bin),+), )*
+        }
+
+        impl From<&Instr> for InstrBin {
+            fn from(i: &Instr) -> Self {
+                match *i {
+                    $( $($ir)+ => InstrBin::$op($(<$t as Field>::to_bin($f)),+), )*
+                }
+            }
+        }
+
+        impl TryFrom<InstrBin> for Instr {
+            type Error = String;
+            fn try_from(b: InstrBin) -> Result<Self, String> {
+                Ok(match b {
+                    $( InstrBin::$op($($f),+) => {
+                        $( let $f = <$t as Field>::from_bin($f)?; )+
+                        $($ir)+
+                    } )*
+                })
+            }
+        }
+
+        /// One instruction's canonical bytes: its `InstrBin` variant index, then its fields.
+        #[inline]
+        fn push_canonical_instr(out: &mut Vec<u8>, ins: &Instr) {
+            match *ins {
+                $( $($ir)+ => {
+                    push_varint(out, $idx);
+                    $( <$t as Field>::push_canonical($f, out); )+
+                } )*
+            }
+        }
+    };
 }
+instructions!(gen_format);
 
 /// `rank-<r>.bin`: the same fields as the JSON rank file, postcard-encoded.
 #[derive(Debug, Serialize, Deserialize)]
@@ -361,53 +206,6 @@ pub(crate) fn push_varint(out: &mut Vec<u8>, mut v: u64) {
         v >>= 7;
     }
     out.push(v as u8);
-}
-
-#[inline]
-fn push_canonical_instr(out: &mut Vec<u8>, ins: &Instr) {
-    let v = |out: &mut Vec<u8>, x: u32| push_varint(out, x as u64);
-    let task = |out: &mut Vec<u8>, tag: u8, t: &Task| {
-        out.push(tag);
-        v(out, t.stage.0);
-        v(out, t.mb.0);
-    };
-    let msg = |out: &mut Vec<u8>, tag: u8, peer: Rank, p: &Payload, batch: u32| {
-        out.push(tag);
-        v(out, peer.0);
-        out.push(match p.kind {
-            PayloadKind::Act => 0,
-            PayloadKind::Grad => 1,
-        });
-        v(out, p.stage.0);
-        v(out, p.mb.0);
-        v(out, batch);
-    };
-    // Variant indices of `InstrBin`, all below 128: one varint byte each.
-    match ins {
-        Instr::Compute(Compute::Fwd(t)) => task(out, 0, t),
-        Instr::Compute(Compute::Bwd(t)) => task(out, 1, t),
-        Instr::Compute(Compute::BwdD(t)) => task(out, 2, t),
-        Instr::Compute(Compute::BwdW(t)) => task(out, 3, t),
-        Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
-            task(out, 4, fwd);
-            v(out, bwd.stage.0);
-            v(out, bwd.mb.0);
-        }
-        Instr::Send {
-            peer,
-            payload,
-            batch,
-        } => msg(out, 5, *peer, payload, *batch),
-        Instr::Recv {
-            peer,
-            payload,
-            batch,
-        } => msg(out, 6, *peer, payload, *batch),
-        Instr::Wait { batch } => {
-            out.push(7);
-            v(out, *batch);
-        }
-    }
 }
 
 /// The bytes of `rank-<r>.bin` before its instruction list: postcard's encoding of
@@ -532,8 +330,6 @@ pub(crate) fn hex(digest: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Payload;
-    use pipec_schedules::{Microbatch, StageId};
     use proptest::prelude::*;
 
     /// Values whose varints change length, and their neighbours.
@@ -550,30 +346,7 @@ mod tests {
     }
 
     fn instr() -> impl Strategy<Value = Instr> {
-        let task = || {
-            (edgy(), edgy()).prop_map(|(s, m)| Task {
-                stage: StageId(s),
-                mb: Microbatch(m),
-            })
-        };
-        (0u8..8, task(), task(), edgy(), edgy(), any::<bool>()).prop_map(
-            |(tag, a, b, peer, batch, grad)| {
-                let payload = if grad {
-                    Payload::grad(a.stage.0, a.mb.0)
-                } else {
-                    Payload::act(a.stage.0, a.mb.0)
-                };
-                match tag {
-                    0 => Instr::Compute(Compute::Fwd(a)),
-                    1 => Instr::Compute(Compute::Bwd(a)),
-                    2 => Instr::Compute(Compute::BwdD(a)),
-                    3 => Instr::Compute(Compute::BwdW(a)),
-                    4 => Instr::Compute(Compute::FwdBwd { fwd: a, bwd: b }),
-                    5 | 6 => Instr::message(tag == 5, Rank(peer), payload, batch),
-                    _ => Instr::Wait { batch },
-                }
-            },
-        )
+        super::super::schema::arb_instr(edgy())
     }
 
     proptest! {

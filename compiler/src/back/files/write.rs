@@ -2,8 +2,9 @@
 //! emission), the manifest, and the atomic directory write.
 
 use super::format::*;
+use super::schema::{instructions, Field};
 use crate::ir::{Instr, Payload, PayloadKind, Program};
-use pipec_schedules::{Compute, Rank, Task};
+use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -87,40 +88,14 @@ pub(crate) fn json_size(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> 
     let fixed = 15 + RANK_FORMAT.len() as u64 + 16 + 12 + 18 + 22 + 23 + 6;
     let mut n = fixed + d(FORMAT_VERSION) + d(rank) + d(world) + hash.len() as u64;
     for ins in instrs {
-        // Indent, `{"op":"`, `"` after the op, `}`, newline: 13; the comma is added below.
-        n += 13;
-        n += match ins {
-            Instr::Compute(c) => match c {
-                Compute::Fwd(t) | Compute::Bwd(t) => 3 + 16 + d(t.stage.0) + d(t.mb.0),
-                Compute::BwdD(t) | Compute::BwdW(t) => 5 + 16 + d(t.stage.0) + d(t.mb.0),
-                Compute::FwdBwd { fwd, bwd } => {
-                    7 + 47 + d(fwd.stage.0) + d(fwd.mb.0) + d(bwd.stage.0) + d(bwd.mb.0)
-                }
-            },
-            Instr::Send {
-                peer,
-                payload,
-                batch,
-            }
-            | Instr::Recv {
-                peer,
-                payload,
-                batch,
-            } => {
-                let kind = match payload.kind {
-                    PayloadKind::Act => 3,
-                    PayloadKind::Grad => 4,
-                };
-                4 + 46 + kind + d(peer.0) + d(payload.stage.0) + d(payload.mb.0) + d(*batch)
-            }
-            Instr::Wait { batch } => 4 + 10 + d(*batch),
-        };
+        // Indent, `}`, newline: 6; the comma is added below.
+        n += 6 + instr_json_len(ins);
     }
     n + instrs.len().saturating_sub(1) as u64
 }
 
 #[inline]
-fn digits(v: u32) -> u32 {
+pub(crate) fn digits(v: u32) -> u32 {
     // Ids are mostly small: comparisons before the general case.
     match v {
         0..=9 => 1,
@@ -157,13 +132,13 @@ impl Chunk {
     }
 
     #[inline(always)]
-    fn s(&mut self, s: &[u8]) {
+    pub(crate) fn s(&mut self, s: &[u8]) {
         self.b[self.n..self.n + s.len()].copy_from_slice(s);
         self.n += s.len();
     }
 
     #[inline(always)]
-    fn u(&mut self, v: u32) {
+    pub(crate) fn u(&mut self, v: u32) {
         const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
               2021222324252627282930313233343536373839\
               4041424344454647484950515253545556575859\
@@ -187,69 +162,44 @@ impl Chunk {
             self.s(itoa::Buffer::new().format(v).as_bytes());
         }
     }
+}
 
-    #[inline(always)]
-    fn task(&mut self, op: &[u8], t: &Task) {
-        self.s(op);
-        self.s(b"\",\"stage\":");
-        self.u(t.stage.0);
-        self.s(b",\"mb\":");
-        self.u(t.mb.0);
-    }
-
-    #[inline(always)]
-    fn message(&mut self, op: &[u8], peer: Rank, p: &Payload, batch: u32) {
-        self.s(op);
-        self.s(b"\",\"peer\":");
-        self.u(peer.0);
-        self.s(match p.kind {
-            PayloadKind::Act => b",\"payload\":\"act\",\"stage\":",
-            PayloadKind::Grad => b",\"payload\":\"grad\",\"stage\":",
-        });
-        self.u(p.stage.0);
-        self.s(b",\"mb\":");
-        self.u(p.mb.0);
-        self.s(b",\"batch\":");
-        self.u(batch);
-    }
-
-    /// `{"op":"<op>","<key>":<value>...}`, keys in `InstrJson`'s order.
-    #[inline(always)]
-    fn instr(&mut self, ins: &Instr) {
-        self.s(b"{\"op\":\"");
-        match ins {
-            Instr::Compute(Compute::Fwd(t)) => self.task(b"fwd", t),
-            Instr::Compute(Compute::Bwd(t)) => self.task(b"bwd", t),
-            Instr::Compute(Compute::BwdD(t)) => self.task(b"bwd_D", t),
-            Instr::Compute(Compute::BwdW(t)) => self.task(b"bwd_W", t),
-            Instr::Compute(Compute::FwdBwd { fwd, bwd }) => {
-                self.s(b"fwd_bwd\",\"fwd_stage\":");
-                self.u(fwd.stage.0);
-                self.s(b",\"fwd_mb\":");
-                self.u(fwd.mb.0);
-                self.s(b",\"bwd_stage\":");
-                self.u(bwd.stage.0);
-                self.s(b",\"bwd_mb\":");
-                self.u(bwd.mb.0);
-            }
-            Instr::Send {
-                peer,
-                payload,
-                batch,
-            } => self.message(b"send", *peer, payload, *batch),
-            Instr::Recv {
-                peer,
-                payload,
-                batch,
-            } => self.message(b"recv", *peer, payload, *batch),
-            Instr::Wait { batch } => {
-                self.s(b"wait\",\"batch\":");
-                self.u(*batch);
+macro_rules! gen_json {
+    ($( $idx:literal $op:ident { $f0:ident : $t0:ty $(, $f:ident : $t:ty)* $(,)? } => [$($ir:tt)+]; )*) => {
+        impl Chunk {
+            /// `{"op":"<op>","<key>":<value>...}`, keys in the schema's order: the op and the
+            /// first key are one copy, then a copy per key and the values.
+            #[inline(always)]
+            fn instr(&mut self, ins: &Instr) {
+                match *ins {
+                    $( $($ir)+ => {
+                        self.s(concat!("{\"op\":\"", stringify!($op), "\",\"", stringify!($f0), "\":").as_bytes());
+                        <$t0 as Field>::write_json($f0, self);
+                        $(
+                            self.s(concat!(",\"", stringify!($f), "\":").as_bytes());
+                            <$t as Field>::write_json($f, self);
+                        )*
+                    } )*
+                }
+                self.s(b"}");
             }
         }
-        self.s(b"}");
-    }
+
+        /// The length of [`Chunk::instr`]'s bytes but its closing `}`.
+        #[inline]
+        fn instr_json_len(ins: &Instr) -> u64 {
+            match *ins {
+                $( $($ir)+ => {
+                    concat!("{\"op\":\"", stringify!($op), "\",\"", stringify!($f0), "\":").len() as u64
+                        + <$t0 as Field>::json_len($f0)
+                        $( + concat!(",\"", stringify!($f), "\":").len() as u64
+                           + <$t as Field>::json_len($f) )*
+                } )*
+            }
+        }
+    };
 }
+instructions!(gen_json);
 
 /// One instruction as its JSON object (no indent, no comma).
 #[cfg(test)]

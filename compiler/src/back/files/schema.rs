@@ -1,0 +1,328 @@
+//! The rank file's instruction schema: one table, from which every encoding is generated.
+//!
+//! Each row of [`instructions!`] names an op, its postcard variant index, its fields in file
+//! order, and the [`Instr`] it stands for, written once and used both as a pattern (to
+//! encode) and as an expression (to decode). The encodings are macros over the table, each
+//! next to its helpers: the serde types and the canonical (hashed) bytes in `format.rs`, the
+//! fast JSON writer and its size in `write.rs`, the fast JSON and binary parsers in `fast.rs`.
+//! A field's type says how it is written in each encoding ([`Field`]). So adding an
+//! instruction is one row here (and its `Instr` variant, the docs, and the code that gives
+//! it meaning); the compiler refuses a variant of [`Instr`] that no row covers.
+
+use super::fast::{Bin, Cursor};
+use super::format::push_varint;
+use super::write::Chunk;
+use crate::ir::{Instr, Payload, PayloadKind};
+use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// The table. `$m!` receives the rows: `index op { field: Type, ... } => [Instr form]`.
+/// The index is the postcard variant index, part of format version 1 (`docs/format.md`):
+/// rows are only ever appended. Op and field names are the JSON keys and values, and the
+/// field order is the file's. Every op has at least one field (the JSON writer writes the op
+/// and the first key as one copy); a field type is any [`Field`].
+macro_rules! instructions {
+    ($m:ident) => {
+        $m! {
+            0 fwd { stage: u32, mb: u32 }
+                => [Instr::Compute(Compute::Fwd(Task { stage: StageId(stage), mb: Microbatch(mb) }))];
+            1 bwd { stage: u32, mb: u32 }
+                => [Instr::Compute(Compute::Bwd(Task { stage: StageId(stage), mb: Microbatch(mb) }))];
+            2 bwd_D { stage: u32, mb: u32 }
+                => [Instr::Compute(Compute::BwdD(Task { stage: StageId(stage), mb: Microbatch(mb) }))];
+            3 bwd_W { stage: u32, mb: u32 }
+                => [Instr::Compute(Compute::BwdW(Task { stage: StageId(stage), mb: Microbatch(mb) }))];
+            4 fwd_bwd { fwd_stage: u32, fwd_mb: u32, bwd_stage: u32, bwd_mb: u32 }
+                => [Instr::Compute(Compute::FwdBwd {
+                    fwd: Task { stage: StageId(fwd_stage), mb: Microbatch(fwd_mb) },
+                    bwd: Task { stage: StageId(bwd_stage), mb: Microbatch(bwd_mb) },
+                })];
+            5 send { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32 }
+                => [Instr::Send {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                }];
+            6 recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32 }
+                => [Instr::Recv {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                }];
+            7 wait { batch: u32 } => [Instr::Wait { batch }];
+        }
+    };
+}
+pub(crate) use instructions;
+
+/// How a field's type is written in each encoding. Everything is inlined into the generated
+/// per-op code, so the fast paths stay what they were when written by hand.
+pub(crate) trait Field: Copy + Sized {
+    /// How the field is held in postcard's serde type (`InstrBin`): its bytes there are
+    /// [`Field::push_canonical`]'s.
+    type Bin: Serialize + DeserializeOwned + std::fmt::Debug + Clone + PartialEq + Eq;
+    /// The values a field takes, as the schema reports them (Python, docs).
+    const KIND: &'static str;
+    fn to_bin(self) -> Self::Bin;
+    /// The value postcard's serde decoding gave, or why it is not one.
+    fn from_bin(b: Self::Bin) -> Result<Self, String>;
+    /// The JSON value, after its key.
+    fn write_json(self, c: &mut Chunk);
+    /// The length of [`Field::write_json`]'s bytes.
+    fn json_len(self) -> u64;
+    /// The JSON value exactly as [`Field::write_json`] writes it; `None` for any other form.
+    fn parse_json(c: &mut Cursor<'_>) -> Option<Self>;
+    /// The canonical (postcard) bytes.
+    fn push_canonical(self, out: &mut Vec<u8>);
+    /// The canonical bytes exactly as [`Field::push_canonical`] writes them.
+    fn parse_bin(c: &mut Bin<'_>) -> Option<Self>;
+}
+
+impl Field for u32 {
+    type Bin = u32;
+    const KIND: &'static str = "int";
+    #[inline(always)]
+    fn to_bin(self) -> u32 {
+        self
+    }
+    #[inline(always)]
+    fn from_bin(b: u32) -> Result<Self, String> {
+        Ok(b)
+    }
+    #[inline(always)]
+    fn write_json(self, c: &mut Chunk) {
+        c.u(self)
+    }
+    #[inline(always)]
+    fn json_len(self) -> u64 {
+        super::write::digits(self) as u64
+    }
+    #[inline(always)]
+    fn parse_json(c: &mut Cursor<'_>) -> Option<Self> {
+        c.num()
+    }
+    #[inline(always)]
+    fn push_canonical(self, out: &mut Vec<u8>) {
+        push_varint(out, self as u64)
+    }
+    #[inline(always)]
+    fn parse_bin(c: &mut Bin<'_>) -> Option<Self> {
+        c.u32()
+    }
+}
+
+/// `"act"` or `"grad"` in JSON; one byte, 0 or 1, in postcard.
+impl Field for PayloadKind {
+    type Bin = u8;
+    const KIND: &'static str = "act|grad";
+    #[inline(always)]
+    fn to_bin(self) -> u8 {
+        match self {
+            PayloadKind::Act => 0,
+            PayloadKind::Grad => 1,
+        }
+    }
+    fn from_bin(b: u8) -> Result<Self, String> {
+        match b {
+            0 => Ok(PayloadKind::Act),
+            1 => Ok(PayloadKind::Grad),
+            other => Err(format!(
+                "payload kind {other} is neither 0 (act) nor 1 (grad)"
+            )),
+        }
+    }
+    #[inline(always)]
+    fn write_json(self, c: &mut Chunk) {
+        c.s(match self {
+            PayloadKind::Act => b"\"act\"",
+            PayloadKind::Grad => b"\"grad\"",
+        })
+    }
+    #[inline(always)]
+    fn json_len(self) -> u64 {
+        match self {
+            PayloadKind::Act => 5,
+            PayloadKind::Grad => 6,
+        }
+    }
+    #[inline(always)]
+    fn parse_json(c: &mut Cursor<'_>) -> Option<Self> {
+        if c.lit(b"\"act\"").is_some() {
+            Some(PayloadKind::Act)
+        } else {
+            c.lit(b"\"grad\"")?;
+            Some(PayloadKind::Grad)
+        }
+    }
+    #[inline(always)]
+    fn push_canonical(self, out: &mut Vec<u8>) {
+        out.push(self.to_bin())
+    }
+    #[inline(always)]
+    fn parse_bin(c: &mut Bin<'_>) -> Option<Self> {
+        let k = match c.byte()? {
+            0 => PayloadKind::Act,
+            1 => PayloadKind::Grad,
+            _ => return None,
+        };
+        Some(k)
+    }
+}
+
+/// One op as the schema describes it: for Python (`pipec.instruction_schema()`), the docs
+/// test, and anything else that must agree with the files without parsing them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpSchema {
+    /// The JSON `op`.
+    pub name: &'static str,
+    /// The postcard variant index.
+    pub index: u32,
+    /// (key, [`Field::KIND`]) in file order.
+    pub fields: &'static [(&'static str, &'static str)],
+}
+
+macro_rules! gen_schema {
+    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+        /// Every op of the rank file, in variant-index order.
+        pub const OPS: &[OpSchema] = &[$(OpSchema {
+            name: stringify!($op),
+            index: $idx,
+            fields: &[$((stringify!($f), <$t as Field>::KIND)),+],
+        }),*];
+
+        // Indices are postcard's variant indices, which are declaration order: 0, 1, 2, ...
+        const _: () = {
+            let mut i = 0u32;
+            $( assert!($idx == i, "instruction indices must count up from 0"); i += 1; )*
+            let _ = i;
+        };
+
+        /// The JSON `op` of an instruction.
+        #[allow(unused_variables)]
+        pub fn op_name(ins: &Instr) -> &'static str {
+            match *ins {
+                $( $($ir)+ => stringify!($op), )*
+            }
+        }
+
+        /// One instruction of every op, each field at `v` (tests walk every op with it).
+        #[cfg(test)]
+        pub(crate) fn every_op(v: u32, payload: PayloadKind) -> Vec<Instr> {
+            trait Pick: Sized { fn pick(v: u32, p: PayloadKind) -> Self; }
+            impl Pick for u32 { fn pick(v: u32, _: PayloadKind) -> u32 { v } }
+            impl Pick for PayloadKind { fn pick(_: u32, p: PayloadKind) -> PayloadKind { p } }
+            vec![$({ $( let $f = <$t as Pick>::pick(v, payload); )+ $($ir)+ }),*]
+        }
+
+        /// Any instruction, every field drawn from `int` (tests).
+        #[cfg(test)]
+        pub(crate) fn arb_instr(
+            int: impl proptest::strategy::Strategy<Value = u32> + 'static,
+        ) -> proptest::strategy::BoxedStrategy<Instr> {
+            use proptest::prelude::*;
+            trait Arb: Sized { fn arb(int: BoxedStrategy<u32>) -> BoxedStrategy<Self>; }
+            impl Arb for u32 { fn arb(int: BoxedStrategy<u32>) -> BoxedStrategy<u32> { int } }
+            impl Arb for PayloadKind {
+                fn arb(_: BoxedStrategy<u32>) -> BoxedStrategy<PayloadKind> {
+                    prop_oneof![Just(PayloadKind::Act), Just(PayloadKind::Grad)].boxed()
+                }
+            }
+            let int = int.boxed();
+            proptest::strategy::Union::new(vec![$(
+                ($(<$t as Arb>::arb(int.clone()),)+)
+                    .prop_map(|($($f,)+)| $($ir)+)
+                    .boxed()
+            ),*])
+            .boxed()
+        }
+    };
+}
+instructions!(gen_schema);
+
+#[cfg(test)]
+mod tests {
+    use super::super::fast::{parse, parse_bin};
+    use super::super::format::{bin_prefix, canonical, InstrBin, InstrJson};
+    use super::super::write::{json_size, rank_file_json, write_instr};
+    use super::*;
+
+    /// Every op, every field at the values whose encodings change length: each encoding the
+    /// table generates agrees with serde's (JSON) and postcard's, and reads back.
+    #[test]
+    fn every_encoding_agrees_on_every_op() {
+        let mut all = Vec::new();
+        for v in [0, 1, 9, 10, 99, 100, 127, 128, 999, 16383, 16384, u32::MAX] {
+            for p in [PayloadKind::Act, PayloadKind::Grad] {
+                all.extend(every_op(v, p));
+            }
+        }
+        let hash = "ab".repeat(32);
+        for ins in &all {
+            let mut line = Vec::new();
+            write_instr(&mut line, ins);
+            let json = InstrJson::from(ins);
+            assert_eq!(
+                String::from_utf8(line.clone()).unwrap(),
+                serde_json::to_string(&json).unwrap()
+            );
+            assert_eq!(
+                Instr::from(serde_json::from_slice::<InstrJson>(&line).unwrap()),
+                *ins
+            );
+            assert!(line.starts_with(format!("{{\"op\":\"{}\"", op_name(ins)).as_bytes()));
+            let bin = InstrBin::from(ins);
+            let one = std::slice::from_ref(ins);
+            assert_eq!(
+                canonical(one),
+                postcard::to_stdvec(&vec![bin.clone()]).unwrap()
+            );
+            assert_eq!(Instr::try_from(bin).unwrap(), *ins);
+            let file = rank_file_json(3, 9, &hash, one);
+            assert_eq!(file.len() as u64, json_size(3, 9, &hash, one));
+            assert_eq!(parse(&file, None).unwrap().instructions, one);
+            let mut b = bin_prefix(3, 9, &hash);
+            b.extend_from_slice(&canonical(one));
+            assert_eq!(parse_bin(&b).unwrap().instructions, one);
+        }
+        assert_eq!(every_op(0, PayloadKind::Act).len(), OPS.len());
+        let names: Vec<_> = every_op(0, PayloadKind::Act).iter().map(op_name).collect();
+        assert_eq!(names, OPS.iter().map(|o| o.name).collect::<Vec<_>>());
+    }
+
+    /// `docs/format.md` lists every op with its fields in file order, and its index.
+    #[test]
+    fn docs_list_the_schema() {
+        let doc = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/format.md"));
+        // The rows of the table whose header starts with `head`.
+        let rows = |head: &str| -> Vec<Vec<String>> {
+            let mut lines = doc.lines().skip_while(|l| !l.starts_with(head)).skip(2);
+            let mut out = Vec::new();
+            for l in lines.by_ref().take_while(|l| l.starts_with('|')) {
+                out.push(l.split('|').map(|c| c.trim().to_string()).collect());
+            }
+            out
+        };
+        let unticked = |s: &str| s.trim_matches('`').to_string();
+        let json: Vec<(String, Vec<String>)> = rows("| `op` | fields |")
+            .iter()
+            .map(|c| (unticked(&c[1]), c[2].split(", ").map(unticked).collect()))
+            .collect();
+        let bin: Vec<(u32, String)> = rows("| index | variant | fields |")
+            .iter()
+            .map(|c| (c[1].parse().unwrap(), unticked(&c[2])))
+            .collect();
+        let want: Vec<_> = OPS
+            .iter()
+            .map(|o| {
+                (
+                    o.name.to_string(),
+                    o.fields.iter().map(|f| f.0.to_string()).collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        assert_eq!(json, want, "docs/format.md's table of ops");
+        let want: Vec<_> = OPS.iter().map(|o| (o.index, o.name.to_string())).collect();
+        assert_eq!(bin, want, "docs/format.md's binary encoding table");
+    }
+}
