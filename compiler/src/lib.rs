@@ -11,6 +11,9 @@
 //! (per-rank compute orders), which [`lower`]ing turns into an [`ir::Program`] (per-rank
 //! instruction streams with explicit send/recv). Verification, simulation and the back ends
 //! read the program; [`back::files`] stores it and reads it back.
+//!
+//! A library only: the `pipec` command line (clap, its spinners, the allocator) is the crate
+//! `pipec-cli` in `cli/`, so embedders such as the Python package do not compile it.
 
 pub mod back;
 pub mod compile;
