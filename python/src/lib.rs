@@ -101,7 +101,7 @@ fn verify_memory(
             .apply(spec, None)
             .map_err(|e| SpecError::new_err(e.render()))?;
     }
-    let mem = pipec::memory::MemoryModel::new(program, layout, &model);
+    let mem = pipec::memory::weights(program, layout, &model);
     let limit = memory_limit
         .map(|s| {
             pipec::memory::Limit::parse(s)

@@ -99,7 +99,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
                model: &pipec::simulate::cost::CostModel,
                opts: &VerifyOptions|
      -> Result<Report, CliError> {
-        let mem = pipec::memory::MemoryModel::new(program, layout, model);
+        let mem = pipec::memory::weights(program, layout, model);
         let limit = super::resolve_limit(a.memory_limit, mem.unit)?;
         let threads = pipec::par::threads_for(program.len() as u64);
         Ok(verify_with(

@@ -176,8 +176,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     }
     // Written as `pipec compile` writes (streamed), in place only once verified.
     let model = a.cost.model()?;
-    let limit = super::resolve_limit(a.memory_limit, pipec::memory::Unit::of(&model))?;
-    let mem = pipec::memory::MemoryModel::new(program, &layout, &model);
+    let limit = super::resolve_limit(a.memory_limit, pipec::memory::unit_of(&model))?;
+    let mem = pipec::memory::weights(program, &layout, &model);
     let header = header(&imported, &layout);
     let prepared = files::prepare(&header, program, files::Encoding::Json)
         .with_cost(a.cost.given().then(|| model.spec()));

@@ -483,7 +483,7 @@ fn finish(
     let costs = StageCosts::new(model, &layout, program.num_stages());
     let sim = simulate(&program, &costs).ok()?;
     // The one memory rule every command reports ([`crate::memory`]).
-    let mem = crate::memory::MemoryModel::new(&program, &layout, model);
+    let mem = crate::memory::weights(&program, &layout, model);
     let peaks: Vec<f64> = crate::memory::peaks(&program, &mem)
         .iter()
         .map(|p| p.peak)
@@ -701,7 +701,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         });
         built.extend(results.into_iter().flatten());
     }
-    let bytes = crate::memory::Unit::of(&req.model) == crate::memory::Unit::Bytes;
+    let bytes = crate::memory::unit_of(&req.model) == crate::memory::Unit::Bytes;
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
         .filter(|&i| built[i].cand.fits && runnable(&built[i]))
@@ -782,7 +782,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             memory_limit: None,
             streams: StreamRule::of_policy(Some(b.comm), b.program.world()),
         };
-        let mem = crate::memory::MemoryModel::new(&b.program, &b.layout, &req.model);
+        let mem = crate::memory::weights(&b.program, &b.layout, &req.model);
         let report = verify::verify_with(
             &b.program,
             &opts,

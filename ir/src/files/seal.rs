@@ -16,8 +16,8 @@ use super::read::{
     LoadError,
 };
 use super::write::{prepare, threads_for, write_prepared, Gated, WriteError};
-use crate::front::layout::Layout;
 use crate::ir::Program;
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{CommPolicy, Placement, ScheduleSpec};
 use serde::Deserialize;
 use std::path::Path;

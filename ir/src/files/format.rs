@@ -1,8 +1,8 @@
 //! The instruction-file format: versions, the manifest and rank-file types (JSON and
 //! postcard), and the hashes that make a directory self-checking.
 
-use crate::front::layout::Layout;
 use crate::ir::{Instr, Payload, PayloadKind, Program};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{
     CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
 };
@@ -68,7 +68,7 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sealed_by: Option<String>,
     /// The cost model the schedule was planned with (`pipec tune`, or `pipec compile
-    /// --cost`), as the full spec [`crate::simulate::cost::CostModel::spec`] writes;
+    /// --cost`), as the full spec `pipec::simulate::cost::CostModel::spec` writes;
     /// `show`, `simulate` and `check` use it unless given `--cost`/`--cost-file`. Absent
     /// without one, so those files are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
