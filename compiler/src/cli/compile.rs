@@ -174,7 +174,6 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.comm),
         layout: &c.layout,
     };
     progress.set_message(format!(
@@ -198,7 +197,6 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                 super::verify_before_write_on(
                     &c.program,
                     super::MemoryCheck { model: &mem, limit },
-                    Some(c.comm),
                     &a.out,
                     verifier_threads,
                 )
@@ -305,7 +303,6 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.comm),
         layout: &c.layout,
     };
     // One thread per configuration: the sweep already runs one configuration per core.
@@ -324,13 +321,8 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         if a.no_verify {
             return Ok(None);
         }
-        super::verify_before_write(
-            &c.program,
-            super::MemoryCheck { model: &mem, limit },
-            Some(c.comm),
-            &dir,
-        )
-        .map(Some)
+        super::verify_before_write(&c.program, super::MemoryCheck { model: &mem, limit }, &dir)
+            .map(Some)
     });
     let r = match r {
         Ok(r) => r,

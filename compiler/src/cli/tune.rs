@@ -169,7 +169,6 @@ fn write(
                 model: &mem,
                 limit: None,
             },
-            Some(t.comm),
             out,
         )?;
         super::warn_big_write(prepared.bytes(), out);

@@ -445,6 +445,9 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
 
 /// Lower per-rank compute orders. Stages in `orders` must be in range of `placement`, and each
 /// rank's ops must sit on that rank (generated schedules and validated imports satisfy both).
+/// The program records the policy it was lowered with ([`Program::comm`]).
+/// [`CommPolicy::TimedInFlight`] needs the costs ([`crate::tune::lower::lower_timed`]): orders
+/// alone are lowered lockstep, the same idea at unit costs, and recorded as such.
 pub fn lower_orders(
     placement: &Placement,
     microbatches: u32,
@@ -452,11 +455,16 @@ pub fn lower_orders(
     policy: CommPolicy,
     orders: &[RankOrder],
 ) -> Program {
+    let policy = match policy {
+        CommPolicy::TimedInFlight => CommPolicy::Lockstep,
+        p => p,
+    };
     if policy == CommPolicy::Lockstep {
         return Program {
             placement: placement.clone(),
             microbatches,
             forward_only,
+            comm: Some(policy),
             ranks: lockstep(placement, microbatches, orders),
         };
     }
@@ -495,6 +503,7 @@ pub fn lower_orders(
         placement: placement.clone(),
         microbatches,
         forward_only,
+        comm: Some(policy),
         ranks,
     }
 }
@@ -606,7 +615,7 @@ mod tests {
     #[test]
     fn two_threads_report_what_one_does() {
         use crate::ir::Instr;
-        use crate::verify::{verify_on, Level, StreamRule, VerifyOptions};
+        use crate::verify::{verify_under, Level, StreamRule, VerifyOptions};
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut next = |n: usize| {
             seed ^= seed << 13;
@@ -638,21 +647,24 @@ mod tests {
                         _ => p.ranks[r].insert(i, Instr::Wait { batch: i as u32 }),
                     }
                 }
-                for opts in [
-                    VerifyOptions::default(),
-                    VerifyOptions {
-                        memory_limit: Some(2),
-                        streams: StreamRule {
-                            per_direction: true,
-                            ops_in_order: true,
+                let split = StreamRule {
+                    per_direction: true,
+                    ops_in_order: true,
+                };
+                for (opts, streams) in [
+                    (VerifyOptions::default(), StreamRule::of(&p)),
+                    (
+                        VerifyOptions {
+                            memory_limit: Some(2),
                         },
-                    },
+                        split,
+                    ),
                 ] {
                     for level in [Level::Structure, Level::Full] {
-                        let one = verify_on(&p, &opts, level, 1);
+                        let one = verify_under(&p, &opts, level, 1, streams);
                         assert_eq!(
                             one,
-                            verify_on(&p, &opts, level, 2),
+                            verify_under(&p, &opts, level, 2, streams),
                             "{kind} damage {damage}"
                         );
                         cases += usize::from(!one.violations.is_empty());

@@ -682,6 +682,7 @@ mod tests {
             placement: Placement::looped(ranks.len() as u32, 1),
             microbatches: 1,
             forward_only: false,
+            comm: None,
             ranks,
         }
     }

@@ -25,9 +25,9 @@ use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
 use crate::simulate::{simulate, Summary};
-use crate::verify::{self, Report, StreamRule, VerifyOptions};
+use crate::verify::{self, Report};
 use pipec_schedules::{
-    generate, ChunkRule, CommPolicy, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
+    generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
 };
 use problem::Problem;
 use serde::Serialize;
@@ -146,7 +146,6 @@ pub struct Tuned {
     pub layout: Layout,
     /// The built-in spec, or `None` for the tuned scheduler's order.
     pub spec: Option<ScheduleSpec>,
-    pub comm: CommPolicy,
     pub program: Program,
     pub summary: Summary,
     pub peak_memory: Vec<f64>,
@@ -170,7 +169,6 @@ struct Built {
     cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    comm: CommPolicy,
     program: Program,
     summary: Summary,
     peaks: Vec<f64>,
@@ -378,7 +376,6 @@ impl Tuned {
                 "tuned"
             },
             schedule: self.spec,
-            comm_policy: Some(self.comm),
             layout,
         }
     }
@@ -472,7 +469,6 @@ fn finish(
     mut cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    comm: CommPolicy,
     program: Program,
     model: &CostModel,
     limit: Option<f64>,
@@ -497,7 +493,6 @@ fn finish(
         cand,
         layout,
         spec,
-        comm,
         program,
         summary: sim.summary,
         peaks,
@@ -645,7 +640,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             cand,
             layout.clone(),
             None,
-            CommPolicy::Lockstep,
             program,
             &req.model,
             limit,
@@ -691,7 +685,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                 cand,
                 layout.clone(),
                 Some(*spec),
-                schedule.comm,
                 program,
                 &req.model,
                 limit,
@@ -778,14 +771,9 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     };
     for i in order {
         let b = &built[i];
-        let opts = VerifyOptions {
-            memory_limit: None,
-            streams: StreamRule::of_policy(Some(b.comm), b.program.world()),
-        };
         let mem = crate::memory::weights(&b.program, &b.layout, &req.model);
         let report = verify::verify_with(
             &b.program,
-            &opts,
             verify::Level::Full,
             crate::par::threads_for(b.program.len() as u64),
             &mem,
@@ -816,7 +804,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             candidates,
             layout: b.layout,
             spec: b.spec,
-            comm: b.comm,
             program: b.program,
             summary: b.summary,
             peak_memory: b.peaks,

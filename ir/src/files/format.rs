@@ -451,12 +451,12 @@ pub(crate) struct RankFileLoose {
     pub(crate) instructions: Vec<InstrJson>,
 }
 
-/// What the header of a schedule says, independent of how it was produced.
+/// What the header of a schedule says beside the program (whose placement, shape and
+/// communicator model the manifest records too), independent of how it was produced.
 #[derive(Clone, Debug)]
 pub struct Header<'a> {
     pub source: &'a str,
     pub schedule: Option<ScheduleSpec>,
-    pub comm_policy: Option<CommPolicy>,
     pub layout: &'a Layout,
 }
 
@@ -496,7 +496,7 @@ impl ScheduleHasher {
         let h = HashedHeader {
             source: header.source,
             schedule: &header.schedule,
-            comm_policy: &header.comm_policy,
+            comm_policy: &program.comm,
             layout: header.layout,
             placement: &program.placement,
             microbatches: program.microbatches,

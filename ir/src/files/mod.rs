@@ -34,7 +34,7 @@ mod tests {
     use crate::ir::{Instr, Payload, Program};
     use pipec_schedules::layout::Layout;
     use pipec_schedules::{
-        generate, CommPolicy, Compute, Limits, Pass, Rank, ScheduleKind, ScheduleSpec, Task,
+        generate, Compute, Limits, Pass, Rank, ScheduleKind, ScheduleSpec, Task,
     };
 
     /// A program to write and read back: a generated schedule with every cross-rank tensor
@@ -44,7 +44,6 @@ mod tests {
     /// compiler's, and its tests write what they produce.
     struct Sample {
         spec: ScheduleSpec,
-        comm: CommPolicy,
         layout: Layout,
         program: Program,
     }
@@ -110,12 +109,12 @@ mod tests {
             .collect();
         Sample {
             spec,
-            comm: s.comm,
             layout: Layout::uniform(s.num_stages()),
             program: Program {
                 placement: s.placement.clone(),
                 microbatches: m,
                 forward_only: false,
+                comm: Some(s.comm),
                 ranks,
             },
         }
@@ -145,7 +144,6 @@ mod tests {
         Header {
             source: "generated",
             schedule: Some(c.spec),
-            comm_policy: Some(c.comm),
             layout: &c.layout,
         }
     }

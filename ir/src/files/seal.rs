@@ -153,12 +153,12 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         placement: m.placement.clone(),
         microbatches: m.microbatches,
         forward_only: m.forward_only,
+        comm: m.comm_policy,
         ranks,
     };
     let header = Header {
         source: &m.source,
         schedule: m.schedule,
-        comm_policy: m.comm_policy,
         layout: &m.layout,
     };
     let prepared = prepare(&header, &program, m.encoding);

@@ -380,7 +380,7 @@ impl Prepared<'_> {
             },
             source: self.header.source.to_string(),
             schedule: self.header.schedule,
-            comm_policy: self.header.comm_policy,
+            comm_policy: self.program.comm,
             layout: self.header.layout.clone(),
             placement: self.program.placement.clone(),
             world_size: self.world,

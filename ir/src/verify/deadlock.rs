@@ -417,6 +417,7 @@ mod tests {
             placement: Placement::looped(world, 1),
             microbatches: 1,
             forward_only: true,
+            comm: None,
             ranks,
         }
     }

@@ -34,8 +34,9 @@
 //!   have), the wait graph of batches is acyclic [`Deadlock`], reported as the cycle of waits
 //!   in words. See [`deadlock`] for the graph and why it is exact.
 //! - D2. Where batches are left in flight or ops issued one by one, the same under NCCL's
-//!   stream order (ops of one communicator between two ranks run in issue order)
-//!   [`StreamDeadlock`]. See [`streams`].
+//!   stream order (ops of one communicator between two ranks run in issue order), with the
+//!   communicators of the program's own model ([`Program::comm`]) [`StreamDeadlock`]. See
+//!   [`streams`].
 //! - D3. A `wait` names a batch its rank posted earlier [`WaitWithoutBatch`], and only one
 //!   [`WaitAmbiguous`]; a pass using a tensor from a receive left in flight waits for it first
 //!   [`RunsBeforeWait`].
@@ -126,14 +127,12 @@ pub enum Level {
     Full,
 }
 
-/// What to check beyond the invariants every program must meet.
+/// What to check beyond the invariants every program must meet. The rest of what a check
+/// depends on is the program's own ([`Program::comm`]: its communicator model).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct VerifyOptions {
     /// Most live activations a rank may hold (`--memory-limit`).
     pub memory_limit: Option<u64>,
-    /// How ops map onto NCCL streams (D2); [`StreamRule::of_policy`] gives a compiled
-    /// program's.
-    pub streams: StreamRule,
 }
 
 /// Check every invariant of the module doc. Pure and deterministic: the same program gives
@@ -157,17 +156,40 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
 /// beside the verifier: `pipec compile` writing 200 MB of JSON keeps both cores busy without
 /// it, and is faster verifying on one thread.
 pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
+    verify_under(program, opts, level, threads, StreamRule::of(program))
+}
+
+/// [`verify_on`] under `streams` instead of the rule of the program's own communicator model
+/// ([`StreamRule::of`]): for judges that model another transport (the CPU runtime's rendezvous
+/// channels have one stream per direction) and tests that compare rules.
+pub fn verify_under(
+    program: &Program,
+    opts: &VerifyOptions,
+    level: Level,
+    threads: usize,
+    streams: StreamRule,
+) -> Report {
     let units = crate::memory::MemoryModel::units(program);
     let limit = opts.memory_limit.map(|l| l as f64);
-    verify_with(program, opts, level, threads, &units, limit)
+    check(program, streams, level, threads, &units, limit)
 }
 
 /// [`verify_on`] with R1 counted under `mem` (per-stage activation weights and per-rank
-/// parameters, [`crate::memory`]) against `limit` in `mem`'s unit; `opts.memory_limit` is
-/// not read. What every command that has a layout and a cost model verifies with.
+/// parameters, [`crate::memory`]) against `limit` in `mem`'s unit. What every command that
+/// has a layout and a cost model verifies with.
 pub fn verify_with(
     program: &Program,
-    opts: &VerifyOptions,
+    level: Level,
+    threads: usize,
+    mem: &crate::memory::MemoryModel,
+    limit: Option<f64>,
+) -> Report {
+    check(program, StreamRule::of(program), level, threads, mem, limit)
+}
+
+fn check(
+    program: &Program,
+    streams: StreamRule,
     level: Level,
     threads: usize,
     mem: &crate::memory::MemoryModel,
@@ -208,7 +230,7 @@ pub fn verify_with(
                 .iter()
                 .any(|v| matches!(v, Violation::Deadlock { .. }))
             {
-                streams::check(&ix, &m, opts.streams, &mut found);
+                streams::check(&ix, &m, streams, &mut found);
             }
             (found, risk::check(&ix))
         },
@@ -274,6 +296,7 @@ mod tests {
             placement: Placement::looped(1, 1),
             microbatches: u32::MAX,
             forward_only: false,
+            comm: None,
             ranks: vec![vec![Instr::Compute(Compute::Fwd(Task::new(0, 0)))]],
         };
         let r = verify(&p, &VerifyOptions::default());
@@ -314,6 +337,7 @@ mod tests {
             placement: Placement::looped(2, 1),
             microbatches: n,
             forward_only: true,
+            comm: None,
             ranks: vec![r0, r1],
         };
         let r = verify(&p, &VerifyOptions::default());
