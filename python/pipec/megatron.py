@@ -47,6 +47,7 @@ __all__ = [
 #: a release outside its series (``pipec._compat.accepted_range("megatron-core")``).
 MEGATRON_CORE_VERSION = _compat.TESTED["megatron-core"]
 
+
 def _manifest(s: Schedule) -> dict:
     """The manifest's ``layout`` and ``comm_policy``, and the program's NCCL stream rule
     ``streams`` (no rank file rendered)."""
