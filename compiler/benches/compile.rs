@@ -36,7 +36,6 @@ fn phases(c: &mut Criterion) {
         let header = Header {
             source: "generated",
             schedule: Some(s),
-            comm_policy: Some(sched.comm),
             layout: &layout,
         };
         for (label, enc) in [

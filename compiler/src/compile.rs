@@ -6,7 +6,7 @@ use crate::front::layout::{self, LayerKind, Layout, LayoutError};
 use crate::ir::Program;
 use crate::lower::lower;
 use pipec_schedules::{
-    generate, CommPolicy, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
+    generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
 };
 use thiserror::Error;
 
@@ -82,7 +82,6 @@ pub struct Compiled {
 pub struct Lowered {
     pub spec: ScheduleSpec,
     pub layout: Layout,
-    pub comm: CommPolicy,
     pub program: Program,
 }
 
@@ -92,7 +91,6 @@ impl Compiled {
         Lowered {
             spec: self.spec,
             layout: self.layout,
-            comm: self.schedule.comm,
             program: self.program,
         }
     }

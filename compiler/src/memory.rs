@@ -1,201 +1,43 @@
-//! Peak memory per rank, one model for every command (DESIGN.md "Correctness rules" 5):
-//! the parameters (+ gradients + optimizer state, `K.param`) of every stage a rank holds, a
-//! bidirectional (DualPipe) placement holding two copies, plus the most live activations at
-//! once, each weighted by its stage's `K.act`, under the one rule of
-//! [`crate::ir::activations`]. `compile`, `check`, `show`, `simulate`, `compare`, `tune` and
-//! Python all report this figure, in one [`Unit`]: bytes when the cost model gives memory in
-//! bytes, layer-activations (one microbatch's activations of one decoder layer) otherwise.
+//! Peak memory per rank: the rule and its figures are the IR crate's ([`pipec_ir::memory`],
+//! re-exported here); this module turns a cost model and a layout into the per-stage weights
+//! and per-rank parameters the rule counts with, and reads `--memory-limit`.
+
+pub use pipec_ir::memory::*;
 
 use crate::front::layout::Layout;
-use crate::ir::activations::{Activations, Peak};
 use crate::ir::Program;
 use crate::simulate::cost::{parse_memory, CostModel};
-use serde::{Serialize, Serializer};
 use thiserror::Error;
 
-/// What memory figures count.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Unit {
-    /// One microbatch's activations of one decoder (or MTP) layer: the default `t.act = 1`,
-    /// parameters free. With the default layout (one `t` per stage) it is the published
-    /// unit, one microbatch on one stage (GPipe holds `M`, 1F1B `p - r` on rank `r`).
-    #[default]
-    LayerActivations,
-    /// Bytes: some `K.act` / `K.param` was given with a byte unit.
-    Bytes,
-}
-
-impl Unit {
-    /// The unit of a cost model's memory.
-    pub fn of(model: &CostModel) -> Unit {
-        if model.memory_bytes {
-            Unit::Bytes
-        } else {
-            Unit::LayerActivations
-        }
-    }
-
-    /// `bytes` or `layer-activations`, the word reports label figures with.
-    pub fn label(self) -> &'static str {
-        match self {
-            Unit::Bytes => "bytes",
-            Unit::LayerActivations => "layer-activations",
-        }
-    }
-
-    /// One figure for a person: `40.00GiB` / `512.0MiB` in bytes, the plain number otherwise
-    /// (the caller labels a list once with [`Unit::label`], or uses [`Unit::list`]).
-    pub fn fmt(self, x: f64) -> String {
-        match self {
-            Unit::LayerActivations => crate::simulate::cost::num(x),
-            Unit::Bytes => {
-                let gib = x / (1u64 << 30) as f64;
-                if gib >= 1.0 {
-                    format!("{gib:.2}GiB")
-                } else if x >= (1u64 << 20) as f64 || x == 0.0 {
-                    format!("{:.1}MiB", x / (1u64 << 20) as f64)
-                } else {
-                    format!("{}B", crate::simulate::cost::num(x))
-                }
-            }
-        }
-    }
-
-    /// A figure with its unit: `40.00GiB` or `16 layer-activations`.
-    pub fn with_unit(self, x: f64) -> String {
-        match self {
-            Unit::Bytes => self.fmt(x),
-            Unit::LayerActivations => format!("{} layer-activations", self.fmt(x)),
-        }
-    }
-
-    /// Figures with their unit once: `4 3 2 1 layer-activations` or `40.00GiB 39.80GiB`.
-    pub fn list(self, xs: impl IntoIterator<Item = f64>) -> String {
-        let v: Vec<String> = xs.into_iter().map(|x| self.fmt(x)).collect();
-        match self {
-            Unit::Bytes => v.join(" "),
-            Unit::LayerActivations => format!("{} layer-activations", v.join(" ")),
-        }
-    }
-}
-
-/// The weights the rule counts with: per stage, one microbatch's activations; per rank, the
-/// parameters of the stages it holds.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MemoryModel {
-    pub act: Vec<f64>,
-    pub param: Vec<f64>,
-    pub unit: Unit,
-}
-
-impl MemoryModel {
-    /// Every stage one layer-activation, no parameters: what a program without a layout or a
-    /// cost model is counted in (the verifier's default).
-    pub fn units(program: &Program) -> Self {
-        MemoryModel {
-            act: vec![1.0; program.num_stages() as usize],
-            param: vec![0.0; program.world() as usize],
-            unit: Unit::LayerActivations,
-        }
-    }
-
-    /// `program`'s weights under `model` with the stages of `layout`; a layout whose stage
-    /// count is not the program's (an imported schedule) counts one `t` per stage, as the
-    /// simulator costs it ([`crate::simulate::cost::StageCosts::new`]).
-    pub fn new(program: &Program, layout: &Layout, model: &CostModel) -> Self {
-        let n = program.num_stages() as usize;
-        let uniform;
-        let layout = if layout.stages.len() == n {
-            layout
-        } else {
-            uniform = Layout::uniform(n as u32);
-            &uniform
-        };
-        let (act, sparam) = crate::tune::problem::stage_memory(model, layout);
-        let mut param = crate::tune::problem::rank_params(&program.placement, &sparam);
-        param.resize(program.world() as usize, 0.0);
-        MemoryModel {
-            act,
-            param,
-            unit: Unit::of(model),
-        }
-    }
-}
-
-/// One rank's peak: `peak = params + activations`, reached first at instruction `at`.
-#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
-pub struct RankPeak {
-    pub rank: u32,
-    #[serde(serialize_with = "figure")]
-    pub peak: f64,
-    #[serde(serialize_with = "figure")]
-    pub params: f64,
-    #[serde(serialize_with = "figure")]
-    pub activations: f64,
-    /// Index in the rank's stream of the first instruction at the peak; `None` when the rank
-    /// never holds an activation.
-    pub at: Option<u32>,
-}
-
-/// A whole figure as a JSON integer (so the default unit's output is what it always was),
-/// others as floats.
-pub fn figure<S: Serializer>(x: &f64, s: S) -> Result<S::Ok, S::Error> {
-    if x.fract() == 0.0 && x.abs() < 9.0e15 {
-        s.serialize_i64(*x as i64)
+/// The unit of a cost model's memory: bytes when some `K.act` / `K.param` has a byte unit.
+pub fn unit_of(model: &CostModel) -> Unit {
+    if model.memory_bytes {
+        Unit::Bytes
     } else {
-        s.serialize_f64(*x)
+        Unit::LayerActivations
     }
 }
 
-/// Walk every rank of `program` under `mem`: its peak, and with a `limit` the first
-/// instruction at which the rank holds more (`None` when it never does). Stages or
-/// microbatches out of range weigh 0.
-pub fn walk(
-    program: &Program,
-    mem: &MemoryModel,
-    limit: Option<f64>,
-) -> Vec<(RankPeak, Option<u32>)> {
-    let m = program.microbatches;
-    let weight = |t: pipec_schedules::Task| match mem.act.get(t.stage.index()) {
-        Some(&w) if t.mb.0 < m => w,
-        _ => 0.0,
+/// `program`'s weights under `model` with the stages of `layout`; a layout whose stage count
+/// is not the program's (an imported schedule) counts one `t` per stage, as the simulator
+/// costs it ([`crate::simulate::cost::StageCosts::new`]).
+pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryModel {
+    let n = program.num_stages() as usize;
+    let uniform;
+    let layout = if layout.stages.len() == n {
+        layout
+    } else {
+        uniform = Layout::uniform(n as u32);
+        &uniform
     };
-    let mut w = Activations::new(program);
-    (0..program.ranks.len())
-        .map(|r| {
-            let params = mem.param.get(r).copied().unwrap_or(0.0);
-            let mut peak = Peak::<f64>::default();
-            let mut over = None;
-            // Tolerance for sums of binary fractions (`0.1GiB` layers): a plan at the limit fits.
-            let cap = limit.map(|l| l * (1.0 + 1e-12));
-            if cap.is_some_and(|c| params > c) {
-                over = Some(0);
-            }
-            for (i, live) in w.live(r, weight) {
-                peak.see(i, live);
-                if over.is_none() && cap.is_some_and(|c| params + live > c) {
-                    over = Some(i);
-                }
-            }
-            let p = RankPeak {
-                rank: r as u32,
-                peak: params + peak.peak,
-                params,
-                activations: peak.peak,
-                at: peak.at,
-            };
-            (p, over)
-        })
-        .collect()
-}
-
-/// Peak memory of every rank of `program` under `mem`.
-pub fn peaks(program: &Program, mem: &MemoryModel) -> Vec<RankPeak> {
-    walk(program, mem, None)
-        .into_iter()
-        .map(|(p, _)| p)
-        .collect()
+    let (act, sparam) = crate::tune::problem::stage_memory(model, layout);
+    let mut param = crate::tune::problem::rank_params(&program.placement, &sparam);
+    param.resize(program.world() as usize, 0.0);
+    MemoryModel {
+        act,
+        param,
+        unit: unit_of(model),
+    }
 }
 
 /// A `--memory-limit` as given: a plain number, or bytes with a unit.

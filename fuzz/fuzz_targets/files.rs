@@ -55,6 +55,7 @@ fuzz_target!(|data: &[u8]| {
         placement: manifest.placement.clone(),
         microbatches: manifest.microbatches,
         forward_only: manifest.forward_only,
+        comm: manifest.comm_policy,
         ranks: Vec::new(),
     };
     for r in 0..manifest.world_size {

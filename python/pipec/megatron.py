@@ -47,13 +47,10 @@ __all__ = [
 #: a release outside its series (``pipec._compat.accepted_range("megatron-core")``).
 MEGATRON_CORE_VERSION = _compat.TESTED["megatron-core"]
 
-# Comm policies whose calls post their isend/irecv one by one (Megatron's _p2p_ops), in the
-# even/odd order pipec lowered; at pp=2 Megatron sends odd -> even over WORLD.
-_BATCHED_POLICIES = {"megatron_1f1b", "megatron_interleaved"}
-
 
 def _manifest(s: Schedule) -> dict:
-    """The manifest's ``layout`` and ``comm_policy`` (no rank file rendered)."""
+    """The manifest's ``layout`` and ``comm_policy``, and the program's NCCL stream rule
+    ``streams`` (no rank file rendered)."""
     return json.loads(s._n.header_json())
 
 
@@ -182,7 +179,7 @@ class _Op:
 class _Executor:
     """One call of the returned ``forward_backward_func`` on this rank."""
 
-    def __init__(self, s, policy, model, config, pp_group, rank, kw, pg_collection, world_group):
+    def __init__(self, s, streams, model, config, pp_group, rank, kw, pg_collection, world_group):
         from megatron.core.pipeline_parallel import schedules as ms
 
         self.ms = ms
@@ -193,10 +190,11 @@ class _Executor:
         self.chunk_of = {st: c for c, st in enumerate(self.stages)}
         self.last = s.num_stages - 1
         self.forward_only = kw["forward_only"]
-        self.ops_in_order = policy is not None and policy.startswith("megatron_")
-        self.ops_in_order = self.ops_in_order and policy not in _BATCHED_POLICIES
-        # Megatron's _p2p_ops at pp=2: odd -> even goes over WORLD (a second communicator).
-        self.odd_sends_on_world = self.ops_in_order and s.pp == 2
+        # The verifier's stream rule for the program's communicator model: Megatron's unbatched
+        # and overlapped calls post their isend/irecv one by one (_p2p_ops) in the even/odd
+        # order pipec lowered, and at pp=2 send odd -> even over WORLD (a second communicator).
+        self.ops_in_order = streams["ops_in_order"]
+        self.odd_sends_on_world = streams["per_direction"]
         p = next(iter(model[0].parameters()), None)
         self.device = p.device if p is not None else torch.device("cpu")
         cp = pg_collection.cp.size()
@@ -704,7 +702,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         }
         ex = _Executor(
             s,
-            manifest["comm_policy"],
+            manifest["streams"],
             model_list,
             config,
             pp_group,

@@ -15,9 +15,8 @@ use pipec::ir::{steps, Instr, Matching, Program, Step};
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
 use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
-use pipec::verify::{StreamRule, VerifyOptions};
 use pipec_runtime::{load::LaunchWorld, RunError};
-use pipec_schedules::{CommPolicy, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
+use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -91,7 +90,6 @@ fn verify_memory(
     py: Python<'_>,
     program: &Program,
     layout: &Layout,
-    policy: Option<CommPolicy>,
     memory_limit: Option<&str>,
     cost: Option<&str>,
 ) -> PyResult<pipec::verify::Report> {
@@ -101,7 +99,7 @@ fn verify_memory(
             .apply(spec, None)
             .map_err(|e| SpecError::new_err(e.render()))?;
     }
-    let mem = pipec::memory::MemoryModel::new(program, layout, &model);
+    let mem = pipec::memory::weights(program, layout, &model);
     let limit = memory_limit
         .map(|s| {
             pipec::memory::Limit::parse(s)
@@ -110,20 +108,9 @@ fn verify_memory(
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
         })
         .transpose()?;
-    let opts = VerifyOptions {
-        memory_limit: None,
-        streams: StreamRule::of_policy(policy, program.world()),
-    };
     let threads = pipec::par::threads_for(program.len() as u64);
     Ok(py.detach(|| {
-        pipec::verify::verify_with(
-            program,
-            &opts,
-            pipec::verify::Level::Full,
-            threads,
-            &mem,
-            limit,
-        )
+        pipec::verify::verify_with(program, pipec::verify::Level::Full, threads, &mem, limit)
     }))
 }
 
@@ -144,7 +131,6 @@ struct NativeSchedule {
     program: Program,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    comm_policy: Option<CommPolicy>,
     source: String,
     /// The cost model it was planned or compiled with (the manifest's `cost`): written by
     /// `save`, the default of `check` and `simulate`, as the CLI does.
@@ -156,7 +142,6 @@ impl NativeSchedule {
         Header {
             source: &self.source,
             schedule: self.spec,
-            comm_policy: self.comm_policy,
             layout: &self.layout,
         }
     }
@@ -232,10 +217,18 @@ impl NativeSchedule {
         self.title()
     }
 
-    /// The manifest's `layout` and `comm_policy` fields as JSON, without rendering the rank
+    /// The manifest's `layout` and `comm_policy` fields, and the NCCL stream rule the program's
+    /// communicator model implies (`streams`: the verifier's, so adapters need not derive it
+    /// from the label), as JSON, without rendering the rank
     /// files the whole manifest would need (for their hashes).
     fn header_json(&self) -> String {
-        json!({ "layout": self.layout, "comm_policy": self.comm_policy }).to_string()
+        let rule = pipec::verify::StreamRule::of(&self.program);
+        json!({
+            "layout": self.layout,
+            "comm_policy": self.program.comm,
+            "streams": { "per_direction": rule.per_direction, "ops_in_order": rule.ops_in_order },
+        })
+        .to_string()
     }
 
     /// Why `target` (`megatron`, `torch`, `torchtitan`, `pipec-run`, `deepspeed`, `any`)
@@ -293,7 +286,6 @@ impl NativeSchedule {
             py,
             &self.program,
             &self.layout,
-            self.comm_policy,
             memory_limit,
             cost.or(self.cost.as_deref()),
         )?;
@@ -515,14 +507,7 @@ fn compile_schedule(
             SpecError::new_err(e.to_string())
         }
     })?;
-    let r = verify_memory(
-        py,
-        &c.program,
-        &c.layout,
-        Some(c.schedule.comm),
-        memory_limit.as_deref(),
-        cost,
-    )?;
+    let r = verify_memory(py, &c.program, &c.layout, memory_limit.as_deref(), cost)?;
     if !r.is_valid() {
         return Err(report_error(
             py,
@@ -534,7 +519,6 @@ fn compile_schedule(
         program: c.program,
         layout: c.layout,
         spec: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
         source: "generated".into(),
         cost: recorded_cost(cost)?,
     })
@@ -618,7 +602,6 @@ fn tune_schedule(
             program: t.program,
             layout,
             spec: t.spec,
-            comm_policy: Some(t.comm),
             source,
             cost: recorded_cost(cost)?,
         },
@@ -647,7 +630,6 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
         program: loaded.program,
         layout: m.layout,
         spec: m.schedule,
-        comm_policy: m.comm_policy,
         source: m.source,
         cost: m.cost,
     })

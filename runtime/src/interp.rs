@@ -757,6 +757,7 @@ mod tests {
             placement: Placement::looped(1, 1),
             microbatches: 1,
             forward_only: false,
+            comm: None,
             ranks: vec![vec![
                 Instr::Compute(Compute::Bwd(Task::new(0, 0))),
                 Instr::Compute(Compute::Fwd(Task::new(0, 0))),

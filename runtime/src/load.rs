@@ -28,14 +28,7 @@ pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> 
     // The verifier runs while the loader checks the schedule hash; its report counts only
     // once the launch checks pass too, so refusals come in the same order as without it.
     let (loaded, report) = load_dir_then(dir, |loaded| {
-        let opts = pipec::verify::VerifyOptions {
-            streams: pipec::verify::StreamRule::of_policy(
-                loaded.manifest.comm_policy,
-                loaded.program.world(),
-            ),
-            ..Default::default()
-        };
-        pipec::verify::verify(&loaded.program, &opts)
+        pipec::verify::verify(&loaded.program, &VerifyOptions::default())
     })?;
     let loaded = check_launchable(dir, loaded, world)?;
     if !report.is_valid() {

@@ -2,11 +2,13 @@
 //!
 //! Pure: no I/O. Data flows one way: a [`ScheduleSpec`] is validated against [`Limits`] and
 //! [`generate`]d into a [`Schedule`] (each rank's compute order, its [`Placement`] and the
-//! [`CommPolicy`] lowering should follow).
+//! [`CommPolicy`] lowering should follow). Beside it, the spec's other half: [`layout`] reads
+//! a Megatron layout string into the layers each virtual stage holds.
 
 mod dualpipe;
 mod gpipe;
 pub mod ids;
+pub mod layout;
 mod looped_bfs;
 pub mod megatron;
 pub mod megatron_recompute;

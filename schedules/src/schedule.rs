@@ -48,6 +48,12 @@ pub enum CommPolicy {
     /// Schedules whose consumer runs long after the producer (looped BFS) need this: with late
     /// receives and blocking sends they deadlock.
     Lockstep,
+    /// `pipec tune`'s own orders: ops timed by a list schedule under the real costs, every
+    /// message its own batch left in flight, posted by both ends no later than the producer's
+    /// end and waited for (`Instr::Wait`) just before its consumer, the sender's before its
+    /// first op after the transfer (`pipec::tune::lower`). Needs the costs, so orders alone
+    /// cannot be lowered with it.
+    TimedInFlight,
 }
 
 impl CommPolicy {
@@ -84,7 +90,9 @@ impl CommPolicy {
             CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs => {
                 (true, MegatronP2p::OverlapFlushKeepOutputs)
             }
-            CommPolicy::FusedPerOp | CommPolicy::Lockstep => return None,
+            CommPolicy::FusedPerOp | CommPolicy::Lockstep | CommPolicy::TimedInFlight => {
+                return None
+            }
         })
     }
 }

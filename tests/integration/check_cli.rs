@@ -536,7 +536,6 @@ fn seal_then_check_judges_content() {
     let header = files::Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
     for (name, bytes) in files::render(&header, &c.program, files::Encoding::Json) {

@@ -38,7 +38,6 @@ fn compile_req_to(req: CompileRequest, dir: &Path) {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
     write_program(dir, &header, &c.program, Encoding::Json).unwrap();
@@ -75,7 +74,6 @@ fn write_double_wait_program(dir: &Path) {
     let header = Header {
         source: "hand-written: every wait twice",
         schedule: None,
-        comm_policy: None,
         layout: &c.layout,
     };
     write_program(dir, &header, &program, Encoding::Json).unwrap();

@@ -23,7 +23,6 @@ fn format_doc_example_is_current() {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
     let files = render(&header, &c.program, Encoding::Json);
@@ -226,7 +225,8 @@ fn format_doc_lists_every_value() {
         | CommPolicy::MegatronInterleavedOverlapKeepOutputs
         | CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs
         | CommPolicy::FusedPerOp
-        | CommPolicy::Lockstep => p,
+        | CommPolicy::Lockstep
+        | CommPolicy::TimedInFlight => p,
     };
     let placement_row = row("placement");
     for k in [
@@ -254,6 +254,7 @@ fn format_doc_lists_every_value() {
         CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs,
         CommPolicy::FusedPerOp,
         CommPolicy::Lockstep,
+        CommPolicy::TimedInFlight,
     ] {
         let name = wire(policy(p));
         assert!(

@@ -555,7 +555,6 @@ fn write_sealed(p: &Program, dir: &Path) {
     let header = Header {
         source: "hand-written",
         schedule: None,
-        comm_policy: None,
         layout: &layout,
     };
     write_program(dir, &header, p, Encoding::Json).unwrap();

@@ -6,7 +6,7 @@
 use pipec::back::files::{write_program, Encoding, Header};
 use pipec::compile::{compile, CompileRequest};
 use pipec::ir::{Instr, Payload, Program};
-use pipec::verify::{verify, StreamRule, VerifyOptions, Violation};
+use pipec::verify::{verify, verify_under, Level, Report, StreamRule, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, run_cpu, RunOptions};
 use pipec_schedules::{Compute, MegatronP2p, Placement, Rank, ScheduleKind, Task};
@@ -46,11 +46,7 @@ fn every_mode_verifies_and_runs_on_the_reference_executor() {
                             let r = req(pp, vpp, m, if vpp == 1 { None } else { g }, fo, mode);
                             let Ok(c) = compile(&r) else { continue };
                             let what = format!("{mode} pp {pp} vpp {vpp} M {m} g {g:?} fo {fo}");
-                            let opts = VerifyOptions {
-                                streams: StreamRule::of_policy(Some(c.schedule.comm), pp),
-                                ..VerifyOptions::default()
-                            };
-                            let report = verify(&c.program, &opts);
+                            let report = verify(&c.program, &VerifyOptions::default());
                             assert!(report.is_valid(), "{what}: {report}");
                             let out = execute(&c.program);
                             assert_eq!(out.verdict, Verdict::Valid, "{what}: {:?}", out.problems);
@@ -102,7 +98,6 @@ fn every_mode_trains_bitwise_on_the_cpu_runtime() {
             let header = Header {
                 source: "generated",
                 schedule: Some(c.spec),
-                comm_policy: Some(c.schedule.comm),
                 layout: &c.layout,
             };
             write_program(&dir, &header, &c.program, Encoding::Json).unwrap();
@@ -236,6 +231,7 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
         placement: Placement::looped(2, 1),
         microbatches: 1,
         forward_only: false,
+        comm: None,
         ranks: vec![r0, r1],
     }
 }
@@ -247,12 +243,9 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
 /// classic crossing deadlock.
 #[test]
 fn a_receive_left_in_flight_does_not_block_its_rank() {
-    let split = VerifyOptions {
-        streams: StreamRule {
-            per_direction: true,
-            ops_in_order: true,
-        },
-        ..VerifyOptions::default()
+    let split = StreamRule {
+        per_direction: true,
+        ops_in_order: true,
     };
     let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
     let in_flight = two_ranks(
@@ -271,7 +264,7 @@ fn a_receive_left_in_flight_does_not_block_its_rank() {
             send(0, g, 1),
         ],
     );
-    let r = verify(&in_flight, &split);
+    let r = verify_as(&in_flight, split);
     assert!(r.is_valid(), "{r}");
     assert_eq!(execute(&in_flight).verdict, Verdict::Valid);
     // The same receive blocking (no wait names it): rank 0 waits for a gradient that rank 1
@@ -507,7 +500,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
                             run_in_stream_order(&c.program, true)
                                 .unwrap_or_else(|e| panic!("{what}: {e}"));
                             // The verifier's D2 with the program's own rule agrees...
-                            let rule = StreamRule::of_policy(Some(c.schedule.comm), pp);
+                            let rule = StreamRule::of(&c.program);
                             assert!(stream_deadlocks(&c.program, rule) == 0, "{what}");
                             // ...and, with one communicator per pair, flags exactly the
                             // programs that then hang (Megatron's WORLD group is needed).
@@ -538,6 +531,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
         placement: Placement::looped(3, 1),
         microbatches: 1,
         forward_only: false,
+        comm: None,
         ranks: vec![
             vec![
                 fwd(0, 0),
@@ -564,14 +558,11 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
         ["deadlock under NCCL's stream order (ops of one communicator between two ranks run in issue order):\n    rank 0, #1 recv(grad of stage 1, mb 0 <- rank 1)\n    rank 1, #0 recv(act of stage 0, mb 0 <- rank 0)\n    (each waits for the one after it, the last for the first)"],
     );
     // With each direction on its own communicator, nothing queues behind the receives.
-    let split = VerifyOptions {
-        streams: StreamRule {
-            per_direction: true,
-            ops_in_order: true,
-        },
-        ..VerifyOptions::default()
+    let split = StreamRule {
+        per_direction: true,
+        ops_in_order: true,
     };
-    assert_eq!(stream_deadlocks(&crossing, split.streams), 0);
+    assert_eq!(stream_deadlocks(&crossing, split), 0);
 }
 
 /// Every violation of `p` in words, under the default options.
@@ -583,12 +574,13 @@ fn messages(p: &Program) -> Vec<String> {
         .collect()
 }
 
+/// `p` verified under `streams` rather than the rule of its own communicator model.
+fn verify_as(p: &Program, streams: StreamRule) -> Report {
+    verify_under(p, &VerifyOptions::default(), Level::Full, 1, streams)
+}
+
 fn stream_deadlocks(p: &Program, streams: StreamRule) -> usize {
-    let opts = VerifyOptions {
-        streams,
-        ..VerifyOptions::default()
-    };
-    verify(p, &opts)
+    verify_as(p, streams)
         .violations
         .iter()
         .filter(|v| matches!(v, Violation::StreamDeadlock { .. }))
@@ -625,6 +617,7 @@ fn a_long_batch_to_one_peer_is_one_risk_found_fast() {
         placement: Placement::looped(2, 1),
         microbatches: n,
         forward_only: true,
+        comm: None,
         ranks: vec![
             (0..n)
                 .map(|mb| fwd(0, mb))
@@ -663,6 +656,7 @@ fn a_later_op_waits_for_the_whole_group_before_it_on_its_stream() {
         placement: Placement::looped(2, 1),
         microbatches: 2,
         forward_only: false,
+        comm: None,
         ranks: vec![
             vec![
                 fwd(0, 0),

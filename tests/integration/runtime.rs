@@ -49,7 +49,6 @@ fn write_compiled(c: &Compiled, dir: &Path) {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.schedule.comm),
         layout: &c.layout,
     };
     files::write_program(dir, &header, &c.program, Encoding::Json).unwrap();
@@ -61,7 +60,6 @@ fn write_program(p: &Program, dir: &Path) {
     let header = Header {
         source: "hand-written",
         schedule: None,
-        comm_policy: None,
         layout: &layout,
     };
     files::write_program(dir, &header, p, Encoding::Json).unwrap();
@@ -488,6 +486,7 @@ fn unfused_1f1b() -> Program {
         placement: Placement::looped(2, 1),
         microbatches: 2,
         forward_only: false,
+        comm: None,
         ranks: vec![
             vec![
                 fwd(0, 0),

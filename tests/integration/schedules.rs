@@ -342,6 +342,7 @@ fn executor_finds_the_classic_1f1b_deadlock() {
         placement,
         microbatches: 1,
         forward_only: false,
+        comm: None,
         ranks,
     };
     let e = rendezvous(&p).unwrap_err();

@@ -10,8 +10,8 @@ use pipec::lower::lower;
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
 use pipec::tune::{self, greedy, problem::Problem, split, TuneRequest};
-use pipec::verify::{memory::weighted_peaks, verify, StreamRule, VerifyOptions};
-use pipec_schedules::{generate, CommPolicy, Limits, Placement, ScheduleKind, ScheduleSpec};
+use pipec::verify::{memory::weighted_peaks, verify, VerifyOptions};
+use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
 use proptest::prelude::*;
 
 fn pipec() -> Command {
@@ -36,13 +36,7 @@ fn simulated(program: &pipec::Program, model: &CostModel, layout: &Layout) -> f6
 }
 
 fn valid(program: &pipec::Program) -> bool {
-    let r = verify(
-        program,
-        &VerifyOptions {
-            memory_limit: None,
-            streams: StreamRule::of_policy(Some(CommPolicy::Lockstep), program.world()),
-        },
-    );
+    let r = verify(program, &VerifyOptions::default());
     if !r.is_valid() {
         eprintln!("{}", r.verdict_line());
         for v in r.violations.iter().take(5) {

@@ -39,15 +39,14 @@ fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) ->
 /// shared by the two directions of a pair (one stream per direction adds no constraint to
 /// rendezvous: on a channel the k-th op's partner is posted before the (k+1)-th's).
 fn check(p: &Program) -> Report {
-    verify(p, &RENDEZVOUS)
+    let threads = pipec::par::threads_for(p.len() as u64);
+    let opts = VerifyOptions::default();
+    pipec::verify::verify_under(p, &opts, pipec::verify::Level::Full, threads, RENDEZVOUS)
 }
 
-const RENDEZVOUS: VerifyOptions = VerifyOptions {
-    memory_limit: None,
-    streams: pipec::verify::StreamRule {
-        per_direction: true,
-        ops_in_order: false,
-    },
+const RENDEZVOUS: pipec::verify::StreamRule = pipec::verify::StreamRule {
+    per_direction: true,
+    ops_in_order: false,
 };
 
 fn messages(r: &Report) -> Vec<String> {
@@ -195,7 +194,6 @@ fn memory_limit_exceeded_is_reported_where_it_happens() {
         &p,
         &VerifyOptions {
             memory_limit: Some(3),
-            ..VerifyOptions::default()
         },
     );
     assert_eq!(
@@ -209,7 +207,6 @@ fn memory_limit_exceeded_is_reported_where_it_happens() {
         &p,
         &VerifyOptions {
             memory_limit: Some(4),
-            ..VerifyOptions::default()
         }
     )
     .is_valid());
@@ -304,6 +301,7 @@ fn ring(rank0_recv_first: bool) -> Program {
         placement: Placement::looped(3, 2),
         microbatches: 1,
         forward_only: true,
+        comm: None,
         ranks: vec![
             rank0,
             vec![
@@ -384,6 +382,7 @@ fn chained_batches_through_one_peer_are_not_a_deadlock() {
         placement: Placement::looped(2, 1),
         microbatches: 2,
         forward_only: false,
+        comm: None,
         ranks: vec![
             vec![
                 fwd(0, 0),
@@ -496,13 +495,13 @@ fn arbitrary_programs_never_panic() {
                 placement: Placement::custom(pp, table.into_iter().map(Rank).collect()),
                 microbatches: m,
                 forward_only: fo,
+                comm: None,
                 ranks,
             };
             let r = verify(
                 &p,
                 &VerifyOptions {
                     memory_limit: Some(2),
-                    ..VerifyOptions::default()
                 },
             );
             let _ = r.to_string();
@@ -887,7 +886,6 @@ fn cli_check_reports_every_violation_of_a_broken_directory() {
     let header = pipec::back::files::Header {
         source: "generated",
         schedule: None,
-        comm_policy: None,
         layout: &layout,
     };
     pipec::back::files::write_program(&dir, &header, &p, pipec::back::files::Encoding::Json)

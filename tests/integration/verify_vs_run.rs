@@ -41,7 +41,7 @@
 
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, Payload, PayloadKind, Program};
-use pipec::verify::{verify, Class, VerifyOptions, Violation};
+use pipec::verify::{Class, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::watchdog::FailureKind;
 use pipec_runtime::{run_cpu, RunError, RunOptions};
@@ -311,14 +311,17 @@ fn verifier_verdicts_agree_with_cpu_runs_of_mutated_schedules() {
         }
         // The CPU runtime's transport is rendezvous with FIFO channels and no NCCL streams:
         // the verifier's model with one stream per direction (which adds nothing to it).
-        let opts = VerifyOptions {
-            streams: pipec::verify::StreamRule {
-                per_direction: true,
-                ops_in_order: false,
-            },
-            ..VerifyOptions::default()
+        let rendezvous = pipec::verify::StreamRule {
+            per_direction: true,
+            ops_in_order: false,
         };
-        let report = verify(&p, &opts);
+        let report = pipec::verify::verify_under(
+            &p,
+            &VerifyOptions::default(),
+            pipec::verify::Level::Full,
+            1,
+            rendezvous,
+        );
         let mut classes: Vec<Class> = report.violations.iter().map(|v| v.class()).collect();
         classes.sort();
         classes.dedup();

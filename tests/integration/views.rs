@@ -480,6 +480,7 @@ fn arb_program() -> impl Strategy<Value = Program> {
                 placement: Placement::looped(w as u32, 1),
                 microbatches: 1,
                 forward_only: false,
+                comm: None,
                 ranks,
             }
         })
@@ -743,6 +744,7 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
         placement: Placement::looped(2, 1),
         microbatches: 1,
         forward_only: false,
+        comm: None,
         ranks: vec![
             vec![
                 Instr::Compute(Compute::Fwd(Task::new(0, 0))),
@@ -778,7 +780,6 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
     let header = Header {
         source: "generated",
         schedule: None,
-        comm_policy: None,
         layout: &layout,
     };
     let dir = tmp.join("deadlock");

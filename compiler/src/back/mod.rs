@@ -2,6 +2,6 @@
 //! pipelining CSV ([`torch`], also read back), and the views ([`view`]: terminal timeline,
 //! Chrome trace, SVG, DOT).
 
-pub mod files;
+pub use pipec_ir::files;
 pub mod torch;
 pub mod view;

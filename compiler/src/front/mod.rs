@@ -2,5 +2,5 @@
 //! and torch's schedule CSV files ([`torch_csv`], the importer) become checked values the
 //! compiler trusts.
 
-pub mod layout;
+pub use pipec_schedules::layout;
 pub mod torch_csv;

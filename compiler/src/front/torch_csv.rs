@@ -445,6 +445,8 @@ pub fn import_csv(text: &str, opts: &ImportOptions) -> Result<Imported, CsvError
                 placement,
                 microbatches,
                 forward_only,
+                // Taken as written: the file's own batches, nothing lowered.
+                comm: None,
                 ranks,
             }
         }

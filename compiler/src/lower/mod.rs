@@ -473,6 +473,9 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
 
 /// Lower per-rank compute orders. Stages in `orders` must be in range of `placement`, and each
 /// rank's ops must sit on that rank (generated schedules and validated imports satisfy both).
+/// The program records the policy it was lowered with ([`Program::comm`]).
+/// [`CommPolicy::TimedInFlight`] needs the costs ([`crate::tune::lower::lower_timed`]): orders
+/// alone are lowered lockstep, the same idea at unit costs, and recorded as such.
 pub fn lower_orders(
     placement: &Placement,
     microbatches: u32,
@@ -480,11 +483,16 @@ pub fn lower_orders(
     policy: CommPolicy,
     orders: &[RankOrder],
 ) -> Program {
+    let policy = match policy {
+        CommPolicy::TimedInFlight => CommPolicy::Lockstep,
+        p => p,
+    };
     if policy == CommPolicy::Lockstep {
         return Program {
             placement: placement.clone(),
             microbatches,
             forward_only,
+            comm: Some(policy),
             ranks: lockstep(placement, microbatches, orders),
         };
     }
@@ -523,6 +531,7 @@ pub fn lower_orders(
         placement: placement.clone(),
         microbatches,
         forward_only,
+        comm: Some(policy),
         ranks,
     }
 }
@@ -734,5 +743,71 @@ mod tests {
         let p = lower(&generate(&spec(ScheduleKind::OneFOneB, 1, 1, 3), &Limits::DEFAULT).unwrap());
         assert!(p.ranks[0].iter().all(|i| matches!(i, Instr::Compute(_))));
         assert_eq!(p.ranks[0].len(), 6);
+    }
+
+    /// The verifier's report is the same on one thread and two, for lowered programs of every kind and for
+    /// programs damaged in every way the checks look at (the violations of each thread are
+    /// put back in the serial order).
+    #[test]
+    fn two_threads_report_what_one_does() {
+        use crate::ir::Instr;
+        use crate::verify::{verify_under, Level, StreamRule, VerifyOptions};
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n.max(1) as u64) as usize
+        };
+        let mut cases = 0;
+        for kind in ScheduleKind::ALL {
+            let vpp = if kind.multi_chunk() { 2 } else { 1 };
+            let spec = ScheduleSpec::new(kind, 4, vpp, 8);
+            let Ok(s) = generate(&spec, &Limits::DEFAULT) else {
+                continue;
+            };
+            let base = lower(&s);
+            for damage in 0..8 {
+                let mut p = base.clone();
+                for _ in 0..damage.min(3) {
+                    let r = next(p.ranks.len());
+                    let len = p.ranks[r].len();
+                    let i = next(len);
+                    match damage % 4 {
+                        0 if len > 1 => p.ranks[r].swap(i, (i + 1) % len),
+                        1 => drop(p.ranks[r].remove(i)),
+                        2 => {
+                            let ins = p.ranks[r][i];
+                            p.ranks[(r + 1) % 4].push(ins);
+                        }
+                        _ => p.ranks[r].insert(i, Instr::Wait { batch: i as u32 }),
+                    }
+                }
+                let split = StreamRule {
+                    per_direction: true,
+                    ops_in_order: true,
+                };
+                for (opts, streams) in [
+                    (VerifyOptions::default(), StreamRule::of(&p)),
+                    (
+                        VerifyOptions {
+                            memory_limit: Some(2),
+                        },
+                        split,
+                    ),
+                ] {
+                    for level in [Level::Structure, Level::Full] {
+                        let one = verify_under(&p, &opts, level, 1, streams);
+                        assert_eq!(
+                            one,
+                            verify_under(&p, &opts, level, 2, streams),
+                            "{kind} damage {damage}"
+                        );
+                        cases += usize::from(!one.violations.is_empty());
+                    }
+                }
+            }
+        }
+        assert!(cases > 100, "only {cases} reports with violations");
     }
 }

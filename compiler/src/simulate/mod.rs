@@ -273,7 +273,7 @@ pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, Sim
     let mem = crate::memory::MemoryModel {
         act: costs.act.clone(),
         param,
-        unit: crate::memory::Unit::of(&costs.model),
+        unit: crate::memory::unit_of(&costs.model),
     };
     let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })
@@ -682,6 +682,7 @@ mod tests {
             placement: Placement::looped(ranks.len() as u32, 1),
             microbatches: 1,
             forward_only: false,
+            comm: None,
             ranks,
         }
     }

@@ -22,7 +22,7 @@ use super::greedy::list_times;
 use super::problem::Problem;
 use crate::ir::{Instr, Payload, Program};
 use crate::lower::{op_io, Endpoint};
-use pipec_schedules::{Rank, RankOrder};
+use pipec_schedules::{CommPolicy, Rank, RankOrder};
 
 /// One message: produced at `e` by op `op` of rank `from`, consumed by op `use_at` of `to`.
 struct Msg {
@@ -172,6 +172,7 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
         placement: placement.clone(),
         microbatches: p.microbatches,
         forward_only: false,
+        comm: Some(CommPolicy::TimedInFlight),
         ranks,
     })
 }

@@ -26,9 +26,9 @@ use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
 use crate::simulate::{simulate, Summary};
-use crate::verify::{self, Report, StreamRule, VerifyOptions};
+use crate::verify::{self, Report};
 use pipec_schedules::{
-    generate, ChunkRule, CommPolicy, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
+    generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
 };
 use problem::Problem;
 use serde::Serialize;
@@ -147,7 +147,6 @@ pub struct Tuned {
     pub layout: Layout,
     /// The built-in spec, or `None` for the tuned scheduler's order.
     pub spec: Option<ScheduleSpec>,
-    pub comm: CommPolicy,
     pub program: Program,
     pub summary: Summary,
     pub peak_memory: Vec<f64>,
@@ -171,7 +170,6 @@ struct Built {
     cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    comm: CommPolicy,
     program: Program,
     summary: Summary,
     peaks: Vec<f64>,
@@ -379,7 +377,6 @@ impl Tuned {
                 "tuned"
             },
             schedule: self.spec,
-            comm_policy: Some(self.comm),
             layout,
         }
     }
@@ -473,7 +470,6 @@ fn finish(
     mut cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    comm: CommPolicy,
     program: Program,
     model: &CostModel,
     limit: Option<f64>,
@@ -484,7 +480,7 @@ fn finish(
     let costs = StageCosts::new(model, &layout, program.num_stages());
     let sim = simulate(&program, &costs).ok()?;
     // The one memory rule every command reports ([`crate::memory`]).
-    let mem = crate::memory::MemoryModel::new(&program, &layout, model);
+    let mem = crate::memory::weights(&program, &layout, model);
     let peaks: Vec<f64> = crate::memory::peaks(&program, &mem)
         .iter()
         .map(|p| p.peak)
@@ -498,7 +494,6 @@ fn finish(
         cand,
         layout,
         spec,
-        comm,
         program,
         summary: sim.summary,
         peaks,
@@ -646,7 +641,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             cand,
             layout.clone(),
             None,
-            CommPolicy::Lockstep,
             program,
             &req.model,
             limit,
@@ -692,7 +686,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                 cand,
                 layout.clone(),
                 Some(*spec),
-                schedule.comm,
                 program,
                 &req.model,
                 limit,
@@ -702,7 +695,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         });
         built.extend(results.into_iter().flatten());
     }
-    let bytes = crate::memory::Unit::of(&req.model) == crate::memory::Unit::Bytes;
+    let bytes = crate::memory::unit_of(&req.model) == crate::memory::Unit::Bytes;
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
         .filter(|&i| built[i].cand.fits && runnable(&built[i]))
@@ -779,14 +772,9 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     };
     for i in order {
         let b = &built[i];
-        let opts = VerifyOptions {
-            memory_limit: None,
-            streams: StreamRule::of_policy(Some(b.comm), b.program.world()),
-        };
-        let mem = crate::memory::MemoryModel::new(&b.program, &b.layout, &req.model);
+        let mem = crate::memory::weights(&b.program, &b.layout, &req.model);
         let report = verify::verify_with(
             &b.program,
-            &opts,
             verify::Level::Full,
             crate::par::threads_for(b.program.len() as u64),
             &mem,
@@ -817,7 +805,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             candidates,
             layout: b.layout,
             spec: b.spec,
-            comm: b.comm,
             program: b.program,
             summary: b.summary,
             peak_memory: b.peaks,

@@ -234,6 +234,7 @@ mod tests {
             placement: Placement::looped(2, 3),
             microbatches: 1,
             forward_only: false,
+            comm: None,
             ranks: vec![vec![], vec![]],
         };
         assert_eq!(chunks(&p), vec![0, 0, 1, 1, 2, 2]);

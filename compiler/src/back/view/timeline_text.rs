@@ -655,6 +655,7 @@ mod tests {
             placement: Placement::looped(1, 1),
             microbatches: 2,
             forward_only: false,
+            comm: None,
             ranks: vec![vec![
                 Instr::Compute(Compute::Fwd(Task::new(0, 0))),
                 Instr::Compute(Compute::Fwd(Task::new(0, 1))),

@@ -67,16 +67,4 @@ pub fn bytes(x: f64) -> String {
     }
 }
 
-/// A number printed without a trailing `.0`, at most 4 decimals.
-pub fn num(x: f64) -> String {
-    if x.is_infinite() {
-        return "inf".to_string();
-    }
-    let s = format!("{x:.4}");
-    let s = s.trim_end_matches('0').trim_end_matches('.');
-    if s == "-0" {
-        "0".to_string()
-    } else {
-        s.to_string()
-    }
-}
+pub use pipec_ir::words::num;

@@ -7,7 +7,7 @@
 
 use super::CliError;
 use pipec::verify::risk::Risk;
-use pipec::verify::{verify_with, Level, Report, StreamRule, VerifyOptions};
+use pipec::verify::{verify_with, Level, Report};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -92,24 +92,15 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
 /// Load and verify the input: a file is a torch CSV whatever its name (the importer judges
 /// its content; pipec's own files are told apart and refused with their directory named).
 fn judge(a: Args) -> Result<Checked, CliError> {
-    let mut opts = VerifyOptions::default();
     // The verifier with memory counted under `model` against the limit in its unit.
     let run = |program: &pipec::Program,
                layout: &pipec::front::layout::Layout,
-               model: &pipec::simulate::cost::CostModel,
-               opts: &VerifyOptions|
+               model: &pipec::simulate::cost::CostModel|
      -> Result<Report, CliError> {
-        let mem = pipec::memory::MemoryModel::new(program, layout, model);
+        let mem = pipec::memory::weights(program, layout, model);
         let limit = super::resolve_limit(a.memory_limit, mem.unit)?;
         let threads = pipec::par::threads_for(program.len() as u64);
-        Ok(verify_with(
-            program,
-            opts,
-            Level::Full,
-            threads,
-            &mem,
-            limit,
-        ))
+        Ok(verify_with(program, Level::Full, threads, &mem, limit))
     };
     if a.input.is_file() {
         // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
@@ -117,7 +108,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
         let model = a.cost.model()?;
         let imported = super::import::read_csv(&a.input, a.pp, a.placement)?;
         let layout = pipec::front::layout::Layout::uniform(imported.program.num_stages());
-        let report = run(&imported.program, &layout, &model, &opts)?;
+        let report = run(&imported.program, &layout, &model)?;
         let caveat = (imported.form == pipec::back::torch::CsvForm::ComputeOnly)
             .then_some(super::import::COMPUTE_ONLY_CAVEAT);
         return Ok(Checked {
@@ -140,9 +131,8 @@ fn judge(a: Args) -> Result<Checked, CliError> {
     // The verifier runs while the loader checks the schedule hash (see `load_dir_then`).
     // The loader words a missing path, a file, or a directory of schedules itself.
     let (loaded, report) = super::load_then(&a.input, |loaded| {
-        opts.streams = StreamRule::of_policy(loaded.manifest.comm_policy, loaded.program.world());
         let model = a.cost.model_for(loaded)?;
-        run(&loaded.program, &loaded.manifest.layout, &model, &opts)
+        run(&loaded.program, &loaded.manifest.layout, &model)
     })?;
     Ok(Checked {
         report: report?,

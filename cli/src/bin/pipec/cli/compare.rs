@@ -256,7 +256,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         println!("bubble: {BUBBLE}");
         println!(
             "peak mem: the worst rank's parameters + live activations, in {}",
-            pipec::memory::Unit::of(&model).label()
+            pipec::memory::unit_of(&model).label()
         );
         print!("{}", table(&rows));
         if !same_model {

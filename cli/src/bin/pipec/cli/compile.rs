@@ -157,14 +157,14 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
     let model = a.cost.model()?;
-    let unit = pipec::memory::Unit::of(&model);
+    let unit = pipec::memory::unit_of(&model);
     let limit = super::resolve_limit(a.memory_limit, unit)?;
     let progress = super::spinner("generating and lowering");
     // The orders are lowered: freed here, before verifying and writing.
     let c = compile(&a.request()?)
         .map_err(compile_error)?
         .into_lowered();
-    let mem = pipec::memory::MemoryModel::new(&c.program, &c.layout, &model);
+    let mem = pipec::memory::weights(&c.program, &c.layout, &model);
     if a.no_verify {
         eprintln!(
             "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
@@ -174,7 +174,6 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.comm),
         layout: &c.layout,
     };
     progress.set_message(format!(
@@ -198,7 +197,6 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                 super::verify_before_write_on(
                     &c.program,
                     super::MemoryCheck { model: &mem, limit },
-                    Some(c.comm),
                     &a.out,
                     verifier_threads,
                 )
@@ -305,13 +303,12 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
-        comm_policy: Some(c.comm),
         layout: &c.layout,
     };
     // One thread per configuration: the sweep already runs one configuration per core.
     let prepared = files::prepare(&header, &c.program, a.format.encoding());
     // A sweep counts in layer-activations (its files give no cost model).
-    let mem = pipec::memory::MemoryModel::new(
+    let mem = pipec::memory::weights(
         &c.program,
         &c.layout,
         &pipec::simulate::cost::CostModel::default(),
@@ -324,13 +321,8 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         if a.no_verify {
             return Ok(None);
         }
-        super::verify_before_write(
-            &c.program,
-            super::MemoryCheck { model: &mem, limit },
-            Some(c.comm),
-            &dir,
-        )
-        .map(Some)
+        super::verify_before_write(&c.program, super::MemoryCheck { model: &mem, limit }, &dir)
+            .map(Some)
     });
     let r = match r {
         Ok(r) => r,

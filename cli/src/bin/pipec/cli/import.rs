@@ -10,7 +10,6 @@ use pipec::back::torch::{
     PlacementSource,
 };
 use pipec::front::layout::Layout;
-use pipec_schedules::CommPolicy;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -125,15 +124,12 @@ fn read_csv_bytes(
     })
 }
 
-/// The header of an imported schedule's files.
-fn header<'a>(imported: &Imported, layout: &'a Layout) -> Header<'a> {
+/// The header of an imported schedule's files (the program records how it was lowered:
+/// lockstep from a compute-only file, as written from a compute+comms one).
+fn header(layout: &Layout) -> Header<'_> {
     Header {
         source: "torch-csv",
         schedule: None,
-        comm_policy: match imported.form {
-            CsvForm::ComputeOnly => Some(CommPolicy::Lockstep),
-            CsvForm::ComputeComms => None,
-        },
         layout,
     }
 }
@@ -141,11 +137,7 @@ fn header<'a>(imported: &Imported, layout: &'a Layout) -> Header<'a> {
 /// The files of an imported schedule in memory, as `import` writes them: what the viewers
 /// load a torch CSV as.
 pub fn render_imported(imported: &Imported, layout: &Layout) -> Vec<(String, Vec<u8>)> {
-    files::render(
-        &header(imported, layout),
-        &imported.program,
-        files::Encoding::Json,
-    )
+    files::render(&header(layout), &imported.program, files::Encoding::Json)
 }
 
 pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
@@ -176,21 +168,15 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     }
     // Written as `pipec compile` writes (streamed), in place only once verified.
     let model = a.cost.model()?;
-    let limit = super::resolve_limit(a.memory_limit, pipec::memory::Unit::of(&model))?;
-    let mem = pipec::memory::MemoryModel::new(program, &layout, &model);
-    let header = header(&imported, &layout);
+    let limit = super::resolve_limit(a.memory_limit, pipec::memory::unit_of(&model))?;
+    let mem = pipec::memory::weights(program, &layout, &model);
+    let header = header(&layout);
     let prepared = files::prepare(&header, program, files::Encoding::Json)
         .with_cost(a.cost.given().then(|| model.spec()));
     let threads = files::threads_for(program.len() as u64);
     super::write_gated(&a.out, &prepared, threads, || {
         if !a.no_verify {
-            // Imported P2P is posted batch by batch (torch), one communicator per pair.
-            super::verify_before_write(
-                program,
-                super::MemoryCheck { model: &mem, limit },
-                None,
-                &a.out,
-            )?;
+            super::verify_before_write(program, super::MemoryCheck { model: &mem, limit }, &a.out)?;
         }
         Ok(())
     })?;

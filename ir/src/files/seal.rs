@@ -16,8 +16,8 @@ use super::read::{
     LoadError,
 };
 use super::write::{prepare, threads_for, write_prepared, Gated, WriteError};
-use crate::front::layout::Layout;
 use crate::ir::Program;
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{CommPolicy, Placement, ScheduleSpec};
 use serde::Deserialize;
 use std::path::Path;
@@ -153,12 +153,12 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         placement: m.placement.clone(),
         microbatches: m.microbatches,
         forward_only: m.forward_only,
+        comm: m.comm_policy,
         ranks,
     };
     let header = Header {
         source: &m.source,
         schedule: m.schedule,
-        comm_policy: m.comm_policy,
         layout: &m.layout,
     };
     let prepared = prepare(&header, &program, m.encoding);

@@ -561,7 +561,6 @@ impl Canonicals {
         let header = Header {
             source: &manifest.source,
             schedule: manifest.schedule,
-            comm_policy: manifest.comm_policy,
             layout: &manifest.layout,
         };
         let mut hasher = ScheduleHasher::new(&header, &loaded.program);
@@ -632,6 +631,7 @@ fn read_with(
         placement: manifest.placement.clone(),
         microbatches: manifest.microbatches,
         forward_only: manifest.forward_only,
+        comm: manifest.comm_policy,
         ranks,
     };
     Ok((

@@ -1,11 +1,11 @@
 //! The lowered program: per-rank instruction streams with explicit communication.
 //!
-//! This is pipec's IR. Generation produces it through [`crate::lower`], the torch importer
+//! This is pipec's IR. Generation produces it through `pipec::lower`, the torch importer
 //! produces it from CSV, the instruction-file loader reads it back; the verifier, the
 //! simulator, the emitters and the runtime all consume it. Ids in a `Program` read from a file
 //! are untrusted: the verifier range-checks them before anything indexes with them.
 
-use pipec_schedules::{Compute, Microbatch, Placement, Rank, StageId};
+use pipec_schedules::{CommPolicy, Compute, Microbatch, Placement, Rank, StageId};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -152,6 +152,13 @@ pub struct Program {
     pub microbatches: u32,
     /// Inference: no backward is expected.
     pub forward_only: bool,
+    /// How the lowering that produced the program posts its sends and receives, set by that
+    /// lowering and stored as the manifest's `comm_policy`, so that no reader has to guess it:
+    /// the verifier's NCCL stream rule (D2, [`crate::verify::StreamRule::of`]) follows from it.
+    /// `None` for a program taken as written (a compute+comms torch CSV, files from another
+    /// tool): every batch one NCCL group, one communicator per pair of ranks.
+    #[serde(default)]
+    pub comm: Option<CommPolicy>,
     pub ranks: Vec<Vec<Instr>>,
 }
 

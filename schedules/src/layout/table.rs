@@ -95,7 +95,7 @@ impl Layout {
 
 #[cfg(test)]
 mod tests {
-    use crate::front::layout::parse;
+    use crate::layout::parse;
 
     #[test]
     fn megatron_docstring_table() {

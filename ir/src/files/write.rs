@@ -303,7 +303,7 @@ impl Prepared<'_> {
     }
 
     /// Record the cost model the schedule was planned with (the spec text of
-    /// [`crate::simulate::cost::CostModel::spec`]) in the manifest's `cost`.
+    /// `pipec::simulate::cost::CostModel::spec`) in the manifest's `cost`.
     pub fn with_cost(mut self, cost: Option<String>) -> Self {
         self.cost = cost;
         self
@@ -330,7 +330,7 @@ impl Prepared<'_> {
             },
             source: self.header.source.to_string(),
             schedule: self.header.schedule,
-            comm_policy: self.header.comm_policy,
+            comm_policy: self.program.comm,
             layout: self.header.layout.clone(),
             placement: self.program.placement.clone(),
             world_size: self.world,

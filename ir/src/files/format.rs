@@ -2,8 +2,8 @@
 //! postcard), and the hashes that make a directory self-checking.
 
 use super::schema::{instructions, Field};
-use crate::front::layout::Layout;
 use crate::ir::{Instr, Payload, PayloadKind, Program};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{
     CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
 };
@@ -69,7 +69,7 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sealed_by: Option<String>,
     /// The cost model the schedule was planned with (`pipec tune`, or `pipec compile
-    /// --cost`), as the full spec [`crate::simulate::cost::CostModel::spec`] writes;
+    /// --cost`), as the full spec `pipec::simulate::cost::CostModel::spec` writes;
     /// `show`, `simulate` and `check` use it unless given `--cost`/`--cost-file`. Absent
     /// without one, so those files are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -249,12 +249,12 @@ pub(crate) struct RankFileLoose {
     pub(crate) instructions: Vec<InstrJson>,
 }
 
-/// What the header of a schedule says, independent of how it was produced.
+/// What the header of a schedule says beside the program (whose placement, shape and
+/// communicator model the manifest records too), independent of how it was produced.
 #[derive(Clone, Debug)]
 pub struct Header<'a> {
     pub source: &'a str,
     pub schedule: Option<ScheduleSpec>,
-    pub comm_policy: Option<CommPolicy>,
     pub layout: &'a Layout,
 }
 
@@ -294,7 +294,7 @@ impl ScheduleHasher {
         let h = HashedHeader {
             source: header.source,
             schedule: &header.schedule,
-            comm_policy: &header.comm_policy,
+            comm_policy: &program.comm,
             layout: header.layout,
             placement: &program.placement,
             microbatches: program.microbatches,

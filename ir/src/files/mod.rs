@@ -34,20 +34,99 @@ pub use write::{
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compile::{compile, CompileRequest};
-    use pipec_schedules::ScheduleKind;
+    use crate::ir::{Instr, Payload, Program};
+    use pipec_schedules::layout::Layout;
+    use pipec_schedules::{generate, Limits, Pass, ScheduleKind, ScheduleSpec, Task};
+
+    /// A program to write and read back: a generated schedule with every cross-rank tensor
+    /// received in a batch of its own before its consumer and sent in one after its producer,
+    /// the receives left in flight and waited for just before use when `waits`. Not a valid
+    /// schedule (it may deadlock), which the files do not care about; the lowerings are the
+    /// compiler's, and its tests write what they produce.
+    struct Sample {
+        spec: ScheduleSpec,
+        layout: Layout,
+        program: Program,
+    }
+
+    fn sample(kind: ScheduleKind, vpp: u32, m: u32, waits: bool) -> Sample {
+        let spec = ScheduleSpec::new(kind, 4, vpp, m);
+        let s = generate(&spec, &Limits::DEFAULT).unwrap();
+        let last = s.num_stages() - 1;
+        let at = |stage: u32, mb: u32| s.placement.rank_of(Task::new(stage, mb));
+        let ranks = s
+            .ranks
+            .iter()
+            .map(|order| {
+                let me = order.rank;
+                let mut out = Vec::new();
+                let mut batch = 0;
+                for op in &order.ops {
+                    let (mut inputs, mut outputs) = (Vec::new(), Vec::new());
+                    for (pass, t) in op.parts() {
+                        let (st, mb) = (t.stage.0, t.mb.0);
+                        match pass {
+                            Pass::Fwd if st > 0 => {
+                                inputs.push((at(st - 1, mb), Payload::act(st - 1, mb)))
+                            }
+                            Pass::Bwd | Pass::BwdD if st < last => {
+                                inputs.push((at(st + 1, mb), Payload::grad(st + 1, mb)))
+                            }
+                            _ => {}
+                        }
+                        match pass {
+                            Pass::Fwd if st < last => {
+                                outputs.push((at(st + 1, mb), Payload::act(st, mb)))
+                            }
+                            Pass::Bwd | Pass::BwdD if st > 0 => {
+                                outputs.push((at(st - 1, mb), Payload::grad(st, mb)))
+                            }
+                            _ => {}
+                        }
+                    }
+                    for (peer, payload) in inputs.into_iter().filter(|x| x.0 != me) {
+                        out.push(Instr::Recv {
+                            peer,
+                            payload,
+                            batch,
+                        });
+                        if waits {
+                            out.push(Instr::Wait { batch });
+                        }
+                        batch += 1;
+                    }
+                    out.push(Instr::Compute(*op));
+                    for (peer, payload) in outputs.into_iter().filter(|x| x.0 != me) {
+                        out.push(Instr::Send {
+                            peer,
+                            payload,
+                            batch,
+                        });
+                        batch += 1;
+                    }
+                }
+                out
+            })
+            .collect();
+        Sample {
+            spec,
+            layout: Layout::uniform(s.num_stages()),
+            program: Program {
+                placement: s.placement.clone(),
+                microbatches: m,
+                forward_only: false,
+                comm: Some(s.comm),
+                ranks,
+            },
+        }
+    }
 
     /// One rank's records alone (Python's `Schedule.instructions(rank)`, O(that rank)) are
     /// exactly the `instructions` of its rank file.
     #[test]
     fn instructions_json_is_the_rank_files_list() {
         let c = compiled();
-        let header = Header {
-            source: "generated",
-            schedule: Some(c.spec),
-            comm_policy: Some(c.schedule.comm),
-            layout: &c.layout,
-        };
+        let header = header(&c);
         let files = render(&header, &c.program, Encoding::Json);
         for (r, instrs) in c.program.ranks.iter().enumerate() {
             let file: serde_json::Value = serde_json::from_slice(&files[r + 1].1).unwrap();
@@ -58,19 +137,14 @@ mod tests {
         assert_eq!(instructions_json(&[]), b"[\n]");
     }
 
-    fn compiled() -> crate::compile::Compiled {
-        compile(&CompileRequest {
-            vpp: Some(2),
-            ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 4, 8)
-        })
-        .unwrap()
+    fn compiled() -> Sample {
+        sample(ScheduleKind::Interleaved1F1B, 2, 8, false)
     }
 
-    fn header(c: &crate::compile::Compiled) -> Header<'_> {
+    fn header(c: &Sample) -> Header<'_> {
         Header {
             source: "generated",
             schedule: Some(c.spec),
-            comm_policy: Some(c.schedule.comm),
             layout: &c.layout,
         }
     }
@@ -120,24 +194,13 @@ mod tests {
     fn hand_written_encodings_equal_postcard() {
         use super::format::{bin_prefix, canonical, schedule_hash, InstrBin, RankFileBin};
         use super::write::{json_size, rank_file_json};
-        for (kind, vpp, p2p) in [
-            (ScheduleKind::Interleaved1F1B, Some(2), None),
-            (
-                ScheduleKind::Interleaved1F1B,
-                Some(3),
-                Some(pipec_schedules::MegatronP2p::Overlap),
-            ),
-            (ScheduleKind::DualPipeV, None, None),
-            (ScheduleKind::ZbV, None, None),
+        for (kind, vpp, waits) in [
+            (ScheduleKind::Interleaved1F1B, 2, false),
+            (ScheduleKind::Interleaved1F1B, 3, true),
+            (ScheduleKind::DualPipeV, 2, false),
+            (ScheduleKind::ZbV, 2, false),
         ] {
-            let mut req = CompileRequest {
-                vpp,
-                ..CompileRequest::new(kind, 4, 200)
-            };
-            if let Some(p) = p2p {
-                req.megatron_p2p = p;
-            }
-            let c = compile(&req).unwrap();
+            let c = sample(kind, vpp, 200, waits);
             let h = header(&c);
             let p = prepare(&h, &c.program, Encoding::Postcard);
             let hash = schedule_hash(&h, &c.program);

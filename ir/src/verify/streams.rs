@@ -24,7 +24,7 @@
 use super::deadlock::Graph;
 use super::index::Index;
 use super::report::Violation;
-use crate::ir::{Matching, OptIdx};
+use crate::ir::{Matching, OptIdx, Program};
 use pipec_schedules::{CommPolicy, MegatronP2p};
 
 /// How a program's ops map onto NCCL streams.
@@ -37,10 +37,15 @@ pub struct StreamRule {
 }
 
 impl StreamRule {
+    /// The rule `program` runs under, from the communicator model its lowering recorded.
+    pub fn of(program: &Program) -> StreamRule {
+        StreamRule::of_policy(program.comm, program.world())
+    }
+
     /// The rule a program lowered with `policy` for `world` ranks runs under: Megatron's
     /// unbatched and overlapped calls issue ops one by one (`_p2p_ops`), on one communicator
     /// per direction at pp = 2; everything else posts each batch as one group.
-    pub fn of_policy(policy: Option<CommPolicy>, world: u32) -> StreamRule {
+    fn of_policy(policy: Option<CommPolicy>, world: u32) -> StreamRule {
         match policy.and_then(CommPolicy::megatron_loop) {
             Some((_, mode)) if mode != MegatronP2p::Batched => StreamRule {
                 per_direction: world == 2,

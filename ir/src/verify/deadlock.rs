@@ -23,7 +23,7 @@
 //! So the graph's nodes are batches and waits, with `pred` the last blocking node before.
 //!
 //! Most programs are deadlock-free, so the check first runs the ranks against each other
-//! ([`completes`]): the same fixpoint as Kahn's algorithm on this graph, without building it.
+//! (`completes`): the same fixpoint as Kahn's algorithm on this graph, without building it.
 //! Only a program that gets stuck pays for the graph, to find and explain its cycles.
 //!
 //! Both graph passes are iterative (Kahn's algorithm, then an explicit-stack Tarjan on what Kahn
@@ -417,6 +417,7 @@ mod tests {
             placement: Placement::looped(world, 1),
             microbatches: 1,
             forward_only: true,
+            comm: None,
             ranks,
         }
     }
