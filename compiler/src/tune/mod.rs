@@ -784,8 +784,9 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     let indices: Vec<usize> = (0..tasks.len()).collect();
     let results = par_map(&indices, |&i| {
         let (built, program) = build(req, &tasks[i], limit)?;
-        let keep = match tasks[i] {
-            Task::Tuned(_) => true,
+        let keep = |program| *programs[i].lock().expect("no panics while held") = Some(program);
+        match tasks[i] {
+            Task::Tuned(_) => keep(program),
             Task::Builtin(..) => {
                 let c = &built.cand;
                 let key = (c.makespan, c.peak_memory, i);
@@ -795,19 +796,15 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                         .then(a.2.cmp(&b.2))
                         .is_lt()
                 };
+                // Held while the programs change hands, so only the leader's stays.
                 let mut lead = leader.lock().expect("no panics while held");
-                let first =
-                    c.fits && c.not_runnable.is_none() && lead.is_none_or(|l| before(&key, &l));
-                if first {
+                if c.fits && c.not_runnable.is_none() && lead.is_none_or(|l| before(&key, &l)) {
                     if let Some(l) = lead.replace(key) {
                         *programs[l.2].lock().expect("no panics while held") = None;
                     }
+                    keep(program);
                 }
-                first
             }
-        };
-        if keep {
-            *programs[i].lock().expect("no panics while held") = Some(program);
         }
         Some(built)
     });
