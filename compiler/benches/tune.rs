@@ -1,7 +1,9 @@
 //! `pipec tune` end to end (every placement and split, every heuristic, every built-in kind,
 //! lowering, simulation and the verification of the winner) on an uneven model: heavy
 //! embedding and output stages, `b > f`, `w < b`. The issue's targets: pp=8 M=64 under 0.1 s,
-//! pp=64 M=1024 under 10 s on a 2-core machine.
+//! pp=64 M=1024 under 10 s on a 2-core machine. Also issue #28's case, `pipec tune --pp 64
+//! --microbatches 1024 --num-layers 126 --target any` with the default costs (the library's
+//! default target is `any`), to hold against `pipec compile` of zb-v (at most 10x).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use pipec::simulate::cost::CostModel;
@@ -23,6 +25,15 @@ fn bench(c: &mut Criterion) {
             |b, r| b.iter(|| tune(r).expect("a schedule")),
         );
     }
+    let req = TuneRequest {
+        num_layers: Some(126),
+        ..TuneRequest::new(64, 1024, CostModel::default())
+    };
+    g.bench_with_input(
+        BenchmarkId::from_parameter("pp64_m1024_126layers_default_costs_any"),
+        &req,
+        |b, r| b.iter(|| tune(r).expect("a schedule")),
+    );
     g.finish();
 }
 

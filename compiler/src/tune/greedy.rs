@@ -15,7 +15,7 @@
 
 use super::problem::Problem;
 use pipec_schedules::{Compute, Rank, RankOrder, Task};
-use std::cmp::Ordering;
+use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// Priority rules of one run of the list scheduler.
@@ -240,18 +240,26 @@ pub struct Plan {
     pub peak: Vec<f64>,
 }
 
-#[derive(Copy, Clone, PartialEq)]
-struct Event(f64, u32);
-impl Eq for Event {}
-impl Ord for Event {
-    fn cmp(&self, o: &Self) -> Ordering {
-        // Min-heap on time, then rank.
-        o.0.total_cmp(&self.0).then(o.1.cmp(&self.1))
+/// Rank `r` wakes at a time: a min-heap entry on (time as [`f64::total_cmp`] orders it,
+/// rank), the time kept as an integer with that order, which the heap compares faster.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Event(Reverse<(u64, u32)>);
+
+impl Event {
+    #[inline]
+    fn new(t: f64, r: usize) -> Self {
+        let b = t.to_bits();
+        Event(Reverse((
+            if b >> 63 == 0 { b | 1 << 63 } else { !b },
+            r as u32,
+        )))
     }
-}
-impl PartialOrd for Event {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
+
+    #[inline]
+    fn get(self) -> (f64, usize) {
+        let (k, r) = self.0 .0;
+        let b = if k >> 63 == 1 { k & !(1 << 63) } else { !k };
+        (f64::from_bits(b), r as usize)
     }
 }
 
@@ -390,7 +398,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
     let mut done = 0usize;
     let mut heap = BinaryHeap::with_capacity(pp * 4);
     for r in 0..pp {
-        heap.push(Event(0.0, r as u32));
+        heap.push(Event::new(0.0, r));
     }
     let mut makespan = 0.0f64;
     let eps = 1e-9;
@@ -402,8 +410,8 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
         }
     }
     let mut events = 0u32;
-    while let Some(Event(t, r)) = heap.pop() {
-        let r = r as usize;
+    while let Some(ev) = heap.pop() {
+        let (t, r) = ev.get();
         if free[r] > t {
             continue;
         }
@@ -514,7 +522,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
         let s = lanes[li].stage;
         if h.patient_w && kind == 2 && !mem_tight && t + p.w[s] > next_ready + eps {
             // Idle until the input arrives (its event is already queued).
-            heap.push(Event(next_ready, r as u32));
+            heap.push(Event::new(next_ready, r));
             continue;
         }
         let start = t;
@@ -561,7 +569,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
         rem[r] -= end - start;
         makespan = makespan.max(end);
         done += 1;
-        heap.push(Event(end, r as u32));
+        heap.push(Event::new(end, r));
     }
     if done < total {
         return None;
@@ -590,7 +598,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
 #[inline]
 fn wake(heap: &mut BinaryHeap<Event>, free: &[f64], now: f64, q: usize, r: usize, at: f64) {
     if q != r && !(at <= free[q] && free[q] > now) {
-        heap.push(Event(at, q as u32));
+        heap.push(Event::new(at, q));
     }
 }
 
@@ -756,5 +764,36 @@ pub fn improve(p: &Problem, plan: &Plan, max_evals: usize) -> Plan {
         orders,
         makespan: best,
         peak,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Event;
+
+    /// The integer key orders events as `f64::total_cmp` then rank did, and gives both back.
+    #[test]
+    fn event_key_orders_as_total_cmp() {
+        let times = [
+            f64::NEG_INFINITY,
+            -3.5,
+            -0.0,
+            0.0,
+            1e-300,
+            0.7,
+            1.0,
+            6205.000000001,
+            f64::INFINITY,
+        ];
+        for &a in &times {
+            for &b in &times {
+                for (ra, rb) in [(0usize, 1usize), (1, 0), (3, 3)] {
+                    let want = b.total_cmp(&a).then(rb.cmp(&ra));
+                    assert_eq!(Event::new(a, ra).cmp(&Event::new(b, rb)), want, "{a} {b}");
+                }
+                let (t, r) = Event::new(a, 7).get();
+                assert_eq!((t.to_bits(), r), (a.to_bits(), 7));
+            }
+        }
     }
 }

@@ -95,41 +95,61 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
             .then(a.op.cmp(&b.op))
             .then(a.k.cmp(&b.k))
     });
-    // Slot j of a rank is the stream position before its op j (slot n: after the last op).
-    #[derive(Clone, Copy)]
-    enum Item {
-        Send(usize),
-        Recv(usize),
+    // Slot j of a rank is the stream position before its op j (slot n: after the last op);
+    // slots are numbered across ranks (`base`). Posts and waits are bucketed by slot (a
+    // counting sort that keeps message order), not kept in a vector per slot.
+    let mut base = Vec::with_capacity(world + 1);
+    base.push(0usize);
+    for o in orders {
+        base.push(base.last().copied().unwrap_or(0) + o.ops.len() + 1);
     }
-    let mut posts: Vec<Vec<Vec<Item>>> = orders
-        .iter()
-        .map(|o| vec![Vec::new(); o.ops.len() + 1])
-        .collect();
-    // Waits: (slot, message index, is_send).
-    let mut waits: Vec<Vec<Vec<(usize, bool)>>> = posts
-        .clone()
-        .into_iter()
-        .map(|v| v.into_iter().map(|_| Vec::new()).collect())
-        .collect();
+    let slots = base[world];
     let transfer = p.comm;
-    for (mi, msg) in msgs.iter().enumerate() {
+    // Per message: the slots of its send's post and wait, and of its receive's post and wait.
+    let mut at: Vec<[usize; 4]> = Vec::with_capacity(msgs.len());
+    for msg in &msgs {
         // Sender: post right after op `op`, i.e. in slot op + 1.
-        posts[msg.from][msg.op + 1].push(Item::Send(mi));
-        // Its wait: before the first op starting at or after completion, else at the end.
+        // Its wait: before the first op starting at or after completion, else at the end
+        // (starts never decrease along a rank, so the first is found by bisection).
         let done = msg.e + transfer;
         let t = &times[msg.from];
-        let j = (msg.op + 1..t.len())
-            .find(|&j| t[j].0 >= done - 1e-9 * done.abs().max(1.0))
-            .unwrap_or(t.len());
-        waits[msg.from][j].push((mi, true));
+        let tol = done - 1e-9 * done.abs().max(1.0);
+        let j = msg.op + 1 + t[msg.op + 1..].partition_point(|&(start, _)| start < tol);
         // Receiver: the slot before the first op that ends after e (the op running at e, or
         // the next one when e falls in an idle gap).
-        let t = &times[msg.to];
-        let j = t.partition_point(|&(_, end)| end <= msg.e);
-        let j = j.min(msg.use_at);
-        posts[msg.to][j].push(Item::Recv(mi));
-        waits[msg.to][msg.use_at].push((mi, false));
+        let r = &times[msg.to];
+        let k = r.partition_point(|&(_, end)| end <= msg.e).min(msg.use_at);
+        at.push([
+            base[msg.from] + msg.op + 1,
+            base[msg.from] + j,
+            base[msg.to] + k,
+            base[msg.to] + msg.use_at,
+        ]);
     }
+    // (message, is_send) per slot, in message order: posts, then waits.
+    let bucket = |post: bool| -> (Vec<usize>, Vec<(u32, bool)>) {
+        let (s, r) = if post { (0, 2) } else { (1, 3) };
+        let mut start = vec![0usize; slots + 1];
+        for a in &at {
+            start[a[s] + 1] += 1;
+            start[a[r] + 1] += 1;
+        }
+        for i in 0..slots {
+            start[i + 1] += start[i];
+        }
+        let mut fill = start.clone();
+        let mut items = vec![(0u32, false); 2 * at.len()];
+        for (mi, a) in at.iter().enumerate() {
+            for (slot, is_send) in [(a[s], true), (a[r], false)] {
+                items[fill[slot]] = (mi as u32, is_send);
+                fill[slot] += 1;
+            }
+        }
+        (start, items)
+    };
+    let (post_start, posts) = bucket(true);
+    let (wait_start, waits) = bucket(false);
+    drop(at);
     let mut send_batch = vec![0u32; msgs.len()];
     let mut recv_batch = vec![0u32; msgs.len()];
     let mut ranks = Vec::with_capacity(world);
@@ -137,12 +157,10 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
         let mut out = Vec::with_capacity(o.ops.len() * 4);
         let mut next = 0u32;
         for j in 0..=o.ops.len() {
-            // Posts of a slot in global message order (pushed in that order already).
-            for &it in &posts[r][j] {
-                let (mi, is_send) = match it {
-                    Item::Send(mi) => (mi, true),
-                    Item::Recv(mi) => (mi, false),
-                };
+            let g = base[r] + j;
+            // Posts of a slot in global message order.
+            for &(mi, is_send) in &posts[post_start[g]..post_start[g + 1]] {
+                let mi = mi as usize;
                 let m = &msgs[mi];
                 let b = next;
                 next += 1;
@@ -154,11 +172,11 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
                 let peer = Rank(if is_send { m.to } else { m.from } as u32);
                 out.push(Instr::message(is_send, peer, m.payload, b));
             }
-            for &(mi, is_send) in &waits[r][j] {
+            for &(mi, is_send) in &waits[wait_start[g]..wait_start[g + 1]] {
                 let b = if is_send {
-                    send_batch[mi]
+                    send_batch[mi as usize]
                 } else {
-                    recv_batch[mi]
+                    recv_batch[mi as usize]
                 };
                 out.push(Instr::Wait { batch: b });
             }

@@ -15,7 +15,6 @@ pub mod calibrate;
 pub mod exact;
 pub mod greedy;
 pub mod lower;
-pub mod offload;
 pub mod problem;
 pub mod split;
 pub mod target;
@@ -170,10 +169,72 @@ struct Built {
     cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    program: Program,
+    /// `None` for a built-in kind dropped as not the best (rebuilt from `spec` if needed).
+    program: Option<Program>,
     summary: Summary,
     peaks: Vec<f64>,
     planned: Option<f64>,
+}
+
+/// A candidate to build: the tuned scheduler's plan on a problem and split, or a built-in
+/// kind on its split.
+enum Task {
+    Tuned(Box<(Problem, Layout, greedy::Plan, greedy::Heuristic)>),
+    Builtin(ScheduleSpec, Layout),
+}
+
+/// Build one candidate: its program (returned apart), simulated and measured.
+fn build(req: &TuneRequest, task: &Task, limit: Option<f64>) -> Option<(Built, Program)> {
+    let (cand, layout, spec, program, planned) = match task {
+        Task::Tuned(t) => {
+            let (p, layout, plan, h) = &**t;
+            let program = lower::lower_timed(p, &plan.orders)?;
+            let cand = Candidate {
+                schedule: "tuned".into(),
+                vpp: p.placement.num_stages() / req.pp,
+                group_size: None,
+                placement: placement_name(&p.placement),
+                heuristic: Some(h.name()),
+                layout: String::new(),
+                makespan: 0.0,
+                bubble: 0.0,
+                peak_memory: 0.0,
+                fits: false,
+                not_runnable: None,
+            };
+            let planned = Some(plan.makespan);
+            (cand, layout, None, program, planned)
+        }
+        Task::Builtin(spec, layout) => {
+            let schedule = generate(spec, &req.limits).ok()?;
+            let program = lower(&schedule);
+            let cand = Candidate {
+                schedule: spec.kind.name().to_string(),
+                vpp: spec.vpp,
+                group_size: spec.group_size,
+                placement: placement_name(&schedule.placement),
+                heuristic: None,
+                layout: String::new(),
+                makespan: 0.0,
+                bubble: 0.0,
+                peak_memory: 0.0,
+                fits: false,
+                not_runnable: None,
+            };
+            (cand, layout, Some(*spec), program, None)
+        }
+    };
+    let b = finish(
+        cand,
+        layout.clone(),
+        spec,
+        &program,
+        &req.model,
+        limit,
+        planned,
+        req.target,
+    )?;
+    Some((b, program))
 }
 
 /// The decoder and MTP layer counts of the model.
@@ -226,8 +287,9 @@ fn layouts_for(req: &TuneRequest, placement: &Placement) -> Vec<Layout> {
         .collect()
 }
 
-/// A placement and split to plan, with the (makespan, peak) of a plan already found on it.
-type Job = (Placement, Layout, Option<(f64, f64)>);
+/// A placement and split to plan, with the best plan of the quick heuristics on it (large
+/// instances) and its heuristic.
+type Job = (Placement, Layout, Option<(greedy::Plan, greedy::Heuristic)>);
 
 /// Run `f` over `jobs` on up to `threads` threads, results in job order.
 fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
@@ -408,9 +470,9 @@ fn best_plan_within(
 ) -> Option<(greedy::Plan, greedy::Heuristic)> {
     let (cutoff, peak_cutoff) = match known {
         Some((m, peak)) => (
-            m + 1e-6 * m.abs().max(1.0),
+            margin(m),
             if m <= bound::lower_bound(p).value + 1e-9 {
-                peak + 1e-6 * peak.abs().max(1.0)
+                margin(peak)
             } else {
                 f64::INFINITY
             },
@@ -422,6 +484,58 @@ fn best_plan_within(
         // `known` came from elsewhere than `hs`: plan without it.
         return best_plan_within(p, hs, None);
     }
+    pick(p, hs, plans)
+}
+
+/// `x` and the margin above it within which the choice may still call a figure a tie.
+fn margin(x: f64) -> f64 {
+    x + 1e-6 * x.abs().max(1.0)
+}
+
+/// [`best_plan_with`] on a large instance whose quick heuristics have already run: `quick`
+/// is their best plan, by `hq`, one of `hs`. It stands in for their runs: the other quick
+/// heuristics lost to it, so they are not run again. The heuristics before `hq` stop as in
+/// [`best_plan_within`]; those after it must beat it, not tie, so when it meets the lower
+/// bound they stop once their peak is no longer below its own (most plans tie at the bound
+/// and differ only there). The result is the one of [`best_plan_with`].
+fn best_plan_after(
+    p: &Problem,
+    hs: Vec<greedy::Heuristic>,
+    quick: greedy::Plan,
+    hq: greedy::Heuristic,
+) -> Option<(greedy::Plan, greedy::Heuristic)> {
+    let m = quick.makespan;
+    let peak = quick.peak.iter().fold(0.0, |a: f64, &x| a.max(x));
+    let Some(iq) = hs.iter().position(|h| *h == hq) else {
+        return best_plan_within(p, hs, Some((m, peak)));
+    };
+    let ran = greedy::quick_heuristics(p);
+    let at_bound = m <= bound::lower_bound(p).value + 1e-9;
+    // Before `hq` a tie wins (it comes first); after it, only a peak below `peak - 1e-9`.
+    let (tie, beat) = if at_bound {
+        (margin(peak), (peak - 1e-9).next_down())
+    } else {
+        (f64::INFINITY, f64::INFINITY)
+    };
+    let idx: Vec<usize> = (0..hs.len()).collect();
+    let mut plans = par_map(&idx, |&i| {
+        if i == iq || ran.contains(&hs[i]) {
+            return None;
+        }
+        let peak_cutoff = if i < iq { tie } else { beat };
+        greedy::schedule_within(p, &hs[i], margin(m), peak_cutoff)
+    });
+    plans[iq] = Some(quick);
+    pick(p, hs, plans)
+}
+
+/// The choice among the plans of `hs` (same order): the shortest, ties (1e-9) to the smaller
+/// peak, then to the earlier heuristic; small instances then polished by local search.
+fn pick(
+    p: &Problem,
+    hs: Vec<greedy::Heuristic>,
+    plans: Vec<Option<greedy::Plan>>,
+) -> Option<(greedy::Plan, greedy::Heuristic)> {
     let mut best: Option<(greedy::Plan, greedy::Heuristic)> = None;
     for (plan, h) in plans.into_iter().zip(hs) {
         let Some(plan) = plan else { continue };
@@ -470,18 +584,18 @@ fn finish(
     mut cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
-    program: Program,
+    program: &Program,
     model: &CostModel,
     limit: Option<f64>,
     planned: Option<f64>,
     target: TargetChoice,
 ) -> Option<Built> {
-    cand.not_runnable = target.refusal(&program);
+    cand.not_runnable = target.refusal(program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
-    let sim = simulate(&program, &costs).ok()?;
+    let sim = simulate(program, &costs).ok()?;
     // The one memory rule every command reports ([`crate::memory`]).
-    let mem = crate::memory::weights(&program, &layout, model);
-    let peaks: Vec<f64> = crate::memory::peaks(&program, &mem)
+    let mem = crate::memory::weights(program, &layout, model);
+    let peaks: Vec<f64> = crate::memory::peaks(program, &mem)
         .iter()
         .map(|p| p.peak)
         .collect();
@@ -494,7 +608,7 @@ fn finish(
         cand,
         layout,
         spec,
-        program,
+        program: None,
         summary: sim.summary,
         peaks,
         planned,
@@ -588,7 +702,6 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             }
         }
     }
-    let mut built: Vec<Built> = Vec::new();
     // Large instances: rank the splits of each placement with a few heuristics first, and run
     // every heuristic on the best split only.
     let per_job_ops = 3 * 2 * req.pp as u64 * req.microbatches as u64;
@@ -596,14 +709,24 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         let mut keep: Vec<Job> = Vec::new();
         for (pl, layout) in &jobs {
             let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
-            let best = best_plan_with(&p, greedy::quick_heuristics(&p)).map(|(plan, _)| {
-                let peak = plan.peak.iter().fold(0.0, |a: f64, &x| a.max(x));
-                (plan.makespan, peak)
+            let kept = keep.iter().position(|k| k.0 == *pl);
+            // Only a shorter plan replaces the placement's split kept so far: runs that must
+            // end later stop, and a split whose lower bound is above that is not planned.
+            let cutoff = kept
+                .and_then(|i| keep[i].2.as_ref())
+                .map_or(f64::INFINITY, |(plan, _)| margin(plan.makespan));
+            if bound::lower_bound(&p).value > cutoff {
+                continue;
+            }
+            let hs = greedy::quick_heuristics(&p);
+            let plans = par_map(&hs, |h| {
+                greedy::schedule_within(&p, h, cutoff, f64::INFINITY)
             });
-            let score = best.map_or(f64::INFINITY, |b| b.0);
-            match keep.iter_mut().find(|k| k.0 == *pl) {
-                Some(k) if score < k.2.map_or(f64::INFINITY, |b| b.0) => {
-                    *k = (pl.clone(), layout.clone(), best)
+            let best = pick(&p, hs, plans);
+            let score = best.as_ref().map_or(f64::INFINITY, |b| b.0.makespan);
+            match kept {
+                Some(i) if score < keep[i].2.as_ref().map_or(f64::INFINITY, |b| b.0.makespan) => {
+                    keep[i] = (pl.clone(), layout.clone(), best)
                 }
                 Some(_) => {}
                 None => keep.push((pl.clone(), layout.clone(), best)),
@@ -615,86 +738,84 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             .map(|(p, l)| (p.clone(), l.clone(), None))
             .collect()
     };
-    for (pl, layout, known) in &selected {
-        let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, limit);
-        // The quick heuristics are among these: their best plan bounds the others.
-        let Some((plan, h)) = best_plan_within(&p, greedy::heuristics_for(&p), *known) else {
-            continue;
+    // Every candidate's program, built, simulated and measured in one pool: the tuned
+    // scheduler's best plan per placement and split, then the built-in kinds.
+    let mut tasks: Vec<Task> = Vec::new();
+    for (pl, layout, quick) in selected {
+        let p = Problem::new(&req.model, &layout, pl.clone(), req.microbatches, limit);
+        let hs = greedy::heuristics_for(&p);
+        let best = match quick {
+            // The quick heuristics are among these: their best plan bounds the others.
+            Some((plan, h)) => best_plan_after(&p, hs, plan, h),
+            None => best_plan_with(&p, hs),
         };
-        let Some(program) = lower::lower_timed(&p, &plan.orders) else {
-            continue;
-        };
-        let cand = Candidate {
-            schedule: "tuned".into(),
-            vpp: pl.num_stages() / req.pp,
-            group_size: None,
-            placement: placement_name(pl),
-            heuristic: Some(h.name()),
-            layout: String::new(),
-            makespan: 0.0,
-            bubble: 0.0,
-            peak_memory: 0.0,
-            fits: false,
-            not_runnable: None,
-        };
-        if let Some(b) = finish(
-            cand,
-            layout.clone(),
-            None,
-            program,
-            &req.model,
-            limit,
-            Some(plan.makespan),
-            req.target,
-        ) {
+        if let Some((plan, h)) = best {
+            tasks.push(Task::Tuned(Box::new((p, layout, plan, h))));
+        }
+    }
+    let tuned_tasks = tasks.len();
+    if req.builtins {
+        let mut specs = builtin_specs(req, user_stages);
+        specs.retain(|s| allowed.iter().any(|k| k == s.kind.name()));
+        tasks.extend(specs.into_iter().filter_map(|spec| {
+            let pl = match spec.kind.chunk_rule() {
+                ChunkRule::TwoV => Placement::v_shape(req.pp),
+                _ => Placement::looped(req.pp, spec.vpp),
+            };
+            // The first candidate split (the balanced one) for the kind's placement.
+            layouts_for(req, &pl)
+                .into_iter()
+                .next()
+                .map(|l| Task::Builtin(spec, l))
+        }));
+    }
+    // A built-in kind's program is kept only while it is the best eligible built-in so far
+    // (the others are rebuilt if ever needed): the programs of a large request would
+    // otherwise all be in memory at once. The tuned ones are few and always kept.
+    let programs: Vec<std::sync::Mutex<Option<Program>>> =
+        tasks.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let leader: std::sync::Mutex<Option<(f64, f64, usize)>> = std::sync::Mutex::new(None);
+    let indices: Vec<usize> = (0..tasks.len()).collect();
+    let results = par_map(&indices, |&i| {
+        let (built, program) = build(req, &tasks[i], limit)?;
+        let keep = |program| *programs[i].lock().expect("no panics while held") = Some(program);
+        match tasks[i] {
+            Task::Tuned(_) => keep(program),
+            Task::Builtin(..) => {
+                let c = &built.cand;
+                let key = (c.makespan, c.peak_memory, i);
+                let before = |a: &(f64, f64, usize), b: &(f64, f64, usize)| {
+                    a.0.total_cmp(&b.0)
+                        .then(a.1.total_cmp(&b.1))
+                        .then(a.2.cmp(&b.2))
+                        .is_lt()
+                };
+                // Held while the programs change hands, so only the leader's stays.
+                let mut lead = leader.lock().expect("no panics while held");
+                if c.fits && c.not_runnable.is_none() && lead.is_none_or(|l| before(&key, &l)) {
+                    if let Some(l) = lead.replace(key) {
+                        *programs[l.2].lock().expect("no panics while held") = None;
+                    }
+                    keep(program);
+                }
+            }
+        }
+        Some(built)
+    });
+    let mut built: Vec<Built> = Vec::new();
+    let mut builtins: Vec<Built> = Vec::new();
+    for (i, (r, program)) in results.into_iter().zip(programs).enumerate() {
+        let Some(mut b) = r else { continue };
+        b.program = program.into_inner().expect("not poisoned");
+        if i < tuned_tasks {
             built.push(b);
+        } else {
+            builtins.push(b);
         }
     }
     // Keep the best split per tuned placement only: the table stays short.
     built = keep_best_per(built);
-    if req.builtins {
-        let mut specs = builtin_specs(req, user_stages);
-        specs.retain(|s| allowed.iter().any(|k| k == s.kind.name()));
-        let layouts: Vec<(ScheduleSpec, Layout)> = specs
-            .into_iter()
-            .filter_map(|spec| {
-                let pl = match spec.kind.chunk_rule() {
-                    ChunkRule::TwoV => Placement::v_shape(req.pp),
-                    _ => Placement::looped(req.pp, spec.vpp),
-                };
-                // The first candidate split (the balanced one) for the kind's placement.
-                layouts_for(req, &pl).into_iter().next().map(|l| (spec, l))
-            })
-            .collect();
-        let results = par_map(&layouts, |(spec, layout)| {
-            let schedule = generate(spec, &req.limits).ok()?;
-            let program = lower(&schedule);
-            let cand = Candidate {
-                schedule: spec.kind.name().to_string(),
-                vpp: spec.vpp,
-                group_size: spec.group_size,
-                placement: placement_name(&schedule.placement),
-                heuristic: None,
-                layout: String::new(),
-                makespan: 0.0,
-                bubble: 0.0,
-                peak_memory: 0.0,
-                fits: false,
-                not_runnable: None,
-            };
-            finish(
-                cand,
-                layout.clone(),
-                Some(*spec),
-                program,
-                &req.model,
-                limit,
-                None,
-                req.target,
-            )
-        });
-        built.extend(results.into_iter().flatten());
-    }
+    built.extend(builtins);
     let bytes = crate::memory::unit_of(&req.model) == crate::memory::Unit::Bytes;
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
@@ -771,12 +892,19 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         c
     };
     for i in order {
+        if built[i].program.is_none() {
+            // A built-in kind dropped while another led: generated again, as before.
+            let spec = built[i].spec.expect("only built-in kinds are dropped");
+            let schedule = generate(&spec, &req.limits).expect("it was generated before");
+            built[i].program = Some(lower(&schedule));
+        }
         let b = &built[i];
-        let mem = crate::memory::weights(&b.program, &b.layout, &req.model);
+        let program = b.program.as_ref().expect("built above");
+        let mem = crate::memory::weights(program, &b.layout, &req.model);
         let report = verify::verify_with(
-            &b.program,
+            program,
             verify::Level::Full,
-            crate::par::threads_for(b.program.len() as u64),
+            crate::par::threads_for(program.len() as u64),
             &mem,
             None,
         );
@@ -786,7 +914,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         let p = Problem::new(
             &req.model,
             &b.layout,
-            b.program.placement.clone(),
+            program.placement.clone(),
             req.microbatches,
             limit,
         );
@@ -794,8 +922,9 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         let b = built.swap_remove(i);
         let mut runs_on = Vec::new();
         let mut not_runnable_on = Vec::new();
+        let program = b.program.expect("built above");
         for t in Target::FRAMEWORKS {
-            match t.check(&b.program) {
+            match t.check(&program) {
                 Ok(()) => runs_on.push(t),
                 Err(why) => not_runnable_on.push((t, why)),
             }
@@ -805,7 +934,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             candidates,
             layout: b.layout,
             spec: b.spec,
-            program: b.program,
+            program,
             summary: b.summary,
             peak_memory: b.peaks,
             lower_bound,
