@@ -622,67 +622,86 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
         .iter()
         .map(|o| Vec::with_capacity(o.ops.len()))
         .collect();
-    loop {
-        let mut progress = false;
-        for (r, o) in orders.iter().enumerate() {
-            while let Some(op) = o.ops.get(pc[r]) {
-                let (ready, end_slot, cost) = match *op {
-                    Compute::Fwd(t) => {
-                        let s = t.stage.index();
-                        let mb = t.mb.index();
-                        let ready = if s == 0 {
-                            0.0
-                        } else {
-                            fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
-                        };
-                        (ready, Some((true, s * m + mb)), p.f[s])
-                    }
-                    // A full backward is `bwd_D` and `bwd_W` back to back: same inputs.
-                    Compute::BwdD(t) | Compute::Bwd(t) => {
-                        let s = t.stage.index();
-                        let mb = t.mb.index();
-                        let fe = fend[s * m + mb];
-                        let ready = if s + 1 == n {
-                            fe
-                        } else {
-                            fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
-                        };
-                        let w = if matches!(op, Compute::Bwd(_)) {
-                            p.w[s]
-                        } else {
-                            0.0
-                        };
-                        (ready, Some((false, s * m + mb)), p.b[s] + w)
-                    }
-                    Compute::BwdW(t) => {
-                        let s = t.stage.index();
-                        (bend[s * m + t.mb.index()], None, p.w[s])
-                    }
-                    Compute::FwdBwd { .. } => return None,
-                };
-                if ready == UNSET {
-                    break;
+    // Sweeps over the ranks as `lower::start_ticks` runs them: a rank is visited when it can
+    // move (first sweep, then when the tensor it waits for ends), in (sweep, rank) order.
+    let mut visits: BinaryHeap<Reverse<(u64, usize)>> =
+        (0..orders.len()).map(|r| Reverse((0, r))).collect();
+    let mut waiting: std::collections::HashMap<(bool, usize), Vec<usize>> = Default::default();
+    let mut finished = 0;
+    while let Some(Reverse((sweep, r))) = visits.pop() {
+        let o = &orders[r];
+        while let Some(op) = o.ops.get(pc[r]) {
+            // (ready, the tensor it waits for, the tensor it ends, cost)
+            let (ready, input, end_slot, cost) = match *op {
+                Compute::Fwd(t) => {
+                    let s = t.stage.index();
+                    let mb = t.mb.index();
+                    let (ready, input) = if s == 0 {
+                        (0.0, None)
+                    } else {
+                        let i = (s - 1) * m + mb;
+                        (fend[i] + p.delay_mb(s - 1, s, mb), Some((true, i)))
+                    };
+                    (ready, input, Some((true, s * m + mb)), p.f[s])
                 }
-                let start = free[r].max(ready);
-                let end = start + cost;
-                match end_slot {
-                    Some((true, i)) => fend[i] = end,
-                    Some((false, i)) => bend[i] = end,
-                    None => {}
+                // A full backward is `bwd_D` and `bwd_W` back to back: same inputs.
+                Compute::BwdD(t) | Compute::Bwd(t) => {
+                    let s = t.stage.index();
+                    let mb = t.mb.index();
+                    let fe = fend[s * m + mb];
+                    let (ready, input) = if s + 1 == n {
+                        (fe, (true, s * m + mb))
+                    } else {
+                        let i = (s + 1) * m + mb;
+                        let missing = if fe == UNSET {
+                            (true, s * m + mb)
+                        } else {
+                            (false, i)
+                        };
+                        (fe.max(bend[i] + p.delay_mb(s + 1, s, mb)), missing)
+                    };
+                    let w = if matches!(op, Compute::Bwd(_)) {
+                        p.w[s]
+                    } else {
+                        0.0
+                    };
+                    (ready, Some(input), Some((false, s * m + mb)), p.b[s] + w)
                 }
-                free[r] = end;
-                times[r].push((start, end));
-                pc[r] += 1;
-                progress = true;
+                Compute::BwdW(t) => {
+                    let s = t.stage.index();
+                    let i = s * m + t.mb.index();
+                    (bend[i], Some((false, i)), None, p.w[s])
+                }
+                Compute::FwdBwd { .. } => return None,
+            };
+            if ready == UNSET {
+                waiting
+                    .entry(input.expect("only a missing tensor is UNSET"))
+                    .or_default()
+                    .push(r);
+                break;
             }
+            let start = free[r].max(ready);
+            let end = start + cost;
+            if let Some(cell) = end_slot {
+                if cell.0 {
+                    fend[cell.1] = end;
+                } else {
+                    bend[cell.1] = end;
+                }
+                for w in waiting.remove(&cell).into_iter().flatten() {
+                    visits.push(Reverse((sweep + u64::from(w < r), w)));
+                }
+            }
+            free[r] = end;
+            times[r].push((start, end));
+            pc[r] += 1;
         }
-        if pc.iter().zip(orders).all(|(&c, o)| c == o.ops.len()) {
-            return Some(times);
-        }
-        if !progress {
-            return None;
+        if pc[r] == o.ops.len() {
+            finished += 1;
         }
     }
+    (finished == orders.len()).then_some(times)
 }
 
 /// Peak memory per rank of fixed orders (parameters plus the most `act`-weighted live

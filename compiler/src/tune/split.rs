@@ -4,6 +4,23 @@
 use crate::front::layout::{LayerKind, Layout};
 use crate::simulate::cost::CostModel;
 use pipec_schedules::{Placement, StageId};
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+
+/// A rank's load, ordered by `total_cmp` then rank.
+#[derive(PartialEq)]
+struct Load(f64, usize);
+impl Eq for Load {}
+impl Ord for Load {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.0.total_cmp(&o.0).then(self.1.cmp(&o.1))
+    }
+}
+impl PartialOrd for Load {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
 
 /// Time of all three passes of one layer of a kind.
 fn layer_time(model: &CostModel, k: LayerKind) -> f64 {
@@ -81,19 +98,25 @@ pub fn balanced_counts(
     for s in 0..n {
         rank_load[rank_of[s]] += fixed[s];
     }
+    // The least loaded rank, the first of equals as `min_by` picks it, from a heap: a scan of
+    // every rank per layer is `O(L pp)`, `pp²` for a model of a few layers per rank.
+    let load = |r: usize, k: u32| Load(rank_load[r] + t * k as f64, r);
     let mut per_rank = vec![0u32; pp];
+    let mut heap: BinaryHeap<Reverse<Load>> = (0..pp).map(|r| Reverse(load(r, 0))).collect();
     for _ in 0..num_layers {
-        let r = (0..pp)
-            .min_by(|&a, &b| {
-                (rank_load[a] + t * per_rank[a] as f64)
-                    .total_cmp(&(rank_load[b] + t * per_rank[b] as f64))
-            })
-            .unwrap_or(0);
+        let Some(Reverse(Load(_, r))) = heap.pop() else {
+            break;
+        };
         per_rank[r] += 1;
+        heap.push(Reverse(load(r, per_rank[r])));
+    }
+    let mut stages_of: Vec<Vec<usize>> = vec![Vec::new(); pp];
+    for s in 0..n {
+        stages_of[rank_of[s]].push(s);
     }
     let mut counts = vec![0u32; n];
     for (r, &layers) in per_rank.iter().enumerate() {
-        let stages: Vec<usize> = (0..n).filter(|&s| rank_of[s] == r).collect();
+        let stages = &stages_of[r];
         for _ in 0..layers {
             let s = *stages
                 .iter()
