@@ -560,50 +560,58 @@ pub(crate) fn drive<D: Device>(
     let (tx, rx) = mpsc::channel::<StepOut>();
     // `Err(None)`: a rank failed, and the failure is in the watch.
     let outcome: Result<(), Option<RunError>> = std::thread::scope(|s| {
-        for (rank, plan) in plan {
-            let tx = tx.clone();
-            let (sh, mail) = (&sh, &mail);
-            std::thread::Builder::new()
-                .name(format!("rank-{rank}"))
-                .spawn_scoped(s, move || rank_thread(sh, mail, rank, plan, tx))
-                .expect("spawn a rank thread");
-        }
+        let threads: Vec<_> = plan
+            .into_iter()
+            .map(|(rank, plan)| {
+                let tx = tx.clone();
+                let (sh, mail) = (&sh, &mail);
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(s, move || rank_thread(sh, mail, rank, plan, tx))
+                    .expect("spawn a rank thread")
+            })
+            .collect();
         drop(tx);
-        for step in 0..opts.steps {
-            if step > 0 {
-                watch.reset();
-                device.reset();
-                *lock(&sh.origin) = None;
-                sh.gate.release(step);
-            }
-            let mut outs: Vec<StepOut> = Vec::with_capacity(n);
-            while outs.len() < n {
-                // Every thread has ended: a failure is in the watch.
-                outs.push(rx.recv().map_err(|_| None)?);
-            }
-            outs.sort_by_key(|o| o.rank);
-            match finish_step(&sh, step, &mut ref_model, &mine, &outs) {
-                Ok((report, w)) => {
-                    steps.push(report);
-                    worst.push(w);
+        let res = (|| {
+            for step in 0..opts.steps {
+                if step > 0 {
+                    watch.reset();
+                    device.reset();
+                    *lock(&sh.origin) = None;
+                    sh.gate.release(step);
                 }
-                Err(e) => {
-                    sh.gate.break_();
-                    return Err(Some(e));
+                let mut outs: Vec<StepOut> = Vec::with_capacity(n);
+                while outs.len() < n {
+                    // Every thread has ended: a failure is in the watch.
+                    outs.push(rx.recv().map_err(|_| None)?);
+                }
+                outs.sort_by_key(|o| o.rank);
+                let (report, w) =
+                    finish_step(&sh, step, &mut ref_model, &mine, &outs).map_err(Some)?;
+                steps.push(report);
+                worst.push(w);
+                let runs: Vec<(u32, RankRun)> = outs.into_iter().map(|o| (o.rank, o.run)).collect();
+                if opts
+                    .trace_steps
+                    .is_some_and(|(a, b)| (a..=b).contains(&step))
+                {
+                    traced.push((step, trace::timeline(world, &runs)));
+                }
+                for (r, run) in runs {
+                    last[r as usize] = Some(run);
                 }
             }
-            let runs: Vec<(u32, RankRun)> = outs.into_iter().map(|o| (o.rank, o.run)).collect();
-            if opts
-                .trace_steps
-                .is_some_and(|(a, b)| (a..=b).contains(&step))
-            {
-                traced.push((step, trace::timeline(world, &runs)));
-            }
-            for (r, run) in runs {
-                last[r as usize] = Some(run);
-            }
+            Ok(())
+        })();
+        if res.is_err() {
+            sh.gate.break_();
         }
-        Ok(())
+        // Joined here, not by the scope, which would re-raise a rank's panic: its guard has
+        // already filed the report.
+        for t in threads {
+            let _ = t.join();
+        }
+        res
     });
     match outcome {
         Ok(()) => {}
@@ -703,4 +711,247 @@ fn finish_step<D: Device>(
         },
         worst,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The driver's failure paths, on the CPU backend with a fault injected where a device
+    //! could fail: every rank stops, the first failure is the report, nothing waits for ever.
+    use super::*;
+    use crate::backend::cpu::{CpuBackend, CpuTensor};
+    use crate::backend::{CommError, CommOp};
+    use crate::transport::Transport;
+    use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
+
+    #[derive(Copy, Clone, PartialEq, Eq)]
+    enum Inject {
+        None,
+        /// `end_step` of (rank, step) times out.
+        Hang(u32, u32),
+        /// `losses` of (rank, step) panics.
+        Panic(u32, u32),
+        /// Opening the rank fails.
+        Open(u32),
+    }
+
+    /// The CPU device with a fault; `SHARED` picks the clock.
+    struct Flaky<const SHARED: bool> {
+        transport: Arc<Transport<CpuTensor>>,
+        inject: Inject,
+    }
+
+    struct FlakyRank {
+        be: CpuBackend,
+        rank: u32,
+        step: u32,
+        inject: Inject,
+    }
+
+    impl Backend for FlakyRank {
+        type Tensor = CpuTensor;
+        type Saved = <CpuBackend as Backend>::Saved;
+        type Partial = <CpuBackend as Backend>::Partial;
+        fn fwd(
+            &mut self,
+            t: Task,
+            i: Option<CpuTensor>,
+            save: bool,
+        ) -> Result<(CpuTensor, Option<Self::Saved>), BackendError> {
+            self.be.fwd(t, i, save)
+        }
+        fn bwd(
+            &mut self,
+            t: Task,
+            s: Self::Saved,
+            g: Option<CpuTensor>,
+        ) -> Result<CpuTensor, BackendError> {
+            self.be.bwd(t, s, g)
+        }
+        fn bwd_d(
+            &mut self,
+            t: Task,
+            s: &Self::Saved,
+            g: Option<CpuTensor>,
+        ) -> Result<(CpuTensor, Self::Partial), BackendError> {
+            self.be.bwd_d(t, s, g)
+        }
+        fn bwd_w(&mut self, t: Task, s: Self::Saved, p: Self::Partial) -> Result<(), BackendError> {
+            self.be.bwd_w(t, s, p)
+        }
+        fn exchange(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
+            self.be.exchange(ops)
+        }
+        fn post(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
+            self.be.post(ops)
+        }
+        fn complete(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
+            self.be.complete(ops)
+        }
+        fn finish(&mut self) {
+            self.be.finish()
+        }
+    }
+
+    impl StepBackend for FlakyRank {
+        type Parked = <CpuBackend as StepBackend>::Parked;
+        type Sum = <CpuBackend as StepBackend>::Sum;
+        fn begin_step(&mut self, step: u32) -> Result<(), BackendError> {
+            self.step = step;
+            self.be.begin_step(step)
+        }
+        fn end_step(
+            &mut self,
+            i: &[Instr],
+            run: RankRun,
+            t: Duration,
+        ) -> Result<RankRun, StepError> {
+            if self.inject == Inject::Hang(self.rank, self.step) {
+                return Err(StepError::Hang(format!(
+                    "rank {}: the GPU work hung",
+                    self.rank
+                )));
+            }
+            self.be.end_step(i, run, t)
+        }
+        fn losses(&self, t: Duration) -> Result<Vec<Option<f32>>, BackendError> {
+            assert!(
+                self.inject != Inject::Panic(self.rank, self.step),
+                "injected"
+            );
+            self.be.losses(t)
+        }
+        fn grads(&self, copy: bool) -> Result<LocalGrads, BackendError> {
+            self.be.grads(copy)
+        }
+        fn sgd(&mut self, lr: f32) -> Result<(), BackendError> {
+            self.be.sgd(lr)
+        }
+        fn park(&mut self, s: u32) -> Self::Parked {
+            self.be.park(s)
+        }
+        fn absorb(&mut self, s: u32, p: Self::Parked) -> Result<(), BackendError> {
+            self.be.absorb(s, p)
+        }
+        fn sum_copy(&self, s: u32) -> Result<(Self::Sum, u32), BackendError> {
+            self.be.sum_copy(s)
+        }
+        fn replace_sum(&mut self, s: u32, sum: &Self::Sum, n: u32) -> Result<(), BackendError> {
+            self.be.replace_sum(s, sum, n)
+        }
+    }
+
+    impl<const SHARED: bool> Device for Flaky<SHARED> {
+        type Rank = FlakyRank;
+        type Plan = ();
+        type Worst = ();
+        const SHARED_CLOCK: bool = SHARED;
+        fn open(&self, rank: u32, (): (), s: &Setup<'_>) -> Result<FlakyRank, String> {
+            if self.inject == Inject::Open(rank) {
+                return Err(format!("rank {rank}: no such device"));
+            }
+            let be = CpuBackend::new(
+                Rank(rank),
+                s.model,
+                s.program.microbatches,
+                s.full,
+                &stages_of(s.program, rank as usize),
+                self.transport.clone(),
+            );
+            Ok(FlakyRank {
+                be,
+                rank,
+                step: 0,
+                inject: self.inject,
+            })
+        }
+        fn reset(&self) {
+            self.transport.reset();
+        }
+        fn compare(
+            &self,
+            step: u32,
+            losses: &[f32],
+            loss: f32,
+            grads: &[Option<&StageGrads<f32>>],
+            mine: &[bool],
+            r: &reference::RefStep,
+            model: &[Stage<f32>],
+        ) -> Result<(CheckSummary, ()), RunError> {
+            crate::run::compare(step, losses, loss, grads, mine, r, model).map(|s| (s, ()))
+        }
+    }
+
+    fn run<const SHARED: bool>(kind: ScheduleKind, inject: Inject) -> Result<RunReport, RunError> {
+        let program =
+            pipec::lower(&generate(&ScheduleSpec::new(kind, 2, 1, 4), &Limits::DEFAULT).unwrap());
+        let layout = Layout::uniform(program.num_stages());
+        let opts = RunOptions {
+            steps: 3,
+            check: true,
+            timeout: Duration::from_secs(10),
+            ..RunOptions::default()
+        };
+        let full = build_model(&layout, &opts.model, "CPU").unwrap();
+        let watch = Arc::new(Watch::new(2, opts.timeout));
+        let dev = Flaky::<SHARED> {
+            transport: Transport::new(2, watch.clone()),
+            inject,
+        };
+        let setup = Setup {
+            program: &program,
+            layout: &layout,
+            model: opts.model,
+            full: &full,
+            watch,
+        };
+        drive(setup, &opts, &dev, vec![(0, ()), (1, ())], false).map(|(r, _)| r)
+    }
+
+    fn failure(r: Result<RunReport, RunError>) -> Failure {
+        match r {
+            Err(RunError::Failed(f)) => f,
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
+    /// Both clocks give the reference's results bitwise, DualPipe's replicas included.
+    #[test]
+    fn both_clocks_check_bitwise() {
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::DualPipe] {
+            for r in [
+                run::<true>(kind, Inject::None),
+                run::<false>(kind, Inject::None),
+            ] {
+                let r = r.unwrap();
+                assert_eq!(r.steps.len(), 3);
+                assert!(r.steps.iter().all(|s| s.check.is_some()));
+                assert!(r.timeline.ranks.iter().all(|s| !s.is_empty()));
+            }
+        }
+    }
+
+    /// A step that does not end on one rank in a later step is a hang at its last
+    /// instruction; the other rank, already waiting for the next step, stops.
+    #[test]
+    fn a_device_hang_in_a_later_step_stops_every_rank() {
+        let f = failure(run::<false>(ScheduleKind::OneFOneB, Inject::Hang(1, 1)));
+        assert_eq!(f.kind, FailureKind::Hang);
+        assert_eq!(f.at.rank, Rank(1));
+        assert!(f.report.contains("the GPU work hung"), "{}", f.report);
+    }
+
+    #[test]
+    fn a_panicking_rank_is_reported_and_nothing_waits_for_it() {
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::DualPipe] {
+            let f = failure(run::<true>(kind, Inject::Panic(0, 2)));
+            assert_eq!(f.report, "rank 0 panicked (a bug in pipec-run)");
+        }
+    }
+
+    #[test]
+    fn a_rank_that_cannot_open_is_reported() {
+        let f = failure(run::<true>(ScheduleKind::OneFOneB, Inject::Open(1)));
+        assert_eq!((f.kind, f.at.rank), (FailureKind::Compute, Rank(1)));
+        assert_eq!(f.report, "rank 1: no such device");
+    }
 }

@@ -160,7 +160,7 @@ pub fn run_cpu(
 
 /// Bitwise comparison of a pipelined step with the reference (the gradients of the stages in
 /// `mine`); the first difference is an error naming the tensor and the element.
-fn compare(
+pub(crate) fn compare(
     step: u32,
     losses: &[f32],
     loss: f32,
