@@ -2,7 +2,7 @@
 //! for the whole run and does each step on its own backend: [`StepBackend::begin_step`],
 //! [`run_rank`], [`StepBackend::end_step`] under the timeout, the losses, DualPipe's replica
 //! reduction, the gradients and SGD. The driver thread takes the ranks' results, checks them
-//! against the single-thread [`reference`], writes the report, and only then releases the
+//! against the single-thread [`reference`](mod@reference), writes the report, and only then releases the
 //! next step, so the reference never runs during a measured step.
 //!
 //! What varies per device, and why:

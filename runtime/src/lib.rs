@@ -5,7 +5,7 @@
 //! reference backend ([`backend::cpu`]) trains a small real model ([`model`]) with one thread
 //! per rank over an in-process rendezvous [`transport`], watched by the [`watchdog`]; the step
 //! [`driver`], shared by every backend, runs steps and compares them with the single-thread
-//! [`reference`] ([`run::run_cpu`] on the CPU).
+//! [`reference`](mod@reference) ([`run::run_cpu`] on the CPU).
 
 pub mod backend;
 pub mod driver;
