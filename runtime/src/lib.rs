@@ -3,10 +3,12 @@
 //! [`load::load`] reads and checks a directory (nothing starts unless every rank loads and
 //! checks); [`interp::run_rank`] runs one rank's stream on any [`backend::Backend`]; the CPU
 //! reference backend ([`backend::cpu`]) trains a small real model ([`model`]) with one thread
-//! per rank over an in-process rendezvous [`transport`], watched by the [`watchdog`];
-//! [`run::run_cpu`] drives steps and compares them with the single-thread [`reference`].
+//! per rank over an in-process rendezvous [`transport`], watched by the [`watchdog`]; the step
+//! [`driver`], shared by every backend, runs steps and compares them with the single-thread
+//! [`reference`](mod@reference) ([`run::run_cpu`] on the CPU).
 
 pub mod backend;
+pub mod driver;
 pub mod error;
 pub mod interp;
 pub mod load;

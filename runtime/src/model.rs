@@ -534,23 +534,23 @@ impl<F: NdFloat> GradAccum<F> {
         }
     }
 
-    /// Move every microbatch this accumulator holds out of order (those it could not sum yet)
-    /// into `into`, which sums them in microbatch order. This is how two replicas of a stage
-    /// (DualPipe's two directions) reduce their gradients: the replica that saw microbatch 0
-    /// absorbs the other's, so the total is still summed in microbatch order and equals the
-    /// single-thread reference bitwise.
-    pub fn drain_into(&mut self, into: &mut GradAccum<F>) {
-        for (mb, g) in std::mem::take(&mut self.pending) {
-            into.add(mb, g);
-        }
+    /// Take every microbatch this accumulator holds out of order (those it could not sum
+    /// yet), for the replica that sums them. This is how two replicas of a stage (DualPipe's
+    /// two directions) reduce their gradients: the replica that saw microbatch 0 [`add`]s the
+    /// other's, so the total is still summed in microbatch order and equals the single-thread
+    /// reference bitwise.
+    ///
+    /// [`add`]: Self::add
+    pub fn take_pending(&mut self) -> BTreeMap<u32, StageGrads<F>> {
+        std::mem::take(&mut self.pending)
     }
 
-    /// Replace this accumulator's state with a copy of `other`'s (the reduced sum), so every
-    /// replica applies the same update.
-    pub fn copy_from(&mut self, other: &GradAccum<F>) {
-        self.next = other.next;
+    /// Make `sum` (of `next` microbatches in order: the reduced one) this accumulator's, so
+    /// every replica applies the same update.
+    pub fn set_sum(&mut self, sum: &StageGrads<F>, next: u32) {
+        self.next = next;
         self.pending.clear();
-        self.sum.clone_from(&other.sum);
+        self.sum.clone_from(sum);
     }
 
     /// Microbatches added in order so far.

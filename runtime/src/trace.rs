@@ -4,11 +4,16 @@ use crate::interp::RankRun;
 use pipec::ir::Program;
 use pipec::simulate::timeline::{TimeUnit, Timeline};
 
-/// One span per instruction per rank, in microseconds.
-pub fn timeline(runs: &[RankRun]) -> Timeline {
+/// One span per instruction per rank, in microseconds, from the runs of (rank, run); a rank
+/// of the `world` with no run (another process's) has none.
+pub fn timeline(world: usize, runs: &[(u32, RankRun)]) -> Timeline {
+    let mut ranks = vec![Vec::new(); world];
+    for (r, run) in runs {
+        ranks[*r as usize] = run.spans.clone();
+    }
     Timeline {
         unit: TimeUnit::Micros,
-        ranks: runs.iter().map(|r| r.spans.clone()).collect(),
+        ranks,
     }
 }
 

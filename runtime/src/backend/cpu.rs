@@ -2,13 +2,18 @@
 //! through ndarray, point-to-point through the in-process rendezvous [`Transport`].
 
 use super::{Backend, BackendError, CommError, CommOp};
+use crate::driver::{LocalGrads, StepBackend, StepError};
+use crate::interp::RankRun;
 use crate::model::{
     self, Ctx, GradAccum, LayerPartial, LayerStash, ModelConfig, Stage, StageGrads, Tensor,
 };
 use crate::transport::Transport;
 use pipec::front::layout::LayerKind;
+use pipec::ir::Instr;
 use pipec_schedules::{Rank, Task};
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub type CpuTensor = Tensor<f32>;
 
@@ -55,45 +60,12 @@ impl CpuBackend {
         }
     }
 
-    /// Start step `step`: clear gradients and losses.
-    pub fn begin_step(&mut self, step: u32) {
-        self.step = step;
-        self.accum.iter_mut().flatten().for_each(GradAccum::clear);
-        self.losses.iter_mut().for_each(|l| *l = None);
-    }
-
-    /// (microbatch, loss) recorded on this rank this step.
-    pub fn losses(&self) -> impl Iterator<Item = (u32, f32)> + '_ {
-        self.losses
-            .iter()
-            .enumerate()
-            .filter_map(|(m, l)| l.map(|l| (m as u32, l)))
-    }
-
-    /// The step's summed gradients per local stage, with how many microbatches were summed.
-    pub fn grads(&self) -> impl Iterator<Item = (u32, &StageGrads<f32>, u32)> + '_ {
+    fn accum_mut(&mut self, stage: u32) -> Result<&mut GradAccum<f32>, BackendError> {
+        let rank = self.rank;
         self.accum
-            .iter()
-            .enumerate()
-            .filter_map(|(s, a)| a.as_ref().map(|a| (s as u32, a.sum(), a.complete())))
-    }
-
-    pub fn stages(&self) -> impl Iterator<Item = &Stage<f32>> + '_ {
-        self.stages.iter().flatten()
-    }
-
-    /// Apply SGD with the step's gradients.
-    /// This rank's gradient accumulator of `stage`, if it runs that stage.
-    pub fn accum_mut(&mut self, stage: u32) -> Option<&mut GradAccum<f32>> {
-        self.accum.get_mut(stage as usize)?.as_mut()
-    }
-
-    pub fn sgd(&mut self, lr: f32) {
-        for (st, acc) in self.stages.iter_mut().zip(&self.accum) {
-            if let (Some(st), Some(acc)) = (st.as_mut(), acc.as_ref()) {
-                model::sgd(st, acc.sum(), lr);
-            }
-        }
+            .get_mut(stage as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| no_stage(rank, stage))
     }
 
     fn ctx(&self) -> Ctx<'_> {
@@ -118,6 +90,80 @@ impl CpuBackend {
 
     fn err(task: Task, e: model::ModelError) -> BackendError {
         BackendError(format!("{task}: {e}"))
+    }
+}
+
+fn no_stage(rank: Rank, stage: u32) -> BackendError {
+    BackendError(format!("{rank} holds no gradients of stage {stage}"))
+}
+
+/// Host tensors: the step ends with the interpreter, replicas hand each other arrays.
+impl StepBackend for CpuBackend {
+    type Parked = BTreeMap<u32, StageGrads<f32>>;
+    type Sum = StageGrads<f32>;
+
+    fn begin_step(&mut self, step: u32) -> Result<(), BackendError> {
+        self.step = step;
+        self.accum.iter_mut().flatten().for_each(GradAccum::clear);
+        self.losses.iter_mut().for_each(|l| *l = None);
+        Ok(())
+    }
+
+    fn end_step(&mut self, _: &[Instr], run: RankRun, _: Duration) -> Result<RankRun, StepError> {
+        Ok(run)
+    }
+
+    fn losses(&self, _: Duration) -> Result<Vec<Option<f32>>, BackendError> {
+        Ok(self.losses.clone())
+    }
+
+    fn grads(&self, copy: bool) -> Result<LocalGrads, BackendError> {
+        Ok(self
+            .accum
+            .iter()
+            .enumerate()
+            .filter_map(|(s, a)| {
+                a.as_ref()
+                    .map(|a| (s as u32, a.complete(), copy.then(|| a.sum().clone())))
+            })
+            .collect())
+    }
+
+    fn sgd(&mut self, lr: f32) -> Result<(), BackendError> {
+        for (st, acc) in self.stages.iter_mut().zip(&self.accum) {
+            if let (Some(st), Some(acc)) = (st.as_mut(), acc.as_ref()) {
+                model::sgd(st, acc.sum(), lr);
+            }
+        }
+        Ok(())
+    }
+
+    fn park(&mut self, stage: u32) -> Self::Parked {
+        self.accum_mut(stage)
+            .map(GradAccum::take_pending)
+            .unwrap_or_default()
+    }
+
+    fn absorb(&mut self, stage: u32, parked: Self::Parked) -> Result<(), BackendError> {
+        let acc = self.accum_mut(stage)?;
+        for (mb, g) in parked {
+            acc.add(mb, g);
+        }
+        Ok(())
+    }
+
+    fn sum_copy(&self, stage: u32) -> Result<(Self::Sum, u32), BackendError> {
+        let acc = self
+            .accum
+            .get(stage as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| no_stage(self.rank, stage))?;
+        Ok((acc.sum().clone(), acc.complete()))
+    }
+
+    fn replace_sum(&mut self, stage: u32, sum: &Self::Sum, next: u32) -> Result<(), BackendError> {
+        self.accum_mut(stage)?.set_sum(sum, next);
+        Ok(())
     }
 }
 

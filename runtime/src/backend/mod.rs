@@ -1,6 +1,7 @@
 //! What the interpreter asks of a device: compute passes on (stage, microbatch) tasks and
-//! batched point-to-point communication. The CPU reference backend ([`cpu`]) and the later
-//! CUDA backend implement the same trait, so the interpreter is written once.
+//! batched point-to-point communication. The CPU reference backend ([`cpu`]) and the CUDA
+//! backend ([`cuda`]) implement the same trait, so the interpreter is written once; what the
+//! step driver asks beyond it is [`crate::driver::StepBackend`].
 //!
 //! Tensors stay opaque to the interpreter (associated types): it only moves them between its
 //! tables, the backend and the transport.
