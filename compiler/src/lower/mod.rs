@@ -738,6 +738,30 @@ mod tests {
         }
     }
 
+    /// One peak rule: a compute order's peak (`order_peak`, what the tuner judges its orders
+    /// by) is the peak of its lowered program (the verifier's walk), for every kind, fused
+    /// `fwd_bwd` pairs and forward-only programs included.
+    #[test]
+    fn order_peaks_are_the_programs_peaks() {
+        use crate::ir::activations::{order_peak, peaks};
+        for kind in ScheduleKind::ALL {
+            for (pp, m) in [(2, 4), (4, 8), (4, 12)] {
+                for forward_only in [false, true] {
+                    let mut s = spec(kind, pp, kind.default_vpp(), m);
+                    s.forward_only = forward_only;
+                    let Ok(sch) = generate(&s, &Limits::DEFAULT) else {
+                        continue;
+                    };
+                    let want = peaks(&lower(&sch));
+                    for (r, order) in sch.ranks.iter().enumerate() {
+                        let got = order_peak(&order.ops, forward_only, |_| 1u64);
+                        assert_eq!(got, want[r].peak, "{kind:?} pp={pp} m={m} rank {r}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn single_rank_has_no_messages() {
         let p = lower(&generate(&spec(ScheduleKind::OneFOneB, 1, 1, 3), &Limits::DEFAULT).unwrap());

@@ -705,25 +705,17 @@ pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64
 }
 
 /// Peak memory per rank of fixed orders (parameters plus the most `act`-weighted live
-/// activations: a forward allocates, a `bwd_W` or full `bwd` frees, as the verifier counts),
-/// and whether every rank stays within its limit.
+/// activations, by the verifier's rule, `ir::activations::order_peak`), and whether every rank
+/// stays within its limit.
 pub fn order_peaks(p: &Problem, orders: &[RankOrder]) -> (Vec<f64>, bool) {
     let mut fits = true;
     let peaks = orders
         .iter()
         .enumerate()
         .map(|(r, o)| {
-            let (mut live, mut peak) = (0.0f64, 0.0f64);
-            for op in &o.ops {
-                match *op {
-                    Compute::Fwd(t) => {
-                        live += p.act[t.stage.index()];
-                        peak = peak.max(live);
-                    }
-                    Compute::BwdW(t) | Compute::Bwd(t) => live -= p.act[t.stage.index()],
-                    _ => {}
-                }
-            }
+            // The verifier's rule (`ir::activations`), weighted by each stage's `act`.
+            let peak =
+                crate::ir::activations::order_peak(&o.ops, false, |t| p.act[t.stage.index()]);
             let total = peak + p.param[r];
             if total > p.limit[r] + 1e-9 {
                 fits = false;

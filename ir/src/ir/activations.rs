@@ -21,7 +21,7 @@
 //! without one: every backward frees one activation, never below zero.
 
 use crate::ir::{Instr, Program};
-use pipec_schedules::{Pass, Task};
+use pipec_schedules::{Compute, Pass, Task};
 use std::iter::Enumerate;
 use std::slice;
 
@@ -164,35 +164,85 @@ impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
             let (i, ins) = self.instrs.next()?;
             let Instr::Compute(c) = ins else { continue };
             self.live = self.live.minus(self.frees);
-            self.frees = W::default();
-            for (pass, t) in c.parts() {
-                let slot = self.walk.slot(t);
-                match pass {
-                    Pass::Fwd => {
-                        let w = (self.weight)(t);
-                        self.live = self.live.plus(w);
-                        if forward_only {
-                            self.frees = self.frees.plus(w);
-                        } else if let Some(s) = slot {
-                            self.walk.holder[s] = tag;
-                        }
+            let walk = &mut *self.walk;
+            let (alloc, frees) = step(c, forward_only, &self.weight, |t, hold| {
+                match (walk.slot(t), hold) {
+                    (Some(s), true) => {
+                        walk.holder[s] = tag;
+                        true
                     }
-                    Pass::Bwd | Pass::BwdW if !forward_only => match slot {
-                        Some(s) if self.walk.holder[s] == tag => {
-                            self.walk.holder[s] = 0;
-                            self.frees = self.frees.plus((self.weight)(t));
-                        }
-                        None if !self.walk.dense => {
-                            self.frees = self.frees.plus((self.weight)(t));
-                        }
-                        _ => {}
-                    },
-                    _ => {}
+                    (Some(s), false) if walk.holder[s] == tag => {
+                        walk.holder[s] = 0;
+                        true
+                    }
+                    // Without a table every backward frees one (see the module doc).
+                    (None, false) => !walk.dense,
+                    _ => false,
                 }
-            }
+            });
+            self.live = self.live.plus(alloc);
+            self.frees = frees;
             return Some((i as u32, self.live));
         }
     }
+}
+
+/// One compute op under the rule of the module doc: what it allocates and what it frees (after
+/// it ran). `hold(task, true)` records that this rank now holds `task`'s activation;
+/// `hold(task, false)` releases it and says whether the rank held it. Every reader of the rule
+/// goes through here: the program walk above and [`order_peak`].
+fn step<W: Amount>(
+    c: &Compute,
+    forward_only: bool,
+    weight: &impl Fn(Task) -> W,
+    mut hold: impl FnMut(Task, bool) -> bool,
+) -> (W, W) {
+    let (mut alloc, mut frees) = (W::default(), W::default());
+    for (pass, t) in c.parts() {
+        match pass {
+            Pass::Fwd => {
+                let w = weight(t);
+                alloc = alloc.plus(w);
+                if forward_only {
+                    frees = frees.plus(w);
+                } else {
+                    hold(t, true);
+                }
+            }
+            Pass::Bwd | Pass::BwdW if !forward_only && hold(t, false) => {
+                frees = frees.plus(weight(t));
+            }
+            _ => {}
+        }
+    }
+    (alloc, frees)
+}
+
+/// The peak of one rank's compute order (before lowering: `pipec tune` judges its orders with
+/// it), under the same rule as a program's walk, each activation counted as `weight(task)`.
+pub fn order_peak<'a, W: Amount>(
+    ops: impl IntoIterator<Item = &'a Compute>,
+    forward_only: bool,
+    weight: impl Fn(Task) -> W,
+) -> W {
+    let mut held = std::collections::HashSet::new();
+    let (mut live, mut frees, mut peak) = (W::default(), W::default(), W::default());
+    for c in ops {
+        live = live.minus(frees);
+        let (alloc, f) = step(c, forward_only, &weight, |t, hold| {
+            if hold {
+                held.insert(t)
+            } else {
+                held.remove(&t)
+            }
+        });
+        live = live.plus(alloc);
+        frees = f;
+        if live > peak {
+            peak = live;
+        }
+    }
+    peak
 }
 
 #[cfg(test)]
