@@ -15,6 +15,7 @@ pub mod calibrate;
 pub mod exact;
 pub mod greedy;
 pub mod lower;
+pub mod offload;
 pub mod problem;
 pub mod split;
 pub mod target;
