@@ -111,11 +111,14 @@ pub fn megatron_partial_recompute(
     let table = schedule_table(m, chunks, g);
     Ok((0..pp)
         .map(|r| {
-            let warmup = if interleaved {
-                rank_microbatches(pp, r, Some(chunks), m, g, spec.forward_only, false).warmup
+            // `get_pp_rank_microbatches`, as both Megatron functions compute it; the
+            // non-interleaved one ignores `forward_only` there (module doc).
+            let (vpp, forward_only) = if interleaved {
+                (Some(chunks), spec.forward_only)
             } else {
-                (pp - r - 1).min(m)
+                (None, false)
             };
+            let warmup = rank_microbatches(pp, r, vpp, m, g, forward_only, false).warmup;
             let window = warmup + 1;
             let forwards = table
                 .iter()

@@ -357,27 +357,19 @@ fn plan_rank(
 fn finish(items: &[Item], peak: f64) -> RankPlan {
     let mut inserts = Vec::new();
     for it in items {
-        if let Some(p) = it.plan {
+        let Some(p) = it.plan else { continue };
+        // A wait carries its offload's interval.
+        for (at, op, (start, end)) in [
+            (p.off_at, CopyOp::Offload, p.off),
+            (p.wait_at, CopyOp::WaitOffload, p.off),
+            (p.rel_at, CopyOp::Reload, p.rel),
+        ] {
             inserts.push(Insert {
-                at: p.off_at,
-                op: CopyOp::Offload,
+                at,
+                op,
                 task: it.task,
-                start: p.off.0,
-                end: p.off.1,
-            });
-            inserts.push(Insert {
-                at: p.wait_at,
-                op: CopyOp::WaitOffload,
-                task: it.task,
-                start: p.off.0,
-                end: p.off.1,
-            });
-            inserts.push(Insert {
-                at: p.rel_at,
-                op: CopyOp::Reload,
-                task: it.task,
-                start: p.rel.0,
-                end: p.rel.1,
+                start,
+                end,
             });
         }
     }
