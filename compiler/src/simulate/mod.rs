@@ -341,11 +341,34 @@ struct Sim<'a> {
     posting: usize,
     /// Batches left in flight (named by a later `Wait`): per rank, batch id -> slot; per
     /// global op, its slot; per slot, open ops, latest completion and op range.
-    flight_ids: Vec<std::collections::HashMap<u32, usize>>,
+    flight_ids: Vec<BatchMap>,
     flight_of: Vec<OptIdx>,
     flight: Vec<Flight>,
     /// Per rank: the slot its current `Wait` blocks on, `usize::MAX` when none.
     waiting_on: Vec<usize>,
+}
+
+/// Batch id -> in-flight slot, looked up at every batch and wait: hashed by one multiply
+/// (batch ids are small integers the program chose; SipHash's resistance buys nothing here).
+type BatchMap = std::collections::HashMap<u32, usize, std::hash::BuildHasherDefault<MulHasher>>;
+
+#[derive(Default)]
+struct MulHasher(u64);
+
+impl std::hash::Hasher for MulHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, x: u32) {
+        self.0 = (u64::from(x) ^ self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 /// One batch left in flight.

@@ -146,6 +146,66 @@ fn mem_of_stage(stage: &[Vec<i64>]) -> i64 {
     peak
 }
 
+/// Every pass of `times` as (rank, type, microbatch), in the order the authors' loops take
+/// them: a k-way merge of the per-(rank, type) lists by (slot, rank, type, microbatch), each
+/// list entering with its next microbatch when the previous one is taken. When every list is
+/// non-decreasing (what `pattern` builds and the squeeze keeps) that is the sorted order of the
+/// tuples, found by a counting sort on the slot (stable over a (rank, type, microbatch) walk);
+/// otherwise the merge itself runs.
+fn slot_order(times: &Times) -> Vec<(usize, usize, usize)> {
+    let sorted = times
+        .iter()
+        .flatten()
+        .all(|l| l.windows(2).all(|w| w[0] <= w[1]));
+    let (lo, hi) = times
+        .iter()
+        .flatten()
+        .flatten()
+        .fold((i64::MAX, i64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    let total: usize = times.iter().flatten().map(Vec::len).sum();
+    let span = hi.checked_sub(lo).and_then(|d| usize::try_from(d).ok());
+    match span {
+        Some(span) if sorted && span <= 4 * total + 1024 => {
+            let mut start = vec![0usize; span + 2];
+            for &x in times.iter().flatten().flatten() {
+                start[(x - lo) as usize + 1] += 1;
+            }
+            for i in 1..start.len() {
+                start[i] += start[i - 1];
+            }
+            let mut out = vec![(0, 0, 0); total];
+            for (s, stage) in times.iter().enumerate() {
+                for (t, l) in stage.iter().enumerate() {
+                    for (mb, &x) in l.iter().enumerate() {
+                        let at = &mut start[(x - lo) as usize];
+                        out[*at] = (s, t, mb);
+                        *at += 1;
+                    }
+                }
+            }
+            out
+        }
+        _ => {
+            let mut heap = BinaryHeap::new();
+            for (s, stage) in times.iter().enumerate() {
+                for (t, l) in stage.iter().enumerate() {
+                    if let Some(&time) = l.first() {
+                        heap.push(Reverse((time, s, t, 0usize)));
+                    }
+                }
+            }
+            let mut out = Vec::with_capacity(total);
+            while let Some(Reverse((_, s, t, mb))) = heap.pop() {
+                if let Some(&time) = times[s][t].get(mb + 1) {
+                    heap.push(Reverse((time, s, t, mb + 1)));
+                }
+                out.push((s, t, mb));
+            }
+            out
+        }
+    }
+}
+
 /// `eager_execution_time` with unit costs and no communication time: every pass as early as
 /// its dependencies and its rank allow, in slot order. Returns the start slots and each rank's
 /// pass order.
@@ -156,21 +216,10 @@ fn eager(times: &Times) -> (Times, Vec<Vec<(usize, usize)>>) {
         .map(|s| s.iter().map(|l| vec![None; l.len()]).collect())
         .collect();
     let mut order: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
-    let mut heap = BinaryHeap::new();
-    for (s, stage) in times.iter().enumerate() {
-        for (t, l) in stage.iter().enumerate() {
-            if let Some(&time) = l.first() {
-                heap.push(Reverse((time, s, t, 0usize)));
-            }
-        }
-    }
     let get = |end: &Vec<Vec<Vec<Option<i64>>>>, s: usize, t: usize, mb: usize| {
         end[s][t][mb].expect("eager: a dependency runs in a later slot")
     };
-    while let Some(Reverse((_, s, t, mb))) = heap.pop() {
-        if let Some(&time) = times[s][t].get(mb + 1) {
-            heap.push(Reverse((time, s, t, mb + 1)));
-        }
+    for (s, t, mb) in slot_order(times) {
         let mut dep = 0;
         if (t == F0 || t == B1) && s > 0 {
             dep = dep.max(get(&end, s - 1, t, mb));
@@ -401,19 +450,10 @@ fn reorder(mut times: Times, consider_w: bool) -> Times {
     let m = times.first().map_or(0, |s| s[F0].len());
     let mut profiles: Vec<Profile> = times.iter().map(|s| Profile::new(s)).collect();
     let current_mem = profiles.iter().map(Profile::peak).max().unwrap_or(0);
-    let mut heap = BinaryHeap::new();
-    for (s, stage) in times.iter().enumerate() {
-        for (t, l) in stage.iter().enumerate() {
-            if let Some(&time) = l.first() {
-                heap.push(Reverse((time, s, t, 0usize)));
-            }
-        }
-    }
     let mut phase = 0;
-    while let Some(Reverse((next_time, s, t, mb))) = heap.pop() {
-        if let Some(&time) = times[s][t].get(mb + 1) {
-            heap.push(Reverse((time, s, t, mb + 1)));
-        }
+    // A pass only ever moves when it is taken, so the order is that of the slots before.
+    for (s, t, mb) in slot_order(&times) {
+        let next_time = times[s][t][mb];
         if t == B0 && s == 0 && phase == 0 {
             phase = 1;
         }
@@ -702,6 +742,52 @@ mod tests {
     fn random_slots() -> impl Strategy<Value = Vec<(i64, usize)>> {
         proptest::collection::btree_map(0i64..96, 0usize..6, 1..40)
             .prop_map(|m| m.into_iter().collect())
+    }
+
+    /// The merge the authors' loops make: a heap of each list's head, the next entering when
+    /// its predecessor leaves.
+    fn merge_by_heap(times: &Times) -> Vec<(usize, usize, usize)> {
+        let mut heap = BinaryHeap::new();
+        for (s, stage) in times.iter().enumerate() {
+            for (t, l) in stage.iter().enumerate() {
+                if let Some(&time) = l.first() {
+                    heap.push(Reverse((time, s, t, 0usize)));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        while let Some(Reverse((_, s, t, mb))) = heap.pop() {
+            if let Some(&time) = times[s][t].get(mb + 1) {
+                heap.push(Reverse((time, s, t, mb + 1)));
+            }
+            out.push((s, t, mb));
+        }
+        out
+    }
+
+    proptest! {
+        /// The counting sort takes passes in the heap's order: ties across lists, repeated
+        /// slots within a list, negative and sparse slots, and unsorted lists (the fallback).
+        #[test]
+        fn slot_order_is_the_heap_merge(
+            raw in proptest::collection::vec(
+                proptest::collection::vec(proptest::collection::vec(-20i64..60, 0..12), 1..5),
+                1..5,
+            ),
+            sort in any::<bool>(),
+            sparse in any::<bool>(),
+        ) {
+            let mut times = raw;
+            for l in times.iter_mut().flatten() {
+                if sparse {
+                    l.iter_mut().for_each(|x| *x *= 100_000);
+                }
+                if sort {
+                    l.sort_unstable();
+                }
+            }
+            prop_assert_eq!(slot_order(&times), merge_by_heap(&times));
+        }
     }
 
     proptest! {
