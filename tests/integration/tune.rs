@@ -75,7 +75,7 @@ fn lowering_keeps_the_order_time() {
                         };
                         let list = greedy::list_makespan(&p, &plan.orders).unwrap();
                         assert!(close(plan.makespan, list), "{cost} {pl:?} {h:?}");
-                        let prog = tune::lower::lower_timed(&p, &plan.orders).unwrap();
+                        let prog = tune::lower_timed(&p, &plan.orders).unwrap();
                         let sim = simulated(&prog, &model, &layout);
                         assert!(
                             close(sim, plan.makespan),
@@ -97,7 +97,7 @@ fn lowering_keeps_the_order_time() {
                     }
                     // Verifying every heuristic's program is slow in debug builds: the best.
                     if let Some((plan, _)) = tune::best_plan(&p) {
-                        assert!(valid(&tune::lower::lower_timed(&p, &plan.orders).unwrap()));
+                        assert!(valid(&tune::lower_timed(&p, &plan.orders).unwrap()));
                     }
                 }
             }
@@ -582,7 +582,7 @@ fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
                 warmup: 0,
             })
             .collect();
-        if let Some(prog) = tune::lower::lower_timed(p, &orders) {
+        if let Some(prog) = tune::lower_timed(p, &orders) {
             let peaks = weighted_peaks(&prog, &p.act, &p.param);
             if peaks.iter().zip(&p.limit).all(|(x, l)| *x <= l + 1e-9) {
                 let sim = simulate(&prog, costs).unwrap().summary.makespan;
@@ -646,7 +646,7 @@ fn exact_search_agrees_with_brute_force() {
                     exact.makespan
                 );
                 // Its orders run in exactly that time.
-                let prog = tune::lower::lower_timed(&p, &exact.orders).unwrap();
+                let prog = tune::lower_timed(&p, &exact.orders).unwrap();
                 assert!(close(
                     simulate(&prog, &costs).unwrap().summary.makespan,
                     brute

@@ -20,14 +20,14 @@
 //! - Inside a batch, messages keep the order of the ops that produce (sends) or consume
 //!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
 
+pub mod list;
 mod megatron;
+pub mod timed;
 
 use crate::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
     CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
 };
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
 
 /// One message endpoint as seen from the rank that posts it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -187,97 +187,39 @@ fn ticks(op: &Compute) -> u64 {
         .max(1)
 }
 
+/// The lockstep lowering's clock: [`ticks`] per op, tensors usable the tick they are made.
+pub struct Ticks;
+
+impl list::Clock for Ticks {
+    type Time = u64;
+    const ZERO: u64 = 0;
+    const NEVER: u64 = NEVER;
+
+    fn cost(&self, op: &Compute) -> u64 {
+        ticks(op)
+    }
+
+    fn arrive(&self, t: u64, _from: u32, _to: u32, _mb: u32) -> u64 {
+        t
+    }
+
+    fn add(a: u64, b: u64) -> u64 {
+        a + b
+    }
+
+    fn max(a: u64, b: u64) -> u64 {
+        a.max(b)
+    }
+}
+
 /// The lockstep list schedule's start tick of every op, rank by rank; a rank's list stops
 /// at the first op whose inputs its order never lets exist.
 fn start_ticks(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> Vec<Vec<u64>> {
-    let m = microbatches as usize;
-    let cells = placement.num_stages() as usize * m;
-    let last = placement.num_stages().saturating_sub(1);
-    // End tick of fwd (act) and bwd/bwd_D (grad) of (stage, mb).
-    let mut act = vec![NEVER; cells];
-    let mut grad = vec![NEVER; cells];
-    let idx = |s: u32, mb: u32| s as usize * m + mb as usize;
-    // `Ok(tick)` once the input exists (0 for inputs from outside the program), else the
-    // missing cell: (is a gradient, index).
-    let at = |table: &[u64], grad: bool, s: u32, mb: u32| -> Result<u64, (bool, usize)> {
-        if (mb as usize) >= m {
-            return Ok(0);
-        }
-        match table.get(idx(s, mb)) {
-            None => Ok(0),
-            Some(&NEVER) => Err((grad, idx(s, mb))),
-            Some(&t) => Ok(t),
-        }
-    };
-    let inputs = |op: &Compute, act: &[u64], grad: &[u64]| -> Result<u64, (bool, usize)> {
-        let mut ready = 0;
-        for (pass, t) in op.parts() {
-            let (s, mb) = (t.stage.0, t.mb.0);
-            let need = match pass {
-                Pass::Fwd if s == 0 => 0,
-                Pass::Fwd => at(act, false, s - 1, mb)?,
-                Pass::Bwd | Pass::BwdD => {
-                    let a = at(act, false, s, mb)?;
-                    if s >= last {
-                        a
-                    } else {
-                        a.max(at(grad, true, s + 1, mb)?)
-                    }
-                }
-                Pass::BwdW => at(grad, true, s, mb)?,
-            };
-            ready = ready.max(need);
-        }
-        Ok(ready)
-    };
-    let world = orders.len();
-    // Start tick of every op, rank by rank.
-    let mut start: Vec<Vec<u64>> = orders
-        .iter()
-        .map(|o| Vec::with_capacity(o.ops.len()))
-        .collect();
-    let mut free = vec![0u64; world];
-    // Sweeps over the ranks in order, each rank running as far as its inputs allow, until a
-    // sweep moves nothing. A sweep that visits every rank makes this `O(pp²)` (a wave that
-    // runs against the rank order, a V's chunk 1 or any backward, moves one rank a sweep), so
-    // a rank is visited only when it can move: in the first sweep, then when the tensor it
-    // waits for is written (in the same sweep by a lower rank, else the next). Visits run in
-    // the same (sweep, rank) order as the full sweeps' moving ones, so every tick is the same,
-    // even where an order produces a tensor twice.
-    let mut visits: BinaryHeap<Reverse<(u64, usize)>> =
-        (0..world).map(|r| Reverse((0, r))).collect();
-    let mut waiting: HashMap<(bool, usize), Vec<usize>> = HashMap::new();
-    while let Some(Reverse((sweep, r))) = visits.pop() {
-        let order = &orders[r];
-        while let Some(op) = order.ops.get(start[r].len()) {
-            let ready = match inputs(op, &act, &grad) {
-                Ok(ready) => ready,
-                Err(cell) => {
-                    waiting.entry(cell).or_default().push(r);
-                    break;
-                }
-            };
-            let s = free[r].max(ready);
-            let e = s + ticks(op);
-            for (pass, t) in op.parts() {
-                if (t.mb.0 as usize) < m && t.stage.0 <= last {
-                    let cell = match pass {
-                        Pass::Fwd => (false, idx(t.stage.0, t.mb.0)),
-                        Pass::Bwd | Pass::BwdD => (true, idx(t.stage.0, t.mb.0)),
-                        Pass::BwdW => continue,
-                    };
-                    let table = if cell.0 { &mut grad } else { &mut act };
-                    table[cell.1] = e;
-                    for w in waiting.remove(&cell).into_iter().flatten() {
-                        visits.push(Reverse((sweep + u64::from(w < r), w)));
-                    }
-                }
-            }
-            start[r].push(s);
-            free[r] = e;
-        }
-    }
-    start
+    list::schedule(placement, microbatches, orders, &Ticks)
+        .ranks
+        .into_iter()
+        .map(|r| r.into_iter().map(|(s, _)| s).collect())
+        .collect()
 }
 
 /// [`CommPolicy::Lockstep`]: a list schedule of the orders (each op starts when its rank is
@@ -474,7 +416,7 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
 /// Lower per-rank compute orders. Stages in `orders` must be in range of `placement`, and each
 /// rank's ops must sit on that rank (generated schedules and validated imports satisfy both).
 /// The program records the policy it was lowered with ([`Program::comm`]).
-/// [`CommPolicy::TimedInFlight`] needs the costs ([`crate::tune::lower::lower_timed`]): orders
+/// [`CommPolicy::TimedInFlight`] needs the costs ([`timed::lower_timed`]): orders
 /// alone are lowered lockstep, the same idea at unit costs, and recorded as such.
 pub fn lower_orders(
     placement: &Placement,

@@ -609,99 +609,49 @@ pub fn list_makespan(p: &Problem, orders: &[RankOrder]) -> Option<f64> {
     list_times(p, orders).map(|t| t.iter().flatten().map(|&(_, e)| e).fold(0.0, f64::max))
 }
 
-/// The (start, end) of every op of fixed per-rank orders in their list schedule (see
-/// [`list_makespan`]); `None` when the orders wait on each other.
+/// The (start, end) of every op of fixed per-rank orders in their list schedule
+/// ([`crate::lower::list::schedule`] under `p`'s costs; see [`list_makespan`]); `None` when
+/// the orders wait on each other or hold a fused `F&B` op (the tuner's costs have none).
 pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64)>>> {
-    let n = p.num_stages();
-    let m = p.microbatches as usize;
-    let mut fend = vec![UNSET; n * m];
-    let mut bend = vec![UNSET; n * m];
-    let mut pc = vec![0usize; orders.len()];
-    let mut free = vec![0.0f64; orders.len()];
-    let mut times: Vec<Vec<(f64, f64)>> = orders
+    if orders
         .iter()
-        .map(|o| Vec::with_capacity(o.ops.len()))
-        .collect();
-    // Sweeps over the ranks as `lower::start_ticks` runs them: a rank is visited when it can
-    // move (first sweep, then when the tensor it waits for ends), in (sweep, rank) order.
-    let mut visits: BinaryHeap<Reverse<(u64, usize)>> =
-        (0..orders.len()).map(|r| Reverse((0, r))).collect();
-    let mut waiting: std::collections::HashMap<(bool, usize), Vec<usize>> = Default::default();
-    let mut finished = 0;
-    while let Some(Reverse((sweep, r))) = visits.pop() {
-        let o = &orders[r];
-        while let Some(op) = o.ops.get(pc[r]) {
-            // (ready, the tensor it waits for, the tensor it ends, cost)
-            let (ready, input, end_slot, cost) = match *op {
-                Compute::Fwd(t) => {
-                    let s = t.stage.index();
-                    let mb = t.mb.index();
-                    let (ready, input) = if s == 0 {
-                        (0.0, None)
-                    } else {
-                        let i = (s - 1) * m + mb;
-                        (fend[i] + p.delay_mb(s - 1, s, mb), Some((true, i)))
-                    };
-                    (ready, input, Some((true, s * m + mb)), p.f[s])
-                }
-                // A full backward is `bwd_D` and `bwd_W` back to back: same inputs.
-                Compute::BwdD(t) | Compute::Bwd(t) => {
-                    let s = t.stage.index();
-                    let mb = t.mb.index();
-                    let fe = fend[s * m + mb];
-                    let (ready, input) = if s + 1 == n {
-                        (fe, (true, s * m + mb))
-                    } else {
-                        let i = (s + 1) * m + mb;
-                        let missing = if fe == UNSET {
-                            (true, s * m + mb)
-                        } else {
-                            (false, i)
-                        };
-                        (fe.max(bend[i] + p.delay_mb(s + 1, s, mb)), missing)
-                    };
-                    let w = if matches!(op, Compute::Bwd(_)) {
-                        p.w[s]
-                    } else {
-                        0.0
-                    };
-                    (ready, Some(input), Some((false, s * m + mb)), p.b[s] + w)
-                }
-                Compute::BwdW(t) => {
-                    let s = t.stage.index();
-                    let i = s * m + t.mb.index();
-                    (bend[i], Some((false, i)), None, p.w[s])
-                }
-                Compute::FwdBwd { .. } => return None,
-            };
-            if ready == UNSET {
-                waiting
-                    .entry(input.expect("only a missing tensor is UNSET"))
-                    .or_default()
-                    .push(r);
-                break;
-            }
-            let start = free[r].max(ready);
-            let end = start + cost;
-            if let Some(cell) = end_slot {
-                if cell.0 {
-                    fend[cell.1] = end;
-                } else {
-                    bend[cell.1] = end;
-                }
-                for w in waiting.remove(&cell).into_iter().flatten() {
-                    visits.push(Reverse((sweep + u64::from(w < r), w)));
-                }
-            }
-            free[r] = end;
-            times[r].push((start, end));
-            pc[r] += 1;
-        }
-        if pc[r] == o.ops.len() {
-            finished += 1;
+        .any(|o| o.ops.iter().any(|op| matches!(op, Compute::FwdBwd { .. })))
+    {
+        return None;
+    }
+    let t = crate::lower::list::schedule(&p.placement, p.microbatches, orders, p);
+    t.complete.then_some(t.ranks)
+}
+
+/// The tuner's clock: each stage's f, b and w, and `comm` for a tensor between ranks.
+impl crate::lower::list::Clock for Problem {
+    type Time = f64;
+    const ZERO: f64 = 0.0;
+    const NEVER: f64 = UNSET;
+
+    fn cost(&self, op: &Compute) -> f64 {
+        match *op {
+            Compute::Fwd(t) => self.f[t.stage.index()],
+            // A full backward is `bwd_D` and `bwd_W` back to back.
+            Compute::Bwd(t) => self.b[t.stage.index()] + self.w[t.stage.index()],
+            Compute::BwdD(t) => self.b[t.stage.index()] + 0.0,
+            Compute::BwdW(t) => self.w[t.stage.index()],
+            // No overlap in the tuner's model (and `list_times` refuses such orders).
+            Compute::FwdBwd { fwd, bwd } => self.f[fwd.stage.index()] + self.b[bwd.stage.index()],
         }
     }
-    (finished == orders.len()).then_some(times)
+
+    fn arrive(&self, t: f64, from: u32, to: u32, mb: u32) -> f64 {
+        t + self.delay_mb(from as usize, to as usize, mb as usize)
+    }
+
+    fn add(a: f64, b: f64) -> f64 {
+        a + b
+    }
+
+    fn max(a: f64, b: f64) -> f64 {
+        a.max(b)
+    }
 }
 
 /// Peak memory per rank of fixed orders (parameters plus the most `act`-weighted live

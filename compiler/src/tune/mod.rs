@@ -14,7 +14,6 @@ pub mod bound;
 pub mod calibrate;
 pub mod exact;
 pub mod greedy;
-pub mod lower;
 pub mod offload;
 pub mod problem;
 pub mod split;
@@ -184,12 +183,19 @@ enum Task {
     Builtin(ScheduleSpec, Layout),
 }
 
+/// The program of `orders` on `p` that keeps their list-schedule time under `p`'s costs
+/// ([`crate::lower::timed`]); `None` when the orders wait on each other.
+pub fn lower_timed(p: &Problem, orders: &[pipec_schedules::RankOrder]) -> Option<Program> {
+    let times = greedy::list_times(p, orders)?;
+    crate::lower::timed::lower_timed(&p.placement, p.microbatches, orders, &times, p.comm)
+}
+
 /// Build one candidate: its program (returned apart), simulated and measured.
 fn build(req: &TuneRequest, task: &Task, limit: Option<f64>) -> Option<(Built, Program)> {
     let (cand, layout, spec, program, planned) = match task {
         Task::Tuned(t) => {
             let (p, layout, plan, h) = &**t;
-            let program = lower::lower_timed(p, &plan.orders)?;
+            let program = lower_timed(p, &plan.orders)?;
             let cand = Candidate {
                 schedule: "tuned".into(),
                 vpp: p.placement.num_stages() / req.pp,

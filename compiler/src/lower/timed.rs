@@ -18,11 +18,9 @@
 //! pair of ranks: FIFO matching pairs the right tensors, and NCCL's per-pair stream order holds
 //! no op behind one its peer posts later, so the program is deadlock-free.
 
-use super::greedy::list_times;
-use super::problem::Problem;
+use super::{op_io, Endpoint};
 use crate::ir::{Instr, Payload, Program};
-use crate::lower::{op_io, Endpoint};
-use pipec_schedules::{CommPolicy, Rank, RankOrder};
+use pipec_schedules::{CommPolicy, Placement, Rank, RankOrder};
 
 /// One message: produced at `e` by op `op` of rank `from`, consumed by op `use_at` of `to`.
 struct Msg {
@@ -36,15 +34,20 @@ struct Msg {
     k: usize,
 }
 
-/// Lower `orders` of problem `p` keeping their list-schedule time. `None` when the orders
-/// wait on each other (they cannot run at all).
-pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
-    let times = list_times(p, orders)?;
-    let placement = &p.placement;
+/// Lower `orders` keeping the times of their list schedule: `times[r][i]` the (start, end)
+/// of op `i` of rank `r` ([`super::list::schedule`] under the real costs), `transfer` the
+/// time of one message. `None` when some tensor an op sends has no consumer in the orders.
+pub fn lower_timed(
+    placement: &Placement,
+    microbatches: u32,
+    orders: &[RankOrder],
+    times: &[Vec<(f64, f64)>],
+    transfer: f64,
+) -> Option<Program> {
     let world = orders.len();
     // Consumer of each payload on its rank: (rank, op index), dense over (kind, stage, mb).
-    let m = p.microbatches as usize;
-    let cells = p.num_stages() * m;
+    let m = microbatches as usize;
+    let cells = placement.num_stages() as usize * m;
     let slot = |pl: &Payload| -> usize {
         let k = match pl.kind {
             crate::ir::PayloadKind::Act => 0,
@@ -104,7 +107,6 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
         base.push(base.last().copied().unwrap_or(0) + o.ops.len() + 1);
     }
     let slots = base[world];
-    let transfer = p.comm;
     // Per message: the slots of its send's post and wait, and of its receive's post and wait.
     let mut at: Vec<[usize; 4]> = Vec::with_capacity(msgs.len());
     for msg in &msgs {
@@ -188,7 +190,7 @@ pub fn lower_timed(p: &Problem, orders: &[RankOrder]) -> Option<Program> {
     }
     Some(Program {
         placement: placement.clone(),
-        microbatches: p.microbatches,
+        microbatches,
         forward_only: false,
         comm: Some(CommPolicy::TimedInFlight),
         ranks,
