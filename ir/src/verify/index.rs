@@ -3,6 +3,7 @@
 //! read from a file cannot make the verifier panic.
 
 use super::report::{Field, Part, Site, Stats, Violation};
+use crate::ir::{steps, Step};
 use crate::ir::{Instr, InstrRef, OptIdx, Payload, PayloadKind, Positions, Program};
 use pipec_schedules::{Microbatch, Pass, Rank, StageId, Task};
 use std::collections::HashMap;
@@ -146,16 +147,16 @@ impl<'p> Index<'p> {
             self.rank_nodes.push(self.batch_start.len() as u32);
             let base = self.pos.base(r);
             let rank = Rank(r as u32);
-            let mut prev_batch: Option<u32> = None;
             // Batch id -> its node on this rank.
             let mut by_id = BatchIds::new(instrs.len());
             // The waits of this rank that named a batch: (position, id).
             let mut waits: Vec<(usize, u32)> = Vec::new();
-            for (i, ins) in instrs.iter().enumerate() {
-                let g = base + i as u32;
-                match *ins {
-                    Instr::Wait { batch } => {
-                        prev_batch = None;
+            // Batches as `ir::steps` cuts them, as every consumer of the program does.
+            for step in steps(instrs) {
+                match step {
+                    Step::Wait { at: i, batch } => {
+                        let g = base + i as u32;
+                        let ins = &instrs[i];
                         let site = Site {
                             at: InstrRef {
                                 rank,
@@ -184,8 +185,12 @@ impl<'p> Index<'p> {
                         self.wait_of.push(target);
                         self.in_flight.push(false);
                     }
-                    Instr::Compute(c) => {
-                        prev_batch = None;
+                    Step::Compute(i) => {
+                        let g = base + i as u32;
+                        let ins = &instrs[i];
+                        let Some(&c) = ins.as_compute() else {
+                            continue;
+                        };
                         self.stats.compute_ops += 1;
                         for (pass, t) in c.parts() {
                             self.compute_parts += 1;
@@ -229,72 +234,25 @@ impl<'p> Index<'p> {
                             }
                         }
                     }
-                    Instr::Send {
-                        peer,
-                        payload,
-                        batch,
-                    }
-                    | Instr::Recv {
-                        peer,
-                        payload,
-                        batch,
-                    } => {
-                        let is_recv = matches!(ins, Instr::Recv { .. });
-                        if is_recv {
-                            self.stats.recvs += 1;
-                        } else {
-                            self.stats.sends += 1;
+                    Step::Batch { id, ops } => {
+                        let b = self.batch_start.len();
+                        by_id.insert(id, b as u32);
+                        self.batch_start.push(base + ops.start as u32);
+                        self.batch_len.push(ops.len() as u32);
+                        self.batch_rank.push(r as u32);
+                        self.wait_of.push(OptIdx::NONE);
+                        self.in_flight.push(false);
+                        for i in ops {
+                            let g = base + i as u32;
+                            self.node_of[g as usize] = OptIdx::some(b as u32);
+                            let ins = &instrs[i];
+                            let (Instr::Send { peer, payload, .. }
+                            | Instr::Recv { peer, payload, .. }) = *ins
+                            else {
+                                continue;
+                            };
+                            self.message(r, i, g, peer, payload, out);
                         }
-                        if prev_batch != Some(batch) {
-                            let node = self.batch_start.len() as u32;
-                            by_id.insert(batch, node);
-                            self.batch_start.push(g);
-                            self.batch_len.push(0);
-                            self.batch_rank.push(r as u32);
-                            self.wait_of.push(OptIdx::NONE);
-                            self.in_flight.push(false);
-                        }
-                        prev_batch = Some(batch);
-                        let b = self.batch_start.len() - 1;
-                        self.batch_len[b] += 1;
-                        self.node_of[g as usize] = OptIdx::some(b as u32);
-                        let site = || Site {
-                            at: InstrRef {
-                                rank,
-                                index: i as u32,
-                            },
-                            instr: *ins,
-                        };
-                        if peer.0 >= self.world {
-                            out.push(Violation::OutOfRange {
-                                site: site(),
-                                field: Field::Peer,
-                                value: peer.0,
-                                bound: self.world,
-                            });
-                        }
-                        let t = Task {
-                            stage: payload.stage,
-                            mb: payload.mb,
-                        };
-                        if !self.task_in_range(t, site, out) || !is_recv || !self.dense {
-                            continue;
-                        }
-                        let pi = self.payload_index(payload);
-                        match self.recv_count[pi] {
-                            0 => self.recv_first[pi] = g,
-                            1 => {
-                                self.multi_recv
-                                    .insert(pi as u32, vec![self.recv_first[pi], g]);
-                            }
-                            _ => {
-                                if let Some(v) = self.multi_recv.get_mut(&(pi as u32)) {
-                                    v.push(g);
-                                }
-                            }
-                        }
-                        // Saturate below 255 so "more than one" stays on the multi path.
-                        self.recv_count[pi] = self.recv_count[pi].saturating_add(1).min(2);
                     }
                 }
             }
@@ -318,6 +276,65 @@ impl<'p> Index<'p> {
         self.rank_nodes.push(self.batch_start.len() as u32);
         self.stats.batches = self.batch_len.iter().filter(|&&n| n > 0).count() as u64;
         self.link_waits();
+    }
+
+    /// S1-S2 of one send or receive (`i` on rank `r`, global id `g`), and its receive counted.
+    #[inline]
+    fn message(
+        &mut self,
+        r: usize,
+        i: usize,
+        g: u32,
+        peer: Rank,
+        payload: crate::ir::Payload,
+        out: &mut Vec<Violation>,
+    ) {
+        let p = self.p;
+        let ins = &p.ranks[r][i];
+        let is_recv = matches!(ins, Instr::Recv { .. });
+        if is_recv {
+            self.stats.recvs += 1;
+        } else {
+            self.stats.sends += 1;
+        }
+        let rank = Rank(r as u32);
+        let site = || Site {
+            at: InstrRef {
+                rank,
+                index: i as u32,
+            },
+            instr: *ins,
+        };
+        if peer.0 >= self.world {
+            out.push(Violation::OutOfRange {
+                site: site(),
+                field: Field::Peer,
+                value: peer.0,
+                bound: self.world,
+            });
+        }
+        let t = Task {
+            stage: payload.stage,
+            mb: payload.mb,
+        };
+        if !self.task_in_range(t, site, out) || !is_recv || !self.dense {
+            return;
+        }
+        let pi = self.payload_index(payload);
+        match self.recv_count[pi] {
+            0 => self.recv_first[pi] = g,
+            1 => {
+                self.multi_recv
+                    .insert(pi as u32, vec![self.recv_first[pi], g]);
+            }
+            _ => {
+                if let Some(v) = self.multi_recv.get_mut(&(pi as u32)) {
+                    v.push(g);
+                }
+            }
+        }
+        // Saturate below 255 so "more than one" stays on the multi path.
+        self.recv_count[pi] = self.recv_count[pi].saturating_add(1).min(2);
     }
 
     /// `block_pred` of every node, and the first wait of each batch left in flight.
