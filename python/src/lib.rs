@@ -7,7 +7,7 @@
 //! Python as JSON text (the same JSON the CLI prints); `pipec/__init__.py` decodes them and
 //! maps the error kinds to the documented exception classes.
 
-use pipec::back::files::{self, Encoding, Header, Loaded};
+use pipec::back::files::{self, Encoding, Header};
 use pipec::back::torch::{export_cells, export_csv, Action, Cell, CsvForm};
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::front::layout::Layout;
@@ -617,7 +617,7 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
         size,
         from: "world_size=",
     });
-    let loaded: Loaded = py
+    let loaded = py
         .detach(|| pipec_runtime::load::load(&path, world))
         .map_err(|e| match e {
             RunError::NotVerified { dir, report } => {
@@ -627,7 +627,7 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
         })?;
     let m = loaded.manifest;
     Ok(NativeSchedule {
-        program: loaded.program,
+        program: loaded.program.into_parts().0,
         layout: m.layout,
         spec: m.schedule,
         source: m.source,

@@ -20,5 +20,5 @@ pub mod transport;
 pub mod watchdog;
 
 pub use error::RunError;
-pub use load::{check_structure, load, load_unverified, LaunchWorld};
+pub use load::{check_structure, load, load_unverified, LaunchWorld, Runnable};
 pub use run::{run_cpu, RunOptions, RunReport};

@@ -8,11 +8,22 @@
 
 use crate::error::RunError;
 use pipec::back::files::{
-    load_dir, load_dir_then, rank_file_name, Encoding, Loaded, MANIFEST_FILE,
+    load_dir, load_dir_verified, rank_file_name, Encoding, Loaded, Manifest, MANIFEST_FILE,
 };
 use pipec::ir::Program;
-use pipec::verify::{verify_at, Level, VerifyOptions, Violation};
+use pipec::verify::{
+    structural, verify_at, Level, Report, Structural, Verified, VerifyOptions, Violation,
+};
 use std::path::Path;
+
+/// A directory ready to run: its manifest and its program, [`Verified`] ([`load`]) or only
+/// [`Structural`] ([`load_unverified`], for `pipec-run --no-verify`). The runtimes take the
+/// program as either ([`pipec::verify::Checked`]), never as a bare [`Program`].
+#[derive(Debug)]
+pub struct Runnable<P> {
+    pub manifest: Manifest,
+    pub program: P,
+}
 
 /// Where the launch's world size came from, for messages.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -24,49 +35,56 @@ pub struct LaunchWorld {
 
 /// Load `dir`, check it is runnable by a launch of `world` ranks (when given), and verify it
 /// (the full verifier, which includes the structural level of [`load_unverified`]).
-pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
-    // The verifier runs while the loader checks the schedule hash; its report counts only
+pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Runnable<Verified>, RunError> {
+    // The verifier runs while the loader checks the schedule hash; its verdict counts only
     // once the launch checks pass too, so refusals come in the same order as without it.
-    let (loaded, report) = load_dir_then(dir, |loaded| {
-        pipec::verify::verify(&loaded.program, &VerifyOptions::default())
-    })?;
-    let loaded = check_launchable(dir, loaded, world)?;
-    if !report.is_valid() {
-        return Err(RunError::NotVerified {
+    let loaded = load_dir_verified(dir, &VerifyOptions::default())?;
+    check_launchable(dir, &loaded.manifest, world)?;
+    match loaded.verdict {
+        Ok(program) => Ok(Runnable {
+            manifest: loaded.manifest,
+            program,
+        }),
+        Err(rejected) => Err(RunError::NotVerified {
             dir: dir.display().to_string(),
-            report: Box::new(report),
-        });
+            report: Box::new(rejected.report),
+        }),
     }
-    Ok(loaded)
 }
 
 /// [`load`] without the full verifier: file, launch and structural checks only. For
 /// `pipec-run --no-verify`, which exists to watch what a broken schedule does (the watchdog).
-pub fn load_unverified(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
+pub fn load_unverified(
+    dir: &Path,
+    world: Option<LaunchWorld>,
+) -> Result<Runnable<Structural>, RunError> {
     let loaded = load_launchable(dir, world)?;
-    check_structure(&loaded.program, loaded.manifest.encoding).map_err(|e| match e {
-        RunError::Refused { file, field, msg } => RunError::Refused {
-            file: dir.join(file).display().to_string(),
-            field,
-            msg,
-        },
-        e => e,
-    })?;
-    Ok(loaded)
+    let encoding = loaded.manifest.encoding;
+    match structural(loaded.program) {
+        Ok(program) => Ok(Runnable {
+            manifest: loaded.manifest,
+            program,
+        }),
+        Err(rejected) => Err(match structure_refusal(&rejected.report, encoding) {
+            RunError::Refused { file, field, msg } => RunError::Refused {
+                file: dir.join(file).display().to_string(),
+                field,
+                msg,
+            },
+            e => e,
+        }),
+    }
 }
 
 /// The instruction-file checks, the launch's world size and the layout's stage count.
 fn load_launchable(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
-    check_launchable(dir, load_dir(dir)?, world)
+    let loaded = load_dir(dir)?;
+    check_launchable(dir, &loaded.manifest, world)?;
+    Ok(loaded)
 }
 
 /// The launch's world size and the layout's stage count, of a directory [`load_dir`] accepted.
-fn check_launchable(
-    dir: &Path,
-    loaded: Loaded,
-    world: Option<LaunchWorld>,
-) -> Result<Loaded, RunError> {
-    let m = &loaded.manifest;
+fn check_launchable(dir: &Path, m: &Manifest, world: Option<LaunchWorld>) -> Result<(), RunError> {
     if let Some(w) = world {
         if w.size != m.world_size {
             return Err(RunError::Refused {
@@ -91,7 +109,7 @@ fn check_launchable(
             ),
         });
     }
-    Ok(loaded)
+    Ok(())
 }
 
 /// The verifier's structural level ([`Level::Structure`]: ids in range, every pass once on its
@@ -101,8 +119,21 @@ fn check_launchable(
 /// verifier's ([`load`] runs it next); under `--no-verify` the watchdog catches it.
 pub fn check_structure(program: &Program, encoding: Encoding) -> Result<(), RunError> {
     let report = verify_at(program, &VerifyOptions::default(), Level::Structure);
-    let Some(first) = report.violations.first() else {
+    if report.is_valid() {
         return Ok(());
+    }
+    Err(structure_refusal(&report, encoding))
+}
+
+/// The refusal of a structural report with violations: the rank file and instruction of the
+/// first, every one listed.
+fn structure_refusal(report: &Report, encoding: Encoding) -> RunError {
+    let Some(first) = report.violations.first() else {
+        return RunError::Refused {
+            file: MANIFEST_FILE.to_string(),
+            field: "placement".to_string(),
+            msg: "refused without a violation".to_string(),
+        };
     };
     let (file, field) = match (first.at(), first) {
         (Some(at), _) => (
@@ -120,7 +151,7 @@ pub fn check_structure(program: &Program, encoding: Encoding) -> Result<(), RunE
     for v in &report.violations[1..] {
         msg.push_str(&format!("\n  [{}] {v}", v.class()));
     }
-    Err(RunError::Refused { file, field, msg })
+    RunError::Refused { file, field, msg }
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use crate::watchdog::Watch;
 use pipec::front::layout::Layout;
 use pipec::ir::Program;
 use pipec::simulate::timeline::Timeline;
+use pipec::verify::Checked;
 use pipec_schedules::Rank;
 use serde::Serialize;
 use std::sync::Arc;
@@ -131,8 +132,22 @@ impl Device for Cpu {
     }
 }
 
-/// Run `program` (already loaded and checked) with the model built from `layout`.
+/// Run `program` (verified, or structurally checked for `--no-verify`) with the model built
+/// from `layout`.
 pub fn run_cpu(
+    program: &impl Checked,
+    layout: &Layout,
+    opts: &RunOptions,
+) -> Result<RunReport, RunError> {
+    run_cpu_unchecked(program.program(), layout, opts)
+}
+
+/// [`run_cpu`] on a program nobody checked, not even its structure. Only for the test that
+/// holds the verifier's verdicts against what the runtime does with thousands of mutated
+/// programs (`tests/integration/verify_vs_run.rs`), where reaching the interpreter unchecked
+/// is the point; `pipec-run` and the Python package never call it.
+#[doc(hidden)]
+pub fn run_cpu_unchecked(
     program: &Program,
     layout: &Layout,
     opts: &RunOptions,

@@ -89,6 +89,7 @@ fn a_second_wait_on_a_batch_passes_on_the_cpu_backend() {
     let waits: usize =
         loaded
             .program
+            .program()
             .ranks
             .iter()
             .map(|r| {

@@ -103,7 +103,8 @@ fn every_mode_trains_bitwise_on_the_cpu_runtime() {
             write_program(&dir, &header, &c.program, Encoding::Json).unwrap();
             let loaded = load(&dir, None).unwrap();
             assert_eq!(
-                loaded.program, c.program,
+                *loaded.program.program(),
+                c.program,
                 "the wait instructions round-trip"
             );
             let report = run_cpu(&loaded.program, &loaded.manifest.layout, &opts)

@@ -758,7 +758,11 @@ fn cli_checks_every_kind_and_writes_a_trace() {
         let events = t["traceEvents"].as_array().unwrap();
         let x: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
         let loaded = load(&dir, None).unwrap();
-        assert_eq!(x.len(), loaded.program.len(), "one event per instruction");
+        assert_eq!(
+            x.len(),
+            loaded.program.program().len(),
+            "one event per instruction"
+        );
         assert!(x.iter().all(|e| e["pid"] == 0
             && e["tid"].as_u64().unwrap() < 2
             && e["dur"].as_f64().unwrap() >= 0.0));
@@ -943,7 +947,7 @@ fn cli_json_report_matches_the_text_report() {
 fn trace_steps_selects_the_traced_steps() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = cli_dir(tmp.path(), "ts", ScheduleKind::OneFOneB, 2, 1, 4);
-    let instrs = load(&dir, None).unwrap().program.len();
+    let instrs = load(&dir, None).unwrap().program.program().len();
     let trace = tmp.path().join("t.json");
     let run = |steps: &str, spec: &str| {
         pipec_run()

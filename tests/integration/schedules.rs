@@ -885,8 +885,10 @@ fn new_kinds_train_like_the_unpipelined_reference() {
                     continue;
                 };
                 let what = format!("{kind} combined {combined} pp {pp} m {m}");
+                let verified = pipec::verify::verified(c.program, &Default::default())
+                    .unwrap_or_else(|r| panic!("{what}: {}", r.report.verdict_line()));
                 let report =
-                    run_cpu(&c.program, &c.layout, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    run_cpu(&verified, &c.layout, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
                 let sim = sim_of(&c.schedule);
                 for st in &report.steps {
                     let chk = st.check.as_ref().expect("check ran");
@@ -907,7 +909,8 @@ fn new_kinds_train_like_the_unpipelined_reference() {
         };
         let sch = schedule(&s);
         let layout = pipec::front::layout::Layout::uniform(pp);
-        let report = run_cpu(&lower(&sch), &layout, &opts).unwrap();
+        let verified = pipec::verify::verified(lower(&sch), &Default::default()).unwrap();
+        let report = run_cpu(&verified, &layout, &opts).unwrap();
         for st in &report.steps {
             assert_eq!(
                 st.check.as_ref().expect("check ran").max_abs_diff,

@@ -1,5 +1,5 @@
 //! The verifier agrees with reality: thousands of randomly mutated schedules, each judged by
-//! `pipec::verify` and then run on the CPU runtime (`pipec_runtime::run_cpu`, rendezvous
+//! `pipec::verify` and then run on the CPU runtime (`pipec_runtime::run::run_cpu_unchecked`, rendezvous
 //! transport, `--check` against the single-thread reference), with no verification or
 //! structural pre-check in between (the program goes straight from the mutation to the
 //! interpreter).
@@ -43,8 +43,9 @@ use pipec::front::layout::Layout;
 use pipec::ir::{Instr, Payload, PayloadKind, Program};
 use pipec::verify::{Class, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
+use pipec_runtime::run::run_cpu_unchecked;
 use pipec_runtime::watchdog::FailureKind;
-use pipec_runtime::{run_cpu, RunError, RunOptions};
+use pipec_runtime::{RunError, RunOptions};
 use pipec_schedules::{generate, Limits, Microbatch, ScheduleKind, ScheduleSpec, StageId};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -247,7 +248,7 @@ fn run(p: &Program, timeout: Duration) -> Outcome {
         check: true,
         trace_steps: None,
     };
-    match run_cpu(p, &Layout::uniform(p.num_stages()), &opts) {
+    match run_cpu_unchecked(p, &Layout::uniform(p.num_stages()), &opts) {
         Ok(r) => match &r.steps[0].check {
             Some(c) if c.max_abs_diff == 0.0 => Outcome::Clean,
             other => Outcome::Other(format!("ran, check {other:?}")),

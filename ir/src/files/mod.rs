@@ -20,9 +20,10 @@ pub use format::{
     rank_file_name, Encoding, Header, Manifest, RankEntry, COMPUTE_ONLY_CAVEAT, FORMAT_VERSION,
     MANIFEST_FILE, MANIFEST_FORMAT, RANK_FORMAT, SEALED_BY,
 };
+pub use read::load_dir_verified;
 pub use read::{
     load_dir, load_dir_then, load_files, load_manifest, load_rank, parse_manifest, parse_rank,
-    sniff, FileKind, LoadError, Loaded,
+    sniff, FileKind, LoadError, Loaded, LoadedVerdict,
 };
 pub use schema::{op_name, OpSchema, OPS};
 pub use seal::{seal_dir, SealError, Sealed};

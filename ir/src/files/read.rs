@@ -517,6 +517,26 @@ pub fn load_dir_then<T: Send>(
     Ok((loaded, t))
 }
 
+/// A directory loaded and judged: its manifest, and its program as the full verifier's
+/// [`Verified`](crate::verify::Verified) value or the violations that refuse it.
+pub struct LoadedVerdict {
+    pub manifest: Manifest,
+    pub verdict: Result<crate::verify::Verified, Box<crate::verify::Rejected>>,
+}
+
+/// [`load_dir_then`] with the full verifier beside the hash check: what a runtime loads
+/// before it runs anything.
+pub fn load_dir_verified(
+    dir: &Path,
+    opts: &crate::verify::VerifyOptions,
+) -> Result<LoadedVerdict, LoadError> {
+    let (loaded, report) = load_dir_then(dir, |l| crate::verify::verify(&l.program, opts))?;
+    Ok(LoadedVerdict {
+        manifest: loaded.manifest,
+        verdict: crate::verify::Verified::seal(loaded.program, report),
+    })
+}
+
 /// Read `path` into `buf`, the reading thread's buffer of its previous rank: no fresh pages
 /// to fault in per file.
 pub(crate) fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<(), LoadError> {

@@ -107,11 +107,13 @@ pub mod report;
 pub mod risk;
 mod routes;
 pub mod streams;
+mod verified;
 
 use crate::ir::{Matching, Program};
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
 pub use streams::StreamRule;
+pub use verified::{structural, verified, Checked, Rejected, Structural, Verified};
 
 /// How much to prove.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

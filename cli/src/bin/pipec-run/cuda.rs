@@ -2,10 +2,11 @@
 
 use crate::args::{Args, DtypeArg};
 use crate::report::{json_head, ms, print_json, print_steps, write_trace, Interp};
-use pipec::back::files::Loaded;
+use pipec::verify::Checked;
 use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
 use pipec_runtime::backend::cuda::launch;
 use pipec_runtime::backend::cuda::run::{run_cuda, CudaRunOptions, Dtype};
+use pipec_runtime::load::Runnable;
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::RunError;
 use std::time::Duration;
@@ -13,7 +14,7 @@ use std::time::Duration;
 pub fn run(
     args: &Args,
     dir: &std::path::Path,
-    loaded: &Loaded,
+    loaded: &Runnable<impl Checked>,
     cfg: ModelConfig,
     header: &str,
     model_line: &str,
@@ -33,12 +34,12 @@ pub fn run(
         dtype,
         launch: launch.clone(),
     };
-    let (program, layout) = (&loaded.program, &loaded.manifest.layout);
-    let report = run_cuda(program, layout, &opts)?;
+    let (program, layout) = (loaded.program.program(), &loaded.manifest.layout);
+    let report = run_cuda(&loaded.program, layout, &opts)?;
     if args.json {
         let timeline = &report.run.timeline;
         write_trace(args, program, timeline)?;
-        let mut out = json_head(args, dir, loaded, cfg, "cuda", dtype.name());
+        let mut out = json_head(args, dir, &loaded.manifest, cfg, "cuda", dtype.name());
         out["ranks"] = serde_json::json!(report.ranks);
         out["devices"] = serde_json::json!(report.devices);
         out["device_count"] = serde_json::json!(report.device_count);

@@ -14,9 +14,12 @@ mod report;
 
 use args::{trace_steps, world, Args, BackendKind};
 use clap::Parser;
+use pipec::verify::Checked;
+use pipec_runtime::load::Runnable;
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, load_unverified, run_cpu, RunError, RunOptions};
 use report::{json_head, print_json, print_report, write_trace, Interp};
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -85,12 +88,21 @@ fn run(args: &Args) -> Result<(), RunError> {
             t.display()
         )));
     }
-    let loaded = if args.no_verify {
+    if args.no_verify {
         eprintln!("WARNING: --no-verify: the schedule was NOT verified; it may hang (the watchdog will report it) or compute on the wrong tensors");
-        load_unverified(dir, world(args)?)?
+        run_loaded(args, dir, &load_unverified(dir, world(args)?)?, cfg)
     } else {
-        load(dir, world(args)?)?
-    };
+        run_loaded(args, dir, &load(dir, world(args)?)?, cfg)
+    }
+}
+
+/// Run a loaded directory: verified, or only structurally checked under `--no-verify`.
+fn run_loaded<P: Checked>(
+    args: &Args,
+    dir: &Path,
+    loaded: &Runnable<P>,
+    cfg: ModelConfig,
+) -> Result<(), RunError> {
     let m = &loaded.manifest;
     let kind = m
         .schedule
@@ -115,7 +127,7 @@ fn run(args: &Args) -> Result<(), RunError> {
     }
     if args.backend == BackendKind::Cuda {
         #[cfg(feature = "cuda")]
-        return cuda::run(args, dir, &loaded, cfg, &header, &model_line);
+        return cuda::run(args, dir, loaded, cfg, &header, &model_line);
     }
     if !args.json {
         println!("{header}, cpu backend, {} rank threads", m.world_size);
@@ -131,22 +143,22 @@ fn run(args: &Args) -> Result<(), RunError> {
     };
     let report = run_cpu(&loaded.program, &m.layout, &opts)?;
     if report.traced.is_empty() {
-        write_trace(args, &loaded.program, &report.timeline)?;
+        write_trace(args, loaded.program.program(), &report.timeline)?;
     } else if let Some(p) = &args.trace {
         let mut b = pipec::back::view::chrome::TraceBuilder::new();
         for (step, t) in &report.traced {
             b.add(
                 &format!("measured (pipec-run) step {}", step + 1),
-                &loaded.program,
+                loaded.program.program(),
                 t,
             );
         }
         std::fs::write(p, b.finish())
             .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
     }
-    let interp = Interp::measure(&loaded.program, &report.steps);
+    let interp = Interp::measure(loaded.program.program(), &report.steps);
     if args.json {
-        let mut out = json_head(args, dir, &loaded, cfg, "cpu", "f32");
+        let mut out = json_head(args, dir, &loaded.manifest, cfg, "cpu", "f32");
         out["steps"] = serde_json::json!(report.steps);
         out["static_peak_activations"] = serde_json::json!(report.static_peak_activations);
         interp.add_to(&mut out);

@@ -128,12 +128,11 @@ impl Interp {
 pub(crate) fn json_head(
     args: &Args,
     dir: &std::path::Path,
-    loaded: &pipec::back::files::Loaded,
+    m: &pipec::back::files::Manifest,
     cfg: ModelConfig,
     backend: &str,
     dtype: &str,
 ) -> serde_json::Value {
-    let m = &loaded.manifest;
     serde_json::json!({
         "program": dir.display().to_string(),
         "schedule": m.schedule.map(|s| serde_json::json!({

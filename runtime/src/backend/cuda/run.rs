@@ -274,10 +274,11 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
 
 /// Run `program` on GPUs; see the module doc for the two modes.
 pub fn run_cuda(
-    program: &Program,
+    program: &impl pipec::verify::Checked,
     layout: &Layout,
     opts: &CudaRunOptions,
 ) -> Result<CudaRunReport, RunError> {
+    let program = program.program();
     if opts.steps == 0 {
         return Err(RunError::ZeroSteps);
     }
