@@ -83,16 +83,16 @@ fn report_error(py: Python<'_>, what: &str, r: &pipec::verify::Report) -> PyErr 
     invalid(py, msg, violations)
 }
 
-/// The verifier with memory counted as every command counts it ([`pipec::memory`]): under
-/// `cost` (the `--cost` text; default: layer-activations), against `memory_limit` (`"80GiB"`
-/// or a plain number in the report's unit), as `pipec check --cost --memory-limit` does.
-fn verify_memory(
-    py: Python<'_>,
+/// Memory counted as every command counts it ([`pipec::memory`]): the weights under `cost`
+/// (the `--cost` text; default: layer-activations) and `memory_limit` (`"80GiB"` or a plain
+/// number in the report's unit) resolved in their unit, as `pipec check --cost --memory-limit`
+/// takes them.
+fn memory_rule(
     program: &Program,
     layout: &Layout,
     memory_limit: Option<&str>,
     cost: Option<&str>,
-) -> PyResult<pipec::verify::Report> {
+) -> PyResult<(pipec::memory::MemoryModel, Option<f64>)> {
     let mut model = CostModel::default();
     if let Some(spec) = cost {
         model
@@ -108,10 +108,7 @@ fn verify_memory(
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
         })
         .transpose()?;
-    let threads = pipec::par::threads_for(program.len() as u64);
-    Ok(py.detach(|| {
-        pipec::verify::verify_with(program, pipec::verify::Level::Full, threads, &mem, limit)
-    }))
+    Ok((mem, limit))
 }
 
 /// The manifest's `cost` for a schedule made under `cost` (the full spec, as the CLI writes
@@ -128,7 +125,8 @@ fn recorded_cost(cost: Option<&str>) -> PyResult<Option<String>> {
 /// A compiled (or loaded) schedule: its program and the header its files carry.
 #[pyclass(module = "pipec._native", frozen)]
 struct NativeSchedule {
-    program: Program,
+    /// Every way to make one verifies it: compile, tune and load.
+    verified: pipec::verify::Verified,
     layout: Layout,
     spec: Option<ScheduleSpec>,
     source: String,
@@ -138,6 +136,10 @@ struct NativeSchedule {
 }
 
 impl NativeSchedule {
+    fn program(&self) -> &Program {
+        self.verified.program()
+    }
+
     fn header(&self) -> Header<'_> {
         Header {
             source: &self.source,
@@ -148,7 +150,7 @@ impl NativeSchedule {
 
     /// `1f1b pp=4 vpp=1 microbatches=8`, as `pipec simulate` names a schedule.
     fn title(&self) -> String {
-        pipec::back::view::report::schedule_title(self.spec.as_ref(), &self.source, &self.program)
+        pipec::back::view::report::schedule_title(self.spec.as_ref(), &self.source, self.program())
     }
 }
 
@@ -170,22 +172,22 @@ fn cell_json(c: &Cell) -> Value {
 impl NativeSchedule {
     #[getter]
     fn pp(&self) -> u32 {
-        self.program.world()
+        self.program().world()
     }
 
     #[getter]
     fn num_stages(&self) -> u32 {
-        self.program.num_stages()
+        self.program().num_stages()
     }
 
     #[getter]
     fn num_microbatches(&self) -> u32 {
-        self.program.microbatches
+        self.program().microbatches
     }
 
     #[getter]
     fn forward_only(&self) -> bool {
-        self.program.forward_only
+        self.program().forward_only
     }
 
     /// The schedule kind (`1f1b`, ...), or the source (`torch-csv`) of an imported one.
@@ -204,12 +206,17 @@ impl NativeSchedule {
 
     #[getter]
     fn placement(&self) -> String {
-        format!("{:?}", self.program.placement.kind).to_lowercase()
+        format!("{:?}", self.program().placement.kind).to_lowercase()
     }
 
     #[getter]
     fn stage_to_rank(&self) -> Vec<u32> {
-        self.program.placement.table().iter().map(|r| r.0).collect()
+        self.program()
+            .placement
+            .table()
+            .iter()
+            .map(|r| r.0)
+            .collect()
     }
 
     #[getter]
@@ -222,10 +229,10 @@ impl NativeSchedule {
     /// from the label), as JSON, without rendering the rank
     /// files the whole manifest would need (for their hashes).
     fn header_json(&self) -> String {
-        let rule = pipec::verify::StreamRule::of(&self.program);
+        let rule = pipec::verify::StreamRule::of(self.program());
         json!({
             "layout": self.layout,
-            "comm_policy": self.program.comm,
+            "comm_policy": self.program().comm,
             "streams": { "per_direction": rule.per_direction, "ops_in_order": rule.ops_in_order },
         })
         .to_string()
@@ -235,19 +242,19 @@ impl NativeSchedule {
     /// cannot run this schedule, or `None`: the rule `pipec tune --target` filters by.
     fn target_refusal(&self, target: &str) -> PyResult<Option<String>> {
         let t: Target = target.parse().map_err(SpecError::new_err)?;
-        Ok(t.check(&self.program).err())
+        Ok(t.check(self.program()).err())
     }
 
     #[getter]
     fn instruction_count(&self) -> usize {
-        self.program.len()
+        self.program().len()
     }
 
     /// The files of the schedule, manifest first: `[(name, bytes)]`.
     /// Rank `rank`'s instruction records as JSON (the array of `rank-<r>.json`), rendering
     /// that rank only.
     fn rank_instructions_json(&self, rank: u32) -> PyResult<String> {
-        let instrs = self.program.ranks.get(rank as usize).ok_or_else(|| {
+        let instrs = self.program().ranks.get(rank as usize).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!("rank {rank} is out of range"))
         })?;
         // The writer emits ASCII only.
@@ -256,15 +263,15 @@ impl NativeSchedule {
 
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {
         let enc = parse_encoding(encoding)?;
-        Ok(files::render(&self.header(), &self.program, enc))
+        Ok(files::render(&self.header(), self.program(), enc))
     }
 
     fn save(&self, path: PathBuf, encoding: &str) -> PyResult<()> {
         let enc = parse_encoding(encoding)?;
         // Streamed from the program, as `pipec compile` writes (no whole-output buffer).
         let header = self.header();
-        let prepared = files::prepare(&header, &self.program, enc).with_cost(self.cost.clone());
-        let threads = files::threads_for(self.program.len() as u64);
+        let prepared = files::prepare(&header, self.program(), enc).with_cost(self.cost.clone());
+        let threads = files::threads_for(self.program().len() as u64);
         files::write_prepared(&path, &prepared, threads, || {
             Ok::<(), std::convert::Infallible>(())
         })
@@ -282,13 +289,17 @@ impl NativeSchedule {
         memory_limit: Option<&str>,
         cost: Option<&str>,
     ) -> PyResult<String> {
-        let r = verify_memory(
-            py,
-            &self.program,
+        let program = self.program();
+        let (mem, limit) = memory_rule(
+            program,
             &self.layout,
             memory_limit,
             cost.or(self.cost.as_deref()),
         )?;
+        let threads = pipec::par::threads_for(program.len() as u64);
+        let r = py.detach(|| {
+            pipec::verify::verify_with(program, pipec::verify::Level::Full, threads, &mem, limit)
+        });
         Ok(json!({
             "valid": r.is_valid(),
             "violations": r.violations.iter().map(|v| format!("[{}] {v}", v.class())).collect::<Vec<_>>(),
@@ -309,10 +320,10 @@ impl NativeSchedule {
                 .apply(spec, None)
                 .map_err(|e| SpecError::new_err(e.render()))?;
         }
-        let costs = StageCosts::new(&model, &self.layout, self.program.num_stages());
+        let costs = StageCosts::new(&model, &self.layout, self.program().num_stages());
         let name = self.title();
-        let result = py.detach(|| simulate(&self.program, &costs));
-        let v = match pipec::back::view::report::json_report(&name, &self.program, &model, &result)
+        let result = py.detach(|| simulate(self.program(), &costs));
+        let v = match pipec::back::view::report::json_report(&name, self.program(), &model, &result)
         {
             Some(v) => v,
             None => {
@@ -328,14 +339,14 @@ impl NativeSchedule {
     /// compute and batches keep their places, the ops of each batch are reordered, waits are
     /// dropped (every batch completes where it stands). See [`blocking_order`].
     fn blocking_order(&self, py: Python<'_>) -> PyResult<Vec<Vec<u32>>> {
-        py.detach(|| blocking_order(&self.program))
+        py.detach(|| blocking_order(self.program()))
             .map_err(|e| PipecError::new_err(format!("{}: {e}", self.title())))
     }
 
     /// torch's schedule CSV (compute+comms unless `compute_only`).
     #[pyo3(signature = (compute_only=false))]
     fn to_torch_csv(&self, compute_only: bool) -> PyResult<String> {
-        export_csv(&self.program, form(compute_only))
+        export_csv(self.program(), form(compute_only))
             .map_err(|e| TorchExportError::new_err(e.to_string()))
     }
 
@@ -343,7 +354,7 @@ impl NativeSchedule {
     /// action, `["OVERLAP_F_B", fwd, bwd]` for an overlapped pair, `null` for an idle cell.
     #[pyo3(signature = (compute_only=false))]
     fn torch_actions(&self, compute_only: bool) -> PyResult<String> {
-        let lines = export_cells(&self.program, form(compute_only))
+        let lines = export_cells(self.program(), form(compute_only))
             .map_err(|e| TorchExportError::new_err(e.to_string()))?;
         let v: Vec<Vec<Value>> = lines
             .iter()
@@ -507,16 +518,19 @@ fn compile_schedule(
             SpecError::new_err(e.to_string())
         }
     })?;
-    let r = verify_memory(py, &c.program, &c.layout, memory_limit.as_deref(), cost)?;
-    if !r.is_valid() {
-        return Err(report_error(
-            py,
-            &format!("{kind} pp={pp} microbatches={microbatches} does not verify"),
-            &r,
-        ));
-    }
+    let (mem, limit) = memory_rule(&c.program, &c.layout, memory_limit.as_deref(), cost)?;
+    let threads = pipec::par::threads_for(c.program.len() as u64);
+    let verified = py
+        .detach(|| pipec::verify::verified_with(c.program, threads, &mem, limit))
+        .map_err(|r| {
+            report_error(
+                py,
+                &format!("{kind} pp={pp} microbatches={microbatches} does not verify"),
+                &r.report,
+            )
+        })?;
     Ok(NativeSchedule {
-        program: c.program,
+        verified,
         layout: c.layout,
         spec: Some(c.spec),
         source: "generated".into(),
@@ -599,7 +613,7 @@ fn tune_schedule(
     let source = t.header(&layout).source.to_string();
     Ok((
         NativeSchedule {
-            program: t.program,
+            verified: t.verified,
             layout,
             spec: t.spec,
             source,
@@ -627,7 +641,7 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
         })?;
     let m = loaded.manifest;
     Ok(NativeSchedule {
-        program: loaded.program.into_parts().0,
+        verified: loaded.program,
         layout: m.layout,
         spec: m.schedule,
         source: m.source,

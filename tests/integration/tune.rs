@@ -234,20 +234,20 @@ fn reported_figures_are_the_programs() {
             ..TuneRequest::new(pp, m, model.clone())
         })
         .unwrap();
-        assert!(t.report.is_valid());
+        assert!(t.report().is_valid());
         assert!(close(
             t.best.makespan,
-            simulated(&t.program, &model, &t.layout)
+            simulated(t.program(), &model, &t.layout)
         ));
         let (act, sparam) = tune::problem::stage_memory(&model, &t.layout);
-        let param = tune::problem::rank_params(&t.program.placement, &sparam);
-        assert_eq!(t.peak_memory, weighted_peaks(&t.program, &act, &param));
+        let param = tune::problem::rank_params(&t.program().placement, &sparam);
+        assert_eq!(t.peak_memory, weighted_peaks(t.program(), &act, &param));
         assert!(t.peak_memory.iter().all(|&x| x <= 40.0));
         let back = layout::parse(&t.best.layout).unwrap();
         assert_eq!(back.stages, t.layout.stages);
         assert_eq!(
             layout::check_against(&back, pp, None, Some(11), None).unwrap(),
-            t.program.num_stages() / pp
+            t.program().num_stages() / pp
         );
     }
 }
@@ -307,10 +307,10 @@ proptest! {
         let limit = (peak / slack).max(layers as f64 / pp as f64 + 1.0);
         match tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), ..TuneRequest::new(pp, m, model.clone()) }) {
             Ok(t) => {
-                prop_assert!(t.report.is_valid());
+                prop_assert!(t.report().is_valid());
                 prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
                 prop_assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
-                prop_assert!(close(t.best.makespan, simulated(&t.program, &model, &t.layout)));
+                prop_assert!(close(t.best.makespan, simulated(t.program(), &model, &t.layout)));
                 // The tuned order's own clock and the simulation of its lowered program agree.
                 if let Some(planned) = t.planned_makespan {
                     prop_assert!(close(planned, t.best.makespan), "planned {} simulated {}", planned, t.best.makespan);
@@ -902,8 +902,8 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
             ..TuneRequest::new(pp, m, model.clone())
         })
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-        assert!(t.report.is_valid(), "{what}");
-        assert!(close(t.best.makespan, simulated(&t.program, &model, &lay)));
+        assert!(t.report().is_valid(), "{what}");
+        assert!(close(t.best.makespan, simulated(t.program(), &model, &lay)));
         if let Some(l) = limit {
             assert!(t.peak_memory.iter().all(|&x| x <= l + 1e-9), "{what}");
         }
@@ -1247,9 +1247,9 @@ fn tune_winner_runs_on_its_target() {
             })
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             for target in choice.targets() {
-                assert!(target.check(&t.program).is_ok(), "{what}: {target}");
+                assert!(target.check(t.program()).is_ok(), "{what}: {target}");
             }
-            assert!(valid(&t.program), "{what}");
+            assert!(valid(t.program()), "{what}");
             assert!(t.best.not_runnable.is_none() && t.best.fits, "{what}");
             for c in &t.candidates {
                 let refused = choice.targets().into_iter().any(|x| {
@@ -1280,10 +1280,10 @@ fn tune_winner_runs_on_its_target() {
     };
     let any = tune::tune(&req).unwrap();
     assert_eq!(
-        any.program.placement.kind,
+        any.program().placement.kind,
         pipec_schedules::PlacementKind::Bidirectional
     );
-    assert!(Target::Torch.check(&any.program).is_err());
+    assert!(Target::Torch.check(any.program()).is_err());
     let torch = tune::tune(&TuneRequest {
         target: TargetChoice::One(Target::Torch),
         ..req

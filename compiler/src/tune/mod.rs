@@ -25,7 +25,7 @@ use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
 use crate::simulate::{simulate, Summary};
-use crate::verify::{self, Report};
+use crate::verify::{self, Report, Verified};
 use pipec_schedules::{
     generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
 };
@@ -146,11 +146,11 @@ pub struct Tuned {
     pub layout: Layout,
     /// The built-in spec, or `None` for the tuned scheduler's order.
     pub spec: Option<ScheduleSpec>,
-    pub program: Program,
+    /// The winner's program, verified (memory counted under the request's cost model).
+    pub verified: Verified,
     pub summary: Summary,
     pub peak_memory: Vec<f64>,
     pub lower_bound: bound::Bound,
-    pub report: Report,
     /// The tuned scheduler's own (list schedule) makespan of the winning order, when it won.
     pub planned_makespan: Option<f64>,
     /// Whether memory figures are bytes (a model or limit given in bytes).
@@ -331,6 +331,16 @@ fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
 }
 
 impl Tuned {
+    /// The winner's program.
+    pub fn program(&self) -> &Program {
+        self.verified.program()
+    }
+
+    /// The verifier's report on it.
+    pub fn report(&self) -> &Report {
+        self.verified.report()
+    }
+
     /// What `pipec tune --json` prints and `pipec.tune` returns: the choice, its layout
     /// string, makespan against the lower bound, bubble, peak memory per rank, every
     /// candidate weighed, the verdict, and `seconds` (how long the search took).
@@ -384,7 +394,7 @@ impl Tuned {
                 .map(|(n, why)| serde_json::json!({"schedule": n, "reason": why}))
                 .collect::<Vec<_>>(),
             "candidates": self.candidates,
-            "verdict": self.report.verdict_line(),
+            "verdict": self.report().verdict_line(),
             "seconds": seconds,
         })
     }
@@ -405,8 +415,8 @@ impl Tuned {
             t,
             &target::Winner {
                 spec: self.spec.as_ref(),
-                placement: &self.program.placement,
-                microbatches: self.program.microbatches,
+                placement: &self.program().placement,
+                microbatches: self.program().microbatches,
                 layout: &self.best.layout,
                 dir: dir.unwrap_or("DIR"),
             },
@@ -905,22 +915,18 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             let schedule = generate(&spec, &req.limits).expect("it was generated before");
             built[i].program = Some(lower(&schedule));
         }
-        let b = &built[i];
-        let program = b.program.as_ref().expect("built above");
-        let mem = crate::memory::weights(program, &b.layout, &req.model);
-        let report = verify::verify_with(
-            program,
-            verify::Level::Full,
-            crate::par::threads_for(program.len() as u64),
-            &mem,
-            None,
-        );
-        if !report.is_valid() {
+        let Some(program) = built[i].program.take() else {
             continue;
-        }
+        };
+        let mem = crate::memory::weights(&program, &built[i].layout, &req.model);
+        let threads = crate::par::threads_for(program.len() as u64);
+        let Ok(verified) = verify::verified_with(program, threads, &mem, None) else {
+            continue;
+        };
+        let program = verified.program();
         let p = Problem::new(
             &req.model,
-            &b.layout,
+            &built[i].layout,
             program.placement.clone(),
             req.microbatches,
             limit,
@@ -929,9 +935,8 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         let b = built.swap_remove(i);
         let mut runs_on = Vec::new();
         let mut not_runnable_on = Vec::new();
-        let program = b.program.expect("built above");
         for t in Target::FRAMEWORKS {
-            match t.check(&program) {
+            match t.check(program) {
                 Ok(()) => runs_on.push(t),
                 Err(why) => not_runnable_on.push((t, why)),
             }
@@ -941,11 +946,10 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             candidates,
             layout: b.layout,
             spec: b.spec,
-            program,
+            verified,
             summary: b.summary,
             peak_memory: b.peaks,
             lower_bound,
-            report,
             planned_makespan: b.planned,
             bytes,
             target: req.target,

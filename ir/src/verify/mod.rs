@@ -113,7 +113,7 @@ use crate::ir::{Matching, Program};
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
 pub use streams::StreamRule;
-pub use verified::{structural, verified, Checked, Rejected, Structural, Verified};
+pub use verified::{structural, verified, verified_with, Checked, Rejected, Structural, Verified};
 
 /// How much to prove.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

@@ -107,6 +107,18 @@ pub fn verified(program: Program, opts: &VerifyOptions) -> Result<Verified, Box<
     Verified::seal(program, report)
 }
 
+/// [`verified`] with memory counted under `mem` against `limit` in its unit
+/// ([`super::verify_with`]: what every command with a layout and a cost model verifies with).
+pub fn verified_with(
+    program: Program,
+    threads: usize,
+    mem: &crate::memory::MemoryModel,
+    limit: Option<f64>,
+) -> Result<Verified, Box<Rejected>> {
+    let report = super::verify_with(&program, Level::Full, threads, mem, limit);
+    Verified::seal(program, report)
+}
+
 /// Check `program`'s structure only ([`Level::Structure`]).
 pub fn structural(program: Program) -> Result<Structural, Box<Rejected>> {
     let report = verify_at(&program, &VerifyOptions::default(), Level::Structure);

@@ -156,15 +156,15 @@ fn write(
     let layout = t.file_layout();
     let header = t.header(&layout);
     // The manifest keeps the cost model tune planned with, so `show` draws tune's timeline.
-    let prepared = files::prepare(&header, &t.program, format.encoding())
+    let prepared = files::prepare(&header, t.program(), format.encoding())
         .with_cost(record_cost.then(|| model.spec()));
-    let mem = pipec::memory::weights(&t.program, &layout, model);
-    let threads = files::threads_for(t.program.len() as u64);
+    let mem = pipec::memory::weights(t.program(), &layout, model);
+    let threads = files::threads_for(t.program().len() as u64);
     super::write_gated(out, &prepared, threads, || {
         // tune verified the program already (memory included); verify again as compile
         // does, so nothing unverified can reach the disk whatever changes upstream.
         super::verify_before_write(
-            &t.program,
+            t.program(),
             super::MemoryCheck {
                 model: &mem,
                 limit: None,
@@ -230,7 +230,7 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             .map(|l| format!(" (limit {})", unit.with_unit(l)))
             .unwrap_or_default()
     );
-    println!("verdict:  {}", t.report.verdict_line());
+    println!("verdict:  {}", t.report().verdict_line());
     if let Some(o) = out {
         println!("wrote {}", o.display());
     }
