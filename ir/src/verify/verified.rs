@@ -137,16 +137,8 @@ mod tests {
 
     fn program(rank0: Vec<Instr>) -> Program {
         let c = |c| Instr::Compute(c);
-        let send = |peer, payload, batch| Instr::Send {
-            peer: Rank(peer),
-            payload,
-            batch,
-        };
-        let recv = |peer, payload, batch| Instr::Recv {
-            peer: Rank(peer),
-            payload,
-            batch,
-        };
+        let send = |peer, payload, batch| Instr::message(true, Rank(peer), payload, batch);
+        let recv = |peer, payload, batch| Instr::message(false, Rank(peer), payload, batch);
         Program {
             placement: Placement::looped(2, 1),
             microbatches: 1,
