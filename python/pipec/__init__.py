@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from . import _native
 from ._native import (
     FileError,
+    Instruction,
     InvalidSchedule,
     LayoutError,
     PipecError,
     SpecError,
+    Step,
     TorchExportError,
 )
 
@@ -27,12 +29,14 @@ __version__ = _native.__version__
 
 __all__ = [
     "FileError",
+    "Instruction",
     "InvalidSchedule",
     "LayoutError",
     "PipecError",
     "Report",
     "Schedule",
     "SpecError",
+    "Step",
     "TorchExportError",
     "compile",
     "cost_model",
@@ -174,10 +178,20 @@ class Schedule:
         """Write the compiled directory (``format`` ``"json"`` or ``"bin"``), atomically."""
         self._n.save(os.fspath(path), format)
 
-    def instructions(self, rank: int) -> list[dict]:
-        """The instruction records of ``rank``'s file (``rank-<r>.json``), in order."""
+    def instructions(self, rank: int) -> list[Instruction]:
+        """The instruction records of ``rank``'s file (``rank-<r>.json``), in order, as typed
+        :class:`Instruction` objects built for that rank only; each reads like the JSON record
+        (``ins["op"]``, ``ins.get("batch")``, ``dict(ins)``, ``ins == {...}``) and by attribute
+        (``ins.op``, ``ins.stage``)."""
         self._check_rank(rank)
-        return json.loads(self._n.rank_instructions_json(rank))
+        return self._n.instructions(rank)
+
+    def steps(self, rank: int) -> list[Step]:
+        """``rank``'s stream as a runtime executes it, cut in Rust (``pipec::ir::steps``, as
+        the verifier, the simulator and both runtimes cut it): compute ops, comm batches (the
+        sends and receives posted together, one NCCL group) and waits, in order."""
+        self._check_rank(rank)
+        return self._n.steps(rank)
 
     def blocking_order(self) -> list[list[int]]:
         """For every rank, the indices of its instructions (into :meth:`instructions`) in an

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import PipecError, Schedule, _as_schedule, _compat
+from ._native import Instruction, Step
 
 _compat.require("pipec.megatron", "torch")
 _compat.require("pipec.megatron", "megatron-core")
@@ -54,11 +55,10 @@ def _manifest(s: Schedule) -> dict:
     return json.loads(s._n.header_json())
 
 
-def _files(s: Schedule) -> tuple[dict, list[list[dict]]]:
-    """The manifest's header fields and every rank's instruction records, from one rendering."""
-    files = dict(s._n.render("json"))
-    streams = [json.loads(files[f"rank-{r}.json"])["instructions"] for r in range(s.pp)]
-    return _manifest(s), streams
+def _files(s: Schedule) -> tuple[dict, list[list[Instruction]]]:
+    """The manifest's header fields and every rank's instruction records (typed, from Rust;
+    no file rendered)."""
+    return _manifest(s), [s.instructions(r) for r in range(s.pp)]
 
 
 def _refuse_bidirectional(s: Schedule) -> None:
@@ -459,7 +459,7 @@ class _Executor:
             self.no_sync_ctx.__exit__(None, None, None)
             self.no_sync_ctx = None
 
-    def run(self, instructions: list[dict]) -> list:
+    def run(self, instructions: list[Instruction], steps: list[Step]) -> list:
         config, model = self.config, self.model
         nsf = config.no_sync_func
         if isinstance(nsf, list):
@@ -498,44 +498,35 @@ class _Executor:
                 config, model, self.last in self.chunk_of
             )
         self._disable_grad_sync()
-        i, n = 0, len(instructions)
-        while i < n:
-            ins = instructions[i]
-            op = ins["op"]
-            if op in ("send", "recv"):
-                b = ins["batch"]
-                j = i
-                while (
-                    j < n
-                    and instructions[j]["op"] in ("send", "recv")
-                    and instructions[j]["batch"] == b
-                ):
-                    j += 1
-                posted = self._post(instructions[i:j], b in waited)
+        # The stream as Rust cuts it (`pipec.ir.steps`): a comm batch is posted as one group.
+        for step in steps:
+            if step.kind == "batch":
+                b = step.batch
+                posted = self._post(step.ops, b in waited)
                 if b in waited:
                     self.pending[b] = posted
                 else:
                     self._complete(posted)
-                i = j
                 continue
+            ins = step.ops[0]
+            op = ins.op
             if op == "wait":
-                self._complete(self.pending.pop(ins["batch"]))
+                self._complete(self.pending.pop(ins.batch))
             elif op == "fwd":
-                self.fwd(ins["stage"], ins["mb"])
+                self.fwd(ins.stage, ins.mb)
             elif op == "bwd":
-                self.bwd(ins["stage"], ins["mb"])
+                self.bwd(ins.stage, ins.mb)
             elif op == "bwd_D":
-                self.bwd_d(ins["stage"], ins["mb"])
+                self.bwd_d(ins.stage, ins.mb)
             elif op == "bwd_W":
-                self.bwd_w(ins["stage"], ins["mb"])
+                self.bwd_w(ins.stage, ins.mb)
             elif op == "fwd_bwd":
                 # Overlapped F&B pair: run as its forward, then its backward (the same math;
                 # the overlap itself is a GPU-stream property, see docs/megatron.md).
-                self.fwd(ins["fwd_stage"], ins["fwd_mb"])
-                self.bwd(ins["bwd_stage"], ins["bwd_mb"])
+                self.fwd(ins.fwd_stage, ins.fwd_mb)
+                self.bwd(ins.bwd_stage, ins.bwd_mb)
             else:
                 raise PipecError(f"rank {self.rank}: unknown instruction {ins!r}")
-            i += 1
         if self.pending:
             raise PipecError(f"rank {self.rank}: batches {sorted(self.pending)} never waited")
         self._enable_grad_sync()
@@ -711,7 +702,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
             pg_collection,
             dist.group.WORLD,
         )
-        return ex.run(streams[rank])
+        return ex.run(streams[rank], s.steps(rank))
 
     pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
     return pipec_forward_backward

@@ -7,6 +7,8 @@
 //! Python as JSON text (the same JSON the CLI prints); `pipec/__init__.py` decodes them and
 //! maps the error kinds to the documented exception classes.
 
+mod records;
+
 use pipec::back::files::{self, Encoding, Header};
 use pipec::back::torch::{export_cells, export_csv, Action, Cell, CsvForm};
 use pipec::compile::{compile, CompileError, CompileRequest};
@@ -140,6 +142,14 @@ impl NativeSchedule {
         self.verified.program()
     }
 
+    fn rank(&self, rank: u32) -> PyResult<&[Instr]> {
+        self.program()
+            .ranks
+            .get(rank as usize)
+            .map(Vec::as_slice)
+            .ok_or_else(|| PyValueError::new_err(format!("rank {rank} is out of range")))
+    }
+
     fn header(&self) -> Header<'_> {
         Header {
             source: &self.source,
@@ -250,15 +260,22 @@ impl NativeSchedule {
         self.program().len()
     }
 
-    /// The files of the schedule, manifest first: `[(name, bytes)]`.
     /// Rank `rank`'s instruction records as JSON (the array of `rank-<r>.json`), rendering
     /// that rank only.
     fn rank_instructions_json(&self, rank: u32) -> PyResult<String> {
-        let instrs = self.program().ranks.get(rank as usize).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!("rank {rank} is out of range"))
-        })?;
+        let instrs = self.rank(rank)?;
         // The writer emits ASCII only.
         Ok(String::from_utf8_lossy(&pipec::back::files::instructions_json(instrs)).into_owned())
+    }
+
+    /// Rank `rank`'s instructions as typed records, built for that rank only.
+    fn instructions(&self, py: Python<'_>, rank: u32) -> PyResult<Vec<Py<records::PyInstruction>>> {
+        records::instructions(py, self.rank(rank)?)
+    }
+
+    /// Rank `rank`'s stream cut into the steps a runtime executes ([`pipec::ir::steps`]).
+    fn steps(&self, py: Python<'_>, rank: u32) -> PyResult<Vec<records::PyStep>> {
+        records::rank_steps(py, self.rank(rank)?)
     }
 
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {
@@ -707,6 +724,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TorchExportError", py.get_type::<TorchExportError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<NativeSchedule>()?;
+    m.add_class::<records::PyInstruction>()?;
+    m.add_class::<records::PyStep>()?;
     m.add_function(wrap_pyfunction!(compile_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(load_dir, m)?)?;
     m.add_function(wrap_pyfunction!(seal_dir, m)?)?;

@@ -25,7 +25,7 @@ pub use read::{
     load_dir, load_dir_then, load_files, load_manifest, load_rank, parse_manifest, parse_rank,
     sniff, FileKind, LoadError, Loaded, LoadedVerdict,
 };
-pub use schema::{op_name, OpSchema, OPS};
+pub use schema::{fields_of, op_name, FieldValue, OpSchema, OPS};
 pub use seal::{seal_dir, SealError, Sealed};
 pub use write::{
     instructions_json, prepare, render, threads_for, write_prepared, write_program, Gated,

@@ -64,6 +64,8 @@ pub(crate) trait Field: Copy + Sized {
     type Bin: Serialize + DeserializeOwned + std::fmt::Debug + Clone + PartialEq + Eq;
     /// The values a field takes, as the schema reports them (Python, docs).
     const KIND: &'static str;
+    /// The value, as [`fields_of`] gives it (Python's typed instructions).
+    fn value(self) -> FieldValue;
     fn to_bin(self) -> Self::Bin;
     /// The value postcard's serde decoding gave, or why it is not one.
     fn from_bin(b: Self::Bin) -> Result<Self, String>;
@@ -82,6 +84,9 @@ pub(crate) trait Field: Copy + Sized {
 impl Field for u32 {
     type Bin = u32;
     const KIND: &'static str = "int";
+    fn value(self) -> FieldValue {
+        FieldValue::Int(self)
+    }
     #[inline(always)]
     fn to_bin(self) -> u32 {
         self
@@ -116,6 +121,12 @@ impl Field for u32 {
 impl Field for PayloadKind {
     type Bin = u8;
     const KIND: &'static str = "act|grad";
+    fn value(self) -> FieldValue {
+        FieldValue::Name(match self {
+            PayloadKind::Act => "act",
+            PayloadKind::Grad => "grad",
+        })
+    }
     #[inline(always)]
     fn to_bin(self) -> u8 {
         match self {
@@ -170,6 +181,13 @@ impl Field for PayloadKind {
     }
 }
 
+/// A field's value as the rank file's JSON writes it: a number, or a name (`"act"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FieldValue {
+    Int(u32),
+    Name(&'static str),
+}
+
 /// One op as the schema describes it: for Python (`pipec.instruction_schema()`), the docs
 /// test, and anything else that must agree with the files without parsing them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,6 +221,14 @@ macro_rules! gen_schema {
         pub fn op_name(ins: &Instr) -> &'static str {
             match *ins {
                 $( $($ir)+ => stringify!($op), )*
+            }
+        }
+
+        /// An instruction's op and its fields in file order, as the JSON writer writes them:
+        /// for readers that want the record without parsing a file (Python's `Instruction`).
+        pub fn fields_of(ins: &Instr) -> (&'static str, Vec<(&'static str, FieldValue)>) {
+            match *ins {
+                $( $($ir)+ => (stringify!($op), vec![$((stringify!($f), Field::value($f))),+]), )*
             }
         }
 
@@ -271,6 +297,20 @@ mod tests {
                 *ins
             );
             assert!(line.starts_with(format!("{{\"op\":\"{}\"", op_name(ins)).as_bytes()));
+            let (op, fields) = fields_of(ins);
+            let mut record = serde_json::Map::new();
+            record.insert("op".into(), op.into());
+            for (k, v) in fields {
+                let v = match v {
+                    FieldValue::Int(i) => serde_json::Value::from(i),
+                    FieldValue::Name(n) => serde_json::Value::from(n),
+                };
+                record.insert(k.into(), v);
+            }
+            assert_eq!(
+                serde_json::Value::Object(record),
+                serde_json::from_slice::<serde_json::Value>(&line).unwrap()
+            );
             let bin = InstrBin::from(ins);
             let one = std::slice::from_ref(ins);
             assert_eq!(
