@@ -11,33 +11,49 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import _native
 from ._native import (
+    BatchStep,
+    ComputeStep,
     FileError,
     Instruction,
     InvalidSchedule,
     LayoutError,
+    Op,
     PipecError,
     SpecError,
-    Step,
+    Task,
     TorchExportError,
+    WaitStep,
 )
+
+# An instruction reads as the read-only dict of its record (rank-<r>.json's line).
+Mapping.register(Instruction)
+
+#: One unit of a rank's stream, as :meth:`Schedule.steps` returns them.
+Step = ComputeStep | BatchStep | WaitStep
 
 __version__ = _native.__version__
 
 __all__ = [
+    "BatchStep",
+    "ComputeStep",
     "FileError",
     "Instruction",
     "InvalidSchedule",
     "LayoutError",
+    "Op",
     "PipecError",
     "Report",
     "Schedule",
     "SpecError",
     "Step",
+    "Task",
     "TorchExportError",
+    "WaitStep",
     "compile",
     "cost_model",
     "kinds",
@@ -179,17 +195,21 @@ class Schedule:
         self._n.save(os.fspath(path), format)
 
     def instructions(self, rank: int) -> list[Instruction]:
-        """The instruction records of ``rank``'s file (``rank-<r>.json``), in order, as typed
-        :class:`Instruction` objects built for that rank only; each reads like the JSON record
-        (``ins["op"]``, ``ins.get("batch")``, ``dict(ins)``, ``ins == {...}``) and by attribute
-        (``ins.op``, ``ins.stage``)."""
+        """The instructions of ``rank``'s file (``rank-<r>.json``), in order, as typed
+        :class:`Instruction` objects made in Rust from that rank alone: ``.op`` (an
+        :class:`Op`), ``.stage``, ``.mb``, ``.peer``, ``.payload``, ``.batch``, ``.fwd`` /
+        ``.bwd`` (a ``fwd_bwd``'s two :class:`Task`), ``.index``. Each also reads as the
+        record's dict did before (``ins["op"] == "fwd"``, ``ins.get``, ``dict(ins)``,
+        ``ins.to_dict()``, equal to that dict)."""
         self._check_rank(rank)
         return self._n.instructions(rank)
 
     def steps(self, rank: int) -> list[Step]:
-        """``rank``'s stream as a runtime executes it, cut in Rust (``pipec::ir::steps``, as
-        the verifier, the simulator and both runtimes cut it): compute ops, comm batches (the
-        sends and receives posted together, one NCCL group) and waits, in order."""
+        """``rank``'s stream as the units it executes, cut in Rust as every pipec consumer
+        cuts it (``pipec_ir::ir::steps``): a :class:`ComputeStep` (``.instruction``), a
+        :class:`BatchStep` (``.id``, ``.ops``: the sends and receives posted together,
+        ``.in_flight``: a later ``wait`` completes it, else it completes where it stands), a
+        :class:`WaitStep` (``.batch``). Reads that rank only."""
         self._check_rank(rank)
         return self._n.steps(rank)
 
@@ -231,8 +251,9 @@ class Schedule:
 
     def torch_actions(self, compute_only: bool = False) -> list[list]:
         """The same actions as :meth:`to_torch_csv`, structured, one list per rank:
-        ``[stage, "TYPE", mb or None]``, or ``["OVERLAP_F_B", fwd, bwd]``."""
-        return json.loads(self._n.torch_actions(compute_only))
+        ``[stage, "TYPE", mb or None]``, or ``["OVERLAP_F_B", fwd, bwd]``, or ``None`` for an
+        idle cell."""
+        return self._n.torch_actions(compute_only)
 
 
 def compile(

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import PipecError, Schedule, _as_schedule, _compat
+from . import Op, PipecError, Schedule, _as_schedule, _compat
 
 _compat.require("pipec.deepspeed", "deepspeed")
 
@@ -43,8 +43,6 @@ __all__ = ["DEEPSPEED_VERSION", "check", "eligible", "use"]
 #: The DeepSpeed release this module is written and tested against; importing it refuses a
 #: release outside its series (``pipec._compat.accepted_range("deepspeed")``).
 DEEPSPEED_VERSION = _compat.TESTED["deepspeed"]
-
-_COMPUTE = ("fwd", "bwd", "bwd_D", "bwd_W", "fwd_bwd")
 
 
 def eligible(schedule: Schedule | str | os.PathLike) -> str | None:
@@ -57,11 +55,6 @@ def eligible(schedule: Schedule | str | os.PathLike) -> str | None:
     """
     # The one rule, in Rust: what `pipec tune --target deepspeed` filters by.
     return _as_schedule(schedule).refusal("deepspeed")
-
-
-def _streams(s: Schedule) -> list[list[dict]]:
-    """Every rank's instruction records, from one rendering of the files."""
-    return [s.instructions(r) for r in range(s.pp)]
 
 
 def check(
@@ -90,26 +83,28 @@ def check(
             f"engine runs {microbatches} (gradient_accumulation_steps), which also scales the "
             "loss: the two must be equal"
         )
-    for r, stream in enumerate(_streams(s)):
-        for i, ins in enumerate(stream):
-            op = ins["op"]
-            if op in ("send", "recv"):
-                want = r + 1 if (op == "send") == (ins["payload"] == "act") else r - 1
-                if ins["peer"] != want:
+    for r in range(s.pp):
+        for i, ins in enumerate(s.instructions(r)):
+            match ins.op:
+                case Op.send | Op.recv:
+                    want = r + 1 if (ins.op == Op.send) == (ins.payload == "act") else r - 1
+                    if ins.peer != want:
+                        raise PipecError(
+                            f"rank {r}, #{i}: {ins.op} of the {ins.payload} of stage {ins.stage} "
+                            f"with rank {ins.peer}; DeepSpeed's p2p sends activations only to "
+                            "the next stage and gradients only to the previous one"
+                        )
+                case Op.bwd_D | Op.bwd_W if not split_backward:
                     raise PipecError(
-                        f"rank {r}, #{i}: {op} of the {ins['payload']} of stage {ins['stage']} "
-                        f"with rank {ins['peer']}; DeepSpeed's p2p sends activations only to "
-                        "the next stage and gradients only to the previous one"
+                        f"{s.kind} splits the backward (rank {r}, #{i}: {ins.op}), but this "
+                        "engine scales the loss (fp16, a bf16 optimizer or a loss scaler), which "
+                        "DeepSpeed applies only in its whole-backward path; compile a kind "
+                        "without split backward (1f1b, gpipe) or train in fp32"
                     )
-            elif op in ("bwd_D", "bwd_W") and not split_backward:
-                raise PipecError(
-                    f"{s.kind} splits the backward (rank {r}, #{i}: {op}), but this engine "
-                    "scales the loss (fp16, a bf16 optimizer or a loss scaler), which DeepSpeed "
-                    "applies only in its whole-backward path; compile a kind without split "
-                    "backward (1f1b, gpipe) or train in fp32"
-                )
-            elif op not in _COMPUTE and op != "wait" and op not in ("send", "recv"):
-                raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{op}`")
+                case Op.fwd | Op.bwd | Op.bwd_D | Op.bwd_W | Op.fwd_bwd | Op.wait:
+                    pass  # waits are left out of the blocking order (every batch blocks)
+                case _:
+                    raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{ins.op}`")
     s.blocking_order()  # raises when blocking one-at-a-time P2P would stall
     return s
 
@@ -150,14 +145,14 @@ def _instructions():
         pass
 
     _INSTR = {
-        "fwd": PipecForward,
-        "bwd": PipecBackward,
-        "bwd_D": PipecBackwardInput,
-        "bwd_W": PipecBackwardWeight,
-        ("send", "act"): PipecSendActivation,
-        ("recv", "act"): PipecRecvActivation,
-        ("send", "grad"): PipecSendGrad,
-        ("recv", "grad"): PipecRecvGrad,
+        Op.fwd: PipecForward,
+        Op.bwd: PipecBackward,
+        Op.bwd_D: PipecBackwardInput,
+        Op.bwd_W: PipecBackwardWeight,
+        (Op.send, "act"): PipecSendActivation,
+        (Op.recv, "act"): PipecRecvActivation,
+        (Op.send, "grad"): PipecSendGrad,
+        (Op.recv, "grad"): PipecRecvGrad,
     }
     return _INSTR
 
@@ -172,14 +167,14 @@ def _program(s: Schedule, rank: int) -> list[Any]:
     out = []
     for i in s.blocking_order()[rank]:
         ins = stream[i]
-        op = ins["op"]
-        if op == "fwd_bwd":  # an overlapped pair runs as its forward, then its backward
-            out.append(cls["fwd"](buffer_id=ins["fwd_mb"]))
-            out.append(cls["bwd"](buffer_id=ins["bwd_mb"]))
-        elif op in ("send", "recv"):
-            out.append(cls[(op, ins["payload"])](buffer_id=ins["mb"]))
-        else:
-            out.append(cls[op](buffer_id=ins["mb"]))
+        match ins.op:
+            case Op.fwd_bwd:  # an overlapped pair runs as its forward, then its backward
+                out.append(cls[Op.fwd](buffer_id=ins.fwd.mb))
+                out.append(cls[Op.bwd](buffer_id=ins.bwd.mb))
+            case Op.send | Op.recv:
+                out.append(cls[(ins.op, ins.payload)](buffer_id=ins.mb))
+            case _:  # fwd, bwd, bwd_D, bwd_W (check refused anything else)
+                out.append(cls[ins.op](buffer_id=ins.mb))
     return out
 
 
@@ -523,14 +518,14 @@ def _exec_recv_grad(self, buffer_id):
 
 
 _HANDLERS = {
-    "fwd": _exec_forward,
-    "bwd": _exec_backward,
-    "bwd_D": _exec_backward_input,
-    "bwd_W": _exec_backward_weight,
-    ("send", "act"): _exec_send_activation,
-    ("recv", "act"): _exec_recv_activation,
-    ("send", "grad"): _exec_send_grad,
-    ("recv", "grad"): _exec_recv_grad,
+    Op.fwd: _exec_forward,
+    Op.bwd: _exec_backward,
+    Op.bwd_D: _exec_backward_input,
+    Op.bwd_W: _exec_backward_weight,
+    (Op.send, "act"): _exec_send_activation,
+    (Op.recv, "act"): _exec_recv_activation,
+    (Op.send, "grad"): _exec_send_grad,
+    (Op.recv, "grad"): _exec_recv_grad,
 }
 
 

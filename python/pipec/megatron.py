@@ -30,8 +30,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import PipecError, Schedule, _as_schedule, _compat
-from ._native import Instruction, Step
+from . import (
+    BatchStep,
+    ComputeStep,
+    Instruction,
+    Op,
+    PipecError,
+    Schedule,
+    Step,
+    WaitStep,
+    _as_schedule,
+    _compat,
+)
 
 _compat.require("pipec.megatron", "torch")
 _compat.require("pipec.megatron", "megatron-core")
@@ -53,12 +63,6 @@ def _manifest(s: Schedule) -> dict:
     """The manifest's ``layout`` and ``comm_policy``, and the program's NCCL stream rule
     ``streams`` (no rank file rendered)."""
     return json.loads(s._n.header_json())
-
-
-def _files(s: Schedule) -> tuple[dict, list[list[Instruction]]]:
-    """The manifest's header fields and every rank's instruction records (typed, from Rust;
-    no file rendered)."""
-    return _manifest(s), [s.instructions(r) for r in range(s.pp)]
 
 
 def _refuse_bidirectional(s: Schedule) -> None:
@@ -142,16 +146,16 @@ def _grad_acc(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
-def _check_data_order(s: Schedule, streams: list[list[dict]]) -> None:
+def _check_data_order(s: Schedule) -> None:
     """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
     iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
-    for r, stream in enumerate(streams):
+    for r in range(s.pp):
         seen: dict[int, list[int]] = {}
-        for ins in stream:
-            if ins["op"] == "fwd":
-                seen.setdefault(ins["stage"], []).append(ins["mb"])
-            elif ins["op"] == "fwd_bwd":
-                seen.setdefault(ins["fwd_stage"], []).append(ins["fwd_mb"])
+        for ins in s.instructions(r):
+            if ins.op == Op.fwd:
+                seen.setdefault(ins.stage, []).append(ins.mb)
+            elif ins.op == Op.fwd_bwd:
+                seen.setdefault(ins.fwd.stage, []).append(ins.fwd.mb)
         for stage, order in seen.items():
             if order != sorted(order):
                 raise PipecError(
@@ -222,27 +226,30 @@ class _Executor:
             return self.world_group
         return self.pp_group
 
-    def _post(self, ops: list[dict], in_flight: bool) -> list[_Op]:
-        """Post one comm batch; returns its record for :meth:`_complete`."""
+    def _post(self, ops: tuple[Instruction, ...], in_flight: bool) -> list[_Op]:
+        """Post one comm batch (a :class:`pipec.BatchStep`'s ops); returns its record for
+        :meth:`_complete`."""
         p2p, what = [], []
         for ins in ops:
-            key = (ins["stage"], ins["mb"])
-            if ins["op"] == "send":
-                if ins["payload"] == "act":
+            key = (ins.stage, ins.mb)
+            if ins.op == Op.send:
+                if ins.payload == "act":
                     t = self.outputs[key]
                 else:
                     t = self.in_grads.pop(key)
-                what.append(("send_" + ins["payload"], key, t))
-                op = dist.P2POp(dist.isend, t, self._global(ins["peer"]), self._group(self.rank))
-            else:
+                what.append(("send_" + ins.payload, key, t))
+                op = dist.P2POp(dist.isend, t, self._global(ins.peer), self._group(self.rank))
+            elif ins.op == Op.recv:
                 t = torch.empty(
                     self.tensor_shape,
                     requires_grad=True,
                     device=self.device,
                     dtype=self.config.pipeline_dtype,
                 )
-                what.append(("recv_" + ins["payload"], key, t))
-                op = dist.P2POp(dist.irecv, t, self._global(ins["peer"]), self._group(ins["peer"]))
+                what.append(("recv_" + ins.payload, key, t))
+                op = dist.P2POp(dist.irecv, t, self._global(ins.peer), self._group(ins.peer))
+            else:
+                raise PipecError(f"rank {self.rank}: {ins.op} in a comm batch")
             p2p.append(op)
         if len(p2p) > 1 and not in_flight and not self.ops_in_order:
             works = dist.batch_isend_irecv(p2p)  # one comm batch = one NCCL group
@@ -459,7 +466,25 @@ class _Executor:
             self.no_sync_ctx.__exit__(None, None, None)
             self.no_sync_ctx = None
 
-    def run(self, instructions: list[Instruction], steps: list[Step]) -> list:
+    def _compute(self, ins: Instruction) -> None:
+        match ins.op:
+            case Op.fwd:
+                self.fwd(ins.stage, ins.mb)
+            case Op.bwd:
+                self.bwd(ins.stage, ins.mb)
+            case Op.bwd_D:
+                self.bwd_d(ins.stage, ins.mb)
+            case Op.bwd_W:
+                self.bwd_w(ins.stage, ins.mb)
+            case Op.fwd_bwd:
+                # Overlapped F&B pair: run as its forward, then its backward (the same math;
+                # the overlap itself is a GPU-stream property, see docs/megatron.md).
+                self.fwd(ins.fwd.stage, ins.fwd.mb)
+                self.bwd(ins.bwd.stage, ins.bwd.mb)
+            case _:
+                raise PipecError(f"rank {self.rank}: pipec.megatron cannot run {ins!r}")
+
+    def run(self, steps: list[Step]) -> list:
         config, model = self.config, self.model
         nsf = config.no_sync_func
         if isinstance(nsf, list):
@@ -481,52 +506,36 @@ class _Executor:
         ]
         # The last weight-gradient op of each chunk (bwd / bwd_W / the bwd half of fwd_bwd).
         self.last_wgrad: dict[int, tuple[int, int]] = {}
-        for ins in instructions:
-            if ins["op"] in ("bwd", "bwd_W"):
-                self.last_wgrad[self.chunk_of[ins["stage"]]] = (ins["stage"], ins["mb"])
-            elif ins["op"] == "fwd_bwd":
-                st = ins["bwd_stage"]
-                self.last_wgrad[self.chunk_of[st]] = (st, ins["bwd_mb"])
+        for step in steps:
+            if not isinstance(step, ComputeStep):
+                continue
+            ins = step.instruction
+            if ins.op in (Op.bwd, Op.bwd_W):
+                self.last_wgrad[self.chunk_of[ins.stage]] = (ins.stage, ins.mb)
+            elif ins.op == Op.fwd_bwd:
+                self.last_wgrad[self.chunk_of[ins.bwd.stage]] = (ins.bwd.stage, ins.bwd.mb)
         psf = config.param_sync_func
         self.param_sync = None
         if psf is not None and not self.forward_only:
             self.param_sync = psf if isinstance(psf, list) else [psf] * len(model)
         self.first_fwd = dict.fromkeys(range(len(model)), True)
-        waited = {i["batch"] for i in instructions if i["op"] == "wait"}
         if config.finalize_model_grads_func is not None and not self.forward_only:
             embedding_module = self.ms.clear_embedding_activation_buffer(
                 config, model, self.last in self.chunk_of
             )
         self._disable_grad_sync()
-        # The stream as Rust cuts it (`pipec.ir.steps`): a comm batch is posted as one group.
         for step in steps:
-            if step.kind == "batch":
-                b = step.batch
-                posted = self._post(step.ops, b in waited)
-                if b in waited:
-                    self.pending[b] = posted
-                else:
-                    self._complete(posted)
-                continue
-            ins = step.ops[0]
-            op = ins.op
-            if op == "wait":
-                self._complete(self.pending.pop(ins.batch))
-            elif op == "fwd":
-                self.fwd(ins.stage, ins.mb)
-            elif op == "bwd":
-                self.bwd(ins.stage, ins.mb)
-            elif op == "bwd_D":
-                self.bwd_d(ins.stage, ins.mb)
-            elif op == "bwd_W":
-                self.bwd_w(ins.stage, ins.mb)
-            elif op == "fwd_bwd":
-                # Overlapped F&B pair: run as its forward, then its backward (the same math;
-                # the overlap itself is a GPU-stream property, see docs/megatron.md).
-                self.fwd(ins.fwd_stage, ins.fwd_mb)
-                self.bwd(ins.bwd_stage, ins.bwd_mb)
-            else:
-                raise PipecError(f"rank {self.rank}: unknown instruction {ins!r}")
+            match step:
+                case BatchStep(id=b, ops=ops, in_flight=in_flight):
+                    posted = self._post(ops, in_flight)
+                    if in_flight:  # completed at the wait that names it
+                        self.pending[b] = posted
+                    else:
+                        self._complete(posted)
+                case WaitStep(batch=b):
+                    self._complete(self.pending.pop(b))
+                case ComputeStep(instruction=ins):
+                    self._compute(ins)
         if self.pending:
             raise PipecError(f"rank {self.rank}: batches {sorted(self.pending)} never waited")
         self._enable_grad_sync()
@@ -568,9 +577,10 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     """
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
-    manifest, streams = _files(s)
-    _check_data_order(s, streams)
+    manifest = _manifest(s)
+    _check_data_order(s)
     layers = _stage_layers(manifest)
+    steps_of: dict[int, list[Step]] = {}  # this process's rank, once known
 
     def pipec_forward_backward(
         *,
@@ -678,7 +688,12 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
                 "variable_seq_lengths=True needs a shape exchange before every receive, "
                 "which pipec's verified stream does not have; refusing"
             )
-        needs_dtype = any(i["op"] == "recv" for i in streams[rank])
+        steps = steps_of.get(rank)
+        if steps is None:
+            steps = steps_of[rank] = s.steps(rank)
+        needs_dtype = any(
+            isinstance(st, BatchStep) and any(o.op == Op.recv for o in st.ops) for st in steps
+        )
         if needs_dtype and config.pipeline_dtype is None:
             raise PipecError("config.pipeline_dtype must be set (the dtype of received tensors)")
         kw = {
@@ -702,7 +717,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
             pg_collection,
             dist.group.WORLD,
         )
-        return ex.run(streams[rank], s.steps(rank))
+        return ex.run(steps)
 
     pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
     return pipec_forward_backward

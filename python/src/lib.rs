@@ -7,10 +7,10 @@
 //! Python as JSON text (the same JSON the CLI prints); `pipec/__init__.py` decodes them and
 //! maps the error kinds to the documented exception classes.
 
-mod records;
+mod typed;
 
 use pipec::back::files::{self, Encoding, Header};
-use pipec::back::torch::{export_cells, export_csv, Action, Cell, CsvForm};
+use pipec::back::torch::{export_cells, export_csv, CsvForm};
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::front::layout::Layout;
 use pipec::ir::{steps, Instr, Matching, Program, Step};
@@ -22,7 +22,7 @@ use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::PathBuf;
 
 create_exception!(
@@ -164,20 +164,6 @@ impl NativeSchedule {
     }
 }
 
-fn action_json(a: &Action) -> Value {
-    json!([a.stage, a.ty.name(), a.mb])
-}
-
-fn cell_json(c: &Cell) -> Value {
-    match c {
-        Cell::Empty => Value::Null,
-        Cell::Action(a) => action_json(a),
-        Cell::Overlap { fwd, bwd } => {
-            json!(["OVERLAP_F_B", action_json(fwd), action_json(bwd)])
-        }
-    }
-}
-
 #[pymethods]
 impl NativeSchedule {
     #[getter]
@@ -268,14 +254,19 @@ impl NativeSchedule {
         Ok(String::from_utf8_lossy(&pipec::back::files::instructions_json(instrs)).into_owned())
     }
 
-    /// Rank `rank`'s instructions as typed records, built for that rank only.
-    fn instructions(&self, py: Python<'_>, rank: u32) -> PyResult<Vec<Py<records::PyInstruction>>> {
-        records::instructions(py, self.rank(rank)?)
+    /// Rank `rank`'s instructions as `Instruction`s, reading that rank only.
+    fn instructions<'py>(
+        &self,
+        py: Python<'py>,
+        rank: u32,
+    ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        typed::instructions(py, self.rank(rank)?)
     }
 
-    /// Rank `rank`'s stream cut into the steps a runtime executes ([`pipec::ir::steps`]).
-    fn steps(&self, py: Python<'_>, rank: u32) -> PyResult<Vec<records::PyStep>> {
-        records::rank_steps(py, self.rank(rank)?)
+    /// Rank `rank`'s steps (`ComputeStep`, `BatchStep`, `WaitStep`), cut by `ir::steps`,
+    /// reading that rank only.
+    fn steps<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        typed::rank_steps(py, self.rank(rank)?)
     }
 
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {
@@ -367,17 +358,19 @@ impl NativeSchedule {
             .map_err(|e| TorchExportError::new_err(e.to_string()))
     }
 
-    /// The same cells as structured JSON, one list per rank: `[stage, "TYPE", mb|null]` for an
-    /// action, `["OVERLAP_F_B", fwd, bwd]` for an overlapped pair, `null` for an idle cell.
+    /// The same cells as Python lists, one list per rank: `[stage, "TYPE", mb|None]` for an
+    /// action, `["OVERLAP_F_B", fwd, bwd]` for an overlapped pair, `None` for an idle cell
+    /// (made directly, no JSON text in between).
     #[pyo3(signature = (compute_only=false))]
-    fn torch_actions(&self, compute_only: bool) -> PyResult<String> {
-        let lines = export_cells(self.program(), form(compute_only))
+    fn torch_actions<'py>(
+        &self,
+        py: Python<'py>,
+        compute_only: bool,
+    ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let lines = py
+            .detach(|| export_cells(self.program(), form(compute_only)))
             .map_err(|e| TorchExportError::new_err(e.to_string()))?;
-        let v: Vec<Vec<Value>> = lines
-            .iter()
-            .map(|l| l.iter().map(cell_json).collect())
-            .collect();
-        Ok(Value::from(v).to_string())
+        typed::torch_cells(py, &lines)
     }
 }
 
@@ -724,8 +717,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TorchExportError", py.get_type::<TorchExportError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<NativeSchedule>()?;
-    m.add_class::<records::PyInstruction>()?;
-    m.add_class::<records::PyStep>()?;
+    m.add_class::<typed::Op>()?;
+    m.add_class::<typed::Task>()?;
+    m.add_class::<typed::Instruction>()?;
+    m.add_class::<typed::ComputeStep>()?;
+    m.add_class::<typed::BatchStep>()?;
+    m.add_class::<typed::WaitStep>()?;
     m.add_function(wrap_pyfunction!(compile_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(load_dir, m)?)?;
     m.add_function(wrap_pyfunction!(seal_dir, m)?)?;

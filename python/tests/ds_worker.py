@@ -241,7 +241,7 @@ def run_train(cfg: dict, rank: int) -> dict:
     if want is not None:
         instr = pds._instructions()
         for op in ("bwd", "bwd_D", "bwd_W"):
-            fn = engine._INSTRUCTION_MAP[instr[op]]
+            fn = engine._INSTRUCTION_MAP[instr[getattr(pipec.Op, op)]]
 
             def counted(eng, buffer_id, fn=fn, op=op):
                 current[0] = (op, buffer_id)

@@ -505,6 +505,12 @@ def test_native_stub_matches_the_module():
     }
     public = {n for n in dir(_native) if not n.startswith("_")} | {"__version__"}
     assert top == public
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NativeSchedule")
-    members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
-    assert members == {n for n in dir(_native.NativeSchedule) if not n.startswith("_")}
+    # Every class's public members, the typed instructions and steps included.
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef) or issubclass(getattr(_native, cls.name), Exception):
+            continue
+        members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)} | {
+            n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)
+        }
+        public = {n for n in dir(getattr(_native, cls.name)) if not n.startswith("_")}
+        assert {m for m in members if not m.startswith("_")} == public, cls.name

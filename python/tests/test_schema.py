@@ -1,5 +1,6 @@
 """#27: the rank file's instructions have one schema, in Rust; the Python executors, which
-dispatch on the JSON ``op`` of each instruction, are checked against it (no torch needed)."""
+dispatch on each typed instruction's ``op`` (a ``pipec.Op``), are checked against it (no torch
+needed)."""
 
 from __future__ import annotations
 
@@ -14,35 +15,16 @@ PKG = Path(pipec.__file__).parent
 
 
 def _ops_named(source: str) -> set[str]:
-    """Every op name the module compares an instruction's ``op`` with (``op == "fwd"``,
-    ``ins["op"] in ("send", "recv")``, ``op not in _COMPUTE`` with ``_COMPUTE`` a literal)."""
+    """Every op the module names: each ``Op.<name>`` it mentions (``ins.op == Op.fwd``,
+    ``case Op.send | Op.recv``, ``{Op.bwd: ...}``), and ``wait`` where it handles a
+    ``WaitStep`` (``Schedule.steps`` hands each wait over as that step, not as an op)."""
     tree = ast.parse(source)
-    consts = {
-        t.id: ast.literal_eval(n.value)
-        for n in tree.body
-        if isinstance(n, ast.Assign)
-        for t in n.targets
-        if isinstance(t, ast.Name) and isinstance(n.value, (ast.Tuple, ast.Set, ast.List))
-    }
-
-    def is_op(e: ast.expr) -> bool:
-        if isinstance(e, ast.Name):
-            return e.id == "op"
-        return isinstance(e, ast.Subscript) and (
-            isinstance(e.slice, ast.Constant) and e.slice.value == "op"
-        )
-
     names: set[str] = set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.Compare) and is_op(n.left):
-            for c in n.comparators:
-                if isinstance(c, ast.Name) and c.id in consts:
-                    names.update(consts[c.id])
-                elif isinstance(c, (ast.Constant, ast.Tuple, ast.Set, ast.List)):
-                    v = ast.literal_eval(c)
-                    names.update(
-                        x for x in ([v] if isinstance(v, str) else v or ()) if isinstance(x, str)
-                    )
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "Op":
+            names.add(n.attr)
+        elif isinstance(n, ast.Name) and n.id == "WaitStep":
+            names.add("wait")
     return names
 
 
@@ -66,3 +48,25 @@ def test_executors_dispatch_exactly_the_schema(module: str):
     the schema lacks: a new instruction fails here until each executor decides what it means."""
     ops = {op for op, _ in _native.instruction_schema()}
     assert _ops_named((PKG / module).read_text()) == ops
+
+
+@pytest.mark.parametrize("module", ["megatron.py", "deepspeed.py", "torch.py"])
+def test_executors_read_typed_instructions(module: str):
+    """No executor reads an instruction as a JSON dict any more (``ins["op"]``), compares a
+    string with an op's name (``op == "fwd"``), or cuts comm batches itself (its batches come
+    from ``Schedule.steps``, cut in Rust): the typed objects from Rust are all they read."""
+    tree = ast.parse((PKG / module).read_text())
+    ops = {op for op, _ in _native.instruction_schema()}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
+            assert n.slice.value not in ("op", "batch", "stage", "mb", "peer", "payload"), (
+                f"{module}:{n.lineno} reads an instruction as a dict"
+            )
+        if isinstance(n, ast.Compare):
+            for c in [n.left, *n.comparators]:
+                consts = c.elts if isinstance(c, (ast.Tuple, ast.Set, ast.List)) else [c]
+                for k in consts:
+                    assert not (isinstance(k, ast.Constant) and k.value in ops), (
+                        f"{module}:{n.lineno} compares a string with the op {k.value!r}"
+                    )
+    assert "rank_instructions_json" not in (PKG / module).read_text()
