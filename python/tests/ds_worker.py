@@ -241,7 +241,8 @@ def run_train(cfg: dict, rank: int) -> dict:
     if want is not None:
         instr = pds._instructions()
         for op in ("bwd", "bwd_D", "bwd_W"):
-            fn = engine._INSTRUCTION_MAP[instr[getattr(pipec.Op, op)]]
+            cls = instr[getattr(pipec.Op, op)]
+            fn = engine._INSTRUCTION_MAP[cls]
 
             def counted(eng, buffer_id, fn=fn, op=op):
                 current[0] = (op, buffer_id)
@@ -250,7 +251,7 @@ def run_train(cfg: dict, rank: int) -> dict:
                 current[0] = None
                 passes[(op, buffer_id)] = passes.get((op, buffer_id), Counter()) + c.ops
 
-            engine._INSTRUCTION_MAP[instr[op]] = counted
+            engine._INSTRUCTION_MAP[cls] = counted
         for name, p in module.named_parameters():
             p.register_post_accumulate_grad_hook(
                 lambda p, name=name: accumulated.append((*(current[0] or ("none", -1)), name))
