@@ -34,6 +34,14 @@ CASES = [
         {"schedule": "interleaved-1f1b", "pp": 4, "vpp": 2, "megatron_p2p": "overlap"},
     ),
     (
+        ["--schedule", "1f1b", "--pp", "3", "--microbatches", "6", "--megatron-p2p", "unbatched"],
+        {"schedule": "1f1b", "pp": 3, "megatron_p2p": "unbatched"},
+    ),
+    (
+        ["--schedule", "dualpipe", "--pp", "4", "--microbatches", "8"],
+        {"schedule": "dualpipe", "pp": 4},
+    ),
+    (
         ["--schedule", "gpipe", "--pp", "2", "--microbatches", "3", "--forward-only"],
         {"schedule": "gpipe", "pp": 2, "forward_only": True},
     ),
@@ -163,6 +171,18 @@ def test_instruction_reads_as_its_record():
     assert ins == s.instructions(1) and hash(ins[0]) == hash(s.instructions(1)[0])
     for a in ins:  # equal exactly when the records are
         assert [a == b for b in ins] == [a.to_dict() == b.to_dict() for b in ins]
+    send = next(i for i in s.instructions(0) if i.op == Op.send)
+    assert (send.peer, send.payload, send.stage, send.mb, send.batch) == (1, "act", 0, 0, 0)
+    assert send.keys() == ["op", "peer", "payload", "stage", "mb", "batch"]
+    fwd = s.instructions(0)[0]
+    assert (fwd.op, fwd.stage, fwd.mb, fwd.peer, fwd.payload, fwd.batch) == (
+        Op.fwd,
+        0,
+        0,
+        None,
+        None,
+        None,
+    )
     fb = next(i for i in ins if i.op == Op.fwd_bwd)
     assert (fb.stage, fb.mb) == (None, None) and fb.fwd.stage == fb.bwd.stage == 1
     assert fb.fwd != fb.bwd and hash(fb.fwd) == hash(Task(fb.fwd.stage, fb.fwd.mb))
