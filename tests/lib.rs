@@ -104,3 +104,16 @@ pub mod ir {
         }
     }
 }
+
+/// `p` with the verifier's verdict, for a test that holds a valid program: what the writers,
+/// the exporters, the simulator and the runtimes take. Panics with the violations otherwise.
+pub fn verified(p: &pipec::Program) -> pipec::verify::Verified<&pipec::Program> {
+    pipec::verify::verified(p, &Default::default())
+        .unwrap_or_else(|r| panic!("does not verify: {}", r.report.verdict_line()))
+}
+
+/// `p` with nothing proved: for tests that write, simulate or run programs the verifier
+/// refuses (or that judge it themselves), through the `--no-verify` entry points.
+pub fn unverified(p: &pipec::Program) -> pipec::verify::Unverified<&pipec::Program> {
+    pipec::verify::Unverified::unchecked(p)
+}

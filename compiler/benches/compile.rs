@@ -6,6 +6,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughpu
 use pipec::back::files::{load_dir, render, write_program, Encoding, Header};
 use pipec::front::layout::{self, Layout};
 use pipec::lower;
+use pipec::verify::{verified, VerifyOptions};
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 use std::hint::black_box;
 
@@ -25,6 +26,8 @@ fn phases(c: &mut Criterion) {
         let s = spec(pp, vpp, m);
         let sched = generate(&s, &Limits::DEFAULT).unwrap();
         let prog = lower(&sched);
+        // Verified once, outside the timed loops: the writers take the verdict.
+        let verified = verified(&prog, &VerifyOptions::default()).expect("valid");
         g.throughput(Throughput::Elements(prog.len() as u64));
         g.bench_function(format!("generate/{name}"), |b| {
             b.iter(|| generate(black_box(&s), &Limits::DEFAULT).unwrap())
@@ -45,7 +48,7 @@ fn phases(c: &mut Criterion) {
             g.bench_function(format!("{label}/{name}"), |b| {
                 b.iter_batched(
                     || (),
-                    |_| render(&header, black_box(&prog), enc),
+                    |_| render(&header, black_box(&verified), enc),
                     BatchSize::PerIteration,
                 )
             });
@@ -55,10 +58,10 @@ fn phases(c: &mut Criterion) {
         let dir = std::env::temp_dir().join(format!("pipec-bench-files-{}", std::process::id()));
         for (label, enc) in [("json", Encoding::Json), ("bin", Encoding::Postcard)] {
             g.bench_function(format!("write_{label}/{name}"), |b| {
-                b.iter(|| write_program(&dir, &header, black_box(&prog), enc).unwrap())
+                b.iter(|| write_program(&dir, &header, black_box(&verified), enc).unwrap())
             });
             // The directory as written (also when a filter skipped the write benchmark).
-            write_program(&dir, &header, &prog, enc).unwrap();
+            write_program(&dir, &header, &verified, enc).unwrap();
             g.bench_function(format!("load_{label}/{name}"), |b| {
                 b.iter(|| load_dir(black_box(&dir)).unwrap())
             });

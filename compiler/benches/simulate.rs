@@ -6,7 +6,8 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pipec::compile::{compile, CompileRequest};
 use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::simulate;
+use pipec::simulate::simulate_unverified;
+use pipec::verify::Unverified;
 use pipec_schedules::ScheduleKind;
 
 fn bench(c: &mut Criterion) {
@@ -28,7 +29,12 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(
             BenchmarkId::from_parameter(format!("pp{pp}_vpp{vpp}_m{m}_{n}instrs")),
             &compiled.program,
-            |b, p| b.iter(|| simulate(p, &costs).expect("no deadlock")),
+            |b, p| {
+                // Unverified: the timed loop includes the send/recv matching, as before.
+                b.iter(|| {
+                    simulate_unverified(&Unverified::unchecked(p), &costs).expect("no deadlock")
+                })
+            },
         );
     }
     g.finish();

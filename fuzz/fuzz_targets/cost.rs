@@ -25,7 +25,8 @@ fuzz_target!(|data: &[u8]| {
     let _ = model.describe();
     let program = program();
     let costs = StageCosts::uniform(&model, program.num_stages());
-    let sim = pipec::simulate::simulate(program, &costs).expect("a valid schedule simulates");
+    let verified = pipec::verify::verified(program, &Default::default()).expect("valid");
+    let sim = pipec::simulate::simulate(&verified, &costs).expect("a valid schedule simulates");
     for rank in &sim.timeline.ranks {
         for span in rank {
             assert!(span.start <= span.end, "span {span:?} (NaN or negative duration)");

@@ -68,10 +68,16 @@ fuzz_target!(|data: &[u8]| {
     }
     let report = verify(&program, &VerifyOptions::default());
     let _ = report.verdict_line();
-    if report.is_valid() {
-        let costs = StageCosts::new(&CostModel::default(), &manifest.layout, program.num_stages());
-        if let Err(e) = pipec::simulate::simulate(&program, &costs) {
-            panic!("verified program does not simulate: {e}");
+    // The verdict as a value agrees with the report, and a verified program simulates.
+    match pipec::verify::verified(&program, &VerifyOptions::default()) {
+        Ok(verified) => {
+            assert!(report.is_valid());
+            let costs =
+                StageCosts::new(&CostModel::default(), &manifest.layout, program.num_stages());
+            if let Err(e) = pipec::simulate::simulate(&verified, &costs) {
+                panic!("verified program does not simulate: {e}");
+            }
         }
+        Err(rejected) => assert_eq!(rejected.report, report),
     }
 });

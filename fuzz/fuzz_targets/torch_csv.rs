@@ -25,9 +25,9 @@ fuzz_target!(|data: &[u8]| {
     let program = &imported.program;
     let report = verify(program, &VerifyOptions::default());
     let _ = report.verdict_line();
-    if report.is_valid() {
+    if let Ok(verified) = pipec::verify::verified(program, &VerifyOptions::default()) {
         let costs = StageCosts::uniform(&CostModel::default(), program.num_stages());
-        if let Err(e) = pipec::simulate::simulate(program, &costs) {
+        if let Err(e) = pipec::simulate::simulate(&verified, &costs) {
             panic!("verified program does not simulate: {e}");
         }
     }

@@ -12,6 +12,9 @@
 //!   [`ir::steps`] (a stream cut into compute ops, comm batches and waits), [`ir::Matching`]
 //!   (sends paired with receives), [`ir::activations`] (live activations per rank).
 //! - [`verify`](mod@verify): the verifier; its module doc is the specification of a valid program.
+//!   Its verdict is a type: [`verify::Verified`] (the program with the report and matching the
+//!   checks built), which the writers, exporters, simulator and runtimes require, or
+//!   [`verify::Rejected`]; `--no-verify` paths hold a [`verify::Unverified`] program.
 //! - [`memory`]: the peak-memory rule the verifier, the simulator and the tuner report, over
 //!   per-stage activation weights and per-rank parameters given as numbers.
 //! - [`files`]: the instruction-file format (manifest, JSON and binary rank files, hashes,
@@ -33,4 +36,4 @@ pub mod verify;
 pub mod words;
 
 pub use ir::{Instr, InstrRef, Payload, PayloadKind, Program};
-pub use verify::{verify, Report, VerifyOptions, Violation};
+pub use verify::{verify, Report, Unverified, Verified, VerifyOptions, Violation};

@@ -13,7 +13,7 @@ use pipec::back::files::{self, Encoding, Header};
 use pipec::back::torch::{export_cells, export_csv, CsvForm};
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::front::layout::Layout;
-use pipec::ir::{steps, Instr, Matching, Program, Step};
+use pipec::ir::{steps, Instr, Program, Step};
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
 use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
@@ -271,7 +271,7 @@ impl NativeSchedule {
 
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {
         let enc = parse_encoding(encoding)?;
-        Ok(files::render(&self.header(), self.program(), enc))
+        Ok(files::render(&self.header(), &self.verified, enc))
     }
 
     fn save(&self, path: PathBuf, encoding: &str) -> PyResult<()> {
@@ -280,13 +280,8 @@ impl NativeSchedule {
         let header = self.header();
         let prepared = files::prepare(&header, self.program(), enc).with_cost(self.cost.clone());
         let threads = files::threads_for(self.program().len() as u64);
-        files::write_prepared(&path, &prepared, threads, || {
-            Ok::<(), std::convert::Infallible>(())
-        })
-        .map_err(|e| match e {
-            files::Gated::Write(e) => FileError::new_err(e.to_string()),
-            files::Gated::Gate(never) => match never {},
-        })
+        files::write_verified(&path, &prepared, threads, &self.verified)
+            .map_err(|e| FileError::new_err(e.to_string()))
     }
 
     /// The verifier's report as JSON: valid, violations, peak activations per rank, risks.
@@ -330,7 +325,7 @@ impl NativeSchedule {
         }
         let costs = StageCosts::new(&model, &self.layout, self.program().num_stages());
         let name = self.title();
-        let result = py.detach(|| simulate(self.program(), &costs));
+        let result = py.detach(|| simulate(&self.verified, &costs));
         let v = match pipec::back::view::report::json_report(&name, self.program(), &model, &result)
         {
             Some(v) => v,
@@ -347,14 +342,14 @@ impl NativeSchedule {
     /// compute and batches keep their places, the ops of each batch are reordered, waits are
     /// dropped (every batch completes where it stands). See [`blocking_order`].
     fn blocking_order(&self, py: Python<'_>) -> PyResult<Vec<Vec<u32>>> {
-        py.detach(|| blocking_order(self.program()))
+        py.detach(|| blocking_order(&self.verified))
             .map_err(|e| PipecError::new_err(format!("{}: {e}", self.title())))
     }
 
     /// torch's schedule CSV (compute+comms unless `compute_only`).
     #[pyo3(signature = (compute_only=false))]
     fn to_torch_csv(&self, compute_only: bool) -> PyResult<String> {
-        export_csv(self.program(), form(compute_only))
+        export_csv(&self.verified, form(compute_only))
             .map_err(|e| TorchExportError::new_err(e.to_string()))
     }
 
@@ -368,7 +363,7 @@ impl NativeSchedule {
         compute_only: bool,
     ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
         let lines = py
-            .detach(|| export_cells(self.program(), form(compute_only)))
+            .detach(|| export_cells(&self.verified, form(compute_only)))
             .map_err(|e| TorchExportError::new_err(e.to_string()))?;
         typed::torch_cells(py, &lines)
     }
@@ -383,8 +378,9 @@ impl NativeSchedule {
 /// at, and the rank moves on when the batch is empty. Which pair completes first does not
 /// change what completes (a rank only leaves a batch, never an op), so when this run stalls,
 /// every serial order of the batches stalls, and the error names the stuck ops.
-fn blocking_order(p: &Program) -> Result<Vec<Vec<u32>>, String> {
-    let m = Matching::of(p).ok_or_else(|| "too many instructions to number".to_string())?;
+fn blocking_order(v: &pipec::verify::Verified) -> Result<Vec<Vec<u32>>, String> {
+    // The verifier's matching: every op has its partner.
+    let (p, m) = (v.program(), v.matching());
     let pos = m.positions();
     let world = p.ranks.len();
     let units: Vec<Vec<Step>> = p.ranks.iter().map(|r| steps(r).collect()).collect();

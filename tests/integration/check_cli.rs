@@ -538,7 +538,11 @@ fn seal_then_check_judges_content() {
         schedule: Some(c.spec),
         layout: &c.layout,
     };
-    for (name, bytes) in files::render(&header, &c.program, files::Encoding::Json) {
+    for (name, bytes) in files::render(
+        &header,
+        &pipec_tests::verified(&c.program),
+        files::Encoding::Json,
+    ) {
         let mut v: Value = serde_json::from_slice(&bytes).unwrap();
         let o = v.as_object_mut().unwrap();
         o.remove("schedule_hash");

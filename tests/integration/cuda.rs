@@ -40,7 +40,13 @@ fn compile_req_to(req: CompileRequest, dir: &Path) {
         schedule: Some(c.spec),
         layout: &c.layout,
     };
-    write_program(dir, &header, &c.program, Encoding::Json).unwrap();
+    write_program(
+        dir,
+        &header,
+        &pipec_tests::verified(&c.program),
+        Encoding::Json,
+    )
+    .unwrap();
 }
 
 /// Megatron's overlap mode (interleaved pp=4 vpp=2, 8 microbatches) with every `wait`
@@ -76,7 +82,13 @@ fn write_double_wait_program(dir: &Path) {
         schedule: None,
         layout: &c.layout,
     };
-    write_program(dir, &header, &program, Encoding::Json).unwrap();
+    write_program(
+        dir,
+        &header,
+        &pipec_tests::verified(&program),
+        Encoding::Json,
+    )
+    .unwrap();
 }
 
 /// The doubled waits load (the verifier accepts a second wait on a completed batch) and pass

@@ -25,7 +25,7 @@ fn format_doc_example_is_current() {
         schedule: Some(c.spec),
         layout: &c.layout,
     };
-    let files = render(&header, &c.program, Encoding::Json);
+    let files = render(&header, &pipec_tests::verified(&c.program), Encoding::Json);
     let blocks = example_blocks();
     assert_eq!(blocks.len(), 2, "manifest and rank-1 examples");
     assert_eq!(blocks[0], String::from_utf8(files[0].1.clone()).unwrap(), "manifest.json example is stale: regenerate with `pipec compile --schedule 1f1b --pp 2 --microbatches 2`");

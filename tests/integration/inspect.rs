@@ -4,7 +4,6 @@
 
 use assert_cmd::Command;
 use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::simulate;
 use pipec::simulate::timeline::Timeline;
 use pipec::{Instr, Program};
 use pipec_schedules::Compute;
@@ -189,7 +188,9 @@ pub(crate) fn timeline_of(dir: &Path) -> (Program, Timeline) {
         &loaded.manifest.layout,
         loaded.program.num_stages(),
     );
-    let sim = simulate(&loaded.program, &costs).unwrap();
+    let sim =
+        pipec::simulate::simulate_unverified(&pipec_tests::unverified(&loaded.program), &costs)
+            .unwrap();
     (loaded.program, sim.timeline)
 }
 

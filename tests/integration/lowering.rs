@@ -192,7 +192,7 @@ fn lockstep_lowers_any_runnable_orders_deadlock_free() {
         let run = pipec_tests::reference::execute(&program);
         assert!(run.finished, "{what}: {:?}", run.problems);
         let costs = StageCosts::uniform(&CostModel::default(), stages);
-        let sim = pipec::simulate::simulate(&program, &costs).unwrap();
+        let sim = pipec::simulate::simulate(&pipec_tests::verified(&program), &costs).unwrap();
         let end = order_ends(&ops, &deps, &orders);
         let order = end.iter().copied().max().unwrap_or(0) as f64;
         assert!(sim.summary.makespan >= order, "{what}");

@@ -20,6 +20,7 @@ mod schedules;
 mod sweep;
 mod torch;
 mod tune;
+mod verdict;
 mod verify;
 mod verify_vs_run;
 mod views;

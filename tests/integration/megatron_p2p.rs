@@ -100,7 +100,13 @@ fn every_mode_trains_bitwise_on_the_cpu_runtime() {
                 schedule: Some(c.spec),
                 layout: &c.layout,
             };
-            write_program(&dir, &header, &c.program, Encoding::Json).unwrap();
+            write_program(
+                &dir,
+                &header,
+                &pipec_tests::verified(&c.program),
+                Encoding::Json,
+            )
+            .unwrap();
             let loaded = load(&dir, None).unwrap();
             assert_eq!(
                 *loaded.program.program(),

@@ -51,7 +51,13 @@ fn write_compiled(c: &Compiled, dir: &Path) {
         schedule: Some(c.spec),
         layout: &c.layout,
     };
-    files::write_program(dir, &header, &c.program, Encoding::Json).unwrap();
+    files::write_program(
+        dir,
+        &header,
+        &pipec_tests::verified(&c.program),
+        Encoding::Json,
+    )
+    .unwrap();
 }
 
 /// Write a hand-made program (bypassing verification) with the uniform layout.
@@ -62,7 +68,7 @@ fn write_program(p: &Program, dir: &Path) {
         schedule: None,
         layout: &layout,
     };
-    files::write_program(dir, &header, p, Encoding::Json).unwrap();
+    files::write_unverified(dir, &header, &pipec_tests::unverified(p), Encoding::Json).unwrap();
 }
 
 /// Load from disk and run: the path `pipec-run` takes, minus printing.
@@ -183,7 +189,7 @@ fn every_peak_activation_figure_is_the_verifiers() {
                 let want: Vec<f64> = peaks.iter().map(|&x| x as f64).collect();
                 assert_eq!(weighted, want, "{what}: tune");
                 let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
-                let sim = pipec::simulate::simulate(p, &costs).unwrap();
+                let sim = pipec::simulate::simulate(&pipec_tests::verified(p), &costs).unwrap();
                 let t0 = sim
                     .timeline
                     .ranks

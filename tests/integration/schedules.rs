@@ -471,9 +471,11 @@ fn dualpipe_v_matches_torch_pp2_m4() {
         assert_eq!(sch.placement.rank_of(Task::new(s, 0)), Rank(want));
     }
     // End to end: pipec's torch exporter writes the lowered program back as torch's file.
-    let csv =
-        pipec::back::torch::export_csv(&lower(&sch), pipec::back::torch::CsvForm::ComputeOnly)
-            .unwrap();
+    let csv = pipec::back::torch::export_csv(
+        &pipec_tests::verified(&lower(&sch)),
+        pipec::back::torch::CsvForm::ComputeOnly,
+    )
+    .unwrap();
     assert_eq!(csv.trim_end(), text.trim_end());
 }
 
@@ -621,7 +623,7 @@ fn pipec_simulate_agrees_with_the_compute_order() {
             let sch = schedule(&s);
             let prog = lower(&sch);
             let costs = StageCosts::uniform(&CostModel::default(), prog.num_stages());
-            let got = pipec::simulate::simulate(&prog, &costs).unwrap();
+            let got = pipec::simulate::simulate(&pipec_tests::verified(&prog), &costs).unwrap();
             let mine = sim_of(&sch);
             let makespan = mine.ranks.iter().map(|r| r.1).max().unwrap() as f64;
             let peaks: Vec<u32> = got
@@ -666,7 +668,7 @@ fn figures_table() -> String {
                 &pipec::simulate::cost::CostModel::default(),
                 c.program.num_stages(),
             );
-            let printed = pipec::simulate::simulate(&c.program, &costs)
+            let printed = pipec::simulate::simulate(&pipec_tests::verified(&c.program), &costs)
                 .expect("no deadlock")
                 .summary
                 .mean_bubble();
@@ -962,7 +964,7 @@ fn fused_per_op_fails_where_lockstep_is_used() {
             let sch = schedule(&spec(ScheduleKind::Zb1P, pp, m));
             let costs = StageCosts::uniform(&CostModel::default(), sch.num_stages());
             let t = |p: &Program| {
-                pipec::simulate::simulate(p, &costs)
+                pipec::simulate::simulate(&pipec_tests::verified(p), &costs)
                     .unwrap()
                     .summary
                     .makespan

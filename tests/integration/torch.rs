@@ -330,7 +330,7 @@ fn export_has_the_shape_of_torchs_own_compute_comms_file() {
         )
         .unwrap(),
     );
-    let text = export_csv(&ours, CsvForm::ComputeComms).unwrap();
+    let text = export_csv(&pipec_tests::verified(&ours), CsvForm::ComputeComms).unwrap();
     let torch = conformance(INTERLEAVED_COMMS);
     assert_eq!(text.lines().count(), torch.lines().count());
     assert!(text.ends_with("\r\n") && torch.ends_with("\r\n"));
@@ -708,7 +708,7 @@ fn strict_reading_is_stricter_than_torchs_runtime() {
         CommPolicy::FusedPerOp,
         &orders,
     );
-    let again = export_csv(&lowered, CsvForm::ComputeComms).unwrap();
+    let again = export_csv(&pipec_tests::verified(&lowered), CsvForm::ComputeComms).unwrap();
     assert_eq!(
         strict_deadlock(&import_csv(&again, &opts()).unwrap().program),
         None
@@ -738,7 +738,7 @@ fn runtime_rules_require_a_wait_per_send() {
         )
         .unwrap(),
     );
-    let text = export_csv(&p, CsvForm::ComputeComms).unwrap();
+    let text = export_csv(&pipec_tests::verified(&p), CsvForm::ComputeComms).unwrap();
     check_torch_runtime_rules(&text.replacen(",0WAIT_SEND_F0", "", 1), &p.placement);
 }
 
@@ -782,8 +782,11 @@ fn compute_comms_round_trip_keeps_compute_and_messages() {
     for s in specs {
         let sched = generate(&s, &Limits::DEFAULT).unwrap();
         let p = pipec::lower(&sched);
-        let text = export_csv(&p, CsvForm::ComputeComms).unwrap();
-        assert_eq!(text, export_csv(&p, CsvForm::ComputeComms).unwrap());
+        let text = export_csv(&pipec_tests::verified(&p), CsvForm::ComputeComms).unwrap();
+        assert_eq!(
+            text,
+            export_csv(&pipec_tests::verified(&p), CsvForm::ComputeComms).unwrap()
+        );
         let back = import_csv(&text, &opts()).unwrap_or_else(|e| panic!("{s:?}\n{e}"));
         assert_eq!(back.program.compute_orders(), p.compute_orders(), "{s:?}");
         // The same messages per rank, in the same FIFO order per peer; only the order of
@@ -815,7 +818,7 @@ fn compute_only_round_trip_equals_lockstep_lowering() {
     for s in grid() {
         let sched = generate(&s, &Limits::DEFAULT).unwrap();
         let p = pipec::lower(&sched);
-        let text = export_csv(&p, CsvForm::ComputeOnly).unwrap();
+        let text = export_csv(&pipec_tests::verified(&p), CsvForm::ComputeOnly).unwrap();
         assert!(!text
             .split("\r\n")
             .any(|l| l.split(',').any(|c| c.is_empty()) && !l.is_empty()));
@@ -831,7 +834,7 @@ fn compute_only_round_trip_equals_lockstep_lowering() {
         assert_eq!(back.program, want, "{s:?}");
         // And its own compute+comms export runs on torch's runtime.
         check_torch_runtime_rules(
-            &export_csv(&back.program, CsvForm::ComputeComms).unwrap(),
+            &export_csv(&pipec_tests::verified(&back.program), CsvForm::ComputeComms).unwrap(),
             &sched.placement,
         );
     }
@@ -851,10 +854,10 @@ fn dualpipev_round_trip_through_both_forms() {
         .count();
     assert_eq!(pairs, 6);
     assert_fifo_matched(p);
-    let only = export_csv(p, CsvForm::ComputeOnly).unwrap();
+    let only = export_csv(&pipec_tests::verified(p), CsvForm::ComputeOnly).unwrap();
     // torch's file without its idle cells (there are none) is exactly our compute-only export.
     assert_eq!(only, conformance(DUALPIPEV_ONLY));
-    let comms = export_csv(p, CsvForm::ComputeComms).unwrap();
+    let comms = export_csv(&pipec_tests::verified(p), CsvForm::ComputeComms).unwrap();
     check_torch_runtime_rules(&comms, &p.placement);
     let back = import_csv(&comms, &opts()).unwrap();
     assert_eq!(back.program.compute_orders(), p.compute_orders());
@@ -882,7 +885,7 @@ fn dualpipev_round_trip_through_both_forms() {
 fn compute_only_export_of_torchs_interleaved_file_drops_only_idle_cells() {
     let text = conformance(INTERLEAVED_ONLY);
     let imp = import_csv(&text, &opts()).unwrap();
-    let ours = export_csv(&imp.program, CsvForm::ComputeOnly).unwrap();
+    let ours = export_csv(&pipec_tests::verified(&imp.program), CsvForm::ComputeOnly).unwrap();
     let squeezed: String = text
         .split("\r\n")
         .filter(|l| !l.is_empty())
@@ -1292,7 +1295,7 @@ mod never_panics {
                 // Whatever imports exports again without error.
                 Ok(i) => {
                     for f in [CsvForm::ComputeOnly, CsvForm::ComputeComms] {
-                        prop_assert!(export_csv(&i.program, f).is_ok());
+                        prop_assert!(pipec::back::torch::export_csv_unverified(&pipec_tests::unverified(&i.program), f).is_ok());
                     }
                 }
             }
@@ -1455,7 +1458,11 @@ fn export_refuses_what_the_csv_cannot_say() {
         if let Instr::Send { peer: q, .. } = &mut p.ranks[0][first_send] {
             *q = peer;
         }
-        let e = export_csv(&p, CsvForm::ComputeComms).unwrap_err();
+        let e = pipec::back::torch::export_csv_unverified(
+            &pipec_tests::unverified(&p),
+            CsvForm::ComputeComms,
+        )
+        .unwrap_err();
         assert_eq!(
             matches!(e, ExportError::SelfMessage { .. }),
             want_self,
@@ -1467,7 +1474,11 @@ fn export_refuses_what_the_csv_cannot_say() {
             "{e}"
         );
         // The compute-only form has no messages to get wrong.
-        assert!(export_csv(&p, CsvForm::ComputeOnly).is_ok());
+        assert!(pipec::back::torch::export_csv_unverified(
+            &pipec_tests::unverified(&p),
+            CsvForm::ComputeOnly
+        )
+        .is_ok());
     }
     // A gradient received from stage -1 names no stage.
     p = good;
@@ -1477,7 +1488,10 @@ fn export_refuses_what_the_csv_cannot_say() {
         batch: 99,
     });
     assert!(matches!(
-        export_csv(&p, CsvForm::ComputeComms),
+        pipec::back::torch::export_csv_unverified(
+            &pipec_tests::unverified(&p),
+            CsvForm::ComputeComms
+        ),
         Err(ExportError::NoNeighbour { .. })
     ));
 }
@@ -1489,7 +1503,7 @@ fn export_refuses_bidirectional_placements() {
     let s = spec(ScheduleKind::DualPipe, 4, 1, 8, false);
     let p = pipec::lower(&generate(&s, &Limits::DEFAULT).unwrap());
     for form in [CsvForm::ComputeOnly, CsvForm::ComputeComms] {
-        let e = export_csv(&p, form).unwrap_err();
+        let e = export_csv(&pipec_tests::verified(&p), form).unwrap_err();
         assert!(e.to_string().contains("bidirectional"), "{e}");
     }
 }

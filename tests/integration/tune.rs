@@ -8,7 +8,6 @@ use assert_cmd::Command;
 use pipec::front::layout::{self, Layout};
 use pipec::lower::lower;
 use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::simulate;
 use pipec::tune::{self, greedy, problem::Problem, split, TuneRequest};
 use pipec::verify::{memory::weighted_peaks, verify, VerifyOptions};
 use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
@@ -32,7 +31,10 @@ fn placements(pp: u32, m: u32) -> Vec<Placement> {
 
 fn simulated(program: &pipec::Program, model: &CostModel, layout: &Layout) -> f64 {
     let costs = StageCosts::new(model, layout, program.num_stages());
-    simulate(program, &costs).unwrap().summary.makespan
+    pipec::simulate::simulate_unverified(&pipec_tests::unverified(program), &costs)
+        .unwrap()
+        .summary
+        .makespan
 }
 
 fn valid(program: &pipec::Program) -> bool {
@@ -585,7 +587,11 @@ fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
         if let Some(prog) = tune::lower_timed(p, &orders) {
             let peaks = weighted_peaks(&prog, &p.act, &p.param);
             if peaks.iter().zip(&p.limit).all(|(x, l)| *x <= l + 1e-9) {
-                let sim = simulate(&prog, costs).unwrap().summary.makespan;
+                let sim =
+                    pipec::simulate::simulate_unverified(&pipec_tests::unverified(&prog), costs)
+                        .unwrap()
+                        .summary
+                        .makespan;
                 best = Some(best.map_or(sim, |b: f64| b.min(sim)));
             }
         }
@@ -648,7 +654,10 @@ fn exact_search_agrees_with_brute_force() {
                 // Its orders run in exactly that time.
                 let prog = tune::lower_timed(&p, &exact.orders).unwrap();
                 assert!(close(
-                    simulate(&prog, &costs).unwrap().summary.makespan,
+                    pipec::simulate::simulate_unverified(&pipec_tests::unverified(&prog), &costs)
+                        .unwrap()
+                        .summary
+                        .makespan,
                     brute
                 ));
                 if let Some((plan, _)) = tune::best_plan(&p) {

@@ -888,8 +888,13 @@ fn cli_check_reports_every_violation_of_a_broken_directory() {
         schedule: None,
         layout: &layout,
     };
-    pipec::back::files::write_program(&dir, &header, &p, pipec::back::files::Encoding::Json)
-        .unwrap();
+    pipec::back::files::write_unverified(
+        &dir,
+        &header,
+        &pipec_tests::unverified(&p),
+        pipec::back::files::Encoding::Json,
+    )
+    .unwrap();
     let out = pipec().arg("check").arg(&dir).assert().code(1);
     let stdout = String::from_utf8(out.get_output().stdout.clone()).unwrap();
     assert!(

@@ -29,7 +29,7 @@ fn sim(c: &Compiled, cost: &str) -> Simulation {
     let model = CostModel::parse(cost).expect("cost spec");
     let costs = StageCosts::new(&model, &c.layout, c.program.num_stages());
     assert!(costs.layout_used);
-    simulate(&c.program, &costs).expect("no deadlock")
+    simulate(&pipec_tests::verified(&c.program), &costs).expect("no deadlock")
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -409,7 +409,7 @@ fn reference(
 fn check_against_reference(p: &Program, x: f64, rendezvous: bool) -> Result<(), TestCaseError> {
     let spec = format!("f=1,b=0.5,w=0.5,p2p={x},rendezvous={rendezvous}");
     let costs = StageCosts::uniform(&CostModel::parse(&spec).unwrap(), p.num_stages());
-    let got = simulate(p, &costs);
+    let got = pipec::simulate::simulate_unverified(&pipec_tests::unverified(p), &costs);
     match (reference(p, 1.0, x, rendezvous), got) {
         (Ok(want), Ok(s)) => {
             for (r, spans) in want.iter().enumerate() {
@@ -783,7 +783,13 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
         layout: &layout,
     };
     let dir = tmp.join("deadlock");
-    files::write_program(&dir, &header, &program, files::Encoding::Json).unwrap();
+    files::write_unverified(
+        &dir,
+        &header,
+        &pipec_tests::unverified(&program),
+        files::Encoding::Json,
+    )
+    .unwrap();
     dir
 }
 
@@ -1188,8 +1194,8 @@ fn snapshot_split_backward_and_pairs() {
         width: 100,
         ..Default::default()
     };
-    let s = simulate(&split, &costs).expect("split program runs");
-    let p = simulate(&paired, &costs).expect("paired program runs");
+    let s = simulate(&pipec_tests::verified(&split), &costs).expect("split program runs");
+    let p = simulate(&pipec_tests::verified(&paired), &costs).expect("paired program runs");
     insta::assert_snapshot!(
         "text_split_and_paired_pp3_m4",
         format!(
@@ -1376,7 +1382,7 @@ fn show_legend_fits_the_width() {
         3,
     );
     for program in [&split, &paired, &c.program] {
-        let s = simulate(program, &costs).unwrap();
+        let s = simulate(&pipec_tests::verified(program), &costs).unwrap();
         for width in (20..=140).step_by(3) {
             for color in [false, true] {
                 let text = timeline_text::render(
@@ -1398,7 +1404,7 @@ fn show_legend_fits_the_width() {
         }
     }
     // At 80 columns the legend of all five kinds takes several lines, none wider than 80.
-    let s = simulate(&paired, &costs).unwrap();
+    let s = simulate(&pipec_tests::verified(&paired), &costs).unwrap();
     let text = timeline_text::render(
         &paired,
         &s.timeline,

@@ -254,15 +254,45 @@ impl fmt::Display for Deadlock {
     }
 }
 
-/// Simulate `program` under `costs`.
-pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, SimError> {
+/// Simulate a verified `program` under `costs`, with the verifier's matching.
+pub fn simulate<P: std::borrow::Borrow<Program>>(
+    program: &crate::verify::Verified<P>,
+    costs: &StageCosts,
+) -> Result<Simulation, SimError> {
+    simulate_program(program.program(), costs, Some(program.matching()))
+}
+
+/// [`simulate`] a program nobody verified (a view of loaded or imported files, a tuner's
+/// candidate before its verdict): a deadlock or a bad id is an error, not a panic.
+pub fn simulate_unverified<P: std::borrow::Borrow<Program>>(
+    program: &crate::verify::Unverified<P>,
+    costs: &StageCosts,
+) -> Result<Simulation, SimError> {
+    simulate_program(program.program(), costs, None)
+}
+
+fn simulate_program(
+    program: &Program,
+    costs: &StageCosts,
+    matching: Option<&Matching>,
+) -> Result<Simulation, SimError> {
     check_ids(program, costs)?;
-    let Some(matching) = Matching::of(program) else {
-        return Err(SimError::TooLarge {
-            instructions: program.len() as u64,
-        });
+    let owned;
+    let matching = match matching {
+        Some(m) => m,
+        None => match Matching::of(program) {
+            Some(m) => {
+                owned = m;
+                &owned
+            }
+            None => {
+                return Err(SimError::TooLarge {
+                    instructions: program.len() as u64,
+                })
+            }
+        },
     };
-    let mut sim = Sim::new(program, costs, &matching);
+    let mut sim = Sim::new(program, costs, matching);
     sim.run();
     if let Some(d) = sim.deadlock() {
         return Err(SimError::Deadlock(d));
@@ -677,6 +707,7 @@ mod tests {
     use super::*;
     use crate::ir::Payload;
     use crate::simulate::cost::CostModel;
+    use crate::verify::Unverified;
     use pipec_schedules::{Compute, Placement, Task};
 
     fn fwd(s: u32, m: u32) -> Instr {
@@ -732,7 +763,8 @@ mod tests {
             ],
         ]);
         // f=1, full bwd = 2, transfer 0.5, rendezvous.
-        let s = simulate(&p, &costs("f=1,b=1,w=1,p2p=0.5", 2)).unwrap();
+        let s = simulate_unverified(&Unverified::unchecked(&p), &costs("f=1,b=1,w=1,p2p=0.5", 2))
+            .unwrap();
         let spans = |r: usize| -> Vec<(f64, f64)> {
             s.timeline.ranks[r]
                 .iter()
@@ -761,7 +793,11 @@ mod tests {
             vec![send(1, Payload::act(0, 0), 0), fwd(0, 0)],
             vec![fwd(1, 0), fwd(1, 0), recv(0, Payload::act(0, 0), 0)],
         ]);
-        let s = simulate(&p, &costs("p2p=1,rendezvous=false", 2)).unwrap();
+        let s = simulate_unverified(
+            &Unverified::unchecked(&p),
+            &costs("p2p=1,rendezvous=false", 2),
+        )
+        .unwrap();
         assert_eq!(
             s.timeline.ranks[0][0],
             Span {
@@ -776,7 +812,7 @@ mod tests {
                 end: 2.0
             }
         );
-        let s = simulate(&p, &costs("p2p=1", 2)).unwrap();
+        let s = simulate_unverified(&Unverified::unchecked(&p), &costs("p2p=1", 2)).unwrap();
         // Rendezvous: the send waits for the recv posted at 2, then transfer 1.
         assert_eq!(
             s.timeline.ranks[0][0],
@@ -807,7 +843,7 @@ mod tests {
                 recv(0, Payload::act(0, 0), 1),
             ],
         ]);
-        let e = simulate(&p, &costs("", 2)).unwrap_err();
+        let e = simulate_unverified(&Unverified::unchecked(&p), &costs("", 2)).unwrap_err();
         let SimError::Deadlock(d) = e else {
             panic!("expected deadlock, got {e:?}")
         };
@@ -835,7 +871,9 @@ mod tests {
         );
         let text = d.to_string();
         assert!(text.contains("rank 0, #0 waits in a comm batch"), "{text}");
-        assert!(simulate(&p, &costs("rendezvous=false", 2)).is_ok());
+        assert!(
+            simulate_unverified(&Unverified::unchecked(&p), &costs("rendezvous=false", 2)).is_ok()
+        );
         // Fused into one batch each, the exchange is fine under rendezvous too.
         let p = program(vec![
             vec![
@@ -847,25 +885,27 @@ mod tests {
                 recv(0, Payload::act(0, 0), 0),
             ],
         ]);
-        assert!(simulate(&p, &costs("", 2)).is_ok());
+        assert!(simulate_unverified(&Unverified::unchecked(&p), &costs("", 2)).is_ok());
     }
 
     #[test]
     fn unmatched_and_bad_ids_are_reported() {
         let p = program(vec![vec![recv(1, Payload::act(0, 0), 0)], vec![fwd(1, 0)]]);
-        let SimError::Deadlock(d) = simulate(&p, &costs("", 2)).unwrap_err() else {
+        let SimError::Deadlock(d) =
+            simulate_unverified(&Unverified::unchecked(&p), &costs("", 2)).unwrap_err()
+        else {
             panic!()
         };
         assert_eq!(d.stuck[0].waiting[0].partner, None);
         assert!(d.to_string().contains("has no matching op"));
         let p = program(vec![vec![send(7, Payload::act(0, 0), 0)], vec![]]);
         assert!(matches!(
-            simulate(&p, &costs("", 2)),
+            simulate_unverified(&Unverified::unchecked(&p), &costs("", 2)),
             Err(SimError::PeerOutOfRange { peer: 7, .. })
         ));
         let p = program(vec![vec![fwd(9, 0)], vec![]]);
         assert!(matches!(
-            simulate(&p, &costs("", 2)),
+            simulate_unverified(&Unverified::unchecked(&p), &costs("", 2)),
             Err(SimError::StageOutOfRange { stage: 9, .. })
         ));
     }
@@ -893,7 +933,7 @@ mod tests {
                 index: 0
             })
         );
-        let s = simulate(&p, &costs("p2p=1", w as u32)).unwrap();
+        let s = simulate_unverified(&Unverified::unchecked(&p), &costs("p2p=1", w as u32)).unwrap();
         assert_eq!(s.summary.makespan, 2.0);
     }
 
@@ -903,7 +943,7 @@ mod tests {
             send(0, Payload::act(0, 0), 0),
             recv(0, Payload::act(0, 0), 0),
         ]]);
-        let s = simulate(&p, &costs("p2p=2", 1)).unwrap();
+        let s = simulate_unverified(&Unverified::unchecked(&p), &costs("p2p=2", 1)).unwrap();
         assert_eq!(s.summary.makespan, 2.0);
     }
 }

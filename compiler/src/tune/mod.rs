@@ -24,7 +24,7 @@ use crate::front::layout::{LayerKind, Layout, MAX_LAYERS};
 use crate::ir::Program;
 use crate::lower::lower;
 use crate::simulate::cost::{CostModel, StageCosts};
-use crate::simulate::{simulate, Summary};
+use crate::simulate::{simulate_unverified, Summary};
 use crate::verify::{self, Report, Verified};
 use pipec_schedules::{
     generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
@@ -609,7 +609,8 @@ fn finish(
 ) -> Option<Built> {
     cand.not_runnable = target.refusal(program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
-    let sim = simulate(program, &costs).ok()?;
+    // Every candidate is simulated; only the winner is verified (below, in `tune`).
+    let sim = simulate_unverified(&crate::verify::Unverified::unchecked(program), &costs).ok()?;
     // The one memory rule every command reports ([`crate::memory`]).
     let mem = crate::memory::weights(program, &layout, model);
     let peaks: Vec<f64> = crate::memory::peaks(program, &mem)

@@ -20,22 +20,27 @@ pub use format::{
     rank_file_name, Encoding, Header, Manifest, RankEntry, COMPUTE_ONLY_CAVEAT, FORMAT_VERSION,
     MANIFEST_FILE, MANIFEST_FORMAT, RANK_FORMAT, SEALED_BY,
 };
-pub use read::load_dir_verified;
 pub use read::{
-    load_dir, load_dir_then, load_files, load_manifest, load_rank, parse_manifest, parse_rank,
-    sniff, FileKind, LoadError, Loaded, LoadedVerdict,
+    load_dir, load_dir_then, load_dir_verified, load_files, load_manifest, load_rank,
+    parse_manifest, parse_rank, sniff, FileKind, LoadError, Loaded, LoadedVerdict,
 };
 pub use schema::{fields_of, op_name, FieldValue, OpSchema, OPS};
 pub use seal::{seal_dir, SealError, Sealed};
 pub use write::{
-    instructions_json, prepare, render, threads_for, write_prepared, write_program, Gated,
-    Prepared, WriteError,
+    instructions_json, prepare, render, render_unverified, threads_for, write_prepared,
+    write_program, write_unverified, write_verified, Gated, Prepared, Warrant, WriteError,
 };
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ir::{Instr, Payload, Program};
+    use crate::verify::Unverified;
+
+    /// The samples below are not valid schedules, which the files do not care about.
+    fn u(p: &Program) -> Unverified<&Program> {
+        Unverified::unchecked(p)
+    }
     use pipec_schedules::layout::Layout;
     use pipec_schedules::{generate, Limits, Pass, ScheduleKind, ScheduleSpec, Task};
 
@@ -128,7 +133,7 @@ mod tests {
     fn instructions_json_is_the_rank_files_list() {
         let c = compiled();
         let header = header(&c);
-        let files = render(&header, &c.program, Encoding::Json);
+        let files = render_unverified(&header, &u(&c.program), Encoding::Json);
         for (r, instrs) in c.program.ranks.iter().enumerate() {
             let file: serde_json::Value = serde_json::from_slice(&files[r + 1].1).unwrap();
             let alone: serde_json::Value =
@@ -154,17 +159,17 @@ mod tests {
     fn round_trip_and_determinism() {
         let c = compiled();
         for enc in [Encoding::Json, Encoding::Postcard] {
-            let a = render(&header(&c), &c.program, enc);
-            let b = render(&header(&c), &c.program, enc);
+            let a = render_unverified(&header(&c), &u(&c.program), enc);
+            let b = render_unverified(&header(&c), &u(&c.program), enc);
             assert_eq!(a, b);
             let dir = std::env::temp_dir()
                 .join(format!("pipec-files-test-{}-{enc:?}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
-            write_program(&dir, &header(&c), &c.program, enc).unwrap();
+            write_unverified(&dir, &header(&c), &u(&c.program), enc).unwrap();
             let loaded = load_dir(&dir).unwrap();
             assert_eq!(loaded.program, c.program);
             // Rewriting over a previous schedule is allowed, in either encoding.
-            write_program(&dir, &header(&c), &c.program, Encoding::Json).unwrap();
+            write_unverified(&dir, &header(&c), &u(&c.program), Encoding::Json).unwrap();
             std::fs::remove_dir_all(&dir).unwrap();
         }
     }
@@ -173,8 +178,8 @@ mod tests {
     #[test]
     fn schedule_hash_is_encoding_independent() {
         let c = compiled();
-        let json = render(&header(&c), &c.program, Encoding::Json);
-        let bin = render(&header(&c), &c.program, Encoding::Postcard);
+        let json = render_unverified(&header(&c), &u(&c.program), Encoding::Json);
+        let bin = render_unverified(&header(&c), &u(&c.program), Encoding::Postcard);
         let hash = |f: &[(String, Vec<u8>)]| {
             let m: Manifest = serde_json::from_slice(&f[0].1).unwrap();
             m.schedule_hash
@@ -223,7 +228,7 @@ mod tests {
                 assert_eq!(json.len() as u64, json_size(r as u32, 4, &hash, instrs));
             }
             for enc in [Encoding::Json, Encoding::Postcard] {
-                let files = render(&h, &c.program, enc);
+                let files = render_unverified(&h, &u(&c.program), enc);
                 let p = prepare(&h, &c.program, enc);
                 let m: Manifest = serde_json::from_slice(&files[0].1).unwrap();
                 assert_eq!(m.schedule_hash, hash);
@@ -237,7 +242,10 @@ mod tests {
                 ));
                 let _ = std::fs::remove_dir_all(&dir);
                 for threads in [1, 2, 5] {
-                    write_prepared(&dir, &p, threads, || Ok::<(), ()>(())).unwrap();
+                    write_prepared(&dir, &p, threads, || {
+                        Ok::<_, ()>(Warrant::Unverified(u(&c.program)))
+                    })
+                    .unwrap();
                     let mut names: Vec<_> = std::fs::read_dir(&dir)
                         .unwrap()
                         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -269,7 +277,7 @@ mod tests {
         std::fs::create_dir_all(&parent).unwrap();
         let dir = parent.join("out");
         for threads in [1, 2] {
-            match write_prepared(&dir, &p, threads, || Err::<(), _>("invalid")) {
+            match write_prepared(&dir, &p, threads, || Err::<Warrant, _>("invalid")) {
                 Err(Gated::Gate("invalid")) => {}
                 other => panic!("{other:?}"),
             }
@@ -278,23 +286,39 @@ mod tests {
         // Parents made for the staging directory go too.
         let deep = parent.join("a/b/out");
         assert!(matches!(
-            write_prepared(&deep, &p, 2, || Err::<(), _>("invalid")),
+            write_prepared(&deep, &p, 2, || Err::<Warrant, _>("invalid")),
             Err(Gated::Gate("invalid"))
         ));
         assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("notes.txt"), "mine").unwrap();
         assert!(matches!(
-            write_prepared(&dir, &p, 2, || Err::<(), _>("invalid")),
+            write_prepared(&dir, &p, 2, || Err::<Warrant, _>("invalid")),
             Err(Gated::Gate("invalid"))
         ));
         assert!(matches!(
-            write_prepared(&dir, &p, 2, || Ok::<(), ()>(())),
+            write_prepared(&dir, &p, 2, || Ok::<_, ()>(Warrant::Unverified(u(
+                &c.program
+            )))),
             Err(Gated::Write(WriteError::NotASchedule { .. }))
         ));
         assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 1);
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         std::fs::remove_dir_all(&parent).unwrap();
+    }
+
+    /// A warrant vouches for the program it was given: one for an equal program elsewhere
+    /// does not let another's files into place.
+    #[test]
+    #[should_panic(expected = "a warrant for another program")]
+    fn a_warrant_for_another_program_is_refused() {
+        let (c, other) = (compiled(), compiled());
+        let h = header(&c);
+        let p = prepare(&h, &c.program, Encoding::Json);
+        let dir = std::env::temp_dir().join(format!("pipec-files-warrant-{}", std::process::id()));
+        let _ = write_prepared(&dir, &p, 1, || {
+            Ok::<_, ()>(Warrant::Unverified(u(&other.program)))
+        });
     }
 
     /// Ranks are loaded in parallel, but a refusal names the lowest rank at fault.
@@ -303,7 +327,7 @@ mod tests {
         let c = compiled();
         let dir = std::env::temp_dir().join(format!("pipec-files-low-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        write_program(&dir, &header(&c), &c.program, Encoding::Json).unwrap();
+        write_unverified(&dir, &header(&c), &u(&c.program), Encoding::Json).unwrap();
         std::fs::write(dir.join("rank-3.json"), "{}").unwrap();
         std::fs::remove_file(dir.join("rank-1.json")).unwrap();
         // As load_dir reads a big schedule: on several threads.

@@ -530,10 +530,10 @@ pub fn load_dir_verified(
     dir: &Path,
     opts: &crate::verify::VerifyOptions,
 ) -> Result<LoadedVerdict, LoadError> {
-    let (loaded, report) = load_dir_then(dir, |l| crate::verify::verify(&l.program, opts))?;
+    let (loaded, checked) = load_dir_then(dir, |l| crate::verify::full_check(&l.program, opts))?;
     Ok(LoadedVerdict {
         manifest: loaded.manifest,
-        verdict: crate::verify::Verified::seal(loaded.program, report),
+        verdict: crate::verify::Verified::seal(loaded.program, checked),
     })
 }
 

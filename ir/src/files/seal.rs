@@ -15,8 +15,9 @@ use super::read::{
     check_format_version, check_manifest, decode_rank, json_err, read_file, read_manifest_of,
     LoadError,
 };
-use super::write::{prepare, threads_for, write_prepared, Gated, WriteError};
+use super::write::{prepare, threads_for, write_prepared, Gated, Warrant, WriteError};
 use crate::ir::Program;
+use crate::verify::Unverified;
 use pipec_schedules::layout::Layout;
 use pipec_schedules::{CommPolicy, Placement, ScheduleSpec};
 use serde::Deserialize;
@@ -184,8 +185,9 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         .sealed(m.compiler.clone())
         .with_cost(m.cost.clone());
     let threads = threads_for(instructions);
+    // Sealing vouches for the hashes, not the schedule: the loader verifies what it reads.
     write_prepared(dir, &prepared, threads, || {
-        Ok::<(), std::convert::Infallible>(())
+        Ok::<_, std::convert::Infallible>(Warrant::Unverified(Unverified::unchecked(&program)))
     })
     .map_err(|e| match e {
         Gated::Write(e) => SealError::Write(e),

@@ -4,7 +4,9 @@
 use super::format::*;
 use super::schema::{instructions, Field};
 use crate::ir::{Instr, Payload, PayloadKind, Program};
+use crate::verify::{Report, Unverified, Verified};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
+use std::borrow::Borrow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -219,7 +221,24 @@ fn rank_file_bin(r: u32, world: u32, hash: &str, canonical: &[u8]) -> Vec<u8> {
 /// The files of a compiled schedule, in memory: (file name, bytes), manifest first; the bytes
 /// [`write_program`] writes. For callers that want them in memory (Python's
 /// `Schedule.render`, the viewers reading a torch CSV); writing streams instead.
-pub fn render(
+pub fn render<P: Borrow<Program>>(
+    header: &Header<'_>,
+    program: &Verified<P>,
+    encoding: Encoding,
+) -> Vec<(String, Vec<u8>)> {
+    render_program(header, program.program(), encoding)
+}
+
+/// [`render`] for `--no-verify` (an imported torch CSV the user asked not to verify).
+pub fn render_unverified<P: Borrow<Program>>(
+    header: &Header<'_>,
+    program: &Unverified<P>,
+    encoding: Encoding,
+) -> Vec<(String, Vec<u8>)> {
+    render_program(header, program.program(), encoding)
+}
+
+fn render_program(
     header: &Header<'_>,
     program: &Program,
     encoding: Encoding,
@@ -417,6 +436,31 @@ impl Prepared<'_> {
 /// in cache between the two, large enough that system calls are few.
 const CHUNK: usize = 256 << 10;
 
+/// What lets a directory [`write_prepared`] staged take its place: the verifier's verdict on
+/// the very program prepared, or the caller's explicit `--no-verify`.
+#[derive(Debug)]
+pub enum Warrant<'p> {
+    Verified(Verified<&'p Program>),
+    Unverified(Unverified<&'p Program>),
+}
+
+impl<'p> Warrant<'p> {
+    pub fn program(&self) -> &'p Program {
+        match self {
+            Warrant::Verified(v) => v.borrowed(),
+            Warrant::Unverified(u) => u.borrowed(),
+        }
+    }
+
+    /// The verifier's report, when it verified.
+    pub fn report(&self) -> Option<&Report> {
+        match self {
+            Warrant::Verified(v) => Some(v.report()),
+            Warrant::Unverified(_) => None,
+        }
+    }
+}
+
 /// Why [`write_prepared`] did not write: its `gate` refused, or the write failed.
 #[derive(Debug)]
 pub enum Gated<E> {
@@ -429,15 +473,27 @@ pub enum Gated<E> {
 /// say). Atomically: everything goes to a fresh sibling directory that is renamed into place,
 /// so a reader never sees a mix of old and new rank files; an existing `dir` is replaced only
 /// when it is empty or itself a pipec schedule. The directory is put in place only when
-/// `gate` returns `Ok`; otherwise what was written is removed and `gate`'s error returned,
-/// whatever happened to the write. With `threads <= 1`, `gate` runs first and then the files
-/// are written on the calling thread.
-pub fn write_prepared<T: Send, E: Send>(
+/// `gate` returns a [`Warrant`] for the program prepared (the verifier's [`Verified`], or an
+/// explicit [`Unverified`]); otherwise what was written is removed and `gate`'s error
+/// returned, whatever happened to the write. With `threads <= 1`, `gate` runs first and then
+/// the files are written on the calling thread.
+///
+/// Panics if the warrant is for another program than the one prepared (a caller's bug).
+pub fn write_prepared<'p, E: Send>(
     dir: &Path,
-    prepared: &Prepared<'_>,
+    prepared: &Prepared<'p>,
     threads: usize,
-    gate: impl FnOnce() -> Result<T, E> + Send,
-) -> Result<T, Gated<E>> {
+    gate: impl FnOnce() -> Result<Warrant<'p>, E> + Send,
+) -> Result<Warrant<'p>, Gated<E>> {
+    let program = prepared.program;
+    let gate = move || {
+        let w = gate()?;
+        assert!(
+            std::ptr::eq(w.program(), program),
+            "a warrant for another program than the one prepared"
+        );
+        Ok(w)
+    };
     let world = prepared.world as usize;
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
@@ -526,8 +582,48 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 pub use crate::par::threads_for;
 
-/// [`write_prepared`] with nothing to wait for, on every core when the program is big.
-pub fn write_program(
+/// Write a verified program: [`write_prepared`] with nothing to wait for, on every core when
+/// the program is big.
+pub fn write_program<P: Borrow<Program>>(
+    dir: &Path,
+    header: &Header<'_>,
+    program: &Verified<P>,
+    encoding: Encoding,
+) -> Result<(), WriteError> {
+    write_now(dir, header, program.program(), encoding)
+}
+
+/// [`write_prepared`] of a program verified before (Python's `Schedule.save`, whose schedule
+/// was verified when it was made): nothing to wait for.
+pub fn write_verified<'p, P: Borrow<Program>>(
+    dir: &Path,
+    prepared: &Prepared<'p>,
+    threads: usize,
+    program: &'p Verified<P>,
+) -> Result<(), WriteError> {
+    // The verdict is `program`'s; write_prepared checks it is the program prepared.
+    let program: &'p Program = program.program();
+    let warrant =
+        || Ok::<_, std::convert::Infallible>(Warrant::Unverified(Unverified::unchecked(program)));
+    write_prepared(dir, prepared, threads, warrant)
+        .map(drop)
+        .map_err(|e| match e {
+            Gated::Write(e) => e,
+            Gated::Gate(never) => match never {},
+        })
+}
+
+/// [`write_program`] for `--no-verify` and for files meant to be refused (tests of the loader).
+pub fn write_unverified<P: Borrow<Program>>(
+    dir: &Path,
+    header: &Header<'_>,
+    program: &Unverified<P>,
+    encoding: Encoding,
+) -> Result<(), WriteError> {
+    write_now(dir, header, program.program(), encoding)
+}
+
+fn write_now(
     dir: &Path,
     header: &Header<'_>,
     program: &Program,
@@ -535,11 +631,14 @@ pub fn write_program(
 ) -> Result<(), WriteError> {
     let threads = threads_for(program.len() as u64);
     let p = prepare(header, program, encoding);
-    write_prepared(dir, &p, threads, || Ok::<(), std::convert::Infallible>(())).map_err(|e| match e
-    {
-        Gated::Write(e) => e,
-        Gated::Gate(never) => match never {},
-    })
+    let warrant =
+        || Ok::<_, std::convert::Infallible>(Warrant::Unverified(Unverified::unchecked(program)));
+    write_prepared(dir, &p, threads, warrant)
+        .map(drop)
+        .map_err(|e| match e {
+            Gated::Write(e) => e,
+            Gated::Gate(never) => match never {},
+        })
 }
 
 /// Why a directory could not be written.

@@ -61,6 +61,14 @@
 //! Risks (reported beside the verdict, see [`risk`]): what holds under this model but is
 //! fragile on NCCL, such as two tensors to one peer in one batch.
 //!
+//! The verdict is a type ([`Verified`], see [`mod@verified`]): [`verify`] and its variants judge
+//! a borrowed program and return the [`Report`]; [`verified()`] and [`verified_with`] run the
+//! same checks and hand back the program with its report and matching only when the report has
+//! no violations (else [`Rejected`]: the program and its report). The writers, the torch
+//! exporter, the simulator and the runtimes take a [`Verified`]; `pipec-run --no-verify` runs a
+//! [`Structural`] program, and the other `--no-verify` paths hold an [`Unverified`] one, with
+//! entry points of their own.
+//!
 //! Costs are linear in the program (plus sorting cycle members when there are cycles): one
 //! indexing pass builds dense tables over positions, tasks and payloads, and every check reads
 //! them. D1 first runs the ranks against each other and builds the wait graph only for a
@@ -107,13 +115,15 @@ pub mod report;
 pub mod risk;
 mod routes;
 pub mod streams;
-mod verified;
+pub mod verified;
 
 use crate::ir::{Matching, Program};
 pub use report::{Class, Field, Part, RankMemory, Report, Site, Stats, Violation, WaitStep};
 pub use risk::Risk;
 pub use streams::StreamRule;
-pub use verified::{structural, verified, verified_with, Checked, Rejected, Structural, Verified};
+pub use verified::{
+    structural, verified, verified_with, Checked, Rejected, Structural, Unverified, Verified,
+};
 
 /// How much to prove.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -161,6 +171,21 @@ pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads:
     verify_under(program, opts, level, threads, StreamRule::of(program))
 }
 
+/// [`verify`], keeping the matching for a [`Verified`] value ([`Verified::seal`]).
+pub(crate) fn full_check(program: &Program, opts: &VerifyOptions) -> (Report, Option<Matching>) {
+    let threads = crate::par::threads_for(program.len() as u64);
+    let units = crate::memory::MemoryModel::units(program);
+    let limit = opts.memory_limit.map(|l| l as f64);
+    check(
+        program,
+        StreamRule::of(program),
+        Level::Full,
+        threads,
+        &units,
+        limit,
+    )
+}
+
 /// [`verify_on`] under `streams` instead of the rule of the program's own communicator model
 /// ([`StreamRule::of`]): for judges that model another transport (the CPU runtime's rendezvous
 /// channels have one stream per direction) and tests that compare rules.
@@ -173,7 +198,7 @@ pub fn verify_under(
 ) -> Report {
     let units = crate::memory::MemoryModel::units(program);
     let limit = opts.memory_limit.map(|l| l as f64);
-    check(program, streams, level, threads, &units, limit)
+    check(program, streams, level, threads, &units, limit).0
 }
 
 /// [`verify_on`] with R1 counted under `mem` (per-stage activation weights and per-rank
@@ -186,9 +211,11 @@ pub fn verify_with(
     mem: &crate::memory::MemoryModel,
     limit: Option<f64>,
 ) -> Report {
-    check(program, StreamRule::of(program), level, threads, mem, limit)
+    check(program, StreamRule::of(program), level, threads, mem, limit).0
 }
 
+/// The report, and the matching the checks read (kept by [`Verified`]; `None` only when the
+/// program is too large to number).
 fn check(
     program: &Program,
     streams: StreamRule,
@@ -196,7 +223,7 @@ fn check(
     threads: usize,
     mem: &crate::memory::MemoryModel,
     limit: Option<f64>,
-) -> Report {
+) -> (Report, Option<Matching>) {
     let mut violations = Vec::new();
     let (m, ix) = crate::par::join(
         threads,
@@ -204,7 +231,7 @@ fn check(
         || index::Index::build(program, &mut violations),
     );
     let (Some(ix), Some(m)) = (ix, m) else {
-        return Report {
+        let report = Report {
             violations,
             memory: Vec::new(),
             memory_unit: mem.unit,
@@ -215,6 +242,7 @@ fn check(
                 ..Stats::default()
             },
         };
+        return (report, None);
     };
     let full = level == Level::Full;
     // Thread one: M1-M2 (the matching compared the payloads already), then D1, D2 and the
@@ -252,13 +280,14 @@ fn check(
     violations.extend(complete);
     violations.extend(comm);
     violations.extend(later);
-    Report {
+    let report = Report {
         violations,
         memory,
         memory_unit: mem.unit,
         risks,
         stats: ix.stats,
-    }
+    };
+    (report, Some(m))
 }
 
 #[cfg(test)]

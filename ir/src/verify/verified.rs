@@ -1,21 +1,35 @@
 //! The verdict as a type: what the verifier hands back besides its report.
 //!
-//! As naga's validator returns a `ModuleInfo` that the back ends require, pipec's verifier
-//! returns a [`Verified`] program (the program and the report it earned: statistics, memory
-//! peaks, risks) that the runtimes require ([`Checked`]). A bare [`Program`] cannot be run by
-//! mistake: [`Structural`] (the structural level only, what `pipec-run --no-verify` runs to
-//! watch a broken schedule fail) is the one other way in, and it has to be asked for by name.
-//! Neither can be built outside this crate except through [`verified`], [`structural`] and
-//! [`crate::files::load_dir_verified`].
+//! As naga's validator returns a `ModuleInfo` that its back ends require, pipec's verifier
+//! returns a [`Verified`] program: the program with the side table the checks built on the way
+//! (the [`Report`]: per-rank memory peaks, risks, statistics; and the [`Matching`], which the
+//! simulator and the torch exporter reuse instead of pairing the messages again). The writers,
+//! the torch exporter, the simulator and the runtimes take it, so a bare [`Program`] cannot
+//! reach them by mistake. Nothing outside this crate builds one except through [`verified`],
+//! [`verified_with`] and [`crate::files::load_dir_verified`].
+//!
+//! The other ways in are named: [`Structural`] (the structural level only, what
+//! `pipec-run --no-verify` runs to watch a broken schedule fail; the runtimes take it beside
+//! [`Verified`], [`Checked`]), and [`Unverified`] (nothing proved: what `--no-verify` writes,
+//! `pipec seal` rewrites and the viewers of loaded files show), which only entry points named
+//! for it take (`files::write_unverified`, `simulate_unverified`, `export_csv_unverified`).
+//!
+//! [`Verified`] and [`Unverified`] are generic over how the program is held (`P`: owned, or
+//! borrowed while `pipec compile` writes the files beside the verifier), so no caller clones a
+//! program for its verdict.
 
-use super::{verify_at, Level, Report, VerifyOptions};
-use crate::ir::Program;
+use super::{check, Level, Report, StreamRule, VerifyOptions};
+use crate::ir::{Matching, Program};
+use crate::memory::MemoryModel;
+use std::borrow::Borrow;
 
-/// A program every invariant of the verifier holds for, with the report that says so.
+/// A program every invariant of the verifier holds for, with the report that says so and the
+/// matching its checks read.
 #[derive(Clone, Debug)]
-pub struct Verified {
-    program: Program,
+pub struct Verified<P: Borrow<Program> = Program> {
+    program: P,
     report: Report,
+    matching: Matching,
 }
 
 /// A program whose structure the verifier checked ([`Level::Structure`]: ids in range, every
@@ -26,16 +40,24 @@ pub struct Structural {
     program: Program,
 }
 
+/// A program nobody verified, held as such on purpose: `--no-verify`'s files, `pipec seal`'s
+/// rewrite, the viewers' loaded or imported files, the tuner's candidates before the winner is
+/// verified. Only functions named for it take it.
+#[derive(Clone, Debug)]
+pub struct Unverified<P: Borrow<Program> = Program> {
+    program: P,
+}
+
 /// Why a program is neither: the program back, with the violations.
 #[derive(Clone, Debug)]
-pub struct Rejected {
-    pub program: Program,
+pub struct Rejected<P = Program> {
+    pub program: P,
     pub report: Report,
 }
 
-impl Verified {
+impl<P: Borrow<Program>> Verified<P> {
     pub fn program(&self) -> &Program {
-        &self.program
+        self.program.borrow()
     }
 
     /// The verifier's findings on the way (no violations): statistics, peaks, risks.
@@ -43,18 +65,40 @@ impl Verified {
         &self.report
     }
 
-    pub fn into_parts(self) -> (Program, Report) {
+    /// Sends paired with receives, as the verifier paired them (every op has its partner).
+    pub fn matching(&self) -> &Matching {
+        &self.matching
+    }
+
+    pub fn into_program(self) -> P {
+        self.program
+    }
+
+    pub fn into_parts(self) -> (P, Report) {
         (self.program, self.report)
     }
 
-    /// `program` with its report, when the report is the full verifier's verdict on it and
-    /// finds nothing (the loader pairs them: [`crate::files::load_dir_verified`]).
-    pub(crate) fn seal(program: Program, report: Report) -> Result<Verified, Box<Rejected>> {
-        if report.is_valid() {
-            Ok(Verified { program, report })
-        } else {
-            Err(Box::new(Rejected { program, report }))
+    /// `program` with what the full verifier found on it, when that is nothing (the loader
+    /// runs the checks beside its hash check: [`crate::files::load_dir_verified`]).
+    pub(crate) fn seal(
+        program: P,
+        (report, matching): (Report, Option<Matching>),
+    ) -> Result<Self, Box<Rejected<P>>> {
+        match matching {
+            Some(matching) if report.is_valid() => Ok(Verified {
+                program,
+                report,
+                matching,
+            }),
+            _ => Err(Box::new(Rejected { program, report })),
         }
+    }
+}
+
+impl<'p> Verified<&'p Program> {
+    /// The program, for as long as it is borrowed (not only as long as `self`).
+    pub fn borrowed(&self) -> &'p Program {
+        self.program
     }
 }
 
@@ -68,6 +112,28 @@ impl Structural {
     }
 }
 
+impl<P: Borrow<Program>> Unverified<P> {
+    /// `program`, nothing proved: said at the call site.
+    pub fn unchecked(program: P) -> Self {
+        Unverified { program }
+    }
+
+    pub fn program(&self) -> &Program {
+        self.program.borrow()
+    }
+
+    pub fn into_program(self) -> P {
+        self.program
+    }
+}
+
+impl<'p> Unverified<&'p Program> {
+    /// The program, for as long as it is borrowed (not only as long as `self`).
+    pub fn borrowed(&self) -> &'p Program {
+        self.program
+    }
+}
+
 /// A program a runtime may execute: verified, or structurally checked on request.
 pub trait Checked: sealed::Sealed {
     fn program(&self) -> &Program;
@@ -75,9 +141,9 @@ pub trait Checked: sealed::Sealed {
     fn fully_verified(&self) -> bool;
 }
 
-impl Checked for Verified {
+impl<P: Borrow<Program>> Checked for Verified<P> {
     fn program(&self) -> &Program {
-        &self.program
+        self.program.borrow()
     }
 
     fn fully_verified(&self) -> bool {
@@ -97,31 +163,36 @@ impl Checked for Structural {
 
 mod sealed {
     pub trait Sealed {}
-    impl Sealed for super::Verified {}
+    impl<P: std::borrow::Borrow<crate::ir::Program>> Sealed for super::Verified<P> {}
     impl Sealed for super::Structural {}
 }
 
-/// Run the full verifier on `program` and keep the verdict with it.
-pub fn verified(program: Program, opts: &VerifyOptions) -> Result<Verified, Box<Rejected>> {
-    let report = verify_at(&program, opts, Level::Full);
-    Verified::seal(program, report)
+/// Run the full verifier on `program` ([`super::verify`]) and keep the verdict with it.
+pub fn verified<P: Borrow<Program>>(
+    program: P,
+    opts: &VerifyOptions,
+) -> Result<Verified<P>, Box<Rejected<P>>> {
+    let checked = super::full_check(program.borrow(), opts);
+    Verified::seal(program, checked)
 }
 
-/// [`verified`] with memory counted under `mem` against `limit` in its unit
-/// ([`super::verify_with`]: what every command with a layout and a cost model verifies with).
-pub fn verified_with(
-    program: Program,
+/// [`verified`] on at most `threads` threads, with memory counted under `mem` against `limit`
+/// in its unit ([`super::verify_with`]: what every command with a layout and a cost model
+/// verifies with).
+pub fn verified_with<P: Borrow<Program>>(
+    program: P,
     threads: usize,
-    mem: &crate::memory::MemoryModel,
+    mem: &MemoryModel,
     limit: Option<f64>,
-) -> Result<Verified, Box<Rejected>> {
-    let report = super::verify_with(&program, Level::Full, threads, mem, limit);
-    Verified::seal(program, report)
+) -> Result<Verified<P>, Box<Rejected<P>>> {
+    let p = program.borrow();
+    let checked = check(p, StreamRule::of(p), Level::Full, threads, mem, limit);
+    Verified::seal(program, checked)
 }
 
 /// Check `program`'s structure only ([`Level::Structure`]).
 pub fn structural(program: Program) -> Result<Structural, Box<Rejected>> {
-    let report = verify_at(&program, &VerifyOptions::default(), Level::Structure);
+    let report = super::verify_at(&program, &VerifyOptions::default(), Level::Structure);
     if report.is_valid() {
         Ok(Structural { program })
     } else {
@@ -198,5 +269,29 @@ mod tests {
         let r = structural(missing.clone()).unwrap_err();
         assert!(!r.report.is_valid());
         assert_eq!(r.program, missing);
+    }
+
+    /// A borrowed program verifies with the same report as `verify` and the matching
+    /// `Matching::of` builds, and stays where it was (no copy); a memory limit the peak
+    /// exceeds refuses it (R1), with `verify`'s report.
+    #[test]
+    fn borrowed_verdicts_keep_the_report_and_matching() {
+        let good = program(rank0(false));
+        let report = super::super::verify(&good, &VerifyOptions::default());
+        let v = verified(&good, &VerifyOptions::default()).expect("valid");
+        assert_eq!(v.report(), &report);
+        assert!(std::ptr::eq(v.program(), &good) && std::ptr::eq(v.borrowed(), &good));
+        let m = Matching::of(&good).unwrap();
+        assert_eq!(v.matching().messages(&good), m.messages(&good));
+        let opts = VerifyOptions {
+            memory_limit: Some(0),
+        };
+        let r = verified(&good, &opts).unwrap_err();
+        assert_eq!(r.report, super::super::verify(&good, &opts));
+        assert!(r
+            .report
+            .violations
+            .iter()
+            .any(|v| matches!(v, super::super::Violation::MemoryLimit { .. })));
     }
 }

@@ -35,10 +35,12 @@
 //! rank other than the neighbouring stage's, or with no neighbouring stage) is refused.
 
 use super::action::{Action, ActionType, Cell};
-use super::order::emission_orders;
 use super::CsvForm;
+use crate::ir::Matching;
 use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
+use crate::verify::{Unverified, Verified};
 use pipec_schedules::{Compute, Pass, Rank, StageId};
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use thiserror::Error;
@@ -139,8 +141,27 @@ fn p2p_action(
 ///
 /// Use from `pipec export --format torch-csv` (with the form the user picks, compute+comms by
 /// default being the one torch's runtime executes as written).
-pub fn export_csv(program: &Program, form: CsvForm) -> Result<String, ExportError> {
-    let lines = export_cells(program, form)?;
+pub fn export_csv<P: Borrow<Program>>(
+    program: &Verified<P>,
+    form: CsvForm,
+) -> Result<String, ExportError> {
+    csv(program.program(), form, Some(program.matching()))
+}
+
+/// [`export_csv`] of a program nobody verified (`pipec export` of loaded or imported files).
+pub fn export_csv_unverified<P: Borrow<Program>>(
+    program: &Unverified<P>,
+    form: CsvForm,
+) -> Result<String, ExportError> {
+    csv(program.program(), form, None)
+}
+
+fn csv(
+    program: &Program,
+    form: CsvForm,
+    matching: Option<&Matching>,
+) -> Result<String, ExportError> {
+    let lines = cells(program, form, matching)?;
     let mut out = String::with_capacity(program.len() * 8 + 16);
     for cells in &lines {
         for (i, c) in cells.iter().enumerate() {
@@ -156,7 +177,26 @@ pub fn export_csv(program: &Program, form: CsvForm) -> Result<String, ExportErro
 
 /// The cells [`export_csv`] writes, one list per rank, as structured actions: what the Python
 /// adapter (`pipec.torch.build_schedule`) turns into torch `_Action`s without a CSV round trip.
-pub fn export_cells(program: &Program, form: CsvForm) -> Result<Vec<Vec<Cell>>, ExportError> {
+pub fn export_cells<P: Borrow<Program>>(
+    program: &Verified<P>,
+    form: CsvForm,
+) -> Result<Vec<Vec<Cell>>, ExportError> {
+    cells(program.program(), form, Some(program.matching()))
+}
+
+/// [`export_cells`] of a program nobody verified.
+pub fn export_cells_unverified<P: Borrow<Program>>(
+    program: &Unverified<P>,
+    form: CsvForm,
+) -> Result<Vec<Vec<Cell>>, ExportError> {
+    cells(program.program(), form, None)
+}
+
+fn cells(
+    program: &Program,
+    form: CsvForm,
+    matching: Option<&Matching>,
+) -> Result<Vec<Vec<Cell>>, ExportError> {
     if program.placement.kind == pipec_schedules::PlacementKind::Bidirectional {
         return Err(ExportError::Bidirectional {
             kind: program.placement.kind,
@@ -164,7 +204,7 @@ pub fn export_cells(program: &Program, form: CsvForm) -> Result<Vec<Vec<Cell>>, 
     }
     let orders = match form {
         CsvForm::ComputeOnly => Vec::new(),
-        CsvForm::ComputeComms => emission_orders(program),
+        CsvForm::ComputeComms => super::order::emission_orders_with(program, matching),
     };
     let mut lines = Vec::with_capacity(program.ranks.len());
     for (r, instrs) in program.ranks.iter().enumerate() {

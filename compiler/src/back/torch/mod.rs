@@ -20,7 +20,9 @@ pub mod export;
 pub mod order;
 
 pub use action::{Action, ActionType, Cell, CsvErrorKind};
-pub use export::{export_cells, export_csv, ExportError};
+pub use export::{
+    export_cells, export_cells_unverified, export_csv, export_csv_unverified, ExportError,
+};
 // The importer is a front end (`crate::front::torch_csv`); its names stay reachable here,
 // beside the exporter, for callers that treat the CSV as one format.
 pub use crate::front::torch_csv::{

@@ -24,8 +24,24 @@ use std::collections::VecDeque;
 
 /// For each rank, the instruction indices in the order to write them.
 pub fn emission_orders(program: &Program) -> Vec<Vec<usize>> {
+    emission_orders_with(program, None)
+}
+
+/// [`emission_orders`] with the program's matching when the caller has it (the verifier's).
+pub(crate) fn emission_orders_with(
+    program: &Program,
+    matching: Option<&Matching>,
+) -> Vec<Vec<usize>> {
     let w = program.ranks.len();
-    let Some(matching) = Matching::of(program) else {
+    let owned;
+    let matching = match matching {
+        Some(m) => Some(m),
+        None => {
+            owned = Matching::of(program);
+            owned.as_ref()
+        }
+    };
+    let Some(matching) = matching else {
         // Too large to number with u32 ids (and to hold in memory): program order.
         return program
             .ranks

@@ -16,8 +16,9 @@ use pipec::front::layout::{LayerKind, Layout};
 use pipec::ir::{Instr, Program};
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::timeline::Timeline;
-use pipec::simulate::{simulate, summarize};
+use pipec::simulate::{simulate_unverified, summarize};
 use pipec::tune::calibrate::{fit, Measured, Sample};
+use pipec::verify::Unverified;
 use pipec_schedules::Compute;
 use serde::Serialize;
 
@@ -120,7 +121,8 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
     let spec = format!("{},p2p={p2p}", fitted.spec());
     let model = CostModel::parse(&spec).ok()?;
     let costs = StageCosts::new(&model, layout, program.num_stages());
-    let sim = simulate(program, &costs).ok()?;
+    // A measured run of a program verified or not (`--no-verify`): the simulator judges it.
+    let sim = simulate_unverified(&Unverified::unchecked(program), &costs).ok()?;
     let measured = summarize(program, timeline);
     Some(Calibration {
         f,
@@ -188,7 +190,7 @@ mod tests {
                 "f=2,b=3,w=3"
             };
             let costs = StageCosts::new(&CostModel::parse(spec).unwrap(), &layout, p.num_stages());
-            let sim = simulate(&p, &costs).unwrap();
+            let sim = simulate_unverified(&Unverified::unchecked(&p), &costs).unwrap();
             let c = calibrate(&p, &layout, &sim.timeline).unwrap();
             assert_eq!(c.split, split, "{kind:?}");
             assert!(c.pure, "{kind:?}");
@@ -220,7 +222,11 @@ mod tests {
         let (p, layout) = (c.program, c.layout);
         assert!(p.ranks[0].iter().any(|i| matches!(i, Instr::Wait { .. })));
         let model = CostModel::parse("f=2,b=3,w=3,p2p=0.5").unwrap();
-        let sim = simulate(&p, &StageCosts::new(&model, &layout, p.num_stages())).unwrap();
+        let sim = simulate_unverified(
+            &Unverified::unchecked(&p),
+            &StageCosts::new(&model, &layout, p.num_stages()),
+        )
+        .unwrap();
         // Whatever a batch left in flight measures, from its post to its wait (as the CUDA
         // backend does) or nothing at all, the latency comes from the blocking batches.
         for stretch in [true, false] {
@@ -254,7 +260,11 @@ mod tests {
     fn a_single_stage_is_not_a_pure_decoder_measurement() {
         let (p, layout) = program(ScheduleKind::OneFOneB, 1, 2);
         let model = CostModel::parse("f=2,b=3,w=3").unwrap();
-        let sim = simulate(&p, &StageCosts::new(&model, &layout, p.num_stages())).unwrap();
+        let sim = simulate_unverified(
+            &Unverified::unchecked(&p),
+            &StageCosts::new(&model, &layout, p.num_stages()),
+        )
+        .unwrap();
         let cal = calibrate(&p, &layout, &sim.timeline).unwrap();
         assert!(!cal.pure);
     }

@@ -13,7 +13,8 @@ use super::{print_json, CliError};
 use pipec::compile::{compile, CompileRequest};
 use pipec::front::layout::{LayerKind, Layout};
 use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::{simulate, SimError, Simulation, BUBBLE};
+use pipec::simulate::{simulate_unverified, SimError, Simulation, BUBBLE};
+use pipec::verify::Unverified;
 use pipec_schedules::{ChunkRule, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -145,7 +146,8 @@ fn in_memory(
         name: c.spec.label(),
         instructions: c.program.len(),
         model: model_of(&c.layout, c.program.num_stages()),
-        result: simulate(&c.program, &costs),
+        // Compared as compiled: a kind that deadlocks shows as such in its row.
+        result: simulate_unverified(&Unverified::unchecked(&c.program), &costs),
     })
 }
 

@@ -5,6 +5,7 @@ use super::CliError;
 use pipec::back::files::{self, Header};
 use pipec::compile::sweep;
 use pipec::compile::{compile, CompileError, CompileRequest};
+use pipec::verify::Unverified;
 use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, SpecError};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -192,16 +193,18 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         files::Encoding::Postcard => threads,
     };
     let verify = || {
-        (!a.no_verify)
-            .then(|| {
-                super::verify_before_write_on(
-                    &c.program,
-                    super::MemoryCheck { model: &mem, limit },
-                    &a.out,
-                    verifier_threads,
-                )
-            })
-            .transpose()
+        if a.no_verify {
+            return Ok(files::Warrant::Unverified(Unverified::unchecked(
+                &c.program,
+            )));
+        }
+        super::verify_before_write_on(
+            &c.program,
+            super::MemoryCheck { model: &mem, limit },
+            &a.out,
+            verifier_threads,
+        )
+        .map(files::Warrant::Verified)
     };
     let verdict = std::thread::scope(|s| {
         // A small schedule is verified and then written on this thread (see threads_for).
@@ -239,8 +242,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             c.spec.megatron_p2p.config()
         );
     }
-    if let Some(r) = verdict {
-        println!("{}", short_verdict(&r, &a.out));
+    if let Some(r) = verdict.report() {
+        println!("{}", short_verdict(r, &a.out));
         // DualPipe's own loop posts both directions of a step in one batch_isend_irecv
         // (deepseek-ai/DualPipe, `_commit_and_wait_comm`): the same-peer batches are the
         // kind's, not the user's to fix, so one line says what they mean.
@@ -319,10 +322,12 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         .or(a.memory_limit.map(|l| l.value));
     let r = files::write_prepared(&dir, &prepared, 1, || {
         if a.no_verify {
-            return Ok(None);
+            return Ok(files::Warrant::Unverified(Unverified::unchecked(
+                &c.program,
+            )));
         }
         super::verify_before_write(&c.program, super::MemoryCheck { model: &mem, limit }, &dir)
-            .map(Some)
+            .map(files::Warrant::Verified)
     });
     let r = match r {
         Ok(r) => r,
@@ -343,6 +348,7 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
         ranks: c.program.world(),
         instructions: c.program.len(),
         peak: r
+            .report()
             .map(|r| r.memory.iter().map(|m| m.peak).fold(0.0, f64::max))
             .unwrap_or(0.0),
         seconds: t0.elapsed().as_secs_f64(),

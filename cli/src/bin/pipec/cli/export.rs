@@ -4,8 +4,9 @@
 use super::simulate::{run_sim, sim_error, title, CostArgs};
 use super::CliError;
 use pipec::back::files::Loaded;
-use pipec::back::torch::{export_csv, CsvForm};
+use pipec::back::torch::{export_csv_unverified, CsvForm};
 use pipec::back::view::{chrome, dot, svg, Filter};
+use pipec::verify::Unverified;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -185,7 +186,8 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
             } else {
                 CsvForm::ComputeComms
             };
-            export_csv(&loaded.program, form)
+            // As loaded, unverified: the views show what the files hold.
+            export_csv_unverified(&Unverified::unchecked(&loaded.program), form)
                 .map_err(|e| CliError::Invalid(format!("{}: {e}", a.input.display())))?
                 .into_bytes()
         }

@@ -10,6 +10,7 @@ use pipec::back::torch::{
     PlacementSource,
 };
 use pipec::front::layout::Layout;
+use pipec::verify::Unverified;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -137,7 +138,9 @@ fn header(layout: &Layout) -> Header<'_> {
 /// The files of an imported schedule in memory, as `import` writes them: what the viewers
 /// load a torch CSV as.
 pub fn render_imported(imported: &Imported, layout: &Layout) -> Vec<(String, Vec<u8>)> {
-    files::render(&header(layout), &imported.program, files::Encoding::Json)
+    // Read as found: `check` judges it, the viewers show what it does.
+    let program = Unverified::unchecked(&imported.program);
+    files::render_unverified(&header(layout), &program, files::Encoding::Json)
 }
 
 pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
@@ -175,10 +178,11 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         .with_cost(a.cost.given().then(|| model.spec()));
     let threads = files::threads_for(program.len() as u64);
     super::write_gated(&a.out, &prepared, threads, || {
-        if !a.no_verify {
-            super::verify_before_write(program, super::MemoryCheck { model: &mem, limit }, &a.out)?;
+        if a.no_verify {
+            return Ok(files::Warrant::Unverified(Unverified::unchecked(program)));
         }
-        Ok(())
+        super::verify_before_write(program, super::MemoryCheck { model: &mem, limit }, &a.out)
+            .map(files::Warrant::Verified)
     })?;
     let placement = match imported.placement_source {
         PlacementSource::File => format!("{} (read off the file)", program.placement.kind),

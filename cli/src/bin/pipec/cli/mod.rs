@@ -243,14 +243,15 @@ pub fn warn_big_write(bytes: u64, to: &std::path::Path) {
 }
 
 /// Stream `prepared` into `out` as every command that writes a schedule does
-/// ([`files::write_prepared`]): the output takes its place only once `gate` passes, so what
-/// `gate` refuses never reaches it; a write error is a usage error (exit 2).
-pub fn write_gated<T: Send>(
+/// ([`files::write_prepared`]): the output takes its place only once `gate` hands over its
+/// warrant (the verifier's verdict, or `--no-verify`), so what `gate` refuses never reaches
+/// it; a write error is a usage error (exit 2).
+pub fn write_gated<'p>(
     out: &std::path::Path,
-    prepared: &files::Prepared<'_>,
+    prepared: &files::Prepared<'p>,
     threads: usize,
-    gate: impl FnOnce() -> Result<T, CliError> + Send,
-) -> Result<T, CliError> {
+    gate: impl FnOnce() -> Result<files::Warrant<'p>, CliError> + Send,
+) -> Result<files::Warrant<'p>, CliError> {
     files::write_prepared(out, prepared, threads, gate).map_err(|e| match e {
         files::Gated::Gate(e) => e,
         files::Gated::Write(e) => CliError::Usage(e.to_string()),
@@ -265,35 +266,28 @@ pub struct MemoryCheck<'a> {
 
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)
 /// when it is invalid, so an invalid schedule never reaches the disk.
-pub fn verify_before_write(
-    program: &pipec::Program,
+pub fn verify_before_write<'p>(
+    program: &'p pipec::Program,
     memory: MemoryCheck<'_>,
     out: &std::path::Path,
-) -> Result<pipec::verify::Report, CliError> {
+) -> Result<pipec::verify::Verified<&'p pipec::Program>, CliError> {
     let threads = pipec::par::threads_for(program.len() as u64);
     verify_before_write_on(program, memory, out, threads)
 }
 
 /// [`verify_before_write`] on at most `threads` threads ([`pipec::verify::verify_on`]).
-pub fn verify_before_write_on(
-    program: &pipec::Program,
+pub fn verify_before_write_on<'p>(
+    program: &'p pipec::Program,
     memory: MemoryCheck<'_>,
     out: &std::path::Path,
     threads: usize,
-) -> Result<pipec::verify::Report, CliError> {
-    let r = pipec::verify::verify_with(
-        program,
-        pipec::verify::Level::Full,
-        threads,
-        memory.model,
-        memory.limit,
-    );
-    if !r.is_valid() {
+) -> Result<pipec::verify::Verified<&'p pipec::Program>, CliError> {
+    pipec::verify::verified_with(program, threads, memory.model, memory.limit).map_err(|rejected| {
+        let r = rejected.report;
         let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
         for v in &r.violations {
             msg.push_str(&format!("\n  [{}] {v}", v.class()));
         }
-        return Err(CliError::Invalid(msg));
-    }
-    Ok(r)
+        CliError::Invalid(msg)
+    })
 }

@@ -5,7 +5,8 @@ use super::{print_json, CliError};
 use pipec::back::files::Loaded;
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::timeline::TimeUnit;
-use pipec::simulate::{simulate, SimError, Simulation};
+use pipec::simulate::{simulate_unverified, SimError, Simulation};
+use pipec::verify::Unverified;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -69,6 +70,8 @@ pub fn title(l: &Loaded) -> String {
 }
 
 /// Simulate a loaded directory. A deadlock or a bad id is the input being invalid (exit 1).
+/// The viewers load without verifying (`pipec check` is the judge): the simulator shows what
+/// the program does, deadlock included.
 pub fn run_sim(loaded: &Loaded, model: &CostModel) -> Result<Simulation, SimError> {
     let costs = StageCosts::new(model, &loaded.manifest.layout, loaded.program.num_stages());
     if !costs.layout_used {
@@ -78,7 +81,7 @@ pub fn run_sim(loaded: &Loaded, model: &CostModel) -> Result<Simulation, SimErro
             loaded.program.num_stages()
         );
     }
-    simulate(&loaded.program, &costs)
+    simulate_unverified(&Unverified::unchecked(&loaded.program), &costs)
 }
 
 /// Wording of a simulation failure at the CLI edge.

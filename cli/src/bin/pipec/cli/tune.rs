@@ -158,22 +158,12 @@ fn write(
     // The manifest keeps the cost model tune planned with, so `show` draws tune's timeline.
     let prepared = files::prepare(&header, t.program(), format.encoding())
         .with_cost(record_cost.then(|| model.spec()));
-    let mem = pipec::memory::weights(t.program(), &layout, model);
     let threads = files::threads_for(t.program().len() as u64);
-    super::write_gated(out, &prepared, threads, || {
-        // tune verified the program already (memory included); verify again as compile
-        // does, so nothing unverified can reach the disk whatever changes upstream.
-        super::verify_before_write(
-            t.program(),
-            super::MemoryCheck {
-                model: &mem,
-                limit: None,
-            },
-            out,
-        )?;
-        super::warn_big_write(prepared.bytes(), out);
-        Ok(())
-    })
+    super::warn_big_write(prepared.bytes(), out);
+    // tune's winner is a Verified value (memory counted under `model`): its verdict is the
+    // writer's warrant, so nothing unverified can reach the disk.
+    files::write_verified(out, &prepared, threads, &t.verified)
+        .map_err(|e| CliError::Usage(e.to_string()))
 }
 
 fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::path::Path>) {
