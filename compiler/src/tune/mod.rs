@@ -138,6 +138,32 @@ pub struct Candidate {
     pub not_runnable: Option<String>,
 }
 
+impl Candidate {
+    /// A candidate named, its figures (layout, makespan, bubble, memory, fit, target) left
+    /// for [`finish`] to measure.
+    fn unmeasured(
+        schedule: String,
+        vpp: u32,
+        group_size: Option<u32>,
+        placement: String,
+        heuristic: Option<String>,
+    ) -> Self {
+        Candidate {
+            schedule,
+            vpp,
+            group_size,
+            placement,
+            heuristic,
+            layout: String::new(),
+            makespan: 0.0,
+            bubble: 0.0,
+            peak_memory: 0.0,
+            fits: false,
+            not_runnable: None,
+        }
+    }
+}
+
 /// Everything about the winner.
 #[derive(Clone, Debug)]
 pub struct Tuned {
@@ -196,38 +222,26 @@ fn build(req: &TuneRequest, task: &Task, limit: Option<f64>) -> Option<(Built, P
         Task::Tuned(t) => {
             let (p, layout, plan, h) = &**t;
             let program = lower_timed(p, &plan.orders)?;
-            let cand = Candidate {
-                schedule: "tuned".into(),
-                vpp: p.placement.num_stages() / req.pp,
-                group_size: None,
-                placement: placement_name(&p.placement),
-                heuristic: Some(h.name()),
-                layout: String::new(),
-                makespan: 0.0,
-                bubble: 0.0,
-                peak_memory: 0.0,
-                fits: false,
-                not_runnable: None,
-            };
+            let cand = Candidate::unmeasured(
+                "tuned".into(),
+                p.placement.num_stages() / req.pp,
+                None,
+                placement_name(&p.placement),
+                Some(h.name()),
+            );
             let planned = Some(plan.makespan);
             (cand, layout, None, program, planned)
         }
         Task::Builtin(spec, layout) => {
             let schedule = generate(spec, &req.limits).ok()?;
             let program = lower(&schedule);
-            let cand = Candidate {
-                schedule: spec.kind.name().to_string(),
-                vpp: spec.vpp,
-                group_size: spec.group_size,
-                placement: placement_name(&schedule.placement),
-                heuristic: None,
-                layout: String::new(),
-                makespan: 0.0,
-                bubble: 0.0,
-                peak_memory: 0.0,
-                fits: false,
-                not_runnable: None,
-            };
+            let cand = Candidate::unmeasured(
+                spec.kind.name().to_string(),
+                spec.vpp,
+                spec.group_size,
+                placement_name(&schedule.placement),
+                None,
+            );
             (cand, layout, Some(*spec), program, None)
         }
     };
