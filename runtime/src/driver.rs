@@ -111,19 +111,24 @@ pub trait Device: Sync {
     /// Reset what the ranks of this process share between steps (the in-process transport);
     /// no rank runs meanwhile.
     fn reset(&self);
-    /// Compare a step with the reference; the gradients of stages not in `mine` are not
+    /// Compare a step with the reference; the gradients of stages not in `c.mine` are not
     /// compared (another process holds them).
-    #[allow(clippy::too_many_arguments)]
-    fn compare(
-        &self,
-        step: u32,
-        losses: &[f32],
-        loss: f32,
-        grads: &[Option<&StageGrads<f32>>],
-        mine: &[bool],
-        r: &reference::RefStep,
-        model: &[Stage<f32>],
-    ) -> Result<(CheckSummary, Self::Worst), RunError>;
+    fn compare(&self, c: &StepCheck<'_>) -> Result<(CheckSummary, Self::Worst), RunError>;
+}
+
+/// One step as this process ran it, beside the reference's: what [`Device::compare`] judges.
+#[derive(Clone, Copy)]
+pub struct StepCheck<'a> {
+    pub step: u32,
+    /// Per microbatch, then the step's.
+    pub losses: &'a [f32],
+    pub loss: f32,
+    /// Per stage, `None` where this process holds none.
+    pub grads: &'a [Option<&'a StageGrads<f32>>],
+    /// The stages whose gradients this process compares.
+    pub mine: &'a [bool],
+    pub r: &'a reference::RefStep,
+    pub model: &'a [Stage<f32>],
 }
 
 /// What every rank thread opens its backend from.
@@ -682,9 +687,15 @@ fn finish_step<D: Device>(
                 msg: format!("the reference failed: {e}"),
             }
         })?;
-        let (sum, w) = sh
-            .device
-            .compare(step, &losses, loss, &grads, mine, &r, rm)?;
+        let (sum, w) = sh.device.compare(&StepCheck {
+            step,
+            losses: &losses,
+            loss,
+            grads: &grads,
+            mine,
+            r: &r,
+            model: rm,
+        })?;
         if !program.forward_only {
             for (st, g) in rm.iter_mut().zip(&r.grads) {
                 model::sgd(st, g, opts.lr);
@@ -867,17 +878,8 @@ mod tests {
         fn reset(&self) {
             self.transport.reset();
         }
-        fn compare(
-            &self,
-            step: u32,
-            losses: &[f32],
-            loss: f32,
-            grads: &[Option<&StageGrads<f32>>],
-            mine: &[bool],
-            r: &reference::RefStep,
-            model: &[Stage<f32>],
-        ) -> Result<(CheckSummary, ()), RunError> {
-            crate::run::compare(step, losses, loss, grads, mine, r, model).map(|s| (s, ()))
+        fn compare(&self, c: &StepCheck<'_>) -> Result<(CheckSummary, ()), RunError> {
+            crate::run::compare(c).map(|s| (s, ()))
         }
     }
 

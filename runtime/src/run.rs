@@ -2,7 +2,7 @@
 //! every backend shares), what a run reports, and the bitwise check against the reference.
 
 use crate::backend::cpu::{CpuBackend, CpuTensor};
-use crate::driver::{build_model, check_layout, drive, stages_of, Device, Setup};
+use crate::driver::{build_model, check_layout, drive, stages_of, Device, Setup, StepCheck};
 use crate::error::RunError;
 use crate::interp::run_rank;
 use crate::model::{self, ModelConfig, Stage, StageGrads};
@@ -118,17 +118,8 @@ impl Device for Cpu {
         self.transport.reset();
     }
 
-    fn compare(
-        &self,
-        step: u32,
-        losses: &[f32],
-        loss: f32,
-        grads: &[Option<&StageGrads<f32>>],
-        mine: &[bool],
-        r: &reference::RefStep,
-        model: &[Stage<f32>],
-    ) -> Result<(CheckSummary, ()), RunError> {
-        compare(step, losses, loss, grads, mine, r, model).map(|s| (s, ()))
+    fn compare(&self, c: &StepCheck<'_>) -> Result<(CheckSummary, ()), RunError> {
+        compare(c).map(|s| (s, ()))
     }
 }
 
@@ -175,15 +166,16 @@ pub fn run_cpu_unchecked(
 
 /// Bitwise comparison of a pipelined step with the reference (the gradients of the stages in
 /// `mine`); the first difference is an error naming the tensor and the element.
-pub(crate) fn compare(
-    step: u32,
-    losses: &[f32],
-    loss: f32,
-    grads: &[Option<&StageGrads<f32>>],
-    mine: &[bool],
-    r: &reference::RefStep,
-    model: &[Stage<f32>],
-) -> Result<CheckSummary, RunError> {
+pub(crate) fn compare(c: &StepCheck<'_>) -> Result<CheckSummary, RunError> {
+    let StepCheck {
+        step,
+        losses,
+        loss,
+        grads,
+        mine,
+        r,
+        model,
+    } = *c;
     let mut sum = CheckSummary {
         tensors: 0,
         values: 0,
@@ -313,7 +305,16 @@ mod tests {
         let stages = model::build::<f32>(&layout, &cfg).unwrap();
         let r = reference::step(&stages, &cfg, 0, 3, false).unwrap();
         let same: Vec<Option<&StageGrads<f32>>> = r.grads.iter().map(Some).collect();
-        let ok = compare(0, &r.losses, r.loss, &same, &[true; 2], &r, &stages).unwrap();
+        let check = |losses, grads| StepCheck {
+            step: 0,
+            losses,
+            loss: r.loss,
+            grads,
+            mine: &[true; 2],
+            r: &r,
+            model: &stages,
+        };
+        let ok = compare(&check(&r.losses, &same)).unwrap();
         assert_eq!(ok.max_abs_diff, 0.0);
         assert_eq!(ok.tensors, 1 + 4 + 4 + 2);
 
@@ -321,7 +322,7 @@ mod tests {
         let x = &mut nudged[1][0].tensors[2][[1, 2]];
         *x = f32::from_bits(x.to_bits() + 1);
         let g: Vec<Option<&StageGrads<f32>>> = nudged.iter().map(Some).collect();
-        let e = compare(0, &r.losses, r.loss, &g, &[true; 2], &r, &stages).unwrap_err();
+        let e = compare(&check(&r.losses, &g)).unwrap_err();
         assert!(
             e.to_string().contains("stage 1, layer 0 (t), W2[1, 2]"),
             "{e}"
@@ -329,7 +330,7 @@ mod tests {
 
         let mut losses = r.losses.clone();
         losses[2] = f32::from_bits(losses[2].to_bits() + 1);
-        let e = compare(0, &losses, r.loss, &same, &[true; 2], &r, &stages).unwrap_err();
+        let e = compare(&check(&losses, &same)).unwrap_err();
         assert!(e.to_string().contains("loss of mb 2"), "{e}");
     }
 }

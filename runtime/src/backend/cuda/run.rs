@@ -29,12 +29,11 @@ use super::{comm::Net, probe_libraries};
 use crate::backend::BackendError;
 use crate::driver::{
     build_model, check_layout, drive, replicated_stages, stages_of, Device, LocalGrads, Setup,
-    StepBackend, StepError,
+    StepBackend, StepCheck, StepError,
 };
 use crate::error::RunError;
 use crate::interp::RankRun;
-use crate::model::{ModelConfig, Stage, StageGrads};
-use crate::reference;
+use crate::model::ModelConfig;
 use crate::run::{for_each_gradient, CheckSummary, RunOptions, RunReport};
 use crate::transport::Transport;
 use crate::watchdog::Watch;
@@ -177,18 +176,9 @@ impl<T: Elem> Device for Gpus<T> {
         }
     }
 
-    fn compare(
-        &self,
-        step: u32,
-        losses: &[f32],
-        loss: f32,
-        grads: &[Option<&StageGrads<f32>>],
-        mine: &[bool],
-        r: &reference::RefStep,
-        model: &[Stage<f32>],
-    ) -> Result<(CheckSummary, (f64, String)), RunError> {
+    fn compare(&self, c: &StepCheck<'_>) -> Result<(CheckSummary, (f64, String)), RunError> {
         let tol = self.dtype.tolerance();
-        compare_normwise(step, tol, losses, loss, grads, mine, r, model)
+        compare_normwise(tol, c)
     }
 }
 
@@ -465,17 +455,19 @@ pub fn rel_err(a: impl Iterator<Item = f32>, b: impl Iterator<Item = f32>) -> (f
 
 /// Compare the losses and the gradients of the stages in `mine` with the reference; the error
 /// names the worst tensor over the tolerance.
-#[allow(clippy::too_many_arguments)]
 pub fn compare_normwise(
-    step: u32,
     tol: f64,
-    losses: &[f32],
-    loss: f32,
-    grads: &[Option<&StageGrads<f32>>],
-    mine: &[bool],
-    r: &reference::RefStep,
-    model: &[Stage<f32>],
+    c: &StepCheck<'_>,
 ) -> Result<(CheckSummary, (f64, String)), RunError> {
+    let StepCheck {
+        step,
+        losses,
+        loss,
+        grads,
+        mine,
+        r,
+        model,
+    } = *c;
     let mut sum = CheckSummary {
         tensors: 0,
         values: 0,
@@ -521,7 +513,26 @@ pub fn compare_normwise(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model;
+    use crate::model::{self, Stage, StageGrads};
+    use crate::reference::{self, RefStep};
+
+    fn check<'a>(
+        r: &'a RefStep,
+        model: &'a [Stage<f32>],
+        losses: &'a [f32],
+        grads: &'a [Option<&'a StageGrads<f32>>],
+        mine: &'a [bool],
+    ) -> StepCheck<'a> {
+        StepCheck {
+            step: 0,
+            losses,
+            loss: r.loss,
+            grads,
+            mine,
+            r,
+            model,
+        }
+    }
 
     /// The normwise check passes a tiny relative error, fails a larger one in one tensor and
     /// names that tensor; only the stages marked as this process's are compared.
@@ -542,25 +553,25 @@ mod tests {
         g[1][0].tensors[2].mapv_inplace(|x| x * (1.0 + 1e-6));
         let gr: Vec<Option<&StageGrads<f32>>> = g.iter().map(Some).collect();
         let (sum, worst) =
-            compare_normwise(0, 1e-4, &r.losses, r.loss, &gr, &all, &r, &stages).unwrap();
+            compare_normwise(1e-4, &check(&r, &stages, &r.losses, &gr, &all)).unwrap();
         assert_eq!(sum.tensors, 1 + 4 + 4 + 2);
         assert!(worst.0 > 0.0 && worst.0 < 2e-6, "{worst:?}");
         assert!(worst.1.contains("stage 1, layer 0 (t), W2"), "{worst:?}");
         g[1][0].tensors[2].mapv_inplace(|x| x * 1.01);
         let gr: Vec<Option<&StageGrads<f32>>> = g.iter().map(Some).collect();
-        let e = compare_normwise(0, 1e-4, &r.losses, r.loss, &gr, &all, &r, &stages)
+        let e = compare_normwise(1e-4, &check(&r, &stages, &r.losses, &gr, &all))
             .unwrap_err()
             .to_string();
         assert!(e.contains("stage 1, layer 0 (t), W2"), "{e}");
         assert!(e.contains("exceeds 1e-4"), "{e}");
         // Stage 1 is another process's: not compared.
         let (sum, _) =
-            compare_normwise(0, 1e-4, &r.losses, r.loss, &gr, &[true, false], &r, &stages).unwrap();
+            compare_normwise(1e-4, &check(&r, &stages, &r.losses, &gr, &[true, false])).unwrap();
         assert_eq!(sum.tensors, 1 + 4);
         // A NaN is never within tolerance.
         let mut losses = r.losses.clone();
         losses[1] = f32::NAN;
-        let e = compare_normwise(0, 5e-2, &losses, r.loss, &gr, &all, &r, &stages).unwrap_err();
+        let e = compare_normwise(5e-2, &check(&r, &stages, &losses, &gr, &all)).unwrap_err();
         assert!(e.to_string().contains("microbatch losses"), "{e}");
     }
 }
