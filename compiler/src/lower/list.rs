@@ -21,8 +21,9 @@ pub trait Clock {
     const ZERO: Self::Time;
     /// Later than every real time: a tensor not produced yet.
     const NEVER: Self::Time;
-    /// How long `op` runs.
-    fn cost(&self, op: &Compute) -> Self::Time;
+    /// How long `op` runs; `None` for an op the clock cannot time (the tuner's costs have no
+    /// overlapped `F&B`), which stops its rank there.
+    fn cost(&self, op: &Compute) -> Option<Self::Time>;
     /// When microbatch `mb`'s tensor from stage `from`, produced at `t`, can be used on stage
     /// `to` (`t` plus the transfer time when the two run on different ranks).
     fn arrive(&self, t: Self::Time, from: u32, to: u32, mb: u32) -> Self::Time;
@@ -31,7 +32,7 @@ pub trait Clock {
 }
 
 /// The (start, end) of every op that could run, rank by rank: a rank's list stops at the first
-/// op whose inputs its order never lets exist.
+/// op whose inputs its order never lets exist, or that the clock cannot time.
 pub struct Times<T> {
     pub ranks: Vec<Vec<(T, T)>>,
     /// Every op of every rank ran.
@@ -97,6 +98,11 @@ pub fn schedule<C: Clock>(
     while let Some(Reverse((sweep, r))) = visits.pop() {
         let order = &orders[r];
         while let Some(op) = order.ops.get(times[r].len()) {
+            // Checked here, not by a pass over the orders first: that pass cost the tuner's
+            // largest list schedules (zb-v, pp=64, M=1024) a few percent.
+            let Some(cost) = clock.cost(op) else {
+                break;
+            };
             let ready = match inputs(op, &act, &grad) {
                 Ok(ready) => ready,
                 Err(cell) => {
@@ -105,7 +111,7 @@ pub fn schedule<C: Clock>(
                 }
             };
             let s = C::max(free[r], ready);
-            let e = C::add(s, clock.cost(op));
+            let e = C::add(s, cost);
             for (pass, t) in op.parts() {
                 if (t.mb.0 as usize) < m && t.stage.0 <= last {
                     let cell = match pass {
@@ -297,6 +303,53 @@ mod tests {
                 })
             };
             prop_assert_eq!(bits(got), bits(want));
+        }
+    }
+
+    /// Speed of the one scheduler against the tuner's old one on tune's sizes (release:
+    /// `cargo test --release -p pipec --lib list_times_speed -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn list_times_speed() {
+        for (kind, pp, m) in [
+            (ScheduleKind::ZbV, 64, 1024),
+            (ScheduleKind::OneFOneB, 64, 1024),
+            (ScheduleKind::Interleaved1F1B, 64, 1024),
+        ] {
+            let vpp = kind.default_vpp();
+            let s = generate(&ScheduleSpec::new(kind, pp, vpp, m), &Limits::DEFAULT).unwrap();
+            let n = s.placement.num_stages() as usize;
+            let mut p = Problem::from_tables(
+                s.placement.clone(),
+                m,
+                vec![1.0; n],
+                vec![1.3; n],
+                vec![0.7; n],
+                None,
+            );
+            p.comm = 0.1;
+            // One call each in turn, so a slow spell of a loaded machine hits both alike; the
+            // minimum and the median of each.
+            let mut took = [Vec::new(), Vec::new()];
+            for _ in 0..41 {
+                for (i, took) in took.iter_mut().enumerate() {
+                    let t = std::time::Instant::now();
+                    let r = if i == 0 {
+                        list_times_before(&p, &s.ranks)
+                    } else {
+                        list_times(&p, &s.ranks)
+                    };
+                    assert!(std::hint::black_box(r).is_some());
+                    took.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            for t in &mut took {
+                t.sort_by(f64::total_cmp);
+            }
+            println!(
+                "{kind} pp={pp} m={m}: before min {:.2} median {:.2} ms, now min {:.2} median {:.2} ms",
+                took[0][0], took[0][20], took[1][0], took[1][20]
+            );
         }
     }
 }

@@ -294,8 +294,8 @@ impl list::Clock for Ticks {
     const ZERO: u64 = 0;
     const NEVER: u64 = NEVER;
 
-    fn cost(&self, op: &Compute) -> u64 {
-        ticks(op)
+    fn cost(&self, op: &Compute) -> Option<u64> {
+        Some(ticks(op))
     }
 
     fn arrive(&self, t: u64, _from: u32, _to: u32, _mb: u32) -> u64 {
