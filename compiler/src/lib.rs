@@ -33,5 +33,5 @@ pub use pipec_ir::{ir, par, words};
 
 pub use compile::{compile, CompileError, CompileRequest, Compiled};
 pub use ir::{Instr, InstrRef, Payload, PayloadKind, Program};
-pub use lower::{lower, lower_orders};
+pub use lower::{lower, lower_orders, lower_with, Lowering};
 pub use pipec_ir::verify::{self, verify, Report, VerifyOptions, Violation};

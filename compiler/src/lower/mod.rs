@@ -19,15 +19,114 @@
 //!   dependency-respecting order.
 //! - Inside a batch, messages keep the order of the ops that produce (sends) or consume
 //!   (recvs) them, so between two ranks the k-th send meets the k-th recv.
+//!
+//! Every lowering is a variant of [`Lowering`] and is reached through [`lower_with`] (or
+//! [`lower_orders`] / [`lower`] for the ones a policy alone names): lockstep and fused steps
+//! here, Megatron's two loops in `megatron.rs`, the timed in-flight one in `timed.rs`. The
+//! lockstep and the timed lowering take their times from the one list scheduler,
+//! [`list::schedule`], at unit ticks and at real costs.
 
 pub mod list;
 mod megatron;
-pub mod timed;
+mod timed;
 
 use crate::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
-    CommPolicy, Compute, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
+    CommPolicy, Compute, MegatronP2p, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
 };
+
+/// Every lowering pipec has: what turns per-rank compute orders into instruction streams,
+/// by what each needs beyond the orders. The program records [`Lowering::policy`].
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Lowering<'t> {
+    /// The lowerings that need the orders only.
+    Untimed(Untimed),
+    /// [`CommPolicy::TimedInFlight`] (`timed.rs`): keeps the times of the orders' list schedule
+    /// under real costs, `times[r][i]` the (start, end) of op `i` of rank `r` and `transfer`
+    /// the time of one message; every message its own batch, left in flight.
+    TimedInFlight {
+        times: &'t [Vec<(f64, f64)>],
+        transfer: f64,
+    },
+}
+
+/// The lowerings that need nothing but the orders: each communicator policy's own.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Untimed {
+    /// [`CommPolicy::Lockstep`]: the orders' list schedule at unit ticks, one batch per
+    /// instant (`lockstep`).
+    Lockstep,
+    /// [`CommPolicy::FusedPerOp`]: every op its own step, a step's sends fused with the next
+    /// step's receives (`Stream::fused_steps`).
+    FusedPerOp,
+    /// Megatron's non-interleaved loop, `forward_backward_pipelining_without_interleaving`,
+    /// its P2P calls one for one (`megatron.rs`); `batched` is `batch_p2p_comm`, the loop's
+    /// only P2P option.
+    Megatron1F1B { batched: bool },
+    /// Megatron's interleaved loop, `forward_backward_pipelining_with_interleaving`, in one of
+    /// its P2P modes (`megatron.rs`).
+    MegatronInterleaved(MegatronP2p),
+}
+
+impl Lowering<'_> {
+    /// The communicator model of the programs this lowering makes.
+    pub fn policy(&self) -> CommPolicy {
+        match self {
+            Lowering::Untimed(u) => u.policy(),
+            Lowering::TimedInFlight { .. } => CommPolicy::TimedInFlight,
+        }
+    }
+}
+
+impl Untimed {
+    /// The lowering a policy names from the orders alone. [`CommPolicy::TimedInFlight`] needs
+    /// the times under real costs, which orders alone do not give: it is lowered
+    /// [`Untimed::Lockstep`], the same idea at unit costs (and recorded as such).
+    pub fn of(policy: CommPolicy) -> Self {
+        match policy.megatron_loop() {
+            // The non-interleaved loop has no overlap modes (`megatron_loop` gives none).
+            Some((false, mode)) => Untimed::Megatron1F1B {
+                batched: mode == MegatronP2p::Batched,
+            },
+            Some((true, mode)) => Untimed::MegatronInterleaved(mode),
+            None if policy == CommPolicy::FusedPerOp => Untimed::FusedPerOp,
+            None => Untimed::Lockstep,
+        }
+    }
+
+    /// The communicator model of the programs this lowering makes.
+    pub fn policy(self) -> CommPolicy {
+        match self {
+            Untimed::Lockstep => CommPolicy::Lockstep,
+            Untimed::FusedPerOp => CommPolicy::FusedPerOp,
+            Untimed::Megatron1F1B { batched: true } => CommPolicy::Megatron1F1B,
+            Untimed::Megatron1F1B { batched: false } => CommPolicy::Megatron1F1BUnbatched,
+            Untimed::MegatronInterleaved(mode) => CommPolicy::megatron(true, mode),
+        }
+    }
+}
+
+/// Why a lowering refused its input (only the timed one can: the others lower any order, and
+/// the verifier judges the result).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum LowerError {
+    #[error("timed lowering: op times for {times} ranks, but {ranks} rank orders")]
+    TimedRanks { times: usize, ranks: usize },
+    #[error("timed lowering: rank {rank} has times for {times} ops, but {ops} ops")]
+    TimedOps {
+        rank: Rank,
+        times: usize,
+        ops: usize,
+    },
+    #[error(
+        "timed lowering: {payload}, sent by op {op} of rank {rank}, has no consumer in the orders"
+    )]
+    Unconsumed {
+        rank: Rank,
+        op: usize,
+        payload: Payload,
+    },
+}
 
 /// One message endpoint as seen from the rank that posts it.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -195,8 +294,8 @@ impl list::Clock for Ticks {
     const ZERO: u64 = 0;
     const NEVER: u64 = NEVER;
 
-    fn cost(&self, op: &Compute) -> u64 {
-        ticks(op)
+    fn cost(&self, op: &Compute) -> Option<u64> {
+        Some(ticks(op))
     }
 
     fn arrive(&self, t: u64, _from: u32, _to: u32, _mb: u32) -> u64 {
@@ -413,11 +512,81 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
     }));
 }
 
-/// Lower per-rank compute orders. Stages in `orders` must be in range of `placement`, and each
-/// rank's ops must sit on that rank (generated schedules and validated imports satisfy both).
-/// The program records the policy it was lowered with ([`Program::comm`]).
-/// [`CommPolicy::TimedInFlight`] needs the costs ([`timed::lower_timed`]): orders
-/// alone are lowered lockstep, the same idea at unit costs, and recorded as such.
+/// Lower per-rank compute orders by `how`: the one entry point to every lowering. Stages in
+/// `orders` must be in range of `placement`, and each rank's ops must sit on that rank
+/// (generated schedules and validated imports satisfy both). The program records
+/// [`Lowering::policy`] ([`Program::comm`]).
+pub fn lower_with(
+    placement: &Placement,
+    microbatches: u32,
+    forward_only: bool,
+    orders: &[RankOrder],
+    how: Lowering<'_>,
+) -> Result<Program, LowerError> {
+    let ranks = match how {
+        Lowering::Untimed(u) => untimed(placement, microbatches, forward_only, orders, u),
+        Lowering::TimedInFlight { times, transfer } => {
+            timed::lower_timed(placement, microbatches, orders, times, transfer)?
+        }
+    };
+    Ok(Program {
+        placement: placement.clone(),
+        microbatches,
+        forward_only,
+        comm: Some(how.policy()),
+        ranks,
+    })
+}
+
+/// The streams of an [`Untimed`] lowering (none refuses its orders: the verifier judges them).
+fn untimed(
+    placement: &Placement,
+    microbatches: u32,
+    forward_only: bool,
+    orders: &[RankOrder],
+    how: Untimed,
+) -> Vec<Vec<Instr>> {
+    let (interleaved, mode) = match how {
+        Untimed::Lockstep => return lockstep(placement, microbatches, orders),
+        Untimed::FusedPerOp => {
+            return map_ranks(orders, |order| {
+                let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
+                stream.fused_steps(order.ops.chunks(1));
+                stream.instrs
+            })
+        }
+        Untimed::Megatron1F1B { batched: true } => (false, MegatronP2p::Batched),
+        Untimed::Megatron1F1B { batched: false } => (false, MegatronP2p::Unbatched),
+        Untimed::MegatronInterleaved(mode) => (true, mode),
+    };
+    let pp = placement.pp;
+    // Each rank's stream depends on its own order only: ranks are lowered in parallel.
+    map_ranks(orders, |order| {
+        // Orders of several chunks per rank on one `1f1b --combined` rank run Megatron's
+        // interleaved loop (the only one combined 1F1B comes from).
+        let combined = order
+            .ops
+            .iter()
+            .any(|o| matches!(o, Compute::FwdBwd { .. }));
+        if interleaved || combined {
+            megatron::interleaved(&megatron::Interleaved {
+                pp,
+                rank: order.rank.0,
+                chunks: placement.num_stages() / pp.max(1),
+                warmup: order.warmup,
+                forward_only,
+                combined,
+                mode,
+                ops: &order.ops,
+            })
+        } else {
+            megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
+        }
+    })
+}
+
+/// Lower per-rank compute orders by the lowering `policy` names ([`Untimed::of`]: the timed
+/// policy, which needs real costs, is lowered lockstep); see [`lower_with`].
 pub fn lower_orders(
     placement: &Placement,
     microbatches: u32,
@@ -425,56 +594,13 @@ pub fn lower_orders(
     policy: CommPolicy,
     orders: &[RankOrder],
 ) -> Program {
-    let policy = match policy {
-        CommPolicy::TimedInFlight => CommPolicy::Lockstep,
-        p => p,
-    };
-    if policy == CommPolicy::Lockstep {
-        return Program {
-            placement: placement.clone(),
-            microbatches,
-            forward_only,
-            comm: Some(policy),
-            ranks: lockstep(placement, microbatches, orders),
-        };
-    }
-    let pp = placement.pp;
-    // Each rank's stream depends on its own order only: ranks are lowered in parallel.
-    let ranks = map_ranks(orders, |order| match policy.megatron_loop() {
-        // Orders of several chunks per rank on one `1f1b --combined` rank run Megatron's
-        // interleaved loop (the only one combined 1F1B comes from).
-        Some((interleaved, mode)) => {
-            let combined = order
-                .ops
-                .iter()
-                .any(|o| matches!(o, Compute::FwdBwd { .. }));
-            if interleaved || combined {
-                megatron::interleaved(&megatron::Interleaved {
-                    pp,
-                    rank: order.rank.0,
-                    chunks: placement.num_stages() / pp.max(1),
-                    warmup: order.warmup,
-                    forward_only,
-                    combined,
-                    mode,
-                    ops: &order.ops,
-                })
-            } else {
-                megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
-            }
-        }
-        None => {
-            let mut stream = Stream::new(placement, order.rank, order.ops.len() * 3);
-            stream.fused_steps(order.ops.chunks(1));
-            stream.instrs
-        }
-    });
+    let how = Untimed::of(policy);
     Program {
         placement: placement.clone(),
         microbatches,
         forward_only,
-        comm: Some(policy),
-        ranks,
+        comm: Some(how.policy()),
+        ranks: untimed(placement, microbatches, forward_only, orders, how),
     }
 }
 
@@ -614,16 +740,14 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
-        /// Visiting only the ranks that can move gives the full sweeps' ticks, for generated
-        /// orders and for broken ones (ops swapped, repeated or dropped, so that a tensor is
+        /// The one list scheduler at unit ticks ([`list::schedule`] under [`Ticks`]) gives the
+        /// lockstep lowering's ticks as first written (full sweeps over every rank), for
+        /// generated orders of every kind (fused `F&B` pairs included) and for broken ones (ops swapped, repeated or dropped, so that a tensor is
         /// produced twice or never and some ranks get stuck).
         #[test]
         fn start_ticks_equal_full_sweeps(
-            kind in proptest::sample::select(vec![
-                ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B, ScheduleKind::ZbV,
-                ScheduleKind::VHalf, ScheduleKind::DualPipeV, ScheduleKind::DualPipe,
-                ScheduleKind::Gpipe, ScheduleKind::Zb1P,
-            ]),
+            kind in proptest::sample::select(ScheduleKind::ALL.to_vec()),
+            combined in proptest::prelude::any::<bool>(),
             pp in 1u32..7,
             m in 1u32..14,
             edits in proptest::collection::vec(
@@ -633,7 +757,11 @@ mod tests {
                 0..6,
             ),
         ) {
-            let Ok(schedule) = generate(&spec(kind, pp, 2, m), &Limits::DEFAULT)
+            // `combined`: 1F1B's fused `F&B` pairs, where the kind has them.
+            let with = |vpp| ScheduleSpec { combined, ..spec(kind, pp, vpp, m) };
+            let Ok(schedule) = generate(&with(2), &Limits::DEFAULT)
+                .or_else(|_| generate(&with(1), &Limits::DEFAULT))
+                .or_else(|_| generate(&spec(kind, pp, 2, m), &Limits::DEFAULT))
                 .or_else(|_| generate(&spec(kind, pp, 1, m), &Limits::DEFAULT))
             else {
                 return Ok(());
@@ -775,5 +903,118 @@ mod tests {
             }
         }
         assert!(cases > 100, "only {cases} reports with violations");
+    }
+
+    /// Every policy, by a match that stops compiling when one is added.
+    fn all_policies() -> Vec<CommPolicy> {
+        let all = vec![
+            CommPolicy::Megatron1F1B,
+            CommPolicy::MegatronInterleaved,
+            CommPolicy::Megatron1F1BUnbatched,
+            CommPolicy::MegatronInterleavedUnbatched,
+            CommPolicy::MegatronInterleavedOverlap,
+            CommPolicy::MegatronInterleavedOverlapFlush,
+            CommPolicy::MegatronInterleavedOverlapKeepOutputs,
+            CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs,
+            CommPolicy::FusedPerOp,
+            CommPolicy::Lockstep,
+            CommPolicy::TimedInFlight,
+        ];
+        for p in &all {
+            match p {
+                CommPolicy::Megatron1F1B
+                | CommPolicy::MegatronInterleaved
+                | CommPolicy::Megatron1F1BUnbatched
+                | CommPolicy::MegatronInterleavedUnbatched
+                | CommPolicy::MegatronInterleavedOverlap
+                | CommPolicy::MegatronInterleavedOverlapFlush
+                | CommPolicy::MegatronInterleavedOverlapKeepOutputs
+                | CommPolicy::MegatronInterleavedOverlapFlushKeepOutputs
+                | CommPolicy::FusedPerOp
+                | CommPolicy::Lockstep
+                | CommPolicy::TimedInFlight => {}
+            }
+        }
+        all
+    }
+
+    /// The registry names every policy's own lowering: `Untimed::of` (read from the policy's
+    /// `megatron_loop`) and `Untimed::policy` (written apart) invert each other, the timed
+    /// policy alone falling back to lockstep; and each generated schedule lowered through
+    /// `lower_with` records its schedule's policy.
+    #[test]
+    fn the_registry_names_every_policy() {
+        for p in all_policies() {
+            let back = Untimed::of(p).policy();
+            if p == CommPolicy::TimedInFlight {
+                assert_eq!(back, CommPolicy::Lockstep);
+            } else {
+                assert_eq!(back, p, "{:?}", Untimed::of(p));
+            }
+        }
+        for kind in ScheduleKind::ALL {
+            let Ok(s) = generate(&spec(kind, 4, kind.default_vpp(), 8), &Limits::DEFAULT) else {
+                continue;
+            };
+            let how = Lowering::Untimed(Untimed::of(s.comm));
+            let p = lower_with(&s.placement, 8, false, &s.ranks, how).unwrap();
+            assert_eq!(p.comm, Some(s.comm), "{kind}");
+            assert_eq!(p, lower(&s), "{kind}");
+        }
+    }
+
+    /// The timed lowering refuses, with its reason, times that do not fit the orders and a
+    /// tensor sent with no consumer; fitting times of complete orders lower.
+    #[test]
+    fn the_timed_lowering_names_what_it_refuses() {
+        let s = generate(&spec(ScheduleKind::OneFOneB, 3, 1, 4), &Limits::DEFAULT).unwrap();
+        let times: Vec<Vec<(f64, f64)>> = list::schedule(&s.placement, 4, &s.ranks, &Ticks)
+            .ranks
+            .iter()
+            .map(|r| r.iter().map(|&(a, b)| (a as f64, b as f64)).collect())
+            .collect();
+        let timed = |orders: &[RankOrder], times: &[Vec<(f64, f64)>]| {
+            let how = Lowering::TimedInFlight {
+                times,
+                transfer: 0.5,
+            };
+            lower_with(&s.placement, 4, false, orders, how)
+        };
+        let p = timed(&s.ranks, &times).unwrap();
+        assert_eq!(p.comm, Some(CommPolicy::TimedInFlight));
+        assert_eq!(
+            timed(&s.ranks, &times[..2]),
+            Err(LowerError::TimedRanks { times: 2, ranks: 3 })
+        );
+        let mut short = times.clone();
+        short[1].pop();
+        assert_eq!(
+            timed(&s.ranks, &short),
+            Err(LowerError::TimedOps {
+                rank: Rank(1),
+                times: times[1].len() - 1,
+                ops: times[1].len()
+            })
+        );
+        // Rank 1 never runs F(stage 1, mb 0): rank 0's activation of mb 0 has no consumer.
+        let mut orders = s.ranks.clone();
+        let at = orders[1]
+            .ops
+            .iter()
+            .position(|o| *o == Compute::Fwd(Task::new(1, 0)))
+            .unwrap();
+        orders[1].ops.remove(at);
+        let mut cut = times.clone();
+        cut[1].remove(at);
+        let err = timed(&orders, &cut).unwrap_err();
+        assert_eq!(
+            err,
+            LowerError::Unconsumed {
+                rank: Rank(0),
+                op: 0,
+                payload: Payload::act(0, 0)
+            }
+        );
+        assert!(err.to_string().contains("no consumer"), "{err}");
     }
 }

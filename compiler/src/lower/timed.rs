@@ -18,9 +18,9 @@
 //! pair of ranks: FIFO matching pairs the right tensors, and NCCL's per-pair stream order holds
 //! no op behind one its peer posts later, so the program is deadlock-free.
 
-use super::{op_io, Endpoint};
-use crate::ir::{Instr, Payload, Program};
-use pipec_schedules::{CommPolicy, Placement, Rank, RankOrder};
+use super::{op_io, Endpoint, LowerError};
+use crate::ir::{Instr, Payload};
+use pipec_schedules::{Placement, Rank, RankOrder};
 
 /// One message: produced at `e` by op `op` of rank `from`, consumed by op `use_at` of `to`.
 struct Msg {
@@ -34,17 +34,35 @@ struct Msg {
     k: usize,
 }
 
-/// Lower `orders` keeping the times of their list schedule: `times[r][i]` the (start, end)
-/// of op `i` of rank `r` ([`super::list::schedule`] under the real costs), `transfer` the
-/// time of one message. `None` when some tensor an op sends has no consumer in the orders.
-pub fn lower_timed(
+/// The streams of `orders` keeping the times of their list schedule: `times[r][i]` the
+/// (start, end) of op `i` of rank `r` ([`super::list::schedule`] under the real costs),
+/// `transfer` the time of one message. Reached through [`super::lower_with`].
+pub(super) fn lower_timed(
     placement: &Placement,
     microbatches: u32,
     orders: &[RankOrder],
     times: &[Vec<(f64, f64)>],
     transfer: f64,
-) -> Option<Program> {
+) -> Result<Vec<Vec<Instr>>, LowerError> {
     let world = orders.len();
+    if times.len() != world {
+        return Err(LowerError::TimedRanks {
+            times: times.len(),
+            ranks: world,
+        });
+    }
+    if let Some((r, (t, o))) = times
+        .iter()
+        .zip(orders)
+        .enumerate()
+        .find(|(_, (t, o))| t.len() != o.ops.len())
+    {
+        return Err(LowerError::TimedOps {
+            rank: Rank(r as u32),
+            times: t.len(),
+            ops: o.ops.len(),
+        });
+    }
     // Consumer of each payload on its rank: (rank, op index), dense over (kind, stage, mb).
     let m = microbatches as usize;
     let cells = placement.num_stages() as usize * m;
@@ -77,7 +95,11 @@ pub fn lower_timed(
             for (k, ep) in sends.iter().enumerate() {
                 let (to, use_at) = consumer[slot(&ep.payload)];
                 if to == usize::MAX {
-                    return None;
+                    return Err(LowerError::Unconsumed {
+                        rank: Rank(r as u32),
+                        op: i,
+                        payload: ep.payload,
+                    });
                 }
                 msgs.push(Msg {
                     e: times[r][i].1,
@@ -188,11 +210,5 @@ pub fn lower_timed(
         }
         ranks.push(out);
     }
-    Some(Program {
-        placement: placement.clone(),
-        microbatches,
-        forward_only: false,
-        comm: Some(CommPolicy::TimedInFlight),
-        ranks,
-    })
+    Ok(ranks)
 }

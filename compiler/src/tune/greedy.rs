@@ -613,12 +613,6 @@ pub fn list_makespan(p: &Problem, orders: &[RankOrder]) -> Option<f64> {
 /// ([`crate::lower::list::schedule`] under `p`'s costs; see [`list_makespan`]); `None` when
 /// the orders wait on each other or hold a fused `F&B` op (the tuner's costs have none).
 pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64)>>> {
-    if orders
-        .iter()
-        .any(|o| o.ops.iter().any(|op| matches!(op, Compute::FwdBwd { .. })))
-    {
-        return None;
-    }
     let t = crate::lower::list::schedule(&p.placement, p.microbatches, orders, p);
     t.complete.then_some(t.ranks)
 }
@@ -629,16 +623,16 @@ impl crate::lower::list::Clock for Problem {
     const ZERO: f64 = 0.0;
     const NEVER: f64 = UNSET;
 
-    fn cost(&self, op: &Compute) -> f64 {
-        match *op {
+    fn cost(&self, op: &Compute) -> Option<f64> {
+        Some(match *op {
             Compute::Fwd(t) => self.f[t.stage.index()],
             // A full backward is `bwd_D` and `bwd_W` back to back.
             Compute::Bwd(t) => self.b[t.stage.index()] + self.w[t.stage.index()],
             Compute::BwdD(t) => self.b[t.stage.index()] + 0.0,
             Compute::BwdW(t) => self.w[t.stage.index()],
-            // No overlap in the tuner's model (and `list_times` refuses such orders).
-            Compute::FwdBwd { fwd, bwd } => self.f[fwd.stage.index()] + self.b[bwd.stage.index()],
-        }
+            // No overlap in the tuner's model: `list_times` refuses such orders.
+            Compute::FwdBwd { .. } => return None,
+        })
     }
 
     fn arrive(&self, t: f64, from: u32, to: u32, mb: u32) -> f64 {

@@ -22,7 +22,7 @@ pub mod zb;
 
 use crate::front::layout::{LayerKind, Layout, MAX_LAYERS};
 use crate::ir::Program;
-use crate::lower::lower;
+use crate::lower::{lower, Lowering};
 use crate::simulate::cost::{CostModel, StageCosts};
 use crate::simulate::{simulate_unverified, Summary};
 use crate::verify::{self, Report, Verified};
@@ -210,10 +210,15 @@ enum Task {
 }
 
 /// The program of `orders` on `p` that keeps their list-schedule time under `p`'s costs
-/// ([`crate::lower::timed`]); `None` when the orders wait on each other.
+/// ([`Lowering::TimedInFlight`]); `None` when the orders wait on each other or send a tensor
+/// they never consume.
 pub fn lower_timed(p: &Problem, orders: &[pipec_schedules::RankOrder]) -> Option<Program> {
     let times = greedy::list_times(p, orders)?;
-    crate::lower::timed::lower_timed(&p.placement, p.microbatches, orders, &times, p.comm)
+    let how = Lowering::TimedInFlight {
+        times: &times,
+        transfer: p.comm,
+    };
+    crate::lower::lower_with(&p.placement, p.microbatches, false, orders, how).ok()
 }
 
 /// Build one candidate: its program (returned apart), simulated and measured.
