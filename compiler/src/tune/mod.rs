@@ -330,6 +330,94 @@ fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
         .collect()
 }
 
+/// [`greedy::schedule_within`] of every heuristic of `hs` with its cutoffs (`None`: not run,
+/// no plan), on up to as many threads as [`par_map`]. One run of the list scheduler stands
+/// for every heuristic with the same cutoffs that decides alike at each of its events
+/// ([`greedy::run`]); a heuristic that decides otherwise is handed back and runs on its own
+/// (another thread may take it at once). Each result is exactly its heuristic's own run, so
+/// how the runs were shared never shows.
+fn run_all(
+    p: &Problem,
+    hs: &[greedy::Heuristic],
+    cuts: &[Option<(f64, f64)>],
+) -> Vec<Option<greedy::Plan>> {
+    use std::sync::{Condvar, Mutex};
+    enum St {
+        Todo,
+        Taken,
+        Done(Option<greedy::Plan>),
+    }
+    let state: Mutex<Vec<St>> = Mutex::new(
+        cuts.iter()
+            .map(|c| if c.is_some() { St::Todo } else { St::Done(None) })
+            .collect(),
+    );
+    let wake = Condvar::new();
+    let key = |i: usize| cuts[i].map(|(c, pc)| (c.to_bits(), pc.to_bits()));
+    let work = || loop {
+        let (lead, fidx) = {
+            let mut st = state.lock().expect("no panics while held");
+            let lead = loop {
+                if let Some(i) = st.iter().position(|s| matches!(s, St::Todo)) {
+                    break i;
+                }
+                if !st.iter().any(|s| matches!(s, St::Taken)) {
+                    return;
+                }
+                st = wake.wait(st).expect("no panics while held");
+            };
+            st[lead] = St::Taken;
+            let mut fidx = Vec::new();
+            if hs[lead].zb.is_none() {
+                for j in lead + 1..hs.len() {
+                    if matches!(st[j], St::Todo) && hs[j].zb.is_none() && key(j) == key(lead) {
+                        st[j] = St::Taken;
+                        fidx.push(j);
+                    }
+                }
+            }
+            (lead, fidx)
+        };
+        let followers: Vec<greedy::Heuristic> = fidx.iter().map(|&j| hs[j]).collect();
+        let (cutoff, peak_cutoff) = cuts[lead].expect("only heuristics to run are taken");
+        let (plan, alive) = greedy::run(p, &hs[lead], &followers, cutoff, peak_cutoff, |j| {
+            let mut st = state.lock().expect("no panics while held");
+            st[fidx[j]] = St::Todo;
+            wake.notify_all();
+        });
+        let mut st = state.lock().expect("no panics while held");
+        for (j, &a) in alive.iter().enumerate() {
+            if a {
+                st[fidx[j]] = St::Done(plan.clone());
+            }
+        }
+        st[lead] = St::Done(plan);
+        wake.notify_all();
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(hs.len())
+        .max(1);
+    if threads == 1 {
+        work();
+    } else {
+        std::thread::scope(|sc| {
+            for _ in 0..threads {
+                sc.spawn(work);
+            }
+        });
+    }
+    state
+        .into_inner()
+        .expect("not poisoned")
+        .into_iter()
+        .map(|s| match s {
+            St::Done(plan) => plan,
+            _ => unreachable!("every heuristic ran"),
+        })
+        .collect()
+}
+
 impl Tuned {
     /// What `pipec tune --json` prints and `pipec.tune` returns: the choice, its layout
     /// string, makespan against the lower bound, bubble, peak memory per rank, every
@@ -486,7 +574,7 @@ fn best_plan_within(
         ),
         None => (f64::INFINITY, f64::INFINITY),
     };
-    let plans = par_map(&hs, |h| greedy::schedule_within(p, h, cutoff, peak_cutoff));
+    let plans = run_all(p, &hs, &vec![Some((cutoff, peak_cutoff)); hs.len()]);
     if known.is_some() && plans.iter().all(Option::is_none) {
         // `known` came from elsewhere than `hs`: plan without it.
         return best_plan_within(p, hs, None);
@@ -524,14 +612,15 @@ fn best_plan_after(
     } else {
         (f64::INFINITY, f64::INFINITY)
     };
-    let idx: Vec<usize> = (0..hs.len()).collect();
-    let mut plans = par_map(&idx, |&i| {
-        if i == iq || ran.contains(&hs[i]) {
-            return None;
-        }
-        let peak_cutoff = if i < iq { tie } else { beat };
-        greedy::schedule_within(p, &hs[i], margin(m), peak_cutoff)
-    });
+    let cuts: Vec<Option<(f64, f64)>> = (0..hs.len())
+        .map(|i| {
+            if i == iq || ran.contains(&hs[i]) {
+                return None;
+            }
+            Some((margin(m), if i < iq { tie } else { beat }))
+        })
+        .collect();
+    let mut plans = run_all(p, &hs, &cuts);
     plans[iq] = Some(quick);
     pick(p, hs, plans)
 }
@@ -726,9 +815,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                 continue;
             }
             let hs = greedy::quick_heuristics(&p);
-            let plans = par_map(&hs, |h| {
-                greedy::schedule_within(&p, h, cutoff, f64::INFINITY)
-            });
+            let plans = run_all(&p, &hs, &vec![Some((cutoff, f64::INFINITY)); hs.len()]);
             let best = pick(&p, hs, plans);
             let score = best.as_ref().map_or(f64::INFINITY, |b| b.0.makespan);
             match kept {
