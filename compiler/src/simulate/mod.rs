@@ -262,7 +262,7 @@ pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, Sim
             instructions: program.len() as u64,
         });
     };
-    let mut sim = Sim::new(program, costs, &matching);
+    let mut sim = Sim::new(program, costs, &matching, true);
     sim.run();
     if let Some(d) = sim.deadlock() {
         return Err(SimError::Deadlock(d));
@@ -277,6 +277,61 @@ pub fn simulate(program: &Program, costs: &StageCosts) -> Result<Simulation, Sim
     };
     let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })
+}
+
+/// The makespan and the per-rank busy time of [`simulate`]'s summary, bit for bit, without
+/// the timeline, the start times or the memory walk: what a search that weighs many programs
+/// needs of each (`pipec tune` simulates the winner in full afterwards).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Figures {
+    pub makespan: f64,
+    pub busy: Vec<f64>,
+}
+
+impl Figures {
+    /// [`Summary::mean_bubble`] of the same simulation.
+    pub fn mean_bubble(&self) -> f64 {
+        if self.busy.is_empty() {
+            return 0.0;
+        }
+        self.busy
+            .iter()
+            .map(|&busy| {
+                if self.makespan > 0.0 {
+                    (1.0 - busy / self.makespan).clamp(0.0, 1.0)
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>()
+            / self.busy.len() as f64
+    }
+}
+
+/// [`simulate`]'s makespan and busy times only ([`Figures`]).
+pub fn figures(program: &Program, costs: &StageCosts) -> Result<Figures, SimError> {
+    check_ids(program, costs)?;
+    let Some(matching) = Matching::of(program) else {
+        return Err(SimError::TooLarge {
+            instructions: program.len() as u64,
+        });
+    };
+    let mut sim = Sim::new(program, costs, &matching, false);
+    sim.run();
+    if let Some(d) = sim.deadlock() {
+        return Err(SimError::Deadlock(d));
+    }
+    // As `summarize_with`: from the earliest start to the latest end.
+    let t0 = if sim.min_start.is_finite() {
+        sim.min_start
+    } else {
+        0.0
+    };
+    let end = sim.end.iter().fold(0.0, |a: f64, &e| a.max(e));
+    Ok(Figures {
+        makespan: (end - t0).max(0.0),
+        busy: sim.busy,
+    })
 }
 
 fn check_ids(program: &Program, costs: &StageCosts) -> Result<(), SimError> {
@@ -322,8 +377,12 @@ struct Sim<'a> {
     m: &'a Matching,
     transfer: f64,
     rendezvous: bool,
-    /// Per global instruction: start and end.
+    /// Per global instruction: start (empty when only the figures are wanted) and end.
     start: Vec<f64>,
+    /// The earliest start, kept when `start` is not.
+    min_start: f64,
+    /// Per rank: time in compute ops.
+    busy: Vec<f64>,
     end: Vec<f64>,
     /// Per global comm op: posted (NaN until then).
     posted: Vec<f64>,
@@ -379,7 +438,7 @@ struct Flight {
 }
 
 impl<'a> Sim<'a> {
-    fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching) -> Self {
+    fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching, times: bool) -> Self {
         let total = m.positions().total() as usize;
         let world = program.ranks.len();
         Sim {
@@ -388,7 +447,13 @@ impl<'a> Sim<'a> {
             m,
             transfer: costs.transfer(),
             rendezvous: costs.model.rendezvous,
-            start: vec![f64::NAN; total],
+            start: if times {
+                vec![f64::NAN; total]
+            } else {
+                Vec::new()
+            },
+            min_start: f64::INFINITY,
+            busy: vec![0.0; world],
             end: vec![f64::NAN; total],
             posted: vec![f64::NAN; total],
             resolved: vec![false; total],
@@ -415,6 +480,15 @@ impl<'a> Sim<'a> {
             flight_of: vec![OptIdx::NONE; total],
             flight: Vec::new(),
             waiting_on: vec![usize::MAX; world],
+        }
+    }
+
+    #[inline]
+    fn set_start(&mut self, g: usize, t: f64) {
+        if let Some(x) = self.start.get_mut(g) {
+            *x = t;
+        } else {
+            self.min_start = self.min_start.min(t);
         }
     }
 
@@ -485,7 +559,7 @@ impl<'a> Sim<'a> {
             let g = base + pc;
             match &instrs[pc] {
                 Instr::Wait { batch } => {
-                    self.start[g] = clock;
+                    self.set_start(g, clock);
                     match self.flight_ids[r].get(batch).copied() {
                         Some(slot) if slot != usize::MAX && self.flight[slot].open != 0 => {
                             self.pc[r] = pc;
@@ -505,9 +579,12 @@ impl<'a> Sim<'a> {
                 Instr::Compute(op) => {
                     // Ids were range-checked in `check_ids`.
                     let d = self.costs.compute(op).unwrap_or(0.0);
-                    self.start[g] = clock;
+                    self.set_start(g, clock);
+                    let before = clock;
                     clock += d;
                     self.end[g] = clock;
+                    // As the summary sums a compute span: `end - start`, in rank order.
+                    self.busy[r] += clock - before;
                     pc += 1;
                 }
                 first => {
@@ -521,11 +598,12 @@ impl<'a> Sim<'a> {
                             done: clock,
                             ops: base + pc..base + hi,
                         });
+                        let slot = *slot as u32;
                         for k in pc..hi {
                             let g = base + k;
-                            self.start[g] = clock;
+                            self.set_start(g, clock);
                             self.posted[g] = clock;
-                            self.flight_of[g] = OptIdx::some(*slot as u32);
+                            self.flight_of[g] = OptIdx::some(slot);
                         }
                         self.posting = r;
                         for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
@@ -539,7 +617,7 @@ impl<'a> Sim<'a> {
                     self.batch_max[r] = clock;
                     for k in pc..hi {
                         let g = base + k;
-                        self.start[g] = clock;
+                        self.set_start(g, clock);
                         self.posted[g] = clock;
                         self.pending[r] += 1;
                     }
@@ -905,5 +983,41 @@ mod tests {
         ]]);
         let s = simulate(&p, &costs("p2p=2", 1)).unwrap();
         assert_eq!(s.summary.makespan, 2.0);
+    }
+
+    /// [`figures`] is [`simulate`]'s summary (makespan, each rank's busy time, the mean
+    /// bubble) bit for bit, on every built-in kind, rendezvous and eager, with Megatron's
+    /// overlapped (in-flight) batches, and with costs that are not whole numbers.
+    #[test]
+    fn figures_are_the_summarys() {
+        use pipec_schedules::{generate, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
+        let mut specs: Vec<ScheduleSpec> = ScheduleKind::ALL
+            .iter()
+            .map(|&k| {
+                let vpp = if k.chunk_rule() == pipec_schedules::ChunkRule::One { 1 } else { 2 };
+                ScheduleSpec::new(k, 4, vpp, 8)
+            })
+            .collect();
+        specs.push(ScheduleSpec {
+            megatron_p2p: MegatronP2p::Overlap,
+            ..ScheduleSpec::new(ScheduleKind::Interleaved1F1B, 4, 2, 8)
+        });
+        let models = ["f=1,b=1,w=1", "f=1.3,b=2.1,w=0.7,p2p=0.37", "f=1,b=2,p2p=0.5,rendezvous=false"];
+        let mut checked = 0;
+        for spec in &specs {
+            let program = crate::lower::lower(&generate(spec, &Limits::DEFAULT).unwrap());
+            for m in models {
+                let c = costs(m, program.num_stages());
+                let full = simulate(&program, &c).unwrap().summary;
+                let f = figures(&program, &c).unwrap();
+                assert_eq!(f.makespan.to_bits(), full.makespan.to_bits(), "{spec:?} {m}");
+                let busy: Vec<u64> = full.ranks.iter().map(|r| r.busy.to_bits()).collect();
+                let got: Vec<u64> = f.busy.iter().map(|b| b.to_bits()).collect();
+                assert_eq!(got, busy, "{spec:?} {m}");
+                assert_eq!(f.mean_bubble().to_bits(), full.mean_bubble().to_bits());
+                checked += 1;
+            }
+        }
+        assert!(checked >= 3 * ScheduleKind::ALL.len());
     }
 }

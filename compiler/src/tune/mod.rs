@@ -171,7 +171,6 @@ struct Built {
     spec: Option<ScheduleSpec>,
     /// `None` for a built-in kind dropped as not the best (rebuilt from `spec` if needed).
     program: Option<Program>,
-    summary: Summary,
     peaks: Vec<f64>,
     planned: Option<f64>,
 }
@@ -688,15 +687,16 @@ fn finish(
 ) -> Option<Built> {
     cand.not_runnable = target.refusal(program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
-    let sim = simulate(program, &costs).ok()?;
+    // Makespan and bubble only: the winner is simulated in full once chosen.
+    let sim = crate::simulate::figures(program, &costs).ok()?;
     // The one memory rule every command reports ([`crate::memory`]).
     let mem = crate::memory::weights(program, &layout, model);
     let peaks: Vec<f64> = crate::memory::peaks(program, &mem)
         .iter()
         .map(|p| p.peak)
         .collect();
-    cand.makespan = sim.summary.makespan;
-    cand.bubble = sim.summary.mean_bubble();
+    cand.makespan = sim.makespan;
+    cand.bubble = sim.mean_bubble();
     cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
     cand.fits = limit.is_none_or(|l| cand.peak_memory <= l * (1.0 + 1e-12));
     cand.layout = split::layout_string(&layout);
@@ -705,7 +705,6 @@ fn finish(
         layout,
         spec,
         program: None,
-        summary: sim.summary,
         peaks,
         planned,
     })
@@ -1013,6 +1012,11 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             limit,
         );
         let lower_bound = bound::lower_bound(&p);
+        // The summary of the same simulation whose figures chose it.
+        let costs = StageCosts::new(&req.model, &b.layout, program.num_stages());
+        let Ok(sim) = simulate(program, &costs) else {
+            continue;
+        };
         let b = built.swap_remove(i);
         let mut runs_on = Vec::new();
         let mut not_runnable_on = Vec::new();
@@ -1029,7 +1033,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             layout: b.layout,
             spec: b.spec,
             program,
-            summary: b.summary,
+            summary: sim.summary,
             peak_memory: b.peaks,
             lower_bound,
             report,
