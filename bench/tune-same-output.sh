@@ -14,7 +14,7 @@ L.b = 8
 t.f = 1
 t.b = 1.2
 t.w = 0.9
-comm = 0.1
+p2p = 0.1
 COST
 cat >"$tmp/bytes.cost" <<'COST'
 [model]
@@ -49,6 +49,9 @@ cases=(
   "--pp 16 --microbatches 64 --num-layers 60 --kinds tuned,zb-v,1f1b"
   "--pp 32 --microbatches 128 --num-layers 64 --target any"
   "--pp 64 --microbatches 256 --num-layers 126 --target any"
+  "--pp 8 --microbatches 32 --num-layers 30 --cost-file HEAVY --target deepspeed"
+  "--pp 4 --microbatches 32 --layout Ettt|tt|tt|ttL --rebalance --cost-file HEAVY --target any"
+  "--pp 16 --microbatches 48 --num-layers 40 --cost-file HEAVY --memory-limit 20 --target any"
   "--pp 64 --microbatches 1024 --num-layers 126"
   "--pp 64 --microbatches 1024 --num-layers 126 --target any"
 )

@@ -994,7 +994,11 @@ mod tests {
         let mut specs: Vec<ScheduleSpec> = ScheduleKind::ALL
             .iter()
             .map(|&k| {
-                let vpp = if k.chunk_rule() == pipec_schedules::ChunkRule::One { 1 } else { 2 };
+                let vpp = if k.chunk_rule() == pipec_schedules::ChunkRule::One {
+                    1
+                } else {
+                    2
+                };
                 ScheduleSpec::new(k, 4, vpp, 8)
             })
             .collect();
@@ -1002,7 +1006,11 @@ mod tests {
             megatron_p2p: MegatronP2p::Overlap,
             ..ScheduleSpec::new(ScheduleKind::Interleaved1F1B, 4, 2, 8)
         });
-        let models = ["f=1,b=1,w=1", "f=1.3,b=2.1,w=0.7,p2p=0.37", "f=1,b=2,p2p=0.5,rendezvous=false"];
+        let models = [
+            "f=1,b=1,w=1",
+            "f=1.3,b=2.1,w=0.7,p2p=0.37",
+            "f=1,b=2,p2p=0.5,rendezvous=false",
+        ];
         let mut checked = 0;
         for spec in &specs {
             let program = crate::lower::lower(&generate(spec, &Limits::DEFAULT).unwrap());
@@ -1010,7 +1018,11 @@ mod tests {
                 let c = costs(m, program.num_stages());
                 let full = simulate(&program, &c).unwrap().summary;
                 let f = figures(&program, &c).unwrap();
-                assert_eq!(f.makespan.to_bits(), full.makespan.to_bits(), "{spec:?} {m}");
+                assert_eq!(
+                    f.makespan.to_bits(),
+                    full.makespan.to_bits(),
+                    "{spec:?} {m}"
+                );
                 let busy: Vec<u64> = full.ranks.iter().map(|r| r.busy.to_bits()).collect();
                 let got: Vec<u64> = f.busy.iter().map(|b| b.to_bits()).collect();
                 assert_eq!(got, busy, "{spec:?} {m}");

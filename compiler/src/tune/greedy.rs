@@ -241,23 +241,23 @@ pub struct Plan {
 }
 
 /// Rank `r` wakes at a time: a min-heap entry on (time as [`f64::total_cmp`] orders it,
-/// rank), the time kept as an integer with that order, which the heap compares faster.
+/// rank), packed into one integer (the time's order-preserving bits above the rank), which
+/// the heap compares in one step.
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Event(Reverse<(u64, u32)>);
+struct Event(Reverse<u128>);
 
 impl Event {
     #[inline]
     fn new(t: f64, r: usize) -> Self {
         let b = t.to_bits();
-        Event(Reverse((
-            if b >> 63 == 0 { b | 1 << 63 } else { !b },
-            r as u32,
-        )))
+        let k = if b >> 63 == 0 { b | 1 << 63 } else { !b };
+        Event(Reverse((k as u128) << 32 | r as u32 as u128))
     }
 
     #[inline]
     fn get(self) -> (f64, usize) {
-        let (k, r) = self.0 .0;
+        let x = self.0 .0;
+        let (k, r) = ((x >> 32) as u64, x as u32);
         let b = if k >> 63 == 1 { k & !(1 << 63) } else { !k };
         (f64::from_bits(b), r as usize)
     }
@@ -331,7 +331,13 @@ enum Action {
 
 /// The per-rank forward caps of `h` (its multiple of the warmup estimate, the staircase
 /// applied).
-fn caps(p: &Problem, h: &Heuristic, lanes: &[super::problem::Lane], reserve: &[f64], budget: &[f64]) -> Vec<usize> {
+fn caps(
+    p: &Problem,
+    h: &Heuristic,
+    lanes: &[super::problem::Lane],
+    reserve: &[f64],
+    budget: &[f64],
+) -> Vec<usize> {
     let n = p.num_stages();
     let warm = warmup_estimate(p);
     let mut cap: Vec<usize> = warm
@@ -430,10 +436,26 @@ pub(crate) fn run(
         .map(|l| {
             let s = l.stage;
             (
-                if s == 0 { 0.0 } else { p.delay_mb(s - 1, s, l.lo) },
-                if s + 1 == n { 0.0 } else { p.delay_mb(s + 1, s, l.lo) },
-                if s + 1 < n { p.rank_of(s + 1, l.lo) } else { usize::MAX },
-                if s > 0 { p.rank_of(s - 1, l.lo) } else { usize::MAX },
+                if s == 0 {
+                    0.0
+                } else {
+                    p.delay_mb(s - 1, s, l.lo)
+                },
+                if s + 1 == n {
+                    0.0
+                } else {
+                    p.delay_mb(s + 1, s, l.lo)
+                },
+                if s + 1 < n {
+                    p.rank_of(s + 1, l.lo)
+                } else {
+                    usize::MAX
+                },
+                if s > 0 {
+                    p.rank_of(s - 1, l.lo)
+                } else {
+                    usize::MAX
+                },
             )
         })
         .collect();

@@ -348,7 +348,13 @@ fn run_all(
     }
     let state: Mutex<Vec<St>> = Mutex::new(
         cuts.iter()
-            .map(|c| if c.is_some() { St::Todo } else { St::Done(None) })
+            .map(|c| {
+                if c.is_some() {
+                    St::Todo
+                } else {
+                    St::Done(None)
+                }
+            })
             .collect(),
     );
     let wake = Condvar::new();
