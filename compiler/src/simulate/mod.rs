@@ -327,9 +327,8 @@ pub fn figures(program: &Program, costs: &StageCosts) -> Result<Figures, SimErro
     } else {
         0.0
     };
-    let end = sim.end.iter().fold(0.0, |a: f64, &e| a.max(e));
     Ok(Figures {
-        makespan: (end - t0).max(0.0),
+        makespan: (sim.max_end - t0).max(0.0),
         busy: sim.busy,
     })
 }
@@ -379,8 +378,10 @@ struct Sim<'a> {
     rendezvous: bool,
     /// Per global instruction: start (empty when only the figures are wanted) and end.
     start: Vec<f64>,
-    /// The earliest start, kept when `start` is not.
+    /// The earliest start and the latest end, kept when `start` and `end` are not (every
+    /// instruction's start and end are set once).
     min_start: f64,
+    max_end: f64,
     /// Per rank: time in compute ops.
     busy: Vec<f64>,
     end: Vec<f64>,
@@ -453,8 +454,13 @@ impl<'a> Sim<'a> {
                 Vec::new()
             },
             min_start: f64::INFINITY,
+            max_end: 0.0,
             busy: vec![0.0; world],
-            end: vec![f64::NAN; total],
+            end: if times {
+                vec![f64::NAN; total]
+            } else {
+                Vec::new()
+            },
             posted: vec![f64::NAN; total],
             resolved: vec![false; total],
             pc: vec![0; world],
@@ -492,6 +498,15 @@ impl<'a> Sim<'a> {
         }
     }
 
+    #[inline]
+    fn set_end(&mut self, g: usize, t: f64) {
+        if let Some(x) = self.end.get_mut(g) {
+            *x = t;
+        } else {
+            self.max_end = self.max_end.max(t);
+        }
+    }
+
     fn rank_of(&self, g: usize) -> usize {
         self.m.positions().rank_of(g as u32) as usize
     }
@@ -501,10 +516,10 @@ impl<'a> Sim<'a> {
     fn resolve(&mut self, g: usize, r: usize, t: f64) {
         self.resolved[g] = true;
         if let Some(slot) = self.flight_of[g].get() {
+            self.set_end(g, t);
             let f = &mut self.flight[slot as usize];
             f.open -= 1;
             f.done = f.done.max(t);
-            self.end[g] = t;
             if f.open == 0 && self.waiting_on[r] == slot as usize {
                 self.ready.push(r);
             }
@@ -535,7 +550,7 @@ impl<'a> Sim<'a> {
             }
             let end = self.batch_max[r];
             for g in base + self.pc[r]..base + self.batch_end[r] {
-                self.end[g] = end;
+                self.set_end(g, end);
             }
             self.clock[r] = end;
             self.pc[r] = self.batch_end[r];
@@ -549,7 +564,7 @@ impl<'a> Sim<'a> {
             }
             let g = base + self.pc[r];
             self.clock[r] = self.clock[r].max(self.flight[w].done);
-            self.end[g] = self.clock[r];
+            self.set_end(g, self.clock[r]);
             self.pc[r] += 1;
             self.waiting_on[r] = usize::MAX;
         }
@@ -573,7 +588,7 @@ impl<'a> Sim<'a> {
                         // A wait on nothing posted: the verifier reports it; time goes on.
                         _ => {}
                     }
-                    self.end[g] = clock;
+                    self.set_end(g, clock);
                     pc += 1;
                 }
                 Instr::Compute(op) => {
@@ -582,7 +597,7 @@ impl<'a> Sim<'a> {
                     self.set_start(g, clock);
                     let before = clock;
                     clock += d;
-                    self.end[g] = clock;
+                    self.set_end(g, clock);
                     // As the summary sums a compute span: `end - start`, in rank order.
                     self.busy[r] += clock - before;
                     pc += 1;
@@ -631,7 +646,7 @@ impl<'a> Sim<'a> {
                     if self.pending[r] == 0 {
                         let end = self.batch_max[r];
                         for g in base + pc..base + hi {
-                            self.end[g] = end;
+                            self.set_end(g, end);
                         }
                         clock = end;
                         pc = hi;
