@@ -1162,3 +1162,63 @@ fn keep_best_per(built: Vec<Built>) -> Vec<Built> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shared runs change nothing: [`run_all`] gives every heuristic exactly the plan of its
+    /// own [`greedy::schedule_within`] run, on every placement, with and without a memory
+    /// limit and comm delay, under infinite, makespan and peak cutoffs (some heuristics not
+    /// run at all), on uneven costs.
+    #[test]
+    fn shared_runs_are_each_heuristics_own() {
+        let model = CostModel::parse("t.f=1,t.b=1.3,t.w=0.7,E.f=2,L.f=2.5,p2p=0.2").unwrap();
+        let mut checked = 0;
+        for pp in [2u32, 4] {
+            for m in [4u32, 9] {
+                let placements = [
+                    Placement::looped(pp, 1),
+                    Placement::looped(pp, 2),
+                    Placement::v_shape(pp),
+                    Placement::bidirectional(pp, m / 2),
+                ];
+                for pl in placements {
+                    let n = pl.num_stages();
+                    let layout = split::layout_of(&vec![2; n as usize], 0);
+                    for limit in [None, Some(2.5 * pp as f64)] {
+                        let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                        let hs = greedy::heuristics_for(&p);
+                        let solo = greedy::schedule(&p, &hs[0]).map(|x| x.makespan);
+                        let cutoffs = [
+                            (f64::INFINITY, f64::INFINITY),
+                            (solo.map_or(f64::INFINITY, margin), f64::INFINITY),
+                            (f64::INFINITY, 1.5 * pp as f64),
+                        ];
+                        for (c, pc) in cutoffs {
+                            let cuts: Vec<Option<(f64, f64)>> = (0..hs.len())
+                                .map(|i| {
+                                    (i % 5 != 3)
+                                        .then_some((c, if i % 2 == 0 { pc } else { c.min(pc) }))
+                                })
+                                .collect();
+                            let got = run_all(&p, &hs, &cuts);
+                            for (i, h) in hs.iter().enumerate() {
+                                let want = cuts[i]
+                                    .and_then(|(c, pc)| greedy::schedule_within(&p, h, c, pc));
+                                assert_eq!(
+                                    got[i],
+                                    want,
+                                    "pp={pp} m={m} {pl:?} {limit:?} {}",
+                                    h.name()
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000, "{checked}");
+    }
+}
