@@ -292,7 +292,7 @@ fn simulate_program(
             }
         },
     };
-    let mut sim = Sim::new(program, costs, matching);
+    let mut sim = Sim::new(program, costs, matching, true);
     sim.run();
     if let Some(d) = sim.deadlock() {
         return Err(SimError::Deadlock(d));
@@ -307,6 +307,65 @@ fn simulate_program(
     };
     let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })
+}
+
+/// The makespan and the per-rank busy time of [`simulate`]'s summary, bit for bit, without
+/// the timeline, the start times or the memory walk: what a search that weighs many programs
+/// needs of each (`pipec tune` simulates the winner in full afterwards).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Figures {
+    pub makespan: f64,
+    pub busy: Vec<f64>,
+}
+
+impl Figures {
+    /// [`Summary::mean_bubble`] of the same simulation.
+    pub fn mean_bubble(&self) -> f64 {
+        if self.busy.is_empty() {
+            return 0.0;
+        }
+        self.busy
+            .iter()
+            .map(|&busy| {
+                if self.makespan > 0.0 {
+                    (1.0 - busy / self.makespan).clamp(0.0, 1.0)
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>()
+            / self.busy.len() as f64
+    }
+}
+
+/// [`simulate_unverified`]'s makespan and busy times only ([`Figures`]): what the tuner weighs
+/// its candidates by, before any is verified.
+pub fn figures<P: std::borrow::Borrow<Program>>(
+    program: &crate::verify::Unverified<P>,
+    costs: &StageCosts,
+) -> Result<Figures, SimError> {
+    let program = program.program();
+    check_ids(program, costs)?;
+    let Some(matching) = Matching::of(program) else {
+        return Err(SimError::TooLarge {
+            instructions: program.len() as u64,
+        });
+    };
+    let mut sim = Sim::new(program, costs, &matching, false);
+    sim.run();
+    if let Some(d) = sim.deadlock() {
+        return Err(SimError::Deadlock(d));
+    }
+    // As `summarize_with`: from the earliest start to the latest end.
+    let t0 = if sim.min_start.is_finite() {
+        sim.min_start
+    } else {
+        0.0
+    };
+    Ok(Figures {
+        makespan: (sim.max_end - t0).max(0.0),
+        busy: sim.busy,
+    })
 }
 
 fn check_ids(program: &Program, costs: &StageCosts) -> Result<(), SimError> {
@@ -352,8 +411,14 @@ struct Sim<'a> {
     m: &'a Matching,
     transfer: f64,
     rendezvous: bool,
-    /// Per global instruction: start and end.
+    /// Per global instruction: start (empty when only the figures are wanted) and end.
     start: Vec<f64>,
+    /// The earliest start and the latest end, kept when `start` and `end` are not (every
+    /// instruction's start and end are set once).
+    min_start: f64,
+    max_end: f64,
+    /// Per rank: time in compute ops.
+    busy: Vec<f64>,
     end: Vec<f64>,
     /// Per global comm op: posted (NaN until then).
     posted: Vec<f64>,
@@ -409,7 +474,7 @@ struct Flight {
 }
 
 impl<'a> Sim<'a> {
-    fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching) -> Self {
+    fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching, times: bool) -> Self {
         let total = m.positions().total() as usize;
         let world = program.ranks.len();
         Sim {
@@ -418,8 +483,19 @@ impl<'a> Sim<'a> {
             m,
             transfer: costs.transfer(),
             rendezvous: costs.model.rendezvous,
-            start: vec![f64::NAN; total],
-            end: vec![f64::NAN; total],
+            start: if times {
+                vec![f64::NAN; total]
+            } else {
+                Vec::new()
+            },
+            min_start: f64::INFINITY,
+            max_end: 0.0,
+            busy: vec![0.0; world],
+            end: if times {
+                vec![f64::NAN; total]
+            } else {
+                Vec::new()
+            },
             posted: vec![f64::NAN; total],
             resolved: vec![false; total],
             pc: vec![0; world],
@@ -448,6 +524,24 @@ impl<'a> Sim<'a> {
         }
     }
 
+    #[inline]
+    fn set_start(&mut self, g: usize, t: f64) {
+        if let Some(x) = self.start.get_mut(g) {
+            *x = t;
+        } else {
+            self.min_start = self.min_start.min(t);
+        }
+    }
+
+    #[inline]
+    fn set_end(&mut self, g: usize, t: f64) {
+        if let Some(x) = self.end.get_mut(g) {
+            *x = t;
+        } else {
+            self.max_end = self.max_end.max(t);
+        }
+    }
+
     fn rank_of(&self, g: usize) -> usize {
         self.m.positions().rank_of(g as u32) as usize
     }
@@ -457,10 +551,10 @@ impl<'a> Sim<'a> {
     fn resolve(&mut self, g: usize, r: usize, t: f64) {
         self.resolved[g] = true;
         if let Some(slot) = self.flight_of[g].get() {
+            self.set_end(g, t);
             let f = &mut self.flight[slot as usize];
             f.open -= 1;
             f.done = f.done.max(t);
-            self.end[g] = t;
             if f.open == 0 && self.waiting_on[r] == slot as usize {
                 self.ready.push(r);
             }
@@ -491,7 +585,7 @@ impl<'a> Sim<'a> {
             }
             let end = self.batch_max[r];
             for g in base + self.pc[r]..base + self.batch_end[r] {
-                self.end[g] = end;
+                self.set_end(g, end);
             }
             self.clock[r] = end;
             self.pc[r] = self.batch_end[r];
@@ -505,7 +599,7 @@ impl<'a> Sim<'a> {
             }
             let g = base + self.pc[r];
             self.clock[r] = self.clock[r].max(self.flight[w].done);
-            self.end[g] = self.clock[r];
+            self.set_end(g, self.clock[r]);
             self.pc[r] += 1;
             self.waiting_on[r] = usize::MAX;
         }
@@ -515,7 +609,7 @@ impl<'a> Sim<'a> {
             let g = base + pc;
             match &instrs[pc] {
                 Instr::Wait { batch } => {
-                    self.start[g] = clock;
+                    self.set_start(g, clock);
                     match self.flight_ids[r].get(batch).copied() {
                         Some(slot) if slot != usize::MAX && self.flight[slot].open != 0 => {
                             self.pc[r] = pc;
@@ -529,15 +623,18 @@ impl<'a> Sim<'a> {
                         // A wait on nothing posted: the verifier reports it; time goes on.
                         _ => {}
                     }
-                    self.end[g] = clock;
+                    self.set_end(g, clock);
                     pc += 1;
                 }
                 Instr::Compute(op) => {
                     // Ids were range-checked in `check_ids`.
                     let d = self.costs.compute(op).unwrap_or(0.0);
-                    self.start[g] = clock;
+                    self.set_start(g, clock);
+                    let before = clock;
                     clock += d;
-                    self.end[g] = clock;
+                    self.set_end(g, clock);
+                    // As the summary sums a compute span: `end - start`, in rank order.
+                    self.busy[r] += clock - before;
                     pc += 1;
                 }
                 first => {
@@ -551,11 +648,12 @@ impl<'a> Sim<'a> {
                             done: clock,
                             ops: base + pc..base + hi,
                         });
+                        let slot = *slot as u32;
                         for k in pc..hi {
                             let g = base + k;
-                            self.start[g] = clock;
+                            self.set_start(g, clock);
                             self.posted[g] = clock;
-                            self.flight_of[g] = OptIdx::some(*slot as u32);
+                            self.flight_of[g] = OptIdx::some(slot);
                         }
                         self.posting = r;
                         for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
@@ -569,7 +667,7 @@ impl<'a> Sim<'a> {
                     self.batch_max[r] = clock;
                     for k in pc..hi {
                         let g = base + k;
-                        self.start[g] = clock;
+                        self.set_start(g, clock);
                         self.posted[g] = clock;
                         self.pending[r] += 1;
                     }
@@ -583,7 +681,7 @@ impl<'a> Sim<'a> {
                     if self.pending[r] == 0 {
                         let end = self.batch_max[r];
                         for g in base + pc..base + hi {
-                            self.end[g] = end;
+                            self.set_end(g, end);
                         }
                         clock = end;
                         pc = hi;
@@ -945,5 +1043,55 @@ mod tests {
         ]]);
         let s = simulate_unverified(&Unverified::unchecked(&p), &costs("p2p=2", 1)).unwrap();
         assert_eq!(s.summary.makespan, 2.0);
+    }
+
+    /// [`figures`] is [`simulate`]'s summary (makespan, each rank's busy time, the mean
+    /// bubble) bit for bit, on every built-in kind, rendezvous and eager, with Megatron's
+    /// overlapped (in-flight) batches, and with costs that are not whole numbers.
+    #[test]
+    fn figures_are_the_summarys() {
+        use pipec_schedules::{generate, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
+        let mut specs: Vec<ScheduleSpec> = ScheduleKind::ALL
+            .iter()
+            .map(|&k| {
+                let vpp = if k.chunk_rule() == pipec_schedules::ChunkRule::One {
+                    1
+                } else {
+                    2
+                };
+                ScheduleSpec::new(k, 4, vpp, 8)
+            })
+            .collect();
+        specs.push(ScheduleSpec {
+            megatron_p2p: MegatronP2p::Overlap,
+            ..ScheduleSpec::new(ScheduleKind::Interleaved1F1B, 4, 2, 8)
+        });
+        let models = [
+            "f=1,b=1,w=1",
+            "f=1.3,b=2.1,w=0.7,p2p=0.37",
+            "f=1,b=2,p2p=0.5,rendezvous=false",
+        ];
+        let mut checked = 0;
+        for spec in &specs {
+            let program = crate::lower::lower(&generate(spec, &Limits::DEFAULT).unwrap());
+            for m in models {
+                let c = costs(m, program.num_stages());
+                let full = simulate_unverified(&Unverified::unchecked(&program), &c)
+                    .unwrap()
+                    .summary;
+                let f = figures(&Unverified::unchecked(&program), &c).unwrap();
+                assert_eq!(
+                    f.makespan.to_bits(),
+                    full.makespan.to_bits(),
+                    "{spec:?} {m}"
+                );
+                let busy: Vec<u64> = full.ranks.iter().map(|r| r.busy.to_bits()).collect();
+                let got: Vec<u64> = f.busy.iter().map(|b| b.to_bits()).collect();
+                assert_eq!(got, busy, "{spec:?} {m}");
+                assert_eq!(f.mean_bubble().to_bits(), full.mean_bubble().to_bits());
+                checked += 1;
+            }
+        }
+        assert!(checked >= 3 * ScheduleKind::ALL.len());
     }
 }

@@ -241,23 +241,23 @@ pub struct Plan {
 }
 
 /// Rank `r` wakes at a time: a min-heap entry on (time as [`f64::total_cmp`] orders it,
-/// rank), the time kept as an integer with that order, which the heap compares faster.
+/// rank), packed into one integer (the time's order-preserving bits above the rank), which
+/// the heap compares in one step.
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Event(Reverse<(u64, u32)>);
+struct Event(Reverse<u128>);
 
 impl Event {
     #[inline]
     fn new(t: f64, r: usize) -> Self {
         let b = t.to_bits();
-        Event(Reverse((
-            if b >> 63 == 0 { b | 1 << 63 } else { !b },
-            r as u32,
-        )))
+        let k = if b >> 63 == 0 { b | 1 << 63 } else { !b };
+        Event(Reverse((k as u128) << 32 | r as u32 as u128))
     }
 
     #[inline]
     fn get(self) -> (f64, usize) {
-        let (k, r) = self.0 .0;
+        let x = self.0 .0;
+        let (k, r) = ((x >> 32) as u64, x as u32);
         let b = if k >> 63 == 1 { k & !(1 << 63) } else { !k };
         (f64::from_bits(b), r as usize)
     }
@@ -317,21 +317,30 @@ pub fn schedule(p: &Problem, h: &Heuristic) -> Option<Plan> {
 /// heuristic that cannot beat a plan already in hand stops early instead of running to its
 /// end.
 pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64) -> Option<Plan> {
-    // The zero-bubble authors' rules (their own clock, [`super::zb`]) run to the end: they
-    // are cheap next to the list scheduler and a cut run would hide their plan.
-    if let Some(z) = h.zb {
-        return super::zb::schedule(p, z);
-    }
+    run(p, h, &[], cutoff, peak_cutoff, |_| {}).0
+}
+
+/// What one heuristic does at one event of a run: nothing, idle until a time (its bits), or
+/// run a pass (0 forward, 1 `bwd_D`, 2 `bwd_W`) of a lane.
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Action {
+    Nothing,
+    Idle(u64),
+    Run(u8, usize),
+}
+
+/// The per-rank forward caps of `h` (its multiple of the warmup estimate, the staircase
+/// applied).
+fn caps(
+    p: &Problem,
+    h: &Heuristic,
+    lanes: &[super::problem::Lane],
+    reserve: &[f64],
+    budget: &[f64],
+) -> Vec<usize> {
     let n = p.num_stages();
-    let m = p.microbatches as usize;
-    let pp = p.pp();
-    let lanes = p.lanes();
-    let mut local: Vec<Vec<usize>> = vec![Vec::new(); pp];
-    for (i, l) in lanes.iter().enumerate() {
-        local[l.rank].push(i);
-    }
     let warm = warmup_estimate(p);
-    let cap: Vec<usize> = warm
+    let mut cap: Vec<usize> = warm
         .iter()
         .map(|&w| {
             if h.cap.is_infinite() {
@@ -341,21 +350,6 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
             }
         })
         .collect();
-    // Memory a forward of each lane must leave free: the activations of the rank's later
-    // stages in the same direction, so that the microbatch can still pass them.
-    let reserve: Vec<f64> = lanes
-        .iter()
-        .map(|l| {
-            local[l.rank]
-                .iter()
-                .map(|&j| &lanes[j])
-                .filter(|o| o.dir == l.dir && o.stage > l.stage)
-                .map(|o| p.act[o.stage])
-                .sum()
-        })
-        .collect();
-    let budget: Vec<f64> = (0..pp).map(|r| p.budget(r)).collect();
-    let mut cap = cap;
     if h.staircase && staircase_applies(p) {
         // Stage order along the pipeline; every rank holds one lane.
         let mut prev = usize::MAX;
@@ -379,6 +373,92 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
             prev = cap[r];
         }
     }
+    cap
+}
+
+/// The list scheduler's run of `h` that also follows `followers` (heuristics of the same
+/// cutoffs, none of the zero-bubble authors' rules): at every event it works out what each
+/// follower would do in the same state, and drops a follower (calling `diverged` with its
+/// index) at the first event where that differs. Up to then the follower's run is this run,
+/// event for event (same state, same heap, same cutoff checks), so every follower still
+/// following at the end has exactly this run's result: one run stands for several
+/// heuristics that decide alike (most differ only in tie breaks that never arise). Returns
+/// the result and which followers followed to the end.
+pub(crate) fn run(
+    p: &Problem,
+    h: &Heuristic,
+    followers: &[Heuristic],
+    cutoff: f64,
+    peak_cutoff: f64,
+    mut diverged: impl FnMut(usize),
+) -> (Option<Plan>, Vec<bool>) {
+    let mut alive = vec![true; followers.len()];
+    // The zero-bubble authors' rules (their own clock, [`super::zb`]) run to the end: they
+    // are cheap next to the list scheduler and a cut run would hide their plan.
+    if let Some(z) = h.zb {
+        for (j, a) in alive.iter_mut().enumerate() {
+            *a = false;
+            diverged(j);
+        }
+        return (super::zb::schedule(p, z), alive);
+    }
+    let n = p.num_stages();
+    let m = p.microbatches as usize;
+    let pp = p.pp();
+    let lanes = p.lanes();
+    let mut local: Vec<Vec<usize>> = vec![Vec::new(); pp];
+    for (i, l) in lanes.iter().enumerate() {
+        local[l.rank].push(i);
+    }
+    // Memory a forward of each lane must leave free: the activations of the rank's later
+    // stages in the same direction, so that the microbatch can still pass them.
+    let reserve: Vec<f64> = lanes
+        .iter()
+        .map(|l| {
+            local[l.rank]
+                .iter()
+                .map(|&j| &lanes[j])
+                .filter(|o| o.dir == l.dir && o.stage > l.stage)
+                .map(|o| p.act[o.stage])
+                .sum()
+        })
+        .collect();
+    let budget: Vec<f64> = (0..pp).map(|r| p.budget(r)).collect();
+    let cap = caps(p, h, &lanes, &reserve, &budget);
+    let fcaps: Vec<Vec<usize>> = followers
+        .iter()
+        .map(|f| caps(p, f, &lanes, &reserve, &budget))
+        .collect();
+    // Per lane, fixed over its microbatches (one direction): the delays from the stage
+    // before and after, and the ranks of those stages.
+    let lane_info: Vec<(f64, f64, usize, usize)> = lanes
+        .iter()
+        .map(|l| {
+            let s = l.stage;
+            (
+                if s == 0 {
+                    0.0
+                } else {
+                    p.delay_mb(s - 1, s, l.lo)
+                },
+                if s + 1 == n {
+                    0.0
+                } else {
+                    p.delay_mb(s + 1, s, l.lo)
+                },
+                if s + 1 < n {
+                    p.rank_of(s + 1, l.lo)
+                } else {
+                    usize::MAX
+                },
+                if s > 0 {
+                    p.rank_of(s - 1, l.lo)
+                } else {
+                    usize::MAX
+                },
+            )
+        })
+        .collect();
     let mut fend = vec![UNSET; n * m];
     let mut bend = vec![UNSET; n * m];
     // Next microbatch of each pass kind per lane (global ids).
@@ -409,6 +489,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
             rem[l.rank] += (l.hi - l.lo) as f64 * (p.f[l.stage] + p.b[l.stage] + p.w[l.stage]);
         }
     }
+    let mut following = followers.len();
     let mut events = 0u32;
     while let Some(ev) = heap.pop() {
         let (t, r) = ev.get();
@@ -421,7 +502,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
                 .map(|q| free[q].max(t) + rem[q])
                 .fold(0.0f64, f64::max);
             if bound > cutoff {
-                return None;
+                return (None, alive);
             }
         }
         // A bwd_W that ended frees its activation when the rank is next free.
@@ -431,41 +512,43 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
                 pending_w[r] = None;
             }
         }
-        let mut best_f: Option<usize> = None;
+        // Ready forwards that fit, best by each tie break (deep first, oldest first); the
+        // rank's cap, the same for all of them, is applied per heuristic below.
+        let mut f_deep: Option<usize> = None;
+        let mut f_old: Option<usize> = None;
         let mut best_b: Option<usize> = None;
         let mut best_w: Option<usize> = None;
-        // The earliest later time a forward (one the rules would let run) or a `bwd_D` of
-        // this rank is known to become ready.
-        let mut next_ready = f64::INFINITY;
+        // The earliest later time a forward that fits (`nr_f`) or a `bwd_D` (`nr_b`) of this
+        // rank is known to become ready.
+        let mut nr_f = f64::INFINITY;
+        let mut nr_b = f64::INFINITY;
         for &li in &local[r] {
             let l = &lanes[li];
             let s = l.stage;
+            let (din, dback, _, _) = lane_info[li];
             let mb = nf[li];
-            if mb < l.hi {
+            if mb < l.hi && live[r] + p.act[s] + reserve[li] <= budget[r] + eps {
                 let ready = if s == 0 {
                     0.0
                 } else {
-                    fend[(s - 1) * m + mb] + p.delay_mb(s - 1, s, mb)
+                    fend[(s - 1) * m + mb] + din
                 };
-                let fits = live[r] + p.act[s] + reserve[li] <= budget[r] + eps;
-                if ready > t + eps && fits && inflight[r] < cap[r] {
-                    next_ready = next_ready.min(ready);
-                }
-                if ready <= t + eps && fits && inflight[r] < cap[r] {
-                    let better = match best_f {
-                        None => true,
-                        Some(o) => {
-                            if h.deep_first {
-                                (s, usize::MAX - (mb - l.lo))
-                                    > (lanes[o].stage, usize::MAX - (nf[o] - lanes[o].lo))
-                            } else {
-                                (mb - l.lo, usize::MAX - s)
-                                    < (nf[o] - lanes[o].lo, usize::MAX - lanes[o].stage)
-                            }
-                        }
+                if ready > t + eps {
+                    nr_f = nr_f.min(ready);
+                } else {
+                    let deeper = |o: usize| {
+                        (s, usize::MAX - (mb - l.lo))
+                            > (lanes[o].stage, usize::MAX - (nf[o] - lanes[o].lo))
                     };
-                    if better {
-                        best_f = Some(li);
+                    if f_deep.is_none_or(deeper) {
+                        f_deep = Some(li);
+                    }
+                    let older = |o: usize| {
+                        (mb - l.lo, usize::MAX - s)
+                            < (nf[o] - lanes[o].lo, usize::MAX - lanes[o].stage)
+                    };
+                    if f_old.is_none_or(older) {
+                        f_old = Some(li);
                     }
                 }
             }
@@ -475,10 +558,10 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
                 let ready = if s + 1 == n {
                     fe
                 } else {
-                    fe.max(bend[(s + 1) * m + mb] + p.delay_mb(s + 1, s, mb))
+                    fe.max(bend[(s + 1) * m + mb] + dback)
                 };
                 if ready > t + eps {
-                    next_ready = next_ready.min(ready);
+                    nr_b = nr_b.min(ready);
                 }
                 if ready <= t + eps {
                     let better = match best_b {
@@ -504,27 +587,62 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
                 }
             }
         }
-        let mem_tight = budget[r].is_finite() && h.eager_w < 1.0 && live[r] > h.eager_w * budget[r];
-        let pick = if mem_tight && best_w.is_some() && best_b.is_none() {
-            best_w.map(|s| (2, s))
-        } else if h.forward_first && best_f.is_some() {
-            best_f.map(|s| (0, s))
-        } else if let Some(s) = best_b {
-            Some((1, s))
-        } else if mem_tight && best_w.is_some() {
-            best_w.map(|s| (2, s))
-        } else if let Some(s) = best_f {
-            Some((0, s))
-        } else {
-            best_w.map(|s| (2, s))
+        // What heuristic `h` (with caps `cap`) does now.
+        let decide = |h: &Heuristic, cap: &[usize]| -> Action {
+            let open = inflight[r] < cap[r];
+            let best_f = if !open {
+                None
+            } else if h.deep_first {
+                f_deep
+            } else {
+                f_old
+            };
+            let next_ready = if open { nr_f.min(nr_b) } else { nr_b };
+            let mem_tight =
+                budget[r].is_finite() && h.eager_w < 1.0 && live[r] > h.eager_w * budget[r];
+            let pick = if mem_tight && best_w.is_some() && best_b.is_none() {
+                best_w.map(|s| (2, s))
+            } else if h.forward_first && best_f.is_some() {
+                best_f.map(|s| (0, s))
+            } else if let Some(s) = best_b {
+                Some((1, s))
+            } else if mem_tight && best_w.is_some() {
+                best_w.map(|s| (2, s))
+            } else if let Some(s) = best_f {
+                Some((0, s))
+            } else {
+                best_w.map(|s| (2, s))
+            };
+            let Some((kind, li)) = pick else {
+                return Action::Nothing;
+            };
+            let s = lanes[li].stage;
+            if h.patient_w && kind == 2 && !mem_tight && t + p.w[s] > next_ready + eps {
+                // Idle until the input arrives (its event is already queued).
+                return Action::Idle(next_ready.to_bits());
+            }
+            Action::Run(kind, li)
         };
-        let Some((kind, li)) = pick else { continue };
-        let s = lanes[li].stage;
-        if h.patient_w && kind == 2 && !mem_tight && t + p.w[s] > next_ready + eps {
-            // Idle until the input arrives (its event is already queued).
-            heap.push(Event::new(next_ready, r));
-            continue;
+        let action = decide(h, &cap);
+        if following > 0 {
+            for (j, f) in followers.iter().enumerate() {
+                if alive[j] && decide(f, &fcaps[j]) != action {
+                    alive[j] = false;
+                    following -= 1;
+                    diverged(j);
+                }
+            }
         }
+        let (kind, li) = match action {
+            Action::Nothing => continue,
+            Action::Idle(at) => {
+                heap.push(Event::new(f64::from_bits(at), r));
+                continue;
+            }
+            Action::Run(kind, li) => (kind, li),
+        };
+        let s = lanes[li].stage;
+        let (_, _, next_rank, prev_rank) = lane_info[li];
         let start = t;
         let end;
         match kind {
@@ -536,13 +654,12 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
                 live[r] += p.act[s];
                 peak[r] = peak[r].max(live[r]);
                 if peak[r] + p.param[r] > peak_cutoff {
-                    return None;
+                    return (None, alive);
                 }
                 inflight[r] += 1;
                 orders[r].push(Compute::Fwd(Task::new(s as u32, mb as u32)));
                 if s + 1 < n {
-                    let q = p.rank_of(s + 1, mb);
-                    wake(&mut heap, &free, t, q, r, end + p.comm);
+                    wake(&mut heap, &free, t, next_rank, r, end + p.comm);
                 }
             }
             1 => {
@@ -553,8 +670,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
                 inflight[r] -= 1;
                 orders[r].push(Compute::BwdD(Task::new(s as u32, mb as u32)));
                 if s > 0 {
-                    let q = p.rank_of(s - 1, mb);
-                    wake(&mut heap, &free, t, q, r, end + p.comm);
+                    wake(&mut heap, &free, t, prev_rank, r, end + p.comm);
                 }
             }
             _ => {
@@ -572,7 +688,7 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
         heap.push(Event::new(end, r));
     }
     if done < total {
-        return None;
+        return (None, alive);
     }
     let orders = orders
         .into_iter()
@@ -584,11 +700,14 @@ pub fn schedule_within(p: &Problem, h: &Heuristic, cutoff: f64, peak_cutoff: f64
         })
         .collect();
     let peak = peak.iter().zip(&p.param).map(|(a, b)| a + b).collect();
-    Some(Plan {
-        orders,
-        makespan,
-        peak,
-    })
+    (
+        Some(Plan {
+            orders,
+            makespan,
+            peak,
+        }),
+        alive,
+    )
 }
 
 /// Queue the arrival of a tensor at rank `q` (sent by `r` at time `now`) for time `at`, unless

@@ -24,7 +24,7 @@ use crate::front::layout::{LayerKind, Layout, MAX_LAYERS};
 use crate::ir::Program;
 use crate::lower::{lower, Lowering};
 use crate::simulate::cost::{CostModel, StageCosts};
-use crate::simulate::{simulate_unverified, Summary};
+use crate::simulate::{simulate, Summary};
 use crate::verify::{self, Report, Verified};
 use pipec_schedules::{
     generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
@@ -197,7 +197,6 @@ struct Built {
     spec: Option<ScheduleSpec>,
     /// `None` for a built-in kind dropped as not the best (rebuilt from `spec` if needed).
     program: Option<Program>,
-    summary: Summary,
     peaks: Vec<f64>,
     planned: Option<f64>,
 }
@@ -345,6 +344,100 @@ fn par_map<T: Sync, R: Send>(jobs: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
             m.into_inner()
                 .expect("not poisoned")
                 .expect("every job ran")
+        })
+        .collect()
+}
+
+/// [`greedy::schedule_within`] of every heuristic of `hs` with its cutoffs (`None`: not run,
+/// no plan), on up to as many threads as [`par_map`]. One run of the list scheduler stands
+/// for every heuristic with the same cutoffs that decides alike at each of its events
+/// ([`greedy::run`]); a heuristic that decides otherwise is handed back and runs on its own
+/// (another thread may take it at once). Each result is exactly its heuristic's own run, so
+/// how the runs were shared never shows.
+fn run_all(
+    p: &Problem,
+    hs: &[greedy::Heuristic],
+    cuts: &[Option<(f64, f64)>],
+) -> Vec<Option<greedy::Plan>> {
+    use std::sync::{Condvar, Mutex};
+    enum St {
+        Todo,
+        Taken,
+        Done(Option<greedy::Plan>),
+    }
+    let state: Mutex<Vec<St>> = Mutex::new(
+        cuts.iter()
+            .map(|c| {
+                if c.is_some() {
+                    St::Todo
+                } else {
+                    St::Done(None)
+                }
+            })
+            .collect(),
+    );
+    let wake = Condvar::new();
+    let key = |i: usize| cuts[i].map(|(c, pc)| (c.to_bits(), pc.to_bits()));
+    let work = || loop {
+        let (lead, fidx) = {
+            let mut st = state.lock().expect("no panics while held");
+            let lead = loop {
+                if let Some(i) = st.iter().position(|s| matches!(s, St::Todo)) {
+                    break i;
+                }
+                if !st.iter().any(|s| matches!(s, St::Taken)) {
+                    return;
+                }
+                st = wake.wait(st).expect("no panics while held");
+            };
+            st[lead] = St::Taken;
+            let mut fidx = Vec::new();
+            if hs[lead].zb.is_none() {
+                for j in lead + 1..hs.len() {
+                    if matches!(st[j], St::Todo) && hs[j].zb.is_none() && key(j) == key(lead) {
+                        st[j] = St::Taken;
+                        fidx.push(j);
+                    }
+                }
+            }
+            (lead, fidx)
+        };
+        let followers: Vec<greedy::Heuristic> = fidx.iter().map(|&j| hs[j]).collect();
+        let (cutoff, peak_cutoff) = cuts[lead].expect("only heuristics to run are taken");
+        let (plan, alive) = greedy::run(p, &hs[lead], &followers, cutoff, peak_cutoff, |j| {
+            let mut st = state.lock().expect("no panics while held");
+            st[fidx[j]] = St::Todo;
+            wake.notify_all();
+        });
+        let mut st = state.lock().expect("no panics while held");
+        for (j, &a) in alive.iter().enumerate() {
+            if a {
+                st[fidx[j]] = St::Done(plan.clone());
+            }
+        }
+        st[lead] = St::Done(plan);
+        wake.notify_all();
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(hs.len())
+        .max(1);
+    if threads == 1 {
+        work();
+    } else {
+        std::thread::scope(|sc| {
+            for _ in 0..threads {
+                sc.spawn(work);
+            }
+        });
+    }
+    state
+        .into_inner()
+        .expect("not poisoned")
+        .into_iter()
+        .map(|s| match s {
+            St::Done(plan) => plan,
+            _ => unreachable!("every heuristic ran"),
         })
         .collect()
 }
@@ -515,7 +608,7 @@ fn best_plan_within(
         ),
         None => (f64::INFINITY, f64::INFINITY),
     };
-    let plans = par_map(&hs, |h| greedy::schedule_within(p, h, cutoff, peak_cutoff));
+    let plans = run_all(p, &hs, &vec![Some((cutoff, peak_cutoff)); hs.len()]);
     if known.is_some() && plans.iter().all(Option::is_none) {
         // `known` came from elsewhere than `hs`: plan without it.
         return best_plan_within(p, hs, None);
@@ -553,14 +646,15 @@ fn best_plan_after(
     } else {
         (f64::INFINITY, f64::INFINITY)
     };
-    let idx: Vec<usize> = (0..hs.len()).collect();
-    let mut plans = par_map(&idx, |&i| {
-        if i == iq || ran.contains(&hs[i]) {
-            return None;
-        }
-        let peak_cutoff = if i < iq { tie } else { beat };
-        greedy::schedule_within(p, &hs[i], margin(m), peak_cutoff)
-    });
+    let cuts: Vec<Option<(f64, f64)>> = (0..hs.len())
+        .map(|i| {
+            if i == iq || ran.contains(&hs[i]) {
+                return None;
+            }
+            Some((margin(m), if i < iq { tie } else { beat }))
+        })
+        .collect();
+    let mut plans = run_all(p, &hs, &cuts);
     plans[iq] = Some(quick);
     pick(p, hs, plans)
 }
@@ -628,16 +722,17 @@ fn finish(
 ) -> Option<Built> {
     cand.not_runnable = target.refusal(program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
-    // Every candidate is simulated; only the winner is verified (below, in `tune`).
-    let sim = simulate_unverified(&crate::verify::Unverified::unchecked(program), &costs).ok()?;
+    // Makespan and bubble only: the winner is verified and simulated in full once chosen.
+    let sim =
+        crate::simulate::figures(&crate::verify::Unverified::unchecked(program), &costs).ok()?;
     // The one memory rule every command reports ([`crate::memory`]).
     let mem = crate::memory::weights(program, &layout, model);
     let peaks: Vec<f64> = crate::memory::peaks(program, &mem)
         .iter()
         .map(|p| p.peak)
         .collect();
-    cand.makespan = sim.summary.makespan;
-    cand.bubble = sim.summary.mean_bubble();
+    cand.makespan = sim.makespan;
+    cand.bubble = sim.mean_bubble();
     cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
     cand.fits = limit.is_none_or(|l| cand.peak_memory <= l * (1.0 + 1e-12));
     cand.layout = split::layout_string(&layout);
@@ -646,7 +741,6 @@ fn finish(
         layout,
         spec,
         program: None,
-        summary: sim.summary,
         peaks,
         planned,
     })
@@ -756,9 +850,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
                 continue;
             }
             let hs = greedy::quick_heuristics(&p);
-            let plans = par_map(&hs, |h| {
-                greedy::schedule_within(&p, h, cutoff, f64::INFINITY)
-            });
+            let plans = run_all(&p, &hs, &vec![Some((cutoff, f64::INFINITY)); hs.len()]);
             let best = pick(&p, hs, plans);
             let score = best.as_ref().map_or(f64::INFINITY, |b| b.0.makespan);
             match kept {
@@ -952,6 +1044,12 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             limit,
         );
         let lower_bound = bound::lower_bound(&p);
+        // The winner simulated in full (the candidates had figures only), with the
+        // verifier's matching.
+        let costs = StageCosts::new(&req.model, &built[i].layout, program.num_stages());
+        let Ok(sim) = simulate(&verified, &costs) else {
+            continue;
+        };
         let b = built.swap_remove(i);
         let mut runs_on = Vec::new();
         let mut not_runnable_on = Vec::new();
@@ -967,7 +1065,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             layout: b.layout,
             spec: b.spec,
             verified,
-            summary: b.summary,
+            summary: sim.summary,
             peak_memory: b.peaks,
             lower_bound,
             planned_makespan: b.planned,
@@ -1088,4 +1186,64 @@ fn keep_best_per(built: Vec<Built>) -> Vec<Built> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shared runs change nothing: [`run_all`] gives every heuristic exactly the plan of its
+    /// own [`greedy::schedule_within`] run, on every placement, with and without a memory
+    /// limit and comm delay, under infinite, makespan and peak cutoffs (some heuristics not
+    /// run at all), on uneven costs.
+    #[test]
+    fn shared_runs_are_each_heuristics_own() {
+        let model = CostModel::parse("t.f=1,t.b=1.3,t.w=0.7,E.f=2,L.f=2.5,p2p=0.2").unwrap();
+        let mut checked = 0;
+        for pp in [2u32, 4] {
+            for m in [4u32, 9] {
+                let placements = [
+                    Placement::looped(pp, 1),
+                    Placement::looped(pp, 2),
+                    Placement::v_shape(pp),
+                    Placement::bidirectional(pp, m / 2),
+                ];
+                for pl in placements {
+                    let n = pl.num_stages();
+                    let layout = split::layout_of(&vec![2; n as usize], 0);
+                    for limit in [None, Some(2.5 * pp as f64)] {
+                        let p = Problem::new(&model, &layout, pl.clone(), m, limit);
+                        let hs = greedy::heuristics_for(&p);
+                        let solo = greedy::schedule(&p, &hs[0]).map(|x| x.makespan);
+                        let cutoffs = [
+                            (f64::INFINITY, f64::INFINITY),
+                            (solo.map_or(f64::INFINITY, margin), f64::INFINITY),
+                            (f64::INFINITY, 1.5 * pp as f64),
+                        ];
+                        for (c, pc) in cutoffs {
+                            let cuts: Vec<Option<(f64, f64)>> = (0..hs.len())
+                                .map(|i| {
+                                    (i % 5 != 3)
+                                        .then_some((c, if i % 2 == 0 { pc } else { c.min(pc) }))
+                                })
+                                .collect();
+                            let got = run_all(&p, &hs, &cuts);
+                            for (i, h) in hs.iter().enumerate() {
+                                let want = cuts[i]
+                                    .and_then(|(c, pc)| greedy::schedule_within(&p, h, c, pc));
+                                assert_eq!(
+                                    got[i],
+                                    want,
+                                    "pp={pp} m={m} {pl:?} {limit:?} {}",
+                                    h.name()
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000, "{checked}");
+    }
 }
