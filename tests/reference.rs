@@ -90,7 +90,10 @@ pub fn execute(p: &Program) -> Outcome {
     for (r, instrs) in p.ranks.iter().enumerate() {
         for (i, ins) in instrs.iter().enumerate() {
             let bad = match *ins {
-                Instr::Compute(c) => c.parts().any(|(_, t)| t.stage.0 >= stages || t.mb.0 >= m),
+                Instr::Compute(_) | Instr::FwdCheckpoint(_) => ins
+                    .as_compute()
+                    .is_some_and(|c| c.parts().any(|(_, t)| t.stage.0 >= stages || t.mb.0 >= m)),
+                Instr::Memory(op) => op.task.stage.0 >= stages || op.task.mb.0 >= m,
                 Instr::Send { peer, payload, .. } | Instr::Recv { peer, payload, .. } => {
                     peer.0 as usize >= world || payload.stage.0 >= stages || payload.mb.0 >= m
                 }
@@ -172,8 +175,11 @@ pub fn execute(p: &Program) -> Outcome {
                 }
                 progress = true;
                 match instrs[pc] {
-                    Instr::Wait { .. } => ranks[r].pc += 1,
-                    Instr::Compute(c) => {
+                    // Memory instructions move no tensor between ranks and wait only on
+                    // their own rank's earlier ops (docs/format.md): they never block here.
+                    Instr::Wait { .. } | Instr::Memory(_) => ranks[r].pc += 1,
+                    Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                        let c = instrs[pc].as_compute().expect("a compute op");
                         // Inputs of every part first: the parts of a pair run at once.
                         let me = &mut ranks[r];
                         for (pass, t) in c.parts() {
@@ -286,7 +292,10 @@ pub fn execute(p: &Program) -> Outcome {
                                         ch.recvs.push_back((r, i));
                                     }
                                 }
-                                Instr::Compute(_) | Instr::Wait { .. } => {
+                                Instr::Compute(_)
+                                | Instr::Wait { .. }
+                                | Instr::FwdCheckpoint(_)
+                                | Instr::Memory(_) => {
                                     unreachable!("a batch holds only comm")
                                 }
                             }

@@ -45,6 +45,8 @@ __all__ = ["DEEPSPEED_VERSION", "check", "eligible", "use"]
 DEEPSPEED_VERSION = _compat.TESTED["deepspeed"]
 
 _COMPUTE = ("fwd", "bwd", "bwd_D", "bwd_W", "fwd_bwd")
+#: The memory instructions (issue 30), which DeepSpeed's executor does not run yet.
+_MEMORY_OPS = ("offload", "reload", "wait_offload", "recompute")
 
 
 def eligible(schedule: Schedule | str | os.PathLike) -> str | None:
@@ -107,6 +109,12 @@ def check(
                     "scales the loss (fp16, a bf16 optimizer or a loss scaler), which DeepSpeed "
                     "applies only in its whole-backward path; compile a kind without split "
                     "backward (1f1b, gpipe) or train in fp32"
+                )
+            elif op in _MEMORY_OPS or ins.get("checkpoint"):
+                raise PipecError(
+                    f"rank {r}, #{i}: {op}{' (checkpoint)' if op == 'fwd' else ''}: offload, "
+                    "reload, wait_offload, recompute and checkpointed forwards are not "
+                    "supported by pipec.deepspeed yet"
                 )
             elif op not in _COMPUTE and op != "wait" and op not in ("send", "recv"):
                 raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{op}`")

@@ -142,6 +142,24 @@ def _grad_acc(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
+#: The memory instructions (issue 30), which this executor does not run yet.
+_MEMORY_OPS = ("offload", "reload", "wait_offload", "recompute")
+
+
+def _refuse_memory_ops(streams: list[list[dict]]) -> None:
+    """Offload, reload, recompute and checkpointed forwards are not executed yet: refuse
+    them before anything runs rather than run a checkpointed forward as a plain one."""
+    for r, stream in enumerate(streams):
+        for i, ins in enumerate(stream):
+            op = ins["op"]
+            if op in _MEMORY_OPS or ins.get("checkpoint"):
+                raise PipecError(
+                    f"rank {r}, #{i}: {op}{' (checkpoint)' if op == 'fwd' else ''}: offload, "
+                    "reload, wait_offload, recompute and checkpointed forwards are not "
+                    "supported by pipec.megatron yet"
+                )
+
+
 def _check_data_order(s: Schedule, streams: list[list[dict]]) -> None:
     """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
     iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
@@ -578,6 +596,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
     manifest, streams = _files(s)
+    _refuse_memory_ops(streams)
     _check_data_order(s, streams)
     layers = _stage_layers(manifest)
 

@@ -396,7 +396,8 @@ fn blocking_order(p: &Program) -> Result<Vec<Vec<u32>>, String> {
         while let Some(unit) = units[r].get(next[r]) {
             next[r] += 1;
             match unit {
-                Step::Compute(i) => order[r].push(*i as u32),
+                // A memory instruction waits on nothing of another rank: it passes at once.
+                Step::Compute(i) | Step::Memory(i) => order[r].push(*i as u32),
                 Step::Wait { .. } => {}
                 Step::Batch { ops, .. } => {
                     at[r] = Some(ops.clone());

@@ -128,7 +128,7 @@ pub fn summarize_with(
             let spans: &[Span] = timeline.ranks.get(r).map_or(&[], |v| v.as_slice());
             let mut busy = 0.0;
             for (ins, span) in instrs.iter().zip(spans) {
-                if let Instr::Compute(_) = ins {
+                if ins.as_compute().is_some() {
                     busy += span.end - span.start;
                 }
             }
@@ -188,6 +188,8 @@ pub enum SimError {
         peer: u32,
         world: u32,
     },
+    #[error("{at}: {instr}: offload, reload, wait_offload, recompute and checkpointed forwards are not supported by the simulator yet")]
+    MemoryOp { at: InstrRef, instr: Instr },
     #[error("{0}")]
     Deadlock(Deadlock),
     #[error("the program has {instructions} instructions, more than one simulation can number")]
@@ -300,6 +302,9 @@ fn check_ids(program: &Program, costs: &StageCosts) -> Result<(), SimError> {
                     }
                 }
                 Instr::Wait { .. } => {}
+                Instr::FwdCheckpoint(_) | Instr::Memory(_) => {
+                    return Err(SimError::MemoryOp { at, instr: *ins });
+                }
                 Instr::Send { peer, .. } | Instr::Recv { peer, .. } => {
                     if peer.0 >= world {
                         return Err(SimError::PeerOutOfRange {
@@ -499,6 +504,13 @@ impl<'a> Sim<'a> {
                         // A wait on nothing posted: the verifier reports it; time goes on.
                         _ => {}
                     }
+                    self.end[g] = clock;
+                    pc += 1;
+                }
+                // Refused by `check_ids`: no time of their own until the copy stream is
+                // simulated.
+                Instr::FwdCheckpoint(_) | Instr::Memory(_) => {
+                    self.start[g] = clock;
                     self.end[g] = clock;
                     pc += 1;
                 }

@@ -1,8 +1,8 @@
 //! The instruction-file format: versions, the manifest and rank-file types (JSON and
 //! postcard), and the hashes that make a directory self-checking.
 
-use super::schema::{instructions, Field};
-use crate::ir::{Instr, Payload, PayloadKind, Program};
+use super::schema::{instructions, json_op, Field, True};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program};
 use pipec_schedules::layout::Layout;
 use pipec_schedules::{
     CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
@@ -101,20 +101,84 @@ pub struct RankEntry {
 }
 
 macro_rules! gen_format {
-    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
-        /// One instruction as stored in JSON: flat and explicit, so files read well and diff
-        /// line by line. Variants are named as the ops, which serde writes as `op`.
+    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+        /// Each row's JSON fields, for serde (the op and a variant row's key are checked by
+        /// [`InstrJson`]'s own `Deserialize`, which picks the row).
         #[allow(non_camel_case_types)]
-        #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-        #[serde(tag = "op", deny_unknown_fields)]
+        pub(crate) mod json_rows {
+            use super::*;
+            $(
+                #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+                #[serde(deny_unknown_fields)]
+                pub(crate) struct $op {
+                    $( pub(crate) $f: $t, )+
+                    $( #[allow(dead_code)] pub(crate) $flag: True, )?
+                }
+            )*
+        }
+
+        /// One instruction as stored in JSON: flat and explicit, so files read well and diff
+        /// line by line: `{"op":"<op>",<fields>}`, one variant per row of the schema.
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Debug, PartialEq, Eq)]
         pub(crate) enum InstrJson {
-            $( $op { $($f: $t),+ }, )*
+            $( $op(json_rows::$op), )*
+        }
+
+        impl Serialize for InstrJson {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeStruct;
+                match self {
+                    $( InstrJson::$op(r) => {
+                        let mut st = s.serialize_struct("instr", 1 + [$(stringify!($f)),+].len() $(+ stringify!($flag).len().min(1))?)?;
+                        st.serialize_field("op", json_op!($op $(as $json)?))?;
+                        $( st.serialize_field(stringify!($f), &r.$f)?; )+
+                        $( st.serialize_field(stringify!($flag), &True)?; )?
+                        st.end()
+                    } )*
+                }
+            }
+        }
+
+        impl<'de> Deserialize<'de> for InstrJson {
+            /// The row of the op, or of the op with its optional key when the key is there;
+            /// serde's own messages for the fields (`missing field`, `unknown field`).
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                use serde::de::Error;
+                let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+                let op = match map.remove("op") {
+                    Some(serde_json::Value::String(op)) => op,
+                    Some(other) => {
+                        return Err(D::Error::custom(format!("`op` is {other}, not a string")))
+                    }
+                    None => return Err(D::Error::missing_field("op")),
+                };
+                fn row<T: serde::de::DeserializeOwned, E: serde::de::Error>(
+                    m: serde_json::Map<String, serde_json::Value>,
+                ) -> Result<T, E> {
+                    serde_json::from_value(serde_json::Value::Object(m)).map_err(E::custom)
+                }
+                // Variant rows first: the key they add decides.
+                $( $( if op == stringify!($json) && map.contains_key(stringify!($flag)) {
+                    return Ok(InstrJson::$op(row::<_, D::Error>(map)?));
+                } )? )*
+                $( if op == json_op!($op $(as $json)?) {
+                    return Ok(InstrJson::$op(row::<_, D::Error>(map)?));
+                } )*
+                let mut names: Vec<&str> = super::schema::OPS.iter().map(|o| o.name).collect();
+                names.dedup();
+                let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                Err(D::Error::custom(format!(
+                    "unknown variant `{op}`, expected one of {}",
+                    names.join(", ")
+                )))
+            }
         }
 
         impl From<&Instr> for InstrJson {
             fn from(i: &Instr) -> Self {
                 match *i {
-                    $( $($ir)+ => InstrJson::$op { $($f),+ }, )*
+                    $( $($ir)+ => InstrJson::$op(json_rows::$op { $($f,)+ $($flag: True,)? }), )*
                 }
             }
         }
@@ -122,7 +186,7 @@ macro_rules! gen_format {
         impl From<InstrJson> for Instr {
             fn from(j: InstrJson) -> Self {
                 match j {
-                    $( InstrJson::$op { $($f),+ } => $($ir)+, )*
+                    $( InstrJson::$op(json_rows::$op { $($f,)+ .. }) => $($ir)+, )*
                 }
             }
         }

@@ -188,7 +188,7 @@ impl<'p> Index<'p> {
                     Step::Compute(i) => {
                         let g = base + i as u32;
                         let ins = &instrs[i];
-                        let Some(&c) = ins.as_compute() else {
+                        let Some(c) = ins.as_compute() else {
                             continue;
                         };
                         self.stats.compute_ops += 1;
@@ -234,6 +234,8 @@ impl<'p> Index<'p> {
                             }
                         }
                     }
+                    // Checked by verify::offload, which owns the memory instructions.
+                    Step::Memory(_) => {}
                     Step::Batch { id, ops } => {
                         let b = self.batch_start.len();
                         by_id.insert(id, b as u32);

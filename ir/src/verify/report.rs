@@ -394,7 +394,10 @@ impl fmt::Display for Violation {
                 let (me, peer, what) = match site.instr {
                     Instr::Send { peer, .. } => (site.at.rank, peer, "recv"),
                     Instr::Recv { peer, .. } => (site.at.rank, peer, "send"),
-                    Instr::Compute(_) | Instr::Wait { .. } => (site.at.rank, site.at.rank, "peer"),
+                    Instr::Compute(_)
+                    | Instr::Wait { .. }
+                    | Instr::FwdCheckpoint(_)
+                    | Instr::Memory(_) => (site.at.rank, site.at.rank, "peer"),
                 };
                 let (src, dst) = if what == "recv" {
                     (me, peer)
