@@ -381,7 +381,8 @@ mod tests {
         assert!(e.to_string().contains("missing field `mb`"), "{e}");
         let e = serde(r#"{"op":"fwdd","stage":0,"mb":1}"#).unwrap_err();
         assert!(
-            e.to_string().starts_with("unknown variant `fwdd`, expected one of `fwd`, `bwd`"),
+            e.to_string()
+                .starts_with("unknown variant `fwdd`, expected one of `fwd`, `bwd`"),
             "{e}"
         );
         let names: Vec<_> = OPS.iter().map(|o| (o.index, o.name)).collect();
