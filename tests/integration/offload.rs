@@ -511,18 +511,17 @@ fn check_reports_host_memory() {
         "{e}"
     );
     assert_eq!(e.exit_code(), 1);
-    // Nor do the simulator and the torch exporter.
-    let costs = pipec::simulate::cost::StageCosts::uniform(
-        &pipec::simulate::cost::CostModel::default(),
-        q.num_stages(),
-    );
+    // The simulator runs them, except copies on a shared host link (not simulated yet).
+    let paired = pipec::simulate::cost::CostModel::parse("offload_pair=true").unwrap();
+    let costs = pipec::simulate::cost::StageCosts::uniform(&paired, q.num_stages());
     let e = pipec::simulate::simulate(&q, &costs).unwrap_err();
     assert!(
         e.to_string()
             .starts_with(&format!("rank 0, #{first}: offload("))
-            && e.to_string().contains("not supported by the simulator yet"),
+            && e.to_string().contains("offload_pair = true"),
         "{e}"
     );
+    // Nor does the torch exporter.
     let form = pipec::back::torch::CsvForm::ComputeComms;
     let e = pipec::back::torch::export_csv(&q, form).unwrap_err();
     assert!(
@@ -532,4 +531,154 @@ fn check_reports_host_memory() {
                 .contains("not supported by the torch exporter yet"),
         "{e}"
     );
+}
+
+/// The simulator's copy stream against the timing rules written as a graph of waits and
+/// solved as its longest path: one rank holding every stage (no messages), random valid
+/// memory instructions, random costs. Rules (docs/format.md): compute-stream instructions
+/// (everything but `offload`/`reload`) one after another; copies one after another on the copy
+/// stream, each no earlier than the rank reaches it (the end of the compute-stream instruction
+/// before it) and an offload no earlier than its forward's end; a backward no earlier than its
+/// reload's end; `wait_offload` until its offload's end; `recompute` a forward's time.
+#[test]
+fn copy_stream_times_as_its_graph() {
+    use pipec::simulate::cost::{CostModel, StageCosts};
+    let mut rng = Rng(7);
+    for case in 0..200 {
+        let stages = 1 + rng.below(4) as u32;
+        let m = 1 + rng.below(5) as u32;
+        // GPipe or 1F1B order on one rank: forwards in stage order, backwards in reverse.
+        let fwd = |mb: u32| (0..stages).map(move |s| Compute::Fwd(Task::new(s, mb)));
+        let bwd = |mb: u32| {
+            (0..stages)
+                .rev()
+                .map(move |s| Compute::Bwd(Task::new(s, mb)))
+        };
+        let ops: Vec<Compute> = if case % 2 == 0 {
+            (0..m).flat_map(fwd).chain((0..m).flat_map(bwd)).collect()
+        } else {
+            (0..m).flat_map(|mb| fwd(mb).chain(bwd(mb))).collect()
+        };
+        let p = Program {
+            placement: pipec_schedules::Placement::looped(1, stages),
+            microbatches: m,
+            forward_only: false,
+            comm: None,
+            ranks: vec![ops.into_iter().map(Instr::Compute).collect()],
+        };
+        let q = with_memory_ops(&p, &mut rng);
+        let spec = format!(
+            "t.f={},t.b={},t.w={},t.offload={}",
+            1 + rng.below(3),
+            1 + rng.below(4),
+            rng.below(3),
+            rng.below(5) as f64 / 2.0
+        );
+        let model = CostModel::parse(&spec).unwrap();
+        let costs = StageCosts::uniform(&model, stages);
+        let sim = pipec::simulate::simulate(&q, &costs).unwrap();
+        let instrs = &q.ranks[0];
+        let f = costs.pass(Pass::Fwd, pipec_schedules::StageId(0)).unwrap();
+        let copy = costs.copy(pipec_schedules::StageId(0)).unwrap();
+        let is_copy = |i: &Instr| matches!(i, Instr::Memory(op) if op.kind.is_copy());
+        let mut end = vec![0.0f64; instrs.len()];
+        for (i, ins) in instrs.iter().enumerate() {
+            let prev_compute = (0..i).rev().find(|&j| !is_copy(&instrs[j]));
+            let reach = prev_compute.map_or(0.0, |j| end[j]);
+            let latest = |k: MemKind, t: Task| {
+                (0..i)
+                    .rev()
+                    .find(
+                        |&j| matches!(instrs[j], Instr::Memory(op) if op.kind == k && op.task == t),
+                    )
+                    .map_or(0.0, |j| end[j])
+            };
+            end[i] = match *ins {
+                Instr::Memory(op) if op.kind.is_copy() => {
+                    let prev_copy = (0..i).rev().find(|&j| is_copy(&instrs[j]));
+                    let mut start = reach.max(prev_copy.map_or(0.0, |j| end[j]));
+                    if op.kind == MemKind::Offload {
+                        let fwd = (0..i)
+                            .rev()
+                            .find(|&j| has(&instrs[j], op.task, &[Pass::Fwd]));
+                        start = start.max(end[fwd.unwrap()]);
+                    }
+                    start + copy
+                }
+                Instr::Memory(op) if op.kind == MemKind::WaitOffload => {
+                    reach.max(latest(MemKind::Offload, op.task))
+                }
+                Instr::Memory(_) | Instr::FwdCheckpoint(_) => reach + f,
+                Instr::Compute(c) => {
+                    let mut start = reach;
+                    for (pass, t) in c.parts() {
+                        if matches!(pass, Pass::Bwd | Pass::BwdD) {
+                            start = start.max(latest(MemKind::Reload, t));
+                        }
+                    }
+                    start + costs.compute(&c).unwrap()
+                }
+                _ => unreachable!("one rank, no messages"),
+            };
+        }
+        let spans = &sim.timeline.ranks[0];
+        for (i, e) in end.iter().enumerate() {
+            assert!(
+                (spans[i].end - e).abs() < 1e-9,
+                "case {case} ({spec}) #{i} {}: simulated end {} vs {e}",
+                instrs[i],
+                spans[i].end
+            );
+        }
+        let makespan = end.iter().copied().fold(0.0, f64::max);
+        assert!(
+            (sim.summary.makespan - makespan).abs() < 1e-9,
+            "case {case}"
+        );
+    }
+}
+
+/// In compiled schedules (messages between ranks): memory instructions only add waits, so the
+/// makespan never shrinks, and with copies that take no time and no recompute it is the same.
+#[test]
+fn copies_only_delay_and_free_copies_do_not() {
+    use pipec::simulate::cost::{CostModel, StageCosts};
+    let mut rng = Rng(11);
+    for (kind, vpp) in kinds() {
+        for (pp, m) in [(2, 4), (4, 8)] {
+            let Some(p) = program(kind, pp, vpp, m) else {
+                continue;
+            };
+            let base = |spec: &str, q: &Program| {
+                let costs = StageCosts::uniform(&CostModel::parse(spec).unwrap(), q.num_stages());
+                pipec::simulate::simulate(q, &costs)
+                    .unwrap()
+                    .summary
+                    .makespan
+            };
+            let q = with_memory_ops(&p, &mut rng);
+            for spec in [
+                "t.offload=0.5",
+                "t.offload=2",
+                "t.f=1,t.b=2,t.w=1,t.offload=1.5",
+            ] {
+                assert!(base(spec, &q) >= base(spec, &p) - 1e-9, "{kind:?} {spec}");
+            }
+            // Offloads and reloads only, free copies: nothing moves.
+            let mut only_copies = q.clone();
+            for r in &mut only_copies.ranks {
+                r.retain(|i| !matches!(i, Instr::Memory(op) if op.kind == MemKind::Recompute));
+                for i in r.iter_mut() {
+                    if let Instr::FwdCheckpoint(t) = *i {
+                        *i = Instr::Compute(Compute::Fwd(t));
+                    }
+                }
+            }
+            assert_eq!(
+                base("t.offload=0", &only_copies),
+                base("t.offload=0", &p),
+                "{kind:?}"
+            );
+        }
+    }
 }
