@@ -491,6 +491,14 @@ fn check_reports_host_memory() {
         // The unit count: rank 0 holds two forwards at its peak as before (the offloaded one
         // is back for its backward while the other is live).
         assert_eq!(memory[0]["peak"], 2, "{v}");
+        let out = pipec_tests::pipec()
+            .arg("check")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("  rank 0: 2 (first at #"), "{text}");
+        assert!(text.contains(", host 1)\n"), "{text}");
     }
     // The CPU runtime does not execute them yet: refused before anything runs, naming the
     // first one.
