@@ -4,6 +4,8 @@ dispatch on the JSON ``op`` of each instruction, are checked against it (no torc
 from __future__ import annotations
 
 import ast
+import json
+import re
 from pathlib import Path
 
 import pipec
@@ -72,3 +74,37 @@ def test_executors_dispatch_exactly_the_schema(module: str):
     the schema lacks: a new instruction fails here until each executor decides what it means."""
     ops = {op for op, _ in _native.instruction_schema()}
     assert _ops_named((PKG / module).read_text()) == ops
+
+
+def _with_memory_ops(tmp_path, checkpoint: bool):
+    """1F1B at pp=2 with stage 0's first forward offloaded and reloaded (or checkpointed and
+    recomputed), written as another tool would and sealed."""
+    s = pipec.compile("1f1b", pp=2, microbatches=2)
+    s.save(tmp_path)
+    path = tmp_path / "rank-0.json"
+    doc = json.loads(path.read_text())
+    ins = doc["instructions"]
+    f = next(i for i, x in enumerate(ins) if x["op"] == "fwd" and x["mb"] == 0)
+    b = next(i for i, x in enumerate(ins) if x["op"] == "bwd" and x["mb"] == 0)
+    if checkpoint:
+        ins[f]["checkpoint"] = True
+        ins.insert(b, {"op": "recompute", "stage": 0, "mb": 0})
+    else:
+        ins.insert(b, {"op": "reload", "stage": 0, "mb": 0})
+        ins.insert(f + 1, {"op": "offload", "stage": 0, "mb": 0})
+    path.write_text(json.dumps(doc))
+    pipec.seal(tmp_path)
+    return pipec.load(tmp_path)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_executors_refuse_memory_ops(tmp_path, checkpoint: bool):
+    """Offload, reload, recompute and checkpointed forwards verify and load, and each executor
+    refuses them with a PipecError naming the rank and instruction (not executed yet)."""
+    pytest.importorskip("torch")
+    s = _with_memory_ops(tmp_path, checkpoint)
+    op = "fwd (checkpoint)" if checkpoint else "offload"
+    from pipec import megatron
+
+    with pytest.raises(pipec.PipecError, match=rf"rank 0, #\d+: {re.escape(op)}: .*pipec.megatron"):
+        megatron.forward_backward_func(s)

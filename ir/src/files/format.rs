@@ -100,16 +100,51 @@ pub struct RankEntry {
     pub instructions: u64,
 }
 
+/// Every key of every row of the schema, each optional: serde's path (a file not in pipec's
+/// own form) reads an instruction into this in one derived pass, then [`InstrJson`] picks the
+/// row. The rows name their fields here (`a.stage`), so a row with a key missing below does
+/// not compile.
+macro_rules! any_row {
+    ($($k:ident: $t:ty),* $(,)?) => {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub(crate) struct AnyRow {
+            op: String,
+            $( #[serde(default)] $k: Option<$t>, )*
+        }
+
+        impl AnyRow {
+            /// A key present here that `fields` lacks.
+            fn extra(&self, fields: &[&str]) -> Option<&'static str> {
+                $( if self.$k.is_some() && !fields.contains(&stringify!($k)) {
+                    return Some(stringify!($k));
+                } )*
+                None
+            }
+        }
+    };
+}
+any_row! {
+    stage: u32,
+    mb: u32,
+    fwd_stage: u32,
+    fwd_mb: u32,
+    bwd_stage: u32,
+    bwd_mb: u32,
+    peer: u32,
+    payload: PayloadKind,
+    batch: u32,
+    checkpoint: True,
+}
+
 macro_rules! gen_format {
     ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
-        /// Each row's JSON fields, for serde (the op and a variant row's key are checked by
-        /// [`InstrJson`]'s own `Deserialize`, which picks the row).
+        /// Each row's JSON fields.
         #[allow(non_camel_case_types)]
         pub(crate) mod json_rows {
             use super::*;
             $(
-                #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-                #[serde(deny_unknown_fields)]
+                #[derive(Clone, Debug, PartialEq, Eq)]
                 pub(crate) struct $op {
                     $( pub(crate) $f: $t, )+
                     $( #[allow(dead_code)] pub(crate) $flag: True, )?
@@ -141,35 +176,33 @@ macro_rules! gen_format {
         }
 
         impl<'de> Deserialize<'de> for InstrJson {
-            /// The row of the op, or of the op with its optional key when the key is there;
-            /// serde's own messages for the fields (`missing field`, `unknown field`).
+            /// Read into [`AnyRow`], then take the row of the op (the variant row when its key
+            /// is there) with serde's messages for its fields (`missing field`, `unknown
+            /// field`).
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 use serde::de::Error;
-                let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
-                let op = match map.remove("op") {
-                    Some(serde_json::Value::String(op)) => op,
-                    Some(other) => {
-                        return Err(D::Error::custom(format!("`op` is {other}, not a string")))
+                let a = AnyRow::deserialize(d)?;
+                // The row of the op whose keys these are (`fwd` with `checkpoint` is its
+                // variant row); a field it lacks is serde's `missing field`.
+                $( if a.op == json_op!($op $(as $json)?) $(&& a.$flag.is_some())? {
+                    const FIELDS: &[&str] = &[$(stringify!($f),)+ $(stringify!($flag))?];
+                    if a.extra(FIELDS).is_none() {
+                        $( let $f = a.$f.ok_or_else(|| D::Error::missing_field(stringify!($f)))?; )+
+                        return Ok(InstrJson::$op(json_rows::$op { $($f,)+ $($flag: True,)? }));
                     }
-                    None => return Err(D::Error::missing_field("op")),
-                };
-                fn row<T: serde::de::DeserializeOwned, E: serde::de::Error>(
-                    m: serde_json::Map<String, serde_json::Value>,
-                ) -> Result<T, E> {
-                    serde_json::from_value(serde_json::Value::Object(m)).map_err(E::custom)
-                }
-                // Variant rows first: the key they add decides.
-                $( $( if op == stringify!($json) && map.contains_key(stringify!($flag)) {
-                    return Ok(InstrJson::$op(row::<_, D::Error>(map)?));
-                } )? )*
-                $( if op == json_op!($op $(as $json)?) {
-                    return Ok(InstrJson::$op(row::<_, D::Error>(map)?));
+                } )*
+                // A key no row of the op has: named against the op's first row.
+                $( if a.op == json_op!($op $(as $json)?) {
+                    const FIELDS: &[&str] = &[$(stringify!($f),)+ $(stringify!($flag))?];
+                    let k = a.extra(FIELDS).unwrap_or("op");
+                    return Err(D::Error::unknown_field(k, FIELDS));
                 } )*
                 let mut names: Vec<&str> = super::schema::OPS.iter().map(|o| o.name).collect();
                 names.dedup();
                 let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
                 Err(D::Error::custom(format!(
-                    "unknown variant `{op}`, expected one of {}",
+                    "unknown variant `{}`, expected one of {}",
+                    a.op,
                     names.join(", ")
                 )))
             }
