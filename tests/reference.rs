@@ -7,6 +7,9 @@
 //! pairs with the k-th posted receive (FIFO), and both complete at the moment the second of
 //! the two is posted (rendezvous, whatever the size); a batch completes when all its ops have;
 //! only then does the rank go on. Ranks are stepped until all finish or none can move.
+//! Memory instructions (issue 30) move no tensor; a backward of offloaded activations waits
+//! for their reload, a `wait_offload` for its offload, each only if posted earlier on the rank
+//! (a copy waits only for earlier work of its rank), else the rank hangs there.
 //!
 //! While it runs it moves tensors: a pass takes its inputs from what its rank produced or
 //! received (each received tensor once), a send ships what its rank produced, a receive gets
@@ -90,7 +93,10 @@ pub fn execute(p: &Program) -> Outcome {
     for (r, instrs) in p.ranks.iter().enumerate() {
         for (i, ins) in instrs.iter().enumerate() {
             let bad = match *ins {
-                Instr::Compute(c) => c.parts().any(|(_, t)| t.stage.0 >= stages || t.mb.0 >= m),
+                Instr::Compute(_) | Instr::FwdCheckpoint(_) => ins
+                    .as_compute()
+                    .is_some_and(|c| c.parts().any(|(_, t)| t.stage.0 >= stages || t.mb.0 >= m)),
+                Instr::Memory(op) => op.task.stage.0 >= stages || op.task.mb.0 >= m,
                 Instr::Send { peer, payload, .. } | Instr::Recv { peer, payload, .. } => {
                     peer.0 as usize >= world || payload.stage.0 >= stages || payload.mb.0 >= m
                 }
@@ -170,10 +176,36 @@ pub fn execute(p: &Program) -> Outcome {
                         }
                     }
                 }
+                // The copy stream (docs/format.md, "Memory instructions"): a copy waits only
+                // for earlier work of its own rank, so one posted before this point has ended
+                // by now and one posted after it never will be (the compute stream has not
+                // reached it). A backward of offloaded activations needs a reload posted
+                // before it, a `wait_offload` its offload: otherwise the rank hangs here.
+                let posted = |k: pipec::ir::MemKind, t: Task| {
+                    instrs[..pc]
+                        .iter()
+                        .any(|i| matches!(i, Instr::Memory(op) if op.kind == k && op.task == t))
+                };
+                let copy_wait = match instrs[pc] {
+                    Instr::Memory(op) if op.kind == pipec::ir::MemKind::WaitOffload => {
+                        !posted(pipec::ir::MemKind::Offload, op.task)
+                    }
+                    Instr::Compute(c) => c.parts().any(|(pass, t)| {
+                        matches!(pass, Pass::Bwd | Pass::BwdD)
+                            && posted(pipec::ir::MemKind::Offload, t)
+                            && !posted(pipec::ir::MemKind::Reload, t)
+                    }),
+                    _ => false,
+                };
+                if copy_wait {
+                    break;
+                }
                 progress = true;
                 match instrs[pc] {
-                    Instr::Wait { .. } => ranks[r].pc += 1,
-                    Instr::Compute(c) => {
+                    // Memory instructions move no tensor between ranks; their waits are above.
+                    Instr::Wait { .. } | Instr::Memory(_) => ranks[r].pc += 1,
+                    Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                        let c = instrs[pc].as_compute().expect("a compute op");
                         // Inputs of every part first: the parts of a pair run at once.
                         let me = &mut ranks[r];
                         for (pass, t) in c.parts() {
@@ -286,7 +318,10 @@ pub fn execute(p: &Program) -> Outcome {
                                         ch.recvs.push_back((r, i));
                                     }
                                 }
-                                Instr::Compute(_) | Instr::Wait { .. } => {
+                                Instr::Compute(_)
+                                | Instr::Wait { .. }
+                                | Instr::FwdCheckpoint(_)
+                                | Instr::Memory(_) => {
                                     unreachable!("a batch holds only comm")
                                 }
                             }

@@ -35,5 +35,5 @@ pub mod par;
 pub mod verify;
 pub mod words;
 
-pub use ir::{Instr, InstrRef, Payload, PayloadKind, Program};
+pub use ir::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
 pub use verify::{verify, Report, Unverified, Verified, VerifyOptions, Violation};

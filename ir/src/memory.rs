@@ -103,6 +103,13 @@ pub struct RankPeak {
     /// Index in the rank's stream of the first instruction at the peak; `None` when the rank
     /// never holds an activation.
     pub at: Option<u32>,
+    /// The most host memory the rank's offloads hold at once (issue 30); absent when 0.
+    #[serde(serialize_with = "figure", skip_serializing_if = "is_zero")]
+    pub host: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// A whole figure as a JSON integer (so the default unit's output is what it always was),
@@ -139,8 +146,11 @@ pub fn walk(
             if cap.is_some_and(|c| params > c) {
                 over = Some(0);
             }
-            for (i, live) in w.live(r, weight) {
+            let mut host = 0.0f64;
+            let mut live_at = w.live(r, weight);
+            while let Some((i, live)) = live_at.next() {
                 peak.see(i, live);
+                host = host.max(live_at.host());
                 if over.is_none() && cap.is_some_and(|c| params + live > c) {
                     over = Some(i);
                 }
@@ -151,6 +161,7 @@ pub fn walk(
                 params,
                 activations: peak.peak,
                 at: peak.at,
+                host,
             };
             (p, over)
         })

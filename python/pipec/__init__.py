@@ -22,6 +22,7 @@ from ._native import (
     Instruction,
     InvalidSchedule,
     LayoutError,
+    MemoryStep,
     Op,
     PipecError,
     SpecError,
@@ -34,7 +35,7 @@ from ._native import (
 Mapping.register(Instruction)
 
 #: One unit of a rank's stream, as :meth:`Schedule.steps` returns them.
-Step = ComputeStep | BatchStep | WaitStep
+Step = ComputeStep | BatchStep | WaitStep | MemoryStep
 
 __version__ = _native.__version__
 
@@ -45,6 +46,7 @@ __all__ = [
     "Instruction",
     "InvalidSchedule",
     "LayoutError",
+    "MemoryStep",
     "Op",
     "PipecError",
     "Report",
@@ -198,7 +200,7 @@ class Schedule:
         """The instructions of ``rank``'s file (``rank-<r>.json``), in order, as typed
         :class:`Instruction` objects made in Rust from that rank alone: ``.op`` (an
         :class:`Op`), ``.stage``, ``.mb``, ``.peer``, ``.payload``, ``.batch``, ``.fwd`` /
-        ``.bwd`` (a ``fwd_bwd``'s two :class:`Task`), ``.index``. Each also reads as the
+        ``.bwd`` (a ``fwd_bwd``'s two :class:`Task`), ``.checkpoint``, ``.index``. Each also reads as the
         record's dict did before (``ins["op"] == "fwd"``, ``ins.get``, ``dict(ins)``,
         ``ins.to_dict()``, equal to that dict)."""
         self._check_rank(rank)
@@ -209,7 +211,8 @@ class Schedule:
         cuts it (``pipec_ir::ir::steps``): a :class:`ComputeStep` (``.instruction``), a
         :class:`BatchStep` (``.id``, ``.ops``: the sends and receives posted together,
         ``.in_flight``: a later ``wait`` completes it, else it completes where it stands), a
-        :class:`WaitStep` (``.batch``). Reads that rank only."""
+        :class:`WaitStep` (``.batch``), a :class:`MemoryStep` (``.instruction``: an
+        ``offload``, ``reload``, ``wait_offload`` or ``recompute``). Reads that rank only."""
         self._check_rank(rank)
         return self._n.steps(rank)
 

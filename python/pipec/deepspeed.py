@@ -103,6 +103,13 @@ def check(
                     )
                 case Op.fwd | Op.bwd | Op.bwd_D | Op.bwd_W | Op.fwd_bwd | Op.wait:
                     pass  # waits are left out of the blocking order (every batch blocks)
+                case Op.fwd_checkpoint | Op.offload | Op.reload | Op.wait_offload | Op.recompute:
+                    raise PipecError(
+                        f"rank {r}, #{i}: {ins.op.name}"
+                        f"{' (checkpoint)' if ins.checkpoint else ''}: offload, reload, "
+                        "wait_offload, recompute and checkpointed forwards are not supported by "
+                        "pipec.deepspeed yet"
+                    )
                 case _:
                     raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{ins.op}`")
     s.blocking_order()  # raises when blocking one-at-a-time P2P would stall

@@ -146,6 +146,22 @@ def _grad_acc(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
+def _refuse_memory_ops(s: Schedule) -> None:
+    """Offload, reload and wait_offload are not executed yet: refuse them before anything runs."""
+    for r in range(s.pp):
+        for i, ins in enumerate(s.instructions(r)):
+            if ins.op in _MEMORY_OPS:
+                raise PipecError(
+                    f"rank {r}, #{i}: {ins.op.name}{' (checkpoint)' if ins.checkpoint else ''}: "
+                    "offload, reload, wait_offload, recompute and checkpointed forwards are not "
+                    "supported by pipec.megatron yet"
+                )
+
+
+#: The memory instructions (issue 30) this executor does not run yet.
+_MEMORY_OPS = (Op.fwd_checkpoint, Op.offload, Op.reload, Op.wait_offload, Op.recompute)
+
+
 def _check_data_order(s: Schedule) -> None:
     """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
     iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
@@ -578,6 +594,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
     manifest = _manifest(s)
+    _refuse_memory_ops(s)
     _check_data_order(s)
     layers = _stage_layers(manifest)
     steps_of: dict[int, list[Step]] = {}  # this process's rank, once known

@@ -402,7 +402,8 @@ fn blocking_order(v: &pipec::verify::Verified) -> Result<Vec<Vec<u32>>, String> 
         while let Some(unit) = units[r].get(next[r]) {
             next[r] += 1;
             match unit {
-                Step::Compute(i) => order[r].push(*i as u32),
+                // A memory instruction waits on nothing of another rank: it passes at once.
+                Step::Compute(i) | Step::Memory(i) => order[r].push(*i as u32),
                 Step::Wait { .. } => {}
                 Step::Batch { ops, .. } => {
                     at[r] = Some(ops.clone());
@@ -719,6 +720,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<typed::ComputeStep>()?;
     m.add_class::<typed::BatchStep>()?;
     m.add_class::<typed::WaitStep>()?;
+    m.add_class::<typed::MemoryStep>()?;
     m.add_function(wrap_pyfunction!(compile_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(load_dir, m)?)?;
     m.add_function(wrap_pyfunction!(seal_dir, m)?)?;

@@ -8,7 +8,7 @@
 //! [`pipec::ir::steps`]'s cut of the stream (the one every Rust consumer uses): Python never
 //! cuts batches itself. Everything here reads one rank's instructions only.
 
-use pipec::back::files::{fields_of, op_name, FieldValue, OPS};
+use pipec::back::files::{fields_of, row_of, FieldValue, OPS};
 use pipec::back::torch::{Action, Cell};
 use pipec::ir::{steps, waited_batches, Instr, Step};
 use pyo3::exceptions::PyKeyError;
@@ -17,7 +17,9 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 /// An instruction's op: one member per row of the rank file's schema, named as the file names
-/// it (`Op.fwd`, `Op.bwd_D`, ...), its integer the schema's variant index.
+/// it (`Op.fwd`, `Op.bwd_D`, ...), its integer the schema's variant index. A forward with
+/// `"checkpoint": true` is a row of its own, `Op.fwd_checkpoint` (its `name` is the file's
+/// `"fwd"`), so an executor cannot run it as a plain forward by accident.
 #[pyclass(module = "pipec._native", eq, eq_int, hash, frozen, from_py_object)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
@@ -37,18 +39,27 @@ pub enum Op {
     Recv = 6,
     #[pyo3(name = "wait")]
     Wait = 7,
+    #[pyo3(name = "fwd_checkpoint")]
+    FwdCheckpoint = 8,
+    #[pyo3(name = "offload")]
+    Offload = 9,
+    #[pyo3(name = "reload")]
+    Reload = 10,
+    #[pyo3(name = "wait_offload")]
+    WaitOffload = 11,
+    #[pyo3(name = "recompute")]
+    Recompute = 12,
 }
 
 impl Op {
-    /// The member of the op the schema names `name`.
-    fn named(name: &str) -> Op {
-        let i = Op::NAMES.iter().position(|n| *n == name);
-        // Checked below, at compile time: NAMES is the schema's op names, in its order.
-        Op::ALL[i.expect("every op name of the schema names an Op")]
+    /// The member of `ins`'s schema row.
+    fn of(ins: &Instr) -> Op {
+        // Checked below, at compile time: ALL is the schema's rows, in its order.
+        Op::ALL[row_of(ins)]
     }
 
     /// In schema order (the index of each is its discriminant).
-    const ALL: [Op; 8] = [
+    const ALL: [Op; 13] = [
         Op::Fwd,
         Op::Bwd,
         Op::BwdD,
@@ -57,10 +68,27 @@ impl Op {
         Op::Send,
         Op::Recv,
         Op::Wait,
+        Op::FwdCheckpoint,
+        Op::Offload,
+        Op::Reload,
+        Op::WaitOffload,
+        Op::Recompute,
     ];
-    /// The names the members carry in Python, in the same order.
-    const NAMES: [&'static str; 8] = [
-        "fwd", "bwd", "bwd_D", "bwd_W", "fwd_bwd", "send", "recv", "wait",
+    /// The names the members carry in Python, in the same order (the schema's row names).
+    const NAMES: [&'static str; 13] = [
+        "fwd",
+        "bwd",
+        "bwd_D",
+        "bwd_W",
+        "fwd_bwd",
+        "send",
+        "recv",
+        "wait",
+        "fwd_checkpoint",
+        "offload",
+        "reload",
+        "wait_offload",
+        "recompute",
     ];
 }
 
@@ -90,8 +118,8 @@ const _: () = {
     while i < OPS.len() {
         assert!(Op::ALL[i] as usize == i && OPS[i].index as usize == i);
         assert!(
-            same(Op::NAMES[i], OPS[i].name),
-            "pipec._native.Op's members must be named as the schema's ops, in its order"
+            same(Op::NAMES[i], OPS[i].row),
+            "pipec._native.Op's members must be named as the schema's rows, in its order"
         );
         i += 1;
     }
@@ -160,7 +188,7 @@ impl Instruction {
     fn int(&self, key: &str) -> Option<u32> {
         match self.field(key)? {
             FieldValue::Int(n) => Some(n),
-            FieldValue::Name(_) => None,
+            FieldValue::Name(_) | FieldValue::True => None,
         }
     }
 
@@ -172,13 +200,14 @@ impl Instruction {
     }
 
     fn op_of(&self) -> Op {
-        Op::named(op_name(&self.ins))
+        Op::of(&self.ins)
     }
 
     fn value<'py>(py: Python<'py>, v: FieldValue) -> PyResult<Bound<'py, PyAny>> {
         match v {
             FieldValue::Int(n) => n.into_bound_py_any(py),
             FieldValue::Name(n) => Ok(PyString::intern(py, n).into_any()),
+            FieldValue::True => Ok(pyo3::types::PyBool::new(py, true).to_owned().into_any()),
         }
     }
 
@@ -228,8 +257,14 @@ impl Instruction {
     fn payload(&self) -> Option<&'static str> {
         match self.field("payload")? {
             FieldValue::Name(n) => Some(n),
-            FieldValue::Int(_) => None,
+            FieldValue::Int(_) | FieldValue::True => None,
         }
+    }
+
+    /// A forward that keeps only its input (`"checkpoint": true`, `Op.fwd_checkpoint`).
+    #[getter]
+    fn checkpoint(&self) -> bool {
+        self.op_of() == Op::FwdCheckpoint
     }
 
     /// The comm batch of a `send` or `recv`, or the batch a `wait` waits for.
@@ -347,7 +382,8 @@ impl Instruction {
     }
 }
 
-/// A compute op: `instruction` (`fwd`, `bwd`, `bwd_D`, `bwd_W`, `fwd_bwd`).
+/// A compute op: `instruction` (`fwd`, a checkpointed `fwd`, `bwd`, `bwd_D`, `bwd_W`,
+/// `fwd_bwd`).
 #[pyclass(module = "pipec._native", frozen)]
 pub struct ComputeStep {
     #[pyo3(get)]
@@ -372,6 +408,32 @@ impl ComputeStep {
             "ComputeStep({})",
             self.instruction.bind(py).repr()?
         ))
+    }
+}
+
+/// A memory instruction: `instruction` (`offload`, `reload`, `wait_offload`, `recompute`). A
+/// checkpointed forward is a [`ComputeStep`]: it is the forward.
+#[pyclass(module = "pipec._native", frozen)]
+pub struct MemoryStep {
+    #[pyo3(get)]
+    instruction: Py<Instruction>,
+}
+
+#[pymethods]
+impl MemoryStep {
+    #[classattr]
+    fn __match_args__() -> (&'static str,) {
+        ("instruction",)
+    }
+
+    /// The instruction's position in the stream.
+    #[getter]
+    fn index(&self) -> u32 {
+        self.instruction.get().index
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("MemoryStep({})", self.instruction.bind(py).repr()?))
     }
 }
 
@@ -506,6 +568,9 @@ pub fn rank_steps<'py>(py: Python<'py>, instrs: &[Instr]) -> PyResult<Bound<'py,
             Step::Wait { at, batch } => out.append(WaitStep {
                 index: at as u32,
                 batch,
+            })?,
+            Step::Memory(i) => out.append(MemoryStep {
+                instruction: one(i)?,
             })?,
         }
     }

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import pipec
 import pytest
-from pipec import BatchStep, ComputeStep, Instruction, Op, Task, WaitStep, _native
+from pipec import BatchStep, ComputeStep, Instruction, MemoryStep, Op, Task, WaitStep, _native
 from test_api import _cli
 
 #: (CLI flags, the same as pipec.compile arguments): every op of the schema appears in one.
@@ -81,6 +81,9 @@ def _reference_steps(records: list[dict]) -> list[tuple]:
         elif rec["op"] == "wait":
             out.append(("wait", i, rec["batch"]))
             i += 1
+        elif rec["op"] in ("offload", "reload", "wait_offload", "recompute"):
+            out.append(("memory", i))
+            i += 1
         else:
             out.append(("compute", i))
             i += 1
@@ -98,6 +101,9 @@ def _plain(step) -> tuple:
             return ("batch", b, tuple(o.index for o in ops), in_flight)
         case WaitStep(index=i, batch=b):
             return ("wait", i, b)
+        case MemoryStep(instruction=ins):
+            assert step.index == ins.index
+            return ("memory", ins.index)
     raise AssertionError(f"not a step: {step!r}")
 
 
@@ -131,26 +137,82 @@ def test_steps_and_instructions_are_the_cli_files(tmp_path, flags, kw):
                 assert list(st.ops) == [ins[o.index] for o in st.ops]
 
 
-def test_every_op_is_reached():
+def _row(rec: dict) -> str:
+    """The schema row of a record: its op, ``fwd_checkpoint`` for a checkpointed forward."""
+    return "fwd_checkpoint" if rec.get("checkpoint") else rec["op"]
+
+
+def _memory_dir(tmp_path) -> list[list[dict]]:
+    """1F1B at pp=2, M=2 with every memory instruction: on rank 0 stage 0's microbatch 0
+    offloaded (waited) and reloaded before its backward, microbatch 1 checkpointed and
+    recomputed; written as another tool would, sealed by the CLI. Returns the records."""
+    d = tmp_path / "mem"
+    subprocess.run(
+        [_cli(), "compile", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "-o", d],
+        check=True,
+        capture_output=True,
+    )
+    path = d / "rank-0.json"
+    doc = json.loads(path.read_text())
+    ins = doc["instructions"]
+    at = {(x["op"], x.get("mb")): i for i, x in enumerate(ins)}
+    ins[at["fwd", 1]]["checkpoint"] = True
+    edits = [
+        (at["bwd", 1], {"op": "recompute", "stage": 0, "mb": 1}),
+        (at["bwd", 0], {"op": "reload", "stage": 0, "mb": 0}),
+        (at["fwd", 1], {"op": "wait_offload", "stage": 0, "mb": 0}),
+        (at["fwd", 0] + 1, {"op": "offload", "stage": 0, "mb": 0}),
+    ]
+    for i, rec in sorted(edits, key=lambda e: -e[0]):
+        ins.insert(i, rec)
+    path.write_text(json.dumps(doc))
+    subprocess.run([_cli(), "seal", d], check=True, capture_output=True)
+    return [json.loads((d / f"rank-{r}.json").read_text())["instructions"] for r in range(2)]
+
+
+def test_memory_ops_are_their_records(tmp_path):
+    """Offload, reload, wait_offload, recompute and a checkpointed forward read as their
+    records, each its own row of ``Op``, and cut as steps of their own (the forward as a
+    compute step)."""
+    records = _memory_dir(tmp_path)
+    s = pipec.load(tmp_path / "mem")
+    for r, recs in enumerate(records):
+        ins = s.instructions(r)
+        assert ins == recs and [dict(i) for i in ins] == recs
+        for i, rec in zip(ins, recs, strict=True):
+            assert i.op == getattr(Op, _row(rec)) and i.op.name == rec["op"]
+            assert i.checkpoint == bool(rec.get("checkpoint")) and list(i) == list(rec)
+            assert (i.stage, i.mb) == (rec.get("stage"), rec.get("mb"))
+        assert [_plain(st) for st in s.steps(r)] == _reference_steps(recs)
+    assert {_row(x) for x in records[0]} >= {"fwd_checkpoint", "offload", "reload", "recompute"}
+
+
+def test_every_op_is_reached(tmp_path):
     """The cases above between them hold every op of the schema (so each is compared)."""
     seen = set()
     for _, kw in CASES:
         s = pipec.compile(microbatches=8, **kw)
-        seen |= {i.op.name for r in range(s.pp) for i in s.instructions(r)}
-    assert seen == {op for op, _ in _native.instruction_schema()}
+        seen |= {_row(i) for r in range(s.pp) for i in s.instructions(r)}
+    seen |= {_row(x) for recs in _memory_dir(tmp_path) for x in recs}
+    assert seen == {n for n in dir(Op) if isinstance(getattr(Op, n), Op)}
+    assert len(seen) == len(_native.instruction_schema())
 
 
 def test_op_is_the_schema():
-    """``Op`` has one member per op of the rank file's schema, named and numbered as it is."""
+    """``Op`` has one member per row of the rank file's schema, numbered as it is and named as
+    the file names its op (a checkpointed forward: ``Op.fwd_checkpoint``, whose ``name`` is
+    the file's ``"fwd"``)."""
     schema = _native.instruction_schema()
-    members = {n for n in dir(Op) if isinstance(getattr(Op, n), Op)}
-    assert members == {op for op, _ in schema}
-    for index, (name, fields) in enumerate(schema):
-        op = getattr(Op, name)
-        assert (op.name, str(op), int(op)) == (name, name, index)
+    members = {n: getattr(Op, n) for n in dir(Op) if isinstance(getattr(Op, n), Op)}
+    assert sorted(int(op) for op in members.values()) == list(range(len(schema)))
+    for row, op in members.items():
+        name, fields = schema[int(op)]
+        assert (op.name, str(op)) == (name, name)
         assert op.fields == [f for f, _ in fields]
-        assert repr(op) == f"Op.{name}"
+        assert row == name + ("_checkpoint" if "checkpoint" in op.fields else "")
+        assert repr(op) == f"Op.{row}"
     assert Op.fwd != Op.bwd and len({Op.fwd, Op.fwd, Op.bwd}) == 2
+    assert Op.fwd_checkpoint != Op.fwd
 
 
 def test_instruction_reads_as_its_record():

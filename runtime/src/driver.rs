@@ -141,6 +141,27 @@ pub struct Setup<'a> {
     pub watch: Arc<Watch>,
 }
 
+/// Refuse a program with memory instructions: `backend` (`CPU`, `CUDA`) does not execute
+/// them yet.
+pub(crate) fn check_memory_ops(program: &Program, backend: &'static str) -> Result<(), RunError> {
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        if let Some(i) = instrs
+            .iter()
+            .position(|ins| matches!(ins, Instr::FwdCheckpoint(_) | Instr::Memory(_)))
+        {
+            return Err(RunError::MemoryOp {
+                at: InstrRef {
+                    rank: Rank(r as u32),
+                    index: i as u32,
+                },
+                instr: instrs[i].to_string(),
+                backend,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Refuse a layout whose stage count is not the program's.
 pub(crate) fn check_layout(program: &Program, layout: &Layout) -> Result<(), RunError> {
     if layout.num_stages() != program.num_stages() {

@@ -74,7 +74,7 @@ impl<B: Backend> Tables<B> {
         let mut local = vec![OptIdx::NONE; program.num_stages() as usize];
         let mut n = 0u32;
         for ins in &program.ranks[rank] {
-            if let Instr::Compute(c) = ins {
+            if let Some(c) = ins.as_compute() {
                 for (_, t) in c.parts() {
                     if let Some(l) = local.get_mut(t.stage.index()) {
                         if l.is_none() {
@@ -395,7 +395,10 @@ impl<'a, B: Backend> Interp<'a, B> {
             let (dir, peer, payload) = match *ins {
                 Instr::Send { peer, payload, .. } => (Dir::Send, peer, payload),
                 Instr::Recv { peer, payload, .. } => (Dir::Recv, peer, payload),
-                Instr::Compute(_) | Instr::Wait { .. } => {
+                Instr::Compute(_)
+                | Instr::Wait { .. }
+                | Instr::FwdCheckpoint(_)
+                | Instr::Memory(_) => {
                     unreachable!("a batch holds only send/recv")
                 }
             };
@@ -491,6 +494,15 @@ pub fn run_rank<B: Backend>(
                 watch.set(r, Status::Waiting(i as u32));
                 (it.batch(i, end), end)
             }
+            // Refused before a run (`driver::check_memory_ops`). They change no value (a
+            // checkpointed forward computes the forward's output, copies and recomputes
+            // rebuild what was there), so reaching here unchecked runs the forward, and the
+            // rest takes no time.
+            Instr::FwdCheckpoint(t) => {
+                watch.set(r, Status::Running(i as u32));
+                (it.compute(&Compute::Fwd(*t)), i + 1)
+            }
+            Instr::Memory(_) => (Ok(()), i + 1),
         };
         if let Err(f) = res {
             // `Stopped` is published only after the report is filed: a peer that times out
@@ -507,7 +519,7 @@ pub fn run_rank<B: Backend>(
             start: us(now),
             end: us(t),
         };
-        if matches!(instrs[i], Instr::Compute(_)) {
+        if instrs[i].as_compute().is_some() {
             busy += span.end - span.start;
         }
         for _ in i..end {

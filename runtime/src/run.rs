@@ -2,7 +2,9 @@
 //! every backend shares), what a run reports, and the bitwise check against the reference.
 
 use crate::backend::cpu::{CpuBackend, CpuTensor};
-use crate::driver::{build_model, check_layout, drive, stages_of, Device, Setup, StepCheck};
+use crate::driver::{
+    build_model, check_layout, check_memory_ops, drive, stages_of, Device, Setup, StepCheck,
+};
 use crate::error::RunError;
 use crate::interp::run_rank;
 use crate::model::{self, ModelConfig, Stage, StageGrads};
@@ -148,6 +150,7 @@ pub fn run_cpu_unchecked(
     }
     let world = program.ranks.len();
     check_layout(program, layout)?;
+    check_memory_ops(program, "CPU")?;
     let full = build_model(layout, &opts.model, "CPU")?;
     let watch = Arc::new(Watch::new(world, opts.timeout));
     let cpu = Cpu {

@@ -14,6 +14,7 @@ mod megatron_calls;
 mod megatron_p2p;
 mod megatron_recompute;
 mod memory_units;
+mod offload;
 mod regressions;
 mod runtime;
 mod schedules;

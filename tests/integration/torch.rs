@@ -52,7 +52,10 @@ fn messages(p: &Program) -> Vec<Vec<(bool, Rank, Payload)>> {
                 .filter_map(|i| match *i {
                     Instr::Send { peer, payload, .. } => Some((true, peer, payload)),
                     Instr::Recv { peer, payload, .. } => Some((false, peer, payload)),
-                    Instr::Compute(_) | Instr::Wait { .. } => None,
+                    Instr::Compute(_)
+                    | Instr::Wait { .. }
+                    | Instr::FwdCheckpoint(_)
+                    | Instr::Memory(_) => None,
                 })
                 .collect()
         })
@@ -123,7 +126,10 @@ fn strict_deadlock_in(p: &Program, model: Model) -> Option<Vec<usize>> {
                     .entry((peer.index(), r))
                     .or_default()
                     .push(run_of[r][i]),
-                Instr::Compute(_) | Instr::Wait { .. } => {}
+                Instr::Compute(_)
+                | Instr::Wait { .. }
+                | Instr::FwdCheckpoint(_)
+                | Instr::Memory(_) => {}
             }
         }
     }

@@ -116,7 +116,7 @@ fn is_comm(i: &Instr) -> bool {
 fn payload_mut(i: &mut Instr) -> Option<&mut Payload> {
     match i {
         Instr::Send { payload, .. } | Instr::Recv { payload, .. } => Some(payload),
-        Instr::Compute(_) | Instr::Wait { .. } => None,
+        Instr::Compute(_) | Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => None,
     }
 }
 

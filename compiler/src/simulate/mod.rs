@@ -9,6 +9,14 @@
 //!   `max(post_send, post_recv) + transfer`;
 //! - eager: the send completes when posted, the recv at `max(post_recv, post_send + transfer)`.
 //!
+//! Memory instructions (issue 30, docs/format.md "Memory instructions"): each rank has a copy
+//! stream running its `offload`s and `reload`s in program order, each starting when the stream
+//! is free and the rank has reached it (an offload not before its forward ends) and taking
+//! [`StageCosts::copy`]; a `bwd`/`bwd_D` of reloaded activations starts once the reload ended,
+//! `wait_offload` waits for its offload, `recompute` and a checkpointed forward take the
+//! stage's forward time. A copy waits only for its own rank, so its end is known when it is
+//! posted. Host links shared by two ranks (`offload_pair`) are not simulated yet: refused.
+//!
 //! The simulation is a dataflow computation, not a time-ordered one: each rank advances until
 //! it blocks in a batch whose peers have not posted yet; the last peer to post wakes it. Every
 //! instruction and message is handled once (dense `Vec`s and a stack of ready ranks), so the
@@ -21,10 +29,10 @@ pub mod model;
 pub mod timeline;
 
 use crate::ir::activations::{Activations, Peak};
-use crate::ir::{batch_end, Instr, InstrRef, Matching, OptIdx, Program};
+use crate::ir::{batch_end, Instr, InstrRef, Matching, MemKind, MemOp, OptIdx, Program};
 use crate::simulate::cost::StageCosts;
 use crate::simulate::timeline::{Span, TimeUnit, Timeline};
-use pipec_schedules::Rank;
+use pipec_schedules::{Pass, Rank, Task};
 use serde::Serialize;
 use std::fmt;
 use thiserror::Error;
@@ -128,7 +136,8 @@ pub fn summarize_with(
             let spans: &[Span] = timeline.ranks.get(r).map_or(&[], |v| v.as_slice());
             let mut busy = 0.0;
             for (ins, span) in instrs.iter().zip(spans) {
-                if let Instr::Compute(_) = ins {
+                let recompute = matches!(ins, Instr::Memory(m) if m.kind == MemKind::Recompute);
+                if ins.as_compute().is_some() || recompute {
                     busy += span.end - span.start;
                 }
             }
@@ -188,6 +197,8 @@ pub enum SimError {
         peer: u32,
         world: u32,
     },
+    #[error("{at}: {instr}: copies between ranks sharing a host link (offload_pair = true) are not simulated yet; simulate without offload_pair")]
+    PairedCopies { at: InstrRef, instr: Instr },
     #[error("{0}")]
     Deadlock(Deadlock),
     #[error("the program has {instructions} instructions, more than one simulation can number")]
@@ -389,6 +400,21 @@ fn check_ids(program: &Program, costs: &StageCosts) -> Result<(), SimError> {
                     }
                 }
                 Instr::Wait { .. } => {}
+                Instr::FwdCheckpoint(t) | Instr::Memory(MemOp { task: t, .. }) => {
+                    if t.stage.0 >= n {
+                        return Err(SimError::StageOutOfRange {
+                            at,
+                            instr: *ins,
+                            stage: t.stage.0,
+                            num_stages: n,
+                        });
+                    }
+                    if costs.model.offload_pair
+                        && matches!(ins, Instr::Memory(op) if op.kind.is_copy())
+                    {
+                        return Err(SimError::PairedCopies { at, instr: *ins });
+                    }
+                }
                 Instr::Send { peer, .. } | Instr::Recv { peer, .. } => {
                     if peer.0 >= world {
                         return Err(SimError::PeerOutOfRange {
@@ -441,6 +467,22 @@ struct Sim<'a> {
     flight: Vec<Flight>,
     /// Per rank: the slot its current `Wait` blocks on, `usize::MAX` when none.
     waiting_on: Vec<usize>,
+    /// Per rank: its copy stream (docs/format.md, "Memory instructions").
+    copies: Vec<CopyStream>,
+}
+
+/// One rank's copy stream: offloads and reloads in program order, each starting when the
+/// stream is free and the rank has reached it (an offload also once its forward has ended).
+/// Without a shared link a copy's end is known when it is posted: it waits only for earlier
+/// work of its own rank.
+#[derive(Default)]
+struct CopyStream {
+    /// The rank has memory instructions (else none of this is looked at).
+    any: bool,
+    free: f64,
+    fwd_end: std::collections::HashMap<Task, f64>,
+    offload_end: std::collections::HashMap<Task, f64>,
+    reload_end: std::collections::HashMap<Task, f64>,
 }
 
 /// Batch id -> in-flight slot, looked up at every batch and wait: hashed by one multiply
@@ -521,6 +563,53 @@ impl<'a> Sim<'a> {
             flight_of: vec![OptIdx::NONE; total],
             flight: Vec::new(),
             waiting_on: vec![usize::MAX; world],
+            copies: program
+                .ranks
+                .iter()
+                .map(|instrs| CopyStream {
+                    any: instrs.iter().any(|i| matches!(i, Instr::Memory(_))),
+                    ..CopyStream::default()
+                })
+                .collect(),
+        }
+    }
+
+    /// Memory instruction `g` (`op`) of rank `r`, reached at `clock`: its span, and the
+    /// rank's clock after it. A copy runs on the copy stream and leaves the clock as it is;
+    /// `wait_offload` waits for its offload's end; `recompute` takes the stage's forward.
+    fn memory(&mut self, r: usize, g: usize, op: MemOp, clock: f64) -> f64 {
+        let t = op.task;
+        let c = &mut self.copies[r];
+        match op.kind {
+            MemKind::Offload | MemKind::Reload => {
+                let d = self.costs.copy(t.stage).unwrap_or(0.0);
+                let mut start = clock.max(c.free);
+                if op.kind == MemKind::Offload {
+                    start = start.max(c.fwd_end.get(&t).copied().unwrap_or(clock));
+                }
+                let end = start + d;
+                c.free = end;
+                if op.kind == MemKind::Offload {
+                    c.offload_end.insert(t, end);
+                } else {
+                    c.reload_end.insert(t, end);
+                }
+                self.set_start(g, start);
+                self.set_end(g, end);
+                clock
+            }
+            MemKind::WaitOffload => {
+                let end = clock.max(c.offload_end.get(&t).copied().unwrap_or(clock));
+                self.set_start(g, clock);
+                self.set_end(g, end);
+                end
+            }
+            MemKind::Recompute => {
+                let d = self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0);
+                self.set_start(g, clock);
+                self.set_end(g, clock + d);
+                clock + d
+            }
         }
     }
 
@@ -626,15 +715,54 @@ impl<'a> Sim<'a> {
                     self.set_end(g, clock);
                     pc += 1;
                 }
+                Instr::FwdCheckpoint(t) => {
+                    let d = self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0);
+                    self.set_start(g, clock);
+                    let before = clock;
+                    clock += d;
+                    self.set_end(g, clock);
+                    self.busy[r] += clock - before;
+                    self.copies[r].fwd_end.insert(*t, clock);
+                    pc += 1;
+                }
+                Instr::Memory(op) => {
+                    let before = clock;
+                    clock = self.memory(r, g, *op, clock);
+                    if op.kind == MemKind::Recompute {
+                        // The summary counts a recompute's span as busy, as a compute.
+                        self.busy[r] += clock - before;
+                    }
+                    pc += 1;
+                }
                 Instr::Compute(op) => {
                     // Ids were range-checked in `check_ids`.
                     let d = self.costs.compute(op).unwrap_or(0.0);
+                    let c = &mut self.copies[r];
+                    if c.any {
+                        // A backward of reloaded activations starts once its reload ended.
+                        for (pass, t) in op.parts() {
+                            if matches!(pass, Pass::Bwd | Pass::BwdD) {
+                                if let Some(&e) = c.reload_end.get(&t) {
+                                    clock = clock.max(e);
+                                }
+                            }
+                        }
+                    }
+                    let any = c.any;
                     self.set_start(g, clock);
                     let before = clock;
                     clock += d;
                     self.set_end(g, clock);
                     // As the summary sums a compute span: `end - start`, in rank order.
                     self.busy[r] += clock - before;
+                    if any {
+                        let c = &mut self.copies[r];
+                        for (pass, t) in op.parts() {
+                            if pass == Pass::Fwd {
+                                c.fwd_end.insert(t, clock);
+                            }
+                        }
+                    }
                     pc += 1;
                 }
                 first => {

@@ -7,8 +7,8 @@
 //! serde's.
 
 use super::format::*;
-use super::schema::{instructions, Field};
-use crate::ir::{Instr, Payload, PayloadKind};
+use super::schema::{instructions, json_op, Field};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 
 /// A rank file's fields, as [`RankFile`] holds them.
@@ -87,22 +87,32 @@ impl Cursor<'_> {
 }
 
 macro_rules! gen_parse {
-    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
         impl Cursor<'_> {
-            /// One instruction object, after `{"op":"`, through its closing `}`.
+            /// One instruction object, after `{"op":"`, through its closing `}`. Rows of one
+            /// op (`fwd`, and `fwd` with `"checkpoint":true`) are tried in table order.
             #[inline]
             fn instr(&mut self) -> Option<Instr> {
                 let rest = self.b.get(self.i..)?;
                 let end = rest.iter().take(OP_MAX + 1).position(|&c| c == b'"')?;
                 let op = &rest[..end];
                 self.i += end + 1;
-                $( if op == stringify!($op).as_bytes() {
-                    $(
-                        self.lit(concat!(",\"", stringify!($f), "\":").as_bytes())?;
-                        let $f = <$t as Field>::parse_json(self)?;
-                    )+
-                    self.lit(b"}")?;
-                    return Some($($ir)+);
+                let at = self.i;
+                $( if op == json_op!($op $(as $json)?).as_bytes() {
+                    #[inline(always)]
+                    fn row(c: &mut Cursor<'_>) -> Option<Instr> {
+                        $(
+                            c.lit(concat!(",\"", stringify!($f), "\":").as_bytes())?;
+                            let $f = <$t as Field>::parse_json(c)?;
+                        )+
+                        $( c.lit(concat!(",\"", stringify!($flag), "\":true").as_bytes())?; )?
+                        c.lit(b"}")?;
+                        Some($($ir)+)
+                    }
+                    if let Some(ins) = row(self) {
+                        return Some(ins);
+                    }
+                    self.i = at;
                 } )*
                 None
             }
@@ -111,7 +121,7 @@ macro_rules! gen_parse {
         /// The longest op name.
         const OP_MAX: usize = {
             let mut n = 0;
-            $( if stringify!($op).len() > n { n = stringify!($op).len(); } )*
+            $( if json_op!($op $(as $json)?).len() > n { n = json_op!($op $(as $json)?).len(); } )*
             n
         };
 

@@ -1,8 +1,8 @@
 //! The instruction-file format: versions, the manifest and rank-file types (JSON and
 //! postcard), and the hashes that make a directory self-checking.
 
-use super::schema::{instructions, Field};
-use crate::ir::{Instr, Payload, PayloadKind, Program};
+use super::schema::{instructions, json_op, Field, True};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program};
 use pipec_schedules::layout::Layout;
 use pipec_schedules::{
     CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
@@ -100,21 +100,118 @@ pub struct RankEntry {
     pub instructions: u64,
 }
 
+/// Every key of every row of the schema, each optional: serde's path (a file not in pipec's
+/// own form) reads an instruction into this in one derived pass, then [`InstrJson`] picks the
+/// row. The rows name their fields here (`a.stage`), so a row with a key missing below does
+/// not compile.
+macro_rules! any_row {
+    ($($k:ident: $t:ty),* $(,)?) => {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub(crate) struct AnyRow {
+            op: String,
+            $( #[serde(default)] $k: Option<$t>, )*
+        }
+
+        impl AnyRow {
+            /// A key present here that `fields` lacks.
+            fn extra(&self, fields: &[&str]) -> Option<&'static str> {
+                $( if self.$k.is_some() && !fields.contains(&stringify!($k)) {
+                    return Some(stringify!($k));
+                } )*
+                None
+            }
+        }
+    };
+}
+any_row! {
+    stage: u32,
+    mb: u32,
+    fwd_stage: u32,
+    fwd_mb: u32,
+    bwd_stage: u32,
+    bwd_mb: u32,
+    peer: u32,
+    payload: PayloadKind,
+    batch: u32,
+    checkpoint: True,
+}
+
 macro_rules! gen_format {
-    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
-        /// One instruction as stored in JSON: flat and explicit, so files read well and diff
-        /// line by line. Variants are named as the ops, which serde writes as `op`.
+    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+        /// Each row's JSON fields.
         #[allow(non_camel_case_types)]
-        #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-        #[serde(tag = "op", deny_unknown_fields)]
+        pub(crate) mod json_rows {
+            use super::*;
+            $(
+                #[derive(Clone, Debug, PartialEq, Eq)]
+                pub(crate) struct $op {
+                    $( pub(crate) $f: $t, )+
+                    $( #[allow(dead_code)] pub(crate) $flag: True, )?
+                }
+            )*
+        }
+
+        /// One instruction as stored in JSON: flat and explicit, so files read well and diff
+        /// line by line: `{"op":"<op>",<fields>}`, one variant per row of the schema.
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Debug, PartialEq, Eq)]
         pub(crate) enum InstrJson {
-            $( $op { $($f: $t),+ }, )*
+            $( $op(json_rows::$op), )*
+        }
+
+        impl Serialize for InstrJson {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeStruct;
+                match self {
+                    $( InstrJson::$op(r) => {
+                        let mut st = s.serialize_struct("instr", 1 + [$(stringify!($f)),+].len() $(+ stringify!($flag).len().min(1))?)?;
+                        st.serialize_field("op", json_op!($op $(as $json)?))?;
+                        $( st.serialize_field(stringify!($f), &r.$f)?; )+
+                        $( st.serialize_field(stringify!($flag), &True)?; )?
+                        st.end()
+                    } )*
+                }
+            }
+        }
+
+        impl<'de> Deserialize<'de> for InstrJson {
+            /// Read into [`AnyRow`], then take the row of the op (the variant row when its key
+            /// is there) with serde's messages for its fields (`missing field`, `unknown
+            /// field`).
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                use serde::de::Error;
+                let a = AnyRow::deserialize(d)?;
+                // The row of the op whose keys these are (`fwd` with `checkpoint` is its
+                // variant row); a field it lacks is serde's `missing field`.
+                $( if a.op == json_op!($op $(as $json)?) $(&& a.$flag.is_some())? {
+                    const FIELDS: &[&str] = &[$(stringify!($f),)+ $(stringify!($flag))?];
+                    if a.extra(FIELDS).is_none() {
+                        $( let $f = a.$f.ok_or_else(|| D::Error::missing_field(stringify!($f)))?; )+
+                        return Ok(InstrJson::$op(json_rows::$op { $($f,)+ $($flag: True,)? }));
+                    }
+                } )*
+                // A key no row of the op has: named against the op's first row.
+                $( if a.op == json_op!($op $(as $json)?) {
+                    const FIELDS: &[&str] = &[$(stringify!($f),)+ $(stringify!($flag))?];
+                    let k = a.extra(FIELDS).unwrap_or("op");
+                    return Err(D::Error::unknown_field(k, FIELDS));
+                } )*
+                let mut names: Vec<&str> = super::schema::OPS.iter().map(|o| o.name).collect();
+                names.dedup();
+                let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                Err(D::Error::custom(format!(
+                    "unknown variant `{}`, expected one of {}",
+                    a.op,
+                    names.join(", ")
+                )))
+            }
         }
 
         impl From<&Instr> for InstrJson {
             fn from(i: &Instr) -> Self {
                 match *i {
-                    $( $($ir)+ => InstrJson::$op { $($f),+ }, )*
+                    $( $($ir)+ => InstrJson::$op(json_rows::$op { $($f,)+ $($flag: True,)? }), )*
                 }
             }
         }
@@ -122,7 +219,7 @@ macro_rules! gen_format {
         impl From<InstrJson> for Instr {
             fn from(j: InstrJson) -> Self {
                 match j {
-                    $( InstrJson::$op { $($f),+ } => $($ir)+, )*
+                    $( InstrJson::$op(json_rows::$op { $($f,)+ .. }) => $($ir)+, )*
                 }
             }
         }

@@ -24,7 +24,7 @@ pub use read::{
     load_dir, load_dir_then, load_dir_verified, load_files, load_manifest, load_rank,
     parse_manifest, parse_rank, sniff, FileKind, LoadError, Loaded, LoadedVerdict,
 };
-pub use schema::{fields_of, op_name, FieldValue, OpSchema, OPS};
+pub use schema::{fields_of, op_name, row_of, FieldValue, OpSchema, OPS};
 pub use seal::{seal_dir, SealError, Sealed};
 pub use write::{
     instructions_json, prepare, render, render_unverified, threads_for, write_prepared,

@@ -12,7 +12,7 @@
 use super::fast::{Bin, Cursor};
 use super::format::push_varint;
 use super::write::Chunk;
-use crate::ir::{Instr, Payload, PayloadKind};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -22,6 +22,11 @@ use serde::Serialize;
 /// rows are only ever appended. Op and field names are the JSON keys and values, and the
 /// field order is the file's. Every op has at least one field (the JSON writer writes the op
 /// and the first key as one copy); a field type is any [`Field`].
+///
+/// A row `index name as op + key { ... }` is a variant of an earlier row `op`: the same JSON
+/// op with one more key, `"key":true`, last (a forward with `"checkpoint":true`), and no byte
+/// of its own in the binary form, where its index tells it apart. So a file without the key
+/// keeps the bytes it had, and readers pick the row by the key's presence.
 macro_rules! instructions {
     ($m:ident) => {
         $m! {
@@ -51,10 +56,66 @@ macro_rules! instructions {
                     batch,
                 }];
             7 wait { batch: u32 } => [Instr::Wait { batch }];
+            8 fwd_checkpoint as fwd + checkpoint { stage: u32, mb: u32 }
+                => [Instr::FwdCheckpoint(Task { stage: StageId(stage), mb: Microbatch(mb) })];
+            9 offload { stage: u32, mb: u32 }
+                => [Instr::Memory(MemOp {
+                    kind: MemKind::Offload,
+                    task: Task { stage: StageId(stage), mb: Microbatch(mb) },
+                })];
+            10 reload { stage: u32, mb: u32 }
+                => [Instr::Memory(MemOp {
+                    kind: MemKind::Reload,
+                    task: Task { stage: StageId(stage), mb: Microbatch(mb) },
+                })];
+            11 wait_offload { stage: u32, mb: u32 }
+                => [Instr::Memory(MemOp {
+                    kind: MemKind::WaitOffload,
+                    task: Task { stage: StageId(stage), mb: Microbatch(mb) },
+                })];
+            12 recompute { stage: u32, mb: u32 }
+                => [Instr::Memory(MemOp {
+                    kind: MemKind::Recompute,
+                    task: Task { stage: StageId(stage), mb: Microbatch(mb) },
+                })];
         }
     };
 }
 pub(crate) use instructions;
+
+/// A row's JSON op: its name, or the op it is a variant of (`name as op + key`).
+macro_rules! json_op {
+    ($op:ident) => {
+        stringify!($op)
+    };
+    ($op:ident as $json:ident) => {
+        stringify!($json)
+    };
+}
+pub(crate) use json_op;
+
+/// The value of a variant row's extra key (`"checkpoint":true`): only `true`, the key absent
+/// otherwise, and nothing in the binary form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct True;
+
+impl Serialize for True {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bool(true)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for True {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        if <bool as serde::Deserialize>::deserialize(d)? {
+            Ok(True)
+        } else {
+            Err(serde::de::Error::custom(
+                "this key is `true` or absent (`false` is written by leaving it out)",
+            ))
+        }
+    }
+}
 
 /// How a field's type is written in each encoding. Everything is inlined into the generated
 /// per-op code, so the fast paths stay what they were when written by hand.
@@ -186,6 +247,8 @@ impl Field for PayloadKind {
 pub enum FieldValue {
     Int(u32),
     Name(&'static str),
+    /// A variant row's key (`"checkpoint": true`).
+    True,
 }
 
 /// One op as the schema describes it: for Python (`pipec.instruction_schema()`), the docs
@@ -194,6 +257,9 @@ pub enum FieldValue {
 pub struct OpSchema {
     /// The JSON `op`.
     pub name: &'static str,
+    /// The row's own name, unique (`fwd_checkpoint` for the forward with `"checkpoint":true`;
+    /// `name` for every other row).
+    pub row: &'static str,
     /// The postcard variant index.
     pub index: u32,
     /// (key, [`Field::KIND`]) in file order.
@@ -201,12 +267,14 @@ pub struct OpSchema {
 }
 
 macro_rules! gen_schema {
-    ($( $idx:literal $op:ident { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
-        /// Every op of the rank file, in variant-index order.
+    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+        /// Every op of the rank file, in variant-index order (an op with an optional key,
+        /// `fwd`, once without it and once with it).
         pub const OPS: &[OpSchema] = &[$(OpSchema {
-            name: stringify!($op),
+            name: json_op!($op $(as $json)?),
+            row: stringify!($op),
             index: $idx,
-            fields: &[$((stringify!($f), <$t as Field>::KIND)),+],
+            fields: &[$((stringify!($f), <$t as Field>::KIND),)+ $((stringify!($flag), "true"))?],
         }),*];
 
         // Indices are postcard's variant indices, which are declaration order: 0, 1, 2, ...
@@ -220,7 +288,7 @@ macro_rules! gen_schema {
         #[allow(unused_variables)]
         pub fn op_name(ins: &Instr) -> &'static str {
             match *ins {
-                $( $($ir)+ => stringify!($op), )*
+                $( $($ir)+ => json_op!($op $(as $json)?), )*
             }
         }
 
@@ -228,7 +296,18 @@ macro_rules! gen_schema {
         /// for readers that want the record without parsing a file (Python's `Instruction`).
         pub fn fields_of(ins: &Instr) -> (&'static str, Vec<(&'static str, FieldValue)>) {
             match *ins {
-                $( $($ir)+ => (stringify!($op), vec![$((stringify!($f), Field::value($f))),+]), )*
+                $( $($ir)+ => (
+                    json_op!($op $(as $json)?),
+                    vec![$((stringify!($f), Field::value($f)),)+ $((stringify!($flag), FieldValue::True))?],
+                ), )*
+            }
+        }
+
+        /// The schema row of an instruction ([`OPS`]`[i]`, its binary variant index).
+        #[allow(unused_variables)]
+        pub fn row_of(ins: &Instr) -> usize {
+            match *ins {
+                $( $($ir)+ => $idx, )*
             }
         }
 
@@ -304,9 +383,12 @@ mod tests {
                 let v = match v {
                     FieldValue::Int(i) => serde_json::Value::from(i),
                     FieldValue::Name(n) => serde_json::Value::from(n),
+                    FieldValue::True => serde_json::Value::Bool(true),
                 };
                 record.insert(k.into(), v);
             }
+            let row = &OPS[row_of(ins)];
+            assert_eq!((row.name, row.index as usize), (op, row_of(ins)));
             assert_eq!(
                 serde_json::Value::Object(record),
                 serde_json::from_slice::<serde_json::Value>(&line).unwrap()
@@ -328,6 +410,52 @@ mod tests {
         assert_eq!(every_op(0, PayloadKind::Act).len(), OPS.len());
         let names: Vec<_> = every_op(0, PayloadKind::Act).iter().map(op_name).collect();
         assert_eq!(names, OPS.iter().map(|o| o.name).collect::<Vec<_>>());
+    }
+
+    /// A checkpointed forward is `fwd` with `"checkpoint":true` last, index 8 with no byte of
+    /// its own; a plain `fwd` is what it always was. serde's path (a reformatted file) picks
+    /// the row by the key, and refuses `false` (the key is omitted when false).
+    #[test]
+    fn a_checkpointed_fwd_is_fwd_with_a_key() {
+        let t = Task::new(0, 3);
+        let mut line = Vec::new();
+        write_instr(&mut line, &Instr::FwdCheckpoint(t));
+        assert_eq!(line, br#"{"op":"fwd","stage":0,"mb":3,"checkpoint":true}"#);
+        line.clear();
+        write_instr(&mut line, &Instr::Compute(Compute::Fwd(t)));
+        assert_eq!(line, br#"{"op":"fwd","stage":0,"mb":3}"#);
+        assert_eq!(canonical(&[Instr::FwdCheckpoint(t)]), [1, 8, 0, 3]);
+        assert_eq!(canonical(&[Instr::Compute(Compute::Fwd(t))]), [1, 0, 0, 3]);
+        let serde = |s: &str| serde_json::from_str::<InstrJson>(s).map(Instr::from);
+        let spaced = r#"{ "mb": 3, "checkpoint": true, "op": "fwd", "stage": 0 }"#;
+        assert_eq!(serde(spaced).unwrap(), Instr::FwdCheckpoint(t));
+        assert_eq!(
+            serde(r#"{"stage":0,"op":"fwd","mb":3}"#).unwrap(),
+            Instr::Compute(Compute::Fwd(t))
+        );
+        let e = serde(r#"{"op":"fwd","stage":0,"mb":3,"checkpoint":false}"#).unwrap_err();
+        assert!(e.to_string().contains("`true` or absent"), "{e}");
+        let e = serde(r#"{"op":"offload","stage":0,"mb":3,"checkpoint":true}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `checkpoint`"), "{e}");
+        let e = serde(r#"{"op":"reload","stage":0}"#).unwrap_err();
+        assert!(e.to_string().contains("missing field `mb`"), "{e}");
+        let e = serde(r#"{"op":"fwdd","stage":0,"mb":1}"#).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("unknown variant `fwdd`, expected one of `fwd`, `bwd`"),
+            "{e}"
+        );
+        let names: Vec<_> = OPS.iter().map(|o| (o.index, o.name)).collect();
+        assert_eq!(
+            names[8..],
+            [
+                (8, "fwd"),
+                (9, "offload"),
+                (10, "reload"),
+                (11, "wait_offload"),
+                (12, "recompute")
+            ]
+        );
     }
 
     /// `docs/format.md` lists every op with its fields in file order, and its index.

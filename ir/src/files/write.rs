@@ -2,8 +2,8 @@
 //! emission), the manifest, and the atomic directory write.
 
 use super::format::*;
-use super::schema::{instructions, Field};
-use crate::ir::{Instr, Payload, PayloadKind, Program};
+use super::schema::{instructions, json_op, Field};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program};
 use crate::verify::{Report, Unverified, Verified};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 use std::borrow::Borrow;
@@ -167,7 +167,7 @@ impl Chunk {
 }
 
 macro_rules! gen_json {
-    ($( $idx:literal $op:ident { $f0:ident : $t0:ty $(, $f:ident : $t:ty)* $(,)? } => [$($ir:tt)+]; )*) => {
+    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $f0:ident : $t0:ty $(, $f:ident : $t:ty)* $(,)? } => [$($ir:tt)+]; )*) => {
         impl Chunk {
             /// `{"op":"<op>","<key>":<value>...}`, keys in the schema's order: the op and the
             /// first key are one copy, then a copy per key and the values.
@@ -175,12 +175,13 @@ macro_rules! gen_json {
             fn instr(&mut self, ins: &Instr) {
                 match *ins {
                     $( $($ir)+ => {
-                        self.s(concat!("{\"op\":\"", stringify!($op), "\",\"", stringify!($f0), "\":").as_bytes());
+                        self.s(concat!("{\"op\":\"", json_op!($op $(as $json)?), "\",\"", stringify!($f0), "\":").as_bytes());
                         <$t0 as Field>::write_json($f0, self);
                         $(
                             self.s(concat!(",\"", stringify!($f), "\":").as_bytes());
                             <$t as Field>::write_json($f, self);
                         )*
+                        $( self.s(concat!(",\"", stringify!($flag), "\":true").as_bytes()); )?
                     } )*
                 }
                 self.s(b"}");
@@ -192,10 +193,11 @@ macro_rules! gen_json {
         fn instr_json_len(ins: &Instr) -> u64 {
             match *ins {
                 $( $($ir)+ => {
-                    concat!("{\"op\":\"", stringify!($op), "\",\"", stringify!($f0), "\":").len() as u64
+                    concat!("{\"op\":\"", json_op!($op $(as $json)?), "\",\"", stringify!($f0), "\":").len() as u64
                         + <$t0 as Field>::json_len($f0)
                         $( + concat!(",\"", stringify!($f), "\":").len() as u64
                            + <$t as Field>::json_len($f) )*
+                        $( + concat!(",\"", stringify!($flag), "\":true").len() as u64 )?
                 } )*
             }
         }

@@ -16,12 +16,26 @@
 //! - a forward-only program stashes nothing, but a forward's activation is live while it runs
 //!   (allocated and freed by the same instruction): a rank that runs a forward peaks at 1.
 //!
-//! Tasks out of range are allocated and never freed. A program too small to afford a table
+//! Memory instructions (docs/format.md, "Memory instructions"; issue 30):
+//! - a checkpointed `fwd(s, m)` is live while it runs and keeps nothing (its input is not
+//!   counted, as PipeOffload's `calculate_peak_memory` counts it);
+//! - `recompute(s, m)` allocates the activation again, held until the backward frees it;
+//! - `offload(s, m)` of a held activation puts it on the host (host `+1` from the offload) and
+//!   leaves the device copy counted until the offload is known to have ended: the copy stream
+//!   runs its copies in program order, so a copy has ended at a `wait_offload` of it or of a
+//!   later copy, and at a `bwd`/`bwd_D` that waits for a `reload` posted after it. The device
+//!   copy is released after that instruction. A backward no longer frees it;
+//! - `reload(s, m)` allocates on the device at its position (in flight counts), held until the
+//!   backward frees it; the host copy is released when the reload is known to have ended.
+//!
+//! The host count ([`Live::host`]) follows the same positions. Tasks out of range are
+//! allocated and never freed. A program too small to afford a table
 //! per task ([`Program::task_tables_fit`], reported by the verifier as too few ops) is counted
 //! without one: every backward frees one activation, never below zero.
 
-use crate::ir::{Instr, Program};
+use crate::ir::{Instr, MemKind, Program};
 use pipec_schedules::{Compute, Pass, Task};
+use std::collections::{HashMap, VecDeque};
 use std::iter::Enumerate;
 use std::slice;
 
@@ -134,6 +148,9 @@ impl<'p> Activations<'p> {
             weight,
             live: W::default(),
             frees: W::default(),
+            host: W::default(),
+            host_frees: W::default(),
+            copies: None,
         }
     }
 
@@ -141,6 +158,70 @@ impl<'p> Activations<'p> {
         let p = self.program;
         (self.dense && t.stage.0 < p.num_stages() && t.mb.0 < p.microbatches)
             .then(|| t.stage.index() * p.microbatches as usize + t.mb.index())
+    }
+
+    /// `hold(t, true)`: this walk's rank now holds `t`'s activation. `hold(t, false)`:
+    /// release it, saying whether the rank held it (without a table: always, see the doc).
+    fn hold(&mut self, t: Task, on: bool) -> bool {
+        let tag = self.tag;
+        match (self.slot(t), on) {
+            (Some(s), true) => {
+                self.holder[s] = tag;
+                true
+            }
+            (Some(s), false) if self.holder[s] == tag => {
+                self.holder[s] = 0;
+                true
+            }
+            (None, false) => !self.dense,
+            _ => false,
+        }
+    }
+}
+
+/// One rank's copy stream as the count sees it: the copies posted and not yet known to have
+/// ended, in posting order (the stream's order), and each task's latest offload and reload.
+struct Copies<W> {
+    next: u32,
+    /// (sequence number, an offload (else a reload), weight).
+    pending: VecDeque<(u32, bool, W)>,
+    /// (task, offload) -> sequence number of its latest copy of that direction.
+    seq: HashMap<(Task, bool), u32>,
+}
+
+impl<W: Amount> Copies<W> {
+    fn new() -> Self {
+        Copies {
+            next: 0,
+            pending: VecDeque::new(),
+            seq: HashMap::new(),
+        }
+    }
+
+    fn post(&mut self, t: Task, offload: bool, w: Option<W>) {
+        let k = self.next;
+        self.next = self.next.wrapping_add(1);
+        self.seq.insert((t, offload), k);
+        if let Some(w) = w {
+            self.pending.push_back((k, offload, w));
+        }
+    }
+
+    /// Every copy up to sequence number `k` has ended: (device freed, host freed).
+    fn sync(&mut self, k: u32) -> (W, W) {
+        let (mut device, mut host) = (W::default(), W::default());
+        while let Some(&(j, offload, w)) = self.pending.front() {
+            if j > k {
+                break;
+            }
+            self.pending.pop_front();
+            if offload {
+                device = device.plus(w);
+            } else {
+                host = host.plus(w);
+            }
+        }
+        (device, host)
     }
 }
 
@@ -152,6 +233,59 @@ pub struct Live<'a, 'p, W, F> {
     live: W,
     /// Freed by the previous instruction, taken off before the next one counts.
     frees: W,
+    /// Host memory held by offloads, and what the previous instruction released of it.
+    host: W,
+    host_frees: W,
+    /// The copy stream, from the first memory instruction on.
+    copies: Option<Copies<W>>,
+}
+
+impl<W: Amount, F: Fn(Task) -> W> Live<'_, '_, W, F> {
+    /// Host memory held during the instruction last yielded.
+    pub fn host(&self) -> W {
+        self.host
+    }
+
+    /// A backward of `t` waits for `t`'s reload: every copy up to it has ended.
+    fn backward_syncs(&mut self, t: Task) {
+        let Some(c) = self.copies.as_mut() else {
+            return;
+        };
+        if let Some(&k) = c.seq.get(&(t, false)) {
+            let (d, h) = c.sync(k);
+            self.frees = self.frees.plus(d);
+            self.host_frees = self.host_frees.plus(h);
+        }
+    }
+
+    fn memory(&mut self, kind: MemKind, t: Task) {
+        let w = (self.weight)(t);
+        let copies = self.copies.get_or_insert_with(Copies::new);
+        match kind {
+            MemKind::Offload => {
+                self.host = self.host.plus(w);
+                // The device copy stays counted until the offload is known to have ended.
+                let held = self.walk.hold(t, false);
+                copies.post(t, true, held.then_some(w));
+            }
+            MemKind::Reload => {
+                self.live = self.live.plus(w);
+                self.walk.hold(t, true);
+                copies.post(t, false, Some(w));
+            }
+            MemKind::WaitOffload => {
+                if let Some(&k) = copies.seq.get(&(t, true)) {
+                    let (d, h) = copies.sync(k);
+                    self.frees = self.frees.plus(d);
+                    self.host_frees = self.host_frees.plus(h);
+                }
+            }
+            MemKind::Recompute => {
+                self.live = self.live.plus(w);
+                self.walk.hold(t, true);
+            }
+        }
+    }
 }
 
 impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
@@ -159,29 +293,44 @@ impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
 
     fn next(&mut self) -> Option<(u32, W)> {
         let forward_only = self.walk.program.forward_only;
-        let tag = self.walk.tag;
         loop {
             let (i, ins) = self.instrs.next()?;
-            let Instr::Compute(c) = ins else { continue };
-            self.live = self.live.minus(self.frees);
-            let walk = &mut *self.walk;
-            let (alloc, frees) = step(c, forward_only, &self.weight, |t, hold| {
-                match (walk.slot(t), hold) {
-                    (Some(s), true) => {
-                        walk.holder[s] = tag;
-                        true
+            match *ins {
+                Instr::Compute(ref c) => {
+                    self.live = self.live.minus(self.frees);
+                    self.host = self.host.minus(self.host_frees);
+                    self.host_frees = W::default();
+                    let walk = &mut *self.walk;
+                    let (alloc, frees) =
+                        step(c, forward_only, &self.weight, |t, on| walk.hold(t, on));
+                    self.live = self.live.plus(alloc);
+                    self.frees = frees;
+                    if self.copies.is_some() {
+                        for (pass, t) in c.parts() {
+                            if matches!(pass, Pass::Bwd | Pass::BwdD) {
+                                self.backward_syncs(t);
+                            }
+                        }
                     }
-                    (Some(s), false) if walk.holder[s] == tag => {
-                        walk.holder[s] = 0;
-                        true
-                    }
-                    // Without a table every backward frees one (see the module doc).
-                    (None, false) => !walk.dense,
-                    _ => false,
                 }
-            });
-            self.live = self.live.plus(alloc);
-            self.frees = frees;
+                Instr::FwdCheckpoint(t) => {
+                    self.live = self.live.minus(self.frees);
+                    self.host = self.host.minus(self.host_frees);
+                    self.host_frees = W::default();
+                    // Live while it runs, kept by nothing.
+                    let w = (self.weight)(t);
+                    self.live = self.live.plus(w);
+                    self.frees = w;
+                }
+                Instr::Memory(op) => {
+                    self.live = self.live.minus(self.frees);
+                    self.host = self.host.minus(self.host_frees);
+                    self.frees = W::default();
+                    self.host_frees = W::default();
+                    self.memory(op.kind, op.task);
+                }
+                Instr::Send { .. } | Instr::Recv { .. } | Instr::Wait { .. } => continue,
+            }
             return Some((i as u32, self.live));
         }
     }

@@ -55,7 +55,9 @@ impl Matching {
             [(g - positions.base(r as usize)) as usize]
         {
             Instr::Send { payload, .. } | Instr::Recv { payload, .. } => payload,
-            Instr::Compute(_) | Instr::Wait { .. } => unreachable!("a channel holds messages"),
+            Instr::Compute(_) | Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => {
+                unreachable!("a channel holds messages")
+            }
         };
         for (r, instrs) in program.ranks.iter().enumerate() {
             let base = positions.base(r);
@@ -63,7 +65,10 @@ impl Matching {
                 let (is_send, peer, payload) = match *ins {
                     Instr::Send { peer, payload, .. } => (true, peer.0, payload),
                     Instr::Recv { peer, payload, .. } => (false, peer.0, payload),
-                    Instr::Compute(_) | Instr::Wait { .. } => continue,
+                    Instr::Compute(_)
+                    | Instr::Wait { .. }
+                    | Instr::FwdCheckpoint(_)
+                    | Instr::Memory(_) => continue,
                 };
                 if peer as usize >= world {
                     continue; // reported as out of range; it can never be matched

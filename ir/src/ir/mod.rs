@@ -13,5 +13,5 @@ mod steps;
 
 pub use id::{OptIdx, Positions, TooLarge};
 pub use matching::{Channel, Matching};
-pub use program::{Instr, InstrRef, Payload, PayloadKind, Program};
+pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
 pub use steps::{batch_end, steps, waited_batches, Step, Steps};

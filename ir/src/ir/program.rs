@@ -5,7 +5,7 @@
 //! simulator, the emitters and the runtime all consume it. Ids in a `Program` read from a file
 //! are untrusted: the verifier range-checks them before anything indexes with them.
 
-use pipec_schedules::{CommPolicy, Compute, Microbatch, Placement, Rank, StageId};
+use pipec_schedules::{CommPolicy, Compute, Microbatch, Placement, Rank, StageId, Task};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -85,6 +85,57 @@ pub enum Instr {
     Wait {
         batch: u32,
     },
+    /// `fwd` with `checkpoint: true`: the forward of `task` keeping only its input, its
+    /// activations rebuilt by a later [`MemKind::Recompute`] (Megatron's
+    /// `checkpoint_activations_microbatch`). Its own variant, not a flag on
+    /// [`Compute::Fwd`], so that every reader of a forward is made to decide what it means.
+    FwdCheckpoint(Task),
+    /// An activation-memory instruction (`offload`, `reload`, `wait_offload`, `recompute`).
+    Memory(MemOp),
+}
+
+/// What a memory instruction does to the activations of one forward (docs/format.md,
+/// "Memory instructions"; PipeOffload's execution model, `tests/golden/pipeoffload/README.md`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum MemKind {
+    /// Copy them to host memory on the rank's copy stream.
+    Offload,
+    /// Copy them back to device memory on the copy stream.
+    Reload,
+    /// Block the compute stream until the offload has ended.
+    WaitOffload,
+    /// Run a checkpointed forward again on the compute stream.
+    Recompute,
+}
+
+impl MemKind {
+    /// Runs on the rank's copy stream (not the compute stream).
+    pub fn is_copy(self) -> bool {
+        matches!(self, MemKind::Offload | MemKind::Reload)
+    }
+
+    /// The rank-file op.
+    pub fn op(self) -> &'static str {
+        match self {
+            MemKind::Offload => "offload",
+            MemKind::Reload => "reload",
+            MemKind::WaitOffload => "wait_offload",
+            MemKind::Recompute => "recompute",
+        }
+    }
+}
+
+/// A memory instruction: `kind` applied to the activations of forward `task`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct MemOp {
+    pub kind: MemKind,
+    pub task: Task,
+}
+
+impl fmt::Display for MemOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}({})", self.kind.op(), self.task)
+    }
 }
 
 impl Instr {
@@ -109,13 +160,26 @@ impl Instr {
     pub fn batch(&self) -> Option<u32> {
         match *self {
             Instr::Send { batch, .. } | Instr::Recv { batch, .. } => Some(batch),
-            Instr::Compute(_) | Instr::Wait { .. } => None,
+            Instr::Compute(_) | Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => {
+                None
+            }
         }
     }
 
-    pub fn as_compute(&self) -> Option<&Compute> {
-        match self {
+    /// The compute pass this instruction is, a checkpointed forward as the forward it is
+    /// (a `recompute` is not a pass of the schedule: it is a [`MemOp`]).
+    pub fn as_compute(&self) -> Option<Compute> {
+        match *self {
             Instr::Compute(c) => Some(c),
+            Instr::FwdCheckpoint(t) => Some(Compute::Fwd(t)),
+            Instr::Send { .. } | Instr::Recv { .. } | Instr::Wait { .. } | Instr::Memory(_) => None,
+        }
+    }
+
+    /// The memory instruction, if this is one.
+    pub fn as_memory(&self) -> Option<MemOp> {
+        match *self {
+            Instr::Memory(m) => Some(m),
             _ => None,
         }
     }
@@ -128,6 +192,8 @@ impl fmt::Display for Instr {
             Instr::Send { peer, payload, .. } => write!(f, "send({payload} -> {peer})"),
             Instr::Recv { peer, payload, .. } => write!(f, "recv({payload} <- {peer})"),
             Instr::Wait { batch } => write!(f, "wait(batch {batch})"),
+            Instr::FwdCheckpoint(t) => write!(f, "fwd({t}, checkpoint)"),
+            Instr::Memory(m) => write!(f, "{m}"),
         }
     }
 }
@@ -197,7 +263,7 @@ impl Program {
     pub fn compute_orders(&self) -> Vec<Vec<Compute>> {
         self.ranks
             .iter()
-            .map(|r| r.iter().filter_map(Instr::as_compute).copied().collect())
+            .map(|r| r.iter().filter_map(Instr::as_compute).collect())
             .collect()
     }
 }

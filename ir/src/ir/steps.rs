@@ -18,6 +18,9 @@ pub enum Step {
     Batch { id: u32, ops: Range<usize> },
     /// The wait at `at` for the batch with id `batch`.
     Wait { at: usize, batch: u32 },
+    /// The memory instruction (`offload`, `reload`, `wait_offload`, `recompute`) at this
+    /// index. A checkpointed `fwd` is a [`Step::Compute`]: it is the forward.
+    Memory(usize),
 }
 
 /// End (exclusive) of the comm batch that starts at `first`; `first` itself when the
@@ -62,7 +65,8 @@ impl Iterator for Steps<'_> {
     fn next(&mut self) -> Option<Step> {
         let i = self.pc;
         let step = match *self.instrs.get(i)? {
-            Instr::Compute(_) => Step::Compute(i),
+            Instr::Compute(_) | Instr::FwdCheckpoint(_) => Step::Compute(i),
+            Instr::Memory(_) => Step::Memory(i),
             Instr::Wait { batch } => Step::Wait { at: i, batch },
             Instr::Send { batch, .. } | Instr::Recv { batch, .. } => Step::Batch {
                 id: batch,

@@ -54,7 +54,10 @@ impl Walk<'_, '_> {
         for (i, ins) in ix.p.ranks[r as usize].iter().enumerate() {
             let g = base + i as u32;
             match *ins {
-                Instr::Compute(c) => {
+                // A checkpointed forward is the forward, as far as data goes: it consumes the
+                // stage's input and produces its output (its memory is verify::offload's).
+                Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                    let c = ins.as_compute().expect("a compute op");
                     for (pass, t) in c.parts() {
                         if !ix.in_range(t) || (forward_only && pass != Pass::Fwd) {
                             continue;
@@ -66,7 +69,7 @@ impl Walk<'_, '_> {
                     }
                 }
                 Instr::Send { peer, payload, .. } => self.send(r, g, peer, payload),
-                Instr::Recv { .. } | Instr::Wait { .. } => {}
+                Instr::Recv { .. } | Instr::Wait { .. } | Instr::Memory(_) => {}
             }
         }
         // Unused receives: only passes on this rank consume its receives.

@@ -62,6 +62,9 @@ pub(crate) struct Index<'p> {
     pub first_wait: Vec<OptIdx>,
     pub stats: Stats,
     pub compute_parts: u64,
+    /// Memory instructions and checkpointed forwards ([`super::offload`] checks them; none in
+    /// a program without them, which then costs nothing more).
+    pub memory_ops: u64,
 }
 
 impl<'p> Index<'p> {
@@ -129,6 +132,7 @@ impl<'p> Index<'p> {
                 ..Stats::default()
             },
             compute_parts: 0,
+            memory_ops: 0,
         };
         ix.scan(out);
         if !dense {
@@ -188,9 +192,12 @@ impl<'p> Index<'p> {
                     Step::Compute(i) => {
                         let g = base + i as u32;
                         let ins = &instrs[i];
-                        let Some(&c) = ins.as_compute() else {
+                        let Some(c) = ins.as_compute() else {
                             continue;
                         };
+                        if let Instr::FwdCheckpoint(_) = ins {
+                            self.memory_ops += 1;
+                        }
                         self.stats.compute_ops += 1;
                         for (pass, t) in c.parts() {
                             self.compute_parts += 1;
@@ -234,6 +241,8 @@ impl<'p> Index<'p> {
                             }
                         }
                     }
+                    // Checked by verify::offload, which owns the memory instructions.
+                    Step::Memory(_) => self.memory_ops += 1,
                     Step::Batch { id, ops } => {
                         let b = self.batch_start.len();
                         by_id.insert(id, b as u32);

@@ -13,7 +13,9 @@ fn payload(ix: &Index<'_>, r: u32, g: u32) -> Payload {
     match ix.p.ranks[r as usize][(g - ix.pos.base(r as usize)) as usize] {
         Instr::Send { payload, .. } | Instr::Recv { payload, .. } => payload,
         // A channel holds only sends and receives.
-        Instr::Compute(_) | Instr::Wait { .. } => unreachable!("a channel holds only messages"),
+        Instr::Compute(_) | Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => {
+            unreachable!("a channel holds only messages")
+        }
     }
 }
 

@@ -37,6 +37,7 @@ pub(crate) fn check(
             peak: p.peak,
             params: p.params,
             at: p.at.map(|index| InstrRef { rank, index }),
+            host: p.host,
         });
     }
     result

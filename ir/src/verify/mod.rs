@@ -56,7 +56,24 @@
 //!
 //! Memory (rule 5)
 //! - R1. Peak live activations per rank are reported with the instruction where they are first
-//!   reached; with a limit, exceeding it is a violation [`MemoryLimit`]. See [`memory`].
+//!   reached, with the host memory offloads hold; with a limit, exceeding it is a violation
+//!   [`MemoryLimit`]. The count includes the memory instructions (in-flight copies count). See
+//!   [`memory`] and [`crate::ir::activations`].
+//!
+//! Memory instructions (issue 30, docs/format.md "Memory instructions"; each violation at its
+//! rank and instruction; also checked at [`Level::Structure`]). See [`offload`], which also
+//! argues why the copy stream adds no deadlock.
+//! - M1. An `offload(s, m)` comes after `fwd(s, m)` on its rank [`OffloadWithoutForward`],
+//!   never of a checkpointed forward [`OffloadOfCheckpointed`].
+//! - M2. `offload`, `reload` and `recompute` of one `(s, m)` happen at most once
+//!   [`MemoryOpTwice`], and before the backward (`bwd`/`bwd_D`) of `(s, m)`
+//!   [`MemoryOpAfterBackward`].
+//! - M3. A `reload` comes after its offload [`ReloadWithoutOffload`]; no backward of offloaded
+//!   activations before their reload [`BackwardWhileOffloaded`].
+//! - M4. A `wait_offload` comes after its offload [`WaitOffloadWithoutOffload`].
+//! - M5. A `recompute` comes after a checkpointed `fwd` of its `(s, m)`
+//!   [`RecomputeWithoutCheckpoint`]; the backward of a checkpointed forward comes after its
+//!   recompute [`BackwardWithoutRecompute`].
 //!
 //! Risks (reported beside the verdict, see [`risk`]): what holds under this model but is
 //! fragile on NCCL, such as two tensors to one peer in one batch.
@@ -104,6 +121,15 @@
 //! [`NoConsumer`]: Violation::NoConsumer
 //! [`SelfMessage`]: Violation::SelfMessage
 //! [`MemoryLimit`]: Violation::MemoryLimit
+//! [`OffloadWithoutForward`]: Violation::OffloadWithoutForward
+//! [`OffloadOfCheckpointed`]: Violation::OffloadOfCheckpointed
+//! [`ReloadWithoutOffload`]: Violation::ReloadWithoutOffload
+//! [`WaitOffloadWithoutOffload`]: Violation::WaitOffloadWithoutOffload
+//! [`RecomputeWithoutCheckpoint`]: Violation::RecomputeWithoutCheckpoint
+//! [`MemoryOpTwice`]: Violation::MemoryOpTwice
+//! [`MemoryOpAfterBackward`]: Violation::MemoryOpAfterBackward
+//! [`BackwardWhileOffloaded`]: Violation::BackwardWhileOffloaded
+//! [`BackwardWithoutRecompute`]: Violation::BackwardWithoutRecompute
 
 mod complete;
 pub mod deadlock;
@@ -111,6 +137,7 @@ mod deps;
 pub(crate) mod index;
 pub(crate) mod matching;
 pub mod memory;
+pub mod offload;
 pub mod report;
 pub mod risk;
 mod routes;
@@ -267,6 +294,7 @@ fn check(
         || {
             let mut complete = Vec::new();
             complete::check(&ix, &mut complete);
+            offload::check(&ix, &mut complete);
             let mut found = Vec::new();
             if !full {
                 routes::check(&ix, &mut found);

@@ -218,6 +218,28 @@ pub enum Violation {
     NoConsumer { site: Site },
     /// A message from a rank to itself: a same-rank hand-off needs no message.
     SelfMessage { site: Site },
+    /// An `offload` with no forward of its (stage, microbatch) before it on the rank.
+    OffloadWithoutForward { site: Site },
+    /// An `offload` of a checkpointed forward, which keeps nothing to copy.
+    OffloadOfCheckpointed { site: Site, fwd: Site },
+    /// A `reload` with no `offload` of its (stage, microbatch) before it on the rank.
+    ReloadWithoutOffload { site: Site },
+    /// A `wait_offload` with no `offload` of its (stage, microbatch) before it on the rank.
+    WaitOffloadWithoutOffload { site: Site },
+    /// A `recompute` with no checkpointed forward of its (stage, microbatch) before it.
+    RecomputeWithoutCheckpoint { site: Site },
+    /// A second `offload`, `reload` or `recompute` of one (stage, microbatch).
+    MemoryOpTwice { site: Site, first: Site },
+    /// An `offload`, `reload` or `recompute` after the backward that needed its activations.
+    MemoryOpAfterBackward { site: Site, backward: Site },
+    /// A backward of activations that are offloaded and not reloaded before it.
+    BackwardWhileOffloaded {
+        site: Site,
+        part: Part,
+        offload: Site,
+    },
+    /// A backward of a checkpointed forward with no `recompute` before it.
+    BackwardWithoutRecompute { site: Site, part: Part, fwd: Site },
     /// More live activations than the limit.
     MemoryLimit {
         rank: Rank,
@@ -279,7 +301,16 @@ impl Violation {
             | WrongDestination { .. }
             | NoConsumer { .. }
             | SelfMessage { .. } => Class::Dependency,
-            MemoryLimit { .. } => Class::Memory,
+            OffloadWithoutForward { .. }
+            | OffloadOfCheckpointed { .. }
+            | ReloadWithoutOffload { .. }
+            | WaitOffloadWithoutOffload { .. }
+            | RecomputeWithoutCheckpoint { .. }
+            | MemoryOpTwice { .. }
+            | MemoryOpAfterBackward { .. }
+            | BackwardWhileOffloaded { .. }
+            | BackwardWithoutRecompute { .. }
+            | MemoryLimit { .. } => Class::Memory,
         }
     }
 
@@ -309,7 +340,16 @@ impl Violation {
             | SendsUnproduced { site, .. }
             | WrongDestination { site, .. }
             | NoConsumer { site }
-            | SelfMessage { site } => Some(site.at),
+            | SelfMessage { site }
+            | OffloadWithoutForward { site }
+            | OffloadOfCheckpointed { site, .. }
+            | ReloadWithoutOffload { site }
+            | WaitOffloadWithoutOffload { site }
+            | RecomputeWithoutCheckpoint { site }
+            | MemoryOpTwice { site, .. }
+            | MemoryOpAfterBackward { site, .. }
+            | BackwardWhileOffloaded { site, .. }
+            | BackwardWithoutRecompute { site, .. } => Some(site.at),
             Duplicate { again, .. } => Some(again.at),
             MixedBackward { bwd, .. } => Some(bwd.at),
             WrongTensor { recv, .. } => Some(recv.at),
@@ -394,7 +434,10 @@ impl fmt::Display for Violation {
                 let (me, peer, what) = match site.instr {
                     Instr::Send { peer, .. } => (site.at.rank, peer, "recv"),
                     Instr::Recv { peer, .. } => (site.at.rank, peer, "send"),
-                    Instr::Compute(_) | Instr::Wait { .. } => (site.at.rank, site.at.rank, "peer"),
+                    Instr::Compute(_)
+                    | Instr::Wait { .. }
+                    | Instr::FwdCheckpoint(_)
+                    | Instr::Memory(_) => (site.at.rank, site.at.rank, "peer"),
                 };
                 let (src, dst) = if what == "recv" {
                     (me, peer)
@@ -537,6 +580,52 @@ impl fmt::Display for Violation {
                 f,
                 "{site} sends to its own rank; a same-rank hand-off needs no message"
             ),
+            OffloadWithoutForward { site } => write!(
+                f,
+                "{site} offloads activations its rank has not made: no forward of that stage and microbatch comes before it there"
+            ),
+            OffloadOfCheckpointed { site, fwd } => write!(
+                f,
+                "{site} offloads a checkpointed forward ({}), which keeps only its input: there is nothing to copy",
+                Near(site.at.rank, fwd.at)
+            ),
+            ReloadWithoutOffload { site } => write!(
+                f,
+                "{site} reloads activations that no earlier offload on its rank sent to the host"
+            ),
+            WaitOffloadWithoutOffload { site } => write!(
+                f,
+                "{site} waits for an offload that its rank has not posted before it"
+            ),
+            RecomputeWithoutCheckpoint { site } => write!(
+                f,
+                "{site} recomputes a forward that is not checkpointed before it on its rank"
+            ),
+            MemoryOpTwice { site, first } => write!(
+                f,
+                "{site} repeats {} at {}: each is done at most once per stage and microbatch",
+                crate::files::op_name(&first.instr),
+                Near(site.at.rank, first.at)
+            ),
+            MemoryOpAfterBackward { site, backward } => write!(
+                f,
+                "{site} comes after the backward that needed those activations ({})",
+                Near(site.at.rank, backward.at)
+            ),
+            BackwardWhileOffloaded {
+                site,
+                part,
+                offload,
+            } => write!(
+                f,
+                "{site} runs {part} while its activations are on the host: offloaded at {} and not reloaded before it",
+                Near(site.at.rank, offload.at)
+            ),
+            BackwardWithoutRecompute { site, part, fwd } => write!(
+                f,
+                "{site} runs {part} of a checkpointed forward ({}) with no recompute before it",
+                Near(site.at.rank, fwd.at)
+            ),
             MemoryLimit {
                 limit,
                 first_over,
@@ -570,6 +659,14 @@ pub struct RankMemory {
     pub params: f64,
     /// `None` when the rank never holds an activation.
     pub at: Option<InstrRef>,
+    /// The most host memory its offloads hold at once, in `memory_unit` (issue 30: `offload`
+    /// and `reload`, docs/format.md); absent from JSON when 0, so reports without offloads
+    /// are what they were.
+    #[serde(
+        serialize_with = "crate::memory::figure",
+        skip_serializing_if = "is_zero"
+    )]
+    pub host: f64,
 }
 
 fn is_zero(x: &f64) -> bool {

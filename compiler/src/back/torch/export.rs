@@ -66,6 +66,8 @@ pub enum ExportError {
         peer: Rank,
         expected: String,
     },
+    #[error("{at}: {instr}: offload, reload, wait_offload, recompute and checkpointed forwards are not supported by the torch exporter yet")]
+    MemoryOp { at: InstrRef, instr: String },
     #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
     Bidirectional {
         kind: pipec_schedules::PlacementKind,
@@ -202,6 +204,19 @@ fn cells(
             kind: program.placement.kind,
         });
     }
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        for (i, ins) in instrs.iter().enumerate() {
+            if let Instr::FwdCheckpoint(_) | Instr::Memory(_) = ins {
+                return Err(ExportError::MemoryOp {
+                    at: InstrRef {
+                        rank: Rank(r as u32),
+                        index: i as u32,
+                    },
+                    instr: ins.to_string(),
+                });
+            }
+        }
+    }
     let orders = match form {
         CsvForm::ComputeOnly => Vec::new(),
         CsvForm::ComputeComms => super::order::emission_orders_with(program, matching),
@@ -212,7 +227,7 @@ fn cells(
             CsvForm::ComputeOnly => instrs
                 .iter()
                 .filter_map(Instr::as_compute)
-                .map(compute_cell)
+                .map(|c| compute_cell(&c))
                 .collect(),
             CsvForm::ComputeComms => comms_line(program, Rank(r as u32), instrs, &orders[r])?,
         });
@@ -305,6 +320,8 @@ fn comms_line(
             // torch's runtime waits for a receive just before the compute that uses it and for
             // sends with WAIT_SEND_*, so an explicit wait adds nothing to its CSV.
             Instr::Wait { .. } => {}
+            // Refused on entry (`export_lines`): torch's CSV has no action for them.
+            Instr::FwdCheckpoint(_) | Instr::Memory(_) => {}
         }
     }
     cells.append(&mut deferred);

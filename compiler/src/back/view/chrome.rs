@@ -101,7 +101,11 @@ impl TraceBuilder {
                 }
                 let mut e = String::with_capacity(200);
                 match ins {
-                    Instr::Compute(op) => {
+                    // The simulator refuses memory instructions for now, so no timeline
+                    // reaching here has any; the copy stream is drawn when it is simulated.
+                    Instr::Memory(_) => continue,
+                    Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                        let op = &ins.as_compute().expect("a compute op");
                         let parts: Vec<String> = op
                             .parts()
                             .map(|(p, t)| {

@@ -97,7 +97,8 @@ fn full(program: &Program, out: &mut String) {
                 index: i as u32,
             };
             match ins {
-                Instr::Compute(op) => {
+                Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                    let op = &ins.as_compute().expect("a compute op");
                     for part in op.parts() {
                         at_of.insert(part, at);
                     }
@@ -139,7 +140,9 @@ fn full(program: &Program, out: &mut String) {
     let last = program.num_stages().saturating_sub(1);
     for (r, instrs) in program.ranks.iter().enumerate() {
         for (i, ins) in instrs.iter().enumerate() {
-            let Instr::Compute(op) = ins else { continue };
+            let Some(op) = &ins.as_compute() else {
+                continue;
+            };
             let at = InstrRef {
                 rank: Rank(r as u32),
                 index: i as u32,
@@ -188,7 +191,8 @@ fn by_stage(program: &Program, out: &mut String) {
     for instrs in &program.ranks {
         for ins in instrs {
             match ins {
-                Instr::Compute(op) => {
+                Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                    let op = ins.as_compute().expect("a compute op");
                     for (p, t) in op.parts() {
                         if let Some(m) = ops.get_mut(t.stage.index()) {
                             let k = match p {
@@ -210,7 +214,7 @@ fn by_stage(program: &Program, out: &mut String) {
                         *msgs.entry((payload.stage.0, to.0, k)).or_default() += 1;
                     }
                 }
-                Instr::Recv { .. } | Instr::Wait { .. } => {}
+                Instr::Recv { .. } | Instr::Wait { .. } | Instr::Memory(_) => {}
             }
         }
     }
@@ -270,7 +274,7 @@ fn by_rank_mb(program: &Program, out: &mut String) {
     let m = Matching::of(program);
     for (r, instrs) in program.ranks.iter().enumerate() {
         for ins in instrs {
-            if let Instr::Compute(op) = ins {
+            if let Some(op) = ins.as_compute() {
                 for (p, t) in op.parts() {
                     let k = match p {
                         Pass::Fwd => 'F',

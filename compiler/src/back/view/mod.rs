@@ -142,6 +142,10 @@ pub fn comm_name(i: &Instr) -> String {
         Instr::Send { peer, payload, .. } => ("send", "->", peer, payload),
         Instr::Recv { peer, payload, .. } => ("recv", "<-", peer, payload),
         Instr::Compute(c) => return op_name(c),
+        Instr::FwdCheckpoint(t) => return op_name(&Compute::Fwd(*t)) + " (checkpoint)",
+        Instr::Memory(m) => {
+            return format!("{} s{} mb{}", m.kind.op(), m.task.stage.0, m.task.mb.0)
+        }
         Instr::Wait { batch } => return format!("wait batch {batch}"),
     };
     let kind = match p.kind {

@@ -73,7 +73,7 @@ pub fn ops_drawn(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> u
                 .iter()
                 .zip(spans)
                 .filter(|(i, sp)| {
-                    matches!(i, Instr::Compute(_))
+                    i.as_compute().is_some()
                         && sp.start.is_finite()
                         && sp.end.is_finite()
                         && opts.filter.keeps(sp.start - t0, sp.end - t0)
@@ -244,8 +244,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
     let mut odd_seen = false;
     for &r in &rows {
         for op in program.ranks[r].iter().filter_map(Instr::as_compute) {
-            present[OpKind::of(op) as usize] = true;
-            odd_seen |= chunk_of(op, &chunk) % 2 == 1;
+            present[OpKind::of(&op) as usize] = true;
+            odd_seen |= chunk_of(&op, &chunk) % 2 == 1;
         }
     }
     let shaded = !overview && n_chunks > 2;
@@ -391,7 +391,9 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
             let y = top + j as f64 * row_h + gap / 2.0;
             let h = row_h - gap;
             for (i, (ins, sp)) in instrs.iter().zip(spans).enumerate() {
-                let Instr::Compute(op) = ins else { continue };
+                let Some(op) = &ins.as_compute() else {
+                    continue;
+                };
                 if !(sp.start.is_finite() && sp.end.is_finite()) {
                     continue;
                 }
@@ -609,7 +611,9 @@ fn bucket_work(
     let mut work = vec![[0.0f64; 5]; buckets];
     let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
     for (ins, sp) in program.ranks[r].iter().zip(spans) {
-        let Instr::Compute(op) = ins else { continue };
+        let Some(op) = &ins.as_compute() else {
+            continue;
+        };
         if !(sp.start.is_finite() && sp.end.is_finite()) {
             continue;
         }

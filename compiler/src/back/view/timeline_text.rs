@@ -7,7 +7,7 @@
 //! in lowercase (and, with colour, in the bright shade) so interleaving is visible.
 
 use super::{chunk_of, chunks, fmt_num, nice_step, op_label, OpKind};
-use crate::ir::{Instr, Program};
+use crate::ir::Program;
 use crate::simulate::timeline::{TimeUnit, Timeline};
 use crate::simulate::Summary;
 use std::fmt::Write as _;
@@ -137,7 +137,9 @@ fn scan(
     let spans = timeline.ranks.get(rank).map_or(&[][..], |v| v.as_slice());
     let u = 1.0 / scale;
     for (i, (ins, span)) in instrs.iter().zip(spans).enumerate() {
-        let Instr::Compute(op) = ins else { continue };
+        let Some(op) = &ins.as_compute() else {
+            continue;
+        };
         if !(span.start.is_finite() && span.end.is_finite()) {
             continue;
         }
@@ -369,7 +371,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
                     }
                 }
                 Cell::Op(i) => {
-                    let op = instrs[i].as_compute().expect("cells hold compute ops");
+                    let op = &instrs[i].as_compute().expect("cells hold compute ops");
                     let kind = OpKind::of(op);
                     kinds_seen[kind as usize] = true;
                     let odd = chunk_of(op, &chunk) % 2 == 1;
@@ -644,6 +646,7 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ir::Instr;
     use crate::simulate::timeline::Span;
     use pipec_schedules::{Compute, Placement, Task};
 

@@ -99,7 +99,8 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
                     }
                     i = end;
                 }
-                Instr::Wait { .. } => i += 1,
+                // Refused before a run (`driver::check_memory_ops`): never measured.
+                Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => i += 1,
             }
         }
     }

@@ -242,11 +242,15 @@ fn print(c: &Checked, input: &Path, all: bool, strict: bool) {
             u.label()
         )?;
         for m in &r.memory {
-            let params = if m.params > 0.0 {
+            let mut params = if m.params > 0.0 {
                 format!(", parameters {}", u.fmt(m.params))
             } else {
                 String::new()
             };
+            // Offloaded activations (issue 30): what the rank holds in host memory at most.
+            if m.host > 0.0 {
+                params.push_str(&format!(", host {}", u.fmt(m.host)));
+            }
             match m.at {
                 Some(at) => writeln!(
                     out,

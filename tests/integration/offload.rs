@@ -1,0 +1,692 @@
+//! Memory instructions (issue 30) in compiled schedules: random valid insertions of offload,
+//! reload, wait_offload and checkpoint/recompute, and the offload planner's own inserts
+//! (`pipec::tune::offload::plan`), judged by
+//! - a brute-force replay of each rank written here, which shares no code with
+//!   `pipec::ir::activations`: it lists every device and host buffer with the interval of
+//!   instructions it is alive in (from docs/format.md, "Memory instructions") and sums them
+//!   at every instruction;
+//! - the planner's own positional peak, computed by its own profile;
+//! - the verifier: a valid schedule with valid memory instructions has no violation (the copy
+//!   stream adds no deadlock), and the brute-force executor (`pipec_tests::reference`) agrees.
+
+use pipec::ir::{Instr, MemKind, MemOp, Program};
+use pipec::lower::lower;
+use pipec::memory::{MemoryModel, Unit};
+use pipec::verify::{verify, Unverified, VerifyOptions};
+use pipec_schedules::{generate, Compute, Limits, Pass, ScheduleKind, ScheduleSpec, Task};
+use pipec_tests::reference::{execute, Verdict};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+
+/// SplitMix64: the insertions' own choices, from one proptest seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Option<Program> {
+    let s = ScheduleSpec {
+        kind,
+        pp,
+        vpp,
+        microbatches: m,
+        group_size: None,
+        forward_only: false,
+        combined: false,
+        megatron_p2p: pipec_tests::megatron_p2p_for(kind, pp),
+    };
+    s.validate(&Limits::DEFAULT).ok()?;
+    Some(lower(&generate(&s, &Limits::DEFAULT).ok()?))
+}
+
+fn mem(kind: MemKind, task: Task) -> Instr {
+    Instr::Memory(MemOp { kind, task })
+}
+
+/// Whether `ins` holds a pass of `t` among `passes`.
+fn has(ins: &Instr, t: Task, passes: &[Pass]) -> bool {
+    ins.as_compute()
+        .is_some_and(|c| c.parts().any(|(p, u)| u == t && passes.contains(&p)))
+}
+
+/// Positions `x` (insert before instruction `x`) that do not split a comm batch.
+fn boundary(instrs: &[Instr], x: usize) -> bool {
+    x == 0
+        || x == instrs.len()
+        || !(instrs[x - 1].batch().is_some() && instrs[x - 1].batch() == instrs[x].batch())
+}
+
+/// Insert `(position, instr)` pairs: each before the instruction at its position in
+/// `instrs`, pairs at one position in the order given.
+fn insert(instrs: &[Instr], mut ins: Vec<(usize, Instr)>) -> Vec<Instr> {
+    ins.sort_by_key(|&(x, _)| x); // stable: keeps the given order at one position
+    let mut out = Vec::with_capacity(instrs.len() + ins.len());
+    let mut k = 0;
+    for (x, i) in instrs.iter().enumerate() {
+        while k < ins.len() && ins[k].0 == x {
+            out.push(ins[k].1);
+            k += 1;
+        }
+        out.push(*i);
+    }
+    out.extend(ins[k..].iter().map(|p| p.1));
+    out
+}
+
+/// Random valid memory instructions on every rank: per plain forward, nothing, an offload
+/// (posted between the forward and its backward) with its reload (between the offload and
+/// the backward) and maybe a `wait_offload` (anywhere after the offload), or a checkpoint with
+/// its recompute (between the forward and the backward).
+fn with_memory_ops(p: &Program, rng: &mut Rng) -> Program {
+    let mut out = p.clone();
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        let mut instrs = instrs.clone();
+        let mut ins: Vec<(usize, Instr)> = Vec::new();
+        let n = instrs.len();
+        let pick = |rng: &mut Rng, lo: usize, hi: usize, instrs: &[Instr]| -> usize {
+            let ok: Vec<usize> = (lo..=hi).filter(|&x| boundary(instrs, x)).collect();
+            ok[rng.below(ok.len())]
+        };
+        for i in 0..n {
+            let Instr::Compute(Compute::Fwd(t)) = instrs[i] else {
+                continue;
+            };
+            let Some(need) = (i + 1..n).find(|&j| has(&instrs[j], t, &[Pass::Bwd, Pass::BwdD]))
+            else {
+                continue;
+            };
+            match rng.below(4) {
+                0 | 1 => {
+                    let a = pick(rng, i + 1, need, &instrs);
+                    ins.push((a, mem(MemKind::Offload, t)));
+                    let c = pick(rng, a, need, &instrs);
+                    ins.push((c, mem(MemKind::Reload, t)));
+                    if rng.below(2) == 0 {
+                        let w = pick(rng, a, n, &instrs);
+                        ins.push((w, mem(MemKind::WaitOffload, t)));
+                    }
+                }
+                2 => {
+                    instrs[i] = Instr::FwdCheckpoint(t);
+                    let c = pick(rng, i + 1, need, &instrs);
+                    ins.push((c, mem(MemKind::Recompute, t)));
+                }
+                _ => {}
+            }
+        }
+        out.ranks[r] = insert(&instrs, ins);
+    }
+    out
+}
+
+/// The brute-force replay: every buffer with the instructions it is alive at (inclusive; a
+/// buffer freed by an instruction is alive during it), device and host summed at every
+/// instruction. Valid programs only (every rule of `verify::offload` kept).
+fn replay(instrs: &[Instr], act: impl Fn(Task) -> f64) -> (f64, f64) {
+    let n = instrs.len();
+    const NEVER: usize = usize::MAX;
+    let first = |from: usize, f: &dyn Fn(&Instr) -> bool| (from..n).find(|&j| f(&instrs[j]));
+    let is_mem = |i: &Instr, k: MemKind, t: Task| matches!(i, Instr::Memory(MemOp { kind, task }) if *kind == k && *task == t);
+    // Where the copy posted at `k` is known to have ended: a wait_offload of it or of a
+    // later copy, or a backward whose reload was posted at or after `k` and before it.
+    let ended = |k: usize| -> usize {
+        for j in k + 1..n {
+            match instrs[j] {
+                Instr::Memory(MemOp {
+                    kind: MemKind::WaitOffload,
+                    task,
+                }) => {
+                    let off = (0..j)
+                        .rev()
+                        .find(|&x| is_mem(&instrs[x], MemKind::Offload, task));
+                    if off.is_some_and(|x| x >= k) {
+                        return j;
+                    }
+                }
+                Instr::Compute(c) => {
+                    for (p, u) in c.parts() {
+                        if matches!(p, Pass::Bwd | Pass::BwdD) {
+                            let rel = (0..j)
+                                .rev()
+                                .find(|&x| is_mem(&instrs[x], MemKind::Reload, u));
+                            if rel.is_some_and(|x| x >= k) {
+                                return j;
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        NEVER
+    };
+    let freed = |t: Task, from: usize| {
+        first(from, &|i| has(i, t, &[Pass::Bwd, Pass::BwdW])).unwrap_or(NEVER)
+    };
+    let mut device: Vec<(usize, usize, f64)> = Vec::new();
+    let mut host: Vec<(usize, usize, f64)> = Vec::new();
+    for (i, ins) in instrs.iter().enumerate() {
+        match *ins {
+            Instr::Compute(c) => {
+                for (p, t) in c.parts() {
+                    if p != Pass::Fwd {
+                        continue;
+                    }
+                    let b = freed(t, i);
+                    let off = first(i + 1, &|x| is_mem(x, MemKind::Offload, t));
+                    let end = match off {
+                        Some(k) if k < b => ended(k),
+                        _ => b,
+                    };
+                    device.push((i, end, act(t)));
+                }
+            }
+            Instr::FwdCheckpoint(t) => device.push((i, i, act(t))),
+            Instr::Memory(MemOp { kind, task: t }) => match kind {
+                MemKind::Reload | MemKind::Recompute => device.push((i, freed(t, i), act(t))),
+                MemKind::Offload => {
+                    let rel = first(i + 1, &|x| is_mem(x, MemKind::Reload, t));
+                    host.push((i, rel.map_or(NEVER, ended), act(t)));
+                }
+                MemKind::WaitOffload => {}
+            },
+            _ => {}
+        }
+    }
+    let peak = |bufs: &[(usize, usize, f64)]| {
+        (0..n)
+            .map(|i| {
+                bufs.iter()
+                    .filter(|&&(a, e, _)| a <= i && i <= e)
+                    .map(|b| b.2)
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max)
+    };
+    (peak(&device), peak(&host))
+}
+
+fn weights(p: &Program, rng: &mut Rng) -> MemoryModel {
+    MemoryModel {
+        act: (0..p.num_stages())
+            .map(|_| (1 + rng.below(5)) as f64)
+            .collect(),
+        param: vec![0.0; p.world() as usize],
+        unit: Unit::LayerActivations,
+    }
+}
+
+fn kinds() -> Vec<(ScheduleKind, u32)> {
+    vec![
+        (ScheduleKind::Gpipe, 1),
+        (ScheduleKind::DualPipe, 1),
+        (ScheduleKind::VHalf, 2),
+        (ScheduleKind::OneFOneB, 1),
+        (ScheduleKind::Interleaved1F1B, 2),
+        (ScheduleKind::ZbH1, 1),
+        (ScheduleKind::ZbV, 2),
+        (ScheduleKind::DualPipeV, 2),
+    ]
+}
+
+/// Random insertions into compiled schedules: the verifier finds nothing wrong, the
+/// executor runs them to the end, and the count equals the replay's on every rank.
+#[test]
+fn random_memory_ops_count_as_the_replay_and_verify() {
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+    );
+    let cases = (0..kinds().len(), 2u32..5, 1u32..9, any::<u64>());
+    runner
+        .run(&cases, |(k, pp, m, seed)| {
+            let (kind, vpp) = kinds()[k];
+            let Some(p) = program(kind, pp, vpp, m.max(pp)) else {
+                return Ok(());
+            };
+            let mut rng = Rng(seed);
+            let q = with_memory_ops(&p, &mut rng);
+            let report = verify(&q, &VerifyOptions::default());
+            prop_assert!(report.violations.is_empty(), "{:?}: {}", kind, report);
+            let run = execute(&q);
+            prop_assert!(
+                run.finished && run.verdict == Verdict::Valid,
+                "{:?}",
+                run.problems
+            );
+            let mm = weights(&q, &mut rng);
+            let walk = pipec::memory::walk(&q, &mm, None);
+            for (r, instrs) in q.ranks.iter().enumerate() {
+                let (device, host) = replay(instrs, |t| mm.act[t.stage.index()]);
+                prop_assert_eq!(walk[r].0.activations, device, "{:?} rank {}", kind, r);
+                prop_assert_eq!(walk[r].0.host, host, "{:?} rank {}", kind, r);
+            }
+            // The memory limit sees the same count.
+            let peak = walk.iter().map(|w| w.0.peak).fold(0.0, f64::max);
+            let limited = pipec::verify::verify_with(
+                &q,
+                pipec::verify::Level::Full,
+                1,
+                &mm,
+                Some(peak - 0.5),
+            );
+            let over = limited
+                .violations
+                .iter()
+                .any(|v| matches!(v, pipec::verify::Violation::MemoryLimit { .. }));
+            prop_assert!(over);
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The offload planner's inserts (`pipec::tune::offload::plan`, PipeOffload's planning on any
+/// schedule) placed into compiled schedules: valid, and counted by the verifier as the planner
+/// counted them (its own profile) and as the replay does.
+#[test]
+fn planner_inserts_count_as_planned() {
+    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec::tune::offload::{plan, CopyOp, RankInput, TimedOp};
+    let mut planned = 0;
+    for (kind, vpp) in kinds() {
+        for (pp, m) in [(2, 4), (4, 8), (4, 12)] {
+            let Some(p) = program(kind, pp, vpp, m) else {
+                continue;
+            };
+            let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
+            let sim =
+                pipec::simulate::simulate_unverified(&Unverified::unchecked(&p), &costs).unwrap();
+            let inputs: Vec<RankInput> = p
+                .ranks
+                .iter()
+                .zip(&sim.timeline.ranks)
+                .map(|(instrs, spans)| RankInput {
+                    ops: instrs
+                        .iter()
+                        .zip(spans)
+                        .filter_map(|(i, sp)| {
+                            i.as_compute().map(|op| TimedOp {
+                                op,
+                                start: sp.start,
+                                end: sp.end,
+                            })
+                        })
+                        .collect(),
+                    base: 0.0,
+                })
+                .collect();
+            let act = |t: Task| 1.0 + (t.stage.0 % 3) as f64;
+            let mm = MemoryModel {
+                act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
+                param: vec![0.0; p.world() as usize],
+                unit: Unit::LayerActivations,
+            };
+            let before = pipec::memory::walk(&p, &mm, None);
+            let top = before.iter().map(|w| w.0.peak).fold(0.0, f64::max);
+            let f = costs.compute(&Compute::Fwd(Task::new(0, 0))).unwrap();
+            for (limit, copy) in [(0.75 * top, 0.25 * f), (0.5 * top, 0.5 * f)] {
+                let Ok(plans) = plan(&inputs, limit, act, |_| copy) else {
+                    continue;
+                };
+                let mut q = p.clone();
+                for (r, rp) in plans.iter().enumerate() {
+                    let compute: Vec<usize> = (0..p.ranks[r].len())
+                        .filter(|&i| p.ranks[r][i].as_compute().is_some())
+                        .collect();
+                    let ins: Vec<(usize, Instr)> = rp
+                        .inserts
+                        .iter()
+                        .map(|x| {
+                            let at = compute.get(x.at).copied().unwrap_or(p.ranks[r].len());
+                            let kind = match x.op {
+                                CopyOp::Offload => MemKind::Offload,
+                                CopyOp::WaitOffload => MemKind::WaitOffload,
+                                CopyOp::Reload => MemKind::Reload,
+                            };
+                            (at, mem(kind, x.task))
+                        })
+                        .collect();
+                    planned += ins.len();
+                    q.ranks[r] = insert(&p.ranks[r], ins);
+                }
+                let report = verify(&q, &VerifyOptions::default());
+                assert!(report.violations.is_empty(), "{kind:?} pp {pp}: {report}");
+                let walk = pipec::memory::walk(&q, &mm, None);
+                for (r, rp) in plans.iter().enumerate() {
+                    let (device, host) = replay(&q.ranks[r], act);
+                    let got = walk[r].0.activations;
+                    assert_eq!(got, device, "{kind:?} pp {pp} rank {r}: replay");
+                    assert_eq!(walk[r].0.host, host, "{kind:?} pp {pp} rank {r}: host");
+                    assert_eq!(
+                        got, rp.peak,
+                        "{kind:?} pp {pp} rank {r}: the planner's peak"
+                    );
+                    assert!(got <= limit * (1.0 + 1e-12), "{kind:?} pp {pp} rank {r}");
+                }
+            }
+        }
+    }
+    assert!(planned > 100, "the planner placed {planned} instructions");
+}
+
+/// The copy stream's waits in the deadlock proof: a backward whose activations were offloaded
+/// and are reloaded only after it would wait forever; the executor hangs there, and the
+/// verifier names it (its memory rule, at that backward), not as a cycle between ranks, since
+/// copies add none. With the reload moved before the backward both find nothing wrong.
+#[test]
+fn a_late_reload_hangs_and_the_verifier_names_it() {
+    let p = program(ScheduleKind::OneFOneB, 2, 1, 2).unwrap();
+    let t = Task::new(0, 0);
+    let r0 = &p.ranks[0];
+    let fwd = r0.iter().position(|i| has(i, t, &[Pass::Fwd])).unwrap();
+    let bwd = r0.iter().position(|i| has(i, t, &[Pass::Bwd])).unwrap();
+    let late = |reload_at: usize| {
+        let mut q = p.clone();
+        q.ranks[0] = insert(
+            r0,
+            vec![
+                (fwd + 1, mem(MemKind::Offload, t)),
+                (reload_at, mem(MemKind::Reload, t)),
+            ],
+        );
+        q
+    };
+    let q = late(bwd + 1);
+    let run = execute(&q);
+    assert!(!run.finished);
+    let report = verify(&q, &VerifyOptions::default());
+    let msgs: Vec<String> = report.violations.iter().map(|v| v.to_string()).collect();
+    // The backward moved one later by the offload inserted before it.
+    let at = format!("rank 0, #{}", bwd + 1);
+    assert!(
+        msgs.iter()
+            .any(|m| m.starts_with(&at) && m.contains("while its activations are on the host")),
+        "{msgs:?}"
+    );
+    assert!(!report
+        .violations
+        .iter()
+        .any(|v| v.class() == pipec::verify::Class::Deadlock));
+    let q = late(bwd);
+    assert!(execute(&q).finished);
+    assert!(verify(&q, &VerifyOptions::default()).violations.is_empty());
+}
+
+/// Written, read back and checked: the new ops round-trip through both encodings and the
+/// loader, and `pipec check --json` reports the host memory of the rank that offloads.
+#[test]
+fn check_reports_host_memory() {
+    use pipec::back::files::{write_program, Encoding, Header};
+    let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(
+        ScheduleKind::OneFOneB,
+        2,
+        3,
+    ))
+    .unwrap();
+    let p = &c.program;
+    let r0 = &p.ranks[0];
+    let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
+    let at = |t: Task, pass: Pass| r0.iter().position(|i| has(i, t, &[pass])).unwrap();
+    let mut q = p.clone();
+    let mut ops = vec![
+        (at(t0, Pass::Fwd) + 1, mem(MemKind::Offload, t0)),
+        (at(t0, Pass::Fwd) + 1, mem(MemKind::WaitOffload, t0)),
+        (at(t0, Pass::Bwd), mem(MemKind::Reload, t0)),
+        (at(t1, Pass::Bwd), mem(MemKind::Recompute, t1)),
+    ];
+    ops.sort_by_key(|o| o.0);
+    let mut r = insert(r0, ops);
+    let f1 = r.iter().position(|i| has(i, t1, &[Pass::Fwd])).unwrap();
+    r[f1] = Instr::FwdCheckpoint(t1);
+    q.ranks[0] = r;
+    let checked = pipec::verify::verified(q.clone(), &VerifyOptions::default()).unwrap();
+    let header = Header {
+        source: "generated",
+        schedule: Some(c.spec),
+        layout: &c.layout,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for enc in [Encoding::Json, Encoding::Postcard] {
+        let dir = tmp.path().join(format!("{enc:?}"));
+        write_program(&dir, &header, &checked, enc).unwrap();
+        if enc == Encoding::Json {
+            let text = std::fs::read_to_string(dir.join("rank-0.json")).unwrap();
+            for line in [
+                r#"{"op":"offload","stage":0,"mb":0}"#,
+                r#"{"op":"wait_offload","stage":0,"mb":0}"#,
+                r#"{"op":"reload","stage":0,"mb":0}"#,
+                r#"{"op":"fwd","stage":0,"mb":1,"checkpoint":true}"#,
+                r#"{"op":"recompute","stage":0,"mb":1}"#,
+            ] {
+                assert!(text.contains(line), "{line}");
+            }
+        }
+        let loaded = pipec::back::files::load_dir(&dir).unwrap();
+        assert_eq!(loaded.program, q);
+        let out = pipec_tests::pipec()
+            .args(["check", "--json"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let memory = v["memory"].as_array().unwrap();
+        assert_eq!(memory[0]["host"], 1, "{v}");
+        assert!(memory[1].get("host").is_none(), "{v}");
+        // The unit count: rank 0 holds two forwards at its peak as before (the offloaded one
+        // is back for its backward while the other is live).
+        assert_eq!(memory[0]["peak"], 2, "{v}");
+        let out = pipec_tests::pipec()
+            .arg("check")
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("  rank 0: 2 (first at #"), "{text}");
+        assert!(text.contains(", host 1)\n"), "{text}");
+    }
+    // The CPU runtime does not execute them yet: refused before anything runs, naming the
+    // first one.
+    let e = pipec_runtime::run_cpu(&checked, &c.layout, &Default::default()).unwrap_err();
+    let first = q.ranks[0]
+        .iter()
+        .position(|i| matches!(i, Instr::Memory(_) | Instr::FwdCheckpoint(_)))
+        .unwrap();
+    assert!(
+        e.to_string()
+            .starts_with(&format!("rank 0, #{first}: offload(")),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("not supported by the CPU runtime yet"),
+        "{e}"
+    );
+    assert_eq!(e.exit_code(), 1);
+    // The simulator runs them, except copies on a shared host link (not simulated yet).
+    let paired = pipec::simulate::cost::CostModel::parse("offload_pair=true").unwrap();
+    let costs = pipec::simulate::cost::StageCosts::uniform(&paired, q.num_stages());
+    let e = pipec::simulate::simulate(&checked, &costs).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with(&format!("rank 0, #{first}: offload("))
+            && e.to_string().contains("offload_pair = true"),
+        "{e}"
+    );
+    // Nor does the torch exporter.
+    let form = pipec::back::torch::CsvForm::ComputeComms;
+    let e = pipec::back::torch::export_csv(&checked, form).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with(&format!("rank 0, #{first}: offload("))
+            && e.to_string()
+                .contains("not supported by the torch exporter yet"),
+        "{e}"
+    );
+}
+
+/// The simulator's copy stream against the timing rules written as a graph of waits and
+/// solved as its longest path: one rank holding every stage (no messages), random valid
+/// memory instructions, random costs. Rules (docs/format.md): compute-stream instructions
+/// (everything but `offload`/`reload`) one after another; copies one after another on the copy
+/// stream, each no earlier than the rank reaches it (the end of the compute-stream instruction
+/// before it) and an offload no earlier than its forward's end; a backward no earlier than its
+/// reload's end; `wait_offload` until its offload's end; `recompute` a forward's time.
+#[test]
+fn copy_stream_times_as_its_graph() {
+    use pipec::simulate::cost::{CostModel, StageCosts};
+    let mut rng = Rng(7);
+    for case in 0..200 {
+        let stages = 1 + rng.below(4) as u32;
+        let m = 1 + rng.below(5) as u32;
+        // GPipe or 1F1B order on one rank: forwards in stage order, backwards in reverse.
+        let fwd = |mb: u32| (0..stages).map(move |s| Compute::Fwd(Task::new(s, mb)));
+        let bwd = |mb: u32| {
+            (0..stages)
+                .rev()
+                .map(move |s| Compute::Bwd(Task::new(s, mb)))
+        };
+        let ops: Vec<Compute> = if case % 2 == 0 {
+            (0..m).flat_map(fwd).chain((0..m).flat_map(bwd)).collect()
+        } else {
+            (0..m).flat_map(|mb| fwd(mb).chain(bwd(mb))).collect()
+        };
+        let p = Program {
+            placement: pipec_schedules::Placement::looped(1, stages),
+            microbatches: m,
+            forward_only: false,
+            comm: None,
+            ranks: vec![ops.into_iter().map(Instr::Compute).collect()],
+        };
+        let q = with_memory_ops(&p, &mut rng);
+        let spec = format!(
+            "t.f={},t.b={},t.w={},t.offload={}",
+            1 + rng.below(3),
+            1 + rng.below(4),
+            rng.below(3),
+            rng.below(5) as f64 / 2.0
+        );
+        let model = CostModel::parse(&spec).unwrap();
+        let costs = StageCosts::uniform(&model, stages);
+        let sim = pipec::simulate::simulate_unverified(&Unverified::unchecked(&q), &costs).unwrap();
+        let instrs = &q.ranks[0];
+        let f = costs.pass(Pass::Fwd, pipec_schedules::StageId(0)).unwrap();
+        let copy = costs.copy(pipec_schedules::StageId(0)).unwrap();
+        let is_copy = |i: &Instr| matches!(i, Instr::Memory(op) if op.kind.is_copy());
+        let mut end = vec![0.0f64; instrs.len()];
+        for (i, ins) in instrs.iter().enumerate() {
+            let prev_compute = (0..i).rev().find(|&j| !is_copy(&instrs[j]));
+            let reach = prev_compute.map_or(0.0, |j| end[j]);
+            let latest = |k: MemKind, t: Task| {
+                (0..i)
+                    .rev()
+                    .find(
+                        |&j| matches!(instrs[j], Instr::Memory(op) if op.kind == k && op.task == t),
+                    )
+                    .map_or(0.0, |j| end[j])
+            };
+            end[i] = match *ins {
+                Instr::Memory(op) if op.kind.is_copy() => {
+                    let prev_copy = (0..i).rev().find(|&j| is_copy(&instrs[j]));
+                    let mut start = reach.max(prev_copy.map_or(0.0, |j| end[j]));
+                    if op.kind == MemKind::Offload {
+                        let fwd = (0..i)
+                            .rev()
+                            .find(|&j| has(&instrs[j], op.task, &[Pass::Fwd]));
+                        start = start.max(end[fwd.unwrap()]);
+                    }
+                    start + copy
+                }
+                Instr::Memory(op) if op.kind == MemKind::WaitOffload => {
+                    reach.max(latest(MemKind::Offload, op.task))
+                }
+                Instr::Memory(_) | Instr::FwdCheckpoint(_) => reach + f,
+                Instr::Compute(c) => {
+                    let mut start = reach;
+                    for (pass, t) in c.parts() {
+                        if matches!(pass, Pass::Bwd | Pass::BwdD) {
+                            start = start.max(latest(MemKind::Reload, t));
+                        }
+                    }
+                    start + costs.compute(&c).unwrap()
+                }
+                _ => unreachable!("one rank, no messages"),
+            };
+        }
+        let spans = &sim.timeline.ranks[0];
+        for (i, e) in end.iter().enumerate() {
+            assert!(
+                (spans[i].end - e).abs() < 1e-9,
+                "case {case} ({spec}) #{i} {}: simulated end {} vs {e}",
+                instrs[i],
+                spans[i].end
+            );
+        }
+        let makespan = end.iter().copied().fold(0.0, f64::max);
+        assert!(
+            (sim.summary.makespan - makespan).abs() < 1e-9,
+            "case {case}"
+        );
+    }
+}
+
+/// In compiled schedules (messages between ranks): memory instructions only add waits, so the
+/// makespan never shrinks, and with copies that take no time and no recompute it is the same.
+#[test]
+fn copies_only_delay_and_free_copies_do_not() {
+    use pipec::simulate::cost::{CostModel, StageCosts};
+    let mut rng = Rng(11);
+    for (kind, vpp) in kinds() {
+        for (pp, m) in [(2, 4), (4, 8)] {
+            let Some(p) = program(kind, pp, vpp, m) else {
+                continue;
+            };
+            let base = |spec: &str, q: &Program| {
+                let costs = StageCosts::uniform(&CostModel::parse(spec).unwrap(), q.num_stages());
+                pipec::simulate::simulate_unverified(&Unverified::unchecked(q), &costs)
+                    .unwrap()
+                    .summary
+                    .makespan
+            };
+            let q = with_memory_ops(&p, &mut rng);
+            for spec in [
+                "t.offload=0.5",
+                "t.offload=2",
+                "t.f=1,t.b=2,t.w=1,t.offload=1.5",
+            ] {
+                assert!(base(spec, &q) >= base(spec, &p) - 1e-9, "{kind:?} {spec}");
+            }
+            // Offloads and reloads only, free copies: nothing moves.
+            let mut only_copies = q.clone();
+            for r in &mut only_copies.ranks {
+                r.retain(|i| !matches!(i, Instr::Memory(op) if op.kind == MemKind::Recompute));
+                for i in r.iter_mut() {
+                    if let Instr::FwdCheckpoint(t) = *i {
+                        *i = Instr::Compute(Compute::Fwd(t));
+                    }
+                }
+            }
+            assert_eq!(
+                base("t.offload=0", &only_copies),
+                base("t.offload=0", &p),
+                "{kind:?}"
+            );
+        }
+    }
+}
