@@ -28,6 +28,10 @@ pub struct CompileRequest {
     pub num_layers: Option<u32>,
     pub mtp_num_layers: Option<u32>,
     pub limits: Limits,
+    /// Megatron's `num_microbatches_with_partial_activation_checkpoints` (1f1b,
+    /// interleaved-1f1b): the forwards Megatron checkpoints fully become checkpointed forwards
+    /// with a recompute before their backward ([`crate::lower::recompute`]).
+    pub megatron_partial_recompute: Option<i64>,
 }
 
 impl CompileRequest {
@@ -48,6 +52,7 @@ impl CompileRequest {
             num_layers: None,
             mtp_num_layers: None,
             limits: Limits::DEFAULT,
+            megatron_partial_recompute: None,
         }
     }
 }
@@ -65,6 +70,10 @@ pub enum CompileError {
     /// per layer.
     #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
     TooManyLayers { layers: u64, max: u64 },
+    #[error(transparent)]
+    PartialRecompute(#[from] pipec_schedules::PartialRecomputeError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::lower::recompute::CheckpointError),
 }
 
 /// A compiled schedule: everything the emitters and the runtime need.
@@ -155,7 +164,11 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         megatron_p2p: req.megatron_p2p,
     };
     let schedule = generate(&spec, &req.limits)?;
-    let program = lower(&schedule);
+    let mut program = lower(&schedule);
+    if let Some(n) = req.megatron_partial_recompute {
+        let marks = pipec_schedules::megatron_partial_recompute(&spec, &req.limits, n)?;
+        crate::lower::recompute::checkpoint_forwards(&mut program, &marks)?;
+    }
     Ok(Compiled {
         spec,
         layout,

@@ -271,11 +271,16 @@ def compile(
     memory_limit: float | str | None = None,
     megatron_p2p: str | None = None,
     cost: str | None = None,
+    megatron_partial_recompute: int | None = None,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
 
     ``memory_limit`` and ``cost`` mean what ``Schedule.check``'s do (``"80GiB"`` needs
-    ``K.act``/``K.param`` in bytes in ``cost``).
+    ``K.act``/``K.param`` in bytes in ``cost``). ``megatron_partial_recompute=N`` is
+    ``--megatron-partial-recompute N``: the forwards megatron-core checkpoints under
+    ``num_microbatches_with_partial_activation_checkpoints = N`` (1f1b, interleaved-1f1b)
+    become checkpointed forwards (``Op.fwd_checkpoint``) with a ``recompute`` before their
+    backward.
 
     Raises :class:`LayoutError` (the message echoes the layout with a caret),
     :class:`SpecError`, or :class:`InvalidSchedule` (``.violations``), all
@@ -290,6 +295,12 @@ def compile(
     for name, v in (("vpp", vpp), ("group_size", group_size)):
         if v is not None:
             _check_count(name, v, "or None")
+    if megatron_partial_recompute is not None and (
+        isinstance(megatron_partial_recompute, bool) or not isinstance(megatron_partial_recompute, int)
+    ):
+        raise SpecError(
+            f"megatron_partial_recompute must be an int or None, not {megatron_partial_recompute!r}"
+        )
 
     return Schedule(
         _native.compile_schedule(
@@ -304,6 +315,7 @@ def compile(
             memory_limit=_limit_text(memory_limit),
             megatron_p2p=megatron_p2p,
             cost=cost,
+            megatron_partial_recompute=megatron_partial_recompute,
         )
     )
 

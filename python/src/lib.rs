@@ -484,7 +484,7 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyfunction]
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
-    cost=None))]
+    cost=None, megatron_partial_recompute=None))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -500,6 +500,7 @@ fn compile_schedule(
     megatron_p2p: Option<&str>,
     max_ops: Option<u64>,
     cost: Option<&str>,
+    megatron_partial_recompute: Option<i64>,
 ) -> PyResult<NativeSchedule> {
     let kind: ScheduleKind = schedule
         .parse()
@@ -516,14 +517,16 @@ fn compile_schedule(
         megatron_p2p: p2p,
         layout,
         limits: limits(max_ops)?,
+        megatron_partial_recompute,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let c = py.detach(|| compile(&req)).map_err(|e| match e {
         CompileError::Layout(l) => LayoutError::new_err(l.to_string()),
         CompileError::Spec(s) => SpecError::new_err(s.to_string()),
-        e @ (CompileError::UnevenLayers { .. } | CompileError::TooManyLayers { .. }) => {
-            SpecError::new_err(e.to_string())
-        }
+        e @ (CompileError::UnevenLayers { .. }
+        | CompileError::TooManyLayers { .. }
+        | CompileError::PartialRecompute(_)
+        | CompileError::Checkpoint(_)) => SpecError::new_err(e.to_string()),
     })?;
     let (mem, limit) = memory_rule(&c.program, &c.layout, memory_limit.as_deref(), cost)?;
     let threads = pipec::par::threads_for(c.program.len() as u64);

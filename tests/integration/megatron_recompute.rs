@@ -265,3 +265,163 @@ fn interleaved_pp2_batched_is_refused_as_a_spec() {
         ))
     ));
 }
+
+/// `pipec compile --megatron-partial-recompute N` (the library's `CompileRequest`) writes, on
+/// every rank, its forwards in Megatron's order with exactly the recorded
+/// `checkpoint_activations_microbatch` as `"checkpoint": true`, one `recompute` right before
+/// each checkpointed forward's backward and no other, and the program verifies: checked on a
+/// sample of the recorded configurations (every 16th with N >= 0, pp <= 8).
+#[test]
+fn compile_marks_exactly_megatrons_checkpointed_forwards() {
+    use pipec::compile::{compile, CompileRequest};
+    use pipec::ir::{Instr, MemKind};
+    use pipec_schedules::{Compute, Pass};
+    let text = golden();
+    let (mut compiled, mut marked) = (0, 0);
+    for (i, line) in text.lines().skip(1).enumerate() {
+        let Some((head, ranks)) = line.split_once(" | ") else {
+            continue; // refused by Megatron (" ! "): covered above
+        };
+        let mut f = head.split_whitespace();
+        let func = f.next().unwrap();
+        let kv: HashMap<&str, &str> = f.filter_map(|t| t.split_once('=')).collect();
+        let Ok(n) = kv["n"].parse::<i64>() else {
+            continue;
+        };
+        let (pp, vpp): (u32, u32) = (kv["pp"].parse().unwrap(), kv["vpp"].parse().unwrap());
+        if func == "nopipe" || n < 0 || pp > 8 || i % 16 != 0 {
+            continue;
+        }
+        let interleaved = func == "interleaved";
+        let mode: MegatronP2p = kv["mode"].parse().unwrap();
+        let kind = if interleaved {
+            ScheduleKind::Interleaved1F1B
+        } else {
+            ScheduleKind::OneFOneB
+        };
+        let req = CompileRequest {
+            vpp: Some(vpp),
+            group_size: if interleaved {
+                kv["g"].parse().ok()
+            } else {
+                None
+            },
+            forward_only: kv["fo"] == "1",
+            megatron_p2p: if interleaved && pp == 2 && mode == MegatronP2p::Batched {
+                MegatronP2p::Overlap
+            } else {
+                mode
+            },
+            megatron_partial_recompute: Some(n),
+            ..CompileRequest::new(kind, pp, kv["m"].parse().unwrap())
+        };
+        let c = compile(&req).unwrap_or_else(|e| panic!("{head}: {e}"));
+        let report = pipec::verify::verify(&c.program, &Default::default());
+        assert!(report.is_valid(), "{head}: {:?}", report.violations);
+        for (r, (instrs, want)) in c.program.ranks.iter().zip(ranks.split(" | ")).enumerate() {
+            let want = parse_rank(want);
+            let got: Vec<Forward> = instrs
+                .iter()
+                .filter_map(|ins| match *ins {
+                    Instr::Compute(Compute::Fwd(t)) => Some((t, false)),
+                    Instr::FwdCheckpoint(t) => Some((t, true)),
+                    _ => None,
+                })
+                .enumerate()
+                .map(|(k, (t, flag))| ((t.stage.0 - r as u32) / pp, t.mb.0, k, Some(flag)))
+                .collect();
+            assert_eq!(got, want, "{head}: rank {r}");
+            // Each recompute sits right before the backward of its checkpointed forward.
+            let checkpointed: Vec<_> = instrs
+                .iter()
+                .filter_map(|i| match i {
+                    Instr::FwdCheckpoint(t) => Some(*t),
+                    _ => None,
+                })
+                .collect();
+            let recomputes: Vec<_> = instrs
+                .iter()
+                .enumerate()
+                .filter_map(|(k, i)| match i {
+                    Instr::Memory(m) if m.kind == MemKind::Recompute => Some((k, m.task)),
+                    _ => None,
+                })
+                .collect();
+            if req.forward_only {
+                assert!(recomputes.is_empty(), "{head}");
+            } else {
+                assert_eq!(recomputes.len(), checkpointed.len(), "{head}: rank {r}");
+                for (k, t) in recomputes {
+                    assert!(checkpointed.contains(&t), "{head}");
+                    let next = instrs[k + 1].as_compute().expect("a backward follows");
+                    assert!(
+                        next.parts()
+                            .any(|(p, u)| u == t && matches!(p, Pass::Bwd | Pass::BwdD)),
+                        "{head}: rank {r} #{k}"
+                    );
+                }
+            }
+            marked += checkpointed.len();
+        }
+        compiled += 1;
+    }
+    eprintln!("{compiled} configurations compiled with N, {marked} checkpointed forwards");
+    assert!(compiled > 500 && marked > 10_000, "{compiled} {marked}");
+}
+
+/// What Megatron never checkpoints is refused by name, with the exit code of invalid input.
+#[test]
+fn the_flag_refuses_what_megatron_ignores() {
+    for (args, want) in [
+        (
+            &["--schedule", "zb-v", "--pp", "4", "--microbatches", "8"][..],
+            "read only by Megatron's own schedules",
+        ),
+        (
+            &[
+                "--schedule",
+                "1f1b",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--combined",
+            ][..],
+            "combined_forward_backward_step asserts it is None",
+        ),
+        (
+            &["--schedule", "1f1b", "--pp", "1", "--microbatches", "8"][..],
+            "partial recompute needs pp >= 2",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = pipec_tests::pipec()
+            .arg("compile")
+            .args(args)
+            .args(["--megatron-partial-recompute", "1", "-o"])
+            .arg(dir.path().join("o"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!dir.path().join("o").exists());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = pipec_tests::pipec()
+        .args([
+            "compile",
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+        ])
+        .args(["--megatron-partial-recompute", "-1", "-o"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pass 0"));
+}

@@ -28,6 +28,7 @@
 
 pub mod list;
 mod megatron;
+pub mod recompute;
 mod timed;
 
 use crate::ir::{Instr, Payload, PayloadKind, Program};

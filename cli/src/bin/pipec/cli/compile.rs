@@ -26,7 +26,7 @@ pub struct Args {
     pub microbatches: Option<u32>,
     /// A sweep file (TOML) of many schedules: each is compiled, verified and written to
     /// OUT/<name>/; a summary table follows. See the README's "Sweeps" section.
-    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers"])]
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers", "megatron_partial_recompute"])]
     pub config: Option<PathBuf>,
     /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
     #[arg(long, conflicts_with = "layout_file")]
@@ -53,6 +53,12 @@ pub struct Args {
     /// runs there).
     #[arg(long, value_parser = parse_p2p)]
     pub megatron_p2p: Option<MegatronP2p>,
+    /// Megatron's num_microbatches_with_partial_activation_checkpoints (1f1b,
+    /// interleaved-1f1b): the forwards megatron-core checkpoints fully (on rank r, the k-th
+    /// forward when k mod (warmup_r + 1) >= N) are written with "checkpoint": true and a
+    /// recompute before their backward; the order of everything else is unchanged.
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
+    pub megatron_partial_recompute: Option<i64>,
     /// Decoder layers: checked against --layout; without one, split evenly over the stages.
     #[arg(long)]
     pub num_layers: Option<u32>,
@@ -128,6 +134,7 @@ impl Args {
             num_layers: self.num_layers,
             mtp_num_layers: self.mtp_num_layers,
             limits: self.limits(),
+            megatron_partial_recompute: self.megatron_partial_recompute,
         })
     }
 }
@@ -144,9 +151,10 @@ pub fn compile_error(e: CompileError) -> CliError {
             CliError::Invalid(format!("{s} (--vpp, or --layout)"))
         }
         CompileError::Spec(s) => CliError::Invalid(s.to_string()),
-        e @ (CompileError::UnevenLayers { .. } | CompileError::TooManyLayers { .. }) => {
-            CliError::Invalid(e.to_string())
-        }
+        e @ (CompileError::UnevenLayers { .. }
+        | CompileError::TooManyLayers { .. }
+        | CompileError::PartialRecompute(_)
+        | CompileError::Checkpoint(_)) => CliError::Invalid(e.to_string()),
     }
 }
 
