@@ -296,7 +296,8 @@ def compile(
         if v is not None:
             _check_count(name, v, "or None")
     if megatron_partial_recompute is not None and (
-        isinstance(megatron_partial_recompute, bool) or not isinstance(megatron_partial_recompute, int)
+        isinstance(megatron_partial_recompute, bool)
+        or not isinstance(megatron_partial_recompute, int)
     ):
         raise SpecError(
             f"megatron_partial_recompute must be an int or None, not {megatron_partial_recompute!r}"

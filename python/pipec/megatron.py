@@ -34,6 +34,7 @@ from . import (
     BatchStep,
     ComputeStep,
     Instruction,
+    MemoryStep,
     Op,
     PipecError,
     Schedule,
@@ -147,19 +148,64 @@ def _grad_acc(p: torch.Tensor):
 
 
 def _refuse_memory_ops(s: Schedule) -> None:
-    """Offload, reload and wait_offload are not executed yet: refuse them before anything runs."""
+    """Offload, reload and wait_offload are not executed by this executor yet: refuse them
+    before anything runs. (Checkpointed forwards and their recomputes are Megatron's partial
+    recompute: see :func:`_checkpoint_flags`.)"""
     for r in range(s.pp):
         for i, ins in enumerate(s.instructions(r)):
-            if ins.op in _MEMORY_OPS:
+            if ins.op in _COPY_OPS:
                 raise PipecError(
-                    f"rank {r}, #{i}: {ins.op.name}{' (checkpoint)' if ins.checkpoint else ''}: "
-                    "offload, reload, wait_offload, recompute and checkpointed forwards are not "
+                    f"rank {r}, #{i}: {ins.op.name}: offload, reload and wait_offload are not "
                     "supported by pipec.megatron yet"
                 )
 
 
 #: The memory instructions (issue 30) this executor does not run yet.
-_MEMORY_OPS = (Op.fwd_checkpoint, Op.offload, Op.reload, Op.wait_offload, Op.recompute)
+_COPY_OPS = (Op.offload, Op.reload, Op.wait_offload)
+
+
+def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
+    """Whether to pass ``checkpoint_activations_microbatch`` to ``forward_step``, as
+    megatron-core 0.19.2 does: only when ``num_microbatches_with_partial_activation_checkpoints``
+    (``n``) is set, and then for every forward, ``True`` where the schedule's forward is
+    checkpointed (``Op.fwd_checkpoint``). The schedule's checkpointed forwards must be exactly
+    the ones Megatron's own schedule checkpoints under ``n`` (``pipec compile
+    --megatron-partial-recompute N`` writes those); anything else is refused, naming the first
+    forward that differs. The recompute itself is the user's ``forward_step_func``'s (it
+    checkpoints the model call, and torch runs the forward again inside the backward), so a
+    ``recompute`` instruction needs no action here."""
+    have = [
+        [(i.stage, i.mb) for i in s.instructions(r) if i.op == Op.fwd_checkpoint]
+        for r in range(s.pp)
+    ]
+    if n is None:
+        for r, marks in enumerate(have):
+            if marks:
+                st, mb = marks[0]
+                raise PipecError(
+                    f"rank {r}: the schedule checkpoints fwd(stage {st}, mb {mb}) (compiled with "
+                    "megatron_partial_recompute), but config."
+                    "num_microbatches_with_partial_activation_checkpoints is None, so Megatron "
+                    "would not pass checkpoint_activations_microbatch: set it to the N the "
+                    "schedule was compiled with"
+                )
+        return False
+    want = s._n.megatron_checkpoints(n)
+    for r, (h, w) in enumerate(zip(have, want, strict=True)):
+        if h != w:
+            extra = [t for t in h if t not in w]
+            missing = [t for t in w if t not in h]
+            what = (
+                f"checkpoints fwd(stage {extra[0][0]}, mb {extra[0][1]}), which Megatron does not"
+                if extra
+                else f"does not checkpoint fwd(stage {missing[0][0]}, mb {missing[0][1]}), "
+                "which Megatron does"
+            )
+            raise PipecError(
+                f"rank {r}: under num_microbatches_with_partial_activation_checkpoints={n} the "
+                f"schedule {what}: compile it with megatron_partial_recompute={n}"
+            )
+    return True
 
 
 def _check_data_order(s: Schedule) -> None:
@@ -168,7 +214,7 @@ def _check_data_order(s: Schedule) -> None:
     for r in range(s.pp):
         seen: dict[int, list[int]] = {}
         for ins in s.instructions(r):
-            if ins.op == Op.fwd:
+            if ins.op in (Op.fwd, Op.fwd_checkpoint):
                 seen.setdefault(ins.stage, []).append(ins.mb)
             elif ins.op == Op.fwd_bwd:
                 seen.setdefault(ins.fwd.stage, []).append(ins.fwd.mb)
@@ -307,7 +353,7 @@ class _Executor:
         it = self.kw["data_iterator"]
         return it[c] if isinstance(it, list) else it
 
-    def fwd(self, stage: int, mb: int) -> None:
+    def fwd(self, stage: int, mb: int, checkpoint: bool = False) -> None:
         ms, c = self.ms, self.chunk_of[stage]
         if self.first_fwd.pop(c, False) and self.param_sync is not None:
             self.param_sync[c](self.model[c].parameters())
@@ -324,15 +370,10 @@ class _Executor:
             self.config,
             self.pgc.cp.size(),
             collect_non_loss_data=self.kw["collect_non_loss_data"],
-            # Megatron's partial recompute (issue #30), once a schedule compiled with
-            # megatron_partial_recompute=N marks its forwards: pass, for every forward of such a
-            # schedule, the bool it carries (False included) and None otherwise. That is all
-            # Megatron's schedules do: they compute the bool per forward only when
-            # config.num_microbatches_with_partial_activation_checkpoints is not None, and
-            # Megatron's forward_step calls forward_step_func(data_iterator, model) when it is
-            # None, else forward_step_func(data_iterator, model, flag), the flag as a third
-            # positional argument (no signature inspection).
-            checkpoint_activations_microbatch=None,
+            # Megatron's partial recompute: the flag for every forward when N is set (False
+            # included), None otherwise; forward_step hands it to forward_step_func as a third
+            # positional argument, as Megatron's own schedules do (_checkpoint_flags).
+            checkpoint_activations_microbatch=checkpoint if self.kw["checkpoint_flags"] else None,
             is_first_microbatch=ms.check_first_val_step(
                 self.kw["first_val_step"], self.forward_only, mb == 0
             ),
@@ -486,6 +527,8 @@ class _Executor:
         match ins.op:
             case Op.fwd:
                 self.fwd(ins.stage, ins.mb)
+            case Op.fwd_checkpoint:
+                self.fwd(ins.stage, ins.mb, checkpoint=True)
             case Op.bwd:
                 self.bwd(ins.stage, ins.mb)
             case Op.bwd_D:
@@ -552,6 +595,10 @@ class _Executor:
                     self._complete(self.pending.pop(b))
                 case ComputeStep(instruction=ins):
                     self._compute(ins)
+                case MemoryStep(instruction=ins) if ins.op == Op.recompute:
+                    pass  # torch recomputes inside the backward (_checkpoint_flags)
+                case MemoryStep(instruction=ins):
+                    raise PipecError(f"rank {self.rank}: pipec.megatron cannot run {ins!r}")
         if self.pending:
             raise PipecError(f"rank {self.rank}: batches {sorted(self.pending)} never waited")
         self._enable_grad_sync()
@@ -598,6 +645,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     _check_data_order(s)
     layers = _stage_layers(manifest)
     steps_of: dict[int, list[Step]] = {}  # this process's rank, once known
+    flags_for: dict[int | None, bool] = {}  # _checkpoint_flags per N seen
 
     def pipec_forward_backward(
         *,
@@ -691,15 +739,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
                     f"chunk c must be built with vp_stage=c (or None)"
                 )
         config = get_model_config(model_list[0])
-        # Issue #30: to run Megatron's partial recompute, accept N here when the schedule was
-        # compiled with megatron_partial_recompute equal to it (refuse any other N, and N on a
-        # schedule compiled without it), and pass each forward's flag in fwd() below.
-        if config.num_microbatches_with_partial_activation_checkpoints is not None:
-            raise PipecError(
-                "num_microbatches_with_partial_activation_checkpoints is set: Megatron picks "
-                "the checkpointed microbatches from its own warmup count, which a pipec "
-                "schedule does not have; refusing rather than checkpointing other ones"
-            )
+        n_ckpt = config.num_microbatches_with_partial_activation_checkpoints
+        if n_ckpt not in flags_for:
+            flags_for[n_ckpt] = _checkpoint_flags(s, n_ckpt)
         if config.variable_seq_lengths:
             raise PipecError(
                 "variable_seq_lengths=True needs a shape exchange before every receive, "
@@ -722,6 +764,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
             "collect_non_loss_data": collect_non_loss_data,
             "first_val_step": first_val_step,
             "force_all_reduce": force_all_reduce,
+            "checkpoint_flags": flags_for[n_ckpt],
         }
         ex = _Executor(
             s,

@@ -241,6 +241,28 @@ impl NativeSchedule {
         Ok(t.check(self.program()).err())
     }
 
+    /// The forwards megatron-core checkpoints fully on each rank under
+    /// `num_microbatches_with_partial_activation_checkpoints = n`, as (stage, mb) in the rank's
+    /// order (`pipec_schedules::megatron_partial_recompute`, recorded against megatron-core):
+    /// what `pipec.megatron` compares the schedule's checkpointed forwards with.
+    fn megatron_checkpoints(&self, n: i64) -> PyResult<Vec<Vec<(u32, u32)>>> {
+        let spec = self.spec.as_ref().ok_or_else(|| {
+            PipecError::new_err(format!(
+                "{}: no generating spec (tuned or imported), so Megatron's partial recompute has no rule here",
+                self.title()
+            ))
+        })?;
+        let limits = Limits {
+            max_compute_ops: pipec_schedules::MAX_COMPUTE_OPS,
+        };
+        let marks = pipec_schedules::megatron_partial_recompute(spec, &limits, n)
+            .map_err(|e| PipecError::new_err(e.to_string()))?;
+        Ok(marks
+            .iter()
+            .map(|r| r.checkpointed().map(|t| (t.stage.0, t.mb.0)).collect())
+            .collect())
+    }
+
     #[getter]
     fn instruction_count(&self) -> usize {
         self.program().len()

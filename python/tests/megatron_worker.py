@@ -114,15 +114,34 @@ POSITION = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
 MASK = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
 
 
-def make_forward_step(loss_mode: str):
-    def forward_step_func(data_iterator, model):
+def make_forward_step(loss_mode: str, flags: list | None = None):
+    def forward_step_func(data_iterator, model, *checkpoint):
         tokens, labels = next(data_iterator)
-        out = model(
-            tokens if model.pre_process else None,
-            POSITION,
-            MASK,
-            labels=labels if model.post_process else None,
-        )
+
+        def call():
+            return model(
+                tokens if model.pre_process else None,
+                POSITION,
+                MASK,
+                labels=labels if model.post_process else None,
+            )
+
+        # megatron-core passes checkpoint_activations_microbatch as a third argument only under
+        # num_microbatches_with_partial_activation_checkpoints: recorded, and honoured by
+        # checkpointing the whole model call (torch recomputes it inside the backward, from
+        # the input tensor this forward was given: re-set, as a later forward replaces it).
+        if checkpoint:
+            flags.append(bool(checkpoint[0]))
+        if checkpoint and checkpoint[0]:
+            given = model.decoder.input_tensor
+
+            def again():
+                model.set_input_tensor(given)
+                return call()
+
+            out = torch.utils.checkpoint.checkpoint(again, use_reentrant=False)
+        else:
+            out = call()
 
         def loss_func(output, non_loss_data=False):
             if non_loss_data:  # collect_non_loss_data=True: anything the user wants back
@@ -167,14 +186,19 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
     num_layers = sum(lay.num_layers for lay in layers)
     ref = reference(num_layers)
     ref_state = ref.state_dict()
-    config = make_config(num_layers, pp, vpp, **cfg.get("p2p", {}))
+    n_ckpt = cfg.get("recompute")
+    extra = (
+        {} if n_ckpt is None else {"num_microbatches_with_partial_activation_checkpoints": n_ckpt}
+    )
+    config = make_config(num_layers, pp, vpp, **cfg.get("p2p", {}), **extra)
     chunks = []
     for c, st in enumerate(mine):
         lay = layers[st]
         chunk = build(config, lay.num_layers, lay.pre_process, lay.post_process, c if vpp else None)
         chunk.load_state_dict(stage_state(ref_state, lay))
         chunks.append(chunk)
-    fstep = make_forward_step(cfg.get("loss", "mean"))
+    flags: list[bool] = []
+    fstep = make_forward_step(cfg.get("loss", "mean"), flags)
     opt = torch.optim.SGD([p for ch in chunks for p in ch.parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     loss_diff = grad_diff = 0.0
@@ -237,8 +261,10 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
                 record["grads"][f"{step}:{rname}"] = p.grad.clone()
         opt.step()
         ref_opt.step()
+    record["flags"] = flags
     memo[cfg["name"]] = record
     result = {
+        "flags": flags,
         "stages": mine,
         "losses_compared": n_losses,
         "grads_compared": n_grads,
@@ -256,6 +282,7 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
         result["vs_grad_diff"] = max(
             (max_abs(v, o["grads"][k]) for k, v in record["grads"].items()), default=0.0
         )
+        result["vs_flags"] = o["flags"]
     return result
 
 

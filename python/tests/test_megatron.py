@@ -103,6 +103,40 @@ PP2 = [
     pipec_cfg(
         "interleaved-1f1b-combined-pp2", 2, 4, L2, schedule="interleaved-1f1b", vpp=2, combined=True
     ),
+    # Megatron's partial recompute (num_microbatches_with_partial_activation_checkpoints = N):
+    # Megatron's own functions decide which forwards to checkpoint, pipec's compiled marks
+    # must pass the same flags to forward_step_func, in the same order.
+    dict(megatron_cfg("megatron-1f1b-recompute-pp2", MG_1F1B, L2_1, 4), recompute=1),
+    dict(
+        pipec_cfg(
+            "1f1b-recompute-pp2",
+            2,
+            4,
+            L2_1,
+            "megatron-1f1b-recompute-pp2",
+            schedule="1f1b",
+            megatron_partial_recompute=1,
+        ),
+        recompute=1,
+    ),
+    dict(
+        megatron_cfg("megatron-interleaved-recompute-pp2", MG_INTERLEAVED, L2, 4, 2, **OVERLAP),
+        recompute=2,
+    ),
+    dict(
+        pipec_cfg(
+            "interleaved-1f1b-recompute-pp2",
+            2,
+            4,
+            L2,
+            "megatron-interleaved-recompute-pp2",
+            p2p={"deallocate_pipeline_outputs": True},
+            schedule="interleaved-1f1b",
+            vpp=2,
+            megatron_partial_recompute=2,
+        ),
+        recompute=2,
+    ),
     pipec_cfg("zb-1p-pp2", 2, 4, L2_1, schedule="zb-1p"),
     pipec_cfg("zb-v-pp2", 2, 4, L2, schedule="zb-v"),
     pipec_cfg(
@@ -238,6 +272,20 @@ def test_pipec_equals_megatrons_own_schedule(results, name, megatron):
     for d in ranks_of(results, name):
         assert d["vs_loss_diff"] <= TOL, d
         assert d["vs_grad_diff"] <= TOL, d
+
+
+@pytest.mark.parametrize("name", ["1f1b-recompute-pp2", "interleaved-1f1b-recompute-pp2"])
+def test_partial_recompute_passes_megatrons_flags(results, name):
+    """Under num_microbatches_with_partial_activation_checkpoints, pipec's executor hands
+    forward_step_func the checkpoint flag of every forward exactly as Megatron's own schedule
+    function does (same values, same order, on every rank, both steps), some True and some
+    False; the checkpointed forwards are recomputed in the backward and the gradients stay
+    those of the unpipelined model (checked by the tests above)."""
+    flags = []
+    for d in ranks_of(results, name):
+        assert d["flags"] == d["vs_flags"], (name, d["flags"], d["vs_flags"])
+        flags += d["flags"]
+    assert True in flags and False in flags, flags
 
 
 def test_megatron_interleaved_batched_at_pp2_is_wrong_and_pipec_refuses_it(results):

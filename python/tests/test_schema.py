@@ -107,18 +107,30 @@ def _with_memory_ops(tmp_path, checkpoint: bool):
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_executors_refuse_memory_ops(tmp_path, checkpoint: bool):
-    """Offload, reload, recompute and checkpointed forwards verify and load, and each executor
-    refuses them with a PipecError naming the rank and instruction (not executed yet)."""
+    """Offload, reload, recompute and checkpointed forwards verify and load; DeepSpeed's
+    executor refuses them all, Megatron's the copies, each with a PipecError naming the rank and
+    instruction. Megatron's executor runs checkpointed forwards only as megatron-core's partial
+    recompute: the marks must be Megatron's own under the config's N."""
     pytest.importorskip("torch")
     s = _with_memory_ops(tmp_path, checkpoint)
     op = "fwd (checkpoint)" if checkpoint else "offload"
-    from pipec import megatron
-
-    with pytest.raises(pipec.PipecError, match=rf"rank 0, #\d+: {re.escape(op)}: .*pipec.megatron"):
-        megatron.forward_backward_func(s)
-    from pipec import deepspeed
+    from pipec import deepspeed, megatron
 
     with pytest.raises(
         pipec.PipecError, match=rf"rank 0, #\d+: {re.escape(op)}: .*pipec.deepspeed"
     ):
         deepspeed.check(s, 2, 2)
+    if not checkpoint:
+        with pytest.raises(pipec.PipecError, match=r"rank 0, #\d+: offload: .*pipec.megatron"):
+            megatron.forward_backward_func(s)
+        return
+    megatron.forward_backward_func(s)  # accepted: decided per call, by the config's N
+    with pytest.raises(
+        pipec.PipecError, match=r"rank 0: the schedule checkpoints fwd\(stage 0, mb 0\)"
+    ):
+        megatron._checkpoint_flags(s, None)
+    # Megatron checkpoints microbatch 1 of rank 0 at N = 1 (window 2), both at N = 0.
+    with pytest.raises(pipec.PipecError, match=r"mb 0\), which Megatron does not: .*=1"):
+        megatron._checkpoint_flags(s, 1)
+    with pytest.raises(pipec.PipecError, match=r"does not checkpoint fwd\(stage 0, mb 1\)"):
+        megatron._checkpoint_flags(s, 0)
