@@ -28,14 +28,22 @@ pub fn checkpoint_forwards(
     program: &mut Program,
     marks: &[RankCheckpoints],
 ) -> Result<(), CheckpointError> {
-    if marks.len() != program.ranks.len() {
+    let sets: Vec<HashSet<Task>> = marks.iter().map(|m| m.checkpointed().collect()).collect();
+    checkpoint_tasks(program, &sets)
+}
+
+/// Checkpoint, on each rank `r`, the forwards of `chosen[r]` and place their recomputes.
+pub fn checkpoint_tasks(
+    program: &mut Program,
+    chosen: &[HashSet<Task>],
+) -> Result<(), CheckpointError> {
+    if chosen.len() != program.ranks.len() {
         return Err(CheckpointError::Ranks {
-            ranks: marks.len(),
+            ranks: chosen.len(),
             world: program.world(),
         });
     }
-    for (r, (instrs, rank_marks)) in program.ranks.iter_mut().zip(marks).enumerate() {
-        let chosen: HashSet<Task> = rank_marks.checkpointed().collect();
+    for (r, (instrs, chosen)) in program.ranks.iter_mut().zip(chosen).enumerate() {
         if chosen.is_empty() {
             continue;
         }

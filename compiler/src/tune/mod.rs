@@ -14,6 +14,7 @@ pub mod bound;
 pub mod calibrate;
 pub mod exact;
 pub mod greedy;
+pub mod levers;
 pub mod offload;
 pub mod problem;
 pub mod split;
@@ -59,6 +60,9 @@ pub struct TuneRequest {
     pub kinds: Option<Vec<String>>,
     /// Never weigh these kinds.
     pub exclude_kinds: Vec<String>,
+    /// The memory levers a candidate over `memory_limit` may be fitted with (offload,
+    /// recompute; `--no-offload`, `--no-recompute`), where the target runs them.
+    pub levers: levers::Levers,
 }
 
 impl TuneRequest {
@@ -77,6 +81,7 @@ impl TuneRequest {
             target: TargetChoice::One(Target::Any),
             kinds: None,
             exclude_kinds: Vec::new(),
+            levers: levers::Levers::ALL,
         }
     }
 }
@@ -136,6 +141,21 @@ pub struct Candidate {
     pub fits: bool,
     /// `not runnable on TARGET: why`, or `None` when the target runs it.
     pub not_runnable: Option<String>,
+    /// Fitted under the memory limit with offload and recompute: what each rank offloads and
+    /// recomputes, and the makespan before (absent for a candidate taken as it is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub levers: Option<LeverReport>,
+}
+
+/// How a candidate was fitted into the memory limit ([`levers::fit`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LeverReport {
+    /// Per rank: activations offloaded to host memory (and reloaded).
+    pub offloaded: Vec<u64>,
+    /// Per rank: forwards checkpointed and recomputed.
+    pub recomputed: Vec<u64>,
+    /// The same schedule's makespan without them (over the limit).
+    pub unfitted_makespan: f64,
 }
 
 impl Candidate {
@@ -160,6 +180,7 @@ impl Candidate {
             peak_memory: 0.0,
             fits: false,
             not_runnable: None,
+            levers: None,
         }
     }
 }
@@ -870,6 +891,8 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     // Every candidate's program, built, simulated and measured in one pool: the tuned
     // scheduler's best plan per placement and split, then the built-in kinds.
     let mut tasks: Vec<Task> = Vec::new();
+    let levers = req.target.levers(req.levers);
+    let lever_search = limit.is_some() && levers.any();
     for (pl, layout, quick) in selected {
         let p = Problem::new(&req.model, &layout, pl.clone(), req.microbatches, limit);
         let hs = greedy::heuristics_for(&p);
@@ -945,6 +968,10 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     // Keep the best split per tuned placement only: the table stays short.
     built = keep_best_per(built);
     built.extend(builtins);
+    if let (Some(l), true) = (limit, lever_search) {
+        let extra = lever_plans(req, user_stages, l);
+        fit_over_limit(req, &mut built, extra, l, levers);
+    }
     let bytes = crate::memory::unit_of(&req.model) == crate::memory::Unit::Bytes;
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
@@ -1165,8 +1192,128 @@ pub fn describe(c: &Candidate) -> String {
     if let Some(g) = c.group_size {
         s.push_str(&format!(" g={g}"));
     }
+    if let Some(l) = &c.levers {
+        let (o, r): (u64, u64) = (l.offloaded.iter().sum(), l.recomputed.iter().sum());
+        if o > 0 {
+            s.push_str(&format!(" + offload {o}"));
+        }
+        if r > 0 {
+            s.push_str(&format!(" + recompute {r}"));
+        }
+    }
     s
 }
+
+/// The tuned scheduler's plans for fitting with levers (small instances only): on every
+/// placement it plans (the loops with 3 and 4 chunks too, as PipeOffload's grouped schedule
+/// uses), on the balanced split, without the limit and under 1.5 and 2 times it. An order
+/// planned against the real limit keeps few activations; one planned without a limit defers
+/// its weight gradients, and activations waiting for theirs cannot be offloaded; the budgets
+/// between keep weight gradients near their backward while leaving copies room to fit.
+fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec<Built> {
+    if 3 * 2 * req.pp as u64 * req.microbatches as u64 > 60_000 {
+        return Vec::new();
+    }
+    let mut placements = tuned_placements(req.pp, req.microbatches, user_stages);
+    if user_stages.is_none() {
+        placements.extend([Placement::looped(req.pp, 3), Placement::looped(req.pp, 4)]);
+    }
+    let mut tasks: Vec<Task> = Vec::new();
+    for pl in placements {
+        if req.target.placement_refusal(&pl).is_some() {
+            continue;
+        }
+        let Some(layout) = layouts_for(req, &pl).into_iter().next() else {
+            continue;
+        };
+        for budget in [None, Some(2.0 * limit), Some(1.5 * limit)] {
+            let p = Problem::new(&req.model, &layout, pl.clone(), req.microbatches, budget);
+            let hs = greedy::heuristics_for(&p);
+            if let Some((plan, h)) = best_plan_with(&p, hs) {
+                tasks.push(Task::Tuned(Box::new((p, layout.clone(), plan, h))));
+            }
+        }
+    }
+    par_map(&tasks, |t| {
+        build(req, t, Some(limit)).map(|(mut b, program)| {
+            b.program = Some(program);
+            b
+        })
+    })
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// The fastest candidates over the memory limit (faster than every one that fits; at most
+/// [`LEVER_CANDIDATES`] of `built`, and every plan of `extra`), fitted with `levers`
+/// ([`levers::fit`]) and added as candidates of their own. A plan of `extra` that fits as it
+/// is, faster, is added too.
+fn fit_over_limit(
+    req: &TuneRequest,
+    built: &mut Vec<Built>,
+    extra: Vec<Built>,
+    limit: f64,
+    levers: levers::Levers,
+) {
+    let fitting = built
+        .iter()
+        .filter(|b| b.cand.fits && b.cand.not_runnable.is_none())
+        .map(|b| b.cand.makespan)
+        .fold(f64::INFINITY, f64::min);
+    let mut todo: Vec<usize> = (0..built.len())
+        .filter(|&i| {
+            let c = &built[i].cand;
+            !c.fits && c.not_runnable.is_none() && c.makespan < fitting
+        })
+        .collect();
+    todo.sort_by(|&a, &b| built[a].cand.makespan.total_cmp(&built[b].cand.makespan));
+    todo.truncate(LEVER_CANDIDATES);
+    let first_extra = built.len();
+    for b in extra {
+        if b.cand.not_runnable.is_none() && b.cand.makespan < fitting {
+            if b.cand.fits {
+                built.push(b);
+            } else {
+                todo.push(built.len());
+                built.push(b);
+            }
+        }
+    }
+    let done = par_map(&todo, |&i| {
+        let b = &built[i];
+        let program = match (&b.program, b.spec) {
+            (Some(p), _) => p.clone(),
+            (None, Some(spec)) => lower(&generate(&spec, &req.limits).ok()?),
+            (None, None) => return None,
+        };
+        let f = levers::fit(&program, &b.layout, &req.model, limit, levers)?;
+        let mut nb = finish(
+            b.cand.clone(),
+            b.layout.clone(),
+            None,
+            &f.program,
+            &req.model,
+            Some(limit),
+            b.planned,
+            req.target,
+        )?;
+        nb.cand.levers = Some(LeverReport {
+            offloaded: f.offloaded,
+            recomputed: f.recomputed,
+            unfitted_makespan: b.cand.makespan,
+        });
+        nb.program = Some(f.program);
+        Some(nb)
+    });
+    // The extra plans stay only where they fit as they are; their fitted forms are added.
+    let kept: Vec<Built> = built.drain(first_extra..).filter(|b| b.cand.fits).collect();
+    built.extend(kept);
+    built.extend(done.into_iter().flatten());
+}
+
+/// How many candidates over the limit [`fit_over_limit`] tries.
+const LEVER_CANDIDATES: usize = 8;
 
 /// Of the tuned candidates, the fastest fitting one per placement and vpp; built-ins untouched.
 fn keep_best_per(built: Vec<Built>) -> Vec<Built> {

@@ -16,7 +16,7 @@
 //! - DeepSpeed's `PipelineEngine` (0.19.8): one stage per rank, stage `s` on rank `s`.
 //! - `pipec-run` runs every verified program.
 
-use crate::ir::Program;
+use crate::ir::{Instr, Program};
 use pipec_schedules::{Compute, Placement, PlacementKind, Rank};
 use serde::Serialize;
 use std::fmt;
@@ -78,10 +78,58 @@ impl Target {
     /// Whether this target accepts `program`, or why not (the adapter's reason, in words).
     pub fn check(self, program: &Program) -> Result<(), String> {
         self.check_placement(&program.placement)?;
+        self.check_memory_ops(program)?;
         match self {
             Target::Torch | Target::Torchtitan => forwards_in_order(program, true),
             Target::Megatron => forwards_in_order(program, false),
             Target::PipecRun | Target::Deepspeed | Target::Any => Ok(()),
+        }
+    }
+
+    /// The memory instructions the target's adapter executes: `pipec-run` all of them;
+    /// `pipec.megatron` checkpointed forwards and their recomputes (as megatron-core's partial
+    /// recompute, which it checks against Megatron's rule at run time), no copies; the others
+    /// none yet.
+    fn check_memory_ops(self, program: &Program) -> Result<(), String> {
+        let first = |copies_only: bool| {
+            program.ranks.iter().enumerate().find_map(|(r, instrs)| {
+                instrs.iter().enumerate().find_map(|(i, ins)| {
+                    let hit = match ins {
+                        Instr::Memory(m) => !copies_only || m.kind.is_copy(),
+                        Instr::FwdCheckpoint(_) => !copies_only,
+                        _ => false,
+                    };
+                    hit.then(|| format!("rank {r}, #{i}: {ins}"))
+                })
+            })
+        };
+        let refuse = |at: String, what: &str| {
+            Err(format!(
+                "{at}: {what} are not executed by this target's adapter yet (pipec-run runs them)"
+            ))
+        };
+        match self {
+            Target::PipecRun | Target::Any => Ok(()),
+            Target::Megatron => match first(true) {
+                Some(at) => refuse(at, "offload, reload and wait_offload"),
+                None => Ok(()),
+            },
+            Target::Torch | Target::Torchtitan | Target::Deepspeed => match first(false) {
+                Some(at) => refuse(
+                    at,
+                    "offload, reload, wait_offload, recompute and checkpointed forwards",
+                ),
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// The memory levers the tuner may pull for this target: those its adapter runs as the
+    /// tuner places them (Megatron's checkpoints follow Megatron's own rule, not the tuner's).
+    pub fn levers(self) -> super::levers::Levers {
+        match self {
+            Target::PipecRun | Target::Any => super::levers::Levers::ALL,
+            _ => super::levers::Levers::NONE,
         }
     }
 
@@ -189,6 +237,17 @@ impl TargetChoice {
             TargetChoice::One(t) => vec![t],
             TargetChoice::Every => Target::STRICTEST_FIRST.to_vec(),
         }
+    }
+
+    /// The levers of `asked` every target of the choice allows.
+    pub fn levers(self, asked: super::levers::Levers) -> super::levers::Levers {
+        self.targets().iter().fold(asked, |l, t| {
+            let t = t.levers();
+            super::levers::Levers {
+                offload: l.offload && t.offload,
+                recompute: l.recompute && t.recompute,
+            }
+        })
     }
 
     /// `torch`, or `every framework` for the default.

@@ -24,7 +24,7 @@
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //! | `offload`, `K.offload` | time to copy one layer's activations of one microbatch to or from host memory, one way (`offload`: `t` and `m`) | `K.act / pcie` when `pcie` is given, else one forward of the layer |
 //! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`) | none |
-//! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes | `false` |
+//! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes: a copy takes `offload / 0.7` while the partner copies too, and pipec gives every copy that time (an upper bound) | `false` |
 //! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,

@@ -50,6 +50,12 @@ pub struct Args {
     /// Never weigh these kinds (comma-separated, as --kinds).
     #[arg(long, value_delimiter = ',', value_name = "KINDS")]
     pub exclude_kinds: Vec<String>,
+    /// Never fit a candidate over --memory-limit by offloading activations to host memory.
+    #[arg(long)]
+    pub no_offload: bool,
+    /// Never fit a candidate over --memory-limit by checkpointing forwards (recompute).
+    #[arg(long)]
+    pub no_recompute: bool,
     /// Print one JSON object instead of the report.
     #[arg(long)]
     pub json: bool,
@@ -111,6 +117,10 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         target: a.target.map_or(TargetChoice::Every, TargetChoice::One),
         kinds: a.kinds.clone(),
         exclude_kinds: a.exclude_kinds.clone(),
+        levers: pipec::tune::levers::Levers {
+            offload: !a.no_offload,
+            recompute: !a.no_recompute,
+        },
         ..TuneRequest::new(a.pp, a.microbatches, model)
     })
 }
@@ -220,6 +230,19 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             .map(|l| format!(" (limit {})", unit.with_unit(l)))
             .unwrap_or_default()
     );
+    if let Some(l) = &b.levers {
+        println!(
+            "fitting:  offloaded per rank {}; recomputed per rank {}; makespan {} without them (+{:.1}%)",
+            l.offloaded.iter().map(u64::to_string).collect::<Vec<_>>().join(" "),
+            l.recomputed.iter().map(u64::to_string).collect::<Vec<_>>().join(" "),
+            num(l.unfitted_makespan),
+            if l.unfitted_makespan > 0.0 {
+                (b.makespan / l.unfitted_makespan - 1.0) * 100.0
+            } else {
+                0.0
+            }
+        );
+    }
     println!("verdict:  {}", t.report().verdict_line());
     if let Some(o) = out {
         println!("wrote {}", o.display());
