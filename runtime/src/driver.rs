@@ -21,7 +21,7 @@
 
 use crate::backend::{Backend, BackendError};
 use crate::error::RunError;
-use crate::interp::{run_rank, static_peak_activations, RankRun};
+use crate::interp::{run_rank_with, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
 use crate::run::{CheckSummary, RankStats, RunOptions, RunReport, StepReport};
@@ -30,6 +30,7 @@ use crate::watchdog::{Failure, FailureKind, Watch};
 use pipec::back::files::MANIFEST_FILE;
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, InstrRef, Program};
+use pipec::memory::MemoryModel;
 use pipec_schedules::{Rank, Task};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -139,10 +140,13 @@ pub struct Setup<'a> {
     /// The whole model as the CPU builds it; each rank takes its stages.
     pub full: &'a [Stage<f32>],
     pub watch: Arc<Watch>,
+    /// The weights the interpreter meters its stores in, the verifier's
+    /// ([`pipec::memory::weights`] of the layout and the cost model the schedule records).
+    pub memory: &'a MemoryModel,
 }
 
-/// Refuse a program with memory instructions: `backend` (`CPU`, `CUDA`) does not execute
-/// them yet.
+/// Refuse a program with memory instructions: `backend` (`CUDA`) does not execute them yet.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn check_memory_ops(program: &Program, backend: &'static str) -> Result<(), RunError> {
     for (r, instrs) in program.ranks.iter().enumerate() {
         if let Some(i) = instrs
@@ -469,7 +473,9 @@ fn rank_step<D: Device>(
     } else {
         Instant::now()
     };
-    let run = run_rank(program, Rank(rank), be, &sh.setup.watch, t0).map_err(|_| stopped())?;
+    let act = &sh.setup.memory.act;
+    let run =
+        run_rank_with(program, Rank(rank), be, &sh.setup.watch, t0, act).map_err(|_| stopped())?;
     let run = be
         .end_step(&program.ranks[rank as usize], run, opts.timeout)
         .map_err(|e| match e {
@@ -657,6 +663,8 @@ pub(crate) fn drive<D: Device>(
         RunReport {
             steps,
             static_peak_activations: static_peak_activations(program),
+            static_memory: pipec::memory::peaks(program, sh.setup.memory),
+            memory_unit: sh.setup.memory.unit,
             timeline: trace::timeline(world, &last),
             traced,
         },
@@ -726,6 +734,14 @@ fn finish_step<D: Device>(
         worst = Some(w);
     }
     let wall = outs.iter().map(|o| o.run.end_us).fold(0.0, f64::max);
+    let params = |r: u32| {
+        sh.setup
+            .memory
+            .param
+            .get(r as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
     Ok((
         StepReport {
             step,
@@ -737,6 +753,8 @@ fn finish_step<D: Device>(
                     busy_us: o.run.busy_us,
                     idle_us: (wall - o.run.busy_us).max(0.0),
                     peak_activations: o.run.peak_activations,
+                    peak_memory: params(o.rank) + o.run.device_peak,
+                    host_memory: o.run.host_peak,
                 })
                 .collect(),
             check: summary,
@@ -926,6 +944,7 @@ mod tests {
             model: opts.model,
             full: &full,
             watch,
+            memory: &pipec::memory::MemoryModel::units(&program),
         };
         drive(setup, &opts, &dev, vec![(0, ()), (1, ())], false).map(|(r, _)| r)
     }
