@@ -426,3 +426,83 @@ fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Random valid memory instructions, then one of them removed, moved or doubled, run
+/// unchecked (as `pipec-run --no-verify` would, past the structural level): a program the
+/// verifier accepts runs bitwise at the verifier's peaks; a run that stops does so with a
+/// schedule error naming a rank and instruction, on a program the verifier rejects; nothing
+/// panics.
+#[test]
+fn mutated_memory_instructions_stop_cleanly_or_run_as_verified() {
+    let mut rng = Rng(0x5eed);
+    let (mut valid, mut stopped) = (0, 0);
+    let o = RunOptions {
+        timeout: Duration::from_secs(5),
+        ..opts(1)
+    };
+    for case in 0..80 {
+        let (kind, vpp) = kinds()[case % kinds().len()];
+        let Some(p) = program(kind, 2, vpp, 4) else {
+            continue;
+        };
+        let mut q = with_memory_ops(&p, &mut rng);
+        let sites: Vec<(usize, usize)> = q
+            .ranks
+            .iter()
+            .enumerate()
+            .flat_map(|(r, instrs)| {
+                instrs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, i)| matches!(i, Instr::Memory(_) | Instr::FwdCheckpoint(_)))
+                    .map(move |(i, _)| (r, i))
+            })
+            .collect();
+        if sites.is_empty() {
+            continue;
+        }
+        let (r, i) = sites[rng.below(sites.len())];
+        let ins = q.ranks[r][i];
+        let what = format!("case {case} {kind:?}: {ins} at rank {r}, #{i}");
+        match (ins, rng.below(3)) {
+            // A checkpointed forward back to a plain one, or dropped with its output.
+            (Instr::FwdCheckpoint(t), 0) => q.ranks[r][i] = Instr::Compute(Compute::Fwd(t)),
+            (_, 0) => {
+                q.ranks[r].remove(i);
+            }
+            (_, 1) => {
+                q.ranks[r].remove(i);
+                let to = rng.below(q.ranks[r].len() + 1);
+                q.ranks[r].insert(to, ins);
+            }
+            _ => {
+                let to = rng.below(q.ranks[r].len() + 1);
+                q.ranks[r].insert(to, ins);
+            }
+        }
+        let report = pipec::verify::verify(&q, &VerifyOptions::default());
+        let layout = Layout::uniform(q.num_stages());
+        match run_cpu_unchecked(&q, &layout, &o) {
+            Ok(got) => {
+                if report.is_valid() {
+                    valid += 1;
+                    assert_eq!(got.steps[0].check.as_ref().unwrap().max_abs_diff, 0.0);
+                    let mm = pipec_runtime::run::memory_model(&q, &layout, None);
+                    assert_measured(&what, &q, &mm, &got);
+                }
+            }
+            Err(RunError::Failed(f)) => {
+                stopped += 1;
+                assert!(!report.is_valid(), "{what}: verified, but {}", f.report);
+                assert_eq!(f.kind, FailureKind::Schedule, "{what}: {}", f.report);
+                let head = format!("schedule error at {}, #{} ", f.at.rank, f.at.index);
+                assert!(f.report.starts_with(&head), "{what}: {}", f.report);
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+    assert!(
+        valid > 5 && stopped > 10,
+        "{valid} valid, {stopped} stopped"
+    );
+}
