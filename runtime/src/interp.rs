@@ -8,14 +8,13 @@
 //!   completes (the transport takes it).
 //! - `saved[s][m]`: the activation stash, from `fwd(s, m)` to `bwd(s, m)`, or to `bwd_W(s, m)`
 //!   when the backward is split; `partial[s][m]` from `bwd_D` to `bwd_W`.
-//!
 //! - `host[s][m]`: a stash an `offload` moved off the device, until its `reload` moves it back;
 //!   `kept[s][m]`: the input a checkpointed `fwd` keeps for its `recompute`, which rebuilds
 //!   the stash by running the same forward again (the same ops in the same order, so the
 //!   backward's results are bitwise those of the plain schedule).
 //!
 //! The device store (`saved`, with the sources of copies in flight) and the host store (`host`)
-//! are metered apart ([`Meter`]) in the verifier's memory model (docs/format.md, "Memory
+//! are metered apart (`Meter`) in the verifier's memory model (docs/format.md, "Memory
 //! instructions"; [`pipec::ir::activations`]): a buffer counts from the instruction that puts
 //! it in a store through the one that takes it out, an offload's device copy until the copy
 //! is known to have ended (a `wait_offload` of it or of a later copy, a backward waiting for a
