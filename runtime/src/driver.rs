@@ -1,6 +1,6 @@
 //! The step driver, written once for every device. One thread per rank of this process lives
 //! for the whole run and does each step on its own backend: [`StepBackend::begin_step`],
-//! [`run_rank`], [`StepBackend::end_step`] under the timeout, the losses, DualPipe's replica
+//! [`run_rank`](crate::interp::run_rank), [`StepBackend::end_step`] under the timeout, the losses, DualPipe's replica
 //! reduction, the gradients and SGD. The driver thread takes the ranks' results, checks them
 //! against the single-thread [`reference`](mod@reference), writes the report, and only then releases the
 //! next step, so the reference never runs during a measured step.
@@ -71,7 +71,7 @@ pub trait StepBackend: Backend {
     }
     /// Zero the gradient sums and forget the losses and timings of the last step.
     fn begin_step(&mut self, step: u32) -> Result<(), BackendError>;
-    /// After [`run_rank`]: wait for the step's work and return what was measured (`run`, the
+    /// After [`run_rank`](crate::interp::run_rank): wait for the step's work and return what was measured (`run`, the
     /// host's, or the device's own).
     fn end_step(
         &mut self,
