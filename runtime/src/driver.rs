@@ -1,6 +1,6 @@
 //! The step driver, written once for every device. One thread per rank of this process lives
 //! for the whole run and does each step on its own backend: [`StepBackend::begin_step`],
-//! [`run_rank`], [`StepBackend::end_step`] under the timeout, the losses, DualPipe's replica
+//! [`run_rank`](crate::interp::run_rank), [`StepBackend::end_step`] under the timeout, the losses, DualPipe's replica
 //! reduction, the gradients and SGD. The driver thread takes the ranks' results, checks them
 //! against the single-thread [`reference`](mod@reference), writes the report, and only then releases the
 //! next step, so the reference never runs during a measured step.
@@ -21,7 +21,7 @@
 
 use crate::backend::{Backend, BackendError};
 use crate::error::RunError;
-use crate::interp::{run_rank, static_peak_activations, RankRun};
+use crate::interp::{run_rank_with, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
 use crate::run::{CheckSummary, RankStats, RunOptions, RunReport, StepReport};
@@ -30,6 +30,7 @@ use crate::watchdog::{Failure, FailureKind, Watch};
 use pipec::back::files::MANIFEST_FILE;
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, InstrRef, Program};
+use pipec::memory::MemoryModel;
 use pipec_schedules::{Rank, Task};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -70,7 +71,7 @@ pub trait StepBackend: Backend {
     }
     /// Zero the gradient sums and forget the losses and timings of the last step.
     fn begin_step(&mut self, step: u32) -> Result<(), BackendError>;
-    /// After [`run_rank`]: wait for the step's work and return what was measured (`run`, the
+    /// After [`run_rank`](crate::interp::run_rank): wait for the step's work and return what was measured (`run`, the
     /// host's, or the device's own).
     fn end_step(
         &mut self,
@@ -139,10 +140,13 @@ pub struct Setup<'a> {
     /// The whole model as the CPU builds it; each rank takes its stages.
     pub full: &'a [Stage<f32>],
     pub watch: Arc<Watch>,
+    /// The weights the interpreter meters its stores in, the verifier's
+    /// ([`pipec::memory::weights`] of the layout and the cost model the schedule records).
+    pub memory: &'a MemoryModel,
 }
 
-/// Refuse a program with memory instructions: `backend` (`CPU`, `CUDA`) does not execute
-/// them yet.
+/// Refuse a program with memory instructions: `backend` (`CUDA`) does not execute them yet.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn check_memory_ops(program: &Program, backend: &'static str) -> Result<(), RunError> {
     for (r, instrs) in program.ranks.iter().enumerate() {
         if let Some(i) = instrs
@@ -469,7 +473,9 @@ fn rank_step<D: Device>(
     } else {
         Instant::now()
     };
-    let run = run_rank(program, Rank(rank), be, &sh.setup.watch, t0).map_err(|_| stopped())?;
+    let act = &sh.setup.memory.act;
+    let run =
+        run_rank_with(program, Rank(rank), be, &sh.setup.watch, t0, act).map_err(|_| stopped())?;
     let run = be
         .end_step(&program.ranks[rank as usize], run, opts.timeout)
         .map_err(|e| match e {
@@ -657,6 +663,8 @@ pub(crate) fn drive<D: Device>(
         RunReport {
             steps,
             static_peak_activations: static_peak_activations(program),
+            static_memory: pipec::memory::peaks(program, sh.setup.memory),
+            memory_unit: sh.setup.memory.unit,
             timeline: trace::timeline(world, &last),
             traced,
         },
@@ -726,6 +734,14 @@ fn finish_step<D: Device>(
         worst = Some(w);
     }
     let wall = outs.iter().map(|o| o.run.end_us).fold(0.0, f64::max);
+    let params = |r: u32| {
+        sh.setup
+            .memory
+            .param
+            .get(r as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
     Ok((
         StepReport {
             step,
@@ -737,6 +753,8 @@ fn finish_step<D: Device>(
                     busy_us: o.run.busy_us,
                     idle_us: (wall - o.run.busy_us).max(0.0),
                     peak_activations: o.run.peak_activations,
+                    peak_memory: params(o.rank) + o.run.device_peak,
+                    host_memory: o.run.host_peak,
                 })
                 .collect(),
             check: summary,
@@ -926,6 +944,7 @@ mod tests {
             model: opts.model,
             full: &full,
             watch,
+            memory: &pipec::memory::MemoryModel::units(&program),
         };
         drive(setup, &opts, &dev, vec![(0, ()), (1, ())], false).map(|(r, _)| r)
     }

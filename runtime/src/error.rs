@@ -27,7 +27,8 @@ pub enum RunError {
     #[error("{0}")]
     Failed(Failure),
     /// The program holds a memory instruction (`offload`, `reload`, `wait_offload`,
-    /// `recompute`, a checkpointed `fwd`), which this runtime does not execute yet.
+    /// `recompute`, a checkpointed `fwd`), which the CUDA runtime does not execute yet (the
+    /// CPU runtime does).
     #[error("{at}: {instr}: offload, reload, wait_offload, recompute and checkpointed forwards are not supported by the {backend} runtime yet")]
     MemoryOp {
         at: pipec::ir::InstrRef,

@@ -8,11 +8,22 @@
 //!   completes (the transport takes it).
 //! - `saved[s][m]`: the activation stash, from `fwd(s, m)` to `bwd(s, m)`, or to `bwd_W(s, m)`
 //!   when the backward is split; `partial[s][m]` from `bwd_D` to `bwd_W`.
+//! - `host[s][m]`: a stash an `offload` moved off the device, until its `reload` moves it back;
+//!   `kept[s][m]`: the input a checkpointed `fwd` keeps for its `recompute`, which rebuilds
+//!   the stash by running the same forward again (the same ops in the same order, so the
+//!   backward's results are bitwise those of the plain schedule).
 //!
-//! The live count of `saved` is the activation memory the verifier bounds (docs/design.md rule 5);
-//! a forward that saves nothing (forward-only) holds its activation while it runs, as the
-//! verifier counts it. [`static_peak_activations`] computes the same figure from the program
-//! alone, and a run reports both.
+//! The device store (`saved`, with the sources of copies in flight) and the host store (`host`)
+//! are metered apart (`Meter`) in the verifier's memory model (docs/format.md, "Memory
+//! instructions"; [`pipec::ir::activations`]): a buffer counts from the instruction that puts
+//! it in a store through the one that takes it out, an offload's device copy until the copy
+//! is known to have ended (a `wait_offload` of it or of a later copy, a backward waiting for a
+//! later reload), a reload's host copy likewise. The CPU has one memory: its copies end at once,
+//! but the stores are released where a device's asynchronous copies would release them. The
+//! live count of the device store is the activation memory the verifier bounds (docs/design.md
+//! rule 5); a forward that saves nothing (forward-only, or checkpointed) holds its activation
+//! while it runs, as the verifier counts it. [`static_peak_activations`] computes the same
+//! count from the program alone, and a run reports both.
 //!
 //! Consecutive send/recv instructions with the same batch id are handed to the backend as one
 //! batch. Every instruction gets a [`Span`]: a compute op from its start to its end, each op of
@@ -20,9 +31,11 @@
 
 use crate::backend::{Backend, CommError, CommOp, Dir, Pending};
 use crate::watchdog::{Failure, FailureKind, Status, Watch};
-use pipec::ir::{activations, Instr, InstrRef, OptIdx, Payload, PayloadKind, Program};
+use pipec::ir::activations::{self, Amount};
+use pipec::ir::{Instr, InstrRef, MemKind, MemOp, OptIdx, Payload, PayloadKind, Program};
 use pipec::simulate::timeline::Span;
 use pipec_schedules::{Compute, Rank, StageId, Task};
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -38,6 +51,13 @@ pub struct RankRun {
     /// Peak number of live activation stashes, counting the activation of a forward that
     /// saves none (forward-only) while it runs: the verifier's figure.
     pub peak_activations: u32,
+    /// The most the device store held at once, each stash weighted by its stage's activation
+    /// weight ([`run_rank_with`]): the verifier's `activations` figure of
+    /// [`pipec::memory::RankPeak`] (parameters not included).
+    pub device_peak: f64,
+    /// The most the host store (offloaded stashes) held at once, in the same weights: the
+    /// verifier's `host` figure.
+    pub host_peak: f64,
 }
 
 /// The rank stopped: the failure (its own or another rank's) is in the [`Watch`].
@@ -51,18 +71,141 @@ enum Fault {
     Comm(CommError),
 }
 
+/// One store's occupancy as the verifier times it: what an instruction frees still counts
+/// during it and goes when the next counted instruction (compute or memory) begins; the peak
+/// is sampled at the end of each counted instruction, after its allocations.
+#[derive(Copy, Clone, Debug, Default)]
+struct Occupancy<W> {
+    now: W,
+    alloc: W,
+    free: W,
+    peak: W,
+}
+
+impl<W: Amount> Occupancy<W> {
+    fn alloc(&mut self, w: W) {
+        self.alloc = self.alloc.plus(w);
+    }
+
+    fn free(&mut self, w: W) {
+        self.free = self.free.plus(w);
+    }
+
+    fn begin(&mut self) {
+        self.now = self.now.minus(self.free);
+        self.free = W::default();
+    }
+
+    fn sample(&mut self) {
+        self.now = self.now.plus(self.alloc);
+        self.alloc = W::default();
+        if self.now > self.peak {
+            self.peak = self.now;
+        }
+    }
+}
+
+/// The meters of a rank's stores: device stashes counted (the verifier's activation count)
+/// and weighted, host stashes weighted.
+#[derive(Debug, Default)]
+struct Meter {
+    count: Occupancy<u64>,
+    device: Occupancy<f64>,
+    host: Occupancy<f64>,
+}
+
+impl Meter {
+    fn alloc(&mut self, w: f64) {
+        self.count.alloc(1);
+        self.device.alloc(w);
+    }
+
+    fn free(&mut self, w: f64) {
+        self.count.free(1);
+        self.device.free(w);
+    }
+
+    fn begin(&mut self) {
+        self.count.begin();
+        self.device.begin();
+        self.host.begin();
+    }
+
+    fn sample(&mut self) {
+        self.count.sample();
+        self.device.sample();
+        self.host.sample();
+    }
+}
+
+/// A copy's source buffer, still allocated until the copy is known to have ended, and its
+/// weight.
+#[derive(Copy, Clone, Debug)]
+enum Source {
+    Device(f64),
+    Host(f64),
+}
+
+/// The rank's copy stream (docs/format.md): offloads and reloads run one after another in
+/// program order, so once a copy is known to have ended every earlier one has too.
+#[derive(Debug, Default)]
+struct CopyStream {
+    next: u32,
+    /// Copies not yet known to have ended, in posting order.
+    pending: VecDeque<(u32, Source)>,
+    /// Per slot, the sequence number of its latest offload / reload.
+    offloads: HashMap<usize, u32>,
+    reloads: HashMap<usize, u32>,
+}
+
+impl CopyStream {
+    fn post(&mut self, slot: usize, src: Source) {
+        let k = self.next;
+        self.next = self.next.wrapping_add(1);
+        match src {
+            Source::Device(_) => self.offloads.insert(slot, k),
+            Source::Host(_) => self.reloads.insert(slot, k),
+        };
+        self.pending.push_back((k, src));
+    }
+
+    /// Copy `k` has ended: it and every copy before it release their source buffers.
+    fn ended(&mut self, k: u32, meter: &mut Meter) {
+        while let Some(&(j, src)) = self.pending.front() {
+            if j > k {
+                break;
+            }
+            self.pending.pop_front();
+            match src {
+                Source::Device(w) => meter.free(w),
+                Source::Host(w) => meter.host.free(w),
+            }
+        }
+    }
+}
+
+/// What a checkpointed forward keeps for its recompute: its input (none for stage 0, whose
+/// input the backend makes).
+struct Kept<T>(Option<T>);
+
 struct Tables<B: Backend> {
     m: usize,
     /// Global stage -> local index; none when the rank does not run the stage.
     local: Vec<OptIdx>,
+    /// Activation weight per global stage (the memory model's `act`); 0 past its end.
+    weight: Vec<f64>,
     act_in: Vec<Option<B::Tensor>>,
     grad_in: Vec<Option<B::Tensor>>,
     act_out: Vec<Option<B::Tensor>>,
     grad_out: Vec<Option<B::Tensor>>,
+    /// The device store of stashes.
     saved: Vec<Option<B::Saved>>,
     partial: Vec<Option<B::Partial>>,
-    live: u32,
-    peak: u32,
+    /// The host store: offloaded stashes.
+    host: Vec<Option<B::Saved>>,
+    kept: Vec<Option<Kept<B::Tensor>>>,
+    copies: CopyStream,
+    meter: Meter,
 }
 
 fn none_vec<T>(n: usize) -> Vec<Option<T>> {
@@ -70,7 +213,7 @@ fn none_vec<T>(n: usize) -> Vec<Option<T>> {
 }
 
 impl<B: Backend> Tables<B> {
-    fn new(program: &Program, rank: usize) -> Self {
+    fn new(program: &Program, rank: usize, weight: &[f64]) -> Self {
         let mut local = vec![OptIdx::NONE; program.num_stages() as usize];
         let mut n = 0u32;
         for ins in &program.ranks[rank] {
@@ -90,15 +233,23 @@ impl<B: Backend> Tables<B> {
         Tables {
             m,
             local,
+            weight: weight.to_vec(),
             act_in: none_vec(size),
             grad_in: none_vec(size),
             act_out: none_vec(size),
             grad_out: none_vec(size),
             saved: none_vec(size),
             partial: none_vec(size),
-            live: 0,
-            peak: 0,
+            host: none_vec(size),
+            kept: none_vec(size),
+            copies: CopyStream::default(),
+            meter: Meter::default(),
         }
+    }
+
+    /// `t`'s activation weight (tasks are in range once they have a slot).
+    fn weight(&self, t: Task) -> f64 {
+        self.weight.get(t.stage.index()).copied().unwrap_or(0.0)
     }
 
     fn slot(&self, stage: u32, mb: u32) -> Option<usize> {
@@ -115,23 +266,42 @@ impl<B: Backend> Tables<B> {
         })
     }
 
-    fn save(&mut self, i: usize, s: B::Saved) -> Result<(), Fault> {
+    /// Put `t`'s stash in the device store (a forward, a reload or a recompute).
+    fn save(&mut self, i: usize, t: Task, s: B::Saved) -> Result<(), Fault> {
         if self.saved[i].is_some() {
-            return Err(Fault::Schedule(
-                "the forward's activation is already saved: a second forward of the same task"
-                    .into(),
-            ));
+            return Err(Fault::Schedule(format!(
+                "the activation of {t} is already saved: a second forward, reload or recompute of it"
+            )));
         }
         self.saved[i] = Some(s);
-        self.live += 1;
-        self.peak = self.peak.max(self.live);
+        self.meter.alloc(self.weight(t));
         Ok(())
+    }
+
+    /// Take `t`'s stash out of the device store for good (its backward), or say where it is.
+    fn take_saved(&mut self, i: usize, t: Task) -> Result<B::Saved, Fault> {
+        let s = self.saved[i].take().ok_or_else(|| self.not_saved(i, t))?;
+        self.meter.free(self.weight(t));
+        Ok(s)
+    }
+
+    /// Why the device store has no stash of `t`.
+    fn not_saved(&self, i: usize, t: Task) -> Fault {
+        Fault::Schedule(if self.host[i].is_some() {
+            format!("the saved activation of {t} is on the host: offloaded and not reloaded")
+        } else if self.kept[i].is_some() {
+            format!("the activation of {t} was checkpointed and is not recomputed yet")
+        } else {
+            format!("the saved activation of {t} is not here")
+        })
     }
 
     /// A forward that saves nothing still held its activation while it ran
     /// ([`pipec::ir::activations`]: a forward-only rank that runs a forward peaks at 1).
-    fn held_while_running(&mut self) {
-        self.peak = self.peak.max(self.live + 1);
+    fn held_while_running(&mut self, t: Task) {
+        let w = self.weight(t);
+        self.meter.alloc(w);
+        self.meter.free(w);
     }
 }
 
@@ -252,9 +422,17 @@ impl<'a, B: Backend> Interp<'a, B> {
 
     fn take_saved(&mut self, t: Task) -> Result<B::Saved, Fault> {
         let i = self.t.task_slot(t, "the backward")?;
-        take(&mut self.t.saved, i, || {
-            format!("the saved activation of {t}")
-        })
+        self.t.take_saved(i, t)
+    }
+
+    /// A backward (`bwd`, `bwd_D`) of `t` waits for `t`'s latest reload: it and every copy
+    /// before it have ended.
+    fn backward_waits(&mut self, t: Task) -> Result<(), Fault> {
+        let i = self.t.task_slot(t, "the backward")?;
+        if let Some(&k) = self.t.copies.reloads.get(&i) {
+            self.t.copies.ended(k, &mut self.t.meter);
+        }
+        Ok(())
     }
 
     fn compute(&mut self, c: &Compute) -> Result<(), Fault> {
@@ -267,25 +445,26 @@ impl<'a, B: Backend> Interp<'a, B> {
                 match stash {
                     Some(s) => {
                         let i = self.t.task_slot(t, "the forward")?;
-                        self.t.save(i, s)?;
+                        self.t.save(i, t, s)?;
                     }
-                    None => self.t.held_while_running(),
+                    None => self.t.held_while_running(t),
                 }
                 self.route_act(t, out)
             }
             Compute::Bwd(t) => {
+                self.backward_waits(t)?;
                 let saved = self.take_saved(t)?;
                 let g = self.bwd_input(t)?;
                 let din = self.backend.bwd(t, saved, g).map_err(be)?;
-                self.t.live -= 1;
                 self.route_grad(t, din)
             }
             Compute::BwdD(t) => {
+                self.backward_waits(t)?;
                 let i = self.t.task_slot(t, "the backward")?;
                 let g = self.bwd_input(t)?;
-                let saved = self.t.saved[i].as_ref().ok_or_else(|| {
-                    Fault::Schedule(format!("the saved activation of {t} is not here"))
-                })?;
+                let saved = self.t.saved[i]
+                    .as_ref()
+                    .ok_or_else(|| self.t.not_saved(i, t))?;
                 let (din, part) = self.backend.bwd_d(t, saved, g).map_err(be)?;
                 put(&mut self.t.partial, i, part, || {
                     format!("the bwd_D result of {t}")
@@ -297,11 +476,8 @@ impl<'a, B: Backend> Interp<'a, B> {
                 let part = take(&mut self.t.partial, i, || {
                     format!("the bwd_D result of {t}")
                 })?;
-                let saved = take(&mut self.t.saved, i, || {
-                    format!("the saved activation of {t}")
-                })?;
+                let saved = self.t.take_saved(i, t)?;
                 self.backend.bwd_w(t, saved, part).map_err(be)?;
-                self.t.live -= 1;
                 Ok(())
             }
             Compute::FwdBwd { fwd, bwd } => {
@@ -310,6 +486,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                         "an overlapped pair cannot run the forward and backward of one task ({fwd})"
                     )));
                 }
+                self.backward_waits(bwd)?;
                 let input = self.fwd_input(fwd)?;
                 let saved = self.take_saved(bwd)?;
                 let g = self.bwd_input(bwd)?;
@@ -317,20 +494,96 @@ impl<'a, B: Backend> Interp<'a, B> {
                     .backend
                     .fwd_bwd(fwd, input, save, bwd, saved, g)
                     .map_err(be)?;
-                // Both stashes were alive during the pair: count the new one before the old
-                // one is released, as the static count does.
+                // Both stashes were alive during the pair: the old one's release counts only
+                // from the next instruction (the meter), as the static count does.
                 match stash {
                     Some(s) => {
                         let i = self.t.task_slot(fwd, "the forward")?;
-                        self.t.save(i, s)?;
+                        self.t.save(i, fwd, s)?;
                     }
-                    None => self.t.held_while_running(),
+                    None => self.t.held_while_running(fwd),
                 }
-                self.t.live -= 1;
                 self.route_act(fwd, out)?;
                 self.route_grad(bwd, din)
             }
         }
+    }
+
+    /// A checkpointed `fwd(t)`: the forward, saving nothing (its activation is live while it
+    /// runs), keeping a copy of its input for the recompute.
+    fn checkpoint(&mut self, t: Task) -> Result<(), Fault> {
+        let be = |e: crate::backend::BackendError| Fault::Compute(e.0);
+        let i = self.t.task_slot(t, "the forward")?;
+        let input = self.fwd_input(t)?;
+        let keep = !self.program.forward_only;
+        let kept = match (&input, keep) {
+            (Some(x), true) => Some(self.backend.keep(x).map_err(be)?),
+            _ => None,
+        };
+        let (out, _) = self.backend.fwd(t, input, false).map_err(be)?;
+        self.t.held_while_running(t);
+        if keep {
+            put(&mut self.t.kept, i, Kept(kept), || {
+                format!("the input kept by the checkpointed fwd({t})")
+            })?;
+        }
+        self.route_act(t, out)
+    }
+
+    /// `offload`, `reload`, `wait_offload` or `recompute` of `op.task` (docs/format.md,
+    /// "Memory instructions").
+    fn memory(&mut self, op: MemOp) -> Result<(), Fault> {
+        let t = op.task;
+        let i = self.t.task_slot(t, op.kind.op())?;
+        let w = self.t.weight(t);
+        match op.kind {
+            MemKind::Offload => {
+                // The device copy stays allocated until the copy is known to have ended.
+                let s = self.t.saved[i]
+                    .take()
+                    .ok_or_else(|| match self.t.not_saved(i, t) {
+                        Fault::Schedule(m) => Fault::Schedule(format!("nothing to offload: {m}")),
+                        f => f,
+                    })?;
+                self.t.host[i] = Some(s);
+                self.t.meter.host.alloc(w);
+                self.t.copies.post(i, Source::Device(w));
+            }
+            MemKind::Reload => {
+                let s = self.t.host[i].take().ok_or_else(|| {
+                    Fault::Schedule(format!(
+                        "nothing to reload: the activation of {t} is not on the host (not offloaded, or reloaded already)"
+                    ))
+                })?;
+                self.t.save(i, t, s)?;
+                self.t.copies.post(i, Source::Host(w));
+            }
+            MemKind::WaitOffload => {
+                let k = *self.t.copies.offloads.get(&i).ok_or_else(|| {
+                    Fault::Schedule(format!("no offload of {t} was posted before"))
+                })?;
+                self.t.copies.ended(k, &mut self.t.meter);
+            }
+            MemKind::Recompute => {
+                let Kept(input) = self.t.kept[i].take().ok_or_else(|| {
+                    Fault::Schedule(if self.t.saved[i].is_some() || self.t.host[i].is_some() {
+                        format!("nothing to recompute: fwd({t}) was not checkpointed")
+                    } else {
+                        format!("nothing to recompute: no checkpointed fwd({t}) ran before, or it is recomputed already")
+                    })
+                })?;
+                // The same forward from the same input: the stash the plain forward saved.
+                let (_, stash) = self
+                    .backend
+                    .fwd(t, input, true)
+                    .map_err(|e| Fault::Compute(e.0))?;
+                let s = stash.ok_or_else(|| {
+                    Fault::Compute(format!("the backend saved nothing recomputing fwd({t})"))
+                })?;
+                self.t.save(i, t, s)?;
+            }
+        }
+        Ok(())
     }
 
     /// Table and slot that hold a sent payload (by producing stage) or receive it (by
@@ -450,12 +703,27 @@ impl<'a, B: Backend> Interp<'a, B> {
 
 /// Run `rank`'s stream of `program` on `backend`. Spans are measured from `origin`.
 /// On failure the report goes to `watch` (which stops every rank) and `Err(Stopped)` returns.
+/// The stores are metered with every stage's activation weight 1 ([`run_rank_with`]).
 pub fn run_rank<B: Backend>(
     program: &Program,
     rank: Rank,
     backend: &mut B,
     watch: &Watch,
     origin: Instant,
+) -> Result<RankRun, Stopped> {
+    let ones = vec![1.0; program.num_stages() as usize];
+    run_rank_with(program, rank, backend, watch, origin, &ones)
+}
+
+/// [`run_rank`] with the stores metered in `act` (per stage, one microbatch's activation
+/// weight: [`pipec::memory::MemoryModel::act`]); a stage past its end weighs 0.
+pub fn run_rank_with<B: Backend>(
+    program: &Program,
+    rank: Rank,
+    backend: &mut B,
+    watch: &Watch,
+    origin: Instant,
+    act: &[f64],
 ) -> Result<RankRun, Stopped> {
     let r = rank.index();
     let instrs = &program.ranks[r];
@@ -464,7 +732,7 @@ pub fn run_rank<B: Backend>(
         rank,
         last: program.num_stages().saturating_sub(1),
         backend,
-        t: Tables::new(program, r),
+        t: Tables::new(program, r, act),
         ops: Vec::new(),
         waited: pipec::ir::waited_batches(instrs),
         in_flight: Default::default(),
@@ -480,6 +748,13 @@ pub fn run_rank<B: Backend>(
             watch.set(r, Status::Stopped(i as u32));
             return Err(Stopped);
         }
+        let counted = matches!(
+            instrs[i],
+            Instr::Compute(_) | Instr::FwdCheckpoint(_) | Instr::Memory(_)
+        );
+        if counted {
+            it.t.meter.begin();
+        }
         let (res, end) = match &instrs[i] {
             Instr::Compute(c) => {
                 watch.set(r, Status::Running(i as u32));
@@ -494,15 +769,14 @@ pub fn run_rank<B: Backend>(
                 watch.set(r, Status::Waiting(i as u32));
                 (it.batch(i, end), end)
             }
-            // Refused before a run (`driver::check_memory_ops`). They change no value (a
-            // checkpointed forward computes the forward's output, copies and recomputes
-            // rebuild what was there), so reaching here unchecked runs the forward, and the
-            // rest takes no time.
             Instr::FwdCheckpoint(t) => {
                 watch.set(r, Status::Running(i as u32));
-                (it.compute(&Compute::Fwd(*t)), i + 1)
+                (it.checkpoint(*t), i + 1)
             }
-            Instr::Memory(_) => (Ok(()), i + 1),
+            Instr::Memory(op) => {
+                watch.set(r, Status::Running(i as u32));
+                (it.memory(*op), i + 1)
+            }
         };
         if let Err(f) = res {
             // `Stopped` is published only after the report is filed: a peer that times out
@@ -519,6 +793,9 @@ pub fn run_rank<B: Backend>(
             start: us(now),
             end: us(t),
         };
+        if counted {
+            it.t.meter.sample();
+        }
         if instrs[i].as_compute().is_some() {
             busy += span.end - span.start;
         }
@@ -534,7 +811,9 @@ pub fn run_rank<B: Backend>(
         spans,
         busy_us: busy,
         end_us: us(now),
-        peak_activations: it.t.peak,
+        peak_activations: u32::try_from(it.t.meter.count.peak).unwrap_or(u32::MAX),
+        device_peak: it.t.meter.device.peak,
+        host_peak: it.t.meter.host.peak,
     })
 }
 

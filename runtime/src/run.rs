@@ -2,9 +2,7 @@
 //! every backend shares), what a run reports, and the bitwise check against the reference.
 
 use crate::backend::cpu::{CpuBackend, CpuTensor};
-use crate::driver::{
-    build_model, check_layout, check_memory_ops, drive, stages_of, Device, Setup, StepCheck,
-};
+use crate::driver::{build_model, check_layout, drive, stages_of, Device, Setup, StepCheck};
 use crate::error::RunError;
 use crate::interp::run_rank;
 use crate::model::{self, ModelConfig, Stage, StageGrads};
@@ -13,6 +11,8 @@ use crate::transport::Transport;
 use crate::watchdog::Watch;
 use pipec::front::layout::Layout;
 use pipec::ir::Program;
+use pipec::memory::{MemoryModel, RankPeak, Unit};
+use pipec::simulate::cost::CostModel;
 use pipec::simulate::timeline::Timeline;
 use pipec::verify::Checked;
 use pipec_schedules::Rank;
@@ -60,6 +60,12 @@ pub struct RankStats {
     pub idle_us: f64,
     /// Peak live activation stashes, measured.
     pub peak_activations: u32,
+    /// The rank's parameters plus the most its device store held at once, measured in the
+    /// run's memory model ([`run_cpu_with_memory`]): the verifier's `memory[r].peak`.
+    pub peak_memory: f64,
+    /// The most its host store (offloaded activations) held at once: the verifier's
+    /// `memory[r].host`.
+    pub host_memory: f64,
 }
 
 /// What the check compared.
@@ -87,6 +93,11 @@ pub struct RunReport {
     pub steps: Vec<StepReport>,
     /// Peak live activations per rank computed from the program alone (the verifier's figure).
     pub static_peak_activations: Vec<u32>,
+    /// The verifier's memory per rank under the run's memory model
+    /// ([`pipec::memory::peaks`]), which each step's measured `peak_memory` and
+    /// `host_memory` are held against.
+    pub static_memory: Vec<RankPeak>,
+    pub memory_unit: Unit,
     /// Measured timeline of the last step.
     pub timeline: Timeline,
     /// (step, measured timeline) of each step of [`RunOptions::trace_steps`].
@@ -126,13 +137,32 @@ impl Device for Cpu {
 }
 
 /// Run `program` (verified, or structurally checked for `--no-verify`) with the model built
-/// from `layout`.
+/// from `layout`; memory is measured in the default cost model's weights of `layout` (what
+/// `pipec check` counts a directory that records no cost model in).
 pub fn run_cpu(
     program: &impl Checked,
     layout: &Layout,
     opts: &RunOptions,
 ) -> Result<RunReport, RunError> {
     run_cpu_unchecked(program.program(), layout, opts)
+}
+
+/// [`run_cpu`] with memory measured in `memory`'s weights (`pipec-run` passes those of the
+/// cost model the manifest records, as `pipec check` counts).
+pub fn run_cpu_with_memory(
+    program: &impl Checked,
+    layout: &Layout,
+    opts: &RunOptions,
+    memory: &MemoryModel,
+) -> Result<RunReport, RunError> {
+    run_unchecked(program.program(), layout, opts, memory)
+}
+
+/// The memory model of a schedule: [`pipec::memory::weights`] of `layout` under `cost` (the
+/// default cost model when `None`).
+pub fn memory_model(program: &Program, layout: &Layout, cost: Option<&CostModel>) -> MemoryModel {
+    let default = CostModel::default();
+    pipec::memory::weights(program, layout, cost.unwrap_or(&default))
 }
 
 /// [`run_cpu`] on a program nobody checked, not even its structure. Only for the test that
@@ -145,12 +175,20 @@ pub fn run_cpu_unchecked(
     layout: &Layout,
     opts: &RunOptions,
 ) -> Result<RunReport, RunError> {
+    run_unchecked(program, layout, opts, &memory_model(program, layout, None))
+}
+
+fn run_unchecked(
+    program: &Program,
+    layout: &Layout,
+    opts: &RunOptions,
+    memory: &MemoryModel,
+) -> Result<RunReport, RunError> {
     if opts.steps == 0 {
         return Err(RunError::ZeroSteps);
     }
     let world = program.ranks.len();
     check_layout(program, layout)?;
-    check_memory_ops(program, "CPU")?;
     let full = build_model(layout, &opts.model, "CPU")?;
     let watch = Arc::new(Watch::new(world, opts.timeout));
     let cpu = Cpu {
@@ -162,6 +200,7 @@ pub fn run_cpu_unchecked(
         model: opts.model,
         full: &full,
         watch,
+        memory,
     };
     let plan = (0..world as u32).map(|r| (r, ())).collect();
     drive(setup, opts, &cpu, plan, false).map(|(report, _)| report)

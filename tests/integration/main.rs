@@ -13,6 +13,7 @@ mod megatron;
 mod megatron_calls;
 mod megatron_p2p;
 mod megatron_recompute;
+mod memory_runtime;
 mod memory_units;
 mod offload;
 mod regressions;

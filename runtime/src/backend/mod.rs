@@ -141,6 +141,16 @@ pub trait Backend {
         Ok((out, stash, din))
     }
 
+    /// A copy of a forward's input, which a checkpointed forward keeps for its `recompute`
+    /// (docs/format.md, "Memory instructions"). Backends that cannot refuse (the CUDA
+    /// runtime refuses memory instructions before a run).
+    fn keep(&mut self, input: &Self::Tensor) -> Result<Self::Tensor, BackendError> {
+        let _ = input;
+        Err(BackendError(
+            "this backend cannot keep a checkpointed forward's input".into(),
+        ))
+    }
+
     /// Post one comm batch (one NCCL group) and wait for all of it: sends carry their tensor
     /// in `tensor`, receives get theirs there.
     fn exchange(&mut self, ops: &mut [CommOp<Self::Tensor>]) -> Result<(), CommError>;

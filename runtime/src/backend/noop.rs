@@ -34,6 +34,10 @@ impl Backend for NoopBackend {
         Ok(())
     }
 
+    fn keep(&mut self, _: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     fn post(&mut self, _: &mut [CommOp<()>]) -> Result<(), CommError> {
         Ok(())
     }

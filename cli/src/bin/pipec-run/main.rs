@@ -14,10 +14,13 @@ mod report;
 
 use args::{trace_steps, world, Args, BackendKind};
 use clap::Parser;
+use pipec::back::files::MANIFEST_FILE;
+use pipec::simulate::cost::CostModel;
 use pipec::verify::Checked;
 use pipec_runtime::load::Runnable;
 use pipec_runtime::model::ModelConfig;
-use pipec_runtime::{load, load_unverified, run_cpu, RunError, RunOptions};
+use pipec_runtime::run::{memory_model, run_cpu_with_memory};
+use pipec_runtime::{load, load_unverified, RunError, RunOptions};
 use report::{json_head, print_json, print_report, write_trace, Interp};
 use std::path::Path;
 use std::process::ExitCode;
@@ -141,7 +144,17 @@ fn run_loaded<P: Checked>(
         check: args.check,
         trace_steps: trace_steps(args)?,
     };
-    let report = run_cpu(&loaded.program, &m.layout, &opts)?;
+    // Memory is measured in the weights `pipec check` counts this directory in.
+    let cost = match &m.cost {
+        Some(spec) => Some(CostModel::parse(spec).map_err(|e| RunError::Refused {
+            file: dir.join(MANIFEST_FILE).display().to_string(),
+            field: "cost".into(),
+            msg: e.render(),
+        })?),
+        None => None,
+    };
+    let memory = memory_model(loaded.program.program(), &m.layout, cost.as_ref());
+    let report = run_cpu_with_memory(&loaded.program, &m.layout, &opts, &memory)?;
     if report.traced.is_empty() {
         write_trace(args, loaded.program.program(), &report.timeline)?;
     } else if let Some(p) = &args.trace {
@@ -161,6 +174,8 @@ fn run_loaded<P: Checked>(
         let mut out = json_head(args, dir, &loaded.manifest, cfg, "cpu", "f32");
         out["steps"] = serde_json::json!(report.steps);
         out["static_peak_activations"] = serde_json::json!(report.static_peak_activations);
+        out["memory_unit"] = serde_json::json!(report.memory_unit);
+        out["static_memory"] = serde_json::json!(report.static_memory);
         interp.add_to(&mut out);
         print_json(&out);
     } else {

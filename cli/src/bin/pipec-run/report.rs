@@ -73,12 +73,40 @@ pub(crate) fn print_report(args: &Args, report: &RunReport) {
             })
         },
     );
+    print_memory(report);
     if let Some(p) = &args.trace {
         match args.trace_steps.as_deref() {
             None => println!("trace: {} (last step)", p.display()),
             Some(s) => println!("trace: {} (steps {s}, one process each)", p.display()),
         }
     }
+}
+
+/// The last step's measured peak memory per rank (parameters plus what the device store
+/// held, and the host store when a rank offloads) beside the verifier's count.
+fn print_memory(report: &RunReport) {
+    let Some(last) = report.steps.last() else {
+        return;
+    };
+    let unit = report.memory_unit;
+    let figures =
+        |xs: &mut dyn Iterator<Item = f64>| xs.map(|x| unit.fmt(x)).collect::<Vec<_>>().join(" ");
+    let mut line = format!(
+        "peak memory per rank ({}): {} measured, verifier {}",
+        unit.label(),
+        figures(&mut last.ranks.iter().map(|r| r.peak_memory)),
+        figures(&mut report.static_memory.iter().map(|p| p.peak)),
+    );
+    if last.ranks.iter().any(|r| r.host_memory > 0.0)
+        || report.static_memory.iter().any(|p| p.host > 0.0)
+    {
+        line.push_str(&format!(
+            "; host {} measured, verifier {}",
+            figures(&mut last.ranks.iter().map(|r| r.host_memory)),
+            figures(&mut report.static_memory.iter().map(|p| p.host)),
+        ));
+    }
+    println!("{line}");
 }
 
 /// The interpreter's own overhead ([`pipec_runtime::run::interpreter_us`]) against the

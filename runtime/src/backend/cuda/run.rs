@@ -224,6 +224,8 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
             busy_us: busy,
             end_us: end,
             peak_activations: run.peak_activations,
+            device_peak: run.device_peak,
+            host_peak: run.host_peak,
         })
     }
 
@@ -414,6 +416,7 @@ fn run_typed<T: Elem>(
         model: opts.model,
         full: &full,
         watch,
+        memory: &crate::run::memory_model(program, layout, None),
     };
     let run_opts = RunOptions {
         model: opts.model,
