@@ -366,28 +366,27 @@ class SavedActivations:
     def offload(self, stage: int, mb: int) -> None:
         entry = self._entry("offload", stage, mb, "device")
         moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        done = True
+        stream = None  # the copy stream, once it has waited for the forward's kernels
         for h in entry.managed():
             t = h.tensor
             if id(t) not in moved:
                 if t.is_cuda:
-                    stream = self._copy_stream(t.device)
-                    if not moved:  # the forward's kernels have written every one of them
+                    if stream is None:
+                        stream = self._copy_stream(t.device)
                         stream.wait_stream(torch.cuda.current_stream(t.device))
                     with torch.cuda.stream(stream):
                         host = torch.empty_like(t, device="cpu", pin_memory=True)
                         host.copy_(t, non_blocking=True)
                     t.record_stream(stream)  # not reused before the copy has read it
-                    done = stream
                 else:
                     host = torch.empty_like(t, device="cpu").copy_(t)
                 moved[id(t)] = (t, host)
                 self._host_total += h.nbytes()
             h.host, h.tensor = moved[id(t)][1], None
-        if done is not True:
-            event = torch.cuda.Event()
-            event.record(done)
-            done = event
+        done: Any = True  # a CPU copy has ended already
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
         self._offloads[(stage, mb)] = done
         entry.where = "host"
         self._event("offload", entry)
