@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStageInfo
 
 TOL = 1e-10
 LAUNCH_TIMEOUT = 300
-WORLD = 2
+WORLD = 4
 
 
 # --------------------------------------------------------------------------- one process
@@ -247,12 +247,13 @@ def _parts(rec: dict) -> list[tuple[str, int, int]]:
 
 
 def with_memory_ops(ins: list[dict], mode: str, rng: random.Random) -> list[dict]:
-    """``ins`` (one rank's records) with memory instructions: for each plain forward with a
-    backward (``bwd``, ``bwd_D`` or in a ``fwd_bwd``) later on the rank, by ``mode``:
+    """``ins`` (one rank's records) with memory instructions: for each forward (plain or in a
+    ``fwd_bwd``) with a backward (``bwd``, ``bwd_D`` or in a ``fwd_bwd``) later on the rank,
+    by ``mode``:
     ``offload`` (posted anywhere between the forward and its backward, reloaded anywhere
     between that and the backward, waited for anywhere after it or not at all), ``checkpoint``
-    (recomputed anywhere between the forward and its backward), or ``mixed`` (either, or
-    nothing, at random). Never inside a comm batch."""
+    (recomputed anywhere between the forward and its backward; plain forwards only), or
+    ``mixed`` (either, or nothing, at random). Never inside a comm batch."""
     ins = [dict(r) for r in ins]
     adds: list[tuple[int, int, dict]] = []  # (position, order, record)
     n = len(ins)
@@ -261,9 +262,10 @@ def with_memory_ops(ins: list[dict], mode: str, rng: random.Random) -> list[dict
         return rng.choice([x for x in range(lo, hi + 1) if _batch_boundary(ins, x)])
 
     for i, rec in enumerate(ins):
-        if rec["op"] != "fwd":
+        fwd = [(s, m) for p, s, m in _parts(rec) if p == "fwd"]
+        if not fwd:
             continue
-        t = (rec["stage"], rec["mb"])
+        t = fwd[0]
         need = next(
             (
                 j
@@ -275,6 +277,8 @@ def with_memory_ops(ins: list[dict], mode: str, rng: random.Random) -> list[dict
         if need is None:
             continue
         choice = mode if mode != "mixed" else rng.choice(["offload", "checkpoint", "none"])
+        if rec["op"] == "fwd_bwd" and choice == "checkpoint":
+            choice = "none"  # only a plain forward is checkpointed; an overlapped one offloads
         task = {"stage": t[0], "mb": t[1]}
         if choice == "offload":
             a = pick(i + 1, need)
@@ -310,17 +314,29 @@ def memory_schedule(path, compile_kwargs: dict, mode: str, seed: int) -> pipec.S
     return pipec.load(path)
 
 
-# (name, compile kwargs, mode, seed): pp=2 with 4 microbatches, as test_torch_train's small size.
+# (name, compile kwargs, mode, seed): pp=2 with 4 microbatches (test_torch_train's small size)
+# unless the kwargs say otherwise.
 MEMORY_CASES = [
     ("1f1b-offload", {"schedule": "1f1b"}, "offload", 1),
     ("1f1b-checkpoint", {"schedule": "1f1b"}, "checkpoint", 2),
+    ("1f1b-combined-offload", {"schedule": "1f1b", "combined": True}, "offload", 3),
     ("1f1b-combined-mixed", {"schedule": "1f1b", "combined": True}, "mixed", 3),
     ("interleaved-1f1b-mixed", {"schedule": "interleaved-1f1b", "vpp": 2}, "mixed", 4),
     ("zb-h1-offload", {"schedule": "zb-h1"}, "offload", 5),
     ("zb-h1-checkpoint", {"schedule": "zb-h1"}, "checkpoint", 6),
     ("zb-v-mixed", {"schedule": "zb-v"}, "mixed", 7),
     ("gpipe-mixed", {"schedule": "gpipe"}, "mixed", 8),
+    (
+        "interleaved-1f1b-pp4-mixed",
+        {"schedule": "interleaved-1f1b", "vpp": 2, "pp": 4, "microbatches": 8},
+        "mixed",
+        9,
+    ),
 ]
+
+
+def _size(kw: dict) -> dict:
+    return {"pp": 2, "microbatches": 4, **kw}
 
 
 def _counts(s: pipec.Schedule) -> dict[str, int]:
@@ -335,7 +351,7 @@ def _counts(s: pipec.Schedule) -> dict[str, int]:
 def test_the_cases_hold_what_they_test(tmp_path):
     """Each case's sealed schedule verifies with the memory instructions its mode asks for."""
     for name, kw, mode, seed in MEMORY_CASES:
-        s = memory_schedule(tmp_path / name, dict(kw, pp=2, microbatches=4), mode, seed)
+        s = memory_schedule(tmp_path / name, _size(kw), mode, seed)
         c = _counts(s)
         if mode != "checkpoint":
             assert c.get("offload", 0) == c.get("reload", 0) > 0, (name, c)
@@ -383,15 +399,16 @@ def trained_dirs(tmp_path_factory) -> dict:
     dirs = {}
     for name, kw, mode, seed in MEMORY_CASES:
         dirs[name] = out / name
-        memory_schedule(dirs[name], dict(kw, pp=2, microbatches=4), mode, seed)
+        memory_schedule(dirs[name], _size(kw), mode, seed)
     return dirs
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, trained_dirs):
     out = tmp_path_factory.mktemp("memtrain")
+    pp = {name: _size(kw)["pp"] for name, kw, _, _ in MEMORY_CASES}
     configs = [
-        {"name": name, "pp": 2, "tol": TOL, "dir": str(d), "deep": True}
+        {"name": name, "pp": pp[name], "tol": TOL, "dir": str(d), "deep": True}
         for name, d in trained_dirs.items()
     ]
     return launch.train_all(configs, WORLD, out, LAUNCH_TIMEOUT)
@@ -440,7 +457,8 @@ def _trace_holds(events: list[list], sched: pipec.Schedule, rank: int) -> None:
 @pytest.mark.parametrize("name", [c[0] for c in MEMORY_CASES])
 def test_memory_schedules_train_like_the_unpipelined_model(trained, trained_dirs, name):
     results, _, logs = trained
-    for r in range(2):
+    sched = pipec.load(trained_dirs[name])
+    for r in range(sched.pp):
         res = results.get((name, r))
         if res is None:
             pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
@@ -448,8 +466,11 @@ def test_memory_schedules_train_like_the_unpipelined_model(trained, trained_dirs
             pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
         assert res["max_grad_rel_err"] <= TOL and res["max_loss_rel_err"] <= TOL
         assert res["grads_compared"] > 0
-    sched = pipec.load(trained_dirs[name])
-    for r in range(2):
+    # Every stage's gradients, and the losses of every microbatch on the last stage.
+    stages = sorted(s for r in range(sched.pp) for s in results[(name, r)]["stages"])
+    assert stages == list(range(sched.num_stages))
+    assert sum(results[(name, r)]["losses_compared"] for r in range(sched.pp)) > 0
+    for r in range(sched.pp):
         _trace_holds(results[(name, r)].get("memory_events", []), sched, r)
 
 
