@@ -254,6 +254,7 @@ class SavedActivations:
         self._streams: dict[Any, Any] = {}
         self._host_total = 0
         self.events: list[MemoryEvent] = []
+        self._hooks: list[Any] = []  # what attach registered, for detach
 
     def attach(self) -> None:
         """Register the forward context and the input recorder on every stage with a managed
@@ -261,13 +262,24 @@ class SavedActivations:
         for idx in sorted({s for s, _ in self._managed}):
             st = self._stages[idx]
             try:
-                st.register_forward_context(self._forward_context)
+                self._hooks.append(st.register_forward_context(self._forward_context))
             except RuntimeError as e:
+                self.detach()
                 raise PipecError(
                     f"stage {idx}: {e}; pipec runs its memory instructions through the stage's "
-                    "forward context and needs it free"
+                    "forward context and needs it free (a runtime built earlier on this stage "
+                    "releases it with runtime.pipec_memory.detach())"
                 ) from None
-            st.submod.register_forward_pre_hook(self._record_inputs, with_kwargs=True)
+            self._hooks.append(
+                st.submod.register_forward_pre_hook(self._record_inputs, with_kwargs=True)
+            )
+
+    def detach(self) -> None:
+        """Remove what :meth:`attach` registered: the stages run their forwards as without
+        pipec (and a runtime with no memory instructions left to run)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def begin_step(self) -> None:
         """Start a training step: nothing is held from an earlier one (an interrupted step
@@ -335,6 +347,8 @@ class SavedActivations:
         entry.where = "device"
         if entry.checkpoint:
             entry.where = "dropped"
+        else:
+            entry.inputs = None  # only a recompute needs them
         self._event("fwd_checkpoint" if entry.checkpoint else "fwd", entry)
 
     def _unpack(self, h: _Saved) -> torch.Tensor:

@@ -37,6 +37,16 @@ WORLD = 4
 # --------------------------------------------------------------------------- one process
 
 
+class _Handle:
+    """The handle ``register_forward_context`` returns (torch's ``RemovableHandle``)."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def remove(self):
+        self.stage.context = None
+
+
 class _Stage:
     """What ``pipec.torch.SavedActivations`` uses of a torch ``PipelineStage``: its index,
     module and device, ``register_forward_context``, and ``forward_maybe_with_nosync``, called
@@ -53,6 +63,7 @@ class _Stage:
         if self.context is not None:
             raise RuntimeError("A pipeline forward context is already registered")
         self.context = factory
+        return _Handle(self)
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         return self.submod(*args, **kwargs)
@@ -217,6 +228,19 @@ def test_a_recompute_that_differs_from_the_forward_is_refused():
     st.forward(0, _input().requires_grad_())
     with pytest.raises(pipec.PipecError, match="must do what the forward did"):
         store.recompute(0, 0)
+
+
+def test_detach_frees_the_stage_for_another_runtime():
+    """A second store on the same stage is refused until the first one detaches; after that
+    its forward runs without hooks (nothing is managed)."""
+    _, st, store = _managed(checkpoint=False)
+    second = pt.SavedActivations([st], set(), {(0, 0)})
+    with pytest.raises(pipec.PipecError, match="detach"):
+        second.attach()
+    store.detach()
+    second.attach()
+    st.forward(0, _input().requires_grad_())
+    assert second.pending() == [(0, 0)] and store.pending() == []
 
 
 def test_a_stage_with_its_own_forward_context_is_refused():
