@@ -255,7 +255,9 @@ class Schedule:
     def torch_actions(self, compute_only: bool = False) -> list[list]:
         """The same actions as :meth:`to_torch_csv`, structured, one list per rank:
         ``[stage, "TYPE", mb or None]``, or ``["OVERLAP_F_B", fwd, bwd]``, or ``None`` for an
-        idle cell."""
+        idle cell. Memory instructions, which the CSV refuses, are pipec's own types
+        (``OFFLOAD``, ``RELOAD``, ``WAIT_OFFLOAD``, ``RECOMPUTE``, ``F_CHECKPOINT``; docs/torch.md,
+        "Memory instructions")."""
         return self._n.torch_actions(compute_only)
 
 

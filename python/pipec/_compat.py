@@ -220,6 +220,23 @@ def torch_stage_placement(runtime: Any) -> dict[int, int]:
     return runtime.stage_index_to_group_rank
 
 
+def torch_register_action(runtime: Any, computation_type: Any, fn: Callable) -> None:
+    """Have ``runtime`` run ``fn(action, ctx)`` for every action of ``computation_type``:
+    ``_PipelineScheduleRuntime._comp_type_to_function_map`` (torch 2.15), which
+    ``_step_microbatches`` consults for each action before its own dispatch. Its public filler,
+    ``register_custom_function``, accepts only torch's own types; pipec's memory actions are
+    not among them."""
+    runtime._comp_type_to_function_map[computation_type] = fn
+
+
+def torch_stage_forward(stage: Any) -> Callable:
+    """``_PipelineStageBase.forward_maybe_with_nosync`` (torch 2.15) of ``stage``: the call
+    ``forward_one_chunk`` makes to run the stage's module on its inputs (``submod(*args,
+    **kwargs)``, under ``no_sync`` when the module is DDP-wrapped). A recompute runs the
+    forward through it again."""
+    return stage.forward_maybe_with_nosync
+
+
 # --------------------------------------------------------------------------- torch FSDP2
 
 

@@ -1,8 +1,8 @@
 """Run pipec's verified schedules on torch.distributed.pipelining's own runtime.
 
-:func:`build_schedule` turns the verified instruction stream of this rank (compute and
-communication, in the order pipec proved deadlock-free) into torch ``_Action`` objects and hands
-them, as written, to torch's ``_PipelineScheduleRuntime``: the actions come from the Rust
+:func:`build_schedule` turns the verified instruction stream of this rank (compute,
+communication and memory instructions, in the order pipec proved deadlock-free) into torch
+``_Action`` objects and hands them, as written, to torch's ``_PipelineScheduleRuntime``: the actions come from the Rust
 exporter as structured data, with no CSV in between. torch is imported only here; its private
 parts are reached through :mod:`pipec._compat`, and importing this module checks that the
 installed torch is in the tested series (:data:`pipec._compat.TESTED`).
@@ -10,9 +10,11 @@ installed torch is in the tested series (:data:`pipec._compat.TESTED`).
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +26,10 @@ _Action = _compat.torch_action()
 _ComputationType = _compat.torch_computation_type()
 
 __all__ = [
+    "MemoryAction",
+    "MemoryEvent",
     "PipecScheduleRuntime",
+    "SavedActivations",
     "actions",
     "build_schedule",
     "regather_for_split_backward",
@@ -51,24 +56,452 @@ def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int
     return s.stages_of(rank)
 
 
-def _action(cell: Any) -> _Action | None:
+class MemoryAction(str, enum.Enum):
+    """pipec's memory instructions as action types of torch's runtime (issue 30).
+
+    They are not torch's ``_ComputationType`` members: :func:`build_schedule` has its runtime run
+    them (:class:`SavedActivations`) where the rank's program has them. A checkpointed forward
+    (``fwd`` with ``"checkpoint": true``) is torch's ``FORWARD``, run under
+    :class:`SavedActivations`' hooks."""
+
+    OFFLOAD = "OFFLOAD"
+    RELOAD = "RELOAD"
+    WAIT_OFFLOAD = "WAIT_OFFLOAD"
+    RECOMPUTE = "RECOMPUTE"
+
+
+#: The exporter's name of a checkpointed forward (not torch's: it runs as ``FORWARD``).
+_F_CHECKPOINT = "F_CHECKPOINT"
+
+
+def _action(cell: Any, checkpointed: set[tuple[int, int]] | None = None) -> _Action | None:
+    """The torch action of one exported cell; a checkpointed forward becomes ``FORWARD`` and
+    its (stage, microbatch) goes into ``checkpointed``."""
     if cell is None:
         return None
     if cell[0] == "OVERLAP_F_B":
         fwd, bwd = (_action(c) for c in cell[1:])
         return _Action(-1, _ComputationType.OVERLAP_F_B, None, (fwd, bwd))
     stage, ty, mb = cell
+    if ty == _F_CHECKPOINT:
+        if checkpointed is not None:
+            checkpointed.add((stage, mb))
+        return _Action(stage, _ComputationType.FORWARD, mb)
+    if ty in MemoryAction.__members__:
+        return _Action(stage, MemoryAction(ty), mb)
     return _Action(stage, _ComputationType(ty), mb)
+
+
+def _actions(s: Schedule, compute_only: bool = False):
+    """(every rank's actions, every rank's checkpointed forwards as (stage, microbatch))."""
+    _refuse_bidirectional(s)
+    lines, checkpointed = {}, {}
+    for r, line in enumerate(s.torch_actions(compute_only)):
+        checkpointed[r] = set()
+        lines[r] = [_action(c, checkpointed[r]) for c in line]
+    return lines, checkpointed
 
 
 def actions(
     schedule: Schedule | str | os.PathLike, compute_only: bool = False
 ) -> dict[int, list[_Action]]:
     """Every rank's actions as torch ``_Action`` objects (compute+comms unless
-    ``compute_only``), built from pipec's exporter without a CSV round trip."""
-    s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
-    return {r: [_action(c) for c in line] for r, line in enumerate(s.torch_actions(compute_only))}
+    ``compute_only``), built from pipec's exporter without a CSV round trip. Memory
+    instructions are actions of a :class:`MemoryAction` type (compute+comms only); a
+    checkpointed forward is a ``FORWARD``."""
+    return _actions(_as_schedule(schedule), compute_only)[0]
+
+
+# --------------------------------------------------------------------------- memory instructions
+
+
+class MemoryEvent(NamedTuple):
+    """What one memory step did to the activations of forward (``stage``, ``mb``), in bytes of
+    the tensors autograd saved there that :class:`SavedActivations` manages (the stage's
+    inputs and parameters, which the stage keeps anyway, are not counted): ``device`` held in
+    device memory and ``host`` in host memory after the step, ``host_total`` all that the
+    rank holds on the host. ``op`` is the rank file's name (``fwd``, ``fwd_checkpoint``,
+    ``offload``, ``reload``, ``wait_offload``, ``recompute``)."""
+
+    op: str
+    stage: int
+    mb: int
+    device: int
+    host: int
+    host_total: int
+
+
+class _Saved:
+    """One tensor autograd saved in a managed forward: on the device (``tensor``), on the
+    host (``host``), or neither (dropped by a checkpointed forward until its recompute)."""
+
+    __slots__ = ("device", "host", "kept", "meta", "ready", "tensor")
+
+    def __init__(self, t: torch.Tensor):
+        # Detached: the same storage without the autograd node, so a saved output does not
+        # hold its own node through this handle (a reference cycle).
+        self.tensor: torch.Tensor | None = t.detach()
+        self.host: torch.Tensor | None = None
+        self.device = t.device
+        self.meta = (t.shape, t.dtype)
+        self.kept = False
+        self.ready: Any = None  # the CUDA event of its reload
+
+    def nbytes(self) -> int:
+        shape, dtype = self.meta
+        return shape.numel() * dtype.itemsize
+
+
+class _Entry:
+    """The managed forward of one (stage, microbatch), from its forward to its reload or
+    recompute."""
+
+    __slots__ = ("autocast", "checkpoint", "inputs", "key", "rng", "saved", "where")
+
+    def __init__(self, key: tuple[int, int], checkpoint: bool):
+        self.key = key
+        self.checkpoint = checkpoint
+        self.saved: list[_Saved] = []
+        self.inputs: tuple[tuple, dict] | None = None
+        self.rng: Any = None
+        self.autocast: Any = None
+        self.where = "forward"
+
+    def managed(self) -> list[_Saved]:
+        return [h for h in self.saved if not h.kept]
+
+    def bytes(self) -> tuple[int, int]:
+        """(device, host) bytes of the managed tensors, each storage once."""
+        dev, host, seen = 0, 0, set()
+        for h in self.managed():
+            for t, side in ((h.tensor, 0), (h.host, 1)):
+                if t is None or (id(t), side) in seen:
+                    continue
+                seen.add((id(t), side))
+                if side:
+                    host += h.nbytes()
+                else:
+                    dev += h.nbytes()
+        return dev, host
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # no storage: a tensor subclass, a sparse one
+        return None
+
+
+def _detach_like(x: Any) -> Any:
+    """``x`` with every tensor detached, keeping whether it requires grad (a recompute must
+    build the same graph: which tensors an op saves depends on which inputs require grad)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach_like(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _detach_like(v) for k, v in x.items()}
+    return x
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+
+
+class SavedActivations:
+    """The activations of one rank's forwards that its memory instructions act on.
+
+    Every forward of a (stage, microbatch) that the rank offloads or checkpoints runs inside
+    ``torch.autograd.graph.saved_tensors_hooks`` (entered by the stage's forward context,
+    ``PipelineStage.register_forward_context``): each tensor autograd saves for the backward
+    is packed into a handle here, and the backward unpacks it from the handle. Tensors whose
+    storage the stage keeps anyway (its inputs, parameters and buffers) stay where they are;
+    the others are the forward's activations, which the memory instructions move:
+
+    - ``offload``: copied to host memory, the device copy released (on CUDA into pinned
+      memory on a side stream, which first waits for the compute stream; on CPU into a
+      separate host copy);
+    - ``reload``: copied back (CUDA: on the same side stream; the backward's compute stream
+      waits for the copy when it unpacks the tensor);
+    - ``wait_offload``: the compute stream waits for the offload (CUDA; on CPU the copy has
+      ended already);
+    - checkpointed forward: its activations are dropped when it ends (its inputs stay: the
+      stage keeps them for the backward), with the RNG and autocast state it ran under;
+    - ``recompute``: the stage's forward runs again on the kept inputs under that state, and
+      the tensors it saves fill the dropped handles, in order (torch's non-reentrant
+      ``checkpoint`` matches them the same way); the recomputed graph itself is discarded.
+      So the activations are rebuilt where the program has the ``recompute``, not inside the
+      backward as ``torch.utils.checkpoint`` would.
+
+    A handle lives as long as the autograd graph that holds it: after the backward the
+    activations are freed as without pipec. :attr:`events` records each step of the current
+    training step (:class:`MemoryEvent`)."""
+
+    def __init__(self, stages: Sequence[Any], checkpointed: set, offloaded: set):
+        self._stages = {st.stage_index: st for st in stages}
+        self._checkpointed = set(checkpointed)
+        self._managed = set(checkpointed) | set(offloaded)
+        self._entries: dict[tuple[int, int], _Entry] = {}
+        self._offloads: dict[tuple[int, int], Any] = {}  # offloaded, until its wait_offload
+        self._armed: _Entry | None = None
+        self._streams: dict[Any, Any] = {}
+        self._host_total = 0
+        self.events: list[MemoryEvent] = []
+        self._hooks: list[Any] = []  # what attach registered, for detach
+
+    def attach(self) -> None:
+        """Register the forward context and the input recorder on every stage with a managed
+        forward."""
+        for idx in sorted({s for s, _ in self._managed}):
+            st = self._stages[idx]
+            try:
+                self._hooks.append(st.register_forward_context(self._forward_context))
+            except RuntimeError as e:
+                self.detach()
+                raise PipecError(
+                    f"stage {idx}: {e}; pipec runs its memory instructions through the stage's "
+                    "forward context and needs it free (a runtime built earlier on this stage "
+                    "releases it with runtime.pipec_memory.detach())"
+                ) from None
+            self._hooks.append(
+                st.submod.register_forward_pre_hook(self._record_inputs, with_kwargs=True)
+            )
+
+    def detach(self) -> None:
+        """Remove what :meth:`attach` registered: the stages run their forwards as without
+        pipec (and a runtime with no memory instructions left to run)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def begin_step(self) -> None:
+        """Start a training step: nothing is held from an earlier one (an interrupted step
+        leaves its handles to its own graph)."""
+        self._entries.clear()
+        self._offloads.clear()
+        self._host_total = 0
+        self.events = []
+
+    def pending(self) -> list[tuple[int, int]]:
+        """The managed forwards not yet reloaded or recomputed."""
+        return sorted(self._entries)
+
+    def _event(self, op: str, entry: _Entry) -> None:
+        dev, host = entry.bytes()
+        s, m = entry.key
+        self.events.append(MemoryEvent(op, s, m, dev, host, self._host_total))
+
+    # --- the forward
+
+    def _record_inputs(self, module, args, kwargs):
+        entry = self._armed
+        if entry is not None and entry.inputs is None:
+            entry.inputs = (args, kwargs)
+
+    @contextlib.contextmanager
+    def _forward_context(self, info: Any) -> Iterator[None]:
+        key = (info.stage_index, info.microbatch_index)
+        if info.is_metadata_inference or key not in self._managed:
+            yield
+            return
+        if key in self._entries:
+            raise PipecError(
+                f"forward of stage {key[0]}, microbatch {key[1]} ran again before its "
+                "activations were reloaded or recomputed"
+            )
+        entry = _Entry(key, key in self._checkpointed)
+        self._entries[key] = entry
+        stage = self._stages[key[0]]
+        if entry.checkpoint:
+            entry.rng = _rng_state(stage.device)
+            dev = torch.device(stage.device).type
+            entry.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+
+        def pack(t: torch.Tensor) -> _Saved:
+            h = _Saved(t)
+            entry.saved.append(h)
+            return h
+
+        self._armed = entry
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            self._armed = None
+        kept = {_storage(t) for t in _tensors(entry.inputs)}
+        kept |= {_storage(p) for p in stage.submod.parameters()}
+        kept |= {_storage(b) for b in stage.submod.buffers()}
+        kept.discard(None)
+        for h in entry.saved:
+            ptr = _storage(h.tensor)
+            h.kept = (ptr is not None and ptr in kept) or h.nbytes() == 0
+            if entry.checkpoint and not h.kept:
+                h.tensor = None
+        entry.where = "device"
+        if entry.checkpoint:
+            entry.where = "dropped"
+        else:
+            entry.inputs = None  # only a recompute needs them
+        self._event("fwd_checkpoint" if entry.checkpoint else "fwd", entry)
+
+    def _unpack(self, h: _Saved) -> torch.Tensor:
+        if h.tensor is None:
+            raise PipecError(
+                "the backward needs an activation that is "
+                + ("in host memory (no reload before it)" if h.host is not None else "dropped")
+                + "; the schedule must reload or recompute before the backward"
+            )
+        if h.ready is not None:
+            torch.cuda.current_stream(h.tensor.device).wait_event(h.ready)
+        return h.tensor
+
+    # --- the memory instructions
+
+    def _entry(self, op: str, stage: int, mb: int, where: str) -> _Entry:
+        entry = self._entries.get((stage, mb))
+        if entry is None or entry.where != where:
+            state = "no managed forward" if entry is None else f"its activations are {entry.where}"
+            raise PipecError(f"{op}(stage {stage}, mb {mb}): {state}, expected {where}")
+        return entry
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        st = self._streams.get(device)
+        if st is None:
+            st = self._streams[device] = torch.cuda.Stream(device)
+        return st
+
+    def offload(self, stage: int, mb: int) -> None:
+        entry = self._entry("offload", stage, mb, "device")
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        stream = None  # the copy stream, once it has waited for the forward's kernels
+        for h in entry.managed():
+            t = h.tensor
+            if id(t) not in moved:
+                if t.is_cuda:
+                    if stream is None:
+                        stream = self._copy_stream(t.device)
+                        stream.wait_stream(torch.cuda.current_stream(t.device))
+                    with torch.cuda.stream(stream):
+                        host = torch.empty_like(t, device="cpu", pin_memory=True)
+                        host.copy_(t, non_blocking=True)
+                    t.record_stream(stream)  # not reused before the copy has read it
+                else:
+                    host = torch.empty_like(t, device="cpu").copy_(t)
+                moved[id(t)] = (t, host)
+                self._host_total += h.nbytes()
+            h.host, h.tensor = moved[id(t)][1], None
+        done: Any = True  # a CPU copy has ended already
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._offloads[(stage, mb)] = done
+        entry.where = "host"
+        self._event("offload", entry)
+
+    def wait_offload(self, stage: int, mb: int) -> None:
+        done = self._offloads.pop((stage, mb), None)
+        if done is None:
+            raise PipecError(f"wait_offload(stage {stage}, mb {mb}): no offload of it is pending")
+        if done is not True:
+            torch.cuda.current_stream(self._stages[stage].device).wait_event(done)
+        dev, host = 0, 0
+        entry = self._entries.get((stage, mb))
+        if entry is not None:
+            dev, host = entry.bytes()
+        self.events.append(MemoryEvent("wait_offload", stage, mb, dev, host, self._host_total))
+
+    def reload(self, stage: int, mb: int) -> None:
+        entry = self._entry("reload", stage, mb, "host")
+        back: dict[int, torch.Tensor] = {}
+        for h in entry.managed():
+            host = h.host
+            if id(host) not in back:
+                if h.device.type == "cuda":
+                    stream = self._copy_stream(h.device)
+                    with torch.cuda.stream(stream):
+                        t = torch.empty_like(host, device=h.device)
+                        t.copy_(host, non_blocking=True)
+                        ready = torch.cuda.Event()
+                        ready.record(stream)
+                    t.record_stream(torch.cuda.current_stream(h.device))
+                    h.ready = ready
+                else:
+                    t = host.clone()
+                back[id(host)] = t
+                self._host_total -= h.nbytes()
+            h.tensor, h.host = back[id(host)], None
+        entry.where = "device"
+        self._event("reload", entry)
+        del self._entries[(stage, mb)]
+
+    def recompute(self, stage: int, mb: int) -> None:
+        entry = self._entry("recompute", stage, mb, "dropped")
+        st = self._stages[stage]
+        if entry.inputs is None:
+            raise PipecError(f"recompute(stage {stage}, mb {mb}): its forward recorded no inputs")
+        args, kwargs = _detach_like(entry.inputs)
+        fresh: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> None:
+            fresh.append(t.detach())
+
+        def unpack(_: None) -> torch.Tensor:
+            raise PipecError("the recomputed graph is not for backward")
+
+        dev = torch.device(st.device)
+        kind, enabled, dtype = entry.autocast
+        with (
+            torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []),
+            torch.enable_grad(),
+            torch.autocast(kind, dtype=dtype, enabled=enabled),
+        ):
+            _set_rng_state(entry.rng, dev)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                _compat.torch_stage_forward(st)(*args, **kwargs)
+        if len(fresh) != len(entry.saved) or any(
+            (t.shape, t.dtype) != h.meta for t, h in zip(fresh, entry.saved, strict=True)
+        ):
+            raise PipecError(
+                f"recompute(stage {stage}, mb {mb}): the forward saved "
+                f"{[tuple(h.meta[0]) for h in entry.saved]} for the backward, the recompute "
+                f"{[tuple(t.shape) for t in fresh]}; a recomputed forward must do what the "
+                "forward did (same operations on the same inputs)"
+            )
+        for h, t in zip(entry.saved, fresh, strict=True):
+            if h.tensor is None:
+                h.tensor = t
+        entry.where = "device"
+        self._event("recompute", entry)
+        del self._entries[(stage, mb)]
+
+    def run(self, action: _Action, ctx: Any = None) -> None:
+        """Execute a :class:`MemoryAction` (what the runtime calls for each)."""
+        {
+            MemoryAction.OFFLOAD: self.offload,
+            MemoryAction.RELOAD: self.reload,
+            MemoryAction.WAIT_OFFLOAD: self.wait_offload,
+            MemoryAction.RECOMPUTE: self.recompute,
+        }[action.computation_type](action.stage_index, action.microbatch_index)
+
+
+def _rng_state(device: Any) -> tuple:
+    dev = torch.device(device)
+    cuda = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple, dev: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, dev)
 
 
 def _check_loss_order(s: Schedule, comms: dict[int, list[_Action]]) -> None:
@@ -188,6 +621,9 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
     """
 
     pipec_schedule: Schedule
+    #: The rank's offloaded and checkpointed activations, when its program has memory
+    #: instructions (else ``None``).
+    pipec_memory: SavedActivations | None = None
 
     def step(self, *args, **kwargs):
         # eval() comes through here with backward off; a direct step() would run backwards.
@@ -196,7 +632,17 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
                 "this pipec schedule is forward-only (compiled with forward_only=True): "
                 "call .eval(...), or compile a training schedule for .step(...)"
             )
-        return super().step(*args, **kwargs)
+        if self.pipec_memory is None:
+            return super().step(*args, **kwargs)
+        self.pipec_memory.begin_step()
+        out = super().step(*args, **kwargs)
+        left = self.pipec_memory.pending()
+        if left and _compat.torch_has_backward(self):
+            raise PipecError(
+                f"the step ended with the activations of {left} (stage, microbatch) neither "
+                "reloaded nor recomputed"
+            )
+        return out
 
     def eval(self, *args, **kwargs):
         if not self.pipec_schedule.forward_only:
@@ -207,6 +653,34 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
                 "pipec.compile(..., forward_only=True) for evaluation"
             )
         return _compat.torch_schedule_eval(self, *args, **kwargs)
+
+
+def _memory_plan(line: list[_Action], checkpointed: set) -> tuple[set, set] | None:
+    """(checkpointed, offloaded) forwards of a rank's actions, or ``None`` without memory
+    instructions."""
+    offloaded = {
+        (a.stage_index, a.microbatch_index)
+        for a in line
+        if a.computation_type == MemoryAction.OFFLOAD
+    }
+    if not offloaded and not checkpointed:
+        return None
+    return set(checkpointed), offloaded
+
+
+def _refuse_fsdp_memory(stages: Sequence[Any], plan: tuple[set, set]) -> None:
+    fsdp = _fsdp_module_class()
+    managed = {s for s, _ in plan[0] | plan[1]}
+    for st in stages:
+        if fsdp is None or st.stage_index not in managed:
+            continue
+        if any(isinstance(m, fsdp) for m in st.submod.modules()):
+            raise PipecError(
+                f"stage {st.stage_index} is FSDP2-sharded and this rank offloads or "
+                "checkpoints its activations; pipec.torch does not run memory instructions "
+                "on FSDP stages (FSDP2 frees and refills the gathered parameters that the "
+                "forward saves)"
+            )
 
 
 def build_schedule(
@@ -233,6 +707,12 @@ def build_schedule(
     ``W``) get a ``RESHARD`` + ``UNSHARD`` before each ``I``/``W`` that would otherwise find
     their sharded parameters (:func:`regather_for_split_backward`): without it torch drops or
     corrupts their weight gradients, in its own zero-bubble classes too. Nothing else changes.
+
+    Memory instructions (``offload``, ``reload``, ``wait_offload``, ``recompute``, checkpointed
+    forwards) run where the rank's program has them, as actions of :class:`MemoryAction` types the runtime
+    hands to a :class:`SavedActivations` (``runtime.pipec_memory``), which manages the saved
+    tensors of the forwards they name through the stages' forward contexts (so those stages
+    must have none of their own, and must not be FSDP-sharded).
     """
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
@@ -267,7 +747,7 @@ def build_schedule(
         )
     if loss_fn is None and not s.forward_only:
         raise PipecError("a training schedule needs a loss_fn (torch runs backward from it)")
-    comms = actions(s)
+    comms, checkpointed = _actions(s)
     _check_loss_order(s, comms)
     split = {
         a.stage_index
@@ -287,6 +767,13 @@ def build_schedule(
         scale_grads=scale_grads,
     )
     runtime.pipec_schedule = s
+    memory = _memory_plan(comms[rank], checkpointed[rank])
+    if memory is not None:
+        _refuse_fsdp_memory(stages, memory)
+        runtime.pipec_memory = SavedActivations(stages, *memory)
+        runtime.pipec_memory.attach()
+        for ty in MemoryAction:
+            _compat.torch_register_action(runtime, ty, runtime.pipec_memory.run)
     compute = actions(s, compute_only=True)
     mapping = dict(enumerate(s.stage_to_rank))
     if s.forward_only:

@@ -377,7 +377,8 @@ impl NativeSchedule {
 
     /// The same cells as Python lists, one list per rank: `[stage, "TYPE", mb|None]` for an
     /// action, `["OVERLAP_F_B", fwd, bwd]` for an overlapped pair, `None` for an idle cell
-    /// (made directly, no JSON text in between).
+    /// (made directly, no JSON text in between). Memory instructions, which the CSV refuses,
+    /// come as pipec's own types (`ActionType::MEMORY`).
     #[pyo3(signature = (compute_only=false))]
     fn torch_actions<'py>(
         &self,

@@ -335,6 +335,46 @@ def test_torch_schedule_eval(ts):
     assert calls == [False] and fake._has_backward is True
 
 
+def test_torch_register_action(ts):
+    """pipec's memory actions (issue 30) reach torch's runtime through the map that
+    ``_step_microbatches`` consults for every action before its own dispatch; their type has
+    the ``.value`` that ``_Action.__repr__`` (logging, profiler names) reads."""
+    import pipec.torch as pt
+
+    R = ts._PipelineScheduleRuntime
+    assert _sets(R, "_comp_type_to_function_map")
+    src = _source(R._step_microbatches)
+    assert "action.computation_type in self._comp_type_to_function_map" in src
+    assert "self._comp_type_to_function_map[action.computation_type](" in src
+    runtime = types.SimpleNamespace(_comp_type_to_function_map={})
+    _compat.torch_register_action(runtime, pt.MemoryAction.OFFLOAD, print)
+    assert runtime._comp_type_to_function_map == {pt.MemoryAction.OFFLOAD: print}
+    assert repr(ts._Action(0, pt.MemoryAction.OFFLOAD, 1)) == "0OFFLOAD1"
+
+
+def test_torch_stage_forward_and_context():
+    """``forward_one_chunk`` runs ``forward_maybe_with_nosync`` inside the stage's forward
+    context, which receives a ``PipelineStageInfo`` naming the stage and microbatch (pipec's
+    memory instructions rely on both: the context holds the saved-tensor hooks, the recompute
+    calls the same forward again)."""
+    _need("torch")
+    import dataclasses
+
+    from torch.distributed.pipelining import PipelineStageInfo
+    from torch.distributed.pipelining import stage as st
+
+    base = st._PipelineStageBase
+    src = _source(base.forward_one_chunk)
+    assert "self._call_with_forward_context(" in src and "self.forward_maybe_with_nosync" in src
+    assert "microbatch_index=fwd_chunk_id" in src
+    assert _params(base.register_forward_context) == ["self", "context_factory"]
+    fields = {f.name for f in dataclasses.fields(PipelineStageInfo)}
+    assert {"stage_index", "microbatch_index", "is_metadata_inference"} <= fields
+    stage = types.SimpleNamespace(forward_maybe_with_nosync=len)
+    assert _compat.torch_stage_forward(stage) is len
+    assert "self.submod(*args, **kwargs)" in _source(base.forward_maybe_with_nosync)
+
+
 def test_torch_prepare_schedule_with_comms(ts):
     f = ts._PipelineScheduleRuntime._prepare_schedule_with_comms
     assert _params(f)[:3] == ["self", "actions", "format"]

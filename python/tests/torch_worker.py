@@ -32,10 +32,19 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def make_layers(num_stages: int) -> list[torch.nn.Module]:
+def make_layers(num_stages: int, deep: bool = False) -> list[torch.nn.Module]:
+    """One Linear+Tanh per stage; ``deep``: two, so a stage keeps activations of its own for
+    the backward beyond its input and output (what memory instructions move)."""
     torch.manual_seed(1234)
+    layers = 2 if deep else 1
     return [
-        torch.nn.Sequential(torch.nn.Linear(DIM, DIM, dtype=torch.float64), torch.nn.Tanh())
+        torch.nn.Sequential(
+            *(
+                m
+                for _ in range(layers)
+                for m in (torch.nn.Linear(DIM, DIM, dtype=torch.float64), torch.nn.Tanh())
+            )
+        )
         for _ in range(num_stages)
     ]
 
@@ -157,7 +166,7 @@ def run(cfg: dict, rank: int, group) -> dict:
     else:
         sched = pipec.compile(**cfg["compile"])
     s_count, m = sched.num_stages, sched.num_microbatches
-    layers = make_layers(s_count)
+    layers = make_layers(s_count, cfg.get("deep", False))
     ref = torch.nn.Sequential(*copy.deepcopy(layers))
     mine = pt.stage_indices(sched, rank)
     extra = {}
@@ -220,6 +229,9 @@ def run(cfg: dict, rank: int, group) -> dict:
                     )
         opt.step()
         ref_opt.step()
+    if getattr(runtime, "pipec_memory", None) is not None:
+        # The last step's trace of the memory instructions (test_torch_memory checks it).
+        extra["memory_events"] = [list(e) for e in runtime.pipec_memory.events]
     return {
         "stages": mine,
         "losses_compared": n_losses,

@@ -23,7 +23,13 @@ pub const MAX_STAGES: u32 = 1 << 16;
 /// Largest accepted microbatch id + 1.
 pub const MAX_MICROBATCHES: u32 = 1 << 24;
 
-/// torch's `_ComputationType`, with its CSV spelling.
+/// torch's `_ComputationType`, with its CSV spelling, and pipec's own memory actions.
+///
+/// The memory types ([`ActionType::MEMORY`]) are not torch's: they appear only in the cells
+/// [`super::export_cells`] hands to `pipec.torch.build_schedule`, which executes them on its
+/// subclass of torch's runtime; no CSV holds them (torch's `_Action.from_str` has no such
+/// type, so the CSV exporter refuses programs with memory instructions and the reader, which
+/// knows only [`ActionType::ALL`], refuses the names).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ActionType {
     /// `F`: forward.
@@ -54,9 +60,20 @@ pub enum ActionType {
     WaitSendF,
     /// Wait for the completion of a `SEND_B`.
     WaitSendB,
+    /// pipec: `fwd` with `"checkpoint": true`, a forward that keeps only its input.
+    ForwardCheckpoint,
+    /// pipec: `offload`, copy the forward's saved activations to host memory.
+    Offload,
+    /// pipec: `reload`, copy them back to the device.
+    Reload,
+    /// pipec: `wait_offload`, the compute stream waits for the offload.
+    WaitOffload,
+    /// pipec: `recompute`, rebuild a checkpointed forward's activations.
+    Recompute,
 }
 
 impl ActionType {
+    /// torch's types: what its CSV holds and the reader accepts.
     pub const ALL: [ActionType; 14] = [
         ActionType::Forward,
         ActionType::FullBackward,
@@ -74,7 +91,16 @@ impl ActionType {
         ActionType::WaitSendB,
     ];
 
-    /// torch's spelling.
+    /// pipec's memory types, in the order of the rank file's schema.
+    pub const MEMORY: [ActionType; 5] = [
+        ActionType::ForwardCheckpoint,
+        ActionType::Offload,
+        ActionType::Reload,
+        ActionType::WaitOffload,
+        ActionType::Recompute,
+    ];
+
+    /// torch's spelling (pipec's for the memory types).
     pub fn name(self) -> &'static str {
         match self {
             ActionType::Forward => "F",
@@ -91,9 +117,15 @@ impl ActionType {
             ActionType::WaitReduceGrad => "WAIT_REDUCE_GRAD",
             ActionType::WaitSendF => "WAIT_SEND_F",
             ActionType::WaitSendB => "WAIT_SEND_B",
+            ActionType::ForwardCheckpoint => "F_CHECKPOINT",
+            ActionType::Offload => "OFFLOAD",
+            ActionType::Reload => "RELOAD",
+            ActionType::WaitOffload => "WAIT_OFFLOAD",
+            ActionType::Recompute => "RECOMPUTE",
         }
     }
 
+    /// torch's type of that spelling; `None` for anything else, pipec's memory types included.
     pub fn from_name(s: &str) -> Option<Self> {
         ActionType::ALL.into_iter().find(|t| t.name() == s)
     }
@@ -127,9 +159,14 @@ impl ActionType {
         )
     }
 
+    /// One of pipec's memory types ([`ActionType::MEMORY`]), never in a CSV.
+    pub fn is_memory(self) -> bool {
+        ActionType::MEMORY.contains(&self)
+    }
+
     /// FSDP and wait actions: accepted on import, carry no data dependency pipec checks.
     pub fn is_bookkeeping(self) -> bool {
-        !self.is_compute() && !self.is_p2p()
+        !self.is_compute() && !self.is_p2p() && !self.is_memory()
     }
 }
 

@@ -33,11 +33,19 @@
 //!
 //! The program should have passed the verifier; what the CSV cannot express (a message to a
 //! rank other than the neighbouring stage's, or with no neighbouring stage) is refused.
+//!
+//! Memory instructions (issue 30: `offload`, `reload`, `wait_offload`, `recompute`, `fwd` with
+//! `"checkpoint": true`) have no torch action, so [`export_csv`] refuses them. [`export_cells`]
+//! writes each as one of pipec's own action types ([`ActionType::MEMORY`]) at its place in the
+//! compute+comms line (a checkpointed forward where the forward would be, as `sF_CHECKPOINTm`,
+//! in both forms; the other four in compute+comms only), for `pipec.torch.build_schedule`,
+//! whose runtime executes them (docs/torch.md, "Memory instructions"). Everything else in the
+//! line is placed as for the same program without them.
 
 use super::action::{Action, ActionType, Cell};
 use super::CsvForm;
 use crate::ir::Matching;
-use crate::ir::{Instr, InstrRef, Payload, PayloadKind, Program};
+use crate::ir::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
 use crate::verify::{Unverified, Verified};
 use pipec_schedules::{Compute, Pass, Rank, StageId};
 use std::borrow::Borrow;
@@ -66,7 +74,7 @@ pub enum ExportError {
         peer: Rank,
         expected: String,
     },
-    #[error("{at}: {instr}: offload, reload, wait_offload, recompute and checkpointed forwards are not supported by the torch exporter yet")]
+    #[error("{at}: {instr}: torch's schedule CSV has no action for offload, reload, wait_offload, recompute or a checkpointed forward; pipec.torch.build_schedule runs them (docs/torch.md)")]
     MemoryOp { at: InstrRef, instr: String },
     #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
     Bidirectional {
@@ -87,6 +95,36 @@ pub fn compute_cell(op: &Compute) -> Cell {
             bwd: a(ActionType::FullBackward, bwd),
         },
     }
+}
+
+/// The first memory instruction of `program`, which torch's CSV cannot hold.
+fn first_memory_op(program: &Program) -> Option<(InstrRef, &Instr)> {
+    program.ranks.iter().enumerate().find_map(|(r, instrs)| {
+        let i = instrs
+            .iter()
+            .position(|ins| matches!(ins, Instr::FwdCheckpoint(_) | Instr::Memory(_)))?;
+        let at = InstrRef {
+            rank: Rank(r as u32),
+            index: i as u32,
+        };
+        Some((at, &instrs[i]))
+    })
+}
+
+/// pipec's action of a checkpointed forward.
+fn checkpoint_action(t: pipec_schedules::Task) -> Action {
+    Action::new(t.stage.0, ActionType::ForwardCheckpoint, t.mb.0)
+}
+
+/// pipec's action of a memory instruction.
+fn memory_action(op: &MemOp) -> Action {
+    let ty = match op.kind {
+        MemKind::Offload => ActionType::Offload,
+        MemKind::Reload => ActionType::Reload,
+        MemKind::WaitOffload => ActionType::WaitOffload,
+        MemKind::Recompute => ActionType::Recompute,
+    };
+    Action::new(op.task.stage.0, ty, op.task.mb.0)
 }
 
 /// The torch action of a send (`send`) or recv `instr` to/from `peer`, checked against the
@@ -163,6 +201,12 @@ fn csv(
     form: CsvForm,
     matching: Option<&Matching>,
 ) -> Result<String, ExportError> {
+    if let Some((at, ins)) = first_memory_op(program) {
+        return Err(ExportError::MemoryOp {
+            at,
+            instr: ins.to_string(),
+        });
+    }
     let lines = cells(program, form, matching)?;
     let mut out = String::with_capacity(program.len() * 8 + 16);
     for cells in &lines {
@@ -204,19 +248,6 @@ fn cells(
             kind: program.placement.kind,
         });
     }
-    for (r, instrs) in program.ranks.iter().enumerate() {
-        for (i, ins) in instrs.iter().enumerate() {
-            if let Instr::FwdCheckpoint(_) | Instr::Memory(_) = ins {
-                return Err(ExportError::MemoryOp {
-                    at: InstrRef {
-                        rank: Rank(r as u32),
-                        index: i as u32,
-                    },
-                    instr: ins.to_string(),
-                });
-            }
-        }
-    }
     let orders = match form {
         CsvForm::ComputeOnly => Vec::new(),
         CsvForm::ComputeComms => super::order::emission_orders_with(program, matching),
@@ -226,8 +257,10 @@ fn cells(
         lines.push(match form {
             CsvForm::ComputeOnly => instrs
                 .iter()
-                .filter_map(Instr::as_compute)
-                .map(|c| compute_cell(&c))
+                .filter_map(|ins| match ins {
+                    Instr::FwdCheckpoint(t) => Some(Cell::Action(checkpoint_action(*t))),
+                    _ => ins.as_compute().map(|c| compute_cell(&c)),
+                })
                 .collect(),
             CsvForm::ComputeComms => comms_line(program, Rank(r as u32), instrs, &orders[r])?,
         });
@@ -277,9 +310,13 @@ fn comms_line(
     for &i in order {
         let ins = &instrs[i];
         match ins {
-            Instr::Compute(op) => {
+            Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
+                let op = ins.as_compute().expect("a compute instruction");
                 cells.append(&mut deferred);
-                cells.push(compute_cell(op));
+                cells.push(match *ins {
+                    Instr::FwdCheckpoint(t) => Cell::Action(checkpoint_action(t)),
+                    _ => compute_cell(&op),
+                });
                 for (pass, t) in op.parts() {
                     if matches!(pass, Pass::Bwd | Pass::BwdD) {
                         let key = (t.stage.0, t.mb.0);
@@ -320,8 +357,8 @@ fn comms_line(
             // torch's runtime waits for a receive just before the compute that uses it and for
             // sends with WAIT_SEND_*, so an explicit wait adds nothing to its CSV.
             Instr::Wait { .. } => {}
-            // Refused on entry (`export_lines`): torch's CSV has no action for them.
-            Instr::FwdCheckpoint(_) | Instr::Memory(_) => {}
+            // Where the program has it; [`export_csv`] refused the program on entry.
+            Instr::Memory(m) => cells.push(Cell::Action(memory_action(m))),
         }
     }
     cells.append(&mut deferred);
@@ -340,4 +377,167 @@ fn comms_line(
         cells.push(Cell::Action(Action::new(a.stage, wait, m)));
     }
     Ok(cells)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verify::{verified, VerifyOptions};
+    use crate::{compile, CompileRequest};
+    use pipec_schedules::ScheduleKind;
+
+    /// `kind` at pp=2, M=4 with memory instructions on every rank: the forwards of even
+    /// microbatches offloaded right after the forward (waited right after) and reloaded right
+    /// before the backward (`bwd` or `bwd_D`), those of odd ones checkpointed and recomputed
+    /// right before it. Returns the plain program too.
+    fn with_memory(kind: ScheduleKind) -> (Program, Program) {
+        let plain = compile(&CompileRequest::new(kind, 2, 4)).unwrap().program;
+        let mut mem = plain.clone();
+        for instrs in &mut mem.ranks {
+            let mut out = Vec::new();
+            for ins in instrs.iter() {
+                let m = |kind, task| Instr::Memory(MemOp { kind, task });
+                let backward = ins.as_compute().into_iter().flat_map(|c| {
+                    c.parts()
+                        .filter(|(p, _)| matches!(p, Pass::Bwd | Pass::BwdD))
+                        .map(|(_, t)| t)
+                        .collect::<Vec<_>>()
+                });
+                for t in backward {
+                    let kind = if t.mb.0 % 2 == 0 {
+                        MemKind::Reload
+                    } else {
+                        MemKind::Recompute
+                    };
+                    out.push(m(kind, t));
+                }
+                match *ins {
+                    Instr::Compute(Compute::Fwd(t)) if t.mb.0 % 2 == 1 => {
+                        out.push(Instr::FwdCheckpoint(t));
+                    }
+                    Instr::Compute(Compute::Fwd(t)) => {
+                        out.push(*ins);
+                        out.push(m(MemKind::Offload, t));
+                        out.push(m(MemKind::WaitOffload, t));
+                    }
+                    _ => out.push(*ins),
+                }
+            }
+            *instrs = out;
+        }
+        (plain, mem)
+    }
+
+    /// A cell as the plain program's exporter writes it: a checkpointed forward as `F`.
+    fn plain_cell(c: &Cell) -> Cell {
+        match c {
+            Cell::Action(a) if a.ty == ActionType::ForwardCheckpoint => Cell::Action(Action {
+                ty: ActionType::Forward,
+                ..*a
+            }),
+            _ => *c,
+        }
+    }
+
+    /// The compute and memory instructions of a rank as the cells they export to.
+    fn compute_and_memory(instrs: &[Instr]) -> Vec<Cell> {
+        instrs
+            .iter()
+            .filter_map(|ins| match ins {
+                Instr::FwdCheckpoint(t) => Some(Cell::Action(checkpoint_action(*t))),
+                Instr::Memory(m) => Some(Cell::Action(memory_action(m))),
+                _ => ins.as_compute().map(|c| compute_cell(&c)),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn memory_actions_sit_where_the_program_has_them() {
+        use ScheduleKind::*;
+        for kind in [OneFOneB, ZbH1, ZbV, Gpipe] {
+            let (plain, mem) = with_memory(kind);
+            let checked = verified(&mem, &VerifyOptions::default())
+                .unwrap_or_else(|r| panic!("{kind:?}: {:?}", r.report.violations));
+            let reference = export_cells(
+                &verified(&plain, &VerifyOptions::default()).unwrap(),
+                CsvForm::ComputeComms,
+            )
+            .unwrap();
+            let got = export_cells(&checked, CsvForm::ComputeComms).unwrap();
+            for (r, line) in got.iter().enumerate() {
+                // Without pipec's memory actions, the line the plain program exports.
+                let rest: Vec<Cell> = line
+                    .iter()
+                    .filter(|c| !matches!(c, Cell::Action(a) if a.ty.is_memory() && a.ty != ActionType::ForwardCheckpoint))
+                    .map(plain_cell)
+                    .collect();
+                assert_eq!(rest, reference[r], "{kind:?} rank {r}");
+                // Compute and memory cells in the order of the rank's instructions.
+                let ordered: Vec<Cell> = line
+                    .iter()
+                    .filter(|c| match c {
+                        Cell::Action(a) => a.ty.is_compute() || a.ty.is_memory(),
+                        _ => true,
+                    })
+                    .copied()
+                    .collect();
+                assert_eq!(
+                    ordered,
+                    compute_and_memory(&mem.ranks[r]),
+                    "{kind:?} rank {r}"
+                );
+                let n = |ty| {
+                    line.iter()
+                        .filter(|c| matches!(c, Cell::Action(a) if a.ty == ty))
+                        .count()
+                };
+                assert!(n(ActionType::Offload) > 0 && n(ActionType::Recompute) > 0);
+                assert_eq!(n(ActionType::Offload), n(ActionType::Reload));
+                assert_eq!(n(ActionType::ForwardCheckpoint), n(ActionType::Recompute));
+            }
+            // Compute-only: the compute cells, a checkpointed forward as itself.
+            let only = export_cells(&checked, CsvForm::ComputeOnly).unwrap();
+            for (r, line) in only.iter().enumerate() {
+                let want: Vec<Cell> = compute_and_memory(&mem.ranks[r])
+                    .into_iter()
+                    .filter(|c| !matches!(c, Cell::Action(a) if a.ty.is_memory() && a.ty != ActionType::ForwardCheckpoint))
+                    .collect();
+                assert_eq!(line, &want, "{kind:?} rank {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_csv_refuses_memory_instructions_naming_the_first() {
+        let (_, mem) = with_memory(ScheduleKind::OneFOneB);
+        let checked = verified(&mem, &VerifyOptions::default()).unwrap();
+        let first = mem.ranks[0]
+            .iter()
+            .position(|i| matches!(i, Instr::FwdCheckpoint(_) | Instr::Memory(_)))
+            .unwrap();
+        for form in [CsvForm::ComputeOnly, CsvForm::ComputeComms] {
+            let e = export_csv(&checked, form).unwrap_err();
+            assert_eq!(
+                e,
+                ExportError::MemoryOp {
+                    at: InstrRef {
+                        rank: Rank(0),
+                        index: first as u32
+                    },
+                    instr: mem.ranks[0][first].to_string(),
+                }
+            );
+            assert!(
+                e.to_string().contains("torch's schedule CSV has no action"),
+                "{e}"
+            );
+        }
+        // The names are not torch's: its reader (and pipec's) refuses them.
+        for ty in ActionType::MEMORY {
+            assert_eq!(ActionType::from_name(ty.name()), None);
+            assert!(!ActionType::ALL.contains(&ty) && !ty.is_bookkeeping());
+            let cell = Action::new(0, ty, 1).to_string();
+            assert!(super::super::action::parse_cell(&cell).is_err(), "{cell}");
+        }
+    }
 }
