@@ -415,6 +415,8 @@ def tune(
     kinds: list[str] | None = None,
     exclude_kinds: list[str] | None = None,
     out: str | os.PathLike | None = None,
+    offload: bool = True,
+    recompute: bool = True,
 ) -> tuple[Schedule, dict]:
     """``pipec tune``: the fastest verified schedule and layer split for a model's costs.
 
@@ -439,6 +441,13 @@ def tune(
     is pipec's own scheduler). The report's ``run`` says how to run the winner on the target,
     naming ``out`` (where you will save it) as its directory; ``runs_on`` lists every framework
     that runs it.
+
+    Under ``memory_limit``, on a target that executes memory instructions (``"pipec-run"``,
+    ``"torch"``, ``"any"``), a candidate over the limit may be fitted by offloading activations
+    to host memory and by recomputing checkpointed forwards (``offload=False``,
+    ``recompute=False`` turn a lever off, as ``--no-offload``, ``--no-recompute``); such a
+    candidate's ``levers`` says per rank how much it offloads and recomputes and its makespan
+    without them.
     """
     for name, v in (("pp", pp), ("microbatches", microbatches)):
         _check_count(name, v)
@@ -451,6 +460,9 @@ def tune(
             raise SpecError(f"{name} must be a list of kind names, not {v!r}")
     if target is not None and not isinstance(target, str):
         raise SpecError(f"target must be a name such as 'torch', not {target!r}")
+    for name, v in (("offload", offload), ("recompute", recompute)):
+        if not isinstance(v, bool):
+            raise SpecError(f"{name} must be True or False, not {v!r}")
     native, report = _native.tune_schedule(
         pp,
         microbatches,
@@ -464,6 +476,8 @@ def tune(
         kinds=None if kinds is None else list(kinds),
         exclude_kinds=None if exclude_kinds is None else list(exclude_kinds),
         out=None if out is None else os.fspath(out),
+        offload=offload,
+        recompute=recompute,
     )
     return Schedule(native), json.loads(report)
 

@@ -578,7 +578,7 @@ fn compile_schedule(
 #[pyfunction]
 #[pyo3(signature = (pp, microbatches, num_layers=None, mtp_num_layers=None, layout=None,
     rebalance=false, cost=None, memory_limit=None, max_ops=None, target=None, kinds=None,
-    exclude_kinds=None, out=None))]
+    exclude_kinds=None, out=None, offload=true, recompute=true))]
 #[allow(clippy::too_many_arguments)]
 fn tune_schedule(
     py: Python<'_>,
@@ -595,6 +595,8 @@ fn tune_schedule(
     kinds: Option<Vec<String>>,
     exclude_kinds: Option<Vec<String>>,
     out: Option<String>,
+    offload: bool,
+    recompute: bool,
 ) -> PyResult<(NativeSchedule, String)> {
     let target = match target {
         Some(t) => TargetChoice::One(
@@ -633,6 +635,7 @@ fn tune_schedule(
         target,
         kinds,
         exclude_kinds: exclude_kinds.unwrap_or_default(),
+        levers: pipec::tune::levers::Levers { offload, recompute },
         ..TuneRequest::new(pp, microbatches, model)
     };
     let t0 = std::time::Instant::now();

@@ -22,6 +22,7 @@ mod schedules;
 mod sweep;
 mod torch;
 mod tune;
+mod tune_levers;
 mod verdict;
 mod verify;
 mod verify_vs_run;

@@ -86,10 +86,11 @@ impl Target {
         }
     }
 
-    /// The memory instructions the target's adapter executes: `pipec-run` all of them;
-    /// `pipec.megatron` checkpointed forwards and their recomputes (as megatron-core's partial
-    /// recompute, which it checks against Megatron's rule at run time), no copies; the others
-    /// none yet.
+    /// The memory instructions the target's adapter executes: `pipec-run` and `pipec.torch`
+    /// (`build_schedule`) all of them; `pipec.megatron` checkpointed forwards and their
+    /// recomputes (as megatron-core's partial recompute, which it checks against Megatron's
+    /// rule at run time), no copies; torchtitan (torch's CSV has no such action) and DeepSpeed
+    /// none.
     fn check_memory_ops(self, program: &Program) -> Result<(), String> {
         let first = |copies_only: bool| {
             program.ranks.iter().enumerate().find_map(|(r, instrs)| {
@@ -105,16 +106,16 @@ impl Target {
         };
         let refuse = |at: String, what: &str| {
             Err(format!(
-                "{at}: {what} are not executed by this target's adapter yet (pipec-run runs them)"
+                "{at}: {what} are not executed by this target's adapter yet (pipec-run and pipec.torch run them)"
             ))
         };
         match self {
-            Target::PipecRun | Target::Any => Ok(()),
+            Target::PipecRun | Target::Any | Target::Torch => Ok(()),
             Target::Megatron => match first(true) {
                 Some(at) => refuse(at, "offload, reload and wait_offload"),
                 None => Ok(()),
             },
-            Target::Torch | Target::Torchtitan | Target::Deepspeed => match first(false) {
+            Target::Torchtitan | Target::Deepspeed => match first(false) {
                 Some(at) => refuse(
                     at,
                     "offload, reload, wait_offload, recompute and checkpointed forwards",
@@ -128,8 +129,10 @@ impl Target {
     /// tuner places them (Megatron's checkpoints follow Megatron's own rule, not the tuner's).
     pub fn levers(self) -> super::levers::Levers {
         match self {
-            Target::PipecRun | Target::Any => super::levers::Levers::ALL,
-            _ => super::levers::Levers::NONE,
+            Target::PipecRun | Target::Any | Target::Torch => super::levers::Levers::ALL,
+            Target::Megatron | Target::Torchtitan | Target::Deepspeed => {
+                super::levers::Levers::NONE
+            }
         }
     }
 
