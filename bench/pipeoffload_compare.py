@@ -29,8 +29,7 @@ LAYERS = 12  # per rank: a multiple of every recorded vpp (2, 3, 4)
 def cost(copy: float) -> str:
     u = 1 / LAYERS
     return (
-        f"t.f={u!r},t.b={u!r},t.w={u!r},t.act={u!r},"
-        f"t.offload={0.7 * copy * u!r},offload_pair=true"
+        f"t.f={u!r},t.b={u!r},t.w={u!r},t.act={u!r},t.offload={0.7 * copy * u!r},offload_pair=true"
     )
 
 
@@ -53,7 +52,7 @@ def tune(pipec: str, case: dict, limit: float | None, extra: list[str]) -> dict:
     ]
     if limit is not None:
         cmd += ["--memory-limit", repr(limit)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {"error": out.stderr.strip()}
     j = json.loads(out.stdout)
@@ -83,7 +82,8 @@ def main() -> None:
             # The recorded limit is rounded to 4 decimals: pp/3 exactly.
             limit = case["pp"] / (2 if lim == "half" else 3)
             row[lim] = {
-                "pipeoffload": theirs and {"config": theirs["config"], "makespan": theirs["makespan"]},
+                "pipeoffload": theirs
+                and {"config": theirs["config"], "makespan": theirs["makespan"]},
                 "pipec": tune(a.pipec, case, limit, []),
             }
         out[cid] = row

@@ -311,3 +311,17 @@ def test_target_and_kinds_errors_match_the_cli():
     _, report = pipec.tune(4, 8, kinds=["1f1b"], target="megatron")
     assert [c["schedule"] for c in report["candidates"]] == ["1f1b"]
     assert report["run"]["megatron"][0].startswith("Megatron's own schedule")
+
+
+def test_torch_winner_under_a_limit_is_fitted_with_offload(tuned):
+    """Under a memory limit, torch's winner may be fitted with offload (pipec.torch runs
+    memory instructions): the limited uneven shape's is, so the training test above trains an
+    offloading schedule on torch's runtime."""
+    d, report = tuned[("pp4-uneven-limit8", "torch")]
+    winner = next(c for c in report["candidates"] if c["fits"] and c["not_runnable"] is None)
+    assert sum(winner["levers"]["offloaded"]) > 0, winner
+    ops = {i.op for r in range(4) for i in pipec.load(d).instructions(r)}
+    assert pipec.Op.offload in ops and pipec.Op.reload in ops
+    # The default target (every framework) never pulls a lever.
+    _, plain = tuned[("pp4-uneven-limit8", None)]
+    assert all("levers" not in c for c in plain["candidates"])
