@@ -1717,3 +1717,107 @@ fn svg_export_at_scale_is_an_overview() {
         .assert()
         .code(2);
 }
+
+/// The copy stream in every view (#30): a tuned schedule fitted with offload shows one copy
+/// row per copying rank in `show` (`>` and `<`), one SVG bar and one Chrome event per copy
+/// (on a thread `rank R copy`), each at the simulator's span.
+#[test]
+fn views_draw_the_copy_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("fit");
+    let o = pipec_tests::pipec()
+        .args([
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--num-layers",
+            "4",
+        ])
+        .args([
+            "--cost",
+            "t.offload=0.3",
+            "--memory-limit",
+            "2",
+            "--target",
+            "pipec-run",
+            "-o",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let program = pipec::back::files::load_dir(&out).unwrap().program;
+    let copies: Vec<usize> = program
+        .ranks
+        .iter()
+        .map(|r| {
+            r.iter()
+                .filter(|i| matches!(i, pipec::ir::Instr::Memory(m) if m.kind.is_copy()))
+                .count()
+        })
+        .collect();
+    let total: usize = copies.iter().sum();
+    assert!(total > 0, "the winner offloads nothing");
+    let show = pipec_tests::pipec()
+        .args(["show", "--width", "100", "--no-color"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&show.stdout);
+    let rows = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("copy │"))
+        .count();
+    assert_eq!(rows, copies.iter().filter(|&&n| n > 0).count(), "{text}");
+    assert!(
+        text.contains('>') && text.contains("> offload, < reload"),
+        "{text}"
+    );
+    let svg = dir.path().join("t.svg");
+    let trace = dir.path().join("t.json");
+    for (format, file) in [("svg", &svg), ("chrome-trace", &trace)] {
+        let o = pipec_tests::pipec()
+            .args(["export", "--format", format, "-o"])
+            .arg(file)
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert_eq!(svg.matches(r#"class="copy "#).count(), total);
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(trace).unwrap()).unwrap();
+    let events = trace
+        .get("traceEvents")
+        .and_then(|e| e.as_array())
+        .or_else(|| trace.as_array())
+        .unwrap();
+    let copy_events = events.iter().filter(|e| e["cat"] == "copy").count();
+    assert_eq!(copy_events, total);
+    let world = program.ranks.len() as u64;
+    for (r, &n) in copies.iter().enumerate() {
+        let name = format!("rank {r} copy");
+        let named = events
+            .iter()
+            .any(|e| e["name"] == "thread_name" && e["args"]["name"] == name.as_str());
+        assert_eq!(named, n > 0, "{name}");
+        let on = events
+            .iter()
+            .filter(|e| e["cat"] == "copy" && e["tid"] == world + r as u64)
+            .count();
+        assert_eq!(on, n, "{name}");
+    }
+}

@@ -84,6 +84,9 @@ impl TraceBuilder {
             kept_rank.get(at.rank.index()).copied().unwrap_or(false)
                 && filter.keeps(sp.start - t0, sp.end - t0)
         };
+        // Copy-stream threads follow the ranks' (named only where a rank copies).
+        let copy_tid = program.ranks.len();
+        let mut copy_rows = vec![false; program.ranks.len()];
         for &r in &rows {
             let instrs = &program.ranks[r];
             self.events.push(format!(
@@ -101,9 +104,27 @@ impl TraceBuilder {
                 }
                 let mut e = String::with_capacity(200);
                 match ins {
-                    // The simulator refuses memory instructions for now, so no timeline
-                    // reaching here has any; the copy stream is drawn when it is simulated.
-                    Instr::Memory(_) => continue,
+                    // Copies on the rank's copy stream (a thread of its own, `rank R copy`),
+                    // `wait_offload` and `recompute` on its compute stream.
+                    Instr::Memory(m) => {
+                        let (tid, cat) = match m.kind {
+                            k if k.is_copy() => {
+                                copy_rows[r] = true;
+                                (copy_tid + r, "copy")
+                            }
+                            crate::ir::MemKind::Recompute => (r, "recompute"),
+                            _ => (r, "memory"),
+                        };
+                        let _ = write!(
+                            e,
+                            r#"{{"ph":"X","name":{},"cat":"{cat}","pid":{pid},"tid":{tid},"ts":{},"dur":{},"args":{{"instr":{i},"stage":{},"mb":{}}}}}"#,
+                            js(&comm_name(ins)),
+                            at(s.start),
+                            dur(s.start, s.end),
+                            m.task.stage.0,
+                            m.task.mb.0
+                        );
+                    }
                     Instr::Compute(_) | Instr::FwdCheckpoint(_) => {
                         let op = &ins.as_compute().expect("a compute op");
                         let parts: Vec<String> = op
@@ -167,6 +188,15 @@ impl TraceBuilder {
                 }
                 self.events.push(e);
             }
+        }
+        for (r, _) in copy_rows.iter().enumerate().filter(|(_, &c)| c) {
+            let tid = copy_tid + r;
+            self.events.push(format!(
+                r#"{{"ph":"M","name":"thread_name","pid":{pid},"tid":{tid},"args":{{"name":"rank {r} copy"}}}}"#
+            ));
+            self.events.push(format!(
+                r#"{{"ph":"M","name":"thread_sort_index","pid":{pid},"tid":{tid},"args":{{"sort_index":{tid}}}}}"#
+            ));
         }
         // Flows: send -> recv, bound to the enclosing comm slices.
         if filter.compute_only {

@@ -136,6 +136,32 @@ pub fn op_name(op: &Compute) -> String {
     }
 }
 
+/// The compute work an instruction draws on its rank's compute row: a compute op, a
+/// checkpointed forward as its forward, and a `recompute` as the forward it repeats.
+pub fn drawn_compute(ins: &Instr) -> Option<Compute> {
+    match ins {
+        Instr::Memory(m) if m.kind == crate::ir::MemKind::Recompute => Some(Compute::Fwd(m.task)),
+        _ => ins.as_compute(),
+    }
+}
+
+/// The copies of a rank (offloads, reloads) with their spans, for the copy-stream row.
+pub fn copies<'a>(
+    instrs: &'a [Instr],
+    spans: &'a [crate::simulate::timeline::Span],
+) -> impl Iterator<Item = (usize, crate::ir::MemOp, crate::simulate::timeline::Span)> + 'a {
+    instrs
+        .iter()
+        .zip(spans)
+        .enumerate()
+        .filter_map(|(i, (ins, sp))| match ins {
+            Instr::Memory(m) if m.kind.is_copy() && sp.start.is_finite() && sp.end.is_finite() => {
+                Some((i, *m, *sp))
+            }
+            _ => None,
+        })
+}
+
 /// A message's name: `send act s3 mb5 -> r1`.
 pub fn comm_name(i: &Instr) -> String {
     let (dir, arrow, peer, p) = match i {

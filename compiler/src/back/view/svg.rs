@@ -385,13 +385,40 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
             r##"<g class="ops" font-size="{}" text-anchor="middle">"##,
             px(font)
         );
+        let mut copy_bars = String::new();
         for (j, &r) in rows.iter().enumerate() {
             let instrs = &program.ranks[r];
             let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
             let y = top + j as f64 * row_h + gap / 2.0;
             let h = row_h - gap;
+            // The rank's copy stream: a thin bar along the bottom of its row per copy, drawn
+            // over the ops (after them).
+            for (i, m, sp) in super::copies(instrs, spans) {
+                if !opts.filter.keeps(sp.start - t0, sp.end - t0) {
+                    continue;
+                }
+                let (a, b) = ((sp.start - t0).max(from), (sp.end - t0).min(to));
+                let (what, fill) = if m.kind == crate::ir::MemKind::Offload {
+                    ("offload", "#6b6b6b")
+                } else {
+                    ("reload", "#2f2f2f")
+                };
+                let _ = write!(
+                    copy_bars,
+                    r##"<rect class="copy {what}" x="{}" y="{}" width="{}" height="{}" fill="{fill}"><title>rank {r}, #{i}: {what} s{} mb{} [{} – {}]</title></rect>"##,
+                    px(left + (a - from) * scale),
+                    px(y + h * 0.8),
+                    px(((b - a) * scale).max(0.0)),
+                    px(h * 0.2),
+                    m.task.stage.0,
+                    m.task.mb.0,
+                    fmt_num(sp.start - t0),
+                    fmt_num(sp.end - t0)
+                );
+                copy_bars.push('\n');
+            }
             for (i, (ins, sp)) in instrs.iter().zip(spans).enumerate() {
-                let Some(op) = &ins.as_compute() else {
+                let Some(op) = &super::drawn_compute(ins) else {
                     continue;
                 };
                 if !(sp.start.is_finite() && sp.end.is_finite()) {
@@ -442,6 +469,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
                 s.push('\n');
             }
         }
+        s.push_str(&copy_bars);
         let _ = writeln!(s, "</g>");
     }
     // Time axis.

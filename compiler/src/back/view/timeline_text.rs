@@ -137,7 +137,7 @@ fn scan(
     let spans = timeline.ranks.get(rank).map_or(&[][..], |v| v.as_slice());
     let u = 1.0 / scale;
     for (i, (ins, span)) in instrs.iter().zip(spans).enumerate() {
-        let Some(op) = &ins.as_compute() else {
+        let Some(op) = &super::drawn_compute(ins) else {
             continue;
         };
         if !(span.start.is_finite() && span.end.is_finite()) {
@@ -315,6 +315,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let mut odd_chunk_seen = false;
     let mut summarised = false;
     let mut mix_labelled = false;
+    let mut copies_seen = false;
     let mut out = String::new();
     for &r in &ranks {
         let instrs = &program.ranks[r];
@@ -371,7 +372,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
                     }
                 }
                 Cell::Op(i) => {
-                    let op = &instrs[i].as_compute().expect("cells hold compute ops");
+                    let op = &super::drawn_compute(&instrs[i]).expect("cells hold compute ops");
                     let kind = OpKind::of(op);
                     kinds_seen[kind as usize] = true;
                     let odd = chunk_of(op, &chunk) % 2 == 1;
@@ -407,6 +408,35 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
             c = e;
         }
         out.push_str("│\n");
+        // The rank's copy stream, where it has one: `>` offloading, `<` reloading.
+        let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
+        let mut row: Vec<char> = vec![' '; used];
+        let mut any = false;
+        let t0 = origin(timeline);
+        for (_, m, sp) in super::copies(instrs, spans) {
+            let (s, e) = (sp.start - t0 - from, sp.end - t0 - from);
+            if e <= 0.0 || s * scale >= used as f64 {
+                continue;
+            }
+            any = true;
+            let c0 = ((s * scale).floor().max(0.0) as usize).min(used - 1);
+            let c1 = ((e * scale).ceil().max(0.0) as usize).clamp(c0 + 1, used);
+            let ch = if m.kind == crate::ir::MemKind::Offload {
+                '>'
+            } else {
+                '<'
+            };
+            row[c0..c1].iter_mut().for_each(|x| *x = ch);
+        }
+        if any {
+            copies_seen = true;
+            let _ = writeln!(
+                out,
+                "{:>label_w$} │{}│",
+                "copy",
+                row.into_iter().collect::<String>()
+            );
+        }
     }
     // Axis: ticks on the bottom border, labels under them.
     let step = if scale > 0.0 {
@@ -465,6 +495,9 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         ".".to_string()
     };
     legend.push(format!("{idle} idle"));
+    if copies_seen {
+        legend.push("copy: > offload, < reload (recompute drawn as a forward)".to_string());
+    }
     for line in wrap(&legend, "   ", room) {
         let _ = writeln!(out, "{pad} {line}");
     }
