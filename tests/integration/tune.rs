@@ -307,7 +307,10 @@ proptest! {
         let free = tune::tune(&TuneRequest { num_layers: Some(layers), ..TuneRequest::new(pp, m, model.clone()) }).unwrap();
         let peak = free.peak_memory.iter().fold(0.0f64, |a, &x| a.max(x));
         let limit = (peak / slack).max(layers as f64 / pp as f64 + 1.0);
-        match tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), ..TuneRequest::new(pp, m, model.clone()) }) {
+        // Without memory levers here (tune_levers.rs has their random cases: each costs a
+        // few seconds unoptimized).
+        let levers = pipec::tune::levers::Levers::NONE;
+        match tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), levers, ..TuneRequest::new(pp, m, model.clone()) }) {
             Ok(t) => {
                 prop_assert!(t.report().is_valid());
                 prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
@@ -1000,9 +1003,11 @@ fn readme_tune_table() -> String {
         ),
     ];
     for (name, cost, pp, m, layers, factor) in cases {
-        // The library's default target is `any`, as the table says.
+        // The library's default target is `any`, as the table says; the table compares
+        // schedules, without memory levers (README "Fitting memory" has those).
         let any = |limit| TuneRequest {
             memory_limit: limit,
+            levers: pipec::tune::levers::Levers::NONE,
             ..request(pp, m, cost, layers)
         };
         let base = tune::tune(&any(None)).unwrap();

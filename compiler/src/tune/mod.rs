@@ -1228,17 +1228,29 @@ fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec
         };
         for budget in [None, Some(2.0 * limit), Some(1.5 * limit)] {
             let p = Problem::new(&req.model, &layout, pl.clone(), req.microbatches, budget);
-            let hs = greedy::heuristics_for(&p);
+            // Without a limit the quick heuristics (that order is rarely the one that can be
+            // fitted: it defers weight gradients); under the budgets every heuristic.
+            let hs = if budget.is_none() {
+                greedy::quick_heuristics(&p)
+            } else {
+                greedy::heuristics_for(&p)
+            };
             if let Some((plan, h)) = best_plan_with(&p, hs) {
                 tasks.push(Task::Tuned(Box::new((p, layout.clone(), plan, h))));
             }
         }
     }
+    // Verified here, as they may win without passing through the levers: an order a timed
+    // lowering cannot post without a stream deadlock (two directions between the same pair
+    // of ranks at pp = 2) is dropped.
     par_map(&tasks, |t| {
-        build(req, t, Some(limit)).map(|(mut b, program)| {
-            b.program = Some(program);
-            b
-        })
+        let (mut b, program) = build(req, t, Some(limit))?;
+        verify::verify(&program, &verify::VerifyOptions::default())
+            .is_valid()
+            .then(|| {
+                b.program = Some(program);
+                b
+            })
     })
     .into_iter()
     .flatten()
@@ -1288,6 +1300,10 @@ fn fit_over_limit(
             (None, None) => return None,
         };
         let f = levers::fit(&program, &b.layout, &req.model, limit, levers)?;
+        if !verify::verify(&f.program, &verify::VerifyOptions::default()).is_valid() {
+            return None;
+        }
+        // Its times are the simulator's, not a plan's (copies and recomputes were added).
         let mut nb = finish(
             b.cand.clone(),
             b.layout.clone(),
@@ -1295,7 +1311,7 @@ fn fit_over_limit(
             &f.program,
             &req.model,
             Some(limit),
-            b.planned,
+            None,
             req.target,
         )?;
         nb.cand.levers = Some(LeverReport {
