@@ -127,7 +127,7 @@ fn random_memory_ops_run_bitwise_and_measure_the_verifiers_peaks() {
 #[test]
 fn planned_offloads_run_at_the_planned_peak() {
     use pipec::simulate::cost::{CostModel, StageCosts};
-    use pipec::tune::offload::{plan, CopyOp, RankInput, TimedOp};
+    use pipec::tune::offload::{plan, RankInput};
     let mut runs = Vec::new();
     for ((kind, vpp), (pp, m)) in kinds().into_iter().flat_map(|k| [(k, (2, 4)), (k, (4, 8))]) {
         let Some(p) = program(kind, pp, vpp, m) else {
@@ -137,25 +137,7 @@ fn planned_offloads_run_at_the_planned_peak() {
         let sim =
             pipec::simulate::simulate_unverified(&pipec::verify::Unverified::unchecked(&p), &costs)
                 .unwrap();
-        let inputs: Vec<RankInput> = p
-            .ranks
-            .iter()
-            .zip(&sim.timeline.ranks)
-            .map(|(instrs, spans)| RankInput {
-                ops: instrs
-                    .iter()
-                    .zip(spans)
-                    .filter_map(|(i, sp)| {
-                        i.as_compute().map(|op| TimedOp {
-                            op,
-                            start: sp.start,
-                            end: sp.end,
-                        })
-                    })
-                    .collect(),
-                base: 0.0,
-            })
-            .collect();
+        let inputs: Vec<RankInput> = pipec::tune::offload::inputs(&p, &sim.timeline, |_| 0.0);
         let act = |t: Task| 1.0 + (t.stage.0 % 3) as f64;
         let mm = MemoryModel {
             act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
@@ -178,26 +160,8 @@ fn planned_offloads_run_at_the_planned_peak() {
         else {
             continue;
         };
-        let mut q = p.clone();
-        for (r, rp) in plans.iter().enumerate() {
-            let compute: Vec<usize> = (0..p.ranks[r].len())
-                .filter(|&i| p.ranks[r][i].as_compute().is_some())
-                .collect();
-            let ins: Vec<(usize, Instr)> = rp
-                .inserts
-                .iter()
-                .map(|x| {
-                    let at = compute.get(x.at).copied().unwrap_or(p.ranks[r].len());
-                    let kind = match x.op {
-                        CopyOp::Offload => MemKind::Offload,
-                        CopyOp::WaitOffload => MemKind::WaitOffload,
-                        CopyOp::Reload => MemKind::Reload,
-                    };
-                    (at, mem(kind, x.task))
-                })
-                .collect();
-            q.ranks[r] = insert(&p.ranks[r], ins);
-        }
+        // The tuner's own placement of the inserts (what `tune` writes).
+        let q = pipec::tune::levers::insert(&p, &plans);
         assert!(memory_ops(&q) > 0, "{kind:?} pp {pp}: nothing planned");
         let base = run(&p, &mm, 1);
         let got = run(&q, &mm, 1);

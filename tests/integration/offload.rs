@@ -297,7 +297,7 @@ fn random_memory_ops_count_as_the_replay_and_verify() {
 #[test]
 fn planner_inserts_count_as_planned() {
     use pipec::simulate::cost::{CostModel, StageCosts};
-    use pipec::tune::offload::{plan, CopyOp, RankInput, TimedOp};
+    use pipec::tune::offload::{plan, RankInput};
     let mut planned = 0;
     for (kind, vpp) in kinds() {
         for (pp, m) in [(2, 4), (4, 8), (4, 12)] {
@@ -307,25 +307,7 @@ fn planner_inserts_count_as_planned() {
             let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
             let sim =
                 pipec::simulate::simulate_unverified(&Unverified::unchecked(&p), &costs).unwrap();
-            let inputs: Vec<RankInput> = p
-                .ranks
-                .iter()
-                .zip(&sim.timeline.ranks)
-                .map(|(instrs, spans)| RankInput {
-                    ops: instrs
-                        .iter()
-                        .zip(spans)
-                        .filter_map(|(i, sp)| {
-                            i.as_compute().map(|op| TimedOp {
-                                op,
-                                start: sp.start,
-                                end: sp.end,
-                            })
-                        })
-                        .collect(),
-                    base: 0.0,
-                })
-                .collect();
+            let inputs: Vec<RankInput> = pipec::tune::offload::inputs(&p, &sim.timeline, |_| 0.0);
             let act = |t: Task| 1.0 + (t.stage.0 % 3) as f64;
             let mm = MemoryModel {
                 act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
@@ -339,27 +321,9 @@ fn planner_inserts_count_as_planned() {
                 let Ok(plans) = plan(&inputs, limit, act, |_| copy) else {
                     continue;
                 };
-                let mut q = p.clone();
-                for (r, rp) in plans.iter().enumerate() {
-                    let compute: Vec<usize> = (0..p.ranks[r].len())
-                        .filter(|&i| p.ranks[r][i].as_compute().is_some())
-                        .collect();
-                    let ins: Vec<(usize, Instr)> = rp
-                        .inserts
-                        .iter()
-                        .map(|x| {
-                            let at = compute.get(x.at).copied().unwrap_or(p.ranks[r].len());
-                            let kind = match x.op {
-                                CopyOp::Offload => MemKind::Offload,
-                                CopyOp::WaitOffload => MemKind::WaitOffload,
-                                CopyOp::Reload => MemKind::Reload,
-                            };
-                            (at, mem(kind, x.task))
-                        })
-                        .collect();
-                    planned += ins.len();
-                    q.ranks[r] = insert(&p.ranks[r], ins);
-                }
+                // The tuner's own placement of the inserts (what `tune` writes).
+                let q = pipec::tune::levers::insert(&p, &plans);
+                planned += plans.iter().map(|rp| rp.inserts.len()).sum::<usize>();
                 let report = verify(&q, &VerifyOptions::default());
                 assert!(report.violations.is_empty(), "{kind:?} pp {pp}: {report}");
                 let walk = pipec::memory::walk(&q, &mm, None);

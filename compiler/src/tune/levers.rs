@@ -167,28 +167,11 @@ fn with_offload(
     limit: f64,
 ) -> Option<Program> {
     let sim = simulate_unverified(&Unverified::unchecked(program), costs).ok()?;
-    let inputs: Vec<RankInput> = program
-        .ranks
-        .iter()
-        .zip(&sim.timeline.ranks)
-        .enumerate()
-        .map(|(r, (instrs, spans))| RankInput {
-            // A recompute runs on the compute stream: the planner sees it as the forward
-            // it repeats (its activations are not candidates: they are needed at once).
-            ops: instrs
-                .iter()
-                .zip(spans)
-                .filter_map(|(i, sp)| {
-                    i.as_compute().map(|op| TimedOp {
-                        op,
-                        start: sp.start,
-                        end: sp.end,
-                    })
-                })
-                .collect(),
-            base: mem.param.get(r).copied().unwrap_or(0.0),
-        })
-        .collect();
+    // A recompute runs on the compute stream: the planner does not see it (its activations
+    // are needed at once, never a candidate).
+    let inputs = offload::inputs(program, &sim.timeline, |r| {
+        mem.param.get(r).copied().unwrap_or(0.0)
+    });
     let checkpointed: HashSet<(usize, Task)> = program
         .ranks
         .iter()

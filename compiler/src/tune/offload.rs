@@ -43,6 +43,35 @@ pub struct RankInput {
     pub base: f64,
 }
 
+/// Every rank's compute ops with their simulated spans (`timeline`, one span per
+/// instruction as the simulator gives them) and `base(r)` as the rank's fixed memory.
+pub fn inputs(
+    program: &crate::ir::Program,
+    timeline: &crate::simulate::timeline::Timeline,
+    base: impl Fn(usize) -> f64,
+) -> Vec<RankInput> {
+    program
+        .ranks
+        .iter()
+        .zip(&timeline.ranks)
+        .enumerate()
+        .map(|(r, (instrs, spans))| RankInput {
+            ops: instrs
+                .iter()
+                .zip(spans)
+                .filter_map(|(i, sp)| {
+                    i.as_compute().map(|op| TimedOp {
+                        op,
+                        start: sp.start,
+                        end: sp.end,
+                    })
+                })
+                .collect(),
+            base: base(r),
+        })
+        .collect()
+}
+
 /// A memory instruction the plan inserts.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CopyOp {
