@@ -1207,9 +1207,10 @@ pub fn describe(c: &Candidate) -> String {
 /// The tuned scheduler's plans for fitting with levers (small instances only): on every
 /// placement it plans (the loops with 3 and 4 chunks too, as PipeOffload's grouped schedule
 /// uses), on the balanced split, without the limit and under 1.5 and 2 times it. An order
-/// planned against the real limit keeps few activations; one planned without a limit defers
-/// its weight gradients, and activations waiting for theirs cannot be offloaded; the budgets
-/// between keep weight gradients near their backward while leaving copies room to fit.
+/// planned against the real limit is slow; one planned without a limit is the fastest but is
+/// often one the offload planner cannot fit; the budgets between give it orders that hold
+/// fewer activations (measured: on PipeOffload's grid they are the ones fitted at copies of
+/// 2 forwards).
 fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec<Built> {
     if 3 * 2 * req.pp as u64 * req.microbatches as u64 > 60_000 {
         return Vec::new();
@@ -1228,8 +1229,9 @@ fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec
         };
         for budget in [None, Some(2.0 * limit), Some(1.5 * limit)] {
             let p = Problem::new(&req.model, &layout, pl.clone(), req.microbatches, budget);
-            // Without a limit the quick heuristics (that order is rarely the one that can be
-            // fitted: it defers weight gradients); under the budgets every heuristic.
+            // Without a limit the quick heuristics (that order is rarely the one fitted, and
+            // the full set changed no result on PipeOffload's grid); under the budgets every
+            // heuristic.
             let hs = if budget.is_none() {
                 greedy::quick_heuristics(&p)
             } else {
