@@ -1207,10 +1207,10 @@ pub fn describe(c: &Candidate) -> String {
 /// The tuned scheduler's plans for fitting with levers (small instances only): on every
 /// placement it plans (the loops with 3 and 4 chunks too, as PipeOffload's grouped schedule
 /// uses), on the balanced split, without the limit and under 1.5 and 2 times it. An order
-/// planned against the real limit is slow; one planned without a limit is the fastest but is
-/// often one the offload planner cannot fit; the budgets between give it orders that hold
-/// fewer activations (measured: on PipeOffload's grid they are the ones fitted at copies of
-/// 2 forwards).
+/// planned against the real limit is slow; one planned without a limit is the fastest but
+/// defers weight gradients, and activations waiting for theirs cannot leave the device; the
+/// budgets between give the planner orders that hold fewer (on PipeOffload's grid they are
+/// the ones fitted at copies of 2 forwards).
 fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec<Built> {
     if 3 * 2 * req.pp as u64 * req.microbatches as u64 > 60_000 {
         return Vec::new();
