@@ -1204,7 +1204,8 @@ pub fn describe(c: &Candidate) -> String {
     s
 }
 
-/// The tuned scheduler's plans for fitting with levers (small instances only): on every
+/// The tuned scheduler's plans for fitting with levers (small instances only,
+/// [`LEVER_PLAN_OPS`]): on every
 /// placement it plans (the loops with 3 and 4 chunks too, as PipeOffload's grouped schedule
 /// uses), on the balanced split, without the limit and under 1.5 and 2 times it. An order
 /// planned against the real limit is slow; one planned without a limit is the fastest but
@@ -1212,7 +1213,7 @@ pub fn describe(c: &Candidate) -> String {
 /// budgets between give the planner orders that hold fewer (on PipeOffload's grid they are
 /// the ones fitted at copies of 2 forwards).
 fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec<Built> {
-    if 3 * 2 * req.pp as u64 * req.microbatches as u64 > 60_000 {
+    if 3 * 2 * req.pp as u64 * req.microbatches as u64 > LEVER_PLAN_OPS {
         return Vec::new();
     }
     let mut placements = tuned_placements(req.pp, req.microbatches, user_stages);
@@ -1329,6 +1330,10 @@ fn fit_over_limit(
     built.extend(kept);
     built.extend(done.into_iter().flatten());
 }
+
+/// The most compute ops ([`lever_plans`] plans 18 orders) for which the tuned scheduler plans
+/// extra orders for the levers.
+const LEVER_PLAN_OPS: u64 = 6_000;
 
 /// How many candidates over the limit [`fit_over_limit`] tries.
 const LEVER_CANDIDATES: usize = 8;
