@@ -10,7 +10,9 @@
 //! - the offload planner's own profile (`pipec::tune::offload::plan`) for its inserts;
 //! - `pipec check --json` for the `pipec-run` CLI.
 
-use crate::offload::{has, insert, kinds, mem, program, replay, with_memory_ops, Rng};
+use crate::offload::{
+    every_memory_op_1f1b, has, insert, kinds, mem, program, replay, with_memory_ops, Rng,
+};
 use assert_cmd::Command;
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, InstrRef, MemKind, Program};
@@ -282,28 +284,7 @@ fn pipec_run() -> Command {
 #[test]
 fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
     use pipec::back::files::{write_program, write_unverified, Encoding, Header};
-    let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(
-        ScheduleKind::OneFOneB,
-        2,
-        3,
-    ))
-    .unwrap();
-    let p = &c.program;
-    let r0 = &p.ranks[0];
-    let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
-    let at = |t: Task, pass: Pass| r0.iter().position(|i| has(i, t, &[pass])).unwrap();
-    let mut ops = vec![
-        (at(t0, Pass::Fwd) + 1, mem(MemKind::Offload, t0)),
-        (at(t0, Pass::Fwd) + 1, mem(MemKind::WaitOffload, t0)),
-        (at(t0, Pass::Bwd), mem(MemKind::Reload, t0)),
-        (at(t1, Pass::Bwd), mem(MemKind::Recompute, t1)),
-    ];
-    ops.sort_by_key(|o| o.0);
-    let mut r = insert(r0, ops);
-    let f1 = r.iter().position(|i| has(i, t1, &[Pass::Fwd])).unwrap();
-    r[f1] = Instr::FwdCheckpoint(t1);
-    let mut q = p.clone();
-    q.ranks[0] = r;
+    let (c, q) = every_memory_op_1f1b();
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
@@ -372,7 +353,7 @@ fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
     let mut broken = q.clone();
     let reload = broken.ranks[0]
         .iter()
-        .position(|i| *i == mem(MemKind::Reload, t0))
+        .position(|i| *i == mem(MemKind::Reload, Task::new(0, 0)))
         .unwrap();
     broken.ranks[0].remove(reload);
     let bad = tmp.path().join("bad");

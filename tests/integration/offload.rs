@@ -132,6 +132,34 @@ pub(crate) fn with_memory_ops(p: &Program, rng: &mut Rng) -> Program {
 
 /// The brute-force replay: every buffer with the instructions it is alive at (inclusive; a
 /// buffer freed by an instruction is alive during it), device and host summed at every
+/// 1F1B at pp=2, M=3 with every memory instruction on rank 0: microbatch 0 offloaded (and
+/// waited) after its forward and reloaded before its backward, microbatch 1 checkpointed and
+/// recomputed before its backward. The compiled schedule and the program.
+pub(crate) fn every_memory_op_1f1b() -> (pipec::compile::Compiled, Program) {
+    let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(
+        ScheduleKind::OneFOneB,
+        2,
+        3,
+    ))
+    .unwrap();
+    let r0 = &c.program.ranks[0];
+    let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
+    let at = |t: Task, pass: Pass| r0.iter().position(|i| has(i, t, &[pass])).unwrap();
+    let mut ops = vec![
+        (at(t0, Pass::Fwd) + 1, mem(MemKind::Offload, t0)),
+        (at(t0, Pass::Fwd) + 1, mem(MemKind::WaitOffload, t0)),
+        (at(t0, Pass::Bwd), mem(MemKind::Reload, t0)),
+        (at(t1, Pass::Bwd), mem(MemKind::Recompute, t1)),
+    ];
+    ops.sort_by_key(|o| o.0);
+    let mut r = insert(r0, ops);
+    let f1 = r.iter().position(|i| has(i, t1, &[Pass::Fwd])).unwrap();
+    r[f1] = Instr::FwdCheckpoint(t1);
+    let mut q = c.program.clone();
+    q.ranks[0] = r;
+    (c, q)
+}
+
 /// instruction. Valid programs only (every rule of `verify::offload` kept).
 pub(crate) fn replay(instrs: &[Instr], act: impl Fn(Task) -> f64) -> (f64, f64) {
     let n = instrs.len();
@@ -392,28 +420,7 @@ fn a_late_reload_hangs_and_the_verifier_names_it() {
 #[test]
 fn check_reports_host_memory() {
     use pipec::back::files::{write_program, Encoding, Header};
-    let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(
-        ScheduleKind::OneFOneB,
-        2,
-        3,
-    ))
-    .unwrap();
-    let p = &c.program;
-    let r0 = &p.ranks[0];
-    let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
-    let at = |t: Task, pass: Pass| r0.iter().position(|i| has(i, t, &[pass])).unwrap();
-    let mut q = p.clone();
-    let mut ops = vec![
-        (at(t0, Pass::Fwd) + 1, mem(MemKind::Offload, t0)),
-        (at(t0, Pass::Fwd) + 1, mem(MemKind::WaitOffload, t0)),
-        (at(t0, Pass::Bwd), mem(MemKind::Reload, t0)),
-        (at(t1, Pass::Bwd), mem(MemKind::Recompute, t1)),
-    ];
-    ops.sort_by_key(|o| o.0);
-    let mut r = insert(r0, ops);
-    let f1 = r.iter().position(|i| has(i, t1, &[Pass::Fwd])).unwrap();
-    r[f1] = Instr::FwdCheckpoint(t1);
-    q.ranks[0] = r;
+    let (c, q) = every_memory_op_1f1b();
     let checked = pipec::verify::verified(q.clone(), &VerifyOptions::default()).unwrap();
     let header = Header {
         source: "generated",
