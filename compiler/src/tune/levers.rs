@@ -13,7 +13,7 @@
 //! Every result is simulated and counted by the one memory rule ([`crate::memory`]); the
 //! fastest that fits is kept.
 
-use super::offload::{self, CopyOp, RankInput, TimedOp};
+use super::offload::{self, CopyOp};
 use crate::front::layout::Layout;
 use crate::ir::{Instr, MemKind, MemOp, Program};
 use crate::lower::recompute::checkpoint_tasks;
@@ -169,89 +169,34 @@ fn with_offload(
     limit: f64,
 ) -> Option<Program> {
     let sim = simulate_unverified(&Unverified::unchecked(program), costs).ok()?;
+    let act = |t: Task| mem.act.get(t.stage.index()).copied().unwrap_or(0.0);
     // A recompute runs on the compute stream: the planner does not see it (its activations
     // are needed at once, never a candidate).
-    let inputs = offload::inputs(program, &sim.timeline, |r| {
+    let mut inputs = offload::inputs(program, &sim.timeline, |r| {
         mem.param.get(r).copied().unwrap_or(0.0)
     });
-    let checkpointed: HashSet<(usize, Task)> = program
-        .ranks
-        .iter()
-        .enumerate()
-        .flat_map(|(r, i)| {
-            i.iter().filter_map(move |x| match x {
-                Instr::FwdCheckpoint(t) => Some((r, *t)),
+    // A checkpointed forward keeps nothing to offload (its activations are rebuilt by the
+    // recompute right before the backward): the planner sees a placeholder at its position
+    // (positions, hence the inserts' places, stay the program's), on no task it knows. A
+    // recompute holds act(s) from just before its backward to its release: the largest of
+    // the rank's is added to its base (a guide only: the result is counted by the one rule).
+    let nothing = Task::new(u32::MAX, u32::MAX);
+    for (instrs, input) in program.ranks.iter().zip(&mut inputs) {
+        let checkpointed: HashSet<Task> = instrs
+            .iter()
+            .filter_map(|x| match x {
+                Instr::FwdCheckpoint(t) => Some(*t),
                 _ => None,
             })
-        })
-        .collect();
-    if !checkpointed.is_empty() {
-        // The planner counts a forward's activations from the forward on; a checkpointed
-        // one holds them only from its recompute, which it does not model: plan on the
-        // program without the checkpointed forwards' activations instead.
-        return with_offload_ckpt(program, &inputs, costs, mem, pair, limit, &checkpointed);
-    }
-    let plans = offload::plan(
-        &inputs,
-        limit,
-        |t| mem.act.get(t.stage.index()).copied().unwrap_or(0.0),
-        |t| copy_time(costs, pair, t),
-    )
-    .ok()?;
-    Some(insert(program, &plans))
-}
-
-/// [`with_offload`] for a program with checkpointed forwards: the planner does not see them
-/// (their activations are rebuilt by the recompute right before the backward, never
-/// offloaded), and a recompute's hold is added to the base.
-fn with_offload_ckpt(
-    program: &Program,
-    inputs: &[RankInput],
-    costs: &StageCosts,
-    mem: &crate::memory::MemoryModel,
-    pair: bool,
-    limit: f64,
-    checkpointed: &HashSet<(usize, Task)>,
-) -> Option<Program> {
-    // A recompute holds act(s) from just before its backward to its release: the largest is
-    // added to the rank's base (a guide only: the result is counted by the one rule).
-    // No task has this stage: an op on it is one the planner passes over.
-    let nothing = Task::new(u32::MAX, u32::MAX);
-    let inputs: Vec<RankInput> = inputs
-        .iter()
-        .enumerate()
-        .map(|(r, input)| {
-            let extra = checkpointed
-                .iter()
-                .filter(|(rr, _)| *rr == r)
-                .map(|(_, t)| mem.act.get(t.stage.index()).copied().unwrap_or(0.0))
-                .fold(0.0, f64::max);
-            // A checkpointed forward keeps nothing to offload: the planner sees a placeholder
-            // at its position (positions, hence the inserts' places, stay the program's).
-            let ops = input
-                .ops
-                .iter()
-                .map(|o| match o.op {
-                    Compute::Fwd(t) if checkpointed.contains(&(r, t)) => TimedOp {
-                        op: Compute::BwdW(nothing),
-                        ..*o
-                    },
-                    _ => *o,
-                })
-                .collect();
-            RankInput {
-                ops,
-                base: input.base + extra,
+            .collect();
+        input.base += checkpointed.iter().map(|&t| act(t)).fold(0.0, f64::max);
+        for o in &mut input.ops {
+            if matches!(o.op, Compute::Fwd(t) if checkpointed.contains(&t)) {
+                o.op = Compute::BwdW(nothing);
             }
-        })
-        .collect();
-    let plans = offload::plan(
-        &inputs,
-        limit,
-        |t| mem.act.get(t.stage.index()).copied().unwrap_or(0.0),
-        |t| copy_time(costs, pair, t),
-    )
-    .ok()?;
+        }
+    }
+    let plans = offload::plan(&inputs, limit, act, |t| copy_time(costs, pair, t)).ok()?;
     Some(insert(program, &plans))
 }
 
