@@ -316,6 +316,8 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let mut summarised = false;
     let mut mix_labelled = false;
     let mut copies_seen = false;
+    // The copy rows' time origin, once (a walk over every span).
+    let t0 = origin(timeline);
     let mut out = String::new();
     for &r in &ranks {
         let instrs = &program.ranks[r];
@@ -412,7 +414,6 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
         let spans = timeline.ranks.get(r).map_or(&[][..], |v| v.as_slice());
         let mut row: Vec<char> = vec![' '; used];
         let mut any = false;
-        let t0 = origin(timeline);
         for (_, m, sp) in super::copies(instrs, spans) {
             let (s, e) = (sp.start - t0 - from, sp.end - t0 - from);
             if e <= 0.0 || s * scale >= used as f64 {
