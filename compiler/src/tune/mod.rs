@@ -1297,9 +1297,12 @@ fn fit_over_limit(
     }
     let done = par_map(&todo, |&i| {
         let b = &built[i];
+        // The kept program as it is; a built-in kind dropped while another led, generated again.
         let program = match (&b.program, b.spec) {
-            (Some(p), _) => p.clone(),
-            (None, Some(spec)) => lower(&generate(&spec, &req.limits).ok()?),
+            (Some(p), _) => std::borrow::Cow::Borrowed(p),
+            (None, Some(spec)) => {
+                std::borrow::Cow::Owned(lower(&generate(&spec, &req.limits).ok()?))
+            }
             (None, None) => return None,
         };
         let f = levers::fit(&program, &b.layout, &req.model, limit, levers)?;
