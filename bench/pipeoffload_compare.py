@@ -2,12 +2,11 @@
 """pipec tune against PipeOffload's own scheduler (tests/golden/pipeoffload/pipeoffload.json)
 under the same memory limits: issue 30's comparison.
 
-For every recorded case with uniform costs (their heavy cases make whole ranks heavier, which a
-per-layer cost model cannot say for every placement), runs `pipec tune --target any` on the
-model the golden README maps their units to (pp * 12 layers, t.f = t.b = t.w = t.act = 1/12,
-t.offload = 0.7 c / 12 with offload_pair: their copy time c is the time while the paired rank
-copies too, a lone copy 0.7 of it) at 1/2 and 1/3 of 1F1B's activation peak, and without a
-limit. Prints one JSON object: per case and limit, PipeOffload's best (configuration and
+For every recorded case, runs `pipec tune --target any` on the model the golden README maps
+their units to (pp * 12 layers, t.f = t.b = t.w = t.act = 1/12, t.offload = 0.7 c / 12 with
+offload_pair: their copy time c is the time while the paired rank copies too, a lone copy 0.7
+of it; their heavy cases, ranks 0 and pp-1 computing 1.5 times as long on every chunk, are
+`rank.0 = rank.{pp-1} = 1.5`) at 1/2 and 1/3 of 1F1B's activation peak, and without a limit. Prints one JSON object: per case and limit, PipeOffload's best (configuration and
 makespan), pipec's (schedule and makespan), and pipec's fastest without a limit.
 
 Usage: python3 bench/pipeoffload_compare.py PIPEC [--cases ID ...] > out.json
@@ -26,11 +25,16 @@ GOLDEN = HERE.parent / "tests" / "golden" / "pipeoffload" / "pipeoffload.json"
 LAYERS = 12  # per rank: a multiple of every recorded vpp (2, 3, 4)
 
 
-def cost(copy: float) -> str:
+def cost(case: dict) -> str:
     u = 1 / LAYERS
-    return (
-        f"t.f={u!r},t.b={u!r},t.w={u!r},t.act={u!r},t.offload={0.7 * copy * u!r},offload_pair=true"
+    s = (
+        f"t.f={u!r},t.b={u!r},t.w={u!r},t.act={u!r},t.offload={0.7 * case['copy'] * u!r},"
+        "offload_pair=true"
     )
+    if case["costs"] == "heavy":
+        h = case["heavy"]
+        s += f",rank.0={h!r},rank.{case['pp'] - 1}={h!r}"
+    return s
 
 
 def tune(pipec: str, case: dict, limit: float | None, extra: list[str]) -> dict:
@@ -44,7 +48,7 @@ def tune(pipec: str, case: dict, limit: float | None, extra: list[str]) -> dict:
         "--num-layers",
         str(case["pp"] * LAYERS),
         "--cost",
-        cost(case["copy"]),
+        cost(case),
         "--target",
         "any",
         "--json",
@@ -74,7 +78,7 @@ def main() -> None:
     golden = json.loads(GOLDEN.read_text())
     out = {}
     for cid, case in sorted(golden["cases"].items()):
-        if case["costs"] != "uniform" or (a.cases and cid not in a.cases):
+        if a.cases and cid not in a.cases:
             continue
         row = {"free": tune(a.pipec, case, None, [])}
         for lim in ("half", "third"):

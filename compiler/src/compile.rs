@@ -124,7 +124,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
                     }
                     .into())
                 }
-                (None, kind @ ScheduleKind::LoopedBfs) => {
+                (None, kind @ (ScheduleKind::LoopedBfs | ScheduleKind::GroupInterleaved)) => {
                     return Err(SpecError::ChunksNotGiven {
                         kind,
                         hint: "give vpp = 1 explicitly for one chunk per rank",

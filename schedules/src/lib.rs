@@ -7,6 +7,7 @@
 
 mod dualpipe;
 mod gpipe;
+mod group_interleaved;
 pub mod ids;
 pub mod layout;
 mod looped_bfs;

@@ -183,6 +183,13 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
             CommPolicy::Lockstep,
             crate::dualpipe::dualpipe_v(spec),
         ),
+        // PipeOffload's runtime posts its own P2P; lockstep rounds are deadlock-free for
+        // any valid order.
+        ScheduleKind::GroupInterleaved => (
+            Placement::looped(spec.pp, spec.vpp),
+            CommPolicy::Lockstep,
+            crate::group_interleaved::orders(spec),
+        ),
     };
     Ok(Schedule {
         spec: *spec,

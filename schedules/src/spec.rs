@@ -32,6 +32,8 @@ pub enum ScheduleKind {
     DualPipe,
     #[serde(rename = "dualpipe-v")]
     DualPipeV,
+    #[serde(rename = "group-interleaved")]
+    GroupInterleaved,
 }
 
 /// How many model chunks (stages) per rank a kind takes.
@@ -54,7 +56,7 @@ pub struct KindInfo {
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 12] = [
+    pub const ALL: [ScheduleKind; 13] = [
         ScheduleKind::Gpipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
@@ -67,6 +69,7 @@ impl ScheduleKind {
         ScheduleKind::VMin,
         ScheduleKind::DualPipe,
         ScheduleKind::DualPipeV,
+        ScheduleKind::GroupInterleaved,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +86,7 @@ impl ScheduleKind {
             ScheduleKind::VMin => "v-min",
             ScheduleKind::DualPipe => "dualpipe",
             ScheduleKind::DualPipeV => "dualpipe-v",
+            ScheduleKind::GroupInterleaved => "group-interleaved",
         }
     }
 
@@ -153,6 +157,11 @@ impl ScheduleKind {
                 "pp, microbatches (>= 2 pp); vpp = 2 (fixed)",
                 "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
             ),
+            ScheduleKind::GroupInterleaved => (
+                "interleaved 1F1B over groups of g microbatches with split backward, each bwd_W right after its bwd_D: the schedule PipeOffload offloads",
+                "pp, vpp, microbatches, group size (default pp; 1 <= g <= pp)",
+                "Wan et al., PipeOffload (ICML 2025); sail-sg group_interleaved_1f1b.py GroupBuildingBlockScheduler",
+            ),
         };
         KindInfo {
             kind: self,
@@ -170,7 +179,9 @@ impl ScheduleKind {
     /// Chunks per rank the kind accepts.
     pub fn chunk_rule(self) -> ChunkRule {
         match self {
-            ScheduleKind::Interleaved1F1B | ScheduleKind::LoopedBfs => ChunkRule::Any,
+            ScheduleKind::Interleaved1F1B
+            | ScheduleKind::LoopedBfs
+            | ScheduleKind::GroupInterleaved => ChunkRule::Any,
             ScheduleKind::ZbV
             | ScheduleKind::VHalf
             | ScheduleKind::VMin
@@ -204,6 +215,15 @@ impl ScheduleKind {
                 | ScheduleKind::VMin
                 | ScheduleKind::DualPipe
                 | ScheduleKind::DualPipeV
+                | ScheduleKind::GroupInterleaved
+        )
+    }
+
+    /// Whether `--group-size` applies.
+    pub fn takes_group_size(self) -> bool {
+        matches!(
+            self,
+            ScheduleKind::Interleaved1F1B | ScheduleKind::GroupInterleaved
         )
     }
 }
@@ -463,10 +483,12 @@ pub enum SpecError {
     SingleChunkOnly { kind: ScheduleKind, vpp: u32 },
     #[error("{kind} with vpp = {vpp} needs pp >= 2: at pp = 1 Megatron runs forward_backward_no_pipelining, which has no model chunks to interleave")]
     ChunksNeedPipeline { kind: ScheduleKind, vpp: u32 },
-    #[error("a group size applies to interleaved-1f1b only, not {kind}")]
+    #[error("a group size applies to interleaved-1f1b and group-interleaved only, not {kind}")]
     GroupSizeNotApplicable { kind: ScheduleKind },
     #[error("group size {g} is out of range: Megatron requires pp <= group size <= microbatches, here {pp} <= {g} <= {m} does not hold")]
     GroupSizeOutOfRange { g: u32, pp: u32, m: u32 },
+    #[error("group size {g} is out of range for group-interleaved: PipeOffload's building block takes 1 <= group size <= pp, here pp = {pp}")]
+    GroupOutOfRange { g: u32, pp: u32 },
     #[error("microbatches = {m} leaves a last group of {rem} microbatches (group size {g}), fewer than pp = {pp}; Megatron rejects 0 < M % group size < pp because that last group cannot fill the ring")]
     PartialLastGroup { m: u32, g: u32, pp: u32, rem: u32 },
     #[error("pp = {pp} is over the limit of {MAX_PP} ranks: a schedule writes one file per rank, and no pipeline runs that deep")]
@@ -547,7 +569,7 @@ impl ScheduleSpec {
         self.pp * self.vpp
     }
 
-    /// The group size in effect (interleaved 1F1B).
+    /// The group size in effect (interleaved-1f1b, group-interleaved).
     pub fn effective_group_size(&self) -> u32 {
         self.group_size.unwrap_or(self.pp)
     }
@@ -663,7 +685,7 @@ impl ScheduleSpec {
                 vpp: self.vpp,
             });
         }
-        if self.kind != ScheduleKind::Interleaved1F1B && self.group_size.is_some() {
+        if !self.kind.takes_group_size() && self.group_size.is_some() {
             return Err(SpecError::GroupSizeNotApplicable { kind: self.kind });
         }
         if self.kind == ScheduleKind::Interleaved1F1B {
@@ -674,6 +696,13 @@ impl ScheduleSpec {
             let rem = m % g;
             if rem > 0 && rem < pp {
                 return Err(SpecError::PartialLastGroup { m, g, pp, rem });
+            }
+        }
+        if self.kind == ScheduleKind::GroupInterleaved {
+            let (g, pp) = (self.effective_group_size(), self.pp);
+            // Their code resets a larger group to pp, silently: refused here instead.
+            if g == 0 || g > pp {
+                return Err(SpecError::GroupOutOfRange { g, pp });
             }
         }
         Ok(())

@@ -5,6 +5,7 @@ mod crates;
 mod cuda;
 mod cuda_kernels;
 mod docs;
+mod group_interleaved;
 mod hostile;
 mod inspect;
 mod layout;

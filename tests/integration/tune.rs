@@ -1151,7 +1151,8 @@ fn target_rule_per_builtin_kind() {
     let programs = builtin_programs();
     assert!(programs.len() >= 24, "{}", programs.len());
     for (kind, vpp, program) in &programs {
-        let one_stage_per_rank = matches!(kind, Gpipe | OneFOneB | ZbH1 | ZbH2 | Zb1P);
+        let one_stage_per_rank = matches!(kind, Gpipe | OneFOneB | ZbH1 | ZbH2 | Zb1P)
+            || (*kind == GroupInterleaved && *vpp == 1);
         let two_directions = *kind == DualPipe;
         for (target, want) in [
             (Target::PipecRun, true),

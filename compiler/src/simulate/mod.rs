@@ -610,7 +610,8 @@ impl<'a> Sim<'a> {
                 end
             }
             MemKind::Recompute => {
-                let d = self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0);
+                let d =
+                    self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0) * self.costs.rank_factor(r);
                 self.set_start(g, clock);
                 self.set_end(g, clock + d);
                 clock + d
@@ -721,7 +722,8 @@ impl<'a> Sim<'a> {
                     pc += 1;
                 }
                 Instr::FwdCheckpoint(t) => {
-                    let d = self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0);
+                    let d = self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0)
+                        * self.costs.rank_factor(r);
                     self.set_start(g, clock);
                     let before = clock;
                     clock += d;
@@ -741,7 +743,7 @@ impl<'a> Sim<'a> {
                 }
                 Instr::Compute(op) => {
                     // Ids were range-checked in `check_ids`.
-                    let d = self.costs.compute(op).unwrap_or(0.0);
+                    let d = self.costs.compute(op).unwrap_or(0.0) * self.costs.rank_factor(r);
                     let c = &mut self.copies[r];
                     if c.any {
                         // A backward of reloaded activations starts once its reload ended.
@@ -1166,6 +1168,33 @@ mod tests {
         );
         let s = simulate_unverified(&Unverified::unchecked(&p), &costs("p2p=1", w as u32)).unwrap();
         assert_eq!(s.summary.makespan, 2.0);
+    }
+
+    /// `rank.R` stretches rank R's compute only. 1F1B, pp=2, M=2, `f = b = w = 1`, rank 1 twice
+    /// as slow, by hand: rank 1 runs F0 1-3, B0 3-7, F1 7-9, B1 9-13; rank 0 F0 0-1, F1 1-2,
+    /// B0 7-9, B1 13-15.
+    #[test]
+    fn rank_factor_stretches_that_ranks_compute() {
+        use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
+        let sched = generate(
+            &ScheduleSpec::new(ScheduleKind::OneFOneB, 2, 1, 2),
+            &Limits::DEFAULT,
+        )
+        .unwrap();
+        let p = crate::lower::lower(&sched);
+        let run = |spec: &str| {
+            simulate_unverified(&Unverified::unchecked(&p), &costs(spec, 2))
+                .unwrap()
+                .summary
+        };
+        assert_eq!(run("").makespan, 9.0);
+        let slow = run("rank.1=2");
+        assert_eq!(slow.makespan, 15.0);
+        // Busy time: rank 0 its six units, rank 1 twice its six.
+        assert_eq!(slow.ranks[0].busy, 6.0);
+        assert_eq!(slow.ranks[1].busy, 12.0);
+        // Every rank alike: the whole timeline scales.
+        assert_eq!(run("rank.0=1.5,rank.1=1.5").makespan, 13.5);
     }
 
     #[test]

@@ -223,7 +223,13 @@ pub fn insert(program: &Program, plans: &[offload::RankPlan]) -> Program {
             .inserts
             .iter()
             .map(|x| {
-                let pos = compute.get(x.at).copied().unwrap_or(instrs.len());
+                // Boundary `a` is reached when compute op `a - 1` ends: the inserts go right
+                // after it, before the receives and waits that lead to op `a` (a copy posted
+                // after them would start when they end, later than planned).
+                let pos = match x.at {
+                    0 => 0,
+                    a => compute.get(a - 1).map_or(instrs.len(), |&i| i + 1),
+                };
                 let kind = match x.op {
                     CopyOp::Offload => MemKind::Offload,
                     CopyOp::WaitOffload => MemKind::WaitOffload,

@@ -241,6 +241,33 @@ pub fn lower_timed(p: &Problem, orders: &[pipec_schedules::RankOrder]) -> Option
     crate::lower::lower_with(&p.placement, p.microbatches, false, orders, how).ok()
 }
 
+/// A built-in kind's program as the tuner weighs it: the kind's own lowering, except
+/// `group-interleaved`, which PipeOffload's runtime runs as their `add_time` list schedule
+/// under the real costs, i.e. pipec's timed in-flight lowering (lockstep batches are timed at
+/// unit costs and lose time on heavier ranks); the lockstep program where that one does not
+/// verify.
+fn lower_builtin(
+    req: &TuneRequest,
+    schedule: &pipec_schedules::Schedule,
+    layout: &Layout,
+) -> Program {
+    if schedule.spec.kind == ScheduleKind::GroupInterleaved {
+        let p = Problem::new(
+            &req.model,
+            layout,
+            schedule.placement.clone(),
+            schedule.spec.microbatches,
+            None,
+        );
+        if let Some(q) = lower_timed(&p, &schedule.ranks) {
+            if verify::verify(&q, &verify::VerifyOptions::default()).is_valid() {
+                return q;
+            }
+        }
+    }
+    lower(schedule)
+}
+
 /// Build one candidate: its program (returned apart), simulated and measured.
 fn build(req: &TuneRequest, task: &Task, limit: Option<f64>) -> Option<(Built, Program)> {
     let (cand, layout, spec, program, planned) = match task {
@@ -259,7 +286,7 @@ fn build(req: &TuneRequest, task: &Task, limit: Option<f64>) -> Option<(Built, P
         }
         Task::Builtin(spec, layout) => {
             let schedule = generate(spec, &req.limits).ok()?;
-            let program = lower(&schedule);
+            let program = lower_builtin(req, &schedule, layout);
             let cand = Candidate::unmeasured(
                 spec.kind.name().to_string(),
                 spec.vpp,
@@ -786,6 +813,11 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
             if kind == ScheduleKind::Interleaved1F1B && m > pp && !big {
                 groups.push(Some(m));
             }
+            // PipeOffload's schedule trades time for memory by its group size: under a limit
+            // every group (their code takes 1..=pp), spread over at most 8 for deep pipelines.
+            if kind == ScheduleKind::GroupInterleaved && req.memory_limit.is_some() && !big {
+                groups.extend(group_sizes(pp).into_iter().filter(|&g| g != pp).map(Some));
+            }
             for g in groups {
                 let spec = ScheduleSpec {
                     group_size: g,
@@ -802,6 +834,17 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
             }
         }
     }
+    out
+}
+
+/// Group sizes weighed for `group-interleaved` under a memory limit: all of `1..=pp` up to
+/// pp = 8, else eight spread from 1 to pp.
+fn group_sizes(pp: u32) -> Vec<u32> {
+    if pp <= 8 {
+        return (1..=pp).collect();
+    }
+    let mut out: Vec<u32> = (0..8).map(|i| 1 + i * (pp - 1) / 7).collect();
+    out.dedup();
     out
 }
 
@@ -1052,7 +1095,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             // A built-in kind dropped while another led: generated again, as before.
             let spec = built[i].spec.expect("only built-in kinds are dropped");
             let schedule = generate(&spec, &req.limits).expect("it was generated before");
-            built[i].program = Some(lower(&schedule));
+            built[i].program = Some(lower_builtin(req, &schedule, &built[i].layout));
         }
         let Some(program) = built[i].program.take() else {
             continue;
@@ -1283,7 +1326,17 @@ fn fit_over_limit(
         })
         .collect();
     todo.sort_by(|&a, &b| built[a].cand.makespan.total_cmp(&built[b].cand.makespan));
+    // The fastest few, and every PipeOffload schedule: the order their offload is built for
+    // (each bwd_W right after its bwd_D) is often the one that fits, while slower unfitted.
+    let offload_kind = |i: &usize| {
+        built[*i]
+            .spec
+            .is_some_and(|s| s.kind == ScheduleKind::GroupInterleaved)
+    };
+    let (kind, rest): (Vec<usize>, Vec<usize>) = todo.into_iter().partition(offload_kind);
+    todo = rest;
     todo.truncate(LEVER_CANDIDATES);
+    todo.extend(kind);
     let first_extra = built.len();
     for b in extra {
         if b.cand.not_runnable.is_none() && b.cand.makespan < fitting {
@@ -1300,9 +1353,11 @@ fn fit_over_limit(
         // The kept program as it is; a built-in kind dropped while another led, generated again.
         let program = match (&b.program, b.spec) {
             (Some(p), _) => std::borrow::Cow::Borrowed(p),
-            (None, Some(spec)) => {
-                std::borrow::Cow::Owned(lower(&generate(&spec, &req.limits).ok()?))
-            }
+            (None, Some(spec)) => std::borrow::Cow::Owned(lower_builtin(
+                req,
+                &generate(&spec, &req.limits).ok()?,
+                &b.layout,
+            )),
             (None, None) => return None,
         };
         let f = levers::fit(&program, &b.layout, &req.model, limit, levers)?;

@@ -72,9 +72,20 @@ impl Problem {
     ) -> Self {
         let n = placement.num_stages();
         let costs = StageCosts::new(model, layout, n);
+        // A rank's time factor (`rank.R`) scales the stages it runs; a stage on two ranks
+        // (DualPipe) takes the smaller, so that plans and bounds stay optimistic (every
+        // candidate's makespan is the simulator's, which runs each op on its own rank).
+        let factor: Vec<f64> = (0..n)
+            .map(|s| {
+                holders(&placement, s)
+                    .iter()
+                    .map(|r| costs.rank_factor(r.index()))
+                    .fold(f64::INFINITY, f64::min)
+            })
+            .collect();
         let get = |p: Pass| -> Vec<f64> {
             (0..n)
-                .map(|s| costs.pass(p, StageId(s)).unwrap_or(0.0))
+                .map(|s| costs.pass(p, StageId(s)).unwrap_or(0.0) * factor[s as usize])
                 .collect()
         };
         let (act, sparam) = stage_memory(model, layout);

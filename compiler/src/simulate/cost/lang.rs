@@ -10,7 +10,7 @@ use thiserror::Error;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit";
+    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, rank.R (R a rank)";
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Key {
@@ -30,6 +30,8 @@ pub(super) enum Key {
     Pcie,
     OffloadPair,
     TimeUnit,
+    /// `rank.R`: rank R's compute time factor.
+    Rank(u32),
 }
 
 fn key(s: &str) -> Option<Key> {
@@ -51,6 +53,12 @@ fn key(s: &str) -> Option<Key> {
         "offload_pair" => Key::OffloadPair,
         "time_unit" => Key::TimeUnit,
         _ => {
+            if let Some(r) = s.strip_prefix("rank.") {
+                if r.is_empty() || !r.chars().all(|c| c.is_ascii_digit()) {
+                    return None;
+                }
+                return Some(Key::Rank(r.parse().ok()?));
+            }
             if let Some((k, p)) = s.split_once('.') {
                 let mut chars = k.chars();
                 let kind = LayerKind::from_symbol(chars.next()?)?;
@@ -523,6 +531,8 @@ pub enum CostErrorKind {
     BadBandwidth(String),
     #[error("`pcie` must be greater than 0")]
     ZeroPcie,
+    #[error("`{0}` is not a rank's time factor: it must be greater than 0 (1 is the costs as given, 1.5 a rank half again as slow)")]
+    ZeroRankFactor(String),
     #[error("`pcie = {0}` is per second, but the costs' time unit is not known: add `time_unit = \"ms\"` (or `s`, `us`): what one cost unit is")]
     PcieNeedsTimeUnit(String),
     #[error("`pcie = {0}` is in bytes, but the activations are not: give `K.act` in bytes (`t.act = 1GiB`) or a `[model]` table, or `pcie` in activation units per time unit")]

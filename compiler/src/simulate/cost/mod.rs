@@ -26,6 +26,7 @@
 //! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`) | none |
 //! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes: a copy takes `offload / 0.7` while the partner copies too, and pipec gives every copy that time (an upper bound) | `false` |
 //! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
+//! | `rank.R` | rank `R`'s compute takes this many times its layers' costs (a slower or busier device; PipeOffload's heavy first and last ranks); copies and messages keep their time | `1` |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
 //! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
@@ -134,6 +135,8 @@ pub struct CostModel {
     pub offload_pair: bool,
     /// `time_unit`: seconds per cost unit, when given (`s`, `ms`, `us`).
     pub time_unit: Option<f64>,
+    /// `rank.R`: per rank, the factor its compute takes over its layers' costs (absent: 1).
+    pub rank_factor: std::collections::BTreeMap<u32, f64>,
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -205,6 +208,14 @@ impl Serialize for CostModel {
         if let Some(u) = self.time_unit {
             m.serialize_entry("time_unit_seconds", &u)?;
         }
+        if !self.rank_factor.is_empty() {
+            let r: std::collections::BTreeMap<String, f64> = self
+                .rank_factor
+                .iter()
+                .map(|(r, f)| (r.to_string(), *f))
+                .collect();
+            m.serialize_entry("rank_factor", &r)?;
+        }
         m.end()
     }
 }
@@ -231,6 +242,7 @@ impl Default for CostModel {
             pcie: None,
             offload_pair: false,
             time_unit: None,
+            rank_factor: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -363,6 +375,14 @@ impl CostModel {
                 }
                 Key::Pcie => pcie = Some(e),
                 Key::OffloadPair => self.offload_pair = boolean(text, source, e)?,
+                Key::Rank(r) => {
+                    let v = number(text, source, e, false)?;
+                    if v == 0.0 {
+                        let s = text[e.value.0..e.value.1].to_string();
+                        return Err(err(text, source, e.value, CostErrorKind::ZeroRankFactor(s)));
+                    }
+                    self.rank_factor.insert(r, v);
+                }
                 Key::TimeUnit => {
                     let v = text[e.value.0..e.value.1].trim_matches('"');
                     self.time_unit = Some(match v {
@@ -485,6 +505,9 @@ impl CostModel {
         if self.offload_pair {
             parts.push("offload_pair=true".to_string());
         }
+        for (r, f) in &self.rank_factor {
+            parts.push(format!("rank.{r}={}", num(*f)));
+        }
         parts.join(",")
     }
 
@@ -559,6 +582,9 @@ impl CostModel {
         });
         if self.overlap > 0.0 {
             s.push_str(&format!("; overlap {}", num(self.overlap)));
+        }
+        for (r, f) in &self.rank_factor {
+            s.push_str(&format!("; rank {r} x{}", num(*f)));
         }
         if self.offload.iter().any(Option::is_some) || self.pcie.is_some() {
             s.push_str(&format!(
@@ -703,6 +729,19 @@ impl StageCosts {
                 Some(f.max(b) + (1.0 - self.model.overlap) * f.min(b))
             }
         }
+    }
+
+    /// Rank `r`'s compute time factor (`rank.R`, default 1).
+    #[inline]
+    pub fn rank_factor(&self, r: usize) -> f64 {
+        if self.model.rank_factor.is_empty() {
+            return 1.0;
+        }
+        u32::try_from(r)
+            .ok()
+            .and_then(|r| self.model.rank_factor.get(&r))
+            .copied()
+            .unwrap_or(1.0)
     }
 
     /// Time of one message.
@@ -998,6 +1037,36 @@ mod tests {
             ("time_unit=min", "is not a time unit"),
             ("offload_pair=yes", "is not a boolean"),
             ("t.offload=-1", "is negative"),
+        ] {
+            let e = CostModel::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(want), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn rank_factor_keys() {
+        let d = CostModel::parse("f=2").unwrap();
+        assert!(!serde_json::to_string(&d).unwrap().contains("rank"));
+        assert!(!d.spec().contains("rank"));
+        let m = CostModel::parse("rank.0=1.5,rank.7=2").unwrap();
+        let c = StageCosts::uniform(&m, 8);
+        assert_eq!(
+            (0..9).map(|r| c.rank_factor(r)).collect::<Vec<_>>(),
+            [1.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0]
+        );
+        // Stage costs stay the layers' (the factor applies where a rank runs them).
+        assert_eq!(c.pass(Pass::Fwd, StageId(0)), Some(1.0));
+        assert_eq!(CostModel::parse(&m.spec()).unwrap(), m);
+        assert!(m.describe().contains("rank 0 x1.5; rank 7 x2"));
+        assert!(serde_json::to_string(&m)
+            .unwrap()
+            .contains(r#""rank_factor":{"0":1.5,"7":2.0}"#));
+        for (spec, want) in [
+            ("rank.1=0", "must be greater than 0"),
+            ("rank.1=-2", "is negative"),
+            ("rank.x=2", "unknown key `rank.x`"),
+            ("rank.=2", "unknown key `rank.`"),
+            ("rank.1=2,rank.1=3", "is given twice"),
         ] {
             let e = CostModel::parse(spec).unwrap_err().to_string();
             assert!(e.contains(want), "{spec}: {e}");

@@ -35,7 +35,7 @@ pub struct Args {
     /// Microbatches for --schedule.
     #[arg(long)]
     pub microbatches: Option<u32>,
-    /// Megatron's group size, for interleaved-1f1b only.
+    /// The group size, for interleaved-1f1b and group-interleaved only.
     #[arg(long)]
     pub group_size: Option<u32>,
     /// One Megatron layout for every --schedule (each must fit its stage count).
@@ -124,7 +124,7 @@ fn in_memory(
     } else {
         vpp_for(a, kind)
     };
-    let group_size = if kind == ScheduleKind::Interleaved1F1B {
+    let group_size = if kind.takes_group_size() {
         a.group_size
     } else {
         None

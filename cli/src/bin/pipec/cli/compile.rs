@@ -34,7 +34,9 @@ pub struct Args {
     /// Read the layout string from a file (one trailing newline is ignored).
     #[arg(long, value_name = "FILE")]
     pub layout_file: Option<PathBuf>,
-    /// Megatron's microbatch_group_size_per_vp_stage (interleaved-1f1b; default pp).
+    /// Microbatches per group (default pp): Megatron's microbatch_group_size_per_vp_stage for
+    /// interleaved-1f1b (pp <= g <= M), PipeOffload's interleave group size for
+    /// group-interleaved (1 <= g <= pp).
     #[arg(long)]
     pub group_size: Option<u32>,
     /// Inference: forwards only.
