@@ -202,7 +202,7 @@ struct Tables<B: Backend> {
     saved: Vec<Option<B::Saved>>,
     partial: Vec<Option<B::Partial>>,
     /// The host store: offloaded stashes.
-    host: Vec<Option<B::Saved>>,
+    host: Vec<Option<B::Host>>,
     kept: Vec<Option<Kept<B::Tensor>>>,
     copies: CopyStream,
     meter: Meter,
@@ -533,6 +533,7 @@ impl<'a, B: Backend> Interp<'a, B> {
     /// `offload`, `reload`, `wait_offload` or `recompute` of `op.task` (docs/format.md,
     /// "Memory instructions").
     fn memory(&mut self, op: MemOp) -> Result<(), Fault> {
+        let be = |e: crate::backend::BackendError| Fault::Compute(e.0);
         let t = op.task;
         let i = self.t.task_slot(t, op.kind.op())?;
         let w = self.t.weight(t);
@@ -545,16 +546,24 @@ impl<'a, B: Backend> Interp<'a, B> {
                         Fault::Schedule(m) => Fault::Schedule(format!("nothing to offload: {m}")),
                         f => f,
                     })?;
-                self.t.host[i] = Some(s);
+                let h = self.backend.offload(t, s).map_err(be)?;
+                self.t.host[i] = Some(h);
                 self.t.meter.host.alloc(w);
                 self.t.copies.post(i, Source::Device(w));
             }
             MemKind::Reload => {
-                let s = self.t.host[i].take().ok_or_else(|| {
+                let h = self.t.host[i].take().ok_or_else(|| {
                     Fault::Schedule(format!(
                         "nothing to reload: the activation of {t} is not on the host (not offloaded, or reloaded already)"
                     ))
                 })?;
+                if self.t.saved[i].is_some() {
+                    // Refused before the backend allocates a second device stash.
+                    return Err(Fault::Schedule(format!(
+                        "the activation of {t} is already saved: a second forward, reload or recompute of it"
+                    )));
+                }
+                let s = self.backend.reload(t, h).map_err(be)?;
                 self.t.save(i, t, s)?;
                 self.t.copies.post(i, Source::Host(w));
             }
@@ -562,6 +571,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 let k = *self.t.copies.offloads.get(&i).ok_or_else(|| {
                     Fault::Schedule(format!("no offload of {t} was posted before"))
                 })?;
+                self.backend.wait_offload(t).map_err(be)?;
                 self.t.copies.ended(k, &mut self.t.meter);
             }
             MemKind::Recompute => {
@@ -573,10 +583,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                     })
                 })?;
                 // The same forward from the same input: the stash the plain forward saved.
-                let (_, stash) = self
-                    .backend
-                    .fwd(t, input, true)
-                    .map_err(|e| Fault::Compute(e.0))?;
+                let (_, stash) = self.backend.fwd(t, input, true).map_err(be)?;
                 let s = stash.ok_or_else(|| {
                     Fault::Compute(format!("the backend saved nothing recomputing fwd({t})"))
                 })?;
