@@ -734,6 +734,7 @@ fn finish_step<D: Device>(
                     peak_activations: o.run.peak_activations,
                     peak_memory: params(o.rank) + o.run.device_peak,
                     host_memory: o.run.host_peak,
+                    gpu_peak_bytes: o.run.pool_peak_bytes,
                 })
                 .collect(),
             check: summary,

@@ -58,6 +58,9 @@ pub struct RankRun {
     /// The most the host store (offloaded stashes) held at once, in the same weights: the
     /// verifier's `host` figure.
     pub host_peak: f64,
+    /// A GPU's own figure: the high watermark of its memory pool over the step, in bytes
+    /// (set by the CUDA backend's `end_step`; `None` from the interpreter).
+    pub pool_peak_bytes: Option<u64>,
 }
 
 /// The rank stopped: the failure (its own or another rank's) is in the [`Watch`].
@@ -821,6 +824,7 @@ pub fn run_rank_with<B: Backend>(
         peak_activations: u32::try_from(it.t.meter.count.peak).unwrap_or(u32::MAX),
         device_peak: it.t.meter.device.peak,
         host_peak: it.t.meter.host.peak,
+        pool_peak_bytes: None,
     })
 }
 

@@ -217,6 +217,7 @@ impl<T: Elem> CudaBackend<T> {
         self.losses.iter_mut().for_each(|l| *l = None);
         // Every copy of the last step has ended (`sync`): their device copies go.
         self.copies.clear();
+        self.reset_pool_peak()?;
         self.marks.clear();
         self.in_flight.clear();
         self.at = 0;
@@ -232,6 +233,62 @@ impl<T: Elem> CudaBackend<T> {
             .map_err(err("order streams"))?;
         self.origin = Some(timing_event(&self.main.stream)?);
         Ok(())
+    }
+
+    /// The GPU's current memory pool, which cudarc's stream-ordered allocations
+    /// (`cuMemAllocAsync`) draw from; `None` where the driver has none (cudarc then allocates
+    /// with `cuMemAlloc`).
+    fn pool(&self) -> Result<Option<cudarc::driver::sys::CUmemoryPool>, BackendError> {
+        if !self.ctx.has_async_alloc() {
+            return Ok(None);
+        }
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: an out-parameter for the device this context runs on.
+        unsafe { cudarc::driver::sys::cuDeviceGetMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(err("get the memory pool"))?;
+        Ok(Some(pool))
+    }
+
+    /// Restart the pool's high watermark at its current use (CUDA: setting
+    /// `CU_MEMPOOL_ATTR_USED_MEM_HIGH` to 0 resets it).
+    fn reset_pool_peak(&self) -> Result<(), BackendError> {
+        use cudarc::driver::sys::{cuMemPoolSetAttribute, CUmemPool_attribute_enum};
+        if let Some(pool) = self.pool()? {
+            let mut zero = 0u64;
+            // SAFETY: the attribute is a cuuint64_t; `zero` outlives the call.
+            unsafe {
+                cuMemPoolSetAttribute(
+                    pool,
+                    CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                )
+            }
+            .result()
+            .map_err(err("reset the memory pool's high watermark"))?;
+        }
+        Ok(())
+    }
+
+    /// The pool's high watermark in bytes since [`Self::reset_pool_peak`] (after
+    /// [`Self::sync`]).
+    pub fn pool_peak(&self) -> Result<Option<u64>, BackendError> {
+        use cudarc::driver::sys::{cuMemPoolGetAttribute, CUmemPool_attribute_enum};
+        let Some(pool) = self.pool()? else {
+            return Ok(None);
+        };
+        let mut high = 0u64;
+        // SAFETY: the attribute is a cuuint64_t written into `high`.
+        unsafe {
+            cuMemPoolGetAttribute(
+                pool,
+                CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(err("read the memory pool's high watermark"))?;
+        Ok(Some(high))
     }
 
     /// Wait for all of this rank's GPU work, polling so that a hang (an NCCL peer that never

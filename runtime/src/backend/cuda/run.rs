@@ -226,6 +226,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
             peak_activations: run.peak_activations,
             device_peak: run.device_peak,
             host_peak: run.host_peak,
+            pool_peak_bytes: self.pool_peak()?,
         })
     }
 
