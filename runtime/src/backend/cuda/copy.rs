@@ -73,8 +73,12 @@ impl<U: DeviceRepr> Pool<U> {
     ) -> Result<(), BackendError> {
         copy.memcpy_htod(&h, d)
             .map_err(err("copy activations back to the device (reload)"))?;
-        self.free.entry(h.len()).or_default().push(h);
+        self.give(h);
         Ok(())
+    }
+
+    fn give(&mut self, h: PinnedHostSlice<U>) {
+        self.free.entry(h.len()).or_default().push(h);
     }
 }
 
@@ -161,6 +165,26 @@ impl<T: Elem> Pinned<T> {
                 })
             })
             .collect()
+    }
+
+    /// Give the buffers of `host` back to the pool (once no copy into them is pending: cudarc
+    /// orders a later copy after the last one anyway, through each buffer's event).
+    pub fn recycle(&mut self, host: Vec<HStash<T>>) {
+        for h in host {
+            match h {
+                HStash::Embedding { tokens, .. } => self.u.give(tokens),
+                HStash::Block { x, h, a } => {
+                    self.t.give(x);
+                    self.t.give(h);
+                    self.t.give(a);
+                }
+                HStash::Head { x, probs, targets } => {
+                    self.t.give(x);
+                    self.t.give(probs);
+                    self.u.give(targets);
+                }
+            }
+        }
     }
 
     /// Post the host-to-device copies of `host` into `dev` (from [`Self::alloc_like`]) on

@@ -47,6 +47,12 @@ struct Accum {
 /// A forward's output and, when saved, its stash.
 type FwdResult<T> = Result<(GTensor<T>, Option<Vec<GStash<T>>>), BackendError>;
 
+/// An offloaded stash's place in its backend's host store. The pinned buffers stay with the
+/// backend, dropped after its NCCL communicator: a pinned buffer's drop waits for its last copy
+/// (`cuEventSynchronize`), which after a hang would wait for ever if the interpreter's tables
+/// dropped it first (see [`CudaBackend::net`]).
+pub struct HostStash(u64);
+
 /// A copy posted on the copy stream and not yet known to have ended.
 struct InFlight<T> {
     task: Task,
@@ -73,6 +79,9 @@ pub struct CudaBackend<T: Elem> {
     copy_stream: Arc<CudaStream>,
     /// Copies posted and not yet known to have ended, in posting order.
     copies: VecDeque<InFlight<T>>,
+    /// Offloaded stashes by [`HostStash`] number, until their reload.
+    host: BTreeMap<u64, Vec<HStash<T>>>,
+    next_host: u64,
     pinned: Pinned<T>,
     layout: Layout,
     microbatches: u32,
@@ -184,6 +193,8 @@ impl<T: Elem> CudaBackend<T> {
             comm_stream,
             copy_stream,
             copies: VecDeque::new(),
+            host: BTreeMap::new(),
+            next_host: 0,
             pinned,
             layout: layout.clone(),
             microbatches,
@@ -215,8 +226,12 @@ impl<T: Elem> CudaBackend<T> {
         }
         self.parked.clear();
         self.losses.iter_mut().for_each(|l| *l = None);
-        // Every copy of the last step has ended (`sync`): their device copies go.
+        // Every copy of the last step has ended (`sync`): their device copies go, and host
+        // copies never reloaded (a program may leave some) go back to the pool.
         self.copies.clear();
+        for (_, h) in std::mem::take(&mut self.host) {
+            self.pinned.recycle(h);
+        }
         self.reset_pool_peak()?;
         self.marks.clear();
         self.in_flight.clear();
@@ -737,7 +752,7 @@ impl<T: Elem> Backend for CudaBackend<T> {
     type Tensor = GTensor<T>;
     type Saved = Vec<GStash<T>>;
     type Partial = Vec<GPartial<T>>;
-    type Host = Vec<HStash<T>>;
+    type Host = HostStash;
 
     fn fwd(
         &mut self,
@@ -804,7 +819,6 @@ impl<T: Elem> Backend for CudaBackend<T> {
         saved: Self::Saved,
         grad: Option<GTensor<T>>,
     ) -> Result<(GTensor<T>, Option<Self::Saved>, GTensor<T>), BackendError> {
-        self.await_reload(bwd)?;
         self.side
             .stream
             .join(&self.main.stream)
@@ -812,6 +826,8 @@ impl<T: Elem> Backend for CudaBackend<T> {
         let s2 = timing_event(&self.side.stream)?;
         let (out, stash) = self.fwd_on(true, fwd, input, save)?;
         let e2 = timing_event(&self.side.stream)?;
+        // Only the backward half waits for its reload.
+        self.await_reload(bwd)?;
         let start = timing_event(&self.main.stream)?;
         let (din, partial) = self.main.stage_bwd_d(
             self.stage(bwd)?,
@@ -856,7 +872,10 @@ impl<T: Elem> Backend for CudaBackend<T> {
         let host = self.pinned.offload(&self.copy_stream, &saved)?;
         let end = timing_event(&self.copy_stream)?;
         self.post_copy(task, Some(saved), start, end);
-        Ok(host)
+        let id = self.next_host;
+        self.next_host += 1;
+        self.host.insert(id, host);
+        Ok(HostStash(id))
     }
 
     /// The compute stream waits for `task`'s latest offload still in flight (none: an
@@ -876,6 +895,12 @@ impl<T: Elem> Backend for CudaBackend<T> {
     /// Fresh device buffers on the compute stream, filled from the pinned copy on the copy
     /// stream; the backward waits for the copy ([`Self::await_reload`]).
     fn reload(&mut self, task: Task, host: Self::Host) -> Result<Self::Saved, BackendError> {
+        let host = self.host.remove(&host.0).ok_or_else(|| {
+            BackendError(format!(
+                "{}: the host copy of {task} is not in this backend's host store",
+                self.rank
+            ))
+        })?;
         let mut dev = Pinned::alloc_like(&self.main.stream, &host)?;
         self.copy_after_compute()?;
         let start = timing_event(&self.copy_stream)?;
