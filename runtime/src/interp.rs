@@ -269,13 +269,19 @@ impl<B: Backend> Tables<B> {
         })
     }
 
-    /// Put `t`'s stash in the device store (a forward, a reload or a recompute).
-    fn save(&mut self, i: usize, t: Task, s: B::Saved) -> Result<(), Fault> {
+    /// `t`'s stash may enter the device store: it is not there already.
+    fn unsaved(&self, i: usize, t: Task) -> Result<(), Fault> {
         if self.saved[i].is_some() {
             return Err(Fault::Schedule(format!(
                 "the activation of {t} is already saved: a second forward, reload or recompute of it"
             )));
         }
+        Ok(())
+    }
+
+    /// Put `t`'s stash in the device store (a forward, a reload or a recompute).
+    fn save(&mut self, i: usize, t: Task, s: B::Saved) -> Result<(), Fault> {
+        self.unsaved(i, t)?;
         self.saved[i] = Some(s);
         self.meter.alloc(self.weight(t));
         Ok(())
@@ -560,12 +566,8 @@ impl<'a, B: Backend> Interp<'a, B> {
                         "nothing to reload: the activation of {t} is not on the host (not offloaded, or reloaded already)"
                     ))
                 })?;
-                if self.t.saved[i].is_some() {
-                    // Refused before the backend allocates a second device stash.
-                    return Err(Fault::Schedule(format!(
-                        "the activation of {t} is already saved: a second forward, reload or recompute of it"
-                    )));
-                }
+                // Refused before the backend allocates a second device stash.
+                self.t.unsaved(i, t)?;
                 let s = self.backend.reload(t, h).map_err(be)?;
                 self.t.save(i, t, s)?;
                 self.t.copies.post(i, Source::Host(w));
@@ -996,9 +998,10 @@ pub fn static_peak_activations(program: &Program) -> Vec<u32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::noop::NoopBackend;
+    use crate::backend::BackendError;
     use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
     use std::time::Duration;
 
@@ -1051,6 +1054,120 @@ mod tests {
             static_peak_activations(&program_fo(ScheduleKind::OneFOneB, 4, 1, 8, true)),
             vec![1, 1, 1, 1]
         );
+    }
+
+    /// 1F1B (pp = 4, M = 6) with memory instructions on rank 1 (stage 1): an offload,
+    /// `wait_offload` and reload of mb 0, a checkpointed forward and a recompute of mb 1; the
+    /// program verifies.
+    pub(crate) fn with_memory_ops() -> Program {
+        let mut p = program(ScheduleKind::OneFOneB, 4, 1, 6);
+        let r = &mut p.ranks[1];
+        let mem = |kind, t| Instr::Memory(MemOp { kind, task: t });
+        let at = |r: &[Instr], c: Compute| r.iter().position(|i| *i == Instr::Compute(c)).unwrap();
+        let (t0, t1) = (Task::new(1, 0), Task::new(1, 1));
+        let f0 = at(r, Compute::Fwd(t0));
+        r.insert(f0 + 1, mem(MemKind::Offload, t0));
+        r.insert(f0 + 2, mem(MemKind::WaitOffload, t0));
+        let b0 = at(r, Compute::Bwd(t0));
+        r.insert(b0, mem(MemKind::Reload, t0));
+        let f1 = at(r, Compute::Fwd(t1));
+        r[f1] = Instr::FwdCheckpoint(t1);
+        let b1 = at(r, Compute::Bwd(t1));
+        r.insert(b1, mem(MemKind::Recompute, t1));
+        let report = pipec::verify::verify(&p, &Default::default());
+        assert!(report.is_valid(), "{:?}", report.violations);
+        p
+    }
+
+    /// The no-op backend, recording each call.
+    #[derive(Default)]
+    struct Calls(Vec<String>);
+
+    impl Backend for Calls {
+        type Tensor = ();
+        type Saved = ();
+        type Partial = ();
+        type Host = ();
+        fn fwd(
+            &mut self,
+            t: Task,
+            i: Option<()>,
+            save: bool,
+        ) -> Result<((), Option<()>), BackendError> {
+            self.0.push(format!("fwd {t} save {save}"));
+            NoopBackend.fwd(t, i, save)
+        }
+        fn bwd(&mut self, t: Task, s: (), g: Option<()>) -> Result<(), BackendError> {
+            self.0.push(format!("bwd {t}"));
+            NoopBackend.bwd(t, s, g)
+        }
+        fn bwd_d(&mut self, t: Task, s: &(), g: Option<()>) -> Result<((), ()), BackendError> {
+            self.0.push(format!("bwd_d {t}"));
+            NoopBackend.bwd_d(t, s, g)
+        }
+        fn bwd_w(&mut self, t: Task, s: (), p: ()) -> Result<(), BackendError> {
+            self.0.push(format!("bwd_w {t}"));
+            NoopBackend.bwd_w(t, s, p)
+        }
+        fn keep(&mut self, _: &()) -> Result<(), BackendError> {
+            self.0.push("keep".into());
+            Ok(())
+        }
+        fn offload(&mut self, t: Task, _: ()) -> Result<(), BackendError> {
+            self.0.push(format!("offload {t}"));
+            Ok(())
+        }
+        fn wait_offload(&mut self, t: Task) -> Result<(), BackendError> {
+            self.0.push(format!("wait_offload {t}"));
+            Ok(())
+        }
+        fn reload(&mut self, t: Task, _: ()) -> Result<(), BackendError> {
+            self.0.push(format!("reload {t}"));
+            Ok(())
+        }
+        fn exchange(&mut self, ops: &mut [CommOp<()>]) -> Result<(), CommError> {
+            self.0.push(format!("exchange {}", ops.len()));
+            NoopBackend.exchange(ops)
+        }
+    }
+
+    /// What the CUDA backend relies on (one timing mark per instruction): every compute or
+    /// memory instruction is exactly one pass or copy call, in program order, a checkpointed
+    /// forward a `keep` and an unsaved forward, a recompute a saving forward; comm batches
+    /// are one exchange each.
+    #[test]
+    fn memory_instructions_call_the_backend_once_each_in_order() {
+        let p = with_memory_ops();
+        let watch = Watch::new(4, Duration::from_secs(5));
+        let mut calls = Calls::default();
+        run_rank(&p, Rank(1), &mut calls, &watch, Instant::now()).unwrap();
+        let mut want = Vec::new();
+        let instrs = &p.ranks[1];
+        let mut i = 0;
+        while i < instrs.len() {
+            match instrs[i] {
+                Instr::Compute(Compute::Fwd(t)) => want.push(format!("fwd {t} save true")),
+                Instr::Compute(Compute::Bwd(t)) => want.push(format!("bwd {t}")),
+                Instr::FwdCheckpoint(t) => {
+                    want.push("keep".into());
+                    want.push(format!("fwd {t} save false"));
+                }
+                Instr::Memory(m) => want.push(match m.kind {
+                    MemKind::Recompute => format!("fwd {} save true", m.task),
+                    k => format!("{} {}", k.op(), m.task),
+                }),
+                Instr::Send { .. } | Instr::Recv { .. } => {
+                    let end = pipec::ir::batch_end(instrs, i);
+                    want.push(format!("exchange {}", end - i));
+                    i = end;
+                    continue;
+                }
+                ref other => panic!("not in 1F1B: {other}"),
+            }
+            i += 1;
+        }
+        assert!(want.iter().any(|c| c.starts_with("reload")), "{want:?}");
+        assert_eq!(calls.0, want);
     }
 
     #[test]

@@ -296,3 +296,28 @@ fn gpu_check_memory_instructions() {
         }
     }
 }
+
+/// `--backend cuda` no longer refuses memory instructions before a run: without a GPU driver
+/// a program with every one of them gets as far as the library probe (exit 2, "CUDA driver
+/// not found"), where it used to stop with exit 1 naming the first memory instruction.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_backend_takes_memory_instructions_up_to_the_driver_probe() {
+    // SAFETY: only tries to dlopen libcuda.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        return; // a GPU machine: gpu_check_memory_instructions runs them
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (c, q) = every_memory_op_1f1b();
+    write(&c, &q, tmp.path());
+    let out = crate::cuda::cuda_bin()
+        .arg(tmp.path())
+        .args(["--backend", "cuda", "--check"])
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("CUDA driver not found"), "{err}");
+}

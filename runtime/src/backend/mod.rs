@@ -91,7 +91,8 @@ pub trait Backend {
     /// What an input-gradient pass (`bwd_D`) keeps for the weight-gradient pass (`bwd_W`).
     type Partial: Send;
     /// A stash an `offload` moved to host memory, until its `reload` (docs/format.md,
-    /// "Memory instructions"): the stash itself on the CPU, pinned host buffers on a GPU.
+    /// "Memory instructions"): the stash itself on the CPU; on a GPU a handle to pinned host
+    /// buffers the backend holds.
     type Host: Send;
 
     /// `fwd(s, m)`: returns the stage's output and, when `save`, what its backward needs.

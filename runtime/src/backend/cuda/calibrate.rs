@@ -229,36 +229,12 @@ mod tests {
         }
     }
 
-    /// 1F1B (pp = 4, M = 6) with memory instructions on the pure decoder stage 1 (rank 1): an
-    /// offload and reload of mb 0 with its `wait_offload`, a checkpointed forward and a
-    /// recompute of mb 1; the program verifies.
-    pub(crate) fn with_memory_ops() -> (Program, Layout) {
-        use pipec::ir::MemOp;
-        use pipec_schedules::Task;
-        let (mut p, layout) = program(ScheduleKind::OneFOneB, 4, 6);
-        let r = &mut p.ranks[1];
-        let mem = |kind, t| Instr::Memory(MemOp { kind, task: t });
-        let at = |r: &[Instr], c: Compute| r.iter().position(|i| *i == Instr::Compute(c)).unwrap();
-        let (t0, t1) = (Task::new(1, 0), Task::new(1, 1));
-        let f0 = at(r, Compute::Fwd(t0));
-        r.insert(f0 + 1, mem(MemKind::Offload, t0));
-        r.insert(f0 + 2, mem(MemKind::WaitOffload, t0));
-        let b0 = at(r, Compute::Bwd(t0));
-        r.insert(b0, mem(MemKind::Reload, t0));
-        let f1 = at(r, Compute::Fwd(t1));
-        r[f1] = Instr::FwdCheckpoint(t1);
-        let b1 = at(r, Compute::Bwd(t1));
-        r.insert(b1, mem(MemKind::Recompute, t1));
-        let report = pipec::verify::verify(&p, &Default::default());
-        assert!(report.is_valid(), "{:?}", report.violations);
-        (p, layout)
-    }
-
     /// Checkpointed forwards and recomputes are forward samples, and the copies give the
     /// `offload` cost the timeline was simulated with.
     #[test]
     fn memory_instructions_calibrate_forwards_and_copies() {
-        let (p, layout) = with_memory_ops();
+        let p = crate::interp::tests::with_memory_ops();
+        let (_, layout) = program(ScheduleKind::OneFOneB, 4, 6);
         assert_eq!(layout.stages[1].len(), 1, "stage 1 is one decoder layer");
         let model = CostModel::parse("f=2,b=3,w=3,offload=0.5").unwrap();
         let sim = simulate_unverified(
