@@ -145,27 +145,6 @@ pub struct Setup<'a> {
     pub memory: &'a MemoryModel,
 }
 
-/// Refuse a program with memory instructions: `backend` (`CUDA`) does not execute them yet.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn check_memory_ops(program: &Program, backend: &'static str) -> Result<(), RunError> {
-    for (r, instrs) in program.ranks.iter().enumerate() {
-        if let Some(i) = instrs
-            .iter()
-            .position(|ins| matches!(ins, Instr::FwdCheckpoint(_) | Instr::Memory(_)))
-        {
-            return Err(RunError::MemoryOp {
-                at: InstrRef {
-                    rank: Rank(r as u32),
-                    index: i as u32,
-                },
-                instr: instrs[i].to_string(),
-                backend,
-            });
-        }
-    }
-    Ok(())
-}
-
 /// Refuse a layout whose stage count is not the program's.
 pub(crate) fn check_layout(program: &Program, layout: &Layout) -> Result<(), RunError> {
     if layout.num_stages() != program.num_stages() {
@@ -755,6 +734,7 @@ fn finish_step<D: Device>(
                     peak_activations: o.run.peak_activations,
                     peak_memory: params(o.rank) + o.run.device_peak,
                     host_memory: o.run.host_peak,
+                    gpu_peak_bytes: o.run.pool_peak_bytes,
                 })
                 .collect(),
             check: summary,
@@ -801,6 +781,8 @@ mod tests {
         type Tensor = CpuTensor;
         type Saved = <CpuBackend as Backend>::Saved;
         type Partial = <CpuBackend as Backend>::Partial;
+        /// Never offloads: the trait's refusals.
+        type Host = ();
         fn fwd(
             &mut self,
             t: Task,

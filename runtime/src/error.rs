@@ -26,15 +26,6 @@ pub enum RunError {
     /// The schedule failed while running: hang, wrong tensor, out-of-order instruction.
     #[error("{0}")]
     Failed(Failure),
-    /// The program holds a memory instruction (`offload`, `reload`, `wait_offload`,
-    /// `recompute`, a checkpointed `fwd`), which the CUDA runtime does not execute yet (the
-    /// CPU runtime does).
-    #[error("{at}: {instr}: offload, reload, wait_offload, recompute and checkpointed forwards are not supported by the {backend} runtime yet")]
-    MemoryOp {
-        at: pipec::ir::InstrRef,
-        instr: String,
-        backend: &'static str,
-    },
     /// The pipelined step disagrees with the single-thread reference.
     #[error("check failed at step {step}: {msg}")]
     Check { step: u32, msg: String },

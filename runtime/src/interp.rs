@@ -58,6 +58,9 @@ pub struct RankRun {
     /// The most the host store (offloaded stashes) held at once, in the same weights: the
     /// verifier's `host` figure.
     pub host_peak: f64,
+    /// A GPU's own figure: the high watermark of its memory pool over the step, in bytes
+    /// (set by the CUDA backend's `end_step`; `None` from the interpreter).
+    pub pool_peak_bytes: Option<u64>,
 }
 
 /// The rank stopped: the failure (its own or another rank's) is in the [`Watch`].
@@ -202,7 +205,7 @@ struct Tables<B: Backend> {
     saved: Vec<Option<B::Saved>>,
     partial: Vec<Option<B::Partial>>,
     /// The host store: offloaded stashes.
-    host: Vec<Option<B::Saved>>,
+    host: Vec<Option<B::Host>>,
     kept: Vec<Option<Kept<B::Tensor>>>,
     copies: CopyStream,
     meter: Meter,
@@ -266,13 +269,19 @@ impl<B: Backend> Tables<B> {
         })
     }
 
-    /// Put `t`'s stash in the device store (a forward, a reload or a recompute).
-    fn save(&mut self, i: usize, t: Task, s: B::Saved) -> Result<(), Fault> {
+    /// `t`'s stash may enter the device store: it is not there already.
+    fn unsaved(&self, i: usize, t: Task) -> Result<(), Fault> {
         if self.saved[i].is_some() {
             return Err(Fault::Schedule(format!(
                 "the activation of {t} is already saved: a second forward, reload or recompute of it"
             )));
         }
+        Ok(())
+    }
+
+    /// Put `t`'s stash in the device store (a forward, a reload or a recompute).
+    fn save(&mut self, i: usize, t: Task, s: B::Saved) -> Result<(), Fault> {
+        self.unsaved(i, t)?;
         self.saved[i] = Some(s);
         self.meter.alloc(self.weight(t));
         Ok(())
@@ -533,6 +542,7 @@ impl<'a, B: Backend> Interp<'a, B> {
     /// `offload`, `reload`, `wait_offload` or `recompute` of `op.task` (docs/format.md,
     /// "Memory instructions").
     fn memory(&mut self, op: MemOp) -> Result<(), Fault> {
+        let be = |e: crate::backend::BackendError| Fault::Compute(e.0);
         let t = op.task;
         let i = self.t.task_slot(t, op.kind.op())?;
         let w = self.t.weight(t);
@@ -545,16 +555,20 @@ impl<'a, B: Backend> Interp<'a, B> {
                         Fault::Schedule(m) => Fault::Schedule(format!("nothing to offload: {m}")),
                         f => f,
                     })?;
-                self.t.host[i] = Some(s);
+                let h = self.backend.offload(t, s).map_err(be)?;
+                self.t.host[i] = Some(h);
                 self.t.meter.host.alloc(w);
                 self.t.copies.post(i, Source::Device(w));
             }
             MemKind::Reload => {
-                let s = self.t.host[i].take().ok_or_else(|| {
+                let h = self.t.host[i].take().ok_or_else(|| {
                     Fault::Schedule(format!(
                         "nothing to reload: the activation of {t} is not on the host (not offloaded, or reloaded already)"
                     ))
                 })?;
+                // Refused before the backend allocates a second device stash.
+                self.t.unsaved(i, t)?;
+                let s = self.backend.reload(t, h).map_err(be)?;
                 self.t.save(i, t, s)?;
                 self.t.copies.post(i, Source::Host(w));
             }
@@ -562,6 +576,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 let k = *self.t.copies.offloads.get(&i).ok_or_else(|| {
                     Fault::Schedule(format!("no offload of {t} was posted before"))
                 })?;
+                self.backend.wait_offload(t).map_err(be)?;
                 self.t.copies.ended(k, &mut self.t.meter);
             }
             MemKind::Recompute => {
@@ -573,10 +588,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                     })
                 })?;
                 // The same forward from the same input: the stash the plain forward saved.
-                let (_, stash) = self
-                    .backend
-                    .fwd(t, input, true)
-                    .map_err(|e| Fault::Compute(e.0))?;
+                let (_, stash) = self.backend.fwd(t, input, true).map_err(be)?;
                 let s = stash.ok_or_else(|| {
                     Fault::Compute(format!("the backend saved nothing recomputing fwd({t})"))
                 })?;
@@ -814,6 +826,7 @@ pub fn run_rank_with<B: Backend>(
         peak_activations: u32::try_from(it.t.meter.count.peak).unwrap_or(u32::MAX),
         device_peak: it.t.meter.device.peak,
         host_peak: it.t.meter.host.peak,
+        pool_peak_bytes: None,
     })
 }
 
@@ -985,9 +998,10 @@ pub fn static_peak_activations(program: &Program) -> Vec<u32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::noop::NoopBackend;
+    use crate::backend::BackendError;
     use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
     use std::time::Duration;
 
@@ -1040,6 +1054,120 @@ mod tests {
             static_peak_activations(&program_fo(ScheduleKind::OneFOneB, 4, 1, 8, true)),
             vec![1, 1, 1, 1]
         );
+    }
+
+    /// 1F1B (pp = 4, M = 6) with memory instructions on rank 1 (stage 1): an offload,
+    /// `wait_offload` and reload of mb 0, a checkpointed forward and a recompute of mb 1; the
+    /// program verifies.
+    pub(crate) fn with_memory_ops() -> Program {
+        let mut p = program(ScheduleKind::OneFOneB, 4, 1, 6);
+        let r = &mut p.ranks[1];
+        let mem = |kind, t| Instr::Memory(MemOp { kind, task: t });
+        let at = |r: &[Instr], c: Compute| r.iter().position(|i| *i == Instr::Compute(c)).unwrap();
+        let (t0, t1) = (Task::new(1, 0), Task::new(1, 1));
+        let f0 = at(r, Compute::Fwd(t0));
+        r.insert(f0 + 1, mem(MemKind::Offload, t0));
+        r.insert(f0 + 2, mem(MemKind::WaitOffload, t0));
+        let b0 = at(r, Compute::Bwd(t0));
+        r.insert(b0, mem(MemKind::Reload, t0));
+        let f1 = at(r, Compute::Fwd(t1));
+        r[f1] = Instr::FwdCheckpoint(t1);
+        let b1 = at(r, Compute::Bwd(t1));
+        r.insert(b1, mem(MemKind::Recompute, t1));
+        let report = pipec::verify::verify(&p, &Default::default());
+        assert!(report.is_valid(), "{:?}", report.violations);
+        p
+    }
+
+    /// The no-op backend, recording each call.
+    #[derive(Default)]
+    struct Calls(Vec<String>);
+
+    impl Backend for Calls {
+        type Tensor = ();
+        type Saved = ();
+        type Partial = ();
+        type Host = ();
+        fn fwd(
+            &mut self,
+            t: Task,
+            i: Option<()>,
+            save: bool,
+        ) -> Result<((), Option<()>), BackendError> {
+            self.0.push(format!("fwd {t} save {save}"));
+            NoopBackend.fwd(t, i, save)
+        }
+        fn bwd(&mut self, t: Task, s: (), g: Option<()>) -> Result<(), BackendError> {
+            self.0.push(format!("bwd {t}"));
+            NoopBackend.bwd(t, s, g)
+        }
+        fn bwd_d(&mut self, t: Task, s: &(), g: Option<()>) -> Result<((), ()), BackendError> {
+            self.0.push(format!("bwd_d {t}"));
+            NoopBackend.bwd_d(t, s, g)
+        }
+        fn bwd_w(&mut self, t: Task, s: (), p: ()) -> Result<(), BackendError> {
+            self.0.push(format!("bwd_w {t}"));
+            NoopBackend.bwd_w(t, s, p)
+        }
+        fn keep(&mut self, _: &()) -> Result<(), BackendError> {
+            self.0.push("keep".into());
+            Ok(())
+        }
+        fn offload(&mut self, t: Task, _: ()) -> Result<(), BackendError> {
+            self.0.push(format!("offload {t}"));
+            Ok(())
+        }
+        fn wait_offload(&mut self, t: Task) -> Result<(), BackendError> {
+            self.0.push(format!("wait_offload {t}"));
+            Ok(())
+        }
+        fn reload(&mut self, t: Task, _: ()) -> Result<(), BackendError> {
+            self.0.push(format!("reload {t}"));
+            Ok(())
+        }
+        fn exchange(&mut self, ops: &mut [CommOp<()>]) -> Result<(), CommError> {
+            self.0.push(format!("exchange {}", ops.len()));
+            NoopBackend.exchange(ops)
+        }
+    }
+
+    /// What the CUDA backend relies on (one timing mark per instruction): every compute or
+    /// memory instruction is exactly one pass or copy call, in program order, a checkpointed
+    /// forward a `keep` and an unsaved forward, a recompute a saving forward; comm batches
+    /// are one exchange each.
+    #[test]
+    fn memory_instructions_call_the_backend_once_each_in_order() {
+        let p = with_memory_ops();
+        let watch = Watch::new(4, Duration::from_secs(5));
+        let mut calls = Calls::default();
+        run_rank(&p, Rank(1), &mut calls, &watch, Instant::now()).unwrap();
+        let mut want = Vec::new();
+        let instrs = &p.ranks[1];
+        let mut i = 0;
+        while i < instrs.len() {
+            match instrs[i] {
+                Instr::Compute(Compute::Fwd(t)) => want.push(format!("fwd {t} save true")),
+                Instr::Compute(Compute::Bwd(t)) => want.push(format!("bwd {t}")),
+                Instr::FwdCheckpoint(t) => {
+                    want.push("keep".into());
+                    want.push(format!("fwd {t} save false"));
+                }
+                Instr::Memory(m) => want.push(match m.kind {
+                    MemKind::Recompute => format!("fwd {} save true", m.task),
+                    k => format!("{} {}", k.op(), m.task),
+                }),
+                Instr::Send { .. } | Instr::Recv { .. } => {
+                    let end = pipec::ir::batch_end(instrs, i);
+                    want.push(format!("exchange {}", end - i));
+                    i = end;
+                    continue;
+                }
+                ref other => panic!("not in 1F1B: {other}"),
+            }
+            i += 1;
+        }
+        assert!(want.iter().any(|c| c.starts_with("reload")), "{want:?}");
+        assert_eq!(calls.0, want);
     }
 
     #[test]

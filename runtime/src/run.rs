@@ -66,6 +66,12 @@ pub struct RankStats {
     /// The most its host store (offloaded activations) held at once: the verifier's
     /// `memory[r].host`.
     pub host_memory: f64,
+    /// CUDA: the high watermark of the GPU's memory pool over the step, in bytes (every
+    /// buffer cudarc allocates comes from it: weights, gradients, activations, reloads). The
+    /// pool is the GPU's: with several ranks on one GPU it is theirs together. Absent on the
+    /// CPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_peak_bytes: Option<u64>,
 }
 
 /// What the check compared.

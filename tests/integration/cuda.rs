@@ -33,7 +33,7 @@ fn compile_p2p_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, p2p: MegatronP2
     )
 }
 
-fn compile_req_to(req: CompileRequest, dir: &Path) {
+pub(crate) fn compile_req_to(req: CompileRequest, dir: &Path) {
     let c = compile(&req).unwrap();
     let header = Header {
         source: "generated",
@@ -143,7 +143,7 @@ fn pipec_run() -> Command {
 /// binary used by the other tests is not replaced), or the prebuilt one named by
 /// `PIPEC_CUDA_RUN_BIN` (a GPU machine without a Rust toolchain).
 #[cfg(feature = "cuda")]
-fn cuda_bin() -> Command {
+pub(crate) fn cuda_bin() -> Command {
     use std::sync::OnceLock;
     static BIN: OnceLock<std::path::PathBuf> = OnceLock::new();
     let bin = BIN.get_or_init(|| {
@@ -247,7 +247,7 @@ fn run_cuda_reports_a_missing_driver() {
     assert!(e.to_string().contains("CUDA driver not found"), "{e}");
 }
 
-const TINY: [&str; 10] = [
+pub(crate) const TINY: [&str; 10] = [
     "--hidden", "64", "--ffn", "128", "--vocab", "96", "--seq", "16", "--steps", "2",
 ];
 
@@ -264,9 +264,9 @@ fn check_single_process_p2p(kind: ScheduleKind, pp: u32, vpp: u32, p2p: Megatron
 }
 
 /// `pipec-run DIR --backend cuda --check` in one process passes both steps and writes its
-/// trace.
+/// trace (`DIR/trace.json`); returns what it printed.
 #[cfg(feature = "cuda")]
-fn gpu_check(dir: &Path, dtype: &str, what: &str) {
+pub(crate) fn gpu_check(dir: &Path, dtype: &str, what: &str) -> String {
     let trace = dir.join("trace.json");
     let out = cuda_bin()
         .arg(dir)
@@ -286,6 +286,7 @@ fn gpu_check(dir: &Path, dtype: &str, what: &str) {
     assert_eq!(so.matches("  check: ").count(), 2, "{so}");
     assert!(so.contains("makespan: measured"), "{so}");
     assert_one_span_per_instruction(dir, &trace, what);
+    so.into_owned()
 }
 
 /// A `--trace` file holds one complete ("X") event per instruction of the program in `dir`.
@@ -531,8 +532,9 @@ fn gpu_test_programs_pass_on_the_cpu_backend() {
     }
 }
 
-/// `pipec-run DIR --check` on the CPU backend passes (bitwise) on the GPU tests' model size.
-fn cpu_check(dir: &Path, what: &str) {
+/// `pipec-run DIR --check` on the CPU backend passes (bitwise) on the GPU tests' model size
+/// and writes its trace (`DIR/trace.json`); returns what it printed.
+pub(crate) fn cpu_check(dir: &Path, what: &str) -> String {
     let trace = dir.join("trace.json");
     let out = pipec_tests::workspace_bin("pipec-cli", "pipec-run")
         .arg(dir)
@@ -546,6 +548,7 @@ fn cpu_check(dir: &Path, what: &str) {
     assert_eq!(out.status.code(), Some(0), "{what}\n{so}");
     assert_eq!(so.matches("  check: ").count(), 2, "{so}");
     assert_one_span_per_instruction(dir, &trace, what);
+    so.into_owned()
 }
 
 /// Two processes, one rank each on its own GPU (NCCL refuses two ranks of a communicator on

@@ -4,6 +4,7 @@ mod check_cli;
 mod crates;
 mod cuda;
 mod cuda_kernels;
+mod cuda_memory;
 mod docs;
 mod group_interleaved;
 mod hostile;

@@ -171,6 +171,8 @@ impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Saved = Vec<LayerStash<f32>>;
     type Partial = Vec<LayerPartial<f32>>;
+    /// One memory: the host store holds the stash itself.
+    type Host = Vec<LayerStash<f32>>;
 
     fn fwd(
         &mut self,
@@ -236,6 +238,20 @@ impl Backend for CpuBackend {
 
     fn keep(&mut self, input: &CpuTensor) -> Result<CpuTensor, BackendError> {
         Ok(input.clone())
+    }
+
+    /// The copy ends at once; the interpreter still meters the device copy until the
+    /// program knows it has ended, where a device would free it.
+    fn offload(&mut self, _: Task, saved: Self::Saved) -> Result<Self::Host, BackendError> {
+        Ok(saved)
+    }
+
+    fn wait_offload(&mut self, _: Task) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn reload(&mut self, _: Task, host: Self::Host) -> Result<Self::Saved, BackendError> {
+        Ok(host)
     }
 
     fn post(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {

@@ -90,6 +90,10 @@ pub trait Backend {
     type Saved: Send;
     /// What an input-gradient pass (`bwd_D`) keeps for the weight-gradient pass (`bwd_W`).
     type Partial: Send;
+    /// A stash an `offload` moved to host memory, until its `reload` (docs/format.md,
+    /// "Memory instructions"): the stash itself on the CPU; on a GPU a handle to pinned host
+    /// buffers the backend holds.
+    type Host: Send;
 
     /// `fwd(s, m)`: returns the stage's output and, when `save`, what its backward needs.
     fn fwd(
@@ -142,12 +146,40 @@ pub trait Backend {
     }
 
     /// A copy of a forward's input, which a checkpointed forward keeps for its `recompute`
-    /// (docs/format.md, "Memory instructions"). Backends that cannot refuse (the CUDA
-    /// runtime refuses memory instructions before a run).
+    /// (docs/format.md, "Memory instructions"). Backends that cannot refuse.
     fn keep(&mut self, input: &Self::Tensor) -> Result<Self::Tensor, BackendError> {
         let _ = input;
         Err(BackendError(
             "this backend cannot keep a checkpointed forward's input".into(),
+        ))
+    }
+
+    /// `offload(s, m)`: post the copy of `saved` to host memory on the rank's copy stream and
+    /// return the host copy at once. A device keeps the source allocated until the copy is
+    /// known to have ended ([`Backend::wait_offload`], or a backward waiting for a later
+    /// reload); the interpreter meters that release itself. Backends that cannot refuse.
+    fn offload(&mut self, task: Task, saved: Self::Saved) -> Result<Self::Host, BackendError> {
+        let _ = (task, saved);
+        Err(BackendError(
+            "this backend cannot offload activations".into(),
+        ))
+    }
+
+    /// `wait_offload(s, m)`: the compute stream waits until `task`'s latest offload (and so
+    /// every copy posted before it) has ended; the device copies of those offloads are freed.
+    fn wait_offload(&mut self, task: Task) -> Result<(), BackendError> {
+        let _ = task;
+        Err(BackendError(
+            "this backend cannot wait for an offload".into(),
+        ))
+    }
+
+    /// `reload(s, m)`: allocate the device stash (counted from here) and post the copy back
+    /// on the copy stream; the backward of `task` waits for it. Backends that cannot refuse.
+    fn reload(&mut self, task: Task, host: Self::Host) -> Result<Self::Saved, BackendError> {
+        let _ = (task, host);
+        Err(BackendError(
+            "this backend cannot reload activations".into(),
         ))
     }
 

@@ -12,6 +12,7 @@ impl Backend for NoopBackend {
     type Tensor = ();
     type Saved = ();
     type Partial = ();
+    type Host = ();
 
     fn fwd(
         &mut self,
@@ -35,6 +36,18 @@ impl Backend for NoopBackend {
     }
 
     fn keep(&mut self, _: &()) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn offload(&mut self, _: Task, _: ()) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn wait_offload(&mut self, _: Task) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn reload(&mut self, _: Task, _: ()) -> Result<(), BackendError> {
         Ok(())
     }
 

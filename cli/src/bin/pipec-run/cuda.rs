@@ -1,7 +1,7 @@
 //! `--backend cuda`: run, then print what this process ran and the calibration.
 
 use crate::args::{Args, DtypeArg};
-use crate::report::{json_head, ms, print_json, print_steps, write_trace, Interp};
+use crate::report::{json_head, ms, print_json, print_memory, print_steps, write_trace, Interp};
 use pipec::verify::Checked;
 use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
 use pipec_runtime::backend::cuda::launch;
@@ -66,6 +66,10 @@ pub fn run(
                 "flop_per_layer_pass": fl,
             });
         }
+        let overlap = pipec_runtime::trace::copy_overlap(program, timeline);
+        if !overlap.is_empty() {
+            out["copy_overlap"] = serde_json::json!(overlap);
+        }
         Interp::measure(program, &report.run.steps).add_to(&mut out);
         print_json(&out);
         return Ok(());
@@ -122,7 +126,33 @@ pub fn run(
     if leader {
         Interp::measure(program, &report.run.steps).print();
     }
+    if launch.is_none() {
+        // Every rank ran here: the metered peaks line up with the verifier's.
+        print_memory(&report.run);
+    }
+    print_gpu_memory(&report);
     let timeline = &report.run.timeline;
+    for o in pipec_runtime::trace::copy_overlap(program, timeline) {
+        let pct = |x: f64| {
+            if o.copy_us > 0.0 {
+                100.0 * x / o.copy_us
+            } else {
+                0.0
+            }
+        };
+        println!(
+            "  rank {} copies (last step): {} offloads, {} reloads, {} on the copy stream: {} ({:.1}%) beside compute, {} ({:.1}%) exposed; wait_offload stalls {}",
+            o.rank,
+            o.offloads,
+            o.reloads,
+            ms(o.copy_us),
+            ms(o.hidden_us),
+            pct(o.hidden_us),
+            ms(o.exposed_us),
+            pct(o.exposed_us),
+            ms(o.wait_offload_us)
+        );
+    }
     write_trace(args, program, timeline)?;
     if let Some(p) = &args.trace {
         println!("trace: {} (last step, CUDA event times)", p.display());
@@ -173,4 +203,30 @@ pub fn run(
         None => println!("calibration: no forward of a decoder layer was measured"),
     }
     Ok(())
+}
+
+/// The last step's high watermark of each GPU's memory pool (every buffer the backend
+/// allocates: weights, gradient sums, activations, reloads), the most over the ranks on it.
+fn print_gpu_memory(report: &pipec_runtime::backend::cuda::run::CudaRunReport) {
+    let Some(last) = report.run.steps.last() else {
+        return;
+    };
+    let mut per_gpu: std::collections::BTreeMap<usize, u64> = Default::default();
+    for (st, &g) in last.ranks.iter().zip(&report.devices) {
+        if let Some(b) = st.gpu_peak_bytes {
+            let e = per_gpu.entry(g).or_default();
+            *e = (*e).max(b);
+        }
+    }
+    if per_gpu.is_empty() {
+        return;
+    }
+    let list: Vec<String> = per_gpu
+        .iter()
+        .map(|(g, b)| format!("GPU {g} {}", pipec::memory::Unit::Bytes.fmt(*b as f64)))
+        .collect();
+    println!(
+        "GPU memory pool peak (last step, all ranks on a GPU together): {}",
+        list.join(", ")
+    );
 }

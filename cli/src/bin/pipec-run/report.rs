@@ -84,7 +84,7 @@ pub(crate) fn print_report(args: &Args, report: &RunReport) {
 
 /// The last step's measured peak memory per rank (parameters plus what the device store
 /// held, and the host store when a rank offloads) beside the verifier's count.
-fn print_memory(report: &RunReport) {
+pub(crate) fn print_memory(report: &RunReport) {
     let Some(last) = report.steps.last() else {
         return;
     };

@@ -9,11 +9,14 @@
 //! `fwd_bwd` pairs are not used. The message latency `p2p` is the lower quartile of the
 //! measured comm batch spans: a span also holds the time waiting for the peer to post, which
 //! the simulator adds itself, so the fastest batches are the closest to the transfer alone.
+//! Checkpointed forwards and recomputes are forward samples; the copy stream's offloads and
+//! reloads of decoder-only stages give `offload` (the median per layer), so the simulated
+//! makespan charges the copies what they took.
 //!
 //! Pure (no GPU): tested on simulated timelines, where it must recover the costs it was given.
 
 use pipec::front::layout::{LayerKind, Layout};
-use pipec::ir::{Instr, Program};
+use pipec::ir::{Instr, MemKind, Program};
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::timeline::Timeline;
 use pipec::simulate::{simulate_unverified, summarize};
@@ -53,6 +56,7 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
     let mut samples = Vec::new();
     let mut pure = false;
     let mut comm: Vec<f64> = Vec::new();
+    let mut copies: Vec<f64> = Vec::new();
     for (instrs, spans) in program.ranks.iter().zip(&timeline.ranks) {
         if spans.len() != instrs.len() {
             continue;
@@ -61,33 +65,43 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
         let mut i = 0;
         while i < instrs.len() {
             let d = spans[i].end - spans[i].start;
+            let pure_decoders = |stage: u32| -> Option<usize> {
+                let layers = layout.stages.get(stage as usize)?;
+                (!layers.is_empty()
+                    && layers
+                        .iter()
+                        .all(|k| matches!(k, LayerKind::Decoder | LayerKind::Mtp)))
+                .then_some(layers.len())
+            };
+            // A checkpointed forward and a recompute are forwards of their task.
+            let pass = match &instrs[i] {
+                Instr::Compute(Compute::Fwd(t)) | Instr::FwdCheckpoint(t) => {
+                    Some((Measured::Fwd, *t))
+                }
+                Instr::Memory(m) if m.kind == MemKind::Recompute => Some((Measured::Fwd, m.task)),
+                Instr::Compute(Compute::BwdD(t)) => Some((Measured::BwdD, *t)),
+                Instr::Compute(Compute::BwdW(t)) => Some((Measured::BwdW, *t)),
+                Instr::Compute(Compute::Bwd(t)) => Some((Measured::Bwd, *t)),
+                _ => None,
+            };
+            if let Some((pass, t)) = pass {
+                pure |= pass == Measured::Fwd && pure_decoders(t.stage.0).is_some();
+                samples.push(Sample {
+                    pass,
+                    stage: t.stage.0,
+                    mb: t.mb.0,
+                    dur: d,
+                });
+                i += 1;
+                continue;
+            }
             match &instrs[i] {
-                Instr::Compute(c) => {
-                    let (pass, t) = match *c {
-                        Compute::Fwd(t) => (Measured::Fwd, t),
-                        Compute::BwdD(t) => (Measured::BwdD, t),
-                        Compute::BwdW(t) => (Measured::BwdW, t),
-                        Compute::Bwd(t) => (Measured::Bwd, t),
-                        Compute::FwdBwd { .. } => {
-                            i += 1;
-                            continue;
-                        }
-                    };
-                    let layers = layout
-                        .stages
-                        .get(t.stage.index())
-                        .map_or(&[][..], Vec::as_slice);
-                    pure |= pass == Measured::Fwd
-                        && !layers.is_empty()
-                        && layers
-                            .iter()
-                            .all(|k| matches!(k, LayerKind::Decoder | LayerKind::Mtp));
-                    samples.push(Sample {
-                        pass,
-                        stage: t.stage.0,
-                        mb: t.mb.0,
-                        dur: d,
-                    });
+                Instr::Memory(m) if m.kind.is_copy() => {
+                    // The copy stream's own span: per layer where the stage holds decoder
+                    // layers alone (the embedding's and the head's stashes differ).
+                    if let Some(n) = pure_decoders(m.task.stage.0) {
+                        copies.push(d.max(0.0) / n as f64);
+                    }
                     i += 1;
                 }
                 Instr::Send { .. } | Instr::Recv { .. } => {
@@ -99,8 +113,8 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
                     }
                     i = end;
                 }
-                // Refused before a run (`driver::check_memory_ops`): never measured.
-                Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => i += 1,
+                // Overlapped pairs, `wait`, `wait_offload`: no time of one pass.
+                _ => i += 1,
             }
         }
     }
@@ -119,7 +133,13 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
     } else {
         comm[(comm.len() - 1) / 4]
     };
-    let spec = format!("{},p2p={p2p}", fitted.spec());
+    let mut spec = format!("{},p2p={p2p}", fitted.spec());
+    // The median copy per decoder layer, one way: the simulator's `offload` (else it takes a
+    // copy for a forward).
+    copies.sort_by(f64::total_cmp);
+    if let Some(o) = copies.get(copies.len() / 2) {
+        spec.push_str(&format!(",offload={o}"));
+    }
     let model = CostModel::parse(&spec).ok()?;
     let costs = StageCosts::new(&model, layout, program.num_stages());
     // A measured run of a program verified or not (`--no-verify`): the simulator judges it.
@@ -207,6 +227,34 @@ mod tests {
             );
             assert!(close(c.simulated_bubble, c.measured_bubble), "{kind:?}");
         }
+    }
+
+    /// Checkpointed forwards and recomputes are forward samples, and the copies give the
+    /// `offload` cost the timeline was simulated with.
+    #[test]
+    fn memory_instructions_calibrate_forwards_and_copies() {
+        let p = crate::interp::tests::with_memory_ops();
+        let (_, layout) = program(ScheduleKind::OneFOneB, 4, 6);
+        assert_eq!(layout.stages[1].len(), 1, "stage 1 is one decoder layer");
+        let model = CostModel::parse("f=2,b=3,w=3,offload=0.5").unwrap();
+        let sim = simulate_unverified(
+            &Unverified::unchecked(&p),
+            &StageCosts::new(&model, &layout, p.num_stages()),
+        )
+        .unwrap();
+        let c = calibrate(&p, &layout, &sim.timeline).unwrap();
+        assert!(close(c.f, 2.0) && close(c.b, 3.0), "{c:?}");
+        assert!(c.spec.ends_with(",offload=0.5"), "{c:?}");
+        assert!(close(c.simulated_makespan, sim.summary.makespan), "{c:?}");
+        // Without copies the spec has no `offload`.
+        let (q, layout) = program(ScheduleKind::OneFOneB, 4, 6);
+        let sim = simulate_unverified(
+            &Unverified::unchecked(&q),
+            &StageCosts::new(&model, &layout, q.num_stages()),
+        )
+        .unwrap();
+        let c = calibrate(&q, &layout, &sim.timeline).unwrap();
+        assert!(!c.spec.contains("offload"), "{c:?}");
     }
 
     /// Batches left in flight (Megatron's overlap mode) span their post to their wait, compute

@@ -1,8 +1,18 @@
 //! [`CudaBackend`]: one rank on one GPU. Compute on a main stream (and a second stream for the
-//! forward half of an overlapped pair), communication on a third; CUDA events around every
+//! forward half of an overlapped pair), communication on a third, offloads and reloads on a
+//! fourth (the copy stream of docs/format.md, "Memory instructions"); CUDA events around every
 //! instruction give the measured timeline.
+//!
+//! Copies follow the format's rules with events: a copy's stream waits for an event the
+//! compute stream records where the program posts it (so an offload starts after its forward,
+//! and a reload's buffer, allocated on the compute stream there, exists); its span is the copy
+//! stream's own events (the trace's `rank R copy` row); `wait_offload` and the backward of a
+//! reloaded stash make the compute stream wait for the copy's end event, and the device copies
+//! of the offloads known to have ended are freed then (cudarc frees a buffer on its own stream
+//! after the copy stream's read of it).
 
 use super::comm::{self, Net};
+use super::copy::{HStash, Pinned};
 use super::model::{
     err, ByMicrobatch, Dev, Elem, GGrads, GPartial, GStage, GStash, GSums, GTensor, Kernels,
 };
@@ -14,7 +24,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use pipec::front::layout::{LayerKind, Layout};
 use pipec::ir::InstrRef;
 use pipec_schedules::{Rank, Task};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +47,22 @@ struct Accum {
 /// A forward's output and, when saved, its stash.
 type FwdResult<T> = Result<(GTensor<T>, Option<Vec<GStash<T>>>), BackendError>;
 
+/// An offloaded stash's place in its backend's host store. The pinned buffers stay with the
+/// backend, dropped after its NCCL communicator: a pinned buffer's drop waits for its last copy
+/// (`cuEventSynchronize`), which after a hang would wait for ever if the interpreter's tables
+/// dropped it first (see [`CudaBackend::net`]).
+pub struct HostStash(u64);
+
+/// A copy posted on the copy stream and not yet known to have ended.
+struct InFlight<T> {
+    task: Task,
+    /// An offload's device stash, freed once the copy is known to have ended; `None` for a
+    /// reload.
+    device: Option<Vec<GStash<T>>>,
+    /// The copy's mark in [`CudaBackend::marks`]: its end event is the copy's end.
+    mark: usize,
+}
+
 pub struct CudaBackend<T: Elem> {
     /// First field, so dropped first (Rust drops fields in declaration order): `Comm`'s drop is
     /// `ncclCommAbort`, which stops NCCL kernels still waiting for a peer, while dropping a
@@ -49,6 +75,14 @@ pub struct CudaBackend<T: Elem> {
     main: Dev<T>,
     side: Dev<T>,
     comm_stream: Arc<CudaStream>,
+    /// Offloads and reloads, in program order.
+    copy_stream: Arc<CudaStream>,
+    /// Copies posted and not yet known to have ended, in posting order.
+    copies: VecDeque<InFlight<T>>,
+    /// Offloaded stashes by [`HostStash`] number, until their reload.
+    host: BTreeMap<u64, Vec<HStash<T>>>,
+    next_host: u64,
+    pinned: Pinned<T>,
     layout: Layout,
     microbatches: u32,
     step: u32,
@@ -126,6 +160,7 @@ impl<T: Elem> CudaBackend<T> {
         )?;
         let side = Dev::new(ctx.new_stream().map_err(err("create a stream"))?, k, cfg)?;
         let comm_stream = ctx.new_stream().map_err(err("create a stream"))?;
+        let copy_stream = ctx.new_stream().map_err(err("create a stream"))?;
         let net = net(&comm_stream)?;
         let mut stages: Vec<Option<GStage<T>>> = (0..model.len()).map(|_| None).collect();
         let mut accum: Vec<Option<Accum>> = (0..model.len()).map(|_| None).collect();
@@ -148,6 +183,7 @@ impl<T: Elem> CudaBackend<T> {
             });
             stages[s as usize] = Some(st);
         }
+        let pinned = Pinned::new(Arc::clone(&ctx));
         Ok(CudaBackend {
             net,
             rank,
@@ -155,6 +191,11 @@ impl<T: Elem> CudaBackend<T> {
             main,
             side,
             comm_stream,
+            copy_stream,
+            copies: VecDeque::new(),
+            host: BTreeMap::new(),
+            next_host: 0,
+            pinned,
             layout: layout.clone(),
             microbatches,
             step: 0,
@@ -185,6 +226,13 @@ impl<T: Elem> CudaBackend<T> {
         }
         self.parked.clear();
         self.losses.iter_mut().for_each(|l| *l = None);
+        // Every copy of the last step has ended (`sync`): their device copies go, and host
+        // copies never reloaded (a program may leave some) go back to the pool.
+        self.copies.clear();
+        for (_, h) in std::mem::take(&mut self.host) {
+            self.pinned.recycle(h);
+        }
+        self.reset_pool_peak()?;
         self.marks.clear();
         self.in_flight.clear();
         self.at = 0;
@@ -195,17 +243,81 @@ impl<T: Elem> CudaBackend<T> {
         self.comm_stream
             .join(&self.main.stream)
             .map_err(err("order streams"))?;
+        self.copy_stream
+            .join(&self.main.stream)
+            .map_err(err("order streams"))?;
         self.origin = Some(timing_event(&self.main.stream)?);
         Ok(())
+    }
+
+    /// The GPU's current memory pool, which cudarc's stream-ordered allocations
+    /// (`cuMemAllocAsync`) draw from; `None` where the driver has none (cudarc then allocates
+    /// with `cuMemAlloc`).
+    fn pool(&self) -> Result<Option<cudarc::driver::sys::CUmemoryPool>, BackendError> {
+        if !self.ctx.has_async_alloc() {
+            return Ok(None);
+        }
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: an out-parameter for the device this context runs on.
+        unsafe { cudarc::driver::sys::cuDeviceGetMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(err("get the memory pool"))?;
+        Ok(Some(pool))
+    }
+
+    /// Restart the pool's high watermark at its current use (CUDA: setting
+    /// `CU_MEMPOOL_ATTR_USED_MEM_HIGH` to 0 resets it).
+    fn reset_pool_peak(&self) -> Result<(), BackendError> {
+        use cudarc::driver::sys::{cuMemPoolSetAttribute, CUmemPool_attribute_enum};
+        if let Some(pool) = self.pool()? {
+            let mut zero = 0u64;
+            // SAFETY: the attribute is a cuuint64_t; `zero` outlives the call.
+            unsafe {
+                cuMemPoolSetAttribute(
+                    pool,
+                    CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                )
+            }
+            .result()
+            .map_err(err("reset the memory pool's high watermark"))?;
+        }
+        Ok(())
+    }
+
+    /// The pool's high watermark in bytes since [`Self::reset_pool_peak`] (after
+    /// [`Self::sync`]).
+    pub fn pool_peak(&self) -> Result<Option<u64>, BackendError> {
+        use cudarc::driver::sys::{cuMemPoolGetAttribute, CUmemPool_attribute_enum};
+        let Some(pool) = self.pool()? else {
+            return Ok(None);
+        };
+        let mut high = 0u64;
+        // SAFETY: the attribute is a cuuint64_t written into `high`.
+        unsafe {
+            cuMemPoolGetAttribute(
+                pool,
+                CUmemPool_attribute_enum::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut high as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(err("read the memory pool's high watermark"))?;
+        Ok(Some(high))
     }
 
     /// Wait for all of this rank's GPU work, polling so that a hang (an NCCL peer that never
     /// posts) becomes an error after `timeout` instead of blocking forever.
     pub fn sync(&self, timeout: Duration) -> Result<(), BackendError> {
-        let ev = [&self.main.stream, &self.side.stream, &self.comm_stream]
-            .iter()
-            .map(|s| s.record_event(None).map_err(err("record an event")))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ev = [
+            &self.main.stream,
+            &self.side.stream,
+            &self.comm_stream,
+            &self.copy_stream,
+        ]
+        .iter()
+        .map(|s| s.record_event(None).map_err(err("record an event")))
+        .collect::<Result<Vec<_>, _>>()?;
         let done = poll_until(timeout, || {
             let mut done = true;
             for e in &ev {
@@ -568,6 +680,63 @@ impl<T: Elem> CudaBackend<T> {
         Ok(())
     }
 
+    /// Push the mark of a copy (`start`..`end` on the copy stream) and remember it in flight.
+    fn post_copy(
+        &mut self,
+        task: Task,
+        device: Option<Vec<GStash<T>>>,
+        start: CudaEvent,
+        end: CudaEvent,
+    ) {
+        self.marks.push(Mark {
+            n: 1,
+            compute: false,
+            start,
+            end,
+            other: None,
+        });
+        self.copies.push_back(InFlight {
+            task,
+            device,
+            mark: self.marks.len() - 1,
+        });
+        self.at += 1;
+    }
+
+    /// The copy stream waits until the compute stream has reached this point of the program:
+    /// a copy starts no earlier than the rank posts it (docs/format.md).
+    fn copy_after_compute(&self) -> Result<(), BackendError> {
+        let posted = timing_event(&self.main.stream)?;
+        self.copy_stream
+            .wait(&posted)
+            .map_err(err("order the copy stream"))
+    }
+
+    /// The compute stream waits for copy `pos` of [`Self::copies`], and so for every copy
+    /// before it (the copy stream is in order); the device copies of the offloads among them
+    /// are freed (cudarc orders each free after the copy that read the buffer).
+    fn copies_ended(&mut self, pos: usize) -> Result<(), BackendError> {
+        let mark = self.copies[pos].mark;
+        self.main
+            .stream
+            .wait(&self.marks[mark].end)
+            .map_err(err("wait for a copy"))?;
+        self.copies.drain(..=pos);
+        Ok(())
+    }
+
+    /// A backward (`bwd`, `bwd_D`) of `t` waits for `t`'s reload when it is still in flight.
+    fn await_reload(&mut self, t: Task) -> Result<(), BackendError> {
+        if let Some(pos) = self
+            .copies
+            .iter()
+            .rposition(|c| c.task == t && c.device.is_none())
+        {
+            self.copies_ended(pos)?;
+        }
+        Ok(())
+    }
+
     fn mark<R>(
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<R, BackendError>,
@@ -583,6 +752,7 @@ impl<T: Elem> Backend for CudaBackend<T> {
     type Tensor = GTensor<T>;
     type Saved = Vec<GStash<T>>;
     type Partial = Vec<GPartial<T>>;
+    type Host = HostStash;
 
     fn fwd(
         &mut self,
@@ -599,6 +769,7 @@ impl<T: Elem> Backend for CudaBackend<T> {
         saved: Self::Saved,
         grad: Option<GTensor<T>>,
     ) -> Result<GTensor<T>, BackendError> {
+        self.await_reload(task)?;
         self.mark(|b| {
             let (din, partial) = b.main.stage_bwd_d(
                 b.stage(task)?,
@@ -617,6 +788,7 @@ impl<T: Elem> Backend for CudaBackend<T> {
         saved: &Self::Saved,
         grad: Option<GTensor<T>>,
     ) -> Result<(GTensor<T>, Self::Partial), BackendError> {
+        self.await_reload(task)?;
         self.mark(|b| {
             b.main.stage_bwd_d(
                 b.stage(task)?,
@@ -654,6 +826,8 @@ impl<T: Elem> Backend for CudaBackend<T> {
         let s2 = timing_event(&self.side.stream)?;
         let (out, stash) = self.fwd_on(true, fwd, input, save)?;
         let e2 = timing_event(&self.side.stream)?;
+        // Only the backward half waits for its reload.
+        self.await_reload(bwd)?;
         let start = timing_event(&self.main.stream)?;
         let (din, partial) = self.main.stage_bwd_d(
             self.stage(bwd)?,
@@ -674,6 +848,66 @@ impl<T: Elem> Backend for CudaBackend<T> {
         });
         self.at += 1;
         Ok((out, stash, din))
+    }
+
+    /// A device copy of a checkpointed forward's input, on the compute stream.
+    fn keep(&mut self, input: &GTensor<T>) -> Result<GTensor<T>, BackendError> {
+        let s = &self.main.stream;
+        let e = || err("keep a checkpointed forward's input");
+        Ok(match input {
+            GTensor::Tokens(t) => GTensor::Tokens(s.clone_dtod(t).map_err(e())?),
+            GTensor::Hidden(h) => GTensor::Hidden(s.clone_dtod(h).map_err(e())?),
+            GTensor::Loss(l) => GTensor::Loss(s.clone_dtod(l).map_err(e())?),
+            GTensor::LossGrad => GTensor::LossGrad,
+            GTensor::TokenGrad => GTensor::TokenGrad,
+        })
+    }
+
+    /// Device to pinned host memory on the copy stream, after the compute stream has reached
+    /// the offload (its forward has ended); the device stash stays allocated until the copy is
+    /// known to have ended.
+    fn offload(&mut self, task: Task, saved: Self::Saved) -> Result<Self::Host, BackendError> {
+        self.copy_after_compute()?;
+        let start = timing_event(&self.copy_stream)?;
+        let host = self.pinned.offload(&self.copy_stream, &saved)?;
+        let end = timing_event(&self.copy_stream)?;
+        self.post_copy(task, Some(saved), start, end);
+        let id = self.next_host;
+        self.next_host += 1;
+        self.host.insert(id, host);
+        Ok(HostStash(id))
+    }
+
+    /// The compute stream waits for `task`'s latest offload still in flight (none: an
+    /// earlier wait covered it); its span is how long compute stalled.
+    fn wait_offload(&mut self, task: Task) -> Result<(), BackendError> {
+        let start = timing_event(&self.main.stream)?;
+        if let Some(pos) = self
+            .copies
+            .iter()
+            .rposition(|c| c.task == task && c.device.is_some())
+        {
+            self.copies_ended(pos)?;
+        }
+        self.close_mark(start, false)
+    }
+
+    /// Fresh device buffers on the compute stream, filled from the pinned copy on the copy
+    /// stream; the backward waits for the copy ([`Self::await_reload`]).
+    fn reload(&mut self, task: Task, host: Self::Host) -> Result<Self::Saved, BackendError> {
+        let host = self.host.remove(&host.0).ok_or_else(|| {
+            BackendError(format!(
+                "{}: the host copy of {task} is not in this backend's host store",
+                self.rank
+            ))
+        })?;
+        let mut dev = Pinned::alloc_like(&self.main.stream, &host)?;
+        self.copy_after_compute()?;
+        let start = timing_event(&self.copy_stream)?;
+        self.pinned.reload(&self.copy_stream, host, &mut dev)?;
+        let end = timing_event(&self.copy_stream)?;
+        self.post_copy(task, None, start, end);
+        Ok(dev)
     }
 
     fn exchange(&mut self, ops: &mut [CommOp<GTensor<T>>]) -> Result<(), CommError> {

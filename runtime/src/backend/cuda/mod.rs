@@ -17,6 +17,8 @@ pub mod probe;
 #[cfg(feature = "cuda")]
 pub mod comm;
 #[cfg(feature = "cuda")]
+pub mod copy;
+#[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod model;

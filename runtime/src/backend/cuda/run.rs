@@ -28,8 +28,8 @@ use super::model::{err, ByMicrobatch, Elem, GSums, GTensor};
 use super::{comm::Net, probe_libraries};
 use crate::backend::BackendError;
 use crate::driver::{
-    build_model, check_layout, check_memory_ops, drive, replicated_stages, stages_of, Device,
-    LocalGrads, Setup, StepBackend, StepCheck, StepError,
+    build_model, check_layout, drive, replicated_stages, stages_of, Device, LocalGrads, Setup,
+    StepBackend, StepCheck, StepError,
 };
 use crate::error::RunError;
 use crate::interp::RankRun;
@@ -226,6 +226,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
             peak_activations: run.peak_activations,
             device_peak: run.device_peak,
             host_peak: run.host_peak,
+            pool_peak_bytes: self.pool_peak()?,
         })
     }
 
@@ -288,7 +289,6 @@ pub fn run_cuda(
         }
     }
     check_layout(program, layout)?;
-    check_memory_ops(program, "CUDA")?;
     let multi = opts.launch.as_ref().is_some_and(|l| l.world_size > 1);
     if multi {
         if let Some(r) = replicated_stages(program).first() {
