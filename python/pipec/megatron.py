@@ -740,6 +740,14 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     executor cannot do (variable sequence lengths, ``adjust_tensor_shapes_fn``). Megatron's
     P2P flags in the model config (``batch_p2p_comm``, ``overlap_p2p_comm``) are not used:
     the communication is the schedule's, as pipec verified it.
+
+    Memory instructions (issue 30): checkpointed forwards and ``recompute`` are Megatron's
+    partial recompute (:func:`_checkpoint_flags`); ``offload``, ``reload`` and ``wait_offload``
+    move the saved tensors of the forwards they name to host memory and back through
+    saved-tensor hooks (``pipec._offload``; refused under the Megatron settings that keep saved
+    tensors out of the hooks' reach, see docs/megatron.md). The function's ``pipec_memory``
+    is this rank's store of the last call (its ``events`` trace it), ``None`` when the rank
+    offloads nothing.
     """
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
