@@ -167,6 +167,8 @@ def _refuse_offload_config(config, chunks: list, rank: int, offloaded: set) -> N
     st, mb = min(offloaded)
     at = f"rank {rank} offloads fwd(stage {st}, mb {mb}), but "
     why = None
+    granularity = getattr(config, "recompute_granularity", None)
+    discarding = set(getattr(config, "recompute_modules", None) or ()) & set(_DISCARDING_RECOMPUTE)
     if getattr(config, "fine_grained_activation_offloading", False) or getattr(
         config, "cpu_offloading", False
     ):
@@ -187,16 +189,14 @@ def _refuse_offload_config(config, chunks: list, rank: int, offloaded: set) -> N
             "forward keeps what it saves in the graph's static buffers, which saved-tensor "
             "hooks do not see"
         )
-    elif config.recompute_granularity == "selective" and set(
-        config.recompute_modules or ()
-    ).intersection(_DISCARDING_RECOMPUTE):
-        mods = sorted(set(config.recompute_modules).intersection(_DISCARDING_RECOMPUTE))
+    elif granularity == "selective" and discarding:
+        mods = sorted(discarding)
         why = (
             f"config.recompute_modules has {mods}: Megatron's output-discarding checkpoint "
             "(CheckpointWithoutOutput) frees a saved tensor's storage after the forward and "
             "refills that same storage in the backward, which a copy moved to the host would miss"
         )
-    elif config.recompute_granularity == "full" and config.distribute_saved_activations:
+    elif granularity == "full" and getattr(config, "distribute_saved_activations", False):
         why = (
             "config.distribute_saved_activations is set: Megatron's checkpoint replaces the "
             "input it saved with this rank's slice after saving it"
