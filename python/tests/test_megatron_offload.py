@@ -4,7 +4,7 @@ CPU over gloo, against megatron-core 0.19.2's own computations.
 One launch of 2 processes (``megatron_worker.py``, as ``test_megatron``) trains the small
 megatron-core GPTModel two SGD steps with schedules that offload activations: compiled 1F1B,
 interleaved 1F1B (Megatron's outputs deallocated), its combined F&B form, ZB-V (split backward,
-the V turn) and Megatron's partial recompute, with offloads, reloads and waits added to their
+the V turn) and Megatron's partial recompute (1F1B and interleaved), with offloads, reloads and waits added to their
 rank files as another tool would write them and sealed (so verified), and two winners of
 ``pipec.tune(..., target="torch")`` under a memory limit, fitted with offload by the tuner.
 Every microbatch loss and parameter gradient equals Megatron's ``forward_backward_no_pipelining``
@@ -130,6 +130,10 @@ CONFIGS = [
     megatron_cfg("megatron-1f1b-pp2", MG_1F1B, L2_1, 4),
     megatron_cfg("megatron-interleaved-overlap-pp2", MG_INTERLEAVED, L2, 4, 2, **OVERLAP),
     dict(megatron_cfg("megatron-1f1b-recompute-pp2", MG_1F1B, L2_1, 4), recompute=1),
+    dict(
+        megatron_cfg("megatron-interleaved-recompute-pp2", MG_INTERLEAVED, L2, 4, 2, **OVERLAP),
+        recompute=2,
+    ),
     # Every forward offloaded.
     edited(
         "1f1b-offload-pp2",
@@ -161,6 +165,23 @@ CONFIGS = [
         3,
         1.0,
         recompute=1,
+    ),
+    # The same, interleaved, with Megatron's outputs deallocated.
+    edited(
+        "interleaved-1f1b-recompute-offload-pp2",
+        "megatron-interleaved-recompute-pp2",
+        {
+            "schedule": "interleaved-1f1b",
+            "vpp": 2,
+            "pp": 2,
+            "microbatches": 4,
+            "layout": L2,
+            "megatron_partial_recompute": 2,
+        },
+        6,
+        1.0,
+        p2p=DEALLOCATE,
+        recompute=2,
     ),
     edited(
         "interleaved-1f1b-combined-offload-pp2",
@@ -258,8 +279,9 @@ def test_the_cases_hold_what_they_test(built):
         c = _counts(s)
         assert c.get("offload", 0) == c.get("reload", 0) > 0, (name, c)
     assert sum(_counts(s).get("wait_offload", 0) for s in built.values()) > 0
-    c = _counts(built["1f1b-recompute-offload-pp2"])
-    assert c["fwd_checkpoint"] == c["recompute"] > 0, c
+    for name in ("1f1b-recompute-offload-pp2", "interleaved-1f1b-recompute-offload-pp2"):
+        c = _counts(built[name])
+        assert c["fwd_checkpoint"] == c["recompute"] > 0, (name, c)
     assert _counts(built["zb-v-offload-pp2"]).get("bwd_D", 0) > 0
     assert _counts(built["interleaved-1f1b-combined-offload-pp2"]).get("fwd_bwd", 0) > 0
     placements = set()
@@ -328,7 +350,7 @@ def test_offloading_equals_megatrons_own_schedule(results, name, megatron):
         assert d["vs_loss_diff"] <= TOL and d["vs_grad_diff"] <= TOL, d
         assert d["flags"] == d["vs_flags"], d
         flags += d["flags"]
-    if name == "1f1b-recompute-offload-pp2":
+    if "recompute" in name:
         assert True in flags and False in flags, flags
 
 
