@@ -25,10 +25,10 @@ from . import PipecError
 
 class MemoryEvent(NamedTuple):
     """What one memory step did to the activations of forward (``stage``, ``mb``), in bytes of
-    the tensors autograd saved there that :class:`SavedActivations` manages (the stage's
-    inputs and parameters, which the stage keeps anyway, are not counted): ``device`` held in
-    device memory and ``host`` in host memory after the step, ``host_total`` all that the
-    rank holds on the host. ``op`` is the rank file's name (``fwd``, ``fwd_checkpoint``,
+    the tensors autograd saved there that the store manages (the stage's inputs and
+    parameters, which the stage keeps anyway, are not counted): ``device`` held in device
+    memory and ``host`` in host memory after the step, ``host_total`` all that the rank holds
+    on the host. ``op`` is the rank file's name (``fwd``, ``fwd_checkpoint``,
     ``offload``, ``reload``, ``wait_offload``, ``recompute``)."""
 
     op: str
