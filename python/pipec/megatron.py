@@ -43,6 +43,7 @@ from . import (
     _as_schedule,
     _compat,
 )
+from ._offload import ActivationStore, _kept_storages
 
 _compat.require("pipec.megatron", "torch")
 _compat.require("pipec.megatron", "megatron-core")
@@ -147,21 +148,70 @@ def _grad_acc(p: torch.Tensor):
     return p.view_as(p).grad_fn.next_functions[0][0]
 
 
-def _refuse_memory_ops(s: Schedule) -> None:
-    """Offload, reload and wait_offload are not executed by this executor yet: refuse them
-    before anything runs. (Checkpointed forwards and their recomputes are Megatron's partial
-    recompute: see :func:`_checkpoint_flags`.)"""
-    for r in range(s.pp):
-        for i, ins in enumerate(s.instructions(r)):
-            if ins.op in _COPY_OPS:
-                raise PipecError(
-                    f"rank {r}, #{i}: {ins.op.name}: offload, reload and wait_offload are not "
-                    "supported by pipec.megatron yet"
+def _offloaded(s: Schedule, rank: int) -> set[tuple[int, int]]:
+    """The forwards ``rank``'s program offloads (issue 30's ``offload``)."""
+    return {(i.stage, i.mb) for i in s.instructions(rank) if i.op == Op.offload}
+
+
+#: megatron-core 0.19.2's ``recompute_modules`` that use output-discarding checkpointing
+#: (``tensor_parallel.CheckpointWithoutOutput``; TransformerConfig.recompute_modules says so).
+_DISCARDING_RECOMPUTE = ("gdn_norm_out", "layernorm", "mla_up_proj", "moe_act")
+
+
+def _refuse_offload_config(config, chunks: list, rank: int, offloaded: set) -> None:
+    """What this executor cannot offload under: configurations in which the tensors a forward
+    saves are not (only) in the hands of autograd's saved-tensor hooks, or are freed and
+    refilled in place behind them. Checked before anything runs, on a rank that offloads."""
+    if not offloaded:
+        return
+    st, mb = min(offloaded)
+    at = f"rank {rank} offloads fwd(stage {st}, mb {mb}), but "
+    why = None
+    granularity = getattr(config, "recompute_granularity", None)
+    discarding = set(getattr(config, "recompute_modules", None) or ()) & set(_DISCARDING_RECOMPUTE)
+    if getattr(config, "fine_grained_activation_offloading", False) or getattr(
+        config, "cpu_offloading", False
+    ):
+        flag = (
+            "fine_grained_activation_offloading"
+            if getattr(config, "fine_grained_activation_offloading", False)
+            else "cpu_offloading"
+        )
+        why = (
+            f"config.{flag} is set: Megatron's own activation offloading moves the same saved "
+            "tensors with its own hooks; use one of the two"
+        )
+    elif getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(
+        config, "enable_cuda_graph", False
+    ):
+        why = (
+            "CUDA graphs are on (config.cuda_graph_impl / enable_cuda_graph): a graphed "
+            "forward keeps what it saves in the graph's static buffers, which saved-tensor "
+            "hooks do not see"
+        )
+    elif granularity == "selective" and discarding:
+        mods = sorted(discarding)
+        why = (
+            f"config.recompute_modules has {mods}: Megatron's output-discarding checkpoint "
+            "(CheckpointWithoutOutput) frees a saved tensor's storage after the forward and "
+            "refills that same storage in the backward, which a copy moved to the host would miss"
+        )
+    elif granularity == "full" and getattr(config, "distribute_saved_activations", False):
+        why = (
+            "config.distribute_saved_activations is set: Megatron's checkpoint replaces the "
+            "input it saved with this rank's slice after saving it"
+        )
+    else:
+        for c, chunk in enumerate(chunks):
+            ddp = _chunk_attr(chunk, "ddp_config")
+            if ddp is not None and getattr(ddp, "use_megatron_fsdp", False):
+                why = (
+                    f"model chunk {c} is Megatron-FSDP-sharded (ddp_config.use_megatron_fsdp): "
+                    "FSDP frees and refills the gathered parameters that the forward saves"
                 )
-
-
-#: The memory instructions (issue 30) this executor does not run yet.
-_COPY_OPS = (Op.offload, Op.reload, Op.wait_offload)
+                break
+    if why is not None:
+        raise PipecError(at + why + "; pipec.megatron refuses to offload under it")
 
 
 def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
@@ -245,7 +295,9 @@ class _Op:
 class _Executor:
     """One call of the returned ``forward_backward_func`` on this rank."""
 
-    def __init__(self, s, streams, model, config, pp_group, rank, kw, pg_collection, world_group):
+    def __init__(
+        self, s, streams, model, config, pp_group, rank, kw, pg_collection, world_group, memory
+    ):
         from megatron.core.pipeline_parallel import schedules as ms
 
         self.ms = ms
@@ -277,6 +329,9 @@ class _Executor:
         self.pending: dict[int, list[_Op]] = {}  # batches left in flight, by id
         self.sending: dict[tuple[int, int], _Op] = {}  # activations whose send is in flight
         self.forward_data_store: list = []
+        # The forwards this rank offloads and the store of their saved tensors (issue 30).
+        self.memory: ActivationStore | None = memory
+        self.offloaded = _offloaded(s, rank) if memory is not None else set()
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
     # ---- P2P
@@ -353,14 +408,10 @@ class _Executor:
         it = self.kw["data_iterator"]
         return it[c] if isinstance(it, list) else it
 
-    def fwd(self, stage: int, mb: int, checkpoint: bool = False) -> None:
-        ms, c = self.ms, self.chunk_of[stage]
-        if self.first_fwd.pop(c, False) and self.param_sync is not None:
-            self.param_sync[c](self.model[c].parameters())
-        inp = None if stage == 0 else self.inputs.get((stage, mb))
-        if stage > 0 and inp is None:
-            raise PipecError(f"rank {self.rank}: no input for stage {stage}, mb {mb}")
-        out, num_tokens = ms.forward_step(
+    def _forward_step(self, c: int, stage: int, mb: int, inp, checkpoint: bool):
+        """Megatron's ``forward_step`` for one forward; (output, number of tokens)."""
+        ms = self.ms
+        return ms.forward_step(
             self.kw["forward_step_func"],
             self._data(c),
             self.model[c],
@@ -381,6 +432,26 @@ class _Executor:
             vp_stage=self.vp_stage[c],
             is_last_stage=stage == self.last,
         )
+
+    def fwd(self, stage: int, mb: int, checkpoint: bool = False) -> None:
+        ms, c = self.ms, self.chunk_of[stage]
+        if self.first_fwd.pop(c, False) and self.param_sync is not None:
+            self.param_sync[c](self.model[c].parameters())
+        inp = None if stage == 0 else self.inputs.get((stage, mb))
+        if stage > 0 and inp is None:
+            raise PipecError(f"rank {self.rank}: no input for stage {stage}, mb {mb}")
+        entry, saving = None, contextlib.nullcontext()
+        if (stage, mb) in self.offloaded:
+            # What autograd saves in this forward (the loss function's too, on the last
+            # stage) goes into the store's handles, for its offload and reload.
+            entry = self.memory.open((stage, mb), checkpoint=False)
+            saving = self.memory.saving(entry)
+        with saving:
+            out, num_tokens = self._forward_step(c, stage, mb, inp, checkpoint)
+        if entry is not None:
+            # The stage input and weights stay on the device whatever the schedule says:
+            # this executor holds the input until the backward, the model its weights.
+            self.memory.settle(entry, _kept_storages(inp, self.model[c]))
         self.total_num_tokens += num_tokens
         if stage != self.last and self.chunk_of.get(stage + 1) is not None:
             # A hand-off on this rank (the V turn): the next stage gets a fresh leaf, exactly
@@ -524,6 +595,18 @@ class _Executor:
             self.no_sync_ctx = None
 
     def _compute(self, ins: Instruction) -> None:
+        if self.memory is not None:
+            where = f"rank {self.rank}, #{ins.index}: {ins}"
+            self.memory.context = where  # named by a backward that finds an activation away
+            back = ins.bwd if ins.op == Op.fwd_bwd else ins
+            if ins.op in (Op.bwd, Op.bwd_D, Op.fwd_bwd) and (
+                self.memory.where(back.stage, back.mb) == "host"
+            ):
+                raise PipecError(
+                    f"{where}: the activations of fwd(stage {back.stage}, mb {back.mb}) are in "
+                    "host memory (offloaded, not reloaded); the schedule must reload them "
+                    "before the backward"
+                )
         match ins.op:
             case Op.fwd:
                 self.fwd(ins.stage, ins.mb)
@@ -542,6 +625,18 @@ class _Executor:
                 self.bwd(ins.bwd.stage, ins.bwd.mb)
             case _:
                 raise PipecError(f"rank {self.rank}: pipec.megatron cannot run {ins!r}")
+
+    def _copy(self, ins: Instruction) -> None:
+        """``offload``, ``reload`` or ``wait_offload`` (docs/megatron.md, "Memory
+        instructions"): the copies of the store, on its side stream on CUDA."""
+        m = self.memory
+        if m is None or ins.op not in (Op.offload, Op.reload, Op.wait_offload):
+            raise PipecError(f"rank {self.rank}, #{ins.index}: pipec.megatron cannot run {ins}")
+        do = {Op.offload: m.offload, Op.reload: m.reload, Op.wait_offload: m.wait_offload}
+        try:
+            do[ins.op](ins.stage, ins.mb)
+        except PipecError as e:
+            raise PipecError(f"rank {self.rank}, #{ins.index}: {e}") from None
 
     def run(self, steps: list[Step]) -> list:
         config, model = self.config, self.model
@@ -598,9 +693,17 @@ class _Executor:
                 case MemoryStep(instruction=ins) if ins.op == Op.recompute:
                     pass  # torch recomputes inside the backward (_checkpoint_flags)
                 case MemoryStep(instruction=ins):
-                    raise PipecError(f"rank {self.rank}: pipec.megatron cannot run {ins!r}")
+                    self._copy(ins)
         if self.pending:
             raise PipecError(f"rank {self.rank}: batches {sorted(self.pending)} never waited")
+        if self.memory is not None:
+            self.memory.context = None
+            left = self.memory.pending()
+            if left and not self.forward_only:
+                raise PipecError(
+                    f"rank {self.rank}: the step ended with the activations of {left} "
+                    "(stage, microbatch) offloaded and never reloaded"
+                )
         self._enable_grad_sync()
         if config.grad_sync_func is not None and not self.forward_only:
             gsf = config.grad_sync_func
@@ -637,14 +740,22 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     executor cannot do (variable sequence lengths, ``adjust_tensor_shapes_fn``). Megatron's
     P2P flags in the model config (``batch_p2p_comm``, ``overlap_p2p_comm``) are not used:
     the communication is the schedule's, as pipec verified it.
+
+    Memory instructions (issue 30): checkpointed forwards and ``recompute`` are Megatron's
+    partial recompute (:func:`_checkpoint_flags`); ``offload``, ``reload`` and ``wait_offload``
+    move the saved tensors of the forwards they name to host memory and back through
+    saved-tensor hooks (``pipec._offload``; refused under the Megatron settings that keep saved
+    tensors out of the hooks' reach, see docs/megatron.md). The function's ``pipec_memory``
+    is this rank's store of the last call (its ``events`` trace it), ``None`` when the rank
+    offloads nothing.
     """
     s = _as_schedule(schedule)
     _refuse_bidirectional(s)
     manifest = _manifest(s)
-    _refuse_memory_ops(s)
     _check_data_order(s)
     layers = _stage_layers(manifest)
     steps_of: dict[int, list[Step]] = {}  # this process's rank, once known
+    stores: dict[int, ActivationStore] = {}  # the rank's offload store, when it offloads
     flags_for: dict[int | None, bool] = {}  # _checkpoint_flags per N seen
 
     def pipec_forward_backward(
@@ -750,6 +861,13 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         steps = steps_of.get(rank)
         if steps is None:
             steps = steps_of[rank] = s.steps(rank)
+            if _offloaded(s, rank):
+                stores[rank] = ActivationStore()
+        memory = stores.get(rank)
+        if memory is not None:
+            _refuse_offload_config(config, model_list, rank, _offloaded(s, rank))
+            memory.begin_step()
+        pipec_forward_backward.pipec_memory = memory  # type: ignore[attr-defined]
         needs_dtype = any(
             isinstance(st, BatchStep) and any(o.op == Op.recv for o in st.ops) for st in steps
         )
@@ -776,8 +894,10 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
             kw,
             pg_collection,
             dist.group.WORLD,
+            memory,
         )
         return ex.run(steps)
 
     pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
+    pipec_forward_backward.pipec_memory = None  # type: ignore[attr-defined]
     return pipec_forward_backward

@@ -157,6 +157,23 @@ def make_forward_step(loss_mode: str, flags: list | None = None):
     return forward_step_func
 
 
+def poison_reloads() -> None:
+    """From now on, every reload first adds 1 to the floating-point host copies it brings
+    back: if the backward reads what was reloaded (the activations really went to the host),
+    the gradients change. Used by one configuration, as this process's last."""
+    from pipec import _offload
+
+    reload = _offload.ActivationStore.reload
+
+    def poisoned(self, stage, mb):
+        for h in self._entries[(stage, mb)].managed():
+            if h.host is not None and h.host.is_floating_point():
+                h.host.add_(1.0)
+        reload(self, stage, mb)
+
+    _offload.ActivationStore.reload = poisoned
+
+
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
@@ -168,9 +185,9 @@ def value(entry) -> torch.Tensor:
 
 def run(cfg: dict, rank: int, memo: dict) -> dict:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if "compile" in cfg:
-        kw = cfg["compile"]
-        sched = pipec.compile(**kw)
+    if "compile" in cfg or "dir" in cfg:
+        # A sealed directory: a compiled schedule with memory instructions added (verified).
+        sched = pipec.load(cfg["dir"]) if "dir" in cfg else pipec.compile(**cfg["compile"])
         mine = pm.stage_indices(sched, rank)
         layers = pm.stage_layers(sched)
         vpp = len(mine) if len(mine) > 1 else None
@@ -206,6 +223,8 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
     record = {"losses": [], "grads": {}}
     holds_last = layers[-1].post_process and (len(layers) - 1) in mine
     fo, collect = cfg.get("forward_only", False), cfg.get("collect", False)
+    if cfg.get("poison_reload"):
+        poison_reloads()
     grad_mode = torch.no_grad() if fo else torch.enable_grad()
     for step in range(STEPS):
         batch = data(step, m)
@@ -262,6 +281,7 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
         opt.step()
         ref_opt.step()
     record["flags"] = flags
+    store = getattr(func, "pipec_memory", None)  # the offload store of pipec.megatron's run
     memo[cfg["name"]] = record
     result = {
         "flags": flags,
@@ -270,6 +290,8 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
         "grads_compared": n_grads,
         "loss_diff": loss_diff,
         "grad_diff": grad_diff,
+        # The memory trace of the last step (pipec._offload.MemoryEvent rows).
+        "memory_events": [list(e) for e in store.events] if store is not None else [],
     }
     other = cfg.get("compare_with")
     if other is not None:

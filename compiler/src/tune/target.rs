@@ -86,42 +86,29 @@ impl Target {
         }
     }
 
-    /// The memory instructions the target's adapter executes: `pipec-run` and `pipec.torch`
-    /// (`build_schedule`) all of them; `pipec.megatron` checkpointed forwards and their
-    /// recomputes (as megatron-core's partial recompute, which it checks against Megatron's
-    /// rule at run time), no copies; torchtitan (torch's CSV has no such action) and DeepSpeed
-    /// none.
+    /// The memory instructions the target's adapter executes: `pipec-run`, `pipec.torch`
+    /// (`build_schedule`) and `pipec.megatron` all of them (`pipec.megatron` its checkpointed
+    /// forwards as megatron-core's partial recompute, which it checks against Megatron's rule
+    /// at run time); torchtitan (torch's CSV has no such action) and DeepSpeed none.
     fn check_memory_ops(self, program: &Program) -> Result<(), String> {
-        let first = |copies_only: bool| {
-            program.ranks.iter().enumerate().find_map(|(r, instrs)| {
-                instrs.iter().enumerate().find_map(|(i, ins)| {
-                    let hit = match ins {
-                        Instr::Memory(m) => !copies_only || m.kind.is_copy(),
-                        Instr::FwdCheckpoint(_) => !copies_only,
-                        _ => false,
-                    };
-                    hit.then(|| format!("rank {r}, #{i}: {ins}"))
-                })
-            })
-        };
-        let refuse = |at: String, what: &str| {
-            Err(format!(
-                "{at}: {what} are not executed by this target's adapter yet (pipec-run and pipec.torch run them)"
-            ))
-        };
         match self {
-            Target::PipecRun | Target::Any | Target::Torch => Ok(()),
-            Target::Megatron => match first(true) {
-                Some(at) => refuse(at, "offload, reload and wait_offload"),
-                None => Ok(()),
-            },
-            Target::Torchtitan | Target::Deepspeed => match first(false) {
-                Some(at) => refuse(
-                    at,
-                    "offload, reload, wait_offload, recompute and checkpointed forwards",
-                ),
-                None => Ok(()),
-            },
+            Target::PipecRun | Target::Any | Target::Torch | Target::Megatron => Ok(()),
+            Target::Torchtitan | Target::Deepspeed => {
+                let first = program.ranks.iter().enumerate().find_map(|(r, instrs)| {
+                    instrs.iter().enumerate().find_map(|(i, ins)| {
+                        matches!(ins, Instr::Memory(_) | Instr::FwdCheckpoint(_))
+                            .then(|| format!("rank {r}, #{i}: {ins}"))
+                    })
+                });
+                match first {
+                    Some(at) => Err(format!(
+                        "{at}: offload, reload, wait_offload, recompute and checkpointed forwards \
+                         are not executed by this target's adapter yet (pipec-run, pipec.torch \
+                         and pipec.megatron run them)"
+                    )),
+                    None => Ok(()),
+                }
+            }
         }
     }
 
