@@ -41,6 +41,7 @@ KINDS = [
     ("v-half", {"schedule": "v-half"}),
     ("v-min", {"schedule": "v-min"}),
     ("dualpipe-v", {"schedule": "dualpipe-v"}),
+    ("group-interleaved", {"schedule": "group-interleaved", "vpp": 2, "group_size": 2}),
 ]
 # Megatron's P2P modes (waits for batches in flight) at the large size only.
 EXTRA = [

@@ -44,6 +44,11 @@ pub struct Heuristic {
     /// bubble instead of delaying the critical path by the rest of the `bwd_W`). Without it
     /// the schedule never idles while work is ready.
     pub patient_w: bool,
+    /// Every `bwd_W` right after its `bwd_D` (one backward in two passes, as PipeOffload's
+    /// grouped schedule runs them): an activation is freed, or may leave for host memory, as
+    /// soon as its backward is done instead of waiting on the device for a bubble. For the
+    /// orders the offload planner fits ([`super::levers`]).
+    pub w_next: bool,
     /// The zero-bubble authors' greedy scheduler with these flags instead of the rules above
     /// ([`super::zb`]; one stage per rank only).
     pub zb: Option<super::zb::Rules>,
@@ -64,7 +69,7 @@ impl Heuristic {
             );
         }
         format!(
-            "cap={}{}{}{}{}{}",
+            "cap={}{}{}{}{}{}{}",
             if self.cap.is_infinite() {
                 "mem".to_string()
             } else {
@@ -78,7 +83,8 @@ impl Heuristic {
                 String::new()
             },
             if self.staircase { ",stair" } else { "" },
-            if self.patient_w { ",Wfit" } else { "" }
+            if self.patient_w { ",Wfit" } else { "" },
+            if self.w_next { ",Wnext" } else { "" }
         )
     }
 }
@@ -128,7 +134,9 @@ impl Heuristic {
         } else {
             "among ready forwards, the oldest microbatch first".to_string()
         });
-        parts.push(if self.eager_w >= 1.0 {
+        parts.push(if self.w_next {
+            "each weight-gradient pass (bwd_W) right after its bwd_D".to_string()
+        } else if self.eager_w >= 1.0 {
             "weight-gradient passes (bwd_W) fill the bubbles".to_string()
         } else if self.eager_w <= 0.0 {
             "bwd_W before forwards whenever activations are live".to_string()
@@ -176,6 +184,7 @@ pub fn heuristics() -> Vec<Heuristic> {
                                 eager_w,
                                 staircase,
                                 patient_w,
+                                w_next: false,
                                 zb: None,
                             });
                         }
@@ -192,6 +201,7 @@ pub fn heuristics() -> Vec<Heuristic> {
         eager_w: 1.0,
         staircase: false,
         patient_w: false,
+        w_next: false,
         zb: Some(z),
     }));
     v
@@ -219,6 +229,19 @@ pub fn heuristics_for(p: &Problem) -> Vec<Heuristic> {
 /// Whether the staircase cap can apply: one direction, one stage per rank.
 pub fn staircase_applies(p: &Problem) -> bool {
     p.directions().len() == 1 && p.num_stages() == p.pp() && p.pp() > 1
+}
+
+/// Heuristics whose orders the offload planner can fit ([`Heuristic::w_next`]), for the
+/// memory levers' extra plans: the quick ones' caps and priorities with each `bwd_W` right
+/// after its `bwd_D`.
+pub fn lever_heuristics(p: &Problem) -> Vec<Heuristic> {
+    let mut v: Vec<Heuristic> = heuristics_for(p)
+        .into_iter()
+        .filter(|h| h.eager_w >= 1.0 && !h.staircase && !h.patient_w && h.zb.is_none())
+        .map(|h| Heuristic { w_next: true, ..h })
+        .collect();
+    v.dedup_by(|a, b| a == b);
+    v
 }
 
 /// A few heuristics that are usually among the best, to rank candidate splits quickly.
@@ -600,7 +623,9 @@ pub(crate) fn run(
             let next_ready = if open { nr_f.min(nr_b) } else { nr_b };
             let mem_tight =
                 budget[r].is_finite() && h.eager_w < 1.0 && live[r] > h.eager_w * budget[r];
-            let pick = if mem_tight && best_w.is_some() && best_b.is_none() {
+            let pick = if h.w_next && best_w.is_some() {
+                best_w.map(|s| (2, s))
+            } else if mem_tight && best_w.is_some() && best_b.is_none() {
                 best_w.map(|s| (2, s))
             } else if h.forward_first && best_f.is_some() {
                 best_f.map(|s| (0, s))

@@ -1281,8 +1281,12 @@ fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: f64) -> Vec
             } else {
                 greedy::heuristics_for(&p)
             };
-            if let Some((plan, h)) = best_plan_with(&p, hs) {
-                tasks.push(Task::Tuned(Box::new((p, layout.clone(), plan, h))));
+            // The fastest plan, and the fastest whose bwd_W follow their bwd_D (slower as it
+            // is, but its activations can leave the device after their backward).
+            for hs in [hs, greedy::lever_heuristics(&p)] {
+                if let Some((plan, h)) = best_plan_with(&p, hs) {
+                    tasks.push(Task::Tuned(Box::new((p.clone(), layout.clone(), plan, h))));
+                }
             }
         }
     }
@@ -1348,7 +1352,7 @@ fn fit_over_limit(
             }
         }
     }
-    let done = par_map(&todo, |&i| {
+    let fit_one = |i: usize| -> Option<Built> {
         let b = &built[i];
         // The kept program as it is; a built-in kind dropped while another led, generated again.
         let program = match (&b.program, b.spec) {
@@ -1382,7 +1386,34 @@ fn fit_over_limit(
         });
         nb.program = Some(f.program);
         Some(nb)
+    };
+    // Fastest first, a few at a time: fitting never makes a candidate faster (copies can only
+    // delay, recomputes add time), so one whose unfitted makespan is already above the best
+    // fitted one cannot win and is skipped. The batches do not depend on the machine's
+    // threads, so neither does the candidate table.
+    let mut by_speed: Vec<usize> = (0..todo.len()).collect();
+    by_speed.sort_by(|&a, &b| {
+        let (x, y) = (&built[todo[a]].cand, &built[todo[b]].cand);
+        x.makespan.total_cmp(&y.makespan).then(a.cmp(&b))
     });
+    let mut done: Vec<Option<Built>> = (0..todo.len()).map(|_| None).collect();
+    let mut best = f64::INFINITY;
+    for batch in by_speed.chunks(FIT_BATCH) {
+        let live: Vec<usize> = batch
+            .iter()
+            .copied()
+            .filter(|&k| built[todo[k]].cand.makespan <= best)
+            .collect();
+        let out = par_map(&live, |&k| fit_one(todo[k]));
+        for (k, r) in live.into_iter().zip(out) {
+            if let Some(nb) = &r {
+                if nb.cand.fits && nb.cand.not_runnable.is_none() {
+                    best = best.min(nb.cand.makespan);
+                }
+            }
+            done[k] = r;
+        }
+    }
     // The extra plans stay only where they fit as they are; their fitted forms are added.
     let kept: Vec<Built> = built.drain(first_extra..).filter(|b| b.cand.fits).collect();
     built.extend(kept);
@@ -1395,6 +1426,9 @@ const LEVER_PLAN_OPS: u64 = 6_000;
 
 /// How many candidates over the limit [`fit_over_limit`] tries.
 const LEVER_CANDIDATES: usize = 8;
+
+/// Candidates [`fit_over_limit`] fits at once between two checks of the best so far.
+const FIT_BATCH: usize = 4;
 
 /// Of the tuned candidates, the fastest fitting one per placement and vpp; built-ins untouched.
 fn keep_best_per(built: Vec<Built>) -> Vec<Built> {

@@ -113,13 +113,16 @@ impl Target {
     }
 
     /// The memory levers the tuner may pull for this target: those its adapter runs as the
-    /// tuner places them (Megatron's checkpoints follow Megatron's own rule, not the tuner's).
+    /// tuner places them (`pipec.megatron` runs copies anywhere, but checkpoints only where
+    /// Megatron's own rule puts them, not the tuner's).
     pub fn levers(self) -> super::levers::Levers {
         match self {
             Target::PipecRun | Target::Any | Target::Torch => super::levers::Levers::ALL,
-            Target::Megatron | Target::Torchtitan | Target::Deepspeed => {
-                super::levers::Levers::NONE
-            }
+            Target::Megatron => super::levers::Levers {
+                offload: true,
+                recompute: false,
+            },
+            Target::Torchtitan | Target::Deepspeed => super::levers::Levers::NONE,
         }
     }
 
