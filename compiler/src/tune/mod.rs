@@ -588,6 +588,7 @@ impl Tuned {
         let name = self.best.heuristic.as_ref()?;
         greedy::heuristics()
             .into_iter()
+            .flat_map(|h| [h, greedy::Heuristic { w_next: true, ..h }])
             .find(|h| &h.name() == name)
             .map(|h| h.describe())
     }
