@@ -304,6 +304,8 @@ proptest::proptest! {
                 let costs = StageCosts::new(&model, &t.layout, t.program().num_stages());
                 let sim = pipec::simulate::simulate(&t.verified, &costs).unwrap();
                 proptest::prop_assert!((sim.summary.makespan - t.best.makespan).abs() < 1e-9);
+                // The bound with the limit and the copies is below what was found.
+                proptest::prop_assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
                 if let Some(p) = plain {
                     proptest::prop_assert!(t.best.makespan <= p.best.makespan + 1e-9);
                 }

@@ -1114,10 +1114,13 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
             req.microbatches,
             limit,
         );
-        let lower_bound = bound::lower_bound(&p);
+        let costs = StageCosts::new(&req.model, &built[i].layout, program.num_stages());
+        let copies: Vec<f64> = (0..program.num_stages())
+            .map(|s| costs.copy(pipec_schedules::StageId(s)).unwrap_or(0.0))
+            .collect();
+        let lower_bound = bound::with_memory(&p, levers.offload.then_some(&copies[..]));
         // The winner simulated in full (the candidates had figures only), with the
         // verifier's matching.
-        let costs = StageCosts::new(&req.model, &built[i].layout, program.num_stages());
         let Ok(sim) = simulate(&verified, &costs) else {
             continue;
         };
