@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import pipeoffload_record as rec  # noqa: E402
+import pipeoffload_record as rec
 
 # pp 1..8 (odd ones too); M below, at and above pp and non-multiples of the group; every chunk
 # count their runtime takes and one; every group size their code accepts (1..pp).

@@ -87,3 +87,20 @@ def test_every_best_fits_its_limit_and_is_the_fastest_that_does():
             assert best["config"] in case["plans"], (cid, lim)
         for name, c in case["configs"].items():
             assert c.get("copy_violations", []) == [], (cid, name)
+
+
+def test_orders_recorder_reproduces_the_golden_orders():
+    """`orders.json.gz` (what tests/integration/group_interleaved.rs holds pipec's
+    group-interleaved to) is their scheduler's output: re-recorded whole (about 10 s)."""
+    import gzip
+
+    run = subprocess.run(
+        [sys.executable, "-B", str(ROOT / "bench" / "pipeoffload_orders_record.py"), str(UPSTREAM)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert run.returncode == 0, run.stderr
+    want = gzip.decompress((GOLDEN / "orders.json.gz").read_bytes()).decode()
+    assert run.stdout == want
