@@ -162,14 +162,11 @@ fn a_lever_turned_off_is_never_pulled() {
 }
 
 /// The default target (every framework) and frameworks whose adapters do not run memory
-/// instructions get no levers: the result is the one without them.
+/// instructions get no levers: the result is the one without them. Megatron's adapter runs
+/// copies but checkpoints only where Megatron's own rule puts them: offload only.
 #[test]
 fn targets_that_cannot_run_them_get_none() {
-    for target in [
-        TargetChoice::Every,
-        TargetChoice::One(Target::Megatron),
-        TargetChoice::One(Target::Deepspeed),
-    ] {
+    for target in [TargetChoice::Every, TargetChoice::One(Target::Deepspeed)] {
         let req = TuneRequest {
             target,
             ..request(4, 8, 1.0, Some(3.0), Levers::ALL)
@@ -178,6 +175,27 @@ fn targets_that_cannot_run_them_get_none() {
         assert!(t.best.levers.is_none());
         assert!(t.candidates.iter().all(|c| c.levers.is_none()));
     }
+    let req = TuneRequest {
+        target: TargetChoice::One(Target::Megatron),
+        ..request(4, 8, 1.0, Some(2.0), Levers::ALL)
+    };
+    let t = tune(&req).unwrap();
+    assert!(
+        t.best.levers.is_some(),
+        "{}",
+        pipec::tune::describe(&t.best)
+    );
+    for c in &t.candidates {
+        if let Some(l) = &c.levers {
+            assert!(
+                l.recomputed.iter().all(|&n| n == 0),
+                "{}",
+                pipec::tune::describe(c)
+            );
+        }
+    }
+    assert!(t.report().is_valid());
+    assert!(Target::Megatron.check(t.program()).is_ok());
 }
 
 /// The CLI: `--json`'s winner carries `levers`, the files written hold exactly those

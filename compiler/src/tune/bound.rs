@@ -209,7 +209,10 @@ mod tests {
         );
         let b = with_memory(&p, None);
         // Rank work: rank 1 starts at 1, then its 12.
-        assert_eq!((b.rank_work, b.critical_path, b.memory), (13.0, 5.0, Some(14.0)));
+        assert_eq!(
+            (b.rank_work, b.critical_path, b.memory),
+            (13.0, 5.0, Some(14.0))
+        );
         assert_eq!(b.value, 14.0);
         // Copies that free an activation per unit of time lift the limit before `t0`: the
         // rank-work bound again.

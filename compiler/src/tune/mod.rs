@@ -838,6 +838,16 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
     out
 }
 
+/// `x` to 12 significant digits: a total order that ties values equal but for float
+/// rounding.
+fn significant(x: f64) -> f64 {
+    if !x.is_finite() || x == 0.0 {
+        return x;
+    }
+    let scale = 10f64.powi(11 - x.abs().log10().floor() as i32);
+    (x * scale).round() / scale
+}
+
 /// Group sizes weighed for `group-interleaved` under a memory limit: all of `1..=pp` up to
 /// pp = 8, else eight spread from 1 to pp.
 fn group_sizes(pp: u32) -> Vec<u32> {
@@ -1075,8 +1085,10 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     }
     order.sort_by(|&a, &b| {
         let (x, y) = (&built[a].cand, &built[b].cand);
-        x.makespan
-            .total_cmp(&y.makespan)
+        // Makespans equal but for rounding (two orders with the same critical path summed in
+        // another order) are a tie: the smaller peak wins it.
+        significant(x.makespan)
+            .total_cmp(&significant(y.makespan))
             .then(x.peak_memory.total_cmp(&y.peak_memory))
             // A built-in kind before the tuned order on a tie: it is the known schedule.
             .then((x.schedule == "tuned").cmp(&(y.schedule == "tuned")))
