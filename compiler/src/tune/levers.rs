@@ -56,9 +56,14 @@ pub struct Fitted {
 }
 
 /// A program larger than this is not fitted: the planner recounts a rank's profile after
-/// every copy it places (quadratic in the rank's ops), and every probe simulates the program
-/// in full (measured: 22 s for a fit at pp=16, M=128 before this bound; it is skipped now).
-pub const MAX_INSTRUCTIONS: usize = 20_000;
+/// every copy it places (quadratic in the rank's ops), and every fit simulates the program.
+/// Offload alone is one plan and one simulation (about 0.05 s at this size).
+pub const MAX_INSTRUCTIONS: usize = 60_000;
+
+/// A program larger than this gets no recompute: the checkpoint search simulates the program
+/// once per probe (a binary search over Belady's order; at pp=16, M=128 a limited `tune`
+/// with it took 50 s, without it 2 s).
+pub const MAX_RECOMPUTE_INSTRUCTIONS: usize = 20_000;
 
 /// Fit `program` (laid out as `layout`, costed by `model`) under `limit` with `levers`.
 pub fn fit(
@@ -84,13 +89,13 @@ pub fn fit(
             .map(|f| f.makespan)
     };
     let mut best: Option<(f64, Program)> = None;
-    let mut consider = |q: Program| {
+    let consider = |best: &mut Option<(f64, Program)>, q: Program| {
         if !fits(&q) {
             return;
         }
         if let Some(t) = makespan(&q) {
             if best.as_ref().is_none_or(|(b, _)| t < *b) {
-                best = Some((t, q));
+                *best = Some((t, q));
             }
         }
     };
@@ -102,9 +107,12 @@ pub fn fit(
         }
     };
     if let Some(q) = offloaded(program) {
-        consider(q);
+        consider(&mut best, q);
     }
-    if levers.recompute {
+    // Copies that cost no time leave nothing to gain: recomputes only add work.
+    let unfitted = makespan(program);
+    let lossless = matches!((&best, unfitted), (Some((t, _)), Some(u)) if *t <= u);
+    if levers.recompute && !lossless && program.len() <= MAX_RECOMPUTE_INSTRUCTIONS {
         let order = belady_order(program, &mem, limit);
         if let Some(order) = order {
             let upto = |k: usize| {
@@ -117,7 +125,7 @@ pub fn fit(
                 Some(q)
             };
             if let Some(q) = upto(order.len()) {
-                consider(q);
+                consider(&mut best, q);
             }
             if levers.offload && !order.is_empty() {
                 // The fewest checkpoints after which the copies fit the rest.
@@ -137,7 +145,7 @@ pub fn fit(
                     }
                 }
                 if let Some(q) = found {
-                    consider(q);
+                    consider(&mut best, q);
                 }
             }
         }

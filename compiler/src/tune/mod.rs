@@ -1368,7 +1368,7 @@ fn fit_over_limit(
             }
         }
     }
-    let fit_one = |i: usize| -> Option<Built> {
+    let fit_one = |i: usize, levers: levers::Levers| -> Option<Built> {
         let b = &built[i];
         // The kept program as it is; a built-in kind dropped while another led, generated again.
         let program = match (&b.program, b.spec) {
@@ -1405,8 +1405,10 @@ fn fit_over_limit(
     };
     // Fastest first, a few at a time: fitting never makes a candidate faster (copies can only
     // delay, recomputes add time), so one whose unfitted makespan is already above the best
-    // fitted one cannot win and is skipped. The batches do not depend on the machine's
-    // threads, so neither does the candidate table.
+    // fitted one cannot win and is skipped. Offload alone first, on every candidate (cheap:
+    // one plan, one simulation); then recompute and both, which search over checkpoint sets,
+    // only where that could still win. The batches do not depend on the machine's threads,
+    // so neither does the candidate table.
     let mut by_speed: Vec<usize> = (0..todo.len()).collect();
     by_speed.sort_by(|&a, &b| {
         let (x, y) = (&built[todo[a]].cand, &built[todo[b]].cand);
@@ -1414,20 +1416,43 @@ fn fit_over_limit(
     });
     let mut done: Vec<Option<Built>> = (0..todo.len()).map(|_| None).collect();
     let mut best = f64::INFINITY;
-    for batch in by_speed.chunks(FIT_BATCH) {
-        let live: Vec<usize> = batch
-            .iter()
-            .copied()
-            .filter(|&k| built[todo[k]].cand.makespan <= best)
-            .collect();
-        let out = par_map(&live, |&k| fit_one(todo[k]));
-        for (k, r) in live.into_iter().zip(out) {
-            if let Some(nb) = &r {
+    let copies_only = levers::Levers {
+        recompute: false,
+        ..levers
+    };
+    let phases = if levers.offload && levers.recompute {
+        vec![copies_only, levers]
+    } else {
+        vec![levers]
+    };
+    for (phase, &lv) in phases.iter().enumerate() {
+        for batch in by_speed.chunks(FIT_BATCH) {
+            let live: Vec<usize> = batch
+                .iter()
+                .copied()
+                .filter(|&k| {
+                    let m = built[todo[k]].cand.makespan;
+                    if phase == 0 {
+                        return m <= best;
+                    }
+                    // Fitted without loss already: nothing left to gain on it.
+                    let lossless = done[k].as_ref().is_some_and(|d| d.cand.makespan <= m);
+                    m < best && !lossless
+                })
+                .collect();
+            let out = par_map(&live, |&k| fit_one(todo[k], lv));
+            for (k, r) in live.into_iter().zip(out) {
+                let Some(nb) = r else { continue };
                 if nb.cand.fits && nb.cand.not_runnable.is_none() {
                     best = best.min(nb.cand.makespan);
                 }
+                if done[k]
+                    .as_ref()
+                    .is_none_or(|d| nb.cand.makespan < d.cand.makespan)
+                {
+                    done[k] = Some(nb);
+                }
             }
-            done[k] = r;
         }
     }
     // The extra plans stay only where they fit as they are; their fitted forms are added.
