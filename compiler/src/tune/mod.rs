@@ -803,6 +803,11 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
         // Large instances weigh the common choices only (vpp 2, Megatron's group size), to
         // stay within seconds; small ones every vpp up to 4 and the group size M too.
         let big = pp as u64 * m as u64 > 16_384;
+        // PipeOffload's schedule is weighed for what it saves in memory: without a limit
+        // large instances skip it (its timed lowering is verified, seconds at pp=64, M=1024).
+        if kind == ScheduleKind::GroupInterleaved && big && req.memory_limit.is_none() {
+            continue;
+        }
         let vpps: Vec<u32> = match kind.chunk_rule() {
             ChunkRule::One => vec![1],
             ChunkRule::TwoV => vec![2],
