@@ -34,27 +34,38 @@ pub struct Bound {
     pub memory: Option<f64>,
 }
 
-/// The bound of a problem. Bidirectional placements (DualPipe) are handled per direction:
-/// microbatches from `mirror_from` on run the mirrored pipeline.
-pub fn lower_bound(p: &Problem) -> Bound {
+/// A stage's rank for microbatch `mb` (bidirectional placements depend on it).
+fn rank_of(p: &Problem, s: usize, mb: u32) -> usize {
+    p.placement
+        .rank_of(pipec_schedules::Task::new(s as u32, mb))
+        .index()
+}
+
+/// The tensor delay between stages `a` and `b` for microbatch `mb`: none on one rank.
+fn hop(p: &Problem, a: usize, b: usize, mb: u32) -> f64 {
+    if rank_of(p, a, mb) == rank_of(p, b, mb) {
+        0.0
+    } else {
+        p.comm
+    }
+}
+
+/// What both bounds read off the first microbatch of each direction walking forward: the
+/// directions as (first microbatch, count), each rank's earliest start and total work, and
+/// the critical path.
+struct Forward {
+    dirs: Vec<(u32, u32)>,
+    head: Vec<f64>,
+    work: Vec<f64>,
+    critical_path: f64,
+}
+
+fn forward(p: &Problem) -> Forward {
     let n = p.num_stages();
     let m = p.microbatches;
-    // The directions: (first microbatch, microbatch count).
     let dirs: Vec<(u32, u32)> = match p.placement.mirror_from() {
         Some(h) if h < m => vec![(0, h), (h, m - h)],
         _ => vec![(0, m)],
-    };
-    let rank_of = |s: usize, mb: u32| {
-        p.placement
-            .rank_of(pipec_schedules::Task::new(s as u32, mb))
-            .index()
-    };
-    let delay = |a: usize, b: usize, mb: u32| {
-        if rank_of(a, mb) == rank_of(b, mb) {
-            0.0
-        } else {
-            p.comm
-        }
     };
     let mut head = vec![f64::INFINITY; p.pp()];
     let mut work = vec![0.0; p.pp()];
@@ -63,11 +74,11 @@ pub fn lower_bound(p: &Problem) -> Bound {
         let mut t = 0.0;
         let mut path = 0.0;
         for s in 0..n {
-            let r = rank_of(s, first);
+            let r = rank_of(p, s, first);
             head[r] = head[r].min(t);
             work[r] += count as f64 * (p.f[s] + p.b[s] + p.w[s]);
             let hop = if s + 1 < n {
-                delay(s, s + 1, first)
+                hop(p, s, s + 1, first)
             } else {
                 0.0
             };
@@ -76,19 +87,34 @@ pub fn lower_bound(p: &Problem) -> Bound {
         }
         critical_path = critical_path.max(path + p.w.first().copied().unwrap_or(0.0));
     }
+    Forward {
+        dirs,
+        head,
+        work,
+        critical_path,
+    }
+}
+
+/// The bound of a problem. Bidirectional placements (DualPipe) are handled per direction:
+/// microbatches from `mirror_from` on run the mirrored pipeline.
+pub fn lower_bound(p: &Problem) -> Bound {
+    bound_of(p, &forward(p))
+}
+
+fn bound_of(p: &Problem, fw: &Forward) -> Bound {
     let rank_work = (0..p.pp())
         .map(|r| {
-            if head[r].is_finite() {
-                head[r] + work[r]
+            if fw.head[r].is_finite() {
+                fw.head[r] + fw.work[r]
             } else {
                 0.0
             }
         })
         .fold(0.0, f64::max);
     Bound {
-        value: rank_work.max(critical_path),
+        value: rank_work.max(fw.critical_path),
         rank_work,
-        critical_path,
+        critical_path: fw.critical_path,
         memory: None,
     }
 }
@@ -97,57 +123,38 @@ pub fn lower_bound(p: &Problem) -> Bound {
 /// the time one microbatch's activations of stage `s` take to reach the host alone (`None`
 /// without offload). Ranks whose stages keep nothing, or copy in no time, add nothing.
 pub fn with_memory(p: &Problem, copy: Option<&[f64]>) -> Bound {
-    let mut b = lower_bound(p);
+    let fw = forward(p);
+    let mut b = bound_of(p, &fw);
     if p.limit.iter().all(|l| l.is_infinite()) {
         return b;
     }
     let n = p.num_stages();
-    let m = p.microbatches;
-    let dirs: Vec<u32> = match p.placement.mirror_from() {
-        Some(h) if h < m => vec![0, h],
-        _ => vec![0],
-    };
-    let rank_of = |s: usize, mb: u32| {
-        p.placement
-            .rank_of(pipec_schedules::Task::new(s as u32, mb))
-            .index()
-    };
-    let hop = |a: usize, c: usize, mb: u32| {
-        if rank_of(a, mb) == rank_of(c, mb) {
-            0.0
-        } else {
-            p.comm
-        }
-    };
-    // Per rank: its earliest start, and the earliest a backward can start there (the first
+    // Per rank: its stages, and the earliest a backward can start there (the first
     // microbatch of a direction forward to the last stage, then back down to the rank).
-    let mut head = vec![f64::INFINITY; p.pp()];
     let mut t0 = vec![f64::INFINITY; p.pp()];
-    let mut work = vec![0.0; p.pp()];
     let mut stages: Vec<Vec<usize>> = vec![Vec::new(); p.pp()];
-    for &first in &dirs {
-        let count = if dirs.len() == 2 && first == 0 {
-            dirs[1]
-        } else {
-            m - first
-        };
+    for &(first, _) in &fw.dirs {
         let mut t = 0.0;
         for s in 0..n {
-            let r = rank_of(s, first);
-            head[r] = head[r].min(t);
-            work[r] += count as f64 * (p.f[s] + p.b[s] + p.w[s]);
+            let r = rank_of(p, s, first);
             if !stages[r].contains(&s) {
                 stages[r].push(s);
             }
-            t += p.f[s] + if s + 1 < n { hop(s, s + 1, first) } else { 0.0 };
+            t += p.f[s]
+                + if s + 1 < n {
+                    hop(p, s, s + 1, first)
+                } else {
+                    0.0
+                };
         }
         // `t` is the end of the last forward; a backward then walks down.
         for s in (0..n).rev() {
-            let r = rank_of(s, first);
+            let r = rank_of(p, s, first);
             t0[r] = t0[r].min(t);
-            t += p.b[s] + if s > 0 { hop(s, s - 1, first) } else { 0.0 };
+            t += p.b[s] + if s > 0 { hop(p, s, s - 1, first) } else { 0.0 };
         }
     }
+    let (head, work) = (&fw.head, &fw.work);
     let mut memory: f64 = 0.0;
     for r in 0..p.pp() {
         let room = p.limit[r] - p.param[r];
