@@ -335,3 +335,48 @@ proptest::proptest! {
         }
     }
 }
+
+/// Issue #30's bound, on cases of PipeOffload's recorded grid (their authors' scheduler,
+/// `tests/golden/pipeoffload/pipeoffload.json`): `tune` with offload is no slower than their
+/// best configuration under the same limit. Regression: before `group-interleaved` and with
+/// copies posted behind receives, pp=4, M=8, copy 0.25 at 1/2 took 26.25 against their 25.5.
+#[test]
+fn no_slower_than_pipeoffloads_best() {
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/golden/pipeoffload/pipeoffload.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    for id in [
+        "pp4-m8-uniform-c0.25",
+        "pp4-m16-uniform-c2",
+        "pp4-m8-heavy-c1",
+    ] {
+        let case = &golden["cases"][id];
+        let pp = case["pp"].as_u64().unwrap() as u32;
+        let m = case["microbatches"].as_u64().unwrap() as u32;
+        let c = case["copy"].as_f64().unwrap();
+        let mut req = request(pp, m, c, Some(pp as f64 / 2.0), Levers::ALL);
+        req.target = TargetChoice::One(Target::Any);
+        if case["costs"] == "heavy" {
+            let h = case["heavy"].as_f64().unwrap();
+            let u = 1.0 / 12.0;
+            req.model = CostModel::parse(&format!(
+                "t.f={u},t.b={u},t.w={u},t.act={u},t.offload={},offload_pair=true,rank.0={h},rank.{}={h}",
+                0.7 * c * u,
+                pp - 1
+            ))
+            .unwrap();
+        }
+        let theirs = case["best"]["half"]["makespan"].as_f64().unwrap();
+        let t = tune(&req).unwrap();
+        assert!(
+            t.best.makespan <= theirs + 1e-9,
+            "{id}: {} against PipeOffload's {theirs}",
+            pipec::tune::describe(&t.best)
+        );
+    }
+}
