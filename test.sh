@@ -26,11 +26,11 @@ fi
 if [ -f "$nvrtc_dir/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ]; then
   nvrtc_env=(env "LD_LIBRARY_PATH=$PWD/$nvrtc_dir/nvidia/cuda_nvrtc/lib" PIPEC_REQUIRE_NVRTC=1)
 fi
-"${nvrtc_env[@]}" cargo test -p pipec-runtime -p pipec-cli --features pipec-cli/cuda --locked
+"${nvrtc_env[@]}" cargo test -p pipec-cuda -p pipec-cli --features pipec-cli/cuda --locked
 # Lints and formatting of every crate, with and without the CUDA feature.
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo clippy -p pipec-tests -p pipec-runtime -p pipec-cli --features pipec-tests/cuda,pipec-cli/cuda --all-targets --locked -- -D warnings
+cargo clippy -p pipec-tests -p pipec-cuda -p pipec-cli --features pipec-tests/cuda,pipec-cli/cuda --all-targets --locked -- -D warnings
 # Python (the Megatron recorder, tests/golden/megatron/record.py): linted and formatted with ruff,
 # installed once into target/ from PyPI.
 ruff=target/ruff-0.17.6/bin/ruff

@@ -77,7 +77,7 @@ pub fn megatron_p2p_for(
 
 /// Instruction constructors for hand-written programs.
 pub mod ir {
-    use pipec::ir::{Instr, Payload};
+    use pipec_ir::ir::{Instr, Payload};
     use pipec_schedules::{Compute, Rank, Task};
 
     pub fn fwd(stage: u32, mb: u32) -> Instr {
@@ -107,13 +107,13 @@ pub mod ir {
 
 /// `p` with the verifier's verdict, for a test that holds a valid program: what the writers,
 /// the exporters, the simulator and the runtimes take. Panics with the violations otherwise.
-pub fn verified(p: &pipec::Program) -> pipec::verify::Verified<&pipec::Program> {
-    pipec::verify::verified(p, &Default::default())
+pub fn verified(p: &pipec_ir::Program) -> pipec_ir::verify::Verified<&pipec_ir::Program> {
+    pipec_ir::verify::verified(p, &Default::default())
         .unwrap_or_else(|r| panic!("does not verify: {}", r.report.verdict_line()))
 }
 
 /// `p` with nothing proved: for tests that write, simulate or run programs the verifier
 /// refuses (or that judge it themselves), through the `--no-verify` entry points.
-pub fn unverified(p: &pipec::Program) -> pipec::verify::Unverified<&pipec::Program> {
-    pipec::verify::Unverified::unchecked(p)
+pub fn unverified(p: &pipec_ir::Program) -> pipec_ir::verify::Unverified<&pipec_ir::Program> {
+    pipec_ir::verify::Unverified::unchecked(p)
 }

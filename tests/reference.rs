@@ -1,5 +1,5 @@
 //! A brute-force reference executor for pipec programs, used only by tests to judge the
-//! verifier. It shares no code with `pipec::verify`: it runs the program.
+//! verifier. It shares no code with `pipec_ir::verify`: it runs the program.
 //!
 //! Semantics (the strictest NCCL behaviour, as docs/design.md states it): each rank runs its
 //! instructions in order; compute never blocks; a maximal run of consecutive send/recv with
@@ -15,7 +15,7 @@
 //! received (each received tensor once), a send ships what its rank produced, a receive gets
 //! what the matched send shipped. Afterwards it judges what happened.
 
-use pipec::ir::{Instr, Payload, PayloadKind, Program};
+use pipec_ir::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{Pass, StageId, Task};
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -181,19 +181,19 @@ pub fn execute(p: &Program) -> Outcome {
                 // by now and one posted after it never will be (the compute stream has not
                 // reached it). A backward of offloaded activations needs a reload posted
                 // before it, a `wait_offload` its offload: otherwise the rank hangs here.
-                let posted = |k: pipec::ir::MemKind, t: Task| {
+                let posted = |k: pipec_ir::ir::MemKind, t: Task| {
                     instrs[..pc]
                         .iter()
                         .any(|i| matches!(i, Instr::Memory(op) if op.kind == k && op.task == t))
                 };
                 let copy_wait = match instrs[pc] {
-                    Instr::Memory(op) if op.kind == pipec::ir::MemKind::WaitOffload => {
-                        !posted(pipec::ir::MemKind::Offload, op.task)
+                    Instr::Memory(op) if op.kind == pipec_ir::ir::MemKind::WaitOffload => {
+                        !posted(pipec_ir::ir::MemKind::Offload, op.task)
                     }
                     Instr::Compute(c) => c.parts().any(|(pass, t)| {
                         matches!(pass, Pass::Bwd | Pass::BwdD)
-                            && posted(pipec::ir::MemKind::Offload, t)
-                            && !posted(pipec::ir::MemKind::Reload, t)
+                            && posted(pipec_ir::ir::MemKind::Offload, t)
+                            && !posted(pipec_ir::ir::MemKind::Reload, t)
                     }),
                     _ => false,
                 };

@@ -3,10 +3,10 @@
 //! (about a million compute ops, three million instructions).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pipec::back::files::{load_dir, render, write_program, Encoding, Header};
-use pipec::front::layout::{self, Layout};
-use pipec::lower;
-use pipec::verify::{verified, VerifyOptions};
+use pipec_compiler::lower;
+use pipec_ir::files::{load_dir, render, write_program, Encoding, Header};
+use pipec_ir::verify::{verified, VerifyOptions};
+use pipec_schedules::layout::{self, Layout};
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 use std::hint::black_box;
 

@@ -3,8 +3,8 @@
 //! `cargo bench -p pipec --bench verify`; `-- small` for only the smallest size.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pipec::lower::lower;
-use pipec::verify::{verify, VerifyOptions};
+use pipec_compiler::lower::lower;
+use pipec_ir::verify::{verify, VerifyOptions};
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 use std::time::Duration;
 

@@ -2,9 +2,9 @@
 
 pub mod sweep;
 
-use crate::front::layout::{self, LayerKind, Layout, LayoutError};
-use crate::ir::Program;
 use crate::lower::lower;
+use pipec_ir::ir::Program;
+use pipec_schedules::layout::{self, LayerKind, Layout, LayoutError};
 use pipec_schedules::{
     generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
 };

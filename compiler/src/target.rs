@@ -16,7 +16,7 @@
 //! - DeepSpeed's `PipelineEngine` (0.19.8): one stage per rank, stage `s` on rank `s`.
 //! - `pipec-run` runs every verified program.
 
-use crate::ir::{Instr, Program};
+use pipec_ir::ir::{Instr, Program};
 use pipec_schedules::{Compute, Placement, PlacementKind, Rank};
 use serde::Serialize;
 use std::fmt;
@@ -115,14 +115,14 @@ impl Target {
     /// The memory levers the tuner may pull for this target: those its adapter runs as the
     /// tuner places them (`pipec.megatron` runs copies anywhere, but checkpoints only where
     /// Megatron's own rule puts them, not the tuner's).
-    pub fn levers(self) -> super::levers::Levers {
+    pub fn levers(self) -> Levers {
         match self {
-            Target::PipecRun | Target::Any | Target::Torch => super::levers::Levers::ALL,
-            Target::Megatron => super::levers::Levers {
+            Target::PipecRun | Target::Any | Target::Torch => Levers::ALL,
+            Target::Megatron => Levers {
                 offload: true,
                 recompute: false,
             },
-            Target::Torchtitan | Target::Deepspeed => super::levers::Levers::NONE,
+            Target::Torchtitan | Target::Deepspeed => Levers::NONE,
         }
     }
 
@@ -173,7 +173,7 @@ impl Target {
                         "{engine}; this schedule has {} stages on {} ranks ({} stages per rank{})",
                         p.num_stages(),
                         p.pp,
-                        crate::simulate::cost::num(f64::from(p.num_stages()) / f64::from(p.pp)),
+                        pipec_cost::cost::num(f64::from(p.num_stages()) / f64::from(p.pp)),
                         if p.kind == PlacementKind::V {
                             ", in a V"
                         } else {
@@ -233,10 +233,10 @@ impl TargetChoice {
     }
 
     /// The levers of `asked` every target of the choice allows.
-    pub fn levers(self, asked: super::levers::Levers) -> super::levers::Levers {
+    pub fn levers(self, asked: Levers) -> Levers {
         self.targets().iter().fold(asked, |l, t| {
             let t = t.levers();
-            super::levers::Levers {
+            Levers {
                 offload: l.offload && t.offload,
                 recompute: l.recompute && t.recompute,
             }
@@ -471,5 +471,27 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
             "pipec.deepspeed.use(engine, \"{dir}\") on a PipelineEngine of {pp} stages \
              (gradient_accumulation_steps = {m}), layers split as the layout"
         )],
+    }
+}
+
+/// Which levers the tuner may pull (`--no-offload`, `--no-recompute` turn one off).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Levers {
+    pub offload: bool,
+    pub recompute: bool,
+}
+
+impl Levers {
+    pub const ALL: Levers = Levers {
+        offload: true,
+        recompute: true,
+    };
+    pub const NONE: Levers = Levers {
+        offload: false,
+        recompute: false,
+    };
+
+    pub fn any(self) -> bool {
+        self.offload || self.recompute
     }
 }

@@ -13,7 +13,7 @@
 //! has only full backwards, `b` and `w` cannot be told apart: their sum is fitted and split
 //! evenly, and the result says so.
 
-use crate::front::layout::{LayerKind, Layout};
+use pipec_schedules::layout::{LayerKind, Layout};
 use serde::Serialize;
 
 /// The passes a fit distinguishes.
@@ -236,7 +236,7 @@ fn nnls(rows: &[([f64; 4], f64)], cols: &[usize]) -> [f64; 4] {
 
 /// Fit per-kind costs to `samples` of a program laid out as `layout`, in the samples' unit.
 /// The one calibrator: `pipec calibrate` fits traces with it, and the CUDA backend its own
-/// measured timeline (`pipec_runtime::backend::cuda::calibrate`).
+/// measured timeline (`pipec_cuda::calibrate`).
 pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
     let mut rows: [Vec<([f64; 4], f64)>; 4] = Default::default();
     for s in samples {
@@ -323,7 +323,7 @@ pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
 }
 
 impl Fit {
-    /// The fit as a cost spec (`t.f=1,t.b=2,...`), as [`crate::simulate::cost::CostModel::parse`]
+    /// The fit as a cost spec (`t.f=1,t.b=2,...`), as [`crate::cost::CostModel::parse`]
     /// reads it, in the samples' unit.
     pub fn spec(&self) -> String {
         let mut parts = Vec::new();
@@ -343,7 +343,7 @@ pub fn cost_file(fit: &Fit, source: &str) -> String {
     let mut s = format!(
         "# costs fitted by `pipec calibrate` from {source}: {} passes, rms error {} ms\n# unit: milliseconds\n",
         fit.samples,
-        crate::simulate::cost::num(fit.rms_ms)
+        crate::cost::num(fit.rms_ms)
     );
     if fit.split_evenly {
         s.push_str(
@@ -362,7 +362,7 @@ pub fn cost_file(fit: &Fit, source: &str) -> String {
 
 /// Six significant decimals, no exponent (the cost parser's range).
 fn fmt6(v: f64) -> String {
-    let v = if v.abs() < crate::simulate::cost::MIN_VALUE {
+    let v = if v.abs() < crate::cost::MIN_VALUE {
         0.0
     } else {
         v
@@ -382,7 +382,7 @@ mod tests {
 
     #[test]
     fn fits_known_costs_from_both_formats() {
-        let layout = crate::front::layout::parse("Ett|ttt|tL").unwrap();
+        let layout = pipec_schedules::layout::parse("Ett|ttt|tL").unwrap();
         // E.f=0.5 t.f=1 L.f=2 (ms); b = 2x f; w = f.
         let truth = |stage: u32, pass: &str| -> f64 {
             let c = counts(&layout, stage).unwrap();
@@ -417,7 +417,7 @@ mod tests {
             let l = fit.kinds.iter().find(|k| k.kind == 'L').unwrap();
             assert!((l.w.unwrap() - 2.0).abs() < 1e-6);
             let file = cost_file(&fit, "x");
-            let mut m = crate::simulate::cost::CostModel::default();
+            let mut m = crate::cost::CostModel::default();
             m.apply(&file, Some("fitted.toml")).unwrap();
             assert!((m.layer(LayerKind::Decoder).b - 2.0).abs() < 1e-5);
         }

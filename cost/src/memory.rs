@@ -1,12 +1,12 @@
-//! Peak memory per rank: the rule and its figures are the IR crate's ([`pipec_ir::memory`],
-//! re-exported here); this module turns a cost model and a layout into the per-stage weights
-//! and per-rank parameters the rule counts with, and reads `--memory-limit`.
+//! What a cost model says about memory: the rule and its figures are the IR crate's
+//! ([`pipec_ir::memory`]); this module turns a cost model and a layout into the per-stage
+//! weights and per-rank parameters that rule counts with, and reads a memory limit.
 
-pub use pipec_ir::memory::*;
-
-use crate::front::layout::Layout;
-use crate::ir::Program;
-use crate::simulate::cost::{parse_memory, CostModel};
+use crate::cost::{parse_memory, CostModel};
+use pipec_ir::ir::Program;
+use pipec_ir::memory::{MemoryModel, Unit};
+use pipec_schedules::layout::Layout;
+use pipec_schedules::{Placement, Rank, Task};
 use thiserror::Error;
 
 /// The unit of a cost model's memory: bytes when some `K.act` / `K.param` has a byte unit.
@@ -20,7 +20,7 @@ pub fn unit_of(model: &CostModel) -> Unit {
 
 /// `program`'s weights under `model` with the stages of `layout`; a layout whose stage count
 /// is not the program's (an imported schedule) counts one `t` per stage, as the simulator
-/// costs it ([`crate::simulate::cost::StageCosts::new`]).
+/// costs it ([`crate::cost::StageCosts::new`]).
 pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryModel {
     let n = program.num_stages() as usize;
     let uniform;
@@ -30,14 +30,49 @@ pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryM
         uniform = Layout::uniform(n as u32);
         &uniform
     };
-    let (act, sparam) = crate::tune::problem::stage_memory(model, layout);
-    let mut param = crate::tune::problem::rank_params(&program.placement, &sparam);
+    let (act, sparam) = stage_memory(model, layout);
+    let mut param = rank_params(&program.placement, &sparam);
     param.resize(program.world() as usize, 0.0);
     MemoryModel {
         act,
         param,
         unit: unit_of(model),
     }
+}
+
+/// Per-stage activation memory and per-stage parameter memory of a layout under a model.
+pub fn stage_memory(model: &CostModel, layout: &Layout) -> (Vec<f64>, Vec<f64>) {
+    let mut act = Vec::with_capacity(layout.stages.len());
+    let mut param = Vec::with_capacity(layout.stages.len());
+    for st in &layout.stages {
+        act.push(st.iter().map(|&k| model.layer_memory(k).act).sum());
+        param.push(st.iter().map(|&k| model.layer_memory(k).param).sum());
+    }
+    (act, param)
+}
+
+/// The ranks that hold a stage's parameters: its rank, and for a bidirectional placement
+/// (DualPipe) also the mirrored one.
+pub fn holders(placement: &Placement, stage: u32) -> Vec<Rank> {
+    let mut v = vec![placement.rank_of(Task::new(stage, 0))];
+    if let Some(h) = placement.mirror_from() {
+        let r = placement.rank_of(Task::new(stage, h));
+        if !v.contains(&r) {
+            v.push(r);
+        }
+    }
+    v
+}
+
+/// Parameter memory per rank of a placement.
+pub fn rank_params(placement: &Placement, stage_param: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; placement.pp as usize];
+    for (s, p) in stage_param.iter().enumerate() {
+        for r in holders(placement, s as u32) {
+            out[r.index()] += p;
+        }
+    }
+    out
 }
 
 /// A `--memory-limit` as given: a plain number, or bytes with a unit.

@@ -311,8 +311,8 @@ impl ModelShape {
 mod tests {
     //! The figures against independent transcriptions of the published formulas, written
     //! here from the papers, not from the code above.
-    use crate::front::layout::LayerKind;
-    use crate::simulate::cost::{CostErrorKind, CostModel};
+    use crate::cost::{CostErrorKind, CostModel};
+    use pipec_schedules::layout::LayerKind;
 
     const GPT3: &str = "hidden = 12288\nffn = 49152\nheads = 96\nseq = 2048\nvocab = 50257\n";
     const LLAMA3: &str = "hidden = 8192\nffn = 28672\nheads = 64\nkv_heads = 8\nseq = 8192\nvocab = 128256\nswiglu = true\nnormalization = \"RMSNorm\"\n";

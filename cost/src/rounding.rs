@@ -42,7 +42,7 @@ pub fn tidy(mut v: Value) -> Value {
 }
 
 /// A memory figure as JSON: a whole number as an integer (what the unweighted count always
-/// printed), others as floats ([`crate::memory::figure`]).
+/// printed), others as floats ([`pipec_ir::memory::figure`]).
 pub fn figure(x: f64) -> Value {
     if x.fract() == 0.0 && x.abs() < 9.0e15 {
         Value::from(x as i64)

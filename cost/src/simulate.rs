@@ -26,19 +26,15 @@
 //! finished, the schedule deadlocks, and [`Deadlock`] says which ranks wait at which batch for
 //! what.
 
-pub mod cost;
-pub mod model;
-
 /// The rate of a copy on a host link its rank pair shares while the partner copies too, as a
 /// share of a lone copy's: PipeOffload measured a lone transfer at 0.7 of the time of two at
 /// once (Wan et al., ICML 2025), so each of two runs at 0.7 of its lone rate.
 pub const PAIRED_RATE: f64 = 0.7;
-pub mod timeline;
 
-use crate::ir::activations::{Activations, Peak};
-use crate::ir::{batch_end, Instr, InstrRef, Matching, MemKind, MemOp, OptIdx, Program};
-use crate::simulate::cost::StageCosts;
-use crate::simulate::timeline::{Span, TimeUnit, Timeline};
+use crate::cost::StageCosts;
+use crate::timeline::{Span, TimeUnit, Timeline};
+use pipec_ir::ir::activations::{Activations, Peak};
+use pipec_ir::ir::{batch_end, Instr, InstrRef, Matching, MemKind, MemOp, OptIdx, Program};
 use pipec_schedules::{Pass, Rank, Task};
 use serde::Serialize;
 use std::fmt;
@@ -56,15 +52,15 @@ pub struct RankSummary {
     pub busy: f64,
     /// Idle share of the makespan: `1 - busy / makespan` (0 for an empty schedule).
     pub bubble_ratio: f64,
-    /// Most activations alive at once, weighted per stage ([`crate::memory`], the verifier's
+    /// Most activations alive at once, weighted per stage ([`pipec_ir::memory`], the verifier's
     /// rule), over the instructions that have a span, in the summary's `memory_unit`.
-    #[serde(serialize_with = "crate::memory::figure")]
+    #[serde(serialize_with = "pipec_ir::memory::figure")]
     pub peak_activations: f64,
     /// Parameters of the stages the rank holds.
-    #[serde(serialize_with = "crate::memory::figure")]
+    #[serde(serialize_with = "pipec_ir::memory::figure")]
     pub params: f64,
     /// `params + peak_activations`: the rank's peak memory.
-    #[serde(serialize_with = "crate::memory::figure")]
+    #[serde(serialize_with = "pipec_ir::memory::figure")]
     pub peak_memory: f64,
     /// When the peak is first reached (the start of the instruction that reaches it).
     pub peak_at: f64,
@@ -76,7 +72,7 @@ pub struct Summary {
     pub makespan: f64,
     pub ranks: Vec<RankSummary>,
     /// What the memory figures count.
-    pub memory_unit: crate::memory::Unit,
+    pub memory_unit: pipec_ir::memory::Unit,
 }
 
 impl Summary {
@@ -111,12 +107,12 @@ impl Summary {
 
 /// Figures of any timeline of `program`, simulated or measured: the makespan is the span from
 /// the earliest start to the latest end. Missing spans count as not run. Memory is counted
-/// one layer-activation per stage ([`crate::memory::MemoryModel::units`]).
+/// one layer-activation per stage ([`pipec_ir::memory::MemoryModel::units`]).
 pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
     summarize_with(
         program,
         timeline,
-        &crate::memory::MemoryModel::units(program),
+        &pipec_ir::memory::MemoryModel::units(program),
     )
 }
 
@@ -124,7 +120,7 @@ pub fn summarize(program: &Program, timeline: &Timeline) -> Summary {
 pub fn summarize_with(
     program: &Program,
     timeline: &Timeline,
-    mem: &crate::memory::MemoryModel,
+    mem: &pipec_ir::memory::MemoryModel,
 ) -> Summary {
     let t0 = timeline
         .ranks
@@ -272,7 +268,7 @@ impl fmt::Display for Deadlock {
 
 /// Simulate a verified `program` under `costs`, with the verifier's matching.
 pub fn simulate<P: std::borrow::Borrow<Program>>(
-    program: &crate::verify::Verified<P>,
+    program: &pipec_ir::verify::Verified<P>,
     costs: &StageCosts,
 ) -> Result<Simulation, SimError> {
     simulate_program(program.program(), costs, Some(program.matching()))
@@ -281,7 +277,7 @@ pub fn simulate<P: std::borrow::Borrow<Program>>(
 /// [`simulate`] a program nobody verified (a view of loaded or imported files, a tuner's
 /// candidate before its verdict): a deadlock or a bad id is an error, not a panic.
 pub fn simulate_unverified<P: std::borrow::Borrow<Program>>(
-    program: &crate::verify::Unverified<P>,
+    program: &pipec_ir::verify::Unverified<P>,
     costs: &StageCosts,
 ) -> Result<Simulation, SimError> {
     simulate_program(program.program(), costs, None)
@@ -314,9 +310,9 @@ fn simulate_program(
         return Err(SimError::Deadlock(d));
     }
     let timeline = sim.timeline();
-    let mut param = crate::tune::problem::rank_params(&program.placement, &costs.param);
+    let mut param = crate::memory::rank_params(&program.placement, &costs.param);
     param.resize(program.world() as usize, 0.0);
-    let mem = crate::memory::MemoryModel {
+    let mem = pipec_ir::memory::MemoryModel {
         act: costs.act.clone(),
         param,
         unit: crate::memory::unit_of(&costs.model),
@@ -357,7 +353,7 @@ impl Figures {
 /// [`simulate_unverified`]'s makespan and busy times only ([`Figures`]): what the tuner weighs
 /// its candidates by, before any is verified.
 pub fn figures<P: std::borrow::Borrow<Program>>(
-    program: &crate::verify::Unverified<P>,
+    program: &pipec_ir::verify::Unverified<P>,
     costs: &StageCosts,
 ) -> Result<Figures, SimError> {
     let program = program.program();
@@ -938,9 +934,9 @@ impl<'a> Sim<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Payload;
-    use crate::simulate::cost::CostModel;
-    use crate::verify::Unverified;
+    use crate::cost::CostModel;
+    use pipec_ir::ir::Payload;
+    use pipec_ir::verify::Unverified;
     use pipec_schedules::{Compute, Placement, Task};
 
     fn fwd(s: u32, m: u32) -> Instr {
@@ -1170,33 +1166,6 @@ mod tests {
         assert_eq!(s.summary.makespan, 2.0);
     }
 
-    /// `rank.R` stretches rank R's compute only. 1F1B, pp=2, M=2, `f = b = w = 1`, rank 1 twice
-    /// as slow, by hand: rank 1 runs F0 1-3, B0 3-7, F1 7-9, B1 9-13; rank 0 F0 0-1, F1 1-2,
-    /// B0 7-9, B1 13-15.
-    #[test]
-    fn rank_factor_stretches_that_ranks_compute() {
-        use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
-        let sched = generate(
-            &ScheduleSpec::new(ScheduleKind::OneFOneB, 2, 1, 2),
-            &Limits::DEFAULT,
-        )
-        .unwrap();
-        let p = crate::lower::lower(&sched);
-        let run = |spec: &str| {
-            simulate_unverified(&Unverified::unchecked(&p), &costs(spec, 2))
-                .unwrap()
-                .summary
-        };
-        assert_eq!(run("").makespan, 9.0);
-        let slow = run("rank.1=2");
-        assert_eq!(slow.makespan, 15.0);
-        // Busy time: rank 0 its six units, rank 1 twice its six.
-        assert_eq!(slow.ranks[0].busy, 6.0);
-        assert_eq!(slow.ranks[1].busy, 12.0);
-        // Every rank alike: the whole timeline scales.
-        assert_eq!(run("rank.0=1.5,rank.1=1.5").makespan, 13.5);
-    }
-
     #[test]
     fn self_messages_in_one_batch_complete() {
         let p = program(vec![vec![
@@ -1205,55 +1174,5 @@ mod tests {
         ]]);
         let s = simulate_unverified(&Unverified::unchecked(&p), &costs("p2p=2", 1)).unwrap();
         assert_eq!(s.summary.makespan, 2.0);
-    }
-
-    /// [`figures`] is [`simulate`]'s summary (makespan, each rank's busy time, the mean
-    /// bubble) bit for bit, on every built-in kind, rendezvous and eager, with Megatron's
-    /// overlapped (in-flight) batches, and with costs that are not whole numbers.
-    #[test]
-    fn figures_are_the_summarys() {
-        use pipec_schedules::{generate, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
-        let mut specs: Vec<ScheduleSpec> = ScheduleKind::ALL
-            .iter()
-            .map(|&k| {
-                let vpp = if k.chunk_rule() == pipec_schedules::ChunkRule::One {
-                    1
-                } else {
-                    2
-                };
-                ScheduleSpec::new(k, 4, vpp, 8)
-            })
-            .collect();
-        specs.push(ScheduleSpec {
-            megatron_p2p: MegatronP2p::Overlap,
-            ..ScheduleSpec::new(ScheduleKind::Interleaved1F1B, 4, 2, 8)
-        });
-        let models = [
-            "f=1,b=1,w=1",
-            "f=1.3,b=2.1,w=0.7,p2p=0.37",
-            "f=1,b=2,p2p=0.5,rendezvous=false",
-        ];
-        let mut checked = 0;
-        for spec in &specs {
-            let program = crate::lower::lower(&generate(spec, &Limits::DEFAULT).unwrap());
-            for m in models {
-                let c = costs(m, program.num_stages());
-                let full = simulate_unverified(&Unverified::unchecked(&program), &c)
-                    .unwrap()
-                    .summary;
-                let f = figures(&Unverified::unchecked(&program), &c).unwrap();
-                assert_eq!(
-                    f.makespan.to_bits(),
-                    full.makespan.to_bits(),
-                    "{spec:?} {m}"
-                );
-                let busy: Vec<u64> = full.ranks.iter().map(|r| r.busy.to_bits()).collect();
-                let got: Vec<u64> = f.busy.iter().map(|b| b.to_bits()).collect();
-                assert_eq!(got, busy, "{spec:?} {m}");
-                assert_eq!(f.mean_bubble().to_bits(), full.mean_bubble().to_bits());
-                checked += 1;
-            }
-        }
-        assert!(checked >= 3 * ScheduleKind::ALL.len());
     }
 }

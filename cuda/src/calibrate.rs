@@ -1,7 +1,7 @@
 //! A cost model calibrated from a measured timeline, and the simulated figures under it next
 //! to the measured ones: how far the real run is from what the schedule alone predicts.
 //!
-//! The per-layer-kind costs come from pipec's one calibrator, [`pipec::tune::calibrate::fit`]
+//! The per-layer-kind costs come from pipec's one calibrator, [`pipec_cost::calibrate::fit`]
 //! (a non-negative least-squares fit of each pass's duration to the layer counts of its
 //! stage), fed with this run's compute spans; `f`, `b`, `w` report the decoder layer's. When a
 //! program has no split backward, `b` and `w` are each half of the fitted full backward (the
@@ -15,13 +15,13 @@
 //!
 //! Pure (no GPU): tested on simulated timelines, where it must recover the costs it was given.
 
-use pipec::front::layout::{LayerKind, Layout};
-use pipec::ir::{Instr, MemKind, Program};
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::timeline::Timeline;
-use pipec::simulate::{simulate_unverified, summarize};
-use pipec::tune::calibrate::{fit, Measured, Sample};
-use pipec::verify::Unverified;
+use pipec_cost::calibrate::{fit, Measured, Sample};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{simulate_unverified, summarize};
+use pipec_cost::timeline::Timeline;
+use pipec_ir::ir::{Instr, MemKind, Program};
+use pipec_ir::verify::Unverified;
+use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::Compute;
 use serde::Serialize;
 
@@ -61,7 +61,7 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
         if spans.len() != instrs.len() {
             continue;
         }
-        let waited = pipec::ir::waited_batches(instrs);
+        let waited = pipec_ir::ir::waited_batches(instrs);
         let mut i = 0;
         while i < instrs.len() {
             let d = spans[i].end - spans[i].start;
@@ -107,7 +107,7 @@ pub fn calibrate(program: &Program, layout: &Layout, timeline: &Timeline) -> Opt
                 Instr::Send { .. } | Instr::Recv { .. } => {
                     // One comm batch: its ops share one span. A batch left in flight spans
                     // its post to its wait, compute in between: not a transfer time.
-                    let end = pipec::ir::batch_end(instrs, i);
+                    let end = pipec_ir::ir::batch_end(instrs, i);
                     if !instrs[i].batch().is_some_and(|b| waited.contains(&b)) {
                         comm.push(d.max(0.0));
                     }
@@ -179,144 +179,6 @@ pub fn tflops(flops: f64, us: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pipec::compile::{compile, CompileRequest};
-    use pipec_schedules::ScheduleKind;
-
-    /// The fit is a least-squares solve (with a 1e-9 ridge): exact to about 1e-6.
-    fn close(a: f64, b: f64) -> bool {
-        (a - b).abs() <= 1e-6 * b.abs().max(1.0)
-    }
-
-    fn program(kind: ScheduleKind, pp: u32, m: u32) -> (Program, Layout) {
-        let c = compile(&CompileRequest {
-            vpp: Some(1),
-            ..CompileRequest::new(kind, pp, m)
-        })
-        .unwrap();
-        (c.program, c.layout)
-    }
-
-    /// On a timeline simulated under known costs, the calibration recovers them and so
-    /// re-simulates the same makespan.
-    #[test]
-    fn recovers_the_costs_of_a_simulated_timeline() {
-        for (kind, pp, split) in [
-            (ScheduleKind::OneFOneB, 4, false),
-            (ScheduleKind::ZbH1, 3, true),
-        ] {
-            let (p, layout) = program(kind, pp, 6);
-            let spec = if split {
-                "f=2,b=3,w=1.5"
-            } else {
-                "f=2,b=3,w=3"
-            };
-            let costs = StageCosts::new(&CostModel::parse(spec).unwrap(), &layout, p.num_stages());
-            let sim = simulate_unverified(&Unverified::unchecked(&p), &costs).unwrap();
-            let c = calibrate(&p, &layout, &sim.timeline).unwrap();
-            assert_eq!(c.split, split, "{kind:?}");
-            assert!(c.pure, "{kind:?}");
-            let (b, w) = if split { (3.0, 1.5) } else { (3.0, 3.0) };
-            for (got, want) in [(c.f, 2.0), (c.b, b), (c.w, w)] {
-                assert!(close(got, want), "{kind:?}: {c:?}");
-            }
-            assert_eq!(c.p2p, 0.0, "{kind:?}");
-            assert_eq!(c.measured_makespan, sim.summary.makespan, "{kind:?}");
-            assert!(
-                close(c.simulated_makespan, sim.summary.makespan),
-                "{kind:?}"
-            );
-            assert!(close(c.simulated_bubble, c.measured_bubble), "{kind:?}");
-        }
-    }
-
-    /// Checkpointed forwards and recomputes are forward samples, and the copies give the
-    /// `offload` cost the timeline was simulated with.
-    #[test]
-    fn memory_instructions_calibrate_forwards_and_copies() {
-        let p = crate::interp::tests::with_memory_ops();
-        let (_, layout) = program(ScheduleKind::OneFOneB, 4, 6);
-        assert_eq!(layout.stages[1].len(), 1, "stage 1 is one decoder layer");
-        let model = CostModel::parse("f=2,b=3,w=3,offload=0.5").unwrap();
-        let sim = simulate_unverified(
-            &Unverified::unchecked(&p),
-            &StageCosts::new(&model, &layout, p.num_stages()),
-        )
-        .unwrap();
-        let c = calibrate(&p, &layout, &sim.timeline).unwrap();
-        assert!(close(c.f, 2.0) && close(c.b, 3.0), "{c:?}");
-        assert!(c.spec.ends_with(",offload=0.5"), "{c:?}");
-        assert!(close(c.simulated_makespan, sim.summary.makespan), "{c:?}");
-        // Without copies the spec has no `offload`.
-        let (q, layout) = program(ScheduleKind::OneFOneB, 4, 6);
-        let sim = simulate_unverified(
-            &Unverified::unchecked(&q),
-            &StageCosts::new(&model, &layout, q.num_stages()),
-        )
-        .unwrap();
-        let c = calibrate(&q, &layout, &sim.timeline).unwrap();
-        assert!(!c.spec.contains("offload"), "{c:?}");
-    }
-
-    /// Batches left in flight (Megatron's overlap mode) span their post to their wait, compute
-    /// in between: they are no measure of a transfer and stay out of `p2p`, which the blocking
-    /// batches still give exactly.
-    #[test]
-    fn batches_left_in_flight_are_not_taken_for_transfers() {
-        let c = compile(&CompileRequest {
-            vpp: Some(2),
-            megatron_p2p: pipec_schedules::MegatronP2p::Overlap,
-            ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 4, 8)
-        })
-        .unwrap();
-        let (p, layout) = (c.program, c.layout);
-        assert!(p.ranks[0].iter().any(|i| matches!(i, Instr::Wait { .. })));
-        let model = CostModel::parse("f=2,b=3,w=3,p2p=0.5").unwrap();
-        let sim = simulate_unverified(
-            &Unverified::unchecked(&p),
-            &StageCosts::new(&model, &layout, p.num_stages()),
-        )
-        .unwrap();
-        // Whatever a batch left in flight measures, from its post to its wait (as the CUDA
-        // backend does) or nothing at all, the latency comes from the blocking batches.
-        for stretch in [true, false] {
-            let mut timeline = sim.timeline.clone();
-            for (instrs, spans) in p.ranks.iter().zip(&mut timeline.ranks) {
-                for (w, ins) in instrs.iter().enumerate() {
-                    let Instr::Wait { batch } = ins else { continue };
-                    for (i, op) in instrs.iter().enumerate().take(w) {
-                        if op.batch() == Some(*batch) {
-                            spans[i].end = if stretch {
-                                spans[w].end
-                            } else {
-                                spans[i].start
-                            };
-                        }
-                    }
-                }
-            }
-            let cal = calibrate(&p, &layout, &timeline).unwrap();
-            assert!(
-                close(cal.f, 2.0) && close(cal.b, 3.0) && cal.p2p == 0.5,
-                "stretch {stretch}: {cal:?}"
-            );
-            assert!(cal.pure);
-        }
-    }
-
-    /// One stage holding the embedding, the layers and the head: the per-layer figures are
-    /// the whole stage's, and the calibration says so.
-    #[test]
-    fn a_single_stage_is_not_a_pure_decoder_measurement() {
-        let (p, layout) = program(ScheduleKind::OneFOneB, 1, 2);
-        let model = CostModel::parse("f=2,b=3,w=3").unwrap();
-        let sim = simulate_unverified(
-            &Unverified::unchecked(&p),
-            &StageCosts::new(&model, &layout, p.num_stages()),
-        )
-        .unwrap();
-        let cal = calibrate(&p, &layout, &sim.timeline).unwrap();
-        assert!(!cal.pure);
-    }
 
     /// The Megatron-LM paper's count (Narayanan et al., 2021): a `b x s x h` by `h x 4h`
     /// GEMM is `2·b·s·h·4h` FLOPs; two of them per pass with `ffn = 4h`.

@@ -11,12 +11,12 @@
 //!   device-to-device or peer copy), so the rendezvous semantics are kept.
 
 use super::model::{err, Elem, GTensor};
-use crate::backend::{BackendError, CommOp, Dir};
-use crate::transport::Transport;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use cudarc::nccl::Comm;
-use pipec::front::layout::{LayerKind, Layout};
-use pipec::ir::{Payload, PayloadKind};
+use pipec_ir::ir::{Payload, PayloadKind};
+use pipec_runtime::backend::{BackendError, CommOp, Dir};
+use pipec_runtime::transport::Transport;
+use pipec_schedules::layout::{LayerKind, Layout};
 use std::sync::Arc;
 
 pub enum Net<T> {

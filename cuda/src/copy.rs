@@ -7,8 +7,8 @@
 //! again and again (PipeOffload keeps its pinned buffers across iterations too).
 
 use super::model::{err, Elem, GStash};
-use crate::backend::BackendError;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+use pipec_runtime::backend::BackendError;
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -16,13 +16,13 @@ use super::copy::{HStash, Pinned};
 use super::model::{
     err, ByMicrobatch, Dev, Elem, GGrads, GPartial, GStage, GStash, GSums, GTensor, Kernels,
 };
-use crate::backend::{Backend, BackendError, CommError, CommOp};
-use crate::model::{self, ModelConfig, Stage};
-use crate::watchdog::{Failure, FailureKind, Watch};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
-use pipec::front::layout::{LayerKind, Layout};
-use pipec::ir::InstrRef;
+use pipec_ir::ir::InstrRef;
+use pipec_runtime::backend::{Backend, BackendError, CommError, CommOp};
+use pipec_runtime::model::{self, ModelConfig, Stage};
+use pipec_runtime::watchdog::{Failure, FailureKind, Watch};
+use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{Rank, Task};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -424,7 +424,7 @@ impl<T: Elem> CudaBackend<T> {
     }
 
     /// Per-instruction spans in microseconds since the step's origin (after [`Self::sync`]).
-    pub fn spans(&self) -> Result<Vec<pipec::simulate::timeline::Span>, BackendError> {
+    pub fn spans(&self) -> Result<Vec<pipec_cost::timeline::Span>, BackendError> {
         let origin = self
             .origin
             .as_ref()
@@ -440,7 +440,7 @@ impl<T: Elem> CudaBackend<T> {
                 e = e.max(us(e2)?);
             }
             for _ in 0..m.n {
-                out.push(pipec::simulate::timeline::Span {
+                out.push(pipec_cost::timeline::Span {
                     start: s,
                     end: e.max(s),
                 });

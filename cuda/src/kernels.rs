@@ -4,7 +4,7 @@
 //! by hand keeps the source free of `#include`s, so NVRTC needs no header path. Arithmetic is in
 //! `float` for both types.
 //!
-//! The math is [`crate::model`]'s: tanh-form GELU (Hendrycks & Gimpel, 2016), residual MLP
+//! The math is [`pipec_runtime::model`]'s: tanh-form GELU (Hendrycks & Gimpel, 2016), residual MLP
 //! block, embedding gather and scatter-add, softmax cross-entropy. Reductions whose order is
 //! visible in the result (bias gradients, the embedding scatter-add, the mean loss) run one
 //! thread per output element over rows in order, so they are deterministic and add in the same

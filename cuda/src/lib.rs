@@ -1,4 +1,4 @@
-//! The CUDA + NCCL backend (cargo feature `cuda`).
+//! pipec-cuda: pipec-run's CUDA + NCCL backend (its device code behind the cargo feature `cuda`).
 //!
 //! Pure parts, compiled and tested everywhere: [`probe`] (finding the CUDA and NCCL libraries
 //! before cudarc would panic on their absence), [`launch`] (torchrun/Slurm variables and the TCP

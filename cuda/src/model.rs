@@ -1,19 +1,19 @@
-//! The model of [`crate::model`] on one GPU: parameters and activations in device memory,
+//! The model of [`pipec_runtime::model`] on one GPU: parameters and activations in device memory,
 //! GEMMs through cuBLAS (row-major operands mapped onto column-major `gemm` by
 //! [`super::gemm`]), everything else through the NVRTC kernels of [`super::kernels`].
 //! The backward is split exactly as on the CPU: [`Dev::stage_bwd_d`] computes input gradients
 //! and keeps `dy`/`dh`/`dlogits`; [`Dev::stage_bwd_w`] computes weight gradients only.
 
 use super::{gemm, kernels, nvrtc};
-use crate::backend::BackendError;
-use crate::model::{self, ModelConfig, Stage};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
 use cudarc::nccl::NcclType;
-use pipec::front::layout::LayerKind;
+use pipec_runtime::backend::BackendError;
+use pipec_runtime::model::{self, ModelConfig, Stage};
+use pipec_schedules::layout::LayerKind;
 use std::sync::Arc;
 
 /// Turn any CUDA-side error into a backend error naming what was being done.

@@ -196,7 +196,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     mod with_nvrtc {
         use super::super::*;
-        use crate::backend::cuda::kernels;
+        use crate::kernels;
 
         fn available() -> bool {
             // SAFETY: only tries to dlopen the candidate names.
@@ -259,7 +259,7 @@ mod tests {
             if !available() {
                 return;
             }
-            let (lines, _) = crate::backend::cuda::library_report();
+            let (lines, _) = crate::library_report();
             let (major, minor) = info().unwrap().0;
             let nvrtc = lines.iter().find(|l| l.contains("NVRTC")).unwrap();
             assert!(

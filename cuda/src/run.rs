@@ -1,5 +1,5 @@
-//! [`run_cuda`]: the CUDA run, through the step [`crate::driver`] it shares with
-//! [`crate::run::run_cpu`]; this file says where the ranks run, how they reach each other,
+//! [`run_cuda`]: the CUDA run, through the step [`pipec_runtime::driver`] it shares with
+//! [`pipec_runtime::run::run_cpu`]; this file says where the ranks run, how they reach each other,
 //! how a step ends on a GPU and how the check compares.
 //!
 //! - Single process (no `RANK`/`WORLD_SIZE`): one thread per rank, rank `r` on GPU
@@ -15,10 +15,10 @@
 //!   does not reach other processes: they stop at the timeout of their own
 //!   [`CudaBackend::sync`].
 //!
-//! Each step: `begin_step`, [`crate::interp::run_rank`] (which only enqueues GPU work and
+//! Each step: `begin_step`, [`pipec_runtime::interp::run_rank`] (which only enqueues GPU work and
 //! rendezvous), `sync` under the timeout (a hang is reported like the watchdog's), the
 //! measured CUDA-event spans replace the host ones, then SGD. `check`: the single-thread f32
-//! [`crate::reference`] with the same seed, compared normwise (the GPU sums in another order,
+//! [`pipec_runtime::reference`] with the same seed, compared normwise (the GPU sums in another order,
 //! and bf16 rounds): for each tensor `‖gpu − ref‖₂ / ‖ref‖₂ ≤ tol`, `tol` = 1e-4 in fp32 and
 //! 5e-2 in bf16.
 
@@ -26,21 +26,21 @@ use super::device::CudaBackend;
 use super::launch::{self, LaunchEnv};
 use super::model::{err, ByMicrobatch, Elem, GSums, GTensor};
 use super::{comm::Net, probe_libraries};
-use crate::backend::BackendError;
-use crate::driver::{
+use cudarc::driver::CudaContext;
+use pipec_ir::files::MANIFEST_FILE;
+use pipec_ir::ir::{Instr, Program};
+use pipec_runtime::backend::BackendError;
+use pipec_runtime::driver::{
     build_model, check_layout, drive, replicated_stages, stages_of, Device, LocalGrads, Setup,
     StepBackend, StepCheck, StepError,
 };
-use crate::error::RunError;
-use crate::interp::RankRun;
-use crate::model::ModelConfig;
-use crate::run::{for_each_gradient, CheckSummary, RunOptions, RunReport};
-use crate::transport::Transport;
-use crate::watchdog::Watch;
-use cudarc::driver::CudaContext;
-use pipec::back::files::MANIFEST_FILE;
-use pipec::front::layout::Layout;
-use pipec::ir::{Instr, Program};
+use pipec_runtime::error::RunError;
+use pipec_runtime::interp::RankRun;
+use pipec_runtime::model::ModelConfig;
+use pipec_runtime::run::{for_each_gradient, CheckSummary, RunOptions, RunReport};
+use pipec_runtime::transport::Transport;
+use pipec_runtime::watchdog::Watch;
+use pipec_schedules::layout::Layout;
 use pipec_schedules::Rank;
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,7 +89,7 @@ pub struct CudaRunOptions {
 /// What a run measured, plus where it ran.
 #[derive(Clone, Debug)]
 pub struct CudaRunReport {
-    /// As [`crate::run::run_cpu`]'s; in multi-process mode `steps[i].ranks` holds this
+    /// As [`pipec_runtime::run::run_cpu`]'s; in multi-process mode `steps[i].ranks` holds this
     /// process's rank only and the timeline's other ranks are empty.
     pub run: RunReport,
     /// The ranks run by this process, in the order of `steps[i].ranks`.
@@ -267,7 +267,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
 
 /// Run `program` on GPUs; see the module doc for the two modes.
 pub fn run_cuda(
-    program: &impl pipec::verify::Checked,
+    program: &impl pipec_ir::verify::Checked,
     layout: &Layout,
     opts: &CudaRunOptions,
 ) -> Result<CudaRunReport, RunError> {
@@ -324,7 +324,7 @@ pub fn run_cuda(
                      Megatron's overlap P2P mode), which the CUDA backend runs only in one \
                      process (its NCCL mode has one stream per rank, not one per pair of \
                      ranks); run it without a launcher or on the cpu backend",
-                    crate::interp::describe_instr(program, Rank(r as u32), i as u32)
+                    pipec_runtime::interp::describe_instr(program, Rank(r as u32), i as u32)
                 ),
             });
         }
@@ -416,7 +416,7 @@ fn run_typed<T: Elem>(
         model: opts.model,
         full: &full,
         watch,
-        memory: &crate::run::memory_model(program, layout, None),
+        memory: &pipec_runtime::run::memory_model(program, layout, None),
     };
     let run_opts = RunOptions {
         model: opts.model,
@@ -517,8 +517,8 @@ pub fn compare_normwise(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{self, Stage, StageGrads};
-    use crate::reference::{self, RefStep};
+    use pipec_runtime::model::{self, Stage, StageGrads};
+    use pipec_runtime::reference::{self, RefStep};
 
     fn check<'a>(
         r: &'a RefStep,
@@ -549,7 +549,7 @@ mod tests {
             seq: 2,
             seed: 1,
         };
-        let layout = pipec::front::layout::parse("Et|tL").unwrap();
+        let layout = pipec_schedules::layout::parse("Et|tL").unwrap();
         let stages = model::build::<f32>(&layout, &cfg).unwrap();
         let r = reference::step(&stages, &cfg, 0, 3, false).unwrap();
         let all = [true, true];

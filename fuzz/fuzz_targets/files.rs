@@ -1,16 +1,16 @@
 //! Instruction files travel through CI artifacts and object stores before a job loads them.
 //! The input is a manifest and rank files separated by `\n%%\n`. Two passes:
-//! 1. the files as they are, through `pipec::back::files::load_files` (every check, hashes included);
+//! 1. the files as they are, through `pipec_ir::files::load_files` (every check, hashes included);
 //! 2. the same files with each rank file's `sha256` in the manifest recomputed, so that mutated
 //!    instructions get past the content hash and reach the rank-file parser and the verifier
 //!    (the schedule hash still guards the real loader; here we call `parse_rank` directly).
 //! Nothing may panic; a program the verifier calls valid must simulate without deadlock.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::back::files::{load_files, parse_manifest, parse_rank, rank_file_name, Encoding};
-use pipec::verify::{verify, VerifyOptions};
-use pipec::Program;
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_ir::files::{load_files, parse_manifest, parse_rank, rank_file_name, Encoding};
+use pipec_ir::verify::{verify, VerifyOptions};
+use pipec_ir::Program;
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -69,12 +69,12 @@ fuzz_target!(|data: &[u8]| {
     let report = verify(&program, &VerifyOptions::default());
     let _ = report.verdict_line();
     // The verdict as a value agrees with the report, and a verified program simulates.
-    match pipec::verify::verified(&program, &VerifyOptions::default()) {
+    match pipec_ir::verify::verified(&program, &VerifyOptions::default()) {
         Ok(verified) => {
             assert!(report.is_valid());
             let costs =
                 StageCosts::new(&CostModel::default(), &manifest.layout, program.num_stages());
-            if let Err(e) = pipec::simulate::simulate(&verified, &costs) {
+            if let Err(e) = pipec_cost::simulate::simulate(&verified, &costs) {
                 panic!("verified program does not simulate: {e}");
             }
         }

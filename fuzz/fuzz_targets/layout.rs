@@ -3,7 +3,7 @@
 //! accepts must read back the same from its expanded form (Megatron's printed layout).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pipec::front::layout::{check_against, parse, MAX_TEXT_BYTES};
+use pipec_schedules::layout::{check_against, parse, MAX_TEXT_BYTES};
 
 fuzz_target!(|data: &[u8]| {
     // First byte: pp and vpp for the pipeline rules; the rest is the layout text.

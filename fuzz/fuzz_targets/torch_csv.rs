@@ -3,9 +3,9 @@
 //! calls valid must simulate to the end (the simulator's deadlock detector agrees).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::back::torch::{import_csv_bytes, ImportOptions, PlacementChoice};
-use pipec::verify::{verify, VerifyOptions};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_compiler::torch::{import_csv_bytes, ImportOptions, PlacementChoice};
+use pipec_ir::verify::{verify, VerifyOptions};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&knobs, csv)) = data.split_first() else {
@@ -25,9 +25,9 @@ fuzz_target!(|data: &[u8]| {
     let program = &imported.program;
     let report = verify(program, &VerifyOptions::default());
     let _ = report.verdict_line();
-    if let Ok(verified) = pipec::verify::verified(program, &VerifyOptions::default()) {
+    if let Ok(verified) = pipec_ir::verify::verified(program, &VerifyOptions::default()) {
         let costs = StageCosts::uniform(&CostModel::default(), program.num_stages());
-        if let Err(e) = pipec::simulate::simulate(&verified, &costs) {
+        if let Err(e) = pipec_cost::simulate::simulate(&verified, &costs) {
             panic!("verified program does not simulate: {e}");
         }
     }

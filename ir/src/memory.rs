@@ -4,7 +4,7 @@
 //! [`crate::ir::activations`]. `compile`, `check`, `show`, `simulate`, `compare`, `tune` and
 //! Python all report this figure, in one [`Unit`]. The weights come in as numbers
 //! ([`MemoryModel`]); turning a cost model and a layout into them is the compiler's
-//! (`pipec::memory::weights`).
+//! (`pipec_cost::memory::weights`).
 
 use crate::ir::activations::{Activations, Peak};
 use crate::ir::Program;

@@ -1,24 +1,25 @@
 //! `pipec._native`: the Rust core of the `pipec` Python package (built with maturin).
 //!
-//! Everything here is a thin wrapper over the crates the CLI uses: [`pipec::compile`] and
-//! [`pipec::verify`] for `compile`, [`pipec_runtime::load`] (every check `pipec-run` makes) for
-//! `load`, [`pipec::back::files`] for `save` and the instruction records, [`pipec::simulate`] and
-//! [`pipec::back::torch`] for simulation and torch's actions. Results with structure are handed to
+//! Everything here is a thin wrapper over the crates the CLI uses: [`pipec_compiler::compile`] and
+//! [`pipec_ir::verify`] for `compile`, [`pipec_runtime::load`] (every check `pipec-run` makes) for
+//! `load`, [`pipec_ir::files`] for `save` and the instruction records, [`pipec_cost::simulate`] and
+//! [`pipec_compiler::torch`] for simulation and torch's actions. Results with structure are handed to
 //! Python as JSON text (the same JSON the CLI prints); `pipec/__init__.py` decodes them and
 //! maps the error kinds to the documented exception classes.
 
 mod typed;
 
-use pipec::back::files::{self, Encoding, Header};
-use pipec::back::torch::{export_cells, export_csv, CsvForm};
-use pipec::compile::{compile, CompileError, CompileRequest};
-use pipec::front::layout::Layout;
-use pipec::ir::{steps, Instr, Program, Step};
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::simulate;
-use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
+use pipec_compiler::compile::{compile, CompileError, CompileRequest};
+use pipec_compiler::target::{Target, TargetChoice};
+use pipec_compiler::torch::{export_cells, export_csv, CsvForm};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::simulate;
+use pipec_ir::files::{self, Encoding, Header};
+use pipec_ir::ir::{steps, Instr, Program, Step};
 use pipec_runtime::{load::LaunchWorld, RunError};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
+use pipec_tune::{tune, TuneRequest};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -71,7 +72,7 @@ fn invalid(py: Python<'_>, msg: String, violations: Vec<String>) -> PyErr {
     e
 }
 
-fn report_error(py: Python<'_>, what: &str, r: &pipec::verify::Report) -> PyErr {
+fn report_error(py: Python<'_>, what: &str, r: &pipec_ir::verify::Report) -> PyErr {
     let violations: Vec<String> = r
         .violations
         .iter()
@@ -85,7 +86,7 @@ fn report_error(py: Python<'_>, what: &str, r: &pipec::verify::Report) -> PyErr 
     invalid(py, msg, violations)
 }
 
-/// Memory counted as every command counts it ([`pipec::memory`]): the weights under `cost`
+/// Memory counted as every command counts it ([`pipec_ir::memory`]): the weights under `cost`
 /// (the `--cost` text; default: layer-activations) and `memory_limit` (`"80GiB"` or a plain
 /// number in the report's unit) resolved in their unit, as `pipec check --cost --memory-limit`
 /// takes them.
@@ -94,17 +95,17 @@ fn memory_rule(
     layout: &Layout,
     memory_limit: Option<&str>,
     cost: Option<&str>,
-) -> PyResult<(pipec::memory::MemoryModel, Option<f64>)> {
+) -> PyResult<(pipec_ir::memory::MemoryModel, Option<f64>)> {
     let mut model = CostModel::default();
     if let Some(spec) = cost {
         model
             .apply(spec, None)
             .map_err(|e| SpecError::new_err(e.render()))?;
     }
-    let mem = pipec::memory::weights(program, layout, &model);
+    let mem = pipec_cost::memory::weights(program, layout, &model);
     let limit = memory_limit
         .map(|s| {
-            pipec::memory::Limit::parse(s)
+            pipec_cost::memory::Limit::parse(s)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
                 .resolve(mem.unit)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
@@ -128,7 +129,7 @@ fn recorded_cost(cost: Option<&str>) -> PyResult<Option<String>> {
 #[pyclass(module = "pipec._native", frozen)]
 struct NativeSchedule {
     /// Every way to make one verifies it: compile, tune and load.
-    verified: pipec::verify::Verified,
+    verified: pipec_ir::verify::Verified,
     layout: Layout,
     spec: Option<ScheduleSpec>,
     source: String,
@@ -160,7 +161,11 @@ impl NativeSchedule {
 
     /// `1f1b pp=4 vpp=1 microbatches=8`, as `pipec simulate` names a schedule.
     fn title(&self) -> String {
-        pipec::back::view::report::schedule_title(self.spec.as_ref(), &self.source, self.program())
+        pipec_compiler::view::report::schedule_title(
+            self.spec.as_ref(),
+            &self.source,
+            self.program(),
+        )
     }
 }
 
@@ -225,7 +230,7 @@ impl NativeSchedule {
     /// from the label), as JSON, without rendering the rank
     /// files the whole manifest would need (for their hashes).
     fn header_json(&self) -> String {
-        let rule = pipec::verify::StreamRule::of(self.program());
+        let rule = pipec_ir::verify::StreamRule::of(self.program());
         json!({
             "layout": self.layout,
             "comm_policy": self.program().comm,
@@ -273,7 +278,7 @@ impl NativeSchedule {
     fn rank_instructions_json(&self, rank: u32) -> PyResult<String> {
         let instrs = self.rank(rank)?;
         // The writer emits ASCII only.
-        Ok(String::from_utf8_lossy(&pipec::back::files::instructions_json(instrs)).into_owned())
+        Ok(String::from_utf8_lossy(&pipec_ir::files::instructions_json(instrs)).into_owned())
     }
 
     /// Rank `rank`'s instructions as `Instruction`s, reading that rank only.
@@ -321,14 +326,20 @@ impl NativeSchedule {
             memory_limit,
             cost.or(self.cost.as_deref()),
         )?;
-        let threads = pipec::par::threads_for(program.len() as u64);
+        let threads = pipec_ir::par::threads_for(program.len() as u64);
         let r = py.detach(|| {
-            pipec::verify::verify_with(program, pipec::verify::Level::Full, threads, &mem, limit)
+            pipec_ir::verify::verify_with(
+                program,
+                pipec_ir::verify::Level::Full,
+                threads,
+                &mem,
+                limit,
+            )
         });
         Ok(json!({
             "valid": r.is_valid(),
             "violations": r.violations.iter().map(|v| format!("[{}] {v}", v.class())).collect::<Vec<_>>(),
-            "peak_activations": r.memory.iter().map(|m| pipec::tidy::figure(m.peak)).collect::<Vec<_>>(),
+            "peak_activations": r.memory.iter().map(|m| pipec_cost::rounding::figure(m.peak)).collect::<Vec<_>>(),
             "memory_unit": r.memory_unit,
             "risks": r.risks.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
             "verdict": r.verdict_line(),
@@ -348,15 +359,16 @@ impl NativeSchedule {
         let costs = StageCosts::new(&model, &self.layout, self.program().num_stages());
         let name = self.title();
         let result = py.detach(|| simulate(&self.verified, &costs));
-        let v = match pipec::back::view::report::json_report(&name, self.program(), &model, &result)
-        {
-            Some(v) => v,
-            None => {
-                let e = result.err().map(|e| e.to_string()).unwrap_or_default();
-                return Err(InvalidSchedule::new_err(e));
-            }
-        };
-        Ok(pipec::tidy::tidy(v).to_string())
+        let v =
+            match pipec_compiler::view::report::json_report(&name, self.program(), &model, &result)
+            {
+                Some(v) => v,
+                None => {
+                    let e = result.err().map(|e| e.to_string()).unwrap_or_default();
+                    return Err(InvalidSchedule::new_err(e));
+                }
+            };
+        Ok(pipec_cost::rounding::tidy(v).to_string())
     }
 
     /// Every rank's instruction indices in an order that runs with blocking, one-at-a-time
@@ -401,7 +413,7 @@ impl NativeSchedule {
 /// at, and the rank moves on when the batch is empty. Which pair completes first does not
 /// change what completes (a rank only leaves a batch, never an op), so when this run stalls,
 /// every serial order of the batches stalls, and the error names the stuck ops.
-fn blocking_order(v: &pipec::verify::Verified) -> Result<Vec<Vec<u32>>, String> {
+fn blocking_order(v: &pipec_ir::verify::Verified) -> Result<Vec<Vec<u32>>, String> {
     // The verifier's matching: every op has its partner.
     let (p, m) = (v.program(), v.matching());
     let pos = m.positions();
@@ -552,9 +564,9 @@ fn compile_schedule(
         | CompileError::Checkpoint(_)) => SpecError::new_err(e.to_string()),
     })?;
     let (mem, limit) = memory_rule(&c.program, &c.layout, memory_limit.as_deref(), cost)?;
-    let threads = pipec::par::threads_for(c.program.len() as u64);
+    let threads = pipec_ir::par::threads_for(c.program.len() as u64);
     let verified = py
-        .detach(|| pipec::verify::verified_with(c.program, threads, &mem, limit))
+        .detach(|| pipec_ir::verify::verified_with(c.program, threads, &mem, limit))
         .map_err(|r| {
             report_error(
                 py,
@@ -613,13 +625,14 @@ fn tune_schedule(
     }
     let layout = match layout {
         Some(text) => Some(
-            pipec::front::layout::parse(&text).map_err(|e| LayoutError::new_err(e.to_string()))?,
+            pipec_schedules::layout::parse(&text)
+                .map_err(|e| LayoutError::new_err(e.to_string()))?,
         ),
         None => None,
     };
     let memory_limit = match memory_limit {
         Some(s) => Some(
-            pipec::simulate::cost::parse_memory(s)
+            pipec_cost::cost::parse_memory(s)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
                 .0,
         ),
@@ -635,7 +648,7 @@ fn tune_schedule(
         target,
         kinds,
         exclude_kinds: exclude_kinds.unwrap_or_default(),
-        levers: pipec::tune::levers::Levers { offload, recompute },
+        levers: pipec_compiler::target::Levers { offload, recompute },
         ..TuneRequest::new(pp, microbatches, model)
     };
     let t0 = std::time::Instant::now();
@@ -643,8 +656,8 @@ fn tune_schedule(
         .detach(|| tune(&req))
         .map_err(|e| SpecError::new_err(e.to_string()))?;
     // Rounded as `pipec tune --json` prints it.
-    let report =
-        pipec::tidy::tidy(t.json_for(t0.elapsed().as_secs_f64(), out.as_deref())).to_string();
+    let report = pipec_cost::rounding::tidy(t.json_for(t0.elapsed().as_secs_f64(), out.as_deref()))
+        .to_string();
     let layout = t.file_layout();
     let source = t.header(&layout).source.to_string();
     Ok((
@@ -722,11 +735,11 @@ fn kinds() -> Vec<String> {
 }
 
 /// The rank file's instructions as its one schema defines them
-/// (`pipec::back::files::OPS`): `(op, [(field, kind)])` in variant-index order, so that the
+/// (`pipec_ir::files::OPS`): `(op, [(field, kind)])` in variant-index order, so that the
 /// Python executors are tested against it rather than against a copy.
 #[pyfunction]
 fn instruction_schema() -> Vec<(&'static str, Vec<(&'static str, &'static str)>)> {
-    pipec::back::files::OPS
+    pipec_ir::files::OPS
         .iter()
         .map(|o| (o.name, o.fields.to_vec()))
         .collect()

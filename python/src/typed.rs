@@ -5,12 +5,12 @@
 //! ([`files::fields_of`], generated from `schema.rs`'s table), so it reads exactly as the file's
 //! record does and stays a read-only mapping with the record's keys (`ins["op"]`, `ins.get`,
 //! `dict(ins)`), which is what `Schedule.instructions` returned before. Steps are
-//! [`pipec::ir::steps`]'s cut of the stream (the one every Rust consumer uses): Python never
+//! [`pipec_ir::ir::steps`]'s cut of the stream (the one every Rust consumer uses): Python never
 //! cuts batches itself. Everything here reads one rank's instructions only.
 
-use pipec::back::files::{fields_of, row_of, FieldValue, OPS};
-use pipec::back::torch::{Action, Cell};
-use pipec::ir::{steps, waited_batches, Instr, Step};
+use pipec_compiler::torch::{Action, Cell};
+use pipec_ir::files::{fields_of, row_of, FieldValue, OPS};
+use pipec_ir::ir::{steps, waited_batches, Instr, Step};
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
@@ -536,7 +536,7 @@ pub fn instructions<'py>(py: Python<'py>, instrs: &[Instr]) -> PyResult<Bound<'p
     Ok(out)
 }
 
-/// `instrs` (one rank's stream) as its steps, cut by [`pipec::ir::steps`].
+/// `instrs` (one rank's stream) as its steps, cut by [`pipec_ir::ir::steps`].
 pub fn rank_steps<'py>(py: Python<'py>, instrs: &[Instr]) -> PyResult<Bound<'py, PyList>> {
     let _gc = GcPaused::new(py)?;
     let waited = waited_batches(instrs);

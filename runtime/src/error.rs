@@ -1,7 +1,7 @@
 //! Why a run did not succeed, and the exit code each reason maps to.
 
 use crate::watchdog::Failure;
-use pipec::back::files::LoadError;
+use pipec_ir::files::LoadError;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -16,12 +16,12 @@ pub enum RunError {
         field: String,
         msg: String,
     },
-    /// The schedule does not verify (`pipec::verify`): it would hang, use a wrong tensor or
+    /// The schedule does not verify (`pipec_ir::verify`): it would hang, use a wrong tensor or
     /// break a dependency. Every violation is listed.
     #[error("{dir}: refusing to run: {report}")]
     NotVerified {
         dir: String,
-        report: Box<pipec::verify::Report>,
+        report: Box<pipec_ir::verify::Report>,
     },
     /// The schedule failed while running: hang, wrong tensor, out-of-order instruction.
     #[error("{0}")]

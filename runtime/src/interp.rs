@@ -15,7 +15,7 @@
 //!
 //! The device store (`saved`, with the sources of copies in flight) and the host store (`host`)
 //! are metered apart (`Meter`) in the verifier's memory model (docs/format.md, "Memory
-//! instructions"; [`pipec::ir::activations`]): a buffer counts from the instruction that puts
+//! instructions"; [`pipec_ir::ir::activations`]): a buffer counts from the instruction that puts
 //! it in a store through the one that takes it out, an offload's device copy until the copy
 //! is known to have ended (a `wait_offload` of it or of a later copy, a backward waiting for a
 //! later reload), a reload's host copy likewise. The CPU has one memory: its copies end at once,
@@ -31,9 +31,9 @@
 
 use crate::backend::{Backend, CommError, CommOp, Dir, Pending};
 use crate::watchdog::{Failure, FailureKind, Status, Watch};
-use pipec::ir::activations::{self, Amount};
-use pipec::ir::{Instr, InstrRef, MemKind, MemOp, OptIdx, Payload, PayloadKind, Program};
-use pipec::simulate::timeline::Span;
+use pipec_cost::timeline::Span;
+use pipec_ir::ir::activations::{self, Amount};
+use pipec_ir::ir::{Instr, InstrRef, MemKind, MemOp, OptIdx, Payload, PayloadKind, Program};
 use pipec_schedules::{Compute, Rank, StageId, Task};
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
@@ -53,7 +53,7 @@ pub struct RankRun {
     pub peak_activations: u32,
     /// The most the device store held at once, each stash weighted by its stage's activation
     /// weight ([`run_rank_with`]): the verifier's `activations` figure of
-    /// [`pipec::memory::RankPeak`] (parameters not included).
+    /// [`pipec_ir::memory::RankPeak`] (parameters not included).
     pub device_peak: f64,
     /// The most the host store (offloaded stashes) held at once, in the same weights: the
     /// verifier's `host` figure.
@@ -306,7 +306,7 @@ impl<B: Backend> Tables<B> {
     }
 
     /// A forward that saves nothing still held its activation while it ran
-    /// ([`pipec::ir::activations`]: a forward-only rank that runs a forward peaks at 1).
+    /// ([`pipec_ir::ir::activations`]: a forward-only rank that runs a forward peaks at 1).
     fn held_while_running(&mut self, t: Task) {
         let w = self.weight(t);
         self.meter.alloc(w);
@@ -728,7 +728,7 @@ pub fn run_rank<B: Backend>(
 }
 
 /// [`run_rank`] with the stores metered in `act` (per stage, one microbatch's activation
-/// weight: [`pipec::memory::MemoryModel::act`]); a stage past its end weighs 0.
+/// weight: [`pipec_ir::memory::MemoryModel::act`]); a stage past its end weighs 0.
 pub fn run_rank_with<B: Backend>(
     program: &Program,
     rank: Rank,
@@ -746,7 +746,7 @@ pub fn run_rank_with<B: Backend>(
         backend,
         t: Tables::new(program, r, act),
         ops: Vec::new(),
-        waited: pipec::ir::waited_batches(instrs),
+        waited: pipec_ir::ir::waited_batches(instrs),
         in_flight: Default::default(),
         completed: Default::default(),
     };
@@ -777,7 +777,7 @@ pub fn run_rank_with<B: Backend>(
                 (it.wait(*batch), i + 1)
             }
             Instr::Send { .. } | Instr::Recv { .. } => {
-                let end = pipec::ir::batch_end(instrs, i);
+                let end = pipec_ir::ir::batch_end(instrs, i);
                 watch.set(r, Status::Waiting(i as u32));
                 (it.batch(i, end), end)
             }
@@ -988,214 +988,11 @@ fn describe(
 }
 
 /// Peak live activations per rank from the program alone: the verifier's figure
-/// ([`pipec::ir::activations::peaks`]), so a run's measured peak is checked against the number
+/// ([`pipec_ir::ir::activations::peaks`]), so a run's measured peak is checked against the number
 /// `pipec check` reports.
 pub fn static_peak_activations(program: &Program) -> Vec<u32> {
     activations::peaks(program)
         .iter()
         .map(|p| u32::try_from(p.peak).unwrap_or(u32::MAX))
         .collect()
-}
-
-#[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::backend::noop::NoopBackend;
-    use crate::backend::BackendError;
-    use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
-    use std::time::Duration;
-
-    fn program_fo(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) -> Program {
-        let spec = ScheduleSpec {
-            forward_only,
-            ..ScheduleSpec::new(kind, pp, vpp, m)
-        };
-        pipec::lower(&generate(&spec, &Limits::DEFAULT).unwrap())
-    }
-
-    fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> Program {
-        program_fo(kind, pp, vpp, m, false)
-    }
-
-    /// With the no-op backend each rank runs alone; the measured stash peak equals the static
-    /// count, training and forward-only, and every instruction gets one span.
-    #[test]
-    fn noop_runs_measure_the_static_peak() {
-        for forward_only in [false, true] {
-            for (k, vpp) in [
-                (ScheduleKind::Gpipe, 1),
-                (ScheduleKind::OneFOneB, 1),
-                (ScheduleKind::Interleaved1F1B, 2),
-                (ScheduleKind::ZbH1, 1),
-            ] {
-                let p = program_fo(k, 4, vpp, 8, forward_only);
-                let statics = static_peak_activations(&p);
-                let watch = Watch::new(4, Duration::from_secs(5));
-                for r in 0..4u32 {
-                    let run =
-                        run_rank(&p, Rank(r), &mut NoopBackend, &watch, Instant::now()).unwrap();
-                    assert_eq!(run.spans.len(), p.ranks[r as usize].len());
-                    let what = format!("{k} forward-only {forward_only} rank {r}");
-                    assert_eq!(run.peak_activations, statics[r as usize], "{what}");
-                }
-            }
-        }
-        // 1F1B keeps pp - r activations on rank r (PipeDream-Flush), GPipe all M; forward-only,
-        // a forward's activation lives while it runs.
-        assert_eq!(
-            static_peak_activations(&program(ScheduleKind::OneFOneB, 4, 1, 8)),
-            vec![4, 3, 2, 1]
-        );
-        assert_eq!(
-            static_peak_activations(&program(ScheduleKind::Gpipe, 2, 1, 5)),
-            vec![5, 5]
-        );
-        assert_eq!(
-            static_peak_activations(&program_fo(ScheduleKind::OneFOneB, 4, 1, 8, true)),
-            vec![1, 1, 1, 1]
-        );
-    }
-
-    /// 1F1B (pp = 4, M = 6) with memory instructions on rank 1 (stage 1): an offload,
-    /// `wait_offload` and reload of mb 0, a checkpointed forward and a recompute of mb 1; the
-    /// program verifies.
-    pub(crate) fn with_memory_ops() -> Program {
-        let mut p = program(ScheduleKind::OneFOneB, 4, 1, 6);
-        let r = &mut p.ranks[1];
-        let mem = |kind, t| Instr::Memory(MemOp { kind, task: t });
-        let at = |r: &[Instr], c: Compute| r.iter().position(|i| *i == Instr::Compute(c)).unwrap();
-        let (t0, t1) = (Task::new(1, 0), Task::new(1, 1));
-        let f0 = at(r, Compute::Fwd(t0));
-        r.insert(f0 + 1, mem(MemKind::Offload, t0));
-        r.insert(f0 + 2, mem(MemKind::WaitOffload, t0));
-        let b0 = at(r, Compute::Bwd(t0));
-        r.insert(b0, mem(MemKind::Reload, t0));
-        let f1 = at(r, Compute::Fwd(t1));
-        r[f1] = Instr::FwdCheckpoint(t1);
-        let b1 = at(r, Compute::Bwd(t1));
-        r.insert(b1, mem(MemKind::Recompute, t1));
-        let report = pipec::verify::verify(&p, &Default::default());
-        assert!(report.is_valid(), "{:?}", report.violations);
-        p
-    }
-
-    /// The no-op backend, recording each call.
-    #[derive(Default)]
-    struct Calls(Vec<String>);
-
-    impl Backend for Calls {
-        type Tensor = ();
-        type Saved = ();
-        type Partial = ();
-        type Host = ();
-        fn fwd(
-            &mut self,
-            t: Task,
-            i: Option<()>,
-            save: bool,
-        ) -> Result<((), Option<()>), BackendError> {
-            self.0.push(format!("fwd {t} save {save}"));
-            NoopBackend.fwd(t, i, save)
-        }
-        fn bwd(&mut self, t: Task, s: (), g: Option<()>) -> Result<(), BackendError> {
-            self.0.push(format!("bwd {t}"));
-            NoopBackend.bwd(t, s, g)
-        }
-        fn bwd_d(&mut self, t: Task, s: &(), g: Option<()>) -> Result<((), ()), BackendError> {
-            self.0.push(format!("bwd_d {t}"));
-            NoopBackend.bwd_d(t, s, g)
-        }
-        fn bwd_w(&mut self, t: Task, s: (), p: ()) -> Result<(), BackendError> {
-            self.0.push(format!("bwd_w {t}"));
-            NoopBackend.bwd_w(t, s, p)
-        }
-        fn keep(&mut self, _: &()) -> Result<(), BackendError> {
-            self.0.push("keep".into());
-            Ok(())
-        }
-        fn offload(&mut self, t: Task, _: ()) -> Result<(), BackendError> {
-            self.0.push(format!("offload {t}"));
-            Ok(())
-        }
-        fn wait_offload(&mut self, t: Task) -> Result<(), BackendError> {
-            self.0.push(format!("wait_offload {t}"));
-            Ok(())
-        }
-        fn reload(&mut self, t: Task, _: ()) -> Result<(), BackendError> {
-            self.0.push(format!("reload {t}"));
-            Ok(())
-        }
-        fn exchange(&mut self, ops: &mut [CommOp<()>]) -> Result<(), CommError> {
-            self.0.push(format!("exchange {}", ops.len()));
-            NoopBackend.exchange(ops)
-        }
-    }
-
-    /// What the CUDA backend relies on (one timing mark per instruction): every compute or
-    /// memory instruction is exactly one pass or copy call, in program order, a checkpointed
-    /// forward a `keep` and an unsaved forward, a recompute a saving forward; comm batches
-    /// are one exchange each.
-    #[test]
-    fn memory_instructions_call_the_backend_once_each_in_order() {
-        let p = with_memory_ops();
-        let watch = Watch::new(4, Duration::from_secs(5));
-        let mut calls = Calls::default();
-        run_rank(&p, Rank(1), &mut calls, &watch, Instant::now()).unwrap();
-        let mut want = Vec::new();
-        let instrs = &p.ranks[1];
-        let mut i = 0;
-        while i < instrs.len() {
-            match instrs[i] {
-                Instr::Compute(Compute::Fwd(t)) => want.push(format!("fwd {t} save true")),
-                Instr::Compute(Compute::Bwd(t)) => want.push(format!("bwd {t}")),
-                Instr::FwdCheckpoint(t) => {
-                    want.push("keep".into());
-                    want.push(format!("fwd {t} save false"));
-                }
-                Instr::Memory(m) => want.push(match m.kind {
-                    MemKind::Recompute => format!("fwd {} save true", m.task),
-                    k => format!("{} {}", k.op(), m.task),
-                }),
-                Instr::Send { .. } | Instr::Recv { .. } => {
-                    let end = pipec::ir::batch_end(instrs, i);
-                    want.push(format!("exchange {}", end - i));
-                    i = end;
-                    continue;
-                }
-                ref other => panic!("not in 1F1B: {other}"),
-            }
-            i += 1;
-        }
-        assert!(want.iter().any(|c| c.starts_with("reload")), "{want:?}");
-        assert_eq!(calls.0, want);
-    }
-
-    #[test]
-    fn backward_before_forward_stops_with_a_schedule_error() {
-        let p = Program {
-            placement: Placement::looped(1, 1),
-            microbatches: 1,
-            forward_only: false,
-            comm: None,
-            ranks: vec![vec![
-                Instr::Compute(Compute::Bwd(Task::new(0, 0))),
-                Instr::Compute(Compute::Fwd(Task::new(0, 0))),
-            ]],
-        };
-        let watch = Watch::new(1, Duration::from_secs(5));
-        assert_eq!(
-            run_rank(&p, Rank(0), &mut NoopBackend, &watch, Instant::now()).unwrap_err(),
-            Stopped
-        );
-        let f = watch.failure().unwrap();
-        assert_eq!(f.kind, FailureKind::Schedule);
-        assert_eq!(
-            f.at,
-            InstrRef {
-                rank: Rank(0),
-                index: 0
-            }
-        );
-        assert!(f.report.starts_with("schedule error at rank 0, #0 bwd(stage 0, mb 0): the saved activation of stage 0, mb 0 is not here"), "{}", f.report);
-    }
 }

@@ -20,7 +20,7 @@
 //! tests run in `f64`.
 
 use ndarray::{Array2, Axis, NdFloat};
-use pipec::front::layout::{LayerKind, Layout};
+use pipec_schedules::layout::{LayerKind, Layout};
 use std::collections::BTreeMap;
 use thiserror::Error;
 
@@ -842,7 +842,7 @@ mod tests {
 
     #[test]
     fn layouts_without_embedding_first_or_loss_last_are_refused() {
-        let l = |s: &str| pipec::front::layout::expand(s).unwrap();
+        let l = |s: &str| pipec_schedules::layout::expand(s).unwrap();
         assert!(build::<f32>(&l("tE|L"), &cfg()).is_err());
         assert!(build::<f32>(&l("E|t"), &cfg()).is_err());
         assert!(build::<f32>(&l("|Et|tL|"), &cfg()).is_ok());

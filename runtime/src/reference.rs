@@ -74,7 +74,7 @@ pub fn step(
 
 /// Build the reference's copy of the model (same construction as the ranks').
 pub fn build(
-    layout: &pipec::front::layout::Layout,
+    layout: &pipec_schedules::layout::Layout,
     cfg: &ModelConfig,
 ) -> Result<Vec<Stage<f32>>, LayoutUnfit> {
     model::build(layout, cfg)

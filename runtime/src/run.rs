@@ -9,12 +9,12 @@ use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
 use crate::transport::Transport;
 use crate::watchdog::Watch;
-use pipec::front::layout::Layout;
-use pipec::ir::Program;
-use pipec::memory::{MemoryModel, RankPeak, Unit};
-use pipec::simulate::cost::CostModel;
-use pipec::simulate::timeline::Timeline;
-use pipec::verify::Checked;
+use pipec_cost::cost::CostModel;
+use pipec_cost::timeline::Timeline;
+use pipec_ir::ir::Program;
+use pipec_ir::memory::{MemoryModel, RankPeak, Unit};
+use pipec_ir::verify::Checked;
+use pipec_schedules::layout::Layout;
 use pipec_schedules::Rank;
 use serde::Serialize;
 use std::sync::Arc;
@@ -100,7 +100,7 @@ pub struct RunReport {
     /// Peak live activations per rank computed from the program alone (the verifier's figure).
     pub static_peak_activations: Vec<u32>,
     /// The verifier's memory per rank under the run's memory model
-    /// ([`pipec::memory::peaks`]), which each step's measured `peak_memory` and
+    /// ([`pipec_ir::memory::peaks`]), which each step's measured `peak_memory` and
     /// `host_memory` are held against.
     pub static_memory: Vec<RankPeak>,
     pub memory_unit: Unit,
@@ -164,11 +164,11 @@ pub fn run_cpu_with_memory(
     run_unchecked(program.program(), layout, opts, memory)
 }
 
-/// The memory model of a schedule: [`pipec::memory::weights`] of `layout` under `cost` (the
+/// The memory model of a schedule: [`pipec_cost::memory::weights`] of `layout` under `cost` (the
 /// default cost model when `None`).
 pub fn memory_model(program: &Program, layout: &Layout, cost: Option<&CostModel>) -> MemoryModel {
     let default = CostModel::default();
-    pipec::memory::weights(program, layout, cost.unwrap_or(&default))
+    pipec_cost::memory::weights(program, layout, cost.unwrap_or(&default))
 }
 
 /// [`run_cpu`] on a program nobody checked, not even its structure. Only for the test that
@@ -214,7 +214,7 @@ fn run_unchecked(
 
 /// Bitwise comparison of a pipelined step with the reference (the gradients of the stages in
 /// `mine`); the first difference is an error naming the tensor and the element.
-pub(crate) fn compare(c: &StepCheck<'_>) -> Result<CheckSummary, RunError> {
+pub fn compare(c: &StepCheck<'_>) -> Result<CheckSummary, RunError> {
     let StepCheck {
         step,
         losses,
@@ -273,7 +273,7 @@ pub(crate) fn compare(c: &StepCheck<'_>) -> Result<CheckSummary, RunError> {
 /// Pair every weight-gradient tensor of the stages `include` accepts with the reference's and
 /// hand both to `f` with the tensor's name (`gradient of stage 1, layer 0 (t), W1`): the walk
 /// the bitwise (CPU) and normwise (CUDA) checks share. A stage no rank produced is an error.
-pub(crate) fn for_each_gradient(
+pub fn for_each_gradient(
     step: u32,
     grads: &[Option<&StageGrads<f32>>],
     r: &reference::RefStep,
@@ -349,7 +349,7 @@ mod tests {
             seq: 2,
             seed: 1,
         };
-        let layout = pipec::front::layout::parse("Et|tL").unwrap();
+        let layout = pipec_schedules::layout::parse("Et|tL").unwrap();
         let stages = model::build::<f32>(&layout, &cfg).unwrap();
         let r = reference::step(&stages, &cfg, 0, 3, false).unwrap();
         let same: Vec<Option<&StageGrads<f32>>> = r.grads.iter().map(Some).collect();

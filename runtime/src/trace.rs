@@ -1,8 +1,8 @@
-//! The measured timeline and its Chrome trace.
+//! The measured timeline, and how copies overlapped compute in it.
 
 use crate::interp::RankRun;
-use pipec::ir::Program;
-use pipec::simulate::timeline::{TimeUnit, Timeline};
+use pipec_cost::timeline::{TimeUnit, Timeline};
+use pipec_ir::ir::Program;
 
 /// One span per instruction per rank, in microseconds, from the runs of (rank, run); a rank
 /// of the `world` with no run (another process's) has none.
@@ -15,13 +15,6 @@ pub fn timeline(world: usize, runs: &[(u32, RankRun)]) -> Timeline {
         unit: TimeUnit::Micros,
         ranks,
     }
-}
-
-/// The measured timeline as a Chrome trace, in the same format as `pipec export --format
-/// chrome-trace` (one event per instruction, send->recv flow arrows), so simulated and
-/// measured timelines open side by side in Perfetto.
-pub fn chrome_trace(program: &Program, timeline: &Timeline) -> String {
-    pipec::back::view::chrome::chrome_trace("measured (pipec-run)", program, timeline)
 }
 
 /// How one rank's copies (`offload`, `reload`) overlapped its compute in a measured timeline
@@ -44,7 +37,7 @@ pub struct CopyOverlap {
 
 /// The [`CopyOverlap`] of every rank with copies and with one span per instruction.
 pub fn copy_overlap(program: &Program, timeline: &Timeline) -> Vec<CopyOverlap> {
-    use pipec::ir::{Instr, MemKind};
+    use pipec_ir::ir::{Instr, MemKind};
     let mut out = Vec::new();
     for (r, (instrs, spans)) in program.ranks.iter().zip(&timeline.ranks).enumerate() {
         if spans.len() != instrs.len() {
@@ -119,8 +112,8 @@ fn intersection(x: &[(f64, f64)], y: &[(f64, f64)]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pipec::ir::{Instr, MemKind, MemOp};
-    use pipec::simulate::timeline::Span;
+    use pipec_cost::timeline::Span;
+    use pipec_ir::ir::{Instr, MemKind, MemOp};
     use pipec_schedules::{Compute, Placement, Task};
 
     fn mem(kind: MemKind, t: Task) -> Instr {

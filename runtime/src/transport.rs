@@ -15,7 +15,7 @@
 
 use crate::backend::{CommError, CommOp, Dir, Pending};
 use crate::watchdog::Watch;
-use pipec::ir::Payload;
+use pipec_ir::ir::Payload;
 use pipec_schedules::Rank;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -460,7 +460,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
             w.fail(crate::watchdog::Failure {
                 kind: crate::watchdog::FailureKind::Compute,
-                at: pipec::ir::InstrRef {
+                at: pipec_ir::ir::InstrRef {
                     rank: Rank(1),
                     index: 0,
                 },

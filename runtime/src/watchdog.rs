@@ -4,7 +4,7 @@
 //! abort flag. Every waiting rank wakes up (the transport registers a waker) and stops, so no
 //! thread stays blocked and the process can exit non-zero.
 
-use pipec::ir::InstrRef;
+use pipec_ir::ir::InstrRef;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;

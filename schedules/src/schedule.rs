@@ -51,7 +51,7 @@ pub enum CommPolicy {
     /// `pipec tune`'s own orders: ops timed by a list schedule under the real costs, every
     /// message its own batch left in flight, posted by both ends no later than the producer's
     /// end and waited for (`Instr::Wait`) just before its consumer, the sender's before its
-    /// first op after the transfer (`pipec::Lowering::TimedInFlight`). Needs the costs, so orders alone
+    /// first op after the transfer (`pipec_compiler::Lowering::TimedInFlight`). Needs the costs, so orders alone
     /// cannot be lowered with it.
     TimedInFlight,
 }

@@ -2,7 +2,7 @@
 //! compute-only CSV caveat, a pipec file where its directory is expected, a bounded risk
 //! summary with `--strict`, JSON on stdout whatever happens, and `pipec seal`.
 
-use pipec::back::files::{self, COMPUTE_ONLY_CAVEAT};
+use pipec_ir::files::{self, COMPUTE_ONLY_CAVEAT};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -525,7 +525,7 @@ fn seal_then_check_judges_content() {
 
     // A tool writing its own files: no hashes at all, its own JSON layout (pretty-printed,
     // keys in another order). Sealed, they load as the program they hold.
-    let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(
+    let c = pipec_compiler::compile::compile(&pipec_compiler::compile::CompileRequest::new(
         pipec_schedules::ScheduleKind::OneFOneB,
         2,
         3,

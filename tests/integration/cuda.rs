@@ -1,4 +1,4 @@
-//! The CUDA backend (`pipec-run --backend cuda`, `pipec_runtime::backend::cuda::run::run_cuda`).
+//! The CUDA backend (`pipec-run --backend cuda`, `pipec_cuda::run::run_cuda`).
 //!
 //! Everywhere: the CLI's clear errors (without the feature; without a driver; `--dtype` on
 //! the CPU backend). On a GPU machine (`#[ignore]`d, needs the `cuda` feature):
@@ -11,9 +11,9 @@
 //! fp32 and bf16 (one process, rank threads), and a 2-process NCCL launch with torchrun's
 //! variables.
 
-use pipec::back::files::{write_program, Encoding, Header};
-use pipec::compile::{compile, CompileRequest};
-use pipec::ir::Instr;
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_ir::files::{write_program, Encoding, Header};
+use pipec_ir::ir::Instr;
 use pipec_schedules::{MegatronP2p, ScheduleKind};
 use std::path::Path;
 use std::process::Command;
@@ -225,7 +225,7 @@ fn cuda_backend_fails_clearly_without_feature_or_driver() {
 #[cfg(feature = "cuda")]
 #[test]
 fn run_cuda_reports_a_missing_driver() {
-    use pipec_runtime::backend::cuda::run::{run_cuda, CudaRunOptions, Dtype};
+    use pipec_cuda::run::{run_cuda, CudaRunOptions, Dtype};
     // SAFETY: only tries to dlopen libcuda.
     if unsafe { cudarc::driver::sys::is_culib_present() } {
         return; // a GPU machine: the #[ignore]d tests below cover it
@@ -559,8 +559,8 @@ pub(crate) fn cpu_check(dir: &Path, what: &str) -> String {
 #[test]
 #[ignore = "needs a GPU and NCCL: cargo test -p pipec-tests --features cuda -- --ignored"]
 fn gpu_two_process_nccl() {
-    use pipec_runtime::backend::cuda::probe;
-    if pipec_runtime::backend::cuda::probe_libraries(false).is_err() {
+    use pipec_cuda::probe;
+    if pipec_cuda::probe_libraries(false).is_err() {
         eprintln!("skipped: no CUDA driver");
         return;
     }

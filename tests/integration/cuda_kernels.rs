@@ -1,6 +1,6 @@
 //! The CUDA backend's kernels, run on the CPU and checked against the CPU model.
 //!
-//! The exact text of `pipec_runtime::backend::cuda::kernels::source(bf16)` is compiled by the
+//! The exact text of `pipec_cuda::kernels::source(bf16)` is compiled by the
 //! host C++ compiler together with `tests/cuda_emu/emu.hpp`, a documented emulation of the CUDA
 //! subset the kernels use: every thread of a block is a real thread and `__syncthreads` is a real
 //! barrier. `tests/cuda_emu/driver.cpp` runs one launch per process, with the buffers sent over a
@@ -19,9 +19,9 @@
 //! fail. The static check of model.rs's launches always runs.
 
 use ndarray::{Array2, ArrayView2};
-use pipec::front::layout::LayerKind;
-use pipec_runtime::backend::cuda::kernels;
+use pipec_cuda::kernels;
 use pipec_runtime::model::{self, GradAccum, Layer, ModelConfig, SplitMix64, Stage};
+use pipec_schedules::layout::LayerKind;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -1035,10 +1035,7 @@ fn model_rs_launches(src: &str) -> Vec<(String, Vec<String>)> {
     found
 }
 
-const MODEL_RS: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../runtime/src/backend/cuda/model.rs"
-));
+const MODEL_RS: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../cuda/src/model.rs"));
 
 /// Read model.rs's launches against the kernels' C signatures: as many arguments as
 /// parameters; `int` parameters get the i32 sizes model.rs makes with `i32of` (`si`, `hi`,

@@ -17,16 +17,16 @@
 
 use crate::cuda::{compile_req_to, cpu_check};
 use crate::offload::{every_memory_op_1f1b, has, insert, mem};
-use pipec::back::files::{write_program, Encoding, Header};
-use pipec::compile::CompileRequest;
-use pipec::ir::{Instr, MemKind, Program};
-use pipec::verify::{verified, VerifyOptions};
+use pipec_compiler::compile::CompileRequest;
+use pipec_ir::files::{write_program, Encoding, Header};
+use pipec_ir::ir::{Instr, MemKind, Program};
+use pipec_ir::verify::{verified, VerifyOptions};
 use pipec_schedules::{Pass, ScheduleKind, Task};
 use std::collections::HashMap;
 use std::path::Path;
 
 /// Write `q` (verified) with the header of the compiled `c`.
-fn write(c: &pipec::compile::Compiled, q: &Program, dir: &Path) {
+fn write(c: &pipec_compiler::compile::Compiled, q: &Program, dir: &Path) {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
@@ -40,8 +40,9 @@ fn write(c: &pipec::compile::Compiled, q: &Program, dir: &Path) {
 /// 1F1B, pp = 2, M = 3, on the last rank (the head's stash: probabilities and targets; a
 /// checkpointed forward keeping a hidden input): offload, wait_offload and reload of mb 0, a
 /// checkpointed forward and recompute of mb 1.
-fn every_memory_op_last_rank() -> (pipec::compile::Compiled, Program) {
-    let c = pipec::compile::compile(&CompileRequest::new(ScheduleKind::OneFOneB, 2, 3)).unwrap();
+fn every_memory_op_last_rank() -> (pipec_compiler::compile::Compiled, Program) {
+    let c = pipec_compiler::compile::compile(&CompileRequest::new(ScheduleKind::OneFOneB, 2, 3))
+        .unwrap();
     let r1 = &c.program.ranks[1];
     let (t0, t1) = (Task::new(1, 0), Task::new(1, 1));
     let at = |t: Task, pass: Pass| r1.iter().position(|i| has(i, t, &[pass])).unwrap();
@@ -136,7 +137,7 @@ fn copy_counts(p: &Program) -> Vec<(usize, usize)> {
 /// starting after the reload ends, a `wait_offload` ending after its offload. Returns the
 /// number of copies seen.
 fn check_copy_order(dir: &Path, min_copy_us: f64, what: &str) -> usize {
-    let p = pipec::back::files::load_dir(dir).unwrap().program;
+    let p = pipec_ir::files::load_dir(dir).unwrap().program;
     let t: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("trace.json")).unwrap()).unwrap();
     let world = p.ranks.len() as u64;
@@ -286,7 +287,7 @@ fn gpu_check_memory_instructions() {
     use crate::cuda::gpu_check;
     let tmp = tempfile::tempdir().unwrap();
     for (name, dir) in memory_programs(tmp.path()) {
-        let p = pipec::back::files::load_dir(&dir).unwrap().program;
+        let p = pipec_ir::files::load_dir(&dir).unwrap().program;
         for dtype in ["f32", "bf16"] {
             let what = format!("{name} {dtype}");
             let so = gpu_check(&dir, dtype, &what);

@@ -1,7 +1,7 @@
 //! The documentation's examples are what pipec actually writes.
 
-use pipec::back::files::{render, Encoding, Header};
-use pipec::compile::{compile, CompileRequest};
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_ir::files::{render, Encoding, Header};
 use pipec_schedules::ScheduleKind;
 use pipec_tests::{pipec, workspace_bin};
 

@@ -7,9 +7,9 @@
 //! `generate` op for op, and the program must verify.
 
 use flate2::read::GzDecoder;
-use pipec::ir::Program;
-use pipec::lower::lower;
-use pipec::verify::{verify, VerifyOptions};
+use pipec_compiler::lower::lower;
+use pipec_ir::ir::Program;
+use pipec_ir::verify::{verify, VerifyOptions};
 use pipec_schedules::{generate, Compute, Limits, ScheduleKind, ScheduleSpec, SpecError};
 use std::io::Read;
 

@@ -4,10 +4,10 @@
 //! (input invalid) or 2 (usage / I/O), never a panic or a hang, and never leave a half-written
 //! output directory.
 
-use pipec::back::files::{Encoding, Header, Manifest};
-use pipec::compile::{compile, CompileRequest};
-use pipec::front::layout::Layout;
-use pipec::ir::{Instr, Payload, Program};
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_ir::files::{Encoding, Header, Manifest};
+use pipec_ir::ir::{Instr, Payload, Program};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{Compute, Rank, ScheduleKind, Task};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -557,7 +557,7 @@ fn write_sealed(p: &Program, dir: &Path) {
         schedule: None,
         layout: &layout,
     };
-    pipec::back::files::write_unverified(dir, &header, &pipec_tests::unverified(p), Encoding::Json)
+    pipec_ir::files::write_unverified(dir, &header, &pipec_tests::unverified(p), Encoding::Json)
         .unwrap();
 }
 
@@ -1019,7 +1019,7 @@ fn tune_zero_layers_refused() {
         .find_map(|l| l.strip_prefix("layout:"))
         .expect("a layout line")
         .trim();
-    let stages = pipec::front::layout::parse(layout).unwrap().stages;
+    let stages = pipec_schedules::layout::parse(layout).unwrap().stages;
     let empty = stages.iter().filter(|s| s.is_empty()).count();
     assert!(empty > 0, "{out}");
     assert!(

@@ -3,9 +3,10 @@
 //! codes, and CSV input wherever `check` takes it.
 
 use assert_cmd::Command;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::timeline::Timeline;
-use pipec::{Instr, Program};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::timeline::Timeline;
+use pipec_ir::Instr;
+use pipec_ir::Program;
 use pipec_schedules::Compute;
 use std::path::{Path, PathBuf};
 
@@ -155,10 +156,13 @@ fn num_layers_without_layout_splits_the_layers() {
             "1",
         ],
     );
-    let loaded = pipec::back::files::load_dir(&d).unwrap();
+    let loaded = pipec_ir::files::load_dir(&d).unwrap();
     let layout = &loaded.manifest.layout;
-    assert_eq!(layout.count(pipec::front::layout::LayerKind::Decoder), 16);
-    assert_eq!(layout.count(pipec::front::layout::LayerKind::Mtp), 1);
+    assert_eq!(
+        layout.count(pipec_schedules::layout::LayerKind::Decoder),
+        16
+    );
+    assert_eq!(layout.count(pipec_schedules::layout::LayerKind::Mtp), 1);
     pipec()
         .args([
             "compile",
@@ -182,15 +186,17 @@ fn num_layers_without_layout_splits_the_layers() {
 
 /// The simulated timeline of a compiled directory under the default costs.
 pub(crate) fn timeline_of(dir: &Path) -> (Program, Timeline) {
-    let loaded = pipec::back::files::load_dir(dir).unwrap();
+    let loaded = pipec_ir::files::load_dir(dir).unwrap();
     let costs = StageCosts::new(
         &CostModel::default(),
         &loaded.manifest.layout,
         loaded.program.num_stages(),
     );
-    let sim =
-        pipec::simulate::simulate_unverified(&pipec_tests::unverified(&loaded.program), &costs)
-            .unwrap();
+    let sim = pipec_cost::simulate::simulate_unverified(
+        &pipec_tests::unverified(&loaded.program),
+        &costs,
+    )
+    .unwrap();
     (loaded.program, sim.timeline)
 }
 
@@ -360,7 +366,7 @@ pub(crate) fn check_rows(
             let text: String = cells[start..c].iter().collect();
             let label = text.trim_end_matches('-').to_ascii_uppercase();
             let as_op = ops.iter().any(|&(i, op, _, _)| {
-                let l = pipec::back::view::op_label(op);
+                let l = pipec_compiler::view::op_label(op);
                 kind_letter(op) == letter
                     && (label == l || label.len() == 1)
                     && (start..c).all(|j| {
@@ -469,7 +475,7 @@ fn every_output_names_its_bubble() {
         "s",
         &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
     );
-    let def = pipec::simulate::BUBBLE;
+    let def = pipec_cost::simulate::BUBBLE;
     assert!(stdout(pipec().arg("simulate").arg(&d)).contains(def));
     assert!(stdout(pipec().arg("show").arg(&d)).contains(def));
     assert!(stdout(pipec().arg("compare").arg(&d)).contains(def));

@@ -3,7 +3,7 @@
 //! the `pipec layout` command.
 
 use assert_cmd::Command;
-use pipec::front::layout::{self, check_against, LayerKind, LayoutError, LayoutErrorKind as K};
+use pipec_schedules::layout::{self, check_against, LayerKind, LayoutError, LayoutErrorKind as K};
 use proptest::prelude::*;
 use serde_json::Value;
 

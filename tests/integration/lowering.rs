@@ -1,15 +1,15 @@
 //! The lockstep lowering's promise, over orders no generator makes: for ANY per-rank compute
 //! orders that can run (here: random topological orders of the whole training DAG, projected
-//! onto the ranks), the lowered program is valid for `pipec::verify` and runs to the end on the
+//! onto the ranks), the lowered program is valid for `pipec_ir::verify` and runs to the end on the
 //! brute-force rendezvous executor. Timing: under blocking rendezvous a message can only pass
 //! at an instant when neither end is inside an op; whenever every message has such an instant
-//! before its consumer starts, `pipec::simulate` gives exactly the compute orders' makespan
+//! before its consumer starts, `pipec_cost::simulate` gives exactly the compute orders' makespan
 //! (lowering adds no wait), and never less. The compute-order times are computed here by a
 //! fixpoint over start times, independently of the lowering's own list schedule.
 
-use pipec::lower::lower_orders;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::verify::{verify, VerifyOptions};
+use pipec_compiler::lower::lower_orders;
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_ir::verify::{verify, VerifyOptions};
 use pipec_schedules::{CommPolicy, Compute, Microbatch, Placement, Rank, RankOrder, StageId, Task};
 use std::collections::HashMap;
 
@@ -192,7 +192,7 @@ fn lockstep_lowers_any_runnable_orders_deadlock_free() {
         let run = pipec_tests::reference::execute(&program);
         assert!(run.finished, "{what}: {:?}", run.problems);
         let costs = StageCosts::uniform(&CostModel::default(), stages);
-        let sim = pipec::simulate::simulate(&pipec_tests::verified(&program), &costs).unwrap();
+        let sim = pipec_cost::simulate::simulate(&pipec_tests::verified(&program), &costs).unwrap();
         let end = order_ends(&ops, &deps, &orders);
         let order = end.iter().copied().max().unwrap_or(0) as f64;
         assert!(sim.summary.makespan >= order, "{what}");

@@ -17,7 +17,10 @@
 //! where pipec's stream ends with a wait for each.
 
 use flate2::read::GzDecoder;
-use pipec::{lower, Instr, PayloadKind, Program};
+use pipec_compiler::lower;
+use pipec_ir::Instr;
+use pipec_ir::PayloadKind;
+use pipec_ir::Program;
 use pipec_schedules::{
     generate, Compute, Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError,
 };
@@ -97,7 +100,7 @@ fn normal(tokens: &[String]) -> Vec<String> {
     out
 }
 
-fn payload(p: &pipec::Payload) -> String {
+fn payload(p: &pipec_ir::Payload) -> String {
     let k = match p.kind {
         PayloadKind::Act => 'a',
         PayloadKind::Grad => 'g',
@@ -146,7 +149,7 @@ fn ours(p: &Program, r: usize, batched: bool) -> Vec<String> {
                 if group {
                     out.push("[".into());
                 }
-                let stop = pipec::ir::batch_end(instrs, i);
+                let stop = pipec_ir::ir::batch_end(instrs, i);
                 while end < stop {
                     let (c, peer, pl) = match &instrs[end] {
                         Instr::Send {

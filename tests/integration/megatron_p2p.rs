@@ -3,10 +3,10 @@
 //! the CPU runtime; batches left in flight are judged by their waits; what Megatron refuses is
 //! refused with its reason. Call-for-call equality with Megatron is `megatron_calls.rs`.
 
-use pipec::back::files::{write_program, Encoding, Header};
-use pipec::compile::{compile, CompileRequest};
-use pipec::ir::{Instr, Payload, Program};
-use pipec::verify::{verify, verify_under, Level, Report, StreamRule, VerifyOptions, Violation};
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_ir::files::{write_program, Encoding, Header};
+use pipec_ir::ir::{Instr, Payload, Program};
+use pipec_ir::verify::{verify, verify_under, Level, Report, StreamRule, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::{load, run_cpu, RunOptions};
 use pipec_schedules::{Compute, MegatronP2p, Placement, Rank, ScheduleKind, Task};
@@ -641,7 +641,7 @@ fn a_long_batch_to_one_peer_is_one_risk_found_fast() {
     assert!(r.is_valid(), "{r}");
     assert_eq!(r.risks.len(), 2, "one for the sends, one for the receives");
     for k in &r.risks {
-        let pipec::verify::Risk::SamePeerTwice { payloads, .. } = k;
+        let pipec_ir::verify::Risk::SamePeerTwice { payloads, .. } = k;
         assert_eq!(payloads.len(), n as usize);
         assert_eq!(payloads[7], Payload::act(0, 7), "in posting order");
     }

@@ -273,8 +273,8 @@ fn interleaved_pp2_batched_is_refused_as_a_spec() {
 /// sample of the recorded configurations (every 16th with N >= 0, pp <= 8).
 #[test]
 fn compile_marks_exactly_megatrons_checkpointed_forwards() {
-    use pipec::compile::{compile, CompileRequest};
-    use pipec::ir::{Instr, MemKind};
+    use pipec_compiler::compile::{compile, CompileRequest};
+    use pipec_ir::ir::{Instr, MemKind};
     use pipec_schedules::{Compute, Pass};
     let text = golden();
     let (mut compiled, mut marked) = (0, 0);
@@ -316,7 +316,7 @@ fn compile_marks_exactly_megatrons_checkpointed_forwards() {
             ..CompileRequest::new(kind, pp, kv["m"].parse().unwrap())
         };
         let c = compile(&req).unwrap_or_else(|e| panic!("{head}: {e}"));
-        let report = pipec::verify::verify(&c.program, &Default::default());
+        let report = pipec_ir::verify::verify(&c.program, &Default::default());
         assert!(report.is_valid(), "{head}: {:?}", report.violations);
         for (r, (instrs, want)) in c.program.ranks.iter().zip(ranks.split(" | ")).enumerate() {
             let want = parse_rank(want);

@@ -5,23 +5,23 @@
 //!   program without them does, so their gradients are bitwise equal; the step losses of both
 //!   runs are compared bit for bit too (later steps depend on every earlier gradient);
 //! - the brute-force buffer replay of `offload.rs` (shares no code with the runtime or with
-//!   `pipec::ir::activations`) and the verifier's `pipec::memory::walk`: the measured device and
+//!   `pipec_ir::ir::activations`) and the verifier's `pipec_ir::memory::walk`: the measured device and
 //!   host peaks of every rank must equal both;
-//! - the offload planner's own profile (`pipec::tune::offload::plan`) for its inserts;
+//! - the offload planner's own profile (`pipec_tune::offload::plan`) for its inserts;
 //! - `pipec check --json` for the `pipec-run` CLI.
 
 use crate::offload::{
     every_memory_op_1f1b, has, insert, kinds, mem, program, replay, with_memory_ops, Rng,
 };
 use assert_cmd::Command;
-use pipec::front::layout::Layout;
-use pipec::ir::{Instr, InstrRef, MemKind, Program};
-use pipec::memory::{MemoryModel, Unit};
-use pipec::verify::{verified, VerifyOptions};
+use pipec_ir::ir::{Instr, InstrRef, MemKind, Program};
+use pipec_ir::memory::{MemoryModel, Unit};
+use pipec_ir::verify::{verified, VerifyOptions};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::run::{run_cpu_unchecked, run_cpu_with_memory};
 use pipec_runtime::watchdog::FailureKind;
 use pipec_runtime::{RunError, RunOptions, RunReport};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{Compute, Pass, Rank, ScheduleKind, Task};
 use std::time::Duration;
 
@@ -58,7 +58,7 @@ fn run(p: &Program, mm: &MemoryModel, steps: u32) -> RunReport {
 /// The measured peaks of every step and rank equal the replay's (parameters added) and the
 /// verifier's.
 fn assert_measured(what: &str, q: &Program, mm: &MemoryModel, r: &RunReport) {
-    let walk = pipec::memory::peaks(q, mm);
+    let walk = pipec_ir::memory::peaks(q, mm);
     assert_eq!(r.static_memory, walk, "{what}");
     for s in &r.steps {
         for (rank, st) in s.ranks.iter().enumerate() {
@@ -128,25 +128,27 @@ fn random_memory_ops_run_bitwise_and_measure_the_verifiers_peaks() {
 /// the run trains bitwise as without them and measures the peak the planner planned.
 #[test]
 fn planned_offloads_run_at_the_planned_peak() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
-    use pipec::tune::offload::{plan, RankInput};
+    use pipec_cost::cost::{CostModel, StageCosts};
+    use pipec_tune::offload::{plan, RankInput};
     let mut runs = Vec::new();
     for ((kind, vpp), (pp, m)) in kinds().into_iter().flat_map(|k| [(k, (2, 4)), (k, (4, 8))]) {
         let Some(p) = program(kind, pp, vpp, m) else {
             continue;
         };
         let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
-        let sim =
-            pipec::simulate::simulate_unverified(&pipec::verify::Unverified::unchecked(&p), &costs)
-                .unwrap();
-        let inputs: Vec<RankInput> = pipec::tune::offload::inputs(&p, &sim.timeline, |_| 0.0);
+        let sim = pipec_cost::simulate::simulate_unverified(
+            &pipec_ir::verify::Unverified::unchecked(&p),
+            &costs,
+        )
+        .unwrap();
+        let inputs: Vec<RankInput> = pipec_tune::offload::inputs(&p, &sim.timeline, |_| 0.0);
         let act = |t: Task| 1.0 + (t.stage.0 % 3) as f64;
         let mm = MemoryModel {
             act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
             param: vec![0.0; p.world() as usize],
             unit: Unit::LayerActivations,
         };
-        let top = pipec::memory::peaks(&p, &mm)
+        let top = pipec_ir::memory::peaks(&p, &mm)
             .iter()
             .map(|w| w.peak)
             .fold(0.0, f64::max);
@@ -163,7 +165,7 @@ fn planned_offloads_run_at_the_planned_peak() {
             continue;
         };
         // The tuner's own placement of the inserts (what `tune` writes).
-        let q = pipec::tune::levers::insert(&p, &plans);
+        let q = pipec_tune::levers::insert(&p, &plans);
         assert!(memory_ops(&q) > 0, "{kind:?} pp {pp}: nothing planned");
         let base = run(&p, &mm, 1);
         let got = run(&q, &mm, 1);
@@ -247,7 +249,7 @@ fn misused_memory_instructions_stop_with_a_schedule_error() {
         ),
     ];
     for (q, want) in cases {
-        let report = pipec::verify::verify(&q, &VerifyOptions::default());
+        let report = pipec_ir::verify::verify(&q, &VerifyOptions::default());
         assert!(!report.is_valid(), "the verifier accepts {want}");
         let layout = Layout::uniform(q.num_stages());
         let f = match run_cpu_unchecked(&q, &layout, &opts(1)) {
@@ -283,7 +285,7 @@ fn pipec_run() -> Command {
 /// exit 1 naming the instruction.
 #[test]
 fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
-    use pipec::back::files::{write_program, write_unverified, Encoding, Header};
+    use pipec_ir::files::{write_program, write_unverified, Encoding, Header};
     let (c, q) = every_memory_op_1f1b();
     let header = Header {
         source: "generated",
@@ -357,7 +359,7 @@ fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
         .unwrap();
     broken.ranks[0].remove(reload);
     let bad = tmp.path().join("bad");
-    let unverified = pipec::verify::Unverified::unchecked(&broken);
+    let unverified = pipec_ir::verify::Unverified::unchecked(&broken);
     write_unverified(&bad, &header, &unverified, Encoding::Json).unwrap();
     // `--no-verify` keeps the structural level, which already names it (the runtime's own
     // error on the same program: `misused_memory_instructions_stop_with_a_schedule_error`).
@@ -425,7 +427,7 @@ fn mutated_memory_instructions_stop_cleanly_or_run_as_verified() {
                 q.ranks[r].insert(to, ins);
             }
         }
-        let report = pipec::verify::verify(&q, &VerifyOptions::default());
+        let report = pipec_ir::verify::verify(&q, &VerifyOptions::default());
         let layout = Layout::uniform(q.num_stages());
         match run_cpu_unchecked(&q, &layout, &o) {
             Ok(got) => {

@@ -1,18 +1,18 @@
 //! Memory instructions (issue 30) in compiled schedules: random valid insertions of offload,
 //! reload, wait_offload and checkpoint/recompute, and the offload planner's own inserts
-//! (`pipec::tune::offload::plan`), judged by
+//! (`pipec_tune::offload::plan`), judged by
 //! - a brute-force replay of each rank written here, which shares no code with
-//!   `pipec::ir::activations`: it lists every device and host buffer with the interval of
+//!   `pipec_ir::ir::activations`: it lists every device and host buffer with the interval of
 //!   instructions it is alive in (from docs/format.md, "Memory instructions") and sums them
 //!   at every instruction;
 //! - the planner's own positional peak, computed by its own profile;
 //! - the verifier: a valid schedule with valid memory instructions has no violation (the copy
 //!   stream adds no deadlock), and the brute-force executor (`pipec_tests::reference`) agrees.
 
-use pipec::ir::{Instr, MemKind, MemOp, Program};
-use pipec::lower::lower;
-use pipec::memory::{MemoryModel, Unit};
-use pipec::verify::{verify, Unverified, VerifyOptions};
+use pipec_compiler::lower::lower;
+use pipec_ir::ir::{Instr, MemKind, MemOp, Program};
+use pipec_ir::memory::{MemoryModel, Unit};
+use pipec_ir::verify::{verify, Unverified, VerifyOptions};
 use pipec_schedules::{generate, Compute, Limits, Pass, ScheduleKind, ScheduleSpec, Task};
 use pipec_tests::reference::{execute, Verdict};
 use proptest::prelude::*;
@@ -135,8 +135,8 @@ pub(crate) fn with_memory_ops(p: &Program, rng: &mut Rng) -> Program {
 /// 1F1B at pp=2, M=3 with every memory instruction on rank 0: microbatch 0 offloaded (and
 /// waited) after its forward and reloaded before its backward, microbatch 1 checkpointed and
 /// recomputed before its backward. The compiled schedule and the program.
-pub(crate) fn every_memory_op_1f1b() -> (pipec::compile::Compiled, Program) {
-    let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(
+pub(crate) fn every_memory_op_1f1b() -> (pipec_compiler::compile::Compiled, Program) {
+    let c = pipec_compiler::compile::compile(&pipec_compiler::compile::CompileRequest::new(
         ScheduleKind::OneFOneB,
         2,
         3,
@@ -294,7 +294,7 @@ fn random_memory_ops_count_as_the_replay_and_verify() {
                 run.problems
             );
             let mm = weights(&q, &mut rng);
-            let walk = pipec::memory::walk(&q, &mm, None);
+            let walk = pipec_ir::memory::walk(&q, &mm, None);
             for (r, instrs) in q.ranks.iter().enumerate() {
                 let (device, host) = replay(instrs, |t| mm.act[t.stage.index()]);
                 prop_assert_eq!(walk[r].0.activations, device, "{:?} rank {}", kind, r);
@@ -302,9 +302,9 @@ fn random_memory_ops_count_as_the_replay_and_verify() {
             }
             // The memory limit sees the same count.
             let peak = walk.iter().map(|w| w.0.peak).fold(0.0, f64::max);
-            let limited = pipec::verify::verify_with(
+            let limited = pipec_ir::verify::verify_with(
                 &q,
-                pipec::verify::Level::Full,
+                pipec_ir::verify::Level::Full,
                 1,
                 &mm,
                 Some(peak - 0.5),
@@ -312,20 +312,20 @@ fn random_memory_ops_count_as_the_replay_and_verify() {
             let over = limited
                 .violations
                 .iter()
-                .any(|v| matches!(v, pipec::verify::Violation::MemoryLimit { .. }));
+                .any(|v| matches!(v, pipec_ir::verify::Violation::MemoryLimit { .. }));
             prop_assert!(over);
             Ok(())
         })
         .unwrap();
 }
 
-/// The offload planner's inserts (`pipec::tune::offload::plan`, PipeOffload's planning on any
+/// The offload planner's inserts (`pipec_tune::offload::plan`, PipeOffload's planning on any
 /// schedule) placed into compiled schedules: valid, and counted by the verifier as the planner
 /// counted them (its own profile) and as the replay does.
 #[test]
 fn planner_inserts_count_as_planned() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
-    use pipec::tune::offload::{plan, RankInput};
+    use pipec_cost::cost::{CostModel, StageCosts};
+    use pipec_tune::offload::{plan, RankInput};
     let mut planned = 0;
     for (kind, vpp) in kinds() {
         for (pp, m) in [(2, 4), (4, 8), (4, 12)] {
@@ -333,16 +333,16 @@ fn planner_inserts_count_as_planned() {
                 continue;
             };
             let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
-            let sim =
-                pipec::simulate::simulate_unverified(&Unverified::unchecked(&p), &costs).unwrap();
-            let inputs: Vec<RankInput> = pipec::tune::offload::inputs(&p, &sim.timeline, |_| 0.0);
+            let sim = pipec_cost::simulate::simulate_unverified(&Unverified::unchecked(&p), &costs)
+                .unwrap();
+            let inputs: Vec<RankInput> = pipec_tune::offload::inputs(&p, &sim.timeline, |_| 0.0);
             let act = |t: Task| 1.0 + (t.stage.0 % 3) as f64;
             let mm = MemoryModel {
                 act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
                 param: vec![0.0; p.world() as usize],
                 unit: Unit::LayerActivations,
             };
-            let before = pipec::memory::walk(&p, &mm, None);
+            let before = pipec_ir::memory::walk(&p, &mm, None);
             let top = before.iter().map(|w| w.0.peak).fold(0.0, f64::max);
             let f = costs.compute(&Compute::Fwd(Task::new(0, 0))).unwrap();
             for (limit, copy) in [(0.75 * top, 0.25 * f), (0.5 * top, 0.5 * f)] {
@@ -350,11 +350,11 @@ fn planner_inserts_count_as_planned() {
                     continue;
                 };
                 // The tuner's own placement of the inserts (what `tune` writes).
-                let q = pipec::tune::levers::insert(&p, &plans);
+                let q = pipec_tune::levers::insert(&p, &plans);
                 planned += plans.iter().map(|rp| rp.inserts.len()).sum::<usize>();
                 let report = verify(&q, &VerifyOptions::default());
                 assert!(report.violations.is_empty(), "{kind:?} pp {pp}: {report}");
-                let walk = pipec::memory::walk(&q, &mm, None);
+                let walk = pipec_ir::memory::walk(&q, &mm, None);
                 for (r, rp) in plans.iter().enumerate() {
                     let (device, host) = replay(&q.ranks[r], act);
                     let got = walk[r].0.activations;
@@ -409,7 +409,7 @@ fn a_late_reload_hangs_and_the_verifier_names_it() {
     assert!(!report
         .violations
         .iter()
-        .any(|v| v.class() == pipec::verify::Class::Deadlock));
+        .any(|v| v.class() == pipec_ir::verify::Class::Deadlock));
     let q = late(bwd);
     assert!(execute(&q).finished);
     assert!(verify(&q, &VerifyOptions::default()).violations.is_empty());
@@ -419,9 +419,9 @@ fn a_late_reload_hangs_and_the_verifier_names_it() {
 /// loader, and `pipec check --json` reports the host memory of the rank that offloads.
 #[test]
 fn check_reports_host_memory() {
-    use pipec::back::files::{write_program, Encoding, Header};
+    use pipec_ir::files::{write_program, Encoding, Header};
     let (c, q) = every_memory_op_1f1b();
-    let checked = pipec::verify::verified(q.clone(), &VerifyOptions::default()).unwrap();
+    let checked = pipec_ir::verify::verified(q.clone(), &VerifyOptions::default()).unwrap();
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
@@ -443,7 +443,7 @@ fn check_reports_host_memory() {
                 assert!(text.contains(line), "{line}");
             }
         }
-        let loaded = pipec::back::files::load_dir(&dir).unwrap();
+        let loaded = pipec_ir::files::load_dir(&dir).unwrap();
         assert_eq!(loaded.program, q);
         let out = pipec_tests::pipec()
             .args(["check", "--json"])
@@ -492,9 +492,9 @@ fn check_reports_host_memory() {
     // On a host link shared by a rank pair every copy takes its time while the partner copies
     // too: the lone time / 0.7 (PipeOffload's measurement), an upper bound.
     let span = |spec: &str| {
-        let model = pipec::simulate::cost::CostModel::parse(spec).unwrap();
-        let costs = pipec::simulate::cost::StageCosts::uniform(&model, q.num_stages());
-        let sp = pipec::simulate::simulate(&checked, &costs)
+        let model = pipec_cost::cost::CostModel::parse(spec).unwrap();
+        let costs = pipec_cost::cost::StageCosts::uniform(&model, q.num_stages());
+        let sp = pipec_cost::simulate::simulate(&checked, &costs)
             .unwrap()
             .timeline
             .ranks[0][first];
@@ -505,8 +505,8 @@ fn check_reports_host_memory() {
     let paired = span("t.offload=0.7,offload_pair=true");
     assert!((paired - 1.0).abs() < 1e-12, "{paired}");
     // Nor does torch's CSV (pipec.torch runs them from the exporter's cells).
-    let form = pipec::back::torch::CsvForm::ComputeComms;
-    let e = pipec::back::torch::export_csv(&checked, form).unwrap_err();
+    let form = pipec_compiler::torch::CsvForm::ComputeComms;
+    let e = pipec_compiler::torch::export_csv(&checked, form).unwrap_err();
     assert!(
         e.to_string()
             .starts_with(&format!("rank 0, #{first}: offload("))
@@ -524,7 +524,7 @@ fn check_reports_host_memory() {
 /// reload's end; `wait_offload` until its offload's end; `recompute` a forward's time.
 #[test]
 fn copy_stream_times_as_its_graph() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec_cost::cost::{CostModel, StageCosts};
     let mut rng = Rng(7);
     for case in 0..200 {
         let stages = 1 + rng.below(4) as u32;
@@ -558,7 +558,8 @@ fn copy_stream_times_as_its_graph() {
         );
         let model = CostModel::parse(&spec).unwrap();
         let costs = StageCosts::uniform(&model, stages);
-        let sim = pipec::simulate::simulate_unverified(&Unverified::unchecked(&q), &costs).unwrap();
+        let sim =
+            pipec_cost::simulate::simulate_unverified(&Unverified::unchecked(&q), &costs).unwrap();
         let instrs = &q.ranks[0];
         let f = costs.pass(Pass::Fwd, pipec_schedules::StageId(0)).unwrap();
         let copy = costs.copy(pipec_schedules::StageId(0)).unwrap();
@@ -624,7 +625,7 @@ fn copy_stream_times_as_its_graph() {
 /// makespan never shrinks, and with copies that take no time and no recompute it is the same.
 #[test]
 fn copies_only_delay_and_free_copies_do_not() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec_cost::cost::{CostModel, StageCosts};
     let mut rng = Rng(11);
     for (kind, vpp) in kinds() {
         for (pp, m) in [(2, 4), (4, 8)] {
@@ -633,7 +634,7 @@ fn copies_only_delay_and_free_copies_do_not() {
             };
             let base = |spec: &str, q: &Program| {
                 let costs = StageCosts::uniform(&CostModel::parse(spec).unwrap(), q.num_stages());
-                pipec::simulate::simulate_unverified(&Unverified::unchecked(q), &costs)
+                pipec_cost::simulate::simulate_unverified(&Unverified::unchecked(q), &costs)
                     .unwrap()
                     .summary
                     .makespan

@@ -2,11 +2,11 @@
 //! crash so far (see the README's Robustness section); the bugs below were found by the
 //! verifier, the runtime's watchdog and the property tests while building pipec.
 
-use pipec::verify::{verify, VerifyOptions};
+use pipec_ir::verify::{verify, VerifyOptions};
 use pipec_schedules::{generate, Compute, Limits, ScheduleKind, ScheduleSpec, SpecError};
 
-fn lowered(spec: &ScheduleSpec) -> pipec::Program {
-    pipec::lower(&generate(spec, &Limits::DEFAULT).unwrap())
+fn lowered(spec: &ScheduleSpec) -> pipec_ir::Program {
+    pipec_compiler::lower(&generate(spec, &Limits::DEFAULT).unwrap())
 }
 
 /// Looped BFS lowered with fused-per-op batches deadlocked under rendezvous once vpp >= 2 and
@@ -61,7 +61,7 @@ fn one_f_one_b_at_pp1_held_two_activations() {
 fn merged_batch_rule_flagged_gpipe_pp2_m1() {
     let p = lowered(&ScheduleSpec::new(ScheduleKind::Gpipe, 2, 1, 1));
     assert!(verify(&p, &VerifyOptions::default()).is_valid());
-    let fused = pipec::lower_orders(
+    let fused = pipec_compiler::lower_orders(
         &p.placement,
         1,
         false,

@@ -6,13 +6,13 @@
 //! agree bitwise. The measured activation peak is compared with a count from the program alone.
 
 use assert_cmd::Command;
-use pipec::back::files::{self, Encoding, Header};
-use pipec::compile::{compile, CompileRequest, Compiled};
-use pipec::front::layout::Layout;
-use pipec::ir::{Instr, Payload, Program};
+use pipec_compiler::compile::{compile, CompileRequest, Compiled};
+use pipec_ir::files::{self, Encoding, Header};
+use pipec_ir::ir::{Instr, Payload, Program};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::watchdog::FailureKind;
 use pipec_runtime::{load, run_cpu, LaunchWorld, RunError, RunOptions, RunReport};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{
     generate, CommPolicy, Compute, Limits, Placement, RankOrder, ScheduleKind, ScheduleSpec, Task,
 };
@@ -148,13 +148,13 @@ fn forward_only_programs_run_holding_one_activation_at_a_time() {
     }
 }
 
-/// Peak live activations are one analysis (`pipec::ir::activations`): the verifier's peak and
+/// Peak live activations are one analysis (`pipec_ir::ir::activations`): the verifier's peak and
 /// where it is reached, `pipec tune`'s weighted peak at weight 1, the simulator's peak and its
 /// time, the runtime's static figure and the interpreter's measured peak agree for every
 /// built-in kind, training (split backwards and combined pairs included) and forward-only.
 #[test]
 fn every_peak_activation_figure_is_the_verifiers() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec_cost::cost::{CostModel, StageCosts};
     use pipec_runtime::backend::noop::NoopBackend;
     use pipec_runtime::interp::{run_rank, static_peak_activations};
     use pipec_runtime::watchdog::Watch;
@@ -181,15 +181,16 @@ fn every_peak_activation_figure_is_the_verifiers() {
                 let p = &c.program;
                 let what =
                     format!("{kind} pp {pp} m {m} fwd-only {forward_only} combined {combined}");
-                let report = pipec::verify(p, &pipec::VerifyOptions::default());
+                let report = pipec_ir::verify(p, &pipec_ir::VerifyOptions::default());
                 assert!(report.is_valid(), "{what}: {report}");
                 let peaks: Vec<u64> = report.memory.iter().map(|r| r.peak as u64).collect();
                 let n = p.num_stages() as usize;
-                let weighted = pipec::verify::memory::weighted_peaks(p, &vec![1.0; n], &[]);
+                let weighted = pipec_ir::verify::memory::weighted_peaks(p, &vec![1.0; n], &[]);
                 let want: Vec<f64> = peaks.iter().map(|&x| x as f64).collect();
                 assert_eq!(weighted, want, "{what}: tune");
                 let costs = StageCosts::uniform(&CostModel::default(), p.num_stages());
-                let sim = pipec::simulate::simulate(&pipec_tests::verified(p), &costs).unwrap();
+                let sim =
+                    pipec_cost::simulate::simulate(&pipec_tests::verified(p), &costs).unwrap();
                 let t0 = sim
                     .timeline
                     .ranks
@@ -328,7 +329,7 @@ fn count_kinds(p: &Program, seen: &mut [usize; 3]) {
 }
 
 /// Split backward and overlapped pairs from hand-made compute orders, lowered by
-/// `pipec::lower_orders` with one comm step per op. (With several chunks per rank that
+/// `pipec_compiler::lower_orders` with one comm step per op. (With several chunks per rank that
 /// lowering can deadlock under rendezvous, so the multi-chunk cases are covered by the
 /// rewrite below, which keeps a compiled program's batches.)
 #[test]
@@ -350,8 +351,13 @@ fn check_passes_for_split_and_overlapped_orders() {
                     variants.push(("combined".into(), s.ranks.iter().map(combine).collect()));
                 }
                 for (name, ords) in variants {
-                    let p =
-                        pipec::lower_orders(&s.placement, m, false, CommPolicy::FusedPerOp, &ords);
+                    let p = pipec_compiler::lower_orders(
+                        &s.placement,
+                        m,
+                        false,
+                        CommPolicy::FusedPerOp,
+                        &ords,
+                    );
                     count_kinds(&p, &mut seen);
                     let dir = tmp
                         .path()
@@ -469,7 +475,7 @@ fn deferred_weight_gradients_raise_the_activation_peak() {
     let s = orders(ScheduleKind::OneFOneB, 2, 1, 4).unwrap();
     let peak = |delay: usize, name: &str| {
         let ords: Vec<RankOrder> = s.ranks.iter().map(|o| split(o, delay)).collect();
-        let p = pipec::lower_orders(&s.placement, 4, false, CommPolicy::FusedPerOp, &ords);
+        let p = pipec_compiler::lower_orders(&s.placement, 4, false, CommPolicy::FusedPerOp, &ords);
         let dir = tmp.path().join(name);
         write_program(&p, &dir);
         let r = run_dir(&dir, &opts(1)).unwrap();

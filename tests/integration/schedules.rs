@@ -2,14 +2,14 @@
 //! orders, lowering that matches FIFO and never deadlocks under rendezvous semantics, and the
 //! published bubble / memory figures under uniform op times.
 //!
-//! Every program goes through `pipec::verify::verify` and, independently, a small test-local
+//! Every program goes through `pipec_ir::verify::verify` and, independently, a small test-local
 //! model, [`rendezvous`] (step ranks; a comm batch completes when the peer op of each of its
 //! messages is posted; all finish or it reports who is stuck). Times come
 //! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
-//! and its inputs are done; communication is free), written before `pipec::simulate` existed.
+//! and its inputs are done; communication is free), written before `pipec_cost::simulate` existed.
 
-use pipec::ir::{Instr, Payload, Program};
-use pipec::lower::lower;
+use pipec_compiler::lower::lower;
+use pipec_ir::ir::{Instr, Payload, Program};
 use pipec_schedules::{
     generate, Compute, Limits, Pass, Placement, Rank, Schedule, ScheduleKind, ScheduleSpec, Task,
 };
@@ -233,11 +233,11 @@ fn grid(kind: ScheduleKind) -> Vec<ScheduleSpec> {
     out
 }
 
-/// `pipec::verify` finds the program valid (complete, matched, deadlock-free, ordered), the
+/// `pipec_ir::verify` finds the program valid (complete, matched, deadlock-free, ordered), the
 /// test-local executor runs it to the end, and the verifier's peak per rank is the simulator's.
 fn assert_sound(sch: &Schedule, what: &str) {
     let prog = lower(sch);
-    let report = pipec::verify::verify(&prog, &pipec::verify::VerifyOptions::default());
+    let report = pipec_ir::verify::verify(&prog, &pipec_ir::verify::VerifyOptions::default());
     assert!(report.is_valid(), "{what}: {report}");
     if let Err(e) = rendezvous(&prog) {
         panic!("{what}: {e}");
@@ -471,9 +471,9 @@ fn dualpipe_v_matches_torch_pp2_m4() {
         assert_eq!(sch.placement.rank_of(Task::new(s, 0)), Rank(want));
     }
     // End to end: pipec's torch exporter writes the lowered program back as torch's file.
-    let csv = pipec::back::torch::export_csv(
+    let csv = pipec_compiler::torch::export_csv(
         &pipec_tests::verified(&lower(&sch)),
-        pipec::back::torch::CsvForm::ComputeOnly,
+        pipec_compiler::torch::CsvForm::ComputeOnly,
     )
     .unwrap();
     assert_eq!(csv.trim_end(), text.trim_end());
@@ -602,7 +602,7 @@ fn dualpipe_bubble_and_memory_formulas() {
     }
 }
 
-/// `pipec::simulate` (instruction level: comm batches under rendezvous, free transfers,
+/// `pipec_cost::simulate` (instruction level: comm batches under rendezvous, free transfers,
 /// `F = I = W = 1` per stage) reproduces this file's compute-order simulation: same makespan
 /// and same peaks for every kind, so lowering adds no wait to any of them. Regression: DualPipe
 /// and DualPipeV lost time while the lockstep lowering ran in unit rounds (pp 8, M 16:
@@ -610,7 +610,7 @@ fn dualpipe_bubble_and_memory_formulas() {
 /// held its neighbours' round batches back; the rounds are now timed by the ops' costs.
 #[test]
 fn pipec_simulate_agrees_with_the_compute_order() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec_cost::cost::{CostModel, StageCosts};
     for k in [ScheduleKind::OneFOneB, ScheduleKind::Gpipe]
         .into_iter()
         .chain(NEW_KINDS)
@@ -623,7 +623,8 @@ fn pipec_simulate_agrees_with_the_compute_order() {
             let sch = schedule(&s);
             let prog = lower(&sch);
             let costs = StageCosts::uniform(&CostModel::default(), prog.num_stages());
-            let got = pipec::simulate::simulate(&pipec_tests::verified(&prog), &costs).unwrap();
+            let got =
+                pipec_cost::simulate::simulate(&pipec_tests::verified(&prog), &costs).unwrap();
             let mine = sim_of(&sch);
             let makespan = mine.ranks.iter().map(|r| r.1).max().unwrap() as f64;
             let peaks: Vec<u32> = got
@@ -662,16 +663,19 @@ fn figures_table() -> String {
             // f64's Display writes 4.0 as `4` and 4.5 as `4.5`.
             let full = peak as f64 / chunks as f64;
             // What `pipec simulate` and `compare` print: idle share of the makespan.
-            let c = pipec::compile::compile(&pipec::compile::CompileRequest::new(k, pp, m))
-                .expect("valid spec");
-            let costs = pipec::simulate::cost::StageCosts::uniform(
-                &pipec::simulate::cost::CostModel::default(),
+            let c = pipec_compiler::compile::compile(
+                &pipec_compiler::compile::CompileRequest::new(k, pp, m),
+            )
+            .expect("valid spec");
+            let costs = pipec_cost::cost::StageCosts::uniform(
+                &pipec_cost::cost::CostModel::default(),
                 c.program.num_stages(),
             );
-            let printed = pipec::simulate::simulate(&pipec_tests::verified(&c.program), &costs)
-                .expect("no deadlock")
-                .summary
-                .mean_bubble();
+            let printed =
+                pipec_cost::simulate::simulate(&pipec_tests::verified(&c.program), &costs)
+                    .expect("no deadlock")
+                    .summary
+                    .mean_bubble();
             out += &format!(
                 "| {k} | {pp} | {m} | {:.3} | {} | {:.1}% | {peak} | {full} |\n",
                 s.bubble_ratio(),
@@ -761,11 +765,11 @@ fn cli_compiles_new_kinds_and_combined() {
             .arg(&out)
             .assert()
             .success();
-        let loaded = pipec::back::files::load_dir(&out).unwrap();
+        let loaded = pipec_ir::files::load_dir(&out).unwrap();
         rendezvous(&loaded.program).unwrap();
     }
     // --combined reached the schedule: fwd_bwd ops in the written program.
-    let loaded = pipec::back::files::load_dir(&dir.path().join("combined")).unwrap();
+    let loaded = pipec_ir::files::load_dir(&dir.path().join("combined")).unwrap();
     let fused = loaded
         .program
         .ranks
@@ -776,7 +780,7 @@ fn cli_compiles_new_kinds_and_combined() {
     // Megatron's combined_1f1b orders: 5 + 7 + 9 + 11 fused ops on the four ranks.
     assert_eq!(fused, 32);
     // zb-v without --vpp is vpp 2: 8 stages on 4 ranks.
-    let zbv = pipec::back::files::load_dir(&dir.path().join("zbv")).unwrap();
+    let zbv = pipec_ir::files::load_dir(&dir.path().join("zbv")).unwrap();
     assert_eq!(zbv.program.num_stages(), 8);
 }
 
@@ -871,23 +875,23 @@ fn new_kinds_train_like_the_unpipelined_reference() {
     for (kind, combined) in cases {
         for pp in 1..=4u32 {
             for m in [1, pp, 2 * pp, 2 * pp + 1] {
-                let req = pipec::compile::CompileRequest {
+                let req = pipec_compiler::compile::CompileRequest {
                     combined,
-                    ..pipec::compile::CompileRequest::new(kind, pp, m)
+                    ..pipec_compiler::compile::CompileRequest::new(kind, pp, m)
                 };
                 let req = if kind == ScheduleKind::Interleaved1F1B {
-                    pipec::compile::CompileRequest {
+                    pipec_compiler::compile::CompileRequest {
                         vpp: Some(2),
                         ..req
                     }
                 } else {
                     req
                 };
-                let Ok(c) = pipec::compile::compile(&req) else {
+                let Ok(c) = pipec_compiler::compile::compile(&req) else {
                     continue;
                 };
                 let what = format!("{kind} combined {combined} pp {pp} m {m}");
-                let verified = pipec::verify::verified(c.program, &Default::default())
+                let verified = pipec_ir::verify::verified(c.program, &Default::default())
                     .unwrap_or_else(|r| panic!("{what}: {}", r.report.verdict_line()));
                 let report =
                     run_cpu(&verified, &c.layout, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -910,8 +914,8 @@ fn new_kinds_train_like_the_unpipelined_reference() {
             ..spec(ScheduleKind::DualPipe, pp, 2 * pp)
         };
         let sch = schedule(&s);
-        let layout = pipec::front::layout::Layout::uniform(pp);
-        let verified = pipec::verify::verified(lower(&sch), &Default::default()).unwrap();
+        let layout = pipec_schedules::layout::Layout::uniform(pp);
+        let verified = pipec_ir::verify::verified(lower(&sch), &Default::default()).unwrap();
         let report = run_cpu(&verified, &layout, &opts).unwrap();
         for st in &report.steps {
             assert_eq!(
@@ -929,10 +933,10 @@ fn new_kinds_train_like_the_unpipelined_reference() {
 /// for ZB-1P it is valid but slower than its compute order.
 #[test]
 fn fused_per_op_fails_where_lockstep_is_used() {
-    use pipec::simulate::cost::{CostModel, StageCosts};
+    use pipec_cost::cost::{CostModel, StageCosts};
     use pipec_schedules::CommPolicy;
     let fused = |sch: &Schedule| {
-        pipec::lower::lower_orders(
+        pipec_compiler::lower::lower_orders(
             &sch.placement,
             sch.spec.microbatches,
             false,
@@ -950,7 +954,8 @@ fn fused_per_op_fails_where_lockstep_is_used() {
     ] {
         let sch = schedule(&spec(k, pp, m));
         assert_eq!(sch.comm, CommPolicy::Lockstep);
-        let report = pipec::verify::verify(&fused(&sch), &pipec::verify::VerifyOptions::default());
+        let report =
+            pipec_ir::verify::verify(&fused(&sch), &pipec_ir::verify::VerifyOptions::default());
         assert!(
             !report.is_valid(),
             "{k} pp {pp} m {m}: fused per op verified"
@@ -964,7 +969,7 @@ fn fused_per_op_fails_where_lockstep_is_used() {
             let sch = schedule(&spec(ScheduleKind::Zb1P, pp, m));
             let costs = StageCosts::uniform(&CostModel::default(), sch.num_stages());
             let t = |p: &Program| {
-                pipec::simulate::simulate(&pipec_tests::verified(p), &costs)
+                pipec_cost::simulate::simulate(&pipec_tests::verified(p), &costs)
                     .unwrap()
                     .summary
                     .makespan

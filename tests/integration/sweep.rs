@@ -51,8 +51,8 @@ fn one_invalid_config_fails_the_run_without_losing_the_others() {
     written.sort();
     assert_eq!(written.len(), 8, "{written:?}");
     for name in &written {
-        let loaded = pipec::back::files::load_dir(&out.join(name)).unwrap();
-        let r = pipec::verify::verify(&loaded.program, &Default::default());
+        let loaded = pipec_ir::files::load_dir(&out.join(name)).unwrap();
+        let r = pipec_ir::verify::verify(&loaded.program, &Default::default());
         assert!(r.is_valid(), "{name}: {r}");
         // The directory holds what its name says.
         let spec = loaded.manifest.schedule.unwrap();

@@ -1,12 +1,12 @@
 //! torch.distributed.pipelining CSV interop: conformance with files torch wrote, round trips,
 //! the rules torch's runtime imposes on compute+comms files, malformed input, and the CLI.
 
-use pipec::back::torch::action::{parse_cell, ActionType, Cell};
-use pipec::back::torch::{
+use pipec_compiler::torch::action::{parse_cell, ActionType, Cell};
+use pipec_compiler::torch::{
     export_csv, import_csv, import_csv_bytes, CsvErrorKind, CsvForm, ImportOptions,
     PlacementChoice, PlacementSource,
 };
-use pipec::ir::{Instr, Payload, Program};
+use pipec_ir::ir::{Instr, Payload, Program};
 use pipec_schedules::{
     generate, CommPolicy, Compute, Limits, Placement, PlacementKind, Rank, RankOrder, ScheduleKind,
     ScheduleSpec, Task,
@@ -105,8 +105,8 @@ fn strict_deadlock_in(p: &Program, model: Model) -> Option<Vec<usize>> {
     let mut run_of: Vec<Vec<usize>> = p.ranks.iter().map(|r| vec![usize::MAX; r.len()]).collect();
     let mut runs: Vec<(usize, usize, usize)> = Vec::new();
     for (r, instrs) in p.ranks.iter().enumerate() {
-        for step in pipec::ir::steps(instrs) {
-            if let pipec::ir::Step::Batch { ops, .. } = step {
+        for step in pipec_ir::ir::steps(instrs) {
+            if let pipec_ir::ir::Step::Batch { ops, .. } = step {
                 run_of[r][ops.clone()].fill(runs.len());
                 runs.push((r, ops.start, ops.end));
             }
@@ -329,7 +329,7 @@ fn interleaved_conformance_compute_comms_matches_fifo() {
 /// per-peer send and recv sequences; only where P2P sits between computes differs.
 #[test]
 fn export_has_the_shape_of_torchs_own_compute_comms_file() {
-    let ours = pipec::lower(
+    let ours = pipec_compiler::lower(
         &generate(
             &spec(ScheduleKind::Interleaved1F1B, 2, 2, 2, false),
             &Limits::DEFAULT,
@@ -707,7 +707,7 @@ fn strict_reading_is_stricter_than_torchs_runtime() {
             warmup: 0,
         })
         .collect();
-    let lowered = pipec::lower_orders(
+    let lowered = pipec_compiler::lower_orders(
         &imp.program.placement,
         2,
         false,
@@ -737,7 +737,7 @@ fn torch_runtime_simulation_detects_a_hang() {
 #[test]
 #[should_panic(expected = "has no single wait")]
 fn runtime_rules_require_a_wait_per_send() {
-    let p = pipec::lower(
+    let p = pipec_compiler::lower(
         &generate(
             &spec(ScheduleKind::OneFOneB, 2, 1, 2, false),
             &Limits::DEFAULT,
@@ -787,7 +787,7 @@ fn compute_comms_round_trip_keeps_compute_and_messages() {
     assert!(specs.len() > 60, "grid too small: {}", specs.len());
     for s in specs {
         let sched = generate(&s, &Limits::DEFAULT).unwrap();
-        let p = pipec::lower(&sched);
+        let p = pipec_compiler::lower(&sched);
         let text = export_csv(&pipec_tests::verified(&p), CsvForm::ComputeComms).unwrap();
         assert_eq!(
             text,
@@ -823,14 +823,14 @@ fn compute_comms_round_trip_keeps_compute_and_messages() {
 fn compute_only_round_trip_equals_lockstep_lowering() {
     for s in grid() {
         let sched = generate(&s, &Limits::DEFAULT).unwrap();
-        let p = pipec::lower(&sched);
+        let p = pipec_compiler::lower(&sched);
         let text = export_csv(&pipec_tests::verified(&p), CsvForm::ComputeOnly).unwrap();
         assert!(!text
             .split("\r\n")
             .any(|l| l.split(',').any(|c| c.is_empty()) && !l.is_empty()));
         let back = import_csv(&text, &opts()).unwrap_or_else(|e| panic!("{s:?}\n{e}"));
         assert_eq!(back.form, CsvForm::ComputeOnly);
-        let want = pipec::lower_orders(
+        let want = pipec_compiler::lower_orders(
             &sched.placement,
             s.microbatches,
             s.forward_only,
@@ -1301,7 +1301,7 @@ mod never_panics {
                 // Whatever imports exports again without error.
                 Ok(i) => {
                     for f in [CsvForm::ComputeOnly, CsvForm::ComputeComms] {
-                        prop_assert!(pipec::back::torch::export_csv_unverified(&pipec_tests::unverified(&i.program), f).is_ok());
+                        prop_assert!(pipec_compiler::torch::export_csv_unverified(&pipec_tests::unverified(&i.program), f).is_ok());
                     }
                 }
             }
@@ -1352,7 +1352,7 @@ mod cli {
                 .assert()
                 .success()
                 .stdout(contains("imported"));
-            let loaded = pipec::back::files::load_dir(&out).unwrap();
+            let loaded = pipec_ir::files::load_dir(&out).unwrap();
             let want = import_csv(&conformance(name), &opts()).unwrap();
             assert_eq!(loaded.program, want.program, "{name}");
             assert_eq!(loaded.manifest.source, "torch-csv");
@@ -1365,7 +1365,7 @@ mod cli {
             assert_eq!(loaded.manifest.comm_policy, policy, "{name}");
             assert_eq!(
                 loaded.manifest.layout,
-                pipec::front::layout::Layout::uniform(want.program.num_stages())
+                pipec_schedules::layout::Layout::uniform(want.program.num_stages())
             );
         }
         // --pp and --placement that agree with the file.
@@ -1446,8 +1446,8 @@ mod cli {
 
 #[test]
 fn export_refuses_what_the_csv_cannot_say() {
-    use pipec::back::torch::ExportError;
-    let mut p = pipec::lower(
+    use pipec_compiler::torch::ExportError;
+    let mut p = pipec_compiler::lower(
         &generate(
             &spec(ScheduleKind::OneFOneB, 2, 1, 2, false),
             &Limits::DEFAULT,
@@ -1464,7 +1464,7 @@ fn export_refuses_what_the_csv_cannot_say() {
         if let Instr::Send { peer: q, .. } = &mut p.ranks[0][first_send] {
             *q = peer;
         }
-        let e = pipec::back::torch::export_csv_unverified(
+        let e = pipec_compiler::torch::export_csv_unverified(
             &pipec_tests::unverified(&p),
             CsvForm::ComputeComms,
         )
@@ -1480,7 +1480,7 @@ fn export_refuses_what_the_csv_cannot_say() {
             "{e}"
         );
         // The compute-only form has no messages to get wrong.
-        assert!(pipec::back::torch::export_csv_unverified(
+        assert!(pipec_compiler::torch::export_csv_unverified(
             &pipec_tests::unverified(&p),
             CsvForm::ComputeOnly
         )
@@ -1494,7 +1494,7 @@ fn export_refuses_what_the_csv_cannot_say() {
         batch: 99,
     });
     assert!(matches!(
-        pipec::back::torch::export_csv_unverified(
+        pipec_compiler::torch::export_csv_unverified(
             &pipec_tests::unverified(&p),
             CsvForm::ComputeComms
         ),
@@ -1507,7 +1507,7 @@ fn export_refuses_what_the_csv_cannot_say() {
 #[test]
 fn export_refuses_bidirectional_placements() {
     let s = spec(ScheduleKind::DualPipe, 4, 1, 8, false);
-    let p = pipec::lower(&generate(&s, &Limits::DEFAULT).unwrap());
+    let p = pipec_compiler::lower(&generate(&s, &Limits::DEFAULT).unwrap());
     for form in [CsvForm::ComputeOnly, CsvForm::ComputeComms] {
         let e = export_csv(&pipec_tests::verified(&p), form).unwrap_err();
         assert!(e.to_string().contains("bidirectional"), "{e}");

@@ -5,12 +5,12 @@
 //! the bound from the costs alone, built-in kinds compiled by `pipec compile`'s path.
 
 use assert_cmd::Command;
-use pipec::front::layout::{self, Layout};
-use pipec::lower::lower;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::tune::{self, greedy, problem::Problem, split, TuneRequest};
-use pipec::verify::{memory::weighted_peaks, verify, VerifyOptions};
+use pipec_compiler::lower::lower;
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_ir::verify::{memory::weighted_peaks, verify, VerifyOptions};
+use pipec_schedules::layout::{self, Layout};
 use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
+use pipec_tune::{greedy, problem::Problem, split, TuneRequest};
 use proptest::prelude::*;
 
 fn pipec() -> Command {
@@ -29,15 +29,15 @@ fn placements(pp: u32, m: u32) -> Vec<Placement> {
     ]
 }
 
-fn simulated(program: &pipec::Program, model: &CostModel, layout: &Layout) -> f64 {
+fn simulated(program: &pipec_ir::Program, model: &CostModel, layout: &Layout) -> f64 {
     let costs = StageCosts::new(model, layout, program.num_stages());
-    pipec::simulate::simulate_unverified(&pipec_tests::unverified(program), &costs)
+    pipec_cost::simulate::simulate_unverified(&pipec_tests::unverified(program), &costs)
         .unwrap()
         .summary
         .makespan
 }
 
-fn valid(program: &pipec::Program) -> bool {
+fn valid(program: &pipec_ir::Program) -> bool {
     let r = verify(program, &VerifyOptions::default());
     if !r.is_valid() {
         eprintln!("{}", r.verdict_line());
@@ -77,7 +77,7 @@ fn lowering_keeps_the_order_time() {
                         };
                         let list = greedy::list_makespan(&p, &plan.orders).unwrap();
                         assert!(close(plan.makespan, list), "{cost} {pl:?} {h:?}");
-                        let prog = tune::lower_timed(&p, &plan.orders).unwrap();
+                        let prog = pipec_tune::lower_timed(&p, &plan.orders).unwrap();
                         let sim = simulated(&prog, &model, &layout);
                         assert!(
                             close(sim, plan.makespan),
@@ -86,8 +86,8 @@ fn lowering_keeps_the_order_time() {
                             h.name(),
                             plan.makespan
                         );
-                        let (act, sparam) = tune::problem::stage_memory(&model, &layout);
-                        let param = tune::problem::rank_params(&pl, &sparam);
+                        let (act, sparam) = pipec_cost::memory::stage_memory(&model, &layout);
+                        let param = pipec_cost::memory::rank_params(&pl, &sparam);
                         let peaks = weighted_peaks(&prog, &act, &param);
                         for (a, b) in peaks.iter().zip(&plan.peak) {
                             assert!(close(*a, *b), "peak {peaks:?} vs plan {:?}", plan.peak);
@@ -98,8 +98,8 @@ fn lowering_keeps_the_order_time() {
                         checked += 1;
                     }
                     // Verifying every heuristic's program is slow in debug builds: the best.
-                    if let Some((plan, _)) = tune::best_plan(&p) {
-                        assert!(valid(&tune::lower_timed(&p, &plan.orders).unwrap()));
+                    if let Some((plan, _)) = pipec_tune::best_plan(&p) {
+                        assert!(valid(&pipec_tune::lower_timed(&p, &plan.orders).unwrap()));
                     }
                 }
             }
@@ -140,7 +140,7 @@ fn request(pp: u32, m: u32, cost: &str, layers: u32) -> TuneRequest {
 }
 
 /// The best built-in kind (fitting the limit) of a tune result.
-fn best_builtin(t: &tune::Tuned) -> &tune::Candidate {
+fn best_builtin(t: &pipec_tune::Tuned) -> &pipec_tune::Candidate {
     t.candidates
         .iter()
         .filter(|c| c.schedule != "tuned" && c.fits)
@@ -148,7 +148,7 @@ fn best_builtin(t: &tune::Tuned) -> &tune::Candidate {
         .unwrap()
 }
 
-fn best_tuned(t: &tune::Tuned) -> &tune::Candidate {
+fn best_tuned(t: &pipec_tune::Tuned) -> &pipec_tune::Candidate {
     t.candidates
         .iter()
         .filter(|c| c.schedule == "tuned" && c.fits)
@@ -163,7 +163,7 @@ fn best_tuned(t: &tune::Tuned) -> &tune::Candidate {
 fn uniform_costs_tuned_is_never_worse_than_the_best_builtin() {
     for pp in [2, 3, 4, 6, 8] {
         for m in [pp, 2 * pp, 4 * pp] {
-            let t = tune::tune(&request(pp, m, "f=1,b=1,w=1", 2 * pp)).unwrap();
+            let t = pipec_tune::tune(&request(pp, m, "f=1,b=1,w=1", 2 * pp)).unwrap();
             let (bt, bb) = (best_tuned(&t), best_builtin(&t));
             assert!(
                 bt.makespan <= bb.makespan + 1e-9,
@@ -188,7 +188,7 @@ fn uneven_costs_tuned_beats_every_builtin() {
         (6, 12, 20),
         (8, 16, 62),
     ] {
-        let base = tune::tune(&request(pp, m, UNEVEN, layers)).unwrap();
+        let base = pipec_tune::tune(&request(pp, m, UNEVEN, layers)).unwrap();
         let one_f_one_b = base
             .candidates
             .iter()
@@ -196,7 +196,7 @@ fn uneven_costs_tuned_beats_every_builtin() {
             .unwrap()
             .peak_memory;
         for limit in [None, Some(1.5 * one_f_one_b), Some(1.0 * one_f_one_b)] {
-            let t = tune::tune(&TuneRequest {
+            let t = pipec_tune::tune(&TuneRequest {
                 memory_limit: limit,
                 ..request(pp, m, UNEVEN, layers)
             })
@@ -230,7 +230,7 @@ fn uneven_costs_tuned_beats_every_builtin() {
 fn reported_figures_are_the_programs() {
     let model = CostModel::parse(&format!("{UNEVEN},t.act=2,E.param=5,t.param=1")).unwrap();
     for (pp, m) in [(4, 8), (4, 12), (2, 6)] {
-        let t = tune::tune(&TuneRequest {
+        let t = pipec_tune::tune(&TuneRequest {
             num_layers: Some(11),
             memory_limit: Some(40.0),
             ..TuneRequest::new(pp, m, model.clone())
@@ -241,8 +241,8 @@ fn reported_figures_are_the_programs() {
             t.best.makespan,
             simulated(t.program(), &model, &t.layout)
         ));
-        let (act, sparam) = tune::problem::stage_memory(&model, &t.layout);
-        let param = tune::problem::rank_params(&t.program().placement, &sparam);
+        let (act, sparam) = pipec_cost::memory::stage_memory(&model, &t.layout);
+        let param = pipec_cost::memory::rank_params(&t.program().placement, &sparam);
         assert_eq!(t.peak_memory, weighted_peaks(t.program(), &act, &param));
         assert!(t.peak_memory.iter().all(|&x| x <= 40.0));
         let back = layout::parse(&t.best.layout).unwrap();
@@ -260,7 +260,7 @@ fn user_layout_is_kept_unless_rebalanced() {
     let model = CostModel::parse(UNEVEN).unwrap();
     let text = "Ettt|ttt|ttt|tttL";
     let user = layout::parse(text).unwrap();
-    let t = tune::tune(&TuneRequest {
+    let t = pipec_tune::tune(&TuneRequest {
         layout: Some(user.clone()),
         ..TuneRequest::new(4, 16, model.clone())
     })
@@ -270,7 +270,7 @@ fn user_layout_is_kept_unless_rebalanced() {
         .candidates
         .iter()
         .all(|c| c.layout == "Et*3|(t*3|)*2,t*3,L"));
-    let r = tune::tune(&TuneRequest {
+    let r = pipec_tune::tune(&TuneRequest {
         layout: Some(user),
         rebalance: true,
         ..TuneRequest::new(4, 16, model)
@@ -304,13 +304,13 @@ proptest! {
     ) {
         let cost = format!("f={f},b={b},w={w},E.f={e},E.b={e},L.f={l},L.b={l},p2p={p2p}");
         let model = CostModel::parse(&cost).unwrap();
-        let free = tune::tune(&TuneRequest { num_layers: Some(layers), ..TuneRequest::new(pp, m, model.clone()) }).unwrap();
+        let free = pipec_tune::tune(&TuneRequest { num_layers: Some(layers), ..TuneRequest::new(pp, m, model.clone()) }).unwrap();
         let peak = free.peak_memory.iter().fold(0.0f64, |a, &x| a.max(x));
         let limit = (peak / slack).max(layers as f64 / pp as f64 + 1.0);
         // Without memory levers here (tune_levers.rs has their random cases: each costs a
         // few seconds unoptimized).
-        let levers = pipec::tune::levers::Levers::NONE;
-        match tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), levers, ..TuneRequest::new(pp, m, model.clone()) }) {
+        let levers = pipec_compiler::target::Levers::NONE;
+        match pipec_tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), levers, ..TuneRequest::new(pp, m, model.clone()) }) {
             Ok(t) => {
                 prop_assert!(t.report().is_valid());
                 prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
@@ -587,14 +587,16 @@ fn brute_force(p: &Problem, costs: &StageCosts) -> Option<f64> {
                 warmup: 0,
             })
             .collect();
-        if let Some(prog) = tune::lower_timed(p, &orders) {
+        if let Some(prog) = pipec_tune::lower_timed(p, &orders) {
             let peaks = weighted_peaks(&prog, &p.act, &p.param);
             if peaks.iter().zip(&p.limit).all(|(x, l)| *x <= l + 1e-9) {
-                let sim =
-                    pipec::simulate::simulate_unverified(&pipec_tests::unverified(&prog), costs)
-                        .unwrap()
-                        .summary
-                        .makespan;
+                let sim = pipec_cost::simulate::simulate_unverified(
+                    &pipec_tests::unverified(&prog),
+                    costs,
+                )
+                .unwrap()
+                .summary
+                .makespan;
                 best = Some(best.map_or(sim, |b: f64| b.min(sim)));
             }
         }
@@ -638,7 +640,7 @@ fn exact_search_agrees_with_brute_force() {
             for limit in [None, Some(2.0), Some(3.0)] {
                 let p = Problem::new(&model, &layout, pl.clone(), m, limit);
                 let brute = brute_force(&p, &costs);
-                let exact = tune::exact::exact(&p, None, u64::MAX);
+                let exact = pipec_tune::exact::exact(&p, None, u64::MAX);
                 assert_eq!(
                     brute.is_some(),
                     exact.is_some(),
@@ -655,15 +657,18 @@ fn exact_search_agrees_with_brute_force() {
                     exact.makespan
                 );
                 // Its orders run in exactly that time.
-                let prog = tune::lower_timed(&p, &exact.orders).unwrap();
+                let prog = pipec_tune::lower_timed(&p, &exact.orders).unwrap();
                 assert!(close(
-                    pipec::simulate::simulate_unverified(&pipec_tests::unverified(&prog), &costs)
-                        .unwrap()
-                        .summary
-                        .makespan,
+                    pipec_cost::simulate::simulate_unverified(
+                        &pipec_tests::unverified(&prog),
+                        &costs
+                    )
+                    .unwrap()
+                    .summary
+                    .makespan,
                     brute
                 ));
-                if let Some((plan, _)) = tune::best_plan(&p) {
+                if let Some((plan, _)) = pipec_tune::best_plan(&p) {
                     assert!(plan.makespan >= brute - 1e-9);
                 }
                 cases += 1;
@@ -720,7 +725,7 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
     );
     let mut m = CostModel::default();
     m.apply(&text, Some("cost.toml")).unwrap();
-    assert!(m.layer(pipec::front::layout::LayerKind::Decoder).f > 0.0);
+    assert!(m.layer(pipec_schedules::layout::LayerKind::Decoder).f > 0.0);
     pipec()
         .args([
             "tune",
@@ -837,7 +842,7 @@ const ZB_TUNE_STRIDE: usize = 11;
 
 /// The mapping is faithful: wherever the golden file has their order, pipec's list schedule
 /// of that order under the mapped costs gives exactly their makespan, and it fits the limit
-/// under pipec's memory rule. pipec's reimplementation of their rules (`tune::zb`) is theirs:
+/// under pipec's memory rule. pipec's reimplementation of their rules (`pipec_tune::zb`) is theirs:
 /// each of the eight variants gives the makespan their code gave, and where their order is
 /// recorded one variant's orders are exactly it. Tune weighs the eight as heuristics on their
 /// placement, so the best plan tune starts its search from is no slower than theirs: checked
@@ -870,7 +875,7 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
         let mut ours = Vec::new();
         let mut seed = f64::INFINITY;
         for (k, (h, rules)) in zb.iter().enumerate() {
-            assert_eq!(*rules, tune::zb::Rules::all()[k]);
+            assert_eq!(*rules, pipec_tune::zb::Rules::all()[k]);
             let want = c["variants"][k].as_f64().unwrap();
             let (orders, got) = match greedy::schedule(&p, h) {
                 Some(plan) => {
@@ -879,7 +884,7 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
                 }
                 None => {
                     // Over the limit (their scheduler checks it before some passes only).
-                    let o = tune::zb::orders(&p, *rules).expect("their rules run");
+                    let o = pipec_tune::zb::orders(&p, *rules).expect("their rules run");
                     assert!(!greedy::order_peaks(&p, &o).1, "{what}: variant {k} fits");
                     let got = greedy::list_makespan(&p, &o).expect("runs");
                     (o, got)
@@ -908,7 +913,7 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
         }
         tuned += 1;
         sizes.insert((pp, m));
-        let t = tune::tune(&TuneRequest {
+        let t = pipec_tune::tune(&TuneRequest {
             layout: Some(lay.clone()),
             memory_limit: limit,
             ..TuneRequest::new(pp, m, model.clone())
@@ -976,7 +981,7 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
 // The README's figures. The tuning table is computed here and must equal the README's
 // (regenerate with `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration
 // readme_tune_table -- --nocapture`); the exact-search gaps, which take minutes, are printed
-// by `cargo test -p pipec-tests --release tune::exact_gaps -- --ignored --nocapture`.
+// by `cargo test -p pipec-tests --release pipec_tune::exact_gaps -- --ignored --nocapture`.
 
 /// The README's table of tune against the best built-in kind.
 fn readme_tune_table() -> String {
@@ -1007,10 +1012,10 @@ fn readme_tune_table() -> String {
         // schedules, without memory levers (README "Fitting memory" has those).
         let any = |limit| TuneRequest {
             memory_limit: limit,
-            levers: pipec::tune::levers::Levers::NONE,
+            levers: pipec_compiler::target::Levers::NONE,
             ..request(pp, m, cost, layers)
         };
-        let base = tune::tune(&any(None)).unwrap();
+        let base = pipec_tune::tune(&any(None)).unwrap();
         let limit = factor.map(|f| {
             f * base
                 .candidates
@@ -1019,7 +1024,7 @@ fn readme_tune_table() -> String {
                 .unwrap()
                 .peak_memory
         });
-        let t = tune::tune(&any(limit)).unwrap();
+        let t = pipec_tune::tune(&any(limit)).unwrap();
         let (bb, bt) = (best_builtin(&t), best_tuned(&t));
         let round = |x: f64| (x * 1e4).round() / 1e4;
         let bound = if round(bt.makespan) == round(t.lower_bound.value) {
@@ -1030,7 +1035,7 @@ fn readme_tune_table() -> String {
         table.push_str(&format!(
             "| {name} | {pp} | {m} | {} | {} {} | {}{bound} | {:.1}% |\n",
             factor.map_or("none".into(), |f| format!("{f}x 1F1B's peak")),
-            tune::describe(bb),
+            pipec_tune::describe(bb),
             round(bb.makespan),
             round(bt.makespan),
             (bb.makespan / bt.makespan - 1.0) * 100.0,
@@ -1081,12 +1086,15 @@ fn exact_gaps() {
             let layout = split::layout_of(&counts, 0);
             for limit in [None, Some(3.0)] {
                 let p = Problem::new(&model, &layout, pl.clone(), m, limit);
-                let Some((plan, _)) = tune::best_plan(&p) else {
+                let Some((plan, _)) = pipec_tune::best_plan(&p) else {
                     continue;
                 };
-                let e =
-                    tune::exact::exact(&p, Some((plan.makespan, plan.orders.clone())), 50_000_000)
-                        .unwrap();
+                let e = pipec_tune::exact::exact(
+                    &p,
+                    Some((plan.makespan, plan.orders.clone())),
+                    50_000_000,
+                )
+                .unwrap();
                 println!(
                     "| {:?} pp={} M={m} {} | {} | {} | {} | {}{} | {:.1}% | {} |",
                     pl.kind,
@@ -1112,11 +1120,11 @@ fn exact_gaps() {
 // ---------------------------------------------------------------------------------------------
 // Targets: which framework runs the winner (`--target`), kinds, and how to run it.
 
-use pipec::tune::{Target, TargetChoice};
+use pipec_compiler::target::{Target, TargetChoice};
 
 /// The programs of every built-in kind at pp=2 and pp=4 (interleaved and looped BFS with
 /// vpp 2 and 3).
-fn builtin_programs() -> Vec<(ScheduleKind, u32, pipec::Program)> {
+fn builtin_programs() -> Vec<(ScheduleKind, u32, pipec_ir::Program)> {
     let mut out = Vec::new();
     for kind in ScheduleKind::ALL {
         for (pp, m) in [(2, 4), (4, 8)] {
@@ -1187,7 +1195,7 @@ fn target_rule_per_builtin_kind() {
     assert!(Target::Megatron.check_placement(&swapped).is_ok());
     // torchtitan's class for each placement (torchtitan 0.3.0 `_get_pp_rank_to_stage_indices_
     // mapping`: "v" style only for ZBVZeroBubble and DualPipeV).
-    let class = |p: &Placement| tune::target::torchtitan_class(p).map(|c| c.0);
+    let class = |p: &Placement| pipec_compiler::target::torchtitan_class(p).map(|c| c.0);
     assert_eq!(class(&Placement::looped(4, 1)), Some("1F1B"));
     assert_eq!(class(&Placement::looped(4, 2)), Some("Interleaved1F1B"));
     assert_eq!(class(&Placement::v_shape(4)), Some("ZBVZeroBubble"));
@@ -1200,7 +1208,7 @@ fn target_rule_per_builtin_kind() {
 /// `pipec.torch._check_loss_order` do.
 #[test]
 fn target_rule_forward_order() {
-    use pipec::ir::Instr;
+    use pipec_ir::ir::Instr;
     use pipec_schedules::Compute;
     let spec = ScheduleSpec::new(ScheduleKind::Gpipe, 2, 1, 2);
     let program = lower(&generate(&spec, &Limits::DEFAULT).unwrap());
@@ -1251,12 +1259,12 @@ fn tune_winner_runs_on_its_target() {
             memory_limit: limit,
             ..TuneRequest::new(pp, m, CostModel::parse(cost).unwrap())
         };
-        let any = tune::tune(&base).unwrap();
+        let any = pipec_tune::tune(&base).unwrap();
         let mut choices: Vec<TargetChoice> = Target::ALL.map(TargetChoice::One).to_vec();
         choices.push(TargetChoice::Every);
         for choice in choices {
             let what = format!("pp={pp} m={m} {cost} limit={limit:?} {}", choice.label());
-            let t = tune::tune(&TuneRequest {
+            let t = pipec_tune::tune(&TuneRequest {
                 target: choice,
                 ..base.clone()
             })
@@ -1293,13 +1301,13 @@ fn tune_winner_runs_on_its_target() {
             CostModel::parse("t.f=1,t.b=1,t.w=1,E.f=1,L.f=2").unwrap(),
         )
     };
-    let any = tune::tune(&req).unwrap();
+    let any = pipec_tune::tune(&req).unwrap();
     assert_eq!(
         any.program().placement.kind,
         pipec_schedules::PlacementKind::Bidirectional
     );
     assert!(Target::Torch.check(any.program()).is_err());
-    let torch = tune::tune(&TuneRequest {
+    let torch = pipec_tune::tune(&TuneRequest {
         target: TargetChoice::One(Target::Torch),
         ..req
     })
@@ -1317,22 +1325,22 @@ fn tune_kinds_and_impossible_targets() {
         target: TargetChoice::One(target),
         ..TuneRequest::new(4, 8, CostModel::default())
     };
-    let t = tune::tune(&req(Some(&["1f1b", "zb-v"]), &[], Target::Any)).unwrap();
+    let t = pipec_tune::tune(&req(Some(&["1f1b", "zb-v"]), &[], Target::Any)).unwrap();
     let mut seen: Vec<&str> = t.candidates.iter().map(|c| c.schedule.as_str()).collect();
     seen.sort();
     assert_eq!(seen, ["1f1b", "zb-v"]);
-    let t = tune::tune(&req(None, &["tuned", "zb-v", "dualpipe"], Target::Any)).unwrap();
+    let t = pipec_tune::tune(&req(None, &["tuned", "zb-v", "dualpipe"], Target::Any)).unwrap();
     assert!(t
         .candidates
         .iter()
         .all(|c| !["tuned", "zb-v", "dualpipe"].contains(&c.schedule.as_str())));
-    let e = tune::tune(&req(Some(&["zb-v"]), &[], Target::Deepspeed)).unwrap_err();
+    let e = pipec_tune::tune(&req(Some(&["zb-v"]), &[], Target::Deepspeed)).unwrap_err();
     assert!(
         e.to_string().starts_with("no candidate runs on deepspeed")
             && e.to_string().contains("zb-v: not runnable on deepspeed: DeepSpeed's PipelineEngine runs one stage per rank"),
         "{e}"
     );
-    let e = tune::tune(&req(Some(&["zb-w"]), &[], Target::Any)).unwrap_err();
+    let e = pipec_tune::tune(&req(Some(&["zb-w"]), &[], Target::Any)).unwrap_err();
     assert!(
         e.to_string().contains("unknown schedule kind `zb-w`"),
         "{e}"
@@ -1371,7 +1379,7 @@ fn heuristics_in_words() {
         assert_eq!(w.contains("as far as memory allows"), h.cap.is_infinite());
         if h.cap.is_finite() {
             assert!(
-                w.contains(&format!("{}x", pipec::simulate::cost::num(h.cap))),
+                w.contains(&format!("{}x", pipec_cost::cost::num(h.cap))),
                 "{w}"
             );
         }

@@ -6,10 +6,11 @@
 //! without its memory instructions, bitwise against the single-thread reference, at the
 //! verifier's measured peaks), and the files (`levers` counts what the rank files hold).
 
-use pipec::ir::{Instr, MemKind, Program};
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::tune::levers::Levers;
-use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
+use pipec_compiler::target::Levers;
+use pipec_compiler::target::{Target, TargetChoice};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_ir::ir::{Instr, MemKind, Program};
+use pipec_tune::{tune, TuneRequest};
 
 /// PipeOffload's units (tests/golden/pipeoffload/README.md): 12 layers a rank, one forward of
 /// a rank = 1, activations of a rank's layers for one microbatch = 1; copy `c` forwards of a
@@ -50,7 +51,7 @@ fn fitted_winners_hold_the_limit_and_run_as_planned() {
             let program = t.program();
             let case = format!(
                 "pp {pp} M {m} copy {c} limit {limit}: {}",
-                pipec::tune::describe(&t.best)
+                pipec_tune::describe(&t.best)
             );
             // The verifier's count: every rank within the limit.
             for (r, p) in t.report().memory.iter().enumerate() {
@@ -62,7 +63,7 @@ fn fitted_winners_hold_the_limit_and_run_as_planned() {
             }
             // The simulator: the makespan reported is the program's.
             let costs = StageCosts::new(&req.model, &t.layout, program.num_stages());
-            let sim = pipec::simulate::simulate(&t.verified, &costs).unwrap();
+            let sim = pipec_cost::simulate::simulate(&t.verified, &costs).unwrap();
             assert!(
                 (sim.summary.makespan - t.best.makespan).abs() < 1e-9,
                 "{case}"
@@ -155,7 +156,7 @@ fn a_lever_turned_off_is_never_pulled() {
             assert!(
                 pulled.iter().all(|&n| n == 0),
                 "{what} off, limit {limit}: {}",
-                pipec::tune::describe(&t.best)
+                pipec_tune::describe(&t.best)
             );
         }
     }
@@ -180,17 +181,13 @@ fn targets_that_cannot_run_them_get_none() {
         ..request(4, 8, 1.0, Some(2.0), Levers::ALL)
     };
     let t = tune(&req).unwrap();
-    assert!(
-        t.best.levers.is_some(),
-        "{}",
-        pipec::tune::describe(&t.best)
-    );
+    assert!(t.best.levers.is_some(), "{}", pipec_tune::describe(&t.best));
     for c in &t.candidates {
         if let Some(l) = &c.levers {
             assert!(
                 l.recomputed.iter().all(|&n| n == 0),
                 "{}",
-                pipec::tune::describe(c)
+                pipec_tune::describe(c)
             );
         }
     }
@@ -244,7 +241,7 @@ fn cli_reports_and_writes_the_fitted_schedule() {
         .unwrap();
     let levers = &winner["levers"];
     assert!(levers.is_object(), "{j}");
-    let loaded = pipec::back::files::load_dir(&out).unwrap().program;
+    let loaded = pipec_ir::files::load_dir(&out).unwrap().program;
     let offloads = count(
         &loaded,
         |i| matches!(i, Instr::Memory(o) if o.kind == MemKind::Offload),
@@ -320,7 +317,7 @@ proptest::proptest! {
                     proptest::prop_assert!(p.peak <= limit * (1.0 + 1e-9));
                 }
                 let costs = StageCosts::new(&model, &t.layout, t.program().num_stages());
-                let sim = pipec::simulate::simulate(&t.verified, &costs).unwrap();
+                let sim = pipec_cost::simulate::simulate(&t.verified, &costs).unwrap();
                 proptest::prop_assert!((sim.summary.makespan - t.best.makespan).abs() < 1e-9);
                 // The bound with the limit and the copies is below what was found.
                 proptest::prop_assert!(t.best.makespan >= t.lower_bound.value - 1e-9);
@@ -376,7 +373,7 @@ fn no_slower_than_pipeoffloads_best() {
         assert!(
             t.best.makespan <= theirs + 1e-9,
             "{id}: {} against PipeOffload's {theirs}",
-            pipec::tune::describe(&t.best)
+            pipec_tune::describe(&t.best)
         );
     }
 }

@@ -2,17 +2,17 @@
 //! verified entry points (which reuse the verifier's matching) give what the unverified ones
 //! (which pair sends and receives themselves) give on the same program.
 
-use pipec::back::files::{self, Encoding, Header};
-use pipec::back::torch::{export_csv, export_csv_unverified, CsvForm};
-use pipec::compile::{compile, CompileRequest};
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::{simulate, simulate_unverified};
-use pipec::verify::{verified, verify, Checked, Unverified, VerifyOptions};
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_compiler::torch::{export_csv, export_csv_unverified, CsvForm};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{simulate, simulate_unverified};
+use pipec_ir::files::{self, Encoding, Header};
+use pipec_ir::verify::{verified, verify, Checked, Unverified, VerifyOptions};
 use pipec_runtime::{load, load_unverified, RunError};
 use pipec_schedules::ScheduleKind;
 use pipec_tests::ir::{fwd, recv};
 
-fn compiled(kind: ScheduleKind, vpp: Option<u32>) -> pipec::Compiled {
+fn compiled(kind: ScheduleKind, vpp: Option<u32>) -> pipec_compiler::Compiled {
     compile(&CompileRequest {
         vpp,
         ..CompileRequest::new(kind, 4, 8)
@@ -35,7 +35,7 @@ fn verified_carries_the_verifiers_report_and_matching() {
         let want = verify(&c.program, &VerifyOptions::default());
         let v = verified(&c.program, &VerifyOptions::default()).expect("valid");
         assert_eq!(v.report(), &want, "{kind}");
-        let m = pipec::ir::Matching::of(&c.program).unwrap();
+        let m = pipec_ir::ir::Matching::of(&c.program).unwrap();
         assert_eq!(
             v.matching().messages(&c.program),
             m.messages(&c.program),
@@ -43,14 +43,14 @@ fn verified_carries_the_verifiers_report_and_matching() {
         );
     }
     // A send that never happens: rejected, with the report `verify` gives.
-    let p = pipec::Program {
+    let p = pipec_ir::Program {
         placement: pipec_schedules::Placement::looped(2, 1),
         microbatches: 1,
         forward_only: true,
         comm: None,
         ranks: vec![
             vec![fwd(0, 0)],
-            vec![recv(0, pipec::Payload::act(0, 0), 0), fwd(1, 0)],
+            vec![recv(0, pipec_ir::Payload::act(0, 0), 0), fwd(1, 0)],
         ],
     };
     let want = verify(&p, &VerifyOptions::default());
@@ -118,7 +118,7 @@ fn load_returns_the_verdict_load_unverified_does_not() {
     let firsts: Vec<usize> = bad.ranks[0]
         .iter()
         .enumerate()
-        .filter(|(_, i)| matches!(i, pipec::Instr::Compute(_)))
+        .filter(|(_, i)| matches!(i, pipec_ir::Instr::Compute(_)))
         .map(|(k, _)| k)
         .take(2)
         .collect();

@@ -2,9 +2,9 @@
 //! on thousands of mutated schedules, published peak-memory formulas, and hand-built
 //! defects whose violations are derived by hand.
 
-use pipec::ir::{Instr, Payload, Program};
-use pipec::lower::lower;
-use pipec::verify::{verify, Class, Report, VerifyOptions, Violation};
+use pipec_compiler::lower::lower;
+use pipec_ir::ir::{Instr, Payload, Program};
+use pipec_ir::verify::{verify, Class, Report, VerifyOptions, Violation};
 use pipec_schedules::{
     generate, Compute, Limits, Placement, Rank, ScheduleKind, ScheduleSpec, Task,
 };
@@ -39,12 +39,12 @@ fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, forward_only: bool) ->
 /// shared by the two directions of a pair (one stream per direction adds no constraint to
 /// rendezvous: on a channel the k-th op's partner is posted before the (k+1)-th's).
 fn check(p: &Program) -> Report {
-    let threads = pipec::par::threads_for(p.len() as u64);
+    let threads = pipec_ir::par::threads_for(p.len() as u64);
     let opts = VerifyOptions::default();
-    pipec::verify::verify_under(p, &opts, pipec::verify::Level::Full, threads, RENDEZVOUS)
+    pipec_ir::verify::verify_under(p, &opts, pipec_ir::verify::Level::Full, threads, RENDEZVOUS)
 }
 
-const RENDEZVOUS: pipec::verify::StreamRule = pipec::verify::StreamRule {
+const RENDEZVOUS: pipec_ir::verify::StreamRule = pipec_ir::verify::StreamRule {
     per_direction: true,
     ops_in_order: false,
 };
@@ -562,9 +562,9 @@ fn mutation() -> impl Strategy<Value = Mutation> {
 
 /// Maximal runs of consecutive comm instructions with one batch id: (start, end).
 fn runs(instrs: &[Instr]) -> Vec<(usize, usize)> {
-    pipec::ir::steps(instrs)
+    pipec_ir::ir::steps(instrs)
         .filter_map(|s| match s {
-            pipec::ir::Step::Batch { ops, .. } => Some((ops.start, ops.end)),
+            pipec_ir::ir::Step::Batch { ops, .. } => Some((ops.start, ops.end)),
             _ => None,
         })
         .collect()
@@ -643,8 +643,8 @@ fn apply(p: &mut Program, mu: &Mutation) {
                     1 => payload.stage.0 = (payload.stage.0 + 1) % stages,
                     _ => {
                         payload.kind = match payload.kind {
-                            pipec::PayloadKind::Act => pipec::PayloadKind::Grad,
-                            pipec::PayloadKind::Grad => pipec::PayloadKind::Act,
+                            pipec_ir::PayloadKind::Act => pipec_ir::PayloadKind::Grad,
+                            pipec_ir::PayloadKind::Grad => pipec_ir::PayloadKind::Act,
                         }
                     }
                 }
@@ -882,17 +882,17 @@ fn cli_check_reports_every_violation_of_a_broken_directory() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("broken");
     let p = ring(true);
-    let layout = pipec::front::layout::Layout::uniform(6);
-    let header = pipec::back::files::Header {
+    let layout = pipec_schedules::layout::Layout::uniform(6);
+    let header = pipec_ir::files::Header {
         source: "generated",
         schedule: None,
         layout: &layout,
     };
-    pipec::back::files::write_unverified(
+    pipec_ir::files::write_unverified(
         &dir,
         &header,
         &pipec_tests::unverified(&p),
-        pipec::back::files::Encoding::Json,
+        pipec_ir::files::Encoding::Json,
     )
     .unwrap();
     let out = pipec().arg("check").arg(&dir).assert().code(1);

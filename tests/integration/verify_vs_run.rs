@@ -1,5 +1,5 @@
 //! The verifier agrees with reality: thousands of randomly mutated schedules, each judged by
-//! `pipec::verify` and then run on the CPU runtime (`pipec_runtime::run::run_cpu_unchecked`, rendezvous
+//! `pipec_ir::verify` and then run on the CPU runtime (`pipec_runtime::run::run_cpu_unchecked`, rendezvous
 //! transport, `--check` against the single-thread reference), with no verification or
 //! structural pre-check in between (the program goes straight from the mutation to the
 //! interpreter).
@@ -39,13 +39,13 @@
 //! before it counts as a disagreement. A short timeout can make a clean run look hung, never
 //! the other way round.
 
-use pipec::front::layout::Layout;
-use pipec::ir::{Instr, Payload, PayloadKind, Program};
-use pipec::verify::{Class, VerifyOptions, Violation};
+use pipec_ir::ir::{Instr, Payload, PayloadKind, Program};
+use pipec_ir::verify::{Class, VerifyOptions, Violation};
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::run::run_cpu_unchecked;
 use pipec_runtime::watchdog::FailureKind;
 use pipec_runtime::{RunError, RunOptions};
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{generate, Limits, Microbatch, ScheduleKind, ScheduleSpec, StageId};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -82,7 +82,9 @@ fn bases() -> Vec<Program> {
                 forward_only,
                 ..ScheduleSpec::new(kind, pp, vpp, m)
             };
-            v.push(pipec::lower(&generate(&spec, &Limits::DEFAULT).unwrap()));
+            v.push(pipec_compiler::lower(
+                &generate(&spec, &Limits::DEFAULT).unwrap(),
+            ));
         }
     }
     v
@@ -312,14 +314,14 @@ fn verifier_verdicts_agree_with_cpu_runs_of_mutated_schedules() {
         }
         // The CPU runtime's transport is rendezvous with FIFO channels and no NCCL streams:
         // the verifier's model with one stream per direction (which adds nothing to it).
-        let rendezvous = pipec::verify::StreamRule {
+        let rendezvous = pipec_ir::verify::StreamRule {
             per_direction: true,
             ops_in_order: false,
         };
-        let report = pipec::verify::verify_under(
+        let report = pipec_ir::verify::verify_under(
             &p,
             &VerifyOptions::default(),
-            pipec::verify::Level::Full,
+            pipec_ir::verify::Level::Full,
             1,
             rendezvous,
         );

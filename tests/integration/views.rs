@@ -3,13 +3,15 @@
 //! parsed back; snapshots of small cases; the CLI's commands and exit codes.
 
 use assert_cmd::Command;
-use pipec::back::files::{self, Header};
-use pipec::back::view::{chrome, dot, svg, timeline_text};
-use pipec::compile::{compile, CompileRequest, Compiled};
-use pipec::front::layout::Layout;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::{simulate, SimError, Simulation};
-use pipec::{Instr, Payload, Program};
+use pipec_compiler::compile::{compile, CompileRequest, Compiled};
+use pipec_compiler::view::{chrome, dot, svg, timeline_text};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{simulate, SimError, Simulation};
+use pipec_ir::files::{self, Header};
+use pipec_ir::Instr;
+use pipec_ir::Payload;
+use pipec_ir::Program;
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{Compute, Placement, Rank, ScheduleKind, Task};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
@@ -409,7 +411,7 @@ fn reference(
 fn check_against_reference(p: &Program, x: f64, rendezvous: bool) -> Result<(), TestCaseError> {
     let spec = format!("f=1,b=0.5,w=0.5,p2p={x},rendezvous={rendezvous}");
     let costs = StageCosts::uniform(&CostModel::parse(&spec).unwrap(), p.num_stages());
-    let got = pipec::simulate::simulate_unverified(&pipec_tests::unverified(p), &costs);
+    let got = pipec_cost::simulate::simulate_unverified(&pipec_tests::unverified(p), &costs);
     match (reference(p, 1.0, x, rendezvous), got) {
         (Ok(want), Ok(s)) => {
             for (r, spans) in want.iter().enumerate() {
@@ -1079,7 +1081,7 @@ fn cli_export() {
         .assert()
         .success();
     // torch CSV: one line per rank, and it imports back to the same compute order.
-    let loaded = pipec::back::files::load_dir(&d).unwrap();
+    let loaded = pipec_ir::files::load_dir(&d).unwrap();
     for (flag, lines) in [
         (None, loaded.program.world()),
         (Some("--compute-only"), loaded.program.world()),
@@ -1092,7 +1094,7 @@ fn cli_export() {
         let out = cmd.assert().success();
         let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
         assert_eq!(text.lines().count() as u32, lines, "{text}");
-        let back = pipec::back::torch::import_csv(&text, &Default::default()).unwrap();
+        let back = pipec_compiler::torch::import_csv(&text, &Default::default()).unwrap();
         assert_eq!(
             back.program.compute_orders(),
             loaded.program.compute_orders()
@@ -1170,7 +1172,7 @@ fn split_and_paired(pp: u32, m: u32) -> (Compiled, Program, Program) {
         })
         .collect();
     let lower = |orders: &[RankOrder]| {
-        pipec::lower_orders(
+        pipec_compiler::lower_orders(
             &c.schedule.placement,
             m,
             false,
@@ -1306,7 +1308,7 @@ fn export_size_flags_are_bounded() {
             .stderr(predicates::str::contains("300 to 32768 pixels"));
     }
     // Every instruction as a node: more than Graphviz lays out, refused unless --full.
-    let loaded = pipec::back::files::load_dir(&d).unwrap();
+    let loaded = pipec_ir::files::load_dir(&d).unwrap();
     assert!(loaded.program.len() > 20_000);
     pipec()
         .arg("export")
@@ -1606,7 +1608,7 @@ fn svg_at_scale_is_an_overview() {
                 let Instr::Compute(op) = ins else { continue };
                 let o = sp.end.min(z) - sp.start.max(a);
                 if o > 0.0 {
-                    let k = pipec::back::view::OpKind::of(op).letter();
+                    let k = pipec_compiler::view::OpKind::of(op).letter();
                     match by_kind.iter_mut().find(|x| x.0 == k) {
                         Some(x) => x.1 += o,
                         None => by_kind.push((k, o)),
@@ -1753,13 +1755,13 @@ fn views_draw_the_copy_stream() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let program = pipec::back::files::load_dir(&out).unwrap().program;
+    let program = pipec_ir::files::load_dir(&out).unwrap().program;
     let copies: Vec<usize> = program
         .ranks
         .iter()
         .map(|r| {
             r.iter()
-                .filter(|i| matches!(i, pipec::ir::Instr::Memory(m) if m.kind.is_copy()))
+                .filter(|i| matches!(i, pipec_ir::ir::Instr::Memory(m) if m.kind.is_copy()))
                 .count()
         })
         .collect();

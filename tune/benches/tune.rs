@@ -6,8 +6,8 @@
 //! default target is `any`), to hold against `pipec compile` of zb-v (at most 10x).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use pipec::simulate::cost::CostModel;
-use pipec::tune::{tune, TuneRequest};
+use pipec_cost::cost::CostModel;
+use pipec_tune::{tune, TuneRequest};
 
 fn bench(c: &mut Criterion) {
     let model =

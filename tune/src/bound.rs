@@ -197,7 +197,7 @@ pub fn with_memory(p: &Problem, copy: Option<&[f64]>) -> Bound {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tune::exact::exact;
+    use crate::exact::exact;
     use pipec_schedules::Placement;
     use proptest::prelude::*;
 

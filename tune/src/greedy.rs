@@ -73,12 +73,12 @@ impl Heuristic {
             if self.cap.is_infinite() {
                 "mem".to_string()
             } else {
-                crate::simulate::cost::num(self.cap)
+                pipec_cost::cost::num(self.cap)
             },
             if self.forward_first { ",F>B" } else { ",B>F" },
             if self.deep_first { ",deep" } else { "" },
             if self.eager_w < 1.0 {
-                format!(",W@{}", crate::simulate::cost::num(self.eager_w))
+                format!(",W@{}", pipec_cost::cost::num(self.eager_w))
             } else {
                 String::new()
             },
@@ -126,7 +126,7 @@ impl Heuristic {
             format!(
                 "forwards in flight capped at {}x the number that fit before the rank's first \
                  backward can arrive",
-                crate::simulate::cost::num(self.cap)
+                pipec_cost::cost::num(self.cap)
             )
         });
         parts.push(if self.deep_first {
@@ -143,7 +143,7 @@ impl Heuristic {
         } else {
             format!(
                 "bwd_W before forwards once activations fill {}% of the memory budget",
-                crate::simulate::cost::num(self.eager_w * 100.0)
+                pipec_cost::cost::num(self.eager_w * 100.0)
             )
         });
         if self.staircase {
@@ -754,15 +754,15 @@ pub fn list_makespan(p: &Problem, orders: &[RankOrder]) -> Option<f64> {
 }
 
 /// The (start, end) of every op of fixed per-rank orders in their list schedule
-/// ([`crate::lower::list::schedule`] under `p`'s costs; see [`list_makespan`]); `None` when
+/// ([`pipec_compiler::lower::list::schedule`] under `p`'s costs; see [`list_makespan`]); `None` when
 /// the orders wait on each other or hold a fused `F&B` op (the tuner's costs have none).
 pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64)>>> {
-    let t = crate::lower::list::schedule(&p.placement, p.microbatches, orders, p);
+    let t = pipec_compiler::lower::list::schedule(&p.placement, p.microbatches, orders, p);
     t.complete.then_some(t.ranks)
 }
 
 /// The tuner's clock: each stage's f, b and w, and `comm` for a tensor between ranks.
-impl crate::lower::list::Clock for Problem {
+impl pipec_compiler::lower::list::Clock for Problem {
     type Time = f64;
     const ZERO: f64 = 0.0;
     const NEVER: f64 = UNSET;
@@ -803,7 +803,7 @@ pub fn order_peaks(p: &Problem, orders: &[RankOrder]) -> (Vec<f64>, bool) {
         .map(|(r, o)| {
             // The verifier's rule (`ir::activations`), weighted by each stage's `act`.
             let peak =
-                crate::ir::activations::order_peak(&o.ops, false, |t| p.act[t.stage.index()]);
+                pipec_ir::ir::activations::order_peak(&o.ops, false, |t| p.act[t.stage.index()]);
             let total = peak + p.param[r];
             if total > p.limit[r] + 1e-9 {
                 fits = false;

@@ -10,40 +10,19 @@
 //! 3. both: the shortest prefix of that checkpoint order after which offloading fits the rest
 //!    (binary search; fewer checkpoints cost less time).
 //!
-//! Every result is simulated and counted by the one memory rule ([`crate::memory`]); the
+//! Every result is simulated and counted by the one memory rule ([`pipec_ir::memory`]); the
 //! fastest that fits is kept.
 
 use super::offload::{self, CopyOp};
-use crate::front::layout::Layout;
-use crate::ir::{Instr, MemKind, MemOp, Program};
-use crate::lower::recompute::checkpoint_tasks;
-use crate::simulate::cost::{CostModel, StageCosts};
-use crate::simulate::{figures, simulate_unverified};
-use crate::verify::Unverified;
+use pipec_compiler::lower::recompute::checkpoint_tasks;
+use pipec_compiler::target::Levers;
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{figures, simulate_unverified};
+use pipec_ir::ir::{Instr, MemKind, MemOp, Program};
+use pipec_ir::verify::Unverified;
+use pipec_schedules::layout::Layout;
 use pipec_schedules::{Compute, Pass, Task};
 use std::collections::HashSet;
-
-/// Which levers the tuner may pull (`--no-offload`, `--no-recompute` turn one off).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Levers {
-    pub offload: bool,
-    pub recompute: bool,
-}
-
-impl Levers {
-    pub const ALL: Levers = Levers {
-        offload: true,
-        recompute: true,
-    };
-    pub const NONE: Levers = Levers {
-        offload: false,
-        recompute: false,
-    };
-
-    pub fn any(self) -> bool {
-        self.offload || self.recompute
-    }
-}
 
 /// A candidate fitted under the limit.
 #[derive(Clone, Debug)]
@@ -77,9 +56,9 @@ pub fn fit(
         return None;
     }
     let costs = StageCosts::new(model, layout, program.num_stages());
-    let mem = crate::memory::weights(program, layout, model);
+    let mem = pipec_cost::memory::weights(program, layout, model);
     let fits = |q: &Program| {
-        crate::memory::peaks(q, &mem)
+        pipec_ir::memory::peaks(q, &mem)
             .iter()
             .all(|p| p.peak <= limit * (1.0 + 1e-12))
     };
@@ -172,7 +151,7 @@ pub fn fit(
 fn with_offload(
     program: &Program,
     costs: &StageCosts,
-    mem: &crate::memory::MemoryModel,
+    mem: &pipec_ir::memory::MemoryModel,
     pair: bool,
     limit: f64,
 ) -> Option<Program> {
@@ -213,7 +192,7 @@ fn with_offload(
 fn copy_time(costs: &StageCosts, pair: bool, t: Task) -> f64 {
     let lone = costs.copy(t.stage).unwrap_or(0.0);
     if pair {
-        lone / crate::simulate::PAIRED_RATE
+        lone / pipec_cost::simulate::PAIRED_RATE
     } else {
         lone
     }
@@ -268,7 +247,7 @@ pub fn insert(program: &Program, plans: &[offload::RankPlan]) -> Program {
 /// checkpointing cannot get a rank there.
 fn belady_order(
     program: &Program,
-    mem: &crate::memory::MemoryModel,
+    mem: &pipec_ir::memory::MemoryModel,
     limit: f64,
 ) -> Option<Vec<(usize, Task)>> {
     let act = |t: Task| mem.act.get(t.stage.index()).copied().unwrap_or(0.0);

@@ -1,4 +1,4 @@
-//! `pipec tune`: the fastest verified schedule for a model's costs and memory, layer split
+//! pipec-tune, `pipec tune`: the fastest verified schedule for a model's costs and memory, layer split
 //! included.
 //!
 //! For every placement (loop with one or two chunks per rank, V) and every candidate layer
@@ -6,33 +6,31 @@
 //! and keeps the best order; the order is lowered with the timed lockstep placement (so the
 //! program keeps the order's time) and simulated. Every built-in kind (with its vpp and group
 //! size choices) is compiled on the same model and simulated too. The fastest candidate whose
-//! peak memory ([`crate::memory`], the rule every command reports) fits the limit wins, after the full
+//! peak memory ([`pipec_ir::memory`], the rule every command reports) fits the limit wins, after the full
 //! verifier has accepted it. [`bound`] gives the lower bound it is measured against; [`exact`]
 //! the optimum of tiny instances.
 
 pub mod bound;
-pub mod calibrate;
 pub mod exact;
 pub mod greedy;
 pub mod levers;
 pub mod offload;
 pub mod problem;
 pub mod split;
-pub mod target;
 pub mod zb;
 
-use crate::front::layout::{LayerKind, Layout, MAX_LAYERS};
-use crate::ir::Program;
-use crate::lower::{lower, Lowering};
-use crate::simulate::cost::{CostModel, StageCosts};
-use crate::simulate::{simulate, Summary};
-use crate::verify::{self, Report, Verified};
+use pipec_compiler::lower::{lower, Lowering};
+use pipec_compiler::target::{self, Levers, Target, TargetChoice};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{simulate, Summary};
+use pipec_ir::ir::Program;
+use pipec_ir::verify::{self, Report, Verified};
+use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
 use pipec_schedules::{
     generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
 };
 use problem::Problem;
 use serde::Serialize;
-pub use target::{Target, TargetChoice};
 use thiserror::Error;
 
 /// What to tune.
@@ -62,7 +60,7 @@ pub struct TuneRequest {
     pub exclude_kinds: Vec<String>,
     /// The memory levers a candidate over `memory_limit` may be fitted with (offload,
     /// recompute; `--no-offload`, `--no-recompute`), where the target runs them.
-    pub levers: levers::Levers,
+    pub levers: Levers,
 }
 
 impl TuneRequest {
@@ -81,7 +79,7 @@ impl TuneRequest {
             target: TargetChoice::One(Target::Any),
             kinds: None,
             exclude_kinds: Vec::new(),
-            levers: levers::Levers::ALL,
+            levers: Levers::ALL,
         }
     }
 }
@@ -238,7 +236,7 @@ pub fn lower_timed(p: &Problem, orders: &[pipec_schedules::RankOrder]) -> Option
         times: &times,
         transfer: p.comm,
     };
-    crate::lower::lower_with(&p.placement, p.microbatches, false, orders, how).ok()
+    pipec_compiler::lower::lower_with(&p.placement, p.microbatches, false, orders, how).ok()
 }
 
 /// A built-in kind's program as the tuner weighs it: the kind's own lowering, except
@@ -609,8 +607,8 @@ impl Tuned {
 
     /// The header of the written files (`layout` from [`Tuned::file_layout`]): a built-in
     /// kind that won is `generated` with its spec; a plan of the tuner's own is `tuned`.
-    pub fn header<'a>(&self, layout: &'a Layout) -> crate::back::files::Header<'a> {
-        crate::back::files::Header {
+    pub fn header<'a>(&self, layout: &'a Layout) -> pipec_ir::files::Header<'a> {
+        pipec_ir::files::Header {
             source: if self.spec.is_some() {
                 "generated"
             } else {
@@ -773,10 +771,11 @@ fn finish(
     let costs = StageCosts::new(model, &layout, program.num_stages());
     // Makespan and bubble only: the winner is verified and simulated in full once chosen.
     let sim =
-        crate::simulate::figures(&crate::verify::Unverified::unchecked(program), &costs).ok()?;
-    // The one memory rule every command reports ([`crate::memory`]).
-    let mem = crate::memory::weights(program, &layout, model);
-    let peaks: Vec<f64> = crate::memory::peaks(program, &mem)
+        pipec_cost::simulate::figures(&pipec_ir::verify::Unverified::unchecked(program), &costs)
+            .ok()?;
+    // The one memory rule every command reports ([`pipec_ir::memory`]).
+    let mem = pipec_cost::memory::weights(program, &layout, model);
+    let peaks: Vec<f64> = pipec_ir::memory::peaks(program, &mem)
         .iter()
         .map(|p| p.peak)
         .collect();
@@ -867,9 +866,9 @@ fn group_sizes(pp: u32) -> Vec<u32> {
 /// A memory figure for people: GiB/MiB when the model's memory is in bytes, else a number.
 pub fn fmt_mem(x: f64, bytes: bool) -> String {
     let unit = if bytes {
-        crate::memory::Unit::Bytes
+        pipec_ir::memory::Unit::Bytes
     } else {
-        crate::memory::Unit::LayerActivations
+        pipec_ir::memory::Unit::LayerActivations
     };
     unit.with_unit(x)
 }
@@ -1031,7 +1030,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         let extra = lever_plans(req, user_stages, l);
         fit_over_limit(req, &mut built, extra, l, levers);
     }
-    let bytes = crate::memory::unit_of(&req.model) == crate::memory::Unit::Bytes;
+    let bytes = pipec_cost::memory::unit_of(&req.model) == pipec_ir::memory::Unit::Bytes;
     let runnable = |b: &Built| b.cand.not_runnable.is_none();
     let mut order: Vec<usize> = (0..built.len())
         .filter(|&i| built[i].cand.fits && runnable(&built[i]))
@@ -1118,8 +1117,8 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         let Some(program) = built[i].program.take() else {
             continue;
         };
-        let mem = crate::memory::weights(&program, &built[i].layout, &req.model);
-        let threads = crate::par::threads_for(program.len() as u64);
+        let mem = pipec_cost::memory::weights(&program, &built[i].layout, &req.model);
+        let threads = pipec_ir::par::threads_for(program.len() as u64);
         let Ok(verified) = verify::verified_with(program, threads, &mem, None) else {
             continue;
         };
@@ -1337,7 +1336,7 @@ fn fit_over_limit(
     built: &mut Vec<Built>,
     extra: Vec<Built>,
     limit: f64,
-    levers: levers::Levers,
+    levers: Levers,
 ) {
     let fitting = built
         .iter()
@@ -1373,7 +1372,7 @@ fn fit_over_limit(
             }
         }
     }
-    let fit_one = |i: usize, levers: levers::Levers| -> Option<Built> {
+    let fit_one = |i: usize, levers: Levers| -> Option<Built> {
         let b = &built[i];
         // The kept program as it is; a built-in kind dropped while another led, generated again.
         let program = match (&b.program, b.spec) {
@@ -1421,7 +1420,7 @@ fn fit_over_limit(
     });
     let mut done: Vec<Option<Built>> = (0..todo.len()).map(|_| None).collect();
     let mut best = f64::INFINITY;
-    let copies_only = levers::Levers {
+    let copies_only = Levers {
         recompute: false,
         ..levers
     };

@@ -46,8 +46,8 @@ pub struct RankInput {
 /// Every rank's compute ops with their simulated spans (`timeline`, one span per
 /// instruction as the simulator gives them) and `base(r)` as the rank's fixed memory.
 pub fn inputs(
-    program: &crate::ir::Program,
-    timeline: &crate::simulate::timeline::Timeline,
+    program: &pipec_ir::ir::Program,
+    timeline: &pipec_cost::timeline::Timeline,
     base: impl Fn(usize) -> f64,
 ) -> Vec<RankInput> {
     program

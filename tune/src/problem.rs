@@ -1,8 +1,9 @@
 //! A tuning instance: the per-stage costs and memory of one model split over one placement.
 
-use crate::front::layout::Layout;
-use crate::simulate::cost::{CostModel, StageCosts};
-use pipec_schedules::{Pass, Placement, Rank, StageId, Task};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::memory::{holders, rank_params, stage_memory};
+use pipec_schedules::layout::Layout;
+use pipec_schedules::{Pass, Placement, StageId, Task};
 
 /// What the schedulers plan against: dense per-stage tables, the placement and the memory
 /// each rank may fill with activations.
@@ -23,41 +24,6 @@ pub struct Problem {
     pub limit: Vec<f64>,
     /// Time a tensor takes between two ranks (`p2p + msg / bw`); 0 on one rank.
     pub comm: f64,
-}
-
-/// Per-stage activation memory and per-stage parameter memory of a layout under a model.
-pub fn stage_memory(model: &CostModel, layout: &Layout) -> (Vec<f64>, Vec<f64>) {
-    let mut act = Vec::with_capacity(layout.stages.len());
-    let mut param = Vec::with_capacity(layout.stages.len());
-    for st in &layout.stages {
-        act.push(st.iter().map(|&k| model.layer_memory(k).act).sum());
-        param.push(st.iter().map(|&k| model.layer_memory(k).param).sum());
-    }
-    (act, param)
-}
-
-/// The ranks that hold a stage's parameters: its rank, and for a bidirectional placement
-/// (DualPipe) also the mirrored one.
-pub fn holders(placement: &Placement, stage: u32) -> Vec<Rank> {
-    let mut v = vec![placement.rank_of(Task::new(stage, 0))];
-    if let Some(h) = placement.mirror_from() {
-        let r = placement.rank_of(Task::new(stage, h));
-        if !v.contains(&r) {
-            v.push(r);
-        }
-    }
-    v
-}
-
-/// Parameter memory per rank of a placement.
-pub fn rank_params(placement: &Placement, stage_param: &[f64]) -> Vec<f64> {
-    let mut out = vec![0.0; placement.pp as usize];
-    for (s, p) in stage_param.iter().enumerate() {
-        for r in holders(placement, s as u32) {
-            out[r.index()] += p;
-        }
-    }
-    out
 }
 
 impl Problem {

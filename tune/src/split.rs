@@ -1,8 +1,8 @@
 //! The layer split: how many decoder layers each stage gets, embedding, loss and MTP layers
 //! accounted for, and the Megatron layout string that says so.
 
-use crate::front::layout::{LayerKind, Layout};
-use crate::simulate::cost::CostModel;
+use pipec_cost::cost::CostModel;
+use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{Placement, StageId};
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -240,7 +240,7 @@ mod tests {
         ] {
             let l = layout_of(&counts, mtp);
             let s = layout_string(&l);
-            let back = crate::front::layout::parse(&s).unwrap_or_else(|e| panic!("{s}: {e}"));
+            let back = pipec_schedules::layout::parse(&s).unwrap_or_else(|e| panic!("{s}: {e}"));
             assert_eq!(back.stages, l.stages, "{s}");
         }
         assert_eq!(

@@ -24,7 +24,7 @@
 //! microbatches in increasing order, so the `j`-th receive filed under chunk `c` carries
 //! microbatch `j`.
 
-use crate::ir::{Instr, Payload};
+use pipec_ir::ir::{Instr, Payload};
 use pipec_schedules::{Compute, MegatronP2p, Rank};
 
 /// The four tensor slots of one `_communicate` call.

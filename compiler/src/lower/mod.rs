@@ -31,7 +31,7 @@ mod megatron;
 pub mod recompute;
 mod timed;
 
-use crate::ir::{Instr, Payload, PayloadKind, Program};
+use pipec_ir::ir::{Instr, Payload, PayloadKind, Program};
 use pipec_schedules::{
     CommPolicy, Compute, MegatronP2p, Pass, Placement, Rank, RankOrder, Schedule, StageId, Task,
 };
@@ -609,8 +609,8 @@ pub fn lower_orders(
 /// threads to pay (a small one is lowered in microseconds).
 fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) -> Vec<T> {
     let ops = orders.iter().map(|o| o.ops.len() as u64).sum::<u64>();
-    let threads = crate::par::threads_for(ops);
-    crate::par::try_map(orders.len(), threads, |i, _: &mut ()| {
+    let threads = pipec_ir::par::threads_for(ops);
+    pipec_ir::par::try_map(orders.len(), threads, |i, _: &mut ()| {
         Ok::<_, std::convert::Infallible>(f(&orders[i]))
     })
     .unwrap_or_else(|never| match never {})
@@ -814,7 +814,7 @@ mod tests {
     /// `fwd_bwd` pairs and forward-only programs included.
     #[test]
     fn order_peaks_are_the_programs_peaks() {
-        use crate::ir::activations::{order_peak, peaks};
+        use pipec_ir::ir::activations::{order_peak, peaks};
         for kind in ScheduleKind::ALL {
             for (pp, m) in [(2, 4), (4, 8), (4, 12)] {
                 for forward_only in [false, true] {
@@ -845,8 +845,8 @@ mod tests {
     /// put back in the serial order).
     #[test]
     fn two_threads_report_what_one_does() {
-        use crate::ir::Instr;
-        use crate::verify::{verify_under, Level, StreamRule, VerifyOptions};
+        use pipec_ir::ir::Instr;
+        use pipec_ir::verify::{verify_under, Level, StreamRule, VerifyOptions};
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut next = |n: usize| {
             seed ^= seed << 13;

@@ -9,7 +9,7 @@
 //! depend on N, see `pipec_schedules::megatron_recompute`). A forward-only program has no
 //! backward, hence no recompute.
 
-use crate::ir::{Instr, MemKind, MemOp, Program};
+use pipec_ir::ir::{Instr, MemKind, MemOp, Program};
 use pipec_schedules::{Compute, Pass, RankCheckpoints, Task};
 use std::collections::HashSet;
 use thiserror::Error;

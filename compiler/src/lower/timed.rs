@@ -19,7 +19,7 @@
 //! no op behind one its peer posts later, so the program is deadlock-free.
 
 use super::{op_io, Endpoint, LowerError};
-use crate::ir::{Instr, Payload};
+use pipec_ir::ir::{Instr, Payload};
 use pipec_schedules::{Placement, Rank, RankOrder};
 
 /// One message: produced at `e` by op `op` of rank `from`, consumed by op `use_at` of `to`.
@@ -68,8 +68,8 @@ pub(super) fn lower_timed(
     let cells = placement.num_stages() as usize * m;
     let slot = |pl: &Payload| -> usize {
         let k = match pl.kind {
-            crate::ir::PayloadKind::Act => 0,
-            crate::ir::PayloadKind::Grad => cells,
+            pipec_ir::ir::PayloadKind::Act => 0,
+            pipec_ir::ir::PayloadKind::Grad => cells,
         };
         k + pl.stage.index() * m + pl.mb.index()
     };

@@ -44,9 +44,9 @@
 
 use super::action::{Action, ActionType, Cell};
 use super::CsvForm;
-use crate::ir::Matching;
-use crate::ir::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
-use crate::verify::{Unverified, Verified};
+use pipec_ir::ir::Matching;
+use pipec_ir::ir::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
+use pipec_ir::verify::{Unverified, Verified};
 use pipec_schedules::{Compute, Pass, Rank, StageId};
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -382,8 +382,8 @@ fn comms_line(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::verify::{verified, VerifyOptions};
     use crate::{compile, CompileRequest};
+    use pipec_ir::verify::{verified, VerifyOptions};
     use pipec_schedules::ScheduleKind;
 
     /// `kind` at pp=2, M=4 with memory instructions on every rank: the forwards of even

@@ -17,12 +17,12 @@
 //! [`MAX_MICROBATCHES`], and stages x microbatches within [`Limits::DEFAULT`]) so a short
 //! file cannot make pipec allocate without bound.
 
-#[cfg(doc)]
-use crate::back::torch::action::MAX_MICROBATCHES;
-use crate::back::torch::action::{parse_cell, Action, ActionType, Cell, CsvErrorKind, MAX_STAGES};
-use crate::back::torch::CsvForm;
-use crate::ir::{Instr, Payload, Program};
 use crate::lower::lower_orders;
+#[cfg(doc)]
+use crate::torch::action::MAX_MICROBATCHES;
+use crate::torch::action::{parse_cell, Action, ActionType, Cell, CsvErrorKind, MAX_STAGES};
+use crate::torch::CsvForm;
+use pipec_ir::ir::{Instr, Payload, Program};
 use pipec_schedules::{
     CommPolicy, Compute, Limits, Placement, PlacementKind, Rank, RankOrder, StageId, Task,
 };

@@ -8,24 +8,23 @@
 //!
 //! - [`export_csv`]`(&program, form)` writes either form (used by `pipec export --format torch-csv`).
 //! - [`import_csv`]`(text, &opts)` / [`import_csv_bytes`] read either form into a [`Program`]
-//!   (the importer lives in the front end, [`crate::front::torch_csv`])
+//!   (the importer lives in the front end, [`crate::torch::import`])
 //!   (used by `pipec import` and `pipec check FILE.csv`); errors are [`CsvError`]s whose
 //!   `Display` echoes the line with a caret under the offending cell.
 //! - [`action`] is the cell grammar both share.
 //!
-//! [`Program`]: crate::ir::Program
+//! [`Program`]: pipec_ir::ir::Program
 
 pub mod action;
 pub mod export;
+pub mod import;
 pub mod order;
 
 pub use action::{Action, ActionType, Cell, CsvErrorKind};
 pub use export::{
     export_cells, export_cells_unverified, export_csv, export_csv_unverified, ExportError,
 };
-// The importer is a front end (`crate::front::torch_csv`); its names stay reachable here,
-// beside the exporter, for callers that treat the CSV as one format.
-pub use crate::front::torch_csv::{
+pub use import::{
     import_csv, import_csv_bytes, CsvError, ImportOptions, Imported, PlacementChoice,
     PlacementSource,
 };

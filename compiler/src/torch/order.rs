@@ -19,7 +19,7 @@
 //! rank. Deterministic; linear in the program size. Per-peer FIFO order is never changed: the
 //! k-th send to a peer always completes with the k-th recv there, before the (k+1)-th.
 
-use crate::ir::{steps, Matching, OptIdx, Program, Step};
+use pipec_ir::ir::{steps, Matching, OptIdx, Program, Step};
 use std::collections::VecDeque;
 
 /// For each rank, the instruction indices in the order to write them.

@@ -8,9 +8,9 @@
 //! microseconds. Times start at the timeline's earliest span.
 
 use super::{comm_name, op_name, timeline_text::origin, Filter};
-use crate::ir::Matching;
-use crate::ir::{Instr, PayloadKind, Program};
-use crate::simulate::timeline::{TimeUnit, Timeline};
+use pipec_cost::timeline::{TimeUnit, Timeline};
+use pipec_ir::ir::Matching;
+use pipec_ir::ir::{Instr, PayloadKind, Program};
 use pipec_schedules::Pass;
 use std::fmt::Write as _;
 
@@ -80,7 +80,7 @@ impl TraceBuilder {
         for &r in &rows {
             kept_rank[r] = true;
         }
-        let kept = |at: crate::ir::InstrRef, sp: crate::simulate::timeline::Span| {
+        let kept = |at: pipec_ir::ir::InstrRef, sp: pipec_cost::timeline::Span| {
             kept_rank.get(at.rank.index()).copied().unwrap_or(false)
                 && filter.keeps(sp.start - t0, sp.end - t0)
         };
@@ -112,7 +112,7 @@ impl TraceBuilder {
                                 copy_rows[r] = true;
                                 (copy_tid + r, "copy")
                             }
-                            crate::ir::MemKind::Recompute => (r, "recompute"),
+                            pipec_ir::ir::MemKind::Recompute => (r, "recompute"),
                             _ => (r, "memory"),
                         };
                         let _ = write!(
@@ -256,7 +256,7 @@ impl TraceBuilder {
     }
 }
 
-fn span(timeline: &Timeline, at: crate::ir::InstrRef) -> Option<crate::simulate::timeline::Span> {
+fn span(timeline: &Timeline, at: pipec_ir::ir::InstrRef) -> Option<pipec_cost::timeline::Span> {
     timeline
         .ranks
         .get(at.rank.index())?

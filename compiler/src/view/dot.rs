@@ -9,8 +9,8 @@
 //! microbatch, edges counting the messages between them).
 
 use super::{comm_name, op_name, OpKind};
-use crate::ir::Matching;
-use crate::ir::{Instr, InstrRef, PayloadKind, Program};
+use pipec_ir::ir::Matching;
+use pipec_ir::ir::{Instr, InstrRef, PayloadKind, Program};
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;

@@ -1,4 +1,4 @@
-//! Views of a program and a [`Timeline`](crate::simulate::timeline::Timeline): the terminal timeline,
+//! Views of a program and a [`Timeline`](pipec_cost::timeline::Timeline): the terminal timeline,
 //! Chrome/Perfetto traces, SVG pictures and Graphviz graphs. Every renderer takes the program
 //! and a timeline, simulated or measured, so the runtime's measurements render the same way.
 //! Renderers are pure (text in memory, deterministic); the CLI writes the files.
@@ -9,7 +9,7 @@ pub mod report;
 pub mod svg;
 pub mod timeline_text;
 
-use crate::ir::{Instr, PayloadKind, Program};
+use pipec_ir::ir::{Instr, PayloadKind, Program};
 use pipec_schedules::{Compute, Pass};
 
 /// Which part of a timeline a trace or picture shows: some ranks, a time window (in the
@@ -140,7 +140,9 @@ pub fn op_name(op: &Compute) -> String {
 /// checkpointed forward as its forward, and a `recompute` as the forward it repeats.
 pub fn drawn_compute(ins: &Instr) -> Option<Compute> {
     match ins {
-        Instr::Memory(m) if m.kind == crate::ir::MemKind::Recompute => Some(Compute::Fwd(m.task)),
+        Instr::Memory(m) if m.kind == pipec_ir::ir::MemKind::Recompute => {
+            Some(Compute::Fwd(m.task))
+        }
         _ => ins.as_compute(),
     }
 }
@@ -148,8 +150,8 @@ pub fn drawn_compute(ins: &Instr) -> Option<Compute> {
 /// The copies of a rank (offloads, reloads) with their spans, for the copy-stream row.
 pub fn copies<'a>(
     instrs: &'a [Instr],
-    spans: &'a [crate::simulate::timeline::Span],
-) -> impl Iterator<Item = (usize, crate::ir::MemOp, crate::simulate::timeline::Span)> + 'a {
+    spans: &'a [pipec_cost::timeline::Span],
+) -> impl Iterator<Item = (usize, pipec_ir::ir::MemOp, pipec_cost::timeline::Span)> + 'a {
     instrs
         .iter()
         .zip(spans)

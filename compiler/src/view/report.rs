@@ -1,10 +1,10 @@
 //! What a simulation reports, as `pipec simulate` prints it and `pipec.Schedule.simulate()`
 //! returns it: the schedule's one-line title and the JSON document. Presentation only: the
-//! figures are [`crate::simulate`]'s.
+//! figures are [`pipec_cost::simulate`]'s.
 
-use crate::ir::Program;
-use crate::simulate::cost::CostModel;
-use crate::simulate::{SimError, Simulation, BUBBLE};
+use pipec_cost::cost::CostModel;
+use pipec_cost::simulate::{SimError, Simulation, BUBBLE};
+use pipec_ir::ir::Program;
 
 /// A one-line name for a schedule, as `pipec simulate` prints it: `1f1b pp=4 vpp=1
 /// microbatches=8`, or for an import `torch-csv schedule, 2 ranks, 4 stages, microbatches=2`.
@@ -17,8 +17,8 @@ pub fn schedule_title(
         Some(s) => s.label(),
         None => format!(
             "{source} schedule, {}, {}, microbatches={}",
-            crate::words::count(program.world(), "rank"),
-            crate::words::count(program.num_stages(), "stage"),
+            pipec_ir::words::count(program.world(), "rank"),
+            pipec_ir::words::count(program.num_stages(), "stage"),
             program.microbatches
         ),
     }
@@ -43,8 +43,8 @@ pub fn json_report(
                 "mean_bubble_ratio": s.mean_bubble(),
                 "bubble": BUBBLE,
                 "max_bubble_ratio": s.max_bubble(),
-                "peak_activations": crate::tidy::figure(s.peak_activations()),
-                "peak_memory": crate::tidy::figure(s.peak_memory()),
+                "peak_activations": pipec_cost::rounding::figure(s.peak_activations()),
+                "peak_memory": pipec_cost::rounding::figure(s.peak_memory()),
                 "memory_unit": s.memory_unit,
                 "instructions": program.len(),
                 "ranks": s.ranks,

@@ -10,8 +10,8 @@
 use super::{
     chunk_of, chunks, fmt_num, nice_step, op_label, op_name, timeline_text::origin, Filter, OpKind,
 };
-use crate::ir::{Instr, Program};
-use crate::simulate::timeline::{TimeUnit, Timeline};
+use pipec_cost::timeline::{TimeUnit, Timeline};
+use pipec_ir::ir::{Instr, Program};
 use std::fmt::Write as _;
 
 /// Every op, or an overview per rank and time bucket.
@@ -398,7 +398,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
                     continue;
                 }
                 let (a, b) = ((sp.start - t0).max(from), (sp.end - t0).min(to));
-                let (what, fill) = if m.kind == crate::ir::MemKind::Offload {
+                let (what, fill) = if m.kind == pipec_ir::ir::MemKind::Offload {
                     ("offload", "#6b6b6b")
                 } else {
                     ("reload", "#2f2f2f")

@@ -7,9 +7,9 @@
 //! in lowercase (and, with colour, in the bright shade) so interleaving is visible.
 
 use super::{chunk_of, chunks, fmt_num, nice_step, op_label, OpKind};
-use crate::ir::Program;
-use crate::simulate::timeline::{TimeUnit, Timeline};
-use crate::simulate::Summary;
+use pipec_cost::simulate::Summary;
+use pipec_cost::timeline::{TimeUnit, Timeline};
+use pipec_ir::ir::Program;
 use std::fmt::Write as _;
 
 /// How to draw.
@@ -422,7 +422,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
             any = true;
             let c0 = ((s * scale).floor().max(0.0) as usize).min(used - 1);
             let c1 = ((e * scale).ceil().max(0.0) as usize).clamp(c0 + 1, used);
-            let ch = if m.kind == crate::ir::MemKind::Offload {
+            let ch = if m.kind == pipec_ir::ir::MemKind::Offload {
                 '>'
             } else {
                 '<'
@@ -622,7 +622,7 @@ fn wrap(items: &[String], sep: &str, room: usize) -> Vec<String> {
 }
 
 /// The figures under the timeline: makespan, then per rank busy time, bubble and peak
-/// memory ([`crate::memory`]: parameters + live activations, labelled with its unit).
+/// memory ([`pipec_ir::memory`]: parameters + live activations, labelled with its unit).
 pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -633,7 +633,7 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
         summary.mean_bubble() * 100.0,
         summary.memory_unit.with_unit(summary.peak_memory())
     );
-    let _ = writeln!(out, "bubble = {}", crate::simulate::BUBBLE);
+    let _ = writeln!(out, "bubble = {}", pipec_cost::simulate::BUBBLE);
     let rows: Vec<[String; 5]> = summary
         .ranks
         .iter()
@@ -680,8 +680,8 @@ pub fn render_summary(summary: &Summary, unit: TimeUnit) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::Instr;
-    use crate::simulate::timeline::Span;
+    use pipec_cost::timeline::Span;
+    use pipec_ir::ir::Instr;
     use pipec_schedules::{Compute, Placement, Task};
 
     /// A measured timeline (microseconds since some epoch) draws like a simulated one that

@@ -4,8 +4,8 @@
 
 use super::units::parse_bytes;
 use super::{MAX_VALUE, MIN_VALUE};
-use crate::front::layout::LayerKind;
-use crate::simulate::model::{Dtype, ModelShape, Norm, Recompute, MODEL_KEYS, REQUIRED};
+use crate::model::{Dtype, ModelShape, Norm, Recompute, MODEL_KEYS, REQUIRED};
+use pipec_schedules::layout::LayerKind;
 use thiserror::Error;
 
 /// The keys a spec may hold, for error messages.

@@ -54,9 +54,9 @@ mod units;
 pub use lang::{CostError, CostErrorKind, KEYS};
 pub use units::{bytes, num, parse_memory, MAX_MEMORY};
 
-use crate::front::layout::{LayerKind, Layout};
-use crate::simulate::model::ModelShape;
+use crate::model::ModelShape;
 use lang::{entries, err, memory_value, number, parse_shape, Key};
+use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;
 use std::fmt;
@@ -122,7 +122,7 @@ pub struct CostModel {
     pub memory: [LayerMemory; 4],
     /// Whether `memory` is in bytes: some `K.act`/`K.param` was given with a byte unit
     /// (`1GiB`); plain numbers then count bytes too. Otherwise memory is counted in
-    /// layer-activations ([`crate::memory`]).
+    /// layer-activations ([`pipec_ir::memory`]).
     pub memory_bytes: bool,
     /// The `[model]` table the per-kind figures were derived from, if any.
     pub shape: Option<ModelShape>,
@@ -633,7 +633,7 @@ pub struct StageCosts {
     /// False when the layout's stage count did not match the program's, and every stage was
     /// costed as one decoder layer instead.
     pub layout_used: bool,
-    /// Per stage: `K.act` and `K.param` summed over its layers ([`crate::memory`]).
+    /// Per stage: `K.act` and `K.param` summed over its layers ([`pipec_ir::memory`]).
     pub act: Vec<f64>,
     pub param: Vec<f64>,
     /// Per stage: one microbatch's activations copied one way ([`CostModel::offload_time`]
@@ -944,7 +944,7 @@ mod tests {
     #[test]
     fn stage_costs_follow_the_layout() {
         let m = CostModel::parse("f=1,b=2,w=1,E.f=0.5,L.f=0.25,L.b=0.5,floor=0.1").unwrap();
-        let layout = crate::front::layout::parse("Ett|t||tL").unwrap();
+        let layout = pipec_schedules::layout::parse("Ett|t||tL").unwrap();
         let c = StageCosts::new(&m, &layout, 4);
         assert!(c.layout_used);
         assert_eq!(c.pass(Pass::Fwd, StageId(0)), Some(2.5));
@@ -1025,7 +1025,7 @@ mod tests {
         // The spec reads back to the same model.
         assert_eq!(CostModel::parse(&b.spec()).unwrap(), b);
         assert_eq!(CostModel::parse(&m.spec()).unwrap(), m);
-        let costs = StageCosts::new(&m, &crate::front::layout::parse("Et|tt|tL").unwrap(), 3);
+        let costs = StageCosts::new(&m, &pipec_schedules::layout::parse("Et|tt|tL").unwrap(), 3);
         assert_eq!(costs.copy(StageId(1)), Some(0.5));
         assert_eq!(costs.copy(StageId(0)), Some(0.35));
         for (spec, want) in [

@@ -69,7 +69,7 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sealed_by: Option<String>,
     /// The cost model the schedule was planned with (`pipec tune`, or `pipec compile
-    /// --cost`), as the full spec `pipec::simulate::cost::CostModel::spec` writes;
+    /// --cost`), as the full spec `pipec_cost::cost::CostModel::spec` writes;
     /// `show`, `simulate` and `check` use it unless given `--cost`/`--cost-file`. Absent
     /// without one, so those files are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]

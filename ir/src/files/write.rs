@@ -324,7 +324,7 @@ impl Prepared<'_> {
     }
 
     /// Record the cost model the schedule was planned with (the spec text of
-    /// `pipec::simulate::cost::CostModel::spec`) in the manifest's `cost`.
+    /// `pipec_cost::cost::CostModel::spec`) in the manifest's `cost`.
     pub fn with_cost(mut self, cost: Option<String>) -> Self {
         self.cost = cost;
         self

@@ -1,6 +1,6 @@
 //! The lowered program: per-rank instruction streams with explicit communication.
 //!
-//! This is pipec's IR. Generation produces it through `pipec::lower`, the torch importer
+//! This is pipec's IR. Generation produces it through `pipec_compiler::lower`, the torch importer
 //! produces it from CSV, the instruction-file loader reads it back; the verifier, the
 //! simulator, the emitters and the runtime all consume it. Ids in a `Program` read from a file
 //! are untrusted: the verifier range-checks them before anything indexes with them.

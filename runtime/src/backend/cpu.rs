@@ -8,8 +8,8 @@ use crate::model::{
     self, Ctx, GradAccum, LayerPartial, LayerStash, ModelConfig, Stage, StageGrads, Tensor,
 };
 use crate::transport::Transport;
-use pipec::front::layout::LayerKind;
-use pipec::ir::Instr;
+use pipec_ir::ir::Instr;
+use pipec_schedules::layout::LayerKind;
 use pipec_schedules::{Rank, Task};
 use std::collections::BTreeMap;
 use std::sync::Arc;

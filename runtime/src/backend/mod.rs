@@ -1,16 +1,15 @@
 //! What the interpreter asks of a device: compute passes on (stage, microbatch) tasks and
 //! batched point-to-point communication. The CPU reference backend ([`cpu`]) and the CUDA
-//! backend ([`cuda`]) implement the same trait, so the interpreter is written once; what the
+//! backend (crate `pipec-cuda`) implement the same trait, so the interpreter is written once; what the
 //! step driver asks beyond it is [`crate::driver::StepBackend`].
 //!
 //! Tensors stay opaque to the interpreter (associated types): it only moves them between its
 //! tables, the backend and the transport.
 
 pub mod cpu;
-pub mod cuda;
 pub mod noop;
 
-use pipec::ir::Payload;
+use pipec_ir::ir::Payload;
 use pipec_schedules::{Rank, Task};
 use std::time::Duration;
 use thiserror::Error;

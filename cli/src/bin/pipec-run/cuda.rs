@@ -2,10 +2,10 @@
 
 use crate::args::{Args, DtypeArg};
 use crate::report::{json_head, ms, print_json, print_memory, print_steps, write_trace, Interp};
-use pipec::verify::Checked;
-use pipec_runtime::backend::cuda::calibrate::{calibrate, layer_flops, tflops};
-use pipec_runtime::backend::cuda::launch;
-use pipec_runtime::backend::cuda::run::{run_cuda, CudaRunOptions, Dtype};
+use pipec_cuda::calibrate::{calibrate, layer_flops, tflops};
+use pipec_cuda::launch;
+use pipec_cuda::run::{run_cuda, CudaRunOptions, Dtype};
+use pipec_ir::verify::Checked;
 use pipec_runtime::load::Runnable;
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::RunError;
@@ -207,7 +207,7 @@ pub fn run(
 
 /// The last step's high watermark of each GPU's memory pool (every buffer the backend
 /// allocates: weights, gradient sums, activations, reloads), the most over the ranks on it.
-fn print_gpu_memory(report: &pipec_runtime::backend::cuda::run::CudaRunReport) {
+fn print_gpu_memory(report: &pipec_cuda::run::CudaRunReport) {
     let Some(last) = report.run.steps.last() else {
         return;
     };
@@ -223,7 +223,7 @@ fn print_gpu_memory(report: &pipec_runtime::backend::cuda::run::CudaRunReport) {
     }
     let list: Vec<String> = per_gpu
         .iter()
-        .map(|(g, b)| format!("GPU {g} {}", pipec::memory::Unit::Bytes.fmt(*b as f64)))
+        .map(|(g, b)| format!("GPU {g} {}", pipec_ir::memory::Unit::Bytes.fmt(*b as f64)))
         .collect();
     println!(
         "GPU memory pool peak (last step, all ranks on a GPU together): {}",

@@ -14,9 +14,9 @@ mod report;
 
 use args::{trace_steps, world, Args, BackendKind};
 use clap::Parser;
-use pipec::back::files::MANIFEST_FILE;
-use pipec::simulate::cost::CostModel;
-use pipec::verify::Checked;
+use pipec_cost::cost::CostModel;
+use pipec_ir::files::MANIFEST_FILE;
+use pipec_ir::verify::Checked;
 use pipec_runtime::load::Runnable;
 use pipec_runtime::model::ModelConfig;
 use pipec_runtime::run::{memory_model, run_cpu_with_memory};
@@ -48,10 +48,10 @@ fn run(args: &Args) -> Result<(), RunError> {
     if args.backend == BackendKind::Cuda {
         // A multi-process launch needs NCCL as `libnccl.so`; with only `libnccl.so.2` this
         // re-executes pipec-run once with a link directory on LD_LIBRARY_PATH.
-        let launch = pipec_runtime::backend::cuda::launch::from_vars(|k| std::env::var(k).ok())
+        let launch = pipec_cuda::launch::from_vars(|k| std::env::var(k).ok())
             .map_err(|e| RunError::Usage(e.to_string()))?;
         if launch.as_ref().is_some_and(|l| l.world_size > 1) {
-            pipec_runtime::backend::cuda::reexec_for_nccl().map_err(RunError::Usage)?;
+            pipec_cuda::reexec_for_nccl().map_err(RunError::Usage)?;
         }
     }
     if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= 1e6) {
@@ -158,7 +158,7 @@ fn run_loaded<P: Checked>(
     if report.traced.is_empty() {
         write_trace(args, loaded.program.program(), &report.timeline)?;
     } else if let Some(p) = &args.trace {
-        let mut b = pipec::back::view::chrome::TraceBuilder::new();
+        let mut b = pipec_compiler::view::chrome::TraceBuilder::new();
         for (step, t) in &report.traced {
             b.add(
                 &format!("measured (pipec-run) step {}", step + 1),
@@ -197,8 +197,8 @@ fn cuda_info() -> Result<(), RunError> {
     {
         // When NCCL is nowhere, the report below says where it looked.
         #[cfg(unix)]
-        let _ = pipec_runtime::backend::cuda::reexec_for_nccl();
-        let (lines, all) = pipec_runtime::backend::cuda::library_report();
+        let _ = pipec_cuda::reexec_for_nccl();
+        let (lines, all) = pipec_cuda::library_report();
         for l in &lines {
             println!("{l}");
         }

@@ -119,7 +119,7 @@ pub(crate) struct Interp {
 
 impl Interp {
     pub(crate) fn measure(
-        program: &pipec::ir::Program,
+        program: &pipec_ir::ir::Program,
         steps: &[pipec_runtime::run::StepReport],
     ) -> Self {
         let per_rank_us = pipec_runtime::run::interpreter_us(program);
@@ -156,7 +156,7 @@ impl Interp {
 pub(crate) fn json_head(
     args: &Args,
     dir: &std::path::Path,
-    m: &pipec::back::files::Manifest,
+    m: &pipec_ir::files::Manifest,
     cfg: ModelConfig,
     backend: &str,
     dtype: &str,
@@ -183,11 +183,12 @@ pub(crate) fn json_head(
 /// `--trace FILE`: the measured timeline as a Chrome trace.
 pub(crate) fn write_trace(
     args: &Args,
-    program: &pipec::ir::Program,
-    timeline: &pipec::simulate::timeline::Timeline,
+    program: &pipec_ir::ir::Program,
+    timeline: &pipec_cost::timeline::Timeline,
 ) -> Result<(), RunError> {
     if let Some(p) = &args.trace {
-        let text = pipec_runtime::trace::chrome_trace(program, timeline);
+        let text =
+            pipec_compiler::view::chrome::chrome_trace("measured (pipec-run)", program, timeline);
         std::fs::write(p, text)
             .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", p.display())))?;
     }

@@ -1,7 +1,7 @@
 //! `pipec calibrate`: per-layer-kind costs from a measured timeline, as a cost file.
 
 use super::{print_json, CliError};
-use pipec::tune::calibrate::{cost_file, fit, samples};
+use pipec_cost::calibrate::{cost_file, fit, samples};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -27,7 +27,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let layout = match (&a.schedule, &a.layout) {
         (Some(dir), _) => super::load(dir)?.manifest.layout,
-        (None, Some(text)) => pipec::front::layout::parse(text)
+        (None, Some(text)) => pipec_schedules::layout::parse(text)
             .map_err(|e| CliError::Invalid(super::layout::render_error(&e)))?,
         (None, None) => {
             return Err(CliError::Usage(
@@ -47,7 +47,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 println!(
                     "fitted {} passes (rms error {} ms) -> {}",
                     f.samples,
-                    pipec::simulate::cost::num(f.rms_ms),
+                    pipec_cost::cost::num(f.rms_ms),
                     p.display()
                 );
             }

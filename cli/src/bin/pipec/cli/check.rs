@@ -1,13 +1,13 @@
 //! `pipec check DIR|FILE.csv [--pp N] [--cost SPEC] [--cost-file F] [--memory-limit 80GiB] [--all-risks] [--strict] [--json]`:
 //! verify a compiled directory or a torch CSV schedule and print the verdict, every
-//! violation, a summary of the risks and the peak memory of each rank ([`pipec::memory`]).
+//! violation, a summary of the risks and the peak memory of each rank ([`pipec_ir::memory`]).
 //! Exit 0 valid, 1 invalid (or risks under `--strict`), 2 usage or I/O error (missing
 //! directory, refused files). Under `--json` stdout always holds one JSON document, an error
 //! too, so a consumer never reads an empty one.
 
 use super::CliError;
-use pipec::verify::risk::Risk;
-use pipec::verify::{verify_with, Level, Report};
+use pipec_ir::verify::risk::Risk;
+use pipec_ir::verify::{verify_with, Level, Report};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -21,12 +21,12 @@ pub struct Args {
     pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (default: read off the file).
     #[arg(long, value_parser = super::import::parse_placement)]
-    placement: Option<pipec::back::torch::PlacementChoice>,
+    placement: Option<pipec_compiler::torch::PlacementChoice>,
     /// Most memory a rank may hold (parameters + live activations): bytes with a unit
     /// (80GiB) when the cost model gives memory in bytes, or a plain number of
     /// layer-activations.
     #[arg(long, value_parser = super::parse_limit, allow_hyphen_values = true)]
-    memory_limit: Option<pipec::memory::Limit>,
+    memory_limit: Option<pipec_cost::memory::Limit>,
     /// The cost model memory is counted with (K.act, K.param); default: the one the
     /// manifest records, else one layer-activation per decoder layer.
     #[command(flatten)]
@@ -93,13 +93,13 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
 /// its content; pipec's own files are told apart and refused with their directory named).
 fn judge(a: Args) -> Result<Checked, CliError> {
     // The verifier with memory counted under `model` against the limit in its unit.
-    let run = |program: &pipec::Program,
-               layout: &pipec::front::layout::Layout,
-               model: &pipec::simulate::cost::CostModel|
+    let run = |program: &pipec_ir::Program,
+               layout: &pipec_schedules::layout::Layout,
+               model: &pipec_cost::cost::CostModel|
      -> Result<Report, CliError> {
-        let mem = pipec::memory::weights(program, layout, model);
+        let mem = pipec_cost::memory::weights(program, layout, model);
         let limit = super::resolve_limit(a.memory_limit, mem.unit)?;
-        let threads = pipec::par::threads_for(program.len() as u64);
+        let threads = pipec_ir::par::threads_for(program.len() as u64);
         Ok(verify_with(program, Level::Full, threads, &mem, limit))
     };
     if a.input.is_file() {
@@ -107,9 +107,9 @@ fn judge(a: Args) -> Result<Checked, CliError> {
         // verified as written (each P2P action its own batch: see the README).
         let model = a.cost.model()?;
         let imported = super::import::read_csv(&a.input, a.pp, a.placement)?;
-        let layout = pipec::front::layout::Layout::uniform(imported.program.num_stages());
+        let layout = pipec_schedules::layout::Layout::uniform(imported.program.num_stages());
         let report = run(&imported.program, &layout, &model)?;
-        let caveat = (imported.form == pipec::back::torch::CsvForm::ComputeOnly)
+        let caveat = (imported.form == pipec_compiler::torch::CsvForm::ComputeOnly)
             .then_some(super::import::COMPUTE_ONLY_CAVEAT);
         return Ok(Checked {
             report,

@@ -10,11 +10,11 @@
 use super::compile::{compile_error, parse_kind};
 use super::simulate::{run_sim, title, CostArgs};
 use super::{print_json, CliError};
-use pipec::compile::{compile, CompileRequest};
-use pipec::front::layout::{LayerKind, Layout};
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::{simulate_unverified, SimError, Simulation, BUBBLE};
-use pipec::verify::Unverified;
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{simulate_unverified, SimError, Simulation, BUBBLE};
+use pipec_ir::verify::Unverified;
+use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{ChunkRule, ScheduleKind};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -232,8 +232,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                     "makespan": s.summary.makespan,
                     "mean_bubble_ratio": s.summary.mean_bubble(),
                     "max_bubble_ratio": s.summary.max_bubble(),
-                    "peak_activations": pipec::tidy::figure(s.summary.peak_activations()),
-                    "peak_memory": pipec::tidy::figure(s.summary.peak_memory()),
+                    "peak_activations": pipec_cost::rounding::figure(s.summary.peak_activations()),
+                    "peak_memory": pipec_cost::rounding::figure(s.summary.peak_memory()),
                     "memory_unit": s.summary.memory_unit,
                     "ranks": s.summary.ranks,
                 }),
@@ -258,7 +258,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         println!("bubble: {BUBBLE}");
         println!(
             "peak mem: the worst rank's parameters + live activations, in {}",
-            pipec::memory::unit_of(&model).label()
+            pipec_cost::memory::unit_of(&model).label()
         );
         print!("{}", table(&rows));
         if !same_model {
@@ -303,7 +303,7 @@ fn table(rows: &[Row]) -> String {
                     r.name.clone(),
                     model_name(r.model),
                     r.instructions.to_string(),
-                    pipec::simulate::cost::num(m),
+                    pipec_cost::cost::num(m),
                     match base {
                         Some((b, bm)) if bm != r.model => {
                             format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE))

@@ -1,11 +1,11 @@
 //! `pipec compile`: generate, lower, verify, write. With `--config FILE`, many schedules at
-//! once (see [`pipec::compile::sweep`]), on all cores, with a summary table.
+//! once (see [`pipec_compiler::compile::sweep`]), on all cores, with a summary table.
 
 use super::CliError;
-use pipec::back::files::{self, Header};
-use pipec::compile::sweep;
-use pipec::compile::{compile, CompileError, CompileRequest};
-use pipec::verify::Unverified;
+use pipec_compiler::compile::sweep;
+use pipec_compiler::compile::{compile, CompileError, CompileRequest};
+use pipec_ir::files::{self, Header};
+use pipec_ir::verify::Unverified;
 use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, SpecError};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,7 +78,7 @@ pub struct Args {
     /// violation: bytes with a unit (80GiB) when the cost model gives memory in bytes
     /// (--cost t.act=1.5GiB), or a plain number of layer-activations.
     #[arg(long, value_parser = super::parse_limit, allow_hyphen_values = true)]
-    pub memory_limit: Option<pipec::memory::Limit>,
+    pub memory_limit: Option<pipec_cost::memory::Limit>,
     /// The cost model memory is counted with (K.act, K.param); recorded in the manifest.
     #[command(flatten)]
     pub cost: super::simulate::CostArgs,
@@ -168,14 +168,14 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
     let model = a.cost.model()?;
-    let unit = pipec::memory::unit_of(&model);
+    let unit = pipec_cost::memory::unit_of(&model);
     let limit = super::resolve_limit(a.memory_limit, unit)?;
     let progress = super::spinner("generating and lowering");
     // The orders are lowered: freed here, before verifying and writing.
     let c = compile(&a.request()?)
         .map_err(compile_error)?
         .into_lowered();
-    let mem = pipec::memory::weights(&c.program, &c.layout, &model);
+    let mem = pipec_cost::memory::weights(&c.program, &c.layout, &model);
     if a.no_verify {
         eprintln!(
             "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
@@ -321,10 +321,10 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     // One thread per configuration: the sweep already runs one configuration per core.
     let prepared = files::prepare(&header, &c.program, a.format.encoding());
     // A sweep counts in layer-activations (its files give no cost model).
-    let mem = pipec::memory::weights(
+    let mem = pipec_cost::memory::weights(
         &c.program,
         &c.layout,
-        &pipec::simulate::cost::CostModel::default(),
+        &pipec_cost::cost::CostModel::default(),
     );
     let limit = cfg
         .memory_limit
@@ -374,7 +374,7 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
             "--cost and --cost-file do not apply to --config: a sweep counts memory in layer-activations".to_string(),
         ));
     }
-    super::resolve_limit(a.memory_limit, pipec::memory::Unit::LayerActivations)?;
+    super::resolve_limit(a.memory_limit, pipec_ir::memory::Unit::LayerActivations)?;
     let text = super::read_text("--config", path)?;
     let configs = sweep::parse(&text, a.limits())
         .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
@@ -433,7 +433,7 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
                 "{:w$}  {:>6}  {ranks:>5}  {instructions:>12}  {:>8}  {seconds:>8.3}",
                 cfg.name,
                 "ok",
-                pipec::simulate::cost::num(peak)
+                pipec_cost::cost::num(peak)
             ),
             Some(Outcome::Failed { io: is_io, reason }) => {
                 if is_io {
@@ -477,7 +477,7 @@ fn parse_p2p(s: &str) -> Result<MegatronP2p, String> {
 
 /// The verdict line with at most 16 per-rank peaks: at pp = 100000 the full list is one line
 /// of 100,000 numbers. `pipec check` prints them all.
-fn short_verdict(r: &pipec::verify::Report, out: &std::path::Path) -> String {
+fn short_verdict(r: &pipec_ir::verify::Report, out: &std::path::Path) -> String {
     const KEEP: usize = 16;
     let line = r.verdict_line();
     if r.memory.len() <= KEEP || !r.is_valid() {

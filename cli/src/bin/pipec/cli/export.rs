@@ -3,10 +3,10 @@
 
 use super::simulate::{run_sim, sim_error, title, CostArgs};
 use super::CliError;
-use pipec::back::files::Loaded;
-use pipec::back::torch::{export_csv_unverified, CsvForm};
-use pipec::back::view::{chrome, dot, svg, Filter};
-use pipec::verify::Unverified;
+use pipec_compiler::torch::{export_csv_unverified, CsvForm};
+use pipec_compiler::view::{chrome, dot, svg, Filter};
+use pipec_ir::files::Loaded;
+use pipec_ir::verify::Unverified;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,7 +46,7 @@ pub struct Args {
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
     #[arg(long, value_parser = super::import::parse_placement)]
-    pub placement: Option<pipec::back::torch::PlacementChoice>,
+    pub placement: Option<pipec_compiler::torch::PlacementChoice>,
     /// Output format.
     #[arg(long, value_enum)]
     pub format: Format,

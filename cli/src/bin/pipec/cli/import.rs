@@ -4,13 +4,13 @@
 //! caret under the cell), 2 for usage and I/O errors.
 
 use super::CliError;
-use pipec::back::files::{self, Header};
-use pipec::back::torch::{
+use pipec_compiler::torch::{
     import_csv_bytes, CsvErrorKind, CsvForm, ImportOptions, Imported, PlacementChoice,
     PlacementSource,
 };
-use pipec::front::layout::Layout;
-use pipec::verify::Unverified;
+use pipec_ir::files::{self, Header};
+use pipec_ir::verify::Unverified;
+use pipec_schedules::layout::Layout;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -36,7 +36,7 @@ pub struct Args {
     /// (80GiB) when the cost model gives memory in bytes, or a plain number of
     /// layer-activations.
     #[arg(long, value_parser = super::parse_limit, allow_hyphen_values = true)]
-    pub memory_limit: Option<pipec::memory::Limit>,
+    pub memory_limit: Option<pipec_cost::memory::Limit>,
     /// The cost model memory is counted with (K.act, K.param); recorded in the manifest.
     #[command(flatten)]
     pub cost: super::simulate::CostArgs,
@@ -153,7 +153,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     let layout = match &a.layout {
         None => Layout::uniform(program.num_stages()),
         Some(text) => {
-            let l = pipec::front::layout::parse(text)
+            let l = pipec_schedules::layout::parse(text)
                 .map_err(|e| CliError::Invalid(super::layout::render_error(&e)))?;
             if l.num_stages() != program.num_stages() {
                 return Err(CliError::Invalid(format!(
@@ -171,8 +171,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     }
     // Written as `pipec compile` writes (streamed), in place only once verified.
     let model = a.cost.model()?;
-    let limit = super::resolve_limit(a.memory_limit, pipec::memory::unit_of(&model))?;
-    let mem = pipec::memory::weights(program, &layout, &model);
+    let limit = super::resolve_limit(a.memory_limit, pipec_cost::memory::unit_of(&model))?;
+    let mem = pipec_cost::memory::weights(program, &layout, &model);
     let header = header(&layout);
     let prepared = files::prepare(&header, program, files::Encoding::Json)
         .with_cost(a.cost.given().then(|| model.spec()));

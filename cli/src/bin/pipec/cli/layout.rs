@@ -1,7 +1,7 @@
 //! `pipec layout`: the expanded stage table.
 
 use super::{print_json, CliError};
-use pipec::front::layout::{self, LayoutError, LayoutErrorKind};
+use pipec_schedules::layout::{self, LayoutError, LayoutErrorKind};
 use std::path::Path;
 use std::process::ExitCode;
 

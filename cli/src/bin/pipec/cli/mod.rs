@@ -16,7 +16,7 @@ mod tune;
 mod window;
 
 use clap::{Parser, Subcommand};
-use pipec::back::files;
+use pipec_ir::files;
 use std::fmt;
 use std::process::ExitCode;
 
@@ -127,23 +127,23 @@ impl fmt::Display for CliError {
     }
 }
 
-/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches` ([`pipec::words::count`]).
+/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches` ([`pipec_ir::words::count`]).
 pub fn count(n: usize, noun: &str) -> String {
-    pipec::words::count(n as u64, noun)
+    pipec_ir::words::count(n as u64, noun)
 }
 
 /// `--memory-limit` of every command: bytes with a unit (`80GiB`) or a plain number in the
-/// unit memory is reported in ([`pipec::memory::Limit`]). A negative value gets its own reason
+/// unit memory is reported in ([`pipec_cost::memory::Limit`]). A negative value gets its own reason
 /// instead of clap's "unexpected argument" (it took `-5` for a flag).
-pub fn parse_limit(s: &str) -> Result<pipec::memory::Limit, String> {
-    pipec::memory::Limit::parse(s)
+pub fn parse_limit(s: &str) -> Result<pipec_cost::memory::Limit, String> {
+    pipec_cost::memory::Limit::parse(s)
 }
 
 /// The limit in the report's unit; bytes against a cost model without byte memory is invalid
 /// input (exit 1, as any other bad value) that says what to add.
 pub fn resolve_limit(
-    limit: Option<pipec::memory::Limit>,
-    unit: pipec::memory::Unit,
+    limit: Option<pipec_cost::memory::Limit>,
+    unit: pipec_ir::memory::Unit,
 ) -> Result<Option<f64>, CliError> {
     limit
         .map(|l| l.resolve(unit))
@@ -172,9 +172,9 @@ pub fn read_text(what: &str, path: &std::path::Path) -> Result<String, CliError>
     })
 }
 
-/// Print JSON to stdout with a trailing newline, floats rounded ([`pipec::tidy`]).
+/// Print JSON to stdout with a trailing newline, floats rounded ([`pipec_cost::rounding`]).
 pub fn print_json<T: serde::Serialize>(v: &T) {
-    let v = pipec::tidy::tidy(serde_json::to_value(v).expect("serializable"));
+    let v = pipec_cost::rounding::tidy(serde_json::to_value(v).expect("serializable"));
     println!(
         "{}",
         serde_json::to_string_pretty(&v).expect("serializable")
@@ -182,17 +182,17 @@ pub fn print_json<T: serde::Serialize>(v: &T) {
 }
 
 /// Load a compiled directory, mapping refusal to exit 2 (I/O) as the CLI contract says.
-pub fn load(dir: &std::path::Path) -> Result<pipec::back::files::Loaded, CliError> {
+pub fn load(dir: &std::path::Path) -> Result<pipec_ir::files::Loaded, CliError> {
     load_then(dir, |_| ()).map(|(loaded, ())| loaded)
 }
 
 /// [`load`], running `then` (the verifier) while the schedule hash is checked
-/// ([`pipec::back::files::load_dir_then`]).
+/// ([`pipec_ir::files::load_dir_then`]).
 pub fn load_then<T: Send>(
     dir: &std::path::Path,
-    then: impl FnOnce(&pipec::back::files::Loaded) -> T,
-) -> Result<(pipec::back::files::Loaded, T), CliError> {
-    pipec::back::files::load_dir_then(dir, then).map_err(|e| CliError::Usage(e.to_string()))
+    then: impl FnOnce(&pipec_ir::files::Loaded) -> T,
+) -> Result<(pipec_ir::files::Loaded, T), CliError> {
+    pipec_ir::files::load_dir_then(dir, then).map_err(|e| CliError::Usage(e.to_string()))
 }
 
 /// A compiled directory, or a torch CSV file recognised by being a file (its content decides,
@@ -200,12 +200,12 @@ pub fn load_then<T: Send>(
 pub fn load_any(
     path: &std::path::Path,
     pp: Option<u32>,
-    placement: Option<pipec::back::torch::PlacementChoice>,
-) -> Result<pipec::back::files::Loaded, CliError> {
+    placement: Option<pipec_compiler::torch::PlacementChoice>,
+) -> Result<pipec_ir::files::Loaded, CliError> {
     if path.is_file() {
         let imported = import::read_csv(path, pp, placement)?;
-        let layout = pipec::front::layout::Layout::uniform(imported.program.num_stages());
-        return pipec::back::files::load_files(&import::render_imported(&imported, &layout))
+        let layout = pipec_schedules::layout::Layout::uniform(imported.program.num_stages());
+        return pipec_ir::files::load_files(&import::render_imported(&imported, &layout))
             .map_err(|e| CliError::Usage(e.to_string()));
     }
     if pp.is_some() || placement.is_some() {
@@ -260,34 +260,36 @@ pub fn write_gated<'p>(
 
 /// What a written schedule's memory is checked against: the model and the limit in its unit.
 pub struct MemoryCheck<'a> {
-    pub model: &'a pipec::memory::MemoryModel,
+    pub model: &'a pipec_ir::memory::MemoryModel,
     pub limit: Option<f64>,
 }
 
 /// Verify a program that is about to be written; refuse (exit 1, every violation listed)
 /// when it is invalid, so an invalid schedule never reaches the disk.
 pub fn verify_before_write<'p>(
-    program: &'p pipec::Program,
+    program: &'p pipec_ir::Program,
     memory: MemoryCheck<'_>,
     out: &std::path::Path,
-) -> Result<pipec::verify::Verified<&'p pipec::Program>, CliError> {
-    let threads = pipec::par::threads_for(program.len() as u64);
+) -> Result<pipec_ir::verify::Verified<&'p pipec_ir::Program>, CliError> {
+    let threads = pipec_ir::par::threads_for(program.len() as u64);
     verify_before_write_on(program, memory, out, threads)
 }
 
-/// [`verify_before_write`] on at most `threads` threads ([`pipec::verify::verify_on`]).
+/// [`verify_before_write`] on at most `threads` threads ([`pipec_ir::verify::verify_on`]).
 pub fn verify_before_write_on<'p>(
-    program: &'p pipec::Program,
+    program: &'p pipec_ir::Program,
     memory: MemoryCheck<'_>,
     out: &std::path::Path,
     threads: usize,
-) -> Result<pipec::verify::Verified<&'p pipec::Program>, CliError> {
-    pipec::verify::verified_with(program, threads, memory.model, memory.limit).map_err(|rejected| {
-        let r = rejected.report;
-        let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
-        for v in &r.violations {
-            msg.push_str(&format!("\n  [{}] {v}", v.class()));
-        }
-        CliError::Invalid(msg)
-    })
+) -> Result<pipec_ir::verify::Verified<&'p pipec_ir::Program>, CliError> {
+    pipec_ir::verify::verified_with(program, threads, memory.model, memory.limit).map_err(
+        |rejected| {
+            let r = rejected.report;
+            let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
+            for v in &r.violations {
+                msg.push_str(&format!("\n  [{}] {v}", v.class()));
+            }
+            CliError::Invalid(msg)
+        },
+    )
 }

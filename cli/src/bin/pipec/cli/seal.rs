@@ -1,5 +1,5 @@
 //! `pipec seal DIR`: recompute the hashes of a directory whose files another tool wrote or
-//! edited, so that `pipec check` judges their content ([`pipec::back::files::seal_dir`]).
+//! edited, so that `pipec check` judges their content ([`pipec_ir::files::seal_dir`]).
 //! Exit 0 sealed (or nothing to seal), 2 a file missing, unreadable or malformed (the
 //! loader's message, naming the file and the field or line), as `check` reports a refused
 //! directory.
@@ -19,7 +19,7 @@ pub struct Args {
 const NAMED: usize = 5;
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
-    let s = pipec::back::files::seal_dir(&a.dir).map_err(|e| CliError::Usage(e.to_string()))?;
+    let s = pipec_ir::files::seal_dir(&a.dir).map_err(|e| CliError::Usage(e.to_string()))?;
     let dir = a.dir.display();
     if s.unchanged {
         println!(
@@ -31,7 +31,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         "sealed {dir}: {}, {}; manifest marked `sealed_by: {}`",
         super::count(s.ranks as usize, "rank file"),
         super::count(s.instructions as usize, "instruction"),
-        pipec::back::files::SEALED_BY
+        pipec_ir::files::SEALED_BY
     );
     if !s.changed.is_empty() {
         let named: Vec<&str> = s.changed.iter().take(NAMED).map(|c| c.as_str()).collect();

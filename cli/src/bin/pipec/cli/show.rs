@@ -3,8 +3,8 @@
 
 use super::simulate::{run_sim, sim_error, title, CostArgs};
 use super::CliError;
-use pipec::back::view::timeline_text::{render, render_summary, TextOptions};
-use pipec::simulate::timeline::TimeUnit;
+use pipec_compiler::view::timeline_text::{render, render_summary, TextOptions};
+use pipec_cost::timeline::TimeUnit;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,7 +27,7 @@ pub struct Args {
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
     #[arg(long, value_parser = super::import::parse_placement)]
-    pub placement: Option<pipec::back::torch::PlacementChoice>,
+    pub placement: Option<pipec_compiler::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
     /// Total width in columns, 20 to 10000 (default: $COLUMNS within that range, else 100).
@@ -127,7 +127,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if a.window.from.is_some_and(|f| f >= makespan) {
         return Err(CliError::Usage(format!(
             "--from is past the end of the schedule (makespan {})",
-            pipec::simulate::cost::num(makespan)
+            pipec_cost::cost::num(makespan)
         )));
     }
     let opts = TextOptions {
@@ -149,9 +149,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         };
         println!(
             "window: {shown}, time {} to {} of {}",
-            pipec::simulate::cost::num(a.window.from.unwrap_or(0.0)),
-            pipec::simulate::cost::num(a.window.to.unwrap_or(makespan).min(makespan)),
-            pipec::simulate::cost::num(makespan)
+            pipec_cost::cost::num(a.window.from.unwrap_or(0.0)),
+            pipec_cost::cost::num(a.window.to.unwrap_or(makespan).min(makespan)),
+            pipec_cost::cost::num(makespan)
         );
     }
     println!();

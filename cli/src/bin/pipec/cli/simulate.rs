@@ -2,11 +2,11 @@
 //! Also home of the cost-model arguments the other viewing commands share.
 
 use super::{print_json, CliError};
-use pipec::back::files::Loaded;
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::timeline::TimeUnit;
-use pipec::simulate::{simulate_unverified, SimError, Simulation};
-use pipec::verify::Unverified;
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::{simulate_unverified, SimError, Simulation};
+use pipec_cost::timeline::TimeUnit;
+use pipec_ir::files::Loaded;
+use pipec_ir::verify::Unverified;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -62,7 +62,7 @@ impl CostArgs {
 
 /// A one-line name for a loaded schedule: `1f1b pp=4 vpp=1 microbatches=8`.
 pub fn title(l: &Loaded) -> String {
-    pipec::back::view::report::schedule_title(
+    pipec_compiler::view::report::schedule_title(
         l.manifest.schedule.as_ref(),
         &l.manifest.source,
         &l.program,
@@ -98,7 +98,7 @@ pub struct Args {
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
     #[arg(long, value_parser = super::import::parse_placement)]
-    pub placement: Option<pipec::back::torch::PlacementChoice>,
+    pub placement: Option<pipec_compiler::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
     /// Machine-readable output.
@@ -114,7 +114,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let result = run_sim(&loaded, &model);
     if a.json {
         if let Some(mut v) =
-            pipec::back::view::report::json_report(&name, &loaded.program, &model, &result)
+            pipec_compiler::view::report::json_report(&name, &loaded.program, &model, &result)
         {
             // Only when there is one: the JSON stays what Python's `Schedule.simulate` returns.
             if let (Some(o), Some(c)) = (v.as_object_mut(), loaded.manifest.caveat()) {
@@ -137,7 +137,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             println!("cost: {}", model.describe());
             print!(
                 "{}",
-                pipec::back::view::timeline_text::render_summary(&sim.summary, TimeUnit::Cost)
+                pipec_compiler::view::timeline_text::render_summary(&sim.summary, TimeUnit::Cost)
             );
             Ok(ExitCode::SUCCESS)
         }

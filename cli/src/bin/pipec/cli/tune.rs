@@ -3,10 +3,11 @@
 use super::compile::FileFormat;
 use super::simulate::CostArgs;
 use super::{print_json, CliError};
-use pipec::back::files;
-use pipec::simulate::cost::num;
-use pipec::tune::{describe, fmt_mem, tune, Target, TargetChoice, TuneError, TuneRequest, Tuned};
+use pipec_compiler::target::{Target, TargetChoice};
+use pipec_cost::cost::num;
+use pipec_ir::files;
 use pipec_schedules::{Limits, SpecError};
+use pipec_tune::{describe, fmt_mem, tune, TuneError, TuneRequest, Tuned};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -79,10 +80,10 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
     let model = a.cost.model()?;
     let layout = match &a.layout {
         Some(text) => {
-            let l = pipec::front::layout::parse(text)
+            let l = pipec_schedules::layout::parse(text)
                 .map_err(|e| CliError::Invalid(super::layout::render_error(&e)))?;
             if !a.rebalance {
-                pipec::front::layout::check_against(&l, a.pp.max(1), None, None, None)
+                pipec_schedules::layout::check_against(&l, a.pp.max(1), None, None, None)
                     .map_err(|e| CliError::Invalid(super::layout::render_error(&e)))?;
             }
             Some(l)
@@ -91,13 +92,13 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
     };
     let memory_limit = match &a.memory_limit {
         Some(s) => Some(
-            pipec::memory::Limit::parse(s)
+            pipec_cost::memory::Limit::parse(s)
                 .map_err(|e| CliError::Invalid(format!("--memory-limit: {e}")))?,
         ),
         None => None,
     };
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
-    let memory_limit = super::resolve_limit(memory_limit, pipec::memory::unit_of(&model))?;
+    let memory_limit = super::resolve_limit(memory_limit, pipec_cost::memory::unit_of(&model))?;
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
@@ -117,7 +118,7 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         target: a.target.map_or(TargetChoice::Every, TargetChoice::One),
         kinds: a.kinds.clone(),
         exclude_kinds: a.exclude_kinds.clone(),
-        levers: pipec::tune::levers::Levers {
+        levers: pipec_compiler::target::Levers {
             offload: !a.no_offload,
             recompute: !a.no_recompute,
         },
@@ -160,7 +161,7 @@ fn write(
     t: &Tuned,
     out: &std::path::Path,
     format: FileFormat,
-    model: &pipec::simulate::cost::CostModel,
+    model: &pipec_cost::cost::CostModel,
     record_cost: bool,
 ) -> Result<(), CliError> {
     let layout = t.file_layout();
@@ -222,7 +223,7 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         },
         t.summary.mean_bubble() * 100.0
     );
-    let unit = pipec::memory::unit_of(&req.model);
+    let unit = pipec_cost::memory::unit_of(&req.model);
     println!(
         "peak memory per rank: {}{}",
         unit.list(t.peak_memory.iter().copied()),

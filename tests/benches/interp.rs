@@ -4,7 +4,7 @@
 //! Criterion's throughput line reads in instructions per second.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use pipec::compile::{compile, CompileRequest};
+use pipec_compiler::compile::{compile, CompileRequest};
 use pipec_runtime::backend::noop::NoopBackend;
 use pipec_runtime::interp::run_rank;
 use pipec_runtime::watchdog::Watch;

@@ -4,10 +4,10 @@
 //! matching and the per-rank summary.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pipec::compile::{compile, CompileRequest};
-use pipec::simulate::cost::{CostModel, StageCosts};
-use pipec::simulate::simulate_unverified;
-use pipec::verify::Unverified;
+use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::simulate::simulate_unverified;
+use pipec_ir::verify::Unverified;
 use pipec_schedules::ScheduleKind;
 
 fn bench(c: &mut Criterion) {
