@@ -2,26 +2,11 @@
 //! compute-only CSV caveat, a pipec file where its directory is expected, a bounded risk
 //! summary with `--strict`, JSON on stdout whatever happens, and `pipec seal`.
 
+use crate::harness::{compile, pipec_run_on, pipec_with};
 use pipec::back::files::{self, COMPUTE_ONLY_CAVEAT};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn pipec<I, S>(args: I) -> Command
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<std::ffi::OsStr>,
-{
-    let mut c = pipec_tests::pipec();
-    c.args(args);
-    c
-}
-
-fn pipec_run(dir: &Path, extra: &[&str]) -> Command {
-    let mut c = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
-    c.arg(dir).args(["--timeout", "5"]).args(extra);
-    c
-}
 
 /// Run `c`; its exit code, stdout and stderr. Never a panic of the binary.
 fn run(mut c: Command) -> (i32, String, String) {
@@ -32,16 +17,6 @@ fn run(mut c: Command) -> (i32, String, String) {
     );
     assert!(!err.contains("panicked"), "panic: {err}");
     (o.status.code().expect("exit code"), out, err)
-}
-
-fn compile(dir: &Path, kind: &str, pp: u32, m: u32, extra: &[&str]) {
-    let mut c = pipec(["compile", "--schedule", kind]);
-    c.args(["--pp", &pp.to_string(), "--microbatches", &m.to_string()])
-        .args(extra)
-        .arg("-o")
-        .arg(dir);
-    let (code, _, err) = run(c);
-    assert_eq!(code, 0, "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -65,7 +40,7 @@ fn check_compute_only_csv_says_torch_places_its_own_comms() {
     )
     .unwrap();
     let imported = tmp.path().join("imported");
-    let mut c = pipec(["import"]);
+    let mut c = pipec_with(["import"]);
     c.arg(&csv).arg("-o").arg(&imported);
     let (code, out, err) = run(c);
     assert_eq!(code, 0, "{err}");
@@ -74,7 +49,7 @@ fn check_compute_only_csv_says_torch_places_its_own_comms() {
         "{out}"
     );
     let compiled = tmp.path().join("compiled");
-    compile(&compiled, "gpipe", 2, 2, &[]);
+    compile(&compiled, "--schedule gpipe --pp 2 --microbatches 2");
     for (input, has) in [
         (&csv, true),
         (&imported, true),
@@ -83,7 +58,7 @@ fn check_compute_only_csv_says_torch_places_its_own_comms() {
     ] {
         let note = format!("note: {COMPUTE_ONLY_CAVEAT}");
         for cmd in ["check", "show", "simulate"] {
-            let mut c = pipec([cmd]);
+            let mut c = pipec_with([cmd]);
             c.arg(input);
             if cmd == "show" {
                 c.arg("--no-color");
@@ -95,7 +70,7 @@ fn check_compute_only_csv_says_torch_places_its_own_comms() {
             assert!(out.matches(COMPUTE_ONLY_CAVEAT).count() <= 1, "{out}");
         }
         for cmd in ["check", "simulate"] {
-            let mut c = pipec([cmd, "--json"]);
+            let mut c = pipec_with([cmd, "--json"]);
             c.arg(input);
             let (code, out, err) = run(c);
             assert_eq!(code, 0, "{err}");
@@ -121,9 +96,9 @@ fn check_compute_only_csv_says_torch_places_its_own_comms() {
 fn check_manifest_file_says_pass_directory() {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("zbv");
-    compile(&json, "zb-v", 2, 4, &[]);
+    compile(&json, "--schedule zb-v --pp 2 --microbatches 4");
     let bin = tmp.path().join("zbvbin");
-    compile(&bin, "zb-v", 2, 4, &["--format", "bin"]);
+    compile(&bin, "--schedule zb-v --pp 2 --microbatches 4 --format bin");
     let renamed = tmp.path().join("schedule.csv");
     std::fs::copy(json.join("manifest.json"), &renamed).unwrap();
     let cases: [(PathBuf, &str, &Path); 4] = [
@@ -141,16 +116,16 @@ fn check_manifest_file_says_pass_directory() {
         let out = tmp.path().join("out.dot");
         let mut cmds: Vec<(String, Command)> = Vec::new();
         for cmd in ["check", "show", "simulate"] {
-            let mut c = pipec([cmd]);
+            let mut c = pipec_with([cmd]);
             c.arg(file);
             cmds.push((cmd.to_string(), c));
         }
-        let mut c = pipec(["export"]);
+        let mut c = pipec_with(["export"]);
         c.arg(file).args(["--format", "dot", "-o"]).arg(&out);
         cmds.push(("export".into(), c));
-        cmds.push(("pipec-run".into(), pipec_run(file, &[])));
+        cmds.push(("pipec-run".into(), pipec_run_on(file, &[])));
         cmds.push(("seal".into(), {
-            let mut c = pipec(["seal"]);
+            let mut c = pipec_with(["seal"]);
             c.arg(file);
             c
         }));
@@ -161,13 +136,13 @@ fn check_manifest_file_says_pass_directory() {
             assert!(!err.contains("stage number"), "{name}: {err}");
         }
         // import reads CSVs only: the directory is already a schedule.
-        let mut c = pipec(["import"]);
+        let mut c = pipec_with(["import"]);
         c.arg(file).arg("-o").arg(tmp.path().join("x"));
         let (code, _, err) = run(c);
         assert_eq!(code, 2, "{err}");
         assert!(err.contains("--format torch-csv"), "{err}");
     }
-    let mut c = pipec(["import"]);
+    let mut c = pipec_with(["import"]);
     c.arg(&json).arg("-o").arg(tmp.path().join("x"));
     let (code, _, err) = run(c);
     assert_eq!(code, 2, "{err}");
@@ -181,7 +156,7 @@ fn check_manifest_file_says_pass_directory() {
     );
     // A directory of schedules (a sweep's output) names one of them.
     let (code, _, err) = run({
-        let mut c = pipec(["check"]);
+        let mut c = pipec_with(["check"]);
         c.arg(tmp.path());
         c
     });
@@ -194,7 +169,7 @@ fn check_manifest_file_says_pass_directory() {
     // A missing path is named as given, not as the manifest inside it.
     let nope = tmp.path().join("nope");
     let (code, _, err) = run({
-        let mut c = pipec(["check"]);
+        let mut c = pipec_with(["check"]);
         c.arg(&nope);
         c
     });
@@ -210,7 +185,7 @@ fn pipec_run_csv_says_import_it() {
     let tmp = tempfile::tempdir().unwrap();
     let csv = tmp.path().join("x.csv");
     std::fs::write(&csv, "0F0,0B0\n").unwrap();
-    let (code, out, err) = run(pipec_run(&csv, &[]));
+    let (code, out, err) = run(pipec_run_on(&csv, &[]));
     assert_eq!(code, 2, "{err}");
     assert!(out.is_empty(), "{out}");
     assert!(
@@ -223,10 +198,10 @@ fn pipec_run_csv_says_import_it() {
     );
     // Doing what it says works.
     let dir = tmp.path().join("dir");
-    let mut c = pipec(["import"]);
+    let mut c = pipec_with(["import"]);
     c.arg(&csv).args(["--pp", "1", "-o"]).arg(&dir);
     assert_eq!(run(c).0, 0);
-    let (code, _, err) = run(pipec_run(&dir, &[]));
+    let (code, _, err) = run(pipec_run_on(&dir, &[]));
     assert_eq!(code, 0, "{err}");
 }
 
@@ -287,11 +262,11 @@ fn count_risks(dir: &Path) -> usize {
 fn check_risks_summarised_and_strict() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("dv");
-    compile(&dir, "dualpipe-v", 8, 32, &[]);
+    compile(&dir, "--schedule dualpipe-v --pp 8 --microbatches 32");
     let total = count_risks(&dir);
     assert!(total > 20, "{total}");
     let check = |extra: &[&str]| {
-        let mut c = pipec(["check"]);
+        let mut c = pipec_with(["check"]);
         c.arg(&dir).args(extra);
         run(c)
     };
@@ -350,9 +325,9 @@ fn check_risks_summarised_and_strict() {
     assert_eq!(v["strict"], true);
     // A schedule without risks passes --strict.
     let clean = tmp.path().join("1f1b");
-    compile(&clean, "1f1b", 4, 8, &[]);
+    compile(&clean, "--schedule 1f1b --pp 4 --microbatches 8");
     assert_eq!(count_risks(&clean), 0);
-    let mut c = pipec(["check", "--strict"]);
+    let mut c = pipec_with(["check", "--strict"]);
     c.arg(&clean);
     let (code, out, _) = run(c);
     assert_eq!(code, 0, "{out}");
@@ -368,11 +343,11 @@ fn check_risks_summarised_and_strict() {
 fn check_json_on_load_error() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    compile(&dir, "1f1b", 2, 2, &[]);
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 2");
     let garbled = tmp.path().join("garbled.csv");
     std::fs::write(&garbled, "0F0,0F1xyz\n").unwrap();
     let edited = tmp.path().join("edited");
-    compile(&edited, "1f1b", 2, 2, &[]);
+    compile(&edited, "--schedule 1f1b --pp 2 --microbatches 2");
     let f = edited.join("rank-0.json");
     let t = std::fs::read_to_string(&f).unwrap();
     std::fs::write(&f, t.replacen("\"mb\":0", "\"mb\":1", 1)).unwrap();
@@ -392,7 +367,7 @@ fn check_json_on_load_error() {
         ),
     ];
     for (args, want_code, want) in cases {
-        let mut c = pipec(["check", "--json"]);
+        let mut c = pipec_with(["check", "--json"]);
         c.args(&args);
         let (code, out, err) = run(c);
         assert_eq!(code, want_code, "{args:?}: {err}");
@@ -405,7 +380,7 @@ fn check_json_on_load_error() {
         // The same message on stderr, for a person reading the log.
         assert!(err.contains(msg), "{err}");
     }
-    let (code, out, _) = run(pipec_run(&edited, &["--json"]));
+    let (code, out, _) = run(pipec_run_on(&edited, &["--json"]));
     assert_eq!(code, 1);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["exit_code"], 1);
@@ -416,7 +391,7 @@ fn check_json_on_load_error() {
 // `pipec seal`.
 
 fn seal(dir: &Path) -> (i32, String, String) {
-    let mut c = pipec(["seal"]);
+    let mut c = pipec_with(["seal"]);
     c.arg(dir);
     run(c)
 }
@@ -441,7 +416,7 @@ fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn seal_then_check_judges_content() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    compile(&dir, "1f1b", 2, 2, &[]);
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 2");
     // pipec's own output: nothing to seal, nothing written, not marked.
     let before = snapshot(&dir);
     let (code, out, _) = seal(&dir);
@@ -474,7 +449,7 @@ fn seal_then_check_judges_content() {
     }
     std::fs::write(&f, edited.join("\n") + "\n").unwrap();
     // Before sealing: refused as changed, with the way out named.
-    let mut c = pipec(["check"]);
+    let mut c = pipec_with(["check"]);
     c.arg(&dir);
     let (code, _, err) = run(c);
     assert_eq!(code, 2);
@@ -497,7 +472,7 @@ fn seal_then_check_judges_content() {
     assert_eq!(m.sealed_by.as_deref(), Some("pipec seal"));
     // Now the content is judged: rank 1 receives microbatch 1's activation where it expects
     // microbatch 0's (its recv #0), and the reverse (#2: after fwd(1, 0) and its send).
-    let mut c = pipec(["check"]);
+    let mut c = pipec_with(["check"]);
     c.arg(&dir);
     let (code, out, _) = run(c);
     assert_eq!(code, 1, "{out}");
@@ -514,7 +489,7 @@ fn seal_then_check_judges_content() {
         "{out}"
     );
     assert!(out.contains("note: sealed by `pipec seal`"), "{out}");
-    let mut c = pipec(["check", "--json"]);
+    let mut c = pipec_with(["check", "--json"]);
     c.arg(&dir);
     let v: Value = serde_json::from_str(&run(c).1).unwrap();
     assert_eq!(v["sealed_by"], "pipec seal");
@@ -557,7 +532,7 @@ fn seal_then_check_judges_content() {
         // serde_json's map is sorted: `instructions` before `rank` and friends.
         std::fs::write(own.join(name), serde_json::to_string_pretty(&v).unwrap()).unwrap();
     }
-    let mut c2 = pipec(["check"]);
+    let mut c2 = pipec_with(["check"]);
     c2.arg(&own);
     assert_eq!(run(c2).0, 2, "unsealed files of another tool are refused");
     let (code, out, err) = seal(&own);
@@ -567,7 +542,7 @@ fn seal_then_check_judges_content() {
     assert_eq!(loaded.program, c.program);
     assert_eq!(loaded.manifest.compiler, "mytool 1.0");
     assert_eq!(loaded.manifest.sealed_by.as_deref(), Some("pipec seal"));
-    let mut c2 = pipec(["check"]);
+    let mut c2 = pipec_with(["check"]);
     c2.arg(&own);
     let (code, out, _) = run(c2);
     assert_eq!(code, 0, "{out}");
@@ -576,7 +551,7 @@ fn seal_then_check_judges_content() {
         "{out}"
     );
     // And it runs.
-    let (code, _, err) = run(pipec_run(&own, &["--check"]));
+    let (code, _, err) = run(pipec_run_on(&own, &["--check"]));
     assert_eq!(code, 0, "{err}");
 }
 
@@ -586,7 +561,7 @@ fn seal_then_check_judges_content() {
 fn seal_refuses_malformed_files_precisely() {
     let tmp = tempfile::tempdir().unwrap();
     let base = tmp.path().join("base");
-    compile(&base, "1f1b", 2, 2, &[]);
+    compile(&base, "--schedule 1f1b --pp 2 --microbatches 2");
     let cases: [(&str, &str, &str, &str); 7] = [
         (
             "rank-0.json",
@@ -633,7 +608,7 @@ fn seal_refuses_malformed_files_precisely() {
     ];
     for (i, (file, from, to, want)) in cases.iter().enumerate() {
         let dir = tmp.path().join(format!("c{i}"));
-        compile(&dir, "1f1b", 2, 2, &[]);
+        compile(&dir, "--schedule 1f1b --pp 2 --microbatches 2");
         let p = dir.join(file);
         let text = std::fs::read_to_string(&p).unwrap();
         assert!(text.contains(from), "{file}: {from}");
@@ -699,7 +674,7 @@ fn output_file_where_directory_expected_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("afile");
     std::fs::write(&file, "mine").unwrap();
-    let mut c = pipec([
+    let mut c = pipec_with([
         "compile",
         "--schedule",
         "1f1b",
@@ -720,8 +695,11 @@ fn output_file_where_directory_expected_is_named() {
     );
     assert_eq!(std::fs::read(&file).unwrap(), b"mine");
     let dir = tmp.path().join("s");
-    compile(&dir, "1f1b", 2, 2, &[]);
-    let (code, out, err) = run(pipec_run(&dir, &["--trace", tmp.path().to_str().unwrap()]));
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 2");
+    let (code, out, err) = run(pipec_run_on(
+        &dir,
+        &["--trace", tmp.path().to_str().unwrap()],
+    ));
     assert_eq!(code, 2, "{err}");
     assert!(out.is_empty(), "the run started: {out}");
     assert!(
@@ -765,7 +743,7 @@ fn json_errors_are_documents_everywhere() {
         ),
     ];
     for (args, want) in cases {
-        let (code, out, err) = run(pipec(&args));
+        let (code, out, err) = run(pipec_with(&args));
         assert_eq!(code, want, "{args:?}: {err}");
         let v: Value =
             serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out:?}"));
@@ -787,7 +765,7 @@ fn flag_file_that_is_a_directory_is_named() {
     let dir = tmp.path();
     let d = dir.to_str().unwrap();
     let sched = dir.join("s");
-    compile(&sched, "1f1b", 2, 4, &[]);
+    compile(&sched, "--schedule 1f1b --pp 2 --microbatches 4");
     let s = sched.to_str().unwrap();
     for (args, flag) in [
         (vec!["simulate", s, "--cost-file", d], "--cost-file"),
@@ -798,7 +776,7 @@ fn flag_file_that_is_a_directory_is_named() {
         (vec!["compile", "--config", d, "-o", s], "--config"),
         (vec!["calibrate", d, "--layout", "E|L"], "trace"),
     ] {
-        let (code, _, err) = run(pipec(&args));
+        let (code, _, err) = run(pipec_with(&args));
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(
             err.contains(&format!("{flag} {d}: is a directory; give a file")),
@@ -815,7 +793,7 @@ fn compile_dualpipe_explains_same_peer_batches_in_one_line() {
     let tmp = tempfile::tempdir().unwrap();
     for kind in ["dualpipe", "dualpipe-v"] {
         let out = tmp.path().join(kind);
-        let mut c = pipec([
+        let mut c = pipec_with([
             "compile",
             "--schedule",
             kind,
@@ -831,7 +809,7 @@ fn compile_dualpipe_explains_same_peer_batches_in_one_line() {
         assert!(err.starts_with("note: "), "{err}");
         assert!(err.contains("as DeepSeek's DualPipe posts them"), "{err}");
         // The count is what check counts.
-        let (_, json, _) = run(pipec(["check", out.to_str().unwrap(), "--json"]));
+        let (_, json, _) = run(pipec_with(["check", out.to_str().unwrap(), "--json"]));
         let v: Value = serde_json::from_str(&json).unwrap();
         let total = v["risk_summary"]["total"].as_u64().unwrap();
         assert!(total > 0);
@@ -848,19 +826,22 @@ fn compile_dualpipe_explains_same_peer_batches_in_one_line() {
 fn cost_header_names_free_kinds() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    compile(&dir, "1f1b", 2, 4, &["--layout", "Et|tL"]);
+    compile(
+        &dir,
+        "--schedule 1f1b --pp 2 --microbatches 4 --layout Et|tL",
+    );
     let d = dir.to_str().unwrap();
-    let (_, out, _) = run(pipec(["simulate", d]));
+    let (_, out, _) = run(pipec_with(["simulate", d]));
     assert!(
         out.contains("; E, L free (no cost given: set E.f, L.f)"),
         "{out}"
     );
-    let (_, out, _) = run(pipec(["simulate", d, "--cost", "E.f=0.5"]));
+    let (_, out, _) = run(pipec_with(["simulate", d, "--cost", "E.f=0.5"]));
     assert!(
         out.contains("E: f=0.5 b=0 w=0; L free (no cost given: set L.f)"),
         "{out}"
     );
-    let (_, out, _) = run(pipec(["simulate", d, "--cost", "E.f=0.5,L.f=2"]));
+    let (_, out, _) = run(pipec_with(["simulate", d, "--cost", "E.f=0.5,L.f=2"]));
     assert!(!out.contains("free (no cost"), "{out}");
 }
 
@@ -885,10 +866,16 @@ fn compare_rows_name_variants() {
         let dir = tmp.path().join(name);
         let mut e: Vec<&str> = layout.to_vec();
         e.extend_from_slice(extra);
-        compile(&dir, "interleaved-1f1b", 2, 4, &e);
+        compile(
+            &dir,
+            &format!(
+                "--schedule interleaved-1f1b --pp 2 --microbatches 4 {}",
+                e.join(" ")
+            ),
+        );
         args.push(dir.to_str().unwrap().to_string());
     }
-    let (code, out, err) = run(pipec(&args));
+    let (code, out, err) = run(pipec_with(&args));
     assert_eq!(code, 0, "{err}");
     for (_, _, want) in &variants {
         assert!(out.contains(want), "{want}: {out}");
@@ -901,8 +888,8 @@ fn compare_rows_name_variants() {
 fn pipec_run_timeout_is_echoed_short() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    compile(&dir, "1f1b", 2, 2, &[]);
-    let mut c = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 2");
+    let mut c = crate::harness::pipec_run();
     c.arg(&dir).args(["--timeout", "1e300"]);
     let (code, _, err) = run(c);
     assert_eq!(code, 2, "{err}");

@@ -63,7 +63,7 @@ fn every_memory_op_last_rank() -> (pipec::compile::Compiled, Program) {
 /// `pipec tune --target pipec-run` under a memory limit below the plain peak: the tuner's
 /// fitting writes offloads (and may checkpoint), as `tune_levers` checks.
 fn tuned(dir: &Path) {
-    let o = pipec_tests::pipec()
+    let o = crate::harness::pipec()
         .args([
             "tune",
             "--pp",
@@ -319,7 +319,7 @@ fn cuda_backend_takes_memory_instructions_up_to_the_driver_probe() {
     let tmp = tempfile::tempdir().unwrap();
     let (c, q) = every_memory_op_1f1b();
     write(&c, &q, tmp.path());
-    let out = crate::cuda::cuda_bin()
+    let out = crate::harness::cuda_bin()
         .arg(tmp.path())
         .args(["--backend", "cuda", "--check"])
         .env_remove("RANK")

@@ -4,6 +4,7 @@
 //! (input invalid) or 2 (usage / I/O), never a panic or a hang, and never leave a half-written
 //! output directory.
 
+use crate::harness::{pipec_run_on, pipec_with};
 use pipec::back::files::{Encoding, Header, Manifest};
 use pipec::compile::{compile, CompileRequest};
 use pipec::front::layout::Layout;
@@ -41,22 +42,6 @@ fn refuses(mut cmd: Command, codes: &[i32]) -> Refusal {
     }
 }
 
-fn pipec<I, S>(args: I) -> Command
-where
-    I: IntoIterator<Item = S>,
-    S: AsRef<std::ffi::OsStr>,
-{
-    let mut c = pipec_tests::pipec();
-    c.args(args);
-    c
-}
-
-fn pipec_run(dir: &Path, extra: &[&str]) -> Command {
-    let mut c = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
-    c.arg(dir).args(["--timeout", "5"]).args(extra);
-    c
-}
-
 fn ok(mut cmd: Command) -> String {
     let out = cmd.output().expect("spawn");
     assert!(
@@ -86,7 +71,7 @@ fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 /// `pipec layout` and `pipec compile --layout` refuse a layout with exit 1 and a message
 /// containing `why`; the compile writes nothing.
 fn layout_refused(layout: &str, pp: &str, why: &str) {
-    let r = refuses(pipec(["layout", layout, "--pp", pp]), &[1]);
+    let r = refuses(pipec_with(["layout", layout, "--pp", pp]), &[1]);
     assert!(r.stderr.contains(why), "layout {layout:?}: {}", r.stderr);
     // The echo of the layout comes right after the headline.
     assert!(
@@ -97,7 +82,7 @@ fn layout_refused(layout: &str, pp: &str, why: &str) {
     );
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let mut c = pipec(["compile", "--schedule", "1f1b", "--microbatches", "4"]);
+    let mut c = pipec_with(["compile", "--schedule", "1f1b", "--microbatches", "4"]);
     c.args(["--pp", pp, "--layout", layout, "-o"]).arg(&out);
     let r = refuses(c, &[1]);
     assert!(r.stderr.contains(why), "compile {layout:?}: {}", r.stderr);
@@ -107,7 +92,7 @@ fn layout_refused(layout: &str, pp: &str, why: &str) {
 /// As [`layout_refused`], and the caret sits under character `at` of the layout.
 fn layout_refused_at(layout: &str, pp: &str, at: usize, why: &str) {
     layout_refused(layout, pp, why);
-    let r = refuses(pipec(["layout", layout, "--pp", pp]), &[1]);
+    let r = refuses(pipec_with(["layout", layout, "--pp", pp]), &[1]);
     let caret = r.stderr.lines().nth(2).unwrap_or_default();
     assert_eq!(
         caret,
@@ -133,7 +118,7 @@ fn layout_of_only_separators_is_refused() {
 
 #[test]
 fn unknown_layout_symbol_is_refused_with_its_position() {
-    let r = refuses(pipec(["layout", "Etx|L", "--pp", "2"]), &[1]);
+    let r = refuses(pipec_with(["layout", "Etx|L", "--pp", "2"]), &[1]);
     assert!(r.stderr.contains('x'), "{}", r.stderr);
     layout_refused("Etx|L", "2", "x");
 }
@@ -170,7 +155,7 @@ fn non_ascii_digits_are_refused() {
 fn zero_repeat_count_is_handled() {
     // `t*0` expands to nothing, textually, as in Megatron; what remains decides. Either way:
     // no panic, a decision.
-    let out = pipec(["layout", "E|t*0|t|L", "--pp", "4"])
+    let out = pipec_with(["layout", "E|t*0|t|L", "--pp", "4"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -190,11 +175,11 @@ fn megabyte_layout_from_a_file_is_refused_quickly() {
     let f = tmp.path().join("big.layout");
     let text = format!("E{}|L\n", "t".repeat(1 << 20));
     std::fs::write(&f, text).unwrap();
-    let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
+    let mut c = pipec_with(["layout", "--pp", "2", "--layout-file"]);
     c.arg(&f);
     refuses(c, &[1]);
     let out = tmp.path().join("out");
-    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"]);
     c.args(["--microbatches", "2", "--layout-file"])
         .arg(&f)
         .arg("-o")
@@ -208,7 +193,7 @@ fn layout_file_with_invalid_utf8_names_the_byte_offset() {
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("bad.layout");
     std::fs::write(&f, b"Et|t\xff|L\n").unwrap();
-    let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
+    let mut c = pipec_with(["layout", "--pp", "2", "--layout-file"]);
     c.arg(&f);
     let r = refuses(c, &[1]);
     assert!(
@@ -217,7 +202,7 @@ fn layout_file_with_invalid_utf8_names_the_byte_offset() {
         r.stderr
     );
     let out = tmp.path().join("out");
-    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"]);
     c.args(["--microbatches", "2", "--layout-file"])
         .arg(&f)
         .arg("-o")
@@ -232,13 +217,19 @@ fn layout_file_round_trips_and_missing_file_is_an_io_error() {
     let tmp = tempfile::tempdir().unwrap();
     let f = tmp.path().join("ok.layout");
     std::fs::write(&f, "Et|(t|)*2,L\r\n").unwrap();
-    let mut c = pipec(["layout", "--pp", "2", "--json", "--layout-file"]);
+    let mut c = pipec_with(["layout", "--pp", "2", "--json", "--layout-file"]);
     c.arg(&f);
     let from_file: serde_json::Value = serde_json::from_str(&ok(c)).unwrap();
-    let inline: serde_json::Value =
-        serde_json::from_str(&ok(pipec(["layout", "Et|(t|)*2,L", "--pp", "2", "--json"]))).unwrap();
+    let inline: serde_json::Value = serde_json::from_str(&ok(pipec_with([
+        "layout",
+        "Et|(t|)*2,L",
+        "--pp",
+        "2",
+        "--json",
+    ])))
+    .unwrap();
     assert_eq!(from_file, inline);
-    let mut c = pipec(["layout", "--pp", "2", "--layout-file"]);
+    let mut c = pipec_with(["layout", "--pp", "2", "--layout-file"]);
     c.arg(tmp.path().join("missing.layout"));
     let r = refuses(c, &[2]);
     assert!(r.stderr.contains("missing.layout"), "{}", r.stderr);
@@ -251,7 +242,7 @@ fn layout_file_round_trips_and_missing_file_is_an_io_error() {
 fn compile_refused(args: &[&str], codes: &[i32], why: &str) -> Refusal {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let mut c = pipec(["compile"]);
+    let mut c = pipec_with(["compile"]);
     c.args(args).arg("-o").arg(&out);
     let r = refuses(c, codes);
     assert!(r.stderr.contains(why), "{args:?}: {}", r.stderr);
@@ -272,7 +263,7 @@ fn zero_pp_and_zero_microbatches_are_refused() {
         "microbatches must be at least 1",
     );
     // `layout --pp 0` in the same words and with the same exit code as `compile --pp 0`.
-    let r = refuses(pipec(["layout", "E|t|L", "--pp", "0"]), &[1]);
+    let r = refuses(pipec_with(["layout", "E|t|L", "--pp", "0"]), &[1]);
     assert!(r.stderr.contains("pp must be at least 1"), "{}", r.stderr);
 }
 
@@ -398,7 +389,7 @@ fn huge_schedules_are_refused_by_the_op_limit_before_allocating() {
     }
     // The same small schedule passes with the default limit.
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"]);
     c.args(["--microbatches", "4", "-o"])
         .arg(tmp.path().join("o"));
     ok(c);
@@ -430,7 +421,7 @@ fn compile_pp_and_vpp_are_bounded() {
     compile_refused(&wide, &[1], "stages is over the limit of 65536 stages");
     // `compare --schedule` compiles in memory through the same check.
     let r = refuses(
-        pipec([
+        pipec_with([
             "compare",
             "--schedule",
             "1f1b",
@@ -455,11 +446,11 @@ fn interleaved_without_vpp_is_refused() {
     }
     // With --vpp, or a layout that gives it, it compiles.
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = pipec(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"]);
     c.args(["--vpp", "2", "--microbatches", "4", "-o"])
         .arg(tmp.path().join("a"));
     ok(c);
-    let mut c = pipec(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"]);
     c.args(["--layout", "Et|t|t|tL", "--microbatches", "4", "-o"])
         .arg(tmp.path().join("b"));
     ok(c);
@@ -494,7 +485,7 @@ fn bad_values_exit_1_with_their_reason() {
     assert!(!r.stderr.contains("Usage:"), "{}", r.stderr);
     assert!(!r.stderr.contains("--help"), "{}", r.stderr);
     let (_t, dir) = compiled_dir();
-    let mut c = pipec(["simulate"]);
+    let mut c = pipec_with(["simulate"]);
     c.arg(&dir).args(["--cost", "t.act=-1GiB"]);
     let r = refuses(c, &[1]);
     assert!(r.stderr.contains("`-1GiB` is negative"), "{}", r.stderr);
@@ -519,7 +510,7 @@ fn write_errors_name_the_users_path() {
         std::fs::write(&ro, b"not a directory").unwrap();
     }
     let out = ro.join("out");
-    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"]);
     c.args(["--microbatches", "4", "-o"]).arg(&out);
     let r = refuses(c, &[2]);
     assert!(
@@ -543,7 +534,7 @@ fn request(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
 fn compiled_dir() -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("sched");
-    let mut c = pipec(["compile", "--schedule", "1f1b", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"]);
     c.args(["--microbatches", "4", "-o"]).arg(&dir);
     ok(c);
     (tmp, dir)
@@ -584,15 +575,15 @@ fn write_manifest(dir: &Path, m: &Manifest) {
 /// `pipec check`, `pipec show` and `pipec-run` (verified and `--no-verify`) all refuse `dir`
 /// with one of `codes` and a message containing `why`.
 fn all_readers_refuse(dir: &Path, codes: &[i32], why: &str) {
-    let mut check = pipec(["check"]);
+    let mut check = pipec_with(["check"]);
     check.arg(dir);
-    let mut show = pipec(["show"]);
+    let mut show = pipec_with(["show"]);
     show.arg(dir).arg("--no-color");
     for (what, cmd) in [
         ("check", check),
         ("show", show),
-        ("pipec-run", pipec_run(dir, &[])),
-        ("pipec-run --no-verify", pipec_run(dir, &["--no-verify"])),
+        ("pipec-run", pipec_run_on(dir, &[])),
+        ("pipec-run --no-verify", pipec_run_on(dir, &["--no-verify"])),
     ] {
         let r = refuses(cmd, codes);
         assert!(r.stderr.contains(why), "{what}: {}", r.stderr);
@@ -666,7 +657,7 @@ fn rank_file_from_another_compile_is_refused() {
     let (_t, dir) = compiled_dir();
     let tmp = tempfile::tempdir().unwrap();
     let other = tmp.path().join("other");
-    let mut c = pipec(["compile", "--schedule", "gpipe", "--pp", "2"]);
+    let mut c = pipec_with(["compile", "--schedule", "gpipe", "--pp", "2"]);
     c.args(["--microbatches", "4", "-o"]).arg(&other);
     ok(c);
     let foreign = std::fs::read(other.join("rank-1.json")).unwrap();
@@ -709,7 +700,7 @@ fn manifest_listing_another_world_size_is_refused() {
 #[test]
 fn launch_world_size_mismatch_is_refused() {
     let (_t, dir) = compiled_dir();
-    let r = refuses(pipec_run(&dir, &["--world-size", "3"]), &[1]);
+    let r = refuses(pipec_run_on(&dir, &["--world-size", "3"]), &[1]);
     assert!(r.stderr.contains("world_size"), "{}", r.stderr);
 }
 
@@ -725,11 +716,11 @@ fn sealed_broken(p: &Program, class: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("broken");
     write_sealed(p, &dir);
-    let mut check = pipec(["check"]);
+    let mut check = pipec_with(["check"]);
     check.arg(&dir);
     let r = refuses(check, &[1]);
     assert!(r.stderr.contains(class) || r.code == 1, "{}", r.stderr);
-    let out = pipec(["show"])
+    let out = pipec_with(["show"])
         .arg(&dir)
         .arg("--no-color")
         .output()
@@ -741,8 +732,8 @@ fn sealed_broken(p: &Program, class: &str) {
         "show: {:?} {stderr}",
         out.status
     );
-    refuses(pipec_run(&dir, &[]), &[1]);
-    refuses(pipec_run(&dir, &["--no-verify"]), &[1]);
+    refuses(pipec_run_on(&dir, &[]), &[1]);
+    refuses(pipec_run_on(&dir, &["--no-verify"]), &[1]);
 }
 
 fn compute_at(p: &Program, rank: usize, pred: impl Fn(&Compute) -> bool) -> usize {
@@ -808,7 +799,7 @@ fn placement_for_another_world_is_refused() {
 // ---- output ----------------------------------------------------------------------------------
 
 fn compile_into(dir: &Path, args: &[&str]) -> Output {
-    let mut c = pipec(["compile"]);
+    let mut c = pipec_with(["compile"]);
     c.args(args).arg("-o").arg(dir);
     c.output().unwrap()
 }
@@ -823,7 +814,7 @@ fn output_directory_holding_other_files_is_refused() {
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("notes.txt"), "mine").unwrap();
     let before = snapshot(&dir);
-    let mut c = pipec(["compile"]);
+    let mut c = pipec_with(["compile"]);
     c.args(A).arg("-o").arg(&dir);
     let r = refuses(c, &[2]);
     assert!(r.stderr.contains("notes.txt"), "{}", r.stderr);
@@ -837,12 +828,12 @@ fn output_under_a_regular_file_is_an_io_error() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("somefile");
     std::fs::write(&file, "x").unwrap();
-    let mut c = pipec(["compile"]);
+    let mut c = pipec_with(["compile"]);
     c.args(A).arg("-o").arg(file.join("out"));
     let r = refuses(c, &[2]);
     assert!(r.stderr.contains("somefile"), "{}", r.stderr);
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
-    let mut c = pipec(["compile"]);
+    let mut c = pipec_with(["compile"]);
     c.args(A).arg("-o").arg(&file);
     refuses(c, &[2]);
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
@@ -915,7 +906,7 @@ fn recompiling_replaces_every_rank_file_and_a_failed_compile_changes_nothing() {
 /// The layer cap of layout strings, as `pipec layout` reports it (2^20): the same number
 /// every `--num-layers` / `--mtp-num-layers` bound must name.
 fn layout_layer_cap() -> String {
-    let r = refuses(pipec(["layout", "E,t*1048577,L", "--pp", "1"]), &[1]);
+    let r = refuses(pipec_with(["layout", "E,t*1048577,L", "--pp", "1"]), &[1]);
     assert!(r.stderr.contains("1048576"), "{}", r.stderr);
     "over the limit of 1048576 layers".to_string()
 }
@@ -937,7 +928,7 @@ fn compile_num_layers_is_capped() {
     }
     // The cap itself is accepted (4 x 2^18 decoder layers split evenly).
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = pipec(["compile"]);
+    let mut c = pipec_with(["compile"]);
     c.args(base)
         .args(["--num-layers", "1048576", "-o"])
         .arg(tmp.path().join("o"));
@@ -952,7 +943,7 @@ fn compare_num_layers_is_capped() {
         &["--num-layers", "4000000000"][..],
         &["--num-layers", "4", "--mtp-num-layers", "4000000000"],
     ] {
-        let mut c = pipec([
+        let mut c = pipec_with([
             "compare",
             "--schedule",
             "1f1b",
@@ -977,7 +968,7 @@ fn tune_num_layers_is_capped() {
         &["--num-layers", "4000000000"],
         &["--num-layers", "8", "--mtp-num-layers", "4000000000"],
     ] {
-        let mut c = pipec(["tune", "--pp", "4", "--microbatches", "8"]);
+        let mut c = pipec_with(["tune", "--pp", "4", "--microbatches", "8"]);
         c.args(extra);
         let r = refuses(c, &[1]);
         assert!(r.stderr.contains(&why), "{extra:?}: {}", r.stderr);
@@ -991,7 +982,7 @@ fn tune_num_layers_is_capped() {
 #[test]
 fn tune_zero_layers_refused() {
     let r = refuses(
-        pipec([
+        pipec_with([
             "tune",
             "--pp",
             "4",
@@ -1003,7 +994,7 @@ fn tune_zero_layers_refused() {
         &[1],
     );
     assert!(r.stderr.contains("no decoder layers"), "{}", r.stderr);
-    let out = ok(pipec([
+    let out = ok(pipec_with([
         "tune",
         "--pp",
         "8",
@@ -1040,7 +1031,10 @@ fn tune_pp_is_capped() {
         &[1],
         "4096 ranks",
     );
-    let r = refuses(pipec(["tune", "--pp", "4097", "--microbatches", "1"]), &[1]);
+    let r = refuses(
+        pipec_with(["tune", "--pp", "4097", "--microbatches", "1"]),
+        &[1],
+    );
     let line = |s: &str| {
         s.lines()
             .find(|l| l.contains("4096"))
@@ -1056,7 +1050,7 @@ fn tune_pp_is_capped() {
 fn max_ops_is_capped() {
     for cmd in ["compile", "tune"] {
         for bad in ["0", "268435457", "18446744073709551615"] {
-            let mut c = pipec([cmd, "--pp", "2", "--microbatches", "4", "--max-ops", bad]);
+            let mut c = pipec_with([cmd, "--pp", "2", "--microbatches", "4", "--max-ops", bad]);
             if cmd == "compile" {
                 c.args(["--schedule", "1f1b", "-o", "/nonexistent/never-written"]);
             }
@@ -1065,7 +1059,7 @@ fn max_ops_is_capped() {
         }
     }
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = pipec([
+    let mut c = pipec_with([
         "compile",
         "--schedule",
         "1f1b",

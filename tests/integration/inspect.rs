@@ -2,34 +2,18 @@
 //! against the simulated timeline by independent code, one named bubble, checked costs, exit
 //! codes, and CSV input wherever `check` takes it.
 
-use assert_cmd::Command;
+use crate::harness::{compiled, pipec};
+use assert_cmd::prelude::*;
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::timeline::Timeline;
 use pipec::{Instr, Program};
 use pipec_schedules::Compute;
-use std::path::{Path, PathBuf};
-
-fn pipec() -> Command {
-    let mut c = Command::from_std(pipec_tests::pipec());
-    c.env_remove("NO_COLOR").env_remove("COLUMNS");
-    c
-}
+use std::path::Path;
+use std::process::Command;
 
 fn stdout(c: &mut Command) -> String {
     let out = c.assert().success().get_output().stdout.clone();
     String::from_utf8(out).expect("utf-8")
-}
-
-fn compiled(tmp: &Path, name: &str, args: &[&str]) -> PathBuf {
-    let dir = tmp.join(name);
-    pipec()
-        .arg("compile")
-        .args(args)
-        .arg("-o")
-        .arg(&dir)
-        .assert()
-        .success();
-    dir
 }
 
 /// The rows of a `compare` table after its header line, as whitespace-split cells.
@@ -113,21 +97,12 @@ fn compare_flags_rows_of_different_models() {
     let small = compiled(
         tmp.path(),
         "small",
-        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
+        "--schedule 1f1b --pp 2 --microbatches 4",
     );
     let big = compiled(
         tmp.path(),
         "big",
-        &[
-            "--schedule",
-            "1f1b",
-            "--pp",
-            "2",
-            "--microbatches",
-            "4",
-            "--num-layers",
-            "4",
-        ],
+        "--schedule 1f1b --pp 2 --microbatches 4 --num-layers 4",
     );
     let out = stdout(pipec().arg("compare").arg(&small).arg(&big));
     let rows = table_rows(&out);
@@ -142,18 +117,7 @@ fn num_layers_without_layout_splits_the_layers() {
     let d = compiled(
         tmp.path(),
         "nl",
-        &[
-            "--schedule",
-            "1f1b",
-            "--pp",
-            "4",
-            "--microbatches",
-            "8",
-            "--num-layers",
-            "16",
-            "--mtp-num-layers",
-            "1",
-        ],
+        "--schedule 1f1b --pp 4 --microbatches 8 --num-layers 16 --mtp-num-layers 1",
     );
     let loaded = pipec::back::files::load_dir(&d).unwrap();
     let layout = &loaded.manifest.layout;
@@ -404,7 +368,7 @@ fn show_columns_agree_with_the_simulated_timeline_at_every_width() {
     for (kind, args) in cases {
         let mut a = vec!["--schedule", kind];
         a.extend_from_slice(args);
-        let d = compiled(tmp.path(), kind, &a);
+        let d = compiled(tmp.path(), kind, &a.join(" "));
         let (program, timeline) = timeline_of(&d);
         let all: Vec<usize> = (0..program.ranks.len()).collect();
         for width in [30usize, 80, 117, 200, 400] {
@@ -436,11 +400,7 @@ fn show_columns_agree_with_the_simulated_timeline_at_every_width() {
 #[test]
 fn show_refuses_bad_windows_and_widths() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled(
-        tmp.path(),
-        "s",
-        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
-    );
+    let d = compiled(tmp.path(), "s", "--schedule 1f1b --pp 2 --microbatches 4");
     for bad in [
         &["--width", "0"][..],
         &["--ranks", "2"],
@@ -464,11 +424,7 @@ fn show_refuses_bad_windows_and_widths() {
 #[test]
 fn every_output_names_its_bubble() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled(
-        tmp.path(),
-        "s",
-        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
-    );
+    let d = compiled(tmp.path(), "s", "--schedule 1f1b --pp 2 --microbatches 4");
     let def = pipec::simulate::BUBBLE;
     assert!(stdout(pipec().arg("simulate").arg(&d)).contains(def));
     assert!(stdout(pipec().arg("show").arg(&d)).contains(def));
@@ -481,11 +437,7 @@ fn every_output_names_its_bubble() {
 #[test]
 fn costs_are_finite_and_in_range_and_bad_input_exits_1() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled(
-        tmp.path(),
-        "s",
-        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
-    );
+    let d = compiled(tmp.path(), "s", "--schedule 1f1b --pp 2 --microbatches 4");
     for cost in ["f=1e308,b=1e308", "f=1e13", "b=1e-12", "f=x"] {
         for cmd in ["show", "simulate"] {
             pipec()
@@ -532,11 +484,7 @@ fn costs_are_finite_and_in_range_and_bad_input_exits_1() {
 #[test]
 fn viewers_accept_torch_csv_like_check() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled(
-        tmp.path(),
-        "s",
-        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
-    );
+    let d = compiled(tmp.path(), "s", "--schedule 1f1b --pp 2 --microbatches 4");
     let csv = tmp.path().join("schedule.txt");
     pipec()
         .arg("export")
@@ -576,16 +524,7 @@ fn csv_round_trip_keeps_the_layout_with_import_layout() {
     let d = compiled(
         tmp.path(),
         "s",
-        &[
-            "--schedule",
-            "1f1b",
-            "--pp",
-            "4",
-            "--microbatches",
-            "8",
-            "--layout",
-            layout,
-        ],
+        &format!("--schedule 1f1b --pp 4 --microbatches 8 --layout {layout}"),
     );
     let csv = tmp.path().join("s.csv");
     pipec()
@@ -621,11 +560,7 @@ fn csv_round_trip_keeps_the_layout_with_import_layout() {
 #[test]
 fn export_filters_keep_the_ranks_and_window_asked_for() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled(
-        tmp.path(),
-        "s",
-        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
-    );
+    let d = compiled(tmp.path(), "s", "--schedule 1f1b --pp 4 --microbatches 8");
     let (program, timeline) = timeline_of(&d);
     let (from, to) = (6.0, 15.0);
     // Expected, counted here: spans of ranks 1 and 2 meeting [from, to].
@@ -697,11 +632,7 @@ fn export_filters_keep_the_ranks_and_window_asked_for() {
 #[test]
 fn export_refuses_flags_that_do_not_apply() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled(
-        tmp.path(),
-        "s",
-        &["--schedule", "1f1b", "--pp", "2", "--microbatches", "4"],
-    );
+    let d = compiled(tmp.path(), "s", "--schedule 1f1b --pp 2 --microbatches 4");
     for (format, flags) in [
         ("svg", &["--condense", "stage"][..]),
         ("chrome-trace", &["--svg-width", "800"]),
@@ -774,18 +705,7 @@ fn a_large_trace_is_cut_to_an_openable_size_with_a_note() {
     let d = compiled(
         tmp.path(),
         "big",
-        &[
-            "--schedule",
-            "interleaved-1f1b",
-            "--pp",
-            "64",
-            "--vpp",
-            "8",
-            "--microbatches",
-            "512",
-            "--format",
-            "bin",
-        ],
+        "--schedule interleaved-1f1b --pp 64 --vpp 8 --microbatches 512 --format bin",
     );
     let out = tmp.path().join("big.json");
     let assert = pipec()

@@ -7,6 +7,7 @@ mod cuda_kernels;
 mod cuda_memory;
 mod docs;
 mod group_interleaved;
+mod harness;
 mod hostile;
 mod inspect;
 mod layout;

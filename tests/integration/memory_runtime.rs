@@ -10,10 +10,10 @@
 //! - the offload planner's own profile (`pipec::tune::offload::plan`) for its inserts;
 //! - `pipec check --json` for the `pipec-run` CLI.
 
+use crate::harness::pipec_run;
 use crate::offload::{
     every_memory_op_1f1b, has, insert, kinds, mem, program, replay, with_memory_ops, Rng,
 };
-use assert_cmd::Command;
 use pipec::front::layout::Layout;
 use pipec::ir::{Instr, InstrRef, MemKind, Program};
 use pipec::memory::{MemoryModel, Unit};
@@ -273,10 +273,6 @@ fn misused_memory_instructions_stop_with_a_schedule_error() {
     }
 }
 
-fn pipec_run() -> Command {
-    Command::from_std(pipec_tests::workspace_bin("pipec-cli", "pipec-run"))
-}
-
 /// `pipec-run` on a written directory with every memory instruction: exit 0, the check
 /// passes, and the measured peaks it prints (text and JSON) are `pipec check --json`'s.
 /// `--no-verify` on a directory whose backward finds its activation on the host stops with
@@ -294,7 +290,7 @@ fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
     let dir = tmp.path().join("mem");
     let v = verified(q.clone(), &VerifyOptions::default()).unwrap();
     write_program(&dir, &header, &v, Encoding::Json).unwrap();
-    let out = pipec_tests::pipec()
+    let out = crate::harness::pipec()
         .args(["check", "--json"])
         .arg(&dir)
         .output()

@@ -10,21 +10,21 @@
 use serde_json::Value;
 use std::collections::HashSet;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 const GIB: f64 = 1073741824.0;
 
 /// Per layer kind: bytes (or layer-activations) of one layer.
 type Table<'a> = Vec<(&'a str, f64)>;
 
-fn pipec(args: &[&str]) -> Output {
-    let mut c: Command = pipec_tests::pipec();
-    c.args(args);
-    c.output().expect("pipec runs")
+fn pipec_output(args: &[&str]) -> Output {
+    crate::harness::pipec_with(args)
+        .output()
+        .expect("pipec runs")
 }
 
 fn ok(args: &[&str]) -> String {
-    let o = pipec(args);
+    let o = pipec_output(args);
     assert!(
         o.status.success(),
         "pipec {args:?}: {}{}",
@@ -281,7 +281,7 @@ fn byte_limits_work_in_check_and_compile() {
     ]);
     assert_eq!(r["valid"], true);
     assert_eq!(r["memory"][0]["peak"].as_f64().unwrap(), want[0]);
-    let o = pipec(&[
+    let o = pipec_output(&[
         "check",
         d,
         "--cost-file",
@@ -313,7 +313,7 @@ fn byte_limits_work_in_check_and_compile() {
     assert_eq!(over, expect);
     // compile refuses to write it.
     let out = tmp.path().join("refused");
-    let o = pipec(&[
+    let o = pipec_output(&[
         "compile",
         "--schedule",
         "1f1b",
@@ -333,14 +333,16 @@ fn byte_limits_work_in_check_and_compile() {
     assert_eq!(o.status.code(), Some(1));
     assert!(!out.exists());
     // A plain number is in the report's unit: layer-activations without byte costs.
-    let o = pipec(&["check", d, "--memory-limit", "15"]);
+    let o = pipec_output(&["check", d, "--memory-limit", "15"]);
     assert_eq!(
         o.status.code(),
         Some(1),
         "rank 0 holds 16 layer-activations"
     );
     assert_eq!(
-        pipec(&["check", d, "--memory-limit", "16"]).status.code(),
+        pipec_output(&["check", d, "--memory-limit", "16"])
+            .status
+            .code(),
         Some(0)
     );
 }
@@ -390,7 +392,7 @@ fn a_byte_limit_without_byte_costs_says_what_to_add() {
             "40GiB",
         ],
     ] {
-        let r = pipec(&args);
+        let r = pipec_output(&args);
         assert_eq!(r.status.code(), Some(1), "{args:?}");
         let err = String::from_utf8_lossy(&r.stderr);
         assert!(err.contains("t.act="), "{args:?}: {err}");

@@ -445,7 +445,7 @@ fn check_reports_host_memory() {
         }
         let loaded = pipec::back::files::load_dir(&dir).unwrap();
         assert_eq!(loaded.program, q);
-        let out = pipec_tests::pipec()
+        let out = crate::harness::pipec()
             .args(["check", "--json"])
             .arg(&dir)
             .output()
@@ -463,7 +463,7 @@ fn check_reports_host_memory() {
         // The unit count: rank 0 holds two forwards at its peak as before (the offloaded one
         // is back for its backward while the other is live).
         assert_eq!(memory[0]["peak"], 2, "{v}");
-        let out = pipec_tests::pipec()
+        let out = crate::harness::pipec()
             .arg("check")
             .arg(&dir)
             .output()

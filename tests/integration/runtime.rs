@@ -5,7 +5,7 @@
 //! without pipelining, microbatch after microbatch, on one thread (`reference.rs`), and must
 //! agree bitwise. The measured activation peak is compared with a count from the program alone.
 
-use assert_cmd::Command;
+use crate::harness::pipec_run;
 use pipec::back::files::{self, Encoding, Header};
 use pipec::compile::{compile, CompileRequest, Compiled};
 use pipec::front::layout::Layout;
@@ -700,11 +700,6 @@ fn unmatched_program_is_refused_naming_rank_and_instruction() {
 }
 
 // ---- the binary -----------------------------------------------------------------------------
-
-/// The `pipec-run` binary (built once per test process, same profile).
-fn pipec_run() -> Command {
-    Command::from_std(pipec_tests::workspace_bin("pipec-cli", "pipec-run"))
-}
 
 fn cli_dir(tmp: &Path, name: &str, kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> PathBuf {
     let dir = tmp.join(name);

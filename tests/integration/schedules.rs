@@ -8,6 +8,8 @@
 //! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
 //! and its inputs are done; communication is free), written before `pipec::simulate` existed.
 
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 use pipec::ir::{Instr, Payload, Program};
 use pipec::lower::lower;
 use pipec_schedules::{
@@ -709,11 +711,6 @@ fn readme_figures_are_current() {
 // ---------------------------------------------------------------------------------------------
 // The CLI edge
 // ---------------------------------------------------------------------------------------------
-
-fn pipec() -> assert_cmd::Command {
-    assert_cmd::Command::cargo_bin("pipec")
-        .expect("the pipec binary (cargo test --workspace builds it)")
-}
 
 #[test]
 fn cli_compiles_new_kinds_and_combined() {

@@ -4,7 +4,8 @@
 //! simulator on the lowered program (not the scheduler's own clock), peaks by the verifier,
 //! the bound from the costs alone, built-in kinds compiled by `pipec compile`'s path.
 
-use assert_cmd::Command;
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 use pipec::front::layout::{self, Layout};
 use pipec::lower::lower;
 use pipec::simulate::cost::{CostModel, StageCosts};
@@ -12,10 +13,6 @@ use pipec::tune::{self, greedy, problem::Problem, split, TuneRequest};
 use pipec::verify::{memory::weighted_peaks, verify, VerifyOptions};
 use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
 use proptest::prelude::*;
-
-fn pipec() -> Command {
-    Command::from_std(pipec_tests::pipec())
-}
 
 /// Heavy first and last stages (embedding, output layer and loss), `b > f`, `w < b`.
 const UNEVEN: &str = "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1";
@@ -697,7 +694,7 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
         .assert()
         .success();
     let trace = tmp.path().join("trace.json");
-    let run = Command::from_std(pipec_tests::workspace_bin("pipec-cli", "pipec-run"))
+    let run = crate::harness::pipec_run()
         .arg(&dir)
         .arg("--trace")
         .arg(&trace)

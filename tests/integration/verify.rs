@@ -2,6 +2,8 @@
 //! on thousands of mutated schedules, published peak-memory formulas, and hand-built
 //! defects whose violations are derived by hand.
 
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 use pipec::ir::{Instr, Payload, Program};
 use pipec::lower::lower;
 use pipec::verify::{verify, Class, Report, VerifyOptions, Violation};
@@ -794,10 +796,6 @@ fn report_json_has_verdict_and_typed_violations() {
 
 // ---------------------------------------------------------------------------------------
 // The command line: `pipec check` and the verification step of `pipec compile`.
-
-fn pipec() -> assert_cmd::Command {
-    assert_cmd::Command::from_std(pipec_tests::pipec())
-}
 
 fn compile_args(dir: &std::path::Path) -> Vec<String> {
     [

@@ -2,7 +2,8 @@
 //! against an independent equation-solving reference; the Chrome trace, SVG and DOT outputs
 //! parsed back; snapshots of small cases; the CLI's commands and exit codes.
 
-use assert_cmd::Command;
+use crate::harness::{compiled, pipec};
+use assert_cmd::prelude::*;
 use pipec::back::files::{self, Header};
 use pipec::back::view::{chrome, dot, svg, timeline_text};
 use pipec::compile::{compile, CompileRequest, Compiled};
@@ -13,6 +14,7 @@ use pipec::{Instr, Payload, Program};
 use pipec_schedules::{Compute, Placement, Rank, ScheduleKind, Task};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 fn req(kind: ScheduleKind, pp: u32, vpp: u32, m: u32) -> CompileRequest {
     CompileRequest {
@@ -720,24 +722,6 @@ fn snapshot_views_of_small_schedules() {
 // ---------------------------------------------------------------------------------------------
 // The command line.
 
-fn pipec() -> Command {
-    let mut c = Command::from_std(pipec_tests::pipec());
-    c.env_remove("NO_COLOR").env_remove("COLUMNS");
-    c
-}
-
-fn compiled_dir(tmp: &Path, name: &str, args: &[&str]) -> PathBuf {
-    let dir = tmp.join(name);
-    pipec()
-        .arg("compile")
-        .args(args)
-        .arg("-o")
-        .arg(&dir)
-        .assert()
-        .success();
-    dir
-}
-
 /// Two ranks that both send first, each in its own batch: a deadlock under rendezvous.
 fn deadlock_dir(tmp: &Path) -> PathBuf {
     let program = Program {
@@ -801,11 +785,7 @@ fn stdout_of(c: &mut Command) -> String {
 #[test]
 fn cli_show() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
-        tmp.path(),
-        "a",
-        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
-    );
+    let d = compiled(tmp.path(), "a", "--schedule 1f1b --pp 4 --microbatches 8");
     let out = pipec()
         .arg("show")
         .arg(&d)
@@ -860,11 +840,7 @@ fn cli_show() {
 #[test]
 fn cli_simulate() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
-        tmp.path(),
-        "a",
-        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
-    );
+    let d = compiled(tmp.path(), "a", "--schedule 1f1b --pp 4 --microbatches 8");
     let json = stdout_of(
         pipec()
             .arg("simulate")
@@ -961,11 +937,7 @@ fn cli_simulate() {
 #[test]
 fn cli_compare() {
     let tmp = tempfile::tempdir().unwrap();
-    let a = compiled_dir(
-        tmp.path(),
-        "a",
-        &["--schedule", "gpipe", "--pp", "4", "--microbatches", "8"],
-    );
+    let a = compiled(tmp.path(), "a", "--schedule gpipe --pp 4 --microbatches 8");
     let out = stdout_of(pipec().arg("compare").arg(&a).args([
         "--schedule",
         "1f1b",
@@ -1032,19 +1004,10 @@ fn cli_compare() {
 #[test]
 fn cli_export() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
+    let d = compiled(
         tmp.path(),
         "a",
-        &[
-            "--schedule",
-            "interleaved-1f1b",
-            "--pp",
-            "2",
-            "--vpp",
-            "2",
-            "--microbatches",
-            "4",
-        ],
+        "--schedule interleaved-1f1b --pp 2 --vpp 2 --microbatches 4",
     );
     let t = tmp.path().join("t.json");
     pipec()
@@ -1232,11 +1195,7 @@ fn visible(s: &str) -> usize {
 #[test]
 fn show_width_is_bounded() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
-        tmp.path(),
-        "a",
-        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
-    );
+    let d = compiled(tmp.path(), "a", "--schedule 1f1b --pp 4 --microbatches 8");
     // Each used to run for minutes or be killed for memory (100000000, 4294967295).
     for bad in [
         "100000000",
@@ -1290,10 +1249,10 @@ fn show_width_is_bounded() {
 #[test]
 fn export_size_flags_are_bounded() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
+    let d = compiled(
         tmp.path(),
         "a",
-        &["--schedule", "1f1b", "--pp", "8", "--microbatches", "1024"],
+        "--schedule 1f1b --pp 8 --microbatches 1024",
     );
     for bad in ["1e12", "32769", "299", "10", "-5", "nan", "inf", "wide"] {
         pipec()
@@ -1346,11 +1305,7 @@ fn export_size_flags_are_bounded() {
 #[test]
 fn show_uses_the_whole_width() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
-        tmp.path(),
-        "a",
-        &["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"],
-    );
+    let d = compiled(tmp.path(), "a", "--schedule 1f1b --pp 4 --microbatches 8");
     let (program, timeline) = crate::inspect::timeline_of(&d);
     let mut seen = Vec::new();
     for width in [30usize, 80, 100, 117, 250] {
@@ -1422,21 +1377,10 @@ fn show_legend_fits_the_width() {
 #[test]
 fn show_mixed_runs_name_their_work() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
+    let d = compiled(
         tmp.path(),
         "llama",
-        &[
-            "--schedule",
-            "interleaved-1f1b",
-            "--pp",
-            "8",
-            "--vpp",
-            "5",
-            "--microbatches",
-            "64",
-            "--num-layers",
-            "80",
-        ],
+        "--schedule interleaved-1f1b --pp 8 --vpp 5 --microbatches 64 --num-layers 80",
     );
     let (program, timeline) = crate::inspect::timeline_of(&d);
     let all: Vec<usize> = (0..8).collect();
@@ -1663,19 +1607,10 @@ fn svg_at_scale_is_an_overview() {
 #[test]
 fn svg_export_at_scale_is_an_overview() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = compiled_dir(
+    let d = compiled(
         tmp.path(),
         "big",
-        &[
-            "--schedule",
-            "interleaved-1f1b",
-            "--pp",
-            "8",
-            "--vpp",
-            "4",
-            "--microbatches",
-            "320",
-        ],
+        "--schedule interleaved-1f1b --pp 8 --vpp 4 --microbatches 320",
     );
     let out = pipec()
         .arg("export")
@@ -1725,7 +1660,7 @@ fn svg_export_at_scale_is_an_overview() {
 fn views_draw_the_copy_stream() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("fit");
-    let o = pipec_tests::pipec()
+    let o = crate::harness::pipec()
         .args([
             "tune",
             "--pp",
@@ -1765,7 +1700,7 @@ fn views_draw_the_copy_stream() {
         .collect();
     let total: usize = copies.iter().sum();
     assert!(total > 0, "the winner offloads nothing");
-    let show = pipec_tests::pipec()
+    let show = crate::harness::pipec()
         .args(["show", "--width", "100", "--no-color"])
         .arg(&out)
         .output()
@@ -1783,7 +1718,7 @@ fn views_draw_the_copy_stream() {
     let svg = dir.path().join("t.svg");
     let trace = dir.path().join("t.json");
     for (format, file) in [("svg", &svg), ("chrome-trace", &trace)] {
-        let o = pipec_tests::pipec()
+        let o = crate::harness::pipec()
             .args(["export", "--format", format, "-o"])
             .arg(file)
             .arg(&out)
