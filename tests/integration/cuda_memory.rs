@@ -16,7 +16,7 @@
 //! rules there, so a GPU failure is the GPU's.
 
 use crate::cuda::{compile_req_to, cpu_check};
-use crate::offload::{every_memory_op_1f1b, has, insert, mem};
+use crate::memory::{every_memory_op_1f1b, has, insert, mem};
 use pipec::back::files::{write_program, Encoding, Header};
 use pipec::compile::CompileRequest;
 use pipec::ir::{Instr, MemKind, Program};

@@ -1,6 +1,6 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
-mod check_cli;
+mod check;
 mod crates;
 mod cuda;
 mod cuda_kernels;
@@ -8,17 +8,13 @@ mod cuda_memory;
 mod docs;
 mod group_interleaved;
 mod harness;
-mod hostile;
-mod inspect;
 mod layout;
 mod lowering;
 mod megatron;
 mod megatron_calls;
 mod megatron_p2p;
 mod megatron_recompute;
-mod memory_runtime;
-mod memory_units;
-mod offload;
+mod memory;
 mod regressions;
 mod runtime;
 mod schedules;
@@ -26,7 +22,6 @@ mod sweep;
 mod torch;
 mod tune;
 mod tune_levers;
-mod verdict;
 mod verify;
 mod verify_vs_run;
 mod views;
