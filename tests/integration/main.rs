@@ -25,3 +25,4 @@ mod tune_levers;
 mod verify;
 mod verify_vs_run;
 mod views;
+mod violations;
