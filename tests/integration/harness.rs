@@ -1,5 +1,6 @@
 //! The one CLI harness of the integration tests: the `pipec` and `pipec-run` binaries, and
-//! `pipec compile` from a command line. Every test that runs a binary gets it here.
+//! `pipec compile` from a command line. Every test that runs `pipec` or `pipec-run` gets the
+//! binary here.
 //!
 //! The commands are `std::process::Command`s: `.output()`, `.spawn()` with pipes, and, with
 //! `assert_cmd::prelude::*` in scope, `.assert()`.
