@@ -121,8 +121,8 @@ pub fn cuda_bin() -> Command {
 }
 
 /// `pipec compile LINE -o DIR` (LINE split at whitespace, e.g.
-/// `"--schedule 1f1b --pp 4 --microbatches 8"`), which must succeed.
-pub fn compile(dir: &Path, line: &str) {
+/// `"--schedule 1f1b --pp 4 --microbatches 8"`), which must succeed; what it printed.
+pub fn compile(dir: &Path, line: &str) -> String {
     let out = pipec_with(["compile"])
         .args(line.split_whitespace())
         .arg("-o")
@@ -136,6 +136,7 @@ pub fn compile(dir: &Path, line: &str) {
         out.status.code(),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 /// [`compile`] into `tmp/name`; that directory.

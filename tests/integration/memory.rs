@@ -9,6 +9,7 @@
 //! - the verifier: a valid schedule with valid memory instructions has no violation (the copy
 //!   stream adds no deadlock), and the brute-force executor (`pipec_tests::reference`) agrees.
 
+use crate::harness::compile;
 use pipec::ir::{Instr, MemKind, MemOp, Program};
 use pipec::lower::lower;
 use pipec::memory::{MemoryModel, Unit};
@@ -921,19 +922,10 @@ fn byte_limits_work_in_check_and_compile() {
     let c = cost.to_str().unwrap();
     let dir = tmp.path().join("s");
     let d = dir.to_str().unwrap();
-    ok(&[
-        "compile",
-        "--schedule",
-        "1f1b",
-        "--pp",
-        "4",
-        "--microbatches",
-        "8",
-        "--num-layers",
-        "16",
-        "-o",
-        d,
-    ]);
+    compile(
+        &dir,
+        "--schedule 1f1b --pp 4 --microbatches 8 --num-layers 16",
+    );
     let want = brute(&dir, &[("t", 2.0 * GIB)], &[("t", GIB)]);
     // Rank 0: 4 layers of parameters + 4 microbatches x 4 layers x 2 GiB = 36 GiB.
     assert_eq!(want[0], 36.0 * GIB);
@@ -1021,17 +1013,7 @@ fn a_byte_limit_without_byte_costs_says_what_to_add() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
     let d = dir.to_str().unwrap();
-    ok(&[
-        "compile",
-        "--schedule",
-        "1f1b",
-        "--pp",
-        "2",
-        "--microbatches",
-        "4",
-        "-o",
-        d,
-    ]);
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 4");
     let out = tmp.path().join("o");
     let o = out.to_str().unwrap();
     for args in [
@@ -1117,17 +1099,7 @@ fn the_manifest_keeps_tunes_cost_model() {
     );
     // Without a cost model the manifest has no `cost` (files unchanged).
     let plain = tmp.path().join("p");
-    ok(&[
-        "compile",
-        "--schedule",
-        "1f1b",
-        "--pp",
-        "2",
-        "--microbatches",
-        "4",
-        "-o",
-        plain.to_str().unwrap(),
-    ]);
+    compile(&plain, "--schedule 1f1b --pp 2 --microbatches 4");
     assert!(read(&plain.join("manifest.json")).get("cost").is_none());
 }
 
@@ -1139,21 +1111,10 @@ fn dualpipe_parameters_count_twice() {
     let dir = tmp.path().join("d");
     let d = dir.to_str().unwrap();
     let spec = "t.act=1GiB,t.param=3GiB";
-    ok(&[
-        "compile",
-        "--schedule",
-        "dualpipe",
-        "--pp",
-        "4",
-        "--microbatches",
-        "8",
-        "--num-layers",
-        "8",
-        "--cost",
-        spec,
-        "-o",
-        d,
-    ]);
+    compile(
+        &dir,
+        &format!("--schedule dualpipe --pp 4 --microbatches 8 --num-layers 8 --cost {spec}"),
+    );
     let want = brute(&dir, &[("t", GIB)], &[("t", 3.0 * GIB)]);
     let r = json(&["check", d, "--json"]);
     for (i, m) in r["memory"].as_array().unwrap().iter().enumerate() {

@@ -715,49 +715,16 @@ fn readme_figures_are_current() {
 #[test]
 fn cli_compiles_new_kinds_and_combined() {
     let dir = tempfile::tempdir().unwrap();
-    for (args, name) in [
+    for (line, name) in [
+        ("--schedule dualpipe-v --pp 2 --microbatches 4", "dpv"),
+        ("--schedule zb-v --pp 4 --microbatches 8", "zbv"),
+        ("--schedule dualpipe --pp 4 --microbatches 8", "dp"),
         (
-            vec![
-                "--schedule",
-                "dualpipe-v",
-                "--pp",
-                "2",
-                "--microbatches",
-                "4",
-            ],
-            "dpv",
-        ),
-        (
-            vec!["--schedule", "zb-v", "--pp", "4", "--microbatches", "8"],
-            "zbv",
-        ),
-        (
-            vec!["--schedule", "dualpipe", "--pp", "4", "--microbatches", "8"],
-            "dp",
-        ),
-        (
-            vec![
-                "--schedule",
-                "interleaved-1f1b",
-                "--pp",
-                "4",
-                "--vpp",
-                "2",
-                "--microbatches",
-                "8",
-                "--combined",
-            ],
+            "--schedule interleaved-1f1b --pp 4 --vpp 2 --microbatches 8 --combined",
             "combined",
         ),
     ] {
-        let out = dir.path().join(name);
-        pipec()
-            .arg("compile")
-            .args(&args)
-            .arg("-o")
-            .arg(&out)
-            .assert()
-            .success();
+        let out = crate::harness::compiled(dir.path(), name, line);
         let loaded = pipec::back::files::load_dir(&out).unwrap();
         rendezvous(&loaded.program).unwrap();
     }

@@ -2412,19 +2412,9 @@ fn export_refuses_flags_that_do_not_apply() {
 #[test]
 fn compile_keeps_its_verdict_line_short_at_large_pp() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = stdout(
-        pipec()
-            .args([
-                "compile",
-                "--schedule",
-                "gpipe",
-                "--pp",
-                "64",
-                "--microbatches",
-                "1",
-                "-o",
-            ])
-            .arg(tmp.path().join("wide")),
+    let out = crate::harness::compile(
+        &tmp.path().join("wide"),
+        "--schedule gpipe --pp 64 --microbatches 1",
     );
     let verdict = out.lines().find(|l| l.starts_with("verified")).unwrap();
     assert!(verdict.contains("64 ranks; pipec check"), "{verdict}");
@@ -2481,19 +2471,9 @@ fn a_large_trace_is_cut_to_an_openable_size_with_a_note() {
 #[test]
 fn compile_counts_in_words() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = stdout(
-        pipec()
-            .args([
-                "compile",
-                "--schedule",
-                "gpipe",
-                "--pp",
-                "1",
-                "--microbatches",
-                "1",
-                "-o",
-            ])
-            .arg(tmp.path().join("one")),
+    let out = crate::harness::compile(
+        &tmp.path().join("one"),
+        "--schedule gpipe --pp 1 --microbatches 1",
     );
     assert!(out.contains(": 1 rank, 1 stage, "), "{out}");
     // The verifier's verdict too.
