@@ -27,44 +27,6 @@ pub fn conformance_json(rel: &str) -> serde_json::Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-/// A workspace binary (`pipec`, `pipec-run`), built if needed. Cargo builds a dependency's
-/// binaries only for that package's own tests, so `CARGO_BIN_EXE_*` is not set in this crate;
-/// we build the binary once per test process with the same profile as the test executable.
-pub fn workspace_bin(package: &str, name: &str) -> std::process::Command {
-    use std::collections::HashMap;
-    use std::path::Path;
-    use std::sync::{Mutex, OnceLock};
-    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
-    let mut built = BUILT.get_or_init(Default::default).lock().unwrap();
-    let path = built
-        .entry(name.to_string())
-        .or_insert_with(|| {
-            let exe = std::env::current_exe().expect("test executable");
-            // target/<profile>/deps/integration-<hash>
-            let profile_dir = exe.parent().and_then(Path::parent).expect("target dir");
-            let mut build = std::process::Command::new(env!("CARGO"));
-            build
-                .args(["build", "--quiet", "-p", package, "--bin", name])
-                .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-            if profile_dir.ends_with("release") {
-                build.arg("--release");
-            }
-            let status = build.status().expect("run cargo build");
-            assert!(
-                status.success(),
-                "cargo build -p {package} --bin {name} failed"
-            );
-            profile_dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
-        })
-        .clone();
-    std::process::Command::new(path)
-}
-
-/// The `pipec` binary.
-pub fn pipec() -> std::process::Command {
-    workspace_bin("pipec-cli", "pipec")
-}
-
 pub mod reference;
 
 /// The Megatron P2P mode a test asks for by default (pipec's own default rule).

@@ -11,12 +11,13 @@
 //! fp32 and bf16 (one process, rank threads), and a 2-process NCCL launch with torchrun's
 //! variables.
 
+#[cfg(feature = "cuda")]
+use crate::harness::cuda_bin;
 use pipec_compiler::compile::{compile, CompileRequest};
 use pipec_ir::files::{write_program, Encoding, Header};
 use pipec_ir::ir::Instr;
 use pipec_schedules::{MegatronP2p, ScheduleKind};
 use std::path::Path;
-use std::process::Command;
 
 fn compile_to(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, dir: &Path) {
     compile_p2p_to(kind, pp, vpp, m, MegatronP2p::default_for(kind, pp), dir)
@@ -127,58 +128,11 @@ fn gpu_check_a_second_wait_on_a_batch() {
     }
 }
 
-/// `pipec-run` as built for these tests: with the `cuda` feature when this crate has it.
-fn pipec_run() -> Command {
-    #[cfg(feature = "cuda")]
-    {
-        cuda_bin()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        pipec_tests::workspace_bin("pipec-cli", "pipec-run")
-    }
-}
-
-/// `pipec-run` built with `--features cuda` (into its own target dir, so the default build's
-/// binary used by the other tests is not replaced), or the prebuilt one named by
-/// `PIPEC_CUDA_RUN_BIN` (a GPU machine without a Rust toolchain).
-#[cfg(feature = "cuda")]
-pub(crate) fn cuda_bin() -> Command {
-    use std::sync::OnceLock;
-    static BIN: OnceLock<std::path::PathBuf> = OnceLock::new();
-    let bin = BIN.get_or_init(|| {
-        if let Some(prebuilt) = std::env::var_os("PIPEC_CUDA_RUN_BIN") {
-            return prebuilt.into();
-        }
-        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-        let target = Path::new(root).join("target").join("cuda-tests");
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "pipec-cli",
-                "--features",
-                "cuda",
-                "--bin",
-                "pipec-run",
-                "--target-dir",
-            ])
-            .arg(&target)
-            .current_dir(root)
-            .status()
-            .expect("run cargo build");
-        assert!(status.success(), "cargo build --features cuda failed");
-        target.join("debug").join("pipec-run")
-    });
-    Command::new(bin)
-}
-
 #[test]
 fn dtype_is_refused_on_the_cpu_backend() {
     let tmp = tempfile::tempdir().unwrap();
     compile_to(ScheduleKind::OneFOneB, 2, 1, 2, tmp.path());
-    let out = pipec_tests::workspace_bin("pipec-cli", "pipec-run")
+    let out = crate::harness::pipec_run()
         .arg(tmp.path())
         .args(["--dtype", "bf16"])
         .output()
@@ -197,7 +151,7 @@ fn dtype_is_refused_on_the_cpu_backend() {
 fn cuda_backend_fails_clearly_without_feature_or_driver() {
     let tmp = tempfile::tempdir().unwrap();
     compile_to(ScheduleKind::OneFOneB, 2, 1, 2, tmp.path());
-    let out = pipec_run()
+    let out = crate::harness::pipec_run_cuda()
         .arg(tmp.path())
         .args(["--backend", "cuda"])
         .env_remove("RANK")
@@ -536,7 +490,7 @@ fn gpu_test_programs_pass_on_the_cpu_backend() {
 /// and writes its trace (`DIR/trace.json`); returns what it printed.
 pub(crate) fn cpu_check(dir: &Path, what: &str) -> String {
     let trace = dir.join("trace.json");
-    let out = pipec_tests::workspace_bin("pipec-cli", "pipec-run")
+    let out = crate::harness::pipec_run()
         .arg(dir)
         .arg("--check")
         .args(TINY)

@@ -16,7 +16,7 @@
 //! rules there, so a GPU failure is the GPU's.
 
 use crate::cuda::{compile_req_to, cpu_check};
-use crate::offload::{every_memory_op_1f1b, has, insert, mem};
+use crate::memory::{every_memory_op_1f1b, has, insert, mem};
 use pipec_compiler::compile::CompileRequest;
 use pipec_ir::files::{write_program, Encoding, Header};
 use pipec_ir::ir::{Instr, MemKind, Program};
@@ -64,7 +64,7 @@ fn every_memory_op_last_rank() -> (pipec_compiler::compile::Compiled, Program) {
 /// `pipec tune --target pipec-run` under a memory limit below the plain peak: the tuner's
 /// fitting writes offloads (and may checkpoint), as `tune_levers` checks.
 fn tuned(dir: &Path) {
-    let o = pipec_tests::pipec()
+    let o = crate::harness::pipec()
         .args([
             "tune",
             "--pp",
@@ -320,7 +320,7 @@ fn cuda_backend_takes_memory_instructions_up_to_the_driver_probe() {
     let tmp = tempfile::tempdir().unwrap();
     let (c, q) = every_memory_op_1f1b();
     write(&c, &q, tmp.path());
-    let out = crate::cuda::cuda_bin()
+    let out = crate::harness::cuda_bin()
         .arg(tmp.path())
         .args(["--backend", "cuda", "--check"])
         .env_remove("RANK")

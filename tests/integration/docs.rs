@@ -1,9 +1,9 @@
 //! The documentation's examples are what pipec actually writes.
 
+use crate::harness::{pipec, pipec_run};
 use pipec_compiler::compile::{compile, CompileRequest};
 use pipec_ir::files::{render, Encoding, Header};
 use pipec_schedules::ScheduleKind;
-use pipec_tests::{pipec, workspace_bin};
 
 /// The code blocks of `docs/format.md`'s example section, in order.
 fn example_blocks() -> Vec<String> {
@@ -41,7 +41,7 @@ fn format_doc_example_is_current() {
 /// compiles.
 #[test]
 fn schedules_command_lists_every_kind() {
-    let out = pipec_tests::pipec().arg("schedules").output().unwrap();
+    let out = crate::harness::pipec().arg("schedules").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     for k in ScheduleKind::ALL {
@@ -51,7 +51,7 @@ fn schedules_command_lists_every_kind() {
             k.name()
         );
     }
-    let out = pipec_tests::pipec()
+    let out = crate::harness::pipec()
         .args(["schedules", "--json"])
         .output()
         .unwrap();
@@ -151,9 +151,7 @@ fn readme_synopsis_matches_help() {
     let mut wrong = Vec::new();
     for c in commands.iter().map(String::as_str).chain(["pipec-run"]) {
         let out = if c == "pipec-run" {
-            workspace_bin("pipec-cli", "pipec-run")
-                .arg("--help")
-                .output()
+            pipec_run().arg("--help").output()
         } else {
             pipec().args([c, "--help"]).output()
         }

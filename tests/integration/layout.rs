@@ -2,7 +2,8 @@
 //! independent transcription of its regex-based expansion, robustness on arbitrary input, and
 //! the `pipec layout` command.
 
-use assert_cmd::Command;
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 use pipec_schedules::layout::{self, check_against, LayerKind, LayoutError, LayoutErrorKind as K};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -630,10 +631,6 @@ fn huge_inputs_are_bounded_not_fatal() {
 
 // ---------------------------------------------------------------------------------------------
 // (d) `pipec layout`.
-
-fn pipec() -> Command {
-    Command::from_std(pipec_tests::pipec())
-}
 
 fn stdout_of(args: &[&str]) -> String {
     let out = pipec().args(args).output().unwrap();

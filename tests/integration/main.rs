@@ -1,6 +1,6 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
-mod check_cli;
+mod check;
 mod crates;
 mod cuda;
 mod cuda_calibrate;
@@ -9,8 +9,7 @@ mod cuda_memory;
 mod docs;
 mod driver;
 mod group_interleaved;
-mod hostile;
-mod inspect;
+mod harness;
 mod interp;
 mod layout;
 mod loader;
@@ -19,9 +18,7 @@ mod megatron;
 mod megatron_calls;
 mod megatron_p2p;
 mod megatron_recompute;
-mod memory_runtime;
-mod memory_units;
-mod offload;
+mod memory;
 mod regressions;
 mod runtime;
 mod schedules;
@@ -30,7 +27,7 @@ mod sweep;
 mod torch;
 mod tune;
 mod tune_levers;
-mod verdict;
 mod verify;
 mod verify_vs_run;
 mod views;
+mod violations;

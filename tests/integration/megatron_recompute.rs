@@ -395,7 +395,7 @@ fn the_flag_refuses_what_megatron_ignores() {
         ),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let out = pipec_tests::pipec()
+        let out = crate::harness::pipec()
             .arg("compile")
             .args(args)
             .args(["--megatron-partial-recompute", "1", "-o"])
@@ -408,7 +408,7 @@ fn the_flag_refuses_what_megatron_ignores() {
         assert!(!dir.path().join("o").exists());
     }
     let dir = tempfile::tempdir().unwrap();
-    let out = pipec_tests::pipec()
+    let out = crate::harness::pipec()
         .args([
             "compile",
             "--schedule",

@@ -86,7 +86,7 @@ fn broken_pipe_panicked_pipec_show_and_pipec_run() {
     use std::process::Stdio;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("p");
-    let out = pipec_tests::pipec()
+    let out = crate::harness::pipec()
         .args([
             "compile",
             "--schedule",
@@ -101,9 +101,9 @@ fn broken_pipe_panicked_pipec_show_and_pipec_run() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let mut show = pipec_tests::pipec();
+    let mut show = crate::harness::pipec();
     show.arg("show").arg(&dir);
-    let mut run = pipec_tests::workspace_bin("pipec-cli", "pipec-run");
+    let mut run = crate::harness::pipec_run();
     run.arg(&dir);
     for mut cmd in [show, run] {
         // The reader is gone before the process starts, so the first write fails whatever the

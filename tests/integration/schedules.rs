@@ -8,6 +8,8 @@
 //! from [`simulate`] (list scheduling of the compute order: an op starts when its rank is free
 //! and its inputs are done; communication is free), written before `pipec_cost::simulate` existed.
 
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 use pipec_compiler::lower::lower;
 use pipec_ir::ir::{Instr, Payload, Program};
 use pipec_schedules::{
@@ -714,57 +716,19 @@ fn readme_figures_are_current() {
 // The CLI edge
 // ---------------------------------------------------------------------------------------------
 
-fn pipec() -> assert_cmd::Command {
-    assert_cmd::Command::cargo_bin("pipec")
-        .expect("the pipec binary (cargo test --workspace builds it)")
-}
-
 #[test]
 fn cli_compiles_new_kinds_and_combined() {
     let dir = tempfile::tempdir().unwrap();
-    for (args, name) in [
+    for (line, name) in [
+        ("--schedule dualpipe-v --pp 2 --microbatches 4", "dpv"),
+        ("--schedule zb-v --pp 4 --microbatches 8", "zbv"),
+        ("--schedule dualpipe --pp 4 --microbatches 8", "dp"),
         (
-            vec![
-                "--schedule",
-                "dualpipe-v",
-                "--pp",
-                "2",
-                "--microbatches",
-                "4",
-            ],
-            "dpv",
-        ),
-        (
-            vec!["--schedule", "zb-v", "--pp", "4", "--microbatches", "8"],
-            "zbv",
-        ),
-        (
-            vec!["--schedule", "dualpipe", "--pp", "4", "--microbatches", "8"],
-            "dp",
-        ),
-        (
-            vec![
-                "--schedule",
-                "interleaved-1f1b",
-                "--pp",
-                "4",
-                "--vpp",
-                "2",
-                "--microbatches",
-                "8",
-                "--combined",
-            ],
+            "--schedule interleaved-1f1b --pp 4 --vpp 2 --microbatches 8 --combined",
             "combined",
         ),
     ] {
-        let out = dir.path().join(name);
-        pipec()
-            .arg("compile")
-            .args(&args)
-            .arg("-o")
-            .arg(&out)
-            .assert()
-            .success();
+        let out = crate::harness::compiled(dir.path(), name, line);
         let loaded = pipec_ir::files::load_dir(&out).unwrap();
         rendezvous(&loaded.program).unwrap();
     }

@@ -1,10 +1,7 @@
 //! `pipec compile --config FILE`: many schedules in one call.
 
-use assert_cmd::Command;
-
-fn pipec() -> Command {
-    Command::from_std(pipec_tests::pipec())
-}
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 
 const SWEEP: &str = r#"
 [[schedule]]

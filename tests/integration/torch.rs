@@ -1321,12 +1321,9 @@ mod never_panics {
 
 mod cli {
     use super::*;
-    use assert_cmd::Command;
+    use crate::harness::pipec;
+    use assert_cmd::prelude::*;
     use predicates::str::contains;
-
-    fn pipec() -> Command {
-        Command::from_std(pipec_tests::pipec())
-    }
 
     fn shared_file(name: &str) -> PathBuf {
         let p = pipec_tests::shared_dir()

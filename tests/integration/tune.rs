@@ -4,7 +4,8 @@
 //! simulator on the lowered program (not the scheduler's own clock), peaks by the verifier,
 //! the bound from the costs alone, built-in kinds compiled by `pipec compile`'s path.
 
-use assert_cmd::Command;
+use crate::harness::pipec;
+use assert_cmd::prelude::*;
 use pipec_compiler::lower::lower;
 use pipec_cost::cost::{CostModel, StageCosts};
 use pipec_ir::verify::{memory::weighted_peaks, verify, VerifyOptions};
@@ -12,10 +13,6 @@ use pipec_schedules::layout::{self, Layout};
 use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
 use pipec_tune::{greedy, problem::Problem, split, TuneRequest};
 use proptest::prelude::*;
-
-fn pipec() -> Command {
-    Command::from_std(pipec_tests::pipec())
-}
 
 /// Heavy first and last stages (embedding, output layer and loss), `b > f`, `w < b`.
 const UNEVEN: &str = "f=1,b=1.5,w=0.7,E.f=2,E.b=2,E.w=1,L.f=3,L.b=3,L.w=1";
@@ -702,7 +699,7 @@ fn calibrate_from_a_pipec_run_trace_feeds_tune() {
         .assert()
         .success();
     let trace = tmp.path().join("trace.json");
-    let run = Command::from_std(pipec_tests::workspace_bin("pipec-cli", "pipec-run"))
+    let run = crate::harness::pipec_run()
         .arg(&dir)
         .arg("--trace")
         .arg(&trace)
@@ -1063,58 +1060,6 @@ fn readme_tune_table_is_current() {
         table,
         "the README's tune table is stale; the current one:\n{table}"
     );
-}
-
-/// The gap of the list scheduler to the exact search on tiny instances (docs/tune.md).
-#[test]
-#[ignore = "minutes in release: prints the exact-search gaps"]
-fn exact_gaps() {
-    println!("| instance | costs | limit | list scheduler | exact | gap | nodes |");
-    println!("|---|---|---|---|---|---|---|");
-    for cost in [
-        "f=1,b=1,w=1",
-        "f=1,b=1.5,w=0.5,E.f=2,E.b=1,E.w=1,L.f=1.5,L.b=2.5,L.w=0.5",
-    ] {
-        for (pl, m, counts) in [
-            (Placement::looped(2, 1), 4, vec![1, 1]),
-            (Placement::looped(3, 1), 3, vec![1, 1, 1]),
-            (Placement::looped(2, 1), 3, vec![2, 1]),
-            (Placement::v_shape(2), 2, vec![1, 1, 1, 1]),
-            (Placement::bidirectional(2, 2), 4, vec![1, 2]),
-        ] {
-            let model = CostModel::parse(cost).unwrap();
-            let layout = split::layout_of(&counts, 0);
-            for limit in [None, Some(3.0)] {
-                let p = Problem::new(&model, &layout, pl.clone(), m, limit);
-                let Some((plan, _)) = pipec_tune::best_plan(&p) else {
-                    continue;
-                };
-                let e = pipec_tune::exact::exact(
-                    &p,
-                    Some((plan.makespan, plan.orders.clone())),
-                    50_000_000,
-                )
-                .unwrap();
-                println!(
-                    "| {:?} pp={} M={m} {} | {} | {} | {} | {}{} | {:.1}% | {} |",
-                    pl.kind,
-                    pl.pp,
-                    split::layout_string(&layout),
-                    if cost.contains("E.f") {
-                        "uneven"
-                    } else {
-                        "uniform"
-                    },
-                    limit.map_or("none".into(), |l| l.to_string()),
-                    plan.makespan,
-                    e.makespan,
-                    if e.proven { "" } else { " (not proven)" },
-                    (plan.makespan / e.makespan - 1.0) * 100.0,
-                    e.nodes
-                );
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

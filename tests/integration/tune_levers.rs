@@ -213,7 +213,7 @@ fn cli_reports_and_writes_the_fitted_schedule() {
         "--cost",
         cost,
     ];
-    let o = pipec_tests::pipec()
+    let o = crate::harness::pipec()
         .args(base)
         .args([
             "--memory-limit",
@@ -247,7 +247,7 @@ fn cli_reports_and_writes_the_fitted_schedule() {
         |i| matches!(i, Instr::Memory(o) if o.kind == MemKind::Offload),
     );
     assert_eq!(levers["offloaded"], serde_json::json!(offloads));
-    let run = pipec_tests::workspace_bin("pipec-cli", "pipec-run")
+    let run = crate::harness::pipec_run()
         .arg(&out)
         .args(["--check", "--steps", "1"])
         .output()
@@ -258,7 +258,7 @@ fn cli_reports_and_writes_the_fitted_schedule() {
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    let o = pipec_tests::pipec()
+    let o = crate::harness::pipec()
         .args(base)
         .args([
             "--memory-limit",
