@@ -37,9 +37,10 @@
 //! `combined_forward_backward_step` asserts it is `None`).
 
 use crate::ids::Rank;
+use crate::kinds::ScheduleKind;
 use crate::megatron::{rank_microbatches, schedule_table};
 use crate::op::Task;
-use crate::spec::{Limits, ScheduleKind, ScheduleSpec, SpecError};
+use crate::spec::{Limits, ScheduleSpec, SpecError};
 use thiserror::Error;
 
 /// One rank's forwards under Megatron's partial recompute.
