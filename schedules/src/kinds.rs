@@ -28,6 +28,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::gpipe::orders,
                 flags: Flags::NONE,
+                megatron: None,
                 summary: "all forwards, then all backwards",
                 params: "pp, microbatches; vpp = 1",
                 source: "GPipe (Huang et al., 2019); torch ScheduleGPipe",
@@ -44,7 +45,8 @@ macro_rules! kinds {
                 placement: looped,
                 comm: crate::megatron::one_f_one_b_comm,
                 generate: crate::megatron::one_f_one_b,
-                flags: Flags { combined: true, megatron_p2p: true, ..Flags::NONE },
+                flags: Flags { combined: true, ..Flags::NONE },
+                megatron: Some(MegatronLoop::NonInterleaved),
                 summary: "warmup forwards, steady one-forward-one-backward, cooldown backwards",
                 params: "pp, microbatches; vpp = 1; combined fuses steady pairs into fwd_bwd",
                 source: "PipeDream-Flush; Megatron forward_backward_pipelining_without_interleaving",
@@ -58,7 +60,8 @@ macro_rules! kinds {
                 placement: looped,
                 comm: crate::megatron::interleaved_comm,
                 generate: crate::megatron::interleaved,
-                flags: Flags { combined: true, group_size: true, megatron_p2p: true, ..Flags::NONE },
+                flags: Flags { combined: true, group_size: true, ..Flags::NONE },
+                megatron: Some(MegatronLoop::Interleaved),
                 summary: "1F1B over vpp model chunks per rank, Megatron's exact order",
                 params: "pp, vpp, microbatches, group size (default pp; pp <= g <= M); combined fuses steady pairs into fwd_bwd",
                 source: "Narayanan et al., 2021; Megatron forward_backward_pipelining_with_interleaving",
@@ -73,6 +76,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::looped_bfs::orders,
                 flags: Flags::NONE,
+                megatron: None,
                 summary: "each chunk runs all microbatches forward, then backward in reverse",
                 params: "pp, vpp, microbatches",
                 source: "Lamy-Poirier, Breadth-First Pipeline Parallelism (2022); torch ScheduleLoopedBFS",
@@ -92,6 +96,7 @@ macro_rules! kinds {
                 comm: fused_per_op,
                 generate: crate::zero_bubble::zb_h1,
                 flags: Flags { splits_backward: true, ..Flags::NONE },
+                megatron: None,
                 summary: "1F1B with split backward; the first W passes wait so B passes flow (1F1B memory, ~1/3 of its bubble)",
                 params: "pp, microbatches; vpp = 1",
                 source: "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H1; sail-sg zb-h1-quick-start",
@@ -106,6 +111,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::zero_bubble::zb_h2,
                 flags: Flags { splits_backward: true, ..Flags::NONE },
+                megatron: None,
                 summary: "split backward with 2(pp-1-r) warmup forwards: parallelogram, ~zero bubble at ~2x 1F1B memory",
                 params: "pp, microbatches; vpp = 1",
                 source: "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
@@ -120,6 +126,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::zero_bubble::zb_1p,
                 flags: Flags { splits_backward: true, ..Flags::NONE },
+                megatron: None,
                 summary: "one-pass zero bubble: 1F1B warmup, then F and bwd_D, with each rank's bwd_W passes delayed by its rank",
                 params: "pp, microbatches; vpp = 1",
                 source: "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
@@ -134,6 +141,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::v_shape::zb_v,
                 flags: Flags { splits_backward: true, ..Flags::NONE },
+                megatron: None,
                 summary: "zero bubble on a V placement, two chunks per rank, 1F1B memory",
                 params: "pp, microbatches; vpp = 2 (fixed)",
                 source: "Qi et al. (2024) ZB-V; torch ScheduleZBVZeroBubble",
@@ -149,6 +157,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::v_shape::v_half,
                 flags: Flags { splits_backward: true, ..Flags::NONE },
+                megatron: None,
                 summary: "V placement building block schedule at about half of 1F1B's activation memory",
                 params: "pp, microbatches; vpp = 2 (fixed)",
                 source: "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Half; sail-sg zbv_greedy.py",
@@ -163,6 +172,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::v_shape::v_min,
                 flags: Flags { splits_backward: true, ..Flags::NONE },
+                megatron: None,
                 summary: "V placement building block schedule at about a third of 1F1B's activation memory",
                 params: "pp, microbatches; vpp = 2 (fixed)",
                 source: "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Min; sail-sg zbv_greedy.py",
@@ -177,6 +187,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::dualpipe::dualpipe,
                 flags: Flags { splits_backward: true, same_peer_batches: true, ..Flags::NONE },
+                megatron: None,
                 summary: "bidirectional: half the microbatches enter at each end, overlapped F&B chunks; parameters 2x",
                 params: "pp (even), microbatches (even, >= 2 pp); vpp = 1",
                 source: "DeepSeek-V3 report (2024); deepseek-ai/DualPipe dualpipe.py",
@@ -191,6 +202,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::dualpipe::dualpipe_v,
                 flags: Flags { splits_backward: true, same_peer_batches: true, ..Flags::NONE },
+                megatron: None,
                 summary: "DualPipe folded onto a V placement (two chunks per rank), overlapped F&B chunks",
                 params: "pp, microbatches (>= 2 pp); vpp = 2 (fixed)",
                 source: "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
@@ -209,6 +221,7 @@ macro_rules! kinds {
                 comm: lockstep,
                 generate: crate::group_interleaved::orders,
                 flags: Flags { splits_backward: true, group_size: true, ..Flags::NONE },
+                megatron: None,
                 summary: "interleaved 1F1B over groups of g microbatches with split backward, each bwd_W right after its bwd_D: the schedule PipeOffload offloads",
                 params: "pp, vpp, microbatches, group size (default pp; 1 <= g <= pp)",
                 source: "Wan et al., PipeOffload (ICML 2025); sail-sg group_interleaved_1f1b.py GroupBuildingBlockScheduler",
@@ -271,8 +284,6 @@ pub struct Flags {
     pub combined: bool,
     /// `--group-size` applies.
     pub group_size: bool,
-    /// `--megatron-p2p` applies (a mode other than the default is refused otherwise).
-    pub megatron_p2p: bool,
     /// The kind's own loop posts both directions of a step in one batch (DualPipe's
     /// `_commit_and_wait_comm`), so batches carrying two tensors for one peer are the kind's,
     /// not the user's to fix: `pipec compile` says so in one note instead of warnings.
@@ -285,9 +296,27 @@ impl Flags {
         splits_backward: false,
         combined: false,
         group_size: false,
-        megatron_p2p: false,
         same_peer_batches: false,
     };
+}
+
+/// Megatron-LM's two pipelined schedule loops (`megatron/core/pipeline_parallel/schedules.py`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum MegatronLoop {
+    /// `forward_backward_pipelining_without_interleaving` (one chunk per rank).
+    NonInterleaved,
+    /// `forward_backward_pipelining_with_interleaving` (model chunks, group size).
+    Interleaved,
+}
+
+impl MegatronLoop {
+    /// The loop's function name in megatron-core.
+    pub fn function(self) -> &'static str {
+        match self {
+            MegatronLoop::NonInterleaved => "forward_backward_pipelining_without_interleaving",
+            MegatronLoop::Interleaved => "forward_backward_pipelining_with_interleaving",
+        }
+    }
 }
 
 /// What the tuner asks a kind when it decides what to weigh.
@@ -349,6 +378,10 @@ pub struct KindRow {
     /// Each rank's compute order (the spec is valid; generation cannot fail).
     pub generate: fn(&ScheduleSpec) -> Vec<RankOrder>,
     pub flags: Flags,
+    /// The Megatron-LM schedule function that runs the kind as it is, if one does: then
+    /// `--megatron-p2p` applies (a mode other than the default is refused otherwise),
+    /// partial recompute can be asked for, and `tune --target megatron` names the function.
+    pub megatron: Option<MegatronLoop>,
     /// `pipec schedules`: what the kind is, its parameters, where it comes from.
     pub summary: &'static str,
     pub params: &'static str,

@@ -23,7 +23,9 @@ mod v_shape;
 mod zero_bubble;
 
 pub use ids::{Microbatch, Rank, StageId};
-pub use kinds::{ChunkRule, Flags, KindRow, ScheduleKind, SearchQuery, SearchSpace, Tune, KINDS};
+pub use kinds::{
+    ChunkRule, Flags, KindRow, MegatronLoop, ScheduleKind, SearchQuery, SearchSpace, Tune, KINDS,
+};
 pub use megatron_recompute::{megatron_partial_recompute, PartialRecomputeError, RankCheckpoints};
 pub use op::{Compute, Pass, Task};
 pub use order::RankOrder;

@@ -5,7 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 use thiserror::Error;
 
-use crate::kinds::{ChunkRule, ScheduleKind};
+use crate::kinds::{ChunkRule, MegatronLoop, ScheduleKind};
 
 /// One row of `pipec schedules`.
 pub struct KindInfo {
@@ -223,7 +223,7 @@ impl MegatronP2p {
     /// The mode pipec uses when none is asked for: megatron-core's default (`batched`), except
     /// interleaving at pp = 2, which Megatron runs only with `overlap_p2p_comm`.
     pub fn default_for(kind: ScheduleKind, pp: u32) -> MegatronP2p {
-        if kind == ScheduleKind::Interleaved1F1B && pp == 2 {
+        if kind.row().megatron == Some(MegatronLoop::Interleaved) && pp == 2 {
             MegatronP2p::Overlap
         } else {
             MegatronP2p::Batched
@@ -472,7 +472,7 @@ impl ScheduleSpec {
             return Err(SpecError::CombinedNotApplicable { kind: self.kind });
         }
         let mode = self.megatron_p2p;
-        if !self.kind.row().flags.megatron_p2p && !mode.is_default() {
+        if self.kind.row().megatron.is_none() && !mode.is_default() {
             return Err(SpecError::P2pNotApplicable {
                 kind: self.kind,
                 mode,
