@@ -474,6 +474,74 @@ mod tests {
         }
     }
 
+    /// The tuner's hooks weigh what `tune` weighed before the table: every vpp up to 4 and
+    /// the whole batch as one interleaved group on small instances, group-interleaved skipped
+    /// on large ones without a limit and weighed at every group size (8 spread for deep
+    /// pipelines) under one.
+    #[test]
+    fn search_spaces() {
+        let q = |pp, m, limit| SearchQuery {
+            pp,
+            microbatches: m,
+            big: pp as u64 * m as u64 > 16_384,
+            memory_limit: limit,
+        };
+        let space = |k: ScheduleKind, q: SearchQuery| k.row().search_space(&q);
+        let sp = |vpps: &[u32], groups: &[Option<u32>]| {
+            Some(SearchSpace {
+                vpps: vpps.to_vec(),
+                groups: groups.to_vec(),
+            })
+        };
+        use ScheduleKind::*;
+        assert_eq!(
+            space(Interleaved1F1B, q(4, 8, false)),
+            sp(&[2, 3, 4], &[None, Some(8)])
+        );
+        assert_eq!(
+            space(Interleaved1F1B, q(8, 8, false)),
+            sp(&[2, 3, 4], &[None])
+        );
+        assert_eq!(
+            space(Interleaved1F1B, q(64, 1024, false)),
+            sp(&[2], &[None])
+        );
+        assert_eq!(space(ZbV, q(4, 8, true)), sp(&[2], &[None]));
+        assert_eq!(space(OneFOneB, q(4, 8, true)), sp(&[1], &[None]));
+        assert_eq!(
+            space(GroupInterleaved, q(4, 8, false)),
+            sp(&[2, 3, 4], &[None])
+        );
+        assert_eq!(space(GroupInterleaved, q(64, 1024, false)), None);
+        assert_eq!(
+            space(GroupInterleaved, q(64, 1024, true)),
+            sp(&[2], &[None])
+        );
+        assert_eq!(
+            space(GroupInterleaved, q(4, 8, true)),
+            sp(&[2, 3, 4], &[None, Some(1), Some(2), Some(3)])
+        );
+        let deep = space(GroupInterleaved, q(16, 32, true)).unwrap().groups;
+        assert_eq!(
+            deep,
+            [
+                None,
+                Some(1),
+                Some(3),
+                Some(5),
+                Some(7),
+                Some(9),
+                Some(11),
+                Some(13)
+            ]
+        );
+        // Only group-interleaved is lowered timed and always given the levers.
+        for r in &KINDS {
+            let gi = r.kind == GroupInterleaved;
+            assert_eq!((r.tune.timed, r.tune.levers_always), (gi, gi), "{}", r.name);
+        }
+    }
+
     #[test]
     fn multi_chunk_kinds_say_whether_vpp_is_required() {
         for r in &KINDS {
