@@ -115,23 +115,16 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
             (l, vpp)
         }
         None => {
-            let vpp = match (req.vpp, req.kind) {
+            let vpp = match (req.vpp, req.kind.row().vpp_required) {
                 (Some(v), _) => v,
-                (None, kind @ ScheduleKind::Interleaved1F1B) => {
+                (None, Some(hint)) => {
                     return Err(SpecError::ChunksNotGiven {
-                        kind,
-                        hint: "one chunk per rank is Megatron's non-interleaved schedule, 1f1b",
+                        kind: req.kind,
+                        hint,
                     }
                     .into())
                 }
-                (None, kind @ (ScheduleKind::LoopedBfs | ScheduleKind::GroupInterleaved)) => {
-                    return Err(SpecError::ChunksNotGiven {
-                        kind,
-                        hint: "give vpp = 1 explicitly for one chunk per rank",
-                    }
-                    .into())
-                }
-                (None, k) => k.default_vpp(),
+                (None, None) => req.kind.default_vpp(),
             };
             let spec_probe = ScheduleSpec {
                 kind: req.kind,

@@ -346,24 +346,22 @@ pub struct Winner<'a> {
 /// Whether Megatron's own schedule functions run this winner as it is: 1F1B
 /// (`forward_backward_pipelining_without_interleaving`) or interleaved 1F1B, loop placement.
 fn megatron_own(w: &Winner) -> Option<&'static str> {
-    use pipec_schedules::ScheduleKind;
     let spec = w.spec?;
     if spec.combined || spec.forward_only {
         return None;
     }
-    match spec.kind {
-        ScheduleKind::OneFOneB => Some("forward_backward_pipelining_without_interleaving"),
-        ScheduleKind::Interleaved1F1B => Some("forward_backward_pipelining_with_interleaving"),
-        _ => None,
-    }
+    spec.kind
+        .row()
+        .megatron
+        .map(pipec_schedules::MegatronLoop::function)
 }
 
 /// Megatron-LM's command-line flags for a P2P mode (`megatron/training/arguments.py`: the
 /// interleaved schedule overlaps P2P unless `--no-overlap-p2p-communication`; the
 /// non-interleaved one always batches).
 fn megatron_p2p_flags(spec: &pipec_schedules::ScheduleSpec) -> String {
-    use pipec_schedules::{MegatronP2p, ScheduleKind};
-    let interleaved = spec.kind == ScheduleKind::Interleaved1F1B;
+    use pipec_schedules::{MegatronLoop, MegatronP2p};
+    let interleaved = spec.kind.row().megatron == Some(MegatronLoop::Interleaved);
     match (interleaved, spec.megatron_p2p) {
         (false, MegatronP2p::Batched) => {
             "P2P: Megatron-LM's default for this schedule (batch_p2p_comm), no flag".into()

@@ -21,7 +21,8 @@
 use crate::op::{Compute, Task};
 use crate::order::rank_orders;
 use crate::order::RankOrder;
-use crate::spec::ScheduleSpec;
+use crate::placement::Placement;
+use crate::spec::{ScheduleSpec, SpecError};
 use std::collections::VecDeque;
 
 /// Builds one rank's ops from the step program, given how a (phase, index) becomes a task.
@@ -143,6 +144,49 @@ fn steps<F: Fn(usize, u32) -> Task>(
     }
     debug_assert!(k.pending_w.is_empty());
     k.ops
+}
+
+/// DualPipe's placement: the first half of the microbatches enter at rank 0, the second at
+/// rank `pp - 1`.
+pub(crate) fn placement(spec: &ScheduleSpec) -> Placement {
+    Placement::bidirectional(spec.pp, spec.microbatches / 2)
+}
+
+/// DualPipe's rules: even pp and M, and `M >= 2 pp`.
+pub(crate) fn dualpipe_rules(spec: &ScheduleSpec) -> Result<(), SpecError> {
+    let (pp, m) = (spec.pp, spec.microbatches);
+    if pp % 2 != 0 {
+        return Err(SpecError::OddPp {
+            kind: spec.kind,
+            pp,
+        });
+    }
+    if m % 2 != 0 {
+        return Err(SpecError::OddMicrobatches { kind: spec.kind, m });
+    }
+    if (m as u64) < 2 * pp as u64 {
+        return Err(SpecError::TooFewMicrobatches {
+            kind: spec.kind,
+            m,
+            min: pp.saturating_mul(2),
+            source_rule: "DualPipe.step asserts num_chunks >= num_ranks * 2",
+        });
+    }
+    Ok(())
+}
+
+/// DualPipeV's rule: `M >= 2 pp` (odd M allowed).
+pub(crate) fn dualpipe_v_rules(spec: &ScheduleSpec) -> Result<(), SpecError> {
+    let (pp, m) = (spec.pp, spec.microbatches);
+    if (m as u64) < 2 * pp as u64 {
+        return Err(SpecError::TooFewMicrobatches {
+            kind: spec.kind,
+            m,
+            min: pp.saturating_mul(2),
+            source_rule: "DualPipeV.step asserts num_chunks >= num_ranks * 2; torch ScheduleDualPipeV needs microbatches >= stages",
+        });
+    }
+    Ok(())
 }
 
 /// DualPipe on `pp` (even) ranks and `M` (even) microbatches.

@@ -14,9 +14,50 @@
 //! only when one rank's `f + b + w` times it is less than the whole pipeline's forward (never
 //! with equal costs per rank, nor with first and last ranks 1.5 times as heavy).
 
+use crate::kinds::SearchQuery;
 use crate::op::{Compute, Pass, Task};
 use crate::order::{rank_orders, RankOrder};
-use crate::spec::ScheduleSpec;
+use crate::spec::{ScheduleSpec, SpecError};
+
+/// Their group size: `1 <= g <= pp`.
+pub(crate) fn rules(spec: &ScheduleSpec) -> Result<(), SpecError> {
+    let (g, pp) = (spec.effective_group_size(), spec.pp);
+    // Their code resets a larger group to pp, silently: refused here instead.
+    if g == 0 || g > pp {
+        return Err(SpecError::GroupOutOfRange { g, pp });
+    }
+    Ok(())
+}
+
+/// What the tuner weighs: the schedule is weighed for what it saves in memory, so without a
+/// limit large instances skip it (its timed lowering is verified, seconds at pp=64, M=1024);
+/// it trades time for memory by its group size, so under a limit every group (their code
+/// takes `1..=pp`), spread over at most 8 for deep pipelines.
+pub(crate) fn tune_groups(q: &SearchQuery) -> Option<Vec<Option<u32>>> {
+    if q.big && !q.memory_limit {
+        return None;
+    }
+    let mut groups = vec![None];
+    if q.memory_limit && !q.big {
+        groups.extend(
+            group_sizes(q.pp)
+                .into_iter()
+                .filter(|&g| g != q.pp)
+                .map(Some),
+        );
+    }
+    Some(groups)
+}
+
+/// Group sizes `1..=pp`, or 8 of them spread evenly for deep pipelines.
+fn group_sizes(pp: u32) -> Vec<u32> {
+    if pp <= 8 {
+        return (1..=pp).collect();
+    }
+    let mut out: Vec<u32> = (0..8).map(|i| 1 + i * (pp - 1) / 7).collect();
+    out.dedup();
+    out
+}
 
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {

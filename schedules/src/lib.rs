@@ -9,6 +9,7 @@ mod dualpipe;
 mod gpipe;
 mod group_interleaved;
 pub mod ids;
+pub mod kinds;
 pub mod layout;
 mod looped_bfs;
 pub mod megatron;
@@ -22,12 +23,15 @@ mod v_shape;
 mod zero_bubble;
 
 pub use ids::{Microbatch, Rank, StageId};
+pub use kinds::{
+    ChunkRule, Flags, KindRow, MegatronLoop, ScheduleKind, SearchQuery, SearchSpace, Tune, KINDS,
+};
 pub use megatron_recompute::{megatron_partial_recompute, PartialRecomputeError, RankCheckpoints};
 pub use op::{Compute, Pass, Task};
 pub use order::RankOrder;
 pub use placement::{Placement, PlacementKind};
 pub use schedule::{generate, CommPolicy, Schedule};
 pub use spec::{
-    ChunkRule, KindInfo, Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError, UnknownKind,
-    MAX_COMPUTE_OPS, MAX_PP, MAX_STAGES,
+    KindInfo, Limits, MegatronP2p, ScheduleSpec, SpecError, UnknownKind, MAX_COMPUTE_OPS, MAX_PP,
+    MAX_STAGES,
 };

@@ -10,9 +10,11 @@
 //! [`Compute::FwdBwd`].
 
 use crate::ids::Rank;
+use crate::kinds::SearchQuery;
 use crate::op::{Compute, Task};
 use crate::order::RankOrder;
-use crate::spec::ScheduleSpec;
+use crate::schedule::CommPolicy;
+use crate::spec::{MegatronP2p, ScheduleSpec, SpecError};
 
 /// Megatron's per-rank microbatch counts (`get_pp_rank_microbatches`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -170,6 +172,60 @@ pub(crate) fn interleaved(spec: &ScheduleSpec) -> Vec<RankOrder> {
             }
         })
         .collect()
+}
+
+/// 1F1B's P2P placement: the non-interleaved loop's calls, or with `--combined` the
+/// interleaved loop's (Megatron runs combined 1F1B only from that loop).
+pub(crate) fn one_f_one_b_comm(spec: &ScheduleSpec) -> CommPolicy {
+    CommPolicy::megatron(spec.combined, spec.megatron_p2p)
+}
+
+/// Interleaved 1F1B's P2P placement: the interleaved loop's calls in the spec's mode.
+pub(crate) fn interleaved_comm(spec: &ScheduleSpec) -> CommPolicy {
+    CommPolicy::megatron(true, spec.megatron_p2p)
+}
+
+/// 1F1B's own rules: the non-interleaved loop has no overlapped P2P.
+pub(crate) fn one_f_one_b_rules(spec: &ScheduleSpec) -> Result<(), SpecError> {
+    let mode = spec.megatron_p2p;
+    if mode.overlaps() {
+        return Err(SpecError::OverlapNeedsInterleaving { mode });
+    }
+    Ok(())
+}
+
+/// Interleaved 1F1B's own rules: batched P2P at pp = 2, chunks without a pipeline, and
+/// Megatron's group size (`pp <= g <= M`, no partial last group smaller than pp).
+pub(crate) fn interleaved_rules(spec: &ScheduleSpec) -> Result<(), SpecError> {
+    let mode = spec.megatron_p2p;
+    if spec.pp == 2 && mode == MegatronP2p::Batched {
+        return Err(SpecError::InterleavedPp2NeedsOverlap { mode });
+    }
+    if spec.pp == 1 && spec.vpp > 1 {
+        return Err(SpecError::ChunksNeedPipeline {
+            kind: spec.kind,
+            vpp: spec.vpp,
+        });
+    }
+    let (g, pp, m) = (spec.effective_group_size(), spec.pp, spec.microbatches);
+    if g < pp || g > m {
+        return Err(SpecError::GroupSizeOutOfRange { g, pp, m });
+    }
+    let rem = m % g;
+    if rem > 0 && rem < pp {
+        return Err(SpecError::PartialLastGroup { m, g, pp, rem });
+    }
+    Ok(())
+}
+
+/// The group sizes the tuner weighs for interleaved 1F1B: Megatron's default, and on small
+/// instances the whole batch as one group.
+pub(crate) fn interleaved_groups(q: &SearchQuery) -> Option<Vec<Option<u32>>> {
+    let mut groups = vec![None];
+    if q.microbatches > q.pp && !q.big {
+        groups.push(Some(q.microbatches));
+    }
+    Some(groups)
 }
 
 #[cfg(test)]

@@ -37,9 +37,10 @@
 //! `combined_forward_backward_step` asserts it is `None`).
 
 use crate::ids::Rank;
+use crate::kinds::{MegatronLoop, ScheduleKind};
 use crate::megatron::{rank_microbatches, schedule_table};
 use crate::op::Task;
-use crate::spec::{Limits, ScheduleKind, ScheduleSpec, SpecError};
+use crate::spec::{Limits, ScheduleSpec, SpecError};
 use thiserror::Error;
 
 /// One rank's forwards under Megatron's partial recompute.
@@ -91,10 +92,9 @@ pub fn megatron_partial_recompute(
         return Err(PartialRecomputeError::NegativeN { n });
     }
     spec.validate(limits)?;
-    let interleaved = match spec.kind {
-        ScheduleKind::OneFOneB => false,
-        ScheduleKind::Interleaved1F1B => true,
-        kind => return Err(PartialRecomputeError::NotMegatron { kind }),
+    let interleaved = match spec.kind.row().megatron {
+        Some(l) => l == MegatronLoop::Interleaved,
+        None => return Err(PartialRecomputeError::NotMegatron { kind: spec.kind }),
     };
     if spec.combined {
         return Err(PartialRecomputeError::Combined);

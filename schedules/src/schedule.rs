@@ -2,7 +2,7 @@
 
 use crate::order::RankOrder;
 use crate::placement::Placement;
-use crate::spec::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec, SpecError};
+use crate::spec::{Limits, MegatronP2p, ScheduleSpec, SpecError};
 use serde::{Deserialize, Serialize};
 
 /// How lowering should group a rank's sends and receives into comm batches. Each variant is
@@ -112,85 +112,16 @@ impl Schedule {
     }
 }
 
-/// Generate the schedule a spec asks for. Pure; validates the spec first.
+/// Generate the schedule a spec asks for, by its kind's row of the kinds table. Pure;
+/// validates the spec first.
 pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecError> {
     spec.validate(limits)?;
-    let (placement, comm, ranks) = match spec.kind {
-        ScheduleKind::Gpipe => (
-            Placement::looped(spec.pp, 1),
-            CommPolicy::Lockstep,
-            crate::gpipe::orders(spec),
-        ),
-        // Megatron runs combined 1F1B only from its interleaved loop; `1f1b --combined` takes
-        // that loop's P2P placement too (one batch after each step, a `fwd_bwd` one step).
-        ScheduleKind::OneFOneB => (
-            Placement::looped(spec.pp, 1),
-            CommPolicy::megatron(spec.combined, spec.megatron_p2p),
-            crate::megatron::one_f_one_b(spec),
-        ),
-        ScheduleKind::Interleaved1F1B => (
-            Placement::looped(spec.pp, spec.vpp),
-            CommPolicy::megatron(true, spec.megatron_p2p),
-            crate::megatron::interleaved(spec),
-        ),
-        ScheduleKind::LoopedBfs => (
-            Placement::looped(spec.pp, spec.vpp),
-            CommPolicy::Lockstep,
-            crate::looped_bfs::orders(spec),
-        ),
-        // Fused per op is deadlock-free for ZB-H1 and costs it no time (checked over a grid by
-        // tests/integration/schedules.rs). It deadlocks for ZB-H2 (its doubled warmup offset
-        // pairs a rank's activation send with a gradient its neighbour sends one batch earlier),
-        // zb-v, v-half, v-min, dualpipe and dualpipe-v, and slows ZB-1P down; those use the
-        // lockstep rounds, deadlock-free for any valid order.
-        ScheduleKind::ZbH1 => (
-            Placement::looped(spec.pp, 1),
-            CommPolicy::FusedPerOp,
-            crate::zero_bubble::zb_h1(spec),
-        ),
-        ScheduleKind::ZbH2 => (
-            Placement::looped(spec.pp, 1),
-            CommPolicy::Lockstep,
-            crate::zero_bubble::zb_h2(spec),
-        ),
-        ScheduleKind::Zb1P => (
-            Placement::looped(spec.pp, 1),
-            CommPolicy::Lockstep,
-            crate::zero_bubble::zb_1p(spec),
-        ),
-        ScheduleKind::ZbV => (
-            Placement::v_shape(spec.pp),
-            CommPolicy::Lockstep,
-            crate::v_shape::zb_v(spec),
-        ),
-        ScheduleKind::VHalf => (
-            Placement::v_shape(spec.pp),
-            CommPolicy::Lockstep,
-            crate::v_shape::v_half(spec),
-        ),
-        ScheduleKind::VMin => (
-            Placement::v_shape(spec.pp),
-            CommPolicy::Lockstep,
-            crate::v_shape::v_min(spec),
-        ),
-        ScheduleKind::DualPipe => (
-            Placement::bidirectional(spec.pp, spec.microbatches / 2),
-            CommPolicy::Lockstep,
-            crate::dualpipe::dualpipe(spec),
-        ),
-        ScheduleKind::DualPipeV => (
-            Placement::v_shape(spec.pp),
-            CommPolicy::Lockstep,
-            crate::dualpipe::dualpipe_v(spec),
-        ),
-        // PipeOffload's runtime posts its own P2P; lockstep rounds are deadlock-free for
-        // any valid order.
-        ScheduleKind::GroupInterleaved => (
-            Placement::looped(spec.pp, spec.vpp),
-            CommPolicy::Lockstep,
-            crate::group_interleaved::orders(spec),
-        ),
-    };
+    let row = spec.kind.row();
+    let (placement, comm, ranks) = (
+        (row.placement)(spec),
+        (row.comm)(spec),
+        (row.generate)(spec),
+    );
     Ok(Schedule {
         spec: *spec,
         placement,
@@ -203,6 +134,7 @@ pub fn generate(spec: &ScheduleSpec, limits: &Limits) -> Result<Schedule, SpecEr
 mod props {
     use super::*;
     use crate::op::{Pass, Task};
+    use crate::ScheduleKind;
     use proptest::prelude::*;
 
     /// Every task once forward and (training) once backward, on its placement rank; on each

@@ -5,47 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 use thiserror::Error;
 
-/// The schedule families pipec generates.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum ScheduleKind {
-    #[serde(rename = "gpipe")]
-    Gpipe,
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    #[serde(rename = "interleaved-1f1b")]
-    Interleaved1F1B,
-    #[serde(rename = "looped-bfs")]
-    LoopedBfs,
-    #[serde(rename = "zb-h1")]
-    ZbH1,
-    #[serde(rename = "zb-h2")]
-    ZbH2,
-    #[serde(rename = "zb-1p")]
-    Zb1P,
-    #[serde(rename = "zb-v")]
-    ZbV,
-    #[serde(rename = "v-half")]
-    VHalf,
-    #[serde(rename = "v-min")]
-    VMin,
-    #[serde(rename = "dualpipe")]
-    DualPipe,
-    #[serde(rename = "dualpipe-v")]
-    DualPipeV,
-    #[serde(rename = "group-interleaved")]
-    GroupInterleaved,
-}
-
-/// How many model chunks (stages) per rank a kind takes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum ChunkRule {
-    /// Exactly one (vpp = 1).
-    One,
-    /// Any number (`--vpp`).
-    Any,
-    /// Exactly two, folded into a V (stage `s` and `2pp-1-s` on rank `s`).
-    TwoV,
-}
+use crate::kinds::{ChunkRule, MegatronLoop, ScheduleKind};
 
 /// One row of `pipec schedules`.
 pub struct KindInfo {
@@ -56,38 +16,8 @@ pub struct KindInfo {
 }
 
 impl ScheduleKind {
-    pub const ALL: [ScheduleKind; 13] = [
-        ScheduleKind::Gpipe,
-        ScheduleKind::OneFOneB,
-        ScheduleKind::Interleaved1F1B,
-        ScheduleKind::LoopedBfs,
-        ScheduleKind::ZbH1,
-        ScheduleKind::ZbH2,
-        ScheduleKind::Zb1P,
-        ScheduleKind::ZbV,
-        ScheduleKind::VHalf,
-        ScheduleKind::VMin,
-        ScheduleKind::DualPipe,
-        ScheduleKind::DualPipeV,
-        ScheduleKind::GroupInterleaved,
-    ];
-
     pub fn name(self) -> &'static str {
-        match self {
-            ScheduleKind::Gpipe => "gpipe",
-            ScheduleKind::OneFOneB => "1f1b",
-            ScheduleKind::Interleaved1F1B => "interleaved-1f1b",
-            ScheduleKind::LoopedBfs => "looped-bfs",
-            ScheduleKind::ZbH1 => "zb-h1",
-            ScheduleKind::ZbH2 => "zb-h2",
-            ScheduleKind::Zb1P => "zb-1p",
-            ScheduleKind::ZbV => "zb-v",
-            ScheduleKind::VHalf => "v-half",
-            ScheduleKind::VMin => "v-min",
-            ScheduleKind::DualPipe => "dualpipe",
-            ScheduleKind::DualPipeV => "dualpipe-v",
-            ScheduleKind::GroupInterleaved => "group-interleaved",
-        }
+        self.row().name
     }
 
     /// The names of all kinds, comma separated (for messages).
@@ -96,78 +26,12 @@ impl ScheduleKind {
     }
 
     pub fn info(self) -> KindInfo {
-        let (summary, params, source) = match self {
-            ScheduleKind::Gpipe => (
-                "all forwards, then all backwards",
-                "pp, microbatches; vpp = 1",
-                "GPipe (Huang et al., 2019); torch ScheduleGPipe",
-            ),
-            ScheduleKind::OneFOneB => (
-                "warmup forwards, steady one-forward-one-backward, cooldown backwards",
-                "pp, microbatches; vpp = 1; combined fuses steady pairs into fwd_bwd",
-                "PipeDream-Flush; Megatron forward_backward_pipelining_without_interleaving",
-            ),
-            ScheduleKind::Interleaved1F1B => (
-                "1F1B over vpp model chunks per rank, Megatron's exact order",
-                "pp, vpp, microbatches, group size (default pp; pp <= g <= M); combined fuses steady pairs into fwd_bwd",
-                "Narayanan et al., 2021; Megatron forward_backward_pipelining_with_interleaving",
-            ),
-            ScheduleKind::LoopedBfs => (
-                "each chunk runs all microbatches forward, then backward in reverse",
-                "pp, vpp, microbatches",
-                "Lamy-Poirier, Breadth-First Pipeline Parallelism (2022); torch ScheduleLoopedBFS",
-            ),
-            ScheduleKind::ZbH1 => (
-                "1F1B with split backward; the first W passes wait so B passes flow (1F1B memory, ~1/3 of its bubble)",
-                "pp, microbatches; vpp = 1",
-                "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H1; sail-sg zb-h1-quick-start",
-            ),
-            ScheduleKind::ZbH2 => (
-                "split backward with 2(pp-1-r) warmup forwards: parallelogram, ~zero bubble at ~2x 1F1B memory",
-                "pp, microbatches; vpp = 1",
-                "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
-            ),
-            ScheduleKind::Zb1P => (
-                "one-pass zero bubble: 1F1B warmup, then F and bwd_D, with each rank's bwd_W passes delayed by its rank",
-                "pp, microbatches; vpp = 1",
-                "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
-            ),
-            ScheduleKind::ZbV => (
-                "zero bubble on a V placement, two chunks per rank, 1F1B memory",
-                "pp, microbatches; vpp = 2 (fixed)",
-                "Qi et al. (2024) ZB-V; torch ScheduleZBVZeroBubble",
-            ),
-            ScheduleKind::VHalf => (
-                "V placement building block schedule at about half of 1F1B's activation memory",
-                "pp, microbatches; vpp = 2 (fixed)",
-                "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Half; sail-sg zbv_greedy.py",
-            ),
-            ScheduleKind::VMin => (
-                "V placement building block schedule at about a third of 1F1B's activation memory",
-                "pp, microbatches; vpp = 2 (fixed)",
-                "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Min; sail-sg zbv_greedy.py",
-            ),
-            ScheduleKind::DualPipe => (
-                "bidirectional: half the microbatches enter at each end, overlapped F&B chunks; parameters 2x",
-                "pp (even), microbatches (even, >= 2 pp); vpp = 1",
-                "DeepSeek-V3 report (2024); deepseek-ai/DualPipe dualpipe.py",
-            ),
-            ScheduleKind::DualPipeV => (
-                "DualPipe folded onto a V placement (two chunks per rank), overlapped F&B chunks",
-                "pp, microbatches (>= 2 pp); vpp = 2 (fixed)",
-                "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
-            ),
-            ScheduleKind::GroupInterleaved => (
-                "interleaved 1F1B over groups of g microbatches with split backward, each bwd_W right after its bwd_D: the schedule PipeOffload offloads",
-                "pp, vpp, microbatches, group size (default pp; 1 <= g <= pp)",
-                "Wan et al., PipeOffload (ICML 2025); sail-sg group_interleaved_1f1b.py GroupBuildingBlockScheduler",
-            ),
-        };
+        let r = self.row();
         KindInfo {
             kind: self,
-            summary,
-            params,
-            source,
+            summary: r.summary,
+            params: r.params,
+            source: r.source,
         }
     }
 
@@ -178,16 +42,7 @@ impl ScheduleKind {
 
     /// Chunks per rank the kind accepts.
     pub fn chunk_rule(self) -> ChunkRule {
-        match self {
-            ScheduleKind::Interleaved1F1B
-            | ScheduleKind::LoopedBfs
-            | ScheduleKind::GroupInterleaved => ChunkRule::Any,
-            ScheduleKind::ZbV
-            | ScheduleKind::VHalf
-            | ScheduleKind::VMin
-            | ScheduleKind::DualPipeV => ChunkRule::TwoV,
-            _ => ChunkRule::One,
-        }
+        self.row().chunks
     }
 
     /// The vpp used when the user gives neither `--vpp` nor a layout.
@@ -200,31 +55,17 @@ impl ScheduleKind {
 
     /// Whether `--combined` (Megatron's combined 1F1B) applies.
     pub fn supports_combined(self) -> bool {
-        matches!(self, ScheduleKind::OneFOneB | ScheduleKind::Interleaved1F1B)
+        self.row().flags.combined
     }
 
     /// Whether the kind splits backward into `bwd_D` and `bwd_W` somewhere.
     pub fn splits_backward(self) -> bool {
-        matches!(
-            self,
-            ScheduleKind::ZbH1
-                | ScheduleKind::ZbH2
-                | ScheduleKind::Zb1P
-                | ScheduleKind::ZbV
-                | ScheduleKind::VHalf
-                | ScheduleKind::VMin
-                | ScheduleKind::DualPipe
-                | ScheduleKind::DualPipeV
-                | ScheduleKind::GroupInterleaved
-        )
+        self.row().flags.splits_backward
     }
 
     /// Whether `--group-size` applies.
     pub fn takes_group_size(self) -> bool {
-        matches!(
-            self,
-            ScheduleKind::Interleaved1F1B | ScheduleKind::GroupInterleaved
-        )
+        self.row().flags.group_size
     }
 }
 
@@ -239,11 +80,6 @@ impl fmt::Display for ScheduleKind {
 #[derive(Debug, Error, PartialEq, Eq)]
 #[error("unknown schedule kind `{0}`{hint} (known: {known})", hint = self.hint(), known = ScheduleKind::known_names())]
 pub struct UnknownKind(pub String);
-
-/// Framework names that do not fold to a pipec name (torch's schedule classes otherwise do:
-/// `Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`, `ScheduleDualPipeV`).
-/// torch's `ScheduleInterleavedZeroBubble` with several chunks has no exact counterpart.
-const FOREIGN_NAMES: [(&str, ScheduleKind); 1] = [("zbvzerobubble", ScheduleKind::ZbV)];
 
 impl UnknownKind {
     /// The kind the user most likely meant: a pipec name typed in another case or without
@@ -260,10 +96,9 @@ impl UnknownKind {
             .into_iter()
             .find(|k| k.name().replace('-', "") == folded)
             .or_else(|| {
-                FOREIGN_NAMES
-                    .iter()
-                    .find(|(n, _)| *n == folded)
-                    .map(|&(_, k)| k)
+                ScheduleKind::ALL
+                    .into_iter()
+                    .find(|k| k.row().aliases.contains(&folded))
             })
     }
 
@@ -388,7 +223,7 @@ impl MegatronP2p {
     /// The mode pipec uses when none is asked for: megatron-core's default (`batched`), except
     /// interleaving at pp = 2, which Megatron runs only with `overlap_p2p_comm`.
     pub fn default_for(kind: ScheduleKind, pp: u32) -> MegatronP2p {
-        if kind == ScheduleKind::Interleaved1F1B && pp == 2 {
+        if kind.row().megatron == Some(MegatronLoop::Interleaved) && pp == 2 {
             MegatronP2p::Overlap
         } else {
             MegatronP2p::Batched
@@ -637,73 +472,15 @@ impl ScheduleSpec {
             return Err(SpecError::CombinedNotApplicable { kind: self.kind });
         }
         let mode = self.megatron_p2p;
-        match self.kind {
-            ScheduleKind::OneFOneB if mode.overlaps() => {
-                return Err(SpecError::OverlapNeedsInterleaving { mode })
-            }
-            ScheduleKind::Interleaved1F1B if self.pp == 2 && mode == MegatronP2p::Batched => {
-                return Err(SpecError::InterleavedPp2NeedsOverlap { mode })
-            }
-            ScheduleKind::OneFOneB | ScheduleKind::Interleaved1F1B => {}
-            kind if !mode.is_default() => return Err(SpecError::P2pNotApplicable { kind, mode }),
-            _ => {}
-        }
-        let (pp, m) = (self.pp, self.microbatches);
-        match self.kind {
-            ScheduleKind::DualPipe => {
-                if pp % 2 != 0 {
-                    return Err(SpecError::OddPp {
-                        kind: self.kind,
-                        pp,
-                    });
-                }
-                if m % 2 != 0 {
-                    return Err(SpecError::OddMicrobatches { kind: self.kind, m });
-                }
-                if (m as u64) < 2 * pp as u64 {
-                    return Err(SpecError::TooFewMicrobatches {
-                        kind: self.kind,
-                        m,
-                        min: pp.saturating_mul(2),
-                        source_rule: "DualPipe.step asserts num_chunks >= num_ranks * 2",
-                    });
-                }
-            }
-            ScheduleKind::DualPipeV if (m as u64) < 2 * pp as u64 => {
-                return Err(SpecError::TooFewMicrobatches {
-                    kind: self.kind,
-                    m,
-                    min: pp.saturating_mul(2),
-                    source_rule: "DualPipeV.step asserts num_chunks >= num_ranks * 2; torch ScheduleDualPipeV needs microbatches >= stages",
-                });
-            }
-            _ => {}
-        }
-        if self.kind == ScheduleKind::Interleaved1F1B && self.pp == 1 && self.vpp > 1 {
-            return Err(SpecError::ChunksNeedPipeline {
+        if self.kind.row().megatron.is_none() && !mode.is_default() {
+            return Err(SpecError::P2pNotApplicable {
                 kind: self.kind,
-                vpp: self.vpp,
+                mode,
             });
         }
+        (self.kind.row().validate)(self)?;
         if !self.kind.takes_group_size() && self.group_size.is_some() {
             return Err(SpecError::GroupSizeNotApplicable { kind: self.kind });
-        }
-        if self.kind == ScheduleKind::Interleaved1F1B {
-            let (g, pp, m) = (self.effective_group_size(), self.pp, self.microbatches);
-            if g < pp || g > m {
-                return Err(SpecError::GroupSizeOutOfRange { g, pp, m });
-            }
-            let rem = m % g;
-            if rem > 0 && rem < pp {
-                return Err(SpecError::PartialLastGroup { m, g, pp, rem });
-            }
-        }
-        if self.kind == ScheduleKind::GroupInterleaved {
-            let (g, pp) = (self.effective_group_size(), self.pp);
-            // Their code resets a larger group to pp, silently: refused here instead.
-            if g == 0 || g > pp {
-                return Err(SpecError::GroupOutOfRange { g, pp });
-            }
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ use pipec_ir::ir::Program;
 use pipec_ir::verify::{self, Report, Verified};
 use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
 use pipec_schedules::{
-    generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec,
+    generate, ChunkRule, Limits, Placement, PlacementKind, ScheduleKind, ScheduleSpec, SearchQuery,
 };
 use problem::Problem;
 use serde::Serialize;
@@ -249,7 +249,7 @@ fn lower_builtin(
     schedule: &pipec_schedules::Schedule,
     layout: &Layout,
 ) -> Program {
-    if schedule.spec.kind == ScheduleKind::GroupInterleaved {
+    if schedule.spec.kind.row().tune.timed {
         let p = Problem::new(
             &req.model,
             layout,
@@ -798,32 +798,21 @@ fn finish(
 fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> {
     let (pp, m) = (req.pp, req.microbatches);
     let mut out = Vec::new();
+    // Large instances weigh the common choices only (vpp 2, Megatron's group size), to stay
+    // within seconds; small ones every vpp up to 4 and more group sizes: each kind's row says
+    // which (`KindRow::search_space`).
+    let q = SearchQuery {
+        pp,
+        microbatches: m,
+        big: pp as u64 * m as u64 > 16_384,
+        memory_limit: req.memory_limit.is_some(),
+    };
     for kind in ScheduleKind::ALL {
-        // Large instances weigh the common choices only (vpp 2, Megatron's group size), to
-        // stay within seconds; small ones every vpp up to 4 and the group size M too.
-        let big = pp as u64 * m as u64 > 16_384;
-        // PipeOffload's schedule is weighed for what it saves in memory: without a limit
-        // large instances skip it (its timed lowering is verified, seconds at pp=64, M=1024).
-        if kind == ScheduleKind::GroupInterleaved && big && req.memory_limit.is_none() {
+        let Some(space) = kind.row().search_space(&q) else {
             continue;
-        }
-        let vpps: Vec<u32> = match kind.chunk_rule() {
-            ChunkRule::One => vec![1],
-            ChunkRule::TwoV => vec![2],
-            ChunkRule::Any if big => vec![2],
-            ChunkRule::Any => vec![2, 3, 4],
         };
-        for vpp in vpps {
-            let mut groups = vec![None];
-            if kind == ScheduleKind::Interleaved1F1B && m > pp && !big {
-                groups.push(Some(m));
-            }
-            // PipeOffload's schedule trades time for memory by its group size: under a limit
-            // every group (their code takes 1..=pp), spread over at most 8 for deep pipelines.
-            if kind == ScheduleKind::GroupInterleaved && req.memory_limit.is_some() && !big {
-                groups.extend(group_sizes(pp).into_iter().filter(|&g| g != pp).map(Some));
-            }
-            for g in groups {
+        for vpp in space.vpps {
+            for &g in &space.groups {
                 let spec = ScheduleSpec {
                     group_size: g,
                     ..ScheduleSpec::new(kind, pp, vpp, m)
@@ -850,17 +839,6 @@ fn significant(x: f64) -> f64 {
     }
     let scale = 10f64.powi(11 - x.abs().log10().floor() as i32);
     (x * scale).round() / scale
-}
-
-/// Group sizes weighed for `group-interleaved` under a memory limit: all of `1..=pp` up to
-/// pp = 8, else eight spread from 1 to pp.
-fn group_sizes(pp: u32) -> Vec<u32> {
-    if pp <= 8 {
-        return (1..=pp).collect();
-    }
-    let mut out: Vec<u32> = (0..8).map(|i| 1 + i * (pp - 1) / 7).collect();
-    out.dedup();
-    out
 }
 
 /// A memory figure for people: GiB/MiB when the model's memory is in bytes, else a number.
@@ -1350,12 +1328,13 @@ fn fit_over_limit(
         })
         .collect();
     todo.sort_by(|&a, &b| built[a].cand.makespan.total_cmp(&built[b].cand.makespan));
-    // The fastest few, and every PipeOffload schedule: the order their offload is built for
-    // (each bwd_W right after its bwd_D) is often the one that fits, while slower unfitted.
+    // The fastest few, and every kind whose row asks for the levers always (PipeOffload's
+    // schedule: the order their offload is built for, each bwd_W right after its bwd_D, is
+    // often the one that fits, while slower unfitted).
     let offload_kind = |i: &usize| {
         built[*i]
             .spec
-            .is_some_and(|s| s.kind == ScheduleKind::GroupInterleaved)
+            .is_some_and(|s| s.kind.row().tune.levers_always)
     };
     let (kind, rest): (Vec<usize>, Vec<usize>) = todo.into_iter().partition(offload_kind);
     todo = rest;

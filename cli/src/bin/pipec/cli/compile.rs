@@ -256,12 +256,9 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         println!("{}", short_verdict(r, &a.out));
         // DualPipe's own loop posts both directions of a step in one batch_isend_irecv
         // (deepseek-ai/DualPipe, `_commit_and_wait_comm`): the same-peer batches are the
-        // kind's, not the user's to fix, so one line says what they mean.
-        if matches!(
-            c.spec.kind,
-            ScheduleKind::DualPipe | ScheduleKind::DualPipeV
-        ) && !r.risks.is_empty()
-        {
+        // kind's, not the user's to fix, so one line says what they mean (the kinds table's
+        // `same_peer_batches` flag).
+        if c.spec.kind.row().flags.same_peer_batches && !r.risks.is_empty() {
             eprintln!(
                 "note: {} (a rank's sends or receives in one batch) carry two tensors for the same peer, as DeepSeek's DualPipe posts them; pipec-run and pipec's adapters post them in the order written, so nothing needs doing unless your own runtime reorders the operations inside a batch (pipec check {} lists them)",
                 super::count(r.risks.len(), "comm batch posting"),
