@@ -50,7 +50,7 @@ fi
 cargo check --manifest-path fuzz/Cargo.toml --bins --locked
 # Python: the pipec package (python/, pyo3 + maturin) and its tests: the API and its errors,
 # training on torch's own pipeline runtime (multi-process, gloo on loopback, bounded in time),
-# the README's script, the torchtitan recipe, and training inside megatron-core (CPU, gloo).
+# the docs' example scripts, the torchtitan recipe, and training inside megatron-core (CPU, gloo).
 # The virtual environment is created once under target/ with torch from PyPI (the full wheel, a
 # few minutes the first time); a warm run only rebuilds the extension (incrementally) and runs
 # pytest.

@@ -406,7 +406,7 @@ impl NativeSchedule {
 
 /// An order of every rank's instructions that cannot deadlock when each send and receive
 /// blocks until its partner is posted and a rank posts one op at a time, found by running the
-/// program under exactly that rule (the verifier's rendezvous model, DESIGN.md rule 4, with
+/// program under exactly that rule (the verifier's rendezvous model, docs/check.md rule 4, with
 /// one op in flight per rank instead of a whole batch): a rank passes compute ops and waits at
 /// once; at a comm batch, an op completes as soon as its matched op (the verifier's matching:
 /// the k-th send from a to b meets b's k-th receive from a) is in the batch its rank stands

@@ -457,8 +457,8 @@ def test_docs_show_the_example_script():
     assert m, "docs/megatron.md embeds python/examples/megatron_train.py"
     assert m.group(1) == EXAMPLE.read_text()
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Use with Megatron-LM") :]
-    assert "python/examples/megatron_train.py" in section[: section.index("\n## ")]
+    section = readme[readme.index("### Megatron-LM") :]
+    assert "python/examples/megatron_train.py" in section[: section.index("\n### ")]
 
 
 def test_the_example_script_trains(tmp_path):

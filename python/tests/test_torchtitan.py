@@ -10,7 +10,7 @@ names; without it these tests are skipped (under CI=true they fail).
 The microbatch option: torchtitan 0.3.0 (the PyPI release tested here) takes
 ``pipeline_parallel_microbatch_size`` (rows per microbatch); torchtitan's main branch replaced
 it in 2026 with ``num_pp_microbatches`` (the count). The worker uses whichever the installed
-``ParallelismConfig`` has and reports it; the README must name the one of the tested version.
+``ParallelismConfig`` has and reports it; docs/torch.md must name the one of the tested version.
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ def test_torchtitan_trains_with_a_pipec_csv(trained, name, kw, cls):
         assert res["max_grad_rel_err"] <= TOL and res["max_loss_rel_err"] <= TOL
 
 
-def test_the_readme_names_the_microbatch_option_of_the_tested_torchtitan(trained):
+def test_the_docs_name_the_microbatch_option_of_the_tested_torchtitan(trained):
     from importlib.metadata import distributions
     from pathlib import Path
 
     (dist,) = [d for d in distributions(path=[TT]) if d.metadata["Name"] == "torchtitan"]
     results, _, _ = trained
     used = {results[(name, r)]["microbatch_field"] for name, _, _ in CASES for r in range(2)}
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "torch.md").read_text()
     assert used == {"pipeline_parallel_microbatch_size"}, (dist.version, used)
     assert dist.version == "0.3.0"
-    assert f"torchtitan {dist.version}" in readme
+    assert f"torchtitan {dist.version}" in doc
     for option in ("--parallelism.pipeline_parallel_microbatch_size", "num_pp_microbatches"):
-        assert option in readme
+        assert option in doc

@@ -83,7 +83,7 @@ impl Placement {
     /// DualPipe (DeepSeek-V3 report; deepseek-ai/DualPipe `dualpipe.py`): `pp` stages, the
     /// microbatches `0..half` enter at rank 0 (stage `s` on rank `s`), the microbatches
     /// `half..` enter at rank `pp-1` (stage `s` on rank `pp-1-s`). Every rank therefore holds
-    /// two stages' parameters, `s` and `pp-1-s` (the README's "2x parameters").
+    /// two stages' parameters, `s` and `pp-1-s` (DualPipe's README: "2x" parameters).
     pub fn bidirectional(pp: u32, half: u32) -> Self {
         Placement {
             kind: PlacementKind::Bidirectional,

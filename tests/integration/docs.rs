@@ -69,15 +69,20 @@ fn schedules_command_lists_every_kind() {
     }
 }
 
-/// The README's schedule table has a row for every kind.
+/// A documentation file, read from the repository root (`README.md`, `docs/cli.md`).
+fn doc(path: &str) -> String {
+    let full = format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// docs/schedules.md's schedule table has a row for every kind.
 #[test]
-fn readme_schedule_table_lists_every_kind() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+fn schedules_doc_table_lists_every_kind() {
+    let doc = doc("docs/schedules.md");
     for k in ScheduleKind::ALL {
         assert!(
-            readme.contains(&format!("| `{}` |", k.name())),
-            "README's schedule table has no row for {}",
+            doc.contains(&format!("| `{}` |", k.name())),
+            "docs/schedules.md's schedule table has no row for {}",
             k.name()
         );
     }
@@ -103,17 +108,15 @@ fn help_flags(help: &str) -> std::collections::BTreeSet<String> {
         .collect()
 }
 
-/// Regression (#29): the README's synopsis omitted `compile --num-layers/--mtp-num-layers/
-/// --max-ops`, `show --cost-file/--color/--pp/--placement`, `export --cost/--svg-width/
-/// --condense`. Each command's synopsis names exactly the flags its `--help` lists.
+/// Regression (#29): the synopsis (then in the README, now docs/cli.md) omitted `compile
+/// --num-layers/--mtp-num-layers/--max-ops`, `show --cost-file/--color/--pp/--placement`,
+/// `export --cost/--svg-width/--condense`. Each command's synopsis names exactly the flags its
+/// `--help` lists.
 #[test]
-fn readme_synopsis_matches_help() {
+fn cli_doc_synopsis_matches_help() {
     use std::collections::{BTreeMap, BTreeSet};
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
-    let section = &readme[readme
-        .find("## The command line")
-        .expect("synopsis section")..];
+    let cli = doc("docs/cli.md");
+    let section = &cli[cli.find("## Synopsis").expect("synopsis section")..];
     let block = &section[section.find("```\n").unwrap() + 4..];
     let block = &block[..block.find("```").unwrap()];
     let mut documented: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
@@ -162,22 +165,22 @@ fn readme_synopsis_matches_help() {
         let extra: Vec<_> = doc.difference(&help).collect();
         if !missing.is_empty() || !extra.is_empty() {
             wrong.push(format!(
-                "{c}: README lacks {missing:?}; README has but --help lacks {extra:?}"
+                "{c}: docs/cli.md lacks {missing:?}; docs/cli.md has but --help lacks {extra:?}"
             ));
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
-/// Regression (#29): the README's Python section listed 4 of the 6 Megatron P2P modes.
+/// Regression (#29): the Python section (then in the README, now docs/python.md) listed 4 of
+/// the 6 Megatron P2P modes.
 #[test]
-fn readme_python_section_lists_every_p2p_mode() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
-    let start = readme
+fn python_doc_lists_every_p2p_mode() {
+    let python = doc("docs/python.md");
+    let start = python
         .find("`pipec.compile(schedule, pp, microbatches")
         .expect("compile()'s paragraph");
-    let para = &readme[start..start + readme[start..].find("\n\n").unwrap()];
+    let para = &python[start..start + python[start..].find("\n\n").unwrap()];
     for m in pipec_schedules::MegatronP2p::ALL {
         assert!(
             para.contains(&format!("`\"{m}\"`")),
@@ -268,4 +271,155 @@ fn format_doc_lists_every_value() {
             "{name}: {schedule_row}"
         );
     }
+}
+
+/// Issue #41: the README is a landing page. At most about 300 lines, and its first screen (40
+/// lines) names the two commands, every framework pipec runs on, and a working example.
+#[test]
+fn readme_is_a_landing_page() {
+    let readme = doc("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 300,
+        "README.md has {lines} lines; the manual lives in docs/"
+    );
+    let first: String = readme.lines().take(40).collect::<Vec<_>>().join("\n");
+    for want in [
+        "./demo.sh",
+        "./test.sh",
+        "Megatron-LM",
+        "torch.distributed.pipelining",
+        "torchtitan",
+        "DeepSpeed",
+        "pipec-run",
+        "CUDA",
+        "pipec compile --schedule",
+    ] {
+        assert!(
+            first.contains(want),
+            "README's first 40 lines lack {want:?}"
+        );
+    }
+}
+
+/// The README's shell examples run as written: every `pipec` and `pipec-run` command of its
+/// ```sh blocks, in order, in one directory (each later example reads what an earlier one
+/// wrote). Other lines (`./demo.sh`, `torchrun`) need more than this test has.
+#[test]
+fn readme_shell_examples_run() {
+    let readme = doc("README.md");
+    let dir = tempfile::tempdir().unwrap();
+    let mut ran = Vec::new();
+    for block in readme.split("```sh\n").skip(1) {
+        let block = &block[..block.find("```").unwrap()];
+        let joined = block.replace("\\\n", " ");
+        for line in joined.lines() {
+            let line = line.split(" #").next().unwrap().trim();
+            let words: Vec<String> = line
+                .split_whitespace()
+                .map(|w| w.trim_matches('"').to_string())
+                .collect();
+            let mut cmd = match words.first().map(String::as_str) {
+                Some("pipec") => pipec(),
+                Some("pipec-run") => pipec_run(),
+                _ => continue,
+            };
+            let out = cmd
+                .args(&words[1..])
+                .current_dir(dir.path())
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "README: `{line}` exited {:?}:\n{}{}",
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            ran.push(words[..2].join(" "));
+        }
+    }
+    for want in [
+        "pipec compile",
+        "pipec-run out/zbv",
+        "pipec check",
+        "pipec tune",
+        "pipec export",
+        "pipec import",
+    ] {
+        assert!(
+            ran.iter().any(|r| r.starts_with(want)),
+            "no `{want}` example ran: {ran:?}"
+        );
+    }
+}
+
+/// GitHub's anchor of a heading: lower case, spaces to `-`, punctuation other than `-` and
+/// `_` dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c.to_ascii_lowercase()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every relative link of the README and of docs/*.md names a file that exists and, with a
+/// `#fragment`, a heading of that file (the manual moved out of the README in issue #41).
+#[test]
+fn doc_links_resolve() {
+    let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    let mut files = vec![root.join("README.md")];
+    for e in std::fs::read_dir(root.join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            files.push(p);
+        }
+    }
+    let anchors = |p: &std::path::Path| -> Vec<String> {
+        let text = std::fs::read_to_string(p).unwrap();
+        let mut fenced = false;
+        let mut out = Vec::new();
+        for l in text.lines() {
+            if l.starts_with("```") {
+                fenced = !fenced;
+            } else if !fenced && l.starts_with('#') {
+                out.push(anchor(l.trim_start_matches('#')));
+            }
+        }
+        out
+    };
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for part in text.split("](").skip(1) {
+            let Some(end) = part.find(')') else { continue };
+            let target = &part[..end];
+            if target.contains("://") || target.contains(' ') {
+                continue;
+            }
+            let (path, frag) = target.split_once('#').unwrap_or((target, ""));
+            let dest = if path.is_empty() {
+                file.clone()
+            } else {
+                file.parent().unwrap().join(path)
+            };
+            checked += 1;
+            if !dest.exists() {
+                broken.push(format!("{}: {target} (no such file)", file.display()));
+            } else if !frag.is_empty()
+                && dest.extension().is_some_and(|x| x == "md")
+                && !anchors(&dest).iter().any(|a| a == frag)
+            {
+                broken.push(format!("{}: {target} (no such heading)", file.display()));
+            }
+        }
+    }
+    assert!(checked > 50, "only {checked} links found");
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
 }

@@ -1,5 +1,5 @@
 //! Regression tests, one per bug found, named after the bug (ripgrep style). Fuzzing found no
-//! crash so far (see the README's Robustness section); the bugs below were found by the
+//! crash so far (see docs/robustness.md); the bugs below were found by the
 //! verifier, the runtime's watchdog and the property tests while building pipec.
 
 use pipec_ir::verify::{verify, VerifyOptions};

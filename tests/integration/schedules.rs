@@ -641,7 +641,7 @@ fn pipec_simulate_agrees_with_the_compute_order() {
     }
 }
 
-/// The figures table of the README ("Zero bubble, V-shape and DualPipe"), as pipec computes it.
+/// The figures table of docs/schedules.md ("Zero bubble, V-shape and DualPipe"), as pipec computes it.
 fn figures_table() -> String {
     let kinds = [
         ScheduleKind::OneFOneB,
@@ -689,10 +689,10 @@ fn figures_table() -> String {
     out
 }
 
-/// The README's table is the one pipec computes (regenerate with
-/// `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration readme_figures -- --nocapture`; the table lives in docs/schedules.md).
+/// docs/schedules.md's figures table is the one pipec computes (regenerate with
+/// `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration schedules_doc_figures -- --nocapture`).
 #[test]
-fn readme_figures_are_current() {
+fn schedules_doc_figures_are_current() {
     let table = figures_table();
     if std::env::var_os("PIPEC_PRINT_FIGURES").is_some() {
         println!("{table}");

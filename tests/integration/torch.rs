@@ -1426,7 +1426,7 @@ mod cli {
             .arg("-o")
             .arg(&out)
             .assert()
-            .code(1); // an unknown placement is invalid input (README: exit 1)
+            .code(1); // an unknown placement is invalid input (docs/cli.md: exit 1)
                       // An output path that holds something else.
         let occupied = tmp.path().join("occupied");
         std::fs::create_dir(&occupied).unwrap();

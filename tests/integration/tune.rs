@@ -975,13 +975,13 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The README's figures. The tuning table is computed here and must equal the README's
-// (regenerate with `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test integration
-// readme_tune_table -- --nocapture`); the exact-search gaps, which take minutes, are printed
-// by `cargo test -p pipec-tests --release pipec_tune::exact_gaps -- --ignored --nocapture`.
+// The figures of docs/tune.md ("A worked example"). The tuning table is computed here and must
+// equal the one there (regenerate with `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test
+// integration tune_doc_table -- --nocapture`); the exact-search gaps, which take minutes, are printed
+// by `cargo run --release -p pipec-tests --example exact_gaps` (bench/exact_gaps.rs).
 
-/// The README's table of tune against the best built-in kind.
-fn readme_tune_table() -> String {
+/// docs/tune.md's table of tune against the best built-in kind.
+fn tune_doc_table() -> String {
     let mut table = String::from(
         "| model | pp | M | memory limit | best built-in | tuned | faster |\n|---|---|---|---|---|---|---|\n",
     );
@@ -1006,7 +1006,7 @@ fn readme_tune_table() -> String {
     ];
     for (name, cost, pp, m, layers, factor) in cases {
         // The library's default target is `any`, as the table says; the table compares
-        // schedules, without memory levers (README "Fitting memory" has those).
+        // schedules, without memory levers (docs/memory.md has those).
         let any = |limit| TuneRequest {
             memory_limit: limit,
             levers: pipec_compiler::target::Levers::NONE,
@@ -1042,23 +1042,23 @@ fn readme_tune_table() -> String {
 }
 
 #[test]
-fn readme_tune_table_is_current() {
-    let table = readme_tune_table();
+fn tune_doc_table_is_current() {
+    let table = tune_doc_table();
     if std::env::var_os("PIPEC_PRINT_FIGURES").is_some() {
         println!("{table}");
     }
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/tune.md"))
+        .expect("docs/tune.md");
     let (begin, end) = ("<!-- tune-figures:begin -->\n", "<!-- tune-figures:end -->");
-    let start = readme
+    let start = doc
         .find(begin)
-        .expect("tune-figures:begin marker in README.md")
+        .expect("tune-figures:begin marker in docs/tune.md")
         + begin.len();
-    let stop = readme[start..].find(end).expect("tune-figures:end marker") + start;
+    let stop = doc[start..].find(end).expect("tune-figures:end marker") + start;
     assert_eq!(
-        &readme[start..stop],
+        &doc[start..stop],
         table,
-        "the README's tune table is stale; the current one:\n{table}"
+        "docs/tune.md's tune table is stale; the current one:\n{table}"
     );
 }
 
@@ -1542,13 +1542,13 @@ fn cli_tune_targets() {
     assert!(err.contains("unknown schedule kind `1f1f`"), "{err}");
 }
 
-/// The README's model-shape example: its `llama3-70b.toml` (taken from the README itself)
+/// docs/tune.md's model-shape example: its `llama3-70b.toml` (taken from the page itself)
 /// gives, per target, the plan and per-rank peak memory its table shows, and a bad key in
 /// the table is refused with its line and column (exit 1).
 #[test]
-fn readme_model_shape_example_holds() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+fn tune_doc_model_shape_example_holds() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/tune.md"))
+        .expect("docs/tune.md");
     let start = readme.find("$ cat llama3-70b.toml\n").expect("the example") + 22;
     let end = start + readme[start..].find("$ pipec tune").unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -1608,10 +1608,10 @@ fn readme_model_shape_example_holds() {
             .map(|x| format!("{:.1}", x.as_f64().unwrap() / gib))
             .collect();
         assert_eq!(got.join(" "), peaks, "{target:?}");
-        // The README's row: plan, layout, makespan and peaks, as computed.
+        // docs/tune.md's row: plan, layout, makespan and peaks, as computed.
         let makespan = format!("{:.1}", j["makespan"].as_f64().unwrap());
         let row = format!("| {schedule}, `{layout}` | {makespan} | {peaks} |");
-        assert!(readme.contains(&row), "the README lacks the row {row}");
+        assert!(readme.contains(&row), "docs/tune.md lacks the row {row}");
     }
     std::fs::write(
         &file,

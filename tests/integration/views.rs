@@ -1931,7 +1931,7 @@ fn kind_letter(op: &Compute) -> char {
 }
 
 /// Check the rank rows of `show --no-color` output against the timeline, by brute force, with
-/// the geometry and rules the README states: the window fills all `width - label - 3` columns;
+/// the geometry and rules docs/views.md states: the window fills all `width - label - 3` columns;
 /// a column is idle (`.`) when less than half busy; it belongs to an op (its label and `-`
 /// fill) when that op covers at least half of it, more than any other; otherwise a kind's
 /// letter when that kind does 3/4 of the work of the column and of the three columns centred

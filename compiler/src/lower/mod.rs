@@ -1,7 +1,7 @@
 //! Lowering: a schedule's per-rank compute orders become instruction streams with explicit
 //! `send`/`recv`, grouped into comm batches by the schedule's [`CommPolicy`].
 //!
-//! Placement policy (the README's "Communication placement" section says the same):
+//! Placement policy (docs/lowering.md says the same):
 //! - A tensor crosses ranks only when producer and consumer stage sit on different ranks; a
 //!   hand-off on one rank (the V turnaround, or `pp = 1`) is local and gets no message.
 //! - Receives are posted as late as possible (in the batch right before the consuming step)

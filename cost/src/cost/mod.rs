@@ -33,8 +33,11 @@
 //! normalization) derives every kind's `f`/`b`/`w`/`act`/`param` from the model's shape
 //! ([`super::model`]); keys given explicitly win.
 //!
-//! `act` and `param` are read by `pipec tune` only: a rank's peak memory is the `param` of
-//! the layers of its stages plus the most `act`-weighted live activations at any instant.
+//! `act` and `param` are read by every peak-memory figure (`crate::memory::weights` turns them
+//! into the verifier's weights: `compile`, `check`, `show`, `simulate`, `compare`, `tune`,
+//! `pipec-run`'s static figure and Python), never by the timing: a rank's peak memory is the
+//! `param` of the layers of its stages plus the most `act`-weighted live activations at any
+//! instant.
 //! A stage's pass costs the sum over its layers (the manifest's layout), so uneven layouts
 //! cost what they should. A full `bwd` costs `bwd_D + bwd_W`. A message takes
 //! `p2p + msg / bw`. Times are in "cost units": pick the unit you like (say milliseconds) and

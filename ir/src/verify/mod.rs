@@ -60,18 +60,19 @@
 //!   [`MemoryLimit`]. The count includes the memory instructions (in-flight copies count). See
 //!   [`memory`] and [`crate::ir::activations`].
 //!
-//! Memory instructions (issue 30, docs/format.md "Memory instructions"; each violation at its
+//! Memory instructions, labelled O for offload so as not to clash with the matching rules M1-M2
+//! (issue 30, docs/format.md "Memory instructions"; each violation at its
 //! rank and instruction; also checked at [`Level::Structure`]). See [`offload`], which also
 //! argues why the copy stream adds no deadlock.
-//! - M1. An `offload(s, m)` comes after `fwd(s, m)` on its rank [`OffloadWithoutForward`],
+//! - O1. An `offload(s, m)` comes after `fwd(s, m)` on its rank [`OffloadWithoutForward`],
 //!   never of a checkpointed forward [`OffloadOfCheckpointed`].
-//! - M2. `offload`, `reload` and `recompute` of one `(s, m)` happen at most once
+//! - O2. `offload`, `reload` and `recompute` of one `(s, m)` happen at most once
 //!   [`MemoryOpTwice`], and before the backward (`bwd`/`bwd_D`) of `(s, m)`
 //!   [`MemoryOpAfterBackward`].
-//! - M3. A `reload` comes after its offload [`ReloadWithoutOffload`]; no backward of offloaded
+//! - O3. A `reload` comes after its offload [`ReloadWithoutOffload`]; no backward of offloaded
 //!   activations before their reload [`BackwardWhileOffloaded`].
-//! - M4. A `wait_offload` comes after its offload [`WaitOffloadWithoutOffload`].
-//! - M5. A `recompute` comes after a checkpointed `fwd` of its `(s, m)`
+//! - O4. A `wait_offload` comes after its offload [`WaitOffloadWithoutOffload`].
+//! - O5. A `recompute` comes after a checkpointed `fwd` of its `(s, m)`
 //!   [`RecomputeWithoutCheckpoint`]; the backward of a checkpointed forward comes after its
 //!   recompute [`BackwardWithoutRecompute`].
 //!

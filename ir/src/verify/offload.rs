@@ -6,8 +6,8 @@
 //! Why the copy stream adds no deadlock (D1, D2 stand as they are): a copy waits only for
 //! what comes before it in its own rank's program order (the forward it copies, and the copies
 //! posted before it on the rank's one copy stream), and the compute stream waits for a copy
-//! only when that copy is earlier in program order (a backward for its reload, which M3 below
-//! requires before it, a `wait_offload` for its offload, M4). So every wait the copies add
+//! only when that copy is earlier in program order (a backward for its reload, which O3 below
+//! requires before it, a `wait_offload` for its offload, O4). So every wait the copies add
 //! points backwards within one rank: none is an edge between ranks, and none can close a cycle
 //! with the rank's own order. A rank whose compute stream reaches a copy wait finds the copy
 //! posted, and the copy can finish without any other rank moving.

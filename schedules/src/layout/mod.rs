@@ -2,8 +2,8 @@
 //!
 //! Front end for Megatron-LM's `--pipeline-model-parallel-layout` strings
 //! (`megatron/core/transformer/pipeline_parallel_layer_layout.py`). The grammar and where it
-//! departs from Megatron's textual expansion are in the `parse` module's docs and in the
-//! README's "Layout language" section.
+//! departs from Megatron's textual expansion are in the `parse` module's docs and in
+//! docs/layout.md.
 //!
 //! Three steps: [`expand`] parses (nom) and expands with size bounds; [`parse`] also checks
 //! the rules that do not depend on the pipeline; [`check_against`] checks a layout against

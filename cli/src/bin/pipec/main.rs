@@ -55,7 +55,7 @@ fn main() -> ExitCode {
 }
 
 /// A value the library refuses (an unknown schedule kind, a bad placement) is invalid input,
-/// exit 1 as the README says; every other parse error is usage (2), and help or version 0.
+/// exit 1 as docs/cli.md says; every other parse error is usage (2), and help or version 0.
 fn parse_exit(e: &clap::Error) -> u8 {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
     match e.kind() {

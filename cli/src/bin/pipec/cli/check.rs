@@ -104,7 +104,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
     };
     if a.input.is_file() {
         // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
-        // verified as written (each P2P action its own batch: see the README).
+        // verified as written (each P2P action its own batch: see docs/torch.md).
         let model = a.cost.model()?;
         let imported = super::import::read_csv(&a.input, a.pp, a.placement)?;
         let layout = pipec_schedules::layout::Layout::uniform(imported.program.num_stages());
