@@ -13,7 +13,7 @@ use pipec::back::files::{self, Encoding, Header};
 use pipec::back::torch::{export_cells, export_csv, CsvForm};
 use pipec::compile::{compile, CompileError, CompileRequest};
 use pipec::front::layout::Layout;
-use pipec::ir::{steps, Instr, Program, Step};
+use pipec::ir::{Instr, Program};
 use pipec::simulate::cost::{CostModel, StageCosts};
 use pipec::simulate::simulate;
 use pipec::tune::{tune, Target, TargetChoice, TuneRequest};
@@ -362,9 +362,10 @@ impl NativeSchedule {
     /// Every rank's instruction indices in an order that runs with blocking, one-at-a-time
     /// sends and receives (DeepSpeed's `p2p.send`/`recv`; gloo's send waits for its receive):
     /// compute and batches keep their places, the ops of each batch are reordered, waits are
-    /// dropped (every batch completes where it stands). See [`blocking_order`].
+    /// dropped (every batch completes where it stands). See [`pipec::ir::blocking_order`].
     fn blocking_order(&self, py: Python<'_>) -> PyResult<Vec<Vec<u32>>> {
-        py.detach(|| blocking_order(&self.verified))
+        let v = &self.verified;
+        py.detach(|| pipec::ir::blocking_order(v.program(), v.matching()))
             .map_err(|e| PipecError::new_err(format!("{}: {e}", self.title())))
     }
 
@@ -390,99 +391,6 @@ impl NativeSchedule {
             .map_err(|e| TorchExportError::new_err(e.to_string()))?;
         typed::torch_cells(py, &lines)
     }
-}
-
-/// An order of every rank's instructions that cannot deadlock when each send and receive
-/// blocks until its partner is posted and a rank posts one op at a time, found by running the
-/// program under exactly that rule (the verifier's rendezvous model, DESIGN.md rule 4, with
-/// one op in flight per rank instead of a whole batch): a rank passes compute ops and waits at
-/// once; at a comm batch, an op completes as soon as its matched op (the verifier's matching:
-/// the k-th send from a to b meets b's k-th receive from a) is in the batch its rank stands
-/// at, and the rank moves on when the batch is empty. Which pair completes first does not
-/// change what completes (a rank only leaves a batch, never an op), so when this run stalls,
-/// every serial order of the batches stalls, and the error names the stuck ops.
-fn blocking_order(v: &pipec::verify::Verified) -> Result<Vec<Vec<u32>>, String> {
-    // The verifier's matching: every op has its partner.
-    let (p, m) = (v.program(), v.matching());
-    let pos = m.positions();
-    let world = p.ranks.len();
-    let units: Vec<Vec<Step>> = p.ranks.iter().map(|r| steps(r).collect()).collect();
-    let mut next = vec![0usize; world]; // next unit of each rank
-    let mut at: Vec<Option<std::ops::Range<usize>>> = vec![None; world]; // batch a rank stands at
-    let mut left = vec![0usize; world]; // ops of that batch not yet completed
-    let mut done = vec![false; pos.total() as usize];
-    let mut order: Vec<Vec<u32>> = p
-        .ranks
-        .iter()
-        .map(|r| Vec::with_capacity(r.len()))
-        .collect();
-    let mut queue: std::collections::VecDeque<usize> = (0..world).collect();
-    while let Some(r) = queue.pop_front() {
-        if at[r].is_some() {
-            continue;
-        }
-        // Pass compute and waits up to the next batch, then complete what meets a partner.
-        while let Some(unit) = units[r].get(next[r]) {
-            next[r] += 1;
-            match unit {
-                // A memory instruction waits on nothing of another rank: it passes at once.
-                Step::Compute(i) | Step::Memory(i) => order[r].push(*i as u32),
-                Step::Wait { .. } => {}
-                Step::Batch { ops, .. } => {
-                    at[r] = Some(ops.clone());
-                    left[r] = ops.len();
-                    break;
-                }
-            }
-        }
-        let Some(ops) = at[r].clone() else { continue };
-        for i in ops {
-            let g = pos.base(r) + i as u32;
-            let Some(q) = m.partner_of(g) else {
-                return Err(format!(
-                    "rank {r}, #{i} ({}) has no matching op",
-                    p.ranks[r][i]
-                ));
-            };
-            let qr = pos.rank_of(q) as usize;
-            let qi = (q - pos.base(qr)) as usize;
-            let meets = at[qr].as_ref().is_some_and(|b| b.contains(&qi)) && !done[q as usize];
-            if !meets || done[g as usize] {
-                continue;
-            }
-            done[g as usize] = true;
-            done[q as usize] = true;
-            order[r].push(i as u32);
-            order[qr].push(qi as u32);
-            for k in [r, qr] {
-                left[k] -= 1;
-                if left[k] == 0 {
-                    at[k] = None;
-                    queue.push_back(k);
-                }
-            }
-        }
-    }
-    let stuck: Vec<String> = (0..world)
-        .filter_map(|r| {
-            let ops = at[r].clone()?;
-            let i = ops
-                .clone()
-                .find(|&i| !done[(pos.base(r) + i as u32) as usize])?;
-            Some(format!("rank {r} at #{i} ({})", p.ranks[r][i]))
-        })
-        .collect();
-    if !stuck.is_empty() {
-        return Err(format!(
-            "deadlocks with blocking sends and receives taken one at a time: {}",
-            stuck.join("; ")
-        ));
-    }
-    debug_assert!(order.iter().zip(&p.ranks).all(|(o, r)| o.len()
-        == r.iter()
-            .filter(|i| !matches!(i, Instr::Wait { .. }))
-            .count()));
-    Ok(order)
 }
 
 fn form(compute_only: bool) -> CsvForm {
