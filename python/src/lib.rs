@@ -102,15 +102,21 @@ fn memory_rule(
             .map_err(|e| SpecError::new_err(e.render()))?;
     }
     let mem = pipec::memory::weights(program, layout, &model);
-    let limit = memory_limit
+    Ok((mem, resolve_limit(memory_limit, &model)?))
+}
+
+/// `memory_limit` (`"80GiB"` or a plain number) in the unit of `model`'s memory, refused as
+/// the CLI refuses `--memory-limit` ([`pipec::memory::Limit::resolve_for`]): a byte limit
+/// needs byte costs.
+fn resolve_limit(memory_limit: Option<&str>, model: &CostModel) -> PyResult<Option<f64>> {
+    memory_limit
         .map(|s| {
             pipec::memory::Limit::parse(s)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
-                .resolve(mem.unit)
+                .resolve_for(model)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
         })
-        .transpose()?;
-    Ok((mem, limit))
+        .transpose()
 }
 
 /// The manifest's `cost` for a schedule made under `cost` (the full spec, as the CLI writes
@@ -525,14 +531,8 @@ fn tune_schedule(
         ),
         None => None,
     };
-    let memory_limit = match memory_limit {
-        Some(s) => Some(
-            pipec::simulate::cost::parse_memory(s)
-                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
-                .0,
-        ),
-        None => None,
-    };
+    // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
+    let memory_limit = resolve_limit(memory_limit, &model)?;
     let req = TuneRequest {
         layout,
         rebalance,
