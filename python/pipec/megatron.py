@@ -67,13 +67,15 @@ def _manifest(s: Schedule) -> dict:
     return json.loads(s._n.header_json())
 
 
-def _refuse_bidirectional(s: Schedule) -> None:
-    if s.placement == "bidirectional":
-        raise PipecError(
-            f"{s.kind} places every stage on two ranks (one copy per direction, with their "
-            "gradients summed); a Megatron model chunk lives on one rank, so pipec.megatron "
-            "cannot run it (use dualpipe-v, its V-shaped form)"
-        )
+def _refuse(s: Schedule, placement_only: bool = True) -> None:
+    """Megatron's rule, asked of Rust (``Target::Megatron``, the one ``pipec tune --target
+    megatron`` filters by): a model chunk lives on one rank, so every stage on one rank; and
+    unless ``placement_only``, every stage's forwards in microbatch order on its rank, since
+    Megatron's data iterators have no microbatch ids (the k-th ``next()`` of a chunk's
+    iterator is microbatch k)."""
+    why = s._n.adapter_refusal("megatron", placement_only)
+    if why is not None:
+        raise PipecError(why)
 
 
 def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int]:
@@ -86,7 +88,7 @@ def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int
     ``pp + r``, so build it from :func:`stage_layers` rather than from Megatron's layer offsets.
     """
     s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
+    _refuse(s)
     return s.stages_of(rank)
 
 
@@ -256,25 +258,6 @@ def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
                 f"schedule {what}: compile it with megatron_partial_recompute={n}"
             )
     return True
-
-
-def _check_data_order(s: Schedule) -> None:
-    """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
-    iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
-    for r in range(s.pp):
-        seen: dict[int, list[int]] = {}
-        for ins in s.instructions(r):
-            if ins.op in (Op.fwd, Op.fwd_checkpoint):
-                seen.setdefault(ins.stage, []).append(ins.mb)
-            elif ins.op == Op.fwd_bwd:
-                seen.setdefault(ins.fwd.stage, []).append(ins.fwd.mb)
-        for stage, order in seen.items():
-            if order != sorted(order):
-                raise PipecError(
-                    f"{s.kind} runs the forwards of stage {stage} (rank {r}) in the order "
-                    f"{order}; Megatron's data iterators hand out microbatches in order, so "
-                    "the microbatches would get the wrong data. Refusing to run it"
-                )
 
 
 class _Op:
@@ -750,9 +733,8 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     offloads nothing.
     """
     s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
+    _refuse(s, placement_only=False)
     manifest = _manifest(s)
-    _check_data_order(s)
     layers = _stage_layers(manifest)
     steps_of: dict[int, list[Step]] = {}  # this process's rank, once known
     stores: dict[int, ActivationStore] = {}  # the rank's offload store, when it offloads

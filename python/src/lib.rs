@@ -247,6 +247,21 @@ impl NativeSchedule {
         Ok(t.check(self.program()).err())
     }
 
+    /// The same rule in the words of `target`'s adapter (`pipec.torch`, `pipec.megatron`
+    /// raise it as it is), or `None`; `placement_only`: its stage -> rank half only
+    /// ([`pipec::tune::Target::refuse_placement`]), what an adapter checks before it has
+    /// anything to run.
+    #[pyo3(signature = (target, placement_only=false))]
+    fn adapter_refusal(&self, target: &str, placement_only: bool) -> PyResult<Option<String>> {
+        let t: Target = target.parse().map_err(SpecError::new_err)?;
+        let refused = if placement_only {
+            t.refuse_placement(&self.program().placement)
+        } else {
+            t.refuse(self.program())
+        };
+        Ok(refused.err().map(|r| r.adapter_message(t, &self.kind())))
+    }
+
     /// The forwards megatron-core checkpoints fully on each rank under
     /// `num_microbatches_with_partial_activation_checkpoints = n`, as (stage, mb) in the rank's
     /// order (`pipec_schedules::megatron_partial_recompute`, recorded against megatron-core):

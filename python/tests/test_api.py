@@ -352,6 +352,43 @@ def test_build_schedule_refusals(tmp_path):
         pt.build_schedule(tmp_path / "s", fake_stages([0, 3], 4, group_size=2), loss)
 
 
+def forwards_out_of_order(tmp_path) -> pipec.Schedule:
+    """gpipe on one rank with its two forwards swapped (sealed, loaded: it verifies): the one
+    stage, the last, runs microbatch 1's forward before microbatch 0's."""
+    d = tmp_path / "swapped"
+    pipec.compile("gpipe", 1, 2).save(d)
+    rank = json.loads((d / "rank-0.json").read_text())
+    assert [(r["op"], r["mb"]) for r in rank[:2]] == [("fwd", 0), ("fwd", 1)]
+    rank[0], rank[1] = rank[1], rank[0]
+    (d / "rank-0.json").write_text(json.dumps(rank))
+    pipec.seal(d)
+    return pipec.load(d)
+
+
+def test_adapters_refuse_by_the_rust_rule(tmp_path):
+    """#41: pipec.torch refuses what ``Schedule.refusal("torch")`` (the rule ``pipec tune
+    --target torch`` filters by) refuses, in its own words: torch takes microbatch m's loss from
+    position m of its loss list, so the last stage's forwards run in microbatch order."""
+    pt = pytest.importorskip("pipec.torch")
+    s = forwards_out_of_order(tmp_path)
+    assert "out of microbatch order (0 after 1)" in s.refusal("torch")
+    assert s.refusal("pipec-run") is None
+    assert pt.stage_indices(s, 0) == [0]  # the placement is fine
+    with pytest.raises(pipec.PipecError) as e:
+        pt.build_schedule(s, fake_stages([0], 1, group_size=1), lambda a, b: a.sum())
+    assert str(e.value) == (
+        "gpipe runs the last stage's forwards in the order [1, 0]; torch's runtime takes "
+        "microbatch m's loss from position m of its loss list, so it would backpropagate the "
+        "wrong losses. Refusing to run it"
+    )
+    with pytest.raises(pipec.TorchExportError) as e:
+        pt.stage_indices(pipec.compile("dualpipe", 2, 4), 0)
+    assert str(e.value) == (
+        "dualpipe places each stage on two ranks (one per direction); torch's pipeline runtime "
+        "gives every stage exactly one rank and cannot run it (use dualpipe-v, its V-shaped form)"
+    )
+
+
 def test_torch_actions_are_torch_actions():
     pt = pytest.importorskip("pipec.torch")
     from torch.distributed.pipelining import schedules as ts

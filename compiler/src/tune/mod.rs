@@ -32,7 +32,7 @@ use pipec_schedules::{
 };
 use problem::Problem;
 use serde::Serialize;
-pub use target::{Target, TargetChoice};
+pub use target::{Refusal, Target, TargetChoice};
 use thiserror::Error;
 
 /// What to tune.
