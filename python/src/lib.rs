@@ -635,6 +635,17 @@ fn cost_model_json(spec: &str) -> PyResult<String> {
     Ok(v.to_string())
 }
 
+/// The rank file's instructions, one row each (`pipec::back::files::OPS`, in variant-index
+/// order): `(row, op, [field])`, the row's own name (`fwd_checkpoint`) beside the file's op
+/// (`fwd`). `pipec.Op` is made from it.
+#[pyfunction]
+fn op_rows() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
+    pipec::back::files::OPS
+        .iter()
+        .map(|o| (o.row, o.name, o.fields.iter().map(|f| f.0).collect()))
+        .collect()
+}
+
 /// The schedule kinds pipec generates.
 #[pyfunction]
 fn kinds() -> Vec<String> {
@@ -665,8 +676,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FileError", py.get_type::<FileError>())?;
     m.add("TorchExportError", py.get_type::<TorchExportError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Megatron's P2P modes (`megatron_p2p=`) and the `[model]` keys, as Rust defines them.
+    m.add(
+        "MEGATRON_P2P_MODES",
+        pyo3::types::PyTuple::new(py, MegatronP2p::ALL.iter().map(|p| p.name()))?,
+    )?;
+    m.add(
+        "MODEL_KEYS",
+        pyo3::types::PyTuple::new(py, pipec::simulate::model::MODEL_KEYS)?,
+    )?;
     m.add_class::<NativeSchedule>()?;
-    m.add_class::<typed::Op>()?;
     m.add_class::<typed::Task>()?;
     m.add_class::<typed::Instruction>()?;
     m.add_class::<typed::ComputeStep>()?;
@@ -680,6 +699,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
     m.add_function(wrap_pyfunction!(cost_model_json, m)?)?;
     m.add_function(wrap_pyfunction!(instruction_schema, m)?)?;
+    m.add_function(wrap_pyfunction!(op_rows, m)?)?;
     Ok(())
 }
 

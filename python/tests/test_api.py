@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pipec
 import pytest
+from pipec import _native
 
 REPO = Path(__file__).resolve().parents[2]
 _BIN = REPO / "target" / "debug"
@@ -530,8 +532,6 @@ def test_native_stub_matches_the_module():
     exists, and every public name of the module is declared."""
     import ast
 
-    from pipec import _native
-
     pkg = Path(pipec.__file__).parent
     assert (pkg / "py.typed").exists()
     tree = ast.parse((pkg / "_native.pyi").read_text())
@@ -551,3 +551,48 @@ def test_native_stub_matches_the_module():
         }
         public = {n for n in dir(getattr(_native, cls.name)) if not n.startswith("_")}
         assert {m for m in members if not m.startswith("_")} == public, cls.name
+
+
+# ---- #41: one rule per fact: what Python reads from Rust ------------------------------------
+
+#: `pipec tune --memory-limit 40GiB` without byte costs: the CLI's message after its flag.
+BYTES_WITHOUT_BYTE_COSTS = (
+    "the memory limit 40.00GiB is in bytes, but the cost model gives memory in "
+    "layer-activations (no K.act or K.param with a byte unit)"
+)
+
+
+def test_tune_refuses_a_byte_limit_without_byte_costs_as_the_cli_does():
+    with pytest.raises(pipec.SpecError, match=re.escape(BYTES_WITHOUT_BYTE_COSTS)):
+        pipec.tune(4, 8, num_layers=8, memory_limit="40GiB")
+
+
+def test_the_byte_limit_message_is_the_clis():
+    """The message above is what ``pipec tune`` prints for the same request, and a byte
+    limit with byte costs is taken (as bytes) by both."""
+    code, msg = _cli_error(
+        _cli(), "tune", "--pp", "4", "--microbatches", "8", "--num-layers", "8",
+        "--memory-limit", "40GiB",
+    )  # fmt: skip
+    assert code == 1 and BYTES_WITHOUT_BYTE_COSTS in msg, msg
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.tune(4, 8, num_layers=8, memory_limit="40GiB")
+    assert str(e.value).removeprefix("memory_limit: ") == msg.removeprefix("--memory-limit: ")
+    _, report = pipec.tune(4, 8, num_layers=8, memory_limit="40GiB", cost="t.act=1GiB")
+    assert "GiB" in report["verdict"] and max(report["peak_memory"]) <= 40 * 2**30
+
+
+def test_model_keys_and_p2p_modes_are_rusts():
+    """``pipec.MODEL_KEYS`` and the ``megatron_p2p`` modes come from the native module: the
+    keys are the ones the Rust cost language lists when it refuses a key, and every mode
+    compiles."""
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.cost_model(cost="[model]\nbogus = 1")
+    known = re.search(r"\(known: ([^)]*)\)", str(e.value))
+    assert known and known.group(1).split(", ") == list(pipec.MODEL_KEYS), str(e.value)
+    assert pipec.MODEL_KEYS is _native.MODEL_KEYS
+    assert len(_native.MEGATRON_P2P_MODES) == 6
+    for mode in _native.MEGATRON_P2P_MODES:
+        assert pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p=mode).check().valid
+    with pytest.raises(pipec.SpecError, match="one of batched, unbatched, overlap, "):
+        pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p="sometimes")
