@@ -1,19 +1,21 @@
-//! Which framework can run a program: the one rule `pipec tune --target` filters by, and the
-//! words that tell a user how to run the winner there.
+//! Which framework can run a program: the one rule `pipec tune --target` filters by and the
+//! adapters apply (they ask for it through `Schedule.adapter_refusal`, in their own words:
+//! [`Refusal::adapter_message`]), and the words that tell a user how to run the winner there.
 //!
 //! The rule is what pipec's adapters refuse, written once:
-//! - `pipec.torch` (`_refuse_bidirectional`, `_check_loss_order`): torch's runtime gives every
-//!   stage one rank, and takes microbatch m's loss from position m of its loss list, so the
-//!   last stage must run its forwards in microbatch order. Any other stage -> rank table is
-//!   fine (`_prepare_schedule_with_comms` reads it off the actions).
-//! - `pipec.megatron` (`_refuse_bidirectional`, `_check_data_order`): a model chunk lives on
-//!   one rank; Megatron's data iterators hand out microbatches in order, so every stage runs
-//!   its forwards in microbatch order. V placements are built from `stage_layers`.
+//! - `pipec.torch`: torch's runtime gives every stage one rank, and takes microbatch m's loss
+//!   from position m of its loss list, so the last stage must run its forwards in microbatch
+//!   order. Any other stage -> rank table is fine (`_prepare_schedule_with_comms` reads it off
+//!   the actions).
+//! - `pipec.megatron`: a model chunk lives on one rank; Megatron's data iterators hand out
+//!   microbatches in order, so every stage runs its forwards in microbatch order. V placements
+//!   are built from `stage_layers`.
 //! - torchtitan lowers the compute-only CSV itself and places stages by the schedule class it
 //!   is told (`_get_pp_rank_to_stage_indices_mapping`, torchtitan 0.3.0): looped (`s % pp`)
 //!   except for `ZBVZeroBubble` / `DualPipeV` (V, two stages per rank). torch's rule applies
 //!   on top (the CSV runs on torch's runtime).
-//! - DeepSpeed's `PipelineEngine` (0.19.8): one stage per rank, stage `s` on rank `s`.
+//! - DeepSpeed's `PipelineEngine` (0.19.8): one stage per rank, stage `s` on rank `s`
+//!   (`pipec.deepspeed.check`).
 //! - `pipec-run` runs every verified program.
 
 use pipec_ir::ir::{Instr, Program};
@@ -77,8 +79,14 @@ impl Target {
 
     /// Whether this target accepts `program`, or why not (the adapter's reason, in words).
     pub fn check(self, program: &Program) -> Result<(), String> {
-        self.check_placement(&program.placement)?;
-        self.check_memory_ops(program)?;
+        self.refuse(program).map_err(|r| r.reason())
+    }
+
+    /// The same, as the rule that fails ([`Refusal`]): what the adapters ask
+    /// (`Schedule.adapter_refusal`) so that they apply this rule instead of a copy.
+    pub fn refuse(self, program: &Program) -> Result<(), Refusal> {
+        self.refuse_placement(&program.placement)?;
+        self.check_memory_ops(program).map_err(Refusal::MemoryOps)?;
         match self {
             Target::Torch | Target::Torchtitan => forwards_in_order(program, true),
             Target::Megatron => forwards_in_order(program, false),
@@ -129,37 +137,37 @@ impl Target {
     /// The placement half of [`Target::check`]: what the target's stage -> rank rule allows.
     /// `tune` skips the placements it refuses before planning on them.
     pub fn check_placement(self, p: &Placement) -> Result<(), String> {
-        let two_ranks = || {
-            Err(
-                "places every stage on two ranks (one per direction); a stage lives on one rank \
-                 there (use dualpipe-v, its V-shaped form)"
-                    .to_string(),
-            )
-        };
+        self.refuse_placement(p).map_err(|r| r.reason())
+    }
+
+    /// The same, as the rule that fails.
+    pub fn refuse_placement(self, p: &Placement) -> Result<(), Refusal> {
         match self {
             Target::PipecRun | Target::Any => Ok(()),
             Target::Torch | Target::Megatron if p.kind == PlacementKind::Bidirectional => {
-                two_ranks()
+                Err(Refusal::TwoRanks)
             }
             Target::Torch | Target::Megatron => Ok(()),
             Target::Torchtitan => {
                 if p.kind == PlacementKind::Bidirectional {
-                    return two_ranks();
+                    return Err(Refusal::TwoRanks);
                 }
                 torchtitan_class(p).map(|_| ()).ok_or_else(|| {
-                    "torchtitan places stages by its schedule class, looped (s % pp) or V-shaped \
-                     (ZBVZeroBubble, DualPipeV); this placement is neither"
-                        .to_string()
+                    Refusal::Placement(
+                        "torchtitan places stages by its schedule class, looped (s % pp) or \
+                         V-shaped (ZBVZeroBubble, DualPipeV); this placement is neither"
+                            .to_string(),
+                    )
                 })
             }
             Target::Deepspeed => {
                 let engine =
                     "DeepSpeed's PipelineEngine runs one stage per rank (stage s on rank s)";
                 if p.kind == PlacementKind::Bidirectional {
-                    // Not `two_ranks()`: its remedy, dualpipe-v, is V-shaped, refused here too.
-                    return Err(format!(
+                    // Not `TwoRanks`: its remedy, dualpipe-v, is V-shaped, refused here too.
+                    return Err(Refusal::Placement(format!(
                         "{engine}; this schedule places every stage on two ranks (DualPipe's two directions)"
-                    ));
+                    )));
                 }
                 let one_each = p.num_stages() == p.pp
                     && p.table()
@@ -169,7 +177,7 @@ impl Target {
                 if one_each {
                     Ok(())
                 } else if p.num_stages() != p.pp {
-                    Err(format!(
+                    Err(Refusal::Placement(format!(
                         "{engine}; this schedule has {} stages on {} ranks ({} stages per rank{})",
                         p.num_stages(),
                         p.pp,
@@ -179,15 +187,114 @@ impl Target {
                         } else {
                             ""
                         }
-                    ))
+                    )))
                 } else {
                     let table: Vec<String> = p.table().iter().map(|r| r.0.to_string()).collect();
-                    Err(format!(
+                    Err(Refusal::Placement(format!(
                         "{engine}; this schedule places its stages on ranks [{}]",
                         table.join(", ")
-                    ))
+                    )))
                 }
             }
+        }
+    }
+}
+
+/// Why a target refuses a program: the rule that fails, with the facts its words name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Every stage lives on two ranks (DualPipe's two directions); a stage lives on one rank
+    /// there (torch, Megatron, torchtitan).
+    TwoRanks,
+    /// The framework builds no such stage -> rank table (torchtitan, DeepSpeed): why.
+    Placement(String),
+    /// A memory instruction the target's adapter does not execute: where and why.
+    MemoryOps(String),
+    /// Rank `rank` runs the forwards of `stage` in the microbatch order `order` (all of that
+    /// stage's forwards on the rank), which is not ascending: Megatron's data iterators
+    /// (every stage) and torch's loss list (the last stage, `last_only`) need it ascending.
+    ForwardOrder {
+        rank: u32,
+        stage: u32,
+        order: Vec<u32>,
+        last_only: bool,
+    },
+}
+
+impl Refusal {
+    /// The reason in `pipec tune`'s words (its report's `not_runnable`, `runs_on`).
+    pub fn reason(&self) -> String {
+        match self {
+            Refusal::TwoRanks => "places every stage on two ranks (one per direction); a stage \
+                 lives on one rank there (use dualpipe-v, its V-shaped form)"
+                .to_string(),
+            Refusal::Placement(why) | Refusal::MemoryOps(why) => why.clone(),
+            Refusal::ForwardOrder {
+                rank,
+                stage,
+                order,
+                last_only,
+            } => {
+                let (prev, mb) = order
+                    .windows(2)
+                    .find(|w| w[1] < w[0])
+                    .map_or((0, 0), |w| (w[0], w[1]));
+                let what = if *last_only {
+                    "torch takes microbatch m's loss from position m of its loss list"
+                } else {
+                    "Megatron's data iterators hand out microbatches in order"
+                };
+                format!(
+                    "rank {rank} runs the forwards of stage {stage} out of microbatch order ({mb} after {prev}); {what}"
+                )
+            }
+        }
+    }
+
+    /// The refusal in the words of `target`'s adapter (`pipec.torch`, `pipec.megatron`), for
+    /// the schedule `name` (its kind, or its source when imported); other targets' adapters
+    /// say [`Refusal::reason`].
+    pub fn adapter_message(&self, target: Target, name: &str) -> String {
+        let list = |order: &[u32]| {
+            let v: Vec<String> = order.iter().map(u32::to_string).collect();
+            format!("[{}]", v.join(", "))
+        };
+        match (self, target) {
+            (Refusal::TwoRanks, Target::Torch) => format!(
+                "{name} places each stage on two ranks (one per direction); torch's pipeline \
+                 runtime gives every stage exactly one rank and cannot run it (use dualpipe-v, \
+                 its V-shaped form)"
+            ),
+            (Refusal::TwoRanks, Target::Megatron) => format!(
+                "{name} places every stage on two ranks (one copy per direction, with their \
+                 gradients summed); a Megatron model chunk lives on one rank, so pipec.megatron \
+                 cannot run it (use dualpipe-v, its V-shaped form)"
+            ),
+            (
+                Refusal::ForwardOrder {
+                    order,
+                    last_only: true,
+                    ..
+                },
+                Target::Torch,
+            ) => format!(
+                "{name} runs the last stage's forwards in the order {}; torch's runtime takes \
+                 microbatch m's loss from position m of its loss list, so it would backpropagate \
+                 the wrong losses. Refusing to run it",
+                list(order)
+            ),
+            (
+                Refusal::ForwardOrder {
+                    rank, stage, order, ..
+                },
+                Target::Megatron,
+            ) => format!(
+                "{name} runs the forwards of stage {stage} (rank {rank}) in the order {}; \
+                 Megatron's data iterators hand out microbatches in order, so the microbatches \
+                 would get the wrong data. Refusing to run it",
+                list(order)
+            ),
+            _ => self.reason(),
         }
     }
 }
@@ -270,33 +377,35 @@ impl TargetChoice {
     }
 }
 
-/// Each stage's forwards (all stages, or the last one only) in microbatch order per rank.
-fn forwards_in_order(program: &Program, last_only: bool) -> Result<(), String> {
+/// Each stage's forwards (all stages, or the last one only) in microbatch order per rank; the
+/// first rank and stage (in stream order) that breaks it, with that stage's whole order there.
+fn forwards_in_order(program: &Program, last_only: bool) -> Result<(), Refusal> {
     let n = program.num_stages() as usize;
     let last = n.saturating_sub(1);
+    let forward = |c: &Compute| match *c {
+        Compute::Fwd(t) => Some(t),
+        Compute::FwdBwd { fwd, .. } => Some(fwd),
+        _ => None,
+    };
     for (r, stream) in program.compute_orders().iter().enumerate() {
         let mut prev: Vec<Option<u32>> = vec![None; n];
-        for c in stream {
-            let fwd = match *c {
-                Compute::Fwd(t) => t,
-                Compute::FwdBwd { fwd, .. } => fwd,
-                _ => continue,
-            };
+        for fwd in stream.iter().filter_map(forward) {
             let s = fwd.stage.0 as usize;
             if s >= n || (last_only && s != last) {
                 continue;
             }
             if prev[s].is_some_and(|p| fwd.mb.0 < p) {
-                let what = if last_only {
-                    "torch takes microbatch m's loss from position m of its loss list"
-                } else {
-                    "Megatron's data iterators hand out microbatches in order"
-                };
-                return Err(format!(
-                    "rank {r} runs the forwards of stage {s} out of microbatch order ({} after {}); {what}",
-                    fwd.mb.0,
-                    prev[s].unwrap_or(0)
-                ));
+                return Err(Refusal::ForwardOrder {
+                    rank: r as u32,
+                    stage: s as u32,
+                    order: stream
+                        .iter()
+                        .filter_map(forward)
+                        .filter(|t| t.stage == fwd.stage)
+                        .map(|t| t.mb.0)
+                        .collect(),
+                    last_only,
+                });
             }
             prev[s] = Some(fwd.mb.0);
         }
@@ -491,5 +600,89 @@ impl Levers {
 
     pub fn any(self) -> bool {
         self.offload || self.recompute
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pipec_schedules::Task;
+
+    /// One rank, one stage: forwards of the microbatches `mbs`, in that order.
+    fn forwards(mbs: &[u32]) -> Program {
+        Program {
+            placement: Placement::looped(1, 1),
+            microbatches: mbs.len() as u32,
+            forward_only: true,
+            comm: None,
+            ranks: vec![mbs
+                .iter()
+                .map(|&mb| Instr::Compute(Compute::Fwd(Task::new(0, mb))))
+                .collect()],
+        }
+    }
+
+    #[test]
+    fn forwards_out_of_order_are_one_rule_in_two_wordings() {
+        let p = forwards(&[0, 2, 1, 3]);
+        let meg = Target::Megatron.refuse(&p).unwrap_err();
+        assert_eq!(
+            meg,
+            Refusal::ForwardOrder {
+                rank: 0,
+                stage: 0,
+                order: vec![0, 2, 1, 3],
+                last_only: false
+            }
+        );
+        // The tuner's words (its report), as before the adapters asked for the rule.
+        assert_eq!(
+            Target::Megatron.check(&p).unwrap_err(),
+            "rank 0 runs the forwards of stage 0 out of microbatch order (1 after 2); \
+             Megatron's data iterators hand out microbatches in order"
+        );
+        // The adapters' words, as pipec.megatron and pipec.torch wrote them.
+        assert_eq!(
+            meg.adapter_message(Target::Megatron, "gpipe"),
+            "gpipe runs the forwards of stage 0 (rank 0) in the order [0, 2, 1, 3]; Megatron's \
+             data iterators hand out microbatches in order, so the microbatches would get the \
+             wrong data. Refusing to run it"
+        );
+        let torch = Target::Torch.refuse(&p).unwrap_err();
+        assert_eq!(
+            torch.adapter_message(Target::Torch, "gpipe"),
+            "gpipe runs the last stage's forwards in the order [0, 2, 1, 3]; torch's runtime \
+             takes microbatch m's loss from position m of its loss list, so it would \
+             backpropagate the wrong losses. Refusing to run it"
+        );
+        for t in [Target::PipecRun, Target::Deepspeed, Target::Any] {
+            assert_eq!(t.refuse(&p), Ok(()), "{t}");
+        }
+        for t in Target::ALL {
+            assert_eq!(t.refuse(&forwards(&[0, 1, 2])), Ok(()), "{t}");
+        }
+    }
+
+    #[test]
+    fn a_stage_on_two_ranks_is_refused_in_each_adapters_words() {
+        let p = Placement::bidirectional(2, 2);
+        for t in [Target::Torch, Target::Megatron, Target::Torchtitan] {
+            assert_eq!(t.refuse_placement(&p), Err(Refusal::TwoRanks), "{t}");
+        }
+        assert!(Target::Torch
+            .check_placement(&p)
+            .unwrap_err()
+            .starts_with("places every stage on two ranks (one per direction)"));
+        assert!(Refusal::TwoRanks
+            .adapter_message(Target::Torch, "dualpipe")
+            .starts_with("dualpipe places each stage on two ranks"));
+        assert!(Refusal::TwoRanks
+            .adapter_message(Target::Megatron, "dualpipe")
+            .contains("a Megatron model chunk lives on one rank"));
+        assert!(matches!(
+            Target::Deepspeed.refuse_placement(&p),
+            Err(Refusal::Placement(why)) if why.contains("DualPipe's two directions")
+        ));
+        assert_eq!(Target::PipecRun.refuse_placement(&p), Ok(()));
     }
 }

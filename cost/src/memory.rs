@@ -104,6 +104,13 @@ impl Limit {
         }
         Ok(self.value)
     }
+
+    /// The limit in the unit of `model`'s memory ([`unit_of`]): where a request's limit meets
+    /// its cost model, for every caller (`pipec tune`, `pipec import`, `pipec.tune`,
+    /// `pipec.compile`, `Schedule.check`), so a byte limit without byte costs is refused alike.
+    pub fn resolve_for(self, model: &CostModel) -> Result<f64, MemoryError> {
+        self.resolve(unit_of(model))
+    }
 }
 
 /// Why a memory limit cannot be applied.
@@ -126,6 +133,17 @@ mod tests {
         let n = Limit::parse("12").unwrap();
         assert_eq!(n.resolve(Unit::LayerActivations).unwrap(), 12.0);
         assert!(Limit::parse("-3").unwrap_err().contains("negative"));
+        // Against a cost model: bytes only where some `K.act` / `K.param` has a byte unit.
+        let units = CostModel::default();
+        let bytes = CostModel::parse("t.act=1GiB").unwrap();
+        assert_eq!(
+            l.resolve_for(&units),
+            Err(MemoryError::BytesWithoutByteCosts {
+                limit: "80.00GiB".into()
+            })
+        );
+        assert_eq!(l.resolve_for(&bytes).unwrap(), l.value);
+        assert_eq!(n.resolve_for(&units).unwrap(), 12.0);
         assert_eq!(
             Unit::LayerActivations.list([4.0, 3.5]),
             "4 3.5 layer-activations"

@@ -73,8 +73,26 @@ pub struct Derived {
     pub memory: [LayerMemory; 4],
 }
 
-/// The keys of the `[model]` table, for error messages.
-pub const MODEL_KEYS: &str = "hidden, ffn, heads, kv_heads, seq, micro_batch, vocab, dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu, normalization";
+/// The keys of the `[model]` table, in the order the error messages list them (exported to
+/// Python as `pipec.MODEL_KEYS`).
+pub const MODEL_KEYS: [&str; 16] = [
+    "hidden",
+    "ffn",
+    "heads",
+    "kv_heads",
+    "seq",
+    "micro_batch",
+    "vocab",
+    "dtype",
+    "tp",
+    "cp",
+    "dp",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "recompute",
+    "swiglu",
+    "normalization",
+];
 
 /// Keys that must be given (the others have Megatron's defaults).
 pub const REQUIRED: [&str; 5] = ["hidden", "ffn", "heads", "seq", "vocab"];

@@ -23,13 +23,13 @@ from ._native import (
     InvalidSchedule,
     LayoutError,
     MemoryStep,
-    Op,
     PipecError,
     SpecError,
     Task,
     TorchExportError,
     WaitStep,
 )
+from ._op import Op
 
 # An instruction reads as the read-only dict of its record (rank-<r>.json's line).
 Mapping.register(Instruction)
@@ -64,14 +64,8 @@ __all__ = [
     "tune",
 ]
 
-_MEGATRON_P2P = (
-    "batched",
-    "unbatched",
-    "overlap",
-    "overlap-flush",
-    "overlap-keep-outputs",
-    "overlap-flush-keep-outputs",
-)
+#: Megatron's P2P modes (``megatron_p2p=``), as Rust names them (``MegatronP2p``).
+_MEGATRON_P2P: tuple[str, ...] = _native.MEGATRON_P2P_MODES
 
 
 def _limit_text(limit) -> str | None:
@@ -347,25 +341,9 @@ def seal(path: str | os.PathLike) -> dict:
     return json.loads(_native.seal_dir(os.fspath(path)))
 
 
-#: The keys of a cost file's ``[model]`` table (``pipec.tune(..., model={...})``).
-MODEL_KEYS = (
-    "hidden",
-    "ffn",
-    "heads",
-    "kv_heads",
-    "seq",
-    "micro_batch",
-    "vocab",
-    "dtype",
-    "tp",
-    "cp",
-    "dp",
-    "sequence_parallel",
-    "distributed_optimizer",
-    "recompute",
-    "swiglu",
-    "normalization",
-)
+#: The keys of a cost file's ``[model]`` table (``pipec.tune(..., model={...})``), as the
+#: Rust cost model reads them.
+MODEL_KEYS: tuple[str, ...] = _native.MODEL_KEYS
 
 
 def _with_model(cost: str | None, model: dict | None) -> str | None:

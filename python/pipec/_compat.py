@@ -24,7 +24,7 @@ import importlib.metadata
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ._native import PipecError
@@ -259,25 +259,6 @@ def fsdp_reshards_after_forward(module: Any, is_root: bool) -> bool:
         return not auto_root and any(g.post_forward_mesh_info is not None for g in groups)
     except AttributeError:
         return True
-
-
-# --------------------------------------------------------------------------- torch autograd split
-
-#: The keys of each dict ``stage_backward_input`` returns that pipec reads: ``"params"`` (the
-#: group's weights' AccumulateGrad nodes), ``"intermediates"`` (a list of autograd nodes) and
-#: ``"grads"`` (per intermediate, the gradients that entered it; absent when none did).
-PARAM_GROUP_KEYS = ("params", "intermediates", "grads")
-
-
-def stage_backward_input(
-    roots: list, grads: list | None, inputs: list, weights: Iterator
-) -> tuple[tuple, list[dict[str, Any]]]:
-    """``torch.distributed.pipelining._backward.stage_backward_input`` (a private module, torch
-    2.15): the input-gradient half of torch's zero-bubble backward split. Returns the inputs'
-    gradients and the weight groups, dicts keyed by :data:`PARAM_GROUP_KEYS`."""
-    from torch.distributed.pipelining._backward import stage_backward_input as f
-
-    return f(roots, grads, inputs, weights)
 
 
 # --------------------------------------------------------------------------- megatron-core

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from . import Op, PipecError, Schedule, _as_schedule, _compat
+from ._split_backward import split_input, split_weight
 
 _compat.require("pipec.deepspeed", "deepspeed")
 
@@ -291,135 +292,6 @@ def _exec_backward(self, buffer_id):
     _free_after_backward(self, buffer_id)
 
 
-# --------------------------------------------------------------------------- split backward
-# The zero-bubble split of torch's pipelining (torch.distributed.pipelining._backward,
-# stage_backward_input / stage_backward_weight), written here on public autograd API only
-# (Node.next_functions, Node.register_prehook, GradientEdge): no private import to break, and
-# torch.distributed.pipelining, which pulls in torch._dynamo (~1.4 s a process), stays unloaded.
-
-
-def _node(t: torch.Tensor):
-    """A tensor's grad_fn, or a leaf's AccumulateGrad node (what the weights are keyed on)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    with torch.enable_grad():
-        return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _reverse_edges(roots) -> dict:
-    """Every node reachable from ``roots`` -> the nodes that feed it a gradient."""
-    rev: dict = {r: [] for r in roots}
-    todo = list(roots)
-    while todo:
-        node = todo.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            if nxt not in rev:
-                rev[nxt] = []
-                todo.append(nxt)
-            rev[nxt].append(node)
-    return rev
-
-
-def _towards_roots(starts, stop: set, rev: dict) -> tuple[set, set]:
-    """The nodes reached from ``starts`` against the gradient's flow, not going past nodes in
-    ``stop``; returns (the nodes, the ``stop`` nodes met)."""
-    seen, met = set(starts), set()
-    todo = list(starts)
-    while todo:
-        for n in rev.get(todo.pop(), ()):
-            if n in stop:
-                met.add(n)
-            elif n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen, met
-
-
-def _split_input(edges, grads, leaves, params) -> tuple:
-    """``bwd_D``: one backward from ``edges`` (with ``grads``) to ``leaves`` only, which stores
-    the leaves' ``.grad`` and records the gradient entering each node where a weight's branch
-    joins the input-gradient chain. Returns what :func:`_split_weight` needs.
-
-    As torch's ``stage_backward_input``: the chain is the nodes on a path from the roots to the
-    leaves; following each weight from its AccumulateGrad node towards the roots, the first
-    chain nodes met are its "intermediates". Weights that share an intermediate form one group
-    (a union of such sets, so no weight is in two groups). Weights whose branch meets no chain
-    node (a term of weights only) get their own backward from the roots in :func:`_split_weight`.
-    """
-    rev = _reverse_edges([e.node for e in edges])
-    chain, _ = _towards_roots([_node(t) for t in leaves], set(), rev)
-    accs = {_node(p): p for p in params}
-    group_of: dict = {}  # chain node or weight node -> group (dict with params, intermediates)
-    rest = []
-    for acc, p in accs.items():
-        if acc not in rev:
-            continue  # not used by this microbatch's graph: no gradient, as in a whole backward
-        _, met = _towards_roots([acc], chain, rev)
-        if not met:
-            rest.append(p)
-            continue
-        group = {"params": {acc}, "intermediates": set(met)}
-        for other in {id(g): g for g in (group_of.get(n) for n in met) if g}.values():
-            group["params"] |= other["params"]
-            group["intermediates"] |= other["intermediates"]
-        for n in group["intermediates"]:
-            group_of[n] = group
-    groups = list({id(g): g for g in group_of.values()}.values())
-    handles = []
-    for g in groups:
-        g["intermediates"] = list(g["intermediates"])
-        g["grads"] = [None] * len(g["intermediates"])
-        for i, node in enumerate(g["intermediates"]):
-
-            def record(grad_outputs, g=g, i=i):
-                g["grads"][i] = grad_outputs
-
-            handles.append(node.register_prehook(record))
-    try:
-        got = torch.autograd.grad(edges, leaves, grads, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for t, gr in zip(leaves, got, strict=True):
-        if gr is not None:
-            t.grad = gr if t.grad is None else t.grad + gr
-    return groups, accs, (edges, grads, rest) if rest else None
-
-
-def _split_weight(groups, accs, rest) -> None:
-    """``bwd_W``: each group's weight gradients from the gradients :func:`_split_input`
-    recorded, through the weights' AccumulateGrad nodes (so ``.grad`` and its hooks see them,
-    as a whole backward leaves them), running no node of the input-gradient chain beyond the
-    group's own intermediates."""
-    from torch.autograd.graph import GradientEdge
-
-    for g in groups:
-        edges, gouts = [], []
-        for saved, node in zip(g["grads"], g["intermediates"], strict=True):
-            for i, gr in enumerate(saved or ()):
-                if gr is not None:
-                    edges.append(GradientEdge(node, i))
-                    gouts.append(gr)
-        if not edges:
-            continue  # no gradient reached the group
-        handles = []
-        if len(g["intermediates"]) > 1:
-            # One intermediate may lead to another: pin each to the gradient it got in the
-            # input pass, so nothing is counted twice (as torch's stage_backward_weight).
-            for saved, node in zip(g["grads"], g["intermediates"], strict=True):
-                handles.append(node.register_prehook(lambda _g, sg=saved: sg))
-        try:
-            torch.autograd.backward(edges, gouts, inputs=[accs[a] for a in g["params"]])
-        finally:
-            for h in handles:
-                h.remove()
-    if rest is not None:
-        edges, grads, params = rest
-        torch.autograd.backward(edges, grads, inputs=params)
-
-
 def _root_edges(self, buffer_id):
     """The backward's roots as gradient edges and their gradients (ones for the loss:
     DeepSpeed's output hook, registered by its forward, divides the gradient of the last
@@ -434,7 +306,7 @@ def _root_edges(self, buffer_id):
 
 
 def _exec_backward_input(self, buffer_id):
-    """``bwd_D``: the input gradient only (:func:`_split_input`)."""
+    """``bwd_D``: the input gradient only (:func:`pipec._split_backward.split_input`)."""
     st = _state(self)
     st["trace"].append(("bwd_D", self.stage_id, buffer_id))
     inputs = self.pipe_buffers["inputs"][buffer_id]
@@ -446,7 +318,7 @@ def _exec_backward_input(self, buffer_id):
     edges, grads = _root_edges(self, buffer_id)
     params = [p for p in self.module.parameters() if p.requires_grad]
     with _compat.ds_engine_backward(self):  # as DeepSpeed's own _exec_backward_pass
-        st["deferred"][buffer_id] = _split_input(edges, grads, leaves, params)
+        st["deferred"][buffer_id] = split_input(edges, grads, leaves, params)
     # The graph from the roots down to the recorded nodes is done with (torch's split detaches
     # the outputs for the same reason): only the weights' branches live until bwd_W.
     del edges, grads
@@ -454,7 +326,7 @@ def _exec_backward_input(self, buffer_id):
 
 
 def _exec_backward_weight(self, buffer_id):
-    """``bwd_W``: the weight gradients only (:func:`_split_weight`), into ``.grad`` before
+    """``bwd_W``: the weight gradients only (:func:`pipec._split_backward.split_weight`), into ``.grad`` before
     DeepSpeed's ReduceGrads and OptimizerStep."""
     st = _state(self)
     st["trace"].append(("bwd_W", self.stage_id, buffer_id))
@@ -466,7 +338,7 @@ def _exec_backward_weight(self, buffer_id):
             if edges and params:
                 torch.autograd.backward(edges, grads, inputs=params)
         else:
-            _split_weight(*deferred)
+            split_weight(*deferred)
     _free_after_backward(self, buffer_id)
 
 

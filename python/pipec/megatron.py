@@ -44,6 +44,7 @@ from . import (
     _compat,
 )
 from ._offload import ActivationStore, _kept_storages
+from ._split_backward import split_input, split_weight
 
 _compat.require("pipec.megatron", "torch")
 _compat.require("pipec.megatron", "megatron-core")
@@ -67,13 +68,15 @@ def _manifest(s: Schedule) -> dict:
     return json.loads(s._n.header_json())
 
 
-def _refuse_bidirectional(s: Schedule) -> None:
-    if s.placement == "bidirectional":
-        raise PipecError(
-            f"{s.kind} places every stage on two ranks (one copy per direction, with their "
-            "gradients summed); a Megatron model chunk lives on one rank, so pipec.megatron "
-            "cannot run it (use dualpipe-v, its V-shaped form)"
-        )
+def _refuse(s: Schedule, placement_only: bool = True) -> None:
+    """Megatron's rule, asked of Rust (``Target::Megatron``, the one ``pipec tune --target
+    megatron`` filters by): a model chunk lives on one rank, so every stage on one rank; and
+    unless ``placement_only``, every stage's forwards in microbatch order on its rank, since
+    Megatron's data iterators have no microbatch ids (the k-th ``next()`` of a chunk's
+    iterator is microbatch k)."""
+    why = s._n.adapter_refusal("megatron", placement_only)
+    if why is not None:
+        raise PipecError(why)
 
 
 def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int]:
@@ -86,7 +89,7 @@ def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int
     ``pp + r``, so build it from :func:`stage_layers` rather than from Megatron's layer offsets.
     """
     s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
+    _refuse(s)
     return s.stages_of(rank)
 
 
@@ -141,11 +144,6 @@ def _chunk_attr(chunk: torch.nn.Module, name: str):
             return None
         m = m.module
     return None
-
-
-def _grad_acc(p: torch.Tensor):
-    """The AccumulateGrad node of a parameter."""
-    return p.view_as(p).grad_fn.next_functions[0][0]
 
 
 def _offloaded(s: Schedule, rank: int) -> set[tuple[int, int]]:
@@ -256,25 +254,6 @@ def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
                 f"schedule {what}: compile it with megatron_partial_recompute={n}"
             )
     return True
-
-
-def _check_data_order(s: Schedule) -> None:
-    """Megatron's data iterators have no microbatch ids: the k-th ``next()`` of a chunk's
-    iterator is microbatch k. A stage must therefore run its forwards in microbatch order."""
-    for r in range(s.pp):
-        seen: dict[int, list[int]] = {}
-        for ins in s.instructions(r):
-            if ins.op in (Op.fwd, Op.fwd_checkpoint):
-                seen.setdefault(ins.stage, []).append(ins.mb)
-            elif ins.op == Op.fwd_bwd:
-                seen.setdefault(ins.fwd.stage, []).append(ins.fwd.mb)
-        for stage, order in seen.items():
-            if order != sorted(order):
-                raise PipecError(
-                    f"{s.kind} runs the forwards of stage {stage} (rank {r}) in the order "
-                    f"{order}; Megatron's data iterators hand out microbatches in order, so "
-                    "the microbatches would get the wrong data. Refusing to run it"
-                )
 
 
 class _Op:
@@ -497,12 +476,13 @@ class _Executor:
         """The input-gradient half of a split backward (``bwd_D``); see docs/megatron.md.
 
         megatron-core 0.19.2's own deferral (``delay_wgrad_compute``) needs Transformer
-        Engine layers and combined 1F1B; this is the equivalent for any model: torch's
-        zero-bubble split (``torch.distributed.pipelining._backward``): a backward to the stage
-        input only that records the gradients reaching the nodes which use the weights, from
-        which :meth:`bwd_w` computes the weight gradients later (through the weights'
-        accumulators, so Megatron's DDP hooks see them). Nothing runs twice through a node
-        that destroys its saved tensors (Megatron's fused cross entropy does).
+        Engine layers and combined 1F1B; this is the equivalent for any model: the zero-bubble
+        split of :mod:`pipec._split_backward` (torch's, on public autograd API): a backward to
+        the stage input only that records the gradients reaching the nodes which use the
+        weights, from which :meth:`bwd_w` computes the weight gradients later (through the
+        weights' accumulators, so Megatron's DDP hooks see them). Nothing runs twice through a
+        node that destroys its saved tensors (Megatron's fused cross entropy does), so weights
+        whose branch does not join the input-gradient chain are refused.
         """
         from torch.autograd.graph import get_gradient_edge
 
@@ -515,25 +495,23 @@ class _Executor:
             # No stage input (the first stage): the whole backward is the weight gradient.
             self.deferred[(stage, mb)] = ("full", out, og)
             return
-        root = out if og is None else get_gradient_edge(out)  # outputs may be deallocated
-        accs = {_grad_acc(p): p for p in params}
-        (ig,), groups = _compat.stage_backward_input(
-            [root], None if og is None else [og], [inp], iter(params)
-        )
-        inp.grad = None
-        covered = {a for g in groups for a in g["params"]}
-        missing = [p for a, p in accs.items() if a not in covered]
-        self.deferred[(stage, mb)] = ("groups", groups, accs, missing)
-        if missing:
+        # Through the edge: the output may be deallocated (the loss's gradient is 1).
+        edges = [get_gradient_edge(out)]
+        grads = [torch.ones_like(out) if og is None else og]
+        split = split_input(edges, grads, [inp], params)
+        ig, inp.grad = inp.grad, None
+        self.deferred[(stage, mb)] = ("split", split)
+        rest = split[2]
+        if rest is not None:
             raise PipecError(
-                f"stage {stage}: {len(missing)} weights are not reached from the stage input; "
+                f"stage {stage}: {len(rest[2])} weights are not reached from the stage input; "
                 "pipec.megatron cannot split this stage's backward"
             )
         self._give_input_grad(stage, mb, ig)
 
     def bwd_w(self, stage: int, mb: int) -> None:
         """The weight-gradient half of a split backward (``bwd_W``)."""
-        from torch.autograd.graph import GradientEdge, get_gradient_edge
+        from torch.autograd.graph import get_gradient_edge
 
         c = self.chunk_of[stage]
         d = self.deferred.pop((stage, mb))
@@ -545,27 +523,7 @@ class _Executor:
                     root = out if og is None else get_gradient_edge(out)
                     torch.autograd.backward(root, og)
                 return
-            _, groups, accs, _ = d
-            for g in groups:
-                grads = g.get("grads")
-                if grads is None:
-                    continue
-                edges, gouts = [], []
-                for gt, node in zip(grads, g["intermediates"], strict=True):
-                    for i, gr in enumerate(gt):
-                        if gr is not None:
-                            edges.append(GradientEdge(node, i))
-                            gouts.append(gr)
-                handles = []
-                if len(g["intermediates"]) > 1:  # no double counting through descendants
-                    for gt, node in zip(grads, g["intermediates"], strict=True):
-                        handles.append(node.register_prehook(lambda _g, sg=gt: sg))
-                try:
-                    if edges:
-                        torch.autograd.backward(edges, gouts, inputs=[accs[a] for a in g["params"]])
-                finally:
-                    for h in handles:
-                        h.remove()
+            split_weight(*d[1])
 
     # ---- grad sync, as Megatron's schedules: reductions are held back (no_sync) except
     # during the last weight-gradient pass of each chunk.
@@ -750,9 +708,8 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     offloads nothing.
     """
     s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
+    _refuse(s, placement_only=False)
     manifest = _manifest(s)
-    _check_data_order(s)
     layers = _stage_layers(manifest)
     steps_of: dict[int, list[Step]] = {}  # this process's rank, once known
     stores: dict[int, ActivationStore] = {}  # the rank's offload store, when it offloads

@@ -39,13 +39,14 @@ __all__ = [
 ]
 
 
-def _refuse_bidirectional(s: Schedule) -> None:
-    if s.placement == "bidirectional":
-        raise TorchExportError(
-            f"{s.kind} places each stage on two ranks (one per direction); torch's pipeline "
-            "runtime gives every stage exactly one rank and cannot run it (use dualpipe-v, "
-            "its V-shaped form)"
-        )
+def _refuse(s: Schedule, placement_only: bool = True) -> None:
+    """torch's rule, asked of Rust (``Target::Torch``, the one ``pipec tune --target torch``
+    filters by): every stage on one rank (else :class:`TorchExportError`), and unless
+    ``placement_only`` the last stage's forwards in microbatch order, since torch's runtime
+    takes microbatch m's loss from position m of its loss list (else :class:`PipecError`)."""
+    why = s._n.adapter_refusal("torch", placement_only)
+    if why is not None:
+        raise (TorchExportError if placement_only else PipecError)(why)
 
 
 def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int]:
@@ -53,7 +54,7 @@ def stage_indices(schedule: Schedule | str | os.PathLike, rank: int) -> list[int
     :func:`build_schedule` expects them: ascending stage index, for every placement pipec
     generates (looped ``s % pp``, V-shaped, custom)."""
     s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
+    _refuse(s)
     return s.stages_of(rank)
 
 
@@ -95,7 +96,7 @@ def _action(cell: Any, checkpointed: set[tuple[int, int]] | None = None) -> _Act
 
 def _actions(s: Schedule, compute_only: bool = False):
     """(every rank's actions, every rank's checkpointed forwards as (stage, microbatch))."""
-    _refuse_bidirectional(s)
+    _refuse(s)
     lines, checkpointed = {}, {}
     for r, line in enumerate(s.torch_actions(compute_only)):
         checkpointed[r] = set()
@@ -281,25 +282,6 @@ def _set_rng_state(state: tuple, dev: torch.device) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, dev)
-
-
-def _check_loss_order(s: Schedule, comms: dict[int, list[_Action]]) -> None:
-    """torch keeps the last stage's losses in a list and takes microbatch m's loss at index m,
-    so the last stage must run its forwards in microbatch order."""
-    last = s.num_stages - 1
-    order = [
-        a.microbatch_index
-        for line in comms.values()
-        for c in line
-        for a in (c.sub_actions or (c,))
-        if a.stage_index == last and a.computation_type == _ComputationType.FORWARD
-    ]
-    if order != sorted(order):
-        raise PipecError(
-            f"{s.kind} runs the last stage's forwards in the order {order}; torch's runtime "
-            "takes microbatch m's loss from position m of its loss list, so it would "
-            "backpropagate the wrong losses. Refusing to run it"
-        )
 
 
 def _fsdp_module_class():
@@ -494,7 +476,7 @@ def build_schedule(
     must have none of their own, and must not be FSDP-sharded).
     """
     s = _as_schedule(schedule)
-    _refuse_bidirectional(s)
+    _refuse(s)
     stages = list(stages)
     if not stages:
         raise PipecError("build_schedule needs this rank's PipelineStages (got none)")
@@ -527,7 +509,7 @@ def build_schedule(
     if loss_fn is None and not s.forward_only:
         raise PipecError("a training schedule needs a loss_fn (torch runs backward from it)")
     comms, checkpointed = _actions(s)
-    _check_loss_order(s, comms)
+    _refuse(s, placement_only=False)
     split = {
         a.stage_index
         for c in comms[rank]

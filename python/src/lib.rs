@@ -15,7 +15,7 @@ use pipec_compiler::torch::{export_cells, export_csv, CsvForm};
 use pipec_cost::cost::{CostModel, StageCosts};
 use pipec_cost::simulate::simulate;
 use pipec_ir::files::{self, Encoding, Header};
-use pipec_ir::ir::{steps, Instr, Program, Step};
+use pipec_ir::ir::{Instr, Program};
 use pipec_runtime::{load::LaunchWorld, RunError};
 use pipec_schedules::layout::Layout;
 use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
@@ -103,15 +103,21 @@ fn memory_rule(
             .map_err(|e| SpecError::new_err(e.render()))?;
     }
     let mem = pipec_cost::memory::weights(program, layout, &model);
-    let limit = memory_limit
+    Ok((mem, resolve_limit(memory_limit, &model)?))
+}
+
+/// `memory_limit` (`"80GiB"` or a plain number) in the unit of `model`'s memory, refused as
+/// the CLI refuses `--memory-limit` ([`pipec_cost::memory::Limit::resolve_for`]): a byte limit
+/// needs byte costs.
+fn resolve_limit(memory_limit: Option<&str>, model: &CostModel) -> PyResult<Option<f64>> {
+    memory_limit
         .map(|s| {
             pipec_cost::memory::Limit::parse(s)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
-                .resolve(mem.unit)
+                .resolve_for(model)
                 .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
         })
-        .transpose()?;
-    Ok((mem, limit))
+        .transpose()
 }
 
 /// The manifest's `cost` for a schedule made under `cost` (the full spec, as the CLI writes
@@ -246,6 +252,21 @@ impl NativeSchedule {
         Ok(t.check(self.program()).err())
     }
 
+    /// The same rule in the words of `target`'s adapter (`pipec.torch`, `pipec.megatron`
+    /// raise it as it is), or `None`; `placement_only`: its stage -> rank half only
+    /// ([`pipec_compiler::target::Target::refuse_placement`]), what an adapter checks before it has
+    /// anything to run.
+    #[pyo3(signature = (target, placement_only=false))]
+    fn adapter_refusal(&self, target: &str, placement_only: bool) -> PyResult<Option<String>> {
+        let t: Target = target.parse().map_err(SpecError::new_err)?;
+        let refused = if placement_only {
+            t.refuse_placement(&self.program().placement)
+        } else {
+            t.refuse(self.program())
+        };
+        Ok(refused.err().map(|r| r.adapter_message(t, &self.kind())))
+    }
+
     /// The forwards megatron-core checkpoints fully on each rank under
     /// `num_microbatches_with_partial_activation_checkpoints = n`, as (stage, mb) in the rank's
     /// order (`pipec_schedules::megatron_partial_recompute`, recorded against megatron-core):
@@ -374,9 +395,10 @@ impl NativeSchedule {
     /// Every rank's instruction indices in an order that runs with blocking, one-at-a-time
     /// sends and receives (DeepSpeed's `p2p.send`/`recv`; gloo's send waits for its receive):
     /// compute and batches keep their places, the ops of each batch are reordered, waits are
-    /// dropped (every batch completes where it stands). See [`blocking_order`].
+    /// dropped (every batch completes where it stands). See [`pipec_ir::ir::blocking_order`].
     fn blocking_order(&self, py: Python<'_>) -> PyResult<Vec<Vec<u32>>> {
-        py.detach(|| blocking_order(&self.verified))
+        let v = &self.verified;
+        py.detach(|| pipec_ir::ir::blocking_order(v.program(), v.matching()))
             .map_err(|e| PipecError::new_err(format!("{}: {e}", self.title())))
     }
 
@@ -402,99 +424,6 @@ impl NativeSchedule {
             .map_err(|e| TorchExportError::new_err(e.to_string()))?;
         typed::torch_cells(py, &lines)
     }
-}
-
-/// An order of every rank's instructions that cannot deadlock when each send and receive
-/// blocks until its partner is posted and a rank posts one op at a time, found by running the
-/// program under exactly that rule (the verifier's rendezvous model, docs/check.md rule 4, with
-/// one op in flight per rank instead of a whole batch): a rank passes compute ops and waits at
-/// once; at a comm batch, an op completes as soon as its matched op (the verifier's matching:
-/// the k-th send from a to b meets b's k-th receive from a) is in the batch its rank stands
-/// at, and the rank moves on when the batch is empty. Which pair completes first does not
-/// change what completes (a rank only leaves a batch, never an op), so when this run stalls,
-/// every serial order of the batches stalls, and the error names the stuck ops.
-fn blocking_order(v: &pipec_ir::verify::Verified) -> Result<Vec<Vec<u32>>, String> {
-    // The verifier's matching: every op has its partner.
-    let (p, m) = (v.program(), v.matching());
-    let pos = m.positions();
-    let world = p.ranks.len();
-    let units: Vec<Vec<Step>> = p.ranks.iter().map(|r| steps(r).collect()).collect();
-    let mut next = vec![0usize; world]; // next unit of each rank
-    let mut at: Vec<Option<std::ops::Range<usize>>> = vec![None; world]; // batch a rank stands at
-    let mut left = vec![0usize; world]; // ops of that batch not yet completed
-    let mut done = vec![false; pos.total() as usize];
-    let mut order: Vec<Vec<u32>> = p
-        .ranks
-        .iter()
-        .map(|r| Vec::with_capacity(r.len()))
-        .collect();
-    let mut queue: std::collections::VecDeque<usize> = (0..world).collect();
-    while let Some(r) = queue.pop_front() {
-        if at[r].is_some() {
-            continue;
-        }
-        // Pass compute and waits up to the next batch, then complete what meets a partner.
-        while let Some(unit) = units[r].get(next[r]) {
-            next[r] += 1;
-            match unit {
-                // A memory instruction waits on nothing of another rank: it passes at once.
-                Step::Compute(i) | Step::Memory(i) => order[r].push(*i as u32),
-                Step::Wait { .. } => {}
-                Step::Batch { ops, .. } => {
-                    at[r] = Some(ops.clone());
-                    left[r] = ops.len();
-                    break;
-                }
-            }
-        }
-        let Some(ops) = at[r].clone() else { continue };
-        for i in ops {
-            let g = pos.base(r) + i as u32;
-            let Some(q) = m.partner_of(g) else {
-                return Err(format!(
-                    "rank {r}, #{i} ({}) has no matching op",
-                    p.ranks[r][i]
-                ));
-            };
-            let qr = pos.rank_of(q) as usize;
-            let qi = (q - pos.base(qr)) as usize;
-            let meets = at[qr].as_ref().is_some_and(|b| b.contains(&qi)) && !done[q as usize];
-            if !meets || done[g as usize] {
-                continue;
-            }
-            done[g as usize] = true;
-            done[q as usize] = true;
-            order[r].push(i as u32);
-            order[qr].push(qi as u32);
-            for k in [r, qr] {
-                left[k] -= 1;
-                if left[k] == 0 {
-                    at[k] = None;
-                    queue.push_back(k);
-                }
-            }
-        }
-    }
-    let stuck: Vec<String> = (0..world)
-        .filter_map(|r| {
-            let ops = at[r].clone()?;
-            let i = ops
-                .clone()
-                .find(|&i| !done[(pos.base(r) + i as u32) as usize])?;
-            Some(format!("rank {r} at #{i} ({})", p.ranks[r][i]))
-        })
-        .collect();
-    if !stuck.is_empty() {
-        return Err(format!(
-            "deadlocks with blocking sends and receives taken one at a time: {}",
-            stuck.join("; ")
-        ));
-    }
-    debug_assert!(order.iter().zip(&p.ranks).all(|(o, r)| o.len()
-        == r.iter()
-            .filter(|i| !matches!(i, Instr::Wait { .. }))
-            .count()));
-    Ok(order)
 }
 
 fn form(compute_only: bool) -> CsvForm {
@@ -630,14 +559,8 @@ fn tune_schedule(
         ),
         None => None,
     };
-    let memory_limit = match memory_limit {
-        Some(s) => Some(
-            pipec_cost::cost::parse_memory(s)
-                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
-                .0,
-        ),
-        None => None,
-    };
+    // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
+    let memory_limit = resolve_limit(memory_limit, &model)?;
     let req = TuneRequest {
         layout,
         rebalance,
@@ -725,6 +648,17 @@ fn cost_model_json(spec: &str) -> PyResult<String> {
     Ok(v.to_string())
 }
 
+/// The rank file's instructions, one row each (`pipec_ir::files::OPS`, in variant-index
+/// order): `(row, op, [field])`, the row's own name (`fwd_checkpoint`) beside the file's op
+/// (`fwd`). `pipec.Op` is made from it.
+#[pyfunction]
+fn op_rows() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
+    pipec_ir::files::OPS
+        .iter()
+        .map(|o| (o.row, o.name, o.fields.iter().map(|f| f.0).collect()))
+        .collect()
+}
+
 /// The schedule kinds pipec generates.
 #[pyfunction]
 fn kinds() -> Vec<String> {
@@ -755,8 +689,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FileError", py.get_type::<FileError>())?;
     m.add("TorchExportError", py.get_type::<TorchExportError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Megatron's P2P modes (`megatron_p2p=`) and the `[model]` keys, as Rust defines them.
+    m.add(
+        "MEGATRON_P2P_MODES",
+        pyo3::types::PyTuple::new(py, MegatronP2p::ALL.iter().map(|p| p.name()))?,
+    )?;
+    m.add(
+        "MODEL_KEYS",
+        pyo3::types::PyTuple::new(py, pipec_cost::model::MODEL_KEYS)?,
+    )?;
     m.add_class::<NativeSchedule>()?;
-    m.add_class::<typed::Op>()?;
     m.add_class::<typed::Task>()?;
     m.add_class::<typed::Instruction>()?;
     m.add_class::<typed::ComputeStep>()?;
@@ -770,6 +712,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kinds, m)?)?;
     m.add_function(wrap_pyfunction!(cost_model_json, m)?)?;
     m.add_function(wrap_pyfunction!(instruction_schema, m)?)?;
+    m.add_function(wrap_pyfunction!(op_rows, m)?)?;
     Ok(())
 }
 

@@ -9,139 +9,32 @@
 //! cuts batches itself. Everything here reads one rank's instructions only.
 
 use pipec_compiler::torch::{Action, Cell};
-use pipec_ir::files::{fields_of, row_of, FieldValue, OPS};
+use pipec_ir::files::{fields_of, row_of, FieldValue, OpSchema, OPS};
 use pipec_ir::ir::{steps, waited_batches, Instr, Step};
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-/// An instruction's op: one member per row of the rank file's schema, named as the file names
-/// it (`Op.fwd`, `Op.bwd_D`, ...), its integer the schema's variant index. A forward with
-/// `"checkpoint": true` is a row of its own, `Op.fwd_checkpoint` (its `name` is the file's
-/// `"fwd"`), so an executor cannot run it as a plain forward by accident.
-#[pyclass(module = "pipec._native", eq, eq_int, hash, frozen, from_py_object)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Op {
-    #[pyo3(name = "fwd")]
-    Fwd = 0,
-    #[pyo3(name = "bwd")]
-    Bwd = 1,
-    #[pyo3(name = "bwd_D")]
-    BwdD = 2,
-    #[pyo3(name = "bwd_W")]
-    BwdW = 3,
-    #[pyo3(name = "fwd_bwd")]
-    FwdBwd = 4,
-    #[pyo3(name = "send")]
-    Send = 5,
-    #[pyo3(name = "recv")]
-    Recv = 6,
-    #[pyo3(name = "wait")]
-    Wait = 7,
-    #[pyo3(name = "fwd_checkpoint")]
-    FwdCheckpoint = 8,
-    #[pyo3(name = "offload")]
-    Offload = 9,
-    #[pyo3(name = "reload")]
-    Reload = 10,
-    #[pyo3(name = "wait_offload")]
-    WaitOffload = 11,
-    #[pyo3(name = "recompute")]
-    Recompute = 12,
-}
+/// `pipec.Op`'s members in schema order, looked up once. `Op` is a Python enum that
+/// `pipec/_op.py` makes from the schema's rows ([`OPS`], exported as `op_rows`): one member
+/// per row, named as the row (`Op.fwd`, `Op.bwd_D`, `Op.fwd_checkpoint`), its integer the
+/// row's variant index, so that a row added to `schema.rs` is a member with no other edit.
+static OP_MEMBERS: PyOnceLock<Py<PyTuple>> = PyOnceLock::new();
 
-impl Op {
-    /// The member of `ins`'s schema row.
-    fn of(ins: &Instr) -> Op {
-        // Checked below, at compile time: ALL is the schema's rows, in its order.
-        Op::ALL[row_of(ins)]
-    }
-
-    /// In schema order (the index of each is its discriminant).
-    const ALL: [Op; 13] = [
-        Op::Fwd,
-        Op::Bwd,
-        Op::BwdD,
-        Op::BwdW,
-        Op::FwdBwd,
-        Op::Send,
-        Op::Recv,
-        Op::Wait,
-        Op::FwdCheckpoint,
-        Op::Offload,
-        Op::Reload,
-        Op::WaitOffload,
-        Op::Recompute,
-    ];
-    /// The names the members carry in Python, in the same order (the schema's row names).
-    const NAMES: [&'static str; 13] = [
-        "fwd",
-        "bwd",
-        "bwd_D",
-        "bwd_W",
-        "fwd_bwd",
-        "send",
-        "recv",
-        "wait",
-        "fwd_checkpoint",
-        "offload",
-        "reload",
-        "wait_offload",
-        "recompute",
-    ];
-}
-
-const fn same(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
+fn op_member(py: Python<'_>, row: usize) -> PyResult<Bound<'_, PyAny>> {
+    let members = OP_MEMBERS.get_or_try_init(py, || -> PyResult<Py<PyTuple>> {
+        let op = py.import("pipec._op")?.getattr("Op")?;
+        let members = op.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        if members.len() != OPS.len() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "pipec.Op must have one member per row of the rank file's schema",
+            ));
         }
-        i += 1;
-    }
-    true
-}
-
-// `Op` is the schema, checked when this crate compiles: a row added to `schema.rs` stops the
-// build here until `Op` has its member (and the executors decide what it means).
-const _: () = {
-    assert!(
-        Op::ALL.len() == OPS.len(),
-        "pipec._native.Op must have one member per op of the rank file's schema"
-    );
-    let mut i = 0;
-    while i < OPS.len() {
-        assert!(Op::ALL[i] as usize == i && OPS[i].index as usize == i);
-        assert!(
-            same(Op::NAMES[i], OPS[i].row),
-            "pipec._native.Op's members must be named as the schema's rows, in its order"
-        );
-        i += 1;
-    }
-};
-
-#[pymethods]
-impl Op {
-    /// The op as the rank file writes it (`"bwd_D"`).
-    #[getter]
-    fn name(&self) -> &'static str {
-        OPS[*self as usize].name
-    }
-
-    /// The op's fields, as the rank file orders them.
-    #[getter]
-    fn fields(&self) -> Vec<&'static str> {
-        OPS[*self as usize].fields.iter().map(|f| f.0).collect()
-    }
-
-    fn __str__(&self) -> &'static str {
-        self.name()
-    }
+        Ok(PyTuple::new(py, members)?.unbind())
+    })?;
+    members.bind(py).get_item(row)
 }
 
 /// A (stage, microbatch) pair: each half of a `fwd_bwd`.
@@ -199,8 +92,14 @@ impl Instruction {
         })
     }
 
-    fn op_of(&self) -> Op {
-        Op::of(&self.ins)
+    /// The instruction's row of the schema.
+    fn schema(&self) -> &'static OpSchema {
+        &OPS[row_of(&self.ins)]
+    }
+
+    /// Its fields' keys, as the rank file orders them.
+    fn field_keys(&self) -> impl Iterator<Item = &'static str> {
+        self.schema().fields.iter().map(|f| f.0)
     }
 
     fn value<'py>(py: Python<'py>, v: FieldValue) -> PyResult<Bound<'py, PyAny>> {
@@ -213,7 +112,7 @@ impl Instruction {
 
     fn get_key<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
         if key == "op" {
-            return Ok(Some(PyString::intern(py, self.op_of().name()).into_any()));
+            return Ok(Some(PyString::intern(py, self.schema().name).into_any()));
         }
         self.field(key).map(|v| Self::value(py, v)).transpose()
     }
@@ -221,10 +120,10 @@ impl Instruction {
 
 #[pymethods]
 impl Instruction {
-    /// The op (an [`Op`] member).
+    /// The op (a `pipec.Op` member).
     #[getter]
-    fn op(&self) -> Op {
-        self.op_of()
+    fn op<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        op_member(py, row_of(&self.ins))
     }
 
     /// The position in the rank's stream (what `Schedule.blocking_order` lists).
@@ -264,7 +163,7 @@ impl Instruction {
     /// A forward that keeps only its input (`"checkpoint": true`, `Op.fwd_checkpoint`).
     #[getter]
     fn checkpoint(&self) -> bool {
-        self.op_of() == Op::FwdCheckpoint
+        matches!(self.ins, Instr::FwdCheckpoint(_))
     }
 
     /// The comm batch of a `send` or `recv`, or the batch a `wait` waits for.
@@ -289,7 +188,7 @@ impl Instruction {
     /// `"op"`, then the op's fields in file order.
     fn keys(&self) -> Vec<&'static str> {
         let mut k = vec!["op"];
-        k.extend(self.op_of().fields());
+        k.extend(self.field_keys());
         k
     }
 
@@ -344,7 +243,7 @@ impl Instruction {
     }
 
     fn __len__(&self) -> usize {
-        1 + self.op_of().fields().len()
+        1 + self.schema().fields.len()
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

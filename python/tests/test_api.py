@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pipec
 import pytest
+from pipec import _native
 
 REPO = Path(__file__).resolve().parents[2]
 _BIN = REPO / "target" / "debug"
@@ -352,6 +354,45 @@ def test_build_schedule_refusals(tmp_path):
         pt.build_schedule(tmp_path / "s", fake_stages([0, 3], 4, group_size=2), loss)
 
 
+def forwards_out_of_order(tmp_path) -> pipec.Schedule:
+    """gpipe on one rank with its two forwards swapped (sealed, loaded: it verifies): the one
+    stage, the last, runs microbatch 1's forward before microbatch 0's."""
+    d = tmp_path / "swapped"
+    pipec.compile("gpipe", 1, 2).save(d)
+    f0, f1 = '{"op":"fwd","stage":0,"mb":0}', '{"op":"fwd","stage":0,"mb":1}'
+    text = (d / "rank-0.json").read_text()
+    assert f"{f0},\n    {f1}" in text, text
+    (d / "rank-0.json").write_text(text.replace(f0, "F0").replace(f1, f0).replace("F0", f1))
+    pipec.seal(d)
+    s = pipec.load(d)
+    assert [(i.op.name, i.mb) for i in s.instructions(0)[:2]] == [("fwd", 1), ("fwd", 0)]
+    return s
+
+
+def test_adapters_refuse_by_the_rust_rule(tmp_path):
+    """#41: pipec.torch refuses what ``Schedule.refusal("torch")`` (the rule ``pipec tune
+    --target torch`` filters by) refuses, in its own words: torch takes microbatch m's loss from
+    position m of its loss list, so the last stage's forwards run in microbatch order."""
+    pt = pytest.importorskip("pipec.torch")
+    s = forwards_out_of_order(tmp_path)
+    assert "out of microbatch order (0 after 1)" in s.refusal("torch")
+    assert s.refusal("pipec-run") is None
+    assert pt.stage_indices(s, 0) == [0]  # the placement is fine
+    with pytest.raises(pipec.PipecError) as e:
+        pt.build_schedule(s, fake_stages([0], 1, group_size=1), lambda a, b: a.sum())
+    assert str(e.value) == (
+        "gpipe runs the last stage's forwards in the order [1, 0]; torch's runtime takes "
+        "microbatch m's loss from position m of its loss list, so it would backpropagate the "
+        "wrong losses. Refusing to run it"
+    )
+    with pytest.raises(pipec.TorchExportError) as e:
+        pt.stage_indices(pipec.compile("dualpipe", 2, 4), 0)
+    assert str(e.value) == (
+        "dualpipe places each stage on two ranks (one per direction); torch's pipeline runtime "
+        "gives every stage exactly one rank and cannot run it (use dualpipe-v, its V-shaped form)"
+    )
+
+
 def test_torch_actions_are_torch_actions():
     pt = pytest.importorskip("pipec.torch")
     from torch.distributed.pipelining import schedules as ts
@@ -493,8 +534,6 @@ def test_native_stub_matches_the_module():
     exists, and every public name of the module is declared."""
     import ast
 
-    from pipec import _native
-
     pkg = Path(pipec.__file__).parent
     assert (pkg / "py.typed").exists()
     tree = ast.parse((pkg / "_native.pyi").read_text())
@@ -514,3 +553,48 @@ def test_native_stub_matches_the_module():
         }
         public = {n for n in dir(getattr(_native, cls.name)) if not n.startswith("_")}
         assert {m for m in members if not m.startswith("_")} == public, cls.name
+
+
+# ---- #41: one rule per fact: what Python reads from Rust ------------------------------------
+
+#: `pipec tune --memory-limit 40GiB` without byte costs: the CLI's message after its flag.
+BYTES_WITHOUT_BYTE_COSTS = (
+    "the memory limit 40.00GiB is in bytes, but the cost model gives memory in "
+    "layer-activations (no K.act or K.param with a byte unit)"
+)
+
+
+def test_tune_refuses_a_byte_limit_without_byte_costs_as_the_cli_does():
+    with pytest.raises(pipec.SpecError, match=re.escape(BYTES_WITHOUT_BYTE_COSTS)):
+        pipec.tune(4, 8, num_layers=8, memory_limit="40GiB")
+
+
+def test_the_byte_limit_message_is_the_clis():
+    """The message above is what ``pipec tune`` prints for the same request, and a byte
+    limit with byte costs is taken (as bytes) by both."""
+    code, msg = _cli_error(
+        _cli(), "tune", "--pp", "4", "--microbatches", "8", "--num-layers", "8",
+        "--memory-limit", "40GiB",
+    )  # fmt: skip
+    assert code == 1 and BYTES_WITHOUT_BYTE_COSTS in msg, msg
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.tune(4, 8, num_layers=8, memory_limit="40GiB")
+    assert str(e.value).removeprefix("memory_limit: ") == msg.removeprefix("--memory-limit: ")
+    _, report = pipec.tune(4, 8, num_layers=8, memory_limit="40GiB", cost="t.act=1GiB")
+    assert "GiB" in report["verdict"] and max(report["peak_memory"]) <= 40 * 2**30
+
+
+def test_model_keys_and_p2p_modes_are_rusts():
+    """``pipec.MODEL_KEYS`` and the ``megatron_p2p`` modes come from the native module: the
+    keys are the ones the Rust cost language lists when it refuses a key, and every mode
+    compiles."""
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.cost_model(cost="[model]\nbogus = 1")
+    known = re.search(r"\(known: ([^)]*)\)", str(e.value))
+    assert known and known.group(1).split(", ") == list(pipec.MODEL_KEYS), str(e.value)
+    assert pipec.MODEL_KEYS is _native.MODEL_KEYS
+    assert len(_native.MEGATRON_P2P_MODES) == 6
+    for mode in _native.MEGATRON_P2P_MODES:
+        assert pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p=mode).check().valid
+    with pytest.raises(pipec.SpecError, match="one of batched, unbatched, overlap, "):
+        pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p="sometimes")

@@ -450,46 +450,6 @@ def test_fsdp_internals():
     assert _compat.fsdp_reshards_after_forward(object(), True) is True  # unknown: reshard
 
 
-# --------------------------------------------------------------------------- torch autograd split
-
-
-def test_stage_backward_input_groups():
-    """torch.distributed.pipelining._backward.stage_backward_input on a tiny stage: the input
-    gradient is the whole backward's, and each weight group is a dict with the keys
-    pipec.megatron reads: params (AccumulateGrad nodes), intermediates (a list of nodes),
-    grads (per intermediate)."""
-    torch = _need("torch")
-    from torch.autograd.graph import get_gradient_edge
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    params = list(net.parameters())
-    x = torch.randn(2, 4)
-    og = torch.randn(2, 3)
-
-    x_ref = x.clone().requires_grad_()
-    net(x_ref).backward(og)
-    want = x_ref.grad.clone()
-    net.zero_grad()
-
-    acc = {p.view_as(p).grad_fn.next_functions[0][0]: p for p in params}
-    for as_edge in (False, True):
-        inp = x.clone().requires_grad_()
-        out = net(inp)
-        root = get_gradient_edge(out) if as_edge else out
-        (ig,), groups = _compat.stage_backward_input([root], [og], [inp], iter(params))
-        torch.testing.assert_close(ig, want)
-        assert groups and all(isinstance(g, dict) for g in groups)
-        covered = set()
-        for g in groups:
-            assert set(_compat.PARAM_GROUP_KEYS) <= set(g), sorted(g)
-            assert isinstance(g["intermediates"], list)
-            assert len(g["grads"]) == len(g["intermediates"])
-            assert all(isinstance(n, torch.autograd.graph.Node) for n in g["intermediates"])
-            covered |= set(g["params"])
-        assert covered == set(acc)  # every weight is in a group, keyed by its accumulator
-
-
 # --------------------------------------------------------------------------- megatron-core
 
 

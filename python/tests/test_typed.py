@@ -213,6 +213,10 @@ def test_op_is_the_schema():
         assert repr(op) == f"Op.{row}"
     assert Op.fwd != Op.bwd and len({Op.fwd, Op.fwd, Op.bwd}) == 2
     assert Op.fwd_checkpoint != Op.fwd
+    # #41: made from the schema's rows, not written by hand: list(Op) is the rows in order.
+    assert [repr(op) for op in Op] == [f"Op.{row}" for row, _, _ in _native.op_rows()]
+    assert [int(op) for op in Op] == list(range(len(schema)))
+    assert Op(3) is Op.bwd_W and isinstance(Op.fwd, Op) and Op.__module__ == "pipec"
 
 
 def test_instruction_reads_as_its_record():

@@ -150,7 +150,7 @@ pub(super) fn entries(
                 let name = &text[k.0..k.1];
                 if v.0 == v.1 {
                     if section.is_some() {
-                        if !MODEL_KEYS.split(", ").any(|x| x == name) {
+                        if !MODEL_KEYS.contains(&name) {
                             return Err(err(
                                 text,
                                 source,
@@ -179,7 +179,7 @@ pub(super) fn entries(
                     continue;
                 }
                 let Some(parsed) = key(name) else {
-                    let kind = if MODEL_KEYS.split(", ").any(|x| x == name) {
+                    let kind = if MODEL_KEYS.contains(&name) {
                         CostErrorKind::ModelKeyOutside(name.to_string())
                     } else {
                         CostErrorKind::UnknownKey(name.to_string())
@@ -227,7 +227,7 @@ pub(super) fn parse_shape(
     let mut seen: Vec<(&str, Span, Span)> = Vec::new();
     for &(k, v) in &sec.entries {
         let name = &text[k.0..k.1];
-        if !MODEL_KEYS.split(", ").any(|x| x == name) {
+        if !MODEL_KEYS.contains(&name) {
             return Err(err(
                 text,
                 source,
@@ -516,7 +516,7 @@ pub enum CostErrorKind {
     UnknownSection(String),
     #[error("the model is described twice (one `[model]` table per cost model)")]
     ModelTwice,
-    #[error("unknown key `{0}` in `[model]` (known: {MODEL_KEYS})")]
+    #[error("unknown key `{0}` in `[model]` (known: {known})", known = MODEL_KEYS.join(", "))]
     UnknownModelKey(String),
     #[error("`{0}` describes the model: put it under a `[model]` line, after the cost keys")]
     ModelKeyOutside(String),

@@ -98,7 +98,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
                model: &pipec_cost::cost::CostModel|
      -> Result<Report, CliError> {
         let mem = pipec_cost::memory::weights(program, layout, model);
-        let limit = super::resolve_limit(a.memory_limit, mem.unit)?;
+        let limit = super::resolve_limit(a.memory_limit, model)?;
         let threads = pipec_ir::par::threads_for(program.len() as u64);
         Ok(verify_with(program, Level::Full, threads, &mem, limit))
     };

@@ -168,8 +168,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
     let model = a.cost.model()?;
-    let unit = pipec_cost::memory::unit_of(&model);
-    let limit = super::resolve_limit(a.memory_limit, unit)?;
+    let limit = super::resolve_limit(a.memory_limit, &model)?;
     let progress = super::spinner("generating and lowering");
     // The orders are lowered: freed here, before verifying and writing.
     let c = compile(&a.request()?)
@@ -371,7 +370,7 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
             "--cost and --cost-file do not apply to --config: a sweep counts memory in layer-activations".to_string(),
         ));
     }
-    super::resolve_limit(a.memory_limit, pipec_ir::memory::Unit::LayerActivations)?;
+    super::resolve_limit(a.memory_limit, &pipec_cost::cost::CostModel::default())?;
     let text = super::read_text("--config", path)?;
     let configs = sweep::parse(&text, a.limits())
         .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;

@@ -171,7 +171,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     }
     // Written as `pipec compile` writes (streamed), in place only once verified.
     let model = a.cost.model()?;
-    let limit = super::resolve_limit(a.memory_limit, pipec_cost::memory::unit_of(&model))?;
+    let limit = super::resolve_limit(a.memory_limit, &model)?;
     let mem = pipec_cost::memory::weights(program, &layout, &model);
     let header = header(&layout);
     let prepared = files::prepare(&header, program, files::Encoding::Json)

@@ -139,14 +139,15 @@ pub fn parse_limit(s: &str) -> Result<pipec_cost::memory::Limit, String> {
     pipec_cost::memory::Limit::parse(s)
 }
 
-/// The limit in the report's unit; bytes against a cost model without byte memory is invalid
-/// input (exit 1, as any other bad value) that says what to add.
+/// The limit in the unit of `model`'s memory ([`pipec_cost::memory::Limit::resolve_for`], which
+/// Python calls too); bytes against a cost model without byte memory is invalid input (exit
+/// 1, as any other bad value) that says what to add.
 pub fn resolve_limit(
     limit: Option<pipec_cost::memory::Limit>,
-    unit: pipec_ir::memory::Unit,
+    model: &pipec_cost::cost::CostModel,
 ) -> Result<Option<f64>, CliError> {
     limit
-        .map(|l| l.resolve(unit))
+        .map(|l| l.resolve_for(model))
         .transpose()
         .map_err(|e| CliError::Invalid(format!("--memory-limit: {e}")))
 }

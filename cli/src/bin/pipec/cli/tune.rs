@@ -98,7 +98,7 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         None => None,
     };
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
-    let memory_limit = super::resolve_limit(memory_limit, pipec_cost::memory::unit_of(&model))?;
+    let memory_limit = super::resolve_limit(memory_limit, &model)?;
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
