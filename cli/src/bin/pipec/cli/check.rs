@@ -20,7 +20,7 @@ pub struct Args {
     #[arg(long)]
     pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (default: read off the file).
-    #[arg(long, value_parser = super::import::parse_placement)]
+    #[arg(long, value_parser = super::args::parse_placement)]
     placement: Option<pipec_compiler::torch::PlacementChoice>,
     /// Most memory a rank may hold (parameters + live activations): bytes with a unit
     /// (80GiB) when the cost model gives memory in bytes, or a plain number of
@@ -30,7 +30,7 @@ pub struct Args {
     /// The cost model memory is counted with (K.act, K.param); default: the one the
     /// manifest records, else one layer-activation per decoder layer.
     #[command(flatten)]
-    cost: super::simulate::CostArgs,
+    cost: super::args::CostArgs,
     /// List every risk (default: the count of each kind and the first few).
     #[arg(long)]
     all_risks: bool,

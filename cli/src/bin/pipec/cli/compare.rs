@@ -8,7 +8,8 @@
 //! are flagged rather than ranked.
 
 use super::compile::{compile_error, parse_kind};
-use super::simulate::{run_sim, title, CostArgs};
+use super::args::CostArgs;
+use super::simulate::{run_sim, title};
 use super::{print_json, CliError};
 use pipec_compiler::compile::{compile, CompileRequest};
 use pipec_cost::cost::{CostModel, StageCosts};

@@ -81,7 +81,7 @@ pub struct Args {
     pub memory_limit: Option<pipec_cost::memory::Limit>,
     /// The cost model memory is counted with (K.act, K.param); recorded in the manifest.
     #[command(flatten)]
-    pub cost: super::simulate::CostArgs,
+    pub cost: super::args::CostArgs,
     /// Write the schedule without verifying it (not recommended).
     #[arg(long)]
     pub no_verify: bool,

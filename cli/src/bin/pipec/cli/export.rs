@@ -1,7 +1,8 @@
 //! `pipec export`: a compiled schedule in another format. Each format is one arm of
 //! [`render`] returning the file's bytes; views that need times simulate under the cost model.
 
-use super::simulate::{run_sim, sim_error, title, CostArgs};
+use super::args::CostArgs;
+use super::simulate::{run_sim, sim_error, title};
 use super::CliError;
 use pipec_compiler::torch::{export_csv_unverified, CsvForm};
 use pipec_compiler::view::{chrome, dot, svg, Filter};
@@ -45,7 +46,7 @@ pub struct Args {
     #[arg(long)]
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
-    #[arg(long, value_parser = super::import::parse_placement)]
+    #[arg(long, value_parser = super::args::parse_placement)]
     pub placement: Option<pipec_compiler::torch::PlacementChoice>,
     /// Output format.
     #[arg(long, value_enum)]

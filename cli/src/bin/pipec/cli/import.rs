@@ -23,7 +23,7 @@ pub struct Args {
     pub pp: Option<u32>,
     /// Stage -> rank placement (`loop`: s % pp; `v`: V-shape over 2*pp stages). Default: read
     /// off the file (each stage on the rank whose line names it).
-    #[arg(long, value_parser = parse_placement)]
+    #[arg(long, value_parser = super::args::parse_placement)]
     pub placement: Option<PlacementChoice>,
     /// Megatron layout of the model (its stage count must be the file's), so that costs and
     /// comparisons after a CSV round trip see the model the schedule was compiled for.
@@ -39,17 +39,13 @@ pub struct Args {
     pub memory_limit: Option<pipec_cost::memory::Limit>,
     /// The cost model memory is counted with (K.act, K.param); recorded in the manifest.
     #[command(flatten)]
-    pub cost: super::simulate::CostArgs,
+    pub cost: super::args::CostArgs,
     /// Write the schedule without verifying it (not recommended).
     #[arg(long)]
     pub no_verify: bool,
     /// Output directory.
     #[arg(short = 'o', long = "out")]
     pub out: PathBuf,
-}
-
-pub fn parse_placement(s: &str) -> Result<PlacementChoice, String> {
-    s.parse()
 }
 
 pub use files::COMPUTE_ONLY_CAVEAT;

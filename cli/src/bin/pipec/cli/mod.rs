@@ -1,6 +1,7 @@
 //! Subcommands. Each module owns one command: its arguments and its output.
 //! Exit codes: 0 ok, 1 the input is invalid (violations found), 2 usage or I/O error.
 
+mod args;
 mod calibrate;
 mod check;
 mod compare;

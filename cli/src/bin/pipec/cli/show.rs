@@ -1,7 +1,8 @@
 //! `pipec show`: the terminal timeline of a compiled schedule, one row per rank, drawn to
 //! scale under the cost model, with the summary under it.
 
-use super::simulate::{run_sim, sim_error, title, CostArgs};
+use super::args::CostArgs;
+use super::simulate::{run_sim, sim_error, title};
 use super::CliError;
 use pipec_compiler::view::timeline_text::{render, render_summary, TextOptions};
 use pipec_cost::timeline::TimeUnit;
@@ -26,7 +27,7 @@ pub struct Args {
     #[arg(long)]
     pub pp: Option<u32>,
     /// Stage placement of a torch CSV schedule (CSV input only, as for `check`).
-    #[arg(long, value_parser = super::import::parse_placement)]
+    #[arg(long, value_parser = super::args::parse_placement)]
     pub placement: Option<pipec_compiler::torch::PlacementChoice>,
     #[command(flatten)]
     pub cost: CostArgs,
@@ -89,32 +90,6 @@ pub fn use_color(choice: ColorChoice, no_color: bool) -> bool {
 pub const MIN_WIDTH: usize = 20;
 /// Wider than any terminal; the rows are built in memory, so the width must be bounded.
 pub const MAX_WIDTH: usize = 10_000;
-
-/// Parse `0,3-5` into rank numbers (in the order given), each below `world`.
-pub fn parse_ranks(text: &str, world: usize) -> Result<Vec<usize>, CliError> {
-    let bad = |why: String| CliError::Usage(format!("--ranks {text:?}: {why}"));
-    let mut out = Vec::new();
-    for part in text.split(',') {
-        let part = part.trim();
-        let num = |s: &str| {
-            s.trim()
-                .parse::<usize>()
-                .map_err(|_| bad(format!("{s:?} is not a rank number")))
-        };
-        let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (num(a)?, num(b)?),
-            None => (num(part)?, num(part)?),
-        };
-        if a > b {
-            return Err(bad(format!("{a}-{b} is an empty range")));
-        }
-        if b >= world {
-            return Err(bad(format!("rank {b} does not exist ({world} ranks)")));
-        }
-        out.extend(a..=b);
-    }
-    Ok(out)
-}
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
     a.window.check()?;

@@ -40,7 +40,7 @@ impl WindowArgs {
     pub fn ranks(&self, world: usize) -> Result<Option<Vec<usize>>, CliError> {
         self.ranks
             .as_deref()
-            .map(|r| super::show::parse_ranks(r, world))
+            .map(|r| parse_ranks(r, world))
             .transpose()
     }
 
@@ -48,4 +48,30 @@ impl WindowArgs {
     pub fn any(&self) -> bool {
         self.ranks.is_some() || self.from.is_some() || self.to.is_some()
     }
+}
+
+/// Parse `0,3-5` into rank numbers (in the order given), each below `world`.
+pub fn parse_ranks(text: &str, world: usize) -> Result<Vec<usize>, CliError> {
+    let bad = |why: String| CliError::Usage(format!("--ranks {text:?}: {why}"));
+    let mut out = Vec::new();
+    for part in text.split(',') {
+        let part = part.trim();
+        let num = |s: &str| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| bad(format!("{s:?} is not a rank number")))
+        };
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if a > b {
+            return Err(bad(format!("{a}-{b} is an empty range")));
+        }
+        if b >= world {
+            return Err(bad(format!("rank {b} does not exist ({world} ranks)")));
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
 }
