@@ -14,6 +14,7 @@
 
 pub mod calibrate;
 pub mod cost;
+pub mod layer;
 pub mod memory;
 pub mod model;
 pub mod rounding;

@@ -16,7 +16,7 @@
 //!
 //! Explicit keys of the cost spec (`t.f`, `K.act`, `pipec calibrate` output) win over these.
 
-use super::cost::{LayerMemory, PassCost};
+use crate::layer::{LayerMemory, PassCost};
 use serde::Serialize;
 
 /// Activation and parameter precision.
@@ -66,7 +66,7 @@ pub struct ModelShape {
     pub normalization: Norm,
 }
 
-/// What the shape gives each layer kind, in [`super::cost::KINDS`] order.
+/// What the shape gives each layer kind, in `crate::cost::KINDS` order.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Derived {
     pub layers: [PassCost; 4],

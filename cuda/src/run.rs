@@ -37,7 +37,8 @@ use pipec_runtime::driver::{
 use pipec_runtime::error::RunError;
 use pipec_runtime::interp::RankRun;
 use pipec_runtime::model::ModelConfig;
-use pipec_runtime::run::{for_each_gradient, CheckSummary, RunOptions, RunReport};
+use pipec_runtime::report::{CheckSummary, RunOptions, RunReport};
+use pipec_runtime::run::for_each_gradient;
 use pipec_runtime::transport::Transport;
 use pipec_runtime::watchdog::Watch;
 use pipec_schedules::layout::Layout;

@@ -24,7 +24,7 @@ use crate::error::RunError;
 use crate::interp::{run_rank_with, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
-use crate::run::{CheckSummary, RankStats, RunOptions, RunReport, StepReport};
+use crate::report::{CheckSummary, RankStats, RunOptions, RunReport, StepReport};
 use crate::trace;
 use crate::watchdog::{Failure, FailureKind, Watch};
 use pipec_ir::files::MANIFEST_FILE;

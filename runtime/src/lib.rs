@@ -14,6 +14,7 @@ pub mod interp;
 pub mod load;
 pub mod model;
 pub mod reference;
+pub mod report;
 pub mod run;
 pub mod trace;
 pub mod transport;
@@ -21,4 +22,5 @@ pub mod watchdog;
 
 pub use error::RunError;
 pub use load::{check_structure, load, load_unverified, LaunchWorld, Runnable};
-pub use run::{run_cpu, RunOptions, RunReport};
+pub use report::{RunOptions, RunReport};
+pub use run::run_cpu;

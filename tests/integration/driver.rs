@@ -10,7 +10,7 @@ use pipec_runtime::backend::{CommError, CommOp};
 use pipec_runtime::driver::*;
 use pipec_runtime::error::RunError;
 use pipec_runtime::interp::RankRun;
-use pipec_runtime::run::{CheckSummary, RunOptions, RunReport};
+use pipec_runtime::report::{CheckSummary, RunOptions, RunReport};
 use pipec_runtime::transport::Transport;
 use pipec_runtime::watchdog::{Failure, FailureKind, Watch};
 use pipec_schedules::layout::Layout;

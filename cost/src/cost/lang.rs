@@ -3,10 +3,16 @@
 //! text (line, column and a caret). The keys and their meaning are in [`super`].
 
 use super::units::parse_bytes;
-use super::{MAX_VALUE, MIN_VALUE};
 use crate::model::{Dtype, ModelShape, Norm, Recompute, MODEL_KEYS, REQUIRED};
 use pipec_schedules::layout::LayerKind;
 use thiserror::Error;
+
+/// The largest cost or size a spec may give. Sums over a billion ops of this size stay far
+/// from overflow and keep printable, meaningful figures; larger means a wrong unit.
+pub const MAX_VALUE: f64 = 1e12;
+
+/// The smallest nonzero cost or size: below it, sums of a billion ops lose their meaning.
+pub const MIN_VALUE: f64 = 1e-9;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =

@@ -54,41 +54,16 @@
 mod lang;
 mod units;
 
-pub use lang::{CostError, CostErrorKind, KEYS};
+pub use lang::{CostError, CostErrorKind, KEYS, MAX_VALUE, MIN_VALUE};
 pub use units::{bytes, num, parse_memory, MAX_MEMORY};
 
+use crate::layer::{LayerMemory, PassCost};
 use crate::model::ModelShape;
 use lang::{entries, err, memory_value, number, parse_shape, Key};
 use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;
 use std::fmt;
-
-/// Cost of the three passes of one layer.
-#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
-pub struct PassCost {
-    /// Forward.
-    pub f: f64,
-    /// Input-gradient backward (`bwd_D`).
-    pub b: f64,
-    /// Weight-gradient backward (`bwd_W`).
-    pub w: f64,
-}
-
-/// Memory of one layer: activations one microbatch keeps alive, and parameters + optimizer.
-#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
-pub struct LayerMemory {
-    pub act: f64,
-    pub param: f64,
-}
-
-impl PassCost {
-    pub const ZERO: PassCost = PassCost {
-        f: 0.0,
-        b: 0.0,
-        w: 0.0,
-    };
-}
 
 /// The four layer kinds in a fixed order, for dense per-kind tables.
 pub const KINDS: [LayerKind; 4] = [
@@ -758,13 +733,6 @@ impl StageCosts {
         self.offload.get(stage.index()).copied()
     }
 }
-
-/// The largest cost or size a spec may give. Sums over a billion ops of this size stay far
-/// from overflow and keep printable, meaningful figures; larger means a wrong unit.
-pub const MAX_VALUE: f64 = 1e12;
-
-/// The smallest nonzero cost or size: below it, sums of a billion ops lose their meaning.
-pub const MIN_VALUE: f64 = 1e-9;
 
 impl fmt::Display for PassCost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

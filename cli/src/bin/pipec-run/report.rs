@@ -3,7 +3,7 @@
 
 use crate::args::Args;
 use pipec_runtime::model::ModelConfig;
-use pipec_runtime::run::StepReport;
+use pipec_runtime::report::StepReport;
 use pipec_runtime::{RunError, RunReport};
 
 pub(crate) fn ms(us: f64) -> String {
@@ -120,7 +120,7 @@ pub(crate) struct Interp {
 impl Interp {
     pub(crate) fn measure(
         program: &pipec_ir::ir::Program,
-        steps: &[pipec_runtime::run::StepReport],
+        steps: &[pipec_runtime::report::StepReport],
     ) -> Self {
         let per_rank_us = pipec_runtime::run::interpreter_us(program);
         let mean_wall = steps.iter().map(|s| s.wall_us).sum::<f64>() / steps.len().max(1) as f64;

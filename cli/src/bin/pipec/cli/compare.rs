@@ -7,8 +7,8 @@
 //! candidates' stage counts) split evenly over its own stages, and rows whose models differ
 //! are flagged rather than ranked.
 
-use super::compile::{compile_error, parse_kind};
 use super::args::CostArgs;
+use super::compile::{compile_error, parse_kind};
 use super::simulate::{run_sim, title};
 use super::{print_json, CliError};
 use pipec_compiler::compile::{compile, CompileRequest};

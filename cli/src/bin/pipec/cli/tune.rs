@@ -1,7 +1,7 @@
 //! `pipec tune`: the fastest verified schedule and layer split for a model's costs and memory.
 
-use super::compile::FileFormat;
 use super::args::CostArgs;
+use super::compile::FileFormat;
 use super::{print_json, CliError};
 use pipec_compiler::target::{Target, TargetChoice};
 use pipec_cost::cost::num;

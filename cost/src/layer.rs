@@ -1,0 +1,30 @@
+//! What one layer costs: the time of its three passes and the memory it keeps. The leaf the
+//! cost language ([`crate::cost`]) and the model shapes ([`crate::model`]) both build on.
+
+use serde::Serialize;
+
+/// Cost of the three passes of one layer.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+pub struct PassCost {
+    /// Forward.
+    pub f: f64,
+    /// Input-gradient backward (`bwd_D`).
+    pub b: f64,
+    /// Weight-gradient backward (`bwd_W`).
+    pub w: f64,
+}
+
+/// Memory of one layer: activations one microbatch keeps alive, and parameters + optimizer.
+#[derive(Copy, Clone, Debug, PartialEq, Serialize)]
+pub struct LayerMemory {
+    pub act: f64,
+    pub param: f64,
+}
+
+impl PassCost {
+    pub const ZERO: PassCost = PassCost {
+        f: 0.0,
+        b: 0.0,
+        w: 0.0,
+    };
+}
