@@ -1,9 +1,13 @@
-//! The whole compilation: layout + spec -> schedule -> program (-> verdict).
+//! The whole compilation: layout + spec -> schedule -> program -> verdict
+//! ([`compile_verified`], the one entry point from a request to a verified program).
 
 pub mod sweep;
 
 use crate::lower::lower;
+use pipec_cost::cost::CostModel;
+use pipec_cost::memory::{Limit, MemoryError};
 use pipec_ir::ir::Program;
+use pipec_ir::verify::{self, Rejected, Verified};
 use pipec_schedules::layout::{self, LayerKind, Layout, LayoutError};
 use pipec_schedules::{
     generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
@@ -167,6 +171,48 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         layout,
         schedule,
         program,
+    })
+}
+
+/// Why a request did not become a verified program.
+#[derive(Debug, Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// The limit cannot be applied under the cost model (a byte limit without byte costs).
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The program does not verify: the verifier's report, every violation.
+    #[error("{}", .0.report.verdict_line())]
+    Rejected(Box<Rejected>),
+}
+
+/// A verified program and what it was compiled from.
+#[derive(Clone, Debug)]
+pub struct Built {
+    pub spec: ScheduleSpec,
+    pub layout: Layout,
+    pub verified: Verified,
+}
+
+/// The one path from a request to a verified program: [`compile`], the memory rule of `model`
+/// with `limit` resolved against its unit ([`pipec_cost::memory::rule`]), and the verifier
+/// on up to `threads` threads. `pipec compile` (which verifies while it writes) and
+/// `pipec tune`'s winner take the same memory rule.
+pub fn compile_verified(
+    req: &CompileRequest,
+    model: &CostModel,
+    limit: Option<Limit>,
+    threads: usize,
+) -> Result<Built, BuildError> {
+    let c = compile(req)?.into_lowered();
+    let rule = pipec_cost::memory::rule(&c.program, &c.layout, model, limit)?;
+    let verified = verify::verified_with(c.program, threads, &rule.memory, rule.limit)
+        .map_err(BuildError::Rejected)?;
+    Ok(Built {
+        spec: c.spec,
+        layout: c.layout,
+        verified,
     })
 }
 
