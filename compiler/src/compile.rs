@@ -197,16 +197,16 @@ pub struct Built {
 
 /// The one path from a request to a verified program: [`compile`], the memory rule of `model`
 /// with `limit` resolved against its unit ([`pipec_cost::memory::rule`]), and the verifier
-/// on up to `threads` threads. `pipec compile` (which verifies while it writes) and
+/// (on the threads the program's size warrants, [`pipec_ir::par::threads_for`]). `pipec compile` (which verifies while it writes) and
 /// `pipec tune`'s winner take the same memory rule.
 pub fn compile_verified(
     req: &CompileRequest,
     model: &CostModel,
     limit: Option<Limit>,
-    threads: usize,
 ) -> Result<Built, BuildError> {
     let c = compile(req)?.into_lowered();
     let rule = pipec_cost::memory::rule(&c.program, &c.layout, model, limit)?;
+    let threads = pipec_ir::par::threads_for(c.program.len() as u64);
     let verified = verify::verified_with(c.program, threads, &rule.memory, rule.limit)
         .map_err(BuildError::Rejected)?;
     Ok(Built {

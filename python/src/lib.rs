@@ -9,7 +9,7 @@
 
 mod typed;
 
-use pipec_compiler::compile::{compile, CompileError, CompileRequest};
+use pipec_compiler::compile::{compile_verified, BuildError, CompileError, CompileRequest};
 use pipec_compiler::target::{Target, TargetChoice};
 use pipec_compiler::torch::{export_cells, export_csv, CsvForm};
 use pipec_cost::cost::{CostModel, StageCosts};
@@ -96,14 +96,20 @@ fn memory_rule(
     memory_limit: Option<&str>,
     cost: Option<&str>,
 ) -> PyResult<(pipec_ir::memory::MemoryModel, Option<f64>)> {
+    let model = cost_model(cost)?;
+    let mem = pipec_cost::memory::weights(program, layout, &model);
+    Ok((mem, resolve_limit(memory_limit, &model)?))
+}
+
+/// The cost model of `cost` (the CLI's `--cost` spec), the default without one.
+fn cost_model(cost: Option<&str>) -> PyResult<CostModel> {
     let mut model = CostModel::default();
     if let Some(spec) = cost {
         model
             .apply(spec, None)
             .map_err(|e| SpecError::new_err(e.render()))?;
     }
-    let mem = pipec_cost::memory::weights(program, layout, &model);
-    Ok((mem, resolve_limit(memory_limit, &model)?))
+    Ok(model)
 }
 
 /// `memory_limit` (`"80GiB"` or a plain number) in the unit of `model`'s memory, refused as
@@ -484,25 +490,28 @@ fn compile_schedule(
         megatron_partial_recompute,
         ..CompileRequest::new(kind, pp, microbatches)
     };
-    let c = py.detach(|| compile(&req)).map_err(|e| match e {
-        CompileError::Layout(l) => LayoutError::new_err(l.to_string()),
-        CompileError::Spec(s) => SpecError::new_err(s.to_string()),
-        e @ (CompileError::UnevenLayers { .. }
-        | CompileError::TooManyLayers { .. }
-        | CompileError::PartialRecompute(_)
-        | CompileError::Checkpoint(_)) => SpecError::new_err(e.to_string()),
-    })?;
-    let (mem, limit) = memory_rule(&c.program, &c.layout, memory_limit.as_deref(), cost)?;
-    let threads = pipec_ir::par::threads_for(c.program.len() as u64);
-    let verified = py
-        .detach(|| pipec_ir::verify::verified_with(c.program, threads, &mem, limit))
-        .map_err(|r| {
-            report_error(
+    let model = cost_model(cost)?;
+    let limit = memory_limit
+        .as_deref()
+        .map(|s| {
+            pipec_cost::memory::Limit::parse(s)
+                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
+        })
+        .transpose()?;
+    let c = py
+        .detach(|| compile_verified(&req, &model, limit))
+        .map_err(|e| match e {
+            BuildError::Compile(CompileError::Layout(l)) => LayoutError::new_err(l.to_string()),
+            BuildError::Compile(CompileError::Spec(s)) => SpecError::new_err(s.to_string()),
+            BuildError::Compile(e) => SpecError::new_err(e.to_string()),
+            BuildError::Memory(e) => SpecError::new_err(format!("memory_limit: {e}")),
+            BuildError::Rejected(r) => report_error(
                 py,
                 &format!("{kind} pp={pp} microbatches={microbatches} does not verify"),
                 &r.report,
-            )
+            ),
         })?;
+    let verified = c.verified;
     Ok(NativeSchedule {
         verified,
         layout: c.layout,
