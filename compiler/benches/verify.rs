@@ -1,6 +1,6 @@
 //! Verification time of interleaved 1F1B programs (Megatron's order and comm placement) at
 //! three sizes, up to about 3 million instructions (pp=64, vpp=8, M=1024).
-//! `cargo bench -p pipec --bench verify`; `-- small` for only the smallest size.
+//! `cargo bench -p pipec-compiler --bench verify`; `-- small` for only the smallest size.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pipec_compiler::lower::lower;

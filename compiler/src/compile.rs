@@ -90,7 +90,7 @@ pub struct Compiled {
 }
 
 /// A [`Compiled`] without the per-rank orders lowering has consumed: what verifying and
-/// writing need, and 21 MB lighter at size L (pages a large compile no longer touches).
+/// writing need, and lighter by those orders (pages a large compile no longer touches).
 #[derive(Clone, Debug)]
 pub struct Lowered {
     pub spec: ScheduleSpec,

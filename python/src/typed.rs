@@ -398,7 +398,7 @@ impl WaitStep {
 
 /// Python's cyclic garbage collector held off while this lives (and it was on): building
 /// millions of container objects otherwise runs a collection every few hundred allocations,
-/// each walking what was built so far (a fifth of `torch_actions`' time at size L). Nothing
+/// each walking what was built so far (a large share of `torch_actions`' time). Nothing
 /// built here forms a cycle, and the GIL is held throughout, so no other code runs meanwhile.
 struct GcPaused<'py>(Option<Bound<'py, PyModule>>);
 

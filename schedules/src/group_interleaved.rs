@@ -30,7 +30,7 @@ pub(crate) fn rules(spec: &ScheduleSpec) -> Result<(), SpecError> {
 }
 
 /// What the tuner weighs: the schedule is weighed for what it saves in memory, so without a
-/// limit large instances skip it (its timed lowering is verified, seconds at pp=64, M=1024);
+/// limit large instances skip it (its timed lowering is verified, which is slow at size L);
 /// it trades time for memory by its group size, so under a limit every group (their code
 /// takes `1..=pp`), spread over at most 8 for deep pipelines.
 pub(crate) fn tune_groups(q: &SearchQuery) -> Option<Vec<Option<u32>>> {

@@ -1,5 +1,5 @@
 // Host emulation of the CUDA subset that pipec's kernels use
-// (runtime/src/backend/cuda/kernels.rs), so that the exact kernel source can be compiled by a
+// (cuda/src/kernels.rs), so that the exact kernel source can be compiled by a
 // host C++20 compiler and run on the CPU by tests/integration/cuda_kernels.rs.
 //
 // Reproduced:

@@ -4,7 +4,7 @@
 //! host C++ compiler together with `tests/cuda_emu/emu.hpp`, a documented emulation of the CUDA
 //! subset the kernels use: every thread of a block is a real thread and `__syncthreads` is a real
 //! barrier. `tests/cuda_emu/driver.cpp` runs one launch per process, with the buffers sent over a
-//! pipe. Each layer is composed the way `runtime/src/backend/cuda/model.rs` composes it: the same
+//! pipe. Each layer is composed the way `cuda/src/model.rs` composes it: the same
 //! kernels, argument lists and launch configurations, with ndarray in place of cuBLAS for the
 //! GEMMs (fp32 accumulation, the product stored in the element type). The result is compared with
 //! the layer function of `pipec_runtime::model`, which the GPU backend must match.
@@ -512,7 +512,8 @@ const F32_TOL: Tol = Tol::Scaled(16.0 * f32::EPSILON);
 /// most about four stores (rounding the inputs and weights, the GEMM's product, the bias or
 /// activation store, the residual store), plus three in the embedding gradient's repeated-token
 /// sum. A GEMM sums products whose own errors are relative to them, not to the result. 8u of
-/// the tensor's largest magnitude allows for that. Measured: at most 2.7u (a third of the bound).
+/// the tensor's largest magnitude allows for that (the errors measured so far are well inside
+/// it; bench/HISTORY.md).
 const BF16_TOL: Tol = Tol::Scaled(8.0 / 256.0);
 
 fn within(got: &[f32], want: &[f32], tol: Tol) -> Result<(), String> {
@@ -1285,7 +1286,7 @@ fn gelu_bwd_matches_the_cpu_bit_for_bit_given_the_same_inputs() {
 /// `col_sums` over more rows than the model shapes above have (they have fewer than eight,
 /// where a compiler's unrolled loop would never run): still each column's rows added in order
 /// from zero, bit for bit in f32. Written for an eight-rows-ahead version of the kernel, which
-/// measured no faster on an H100 and was dropped; the test stays as coverage.
+/// was no faster and was dropped (bench/HISTORY.md); the test stays as coverage.
 #[test]
 fn col_sums_of_many_rows_add_in_row_order() {
     for ty in TYS {

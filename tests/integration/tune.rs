@@ -304,8 +304,8 @@ proptest! {
         let free = pipec_tune::tune(&TuneRequest { num_layers: Some(layers), ..TuneRequest::new(pp, m, model.clone()) }).unwrap();
         let peak = free.peak_memory.iter().fold(0.0f64, |a, &x| a.max(x));
         let limit = (peak / slack).max(layers as f64 / pp as f64 + 1.0);
-        // Without memory levers here (tune_levers.rs has their random cases: each costs a
-        // few seconds unoptimized).
+        // Without memory levers here (tune_levers.rs has their random cases, which are slow
+        // unoptimized).
         let levers = pipec_compiler::target::Levers::NONE;
         match pipec_tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), levers, ..TuneRequest::new(pp, m, model.clone()) }) {
             Ok(t) => {

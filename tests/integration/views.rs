@@ -2450,7 +2450,8 @@ fn no_progress_output_when_stderr_is_not_a_terminal() {
 }
 
 /// At real sizes the default trace stays openable: smaller than 100 MiB, with a note saying
-/// what was kept; `--full` is the way to everything. (pp=64, vpp=8, M=512: about 250 MB whole.)
+/// what was kept; `--full` is the way to everything (the whole trace of pp=64, vpp=8, M=512 is
+/// well over the cut).
 #[test]
 fn a_large_trace_is_cut_to_an_openable_size_with_a_note() {
     let tmp = tempfile::tempdir().unwrap();

@@ -166,8 +166,8 @@ proptest! {
     }
 }
 
-/// Speed of the one scheduler against the tuner's old one on tune's sizes (release:
-/// `cargo test --release -p pipec --lib list_times_speed -- --ignored --nocapture`).
+/// Speed of the one scheduler against the tuner's old one on tune's sizes (release: `cargo test
+/// --release -p pipec-tune --test list_times list_times_speed -- --ignored --nocapture`).
 #[test]
 #[ignore]
 fn list_times_speed() {

@@ -98,8 +98,8 @@ pub fn schedule<C: Clock>(
     while let Some(Reverse((sweep, r))) = visits.pop() {
         let order = &orders[r];
         while let Some(op) = order.ops.get(times[r].len()) {
-            // Checked here, not by a pass over the orders first: that pass cost the tuner's
-            // largest list schedules (zb-v, pp=64, M=1024) a few percent.
+            // Checked here, not by a pass over the orders first: that pass is one more walk of
+            // every op, which the tuner's largest list schedules pay for.
             let Some(cost) = clock.cost(op) else {
                 break;
             };

@@ -26,9 +26,9 @@ pub enum Detail {
     Overview,
 }
 
-/// Above this many ops drawn, [`Detail::Auto`] draws the overview: at about 100 bytes an op
-/// this is a few MB, which browsers open at once (interleaved 1F1B at pp=64, vpp=8, M=1024 has
-/// a million ops: 104 MB, which they do not).
+/// Above this many ops drawn, [`Detail::Auto`] draws the overview: an SVG of this many ops is
+/// small enough for browsers to open at once, and one of every op of a large schedule (a
+/// million ops) is not (bench/HISTORY.md has the sizes).
 pub const OVERVIEW_ABOVE_OPS: usize = 20_000;
 
 /// Width of one overview time bucket in pixels.

@@ -19,7 +19,7 @@ pub const MANIFEST_FILE: &str = "manifest.json";
 pub const SEALED_BY: &str = "pipec seal";
 
 /// How rank files are encoded. JSON is the default; postcard is the compact binary form for
-/// large schedules (about 10x smaller, see docs/testing.md's figures).
+/// large schedules (much smaller; docs/testing.md and bench/HISTORY.md have the figures).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Encoding {

@@ -497,10 +497,10 @@ pub fn load_dir(dir: &Path) -> Result<Loaded, LoadError> {
 
 /// [`load_dir`], running `then` on the directory while its schedule hash is checked, and
 /// returning both when every check passes. The schedule hash is SHA-256 over every rank's
-/// canonical bytes in rank order (23 MB at size L): one thread's work, which `pipec check`
-/// and `pipec-run` overlap with the verifier (their `then`) instead of waiting for it. On a
-/// small directory, or one core, the hash is checked first and `then` runs only if it
-/// matches. `then` sees a program whose schedule hash may still turn out wrong: it must
+/// canonical bytes in rank order (all of a large program's bytes): one thread's work, which
+/// `pipec check` and `pipec-run` overlap with the verifier (their `then`) instead of waiting
+/// for it. On a small directory, or one core, the hash is checked first and `then` runs only
+/// if it matches. `then` sees a program whose schedule hash may still turn out wrong: it must
 /// treat it as untrusted, as the verifier does; its result is dropped on a refusal.
 pub fn load_dir_then<T: Send>(
     dir: &Path,

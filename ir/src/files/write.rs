@@ -421,8 +421,8 @@ impl Prepared<'_> {
             }
             Encoding::Postcard => {
                 // The file is the prefix then the canonical bytes, hashed and written in place
-                // rather than joined first: a copy of each rank's body into fresh pages (23 MB
-                // at size L) for nothing.
+                // rather than joined first: a copy of each rank's body into fresh pages would
+                // touch as many bytes again for nothing.
                 let prefix = bin_prefix(r32, self.world, &self.hash);
                 for part in [&prefix[..], &self.canonical[r]] {
                     sha.update(part);

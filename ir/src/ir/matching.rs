@@ -20,8 +20,8 @@ pub struct Channel {
     /// The `k` (in order) whose `sends[k]` and `recvs[k]` carry different payloads. Found
     /// while pairing, when the op paired second is the one being read and its partner was
     /// read moments before (mostly on the previous rank, still in cache): comparing
-    /// afterwards, channel by channel, fetches both ops from memory again (that was about a
-    /// third of one verifier thread's time at size L).
+    /// afterwards, channel by channel, fetches both ops from memory again, a large share of
+    /// one verifier thread's time on a large program (bench/HISTORY.md has the figure).
     pub differing: Vec<u32>,
 }
 

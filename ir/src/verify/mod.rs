@@ -193,8 +193,8 @@ pub fn verify_at(program: &Program, opts: &VerifyOptions, level: Level) -> Repor
 
 /// [`verify_at`] on at most `threads` threads (two are used at most; one below 64k
 /// instructions is best, see [`crate::par::threads_for`]). For callers that run other work
-/// beside the verifier: `pipec compile` writing 200 MB of JSON keeps both cores busy without
-/// it, and is faster verifying on one thread.
+/// beside the verifier: `pipec compile` writing a large program as JSON keeps every core busy
+/// without it, and is faster verifying on one thread.
 pub fn verify_on(program: &Program, opts: &VerifyOptions, level: Level, threads: usize) -> Report {
     verify_under(program, opts, level, threads, StreamRule::of(program))
 }
@@ -274,7 +274,8 @@ fn check(
     };
     let full = level == Level::Full;
     // Thread one: M1-M2 (the matching compared the payloads already), then D1, D2 and the
-    // risks. Thread two: C1-C2, then P1-P3 (or only P3's routes) and R1. About even at size L.
+    // risks. Thread two: C1-C2, then P1-P3 (or only P3's routes) and R1. The split is chosen
+    // so that the two take about as long on a large program.
     let ((comm, risks), (complete, later, memory)) = crate::par::join(
         threads,
         || {

@@ -2,8 +2,8 @@
 //! in the library. Exit codes: 0 ok, 1 the schedule failed (refused, hang, check mismatch),
 //! 2 usage or I/O error.
 
-/// mimalloc, as `pipec` uses (see its `main.rs`): loading a size-L directory faults in about
-/// 1,000-1,500 pages instead of ~43k.
+/// mimalloc, as `pipec` uses (see its `main.rs`): loading a large directory faults in far fewer
+/// fresh pages than under the system allocator (bench/HISTORY.md has the figures).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -2,10 +2,10 @@
 
 mod cli;
 
-/// mimalloc instead of the system allocator: at size L (3.1M instructions) glibc's
-/// allocator faulted in ~46k fresh 4 KiB pages per run, a fifth of `compile --format bin`'s
-/// CPU time on a virtual machine; mimalloc commits its arenas in large pieces (300-1,500
-/// faults). The price is peak RSS rounded up to those pieces (bench/HISTORY.md, fourth pass).
+/// mimalloc instead of the system allocator: on a large compile glibc's allocator faults in
+/// fresh 4 KiB pages one by one, a large share of `compile --format bin`'s CPU time on a
+/// virtual machine; mimalloc commits its arenas in large pieces, so far fewer faults. The price
+/// is peak RSS rounded up to those pieces (bench/HISTORY.md, fourth pass, has the figures).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -194,9 +194,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     // takes the place of the output only once the verifier has passed the schedule, so an
     // invalid schedule never reaches the output unless the user insists with --no-verify.
     let threads = files::threads_for(c.program.len() as u64);
-    // JSON keeps every core busy writing (about 60 bytes per instruction), so the verifier
-    // takes one; binary files are small enough to leave it the others (measured at size L:
-    // JSON 0.46 s against 0.50 s with a two-thread verifier, binary 0.35 s against 0.42 s).
+    // JSON keeps every core busy writing, so the verifier takes one; binary files are small
+    // enough to leave it the others (bench/HISTORY.md has the timings behind this split).
     let verifier_threads = match a.format.encoding() {
         files::Encoding::Json => 1,
         files::Encoding::Postcard => threads,

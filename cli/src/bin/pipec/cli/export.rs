@@ -109,8 +109,8 @@ pub fn parse_svg_width(text: &str) -> Result<f64, String> {
     }
 }
 
-/// Graphviz does not lay out bigger graphs in useful time, and their text runs to hundreds of
-/// MB (every instruction of interleaved 1F1B at pp=64, vpp=8, M=1024: 545 MB).
+/// Graphviz does not lay out bigger graphs in useful time, and the text of a large schedule's
+/// every instruction is far too big to hand it (bench/HISTORY.md has a size).
 pub const DOT_MAX_NODES: usize = 20_000;
 
 /// Bigger than this, Perfetto and browsers fail to open a trace or an SVG: by default the
