@@ -5,7 +5,7 @@ pub mod sweep;
 
 use crate::lower::lower;
 use pipec_cost::cost::CostModel;
-use pipec_cost::memory::{Limit, MemoryError};
+use pipec_cost::memory::{Limit, MemoryError, Rule};
 use pipec_ir::ir::Program;
 use pipec_ir::verify::{self, Rejected, Verified};
 use pipec_schedules::layout::{self, LayerKind, Layout, LayoutError};
@@ -187,6 +187,23 @@ pub enum BuildError {
     Rejected(Box<Rejected>),
 }
 
+/// A compiled program with the memory rule it is to be verified under: the first half of
+/// [`compile_verified`], for callers that verify while they write (`pipec compile`).
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub spec: ScheduleSpec,
+    pub layout: Layout,
+    pub program: Program,
+    pub rule: Rule,
+}
+
+impl Prepared {
+    /// The verifier on `threads` threads, under the prepared memory rule.
+    pub fn verify_on(&self, threads: usize) -> Result<Verified<&Program>, Box<Rejected<&Program>>> {
+        verify::verified_with(&self.program, threads, &self.rule.memory, self.rule.limit)
+    }
+}
+
 /// A verified program and what it was compiled from.
 #[derive(Clone, Debug)]
 pub struct Built {
@@ -195,23 +212,40 @@ pub struct Built {
     pub verified: Verified,
 }
 
-/// The one path from a request to a verified program: [`compile`], the memory rule of `model`
-/// with `limit` resolved against its unit ([`pipec_cost::memory::rule`]), and the verifier
-/// (on the threads the program's size warrants, [`pipec_ir::par::threads_for`]). `pipec compile` (which verifies while it writes) and
-/// `pipec tune`'s winner take the same memory rule.
+/// [`compile`] a request and weigh its memory under `model`, with `limit` resolved against the
+/// model's unit ([`Limit::resolve_for`]) before anything is compiled: the memory rule every
+/// path from a request to a verified program uses.
+pub fn prepare(
+    req: &CompileRequest,
+    model: &CostModel,
+    limit: Option<Limit>,
+) -> Result<Prepared, BuildError> {
+    let limit = limit.map(|l| l.resolve_for(model)).transpose()?;
+    let c = compile(req)?.into_lowered();
+    let memory = pipec_cost::memory::weights(&c.program, &c.layout, model);
+    Ok(Prepared {
+        spec: c.spec,
+        layout: c.layout,
+        program: c.program,
+        rule: Rule { memory, limit },
+    })
+}
+
+/// The one path from a request to a verified program: [`prepare`] (compile, the memory rule)
+/// and the verifier, on the threads the program's size warrants
+/// ([`pipec_ir::par::threads_for`]).
 pub fn compile_verified(
     req: &CompileRequest,
     model: &CostModel,
     limit: Option<Limit>,
 ) -> Result<Built, BuildError> {
-    let c = compile(req)?.into_lowered();
-    let rule = pipec_cost::memory::rule(&c.program, &c.layout, model, limit)?;
-    let threads = pipec_ir::par::threads_for(c.program.len() as u64);
-    let verified = verify::verified_with(c.program, threads, &rule.memory, rule.limit)
+    let p = prepare(req, model, limit)?;
+    let threads = pipec_ir::par::threads_for(p.program.len() as u64);
+    let verified = verify::verified_with(p.program, threads, &p.rule.memory, p.rule.limit)
         .map_err(BuildError::Rejected)?;
     Ok(Built {
-        spec: c.spec,
-        layout: c.layout,
+        spec: p.spec,
+        layout: p.layout,
         verified,
     })
 }

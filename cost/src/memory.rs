@@ -114,26 +114,11 @@ impl Limit {
 }
 
 /// The memory rule one program is verified under: the weights a cost model gives its stages
-/// and ranks, and the limit in their unit.
+/// and ranks ([`weights`]), and the limit in their unit ([`Limit::resolve_for`]).
 #[derive(Clone, Debug)]
 pub struct Rule {
     pub memory: MemoryModel,
     pub limit: Option<f64>,
-}
-
-/// `program`'s memory rule under `model` with the stages of `layout`, the limit resolved
-/// against the model's unit ([`Limit::resolve_for`]): what every path from a request to a
-/// verified program (compile, a sweep, Python, the tuner's winner) verifies against.
-pub fn rule(
-    program: &Program,
-    layout: &Layout,
-    model: &CostModel,
-    limit: Option<Limit>,
-) -> Result<Rule, MemoryError> {
-    Ok(Rule {
-        limit: limit.map(|l| l.resolve_for(model)).transpose()?,
-        memory: weights(program, layout, model),
-    })
 }
 
 /// Why a memory limit cannot be applied.

@@ -3,7 +3,9 @@
 
 use super::CliError;
 use pipec_compiler::compile::sweep;
-use pipec_compiler::compile::{compile, CompileError, CompileRequest};
+use pipec_compiler::compile::{prepare, BuildError, CompileError, CompileRequest};
+use pipec_cost::cost::CostModel;
+use pipec_cost::memory::Limit;
 use pipec_ir::files::{self, Header};
 use pipec_ir::verify::Unverified;
 use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, SpecError};
@@ -160,6 +162,16 @@ pub fn compile_error(e: CompileError) -> CliError {
     }
 }
 
+/// A request that did not become a prepared program: the compile error, or the memory limit
+/// refused as `--memory-limit` ([`super::resolve_limit`]'s words).
+fn build_error(e: BuildError) -> CliError {
+    match e {
+        BuildError::Compile(e) => compile_error(e),
+        BuildError::Memory(e) => CliError::Invalid(format!("--memory-limit: {e}")),
+        BuildError::Rejected(r) => CliError::Invalid(r.report.verdict_line()),
+    }
+}
+
 pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     if let Some(cfg) = &a.config {
         return sweep(&a, cfg);
@@ -168,13 +180,10 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         a.layout = Some(super::layout::read_layout_file(path)?);
     }
     let model = a.cost.model()?;
-    let limit = super::resolve_limit(a.memory_limit, &model)?;
+    let req = a.request()?;
     let progress = super::spinner("generating and lowering");
     // The orders are lowered: freed here, before verifying and writing.
-    let c = compile(&a.request()?)
-        .map_err(compile_error)?
-        .into_lowered();
-    let mem = pipec_cost::memory::weights(&c.program, &c.layout, &model);
+    let c = prepare(&req, &model, a.memory_limit).map_err(build_error)?;
     if a.no_verify {
         eprintln!(
             "WARNING: --no-verify: this schedule was NOT verified; it may deadlock, hang or compute on the wrong tensors{}",
@@ -206,13 +215,9 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
                 &c.program,
             )));
         }
-        super::verify_before_write_on(
-            &c.program,
-            super::MemoryCheck { model: &mem, limit },
-            &a.out,
-            verifier_threads,
-        )
-        .map(files::Warrant::Verified)
+        c.verify_on(verifier_threads)
+            .map(files::Warrant::Verified)
+            .map_err(|r| super::refusing_to_write(&a.out, &r.report))
     };
     let verdict = std::thread::scope(|s| {
         // A small schedule is verified and then written on this thread (see threads_for).
@@ -295,18 +300,25 @@ enum Outcome {
 /// Compile, verify and write one configuration of a sweep.
 fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     let t0 = std::time::Instant::now();
-    let c = match compile(&cfg.request) {
+    // A sweep counts in layer-activations (its files give no cost model).
+    let limit = cfg
+        .memory_limit
+        .map(|l| Limit {
+            value: l as f64,
+            bytes: false,
+        })
+        .or(a.memory_limit);
+    let c = match prepare(&cfg.request, &CostModel::default(), limit) {
         Ok(c) => c,
         Err(e) => {
             return Outcome::Failed {
                 io: false,
-                reason: match compile_error(e) {
+                reason: match build_error(e) {
                     CliError::Invalid(m) | CliError::Usage(m) => m,
                 },
             }
         }
     };
-    let c = c.into_lowered();
     let dir = out.join(&cfg.name);
     let header = Header {
         source: "generated",
@@ -315,24 +327,15 @@ fn one(cfg: &sweep::Config, out: &std::path::Path, a: &Args) -> Outcome {
     };
     // One thread per configuration: the sweep already runs one configuration per core.
     let prepared = files::prepare(&header, &c.program, a.format.encoding());
-    // A sweep counts in layer-activations (its files give no cost model).
-    let mem = pipec_cost::memory::weights(
-        &c.program,
-        &c.layout,
-        &pipec_cost::cost::CostModel::default(),
-    );
-    let limit = cfg
-        .memory_limit
-        .map(|l| l as f64)
-        .or(a.memory_limit.map(|l| l.value));
     let r = files::write_prepared(&dir, &prepared, 1, || {
         if a.no_verify {
             return Ok(files::Warrant::Unverified(Unverified::unchecked(
                 &c.program,
             )));
         }
-        super::verify_before_write(&c.program, super::MemoryCheck { model: &mem, limit }, &dir)
+        c.verify_on(pipec_ir::par::threads_for(c.program.len() as u64))
             .map(files::Warrant::Verified)
+            .map_err(|r| super::refusing_to_write(&dir, &r.report))
     });
     let r = match r {
         Ok(r) => r,

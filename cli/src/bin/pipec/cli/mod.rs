@@ -274,24 +274,15 @@ pub fn verify_before_write<'p>(
     out: &std::path::Path,
 ) -> Result<pipec_ir::verify::Verified<&'p pipec_ir::Program>, CliError> {
     let threads = pipec_ir::par::threads_for(program.len() as u64);
-    verify_before_write_on(program, memory, out, threads)
+    pipec_ir::verify::verified_with(program, threads, memory.model, memory.limit)
+        .map_err(|rejected| refusing_to_write(out, &rejected.report))
 }
 
-/// [`verify_before_write`] on at most `threads` threads ([`pipec_ir::verify::verify_on`]).
-pub fn verify_before_write_on<'p>(
-    program: &'p pipec_ir::Program,
-    memory: MemoryCheck<'_>,
-    out: &std::path::Path,
-    threads: usize,
-) -> Result<pipec_ir::verify::Verified<&'p pipec_ir::Program>, CliError> {
-    pipec_ir::verify::verified_with(program, threads, memory.model, memory.limit).map_err(
-        |rejected| {
-            let r = rejected.report;
-            let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
-            for v in &r.violations {
-                msg.push_str(&format!("\n  [{}] {v}", v.class()));
-            }
-            CliError::Invalid(msg)
-        },
-    )
+/// An invalid program kept from `out`: exit 1 with the verdict and every violation.
+pub fn refusing_to_write(out: &std::path::Path, r: &pipec_ir::verify::Report) -> CliError {
+    let mut msg = format!("refusing to write {}: {}", out.display(), r.verdict_line());
+    for v in &r.violations {
+        msg.push_str(&format!("\n  [{}] {v}", v.class()));
+    }
+    CliError::Invalid(msg)
 }
