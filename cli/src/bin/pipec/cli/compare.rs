@@ -7,8 +7,8 @@
 //! candidates' stage counts) split evenly over its own stages, and rows whose models differ
 //! are flagged rather than ranked.
 
-use super::compile::{compile_error, parse_kind};
 use super::args::CostArgs;
+use super::compile::{compile_error, parse_kind};
 use super::simulate::{run_sim, title};
 use super::{print_json, CliError};
 use pipec_compiler::compile::{compile, CompileRequest};
@@ -304,7 +304,7 @@ fn table(rows: &[Row]) -> String {
                     r.name.clone(),
                     model_name(r.model),
                     r.instructions.to_string(),
-                    pipec_cost::cost::num(m),
+                    pipec_ir::human::num(m),
                     match base {
                         Some((b, bm)) if bm != r.model => {
                             format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE))

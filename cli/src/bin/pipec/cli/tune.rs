@@ -1,11 +1,11 @@
 //! `pipec tune`: the fastest verified schedule and layer split for a model's costs and memory.
 
-use super::compile::FileFormat;
 use super::args::CostArgs;
+use super::compile::FileFormat;
 use super::{print_json, CliError};
 use pipec_compiler::target::{Target, TargetChoice};
-use pipec_cost::cost::num;
 use pipec_ir::files;
+use pipec_ir::human::num;
 use pipec_schedules::{Limits, SpecError};
 use pipec_tune::{describe, fmt_mem, tune, TuneError, TuneRequest, Tuned};
 use std::path::PathBuf;
