@@ -181,7 +181,7 @@ impl Target {
                         "{engine}; this schedule has {} stages on {} ranks ({} stages per rank{})",
                         p.num_stages(),
                         p.pp,
-                        pipec_cost::cost::num(f64::from(p.num_stages()) / f64::from(p.pp)),
+                        pipec_ir::human::num(f64::from(p.num_stages()) / f64::from(p.pp)),
                         if p.kind == PlacementKind::V {
                             ", in a V"
                         } else {

@@ -343,7 +343,7 @@ pub fn cost_file(fit: &Fit, source: &str) -> String {
     let mut s = format!(
         "# costs fitted by `pipec calibrate` from {source}: {} passes, rms error {} ms\n# unit: milliseconds\n",
         fit.samples,
-        crate::cost::num(fit.rms_ms)
+        pipec_ir::human::num(fit.rms_ms)
     );
     if fit.split_evenly {
         s.push_str(

@@ -29,11 +29,11 @@
 //!   not depend on the number of threads.
 
 pub mod files;
+pub mod human;
 pub mod ir;
 pub mod memory;
 pub mod par;
 pub mod verify;
-pub mod words;
 
 pub use ir::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
 pub use verify::{verify, Report, Unverified, Verified, VerifyOptions, Violation};

@@ -6,9 +6,9 @@
 //! ([`MemoryModel`]); turning a cost model and a layout into them is the compiler's
 //! (`pipec_cost::memory::weights`).
 
+use crate::human::num;
 use crate::ir::activations::{Activations, Peak};
 use crate::ir::Program;
-use crate::words::num;
 use serde::{Serialize, Serializer};
 
 /// What memory figures count.

@@ -1086,7 +1086,7 @@ fn the_manifest_keeps_tunes_cost_model() {
     let show = ok(&["show", d]);
     assert!(show.contains(&format!(
         "makespan {} cost units",
-        pipec_cost::cost::num(s["makespan"].as_f64().unwrap())
+        pipec_ir::human::num(s["makespan"].as_f64().unwrap())
     )));
     assert_eq!(s["memory_unit"], "bytes");
     assert_eq!(

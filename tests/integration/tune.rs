@@ -1324,7 +1324,7 @@ fn heuristics_in_words() {
         assert_eq!(w.contains("as far as memory allows"), h.cap.is_infinite());
         if h.cap.is_finite() {
             assert!(
-                w.contains(&format!("{}x", pipec_cost::cost::num(h.cap))),
+                w.contains(&format!("{}x", pipec_ir::human::num(h.cap))),
                 "{w}"
             );
         }

@@ -637,7 +637,7 @@ fn whole_program_violations_name_their_ranks_and_figures() {
 /// listed as one no program can produce.
 #[test]
 fn every_violation_variant_has_a_minimal_program() {
-    let src = include_str!("../../ir/src/verify/report.rs");
+    let src = include_str!("../../ir/src/verify/violation.rs");
     let body = &src[src.find("pub enum Violation {").expect("the enum")..];
     let body = &body[..body.find("\n}\n").expect("its end")];
     let variants: Vec<&str> = body

@@ -73,12 +73,12 @@ impl Heuristic {
             if self.cap.is_infinite() {
                 "mem".to_string()
             } else {
-                pipec_cost::cost::num(self.cap)
+                pipec_ir::human::num(self.cap)
             },
             if self.forward_first { ",F>B" } else { ",B>F" },
             if self.deep_first { ",deep" } else { "" },
             if self.eager_w < 1.0 {
-                format!(",W@{}", pipec_cost::cost::num(self.eager_w))
+                format!(",W@{}", pipec_ir::human::num(self.eager_w))
             } else {
                 String::new()
             },
@@ -126,7 +126,7 @@ impl Heuristic {
             format!(
                 "forwards in flight capped at {}x the number that fit before the rank's first \
                  backward can arrive",
-                pipec_cost::cost::num(self.cap)
+                pipec_ir::human::num(self.cap)
             )
         });
         parts.push(if self.deep_first {
@@ -143,7 +143,7 @@ impl Heuristic {
         } else {
             format!(
                 "bwd_W before forwards once activations fill {}% of the memory budget",
-                pipec_cost::cost::num(self.eager_w * 100.0)
+                pipec_ir::human::num(self.eager_w * 100.0)
             )
         });
         if self.staircase {

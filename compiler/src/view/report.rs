@@ -17,8 +17,8 @@ pub fn schedule_title(
         Some(s) => s.label(),
         None => format!(
             "{source} schedule, {}, {}, microbatches={}",
-            pipec_ir::words::count(program.world(), "rank"),
-            pipec_ir::words::count(program.num_stages(), "stage"),
+            pipec_ir::human::count(program.world(), "rank"),
+            pipec_ir::human::count(program.num_stages(), "stage"),
             program.microbatches
         ),
     }

@@ -55,11 +55,12 @@ mod lang;
 mod units;
 
 pub use lang::{CostError, CostErrorKind, KEYS, MAX_VALUE, MIN_VALUE};
-pub use units::{bytes, num, parse_memory, MAX_MEMORY};
+pub use units::{bytes, parse_memory, MAX_MEMORY};
 
 use crate::layer::{LayerMemory, PassCost};
 use crate::model::ModelShape;
 use lang::{entries, err, memory_value, number, parse_shape, Key};
+use pipec_ir::human::num;
 use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{Compute, Pass, StageId};
 use serde::Serialize;

@@ -66,5 +66,3 @@ pub fn bytes(x: f64) -> String {
         format!("{:.1}MiB", x / (1u64 << 20) as f64)
     }
 }
-
-pub use pipec_ir::words::num;

@@ -1,6 +1,7 @@
 //! The instruction-file format: versions, the manifest and rank-file types (JSON and
 //! postcard), and the hashes that make a directory self-checking.
 
+use super::bytes::push_varint;
 use super::schema::{instructions, json_op, Field, True};
 use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program};
 use pipec_schedules::layout::Layout;
@@ -294,15 +295,6 @@ pub(crate) fn push_canonical(out: &mut Vec<u8>, instrs: &[Instr]) {
     for ins in instrs {
         push_canonical_instr(out, ins);
     }
-}
-
-#[inline]
-pub(crate) fn push_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
 }
 
 /// The bytes of `rank-<r>.bin` before its instruction list: postcard's encoding of

@@ -9,7 +9,8 @@
 //! The instructions a rank file holds are defined once, in `schema.rs`'s table; every encoding
 //! (JSON, postcard, the hashed bytes) is generated from it.
 
-mod fast;
+mod bytes;
+mod canonical_parse;
 mod format;
 mod read;
 mod schema;
@@ -349,5 +350,124 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// The encodings `schema.rs`'s table generates, each against serde's and postcard's and
+/// read back: here, where every file that encodes is in view, so `schema.rs` uses none of
+/// them.
+#[cfg(test)]
+mod encodings {
+    use super::canonical_parse::{parse, parse_bin};
+    use super::format::{bin_prefix, canonical, InstrBin, InstrJson};
+    use super::schema::{every_op, fields_of, op_name, row_of, FieldValue, OPS};
+    use super::write::{json_size, rank_file_json, write_instr};
+    use crate::ir::{Instr, PayloadKind};
+    use pipec_schedules::{Compute, Task};
+
+    /// Every op, every field at the values whose encodings change length: each encoding the
+    /// table generates agrees with serde's (JSON) and postcard's, and reads back.
+    #[test]
+    fn every_encoding_agrees_on_every_op() {
+        let mut all = Vec::new();
+        for v in [0, 1, 9, 10, 99, 100, 127, 128, 999, 16383, 16384, u32::MAX] {
+            for p in [PayloadKind::Act, PayloadKind::Grad] {
+                all.extend(every_op(v, p));
+            }
+        }
+        let hash = "ab".repeat(32);
+        for ins in &all {
+            let mut line = Vec::new();
+            write_instr(&mut line, ins);
+            let json = InstrJson::from(ins);
+            assert_eq!(
+                String::from_utf8(line.clone()).unwrap(),
+                serde_json::to_string(&json).unwrap()
+            );
+            assert_eq!(
+                Instr::from(serde_json::from_slice::<InstrJson>(&line).unwrap()),
+                *ins
+            );
+            assert!(line.starts_with(format!("{{\"op\":\"{}\"", op_name(ins)).as_bytes()));
+            let (op, fields) = fields_of(ins);
+            let mut record = serde_json::Map::new();
+            record.insert("op".into(), op.into());
+            for (k, v) in fields {
+                let v = match v {
+                    FieldValue::Int(i) => serde_json::Value::from(i),
+                    FieldValue::Name(n) => serde_json::Value::from(n),
+                    FieldValue::True => serde_json::Value::Bool(true),
+                };
+                record.insert(k.into(), v);
+            }
+            let row = &OPS[row_of(ins)];
+            assert_eq!((row.name, row.index as usize), (op, row_of(ins)));
+            assert_eq!(
+                serde_json::Value::Object(record),
+                serde_json::from_slice::<serde_json::Value>(&line).unwrap()
+            );
+            let bin = InstrBin::from(ins);
+            let one = std::slice::from_ref(ins);
+            assert_eq!(
+                canonical(one),
+                postcard::to_stdvec(&vec![bin.clone()]).unwrap()
+            );
+            assert_eq!(Instr::try_from(bin).unwrap(), *ins);
+            let file = rank_file_json(3, 9, &hash, one);
+            assert_eq!(file.len() as u64, json_size(3, 9, &hash, one));
+            assert_eq!(parse(&file, None).unwrap().instructions, one);
+            let mut b = bin_prefix(3, 9, &hash);
+            b.extend_from_slice(&canonical(one));
+            assert_eq!(parse_bin(&b).unwrap().instructions, one);
+        }
+        assert_eq!(every_op(0, PayloadKind::Act).len(), OPS.len());
+        let names: Vec<_> = every_op(0, PayloadKind::Act).iter().map(op_name).collect();
+        assert_eq!(names, OPS.iter().map(|o| o.name).collect::<Vec<_>>());
+    }
+
+    /// A checkpointed forward is `fwd` with `"checkpoint":true` last, index 8 with no byte of
+    /// its own; a plain `fwd` is what it always was. serde's path (a reformatted file) picks
+    /// the row by the key, and refuses `false` (the key is omitted when false).
+    #[test]
+    fn a_checkpointed_fwd_is_fwd_with_a_key() {
+        let t = Task::new(0, 3);
+        let mut line = Vec::new();
+        write_instr(&mut line, &Instr::FwdCheckpoint(t));
+        assert_eq!(line, br#"{"op":"fwd","stage":0,"mb":3,"checkpoint":true}"#);
+        line.clear();
+        write_instr(&mut line, &Instr::Compute(Compute::Fwd(t)));
+        assert_eq!(line, br#"{"op":"fwd","stage":0,"mb":3}"#);
+        assert_eq!(canonical(&[Instr::FwdCheckpoint(t)]), [1, 8, 0, 3]);
+        assert_eq!(canonical(&[Instr::Compute(Compute::Fwd(t))]), [1, 0, 0, 3]);
+        let serde = |s: &str| serde_json::from_str::<InstrJson>(s).map(Instr::from);
+        let spaced = r#"{ "mb": 3, "checkpoint": true, "op": "fwd", "stage": 0 }"#;
+        assert_eq!(serde(spaced).unwrap(), Instr::FwdCheckpoint(t));
+        assert_eq!(
+            serde(r#"{"stage":0,"op":"fwd","mb":3}"#).unwrap(),
+            Instr::Compute(Compute::Fwd(t))
+        );
+        let e = serde(r#"{"op":"fwd","stage":0,"mb":3,"checkpoint":false}"#).unwrap_err();
+        assert!(e.to_string().contains("`true` or absent"), "{e}");
+        let e = serde(r#"{"op":"offload","stage":0,"mb":3,"checkpoint":true}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `checkpoint`"), "{e}");
+        let e = serde(r#"{"op":"reload","stage":0}"#).unwrap_err();
+        assert!(e.to_string().contains("missing field `mb`"), "{e}");
+        let e = serde(r#"{"op":"fwdd","stage":0,"mb":1}"#).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("unknown variant `fwdd`, expected one of `fwd`, `bwd`"),
+            "{e}"
+        );
+        let names: Vec<_> = OPS.iter().map(|o| (o.index, o.name)).collect();
+        assert_eq!(
+            names[8..],
+            [
+                (8, "fwd"),
+                (9, "offload"),
+                (10, "reload"),
+                (11, "wait_offload"),
+                (12, "recompute")
+            ]
+        );
     }
 }

@@ -364,7 +364,7 @@ fn parse_rank_at(
 /// A rank file decoded and checked against the manifest in everything but its hashes.
 pub(crate) struct Decoded {
     pub(crate) instructions: Vec<Instr>,
-    /// Where [`canonical`] bytes begin, as [`super::fast::Parsed::canonical_at`].
+    /// Where [`canonical`] bytes begin, as [`super::canonical_parse::Parsed::canonical_at`].
     pub(crate) canonical_at: Option<usize>,
     /// The file's `schedule_hash`; `None` only when `lenient` and the file has none.
     pub(crate) schedule_hash: Option<String>,
@@ -384,8 +384,8 @@ pub(crate) fn decode_rank(
 ) -> Result<Decoded, LoadError> {
     let path = path.to_path_buf();
     let fast = match manifest.encoding {
-        Encoding::Json => super::fast::parse(bytes, expected),
-        Encoding::Postcard => super::fast::parse_bin(bytes),
+        Encoding::Json => super::canonical_parse::parse(bytes, expected),
+        Encoding::Postcard => super::canonical_parse::parse_bin(bytes),
     };
     let mut canonical_at = None;
     let (f, instructions) = match (fast, manifest.encoding) {

@@ -4,14 +4,12 @@
 //! order, and the [`Instr`] it stands for, written once and used both as a pattern (to
 //! encode) and as an expression (to decode). The encodings are macros over the table, each
 //! next to its helpers: the serde types and the canonical (hashed) bytes in `format.rs`, the
-//! fast JSON writer and its size in `write.rs`, the fast JSON and binary parsers in `fast.rs`.
+//! fast JSON writer and its size in `write.rs`, the fast JSON and binary parsers in `canonical_parse.rs`.
 //! A field's type says how it is written in each encoding ([`Field`]). So adding an
 //! instruction is one row here (and its `Instr` variant, the docs, and the code that gives
 //! it meaning); the compiler refuses a variant of [`Instr`] that no row covers.
 
-use super::fast::{Bin, Cursor};
-use super::format::push_varint;
-use super::write::Chunk;
+use super::bytes::{digits, push_varint, Bin, Chunk, Cursor};
 use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 use serde::de::DeserializeOwned;
@@ -162,7 +160,7 @@ impl Field for u32 {
     }
     #[inline(always)]
     fn json_len(self) -> u64 {
-        super::write::digits(self) as u64
+        digits(self) as u64
     }
     #[inline(always)]
     fn parse_json(c: &mut Cursor<'_>) -> Option<Self> {
@@ -347,116 +345,7 @@ instructions!(gen_schema);
 
 #[cfg(test)]
 mod tests {
-    use super::super::fast::{parse, parse_bin};
-    use super::super::format::{bin_prefix, canonical, InstrBin, InstrJson};
-    use super::super::write::{json_size, rank_file_json, write_instr};
     use super::*;
-
-    /// Every op, every field at the values whose encodings change length: each encoding the
-    /// table generates agrees with serde's (JSON) and postcard's, and reads back.
-    #[test]
-    fn every_encoding_agrees_on_every_op() {
-        let mut all = Vec::new();
-        for v in [0, 1, 9, 10, 99, 100, 127, 128, 999, 16383, 16384, u32::MAX] {
-            for p in [PayloadKind::Act, PayloadKind::Grad] {
-                all.extend(every_op(v, p));
-            }
-        }
-        let hash = "ab".repeat(32);
-        for ins in &all {
-            let mut line = Vec::new();
-            write_instr(&mut line, ins);
-            let json = InstrJson::from(ins);
-            assert_eq!(
-                String::from_utf8(line.clone()).unwrap(),
-                serde_json::to_string(&json).unwrap()
-            );
-            assert_eq!(
-                Instr::from(serde_json::from_slice::<InstrJson>(&line).unwrap()),
-                *ins
-            );
-            assert!(line.starts_with(format!("{{\"op\":\"{}\"", op_name(ins)).as_bytes()));
-            let (op, fields) = fields_of(ins);
-            let mut record = serde_json::Map::new();
-            record.insert("op".into(), op.into());
-            for (k, v) in fields {
-                let v = match v {
-                    FieldValue::Int(i) => serde_json::Value::from(i),
-                    FieldValue::Name(n) => serde_json::Value::from(n),
-                    FieldValue::True => serde_json::Value::Bool(true),
-                };
-                record.insert(k.into(), v);
-            }
-            let row = &OPS[row_of(ins)];
-            assert_eq!((row.name, row.index as usize), (op, row_of(ins)));
-            assert_eq!(
-                serde_json::Value::Object(record),
-                serde_json::from_slice::<serde_json::Value>(&line).unwrap()
-            );
-            let bin = InstrBin::from(ins);
-            let one = std::slice::from_ref(ins);
-            assert_eq!(
-                canonical(one),
-                postcard::to_stdvec(&vec![bin.clone()]).unwrap()
-            );
-            assert_eq!(Instr::try_from(bin).unwrap(), *ins);
-            let file = rank_file_json(3, 9, &hash, one);
-            assert_eq!(file.len() as u64, json_size(3, 9, &hash, one));
-            assert_eq!(parse(&file, None).unwrap().instructions, one);
-            let mut b = bin_prefix(3, 9, &hash);
-            b.extend_from_slice(&canonical(one));
-            assert_eq!(parse_bin(&b).unwrap().instructions, one);
-        }
-        assert_eq!(every_op(0, PayloadKind::Act).len(), OPS.len());
-        let names: Vec<_> = every_op(0, PayloadKind::Act).iter().map(op_name).collect();
-        assert_eq!(names, OPS.iter().map(|o| o.name).collect::<Vec<_>>());
-    }
-
-    /// A checkpointed forward is `fwd` with `"checkpoint":true` last, index 8 with no byte of
-    /// its own; a plain `fwd` is what it always was. serde's path (a reformatted file) picks
-    /// the row by the key, and refuses `false` (the key is omitted when false).
-    #[test]
-    fn a_checkpointed_fwd_is_fwd_with_a_key() {
-        let t = Task::new(0, 3);
-        let mut line = Vec::new();
-        write_instr(&mut line, &Instr::FwdCheckpoint(t));
-        assert_eq!(line, br#"{"op":"fwd","stage":0,"mb":3,"checkpoint":true}"#);
-        line.clear();
-        write_instr(&mut line, &Instr::Compute(Compute::Fwd(t)));
-        assert_eq!(line, br#"{"op":"fwd","stage":0,"mb":3}"#);
-        assert_eq!(canonical(&[Instr::FwdCheckpoint(t)]), [1, 8, 0, 3]);
-        assert_eq!(canonical(&[Instr::Compute(Compute::Fwd(t))]), [1, 0, 0, 3]);
-        let serde = |s: &str| serde_json::from_str::<InstrJson>(s).map(Instr::from);
-        let spaced = r#"{ "mb": 3, "checkpoint": true, "op": "fwd", "stage": 0 }"#;
-        assert_eq!(serde(spaced).unwrap(), Instr::FwdCheckpoint(t));
-        assert_eq!(
-            serde(r#"{"stage":0,"op":"fwd","mb":3}"#).unwrap(),
-            Instr::Compute(Compute::Fwd(t))
-        );
-        let e = serde(r#"{"op":"fwd","stage":0,"mb":3,"checkpoint":false}"#).unwrap_err();
-        assert!(e.to_string().contains("`true` or absent"), "{e}");
-        let e = serde(r#"{"op":"offload","stage":0,"mb":3,"checkpoint":true}"#).unwrap_err();
-        assert!(e.to_string().contains("unknown field `checkpoint`"), "{e}");
-        let e = serde(r#"{"op":"reload","stage":0}"#).unwrap_err();
-        assert!(e.to_string().contains("missing field `mb`"), "{e}");
-        let e = serde(r#"{"op":"fwdd","stage":0,"mb":1}"#).unwrap_err();
-        assert!(
-            e.to_string()
-                .starts_with("unknown variant `fwdd`, expected one of `fwd`, `bwd`"),
-            "{e}"
-        );
-        let names: Vec<_> = OPS.iter().map(|o| (o.index, o.name)).collect();
-        assert_eq!(
-            names[8..],
-            [
-                (8, "fwd"),
-                (9, "offload"),
-                (10, "reload"),
-                (11, "wait_offload"),
-                (12, "recompute")
-            ]
-        );
-    }
 
     /// `docs/format.md` lists every op with its fields in file order, and its index.
     #[test]

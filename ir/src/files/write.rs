@@ -1,6 +1,7 @@
 //! Writing a compiled program: the rank files (a hand-written JSON writer, the hot loop of
 //! emission), the manifest, and the atomic directory write.
 
+use super::bytes::{digits, push_u32, Chunk, CHUNK, LINE_MAX};
 use super::format::*;
 use super::schema::{instructions, json_op, Field};
 use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program};
@@ -14,7 +15,7 @@ use thiserror::Error;
 
 /// One rank file, exactly as written: a fixed header, then one instruction per line. Written by
 /// hand (no serde, no `fmt`) because it is the hot loop of emission at millions of
-/// instructions; the loader's fast path ([`super::fast`]) parses exactly this form, and tests
+/// instructions; the loader's fast path (`canonical_parse.rs`) parses exactly this form, and tests
 /// check both agree with serde.
 pub(crate) fn rank_file_json(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> Vec<u8> {
     let mut out = Vec::with_capacity(json_size(rank, world, hash, instrs) as usize);
@@ -94,76 +95,6 @@ pub(crate) fn json_size(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> 
         n += 6 + instr_json_len(ins);
     }
     n + instrs.len().saturating_sub(1) as u64
-}
-
-#[inline]
-pub(crate) fn digits(v: u32) -> u32 {
-    // Ids are mostly small: comparisons before the general case.
-    match v {
-        0..=9 => 1,
-        10..=99 => 2,
-        100..=999 => 3,
-        _ => v.ilog10() + 1,
-    }
-}
-
-pub(crate) fn push_u32(out: &mut Vec<u8>, v: u32) {
-    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
-}
-
-/// The longest instruction line (a `send` with every number at `u32::MAX` is 115 bytes).
-const LINE_MAX: usize = 256;
-
-/// A buffer rank files are assembled in, [`CHUNK`] bytes at a time: each line is written
-/// straight into it (the literals as fixed-size copies), never through a growing `Vec`.
-pub(crate) struct Chunk {
-    b: Box<[u8]>,
-    n: usize,
-}
-
-impl Chunk {
-    pub(crate) fn new() -> Self {
-        Chunk {
-            b: vec![0; CHUNK + LINE_MAX].into_boxed_slice(),
-            n: 0,
-        }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &self.b[..self.n]
-    }
-
-    #[inline(always)]
-    pub(crate) fn s(&mut self, s: &[u8]) {
-        self.b[self.n..self.n + s.len()].copy_from_slice(s);
-        self.n += s.len();
-    }
-
-    #[inline(always)]
-    pub(crate) fn u(&mut self, v: u32) {
-        const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
-              2021222324252627282930313233343536373839\
-              4041424344454647484950515253545556575859\
-              6061626364656667686970717273747576777879\
-              8081828384858687888990919293949596979899";
-        if v < 10 {
-            self.b[self.n] = b'0' + v as u8;
-            self.n += 1;
-        } else if v < 100 {
-            let i = v as usize * 2;
-            self.s(&PAIRS[i..i + 2]);
-        } else if v < 10_000 {
-            let (hi, lo) = (v as usize / 100 * 2, v as usize % 100 * 2);
-            if v < 1000 {
-                self.s(&PAIRS[hi + 1..hi + 2]);
-            } else {
-                self.s(&PAIRS[hi..hi + 2]);
-            }
-            self.s(&PAIRS[lo..lo + 2]);
-        } else {
-            self.s(itoa::Buffer::new().format(v).as_bytes());
-        }
-    }
 }
 
 macro_rules! gen_json {
@@ -433,10 +364,6 @@ impl Prepared<'_> {
         Ok(hex(&sha.finalize()))
     }
 }
-
-/// How much of a rank file is assembled before it is hashed and written: small enough to stay
-/// in cache between the two, large enough that system calls are few.
-const CHUNK: usize = 256 << 10;
 
 /// What lets a directory [`write_prepared`] staged take its place: the verifier's verdict on
 /// the very program prepared, or the caller's explicit `--no-verify`.

@@ -6,7 +6,7 @@
 //! is missing or mixed.
 
 use super::index::{slot, Index};
-use super::report::{Part, Violation};
+use super::violation::{Part, Violation};
 use pipec_schedules::{Pass, Rank};
 
 pub(crate) fn check(ix: &Index<'_>, out: &mut Vec<Violation>) {

@@ -30,7 +30,7 @@
 //! could not release): recursive graph algorithms overflow the stack at millions of nodes.
 
 use super::index::Index;
-use super::report::{Site, Violation, WaitStep};
+use super::violation::{Site, Violation, WaitStep};
 use crate::ir::{Matching, OptIdx};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};

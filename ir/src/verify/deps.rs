@@ -14,8 +14,8 @@
 //! (reported as "runs before its input arrives") is not also reported as unused.
 
 use super::index::{slot, Index};
-use super::report::{Part, Violation};
 use super::routes;
+use super::violation::{Part, Violation};
 use crate::ir::{Instr, Matching, OptIdx, Payload, PayloadKind};
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::HashMap;

@@ -2,7 +2,7 @@
 //! later check reads. Nothing here indexes with an id before checking its range, so a program
 //! read from a file cannot make the verifier panic.
 
-use super::report::{Field, Part, Site, Stats, Violation};
+use super::violation::{Field, Part, Site, Stats, Violation};
 use crate::ir::{steps, Step};
 use crate::ir::{Instr, InstrRef, OptIdx, Payload, PayloadKind, Positions, Program};
 use pipec_schedules::{Microbatch, Pass, Rank, StageId, Task};
@@ -62,7 +62,7 @@ pub(crate) struct Index<'p> {
     pub first_wait: Vec<OptIdx>,
     pub stats: Stats,
     pub compute_parts: u64,
-    /// Memory instructions and checkpointed forwards ([`super::offload`] checks them; none in
+    /// Memory instructions and checkpointed forwards (`offload.rs` checks them; none in
     /// a program without them, which then costs nothing more).
     pub memory_ops: u64,
 }

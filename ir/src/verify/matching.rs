@@ -4,7 +4,7 @@
 //! meets the k-th receive that `b` posts from `a`, whatever the two sides think they carry.
 
 use super::index::Index;
-use super::report::Violation;
+use super::violation::Violation;
 use crate::ir::{Instr, Matching, Payload};
 use std::collections::HashMap;
 

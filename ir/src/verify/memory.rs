@@ -2,7 +2,8 @@
 //! rule of [`crate::ir::activations`], which the simulator and the runtime count by too.
 
 use super::index::Index;
-use super::report::{RankMemory, Violation};
+use super::report::RankMemory;
+use super::violation::Violation;
 use crate::ir::{InstrRef, Program};
 use crate::memory::MemoryModel;
 use pipec_schedules::Rank;

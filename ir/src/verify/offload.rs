@@ -13,7 +13,7 @@
 //! posted, and the copy can finish without any other rank moving.
 
 use super::index::Index;
-use super::report::{Field, Part, Violation};
+use super::violation::{Field, Part, Violation};
 use crate::ir::{Instr, MemKind};
 use pipec_schedules::{Pass, Task};
 use std::collections::HashMap;

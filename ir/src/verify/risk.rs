@@ -10,7 +10,7 @@
 //!   which receives an activation then a gradient (Megatron-LM refuses it; pipec too).
 
 use super::index::Index;
-use super::report::Site;
+use super::violation::Site;
 use crate::ir::{Instr, Payload};
 use pipec_schedules::Rank;
 use serde::Serialize;

@@ -3,7 +3,7 @@
 //! stage, and never to the sender itself.
 
 use super::index::Index;
-use super::report::Violation;
+use super::violation::Violation;
 use crate::ir::{Instr, Payload};
 use pipec_schedules::{Rank, Task};
 
@@ -38,7 +38,7 @@ pub(crate) fn route(
 }
 
 /// [`route`] for every send of the program (the structural level; the full level checks each
-/// send's route in [`super::deps`], in program order with the rest of P3).
+/// send's route in `deps.rs`, in program order with the rest of P3).
 pub(crate) fn check(ix: &Index<'_>, out: &mut Vec<Violation>) {
     for (r, instrs) in ix.p.ranks.iter().enumerate() {
         let base = ix.pos.base(r);

@@ -23,7 +23,7 @@
 
 use super::deadlock::Graph;
 use super::index::Index;
-use super::report::Violation;
+use super::violation::Violation;
 use crate::ir::{Matching, OptIdx, Program};
 use pipec_schedules::{CommPolicy, MegatronP2p};
 

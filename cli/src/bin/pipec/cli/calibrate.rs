@@ -47,7 +47,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 println!(
                     "fitted {} passes (rms error {} ms) -> {}",
                     f.samples,
-                    pipec_cost::cost::num(f.rms_ms),
+                    pipec_ir::human::num(f.rms_ms),
                     p.display()
                 );
             }

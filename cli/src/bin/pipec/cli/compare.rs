@@ -304,7 +304,7 @@ fn table(rows: &[Row]) -> String {
                     r.name.clone(),
                     model_name(r.model),
                     r.instructions.to_string(),
-                    pipec_cost::cost::num(m),
+                    pipec_ir::human::num(m),
                     match base {
                         Some((b, bm)) if bm != r.model => {
                             format!("{:.2}x*", m / b.max(f64::MIN_POSITIVE))

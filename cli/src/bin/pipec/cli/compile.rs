@@ -431,7 +431,7 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
                 "{:w$}  {:>6}  {ranks:>5}  {instructions:>12}  {:>8}  {seconds:>8.3}",
                 cfg.name,
                 "ok",
-                pipec_cost::cost::num(peak)
+                pipec_ir::human::num(peak)
             ),
             Some(Outcome::Failed { io: is_io, reason }) => {
                 if is_io {

@@ -128,9 +128,9 @@ impl fmt::Display for CliError {
     }
 }
 
-/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches` ([`pipec_ir::words::count`]).
+/// `1 rank`, `4 ranks`, `1 microbatch`, `8 microbatches` ([`pipec_ir::human::count`]).
 pub fn count(n: usize, noun: &str) -> String {
-    pipec_ir::words::count(n as u64, noun)
+    pipec_ir::human::count(n as u64, noun)
 }
 
 /// `--memory-limit` of every command: bytes with a unit (`80GiB`) or a plain number in the

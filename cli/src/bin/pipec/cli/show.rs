@@ -102,7 +102,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if a.window.from.is_some_and(|f| f >= makespan) {
         return Err(CliError::Usage(format!(
             "--from is past the end of the schedule (makespan {})",
-            pipec_cost::cost::num(makespan)
+            pipec_ir::human::num(makespan)
         )));
     }
     let opts = TextOptions {
@@ -124,9 +124,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         };
         println!(
             "window: {shown}, time {} to {} of {}",
-            pipec_cost::cost::num(a.window.from.unwrap_or(0.0)),
-            pipec_cost::cost::num(a.window.to.unwrap_or(makespan).min(makespan)),
-            pipec_cost::cost::num(makespan)
+            pipec_ir::human::num(a.window.from.unwrap_or(0.0)),
+            pipec_ir::human::num(a.window.to.unwrap_or(makespan).min(makespan)),
+            pipec_ir::human::num(makespan)
         );
     }
     println!();

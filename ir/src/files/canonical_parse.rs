@@ -6,6 +6,7 @@
 //! and the loader parses the file with serde as before, so errors and their messages are
 //! serde's.
 
+use super::bytes::{Bin, Cursor};
 use super::format::*;
 use super::schema::{instructions, json_op, Field};
 use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind};
@@ -22,68 +23,6 @@ pub(crate) struct Parsed {
     /// binary file as pipec writes it), so the loader hashes them instead of encoding the
     /// instructions again; `None` for JSON.
     pub(crate) canonical_at: Option<usize>,
-}
-
-pub(crate) struct Cursor<'a> {
-    b: &'a [u8],
-    i: usize,
-}
-
-impl Cursor<'_> {
-    #[inline(always)]
-    pub(crate) fn lit(&mut self, s: &[u8]) -> Option<()> {
-        if self.b.get(self.i..self.i + s.len())? == s {
-            self.i += s.len();
-            Some(())
-        } else {
-            None
-        }
-    }
-
-    /// A JSON number serde reads as this `u32`, in the form pipec writes: `0`, or a nonzero
-    /// digit and at most nine more, at most `u32::MAX`.
-    #[inline(always)]
-    pub(crate) fn num(&mut self) -> Option<u32> {
-        let b = self.b;
-        let first = *b.get(self.i)?;
-        if first == b'0' {
-            self.i += 1;
-            return (!b.get(self.i).is_some_and(u8::is_ascii_digit)).then_some(0);
-        }
-        if !first.is_ascii_digit() {
-            return None;
-        }
-        let mut v = 0u64;
-        let start = self.i;
-        while let Some(&c) = b.get(self.i) {
-            if !c.is_ascii_digit() {
-                break;
-            }
-            v = v * 10 + (c - b'0') as u64;
-            self.i += 1;
-            if self.i - start > 10 {
-                return None;
-            }
-        }
-        u32::try_from(v).ok()
-    }
-
-    /// A string of lowercase hex digits (what a schedule hash is), after its opening quote.
-    fn hex_string(&mut self) -> Option<String> {
-        let start = self.i;
-        while let Some(&c) = self.b.get(self.i) {
-            match c {
-                b'0'..=b'9' | b'a'..=b'f' => self.i += 1,
-                b'"' => {
-                    let s = std::str::from_utf8(&self.b[start..self.i]).ok()?;
-                    self.i += 1;
-                    return Some(s.to_string());
-                }
-                _ => return None,
-            }
-        }
-        None
-    }
 }
 
 macro_rules! gen_parse {
@@ -216,59 +155,6 @@ pub(crate) fn parse_bin(bytes: &[u8]) -> Option<Parsed> {
         instructions,
         canonical_at: Some(canonical_at),
     })
-}
-
-pub(crate) struct Bin<'a> {
-    b: &'a [u8],
-    i: usize,
-}
-
-impl<'a> Bin<'a> {
-    /// A minimal LEB128 varint (postcard's) of at most `max`.
-    #[inline]
-    fn varint(&mut self, max: u64) -> Option<u64> {
-        let mut v = 0u64;
-        for k in 0..10 {
-            let byte = *self.b.get(self.i)?;
-            self.i += 1;
-            v |= ((byte & 0x7f) as u64) << (7 * k);
-            if byte & 0x80 == 0 {
-                // Minimal: no trailing zero group (except 0 itself), no overflow.
-                if (k > 0 && byte == 0) || (k == 9 && byte > 1) {
-                    return None;
-                }
-                return (v <= max).then_some(v);
-            }
-        }
-        None
-    }
-
-    #[inline(always)]
-    pub(crate) fn u32(&mut self) -> Option<u32> {
-        // Fast path: one byte.
-        let byte = *self.b.get(self.i)?;
-        if byte < 0x80 {
-            self.i += 1;
-            return Some(byte as u32);
-        }
-        self.varint(u32::MAX as u64).map(|v| v as u32)
-    }
-
-    /// One byte, as it is.
-    #[inline(always)]
-    pub(crate) fn byte(&mut self) -> Option<u8> {
-        let b = *self.b.get(self.i)?;
-        self.i += 1;
-        Some(b)
-    }
-
-    fn str(&mut self) -> Option<&'a str> {
-        let n = self.varint(u64::MAX)?;
-        let end = self.i.checked_add(usize::try_from(n).ok()?)?;
-        let s = std::str::from_utf8(self.b.get(self.i..end)?).ok()?;
-        self.i = end;
-        Some(s)
-    }
 }
 
 #[cfg(test)]
