@@ -11,7 +11,7 @@
 //! order as the CPU backend. The GEMMs are cuBLAS's.
 
 /// The kernels, declared once: each row is a kernel of [`SOURCE`], in the order it defines
-/// them, with its parameters in Rust types. [`c_type!`] maps each type to its C type; from the
+/// them, with its parameters in Rust types. `c_type!` maps each type to its C type; from the
 /// rows come [`NAMES`], [`PROTOTYPES`] (checked against [`SOURCE`] by the unit tests) and, with
 /// the `cuda` feature, one typed launch function per kernel on `model::Kernels`.
 ///
@@ -36,7 +36,7 @@ macro_rules! kernel_table {
             col_sums(a: &[T], out: &mut [T], rows: i32, cols: i32);
             /// `out[i, :] = table[tok[i], :]`.
             embed_fwd(table: &[T], tok: &[u32], out: &mut [T], seq: i32, hidden: i32);
-            /// The embedding weight gradient into the zeroed `g`, over an [`EmbedPlan`]
+            /// The embedding weight gradient into the zeroed `g`, over an [`crate::kernels::EmbedPlan`]
             /// (`order`, `starts`, `segs` distinct tokens).
             embed_bwd(g: &mut [T], tok: &[u32], order: &[u32], starts: &[u32], dy: &[T], segs: i32, hidden: i32);
             /// One block per row (a power of two, at most 1024 threads): logits `z` in, softmax
@@ -58,7 +58,7 @@ macro_rules! kernel_table {
 #[cfg(feature = "cuda")]
 pub(crate) use kernel_table;
 
-/// The C type of a parameter type of [`kernel_table!`].
+/// The C type of a parameter type of `kernel_table!`.
 macro_rules! c_type {
     (&mut [T]) => {
         "T*"
@@ -109,7 +109,7 @@ macro_rules! names_and_prototypes {
         pub const NAMES: [&str; [$(stringify!($name)),+].len()] = [$(stringify!($name)),+];
 
         /// Each kernel's C prototype as [`SOURCE`] writes it, generated from its row of
-        /// [`kernel_table!`]; `PROTOTYPES[i]` is `NAMES[i]`'s.
+        /// `kernel_table!`; `PROTOTYPES[i]` is `NAMES[i]`'s.
         pub const PROTOTYPES: [&str; NAMES.len()] = [$(
             concat!("extern \"C\" __global__ void ", stringify!($name), "(", c_params!($($params)+), ")")
         ),+];

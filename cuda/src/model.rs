@@ -74,7 +74,7 @@ impl Elem for half::bf16 {
     }
 }
 
-/// The Rust type a launch function takes for a parameter type of [`kernels::kernel_table!`].
+/// The Rust type a launch function takes for a parameter type of `kernels::kernel_table!`.
 macro_rules! rust_type {
     (&mut [$e:ident]) => { &mut CudaSlice<$e> };
     (&[$e:ident]) => { &CudaSlice<$e> };
@@ -94,7 +94,7 @@ macro_rules! kernel_arg {
     };
 }
 
-/// One launch function from a row of [`kernels::kernel_table!`], gathering the parameters
+/// One launch function from a row of `kernels::kernel_table!`, gathering the parameters
 /// `p: ty` one at a time (a type's tokens run up to the next comma).
 macro_rules! launch_fn {
     (@ $(#[$doc:meta])* $name:ident [$($decl:tt)*] [$($arg:expr),*] [$p:ident : $($ty:tt)+]) => {
@@ -133,7 +133,7 @@ macro_rules! launch_fn {
 macro_rules! kernels_struct {
     ($($(#[$doc:meta])* $name:ident ($($params:tt)+);)+) => {
         /// The compiled kernels of one element type `T`, with one typed launch function per
-        /// kernel, generated from [`kernels::kernel_table!`]: `k.add_bias(&stream, cfg, &mut y,
+        /// kernel, generated from `kernels::kernel_table!`: `k.add_bias(&stream, cfg, &mut y,
         /// &b, rows, cols)`.
         pub struct Kernels<T> {
             $($name: CudaFunction,)+
