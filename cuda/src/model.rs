@@ -78,7 +78,8 @@ impl Elem for half::bf16 {
 macro_rules! rust_type {
     (&mut [$e:ident]) => { &mut CudaSlice<$e> };
     (&[$e:ident]) => { &CudaSlice<$e> };
-    ($scalar:ident) => { $scalar };
+    (i32) => { i32 };
+    (f32) => { f32 };
 }
 
 /// How a launch function pushes a parameter: buffers as they come, scalars by reference.
