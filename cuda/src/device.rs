@@ -152,7 +152,7 @@ impl<T: Elem> CudaBackend<T> {
         watch: Arc<Watch>,
     ) -> Result<Self, BackendError> {
         let ctx = CudaContext::new(ordinal).map_err(err("open the GPU"))?;
-        let k = Arc::new(Kernels::compile(&ctx, T::BF16)?);
+        let k = Arc::new(Kernels::<T>::compile(&ctx)?);
         let main = Dev::new(
             ctx.new_stream().map_err(err("create a stream"))?,
             k.clone(),

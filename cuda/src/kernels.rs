@@ -10,23 +10,112 @@
 //! thread per output element over rows in order, so they are deterministic and add in the same
 //! order as the CPU backend. The GEMMs are cuBLAS's.
 
-/// Kernel names, in the order [`SOURCE`] defines them; the device code loads each by name.
-pub const NAMES: [&str; 14] = [
-    "bias_gelu_fwd",
-    "add_bias",
-    "add_bias_residual",
-    "gelu_bwd",
-    "add_into",
-    "col_sums",
-    "embed_fwd",
-    "embed_bwd",
-    "softmax_xent_fwd",
-    "loss_mean",
-    "xent_bwd",
-    "accum",
-    "sgd",
-    "to_f32",
-];
+/// The kernels, declared once: each row is a kernel of [`SOURCE`], in the order it defines
+/// them, with its parameters in Rust types. `c_type!` maps each type to its C type; from the
+/// rows come [`NAMES`], [`PROTOTYPES`] (checked against [`SOURCE`] by the unit tests) and, with
+/// the `cuda` feature, one typed launch function per kernel on `model::Kernels`.
+///
+/// Parameter types: `&mut [E]` a buffer the kernel writes (`E*`), `&[E]` one it only reads
+/// (`const E*`), for `E` the element type `T`, `f32` or `u32`; `i32` (`int`) and `f32` (`float`)
+/// scalars.
+macro_rules! kernel_table {
+    ($then:ident) => {
+        $then! {
+            /// `h = h + b` (in place, `h` holds `x W1`), `a = gelu(h)`. `h`, `a`: `[rows, cols]`;
+            /// `b`: `[cols]`.
+            bias_gelu_fwd(h: &mut [T], a: &mut [T], b: &[T], rows: i32, cols: i32);
+            /// `y = y + b`.
+            add_bias(y: &mut [T], b: &[T], rows: i32, cols: i32);
+            /// `y = x + (y + b)`: `y` holds `a W2` on entry.
+            add_bias_residual(y: &mut [T], x: &[T], b: &[T], rows: i32, cols: i32);
+            /// `dh = dh * gelu'(h)`.
+            gelu_bwd(dh: &mut [T], h: &[T], n: i32);
+            /// `dx = dy + dx` (`dx` holds `dh W1^T` on entry).
+            add_into(dx: &mut [T], dy: &[T], n: i32);
+            /// `out[c]` = the sum over rows, in order, of `a[r, c]`.
+            col_sums(a: &[T], out: &mut [T], rows: i32, cols: i32);
+            /// `out[i, :] = table[tok[i], :]`.
+            embed_fwd(table: &[T], tok: &[u32], out: &mut [T], seq: i32, hidden: i32);
+            /// The embedding weight gradient into the zeroed `g`, over an [`crate::kernels::EmbedPlan`]
+            /// (`order`, `starts`, `segs` distinct tokens).
+            embed_bwd(g: &mut [T], tok: &[u32], order: &[u32], starts: &[u32], dy: &[T], segs: i32, hidden: i32);
+            /// One block per row (a power of two, at most 1024 threads): logits `z` in, softmax
+            /// probabilities out, and each row's loss.
+            softmax_xent_fwd(z: &mut [T], tgt: &[u32], row_loss: &mut [f32], rows: i32, vocab: i32);
+            /// `out[0]` = the mean of `row_loss`, added in row order. One thread.
+            loss_mean(row_loss: &[f32], out: &mut [f32], rows: i32);
+            /// `dl = (probs - onehot(tgt)) * k`.
+            xent_bwd(probs: &[T], tgt: &[u32], dl: &mut [T], k: f32, rows: i32, vocab: i32);
+            /// `sum += g` (the step's gradient sum is kept in f32).
+            accum(sum: &mut [f32], g: &[T], n: i32);
+            /// `w -= lr * g`.
+            sgd(w: &mut [T], g: &[f32], lr: f32, n: i32);
+            /// `y = f32(x)`, for reading results back.
+            to_f32(x: &[T], y: &mut [f32], n: i32);
+        }
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use kernel_table;
+
+/// The C type of a parameter type of `kernel_table!`.
+macro_rules! c_type {
+    (&mut [T]) => {
+        "T*"
+    };
+    (&[T]) => {
+        "const T*"
+    };
+    (&mut [f32]) => {
+        "float*"
+    };
+    (&[f32]) => {
+        "const float*"
+    };
+    (&mut [u32]) => {
+        "unsigned int*"
+    };
+    (&[u32]) => {
+        "const unsigned int*"
+    };
+    (i32) => {
+        "int"
+    };
+    (f32) => {
+        "float"
+    };
+}
+
+/// A row's parameter list `p: ty, ...` as C text (`"T* y, const T* b, int rows"`), one
+/// parameter at a time: the tokens of a type are gathered up to the next comma.
+macro_rules! c_params {
+    (@ [$($out:expr),*] [$p:ident : $($ty:tt)+]) => {
+        concat!($($out,)* c_type!($($ty)+), " ", stringify!($p))
+    };
+    (@ [$($out:expr),*] [$p:ident : $($ty:tt)+] , $($rest:tt)+) => {
+        c_params!(@ [$($out,)* c_type!($($ty)+), " ", stringify!($p), ", "] [] $($rest)+)
+    };
+    (@ [$($out:expr),*] [$($cur:tt)*] $t:tt $($rest:tt)*) => {
+        c_params!(@ [$($out),*] [$($cur)* $t] $($rest)*)
+    };
+    ($($t:tt)+) => {
+        c_params!(@ [] [] $($t)+)
+    };
+}
+
+macro_rules! names_and_prototypes {
+    ($($(#[$doc:meta])* $name:ident ($($params:tt)+);)+) => {
+        /// Kernel names, in the order [`SOURCE`] defines them.
+        pub const NAMES: [&str; [$(stringify!($name)),+].len()] = [$(stringify!($name)),+];
+
+        /// Each kernel's C prototype as [`SOURCE`] writes it, generated from its row of
+        /// `kernel_table!`; `PROTOTYPES[i]` is `NAMES[i]`'s.
+        pub const PROTOTYPES: [&str; NAMES.len()] = [$(
+            concat!("extern \"C\" __global__ void ", stringify!($name), "(", c_params!($($params)+), ")")
+        ),+];
+    };
+}
+kernel_table!(names_and_prototypes);
 
 /// Defines selecting the element type: prepend to [`SOURCE`].
 pub fn prelude(bf16: bool) -> &'static str {
@@ -244,16 +333,77 @@ pub fn bf16_bits(f: f32) -> u16 {
 mod tests {
     use super::*;
 
+    /// The names of the `__global__` functions [`SOURCE`] defines, in its order.
+    fn globals_in_source() -> Vec<&'static str> {
+        SOURCE
+            .split("__global__")
+            .skip(1)
+            .map(|rest| {
+                let rest = rest
+                    .trim_start()
+                    .strip_prefix("void ")
+                    .expect("returns void");
+                rest.split('(').next().unwrap().trim()
+            })
+            .collect()
+    }
+
+    /// The table is [`SOURCE`]'s: each generated prototype is written there exactly once,
+    /// opening its kernel's body, and every `__global__` function of the source has its row, in
+    /// the same order. So a typed launch passes what its kernel declares, in its order.
     #[test]
-    fn every_named_kernel_is_defined_once_with_c_linkage() {
-        for name in NAMES {
-            let decl = format!("extern \"C\" __global__ void {name}(");
-            assert_eq!(SOURCE.matches(&decl).count(), 1, "{name}");
+    fn every_prototype_of_the_table_is_in_the_source_and_every_kernel_has_a_row() {
+        assert_eq!(PROTOTYPES.len(), NAMES.len());
+        for (name, proto) in NAMES.iter().zip(PROTOTYPES) {
+            assert!(
+                proto.starts_with(&format!("extern \"C\" __global__ void {name}(")),
+                "{proto}"
+            );
+            assert_eq!(
+                SOURCE.matches(&format!("{proto} {{")).count(),
+                1,
+                "the source does not define `{proto} {{` exactly once"
+            );
+            assert_eq!(SOURCE.matches(&format!(" {name}(")).count(), 1, "{name}");
         }
-        assert_eq!(SOURCE.matches("__global__").count(), NAMES.len());
+        assert_eq!(
+            globals_in_source(),
+            NAMES,
+            "the source's kernels and the table's rows"
+        );
         assert!(!SOURCE.contains("#include"), "NVRTC must not need headers");
         assert!(source(true).starts_with("#define PIPEC_BF16 1\n"));
         assert_eq!(source(false), SOURCE);
+    }
+
+    /// The mapping of the table's Rust types to C, in one prototype per kind of parameter, and
+    /// the check is not vacuous: a prototype with two parameters swapped, or a buffer that
+    /// loses its `const`, is not in the source.
+    #[test]
+    fn the_table_writes_c_types_and_a_changed_prototype_is_not_in_the_source() {
+        let at = |name: &str| PROTOTYPES[NAMES.iter().position(|n| *n == name).unwrap()];
+        assert_eq!(
+            at("xent_bwd"),
+            "extern \"C\" __global__ void xent_bwd(const T* probs, const unsigned int* tgt, \
+             T* dl, float k, int rows, int vocab)"
+        );
+        assert_eq!(
+            at("sgd"),
+            "extern \"C\" __global__ void sgd(T* w, const float* g, float lr, int n)"
+        );
+        assert_eq!(
+            at("softmax_xent_fwd"),
+            "extern \"C\" __global__ void softmax_xent_fwd(T* z, const unsigned int* tgt, \
+             float* row_loss, int rows, int vocab)"
+        );
+        let slips = [
+            at("embed_fwd").replace("int seq, int hidden", "int hidden, int seq"),
+            at("col_sums").replace("const T* a", "T* a"),
+            at("xent_bwd").replace("float k, int rows", "int rows, float k"),
+        ];
+        for slip in slips {
+            assert_eq!(SOURCE.matches(&format!("{slip} {{")).count(), 0, "{slip}");
+        }
     }
 
     /// Every position appears once, grouped by token, in position order within a token; one

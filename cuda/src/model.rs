@@ -74,45 +74,106 @@ impl Elem for half::bf16 {
     }
 }
 
-/// The compiled kernels of one element type, by [`kernels::NAMES`] index.
-pub struct Kernels {
-    f: Vec<CudaFunction>,
+/// The Rust type a launch function takes for a parameter type of `kernels::kernel_table!`.
+macro_rules! rust_type {
+    (&mut [$e:ident]) => { &mut CudaSlice<$e> };
+    (&[$e:ident]) => { &CudaSlice<$e> };
+    (i32) => { i32 };
+    (f32) => { f32 };
 }
 
-impl Kernels {
-    /// Compile [`kernels::source`] with NVRTC for this GPU ([`nvrtc::choose_target`]: a CUBIN
-    /// when NVRTC knows its architecture) and load it into `ctx`.
-    pub fn compile(ctx: &Arc<CudaContext>, bf16: bool) -> Result<Kernels, BackendError> {
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(err("read the compute capability"))?;
-        let (_, archs) = nvrtc::info().map_err(|e| BackendError(format!("NVRTC: {e}")))?;
-        let target = nvrtc::choose_target((10 * major + minor).max(0) as u32, &archs)
-            .map_err(|e| BackendError(format!("NVRTC: {e}")))?;
-        let name = if bf16 {
-            "pipec_bf16.cu"
-        } else {
-            "pipec_f32.cu"
-        };
-        let image = nvrtc::compile(&kernels::source(bf16), name, target).map_err(BackendError)?;
-        let module = ctx
-            .load_module(image.into_module_source())
-            .map_err(err(&format!("load the kernel module ({target})")))?;
-        let f = kernels::NAMES
-            .iter()
-            .map(|n| module.load_function(n).map_err(err(n)))
-            .collect::<Result<_, _>>()?;
-        Ok(Kernels { f })
-    }
-
-    fn get(&self, name: &str) -> &CudaFunction {
-        let i = kernels::NAMES
-            .iter()
-            .position(|n| *n == name)
-            .expect("a kernel of kernels::NAMES");
-        &self.f[i]
-    }
+/// How a launch function pushes a parameter: buffers as they come, scalars by reference.
+macro_rules! kernel_arg {
+    ($p:ident, i32) => {
+        &$p
+    };
+    ($p:ident, f32) => {
+        &$p
+    };
+    ($p:ident, $($buffer:tt)+) => {
+        $p
+    };
 }
+
+/// One launch function from a row of `kernels::kernel_table!`, gathering the parameters
+/// `p: ty` one at a time (a type's tokens run up to the next comma).
+macro_rules! launch_fn {
+    (@ $(#[$doc:meta])* $name:ident [$($decl:tt)*] [$($arg:expr),*] [$p:ident : $($ty:tt)+]) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        ///
+        /// The sizes must describe the buffers: the kernel reads and writes as many elements as
+        /// they say, unchecked. `cfg` must be a launch configuration the kernel supports.
+        // The parameters are the kernel's.
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn $name(
+            &self,
+            stream: &CudaStream,
+            cfg: LaunchConfig,
+            $($decl)*
+            $p: rust_type!($($ty)+),
+        ) -> Result<(), BackendError> {
+            let mut b = stream.launch_builder(&self.$name);
+            $( b.arg($arg); )*
+            b.arg(kernel_arg!($p, $($ty)+));
+            // SAFETY: the arguments are the kernel's parameters in its order and C types
+            // (`kernels::PROTOTYPES`, checked against the source); the sizes are the caller's.
+            unsafe { b.launch(cfg) }.map_err(err(stringify!($name)))?;
+            Ok(())
+        }
+    };
+    (@ $(#[$doc:meta])* $name:ident [$($decl:tt)*] [$($arg:expr),*] [$p:ident : $($ty:tt)+] , $($rest:tt)+) => {
+        launch_fn!(@ $(#[$doc])* $name [$($decl)* $p: rust_type!($($ty)+),] [$($arg,)* kernel_arg!($p, $($ty)+)] [] $($rest)+);
+    };
+    (@ $(#[$doc:meta])* $name:ident [$($decl:tt)*] [$($arg:expr),*] [$($cur:tt)*] $t:tt $($rest:tt)*) => {
+        launch_fn!(@ $(#[$doc])* $name [$($decl)*] [$($arg),*] [$($cur)* $t] $($rest)*);
+    };
+}
+
+macro_rules! kernels_struct {
+    ($($(#[$doc:meta])* $name:ident ($($params:tt)+);)+) => {
+        /// The compiled kernels of one element type `T`, with one typed launch function per
+        /// kernel, generated from `kernels::kernel_table!`: `k.add_bias(&stream, cfg, &mut y,
+        /// &b, rows, cols)`.
+        pub struct Kernels<T> {
+            $($name: CudaFunction,)+
+            _t: std::marker::PhantomData<T>,
+        }
+
+        impl<T: Elem> Kernels<T> {
+            /// Compile [`kernels::source`] with NVRTC for this GPU ([`nvrtc::choose_target`]: a
+            /// CUBIN when NVRTC knows its architecture) and load it into `ctx`.
+            pub fn compile(ctx: &Arc<CudaContext>) -> Result<Kernels<T>, BackendError> {
+                let (major, minor) = ctx
+                    .compute_capability()
+                    .map_err(err("read the compute capability"))?;
+                let (_, archs) = nvrtc::info().map_err(|e| BackendError(format!("NVRTC: {e}")))?;
+                let target = nvrtc::choose_target((10 * major + minor).max(0) as u32, &archs)
+                    .map_err(|e| BackendError(format!("NVRTC: {e}")))?;
+                let name = if T::BF16 {
+                    "pipec_bf16.cu"
+                } else {
+                    "pipec_f32.cu"
+                };
+                let image = nvrtc::compile(&kernels::source(T::BF16), name, target)
+                    .map_err(BackendError)?;
+                let module = ctx
+                    .load_module(image.into_module_source())
+                    .map_err(err(&format!("load the kernel module ({target})")))?;
+                Ok(Kernels {
+                    $($name: module
+                        .load_function(stringify!($name))
+                        .map_err(err(stringify!($name)))?,)+
+                    _t: std::marker::PhantomData,
+                })
+            }
+
+            $(launch_fn!(@ $(#[$doc])* $name [] [] [] $($params)+);)+
+        }
+    };
+}
+kernels::kernel_table!(kernels_struct);
 
 /// A tensor that travels between stages (the GPU twin of [`model::Tensor`]).
 pub enum GTensor<T> {
@@ -188,18 +249,9 @@ pub type ByMicrobatch<T> = Vec<(u32, GGrads<T>)>;
 pub struct Dev<T> {
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
-    pub k: Arc<Kernels>,
+    pub k: Arc<Kernels<T>>,
     pub cfg: ModelConfig,
     _t: std::marker::PhantomData<T>,
-}
-
-macro_rules! launch {
-    ($dev:expr, $name:expr, $n:expr, [$($arg:expr),* $(,)?]) => {{
-        let func = $dev.k.get($name);
-        let mut b = $dev.stream.launch_builder(func);
-        $( b.arg($arg); )*
-        unsafe { b.launch(grid($n)) }.map_err(err($name))?;
-    }};
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -219,7 +271,7 @@ fn i32of(n: usize, what: &str) -> Result<i32, BackendError> {
 impl<T: Elem> Dev<T> {
     pub fn new(
         stream: Arc<CudaStream>,
-        k: Arc<Kernels>,
+        k: Arc<Kernels<T>>,
         cfg: ModelConfig,
     ) -> Result<Self, BackendError> {
         let blas = CudaBlas::new(stream.clone()).map_err(err("create a cuBLAS handle"))?;
@@ -316,7 +368,8 @@ impl<T: Elem> Dev<T> {
     ) -> Result<CudaSlice<T>, BackendError> {
         let mut out = self.zeros::<T>(cols)?;
         let (r, c) = (i32of(rows, "rows")?, i32of(cols, "cols")?);
-        launch!(self, "col_sums", cols, [a, &mut out, &r, &c]);
+        // SAFETY: `a` holds `rows * cols` elements, `out` `cols`.
+        unsafe { self.k.col_sums(&self.stream, grid(cols), a, &mut out, r, c) }?;
         Ok(out)
     }
 
@@ -351,7 +404,11 @@ impl<T: Elem> Dev<T> {
             x = match (l.kind, x) {
                 (LayerKind::Embedding, GTensor::Tokens(tok)) => {
                     let mut out = self.zeros::<T>(s * h)?;
-                    launch!(self, "embed_fwd", s * h, [&p[0], &tok, &mut out, &si, &hi]);
+                    // SAFETY: `tok` holds `s` ids below `vocab`, `out` `s * h` elements.
+                    unsafe {
+                        self.k
+                            .embed_fwd(&self.stream, grid(s * h), &p[0], &tok, &mut out, si, hi)
+                    }?;
                     stash.push(GStash::Embedding {
                         tokens: tok,
                         step,
@@ -362,45 +419,68 @@ impl<T: Elem> Dev<T> {
                 (LayerKind::Decoder | LayerKind::Mtp, GTensor::Hidden(xin)) => {
                     let mut hh = self.mm(&xin, false, &p[0], false, s, f, h)?;
                     let mut a = self.zeros::<T>(s * f)?;
-                    launch!(
-                        self,
-                        "bias_gelu_fwd",
-                        s * f,
-                        [&mut hh, &mut a, &p[1], &si, &fi]
-                    );
+                    // SAFETY: `hh` and `a` hold `s * f` elements, `p[1]` `f`.
+                    unsafe {
+                        self.k.bias_gelu_fwd(
+                            &self.stream,
+                            grid(s * f),
+                            &mut hh,
+                            &mut a,
+                            &p[1],
+                            si,
+                            fi,
+                        )
+                    }?;
                     let mut y = self.mm(&a, false, &p[2], false, s, h, f)?;
-                    launch!(
-                        self,
-                        "add_bias_residual",
-                        s * h,
-                        [&mut y, &xin, &p[3], &si, &hi]
-                    );
+                    // SAFETY: `y` and `xin` hold `s * h` elements, `p[3]` `h`.
+                    unsafe {
+                        self.k.add_bias_residual(
+                            &self.stream,
+                            grid(s * h),
+                            &mut y,
+                            &xin,
+                            &p[3],
+                            si,
+                            hi,
+                        )
+                    }?;
                     stash.push(GStash::Block { x: xin, h: hh, a });
                     GTensor::Hidden(y)
                 }
                 (LayerKind::Loss, GTensor::Hidden(xin)) => {
                     let mut z = self.mm(&xin, false, &p[0], false, s, v, h)?;
-                    launch!(self, "add_bias", s * v, [&mut z, &p[1], &si, &vi]);
+                    // SAFETY: `z` holds `s * v` elements, `p[1]` `v`.
+                    unsafe {
+                        self.k
+                            .add_bias(&self.stream, grid(s * v), &mut z, &p[1], si, vi)
+                    }?;
                     let targets = self.upload_u32(&model::targets(&self.cfg, step, mb))?;
                     let mut row_loss = self.zeros::<f32>(s)?;
                     let threads = v.next_power_of_two().clamp(32, 1024) as u32;
-                    let func = self.k.get("softmax_xent_fwd");
-                    let mut b = self.stream.launch_builder(func);
-                    b.arg(&mut z)
-                        .arg(&targets)
-                        .arg(&mut row_loss)
-                        .arg(&si)
-                        .arg(&vi);
+                    let rows = LaunchConfig {
+                        grid_dim: (s as u32, 1, 1),
+                        block_dim: (threads, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: one block of a power of two, at most 1024, threads per row; `z`
+                    // holds `s * v` elements, `targets` and `row_loss` `s`.
                     unsafe {
-                        b.launch(LaunchConfig {
-                            grid_dim: (s as u32, 1, 1),
-                            block_dim: (threads, 1, 1),
-                            shared_mem_bytes: 0,
-                        })
-                    }
-                    .map_err(err("softmax_xent_fwd"))?;
+                        self.k.softmax_xent_fwd(
+                            &self.stream,
+                            rows,
+                            &mut z,
+                            &targets,
+                            &mut row_loss,
+                            si,
+                            vi,
+                        )
+                    }?;
                     let mut loss = self.zeros::<f32>(1)?;
-                    launch!(self, "loss_mean", 1, [&row_loss, &mut loss, &si]);
+                    // SAFETY: `row_loss` holds `s` elements, `loss` one.
+                    unsafe {
+                        self.k
+                            .loss_mean(&self.stream, grid(1), &row_loss, &mut loss, si)
+                    }?;
                     stash.push(GStash::Head {
                         x: xin,
                         probs: z,
@@ -452,12 +532,19 @@ impl<T: Elem> Dev<T> {
                     // The CPU's `scale / rows` with `scale = 1 / M`, in f32.
                     let k = (1.0f32 / microbatches as f32) / s as f32;
                     let mut dl = self.zeros::<T>(s * v)?;
-                    launch!(
-                        self,
-                        "xent_bwd",
-                        s * v,
-                        [probs, targets, &mut dl, &k, &si, &vi]
-                    );
+                    // SAFETY: `probs` and `dl` hold `s * v` elements, `targets` `s`.
+                    unsafe {
+                        self.k.xent_bwd(
+                            &self.stream,
+                            grid(s * v),
+                            probs,
+                            targets,
+                            &mut dl,
+                            k,
+                            si,
+                            vi,
+                        )
+                    }?;
                     let dx = self.mm(&dl, false, &p[0], true, s, h, v)?;
                     partial.push(GPartial::Head { dlogits: dl });
                     GTensor::Hidden(dx)
@@ -465,10 +552,12 @@ impl<T: Elem> Dev<T> {
                 (GStash::Block { h: hh, .. }, GTensor::Hidden(dy)) => {
                     let mut dh = self.mm(&dy, false, &p[2], true, s, f, h)?;
                     let n = i32of(s * f, "seq*ffn")?;
-                    launch!(self, "gelu_bwd", s * f, [&mut dh, hh, &n]);
+                    // SAFETY: `dh` and `hh` hold `s * f` elements.
+                    unsafe { self.k.gelu_bwd(&self.stream, grid(s * f), &mut dh, hh, n) }?;
                     let mut dx = self.mm(&dh, false, &p[0], true, s, h, f)?;
                     let n = i32of(s * h, "seq*hidden")?;
-                    launch!(self, "add_into", s * h, [&mut dx, &dy, &n]);
+                    // SAFETY: `dx` and `dy` hold `s * h` elements.
+                    unsafe { self.k.add_into(&self.stream, grid(s * h), &mut dx, &dy, n) }?;
                     partial.push(GPartial::Block { dy, dh });
                     GTensor::Hidden(dx)
                 }
@@ -527,12 +616,21 @@ impl<T: Elem> Dev<T> {
                     let segs = plan.segs();
                     let mut g = self.zeros::<T>(v * h)?;
                     let segi = i32of(segs, "distinct tokens")?;
-                    launch!(
-                        self,
-                        "embed_bwd",
-                        segs * h,
-                        [&mut g, tokens, &order, &starts, dy, &segi, &hi]
-                    );
+                    // SAFETY: `g` holds `v * h` elements and `dy` `s * h`; `order`, `starts`
+                    // are `tokens`' plan (`segs` runs over its `s` positions).
+                    unsafe {
+                        self.k.embed_bwd(
+                            &self.stream,
+                            grid(segs * h),
+                            &mut g,
+                            tokens,
+                            &order,
+                            &starts,
+                            dy,
+                            segi,
+                            hi,
+                        )
+                    }?;
                     vec![g]
                 }
                 (GStash::Block { x, a, .. }, GPartial::Block { dy, dh }) => vec![
@@ -566,7 +664,8 @@ impl<T: Elem> Dev<T> {
             for (s, g) in sl.iter_mut().zip(gl) {
                 let n = i32of(g.len(), "gradient size")?;
                 let len = g.len();
-                launch!(self, "accum", len, [s, g, &n]);
+                // SAFETY: `s` and `g` are the same tensor's, of `len` elements.
+                unsafe { self.k.accum(&self.stream, grid(len), s, g, n) }?;
             }
         }
         Ok(())
@@ -583,7 +682,8 @@ impl<T: Elem> Dev<T> {
             for (w, g) in l.tensors.iter_mut().zip(gl) {
                 let n = i32of(w.len(), "weight size")?;
                 let len = w.len();
-                launch!(self, "sgd", len, [w, g, &lr, &n]);
+                // SAFETY: `w` and `g` are the same tensor's, of `len` elements.
+                unsafe { self.k.sgd(&self.stream, grid(len), w, g, lr, n) }?;
             }
         }
         Ok(())

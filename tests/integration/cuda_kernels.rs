@@ -16,14 +16,18 @@
 //! The driver is built once per element type into `target/<profile>/cuda_emu/`, under a key made
 //! of its inputs, so later test runs reuse it. Without a C++ compiler (`CXX`, `c++`, `g++` or
 //! `clang++`) the emulated tests print a skip line and pass, except under `CI=true`, where they
-//! fail. The static check of model.rs's launches always runs.
+//! fail.
+//!
+//! model.rs launches each kernel through a typed function generated, with the kernel's C
+//! prototype, from its row of `kernels::kernel_table!`; pipec-cuda's unit tests check every
+//! prototype against the source, so no test here reads model.rs as text.
 
 use ndarray::{Array2, ArrayView2};
 use pipec_cuda::kernels;
 use pipec_runtime::model::{self, GradAccum, Layer, ModelConfig, SplitMix64, Stage};
 use pipec_schedules::layout::LayerKind;
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -905,7 +909,7 @@ fn dev_sgd(e: &Emu, grids: Grids, w: &Array2<f32>, sum: &[f32], lr: f32) -> Vec<
         .vals(0)
 }
 
-// ---- the driver and model.rs against the kernel source --------------------------------------
+// ---- the driver against the kernel table -----------------------------------------------------
 
 #[test]
 fn the_driver_dispatches_every_kernel_of_names_and_nothing_else() {
@@ -923,231 +927,6 @@ fn the_driver_dispatches_every_kernel_of_names_and_nothing_else() {
             table, names,
             "driver.cpp's TABLE must list exactly kernels::NAMES"
         );
-    }
-}
-
-/// A kernel parameter's C type, as far as the launch check needs it.
-#[derive(Debug, PartialEq, Eq)]
-enum Param {
-    Int,
-    Float,
-    Ptr { u32: bool, written: bool },
-}
-
-/// `name -> [(parameter name, kind)]` for every `__global__` function of [`kernels::SOURCE`].
-fn kernel_signatures() -> BTreeMap<String, Vec<(String, Param)>> {
-    let mut sigs = BTreeMap::new();
-    for part in kernels::SOURCE
-        .split("extern \"C\" __global__ void ")
-        .skip(1)
-    {
-        let (name, rest) = part.split_once('(').unwrap();
-        let params = rest.split_once(')').unwrap().0;
-        let params = params
-            .split(',')
-            .map(|p| {
-                let p = p.trim();
-                let (ty, pname) = p.rsplit_once([' ', '*']).unwrap();
-                let kind = if p.contains('*') {
-                    Param::Ptr {
-                        u32: ty.contains("unsigned int"),
-                        written: !ty.starts_with("const "),
-                    }
-                } else if ty == "int" {
-                    Param::Int
-                } else if ty == "float" {
-                    Param::Float
-                } else {
-                    panic!("{name}: parameter `{p}` of a type the check does not know")
-                };
-                (pname.to_string(), kind)
-            })
-            .collect();
-        sigs.insert(name.to_string(), params);
-    }
-    sigs
-}
-
-/// The text between `open` (at `s[0]`) and its matching close, and the rest after it.
-fn balanced(s: &str) -> (&str, &str) {
-    let mut depth = 0;
-    for (i, ch) in s.char_indices() {
-        match ch {
-            '(' | '[' => depth += 1,
-            ')' | ']' => {
-                depth -= 1;
-                if depth == 0 {
-                    return (&s[1..i], &s[i + 1..]);
-                }
-            }
-            _ => {}
-        }
-    }
-    panic!("unbalanced: {s}")
-}
-
-/// Split at the commas outside brackets, trimming whitespace.
-fn top_level_split(s: &str) -> Vec<String> {
-    let (mut out, mut cur, mut depth) = (Vec::new(), String::new(), 0);
-    for ch in s.chars() {
-        match ch {
-            '(' | '[' => depth += 1,
-            ')' | ']' => depth -= 1,
-            ',' if depth == 0 => {
-                out.push(cur.split_whitespace().collect::<Vec<_>>().join(" "));
-                cur.clear();
-                continue;
-            }
-            _ => {}
-        }
-        cur.push(ch);
-    }
-    let last = cur.split_whitespace().collect::<Vec<_>>().join(" ");
-    if !last.is_empty() {
-        out.push(last);
-    }
-    out
-}
-
-/// Every kernel launch in model.rs: `launch!(self, "name", n, [args])` and the launch-builder
-/// chain `self.k.get("name") ... .arg(x) ... launch(`. Returns `(kernel, argument expressions)`.
-fn model_rs_launches(src: &str) -> Vec<(String, Vec<String>)> {
-    let mut found = Vec::new();
-    for (at, _) in src.match_indices("launch!(") {
-        let (inner, _) = balanced(&src[at + "launch!".len()..]);
-        let name = inner.split('"').nth(1).expect("kernel name").to_string();
-        let list = &inner[inner.find('[').expect("argument list")..];
-        let (args, _) = balanced(list);
-        found.push((name, top_level_split(args)));
-    }
-    for (at, _) in src.match_indices("self.k.get(\"") {
-        let rest = &src[at + "self.k.get(\"".len()..];
-        let name = rest.split('"').next().unwrap().to_string();
-        let chain = &rest[..rest.find(".launch(").expect("the builder's launch")];
-        let args = chain
-            .match_indices(".arg(")
-            .map(|(i, _)| {
-                let (a, _) = balanced(&chain[i + ".arg".len()..]);
-                a.split_whitespace().collect::<Vec<_>>().join(" ")
-            })
-            .collect();
-        found.push((name, args));
-    }
-    found
-}
-
-const MODEL_RS: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../cuda/src/model.rs"));
-
-/// Read model.rs's launches against the kernels' C signatures: as many arguments as
-/// parameters; `int` parameters get the i32 sizes model.rs makes with `i32of` (`si`, `hi`,
-/// `vi`, `fi`, `r`, `c`, `n`, `segi`) and `float` ones `k` or `lr` (f32); a dimension parameter
-/// gets the matching size (`rows` the row count, `hidden` the hidden size, ...); token and
-/// embedding-plan buffers go to `unsigned int*` and nothing else does; a buffer the kernel writes is passed `&mut` (or as
-/// a `&mut` binding from `iter_mut`). Returns the kernels launched and the problems found.
-fn launch_problems(model_rs: &str) -> (BTreeSet<String>, Vec<String>) {
-    // model.rs's scalars: `let (si, hi, vi) = (i32of(s, ..)?, ..)`, `fi = i32of(f, ..)`,
-    // `(r, c) = (i32of(rows, ..)?, i32of(cols, ..)?)`, `n = i32of(..)`, `segi = i32of(segs,
-    // ..)`; `k` is `1.0f32 / ..` and `lr: f32`. u32 buffers: token ids and the embedding plan.
-    let i32s = ["si", "hi", "vi", "fi", "r", "c", "n", "segi"];
-    let f32s = ["k", "lr"];
-    let tokens = ["tok", "tokens", "targets", "order", "starts"];
-    // Which of model.rs's sizes each named kernel parameter may receive.
-    let dims: BTreeMap<&str, &[&str]> = BTreeMap::from([
-        ("rows", &["si", "r"][..]),
-        ("seq", &["si"][..]),
-        ("hidden", &["hi"][..]),
-        ("vocab", &["vi"][..]),
-        ("cols", &["hi", "fi", "vi", "c"][..]),
-        ("n", &["n"][..]),
-        ("segs", &["segi"][..]),
-        ("k", &["k"][..]),
-        ("lr", &["lr"][..]),
-    ]);
-    let sigs = kernel_signatures();
-    assert_eq!(sigs.len(), kernels::NAMES.len());
-    let mut launched = BTreeSet::new();
-    let mut problems = Vec::new();
-    for (name, args) in model_rs_launches(model_rs) {
-        let Some(params) = sigs.get(&name) else {
-            problems.push(format!(
-                "model.rs launches `{name}`, which SOURCE does not define"
-            ));
-            continue;
-        };
-        launched.insert(name.clone());
-        if args.len() != params.len() {
-            problems.push(format!(
-                "{name}: {} arguments {args:?}, the kernel takes {}",
-                args.len(),
-                params.len()
-            ));
-            continue;
-        }
-        for (k, (arg, (pname, param))) in args.iter().zip(params).enumerate() {
-            let mutable = arg.starts_with("&mut ");
-            let ident = arg.trim_start_matches("&mut ").trim_start_matches('&');
-            let by_ref = arg.starts_with('&');
-            let bad = match param {
-                Param::Int => !(by_ref && i32s.contains(&ident)),
-                Param::Float => !(by_ref && f32s.contains(&ident)),
-                Param::Ptr { u32, written } => {
-                    i32s.contains(&ident)
-                        || f32s.contains(&ident)
-                        || *u32 != tokens.contains(&ident)
-                        || (*written && !mutable && arg.contains('&'))
-                }
-            };
-            let wrong_dim = matches!(param, Param::Int | Param::Float)
-                && dims
-                    .get(pname.as_str())
-                    .is_some_and(|ok| !ok.contains(&ident));
-            if bad || wrong_dim {
-                problems.push(format!(
-                    "{name}: argument {k} `{arg}` for parameter `{pname}` ({param:?})"
-                ));
-            }
-        }
-    }
-    (launched, problems)
-}
-
-/// Every launch in model.rs passes what its kernel declares. Runs without a compiler: it reads
-/// source text.
-#[test]
-fn launches_in_model_rs_match_the_kernel_signatures() {
-    let (launched, problems) = launch_problems(MODEL_RS);
-    assert!(problems.is_empty(), "{problems:#?}");
-    // Not vacuous: the parse found a launch of every kernel but `to_f32`, which model.rs
-    // compiles and loads but never launches.
-    let unlaunched: Vec<_> = kernels::NAMES
-        .iter()
-        .filter(|n| !launched.contains(**n))
-        .collect();
-    assert_eq!(unlaunched, [&"to_f32"], "kernels model.rs does not launch");
-}
-
-/// The static check passes a correct launch and fails on plausible slips: swapped sizes, a
-/// missing argument, a written buffer passed by shared reference, swapped scalars, a size where
-/// a token buffer goes (in the launch-builder form), a kernel SOURCE does not define.
-#[test]
-fn the_launch_check_catches_slips() {
-    let right = r#"launch!(self, "embed_fwd", s * h, [&p[0], &tok, &mut out, &si, &hi]);"#;
-    let (launched, problems) = launch_problems(right);
-    assert!(problems.is_empty(), "{problems:?}");
-    assert_eq!(launched.into_iter().collect::<Vec<_>>(), ["embed_fwd"]);
-    let slips = [
-        r#"launch!(self, "embed_fwd", s * h, [&p[0], &tok, &mut out, &hi, &si]);"#,
-        r#"launch!(self, "gelu_bwd", s * f, [&mut dh, hh]);"#,
-        r#"launch!(self, "add_into", s * h, [&dx, &dy, &n]);"#,
-        r#"launch!(self, "xent_bwd", s * v, [probs, targets, &mut dl, &si, &k, &vi]);"#,
-        r#"let func = self.k.get("softmax_xent_fwd");
-           b.arg(&mut z).arg(&si).arg(&mut row_loss).arg(&si).arg(&vi);
-           unsafe { b.launch(cfg) }"#,
-        r#"launch!(self, "softmax", s, [&mut z]);"#,
-    ];
-    for slip in slips {
-        let (_, problems) = launch_problems(slip);
-        assert!(!problems.is_empty(), "passes the check: {slip}");
     }
 }
 
