@@ -1,6 +1,6 @@
 //! The kinds table: one row per [`ScheduleKind`], from which every per-kind fact is read.
 //!
-//! Each row of [`kinds!`] gives a kind's [`KindRow`] (its variant and name are the enum's, in
+//! Each row of `kinds!` gives a kind's [`KindRow`] (its variant and name are the enum's, in
 //! the leaf `kind.rs`): how many chunks per rank it takes, its placement, the P2P placement
 //! lowering follows, its generator, its flags, the line `pipec schedules` prints, the rules it
 //! checks beyond the common ones and what the tuner weighs of it. Code elsewhere asks the row
