@@ -14,7 +14,7 @@
 //! only when one rank's `f + b + w` times it is less than the whole pipeline's forward (never
 //! with equal costs per rank, nor with first and last ranks 1.5 times as heavy).
 
-use crate::kinds::SearchQuery;
+use crate::kind::SearchQuery;
 use crate::op::{Compute, Pass, Task};
 use crate::order::{rank_orders, RankOrder};
 use crate::spec::{ScheduleSpec, SpecError};

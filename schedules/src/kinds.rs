@@ -1,342 +1,268 @@
-//! The schedule kinds: one table, from which the [`ScheduleKind`] enum, its names and every
-//! per-kind fact are read.
+//! The kinds table: one row per [`ScheduleKind`], from which every per-kind fact is read.
 //!
-//! Each row of [`kinds!`] names a kind (its variant and its name on the command line and in
-//! files) and gives its [`KindRow`]: how many chunks per rank it takes, its placement, the
-//! P2P placement lowering follows, its generator, its flags, the line `pipec schedules`
-//! prints, the rules it checks beyond the common ones and what the tuner weighs of it. Code
-//! elsewhere asks the row (`kind.row()`) and never matches on a kind, so adding a kind is a
-//! family file (the generator and its rules, with its `mod` line in `lib.rs`), one row here
-//! and one row in the README's schedule table; `docs/schedules.md`, "Adding a kind", says how.
+//! Each row of `kinds!` gives a kind's [`KindRow`] (its variant and name are the enum's, in
+//! the leaf `kind.rs`): how many chunks per rank it takes, its placement, the P2P placement
+//! lowering follows, its generator, its flags, the line `pipec schedules` prints, the rules it
+//! checks beyond the common ones and what the tuner weighs of it. Code elsewhere asks the row
+//! (`kind.row()`) and never matches on a kind, so adding a kind is a family file (the
+//! generator and its rules, with its `mod` line in `lib.rs`), its variant and name in
+//! `kind.rs`, one row here and one row in the README's schedule table; `docs/schedules.md`,
+//! "Adding a kind", says how.
+//!
+//! The table sits above the families it names: they and the spec read the vocabulary from
+//! `kind.rs`, never from here.
 
+pub use crate::kind::{ChunkRule, Flags, MegatronLoop, ScheduleKind, SearchQuery, SearchSpace};
+
+use crate::kind::N;
 use crate::order::RankOrder;
 use crate::placement::Placement;
 use crate::schedule::CommPolicy;
 use crate::spec::{ScheduleSpec, SpecError};
-use serde::{Deserialize, Serialize};
 
-/// The table. `$m!` receives the rows: `Variant "name" { KindRow fields but kind and name }`.
-/// The enum's variants follow the rows' order, which is also the order `pipec schedules`
-/// lists them in and the order the tuner weighs them in (a tie goes to the earlier row), so
-/// rows are appended.
+/// The table: `Variant { KindRow fields but kind and name }`, one row per variant of
+/// [`ScheduleKind`] in its order, which is also the order `pipec schedules` lists them in and
+/// the order the tuner weighs them in (a tie goes to the earlier row), so rows are appended.
+/// Writes [`KINDS`]; a row missing, extra or out of the enum's order does not build.
 macro_rules! kinds {
-    ($m:ident) => {
-        $m! {
-            Gpipe "gpipe" {
-                chunks: ChunkRule::One,
-                placement: looped,
-                comm: lockstep,
-                generate: crate::gpipe::orders,
-                flags: Flags::NONE,
-                megatron: None,
-                summary: "all forwards, then all backwards",
-                params: "pp, microbatches; vpp = 1",
-                source: "GPipe (Huang et al., 2019); torch ScheduleGPipe",
-                validate: no_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            // Megatron runs combined 1F1B only from its interleaved loop; `1f1b --combined`
-            // takes that loop's P2P placement too (one batch after each step, a `fwd_bwd` one
-            // step).
-            OneFOneB "1f1b" {
-                chunks: ChunkRule::One,
-                placement: looped,
-                comm: crate::megatron::one_f_one_b_comm,
-                generate: crate::megatron::one_f_one_b,
-                flags: Flags { combined: true, ..Flags::NONE },
-                megatron: Some(MegatronLoop::NonInterleaved),
-                summary: "warmup forwards, steady one-forward-one-backward, cooldown backwards",
-                params: "pp, microbatches; vpp = 1; combined fuses steady pairs into fwd_bwd",
-                source: "PipeDream-Flush; Megatron forward_backward_pipelining_without_interleaving",
-                validate: crate::megatron::one_f_one_b_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            Interleaved1F1B "interleaved-1f1b" {
-                chunks: ChunkRule::Any,
-                placement: looped,
-                comm: crate::megatron::interleaved_comm,
-                generate: crate::megatron::interleaved,
-                flags: Flags { combined: true, group_size: true, ..Flags::NONE },
-                megatron: Some(MegatronLoop::Interleaved),
-                summary: "1F1B over vpp model chunks per rank, Megatron's exact order",
-                params: "pp, vpp, microbatches, group size (default pp; pp <= g <= M); combined fuses steady pairs into fwd_bwd",
-                source: "Narayanan et al., 2021; Megatron forward_backward_pipelining_with_interleaving",
-                validate: crate::megatron::interleaved_rules,
-                vpp_required: Some("one chunk per rank is Megatron's non-interleaved schedule, 1f1b"),
-                aliases: &[],
-                tune: Tune { groups: crate::megatron::interleaved_groups, ..Tune::PLAIN },
-            }
-            LoopedBfs "looped-bfs" {
-                chunks: ChunkRule::Any,
-                placement: looped,
-                comm: lockstep,
-                generate: crate::looped_bfs::orders,
-                flags: Flags::NONE,
-                megatron: None,
-                summary: "each chunk runs all microbatches forward, then backward in reverse",
-                params: "pp, vpp, microbatches",
-                source: "Lamy-Poirier, Breadth-First Pipeline Parallelism (2022); torch ScheduleLoopedBFS",
-                validate: no_rules,
-                vpp_required: Some("give vpp = 1 explicitly for one chunk per rank"),
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            // Fused per op is deadlock-free for ZB-H1 and costs it no time (checked over a grid
-            // by tests/integration/schedules.rs). It deadlocks for ZB-H2 (its doubled warmup
-            // offset pairs a rank's activation send with a gradient its neighbour sends one
-            // batch earlier), zb-v, v-half, v-min, dualpipe and dualpipe-v, and slows ZB-1P
-            // down; those use the lockstep rounds, deadlock-free for any valid order.
-            ZbH1 "zb-h1" {
-                chunks: ChunkRule::One,
-                placement: looped,
-                comm: fused_per_op,
-                generate: crate::zero_bubble::zb_h1,
-                flags: Flags { splits_backward: true, ..Flags::NONE },
-                megatron: None,
-                summary: "1F1B with split backward; the first W passes wait so B passes flow (1F1B memory, ~1/3 of its bubble)",
-                params: "pp, microbatches; vpp = 1",
-                source: "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H1; sail-sg zb-h1-quick-start",
-                validate: no_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            ZbH2 "zb-h2" {
-                chunks: ChunkRule::One,
-                placement: looped,
-                comm: lockstep,
-                generate: crate::zero_bubble::zb_h2,
-                flags: Flags { splits_backward: true, ..Flags::NONE },
-                megatron: None,
-                summary: "split backward with 2(pp-1-r) warmup forwards: parallelogram, ~zero bubble at ~2x 1F1B memory",
-                params: "pp, microbatches; vpp = 1",
-                source: "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
-                validate: no_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            Zb1P "zb-1p" {
-                chunks: ChunkRule::One,
-                placement: looped,
-                comm: lockstep,
-                generate: crate::zero_bubble::zb_1p,
-                flags: Flags { splits_backward: true, ..Flags::NONE },
-                megatron: None,
-                summary: "one-pass zero bubble: 1F1B warmup, then F and bwd_D, with each rank's bwd_W passes delayed by its rank",
-                params: "pp, microbatches; vpp = 1",
-                source: "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
-                validate: no_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            ZbV "zb-v" {
-                chunks: ChunkRule::TwoV,
-                placement: v_shape,
-                comm: lockstep,
-                generate: crate::v_shape::zb_v,
-                flags: Flags { splits_backward: true, ..Flags::NONE },
-                megatron: None,
-                summary: "zero bubble on a V placement, two chunks per rank, 1F1B memory",
-                params: "pp, microbatches; vpp = 2 (fixed)",
-                source: "Qi et al. (2024) ZB-V; torch ScheduleZBVZeroBubble",
-                validate: no_rules,
-                vpp_required: None,
-                // torch's and torchtitan's name, which does not fold to pipec's.
-                aliases: &["zbvzerobubble"],
-                tune: Tune::PLAIN,
-            }
-            VHalf "v-half" {
-                chunks: ChunkRule::TwoV,
-                placement: v_shape,
-                comm: lockstep,
-                generate: crate::v_shape::v_half,
-                flags: Flags { splits_backward: true, ..Flags::NONE },
-                megatron: None,
-                summary: "V placement building block schedule at about half of 1F1B's activation memory",
-                params: "pp, microbatches; vpp = 2 (fixed)",
-                source: "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Half; sail-sg zbv_greedy.py",
-                validate: no_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            VMin "v-min" {
-                chunks: ChunkRule::TwoV,
-                placement: v_shape,
-                comm: lockstep,
-                generate: crate::v_shape::v_min,
-                flags: Flags { splits_backward: true, ..Flags::NONE },
-                megatron: None,
-                summary: "V placement building block schedule at about a third of 1F1B's activation memory",
-                params: "pp, microbatches; vpp = 2 (fixed)",
-                source: "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Min; sail-sg zbv_greedy.py",
-                validate: no_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            DualPipe "dualpipe" {
-                chunks: ChunkRule::One,
-                placement: crate::dualpipe::placement,
-                comm: lockstep,
-                generate: crate::dualpipe::dualpipe,
-                flags: Flags { splits_backward: true, same_peer_batches: true, ..Flags::NONE },
-                megatron: None,
-                summary: "bidirectional: half the microbatches enter at each end, overlapped F&B chunks; parameters 2x",
-                params: "pp (even), microbatches (even, >= 2 pp); vpp = 1",
-                source: "DeepSeek-V3 report (2024); deepseek-ai/DualPipe dualpipe.py",
-                validate: crate::dualpipe::dualpipe_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            DualPipeV "dualpipe-v" {
-                chunks: ChunkRule::TwoV,
-                placement: v_shape,
-                comm: lockstep,
-                generate: crate::dualpipe::dualpipe_v,
-                flags: Flags { splits_backward: true, same_peer_batches: true, ..Flags::NONE },
-                megatron: None,
-                summary: "DualPipe folded onto a V placement (two chunks per rank), overlapped F&B chunks",
-                params: "pp, microbatches (>= 2 pp); vpp = 2 (fixed)",
-                source: "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
-                validate: crate::dualpipe::dualpipe_v_rules,
-                vpp_required: None,
-                aliases: &[],
-                tune: Tune::PLAIN,
-            }
-            // PipeOffload's runtime posts its own P2P; lockstep rounds are deadlock-free for
-            // any valid order. The tuner lowers it as that runtime runs it (timed, in flight)
-            // and always tries to fit it with the memory levers: the order their offload is
-            // built for (each bwd_W right after its bwd_D) is often the one that fits.
-            GroupInterleaved "group-interleaved" {
-                chunks: ChunkRule::Any,
-                placement: looped,
-                comm: lockstep,
-                generate: crate::group_interleaved::orders,
-                flags: Flags { splits_backward: true, group_size: true, ..Flags::NONE },
-                megatron: None,
-                summary: "interleaved 1F1B over groups of g microbatches with split backward, each bwd_W right after its bwd_D: the schedule PipeOffload offloads",
-                params: "pp, vpp, microbatches, group size (default pp; 1 <= g <= pp)",
-                source: "Wan et al., PipeOffload (ICML 2025); sail-sg group_interleaved_1f1b.py GroupBuildingBlockScheduler",
-                validate: crate::group_interleaved::rules,
-                vpp_required: Some("give vpp = 1 explicitly for one chunk per rank"),
-                aliases: &[],
-                tune: Tune {
-                    groups: crate::group_interleaved::tune_groups,
-                    timed: true,
-                    levers_always: true,
-                },
-            }
-        }
-    };
-}
-
-/// Writes the enum, [`ScheduleKind::ALL`] and [`KINDS`] from the rows.
-macro_rules! write_kinds {
-    ($( $(#[$doc:meta])* $variant:ident $name:literal { $($field:tt)* } )*) => {
-        /// The schedule families pipec generates: one variant per row of the kinds table.
-        #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-        pub enum ScheduleKind {
-            $( $(#[$doc])* #[serde(rename = $name)] $variant, )*
-        }
-
-        /// Number of kinds.
-        const N: usize = [$($name),*].len();
-
-        impl ScheduleKind {
-            /// Every kind, in the table's order.
-            pub const ALL: [ScheduleKind; N] = [$(ScheduleKind::$variant),*];
-        }
-
+    ($( $variant:ident { $($field:tt)* } )*) => {
         /// The kinds table: row `i` describes `ScheduleKind::ALL[i]`.
         pub static KINDS: [KindRow; N] = [$(
-            KindRow { kind: ScheduleKind::$variant, name: $name, $($field)* }
+            KindRow {
+                kind: ScheduleKind::$variant,
+                name: ScheduleKind::NAMES[ScheduleKind::$variant as usize],
+                $($field)*
+            }
         ),*];
+
+        // The rows follow the enum's order.
+        const _: () = {
+            let mut i = 0;
+            $(
+                assert!(
+                    ScheduleKind::$variant as usize == i,
+                    "the kinds table's rows follow ScheduleKind's variants"
+                );
+                i += 1;
+            )*
+            assert!(i == N);
+        };
     };
 }
 
-kinds!(write_kinds);
-
-/// How many model chunks (stages) per rank a kind takes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum ChunkRule {
-    /// Exactly one (vpp = 1).
-    One,
-    /// Any number (`--vpp`).
-    Any,
-    /// Exactly two, folded into a V (stage `s` and `2pp-1-s` on rank `s`).
-    TwoV,
-}
-
-/// What a kind does beyond generating its orders, as yes/no facts.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Flags {
-    /// It splits backward into `bwd_D` and `bwd_W` somewhere (three passes per task).
-    pub splits_backward: bool,
-    /// `--combined` (Megatron's combined 1F1B) applies.
-    pub combined: bool,
-    /// `--group-size` applies.
-    pub group_size: bool,
-    /// The kind's own loop posts both directions of a step in one batch (DualPipe's
-    /// `_commit_and_wait_comm`), so batches carrying two tensors for one peer are the kind's,
-    /// not the user's to fix: `pipec compile` says so in one note instead of warnings.
-    pub same_peer_batches: bool,
-}
-
-impl Flags {
-    /// Every flag off.
-    pub const NONE: Flags = Flags {
-        splits_backward: false,
-        combined: false,
-        group_size: false,
-        same_peer_batches: false,
-    };
-}
-
-/// Megatron-LM's two pipelined schedule loops (`megatron/core/pipeline_parallel/schedules.py`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum MegatronLoop {
-    /// `forward_backward_pipelining_without_interleaving` (one chunk per rank).
-    NonInterleaved,
-    /// `forward_backward_pipelining_with_interleaving` (model chunks, group size).
-    Interleaved,
-}
-
-impl MegatronLoop {
-    /// The loop's function name in megatron-core.
-    pub fn function(self) -> &'static str {
-        match self {
-            MegatronLoop::NonInterleaved => "forward_backward_pipelining_without_interleaving",
-            MegatronLoop::Interleaved => "forward_backward_pipelining_with_interleaving",
-        }
+kinds! {
+    Gpipe {
+        chunks: ChunkRule::One,
+        placement: looped,
+        comm: lockstep,
+        generate: crate::gpipe::orders,
+        flags: Flags::NONE,
+        megatron: None,
+        summary: "all forwards, then all backwards",
+        params: "pp, microbatches; vpp = 1",
+        source: "GPipe (Huang et al., 2019); torch ScheduleGPipe",
+        validate: no_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
     }
-}
-
-/// What the tuner asks a kind when it decides what to weigh.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct SearchQuery {
-    pub pp: u32,
-    pub microbatches: u32,
-    /// A large instance: weigh the common choices only, to stay within seconds.
-    pub big: bool,
-    /// The request has a memory limit.
-    pub memory_limit: bool,
-}
-
-/// The variants of a kind the tuner weighs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SearchSpace {
-    /// Chunks per rank.
-    pub vpps: Vec<u32>,
-    /// Group sizes, each weighed with every vpp (`None`: the kind's default).
-    pub groups: Vec<Option<u32>>,
+    // Megatron runs combined 1F1B only from its interleaved loop; `1f1b --combined`
+    // takes that loop's P2P placement too (one batch after each step, a `fwd_bwd` one
+    // step).
+    OneFOneB {
+        chunks: ChunkRule::One,
+        placement: looped,
+        comm: crate::megatron::one_f_one_b_comm,
+        generate: crate::megatron::one_f_one_b,
+        flags: Flags { combined: true, ..Flags::NONE },
+        megatron: Some(MegatronLoop::NonInterleaved),
+        summary: "warmup forwards, steady one-forward-one-backward, cooldown backwards",
+        params: "pp, microbatches; vpp = 1; combined fuses steady pairs into fwd_bwd",
+        source: "PipeDream-Flush; Megatron forward_backward_pipelining_without_interleaving",
+        validate: crate::megatron::one_f_one_b_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    Interleaved1F1B {
+        chunks: ChunkRule::Any,
+        placement: looped,
+        comm: crate::megatron::interleaved_comm,
+        generate: crate::megatron::interleaved,
+        flags: Flags { combined: true, group_size: true, ..Flags::NONE },
+        megatron: Some(MegatronLoop::Interleaved),
+        summary: "1F1B over vpp model chunks per rank, Megatron's exact order",
+        params: "pp, vpp, microbatches, group size (default pp; pp <= g <= M); combined fuses steady pairs into fwd_bwd",
+        source: "Narayanan et al., 2021; Megatron forward_backward_pipelining_with_interleaving",
+        validate: crate::megatron::interleaved_rules,
+        vpp_required: Some("one chunk per rank is Megatron's non-interleaved schedule, 1f1b"),
+        aliases: &[],
+        tune: Tune { groups: crate::megatron::interleaved_groups, ..Tune::PLAIN },
+    }
+    LoopedBfs {
+        chunks: ChunkRule::Any,
+        placement: looped,
+        comm: lockstep,
+        generate: crate::looped_bfs::orders,
+        flags: Flags::NONE,
+        megatron: None,
+        summary: "each chunk runs all microbatches forward, then backward in reverse",
+        params: "pp, vpp, microbatches",
+        source: "Lamy-Poirier, Breadth-First Pipeline Parallelism (2022); torch ScheduleLoopedBFS",
+        validate: no_rules,
+        vpp_required: Some("give vpp = 1 explicitly for one chunk per rank"),
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    // Fused per op is deadlock-free for ZB-H1 and costs it no time (checked over a grid
+    // by tests/integration/schedules.rs). It deadlocks for ZB-H2 (its doubled warmup
+    // offset pairs a rank's activation send with a gradient its neighbour sends one
+    // batch earlier), zb-v, v-half, v-min, dualpipe and dualpipe-v, and slows ZB-1P
+    // down; those use the lockstep rounds, deadlock-free for any valid order.
+    ZbH1 {
+        chunks: ChunkRule::One,
+        placement: looped,
+        comm: fused_per_op,
+        generate: crate::zero_bubble::zb_h1,
+        flags: Flags { splits_backward: true, ..Flags::NONE },
+        megatron: None,
+        summary: "1F1B with split backward; the first W passes wait so B passes flow (1F1B memory, ~1/3 of its bubble)",
+        params: "pp, microbatches; vpp = 1",
+        source: "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H1; sail-sg zb-h1-quick-start",
+        validate: no_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    ZbH2 {
+        chunks: ChunkRule::One,
+        placement: looped,
+        comm: lockstep,
+        generate: crate::zero_bubble::zb_h2,
+        flags: Flags { splits_backward: true, ..Flags::NONE },
+        megatron: None,
+        summary: "split backward with 2(pp-1-r) warmup forwards: parallelogram, ~zero bubble at ~2x 1F1B memory",
+        params: "pp, microbatches; vpp = 1",
+        source: "Qi et al., Zero Bubble Pipeline Parallelism (2024), ZB-H2",
+        validate: no_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    Zb1P {
+        chunks: ChunkRule::One,
+        placement: looped,
+        comm: lockstep,
+        generate: crate::zero_bubble::zb_1p,
+        flags: Flags { splits_backward: true, ..Flags::NONE },
+        megatron: None,
+        summary: "one-pass zero bubble: 1F1B warmup, then F and bwd_D, with each rank's bwd_W passes delayed by its rank",
+        params: "pp, microbatches; vpp = 1",
+        source: "Qi et al. (2024) ZB-1P; PP-schedule-visualizer generate_zero_bubble_1p_schedule; torch ScheduleInterleavedZeroBubble (one chunk)",
+        validate: no_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    ZbV {
+        chunks: ChunkRule::TwoV,
+        placement: v_shape,
+        comm: lockstep,
+        generate: crate::v_shape::zb_v,
+        flags: Flags { splits_backward: true, ..Flags::NONE },
+        megatron: None,
+        summary: "zero bubble on a V placement, two chunks per rank, 1F1B memory",
+        params: "pp, microbatches; vpp = 2 (fixed)",
+        source: "Qi et al. (2024) ZB-V; torch ScheduleZBVZeroBubble",
+        validate: no_rules,
+        vpp_required: None,
+        // torch's and torchtitan's name, which does not fold to pipec's.
+        aliases: &["zbvzerobubble"],
+        tune: Tune::PLAIN,
+    }
+    VHalf {
+        chunks: ChunkRule::TwoV,
+        placement: v_shape,
+        comm: lockstep,
+        generate: crate::v_shape::v_half,
+        flags: Flags { splits_backward: true, ..Flags::NONE },
+        megatron: None,
+        summary: "V placement building block schedule at about half of 1F1B's activation memory",
+        params: "pp, microbatches; vpp = 2 (fixed)",
+        source: "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Half; sail-sg zbv_greedy.py",
+        validate: no_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    VMin {
+        chunks: ChunkRule::TwoV,
+        placement: v_shape,
+        comm: lockstep,
+        generate: crate::v_shape::v_min,
+        flags: Flags { splits_backward: true, ..Flags::NONE },
+        megatron: None,
+        summary: "V placement building block schedule at about a third of 1F1B's activation memory",
+        params: "pp, microbatches; vpp = 2 (fixed)",
+        source: "Qi et al., Pipeline Parallelism with Controllable Memory (2024), V-Min; sail-sg zbv_greedy.py",
+        validate: no_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    DualPipe {
+        chunks: ChunkRule::One,
+        placement: crate::dualpipe::placement,
+        comm: lockstep,
+        generate: crate::dualpipe::dualpipe,
+        flags: Flags { splits_backward: true, same_peer_batches: true, ..Flags::NONE },
+        megatron: None,
+        summary: "bidirectional: half the microbatches enter at each end, overlapped F&B chunks; parameters 2x",
+        params: "pp (even), microbatches (even, >= 2 pp); vpp = 1",
+        source: "DeepSeek-V3 report (2024); deepseek-ai/DualPipe dualpipe.py",
+        validate: crate::dualpipe::dualpipe_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    DualPipeV {
+        chunks: ChunkRule::TwoV,
+        placement: v_shape,
+        comm: lockstep,
+        generate: crate::dualpipe::dualpipe_v,
+        flags: Flags { splits_backward: true, same_peer_batches: true, ..Flags::NONE },
+        megatron: None,
+        summary: "DualPipe folded onto a V placement (two chunks per rank), overlapped F&B chunks",
+        params: "pp, microbatches (>= 2 pp); vpp = 2 (fixed)",
+        source: "deepseek-ai/DualPipe dualpipev.py; torch ScheduleDualPipeV",
+        validate: crate::dualpipe::dualpipe_v_rules,
+        vpp_required: None,
+        aliases: &[],
+        tune: Tune::PLAIN,
+    }
+    // PipeOffload's runtime posts its own P2P; lockstep rounds are deadlock-free for
+    // any valid order. The tuner lowers it as that runtime runs it (timed, in flight)
+    // and always tries to fit it with the memory levers: the order their offload is
+    // built for (each bwd_W right after its bwd_D) is often the one that fits.
+    GroupInterleaved {
+        chunks: ChunkRule::Any,
+        placement: looped,
+        comm: lockstep,
+        generate: crate::group_interleaved::orders,
+        flags: Flags { splits_backward: true, group_size: true, ..Flags::NONE },
+        megatron: None,
+        summary: "interleaved 1F1B over groups of g microbatches with split backward, each bwd_W right after its bwd_D: the schedule PipeOffload offloads",
+        params: "pp, vpp, microbatches, group size (default pp; 1 <= g <= pp)",
+        source: "Wan et al., PipeOffload (ICML 2025); sail-sg group_interleaved_1f1b.py GroupBuildingBlockScheduler",
+        validate: crate::group_interleaved::rules,
+        vpp_required: Some("give vpp = 1 explicitly for one chunk per rank"),
+        aliases: &[],
+        tune: Tune {
+            groups: crate::group_interleaved::tune_groups,
+            timed: true,
+            levers_always: true,
+        },
+    }
 }
 
 /// The tuner's hooks: what it weighs of a kind and how.

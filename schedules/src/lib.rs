@@ -9,6 +9,7 @@ mod dualpipe;
 mod gpipe;
 mod group_interleaved;
 pub mod ids;
+pub mod kind;
 pub mod kinds;
 pub mod layout;
 mod looped_bfs;
@@ -23,9 +24,8 @@ mod v_shape;
 mod zero_bubble;
 
 pub use ids::{Microbatch, Rank, StageId};
-pub use kinds::{
-    ChunkRule, Flags, KindRow, MegatronLoop, ScheduleKind, SearchQuery, SearchSpace, Tune, KINDS,
-};
+pub use kind::{ChunkRule, Flags, MegatronLoop, ScheduleKind, SearchQuery, SearchSpace};
+pub use kinds::{KindRow, Tune, KINDS};
 pub use megatron_recompute::{megatron_partial_recompute, PartialRecomputeError, RankCheckpoints};
 pub use op::{Compute, Pass, Task};
 pub use order::RankOrder;

@@ -10,7 +10,7 @@
 //! [`Compute::FwdBwd`].
 
 use crate::ids::Rank;
-use crate::kinds::SearchQuery;
+use crate::kind::SearchQuery;
 use crate::op::{Compute, Task};
 use crate::order::RankOrder;
 use crate::schedule::CommPolicy;

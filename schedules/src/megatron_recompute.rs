@@ -37,7 +37,7 @@
 //! `combined_forward_backward_step` asserts it is `None`).
 
 use crate::ids::Rank;
-use crate::kinds::{MegatronLoop, ScheduleKind};
+use crate::kind::{MegatronLoop, ScheduleKind};
 use crate::megatron::{rank_microbatches, schedule_table};
 use crate::op::Task;
 use crate::spec::{Limits, ScheduleSpec, SpecError};

@@ -5,7 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 use thiserror::Error;
 
-use crate::kinds::{ChunkRule, MegatronLoop, ScheduleKind};
+use crate::kind::{ChunkRule, MegatronLoop, ScheduleKind};
 
 /// One row of `pipec schedules`.
 pub struct KindInfo {
