@@ -12,7 +12,7 @@ pub fn threads_for(instructions: u64) -> usize {
     if instructions < PARALLEL_FROM {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        cores()
     }
 }
 
@@ -81,4 +81,18 @@ pub fn try_map<T: Send, S: Default, E: Send>(
         }
     }
     Ok(out)
+}
+
+/// Every core the machine gives this process (at least one).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `f(i)` for every `i` in `0..n` on up to `threads` threads (indices taken in order as
+/// threads free up); the results in order. [`try_map`] for work that cannot fail.
+pub fn map<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    match try_map::<T, (), std::convert::Infallible>(n, threads, |i, _| Ok(f(i))) {
+        Ok(v) => v,
+        Err(never) => match never {},
+    }
 }

@@ -11,7 +11,7 @@ use pipec_cost::cost::{CostModel, StageCosts};
 use pipec_ir::verify::{memory::weighted_peaks, verify, VerifyOptions};
 use pipec_schedules::layout::{self, Layout};
 use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
-use pipec_tune::{greedy, problem::Problem, split, TuneRequest};
+use pipec_tune::{greedy, problem::Problem, split, CandidateKind, TuneRequest};
 use proptest::prelude::*;
 
 /// Heavy first and last stages (embedding, output layer and loss), `b > f`, `w < b`.
@@ -72,7 +72,7 @@ fn lowering_keeps_the_order_time() {
                         let Some(plan) = greedy::schedule(&p, &h) else {
                             continue;
                         };
-                        let list = greedy::list_makespan(&p, &plan.orders).unwrap();
+                        let list = pipec_tune::plan::list_makespan(&p, &plan.orders).unwrap();
                         assert!(close(plan.makespan, list), "{cost} {pl:?} {h:?}");
                         let prog = pipec_tune::lower_timed(&p, &plan.orders).unwrap();
                         let sim = simulated(&prog, &model, &layout);
@@ -140,7 +140,7 @@ fn request(pp: u32, m: u32, cost: &str, layers: u32) -> TuneRequest {
 fn best_builtin(t: &pipec_tune::Tuned) -> &pipec_tune::Candidate {
     t.candidates
         .iter()
-        .filter(|c| c.schedule != "tuned" && c.fits)
+        .filter(|c| c.schedule != CandidateKind::Tuned && c.fits)
         .min_by(|a, b| a.makespan.total_cmp(&b.makespan))
         .unwrap()
 }
@@ -148,7 +148,7 @@ fn best_builtin(t: &pipec_tune::Tuned) -> &pipec_tune::Candidate {
 fn best_tuned(t: &pipec_tune::Tuned) -> &pipec_tune::Candidate {
     t.candidates
         .iter()
-        .filter(|c| c.schedule == "tuned" && c.fits)
+        .filter(|c| c.schedule == CandidateKind::Tuned && c.fits)
         .min_by(|a, b| a.makespan.total_cmp(&b.makespan))
         .unwrap()
 }
@@ -189,7 +189,7 @@ fn uneven_costs_tuned_beats_every_builtin() {
         let one_f_one_b = base
             .candidates
             .iter()
-            .find(|c| c.schedule == "1f1b")
+            .find(|c| c.schedule == CandidateKind::Builtin(ScheduleKind::OneFOneB))
             .unwrap()
             .peak_memory;
         for limit in [None, Some(1.5 * one_f_one_b), Some(1.0 * one_f_one_b)] {
@@ -198,11 +198,15 @@ fn uneven_costs_tuned_beats_every_builtin() {
                 ..request(pp, m, UNEVEN, layers)
             })
             .unwrap();
-            assert_eq!(t.best.schedule, "tuned", "pp={pp} m={m} limit={limit:?}");
+            assert_eq!(
+                t.best.schedule,
+                CandidateKind::Tuned,
+                "pp={pp} m={m} limit={limit:?}"
+            );
             for c in t
                 .candidates
                 .iter()
-                .filter(|c| c.schedule != "tuned" && c.fits)
+                .filter(|c| c.schedule != CandidateKind::Tuned && c.fits)
             {
                 assert!(c.bubble > 0.0);
                 assert!(
@@ -882,8 +886,11 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
                 None => {
                     // Over the limit (their scheduler checks it before some passes only).
                     let o = pipec_tune::zb::orders(&p, *rules).expect("their rules run");
-                    assert!(!greedy::order_peaks(&p, &o).1, "{what}: variant {k} fits");
-                    let got = greedy::list_makespan(&p, &o).expect("runs");
+                    assert!(
+                        !pipec_tune::plan::order_peaks(&p, &o).1,
+                        "{what}: variant {k} fits"
+                    );
+                    let got = pipec_tune::plan::list_makespan(&p, &o).expect("runs");
                     (o, got)
                 }
             };
@@ -895,9 +902,12 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
             "{what}: {seed} > {theirs}"
         );
         if let Some(orders) = zb_orders(c) {
-            let replay = greedy::list_makespan(&p, &orders).expect("their order runs");
+            let replay = pipec_tune::plan::list_makespan(&p, &orders).expect("their order runs");
             assert!(close(replay, theirs), "{what}: replay {replay} != {theirs}");
-            assert!(greedy::order_peaks(&p, &orders).1, "{what}: their peak");
+            assert!(
+                pipec_tune::plan::order_peaks(&p, &orders).1,
+                "{what}: their peak"
+            );
             assert!(
                 ours.contains(&orders),
                 "{what}: their order is none of ours"
@@ -1017,7 +1027,7 @@ fn tune_doc_table() -> String {
             f * base
                 .candidates
                 .iter()
-                .find(|c| c.schedule == "1f1b")
+                .find(|c| c.schedule == CandidateKind::Builtin(ScheduleKind::OneFOneB))
                 .unwrap()
                 .peak_memory
         });
@@ -1271,14 +1281,14 @@ fn tune_kinds_and_impossible_targets() {
         ..TuneRequest::new(4, 8, CostModel::default())
     };
     let t = pipec_tune::tune(&req(Some(&["1f1b", "zb-v"]), &[], Target::Any)).unwrap();
-    let mut seen: Vec<&str> = t.candidates.iter().map(|c| c.schedule.as_str()).collect();
+    let mut seen: Vec<&str> = t.candidates.iter().map(|c| c.schedule.name()).collect();
     seen.sort();
     assert_eq!(seen, ["1f1b", "zb-v"]);
     let t = pipec_tune::tune(&req(None, &["tuned", "zb-v", "dualpipe"], Target::Any)).unwrap();
     assert!(t
         .candidates
         .iter()
-        .all(|c| !["tuned", "zb-v", "dualpipe"].contains(&c.schedule.as_str())));
+        .all(|c| !["tuned", "zb-v", "dualpipe"].contains(&c.schedule.name())));
     let e = pipec_tune::tune(&req(Some(&["zb-v"]), &[], Target::Deepspeed)).unwrap_err();
     assert!(
         e.to_string().starts_with("no candidate runs on deepspeed")

@@ -13,6 +13,7 @@
 //! schedule of its orders (each op starts when its rank is free and its inputs exist), which
 //! is what the timed lockstep lowering reproduces.
 
+use super::plan::{list_makespan, order_peaks, staircase_applies, Plan};
 use super::problem::Problem;
 use pipec_schedules::{Compute, Rank, RankOrder, Task};
 use std::cmp::Reverse;
@@ -226,11 +227,6 @@ pub fn heuristics_for(p: &Problem) -> Vec<Heuristic> {
         .collect()
 }
 
-/// Whether the staircase cap can apply: one direction, one stage per rank.
-pub fn staircase_applies(p: &Problem) -> bool {
-    p.directions().len() == 1 && p.num_stages() == p.pp() && p.pp() > 1
-}
-
 /// Heuristics whose orders the offload planner can fit ([`Heuristic::w_next`]), for the
 /// memory levers' extra plans: the quick ones' caps and priorities with each `bwd_W` right
 /// after its `bwd_D`.
@@ -252,15 +248,6 @@ pub fn quick_heuristics(p: &Problem) -> Vec<Heuristic> {
         .filter(|h| h.eager_w < 1.0 || p.limit.iter().all(|l| l.is_infinite()))
         .filter(|h| h.deep_first && !h.staircase && !h.patient_w && h.zb.is_none())
         .collect()
-}
-
-/// A planned schedule: per-rank orders and the times the list schedule gives them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Plan {
-    pub orders: Vec<RankOrder>,
-    pub makespan: f64,
-    /// Per rank: peak activation memory plus parameters.
-    pub peak: Vec<f64>,
 }
 
 /// Rank `r` wakes at a time: a min-heap entry on (time as [`f64::total_cmp`] orders it,
@@ -744,74 +731,6 @@ fn wake(heap: &mut BinaryHeap<Event>, free: &[f64], now: f64, q: usize, r: usize
     if q != r && !(at <= free[q] && free[q] > now) {
         heap.push(Event::new(at, q));
     }
-}
-
-/// As-soon-as-possible times of fixed per-rank orders (each op starts when its rank is free
-/// and its inputs exist, tensors between ranks delayed by `comm`): the makespan, or `None`
-/// when the orders wait on each other. An independent check of [`schedule`]'s times.
-pub fn list_makespan(p: &Problem, orders: &[RankOrder]) -> Option<f64> {
-    list_times(p, orders).map(|t| t.iter().flatten().map(|&(_, e)| e).fold(0.0, f64::max))
-}
-
-/// The (start, end) of every op of fixed per-rank orders in their list schedule
-/// ([`pipec_compiler::lower::list::schedule`] under `p`'s costs; see [`list_makespan`]); `None` when
-/// the orders wait on each other or hold a fused `F&B` op (the tuner's costs have none).
-pub fn list_times(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64)>>> {
-    let t = pipec_compiler::lower::list::schedule(&p.placement, p.microbatches, orders, p);
-    t.complete.then_some(t.ranks)
-}
-
-/// The tuner's clock: each stage's f, b and w, and `comm` for a tensor between ranks.
-impl pipec_compiler::lower::list::Clock for Problem {
-    type Time = f64;
-    const ZERO: f64 = 0.0;
-    const NEVER: f64 = UNSET;
-
-    fn cost(&self, op: &Compute) -> Option<f64> {
-        Some(match *op {
-            Compute::Fwd(t) => self.f[t.stage.index()],
-            // A full backward is `bwd_D` and `bwd_W` back to back.
-            Compute::Bwd(t) => self.b[t.stage.index()] + self.w[t.stage.index()],
-            Compute::BwdD(t) => self.b[t.stage.index()] + 0.0,
-            Compute::BwdW(t) => self.w[t.stage.index()],
-            // No overlap in the tuner's model: `list_times` refuses such orders.
-            Compute::FwdBwd { .. } => return None,
-        })
-    }
-
-    fn arrive(&self, t: f64, from: u32, to: u32, mb: u32) -> f64 {
-        t + self.delay_mb(from as usize, to as usize, mb as usize)
-    }
-
-    fn add(a: f64, b: f64) -> f64 {
-        a + b
-    }
-
-    fn max(a: f64, b: f64) -> f64 {
-        a.max(b)
-    }
-}
-
-/// Peak memory per rank of fixed orders (parameters plus the most `act`-weighted live
-/// activations, by the verifier's rule, `ir::activations::order_peak`), and whether every rank
-/// stays within its limit.
-pub fn order_peaks(p: &Problem, orders: &[RankOrder]) -> (Vec<f64>, bool) {
-    let mut fits = true;
-    let peaks = orders
-        .iter()
-        .enumerate()
-        .map(|(r, o)| {
-            // The verifier's rule (`ir::activations`), weighted by each stage's `act`.
-            let peak =
-                pipec_ir::ir::activations::order_peak(&o.ops, false, |t| p.act[t.stage.index()]);
-            let total = peak + p.param[r];
-            if total > p.limit[r] + 1e-9 {
-                fits = false;
-            }
-            total
-        })
-        .collect();
-    (peaks, fits)
 }
 
 /// Local search on a plan: move one op of one rank up to 8 places earlier or later and keep

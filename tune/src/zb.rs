@@ -8,7 +8,7 @@
 //! made to decrease along the pipeline), then rounds of one forward per stage and the `bwd_D`s
 //! in reverse stage order, `bwd_W`s put where they end before the next input arrives, where a
 //! pass would exceed the memory limit, or into a gap no longer than the largest bubble so far.
-//! `tune` runs the eight variants as heuristics among its own ([`super::greedy::Heuristic`]'s
+//! `tune` runs the eight variants as heuristics among its own (`greedy::Heuristic`'s
 //! `zb`), so on their placement it is never slower than their scheduler's pick: that pick is
 //! one of these orders, and tune keeps the fastest (by makespan; theirs by the longest stage
 //! span) before its local search, which only accepts improvements.
@@ -18,7 +18,7 @@
 //! (`tests/integration/tune.rs` checks every variant's makespan against their code). The
 //! returned plan's times are pipec's list schedule of the orders.
 
-use super::greedy::{list_makespan, order_peaks, staircase_applies, Plan};
+use super::plan::{list_makespan, order_peaks, staircase_applies, Plan};
 use super::problem::Problem;
 use pipec_schedules::{Compute, Rank, RankOrder, Task};
 

@@ -1,9 +1,9 @@
 //! The list scheduler that lowers with real costs (`pipec_compiler::lower::list`, called by
-//! the tuner as `greedy::list_times`) against the tuner's own list schedule as it was before
+//! the tuner as `plan::list_times`) against the tuner's own list schedule as it was before
 //! the two were made one: the reference.
 
 use pipec_schedules::{generate, Compute, Limits, RankOrder, ScheduleKind, ScheduleSpec};
-use pipec_tune::greedy::list_times;
+use pipec_tune::plan::list_times;
 use pipec_tune::problem::Problem;
 use proptest::prelude::*;
 use std::cmp::Reverse;
@@ -11,7 +11,7 @@ use std::collections::BinaryHeap;
 
 const UNSET: f64 = f64::INFINITY;
 
-/// `tune::greedy::list_times` as it was before it became `pipec_compiler::lower::list::schedule` under the
+/// `tune::plan::list_times` as it was before it became `pipec_compiler::lower::list::schedule` under the
 /// tuner's clock (pipec commit 80b66b2): the reference.
 fn list_times_before(p: &Problem, orders: &[RankOrder]) -> Option<Vec<Vec<(f64, f64)>>> {
     let n = p.num_stages();

@@ -1,0 +1,246 @@
+//! Building a candidate: its program lowered (the tuned scheduler's order with the timed
+//! lowering, a built-in kind its own way), simulated for its figures and measured for memory,
+//! every candidate in one worker pool ([`pipec_ir::par`]).
+
+use crate::greedy;
+use crate::plan::{list_times, Plan};
+use crate::problem::Problem;
+use crate::request::{Candidate, CandidateKind, TuneRequest};
+use crate::split;
+use pipec_compiler::lower::{lower, Lowering};
+use pipec_compiler::target::TargetChoice;
+use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_ir::ir::Program;
+use pipec_ir::verify;
+use pipec_schedules::layout::Layout;
+use pipec_schedules::{generate, Placement, PlacementKind, ScheduleSpec};
+
+/// A candidate with its program, before the winner is chosen.
+pub(crate) struct Built {
+    pub(crate) cand: Candidate,
+    pub(crate) layout: Layout,
+    pub(crate) spec: Option<ScheduleSpec>,
+    /// `None` for a built-in kind dropped as not the best (rebuilt from `spec` if needed).
+    pub(crate) program: Option<Program>,
+    pub(crate) peaks: Vec<f64>,
+    pub(crate) planned: Option<f64>,
+}
+
+/// A candidate to build: the tuned scheduler's plan on a problem and split, or a built-in
+/// kind on its split.
+pub(crate) enum Recipe {
+    Tuned(Box<(Problem, Layout, Plan, greedy::Heuristic)>),
+    Builtin(ScheduleSpec, Layout),
+}
+
+/// The program of `orders` on `p` that keeps their list-schedule time under `p`'s costs
+/// ([`Lowering::TimedInFlight`]); `None` when the orders wait on each other or send a tensor
+/// they never consume.
+pub fn lower_timed(p: &Problem, orders: &[pipec_schedules::RankOrder]) -> Option<Program> {
+    let times = list_times(p, orders)?;
+    let how = Lowering::TimedInFlight {
+        times: &times,
+        transfer: p.comm,
+    };
+    pipec_compiler::lower::lower_with(&p.placement, p.microbatches, false, orders, how).ok()
+}
+
+/// A built-in kind's program as the tuner weighs it: the kind's own lowering, except
+/// `group-interleaved`, which PipeOffload's runtime runs as their `add_time` list schedule
+/// under the real costs, i.e. pipec's timed in-flight lowering (lockstep batches are timed at
+/// unit costs and lose time on heavier ranks); the lockstep program where that one does not
+/// verify.
+pub(crate) fn lower_builtin(
+    req: &TuneRequest,
+    schedule: &pipec_schedules::Schedule,
+    layout: &Layout,
+) -> Program {
+    if schedule.spec.kind.row().tune.timed {
+        let p = Problem::new(
+            &req.model,
+            layout,
+            schedule.placement.clone(),
+            schedule.spec.microbatches,
+            None,
+        );
+        if let Some(q) = lower_timed(&p, &schedule.ranks) {
+            if verify::verify(&q, &verify::VerifyOptions::default()).is_valid() {
+                return q;
+            }
+        }
+    }
+    lower(schedule)
+}
+
+/// Build one candidate: its program (returned apart), simulated and measured.
+pub(crate) fn build(
+    req: &TuneRequest,
+    recipe: &Recipe,
+    limit: Option<f64>,
+) -> Option<(Built, Program)> {
+    let (cand, layout, spec, program, planned) = match recipe {
+        Recipe::Tuned(t) => {
+            let (p, layout, plan, h) = &**t;
+            let program = lower_timed(p, &plan.orders)?;
+            let cand = Candidate::unmeasured(
+                CandidateKind::Tuned,
+                p.placement.num_stages() / req.pp,
+                None,
+                placement_name(&p.placement),
+                Some(h.name()),
+            );
+            let planned = Some(plan.makespan);
+            (cand, layout, None, program, planned)
+        }
+        Recipe::Builtin(spec, layout) => {
+            let schedule = generate(spec, &req.limits).ok()?;
+            let program = lower_builtin(req, &schedule, layout);
+            let cand = Candidate::unmeasured(
+                CandidateKind::Builtin(spec.kind),
+                spec.vpp,
+                spec.group_size,
+                placement_name(&schedule.placement),
+                None,
+            );
+            (cand, layout, Some(*spec), program, None)
+        }
+    };
+    let b = finish(
+        cand,
+        layout.clone(),
+        spec,
+        &program,
+        &req.model,
+        limit,
+        planned,
+        req.target,
+    )?;
+    Some((b, program))
+}
+
+/// `loop`, `v`, `bidirectional` or `custom`: how a candidate's placement is named.
+pub(crate) fn placement_name(p: &Placement) -> String {
+    match p.kind {
+        PlacementKind::Looped => "loop".into(),
+        PlacementKind::V => "v".into(),
+        PlacementKind::Bidirectional => "bidirectional".into(),
+        PlacementKind::Custom => "custom".into(),
+    }
+}
+
+/// A named candidate's figures measured on its program: makespan and bubble (figures only),
+/// per-rank peak memory by the one memory rule, whether it fits `limit`, whether `target`
+/// runs it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn finish(
+    mut cand: Candidate,
+    layout: Layout,
+    spec: Option<ScheduleSpec>,
+    program: &Program,
+    model: &CostModel,
+    limit: Option<f64>,
+    planned: Option<f64>,
+    target: TargetChoice,
+) -> Option<Built> {
+    cand.not_runnable = target.refusal(program);
+    let costs = StageCosts::new(model, &layout, program.num_stages());
+    // Makespan and bubble only: the winner is verified and simulated in full once chosen.
+    let sim =
+        pipec_cost::simulate::figures(&pipec_ir::verify::Unverified::unchecked(program), &costs)
+            .ok()?;
+    // The one memory rule every command reports ([`pipec_ir::memory`]).
+    let mem = pipec_cost::memory::weights(program, &layout, model);
+    let peaks: Vec<f64> = pipec_ir::memory::peaks(program, &mem)
+        .iter()
+        .map(|p| p.peak)
+        .collect();
+    cand.makespan = sim.makespan;
+    cand.bubble = sim.mean_bubble();
+    cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
+    cand.fits = limit.is_none_or(|l| cand.peak_memory <= l * (1.0 + 1e-12));
+    cand.layout = split::layout_string(&layout);
+    Some(Built {
+        cand,
+        layout,
+        spec,
+        program: None,
+        peaks,
+        planned,
+    })
+}
+
+/// Of the tuned candidates, the fastest fitting one per placement and vpp; built-ins untouched.
+pub(crate) fn keep_best_per(built: Vec<Built>) -> Vec<Built> {
+    let mut out: Vec<Built> = Vec::new();
+    for b in built {
+        if let Some(o) = out.iter_mut().find(|o| {
+            o.cand.schedule == b.cand.schedule
+                && o.cand.placement == b.cand.placement
+                && o.cand.vpp == b.cand.vpp
+        }) {
+            let better = (b.cand.fits, -b.cand.makespan) > (o.cand.fits, -o.cand.makespan);
+            if better {
+                *o = b;
+            }
+        } else {
+            out.push(b);
+        }
+    }
+    out
+}
+
+/// Every recipe built, simulated and measured in one pool (the first `tuned` are the tuned
+/// scheduler's, the rest built-in kinds); the tuned ones then cut to the best split per
+/// placement ([`keep_best_per`]), the built-ins after them, in recipe order. A built-in kind's
+/// program is kept only while it is the best eligible built-in so far (the others are rebuilt
+/// if ever needed): the programs of a large request would otherwise all be in memory at once.
+/// The tuned ones are few and always kept.
+pub(crate) fn build_all(req: &TuneRequest, recipes: &[Recipe], tuned: usize) -> Vec<Built> {
+    let limit = req.memory_limit;
+    let programs: Vec<std::sync::Mutex<Option<Program>>> = recipes
+        .iter()
+        .map(|_| std::sync::Mutex::new(None))
+        .collect();
+    let leader: std::sync::Mutex<Option<(f64, f64, usize)>> = std::sync::Mutex::new(None);
+    let results = pipec_ir::par::map(recipes.len(), pipec_ir::par::cores(), |i| {
+        let (built, program) = build(req, &recipes[i], limit)?;
+        let keep = |program| *programs[i].lock().expect("no panics while held") = Some(program);
+        match recipes[i] {
+            Recipe::Tuned(_) => keep(program),
+            Recipe::Builtin(..) => {
+                let c = &built.cand;
+                let key = (c.makespan, c.peak_memory, i);
+                let before = |a: &(f64, f64, usize), b: &(f64, f64, usize)| {
+                    a.0.total_cmp(&b.0)
+                        .then(a.1.total_cmp(&b.1))
+                        .then(a.2.cmp(&b.2))
+                        .is_lt()
+                };
+                // Held while the programs change hands, so only the leader's stays.
+                let mut lead = leader.lock().expect("no panics while held");
+                if c.fits && c.not_runnable.is_none() && lead.is_none_or(|l| before(&key, &l)) {
+                    if let Some(l) = lead.replace(key) {
+                        *programs[l.2].lock().expect("no panics while held") = None;
+                    }
+                    keep(program);
+                }
+            }
+        }
+        Some(built)
+    });
+    let mut built: Vec<Built> = Vec::new();
+    let mut builtins: Vec<Built> = Vec::new();
+    for (i, (r, program)) in results.into_iter().zip(programs).enumerate() {
+        let Some(mut b) = r else { continue };
+        b.program = program.into_inner().expect("not poisoned");
+        if i < tuned {
+            built.push(b);
+        } else {
+            builtins.push(b);
+        }
+    }
+    // Keep the best split per tuned placement only: the table stays short.
+    built = keep_best_per(built);
+    built.extend(builtins);
+    built
+}

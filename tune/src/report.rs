@@ -1,0 +1,174 @@
+//! The tuner's answer for people and programs: the winner's JSON report, run instructions,
+//! file header, a candidate named in words ([`describe`]) and memory figures ([`fmt_mem`]).
+
+use crate::greedy;
+use crate::request::{Candidate, CandidateKind, Tuned};
+use pipec_compiler::target::{self, Target, TargetChoice};
+use pipec_ir::ir::Program;
+use pipec_ir::verify::Report;
+use pipec_schedules::layout::Layout;
+
+impl Tuned {
+    /// The winner's program.
+    pub fn program(&self) -> &Program {
+        self.verified.program()
+    }
+
+    /// The verifier's report on it.
+    pub fn report(&self) -> &Report {
+        self.verified.report()
+    }
+
+    /// What `pipec tune --json` prints and `pipec.tune` returns: the choice, its layout
+    /// string, makespan against the lower bound, bubble, peak memory per rank, every
+    /// candidate weighed, the verdict, and `seconds` (how long the search took).
+    pub fn json(&self, seconds: f64) -> serde_json::Value {
+        self.json_for(seconds, None)
+    }
+
+    /// [`Tuned::json`] with the run instructions naming `dir` (the `-o` directory).
+    pub fn json_for(&self, seconds: f64, dir: Option<&str>) -> serde_json::Value {
+        let run: serde_json::Map<String, serde_json::Value> = self
+            .run_targets()
+            .into_iter()
+            .map(|t| {
+                (
+                    t.name().to_string(),
+                    serde_json::json!(self.how_to_run(t, dir)),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "schedule": {
+                "kind": self.best.schedule,
+                "vpp": self.best.vpp,
+                "group_size": self.best.group_size,
+                "placement": self.best.placement,
+                "heuristic": self.best.heuristic,
+                "heuristic_description": self.heuristic_description(),
+            },
+            "layout": self.best.layout,
+            "makespan": self.best.makespan,
+            "planned_makespan": self.planned_makespan,
+            "lower_bound": self.lower_bound.value,
+            "lower_bound_parts": self.lower_bound,
+            "bubble": self.summary.mean_bubble(),
+            "bubble_per_rank": self.summary.ranks.iter().map(|r| r.bubble_ratio).collect::<Vec<_>>(),
+            "peak_memory": self.peak_memory,
+            "target": match self.target {
+                TargetChoice::One(t) => serde_json::json!(t.name()),
+                TargetChoice::Every => serde_json::Value::Null,
+            },
+            "runs_on": self.runs_on.iter().map(|t| t.name()).collect::<Vec<_>>(),
+            "not_runnable_on": self
+                .not_runnable_on
+                .iter()
+                .map(|(t, why)| (t.name().to_string(), serde_json::json!(why)))
+                .collect::<serde_json::Map<_, _>>(),
+            "run": run,
+            "not_planned": self
+                .skipped
+                .iter()
+                .map(|(n, why)| serde_json::json!({"schedule": n, "reason": why}))
+                .collect::<Vec<_>>(),
+            "candidates": self.candidates,
+            "verdict": self.report().verdict_line(),
+            "seconds": seconds,
+        })
+    }
+
+    /// The targets whose run instructions the report gives: the one asked for; every
+    /// framework for the default; every framework that runs the winner for `any`.
+    pub fn run_targets(&self) -> Vec<Target> {
+        match self.target {
+            TargetChoice::One(Target::Any) => self.runs_on.clone(),
+            TargetChoice::One(t) => vec![t],
+            TargetChoice::Every => Target::FRAMEWORKS.to_vec(),
+        }
+    }
+
+    /// How to run the winner on `t`, one line per step; `dir` is where its files are.
+    pub fn how_to_run(&self, t: Target, dir: Option<&str>) -> Vec<String> {
+        target::how_to_run(
+            t,
+            &target::Winner {
+                spec: self.spec.as_ref(),
+                placement: &self.program().placement,
+                microbatches: self.program().microbatches,
+                layout: &self.best.layout,
+                dir: dir.unwrap_or("DIR"),
+            },
+        )
+    }
+
+    /// The winning heuristic of the tuned scheduler, in words.
+    pub fn heuristic_description(&self) -> Option<String> {
+        let name = self.best.heuristic.as_ref()?;
+        greedy::heuristics()
+            .into_iter()
+            .flat_map(|h| [h, greedy::Heuristic { w_next: true, ..h }])
+            .find(|h| &h.name() == name)
+            .map(|h| h.describe())
+    }
+
+    /// Stages of the winner's layout that hold no layer at all (fewer decoder layers than
+    /// stages): the report says so, since such a stage's rank only passes tensors on.
+    pub fn empty_stages(&self) -> usize {
+        self.layout.stages.iter().filter(|s| s.is_empty()).count()
+    }
+
+    /// The layout the written files carry: the chosen split, with its Megatron string.
+    pub fn file_layout(&self) -> Layout {
+        Layout {
+            text: Some(self.best.layout.clone()),
+            stages: self.layout.stages.clone(),
+        }
+    }
+
+    /// The header of the written files (`layout` from [`Tuned::file_layout`]): a built-in
+    /// kind that won is `generated` with its spec; a plan of the tuner's own is `tuned`.
+    pub fn header<'a>(&self, layout: &'a Layout) -> pipec_ir::files::Header<'a> {
+        pipec_ir::files::Header {
+            source: if self.spec.is_some() {
+                "generated"
+            } else {
+                "tuned"
+            },
+            schedule: self.spec,
+            layout,
+        }
+    }
+}
+
+/// `zb-v`, `interleaved-1f1b vpp=2 g=16`, `tuned loop vpp=1`.
+pub fn describe(c: &Candidate) -> String {
+    let mut s = c.schedule.name().to_string();
+    if c.schedule == CandidateKind::Tuned {
+        s.push_str(&format!(" {} vpp={}", c.placement, c.vpp));
+    } else if c.vpp > 1 && c.placement == "loop" {
+        s.push_str(&format!(" vpp={}", c.vpp));
+    }
+    if let Some(g) = c.group_size {
+        s.push_str(&format!(" g={g}"));
+    }
+    if let Some(l) = &c.levers {
+        let (o, r): (u64, u64) = (l.offloaded.iter().sum(), l.recomputed.iter().sum());
+        if o > 0 {
+            s.push_str(&format!(" + offload {o}"));
+        }
+        if r > 0 {
+            s.push_str(&format!(" + recompute {r}"));
+        }
+    }
+    s
+}
+
+/// A memory figure for people: GiB/MiB when the model's memory is in bytes, else a number.
+pub fn fmt_mem(x: f64, bytes: bool) -> String {
+    let unit = if bytes {
+        pipec_ir::memory::Unit::Bytes
+    } else {
+        pipec_ir::memory::Unit::LayerActivations
+    };
+    unit.with_unit(x)
+}

@@ -1,0 +1,289 @@
+//! What the tuner is asked and what it answers: [`TuneRequest`], [`TuneError`], the
+//! [`Candidate`]s it weighs (named by [`CandidateKind`]) and the winner, [`Tuned`].
+
+use crate::bound;
+use pipec_compiler::target::{Levers, Target, TargetChoice};
+use pipec_cost::cost::CostModel;
+use pipec_cost::simulate::Summary;
+use pipec_ir::verify::Verified;
+use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
+use pipec_schedules::{Limits, ScheduleKind, ScheduleSpec};
+use serde::Serialize;
+use thiserror::Error;
+
+/// What to tune.
+#[derive(Clone, Debug)]
+pub struct TuneRequest {
+    pub pp: u32,
+    pub microbatches: u32,
+    pub model: CostModel,
+    /// The user's split (`--layout`); kept unless `rebalance`.
+    pub layout: Option<Layout>,
+    pub rebalance: bool,
+    /// Decoder and MTP layers to split (`--num-layers`, `--mtp-num-layers`) when no layout.
+    pub num_layers: Option<u32>,
+    pub mtp_num_layers: Option<u32>,
+    /// Per-rank memory limit, in the units of `K.act` / `K.param`.
+    pub memory_limit: Option<f64>,
+    pub limits: Limits,
+    /// Weigh the built-in kinds too (the CLI always does; benches may not).
+    pub builtins: bool,
+    /// Only candidates this target runs are eligible (the others are listed, marked). The
+    /// library's default is [`Target::Any`]; the CLI and Python default to
+    /// [`TargetChoice::Every`].
+    pub target: TargetChoice,
+    /// Weigh only these kinds (`1f1b`, ..., `tuned` for pipec's own scheduler); `None`: all.
+    pub kinds: Option<Vec<String>>,
+    /// Never weigh these kinds.
+    pub exclude_kinds: Vec<String>,
+    /// The memory levers a candidate over `memory_limit` may be fitted with (offload,
+    /// recompute; `--no-offload`, `--no-recompute`), where the target runs them.
+    pub levers: Levers,
+}
+
+impl TuneRequest {
+    pub fn new(pp: u32, microbatches: u32, model: CostModel) -> Self {
+        TuneRequest {
+            pp,
+            microbatches,
+            model,
+            layout: None,
+            rebalance: false,
+            num_layers: None,
+            mtp_num_layers: None,
+            memory_limit: None,
+            limits: Limits::DEFAULT,
+            builtins: true,
+            target: TargetChoice::One(Target::Any),
+            kinds: None,
+            exclude_kinds: Vec::new(),
+            levers: Levers::ALL,
+        }
+    }
+
+    /// The request checked before anything is planned, in this order: pp and microbatches,
+    /// [`TuneRequest::check_size`], a kept layout's stage count against pp, the compute ops
+    /// against the limit. The stage count of the user's layout when it is kept.
+    pub(crate) fn check(&self) -> Result<Option<usize>, TuneError> {
+        if self.pp == 0 || self.microbatches == 0 {
+            return Err(TuneError::Zero);
+        }
+        self.check_size()?;
+        let user_stages = match (&self.layout, self.rebalance) {
+            (Some(l), false) => {
+                if l.stages.len() % self.pp as usize != 0 {
+                    return Err(TuneError::Stages {
+                        stages: l.stages.len(),
+                        pp: self.pp,
+                    });
+                }
+                Some(l.stages.len())
+            }
+            _ => None,
+        };
+        let ops = 3 * self.pp as u64 * 2 * self.microbatches as u64;
+        if ops > self.limits.max_compute_ops {
+            return Err(TuneError::TooBig(ops, self.limits.max_compute_ops));
+        }
+        Ok(user_stages)
+    }
+
+    /// The bounds checked before anything proportional to the request is allocated: pp as the
+    /// spec caps it, the layer count as layout strings cap it, and a model every rank has a layer
+    /// of (a model without decoder layers is refused, not tuned to a makespan of nothing; one
+    /// with fewer layers than stages is tuned, and the report names its empty stages).
+    fn check_size(&self) -> Result<(), TuneError> {
+        if self.pp > pipec_schedules::MAX_PP {
+            return Err(pipec_schedules::SpecError::TooManyRanks { pp: self.pp }.into());
+        }
+        if self.layout.is_none() {
+            let layers = u64::from(self.num_layers.unwrap_or(0))
+                + u64::from(self.mtp_num_layers.unwrap_or(0));
+            if layers > MAX_LAYERS {
+                return Err(TuneError::TooManyLayers {
+                    layers,
+                    max: MAX_LAYERS,
+                });
+            }
+        }
+        let (n, _) = self.model_size();
+        if n == 0 {
+            return Err(TuneError::NoLayers);
+        }
+        Ok(())
+    }
+
+    /// The decoder and MTP layer counts of the model.
+    pub(crate) fn model_size(&self) -> (u32, u32) {
+        match (&self.layout, self.num_layers) {
+            (Some(l), _) => (
+                l.count(LayerKind::Decoder) as u32,
+                l.count(LayerKind::Mtp) as u32,
+            ),
+            (None, n) => (n.unwrap_or(2 * self.pp), self.mtp_num_layers.unwrap_or(0)),
+        }
+    }
+}
+
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum TuneError {
+    #[error("pp and microbatches must be at least 1")]
+    Zero,
+    #[error("the layout has {stages} stages, which pp = {pp} does not divide")]
+    Stages { stages: usize, pp: u32 },
+    #[error("no schedule fits the memory limit {limit}: the smallest peak memory pipec reached is {best} ({by})")]
+    Memory {
+        limit: String,
+        best: String,
+        by: String,
+    },
+    #[error("no candidate schedule could be built for this request ({0})")]
+    Nothing(String),
+    #[error("{0} compute ops exceed the limit of {1}")]
+    TooBig(u64, u64),
+    /// pp over [`pipec_schedules::MAX_PP`], in the spec's own words.
+    #[error(transparent)]
+    Spec(#[from] pipec_schedules::SpecError),
+    /// More layers than a layout string may expand to ([`MAX_LAYERS`]): the split would
+    /// allocate one entry per layer.
+    #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
+    TooManyLayers { layers: u64, max: u64 },
+    /// No decoder layer: every schedule would run nothing but the embedding and the loss.
+    #[error("the model has no decoder layers: there is nothing to split over the stages")]
+    NoLayers,
+    #[error("unknown schedule kind `{0}` (expected `tuned` or one of: {1})")]
+    Kind(String, String),
+    #[error("no candidate runs on {target}{}", reasons.iter().map(|r| format!("\n  {r}")).collect::<String>())]
+    NotRunnable {
+        target: String,
+        reasons: Vec<String>,
+    },
+}
+
+/// One schedule weighed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    /// `1f1b`, `interleaved-1f1b`, ..., or `tuned`.
+    pub schedule: CandidateKind,
+    pub vpp: u32,
+    pub group_size: Option<u32>,
+    pub placement: String,
+    /// The tuned scheduler's winning heuristic.
+    pub heuristic: Option<String>,
+    pub layout: String,
+    /// Simulated makespan of the lowered program.
+    pub makespan: f64,
+    /// Mean idle share of the makespan over ranks.
+    pub bubble: f64,
+    /// The largest per-rank peak memory.
+    pub peak_memory: f64,
+    pub fits: bool,
+    /// `not runnable on TARGET: why`, or `None` when the target runs it.
+    pub not_runnable: Option<String>,
+    /// Fitted under the memory limit with offload and recompute: what each rank offloads and
+    /// recomputes, and the makespan before (absent for a candidate taken as it is).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub levers: Option<LeverReport>,
+}
+
+/// How a candidate was fitted into the memory limit ([`crate::levers::fit`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LeverReport {
+    /// Per rank: activations offloaded to host memory (and reloaded).
+    pub offloaded: Vec<u64>,
+    /// Per rank: forwards checkpointed and recomputed.
+    pub recomputed: Vec<u64>,
+    /// The same schedule's makespan without them (over the limit).
+    pub unfitted_makespan: f64,
+}
+
+impl Candidate {
+    /// A candidate named, its figures (layout, makespan, bubble, memory, fit, target) left
+    /// for the build to measure.
+    pub(crate) fn unmeasured(
+        schedule: CandidateKind,
+        vpp: u32,
+        group_size: Option<u32>,
+        placement: String,
+        heuristic: Option<String>,
+    ) -> Self {
+        Candidate {
+            schedule,
+            vpp,
+            group_size,
+            placement,
+            heuristic,
+            layout: String::new(),
+            makespan: 0.0,
+            bubble: 0.0,
+            peak_memory: 0.0,
+            fits: false,
+            not_runnable: None,
+            levers: None,
+        }
+    }
+}
+
+/// What a candidate is: an order of pipec's own list scheduler (`tuned`) or a built-in kind.
+/// Printed and serialized as its name.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CandidateKind {
+    /// The tuned scheduler's order (pipec's list scheduler, `greedy`).
+    Tuned,
+    Builtin(ScheduleKind),
+}
+
+impl CandidateKind {
+    /// Every kind a request may name, `tuned` first, then the built-in kinds in table order.
+    pub fn all() -> Vec<CandidateKind> {
+        std::iter::once(CandidateKind::Tuned)
+            .chain(ScheduleKind::ALL.iter().map(|&k| CandidateKind::Builtin(k)))
+            .collect()
+    }
+
+    /// `tuned`, or the built-in kind's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CandidateKind::Tuned => "tuned",
+            CandidateKind::Builtin(k) => k.name(),
+        }
+    }
+}
+
+impl std::fmt::Display for CandidateKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for CandidateKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// Everything about the winner.
+#[derive(Clone, Debug)]
+pub struct Tuned {
+    pub best: Candidate,
+    pub candidates: Vec<Candidate>,
+    pub layout: Layout,
+    /// The built-in spec, or `None` for the tuned scheduler's order.
+    pub spec: Option<ScheduleSpec>,
+    /// The winner's program, verified (memory counted under the request's cost model).
+    pub verified: Verified,
+    pub summary: Summary,
+    pub peak_memory: Vec<f64>,
+    pub lower_bound: bound::Bound,
+    /// The tuned scheduler's own (list schedule) makespan of the winning order, when it won.
+    pub planned_makespan: Option<f64>,
+    /// Whether memory figures are bytes (a model or limit given in bytes).
+    pub bytes: bool,
+    /// What the winner had to run on.
+    pub target: TargetChoice,
+    /// Every framework that runs the winner, and why the others do not.
+    pub runs_on: Vec<Target>,
+    pub not_runnable_on: Vec<(Target, String)>,
+    /// Tuned placements not planned on because the target cannot run them: (name, reason).
+    pub skipped: Vec<(String, String)>,
+}
