@@ -10,10 +10,10 @@
 //! verifier has accepted it. [`bound`] gives the lower bound it is measured against; [`exact`]
 //! the optimum of tiny instances.
 //!
-//! [`tune`] reads as its steps: the request checked ([`request`]), the candidates enumerated
+//! [`tune`] reads as its steps: the request checked (`request`), the candidates enumerated
 //! and the tuned scheduler's plans made (`candidates`, `search`), every candidate built in
 //! one worker pool (`build`), those over the memory limit fitted with the levers (`fit`), the
-//! winner chosen and verified (`choose`); [`report`] words the answer.
+//! winner chosen and verified (`choose`); `report` words the answer.
 
 pub mod bound;
 mod build;
@@ -26,8 +26,8 @@ pub mod levers;
 pub mod offload;
 pub mod plan;
 pub mod problem;
-pub mod report;
-pub mod request;
+mod report;
+mod request;
 mod search;
 pub mod split;
 pub mod zb;
