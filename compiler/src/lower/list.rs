@@ -1,7 +1,7 @@
 //! The list schedule of fixed per-rank orders: each op starts as soon as its rank is free and
 //! its inputs exist (Graham's list scheduling with the orders as the lists). One scheduler
 //! over two clocks: the lockstep lowering's integer ticks ([`super::Ticks`], unit passes, no
-//! transfer time) and the tuner's real costs (`tune::greedy::list_times`: per-stage f, b, w
+//! transfer time) and the tuner's real costs (`tune::plan::list_times`: per-stage f, b, w
 //! and a transfer time between ranks).
 //!
 //! Ranks are visited only when they can move, in the order of sweeps over the ranks until
