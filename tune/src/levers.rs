@@ -36,12 +36,12 @@ pub struct Fitted {
 
 /// A program larger than this is not fitted: the planner recounts a rank's profile after
 /// every copy it places (quadratic in the rank's ops), and every fit simulates the program.
-/// Offload alone is one plan and one simulation (about 0.05 s at this size).
+/// Offload alone is one plan and one simulation (its time at this size: bench/HISTORY.md).
 pub const MAX_INSTRUCTIONS: usize = 60_000;
 
 /// A program larger than this gets no recompute: the checkpoint search simulates the program
-/// once per probe (a binary search over Belady's order; at pp=16, M=128 a limited `tune`
-/// with it took 50 s, without it 2 s).
+/// once per probe (a binary search over Belady's order), which at pp=16, M=128 made a limited
+/// `tune` many times slower (bench/HISTORY.md).
 pub const MAX_RECOMPUTE_INSTRUCTIONS: usize = 20_000;
 
 /// Fit `program` (laid out as `layout`, costed by `model`) under `limit` with `levers`.
