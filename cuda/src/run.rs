@@ -325,7 +325,7 @@ pub fn run_cuda(
                      Megatron's overlap P2P mode), which the CUDA backend runs only in one \
                      process (its NCCL mode has one stream per rank, not one per pair of \
                      ranks); run it without a launcher or on the cpu backend",
-                    pipec_runtime::interp::describe_instr(program, Rank(r as u32), i as u32)
+                    pipec_runtime::diagnose::describe_instr(program, Rank(r as u32), i as u32)
                 ),
             });
         }

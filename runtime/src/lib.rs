@@ -8,6 +8,7 @@
 //! [`reference`](mod@reference) ([`run::run_cpu`] on the CPU).
 
 pub mod backend;
+pub mod diagnose;
 pub mod driver;
 pub mod error;
 pub mod interp;
