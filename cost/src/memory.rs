@@ -84,6 +84,14 @@ pub struct Limit {
 }
 
 impl Limit {
+    /// A plain number, in the unit of the cost model's memory (bytes or layer-activations).
+    pub fn plain(value: f64) -> Limit {
+        Limit {
+            value,
+            bytes: false,
+        }
+    }
+
     /// Parse `80GiB`, `300MB`, `12` or `1.5e3` (see [`parse_memory`]).
     pub fn parse(s: &str) -> Result<Limit, String> {
         let t = s.trim();

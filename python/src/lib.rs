@@ -568,8 +568,15 @@ fn tune_schedule(
         ),
         None => None,
     };
+    let memory_limit = memory_limit
+        .map(pipec_cost::memory::Limit::parse)
+        .transpose()
+        .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?;
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
-    let memory_limit = resolve_limit(memory_limit, &model)?;
+    if let Some(l) = memory_limit {
+        l.resolve_for(&model)
+            .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?;
+    }
     let req = TuneRequest {
         layout,
         rebalance,

@@ -8,6 +8,7 @@ use crate::harness::pipec;
 use assert_cmd::prelude::*;
 use pipec_compiler::lower::lower;
 use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::memory::Limit;
 use pipec_ir::verify::{memory::weighted_peaks, verify, VerifyOptions};
 use pipec_schedules::layout::{self, Layout};
 use pipec_schedules::{generate, Limits, Placement, ScheduleKind, ScheduleSpec};
@@ -194,7 +195,7 @@ fn uneven_costs_tuned_beats_every_builtin() {
             .peak_memory;
         for limit in [None, Some(1.5 * one_f_one_b), Some(1.0 * one_f_one_b)] {
             let t = pipec_tune::tune(&TuneRequest {
-                memory_limit: limit,
+                memory_limit: limit.map(Limit::plain),
                 ..request(pp, m, UNEVEN, layers)
             })
             .unwrap();
@@ -233,7 +234,7 @@ fn reported_figures_are_the_programs() {
     for (pp, m) in [(4, 8), (4, 12), (2, 6)] {
         let t = pipec_tune::tune(&TuneRequest {
             num_layers: Some(11),
-            memory_limit: Some(40.0),
+            memory_limit: Some(Limit::plain(40.0)),
             ..TuneRequest::new(pp, m, model.clone())
         })
         .unwrap();
@@ -311,7 +312,7 @@ proptest! {
         // Without memory levers here (tune_levers.rs has their random cases, which are slow
         // unoptimized).
         let levers = pipec_compiler::target::Levers::NONE;
-        match pipec_tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(limit), levers, ..TuneRequest::new(pp, m, model.clone()) }) {
+        match pipec_tune::tune(&TuneRequest { num_layers: Some(layers), memory_limit: Some(Limit::plain(limit)), levers, ..TuneRequest::new(pp, m, model.clone()) }) {
             Ok(t) => {
                 prop_assert!(t.report().is_valid());
                 prop_assert!(t.peak_memory.iter().all(|&x| x <= limit + 1e-9));
@@ -922,7 +923,7 @@ fn tune_matches_or_beats_the_zero_bubble_authors_scheduler() {
         sizes.insert((pp, m));
         let t = pipec_tune::tune(&TuneRequest {
             layout: Some(lay.clone()),
-            memory_limit: limit,
+            memory_limit: limit.map(Limit::plain),
             ..TuneRequest::new(pp, m, model.clone())
         })
         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -1017,8 +1018,8 @@ fn tune_doc_table() -> String {
     for (name, cost, pp, m, layers, factor) in cases {
         // The library's default target is `any`, as the table says; the table compares
         // schedules, without memory levers (docs/memory.md has those).
-        let any = |limit| TuneRequest {
-            memory_limit: limit,
+        let any = |limit: Option<f64>| TuneRequest {
+            memory_limit: limit.map(Limit::plain),
             levers: pipec_compiler::target::Levers::NONE,
             ..request(pp, m, cost, layers)
         };
@@ -1211,7 +1212,7 @@ fn tune_winner_runs_on_its_target() {
     for (pp, m, layers, cost, limit) in target_shapes() {
         let base = TuneRequest {
             num_layers: Some(layers),
-            memory_limit: limit,
+            memory_limit: limit.map(Limit::plain),
             ..TuneRequest::new(pp, m, CostModel::parse(cost).unwrap())
         };
         let any = pipec_tune::tune(&base).unwrap();

@@ -9,6 +9,7 @@
 use pipec_compiler::target::Levers;
 use pipec_compiler::target::{Target, TargetChoice};
 use pipec_cost::cost::{CostModel, StageCosts};
+use pipec_cost::memory::Limit;
 use pipec_ir::ir::{Instr, MemKind, Program};
 use pipec_tune::{tune, TuneRequest};
 
@@ -27,7 +28,7 @@ fn model(c: f64) -> CostModel {
 fn request(pp: u32, m: u32, c: f64, limit: Option<f64>, levers: Levers) -> TuneRequest {
     TuneRequest {
         num_layers: Some(12 * pp),
-        memory_limit: limit,
+        memory_limit: limit.map(Limit::plain),
         target: TargetChoice::One(Target::PipecRun),
         levers,
         ..TuneRequest::new(pp, m, model(c))
@@ -299,9 +300,9 @@ proptest::proptest! {
             "t.f={f},t.b={b},t.w={w},t.offload={copy},offload_pair={pair}"
         ))
         .unwrap();
-        let req = |limit, levers| TuneRequest {
+        let req = |limit: Option<f64>, levers| TuneRequest {
             num_layers: Some(2 * pp),
-            memory_limit: limit,
+            memory_limit: limit.map(Limit::plain),
             target: TargetChoice::One(Target::PipecRun),
             levers,
             ..TuneRequest::new(pp, m, model.clone())

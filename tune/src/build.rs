@@ -196,7 +196,7 @@ pub(crate) fn keep_best_per(built: Vec<Built>) -> Vec<Built> {
 /// if ever needed): the programs of a large request would otherwise all be in memory at once.
 /// The tuned ones are few and always kept.
 pub(crate) fn build_all(req: &TuneRequest, recipes: &[Recipe], tuned: usize) -> Vec<Built> {
-    let limit = req.memory_limit;
+    let limit = req.limit();
     let programs: Vec<std::sync::Mutex<Option<Program>>> = recipes
         .iter()
         .map(|_| std::sync::Mutex::new(None))

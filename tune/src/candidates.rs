@@ -146,7 +146,7 @@ pub(crate) fn tuned_jobs(
 /// heuristics first, every heuristic then run on the best split only (with that best plan
 /// of the quick ones); small ones: every job as it is.
 pub(crate) fn rank_splits(req: &TuneRequest, jobs: &[(Placement, Layout)]) -> Vec<Job> {
-    let limit = req.memory_limit;
+    let limit = req.limit();
     let per_job_ops = 3 * 2 * req.pp as u64 * req.microbatches as u64;
     if per_job_ops <= 60_000 {
         return jobs
@@ -190,7 +190,7 @@ pub(crate) fn tuned_recipes(req: &TuneRequest, selected: Vec<Job>) -> Vec<Recipe
             &layout,
             pl.clone(),
             req.microbatches,
-            req.memory_limit,
+            req.limit(),
         );
         let hs = greedy::heuristics_for(&p);
         let best = match quick {

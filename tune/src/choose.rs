@@ -35,7 +35,7 @@ pub(crate) fn eligible(
     jobs: &[(Placement, Layout)],
     skipped: &[(String, String)],
 ) -> Result<Vec<usize>, TuneError> {
-    let limit = req.memory_limit;
+    let limit = req.limit();
     let mut order: Vec<usize> = (0..built.len())
         .filter(|&i| built[i].cand.fits && runnable(&built[i]))
         .collect();
@@ -89,7 +89,7 @@ fn not_runnable(req: &TuneRequest, built: &[Built], skipped: &[(String, String)]
 /// Nothing fits the limit: the smallest peak, the built-ins' and the tuned scheduler's least
 /// (bisection over the limit it plans under), among what the target runs.
 fn over_limit(req: &TuneRequest, built: &[Built], jobs: &[(Placement, Layout)]) -> TuneError {
-    let limit = req.memory_limit.unwrap_or(f64::INFINITY);
+    let limit = req.limit().unwrap_or(f64::INFINITY);
     let mut best: Option<(f64, String)> = built
         .iter()
         .filter(|b| runnable(b))
@@ -146,7 +146,7 @@ pub(crate) fn verify_winner(
     skipped: Vec<(String, String)>,
     levers: Levers,
 ) -> Result<Tuned, TuneError> {
-    let limit = req.memory_limit;
+    let limit = req.limit();
     for i in order {
         if built[i].program.is_none() {
             // A built-in kind dropped while another led: generated again, as before.

@@ -49,7 +49,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     recipes.extend(candidates::builtin_recipes(req, &allowed, user_stages));
     let mut built = build::build_all(req, &recipes, tuned);
     let levers = req.target.levers(req.levers);
-    if let (Some(limit), true) = (req.memory_limit, levers.any()) {
+    if let (Some(limit), true) = (req.limit(), levers.any()) {
         let extra = fit::lever_plans(req, user_stages, limit);
         fit::fit_over_limit(req, &mut built, extra, limit, levers);
     }

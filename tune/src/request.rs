@@ -4,6 +4,7 @@
 use crate::bound;
 use pipec_compiler::target::{Levers, Target, TargetChoice};
 use pipec_cost::cost::CostModel;
+use pipec_cost::memory::{Limit, MemoryError};
 use pipec_cost::simulate::Summary;
 use pipec_ir::verify::Verified;
 use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
@@ -23,8 +24,9 @@ pub struct TuneRequest {
     /// Decoder and MTP layers to split (`--num-layers`, `--mtp-num-layers`) when no layout.
     pub num_layers: Option<u32>,
     pub mtp_num_layers: Option<u32>,
-    /// Per-rank memory limit, in the units of `K.act` / `K.param`.
-    pub memory_limit: Option<f64>,
+    /// Per-rank memory limit as given: a plain number in the units of `K.act` / `K.param`, or
+    /// a byte size, which needs byte costs. [`TuneRequest::limit`] is it in the model's unit.
+    pub memory_limit: Option<Limit>,
     pub limits: Limits,
     /// Weigh the built-in kinds too (the CLI always does; benches may not).
     pub builtins: bool,
@@ -61,12 +63,24 @@ impl TuneRequest {
         }
     }
 
+    /// The memory limit in the unit of the model's memory ([`Limit::resolve_for`], the rule
+    /// every caller shares); [`tune`](crate::tune) refuses a limit that does not resolve before
+    /// anything reads this.
+    pub fn limit(&self) -> Option<f64> {
+        self.memory_limit
+            .and_then(|l| l.resolve_for(&self.model).ok())
+    }
+
     /// The request checked before anything is planned, in this order: pp and microbatches,
+    /// the memory limit against the cost model's unit,
     /// [`TuneRequest::check_size`], a kept layout's stage count against pp, the compute ops
     /// against the limit. The stage count of the user's layout when it is kept.
     pub(crate) fn check(&self) -> Result<Option<usize>, TuneError> {
         if self.pp == 0 || self.microbatches == 0 {
             return Err(TuneError::Zero);
+        }
+        if let Some(l) = self.memory_limit {
+            l.resolve_for(&self.model)?;
         }
         self.check_size()?;
         let user_stages = match (&self.layout, self.rebalance) {
@@ -137,6 +151,9 @@ pub enum TuneError {
         best: String,
         by: String,
     },
+    /// A byte limit without byte costs.
+    #[error(transparent)]
+    Limit(#[from] MemoryError),
     #[error("no candidate schedule could be built for this request ({0})")]
     Nothing(String),
     #[error("{0} compute ops exceed the limit of {1}")]

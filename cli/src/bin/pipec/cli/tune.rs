@@ -98,7 +98,7 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         None => None,
     };
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
-    let memory_limit = super::resolve_limit(memory_limit, &model)?;
+    super::resolve_limit(memory_limit, &model)?;
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
@@ -141,6 +141,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::TooManyLayers { .. }
         | TuneError::NoLayers
         | TuneError::NotRunnable { .. } => CliError::Invalid(e.to_string()),
+        TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
     })?;
     progress.finish_and_clear();
     let seconds = t0.elapsed().as_secs_f64();
@@ -227,7 +228,7 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
     println!(
         "peak memory per rank: {}{}",
         unit.list(t.peak_memory.iter().copied()),
-        req.memory_limit
+        req.limit()
             .map(|l| format!(" (limit {})", unit.with_unit(l)))
             .unwrap_or_default()
     );
