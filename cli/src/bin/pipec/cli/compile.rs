@@ -378,15 +378,6 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
         .map_err(|e| CliError::Usage(format!("{}: {e}", path.display())))?;
     std::fs::create_dir_all(&a.out)
         .map_err(|e| CliError::Usage(format!("{}: {e}", a.out.display())))?;
-    let workers = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
-        .min(configs.len());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<std::sync::Mutex<Option<Outcome>>> = configs
-        .iter()
-        .map(|_| std::sync::Mutex::new(None))
-        .collect();
     let t0 = std::time::Instant::now();
     let progress = indicatif::ProgressBar::with_draw_target(
         Some(configs.len() as u64),
@@ -396,16 +387,12 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} configurations ({elapsed})")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(cfg) = configs.get(i) else { break };
-                let o = one(cfg, &a.out, a);
-                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(o);
-                progress.inc(1);
-            });
-        }
+    // One configuration per core, on the one worker pool.
+    let workers = pipec_ir::par::cores().min(configs.len());
+    let results = pipec_ir::par::map(configs.len(), workers, |i| {
+        let o = one(&configs[i], &a.out, a);
+        progress.inc(1);
+        o
     });
     progress.finish_and_clear();
     let w = configs
@@ -420,20 +407,20 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
     );
     let (mut invalid, mut io) = (0, 0);
     let mut failures = Vec::new();
-    for (cfg, slot) in configs.iter().zip(&results) {
-        match slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(Outcome::Ok {
+    for (cfg, outcome) in configs.iter().zip(results) {
+        match outcome {
+            Outcome::Ok {
                 ranks,
                 instructions,
                 peak,
                 seconds,
-            }) => println!(
+            } => println!(
                 "{:w$}  {:>6}  {ranks:>5}  {instructions:>12}  {:>8}  {seconds:>8.3}",
                 cfg.name,
                 "ok",
                 pipec_ir::human::num(peak)
             ),
-            Some(Outcome::Failed { io: is_io, reason }) => {
+            Outcome::Failed { io: is_io, reason } => {
                 if is_io {
                     io += 1;
                 } else {
@@ -446,7 +433,6 @@ fn sweep(a: &Args, path: &std::path::Path) -> Result<ExitCode, CliError> {
                 );
                 failures.push((cfg.name.clone(), reason));
             }
-            None => unreachable!("every configuration is taken by a worker"),
         }
     }
     println!(
