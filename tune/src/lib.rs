@@ -50,7 +50,12 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     let mut built = build::build_all(req, &recipes, tuned);
     let levers = req.target.levers(req.levers);
     if let (Some(limit), true) = (req.limit(), levers.any()) {
-        let extra = fit::lever_plans(req, user_stages, limit);
+        // The plans made for the levers are pipec's own orders: only where `tuned` is weighed.
+        let extra = if allowed.contains(&CandidateKind::Tuned) {
+            fit::lever_plans(req, user_stages, limit)
+        } else {
+            Vec::new()
+        };
         fit::fit_over_limit(req, &mut built, extra, limit, levers);
     }
     let order = choose::eligible(req, &built, &jobs, &skipped)?;
