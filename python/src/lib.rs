@@ -98,7 +98,7 @@ fn memory_rule(
 ) -> PyResult<(pipec_ir::memory::MemoryModel, Option<f64>)> {
     let model = cost_model(cost)?;
     let mem = pipec_cost::memory::weights(program, layout, &model);
-    Ok((mem, resolve_limit(memory_limit, &model)?))
+    Ok((mem, resolve_limit(parse_limit(memory_limit)?, &model)?))
 }
 
 /// The cost model of `cost` (the CLI's `--cost` spec), the default without one.
@@ -112,18 +112,25 @@ fn cost_model(cost: Option<&str>) -> PyResult<CostModel> {
     Ok(model)
 }
 
-/// `memory_limit` (`"80GiB"` or a plain number) in the unit of `model`'s memory, refused as
-/// the CLI refuses `--memory-limit` ([`pipec_cost::memory::Limit::resolve_for`]): a byte limit
-/// needs byte costs.
-fn resolve_limit(memory_limit: Option<&str>, model: &CostModel) -> PyResult<Option<f64>> {
+/// `memory_limit` (`"80GiB"` or a plain number) as given, refused as the CLI refuses a
+/// `--memory-limit` it cannot read.
+fn parse_limit(memory_limit: Option<&str>) -> PyResult<Option<pipec_cost::memory::Limit>> {
     memory_limit
-        .map(|s| {
-            pipec_cost::memory::Limit::parse(s)
-                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?
-                .resolve_for(model)
-                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
-        })
+        .map(pipec_cost::memory::Limit::parse)
         .transpose()
+        .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
+}
+
+/// `memory_limit` in the unit of `model`'s memory, refused as the CLI refuses `--memory-limit`
+/// ([`pipec_cost::memory::Limit::resolve_for`]): a byte limit needs byte costs.
+fn resolve_limit(
+    memory_limit: Option<pipec_cost::memory::Limit>,
+    model: &CostModel,
+) -> PyResult<Option<f64>> {
+    memory_limit
+        .map(|l| l.resolve_for(model))
+        .transpose()
+        .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
 }
 
 /// The manifest's `cost` for a schedule made under `cost` (the full spec, as the CLI writes
@@ -491,13 +498,7 @@ fn compile_schedule(
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;
-    let limit = memory_limit
-        .as_deref()
-        .map(|s| {
-            pipec_cost::memory::Limit::parse(s)
-                .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))
-        })
-        .transpose()?;
+    let limit = parse_limit(memory_limit.as_deref())?;
     let c = py
         .detach(|| compile_verified(&req, &model, limit))
         .map_err(|e| match e {
@@ -568,15 +569,9 @@ fn tune_schedule(
         ),
         None => None,
     };
-    let memory_limit = memory_limit
-        .map(pipec_cost::memory::Limit::parse)
-        .transpose()
-        .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?;
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
-    if let Some(l) = memory_limit {
-        l.resolve_for(&model)
-            .map_err(|e| SpecError::new_err(format!("memory_limit: {e}")))?;
-    }
+    let memory_limit = parse_limit(memory_limit)?;
+    resolve_limit(memory_limit, &model)?;
     let req = TuneRequest {
         layout,
         rebalance,

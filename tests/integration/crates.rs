@@ -228,7 +228,7 @@ fn module_of(roots: &[std::path::PathBuf], file: &std::path::Path) -> (usize, Ve
 /// The paths a file's code names through `crate::`, `super::`, `self::` or a child module, as
 /// module paths from the crate root (the leaf may be an item: the resolver takes the longest
 /// prefix that is a file).
-fn named_paths(code: &str, me: &[String], is_dir_module: bool) -> Vec<Vec<String>> {
+fn named_paths(code: &str, me: &[String]) -> Vec<Vec<String>> {
     let mut out = Vec::new();
     // `use` trees, braces expanded.
     fn expand(prefix: &str, tree: &str, out: &mut Vec<String>) {
@@ -291,7 +291,6 @@ fn named_paths(code: &str, me: &[String], is_dir_module: bool) -> Vec<Vec<String
         }
     }
     // `super` of `a/b.rs` (module a::b) is `a`; of `a/b/mod.rs` (module a::b) also `a`.
-    let _ = is_dir_module;
     for p in paths {
         let segs: Vec<&str> = p.split("::").filter(|s| !s.is_empty()).collect();
         let Some(first) = segs.first() else { continue };
@@ -346,10 +345,9 @@ fn no_import_circle_inside_a_crate() {
                 .find_map(|n| modules.iter().position(|m| m.0 == root && m.1 == path[..n]))
         };
         let mut edges = vec![Vec::new(); files.len()];
-        for (i, (path, code)) in files.iter().enumerate() {
+        for (i, (_, code)) in files.iter().enumerate() {
             let (root, me) = &modules[i];
-            let dir = path.file_name().is_some_and(|n| n == "mod.rs");
-            for p in named_paths(code, me, dir) {
+            for p in named_paths(code, me) {
                 if let Some(j) = index(*root, &p) {
                     if j != i && !p.is_empty() && !edges[i].contains(&j) {
                         edges[i].push(j);
