@@ -55,6 +55,7 @@ pub mod ir {
             peer: Rank(peer),
             payload,
             batch,
+            tokens: None,
         }
     }
 
@@ -63,6 +64,7 @@ pub mod ir {
             peer: Rank(peer),
             payload,
             batch,
+            tokens: None,
         }
     }
 }

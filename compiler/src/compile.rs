@@ -10,7 +10,8 @@ use pipec_ir::ir::Program;
 use pipec_ir::verify::{self, Rejected, Verified};
 use pipec_schedules::layout::{self, LayerKind, Layout, LayoutError};
 use pipec_schedules::{
-    generate, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec, SpecError,
+    generate, Lengths, LengthsError, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec,
+    SpecError,
 };
 use thiserror::Error;
 
@@ -36,6 +37,13 @@ pub struct CompileRequest {
     /// interleaved-1f1b): the forwards Megatron checkpoints fully become checkpointed forwards
     /// with a recompute before their backward ([`crate::lower::recompute`]).
     pub megatron_partial_recompute: Option<i64>,
+    /// The tokens of each microbatch's sequences (`--microbatch-lengths`, Python `lengths=`;
+    /// issue #38): the program records them and sizes every message by them.
+    pub lengths: Option<Lengths>,
+    /// The order in which the user's microbatches enter the pipeline (tune's
+    /// `microbatch_order`): the `k`-th microbatch the schedule runs is the user's
+    /// `microbatch_order[k]`. `None` is index order.
+    pub microbatch_order: Option<Vec<u32>>,
 }
 
 impl CompileRequest {
@@ -57,6 +65,8 @@ impl CompileRequest {
             mtp_num_layers: None,
             limits: Limits::DEFAULT,
             megatron_partial_recompute: None,
+            lengths: None,
+            microbatch_order: None,
         }
     }
 }
@@ -78,6 +88,18 @@ pub enum CompileError {
     PartialRecompute(#[from] pipec_schedules::PartialRecomputeError),
     #[error(transparent)]
     Checkpoint(#[from] crate::lower::recompute::CheckpointError),
+    /// Lengths for another number of microbatches than the request's.
+    #[error("the microbatch lengths give {given} microbatches, but {microbatches} were asked for (one line of lengths per microbatch)")]
+    LengthsCount { given: u32, microbatches: u32 },
+    /// A microbatch order that is not a permutation of the microbatches.
+    #[error("microbatch order {order}: not a permutation of 0..{microbatches} ({why})")]
+    Order {
+        order: String,
+        microbatches: u32,
+        why: String,
+    },
+    #[error(transparent)]
+    Lengths(#[from] LengthsError),
 }
 
 /// A compiled schedule: everything the emitters and the runtime need.
@@ -160,18 +182,59 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         combined: req.combined,
         megatron_p2p: req.megatron_p2p,
     };
+    check_lengths(req)?;
     let schedule = generate(&spec, &req.limits)?;
     let mut program = lower(&schedule);
     if let Some(n) = req.megatron_partial_recompute {
         let marks = pipec_schedules::megatron_partial_recompute(&spec, &req.limits, n)?;
         crate::lower::recompute::checkpoint_forwards(&mut program, &marks)?;
     }
+    if let Some(order) = &req.microbatch_order {
+        program.renumber(order);
+    }
+    program.set_lengths(req.lengths.clone());
     Ok(Compiled {
         spec,
         layout,
         schedule,
         program,
     })
+}
+
+/// The lengths name as many microbatches as the request, and the order is a permutation.
+fn check_lengths(req: &CompileRequest) -> Result<(), CompileError> {
+    let m = req.microbatches;
+    if let Some(l) = &req.lengths {
+        if l.microbatches() != m {
+            return Err(CompileError::LengthsCount {
+                given: l.microbatches(),
+                microbatches: m,
+            });
+        }
+    }
+    if let Some(order) = &req.microbatch_order {
+        let bad = |why: String| {
+            let shown: Vec<String> = order.iter().take(16).map(u32::to_string).collect();
+            let more = if order.len() > 16 { ", ..." } else { "" };
+            CompileError::Order {
+                order: format!("[{}{more}]", shown.join(", ")),
+                microbatches: m,
+                why,
+            }
+        };
+        if order.len() != m as usize {
+            return Err(bad(format!("{} entries", order.len())));
+        }
+        let mut seen = vec![false; m as usize];
+        for &x in order {
+            match seen.get_mut(x as usize) {
+                None => return Err(bad(format!("{x} is out of range"))),
+                Some(true) => return Err(bad(format!("{x} appears twice"))),
+                Some(s) => *s = true,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Why a request did not become a verified program.
@@ -221,6 +284,9 @@ pub fn prepare(
     limit: Option<Limit>,
 ) -> Result<Prepared, BuildError> {
     let limit = limit.map(|l| l.resolve_for(model)).transpose()?;
+    if let (Some(l), Some(shape)) = (&req.lengths, &model.shape) {
+        l.check_seq(shape.seq).map_err(CompileError::from)?;
+    }
     let c = compile(req)?.into_lowered();
     let memory = pipec_cost::memory::weights(&c.program, &c.layout, model);
     Ok(Prepared {

@@ -619,6 +619,7 @@ mod tests {
                 .iter()
                 .map(|&mb| Instr::Compute(Compute::Fwd(Task::new(0, mb))))
                 .collect()],
+            lengths: None,
         }
     }
 

@@ -950,6 +950,7 @@ mod tests {
             peer: Rank(peer),
             payload: p,
             batch,
+            tokens: None,
         }
     }
     fn recv(peer: u32, p: Payload, batch: u32) -> Instr {
@@ -957,6 +958,7 @@ mod tests {
             peer: Rank(peer),
             payload: p,
             batch,
+            tokens: None,
         }
     }
 
@@ -967,6 +969,7 @@ mod tests {
             forward_only: false,
             comm: None,
             ranks,
+            lengths: None,
         }
     }
 

@@ -152,6 +152,7 @@ mod tests {
             forward_only: false,
             comm: None,
             ranks: vec![instrs],
+            lengths: None,
         };
         let t = Timeline {
             unit: TimeUnit::Micros,

@@ -94,6 +94,20 @@ impl Compute {
         }
     }
 
+    /// The same op with `f` applied to each of its tasks (renumbering microbatches).
+    pub fn map_tasks(self, mut f: impl FnMut(Task) -> Task) -> Compute {
+        match self {
+            Compute::Fwd(t) => Compute::Fwd(f(t)),
+            Compute::Bwd(t) => Compute::Bwd(f(t)),
+            Compute::BwdD(t) => Compute::BwdD(f(t)),
+            Compute::BwdW(t) => Compute::BwdW(f(t)),
+            Compute::FwdBwd { fwd, bwd } => Compute::FwdBwd {
+                fwd: f(fwd),
+                bwd: f(bwd),
+            },
+        }
+    }
+
     pub fn is_forward(&self) -> bool {
         matches!(self, Compute::Fwd(_))
     }

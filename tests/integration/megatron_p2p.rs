@@ -146,12 +146,14 @@ fn group_size_above_pp_was_refused_with_16_deadlocks() {
             Instr::Recv {
                 peer: Rank(3),
                 payload: Payload::act(3, 0),
-                batch: 3
+                batch: 3,
+                tokens: None,
             },
             Instr::Send {
                 peer: Rank(1),
                 payload: Payload::act(0, 3),
-                batch: 3
+                batch: 3,
+                tokens: None,
             }
         ]
     );
@@ -172,7 +174,8 @@ fn m_equal_pp_fused_a_gradient_receive_megatron_does_not_post() {
         Instr::Send {
             peer: Rank(1),
             payload: Payload::act(4, 3),
-            batch: r0[at + 1].batch().unwrap()
+            batch: r0[at + 1].batch().unwrap(),
+            tokens: None,
         }
     );
     assert!(!matches!(r0[at + 2], Instr::Recv { .. } if r0[at + 2].batch() == r0[at + 1].batch()));
@@ -240,6 +243,7 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
         forward_only: false,
         comm: None,
         ranks: vec![r0, r1],
+        lengths: None,
     }
 }
 
@@ -549,6 +553,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
             vec![recv(0, a, 0), send(0, g, 1), Instr::Wait { batch: 0 }],
             vec![],
         ],
+        lengths: None,
     };
     assert!(run_in_stream_order(&crossing, true)
         .unwrap_err()
@@ -635,6 +640,7 @@ fn a_long_batch_to_one_peer_is_one_risk_found_fast() {
                 .chain((0..n).map(|mb| fwd(1, mb)))
                 .collect(),
         ],
+        lengths: None,
     };
     let t = std::time::Instant::now();
     let r = verify(&p, &VerifyOptions::default());
@@ -675,6 +681,7 @@ fn a_later_op_waits_for_the_whole_group_before_it_on_its_stream() {
             ],
             vec![recv(0, a0, 0), recv(0, a1, 1), send(0, g, 2)],
         ],
+        lengths: None,
     };
     assert_eq!(stream_deadlocks(&p, StreamRule::default()), 1);
     // Under rendezvous alone (D1) it runs: the send of a1 does not wait for the group.

@@ -552,6 +552,7 @@ fn copy_stream_times_as_its_graph() {
             forward_only: false,
             comm: None,
             ranks: vec![ops.into_iter().map(Instr::Compute).collect()],
+            lengths: None,
         };
         let q = with_memory_ops(&p, &mut rng);
         let spec = format!(

@@ -528,6 +528,7 @@ fn unfused_1f1b() -> Program {
                 send(0, Payload::grad(1, 1), 3),
             ],
         ],
+        lengths: None,
     }
 }
 

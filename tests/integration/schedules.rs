@@ -320,11 +320,13 @@ fn executor_finds_the_classic_1f1b_deadlock() {
                 peer: Rank(1),
                 payload: Payload::act(0, 0),
                 batch: 0,
+                tokens: None,
             },
             Instr::Recv {
                 peer: Rank(1),
                 payload: Payload::grad(1, 0),
                 batch: 1,
+                tokens: None,
             },
         ],
         vec![
@@ -332,11 +334,13 @@ fn executor_finds_the_classic_1f1b_deadlock() {
                 peer: Rank(0),
                 payload: Payload::grad(1, 0),
                 batch: 0,
+                tokens: None,
             },
             Instr::Recv {
                 peer: Rank(0),
                 payload: Payload::act(0, 0),
                 batch: 1,
+                tokens: None,
             },
         ],
     ];
@@ -346,6 +350,7 @@ fn executor_finds_the_classic_1f1b_deadlock() {
         forward_only: false,
         comm: None,
         ranks,
+        lengths: None,
     };
     let e = rendezvous(&p).unwrap_err();
     assert!(e.starts_with("Deadlock"), "{e}");

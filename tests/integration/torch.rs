@@ -1489,6 +1489,7 @@ fn export_refuses_what_the_csv_cannot_say() {
         peer: Rank(1),
         payload: Payload::grad(0, 0),
         batch: 99,
+        tokens: None,
     });
     assert!(matches!(
         pipec_compiler::torch::export_csv_unverified(

@@ -330,6 +330,7 @@ fn ring(rank0_recv_first: bool) -> Program {
                 fwd(5, 0),
             ],
         ],
+        lengths: None,
     }
 }
 
@@ -415,6 +416,7 @@ fn chained_batches_through_one_peer_are_not_a_deadlock() {
                 send(0, g(1, 1), 2),
             ],
         ],
+        lengths: None,
     };
     let r = check(&p);
     assert!(r.is_valid(), "{r}");
@@ -507,6 +509,7 @@ fn arbitrary_programs_never_panic() {
                 forward_only: fo,
                 comm: None,
                 ranks,
+                lengths: None,
             };
             let r = verify(
                 &p,
@@ -1021,6 +1024,7 @@ fn verified_carries_the_verifiers_report_and_matching() {
             vec![fwd(0, 0)],
             vec![recv(0, pipec_ir::Payload::act(0, 0), 0), fwd(1, 0)],
         ],
+        lengths: None,
     };
     let want = verify(&p, &VerifyOptions::default());
     let r = verified(p, &VerifyOptions::default()).unwrap_err();

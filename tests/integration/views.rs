@@ -469,12 +469,14 @@ fn arb_program() -> impl Strategy<Value = Program> {
                                             peer: Rank(peer),
                                             payload,
                                             batch: b as u32,
+                                            tokens: None,
                                         }
                                     } else {
                                         Instr::Recv {
                                             peer: Rank(peer),
                                             payload,
                                             batch: b as u32,
+                                            tokens: None,
                                         }
                                     });
                                 }
@@ -490,6 +492,7 @@ fn arb_program() -> impl Strategy<Value = Program> {
                 forward_only: false,
                 comm: None,
                 ranks,
+                lengths: None,
             }
         })
     })
@@ -742,11 +745,13 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
                     peer: Rank(1),
                     payload: Payload::act(0, 0),
                     batch: 0,
+                    tokens: None,
                 },
                 Instr::Recv {
                     peer: Rank(1),
                     payload: Payload::grad(1, 0),
                     batch: 1,
+                    tokens: None,
                 },
                 Instr::Compute(Compute::Bwd(Task::new(0, 0))),
             ],
@@ -755,16 +760,19 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
                     peer: Rank(0),
                     payload: Payload::grad(1, 0),
                     batch: 0,
+                    tokens: None,
                 },
                 Instr::Recv {
                     peer: Rank(0),
                     payload: Payload::act(0, 0),
                     batch: 1,
+                    tokens: None,
                 },
                 Instr::Compute(Compute::Fwd(Task::new(1, 0))),
                 Instr::Compute(Compute::Bwd(Task::new(1, 0))),
             ],
         ],
+        lengths: None,
     };
     let layout = Layout::uniform(2);
     let header = Header {

@@ -8,9 +8,9 @@
 //! The programs are tiny: one rank holding two stages (`looped(1, 2)`), two ranks with one
 //! stage each (`looped(2, 1)`), or three (`looped(3, 1)`), one microbatch.
 
-use pipec_ir::ir::{Instr, InstrRef, MemKind, MemOp, Payload, Program};
+use pipec_ir::ir::{Instr, InstrRef, MemKind, MemOp, Payload, Program, Tokens};
 use pipec_ir::verify::{verify, VerifyOptions, Violation};
-use pipec_schedules::{Compute, Placement, Rank, Task};
+use pipec_schedules::{Compute, Lengths, Placement, Rank, Task};
 
 fn f(s: u32, m: u32) -> Instr {
     Instr::Compute(Compute::Fwd(Task::new(s, m)))
@@ -50,6 +50,7 @@ fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
         peer: Rank(peer),
         payload,
         batch,
+        tokens: None,
     }
 }
 fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
@@ -57,6 +58,7 @@ fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
         peer: Rank(peer),
         payload,
         batch,
+        tokens: None,
     }
 }
 fn wait(batch: u32) -> Instr {
@@ -76,6 +78,7 @@ fn program(placement: Placement, ranks: Vec<Vec<Instr>>) -> Program {
         forward_only: false,
         comm: None,
         ranks,
+        lengths: None,
     }
 }
 
@@ -90,6 +93,19 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
 }
 
 /// The valid two-rank program the two-rank cases change.
+/// `p` with microbatch lengths (one sequence each), every message sized by them.
+fn sized(mut p: Program, lengths: &[i128]) -> Program {
+    let l = Lengths::from_lists(lengths.iter().map(|&x| vec![x]).collect()).unwrap();
+    p.set_lengths(Some(l));
+    p
+}
+
+fn set_tokens(ins: &mut Instr, t: u32) {
+    if let Instr::Send { tokens, .. } | Instr::Recv { tokens, .. } = ins {
+        *tokens = Tokens::new(t);
+    }
+}
+
 fn two_rank_ok() -> (Vec<Instr>, Vec<Instr>) {
     (
         vec![f(0, 0), send(1, a(0), 0), recv(1, g(1), 1), b(0, 0)],
@@ -223,6 +239,29 @@ fn cases() -> Vec<Case> {
                 two_ranks(r0.clone(), r1)
             },
             vec![("WrongTensor", at(1, 0)), ("InputNeverReceived", at(1, 1))],
+        ),
+        // M3: microbatch 0 holds 5 tokens and every message says so, but rank 1's receive
+        // (#0) of the activation expects 7: it is matched with a send of 5 tokens, and 7 is
+        // not what the lengths give either.
+        case(
+            "WrongTokens",
+            {
+                let mut p = sized(two_ranks(r0.clone(), r1.clone()), &[5]);
+                set_tokens(&mut p.ranks[1][0], 7);
+                p
+            },
+            vec![("WrongTokens", at(1, 0)), ("TokensNotLengths", at(1, 0))],
+        ),
+        // M4: the program gives microbatch 0 five tokens, and no message carries them (a
+        // file written without lengths under a manifest with them): one report per rank, at
+        // its first message.
+        case(
+            "TokensNotLengths",
+            Program {
+                lengths: Some(Lengths::parse("5").unwrap()),
+                ..two_ranks(r0.clone(), r1.clone())
+            },
+            vec![("TokensNotLengths", at(0, 1)), ("TokensNotLengths", at(1, 0))],
         ),
         // M2: a second send of stage 0's activation (#4) that rank 1 never receives.
         case(

@@ -109,21 +109,25 @@ impl Comm {
                 peer: self.next(),
                 payload,
                 batch,
+                tokens: None,
             },
             Key::SendPrev => Instr::Send {
                 peer: self.prev(),
                 payload,
                 batch,
+                tokens: None,
             },
             Key::RecvPrev => Instr::Recv {
                 peer: self.prev(),
                 payload,
                 batch,
+                tokens: None,
             },
             Key::RecvNext => Instr::Recv {
                 peer: self.next(),
                 payload,
                 batch,
+                tokens: None,
             },
         }
     }

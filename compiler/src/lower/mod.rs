@@ -505,11 +505,13 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
         peer: e.peer,
         payload: e.payload,
         batch,
+        tokens: None,
     }));
     out.extend(recvs.iter().map(|e| Instr::Recv {
         peer: e.peer,
         payload: e.payload,
         batch,
+        tokens: None,
     }));
 }
 
@@ -536,6 +538,7 @@ pub fn lower_with(
         forward_only,
         comm: Some(how.policy()),
         ranks,
+        lengths: None,
     })
 }
 
@@ -602,6 +605,7 @@ pub fn lower_orders(
         forward_only,
         comm: Some(how.policy()),
         ranks: untimed(placement, microbatches, forward_only, orders, how),
+        lengths: None,
     }
 }
 

@@ -448,6 +448,7 @@ pub fn import_csv(text: &str, opts: &ImportOptions) -> Result<Imported, CsvError
                 // Taken as written: the file's own batches, nothing lowered.
                 comm: None,
                 ranks,
+                lengths: None,
             }
         }
     };

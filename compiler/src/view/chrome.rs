@@ -156,11 +156,13 @@ impl TraceBuilder {
                         peer,
                         payload,
                         batch,
+                        ..
                     }
                     | Instr::Recv {
                         peer,
                         payload,
                         batch,
+                        ..
                     } => {
                         let kind = match payload.kind {
                             PayloadKind::Act => "act",

@@ -268,6 +268,7 @@ mod tests {
             forward_only: false,
             comm: None,
             ranks: vec![vec![], vec![]],
+            lengths: None,
         };
         assert_eq!(chunks(&p), vec![0, 0, 1, 1, 2, 2]);
         let p = Program {

@@ -697,6 +697,7 @@ mod tests {
                 Instr::Compute(Compute::Fwd(Task::new(0, 0))),
                 Instr::Compute(Compute::Fwd(Task::new(0, 1))),
             ]],
+            lengths: None,
         };
         let spans = |t0: f64| {
             vec![vec![

@@ -26,7 +26,7 @@ pub(crate) struct Parsed {
 }
 
 macro_rules! gen_parse {
-    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+    ($( $idx:literal $op:ident $(as $json:ident)? $(+ $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
         impl Cursor<'_> {
             /// One instruction object, after `{"op":"`, through its closing `}`. Rows of one
             /// op (`fwd`, and `fwd` with `"checkpoint":true`) are tried in table order.

@@ -3,8 +3,9 @@
 
 use super::bytes::push_varint;
 use super::schema::{instructions, json_op, Field, True};
-use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program, Tokens};
 use pipec_schedules::layout::Layout;
+use pipec_schedules::Lengths;
 use pipec_schedules::{
     CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
 };
@@ -75,6 +76,10 @@ pub struct Manifest {
     /// without one, so those files are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost: Option<String>,
+    /// The tokens of the sequences in each microbatch (issue #38), as given; every send and
+    /// receive then carries its `tokens`. Absent when the microbatches are alike.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub microbatch_lengths: Option<Lengths>,
 }
 
 /// The one sentence `pipec check`, `show`, `simulate` and `import` say of a compute-only
@@ -136,10 +141,11 @@ any_row! {
     payload: PayloadKind,
     batch: u32,
     checkpoint: True,
+    tokens: Tokens,
 }
 
 macro_rules! gen_format {
-    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+    ($( $idx:literal $op:ident $(as $json:ident)? $(+ $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
         /// Each row's JSON fields.
         #[allow(non_camel_case_types)]
         pub(crate) mod json_rows {
@@ -360,6 +366,8 @@ pub(crate) struct HashedHeader<'a> {
     placement: &'a Placement,
     microbatches: u32,
     forward_only: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    microbatch_lengths: &'a Option<Lengths>,
 }
 
 #[cfg(test)]
@@ -388,6 +396,7 @@ impl ScheduleHasher {
             placement: &program.placement,
             microbatches: program.microbatches,
             forward_only: program.forward_only,
+            microbatch_lengths: &program.lengths,
         };
         let mut hasher = Sha256::new();
         hasher.update(b"pipec-schedule-v1\n");

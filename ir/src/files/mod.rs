@@ -96,6 +96,7 @@ mod tests {
                             peer,
                             payload,
                             batch,
+                            tokens: None,
                         });
                         if waits {
                             out.push(Instr::Wait { batch });
@@ -108,6 +109,7 @@ mod tests {
                             peer,
                             payload,
                             batch,
+                            tokens: None,
                         });
                         batch += 1;
                     }
@@ -124,6 +126,7 @@ mod tests {
                 forward_only: false,
                 comm: Some(s.comm),
                 ranks,
+                lengths: None,
             },
         }
     }
@@ -466,7 +469,9 @@ mod encodings {
                 (9, "offload"),
                 (10, "reload"),
                 (11, "wait_offload"),
-                (12, "recompute")
+                (12, "recompute"),
+                (13, "send"),
+                (14, "recv")
             ]
         );
     }

@@ -263,6 +263,16 @@ pub(crate) fn check_manifest(path: PathBuf, m: Manifest) -> Result<Manifest, Loa
             expected: format!("world size {} with {} stages", m.world_size, m.num_stages),
         });
     }
+    if let Some(l) = &m.microbatch_lengths {
+        if l.microbatches() != m.microbatches {
+            return Err(LoadError::Mismatch {
+                path,
+                field: "microbatch_lengths",
+                found: format!("{} microbatches", l.microbatches()),
+                expected: format!("{} (`microbatches`)", m.microbatches),
+            });
+        }
+    }
     Ok(m)
 }
 
@@ -652,6 +662,7 @@ fn read_with(
         microbatches: manifest.microbatches,
         forward_only: manifest.forward_only,
         comm: manifest.comm_policy,
+        lengths: manifest.microbatch_lengths.clone(),
         ranks,
     };
     Ok((

@@ -10,7 +10,7 @@
 //! it meaning); the compiler refuses a variant of [`Instr`] that no row covers.
 
 use super::bytes::{digits, push_varint, Bin, Chunk, Cursor};
-use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind};
+use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Tokens};
 use pipec_schedules::{Compute, Microbatch, Rank, StageId, Task};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -24,7 +24,9 @@ use serde::Serialize;
 /// A row `index name as op + key { ... }` is a variant of an earlier row `op`: the same JSON
 /// op with one more key, `"key":true`, last (a forward with `"checkpoint":true`), and no byte
 /// of its own in the binary form, where its index tells it apart. So a file without the key
-/// keeps the bytes it had, and readers pick the row by the key's presence.
+/// keeps the bytes it had, and readers pick the row by the key's presence. A row
+/// `index name as op { ... }` is likewise a variant of `op` with one more valued field, last
+/// (a send or receive with its `tokens`, issue #38): readers take it where that key is there.
 macro_rules! instructions {
     ($m:ident) => {
         $m! {
@@ -46,12 +48,14 @@ macro_rules! instructions {
                     peer: Rank(peer),
                     payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
                     batch,
+                    tokens: None,
                 }];
             6 recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32 }
                 => [Instr::Recv {
                     peer: Rank(peer),
                     payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
                     batch,
+                    tokens: None,
                 }];
             7 wait { batch: u32 } => [Instr::Wait { batch }];
             8 fwd_checkpoint as fwd + checkpoint { stage: u32, mb: u32 }
@@ -76,6 +80,20 @@ macro_rules! instructions {
                     kind: MemKind::Recompute,
                     task: Task { stage: StageId(stage), mb: Microbatch(mb) },
                 })];
+            13 sized_send as send { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, tokens: crate::ir::Tokens }
+                => [Instr::Send {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                    tokens: Some(tokens),
+                }];
+            14 sized_recv as recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, tokens: crate::ir::Tokens }
+                => [Instr::Recv {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                    tokens: Some(tokens),
+                }];
         }
     };
 }
@@ -176,6 +194,42 @@ impl Field for u32 {
     }
 }
 
+/// A message's tokens: an integer above 0, written as a `u32`.
+impl Field for Tokens {
+    type Bin = u32;
+    const KIND: &'static str = "int";
+    fn value(self) -> FieldValue {
+        FieldValue::Int(self.get())
+    }
+    #[inline(always)]
+    fn to_bin(self) -> u32 {
+        self.get()
+    }
+    fn from_bin(b: u32) -> Result<Self, String> {
+        Tokens::new(b).ok_or_else(|| "tokens 0: a message carries at least one token".to_string())
+    }
+    #[inline(always)]
+    fn write_json(self, c: &mut Chunk) {
+        c.u(self.get())
+    }
+    #[inline(always)]
+    fn json_len(self) -> u64 {
+        digits(self.get()) as u64
+    }
+    #[inline(always)]
+    fn parse_json(c: &mut Cursor<'_>) -> Option<Self> {
+        Tokens::new(c.num()?)
+    }
+    #[inline(always)]
+    fn push_canonical(self, out: &mut Vec<u8>) {
+        push_varint(out, self.get() as u64)
+    }
+    #[inline(always)]
+    fn parse_bin(c: &mut Bin<'_>) -> Option<Self> {
+        Tokens::new(c.u32()?)
+    }
+}
+
 /// `"act"` or `"grad"` in JSON; one byte, 0 or 1, in postcard.
 impl Field for PayloadKind {
     type Bin = u8;
@@ -265,7 +319,7 @@ pub struct OpSchema {
 }
 
 macro_rules! gen_schema {
-    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
+    ($( $idx:literal $op:ident $(as $json:ident)? $(+ $flag:ident)? { $($f:ident : $t:ty),+ $(,)? } => [$($ir:tt)+]; )*) => {
         /// Every op of the rank file, in variant-index order (an op with an optional key,
         /// `fwd`, once without it and once with it).
         pub const OPS: &[OpSchema] = &[$(OpSchema {
@@ -315,6 +369,7 @@ macro_rules! gen_schema {
             trait Pick: Sized { fn pick(v: u32, p: PayloadKind) -> Self; }
             impl Pick for u32 { fn pick(v: u32, _: PayloadKind) -> u32 { v } }
             impl Pick for PayloadKind { fn pick(_: u32, p: PayloadKind) -> PayloadKind { p } }
+            impl Pick for Tokens { fn pick(v: u32, _: PayloadKind) -> Tokens { Tokens::new(v.max(1)).unwrap_or(Tokens::MIN) } }
             vec![$({ $( let $f = <$t as Pick>::pick(v, payload); )+ $($ir)+ }),*]
         }
 
@@ -326,6 +381,11 @@ macro_rules! gen_schema {
             use proptest::prelude::*;
             trait Arb: Sized { fn arb(int: BoxedStrategy<u32>) -> BoxedStrategy<Self>; }
             impl Arb for u32 { fn arb(int: BoxedStrategy<u32>) -> BoxedStrategy<u32> { int } }
+            impl Arb for Tokens {
+                fn arb(int: BoxedStrategy<u32>) -> BoxedStrategy<Tokens> {
+                    int.prop_map(|v| Tokens::new(v.max(1)).unwrap_or(Tokens::MIN)).boxed()
+                }
+            }
             impl Arb for PayloadKind {
                 fn arb(_: BoxedStrategy<u32>) -> BoxedStrategy<PayloadKind> {
                     prop_oneof![Just(PayloadKind::Act), Just(PayloadKind::Grad)].boxed()

@@ -73,6 +73,8 @@ struct ManifestLoose {
     sealed_by: Option<String>,
     #[serde(default)]
     cost: Option<String>,
+    #[serde(default)]
+    microbatch_lengths: Option<pipec_schedules::Lengths>,
 }
 
 #[derive(Deserialize)]
@@ -124,6 +126,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
             .collect(),
         sealed_by: m.sealed_by,
         cost: m.cost,
+        microbatch_lengths: m.microbatch_lengths,
     };
     check_manifest(path, m)
 }
@@ -155,6 +158,7 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         microbatches: m.microbatches,
         forward_only: m.forward_only,
         comm: m.comm_policy,
+        lengths: m.microbatch_lengths.clone(),
         ranks,
     };
     let header = Header {

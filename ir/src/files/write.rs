@@ -98,7 +98,7 @@ pub(crate) fn json_size(rank: u32, world: u32, hash: &str, instrs: &[Instr]) -> 
 }
 
 macro_rules! gen_json {
-    ($( $idx:literal $op:ident $(as $json:ident + $flag:ident)? { $f0:ident : $t0:ty $(, $f:ident : $t:ty)* $(,)? } => [$($ir:tt)+]; )*) => {
+    ($( $idx:literal $op:ident $(as $json:ident)? $(+ $flag:ident)? { $f0:ident : $t0:ty $(, $f:ident : $t:ty)* $(,)? } => [$($ir:tt)+]; )*) => {
         impl Chunk {
             /// `{"op":"<op>","<key>":<value>...}`, keys in the schema's order: the op and the
             /// first key are one copy, then a copy per key and the values.
@@ -294,6 +294,7 @@ impl Prepared<'_> {
             ranks: entries,
             sealed_by: self.sealed.as_ref().map(|_| SEALED_BY.to_string()),
             cost: self.cost.clone(),
+            microbatch_lengths: self.program.lengths.clone(),
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');

@@ -409,6 +409,7 @@ mod tests {
                 .into_iter()
                 .map(|r| r.into_iter().map(Instr::Compute).collect())
                 .collect(),
+            lengths: None,
         }
     }
 

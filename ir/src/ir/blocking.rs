@@ -111,6 +111,7 @@ mod tests {
             forward_only: false,
             comm: None,
             ranks,
+            lengths: None,
         }
     }
 

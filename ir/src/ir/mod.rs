@@ -16,5 +16,5 @@ mod steps;
 pub use blocking::blocking_order;
 pub use id::{OptIdx, Positions, TooLarge};
 pub use matching::{Channel, Matching};
-pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program};
+pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program, Tokens};
 pub use steps::{batch_end, steps, waited_batches, Step, Steps};

@@ -5,9 +5,12 @@
 //! simulator, the emitters and the runtime all consume it. Ids in a `Program` read from a file
 //! are untrusted: the verifier range-checks them before anything indexes with them.
 
-use pipec_schedules::{CommPolicy, Compute, Microbatch, Placement, Rank, StageId, Task};
+use pipec_schedules::{CommPolicy, Compute, Lengths, Microbatch, Placement, Rank, StageId, Task};
 use serde::{Deserialize, Serialize};
 use std::fmt;
+
+/// A message's size in tokens: never zero (a microbatch holds at least one token).
+pub type Tokens = std::num::NonZeroU32;
 
 /// What a message carries.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -75,11 +78,16 @@ pub enum Instr {
         peer: Rank,
         payload: Payload,
         batch: u32,
+        /// The tokens of the tensor it moves, when the plan knows its microbatches' lengths
+        /// (issue #38): a runtime allocates the receive from it, no shape handshake.
+        tokens: Option<Tokens>,
     },
     Recv {
         peer: Rank,
         payload: Payload,
         batch: u32,
+        /// As [`Instr::Send`]'s; a matched pair must agree.
+        tokens: Option<Tokens>,
     },
     /// Block until the earlier batch `batch` of this rank has completed (`work.wait()`).
     Wait {
@@ -146,12 +154,14 @@ impl Instr {
                 peer,
                 payload,
                 batch,
+                tokens: None,
             }
         } else {
             Instr::Recv {
                 peer,
                 payload,
                 batch,
+                tokens: None,
             }
         }
     }
@@ -225,6 +235,11 @@ pub struct Program {
     /// tool): every batch one NCCL group, one communicator per pair of ranks.
     #[serde(default)]
     pub comm: Option<CommPolicy>,
+    /// The tokens of the sequences in each microbatch (issue #38), by the user's microbatch
+    /// index; `None` when every microbatch is alike. Recorded as the manifest's
+    /// `microbatch_lengths`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lengths: Option<Lengths>,
     pub ranks: Vec<Vec<Instr>>,
 }
 
@@ -257,6 +272,57 @@ impl Program {
 
     pub fn get(&self, at: InstrRef) -> Option<&Instr> {
         self.ranks.get(at.rank.index())?.get(at.index as usize)
+    }
+
+    /// The tokens a message of microbatch `mb` carries under this program's lengths.
+    pub fn tokens_of(&self, mb: Microbatch) -> Option<Tokens> {
+        Tokens::new(self.lengths.as_ref()?.tokens(mb.0)?)
+    }
+
+    /// Give the program its microbatches' lengths: every send and receive then carries the
+    /// tokens of its microbatch.
+    pub fn set_lengths(&mut self, lengths: Option<Lengths>) {
+        self.lengths = lengths;
+        let table: Option<Vec<u32>> = self.lengths.as_ref().map(|l| l.all_tokens().to_vec());
+        let of = |mb: Microbatch| {
+            table
+                .as_ref()
+                .and_then(|t| t.get(mb.index()))
+                .and_then(|&t| Tokens::new(t))
+        };
+        for ins in self.ranks.iter_mut().flatten() {
+            if let Instr::Send {
+                payload, tokens, ..
+            }
+            | Instr::Recv {
+                payload, tokens, ..
+            } = ins
+            {
+                *tokens = of(payload.mb);
+            }
+        }
+    }
+
+    /// Renumber microbatches: the one that entered the pipeline `k`-th becomes the user's
+    /// microbatch `order[k]` (tune's microbatch order, issue #38). `order` must be a
+    /// permutation of `0..microbatches`; ids outside it are left as they are.
+    pub fn renumber(&mut self, order: &[u32]) {
+        let map = |mb: Microbatch| order.get(mb.index()).map_or(mb, |&to| Microbatch(to));
+        let task = |t: Task| Task {
+            stage: t.stage,
+            mb: map(t.mb),
+        };
+        for ins in self.ranks.iter_mut().flatten() {
+            match ins {
+                Instr::Compute(c) => *c = c.map_tasks(task),
+                Instr::Send { payload, .. } | Instr::Recv { payload, .. } => {
+                    payload.mb = map(payload.mb)
+                }
+                Instr::Wait { .. } => {}
+                Instr::FwdCheckpoint(t) => *t = task(*t),
+                Instr::Memory(m) => m.task = task(m.task),
+            }
+        }
     }
 
     /// Each rank's compute ops in order, communication dropped.

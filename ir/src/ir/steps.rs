@@ -93,11 +93,13 @@ mod tests {
             peer: Rank(1),
             payload: Payload::act(0, 0),
             batch: b,
+            tokens: None,
         };
         let recv = |b| Instr::Recv {
             peer: Rank(1),
             payload: Payload::grad(1, 0),
             batch: b,
+            tokens: None,
         };
         let f = Instr::Compute(Compute::Fwd(Task::new(0, 0)));
         let s = [

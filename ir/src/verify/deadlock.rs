@@ -419,6 +419,7 @@ mod tests {
             forward_only: true,
             comm: None,
             ranks,
+            lengths: None,
         }
     }
 

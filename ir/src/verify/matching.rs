@@ -5,7 +5,7 @@
 
 use super::index::Index;
 use super::violation::Violation;
-use crate::ir::{Instr, Matching, Payload};
+use crate::ir::{Instr, Matching, Payload, Tokens};
 use std::collections::HashMap;
 
 /// The payload of the send or receive at global id `g` on rank `r`.
@@ -16,6 +16,14 @@ fn payload(ix: &Index<'_>, r: u32, g: u32) -> Payload {
         Instr::Compute(_) | Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => {
             unreachable!("a channel holds only messages")
         }
+    }
+}
+
+/// The tokens of the send or receive at global id `g` on rank `r`.
+fn tokens(ix: &Index<'_>, r: u32, g: u32) -> Option<Tokens> {
+    match ix.p.ranks[r as usize][(g - ix.pos.base(r as usize)) as usize] {
+        Instr::Send { tokens, .. } | Instr::Recv { tokens, .. } => tokens,
+        Instr::Compute(_) | Instr::Wait { .. } | Instr::FwdCheckpoint(_) | Instr::Memory(_) => None,
     }
 }
 
@@ -37,6 +45,20 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
                     send: ix.site(a),
                 });
             }
+            // M3: the same tensor, the same size (a receive allocated from the plan).
+            let mut differing = c.differing.iter().peekable();
+            for (k, (&a, &b)) in c.sends.iter().zip(&c.recvs).enumerate() {
+                if differing.peek() == Some(&&(k as u32)) {
+                    differing.next();
+                    continue;
+                }
+                if tokens(ix, c.src, a) != tokens(ix, c.dst, b) {
+                    found.push(Violation::WrongTokens {
+                        recv: ix.site(b),
+                        send: ix.site(a),
+                    });
+                }
+            }
         } else {
             let with_payloads = |ops: &[u32], r: u32| -> Vec<(u32, Payload)> {
                 ops.iter().map(|&g| (g, payload(ix, r, g))).collect()
@@ -49,8 +71,38 @@ pub(crate) fn check(ix: &Index<'_>, m: &Matching, out: &mut Vec<Violation>) {
             );
         }
     }
+    sizes(ix, &mut found);
     found.sort_by_key(|v| v.at());
     out.extend(found);
+}
+
+/// M4: every send and receive carries its microbatch's tokens as the program's lengths give
+/// them, and none carries any without lengths. One violation per rank, at its first such op:
+/// a file written without (or with other) lengths is wrong at every message alike.
+fn sizes(ix: &Index<'_>, out: &mut Vec<Violation>) {
+    let p = ix.p;
+    for (r, instrs) in p.ranks.iter().enumerate() {
+        for (i, ins) in instrs.iter().enumerate() {
+            let (Instr::Send {
+                payload, tokens, ..
+            }
+            | Instr::Recv {
+                payload, tokens, ..
+            }) = *ins
+            else {
+                continue;
+            };
+            let expected = p.tokens_of(payload.mb);
+            let missing_lengths = p.lengths.is_some() && expected.is_none();
+            if tokens != expected && !missing_lengths {
+                out.push(Violation::TokensNotLengths {
+                    site: ix.site(ix.pos.base(r) + i as u32),
+                    expected: expected.map(Tokens::get),
+                });
+                break;
+            }
+        }
+    }
 }
 
 /// Report the ops of an unbalanced channel whose payloads the other side does not carry (as

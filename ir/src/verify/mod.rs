@@ -27,6 +27,9 @@
 //! - M1. Per ordered pair of ranks, the k-th send meets the k-th receive (NCCL's FIFO order
 //!   per peer); each pair carries the same (kind, stage, mb) on both sides [`WrongTensor`].
 //! - M2. Every send and receive has a partner [`Unmatched`].
+//! - M3. A matched send and receive of the same tensor agree on its `tokens` [`WrongTokens`].
+//! - M4. Every send and receive carries the tokens of its microbatch as the program's
+//!   `microbatch_lengths` give them, and none without lengths [`TokensNotLengths`].
 //!
 //! Deadlock freedom (rule 4)
 //! - D1. Under rendezvous semantics with comm batches as units (all ops of a batch are posted
@@ -109,6 +112,8 @@
 //! [`BackwardInForwardOnly`]: Violation::BackwardInForwardOnly
 //! [`WrongRank`]: Violation::WrongRank
 //! [`WrongTensor`]: Violation::WrongTensor
+//! [`WrongTokens`]: Violation::WrongTokens
+//! [`TokensNotLengths`]: Violation::TokensNotLengths
 //! [`Unmatched`]: Violation::Unmatched
 //! [`Deadlock`]: Violation::Deadlock
 //! [`RunsBeforeLocal`]: Violation::RunsBeforeLocal
@@ -361,6 +366,7 @@ mod tests {
             forward_only: false,
             comm: None,
             ranks: vec![vec![Instr::Compute(Compute::Fwd(Task::new(0, 0)))]],
+            lengths: None,
         };
         let r = verify(&p, &VerifyOptions::default());
         assert_eq!(
@@ -383,11 +389,13 @@ mod tests {
             peer: Rank(peer),
             payload,
             batch,
+            tokens: None,
         };
         let send = |peer, payload, batch| Instr::Send {
             peer: Rank(peer),
             payload,
             batch,
+            tokens: None,
         };
         let mut r0 = vec![recv(1, Payload::grad(1, 0), 0)];
         let mut r1 = Vec::new();
@@ -402,6 +410,7 @@ mod tests {
             forward_only: true,
             comm: None,
             ranks: vec![r0, r1],
+            lengths: None,
         };
         let r = verify(&p, &VerifyOptions::default());
         let cycles: Vec<&Violation> = r

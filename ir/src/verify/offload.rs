@@ -194,6 +194,7 @@ mod tests {
             forward_only: false,
             comm: None,
             ranks: vec![instrs],
+            lengths: None,
         }
     }
 

@@ -224,6 +224,7 @@ mod tests {
                     send(0, Payload::grad(1, 0), 1),
                 ],
             ],
+            lengths: None,
         }
     }
 
@@ -232,11 +233,13 @@ mod tests {
             peer: Rank(1),
             payload: Payload::act(0, 0),
             batch: u32::from(grad_first),
+            tokens: None,
         };
         let grad = Instr::Recv {
             peer: Rank(1),
             payload: Payload::grad(1, 0),
             batch: u32::from(!grad_first),
+            tokens: None,
         };
         let (a, b) = if grad_first { (grad, act) } else { (act, grad) };
         vec![

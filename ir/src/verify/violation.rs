@@ -161,6 +161,15 @@ pub enum Violation {
     BackwardInForwardOnly { site: Site, part: Part },
     /// The k-th send of a rank pair meets a k-th receive that names another tensor.
     WrongTensor { recv: Site, send: Site },
+    /// A matched send and receive of the same tensor that disagree on its `tokens` (issue
+    /// #38): the receive would be allocated for another size.
+    WrongTokens { recv: Site, send: Site },
+    /// A send or receive whose `tokens` is not its microbatch's as the program's
+    /// `microbatch_lengths` give it (or is there without lengths, or missing with them).
+    TokensNotLengths {
+        site: Site,
+        expected: Option<u32>,
+    },
     /// A send or receive that no peer operation matches.
     Unmatched { site: Site, sends: u32, recvs: u32 },
     /// A cycle of waits under rendezvous semantics.
@@ -286,7 +295,9 @@ impl Violation {
             | UnpairedSplit { .. }
             | MixedBackward { .. }
             | BackwardInForwardOnly { .. } => Class::Incomplete,
-            WrongTensor { .. } => Class::WrongTensor,
+            WrongTensor { .. } | WrongTokens { .. } | TokensNotLengths { .. } => {
+                Class::WrongTensor
+            }
             Unmatched { .. } | Deadlock { .. } | StreamDeadlock { .. } => Class::Deadlock,
             RunsBeforeInput { .. }
             | RunsBeforeWait { .. }
@@ -328,6 +339,7 @@ impl Violation {
             | UnpairedSplit { site, .. }
             | BackwardInForwardOnly { site, .. }
             | Unmatched { site, .. }
+            | TokensNotLengths { site, .. }
             | RunsBeforeInput { site, .. }
             | RunsBeforeWait { site, .. }
             | WaitWithoutBatch { site, .. }
@@ -352,7 +364,7 @@ impl Violation {
             | BackwardWithoutRecompute { site, .. } => Some(site.at),
             Duplicate { again, .. } => Some(again.at),
             MixedBackward { bwd, .. } => Some(bwd.at),
-            WrongTensor { recv, .. } => Some(recv.at),
+            WrongTensor { recv, .. } | WrongTokens { recv, .. } => Some(recv.at),
             Deadlock { cycle } => cycle.first().map(|s| s.waiter().at),
             StreamDeadlock { cycle } => cycle.first().map(|s| s.at),
             MemoryLimit { first_over, .. } => Some(first_over.at),
@@ -429,6 +441,42 @@ impl fmt::Display for Violation {
                     _ => "?".to_string(),
                 };
                 write!(f, "{recv} would receive {got} sent at {}", send.at)
+            }
+            WrongTokens { recv, send } => {
+                let tokens = |i: &Instr| match *i {
+                    Instr::Send { tokens, .. } | Instr::Recv { tokens, .. } => {
+                        tokens.map_or_else(|| "no size".to_string(), |t| format!("{t} tokens"))
+                    }
+                    _ => "?".to_string(),
+                };
+                write!(
+                    f,
+                    "{recv} expects {} but {} sends {}",
+                    tokens(&recv.instr),
+                    send,
+                    tokens(&send.instr)
+                )
+            }
+            TokensNotLengths { site, expected } => {
+                let found = match site.instr {
+                    Instr::Send { tokens, .. } | Instr::Recv { tokens, .. } => tokens,
+                    _ => None,
+                };
+                match (found, expected) {
+                    (Some(t), Some(e)) => write!(
+                        f,
+                        "{site} carries {t} tokens, but its microbatch holds {e} (microbatch_lengths)"
+                    ),
+                    (Some(t), None) => write!(
+                        f,
+                        "{site} carries {t} tokens, but the program gives no microbatch_lengths"
+                    ),
+                    (None, Some(e)) => write!(
+                        f,
+                        "{site} carries no tokens, but its microbatch holds {e} (microbatch_lengths)"
+                    ),
+                    (None, None) => write!(f, "{site} carries no tokens"),
+                }
             }
             Unmatched { site, sends, recvs } => {
                 let (me, peer, what) = match site.instr {

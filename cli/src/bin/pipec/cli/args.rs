@@ -5,6 +5,7 @@ use super::CliError;
 use pipec_compiler::torch::PlacementChoice;
 use pipec_cost::cost::CostModel;
 use pipec_ir::files::Loaded;
+use pipec_schedules::Lengths;
 use std::path::PathBuf;
 
 /// `--cost` and `--cost-file`, shared by show, simulate, compare and export.
@@ -53,6 +54,47 @@ impl CostArgs {
                 CliError::Invalid(format!("the manifest's cost model: {}", e.render()))
             }),
             _ => self.model(),
+        }
+    }
+}
+
+/// `--microbatch-lengths FILE`, shared by compile, tune and compare (issue #38).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct LengthsArgs {
+    /// A file of microbatch lengths: one line per microbatch, the tokens of the sequences
+    /// packed into it separated by spaces or commas (one number: one unpacked sequence). The
+    /// number of lines is the number of microbatches; every send and receive then carries
+    /// its tokens, and costs and memory follow each microbatch's length.
+    #[arg(long, value_name = "FILE")]
+    pub microbatch_lengths: Option<PathBuf>,
+}
+
+impl LengthsArgs {
+    /// The lengths, if given: an unreadable file is I/O (exit 2), a bad line invalid input
+    /// (exit 1, naming the file and line).
+    pub fn load(&self) -> Result<Option<Lengths>, CliError> {
+        let Some(path) = &self.microbatch_lengths else {
+            return Ok(None);
+        };
+        let text = super::read_text("--microbatch-lengths", path)?;
+        Lengths::parse(&text)
+            .map(Some)
+            .map_err(|e| CliError::Invalid(format!("{}: {e}", path.display())))
+    }
+
+    /// The microbatch count: `--microbatches`, which must agree with the lengths when both are
+    /// given, or the lengths' count.
+    pub fn microbatches(
+        lengths: Option<&Lengths>,
+        flag: Option<u32>,
+    ) -> Result<Option<u32>, CliError> {
+        match (lengths, flag) {
+            (Some(l), Some(m)) if l.microbatches() != m => Err(CliError::Invalid(format!(
+                "--microbatches {m} disagrees with --microbatch-lengths, which gives {} microbatches (one line each)",
+                l.microbatches()
+            ))),
+            (Some(l), _) => Ok(Some(l.microbatches())),
+            (None, m) => Ok(m),
         }
     }
 }

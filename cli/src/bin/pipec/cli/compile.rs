@@ -23,12 +23,14 @@ pub struct Args {
     /// Model chunks per rank; derived from --layout when one is given.
     #[arg(long)]
     pub vpp: Option<u32>,
-    /// Number of microbatches.
-    #[arg(long, required_unless_present = "config")]
+    /// Number of microbatches (may be left out with --microbatch-lengths).
+    #[arg(long, required_unless_present_any = ["config", "microbatch_lengths"])]
     pub microbatches: Option<u32>,
+    #[command(flatten)]
+    pub lengths: super::args::LengthsArgs,
     /// A sweep file (TOML) of many schedules: each is compiled, verified and written to
     /// OUT/<name>/; a summary table follows. See the README's "Sweeps" section.
-    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers", "megatron_partial_recompute"])]
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers", "megatron_partial_recompute", "microbatch_lengths"])]
     pub config: Option<PathBuf>,
     /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
     #[arg(long, conflicts_with = "layout_file")]
@@ -123,11 +125,14 @@ impl Args {
         let missing = |f: &str| CliError::Usage(format!("--{f} is required (or give --config)"));
         let kind = self.schedule.ok_or_else(|| missing("schedule"))?;
         let pp = self.pp.ok_or_else(|| missing("pp"))?;
+        let lengths = self.lengths.load()?;
+        let microbatches =
+            super::args::LengthsArgs::microbatches(lengths.as_ref(), self.microbatches)?;
         Ok(CompileRequest {
             kind,
             pp,
             vpp: self.vpp,
-            microbatches: self.microbatches.ok_or_else(|| missing("microbatches"))?,
+            microbatches: microbatches.ok_or_else(|| missing("microbatches"))?,
             group_size: self.group_size,
             forward_only: self.forward_only,
             combined: self.combined,
@@ -139,6 +144,8 @@ impl Args {
             mtp_num_layers: self.mtp_num_layers,
             limits: self.limits(),
             megatron_partial_recompute: self.megatron_partial_recompute,
+            lengths,
+            microbatch_order: None,
         })
     }
 }
@@ -158,7 +165,10 @@ pub fn compile_error(e: CompileError) -> CliError {
         e @ (CompileError::UnevenLayers { .. }
         | CompileError::TooManyLayers { .. }
         | CompileError::PartialRecompute(_)
-        | CompileError::Checkpoint(_)) => CliError::Invalid(e.to_string()),
+        | CompileError::Checkpoint(_)
+        | CompileError::LengthsCount { .. }
+        | CompileError::Order { .. }
+        | CompileError::Lengths(_)) => CliError::Invalid(e.to_string()),
     }
 }
 
