@@ -214,6 +214,20 @@ impl Lengths {
         self.mbs.iter().all(|s| s.len() == 1)
     }
 
+    /// One phrase for titles: `lengths 300-8000 tokens per microbatch (mean 3974, 6
+    /// sequences)`.
+    pub fn summary(&self) -> String {
+        let min = self.tokens.iter().copied().min().unwrap_or(0);
+        let max = self.max_tokens();
+        let sum: u64 = self.tokens.iter().map(|&t| t as u64).sum();
+        let mean = sum as f64 / self.tokens.len().max(1) as f64;
+        let seqs: usize = self.mbs.iter().map(Vec::len).sum();
+        format!(
+            "lengths {min}-{max} tokens per microbatch (mean {}, {seqs} sequences)",
+            mean.round()
+        )
+    }
+
     /// The text form [`Lengths::parse`] reads back: one line per microbatch.
     pub fn to_text(&self) -> String {
         let mut s = String::new();

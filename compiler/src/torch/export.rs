@@ -76,6 +76,8 @@ pub enum ExportError {
     },
     #[error("{at}: {instr}: torch's schedule CSV has no action for offload, reload, wait_offload, recompute or a checkpointed forward; pipec.torch.build_schedule runs them (docs/torch.md)")]
     MemoryOp { at: InstrRef, instr: String },
+    #[error("the schedule's microbatches have different lengths ({summary}); torch's schedule CSV carries no shapes and torch's runtime sizes every receive once (pytorch #159942), so a job run from it would receive wrong-sized tensors; pipec.torch.build_schedule sizes each receive from the plan (docs/torch.md)")]
+    Lengths { summary: String },
     #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
     Bidirectional {
         kind: pipec_schedules::PlacementKind,
@@ -201,6 +203,11 @@ fn csv(
     form: CsvForm,
     matching: Option<&Matching>,
 ) -> Result<String, ExportError> {
+    if let Some(l) = &program.lengths {
+        return Err(ExportError::Lengths {
+            summary: l.summary(),
+        });
+    }
     if let Some((at, ins)) = first_memory_op(program) {
         return Err(ExportError::MemoryOp {
             at,

@@ -13,7 +13,7 @@ pub fn schedule_title(
     source: &str,
     program: &Program,
 ) -> String {
-    match spec {
+    let title = match spec {
         Some(s) => s.label(),
         None => format!(
             "{source} schedule, {}, {}, microbatches={}",
@@ -21,6 +21,10 @@ pub fn schedule_title(
             pipec_ir::human::count(program.num_stages(), "stage"),
             program.microbatches
         ),
+    };
+    match &program.lengths {
+        Some(l) => format!("{title}, {}", l.summary()),
+        None => title,
     }
 }
 
@@ -36,7 +40,7 @@ pub fn json_report(
     match result {
         Ok(sim) => {
             let s = &sim.summary;
-            Some(serde_json::json!({
+            let mut v = serde_json::json!({
                 "schedule": name,
                 "unit": "cost",
                 "makespan": s.makespan,
@@ -49,7 +53,11 @@ pub fn json_report(
                 "instructions": program.len(),
                 "ranks": s.ranks,
                 "cost": model,
-            }))
+            });
+            if let Some(l) = &program.lengths {
+                v["microbatch_lengths"] = serde_json::json!(l);
+            }
+            Some(v)
         }
         Err(SimError::Deadlock(d)) => Some(serde_json::json!({
             "schedule": name,

@@ -1,0 +1,259 @@
+//! Microbatches of different lengths (issue #38) through compile, the files and the CLI: every
+//! kind compiles and verifies with lengths, every message carries its microbatch's tokens
+//! (summed here from the lengths as given, independently of the library), a microbatch order
+//! renames microbatches without changing the schedule, and bad lengths are refused naming
+//! their line.
+
+use super::harness::{pipec, pipec_with};
+use pipec_compiler::compile::{compile, CompileError, CompileRequest};
+use pipec_ir::ir::{Instr, Program};
+use pipec_schedules::{ChunkRule, Compute, Lengths, ScheduleKind};
+
+/// Packed and unpacked microbatches of uneven sizes, as lists.
+fn lists(m: usize) -> Vec<Vec<i128>> {
+    (0..m)
+        .map(|i| match i % 4 {
+            0 => vec![4096],
+            1 => vec![1000, 2000, 500],
+            2 => vec![300 + 17 * i as i128],
+            _ => vec![8000, 1, 7],
+        })
+        .collect()
+}
+
+fn request(k: ScheduleKind, pp: u32, m: u32) -> CompileRequest {
+    CompileRequest {
+        vpp: (k.chunk_rule() == ChunkRule::Any).then_some(2),
+        ..CompileRequest::new(k, pp, m)
+    }
+}
+
+/// Every send and receive of `p` carries the sum of its microbatch's lengths in `l`.
+fn messages_sized(p: &Program, l: &[Vec<i128>]) -> usize {
+    let mut n = 0;
+    for ins in p.ranks.iter().flatten() {
+        if let Instr::Send {
+            payload, tokens, ..
+        }
+        | Instr::Recv {
+            payload, tokens, ..
+        } = ins
+        {
+            let want: i128 = l[payload.mb.index()].iter().sum();
+            assert_eq!(
+                tokens.map(|t| t.get() as i128),
+                Some(want),
+                "{ins} carries the wrong tokens"
+            );
+            n += 1;
+        }
+    }
+    n
+}
+
+#[test]
+fn every_kind_compiles_verifies_and_sizes_every_message() {
+    let m = 8;
+    let l = lists(m);
+    for kind in ScheduleKind::ALL {
+        let req = CompileRequest {
+            lengths: Some(Lengths::from_lists(l.clone()).unwrap()),
+            ..request(kind, 4, m as u32)
+        };
+        let c = compile(&req).unwrap_or_else(|e| panic!("{kind}: {e}"));
+        let report = pipec_ir::verify(&c.program, &pipec_ir::VerifyOptions::default());
+        assert!(report.is_valid(), "{kind}: {report}");
+        assert!(messages_sized(&c.program, &l) > 0, "{kind}: no messages");
+        // The same schedule without lengths: the same instructions but for their sizes.
+        let plain = compile(&request(kind, 4, m as u32)).unwrap().program;
+        let mut unsized_ = c.program.clone();
+        unsized_.set_lengths(None);
+        assert_eq!(unsized_, plain, "{kind}: lengths changed the schedule");
+    }
+}
+
+#[test]
+fn a_microbatch_order_renames_microbatches_and_keeps_the_schedule() {
+    let order = vec![5u32, 0, 7, 2, 1, 6, 3, 4];
+    let l = lists(8);
+    for kind in [
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbV,
+    ] {
+        let base = request(kind, 4, 8);
+        let plain = compile(&base).unwrap().program;
+        let req = CompileRequest {
+            lengths: Some(Lengths::from_lists(l.clone()).unwrap()),
+            microbatch_order: Some(order.clone()),
+            ..base
+        };
+        let p = compile(&req).unwrap().program;
+        assert!(pipec_ir::verify(&p, &Default::default()).is_valid());
+        messages_sized(&p, &l);
+        // Instruction by instruction, the k-th microbatch of the plain schedule is order[k].
+        for (a, b) in plain.ranks.iter().flatten().zip(p.ranks.iter().flatten()) {
+            let mbs = |i: &Instr| -> Vec<u32> {
+                match *i {
+                    Instr::Compute(c) => c.parts().map(|(_, t)| t.mb.0).collect(),
+                    Instr::Send { payload, .. } | Instr::Recv { payload, .. } => vec![payload.mb.0],
+                    _ => vec![],
+                }
+            };
+            let want: Vec<u32> = mbs(a).iter().map(|&k| order[k as usize]).collect();
+            assert_eq!(mbs(b), want, "{kind}: {a} became {b}");
+        }
+        // Rank 0's first forwards enter in the order given.
+        let firsts: Vec<u32> = p.ranks[0]
+            .iter()
+            .filter_map(|i| match i.as_compute() {
+                Some(Compute::Fwd(t)) if t.stage.0 == 0 => Some(t.mb.0),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(firsts, order, "{kind}");
+    }
+}
+
+#[test]
+fn bad_counts_and_orders_are_typed_errors() {
+    let l = Lengths::from_lists(lists(6)).unwrap();
+    let req = CompileRequest {
+        lengths: Some(l),
+        ..request(ScheduleKind::OneFOneB, 2, 8)
+    };
+    assert!(matches!(
+        compile(&req),
+        Err(CompileError::LengthsCount {
+            given: 6,
+            microbatches: 8
+        })
+    ));
+    for (order, why) in [
+        (vec![0, 1, 2], "3 entries"),
+        (vec![0, 1, 1, 3], "1 appears twice"),
+        (vec![0, 1, 9, 3], "9 is out of range"),
+    ] {
+        let req = CompileRequest {
+            microbatch_order: Some(order),
+            ..request(ScheduleKind::OneFOneB, 2, 4)
+        };
+        let e = compile(&req).unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+    }
+}
+
+#[test]
+fn files_carry_lengths_and_check_show_and_simulate_read_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("lengths.txt");
+    std::fs::write(&file, "4096\n1000, 2000 500\n300\n8000 1 7\n").unwrap();
+    let dir = tmp.path().join("s");
+    let out = pipec_with(["compile", "--schedule", "interleaved-1f1b", "--pp", "2"])
+        .args(["--vpp", "2", "--microbatch-lengths"])
+        .arg(&file)
+        .arg("-o")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let loaded = pipec_ir::files::load_dir(&dir).unwrap();
+    let want = vec![
+        vec![4096],
+        vec![1000, 2000, 500],
+        vec![300],
+        vec![8000, 1, 7],
+    ];
+    assert_eq!(
+        loaded.manifest.microbatch_lengths,
+        Some(Lengths::from_lists(want.clone()).unwrap())
+    );
+    // Three stage boundaries, an activation and a gradient per microbatch each, at both ends.
+    assert_eq!(messages_sized(&loaded.program, &want), 3 * 2 * 4 * 2);
+    let manifest = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"microbatch_lengths\""), "{manifest}");
+    for cmd in ["check", "show", "simulate"] {
+        let o = pipec().arg(cmd).arg(&dir).output().unwrap();
+        assert!(
+            o.status.success(),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let text = String::from_utf8_lossy(&o.stdout);
+        if cmd != "check" {
+            assert!(
+                text.contains("lengths 300-8008 tokens per microbatch"),
+                "{cmd}: {text}"
+            );
+        }
+    }
+    // torch's CSV carries no shapes: refused, with the reason.
+    let o = pipec_with(["export", "--format", "torch-csv"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("carries no shapes"));
+}
+
+#[test]
+fn bad_lengths_files_are_refused_naming_the_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |text: &str, extra: &[&str]| {
+        let file = tmp.path().join("l.txt");
+        std::fs::write(&file, text).unwrap();
+        let o = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"])
+            .args(extra)
+            .arg("--microbatch-lengths")
+            .arg(&file)
+            .arg("-o")
+            .arg(tmp.path().join("out"))
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    for (text, want) in [
+        ("5\n\n6\n", "line 2: empty line"),
+        ("5\n6 0\n", "line 2: length 0 is not above 0"),
+        ("5\n6\n-3\n", "line 3: length -3 is not above 0"),
+        ("5\n6x\n", "line 2: `6x` is not a length"),
+        ("", "no microbatches"),
+    ] {
+        let (code, err) = run(text, &[]);
+        assert_eq!(code, Some(1), "{text:?}: {err}");
+        assert!(err.contains(want), "{text:?}: {err}");
+    }
+    let (code, err) = run("5\n6\n", &["--microbatches", "3"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--microbatches 3 disagrees"), "{err}");
+    // A sequence longer than the model's seq.
+    let model = tmp.path().join("m.toml");
+    std::fs::write(
+        &model,
+        "[model]\nhidden = 1024\nffn = 4096\nheads = 16\nseq = 4096\nvocab = 32000\n",
+    )
+    .unwrap();
+    let (code, err) = run(
+        "4096\n100 5000\n",
+        &["--cost-file", model.to_str().unwrap()],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("line 2: length 5000 is longer than the model's seq = 4096"),
+        "{err}"
+    );
+    // A file that cannot be read is an I/O error.
+    let o = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"])
+        .args(["--microbatch-lengths", "/nonexistent/lengths.txt", "-o"])
+        .arg(tmp.path().join("out"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}
