@@ -671,7 +671,8 @@ fn finish_step<D: Device>(
         }
     }
     let losses = complete_losses(step, losses)?;
-    let loss = model::step_loss(&losses);
+    let lengths = program.lengths.as_ref().map(|l| l.all_tokens());
+    let loss = model::step_loss_of(&losses, lengths);
     let mut grads: Vec<Option<&StageGrads<f32>>> = vec![None; program.num_stages() as usize];
     for o in outs {
         for (s, done, g) in &o.grads {
@@ -689,12 +690,11 @@ fn finish_step<D: Device>(
     let mut summary = None;
     let mut worst = None;
     if let Some(rm) = ref_model.as_mut() {
-        let r = reference::step(rm, &opts.model, step, m, program.forward_only).map_err(|e| {
-            RunError::Check {
+        let r = reference::step_with(rm, &opts.model, step, m, program.forward_only, lengths)
+            .map_err(|e| RunError::Check {
                 step,
                 msg: format!("the reference failed: {e}"),
-            }
-        })?;
+            })?;
         let (sum, w) = sh.device.compare(&StepCheck {
             step,
             losses: &losses,

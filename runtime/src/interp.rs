@@ -650,9 +650,19 @@ impl<'a, B: Backend> Interp<'a, B> {
         let instrs = &program.ranks[self.rank.index()];
         for (k, ins) in instrs[first..end].iter().enumerate() {
             let at = (first + k) as u32;
-            let (dir, peer, payload) = match *ins {
-                Instr::Send { peer, payload, .. } => (Dir::Send, peer, payload),
-                Instr::Recv { peer, payload, .. } => (Dir::Recv, peer, payload),
+            let (dir, peer, payload, tokens) = match *ins {
+                Instr::Send {
+                    peer,
+                    payload,
+                    tokens,
+                    ..
+                } => (Dir::Send, peer, payload, tokens),
+                Instr::Recv {
+                    peer,
+                    payload,
+                    tokens,
+                    ..
+                } => (Dir::Recv, peer, payload, tokens),
                 Instr::Compute(_)
                 | Instr::Wait { .. }
                 | Instr::FwdCheckpoint(_)
@@ -681,6 +691,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 payload,
                 tensor,
                 seq: 0,
+                tokens: tokens.map(|t| t.get()),
             });
         }
         Ok(())
