@@ -186,6 +186,10 @@ fn a_send_and_receive_that_disagree_on_tokens_are_refused() {
     );
     let json: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
     assert_eq!(json["steps"][0]["check"]["max_abs_diff"], 0.0);
+    assert_eq!(
+        json["microbatch_lengths"],
+        serde_json::json!([[3, 4], [5], [2, 2, 2], [6], [1, 7], [9]])
+    );
 
     let rank1 = dir.join("rank-1.json");
     let text = std::fs::read_to_string(&rank1).unwrap();
