@@ -21,7 +21,7 @@
 
 use crate::backend::{Backend, BackendError};
 use crate::error::RunError;
-use crate::interp::{run_rank_with, static_peak_activations, RankRun};
+use crate::interp::{run_rank_scaled, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
 use crate::report::{CheckSummary, RankStats, RunOptions, RunReport, StepReport};
@@ -453,8 +453,12 @@ fn rank_step<D: Device>(
         Instant::now()
     };
     let act = &sh.setup.memory.act;
-    let run =
-        run_rank_with(program, Rank(rank), be, &sh.setup.watch, t0, act).map_err(|_| stopped())?;
+    // With microbatch lengths the verifier weighs each microbatch's activations by a factor
+    // of the memory model (its tokens / `seq`); until the model carries it every microbatch
+    // weighs its stage's `act`.
+    let mb_scale: Option<&[f64]> = None;
+    let run = run_rank_scaled(program, Rank(rank), be, &sh.setup.watch, t0, act, mb_scale)
+        .map_err(|_| stopped())?;
     let run = be
         .end_step(&program.ranks[rank as usize], run, opts.timeout)
         .map_err(|e| match e {
