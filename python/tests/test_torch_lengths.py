@@ -61,3 +61,61 @@ def test_lengths_train_like_the_unpipelined_model(trained, name):
 def test_all_ranks_exited_cleanly(trained):
     _, ok, logs = trained
     assert ok, logs
+
+
+def _fake_stage(index: int, recv_infos: dict, grad_infos: dict, sent: dict):
+    """A stage with torch's four message methods, recording what they are asked for."""
+    import types
+
+    def recv(infos):
+        return lambda mb: [info.tensor_meta.shape for info in infos[mb]]
+
+    return types.SimpleNamespace(
+        stage_index=index,
+        is_first=index == 0,
+        is_last=False,
+        args_recv_info=recv_infos,
+        grad_recv_info=grad_infos,
+        get_fwd_recv_ops=recv(recv_infos),
+        get_bwd_recv_ops=recv(grad_infos),
+        get_fwd_send_ops=lambda mb: sent.get(("act", mb), []),
+        get_bwd_send_ops=lambda mb: sent.get(("grad", mb), []),
+    )
+
+
+def test_each_receive_is_sized_from_the_plan_and_each_send_held_to_it():
+    """In one process, on stand-ins for torch's stages: before torch builds microbatch m's
+    receive, its descriptor's size along ``token_dim`` is the plan's tokens (the sums of
+    ``PACKED``), and a send of another size is refused before it is posted."""
+    import types
+
+    import pipec
+    import pipec.torch as pt
+    import torch
+    from torch.distributed.pipelining import _recv_buffers as rb
+    from torch.distributed.pipelining import _utils
+
+    sched = pipec.compile("1f1b", 2, lengths=PACKED)
+    meta = _utils._TensorMeta.from_tensor(torch.zeros(1, 5, 6))
+    m = len(PACKED)
+    acts = {mb: (rb._RecvInfo("x", 0, meta),) for mb in range(m)}
+    second = _fake_stage(1, acts, {}, {})
+    second.is_last = True
+    pt._size_messages(sched, [second], 1, 1)
+    for mb, seqs in enumerate(PACKED):
+        assert second.get_fwd_recv_ops(mb) == [torch.Size([1, sum(seqs), 6])]
+        assert acts[mb][0].allocate_buffer("cpu").shape == (1, sum(seqs), 6)
+
+    grads = {mb: (rb._RecvInfo("g", 1, meta),) for mb in range(m)}
+    good = types.SimpleNamespace(tensor=torch.zeros(1, sum(PACKED[2]), 6))
+    bad = types.SimpleNamespace(tensor=torch.zeros(1, 5, 6))
+    first = _fake_stage(0, {}, grads, {("act", 2): [good], ("act", 3): [bad]})
+    pt._size_messages(sched, [first], 0, 1)
+    assert first.get_bwd_recv_ops(4) == [torch.Size([1, sum(PACKED[4]), 6])]
+    assert first.get_fwd_send_ops(2) == [good]
+    with pytest.raises(pipec.PipecError) as e:
+        first.get_fwd_send_ops(3)
+    assert str(e.value).startswith(
+        "rank 0, stage 0, microbatch 3: the act to send has shape (1, 5, 6), but the plan "
+        "sends 9 tokens along dimension 1"
+    )
