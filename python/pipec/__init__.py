@@ -154,6 +154,14 @@ class Schedule:
         return self._n.forward_only
 
     @property
+    def lengths(self) -> list[int] | list[list[int]] | None:
+        """The microbatch lengths the plan carries (the manifest's ``microbatch_lengths``),
+        by the user's microbatch index: a list of ints when every microbatch is one sequence,
+        else one list of sequence lengths per microbatch; ``None`` without lengths. Every
+        ``send``/``recv`` then carries its ``tokens`` (:attr:`Instruction.tokens`)."""
+        return json.loads(self._n.lengths_json())
+
+    @property
     def placement(self) -> str:
         """``"looped"``, ``"v"``, ``"custom"``, or ``"bidirectional"`` (DualPipe: then
         :attr:`stage_to_rank` is the first direction's table)."""
@@ -255,10 +263,38 @@ class Schedule:
         return self._n.torch_actions(compute_only)
 
 
+def _lengths_lists(lengths) -> list[list[int]]:
+    """``lengths=`` as one list of sequence lengths per microbatch: a list of ints (one
+    sequence each) or a list of lists (the sequences packed into each). The values are
+    checked in Rust (``Lengths::from_lists``), whose errors name ``lengths[i]``; only the
+    shape of the argument is checked here."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)):
+        raise SpecError(
+            f"lengths must be a list of ints or a list of lists of ints, not {lengths!r}"
+        )
+
+    def length(i: int, v) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise SpecError(
+                f"microbatch lengths, lengths[{i}]: `{v!r}` is not a length in tokens "
+                "(a whole number above 0)"
+            )
+        # Beyond i128 (which Rust reads) the value is refused anyway: keep its sign.
+        return max(min(v, 2**100), -(2**100))
+
+    out = []
+    for i, row in enumerate(lengths):
+        if isinstance(row, (list, tuple)):
+            out.append([length(i, v) for v in row])
+        else:
+            out.append([length(i, row)])
+    return out
+
+
 def compile(
     schedule: str,
     pp: int,
-    microbatches: int,
+    microbatches: int | None = None,
     vpp: int | None = None,
     layout: str | None = None,
     group_size: int | None = None,
@@ -268,8 +304,18 @@ def compile(
     megatron_p2p: str | None = None,
     cost: str | None = None,
     megatron_partial_recompute: int | None = None,
+    lengths: list[int] | list[list[int]] | None = None,
+    microbatch_order: list[int] | None = None,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
+
+    ``lengths`` is ``--microbatch-lengths``: one entry per microbatch, an int (one sequence
+    of that many tokens) or a list of ints (the sequences packed into it). Its count is the
+    number of microbatches (``microbatches`` may then be left out; one that disagrees is an
+    error), every ``send``/``recv`` carries its ``tokens``, and :attr:`Schedule.lengths`
+    returns them. ``microbatch_order`` is the order in which the microbatches enter the
+    pipeline (a permutation of their indices, as ``pipec tune --json`` reports
+    ``microbatch_order``); the instructions keep the user's microbatch indices.
 
     ``memory_limit`` and ``cost`` mean what ``Schedule.check``'s do (``"80GiB"`` needs
     ``K.act``/``K.param`` in bytes in ``cost``). ``megatron_partial_recompute=N`` is
@@ -286,8 +332,9 @@ def compile(
         raise SpecError(
             f"megatron_p2p must be one of {', '.join(_MEGATRON_P2P)}, not {megatron_p2p!r}"
         )
-    for name, v in (("pp", pp), ("microbatches", microbatches)):
-        _check_count(name, v)
+    _check_count("pp", pp)
+    if microbatches is not None or lengths is None:
+        _check_count("microbatches", microbatches, "(or give lengths=)")
     for name, v in (("vpp", vpp), ("group_size", group_size)):
         if v is not None:
             _check_count(name, v, "or None")
@@ -298,6 +345,19 @@ def compile(
         raise SpecError(
             f"megatron_partial_recompute must be an int or None, not {megatron_partial_recompute!r}"
         )
+    lists = None if lengths is None else _lengths_lists(lengths)
+    order = None
+    if microbatch_order is not None:
+        if isinstance(microbatch_order, (str, bytes)) or not isinstance(
+            microbatch_order, (list, tuple)
+        ):
+            raise SpecError(f"microbatch_order must be a list of ints, not {microbatch_order!r}")
+        for v in microbatch_order:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SpecError(
+                    f"microbatch_order must be a list of ints, not {microbatch_order!r}"
+                )
+        order = [max(min(v, 2**62), -(2**62)) for v in microbatch_order]
 
     return Schedule(
         _native.compile_schedule(
@@ -313,6 +373,8 @@ def compile(
             megatron_p2p=megatron_p2p,
             cost=cost,
             megatron_partial_recompute=megatron_partial_recompute,
+            lengths=lists,
+            microbatch_order=order,
         )
     )
 

@@ -237,6 +237,46 @@ def torch_stage_forward(stage: Any) -> Callable:
     return stage.forward_maybe_with_nosync
 
 
+def torch_recv_infos(stage: Any, grad: bool, mb: int) -> tuple:
+    """The receive descriptors (``_RecvInfo``, torch 2.15 ``_recv_buffers.py``) of microbatch
+    ``mb`` on ``stage``: ``args_recv_info[mb]`` (activations) or ``grad_recv_info[mb]``
+    (gradients). torch keeps one descriptor per microbatch, each holding the ``tensor_meta``
+    its buffer is allocated from (``allocate_buffer``, called by ``_get_recv_ops`` right
+    before the ``irecv`` is built); a descriptor with ``is_root_arg`` or no ``tensor_meta``
+    receives nothing."""
+    return (stage.grad_recv_info if grad else stage.args_recv_info).get(mb, ())
+
+
+def torch_resize_recv(info: Any, dim: int, size: int) -> None:
+    """Set the size of dimension ``dim`` of the buffer ``info`` (a ``_RecvInfo``) will
+    allocate: its ``tensor_meta`` (torch 2.15 ``_utils._TensorMeta``, a frozen dataclass of
+    ``shape``, ``stride``, ``dtype``, ``requires_grad``) replaced by one with that size and
+    contiguous strides. A DTensor's metadata (``_DTensorMeta``, a subclass with the global
+    shape too) is refused: its local and global sizes along ``dim`` would both change."""
+    import dataclasses
+
+    from torch.distributed.pipelining._utils import _TensorMeta
+
+    meta = info.tensor_meta
+    if meta is None or getattr(info, "is_root_arg", False):
+        return
+    if type(meta) is not _TensorMeta:
+        raise TypeError(f"a receive of {type(meta).__name__} cannot be resized per microbatch")
+    if not 0 <= dim < len(meta.shape):
+        raise IndexError(f"the received tensor has shape {tuple(meta.shape)}: no dimension {dim}")
+    shape = list(meta.shape)
+    if shape[dim] == size:
+        return
+    shape[dim] = size
+    stride, acc = [0] * len(shape), 1
+    for d in range(len(shape) - 1, -1, -1):
+        stride[d] = acc
+        acc *= shape[d]
+    info.tensor_meta = dataclasses.replace(
+        meta, shape=type(meta.shape)(shape), stride=tuple(stride)
+    )
+
+
 # --------------------------------------------------------------------------- torch FSDP2
 
 

@@ -444,12 +444,97 @@ def _refuse_fsdp_memory(stages: Sequence[Any], plan: tuple[set, set]) -> None:
             )
 
 
+def _message_tokens(s: Schedule, rank: int) -> dict[tuple[str, str, int, int], int]:
+    """``(op, payload, stage, mb) -> tokens`` of every send and receive of ``rank`` (``stage``
+    is the producer's, as the rank file names it): the sizes the plan gives its messages."""
+    return {
+        (i["op"], i["payload"], i["stage"], i["mb"]): i.tokens
+        for i in s.instructions(rank)
+        if i["op"] in ("send", "recv") and i.tokens is not None
+    }
+
+
+def _size_messages(s: Schedule, stages: Sequence[Any], rank: int, token_dim: int) -> None:
+    """Size every receive of this rank's stages from the plan, per microbatch.
+
+    torch's runtime allocates a receive buffer from the stage's metadata, inferred once from
+    the first microbatch (or given), so every microbatch would be received at that size
+    (pytorch #159942, #126600). torch 2.15 keeps one receive descriptor per microbatch and
+    allocates its buffer only when the receive is built (``get_fwd_recv_ops(mb)``,
+    ``get_bwd_recv_ops(mb)``): wrapping those two methods of each stage, the descriptors of
+    microbatch ``mb`` get the plan's ``tokens`` along ``token_dim`` just before torch
+    allocates from them. No shape is exchanged. The send side is held to the same sizes:
+    a tensor whose size along ``token_dim`` is not its send's ``tokens`` raises
+    :class:`pipec.PipecError` naming the rank, stage and microbatch, before it is posted."""
+    plan = _message_tokens(s, rank)
+
+    def tokens(op: str, payload: str, producer: int, mb: int, stage: int) -> int:
+        t = plan.get((op, payload, producer, mb))
+        if t is None:
+            raise PipecError(
+                f"rank {rank}, stage {stage}: the plan has no {op} of the {payload} of stage "
+                f"{producer}, microbatch {mb}, so it gives that message no size"
+            )
+        return t
+
+    def resize(st: Any, grad: bool, mb: int, n: int) -> None:
+        for info in _compat.torch_recv_infos(st, grad, mb):
+            try:
+                _compat.torch_resize_recv(info, token_dim, n)
+            except (TypeError, IndexError) as e:
+                raise PipecError(
+                    f"rank {rank}, stage {st.stage_index}, microbatch {mb}: {e} "
+                    f"(token_dim={token_dim})"
+                ) from None
+
+    def check_sends(st: Any, ops: list, payload: str, mb: int) -> list:
+        if not ops:
+            return ops
+        n = tokens("send", payload, st.stage_index, mb, st.stage_index)
+        for op in ops:
+            t = op.tensor
+            if t.dim() <= token_dim or t.shape[token_dim] != n:
+                raise PipecError(
+                    f"rank {rank}, stage {st.stage_index}, microbatch {mb}: the {payload} to "
+                    f"send has shape {tuple(t.shape)}, but the plan sends {n} tokens along "
+                    f"dimension {token_dim} (lengths={s.lengths!r})"
+                )
+        return ops
+
+    for st in stages:
+        idx = st.stage_index
+        fwd_recv, bwd_recv = st.get_fwd_recv_ops, st.get_bwd_recv_ops
+        fwd_send, bwd_send = st.get_fwd_send_ops, st.get_bwd_send_ops
+
+        def get_fwd_recv_ops(mb, st=st, idx=idx, orig=fwd_recv):
+            if not st.is_first:
+                resize(st, False, mb, tokens("recv", "act", idx - 1, mb, idx))
+            return orig(mb)
+
+        def get_bwd_recv_ops(mb, st=st, idx=idx, orig=bwd_recv):
+            if not st.is_last and _compat.torch_recv_infos(st, True, mb):
+                resize(st, True, mb, tokens("recv", "grad", idx + 1, mb, idx))
+            return orig(mb)
+
+        def get_fwd_send_ops(mb, st=st, orig=fwd_send):
+            return check_sends(st, orig(mb), "act", mb)
+
+        def get_bwd_send_ops(mb, st=st, orig=bwd_send):
+            return check_sends(st, orig(mb), "grad", mb)
+
+        st.get_fwd_recv_ops = get_fwd_recv_ops
+        st.get_bwd_recv_ops = get_bwd_recv_ops
+        st.get_fwd_send_ops = get_fwd_send_ops
+        st.get_bwd_send_ops = get_bwd_send_ops
+
+
 def build_schedule(
     schedule: Schedule | str | os.PathLike,
     stages: Sequence[Any],
     loss_fn: Callable[..., torch.Tensor] | None,
     n_microbatches: int | None = None,
     scale_grads: bool = True,
+    token_dim: int = 0,
 ) -> PipecScheduleRuntime:
     """A torch pipeline schedule that runs ``schedule`` (a :class:`pipec.Schedule` or the path
     of a compiled directory, loaded with every ``pipec-run`` check) on this rank.
@@ -474,6 +559,15 @@ def build_schedule(
     hands to a :class:`SavedActivations` (``runtime.pipec_memory``), which manages the saved
     tensors of the forwards they name through the stages' forward contexts (so those stages
     must have none of their own, and must not be FSDP-sharded).
+
+    A schedule with microbatch lengths (``pipec.compile(..., lengths=...)``) sizes every
+    receive from the plan: the tensors between stages hold each microbatch's tokens along
+    ``token_dim`` (0 for packed ``[tokens, hidden]``; 1 for ``[1, tokens, hidden]``), and
+    torch's receive buffers, sized once per stage by torch itself, are resized per microbatch
+    before each receive (docs/torch.md, "Microbatches of different lengths"). Pass each
+    microbatch's inputs with ``step(arg_mbs=..., target_mbs=...)`` (torch cannot split a
+    batch unevenly); for the per-token mean loss over the step use ``scale_grads=False`` and
+    a ``loss_fn`` that divides the microbatch's summed loss by the step's tokens.
     """
     s = _as_schedule(schedule)
     _refuse(s)
@@ -528,6 +622,12 @@ def build_schedule(
         scale_grads=scale_grads,
     )
     runtime.pipec_schedule = s
+    if s.lengths is not None:
+        if isinstance(token_dim, bool) or not isinstance(token_dim, int) or token_dim < 0:
+            raise PipecError(
+                f"token_dim must be a dimension index (an int >= 0), not {token_dim!r}"
+            )
+        _size_messages(s, stages, rank, token_dim)
     memory = _memory_plan(comms[rank], checkpointed[rank])
     if memory is not None:
         _refuse_fsdp_memory(stages, memory)

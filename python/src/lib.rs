@@ -18,7 +18,7 @@ use pipec_ir::files::{self, Encoding, Header};
 use pipec_ir::ir::{Instr, Program};
 use pipec_runtime::{load::LaunchWorld, RunError};
 use pipec_schedules::layout::Layout;
-use pipec_schedules::{Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
+use pipec_schedules::{Lengths, Limits, MegatronP2p, ScheduleKind, ScheduleSpec};
 use pipec_tune::{tune, TuneRequest};
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
@@ -203,6 +203,13 @@ impl NativeSchedule {
     #[getter]
     fn num_microbatches(&self) -> u32 {
         self.program().microbatches
+    }
+
+    /// The microbatch lengths the plan carries (the manifest's `microbatch_lengths`) as JSON:
+    /// a list of ints when every microbatch is one sequence, else a list of lists; `null`
+    /// without lengths.
+    fn lengths_json(&self) -> String {
+        serde_json::to_string(&self.program().lengths).unwrap_or_else(|_| "null".into())
     }
 
     #[getter]
@@ -461,13 +468,13 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyfunction]
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
-    cost=None, megatron_partial_recompute=None))]
+    cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
     schedule: &str,
     pp: u32,
-    microbatches: u32,
+    microbatches: Option<u32>,
     vpp: Option<u32>,
     layout: Option<String>,
     group_size: Option<u32>,
@@ -478,7 +485,27 @@ fn compile_schedule(
     max_ops: Option<u64>,
     cost: Option<&str>,
     megatron_partial_recompute: Option<i64>,
+    lengths: Option<Vec<Vec<i128>>>,
+    microbatch_order: Option<Vec<i64>>,
 ) -> PyResult<NativeSchedule> {
+    let lengths = lengths
+        .map(Lengths::from_lists)
+        .transpose()
+        .map_err(|e| SpecError::new_err(e.to_string()))?;
+    // The count: `microbatches`, which the lengths must agree with (the compiler's
+    // `LengthsCount`, raised below), or the lengths' count.
+    let microbatches = match (microbatches, &lengths) {
+        (Some(m), _) => m,
+        (None, Some(l)) => l.microbatches(),
+        (None, None) => {
+            return Err(SpecError::new_err(
+                "microbatches must be given (or lengths=, one entry per microbatch)",
+            ))
+        }
+    };
+    let microbatch_order = microbatch_order
+        .map(|o| order_u32(o, microbatches))
+        .transpose()?;
     let kind: ScheduleKind = schedule
         .parse()
         .map_err(|e: pipec_schedules::UnknownKind| SpecError::new_err(e.to_string()))?;
@@ -495,6 +522,8 @@ fn compile_schedule(
         layout,
         limits: limits(max_ops)?,
         megatron_partial_recompute,
+        lengths,
+        microbatch_order,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;
@@ -520,6 +549,25 @@ fn compile_schedule(
         source: "generated".into(),
         cost: recorded_cost(cost)?,
     })
+}
+
+/// `microbatch_order=` as the compiler takes it: an entry that is no microbatch index at all
+/// (negative, or past `u32`) is refused in the words of [`CompileError::Order`], as one out of
+/// range is; the compiler checks the rest (a permutation of `0..microbatches`).
+fn order_u32(order: Vec<i64>, microbatches: u32) -> PyResult<Vec<u32>> {
+    if let Some(&x) = order.iter().find(|&&x| u32::try_from(x).is_err()) {
+        let shown: Vec<String> = order.iter().take(16).map(i64::to_string).collect();
+        let more = if order.len() > 16 { ", ..." } else { "" };
+        return Err(SpecError::new_err(
+            CompileError::Order {
+                order: format!("[{}{more}]", shown.join(", ")),
+                microbatches,
+                why: format!("{x} is out of range"),
+            }
+            .to_string(),
+        ));
+    }
+    Ok(order.into_iter().map(|x| x as u32).collect())
 }
 
 /// `pipec tune` as a function: the fastest verified schedule and layer split for the costs

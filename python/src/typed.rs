@@ -160,6 +160,14 @@ impl Instruction {
         }
     }
 
+    /// The tokens of the tensor a `send` or `recv` moves, when the plan carries microbatch
+    /// lengths (issue #38; `Op.sized_send`, `Op.sized_recv`): the size to allocate a receive
+    /// from. `None` for other ops and for plans without lengths.
+    #[getter]
+    fn tokens(&self) -> Option<u32> {
+        self.int("tokens")
+    }
+
     /// A forward that keeps only its input (`"checkpoint": true`, `Op.fwd_checkpoint`).
     #[getter]
     fn checkpoint(&self) -> bool {

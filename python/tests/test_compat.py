@@ -375,6 +375,35 @@ def test_torch_stage_forward_and_context():
     assert "self.submod(*args, **kwargs)" in _source(base.forward_maybe_with_nosync)
 
 
+def test_torch_recv_descriptors():
+    """Receives are allocated per microbatch from a descriptor's ``tensor_meta`` when torch
+    builds them (``get_fwd_recv_ops``/``get_bwd_recv_ops`` -> ``_get_recv_ops`` ->
+    ``allocate_buffer``), which is what lets pipec size each microbatch's receive from its plan
+    (``torch_recv_infos``, ``torch_resize_recv``)."""
+    _need("torch")
+    import torch
+    from torch.distributed.pipelining import _recv_buffers as rb
+    from torch.distributed.pipelining import _utils
+    from torch.distributed.pipelining import stage as st
+
+    base = st._PipelineStageBase
+    assert "self.args_recv_info[fwd_chunk_id]" in _source(base.get_fwd_recv_ops)
+    assert "self.grad_recv_info[bwd_chunk_id]" in _source(base.get_bwd_recv_ops)
+    assert "info.allocate_buffer(self.device)" in _source(base._get_recv_ops)
+    assert "_make_tensor_from_meta(self.tensor_meta" in _source(rb._RecvInfo.allocate_buffer)
+    meta = _utils._TensorMeta.from_tensor(torch.zeros(3, 4, dtype=torch.float64))
+    info = rb._RecvInfo("x", 0, meta)
+    stage = types.SimpleNamespace(args_recv_info={1: (info,)}, grad_recv_info={})
+    assert _compat.torch_recv_infos(stage, False, 1) == (info,)
+    assert _compat.torch_recv_infos(stage, True, 1) == ()
+    _compat.torch_resize_recv(info, 0, 7)
+    buf = info.allocate_buffer("cpu")
+    assert (tuple(buf.shape), buf.stride(), buf.dtype) == ((7, 4), (4, 1), torch.float64)
+    assert meta.shape == (3, 4)  # the stage's own metadata is left as it was
+    with pytest.raises(IndexError):
+        _compat.torch_resize_recv(rb._RecvInfo("y", 0, meta), 2, 5)
+
+
 def test_torch_prepare_schedule_with_comms(ts):
     f = ts._PipelineScheduleRuntime._prepare_schedule_with_comms
     assert _params(f)[:3] == ["self", "actions", "format"]

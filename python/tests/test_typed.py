@@ -138,8 +138,11 @@ def test_steps_and_instructions_are_the_cli_files(tmp_path, flags, kw):
 
 
 def _row(rec: dict) -> str:
-    """The schema row of a record: its op, ``fwd_checkpoint`` for a checkpointed forward."""
-    return "fwd_checkpoint" if rec.get("checkpoint") else rec["op"]
+    """The schema row of a record: its op, ``fwd_checkpoint`` for a checkpointed forward,
+    ``sized_send``/``sized_recv`` for a message with ``tokens`` (a plan with lengths)."""
+    if rec.get("checkpoint"):
+        return "fwd_checkpoint"
+    return f"sized_{rec['op']}" if "tokens" in rec else rec["op"]
 
 
 def _memory_dir(tmp_path) -> list[list[dict]]:
@@ -194,6 +197,8 @@ def test_every_op_is_reached(tmp_path):
         s = pipec.compile(microbatches=8, **kw)
         seen |= {_row(i) for r in range(s.pp) for i in s.instructions(r)}
     seen |= {_row(x) for recs in _memory_dir(tmp_path) for x in recs}
+    sized = pipec.compile("1f1b", 2, lengths=[3, [1, 4]])
+    seen |= {_row(i) for r in range(2) for i in sized.instructions(r)}
     assert seen == {n for n in dir(Op) if isinstance(getattr(Op, n), Op)}
     assert len(seen) == len(_native.instruction_schema())
 
@@ -209,7 +214,10 @@ def test_op_is_the_schema():
         name, fields = schema[int(op)]
         assert (op.name, str(op)) == (name, name)
         assert op.fields == [f for f, _ in fields]
-        assert row == name + ("_checkpoint" if "checkpoint" in op.fields else "")
+        if "checkpoint" in op.fields:
+            assert row == name + "_checkpoint"
+        else:
+            assert row == ("sized_" if "tokens" in op.fields else "") + name
         assert repr(op) == f"Op.{row}"
     assert Op.fwd != Op.bwd and len({Op.fwd, Op.fwd, Op.bwd}) == 2
     assert Op.fwd_checkpoint != Op.fwd

@@ -158,9 +158,83 @@ def run_eval(cfg: dict, rank: int, group) -> dict:
     }
 
 
+def run_lengths(cfg: dict, rank: int, group) -> dict:
+    """A schedule with microbatch lengths (issue #38): microbatch m is a ``[tokens_m, DIM]``
+    tensor of its own length, passed pre-split (``arg_mbs``, ``target_mbs``), and every receive
+    is sized from the plan. The loss is the per-token mean over the step (``scale_grads=False``,
+    each microbatch's summed loss divided by the step's tokens), so the reference is the same
+    model run on each microbatch alone, accumulating the same loss."""
+    sched = pipec.compile(**cfg["compile"])
+    lengths = [sum(x) if isinstance(x, list) else x for x in sched.lengths]
+    total = sum(lengths)
+    s_count, m = sched.num_stages, sched.num_microbatches
+
+    def token_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean(dim=1).sum() / total
+
+    layers = make_layers(s_count)
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    mine = pt.stage_indices(sched, rank)
+    stages = [PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine]
+    runtime = pt.build_schedule(sched, stages, token_loss, scale_grads=False)
+    opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    loss_err = grad_err = 0.0
+    n_losses = n_grads = 0
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(200 + step)
+        xs = [torch.randn(n, DIM, dtype=torch.float64, generator=g) for n in lengths]
+        ys = [torch.randn(n, DIM, dtype=torch.float64, generator=g) for n in lengths]
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        kwargs = {}
+        if 0 in mine:
+            kwargs["arg_mbs"] = [(x,) for x in xs]
+        if s_count - 1 in mine:
+            kwargs.update(target_mbs=list(ys), losses=losses)
+        runtime.step(**kwargs)
+        ref_opt.zero_grad()
+        ref_losses = []
+        for xm, ym in zip(xs, ys):
+            loss = token_loss(ref(xm), ym)
+            ref_losses.append(loss.detach())
+            loss.backward()
+        if s_count - 1 in mine:
+            if len(losses) != m:
+                raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
+            for mb, (a, b) in enumerate(zip(losses, ref_losses)):
+                e = rel_err(a.detach(), b)
+                loss_err = max(loss_err, e)
+                n_losses += 1
+                if not e <= cfg["tol"]:
+                    raise AssertionError(f"step {step} microbatch {mb}: loss {a} != {b}")
+        for i in mine:
+            for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters()):
+                if p.grad is None:
+                    raise AssertionError(f"step {step}: stage {i} {name} has no gradient")
+                e = rel_err(p.grad, q.grad)
+                grad_err = max(grad_err, e)
+                n_grads += 1
+                if not e <= cfg["tol"]:
+                    raise AssertionError(
+                        f"step {step}: stage {i} {name} gradient differs (relative {e:.3g})"
+                    )
+        opt.step()
+        ref_opt.step()
+    return {
+        "stages": mine,
+        "losses_compared": n_losses,
+        "grads_compared": n_grads,
+        "max_loss_rel_err": loss_err,
+        "max_grad_rel_err": grad_err,
+    }
+
+
 def run(cfg: dict, rank: int, group) -> dict:
     if cfg.get("eval"):
         return run_eval(cfg, rank, group)
+    if cfg.get("lengths"):
+        return run_lengths(cfg, rank, group)
     if "dir" in cfg:
         sched = pipec.load(cfg["dir"])
     else:

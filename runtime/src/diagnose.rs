@@ -119,6 +119,23 @@ pub(crate) fn describe(
             at,
             format!("compute error at {here}: {msg}"),
         ),
+        Fault::Comm(CommError::WrongTokens {
+            at: bad,
+            dir,
+            tokens,
+            rows,
+        }) => (
+            FailureKind::WrongPayload,
+            InstrRef { rank, index: bad },
+            format!(
+                "wrong tensor size: {} carries tokens {tokens} (its size in the plan) but the tensor {} holds {rows} rows",
+                describe_instr(program, rank, bad),
+                match dir {
+                    Dir::Send => "to send",
+                    Dir::Recv => "received",
+                }
+            ),
+        ),
         Fault::Comm(CommError::WrongPayload {
             recv_at,
             expected,

@@ -21,7 +21,7 @@
 
 use crate::backend::{Backend, BackendError};
 use crate::error::RunError;
-use crate::interp::{run_rank_with, static_peak_activations, RankRun};
+use crate::interp::{run_rank_scaled, static_peak_activations, RankRun};
 use crate::model::{self, ModelConfig, Stage, StageGrads};
 use crate::reference;
 use crate::report::{CheckSummary, RankStats, RunOptions, RunReport, StepReport};
@@ -453,8 +453,12 @@ fn rank_step<D: Device>(
         Instant::now()
     };
     let act = &sh.setup.memory.act;
-    let run =
-        run_rank_with(program, Rank(rank), be, &sh.setup.watch, t0, act).map_err(|_| stopped())?;
+    // With microbatch lengths the verifier weighs each microbatch's activations by a factor
+    // of the memory model (its tokens / `seq`); until the model carries it every microbatch
+    // weighs its stage's `act`.
+    let mb_scale: Option<&[f64]> = None;
+    let run = run_rank_scaled(program, Rank(rank), be, &sh.setup.watch, t0, act, mb_scale)
+        .map_err(|_| stopped())?;
     let run = be
         .end_step(&program.ranks[rank as usize], run, opts.timeout)
         .map_err(|e| match e {
@@ -671,7 +675,8 @@ fn finish_step<D: Device>(
         }
     }
     let losses = complete_losses(step, losses)?;
-    let loss = model::step_loss(&losses);
+    let lengths = program.lengths.as_ref().map(|l| l.all_tokens());
+    let loss = model::step_loss_of(&losses, lengths);
     let mut grads: Vec<Option<&StageGrads<f32>>> = vec![None; program.num_stages() as usize];
     for o in outs {
         for (s, done, g) in &o.grads {
@@ -689,12 +694,11 @@ fn finish_step<D: Device>(
     let mut summary = None;
     let mut worst = None;
     if let Some(rm) = ref_model.as_mut() {
-        let r = reference::step(rm, &opts.model, step, m, program.forward_only).map_err(|e| {
-            RunError::Check {
+        let r = reference::step_with(rm, &opts.model, step, m, program.forward_only, lengths)
+            .map_err(|e| RunError::Check {
                 step,
                 msg: format!("the reference failed: {e}"),
-            }
-        })?;
+            })?;
         let (sum, w) = sh.device.compare(&StepCheck {
             step,
             losses: &losses,

@@ -190,6 +190,10 @@ struct Tables<B: Backend> {
     local: Vec<OptIdx>,
     /// Activation weight per global stage (the memory model's `act`); 0 past its end.
     weight: Vec<f64>,
+    /// Per microbatch, the factor its activations weigh by (microbatches of different
+    /// lengths: its tokens against the costs' `seq`); `None`, or a microbatch it does not
+    /// name: 1.
+    mb_scale: Option<Vec<f64>>,
     act_in: Vec<Option<B::Tensor>>,
     grad_in: Vec<Option<B::Tensor>>,
     act_out: Vec<Option<B::Tensor>>,
@@ -209,7 +213,7 @@ fn none_vec<T>(n: usize) -> Vec<Option<T>> {
 }
 
 impl<B: Backend> Tables<B> {
-    fn new(program: &Program, rank: usize, weight: &[f64]) -> Self {
+    fn new(program: &Program, rank: usize, weight: &[f64], mb_scale: Option<&[f64]>) -> Self {
         let mut local = vec![OptIdx::NONE; program.num_stages() as usize];
         let mut n = 0u32;
         for ins in &program.ranks[rank] {
@@ -230,6 +234,7 @@ impl<B: Backend> Tables<B> {
             m,
             local,
             weight: weight.to_vec(),
+            mb_scale: mb_scale.map(<[f64]>::to_vec),
             act_in: none_vec(size),
             grad_in: none_vec(size),
             act_out: none_vec(size),
@@ -245,7 +250,11 @@ impl<B: Backend> Tables<B> {
 
     /// `t`'s activation weight (tasks are in range once they have a slot).
     fn weight(&self, t: Task) -> f64 {
-        self.weight.get(t.stage.index()).copied().unwrap_or(0.0)
+        let w = self.weight.get(t.stage.index()).copied().unwrap_or(0.0);
+        match &self.mb_scale {
+            None => w,
+            Some(f) => w * f.get(t.mb.index()).copied().unwrap_or(1.0),
+        }
     }
 
     fn slot(&self, stage: u32, mb: u32) -> Option<usize> {
@@ -650,9 +659,19 @@ impl<'a, B: Backend> Interp<'a, B> {
         let instrs = &program.ranks[self.rank.index()];
         for (k, ins) in instrs[first..end].iter().enumerate() {
             let at = (first + k) as u32;
-            let (dir, peer, payload) = match *ins {
-                Instr::Send { peer, payload, .. } => (Dir::Send, peer, payload),
-                Instr::Recv { peer, payload, .. } => (Dir::Recv, peer, payload),
+            let (dir, peer, payload, tokens) = match *ins {
+                Instr::Send {
+                    peer,
+                    payload,
+                    tokens,
+                    ..
+                } => (Dir::Send, peer, payload, tokens),
+                Instr::Recv {
+                    peer,
+                    payload,
+                    tokens,
+                    ..
+                } => (Dir::Recv, peer, payload, tokens),
                 Instr::Compute(_)
                 | Instr::Wait { .. }
                 | Instr::FwdCheckpoint(_)
@@ -681,6 +700,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 payload,
                 tensor,
                 seq: 0,
+                tokens: tokens.map(|t| t.get()),
             });
         }
         Ok(())
@@ -730,6 +750,21 @@ pub fn run_rank_with<B: Backend>(
     origin: Instant,
     act: &[f64],
 ) -> Result<RankRun, Stopped> {
+    run_rank_scaled(program, rank, backend, watch, origin, act, None)
+}
+
+/// [`run_rank_with`] with each microbatch's stashes also weighted by `mb_scale[mb]`
+/// (microbatches of different lengths, issue #38: the factor the verifier's memory rule
+/// weighs that microbatch's activations by), so the measured peaks are the verifier's.
+pub fn run_rank_scaled<B: Backend>(
+    program: &Program,
+    rank: Rank,
+    backend: &mut B,
+    watch: &Watch,
+    origin: Instant,
+    act: &[f64],
+    mb_scale: Option<&[f64]>,
+) -> Result<RankRun, Stopped> {
     let r = rank.index();
     let instrs = &program.ranks[r];
     let mut it = Interp {
@@ -737,7 +772,7 @@ pub fn run_rank_with<B: Backend>(
         rank,
         last: program.num_stages().saturating_sub(1),
         backend,
-        t: Tables::new(program, r, act),
+        t: Tables::new(program, r, act, mb_scale),
         ops: Vec::new(),
         waited: pipec_ir::ir::waited_batches(instrs),
         in_flight: Default::default(),

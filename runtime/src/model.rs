@@ -10,6 +10,15 @@
 //!   microbatch's tokens. The backward seed is scaled by `1/M`, so the step's gradient is the
 //!   gradient of the mean loss over microbatches.
 //!
+//! Microbatches of different lengths (a plan with `microbatch_lengths`, issue #38): microbatch
+//! `mb` holds the plan's `tokens(mb)` tokens instead of `seq`, and its loss is weighted by its
+//! share of the step's tokens, `n_mb / T` instead of `1/M`: the step's objective is then the
+//! per-token mean cross-entropy over every token of the step, `sum CE / T`, the loss of
+//! Megatron's `calculate_per_token_loss` (each token weighs the same whatever microbatch it is
+//! packed into; a per-microbatch mean would weigh a short microbatch's tokens more). The
+//! layers act on each token alone (no attention), so sequences packed into one microbatch are
+//! its rows, one after the other.
+//!
 //! Every layer's backward is written out and split the way zero-bubble schedules split it
 //! ("Zero Bubble Pipeline Parallelism", Qi et al., 2024): [`stage_bwd_d`] computes input
 //! gradients only and keeps what the weight gradients need ([`LayerPartial`]);
@@ -153,14 +162,23 @@ impl<F: NdFloat> Layer<F> {
 /// Synthetic data: microbatch `mb` of step `step`. Targets are a fixed function of the token
 /// (`(3·tok + 1) mod vocab`), so the model can learn it and the loss falls over steps.
 pub fn tokens(cfg: &ModelConfig, step: u32, mb: u32) -> Vec<u32> {
-    let mut g = SplitMix64::stream(cfg.seed, &[2, step as u64, mb as u64]);
-    (0..cfg.seq)
-        .map(|_| g.below(cfg.vocab as u64) as u32)
-        .collect()
+    tokens_n(cfg, step, mb, cfg.seq)
 }
 
 pub fn targets(cfg: &ModelConfig, step: u32, mb: u32) -> Vec<u32> {
-    tokens(cfg, step, mb)
+    targets_n(cfg, step, mb, cfg.seq)
+}
+
+/// [`tokens`] for a microbatch of `n` tokens (its length in a plan with lengths): the first
+/// `n` of the same stream.
+pub fn tokens_n(cfg: &ModelConfig, step: u32, mb: u32, n: usize) -> Vec<u32> {
+    let mut g = SplitMix64::stream(cfg.seed, &[2, step as u64, mb as u64]);
+    (0..n).map(|_| g.below(cfg.vocab as u64) as u32).collect()
+}
+
+/// [`targets`] for a microbatch of `n` tokens.
+pub fn targets_n(cfg: &ModelConfig, step: u32, mb: u32, n: usize) -> Vec<u32> {
+    tokens_n(cfg, step, mb, n)
         .into_iter()
         .map(|t| ((3 * t as u64 + 1) % cfg.vocab as u64) as u32)
         .collect()
@@ -356,12 +374,41 @@ pub struct Ctx<'a> {
     pub cfg: &'a ModelConfig,
     pub step: u32,
     pub microbatches: u32,
+    /// Tokens of each microbatch, by index, when the plan carries `microbatch_lengths`;
+    /// `None`: every microbatch holds `cfg.seq`.
+    pub lengths: Option<&'a [u32]>,
 }
 
 impl Ctx<'_> {
-    /// Scale of each microbatch's loss in the step's objective: `1/M`.
-    pub fn loss_scale<F: NdFloat>(&self) -> F {
-        F::one() / c::<F>(self.microbatches as f64)
+    /// Tokens of microbatch `mb`.
+    pub fn len(&self, mb: u32) -> usize {
+        match self.lengths {
+            Some(l) => l.get(mb as usize).map_or(0, |&n| n as usize),
+            None => self.cfg.seq,
+        }
+    }
+
+    /// Microbatch `mb`'s token ids.
+    pub fn tokens(&self, mb: u32) -> Vec<u32> {
+        tokens_n(self.cfg, self.step, mb, self.len(mb))
+    }
+
+    /// Microbatch `mb`'s targets.
+    pub fn targets(&self, mb: u32) -> Vec<u32> {
+        targets_n(self.cfg, self.step, mb, self.len(mb))
+    }
+
+    /// Scale of the mean loss of a microbatch of `n` tokens in the step's objective: `1/M`,
+    /// or with lengths its share of the step's tokens, `n / T` (the per-token mean; see the
+    /// module's note).
+    pub fn loss_scale<F: NdFloat>(&self, n: usize) -> F {
+        match self.lengths {
+            Some(l) => {
+                let total: u64 = l.iter().map(|&n| n as u64).sum();
+                c::<F>(n as f64) / c::<F>(total.max(1) as f64)
+            }
+            None => F::one() / c::<F>(self.microbatches as f64),
+        }
     }
 }
 
@@ -401,7 +448,7 @@ pub fn stage_fwd<F: NdFloat>(
                 Tensor::Hidden(y)
             }
             (LayerKind::Loss, Tensor::Hidden(x)) => {
-                let t = targets(ctx.cfg, ctx.step, mb);
+                let t = ctx.targets(mb);
                 let (loss, probs) = head_fwd(p, &x, &t);
                 stash.push(LayerStash::Head {
                     x,
@@ -442,7 +489,8 @@ pub fn stage_bwd_d<F: NdFloat>(
         let p = &layer.tensors;
         g = match (st, g) {
             (LayerStash::Head { probs, targets, .. }, Tensor::LossGrad) => {
-                let (dx, dlogits) = head_bwd_d(p, probs, targets, ctx.loss_scale::<F>());
+                let (dx, dlogits) =
+                    head_bwd_d(p, probs, targets, ctx.loss_scale::<F>(targets.len()));
                 partial.push(LayerPartial::Head { dlogits });
                 Tensor::Hidden(dx)
             }
@@ -599,6 +647,21 @@ pub fn step_loss<F: NdFloat>(per_mb: &[F]) -> F {
         s += l;
     }
     s / c::<F>(per_mb.len().max(1) as f64)
+}
+
+/// The step's loss of a plan: [`step_loss`] without lengths; with them (`tokens` per
+/// microbatch) the per-token mean, `sum(loss_mb · n_mb) / T`, summed in microbatch order.
+pub fn step_loss_of<F: NdFloat>(per_mb: &[F], tokens: Option<&[u32]>) -> F {
+    let Some(tokens) = tokens else {
+        return step_loss(per_mb);
+    };
+    let mut s = F::zero();
+    let mut total = 0u64;
+    for (&l, &n) in per_mb.iter().zip(tokens) {
+        s += l * c::<F>(n as f64);
+        total += n as u64;
+    }
+    s / c::<F>(total.max(1) as f64)
 }
 
 /// Why a layout cannot be trained.
@@ -773,13 +836,14 @@ mod tests {
             cfg: &cfg,
             step: 0,
             microbatches: 2,
+            lengths: None,
         };
         let loss =
             |st: &Stage<f64>| match stage_fwd(st, Tensor::Tokens(tokens(&cfg, 0, 1)), &ctx, 1)
                 .unwrap()
                 .0
             {
-                Tensor::Loss(l) => l * ctx.loss_scale::<f64>(),
+                Tensor::Loss(l) => l * ctx.loss_scale::<f64>(cfg.seq),
                 _ => unreachable!(),
             };
         let st = &stages[0];

@@ -12,13 +12,13 @@ use crate::model::{
 pub struct RefStep {
     /// Each microbatch's mean loss.
     pub losses: Vec<f32>,
-    /// The step's loss ([`model::step_loss`]).
+    /// The step's loss ([`model::step_loss_of`]).
     pub loss: f32,
     /// Per stage, the sum over microbatches of its weight gradients (empty when forward-only).
     pub grads: Vec<StageGrads<f32>>,
 }
 
-/// Run step `step` of the whole model over `microbatches` microbatches.
+/// Run step `step` of the whole model over `microbatches` microbatches of `cfg.seq` tokens.
 pub fn step(
     stages: &[Stage<f32>],
     cfg: &ModelConfig,
@@ -26,15 +26,30 @@ pub fn step(
     microbatches: u32,
     forward_only: bool,
 ) -> Result<RefStep, ModelError> {
+    step_with(stages, cfg, step, microbatches, forward_only, None)
+}
+
+/// [`step`] with each microbatch its own number of tokens (`lengths`, by microbatch index,
+/// from the plan's `microbatch_lengths`): each runs alone with its own length, in index order,
+/// and the loss is the per-token mean ([`model::step_loss_of`]).
+pub fn step_with(
+    stages: &[Stage<f32>],
+    cfg: &ModelConfig,
+    step: u32,
+    microbatches: u32,
+    forward_only: bool,
+    lengths: Option<&[u32]>,
+) -> Result<RefStep, ModelError> {
     let ctx = Ctx {
         cfg,
         step,
         microbatches,
+        lengths,
     };
     let mut accum: Vec<GradAccum<f32>> = stages.iter().map(GradAccum::new).collect();
     let mut losses = Vec::with_capacity(microbatches as usize);
     for mb in 0..microbatches {
-        let mut v = Tensor::Tokens(model::tokens(cfg, step, mb));
+        let mut v = Tensor::Tokens(ctx.tokens(mb));
         let mut stashes = Vec::with_capacity(stages.len());
         for st in stages {
             let (out, stash) = model::stage_fwd(st, v, &ctx, mb)?;
@@ -62,7 +77,7 @@ pub fn step(
         }
     }
     Ok(RefStep {
-        loss: model::step_loss(&losses),
+        loss: model::step_loss_of(&losses, lengths),
         losses,
         grads: if forward_only {
             Vec::new()

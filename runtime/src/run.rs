@@ -41,7 +41,8 @@ impl Device for Cpu {
             s.full,
             &stages_of(s.program, rank as usize),
             self.transport.clone(),
-        ))
+        )
+        .with_lengths(s.program.lengths.as_ref()))
     }
 
     fn reset(&self) {

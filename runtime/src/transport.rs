@@ -271,6 +271,7 @@ mod tests {
             payload,
             tensor: t,
             seq: 0,
+            tokens: None,
         }
     }
 

@@ -28,6 +28,8 @@ pub struct CpuBackend {
     accum: Vec<Option<GradAccum<f32>>>,
     /// Each microbatch's mean loss, recorded where the `L` layer runs.
     losses: Vec<Option<f32>>,
+    /// Tokens of each microbatch when the plan carries `microbatch_lengths` ([`Ctx::lengths`]).
+    lengths: Option<Vec<u32>>,
     transport: Arc<Transport<CpuTensor>>,
 }
 
@@ -56,8 +58,42 @@ impl CpuBackend {
             stages,
             accum,
             losses: vec![None; microbatches as usize],
+            lengths: None,
             transport,
         }
+    }
+
+    /// Give each microbatch its own number of tokens: a plan's `microbatch_lengths`.
+    pub fn with_lengths(mut self, lengths: Option<&pipec_schedules::Lengths>) -> Self {
+        self.lengths = lengths.map(|l| l.all_tokens().to_vec());
+        self
+    }
+
+    /// Each op with `tokens` (a plan with lengths) holds, or received, a tensor of that many
+    /// rows. There is no shape exchange: a device backend allocates the receive from the
+    /// instruction, and here the moved array must fit that allocation exactly. Token ids
+    /// count one row per id; the scalars past the loss (a loss, its seed, the token-id
+    /// gradient) have no rows to size.
+    fn check_tokens(ops: &[CommOp<CpuTensor>], dir: super::Dir) -> Result<(), CommError> {
+        for op in ops.iter().filter(|o| o.dir == dir) {
+            let (Some(tokens), Some(t)) = (op.tokens, op.tensor.as_ref()) else {
+                continue;
+            };
+            let rows = match t {
+                Tensor::Hidden(a) => a.nrows(),
+                Tensor::Tokens(v) => v.len(),
+                Tensor::Loss(_) | Tensor::LossGrad | Tensor::TokenGrad => continue,
+            };
+            if rows != tokens as usize {
+                return Err(CommError::WrongTokens {
+                    at: op.at,
+                    dir,
+                    tokens,
+                    rows,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn accum_mut(&mut self, stage: u32) -> Result<&mut GradAccum<f32>, BackendError> {
@@ -73,6 +109,7 @@ impl CpuBackend {
             cfg: &self.cfg,
             step: self.step,
             microbatches: self.microbatches,
+            lengths: self.lengths.as_deref(),
         }
     }
 
@@ -182,7 +219,7 @@ impl Backend for CpuBackend {
     ) -> Result<(CpuTensor, Option<Self::Saved>), BackendError> {
         let input = match input {
             Some(t) => t,
-            None => Tensor::Tokens(model::tokens(&self.cfg, self.step, task.mb.0)),
+            None => Tensor::Tokens(self.ctx().tokens(task.mb.0)),
         };
         let stage = self.stage(task)?;
         let holds_loss = stage.layers.iter().any(|l| l.kind == LayerKind::Loss);
@@ -233,7 +270,9 @@ impl Backend for CpuBackend {
     }
 
     fn exchange(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
-        self.transport.exchange(self.rank, ops)
+        Self::check_tokens(ops, super::Dir::Send)?;
+        self.transport.exchange(self.rank, ops)?;
+        Self::check_tokens(ops, super::Dir::Recv)
     }
 
     fn keep(&mut self, input: &CpuTensor) -> Result<CpuTensor, BackendError> {
@@ -255,11 +294,13 @@ impl Backend for CpuBackend {
     }
 
     fn post(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
+        Self::check_tokens(ops, super::Dir::Send)?;
         self.transport.post(self.rank, ops)
     }
 
     fn complete(&mut self, ops: &mut [CommOp<CpuTensor>]) -> Result<(), CommError> {
-        self.transport.complete(self.rank, ops)
+        self.transport.complete(self.rank, ops)?;
+        Self::check_tokens(ops, super::Dir::Recv)
     }
 
     fn finish(&mut self) {

@@ -39,6 +39,10 @@ pub struct CommOp<T> {
     /// Position of this op in the FIFO of its ordered rank pair (the k-th send from A to B
     /// matches the k-th receive on B from A); set by the transport.
     pub seq: u64,
+    /// The tokens (rows) of the tensor, from the instruction, when the plan carries
+    /// microbatch lengths (issue #38): a backend sizes the receive from it, with no shape
+    /// exchange, and refuses a tensor of another size ([`CommError::WrongTokens`]).
+    pub tokens: Option<u32>,
 }
 
 /// One operation of a batch that could not complete: what it waits for.
@@ -69,6 +73,15 @@ pub enum CommError {
     /// The schedule leaves batches in flight (`wait` instructions), which this backend cannot
     /// do.
     InFlightUnsupported,
+    /// A tensor's rows are not the `tokens` its instruction (at `at`) carries: the receive
+    /// was sized from the plan, so a tensor of another size cannot land in it (or a send
+    /// holds a tensor of another size than the plan says it sends).
+    WrongTokens {
+        at: u32,
+        dir: Dir,
+        tokens: u32,
+        rows: usize,
+    },
     /// The message that arrived is not the tensor the receive expects.
     WrongPayload {
         recv_at: u32,

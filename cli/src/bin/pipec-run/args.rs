@@ -69,7 +69,8 @@ pub(crate) struct Args {
     /// Vocabulary size.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub(crate) vocab: u32,
-    /// Tokens per microbatch.
+    /// Tokens per microbatch (a plan with `microbatch_lengths` gives each microbatch its own,
+    /// and this is not used).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub(crate) seq: u32,
     /// SGD learning rate.

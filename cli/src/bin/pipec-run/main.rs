@@ -118,10 +118,36 @@ fn run_loaded<P: Checked>(
         if m.forward_only { ", forward only" } else { "" },
         m.layout.expanded(),
     );
+    let lengths = loaded.program.program().lengths.as_ref();
+    let seq = match lengths {
+        // Each microbatch holds the tokens the plan gives it; `--seq` is not used.
+        Some(l) => {
+            let min = l.all_tokens().iter().copied().min().unwrap_or(0);
+            format!(
+                "seq per microbatch {min}..={} (microbatch_lengths)",
+                l.max_tokens()
+            )
+        }
+        None => format!("seq {}", cfg.seq),
+    };
     let model_line = format!(
-        "model: hidden {}, ffn {}, vocab {}, seq {}, seed {}, lr {}",
-        cfg.hidden, cfg.ffn, cfg.vocab, cfg.seq, cfg.seed, args.lr
+        "model: hidden {}, ffn {}, vocab {}, {seq}, seed {}, lr {}",
+        cfg.hidden, cfg.ffn, cfg.vocab, cfg.seed, args.lr
     );
+    if let Some(l) = lengths {
+        if args.backend == BackendKind::Cuda {
+            return Err(RunError::Usage(
+                "the cuda backend runs microbatches of one length (--seq); this plan carries microbatch_lengths: run it with --backend cpu".into(),
+            ));
+        }
+        let widest = cfg.hidden.max(cfg.ffn).max(cfg.vocab);
+        if l.max_tokens() as usize * widest > 1 << 26 {
+            return Err(RunError::Usage(format!(
+                "the model is too large for the CPU reference backend (a microbatch of {} tokens makes a tensor over 2^26 values)",
+                l.max_tokens()
+            )));
+        }
+    }
     if args.backend == BackendKind::Cuda && args.trace_steps.is_some() {
         return Err(RunError::Usage(
             "--trace-steps applies to the cpu backend (the cuda backend traces the last step)"

@@ -161,7 +161,7 @@ pub(crate) fn json_head(
     backend: &str,
     dtype: &str,
 ) -> serde_json::Value {
-    serde_json::json!({
+    let mut head = serde_json::json!({
         "program": dir.display().to_string(),
         "schedule": m.schedule.map(|s| serde_json::json!({
             "kind": s.kind.to_string(), "pp": s.pp, "vpp": s.vpp,
@@ -177,7 +177,13 @@ pub(crate) fn json_head(
         // Through its shortest decimal form, so 0.1 reads 0.1 and not 0.10000000149011612.
         "lr": args.lr.to_string().parse::<f64>().unwrap_or(f64::NAN),
         "trace": args.trace.as_ref().map(|p| p.display().to_string()),
-    })
+    });
+    // Only with lengths (each microbatch's tokens replace `model.seq`), so a plan without
+    // them reports what it did before.
+    if let Some(l) = &m.microbatch_lengths {
+        head["microbatch_lengths"] = serde_json::json!(l);
+    }
+    head
 }
 
 /// `--trace FILE`: the measured timeline as a Chrome trace.
