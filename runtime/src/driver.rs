@@ -453,10 +453,9 @@ fn rank_step<D: Device>(
         Instant::now()
     };
     let act = &sh.setup.memory.act;
-    // With microbatch lengths the verifier weighs each microbatch's activations by a factor
-    // of the memory model (its tokens / `seq`); until the model carries it every microbatch
-    // weighs its stage's `act`.
-    let mb_scale: Option<&[f64]> = None;
+    // With microbatch lengths each microbatch's activations weigh its stage's `act` times its
+    // factor (tokens / `seq`), as the verifier counts them.
+    let mb_scale: Option<&[f64]> = sh.setup.memory.mb_scale.as_deref();
     let run = run_rank_scaled(program, Rank(rank), be, &sh.setup.watch, t0, act, mb_scale)
         .map_err(|_| stopped())?;
     let run = be
