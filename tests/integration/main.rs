@@ -12,6 +12,7 @@ mod group_interleaved;
 mod harness;
 mod interp;
 mod layout;
+mod lengths_costs;
 mod loader;
 mod lowering;
 mod megatron;
