@@ -665,9 +665,6 @@ impl CostModel {
                     ));
                 }
             }
-            if let Some(seq) = self.seq {
-                s.push_str(&format!("; per {seq} tokens"));
-            }
         }
         if self.offload.iter().any(Option::is_some) || self.pcie.is_some() {
             s.push_str(&format!(
