@@ -529,6 +529,27 @@ mod tests {
         assert_eq!(m.layer(LayerKind::Embedding).f, 0.0);
     }
 
+    /// The split of a pass into linear and attention parts sums back to the pass exactly,
+    /// whatever the share (Sterbenz's lemma, as `split_exact` says), on a grid of awkward
+    /// binary fractions.
+    #[test]
+    fn splits_sum_back_exactly() {
+        use crate::model::split_exact;
+        let mut n = 0;
+        for i in 1..200u32 {
+            let total = 1.0 / f64::from(i) + f64::from(i) * 0.37;
+            for j in 0..=60u32 {
+                let a = total * f64::from(j) / 60.0 * 1.000_000_1;
+                let (lin, attn) = split_exact(total, a);
+                assert!(lin >= 0.0 && attn >= 0.0, "{total} {a}");
+                assert_eq!(lin + attn, total, "{total} {a}");
+                assert!((attn - a.min(total)).abs() <= 1e-15 * total, "{total} {a}");
+                n += 1;
+            }
+        }
+        assert_eq!(n, 199 * 61);
+    }
+
     #[test]
     fn explicit_keys_win_over_the_model() {
         let text = format!("t.f = 2.5\nL.param = 1GiB\nf = 3\n[model]\n{GPT3}tp = 8\n");

@@ -13,6 +13,7 @@ mod harness;
 mod interp;
 mod layout;
 mod lengths;
+mod lengths_costs;
 mod lengths_run;
 mod loader;
 mod lowering;

@@ -27,11 +27,14 @@
 //! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes: a copy takes `offload / 0.7` while the partner copies too, and pipec gives every copy that time (an upper bound) | `false` |
 //! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
 //! | `rank.R` | rank `R`'s compute takes this many times its layers' costs (a slower or busier device; PipeOffload's heavy first and last ranks); copies and messages keep their time | `1` |
+//! | `K.attn_f`, `K.attn_b`, `K.attn_w` for `K` in `E t m L` | the attention core's part of each pass for one causal sequence of `seq` tokens: a pass of a `seq`-token microbatch costs `K.f + K.attn_f`; with lengths it scales by the sum of each sequence's `(length / seq)^2` ([`crate::lengths`]) | `0`; a `[model]` table derives them |
+//! | `seq` | tokens per microbatch that the per-layer keys describe (a whole number, at least 1); with lengths the linear parts scale by `tokens / seq` | the `[model]` table's `seq`, else the longest microbatch |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
 //! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
-//! normalization) derives every kind's `f`/`b`/`w`/`act`/`param` from the model's shape
-//! ([`super::model`]); keys given explicitly win.
+//! normalization) derives every kind's `f`/`b`/`w`/`attn_*`/`act`/`param` from the model's
+//! shape ([`super::model`]); keys given explicitly win (a pass given without its `attn_*`
+//! key is the whole pass: the derived attention part is dropped).
 //!
 //! `act` and `param` are read by every peak-memory figure (`crate::memory::weights` turns them
 //! into the verifier's weights: `compile`, `check`, `show`, `simulate`, `compare`, `tune`,
@@ -661,9 +664,6 @@ impl CostModel {
                         num(a.w)
                     ));
                 }
-            }
-            if let Some(seq) = self.seq {
-                s.push_str(&format!("; per {seq} tokens"));
             }
         }
         if self.offload.iter().any(Option::is_some) || self.pcie.is_some() {
