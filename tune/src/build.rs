@@ -3,6 +3,7 @@
 //! every candidate in one worker pool ([`pipec_ir::par`]).
 
 use crate::greedy;
+use crate::order;
 use crate::plan::{list_times, Plan};
 use crate::problem::Problem;
 use crate::request::{Candidate, CandidateKind, TuneRequest};
@@ -13,7 +14,7 @@ use pipec_cost::cost::{CostModel, StageCosts};
 use pipec_ir::ir::Program;
 use pipec_ir::verify;
 use pipec_schedules::layout::Layout;
-use pipec_schedules::{generate, Placement, PlacementKind, ScheduleSpec};
+use pipec_schedules::{generate, Lengths, Placement, PlacementKind, ScheduleSpec};
 
 /// A candidate with its program, before the winner is chosen.
 pub(crate) struct Built {
@@ -105,6 +106,9 @@ pub(crate) fn build(
             (cand, layout, Some(*spec), program, None)
         }
     };
+    if let Some(lengths) = &req.lengths {
+        return best_order(req, cand, layout, spec, program, planned, limit, lengths);
+    }
     let b = finish(
         cand,
         layout.clone(),
@@ -116,6 +120,77 @@ pub(crate) fn build(
         req.target,
     )?;
     Some((b, program))
+}
+
+/// With lengths: the candidate in every order of [`order::candidates`] (applied to its
+/// program as `pipec compile` applies `microbatch_order`, [`order::apply`]), simulated and
+/// measured; the best kept: one that fits before one that does not, then the shorter (a
+/// tie keeps the earlier rule, index order first), then the smaller peak. So the winner is
+/// never slower than any of the orders.
+#[allow(clippy::too_many_arguments)]
+fn best_order(
+    req: &TuneRequest,
+    cand: Candidate,
+    layout: &Layout,
+    spec: Option<ScheduleSpec>,
+    program: Program,
+    planned: Option<f64>,
+    limit: Option<f64>,
+    lengths: &Lengths,
+) -> Option<(Built, Program)> {
+    let costs = order::costs(&req.model, lengths);
+    let mut best: Option<(Built, Program)> = None;
+    for (rule, ord) in order::candidates(&costs, program.placement.mirror_from()) {
+        let mut p = program.clone();
+        order::apply(&mut p, &ord, lengths);
+        let Some(mut b) = finish(
+            cand.clone(),
+            layout.clone(),
+            spec,
+            &p,
+            &req.model,
+            limit,
+            planned,
+            req.target,
+        ) else {
+            continue;
+        };
+        b.cand.microbatch_order = Some(ord);
+        b.cand.microbatch_order_rule = Some(rule.to_string());
+        if best.as_ref().is_none_or(|(o, _)| better(&b.cand, &o.cand)) {
+            best = Some((b, p));
+        }
+    }
+    best
+}
+
+/// Whether `a` beats `b` among one schedule's orders: fits where `b` does not, else shorter
+/// (by more than rounding), else as long with a smaller peak.
+fn better(a: &Candidate, b: &Candidate) -> bool {
+    if a.fits != b.fits {
+        return a.fits;
+    }
+    let tie = (a.makespan - b.makespan).abs() <= 1e-12 * b.makespan.abs().max(1e-300);
+    if tie {
+        a.peak_memory < b.peak_memory
+    } else {
+        a.makespan < b.makespan
+    }
+}
+
+/// A built-in candidate's program made again (it was dropped while another led), in the
+/// microbatch order it was measured in.
+pub(crate) fn rebuild_builtin(
+    req: &TuneRequest,
+    spec: &ScheduleSpec,
+    layout: &Layout,
+    cand: &Candidate,
+) -> Option<Program> {
+    let mut program = lower_builtin(req, &generate(spec, &req.limits).ok()?, layout);
+    if let (Some(l), Some(o)) = (&req.lengths, &cand.microbatch_order) {
+        order::apply(&mut program, o, l);
+    }
+    Some(program)
 }
 
 /// `loop`, `v`, `bidirectional` or `custom`: how a candidate's placement is named.
