@@ -243,7 +243,7 @@ fn cli_writes_an_ordered_plan_that_checks() {
         .success();
     let manifest = std::fs::read_to_string(out.join("manifest.json")).unwrap();
     assert!(manifest.contains("microbatch_lengths"), "{manifest}");
-    let rank0 = std::fs::read_to_string(out.join("rank_0.json")).unwrap();
+    let rank0 = std::fs::read_to_string(out.join("rank-0.json")).unwrap();
     assert!(rank0.contains("\"tokens\""));
     // The human report names the order.
     let a = pipec()
