@@ -66,9 +66,28 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> f64 {
+/// The process's CPU time (user + system, every thread) in ms, from /proc/self/stat (Linux;
+/// 0 elsewhere): on a shared machine wall time moves with the load, CPU time much less.
+fn cpu_ms() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces, so split after its `)`).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0.0))
+        .collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name; in ticks
+    // of 10 ms on Linux's usual USER_HZ = 100.
+    (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) * 10.0
+}
+
+/// Median wall time (ms) of `runs` runs after one warm-up, and the mean CPU time per run.
+fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> (f64, f64) {
     f();
-    median(
+    let c0 = cpu_ms();
+    let wall = median(
         (0..runs)
             .map(|_| {
                 let t = Instant::now();
@@ -76,7 +95,8 @@ fn time<T>(runs: usize, mut f: impl FnMut() -> T) -> f64 {
                 t.elapsed().as_secs_f64() * 1e3
             })
             .collect(),
-    )
+    );
+    (wall, (cpu_ms() - c0) / runs as f64)
 }
 
 fn main() {
@@ -95,6 +115,7 @@ fn main() {
     let ms = time(runs, || {
         compile_verified(
             &CompileRequest {
+                vpp: Some(2),
                 lengths: Some(l64.clone()),
                 ..CompileRequest::new(ScheduleKind::Interleaved1F1B, 8, 64)
             },
@@ -103,7 +124,10 @@ fn main() {
         )
         .expect("compiles")
     });
-    println!("  compile interleaved-1f1b pp=8 M=64: {ms:.2}");
+    println!(
+        "  compile interleaved-1f1b pp=8 vpp=2 M=64: {:.2} wall, {:.2} CPU",
+        ms.0, ms.1
+    );
     for (pp, m) in [(8u32, 64usize), (32, 512)] {
         let l = lengths("bimodal", m, 2);
         let req = TuneRequest {
@@ -111,17 +135,17 @@ fn main() {
             target: pipec_compiler::target::TargetChoice::Every,
             ..TuneRequest::new(pp, m as u32, model.clone())
         };
-        let ms = time(runs.min(if m > 64 { 5 } else { runs }), || {
-            tune(&req).expect("tunes")
-        });
+        let n = if m > 64 { runs.min(5) } else { runs * 4 };
+        let ms = time(n, || tune(&req).expect("tunes"));
         let plain = TuneRequest {
             lengths: None,
             ..req.clone()
         };
-        let ms0 = time(runs.min(if m > 64 { 5 } else { runs }), || {
-            tune(&plain).expect("tunes")
-        });
-        println!("  tune pp={pp} M={m}: {ms:.1} with lengths, {ms0:.1} without");
+        let ms0 = time(n, || tune(&plain).expect("tunes"));
+        println!(
+            "  tune pp={pp} M={m}: {:.1} wall, {:.1} CPU with lengths; {:.1} wall, {:.1} CPU without",
+            ms.0, ms.1, ms0.0, ms0.1
+        );
     }
     println!();
     println!("ordering gain at pp=8, M=64 (index order -> tune's order of that kind):");

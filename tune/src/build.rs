@@ -125,8 +125,8 @@ pub(crate) fn build(
 /// With lengths: the candidate in every order of [`order::candidates`] (applied to its
 /// program as `pipec compile` applies `microbatch_order`, [`order::apply`]), simulated and
 /// measured; the best kept: one that fits before one that does not, then the shorter (a
-/// tie keeps the earlier rule, index order first), then the smaller peak. So the winner is
-/// never slower than any of the orders.
+/// tie keeps the earlier rule, index order first), then the smaller peak (under a limit). So
+/// the winner is never slower than any of the orders.
 #[allow(clippy::too_many_arguments)]
 fn best_order(
     req: &TuneRequest,
@@ -139,8 +139,45 @@ fn best_order(
     lengths: &Lengths,
 ) -> Option<(Built, Program)> {
     let costs = order::costs(&req.model, lengths);
+    let orders = order::candidates(&costs, program.placement.mirror_from());
+    if limit.is_none() {
+        // Without a limit every order fits: the makespans decide (a tie keeps the earlier
+        // rule), and only the chosen order's memory is measured.
+        let stage_costs = StageCosts::new(&req.model, layout, program.num_stages());
+        let mut best: Option<(pipec_cost::simulate::Figures, usize, Program)> = None;
+        for (i, (_, ord)) in orders.iter().enumerate() {
+            let mut p = program.clone();
+            order::apply(&mut p, ord, lengths);
+            let Ok(sim) = pipec_cost::simulate::figures(
+                &pipec_ir::verify::Unverified::unchecked(&p),
+                &stage_costs,
+            ) else {
+                continue;
+            };
+            let shorter = |b: f64| sim.makespan < b - 1e-12 * b.abs();
+            if best.as_ref().is_none_or(|(b, ..)| shorter(b.makespan)) {
+                best = Some((sim, i, p));
+            }
+        }
+        let (sim, i, p) = best?;
+        let mut b = measured(
+            cand,
+            layout.clone(),
+            spec,
+            &p,
+            &req.model,
+            limit,
+            planned,
+            req.target,
+            &sim,
+        );
+        let (rule, ord) = orders.into_iter().nth(i)?;
+        b.cand.microbatch_order = Some(ord);
+        b.cand.microbatch_order_rule = Some(rule.to_string());
+        return Some((b, p));
+    }
     let mut best: Option<(Built, Program)> = None;
-    for (rule, ord) in order::candidates(&costs, program.placement.mirror_from()) {
+    for (rule, ord) in orders {
         let mut p = program.clone();
         order::apply(&mut p, &ord, lengths);
         let Some(mut b) = finish(
@@ -208,7 +245,7 @@ pub(crate) fn placement_name(p: &Placement) -> String {
 /// runs it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish(
-    mut cand: Candidate,
+    cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
     program: &Program,
@@ -217,12 +254,30 @@ pub(crate) fn finish(
     planned: Option<f64>,
     target: TargetChoice,
 ) -> Option<Built> {
-    cand.not_runnable = target.refusal(program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
     // Makespan and bubble only: the winner is verified and simulated in full once chosen.
     let sim =
         pipec_cost::simulate::figures(&pipec_ir::verify::Unverified::unchecked(program), &costs)
             .ok()?;
+    Some(measured(
+        cand, layout, spec, program, model, limit, planned, target, &sim,
+    ))
+}
+
+/// [`finish`] with the program's figures already simulated.
+#[allow(clippy::too_many_arguments)]
+fn measured(
+    mut cand: Candidate,
+    layout: Layout,
+    spec: Option<ScheduleSpec>,
+    program: &Program,
+    model: &CostModel,
+    limit: Option<f64>,
+    planned: Option<f64>,
+    target: TargetChoice,
+    sim: &pipec_cost::simulate::Figures,
+) -> Built {
+    cand.not_runnable = target.refusal(program);
     // The one memory rule every command reports ([`pipec_ir::memory`]).
     let mem = pipec_cost::memory::weights(program, &layout, model);
     let peaks: Vec<f64> = pipec_ir::memory::peaks(program, &mem)
@@ -234,14 +289,14 @@ pub(crate) fn finish(
     cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
     cand.fits = limit.is_none_or(|l| cand.peak_memory <= l * (1.0 + 1e-12));
     cand.layout = split::layout_string(&layout);
-    Some(Built {
+    Built {
         cand,
         layout,
         spec,
         program: None,
         peaks,
         planned,
-    })
+    }
 }
 
 /// Of the tuned candidates, the fastest fitting one per placement and vpp; built-ins untouched.
