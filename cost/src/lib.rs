@@ -15,6 +15,7 @@
 pub mod calibrate;
 pub mod cost;
 pub mod layer;
+pub mod lengths;
 pub mod memory;
 pub mod model;
 pub mod rounding;

@@ -20,7 +20,13 @@ pub fn unit_of(model: &CostModel) -> Unit {
 
 /// `program`'s weights under `model` with the stages of `layout`; a layout whose stage count
 /// is not the program's (an imported schedule) counts one `t` per stage, as the simulator
-/// costs it ([`crate::cost::StageCosts::new`]).
+/// costs it ([`crate::cost::StageCosts::new`]). With lengths (`program.lengths`), each
+/// microbatch's activations weigh its tokens / `seq` ([`crate::lengths::Scale`]): `K.act`
+/// describes a microbatch of `seq` tokens and activations are linear in tokens (Korthikanti
+/// et al. 2022 count them per `sbh`). The attention core's scores of a `[model]` without
+/// recomputation (`(2e+1) a s^2 b`) are quadratic per document; they are counted linearly
+/// too, an upper bound for packed microbatches of short documents whose longest is `seq`
+/// (docs/memory.md, "Microbatches of different lengths").
 pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryModel {
     let n = program.num_stages() as usize;
     let uniform;
@@ -37,6 +43,7 @@ pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryM
         act,
         param,
         unit: unit_of(model),
+        mb_scale: crate::lengths::Scale::of_program(model, program).map(|s| s.lin),
     }
 }
 

@@ -66,11 +66,29 @@ pub struct ModelShape {
     pub normalization: Norm,
 }
 
-/// What the shape gives each layer kind, in `crate::cost::KINDS` order.
+/// What the shape gives each layer kind, in `crate::cost::KINDS` order: the passes' linear
+/// parts (`K.f`, `K.b`, `K.w`: the weight matmuls, linear in tokens), their attention-core
+/// parts (`K.attn_*`: quadratic in each document's length), and the memory.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Derived {
     pub layers: [PassCost; 4],
+    pub attn: [PassCost; 4],
     pub memory: [LayerMemory; 4],
+}
+
+/// `total` split into a linear part and an attention part `attn` (both at least 0) whose
+/// floating-point sum is `total` exactly, so that a uniform microbatch of `seq` tokens costs
+/// bit for bit what the unsplit figure did. One of the two is taken as given and the other is
+/// `total` minus it, which Sterbenz's lemma makes exact: `total - y` is exact for `y` in
+/// `[total/2, total]`, and `x = fl(total - a)` lies there when `a <= total/2`.
+pub fn split_exact(total: f64, attn: f64) -> (f64, f64) {
+    let attn = attn.clamp(0.0, total);
+    if attn >= total / 2.0 {
+        (total - attn, attn)
+    } else {
+        let linear = total - attn;
+        (linear, total - linear)
+    }
 }
 
 /// The keys of the `[model]` table, in the order the error messages list them (exported to
@@ -260,6 +278,24 @@ impl ModelShape {
             b: (wt + 2.0 * core + extra) / unit,
             w: wt / unit,
         };
+        // The attention core's share of each pass: its forward, its backward (twice the
+        // forward) plus what recomputation runs of it again; the weight gradient has none.
+        let recomputed = match self.recompute {
+            Recompute::None => 0.0,
+            Recompute::Selective | Recompute::Full => core,
+        };
+        let (tf, af) = split_exact(t.f, core / unit);
+        let (tb, ab) = split_exact(t.b, (2.0 * core + recomputed) / unit);
+        let t_attn = PassCost {
+            f: af,
+            b: ab,
+            w: 0.0,
+        };
+        let t = PassCost {
+            f: tf,
+            b: tb,
+            w: t.w,
+        };
         let s = self.seq as f64 / self.cp as f64;
         let out =
             2.0 * s * self.micro_batch as f64 * self.hidden as f64 * self.padded_vocab() as f64
@@ -278,6 +314,7 @@ impl ModelShape {
         };
         Derived {
             layers: [PassCost::ZERO, t, t, l],
+            attn: [PassCost::ZERO, t_attn, t_attn, PassCost::ZERO],
             memory: [
                 LayerMemory {
                     act: self.embedding_activation(),

@@ -32,6 +32,7 @@
 pub const PAIRED_RATE: f64 = 0.7;
 
 use crate::cost::StageCosts;
+use crate::lengths::Scale;
 use crate::timeline::{Span, TimeUnit, Timeline};
 use pipec_ir::ir::activations::{Activations, Peak};
 use pipec_ir::ir::{batch_end, Instr, InstrRef, Matching, MemKind, MemOp, OptIdx, Program};
@@ -146,10 +147,7 @@ pub fn summarize_with(
             }
             let ran = |&(i, _): &(u32, f64)| (i as usize) < spans.len();
             let m = program.microbatches;
-            let weight = |t: pipec_schedules::Task| match mem.act.get(t.stage.index()) {
-                Some(&w) if t.mb.0 < m => w,
-                _ => 0.0,
-            };
+            let weight = |t: pipec_schedules::Task| mem.weight(t, m);
             let peak = Peak::of(walk.live(r, weight).take_while(ran));
             let params = mem.param.get(r).copied().unwrap_or(0.0);
             let peak_at = peak.at.map_or(0.0, |i| spans[i as usize].start - t0);
@@ -316,6 +314,7 @@ fn simulate_program(
         act: costs.act.clone(),
         param,
         unit: crate::memory::unit_of(&costs.model),
+        mb_scale: sim.scale.take().map(|s| s.lin),
     };
     let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })
@@ -432,6 +431,10 @@ struct Sim<'a> {
     costs: &'a StageCosts,
     m: &'a Matching,
     transfer: f64,
+    /// With lengths (issue #38): each microbatch's scale, and its messages' time
+    /// (`p2p + msg lin / bw`), computed once.
+    scale: Option<Scale>,
+    mb_transfer: Vec<f64>,
     rendezvous: bool,
     /// Per global instruction: start (empty when only the figures are wanted) and end.
     start: Vec<f64>,
@@ -515,11 +518,27 @@ impl<'a> Sim<'a> {
     fn new(program: &'a Program, costs: &'a StageCosts, m: &'a Matching, times: bool) -> Self {
         let total = m.positions().total() as usize;
         let world = program.ranks.len();
+        let scale = Scale::of_program(&costs.model, program);
+        let mb_transfer = scale.as_ref().map_or(Vec::new(), |s| {
+            let c = &costs.model;
+            s.lin
+                .iter()
+                .map(|&lin| {
+                    if c.bw.is_infinite() {
+                        c.p2p
+                    } else {
+                        c.p2p + c.msg * lin / c.bw
+                    }
+                })
+                .collect()
+        });
         Sim {
             program,
             costs,
             m,
             transfer: costs.transfer(),
+            scale,
+            mb_transfer,
             rendezvous: costs.model.rendezvous,
             start: if times {
                 vec![f64::NAN; total]
@@ -578,7 +597,8 @@ impl<'a> Sim<'a> {
         let c = &mut self.copies[r];
         match op.kind {
             MemKind::Offload | MemKind::Reload => {
-                let d = self.costs.copy(t.stage).unwrap_or(0.0)
+                let lin = self.scale.as_ref().map_or(1.0, |s| s.lin(t.mb.0));
+                let d = self.costs.copy(t.stage).unwrap_or(0.0) * lin
                     / if self.costs.model.offload_pair {
                         PAIRED_RATE
                     } else {
@@ -606,12 +626,39 @@ impl<'a> Sim<'a> {
                 end
             }
             MemKind::Recompute => {
-                let d =
-                    self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0) * self.costs.rank_factor(r);
+                let d = self.fwd_of(t) * self.costs.rank_factor(r);
                 self.set_start(g, clock);
                 self.set_end(g, clock + d);
                 clock + d
             }
+        }
+    }
+
+    /// The forward of task `t` (a recompute, a checkpointed forward), for its microbatch.
+    fn fwd_of(&self, t: Task) -> f64 {
+        match &self.scale {
+            None => self.costs.pass(Pass::Fwd, t.stage),
+            Some(s) => {
+                let (lin, quad) = s.factors(t.mb.0);
+                self.costs.pass_scaled(Pass::Fwd, t.stage, lin, quad)
+            }
+        }
+        .unwrap_or(0.0)
+    }
+
+    /// The time of message `ins` (a send or a recv): its microbatch's with lengths.
+    #[inline]
+    fn transfer_of(&self, ins: &Instr) -> f64 {
+        if self.mb_transfer.is_empty() {
+            return self.transfer;
+        }
+        match ins {
+            Instr::Send { payload, .. } | Instr::Recv { payload, .. } => self
+                .mb_transfer
+                .get(payload.mb.index())
+                .copied()
+                .unwrap_or(self.transfer),
+            _ => self.transfer,
         }
     }
 
@@ -718,8 +765,7 @@ impl<'a> Sim<'a> {
                     pc += 1;
                 }
                 Instr::FwdCheckpoint(t) => {
-                    let d = self.costs.pass(Pass::Fwd, t.stage).unwrap_or(0.0)
-                        * self.costs.rank_factor(r);
+                    let d = self.fwd_of(*t) * self.costs.rank_factor(r);
                     self.set_start(g, clock);
                     let before = clock;
                     clock += d;
@@ -739,7 +785,12 @@ impl<'a> Sim<'a> {
                 }
                 Instr::Compute(op) => {
                     // Ids were range-checked in `check_ids`.
-                    let d = self.costs.compute(op).unwrap_or(0.0) * self.costs.rank_factor(r);
+                    let d = match &self.scale {
+                        None => self.costs.compute(op),
+                        Some(s) => self.costs.compute_scaled(op, s),
+                    }
+                    .unwrap_or(0.0)
+                        * self.costs.rank_factor(r);
                     let c = &mut self.copies[r];
                     if c.any {
                         // A backward of reloaded activations starts once its reload ended.
@@ -788,7 +839,8 @@ impl<'a> Sim<'a> {
                         }
                         self.posting = r;
                         for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
-                            self.post(base + k, r, matches!(ins, Instr::Send { .. }));
+                            let x = self.transfer_of(ins);
+                            self.post(base + k, r, matches!(ins, Instr::Send { .. }), x);
                         }
                         self.posting = usize::MAX;
                         pc = hi;
@@ -806,7 +858,8 @@ impl<'a> Sim<'a> {
                     // is posted, and peers' messages waiting for this post.
                     self.posting = r;
                     for (k, ins) in instrs.iter().enumerate().take(hi).skip(pc) {
-                        self.post(base + k, r, matches!(ins, Instr::Send { .. }));
+                        let x = self.transfer_of(ins);
+                        self.post(base + k, r, matches!(ins, Instr::Send { .. }), x);
                     }
                     self.posting = usize::MAX;
                     if self.pending[r] == 0 {
@@ -829,8 +882,8 @@ impl<'a> Sim<'a> {
         self.clock[r] = clock;
     }
 
-    /// Op `g` of rank `r` was just posted.
-    fn post(&mut self, g: usize, r: usize, is_send: bool) {
+    /// Op `g` of rank `r` was just posted; its message takes `transfer`.
+    fn post(&mut self, g: usize, r: usize, is_send: bool, transfer: f64) {
         let t = self.posted[g];
         let p = self
             .m
@@ -841,21 +894,21 @@ impl<'a> Sim<'a> {
             // Eager: the send is done when posted; a posted recv gets the data after transfer.
             self.resolve(g, r, t);
             if partner_posted && !self.resolved[p] {
-                let done = self.posted[p].max(t + self.transfer);
+                let done = self.posted[p].max(t + transfer);
                 self.resolve(p, self.rank_of(p), done);
             }
         } else if !partner_posted || self.resolved[g] {
             // Waits for its peer to post (or was completed by a peer in this same batch).
         } else if self.rendezvous {
             // Rendezvous: both ends complete together once both are posted.
-            let done = t.max(self.posted[p]) + self.transfer;
+            let done = t.max(self.posted[p]) + transfer;
             self.resolve(g, r, done);
             if !self.resolved[p] {
                 self.resolve(p, self.rank_of(p), done);
             }
         } else {
             // Eager recv whose send was posted (and completed) before.
-            let done = t.max(self.posted[p] + self.transfer);
+            let done = t.max(self.posted[p] + transfer);
             self.resolve(g, r, done);
         }
     }

@@ -70,12 +70,18 @@ impl Unit {
 }
 
 /// The weights the rule counts with: per stage, one microbatch's activations; per rank, the
-/// parameters of the stages it holds.
+/// parameters of the stages it holds; with microbatches of different lengths (issue #38), per
+/// microbatch the factor its activations weigh by.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MemoryModel {
     pub act: Vec<f64>,
     pub param: Vec<f64>,
     pub unit: Unit,
+    /// Per microbatch id: what its activations weigh against the `act` of a microbatch of the
+    /// costs' `seq` tokens (its tokens / `seq`: activations are linear in tokens;
+    /// `pipec_cost::lengths`). `None`: every microbatch weighs `act`. Ids it does not name
+    /// weigh 1. The host copies of offloaded activations weigh the same.
+    pub mb_scale: Option<Vec<f64>>,
 }
 
 impl MemoryModel {
@@ -86,6 +92,21 @@ impl MemoryModel {
             act: vec![1.0; program.num_stages() as usize],
             param: vec![0.0; program.world() as usize],
             unit: Unit::LayerActivations,
+            mb_scale: None,
+        }
+    }
+
+    /// The weight of task `t`'s activations in a program of `microbatches` microbatches:
+    /// its stage's `act` times its microbatch's factor; 0 for a stage or microbatch out of
+    /// range.
+    #[inline]
+    pub fn weight(&self, t: pipec_schedules::Task, microbatches: u32) -> f64 {
+        match self.act.get(t.stage.index()) {
+            Some(&w) if t.mb.0 < microbatches => match &self.mb_scale {
+                None => w,
+                Some(f) => w * f.get(t.mb.index()).copied().unwrap_or(1.0),
+            },
+            _ => 0.0,
         }
     }
 }
@@ -131,10 +152,7 @@ pub fn walk(
     limit: Option<f64>,
 ) -> Vec<(RankPeak, Option<u32>)> {
     let m = program.microbatches;
-    let weight = |t: pipec_schedules::Task| match mem.act.get(t.stage.index()) {
-        Some(&w) if t.mb.0 < m => w,
-        _ => 0.0,
-    };
+    let weight = |t: pipec_schedules::Task| mem.weight(t, m);
     let mut w = Activations::new(program);
     (0..program.ranks.len())
         .map(|r| {

@@ -257,6 +257,7 @@ fn weights(p: &Program, rng: &mut Rng) -> MemoryModel {
             .collect(),
         param: vec![0.0; p.world() as usize],
         unit: Unit::LayerActivations,
+        mb_scale: None,
     }
 }
 
@@ -346,6 +347,7 @@ fn planner_inserts_count_as_planned() {
                 act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
                 param: vec![0.0; p.world() as usize],
                 unit: Unit::LayerActivations,
+                mb_scale: None,
             };
             let before = pipec_ir::memory::walk(&p, &mm, None);
             let top = before.iter().map(|w| w.0.peak).fold(0.0, f64::max);

@@ -1112,6 +1112,7 @@ fn random_memory_ops_run_bitwise_and_measure_the_verifiers_peaks() {
                     .collect(),
                 param: (0..p.world()).map(|_| rng.below(3) as f64).collect(),
                 unit: Unit::LayerActivations,
+                mb_scale: None,
             };
             let base = run(&p, &mm, 2);
             assert_measured(&format!("{kind:?} pp {pp} plain"), &p, &mm, &base);
@@ -1151,6 +1152,7 @@ fn planned_offloads_run_at_the_planned_peak() {
             act: (0..p.num_stages()).map(|s| 1.0 + (s % 3) as f64).collect(),
             param: vec![0.0; p.world() as usize],
             unit: Unit::LayerActivations,
+            mb_scale: None,
         };
         let top = pipec_ir::memory::peaks(&p, &mm)
             .iter()

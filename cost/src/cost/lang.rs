@@ -16,7 +16,7 @@ pub const MIN_VALUE: f64 = 1e-9;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, rank.R (R a rank)";
+    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, K.attn_f, K.attn_b, K.attn_w, seq, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, rank.R (R a rank)";
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Key {
@@ -38,6 +38,10 @@ pub(super) enum Key {
     TimeUnit,
     /// `rank.R`: rank R's compute time factor.
     Rank(u32),
+    /// `K.attn_f`, `K.attn_b`, `K.attn_w` as 0, 1, 2: the attention core's part of a pass.
+    Attn(LayerKind, usize),
+    /// `seq`: the tokens per microbatch the per-layer keys describe.
+    Seq,
 }
 
 fn key(s: &str) -> Option<Key> {
@@ -58,6 +62,7 @@ fn key(s: &str) -> Option<Key> {
         "pcie" => Key::Pcie,
         "offload_pair" => Key::OffloadPair,
         "time_unit" => Key::TimeUnit,
+        "seq" => Key::Seq,
         _ => {
             if let Some(r) = s.strip_prefix("rank.") {
                 if r.is_empty() || !r.chars().all(|c| c.is_ascii_digit()) {
@@ -75,7 +80,10 @@ fn key(s: &str) -> Option<Key> {
                     "act" => Key::Mem(kind, 0),
                     "param" => Key::Mem(kind, 1),
                     "offload" => Key::Offload(Some(kind)),
-                    _ => Key::Kind(kind, pass(p)?),
+                    _ => match p.strip_prefix("attn_") {
+                        Some(a) => Key::Attn(kind, pass(a)?),
+                        None => Key::Kind(kind, pass(p)?),
+                    },
                 }
             } else {
                 Key::Base(pass(s)?)
@@ -453,6 +461,22 @@ pub(super) fn number(
     Ok(v)
 }
 
+/// `seq`: a whole number of tokens from 1 to [`MAX_DIM`] (`_` separators allowed, as in the
+/// `[model]` table).
+pub(super) fn seq_value(text: &str, source: Option<&str>, e: &Entry) -> Result<u64, CostError> {
+    let raw = &text[e.value.0..e.value.1];
+    let s = raw.replace('_', "");
+    match s.parse::<u64>() {
+        Ok(x) if (1..=MAX_DIM).contains(&x) && s.chars().all(|c| c.is_ascii_digit()) => Ok(x),
+        _ => Err(err(
+            text,
+            source,
+            e.value,
+            CostErrorKind::BadSeq(raw.to_string()),
+        )),
+    }
+}
+
 /// A memory value: a plain number, or bytes with a unit (`B`, `KB`, `MB`, `GB`, `TB`, `KiB`,
 /// `MiB`, `GiB`, `TiB`).
 pub(super) fn memory_value(text: &str, source: Option<&str>, e: &Entry) -> Result<f64, CostError> {
@@ -545,6 +569,8 @@ pub enum CostErrorKind {
     PcieNeedsBytes(String),
     #[error("`{0}` is not a time unit; use `s`, `ms` or `us`")]
     BadTimeUnit(String),
+    #[error("`seq = {0}` is not a token count: `seq` is the whole number of tokens per microbatch the per-layer costs describe, at least 1")]
+    BadSeq(String),
     #[error("`{key}` is given twice (first at line {line}, column {col})")]
     Duplicate {
         key: String,

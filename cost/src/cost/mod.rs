@@ -88,8 +88,17 @@ fn kind_index(k: LayerKind) -> usize {
 /// "floor", "p2p", "msg", "bw" (a number or "inf"), "rendezvous", "overlap"}`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostModel {
-    /// Per layer kind, in [`KINDS`] order (`E t m L`).
+    /// Per layer kind, in [`KINDS`] order (`E t m L`): the linear parts of the passes
+    /// (`K.f`, `K.b`, `K.w`), which scale with a microbatch's tokens. [`CostModel::layer`]
+    /// is a pass's whole time at `seq` tokens (these plus `attn`).
     pub layers: [PassCost; 4],
+    /// Per layer kind: the attention core's parts (`K.attn_f`, `K.attn_b`, `K.attn_w`) for
+    /// one causal sequence of `seq` tokens, which scale with the sum over a microbatch's
+    /// sequences of `(length / seq)^2` ([`crate::lengths`]).
+    pub attn: [PassCost; 4],
+    /// `seq`: the tokens per microbatch the per-layer keys describe, when given (else the
+    /// `[model]` table's; see [`crate::lengths::Scale`]).
+    pub seq: Option<u64>,
     pub floor: f64,
     pub p2p: f64,
     pub msg: f64,
@@ -187,6 +196,19 @@ impl Serialize for CostModel {
         if let Some(u) = self.time_unit {
             m.serialize_entry("time_unit_seconds", &u)?;
         }
+        // Attention parts and `seq` only when given as keys (a `[model]` table's are its
+        // own: the shape above derives them), so older outputs stay byte-identical.
+        let derived = self.shape.as_ref().map(|s| s.derive().attn);
+        if self.attn != derived.unwrap_or([PassCost::ZERO; 4]) {
+            let a: std::collections::BTreeMap<String, PassCost> = KINDS
+                .iter()
+                .map(|&k| (k.symbol().to_string(), self.attention(k)))
+                .collect();
+            m.serialize_entry("attn", &a)?;
+        }
+        if let Some(seq) = self.seq {
+            m.serialize_entry("seq", &seq)?;
+        }
         if !self.rank_factor.is_empty() {
             let r: std::collections::BTreeMap<String, f64> = self
                 .rank_factor
@@ -208,6 +230,8 @@ impl Default for CostModel {
         };
         CostModel {
             layers: [PassCost::ZERO, t, t, PassCost::ZERO],
+            attn: [PassCost::ZERO; 4],
+            seq: None,
             floor: 0.0,
             p2p: 0.0,
             msg: 1.0,
@@ -227,9 +251,31 @@ impl Default for CostModel {
 }
 
 impl CostModel {
-    /// The costs of one layer kind.
+    /// The costs of one layer kind for a microbatch of `seq` tokens (one sequence): the
+    /// linear part plus the attention part of each pass.
     pub fn layer(&self, k: LayerKind) -> PassCost {
+        let (l, a) = (self.layers[kind_index(k)], self.attn[kind_index(k)]);
+        PassCost {
+            f: l.f + a.f,
+            b: l.b + a.b,
+            w: l.w + a.w,
+        }
+    }
+
+    /// The linear parts of one layer kind's passes (`K.f`, `K.b`, `K.w`).
+    pub fn linear(&self, k: LayerKind) -> PassCost {
         self.layers[kind_index(k)]
+    }
+
+    /// The attention parts of one layer kind's passes (`K.attn_f`, `K.attn_b`, `K.attn_w`).
+    pub fn attention(&self, k: LayerKind) -> PassCost {
+        self.attn[kind_index(k)]
+    }
+
+    /// The tokens per microbatch the per-layer keys describe, when the model says: the `seq`
+    /// key, else the `[model]` table's `seq`.
+    pub fn given_seq(&self) -> Option<u64> {
+        self.seq.or(self.shape.as_ref().map(|s| s.seq))
     }
 
     /// The memory of one layer kind (`K.act`, `K.param`).
@@ -316,6 +362,7 @@ impl CostModel {
             let shape = parse_shape(text, source, &sec)?;
             let d = shape.derive();
             self.layers = d.layers;
+            self.attn = d.attn;
             self.memory = d.memory;
             self.shape = Some(shape);
             // The shape gives memory in bytes.
@@ -381,6 +428,10 @@ impl CostModel {
                 Key::Kind(k, p) => {
                     *pass_mut(&mut self.layers[kind_index(k)], p) = number(text, source, e, false)?
                 }
+                Key::Attn(k, p) => {
+                    *pass_mut(&mut self.attn[kind_index(k)], p) = number(text, source, e, false)?
+                }
+                Key::Seq => self.seq = Some(lang::seq_value(text, source, e)?),
                 Key::Mem(k, p) => {
                     let v = memory_value(text, source, e)?;
                     if parse_memory(&text[e.value.0..e.value.1]).is_ok_and(|(_, unit)| unit) {
@@ -416,6 +467,23 @@ impl CostModel {
         if let Some(e) = pcie {
             self.pcie = Some(self.bandwidth(text, source, e)?);
         }
+        // With a `[model]` table, a pass given explicitly (`t.f`, or `f` for `t` and `m`)
+        // without its attention key is the whole pass, as measured: the attention part the
+        // shape derived is dropped, so `t.f = 2.5` still costs 2.5 at `seq` tokens.
+        if self.shape.is_some() {
+            for k in KINDS {
+                for p in 0..3 {
+                    let given = entries.iter().any(|e| {
+                        e.key == Key::Kind(k, p)
+                            || (e.key == Key::Base(p)
+                                && matches!(k, LayerKind::Decoder | LayerKind::Mtp))
+                    });
+                    if given && !entries.iter().any(|e| e.key == Key::Attn(k, p)) {
+                        *pass_mut(&mut self.attn[kind_index(k)], p) = 0.0;
+                    }
+                }
+            }
+        }
         // In bytes, an MTP layer not given keeps what a decoder layer keeps (as its f/b/w
         // do), not the 1-byte default of the unit-less model.
         let mtp = kind_index(LayerKind::Mtp);
@@ -436,7 +504,7 @@ impl CostModel {
     pub fn spec(&self) -> String {
         let mut parts = Vec::new();
         for k in KINDS {
-            let c = self.layer(k);
+            let c = self.linear(k);
             let y = k.symbol();
             parts.push(format!("{y}.f={},{y}.b={},{y}.w={}", c.f, c.b, c.w));
         }
@@ -486,6 +554,21 @@ impl CostModel {
         }
         for (r, f) in &self.rank_factor {
             parts.push(format!("rank.{r}={}", num(*f)));
+        }
+        // Lengths (issue #38) only when given or derived, at the end: a spec without them
+        // is unchanged. A `[model]` table's `seq` is written as the key, since the spec
+        // carries the derived figures, not the table.
+        if let Some(seq) = self.given_seq() {
+            parts.push(format!("seq={seq}"));
+        }
+        for k in KINDS {
+            let a = self.attention(k);
+            let y = k.symbol();
+            for (name, v) in [("f", a.f), ("b", a.b), ("w", a.w)] {
+                if v != 0.0 {
+                    parts.push(format!("{y}.attn_{name}={v}"));
+                }
+            }
         }
         parts.join(",")
     }
@@ -565,6 +648,24 @@ impl CostModel {
         for (r, f) in &self.rank_factor {
             s.push_str(&format!("; rank {r} x{}", num(*f)));
         }
+        if self.shape.is_none() {
+            // Attention parts given as keys (a `[model]` table's are named by the table).
+            for k in KINDS {
+                let a = self.attention(k);
+                if a != PassCost::ZERO {
+                    s.push_str(&format!(
+                        "; {} attention f={} b={} w={}",
+                        k.symbol(),
+                        num(a.f),
+                        num(a.b),
+                        num(a.w)
+                    ));
+                }
+            }
+            if let Some(seq) = self.seq {
+                s.push_str(&format!("; per {seq} tokens"));
+            }
+        }
         if self.offload.iter().any(Option::is_some) || self.pcie.is_some() {
             s.push_str(&format!(
                 "; offload {} per t layer{}",
@@ -606,9 +707,14 @@ fn pass_mut(c: &mut PassCost, p: usize) -> &mut f64 {
 #[derive(Clone, Debug, PartialEq)]
 pub struct StageCosts {
     pub model: CostModel,
+    /// Per stage, each pass's whole time at `seq` tokens (linear plus attention parts).
     fwd: Vec<f64>,
     bwd_d: Vec<f64>,
     bwd_w: Vec<f64>,
+    /// Per stage, the attention parts of those times (`K.attn_*` summed over the layers).
+    attn_fwd: Vec<f64>,
+    attn_bwd_d: Vec<f64>,
+    attn_bwd_w: Vec<f64>,
     /// False when the layout's stage count did not match the program's, and every stage was
     /// costed as one decoder layer instead.
     pub layout_used: bool,
@@ -631,6 +737,9 @@ impl StageCosts {
         let mut fwd = Vec::with_capacity(n);
         let mut bwd_d = Vec::with_capacity(n);
         let mut bwd_w = Vec::with_capacity(n);
+        let mut attn_fwd = Vec::with_capacity(n);
+        let mut attn_bwd_d = Vec::with_capacity(n);
+        let mut attn_bwd_w = Vec::with_capacity(n);
         let mut act = Vec::with_capacity(n);
         let mut param = Vec::with_capacity(n);
         let mut offload = Vec::with_capacity(n);
@@ -647,24 +756,38 @@ impl StageCosts {
                 fwd.push(model.floor);
                 bwd_d.push(model.floor);
                 bwd_w.push(model.floor);
+                attn_fwd.push(0.0);
+                attn_bwd_d.push(0.0);
+                attn_bwd_w.push(0.0);
                 continue;
             }
             let mut c = PassCost::ZERO;
+            let mut a = PassCost::ZERO;
             for &k in layers {
                 let l = model.layer(k);
                 c.f += l.f;
                 c.b += l.b;
                 c.w += l.w;
+                let x = model.attention(k);
+                a.f += x.f;
+                a.b += x.b;
+                a.w += x.w;
             }
             fwd.push(c.f);
             bwd_d.push(c.b);
             bwd_w.push(c.w);
+            attn_fwd.push(a.f);
+            attn_bwd_d.push(a.b);
+            attn_bwd_w.push(a.w);
         }
         StageCosts {
             model: model.clone(),
             fwd,
             bwd_d,
             bwd_w,
+            attn_fwd,
+            attn_bwd_d,
+            attn_bwd_w,
             layout_used,
             act,
             param,
@@ -705,6 +828,47 @@ impl StageCosts {
             Compute::FwdBwd { fwd, bwd } => {
                 let f = self.pass(Pass::Fwd, fwd.stage)?;
                 let b = self.pass(Pass::Bwd, bwd.stage)?;
+                Some(f.max(b) + (1.0 - self.model.overlap) * f.min(b))
+            }
+        }
+    }
+
+    /// The cost of one pass of one stage for a microbatch of scale `(lin, quad)`
+    /// ([`crate::lengths::Scale`]): the linear part times `lin`, the attention part times
+    /// `quad`. At `(1, 1)` it is [`StageCosts::pass`] exactly.
+    #[inline]
+    pub fn pass_scaled(&self, pass: Pass, stage: StageId, lin: f64, quad: f64) -> Option<f64> {
+        let s = stage.index();
+        let part = |total: &[f64], attn: &[f64]| -> Option<f64> {
+            Some(crate::lengths::scaled(*total.get(s)?, attn[s], lin, quad))
+        };
+        Some(match pass {
+            Pass::Fwd => part(&self.fwd, &self.attn_fwd)?,
+            Pass::BwdD => part(&self.bwd_d, &self.attn_bwd_d)?,
+            Pass::BwdW => part(&self.bwd_w, &self.attn_bwd_w)?,
+            Pass::Bwd => {
+                part(&self.bwd_d, &self.attn_bwd_d)? + part(&self.bwd_w, &self.attn_bwd_w)?
+            }
+        })
+    }
+
+    /// [`StageCosts::compute`] with each part costed for its own microbatch under `scale`
+    /// (an overlapped pair: its forward by the forward's microbatch, its backward by the
+    /// backward's). Microbatches `scale` does not know cost what a `seq`-token one does.
+    #[inline]
+    pub fn compute_scaled(&self, op: &Compute, scale: &crate::lengths::Scale) -> Option<f64> {
+        let one = |pass: Pass, t: pipec_schedules::Task| {
+            let (lin, quad) = scale.factors(t.mb.0);
+            self.pass_scaled(pass, t.stage, lin, quad)
+        };
+        match *op {
+            Compute::Fwd(t) => one(Pass::Fwd, t),
+            Compute::Bwd(t) => one(Pass::Bwd, t),
+            Compute::BwdD(t) => one(Pass::BwdD, t),
+            Compute::BwdW(t) => one(Pass::BwdW, t),
+            Compute::FwdBwd { fwd, bwd } => {
+                let f = one(Pass::Fwd, fwd)?;
+                let b = one(Pass::Bwd, bwd)?;
                 Some(f.max(b) + (1.0 - self.model.overlap) * f.min(b))
             }
         }

@@ -54,6 +54,7 @@ pub fn weighted_peaks(program: &Program, act: &[f64], param: &[f64]) -> Vec<f64>
         act: act.to_vec(),
         param: param.to_vec(),
         unit: crate::memory::Unit::LayerActivations,
+        mb_scale: None,
     };
     crate::memory::peaks(program, &mem)
         .iter()

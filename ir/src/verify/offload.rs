@@ -330,6 +330,7 @@ mod tests {
             act: vec![2.0, 3.0],
             param: vec![0.0],
             unit: memory::Unit::LayerActivations,
+            mb_scale: None,
         };
         let p = one_rank(vec![
             f(0, 0),    // 2

@@ -212,7 +212,10 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
             let base = filter(a, world)?;
             let mut opts = svg::SvgOptions {
                 width: a.svg_width.unwrap_or(1200.0),
-                title: Some(format!("{name}   ·   cost {}", model.describe())),
+                title: Some(format!(
+                    "{name}   ·   cost {}",
+                    model.describe_for(loaded.program.lengths.as_ref())
+                )),
                 filter: base.clone(),
                 detail: match (a.svg_detail, a.full) {
                     (Some(SvgDetail::Ops), _) | (None, true) => svg::Detail::Ops,

@@ -116,7 +116,10 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if let Some(c) = loaded.manifest.caveat() {
         println!("note: {c}");
     }
-    println!("cost: {}", model.describe());
+    println!(
+        "cost: {}",
+        model.describe_for(loaded.program.lengths.as_ref())
+    );
     if a.window.any() {
         let shown = match &ranks {
             Some(r) => format!("{} of {} ranks", r.len(), loaded.program.ranks.len()),

@@ -84,7 +84,10 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             if let Some(c) = loaded.manifest.caveat() {
                 println!("note: {c}");
             }
-            println!("cost: {}", model.describe());
+            println!(
+                "cost: {}",
+                model.describe_for(loaded.program.lengths.as_ref())
+            );
             print!(
                 "{}",
                 pipec_compiler::view::timeline_text::render_summary(&sim.summary, TimeUnit::Cost)
