@@ -31,6 +31,7 @@ fn lengths(kind: &str, m: usize, seed: u64) -> Lengths {
     let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let lists: Vec<Vec<i128>> = (0..m)
         .map(|_| match kind {
+            // Uniform between 1k and 8k tokens.
             "uniform" => vec![(1024.0 + 7168.0 * r.next()) as i128],
             // Long tail: lognormal-like, most short, a few near 8k.
             "long-tail" => vec![(256.0 * (32f64).powf(r.next().powi(3))).min(8192.0) as i128],
@@ -105,7 +106,7 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(7);
     // A decoder layer with an attention core a quarter of its forward at seq = 8192.
-    let spec = "seq=8192,f=1,b=1,w=1,attn_f=0.25,attn_b=0.5,p2p=0.05";
+    let spec = "seq=8192,f=1,b=1,w=1,t.attn_f=0.25,t.attn_b=0.5,p2p=0.05";
     let model = CostModel::parse(spec)
         .or_else(|_| CostModel::parse("f=1,b=1,w=1,p2p=0.05"))
         .expect("cost spec");
@@ -133,6 +134,7 @@ fn main() {
         let req = TuneRequest {
             lengths: Some(l),
             target: pipec_compiler::target::TargetChoice::Every,
+            // The default of `pipec tune` and `pipec.tune`.
             ..TuneRequest::new(pp, m as u32, model.clone())
         };
         let n = if m > 64 { runs.min(5) } else { runs * 4 };
@@ -187,6 +189,29 @@ fn main() {
                 pipec_cost::cost::StageCosts::new(&model, &base.layout, program.num_stages());
             let sim = pipec_cost::simulate::simulate(&base.verified, &costs).expect("simulates");
             let before = sim.summary.makespan;
+            // Tune's order compiled by `pipec compile`'s path and simulated: the same figure.
+            let again = compile_verified(
+                &CompileRequest {
+                    vpp: Some(c.vpp),
+                    group_size: c.group_size,
+                    layout: Some(c.layout.clone()),
+                    lengths: index.lengths.clone(),
+                    microbatch_order: c.microbatch_order.clone(),
+                    ..CompileRequest::new(kind, 8, 64)
+                },
+                &model,
+                None,
+            )
+            .expect("compiles");
+            let after = pipec_cost::simulate::simulate(&again.verified, &costs)
+                .expect("simulates")
+                .summary
+                .makespan;
+            assert!(
+                (after - c.makespan).abs() <= 1e-9 * after,
+                "{after} {}",
+                c.makespan
+            );
             println!(
                 "  {dist:<9} {:<24} {:>9.2} -> {:>9.2} ({:+.1}%), peak {:.2} -> {:.2} [{}]",
                 pipec_tune::describe(c),

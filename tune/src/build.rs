@@ -124,7 +124,9 @@ pub(crate) fn build(
 
 /// With lengths: the candidate in every order of [`order::candidates`] (applied to its
 /// program as `pipec compile` applies `microbatch_order`, [`order::apply`]), simulated and
-/// measured; the best kept: one that fits before one that does not, then the shorter (a
+/// measured; the best kept: one the target runs before one it does not (torch's runtime takes
+/// microbatch m's loss from position m of its list), then one that fits before one that does
+/// not, then the shorter (a
 /// tie keeps the earlier rule, index order first), then the smaller peak (under a limit). So
 /// the winner is never slower than any of the orders.
 #[allow(clippy::too_many_arguments)]
@@ -144,22 +146,33 @@ fn best_order(
         // Without a limit every order fits: the makespans decide (a tie keeps the earlier
         // rule), and only the chosen order's memory is measured.
         let stage_costs = StageCosts::new(&req.model, layout, program.num_stages());
-        let mut best: Option<(pipec_cost::simulate::Figures, usize, Program)> = None;
+        let mut best: Option<(bool, pipec_cost::simulate::Figures, usize, Program)> = None;
         for (i, (_, ord)) in orders.iter().enumerate() {
             let mut p = program.clone();
             order::apply(&mut p, ord, lengths);
+            // An order the target cannot run (torch takes microbatch m's loss from position m)
+            // loses to one it runs.
+            let runs = req.target.refusal(&p).is_none();
             let Ok(sim) = pipec_cost::simulate::figures(
                 &pipec_ir::verify::Unverified::unchecked(&p),
                 &stage_costs,
             ) else {
                 continue;
             };
-            let shorter = |b: f64| sim.makespan < b - 1e-12 * b.abs();
-            if best.as_ref().is_none_or(|(b, ..)| shorter(b.makespan)) {
-                best = Some((sim, i, p));
+            let beats = |(r, b): (bool, f64)| {
+                if runs != r {
+                    return runs;
+                }
+                sim.makespan < b - 1e-12 * b.abs()
+            };
+            if best
+                .as_ref()
+                .is_none_or(|(r, b, ..)| beats((*r, b.makespan)))
+            {
+                best = Some((runs, sim, i, p));
             }
         }
-        let (sim, i, p) = best?;
+        let (_, sim, i, p) = best?;
         let mut b = measured(
             cand,
             layout.clone(),
@@ -201,9 +214,13 @@ fn best_order(
     best
 }
 
-/// Whether `a` beats `b` among one schedule's orders: fits where `b` does not, else shorter
+/// Whether `a` beats `b` among one schedule's orders: runs on the target where `b` does not,
+/// else fits where `b` does not, else shorter
 /// (by more than rounding), else as long with a smaller peak.
 fn better(a: &Candidate, b: &Candidate) -> bool {
+    if a.not_runnable.is_some() != b.not_runnable.is_some() {
+        return a.not_runnable.is_none();
+    }
     if a.fits != b.fits {
         return a.fits;
     }

@@ -14,31 +14,25 @@
 
 use pipec_cost::cost::CostModel;
 use pipec_ir::ir::Program;
+use pipec_schedules::layout::LayerKind;
 use pipec_schedules::Lengths;
 
-/// Each microbatch's compute cost under `model`, the key the orders sort by: the linear
-/// parts (a decoder layer's `f + b + w`) scale with its tokens / `seq`, the attention core
-/// with the sum over its sequences of (length / `seq`)^2 (the cost rule). `seq` is
-/// the model's (`[model]` table), else the longest microbatch's tokens; only the ranking
-/// matters here, and the simulator judges the orders with the full model.
+/// Each microbatch's compute cost under `model`, the key the orders sort by: a decoder
+/// layer's linear parts (`f + b + w`) times its tokens / `seq`, plus the attention core's
+/// (`attn_f + attn_b + attn_w`) times the sum over its sequences of (length / `seq`)^2: the
+/// simulator's rule ([`pipec_cost::lengths::Scale`], `seq` as it finds it). Only the ranking
+/// matters here; the simulator judges the orders with the full model.
 pub fn costs(model: &CostModel, lengths: &Lengths) -> Vec<f64> {
-    let seq = model
-        .shape
-        .as_ref()
-        .map_or(lengths.max_tokens() as f64, |s| s.seq as f64)
-        .max(1.0);
-    let d = model.layers[1];
-    let lin = d.f + d.b + d.w;
-    let attn = 0.0;
+    let scale = pipec_cost::lengths::Scale::of(model, lengths);
+    let (l, a) = (
+        model.linear(LayerKind::Decoder),
+        model.attention(LayerKind::Decoder),
+    );
+    let (lin, attn) = (l.f + l.b + l.w, a.f + a.b + a.w);
     (0..lengths.microbatches())
         .map(|mb| {
-            let tokens = lengths.tokens(mb).unwrap_or(0) as f64 / seq;
-            let quad: f64 = lengths
-                .sequences(mb)
-                .iter()
-                .map(|&l| (l as f64 / seq).powi(2))
-                .sum();
-            lin * tokens + attn * quad
+            let (x, q) = scale.factors(mb);
+            lin * x + attn * q
         })
         .collect()
 }
