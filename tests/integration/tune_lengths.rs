@@ -345,3 +345,51 @@ fn compare_takes_lengths() {
         "{got} vs {want}"
     );
 }
+
+/// Under a memory limit, with every live activation weighed by its microbatch's tokens: the
+/// winner's peak, measured again by the one memory rule on its program, is within the limit,
+/// and no fitting candidate is faster.
+#[test]
+fn the_winner_fits_the_limit_by_the_memory_rule() {
+    let (pp, m) = (4u32, 8usize);
+    let model = CostModel::parse("f=1,b=1.2,w=0.8,t.act=1,p2p=0.05").unwrap();
+    let (_, l) = distributions(m).swap_remove(2);
+    let free = tune(&TuneRequest {
+        lengths: Some(l.clone()),
+        ..TuneRequest::new(pp, m as u32, model.clone())
+    })
+    .unwrap();
+    // A limit below the unlimited winner's peak, above the smallest candidate's.
+    let least = free
+        .candidates
+        .iter()
+        .map(|c| c.peak_memory)
+        .fold(f64::INFINITY, f64::min);
+    let limit = (least + free.best.peak_memory) / 2.0;
+    assert!(
+        limit < free.best.peak_memory,
+        "{limit} {}",
+        free.best.peak_memory
+    );
+    let t = tune(&TuneRequest {
+        lengths: Some(l.clone()),
+        memory_limit: Some(pipec_cost::memory::Limit::parse(&format!("{limit}")).unwrap()),
+        ..TuneRequest::new(pp, m as u32, model.clone())
+    })
+    .unwrap();
+    let program = t.program();
+    assert_eq!(program.lengths.as_ref(), Some(&l));
+    let mem = pipec_cost::memory::weights(program, &t.layout, &model);
+    let peak = pipec_ir::memory::peaks(program, &mem)
+        .iter()
+        .map(|p| p.peak)
+        .fold(0.0, f64::max);
+    assert!(peak <= limit * (1.0 + 1e-9), "{peak} > {limit}");
+    for c in t
+        .candidates
+        .iter()
+        .filter(|c| c.fits && c.not_runnable.is_none())
+    {
+        assert!(t.best.makespan <= c.makespan * (1.0 + 1e-9));
+    }
+}
