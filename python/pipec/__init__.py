@@ -443,7 +443,7 @@ def cost_model(cost: str | None = None, model: dict | None = None) -> dict:
 
 def tune(
     pp: int,
-    microbatches: int,
+    microbatches: int | None,
     num_layers: int | None = None,
     mtp_num_layers: int | None = None,
     layout: str | None = None,
@@ -457,6 +457,7 @@ def tune(
     out: str | os.PathLike | None = None,
     offload: bool = True,
     recompute: bool = True,
+    lengths: list[int] | list[list[int]] | None = None,
 ) -> tuple[Schedule, dict]:
     """``pipec tune``: the fastest verified schedule and layer split for a model's costs.
 
@@ -488,7 +489,25 @@ def tune(
     ``recompute=False`` turn a lever off, as ``--no-offload``, ``--no-recompute``); such a
     candidate's ``levers`` says per rank how much it offloads and recomputes and its makespan
     without them.
+
+    ``lengths`` gives each microbatch's sequence lengths in tokens (issue #38): a list of
+    ints (one sequence per microbatch) or a list of lists (the sequences packed into each),
+    as ``--microbatch-lengths``. ``microbatches`` may then be ``None`` (a count that
+    disagrees raises :class:`SpecError`). Tune also chooses the order microbatches enter the
+    pipeline; the report's ``microbatch_order`` lists the ids in that order, and the
+    schedule carries the lengths (every send and receive its ``tokens``). Planning per step
+    is meant to be called every step (docs/tune.md, "Microbatch order").
     """
+    lists = None
+    if lengths is not None:
+        lists = _tune_lengths(lengths)
+        if microbatches is None:
+            microbatches = len(lists)
+        elif len(lists) != microbatches:
+            raise SpecError(
+                f"microbatches={microbatches} disagrees with lengths=, which gives "
+                f"{len(lists)} microbatches (one entry each)"
+            )
     for name, v in (("pp", pp), ("microbatches", microbatches)):
         _check_count(name, v)
     if memory_limit is not None and not isinstance(memory_limit, str):
@@ -518,8 +537,26 @@ def tune(
         out=None if out is None else os.fspath(out),
         offload=offload,
         recompute=recompute,
+        lengths=lists,
     )
     return Schedule(native), json.loads(report)
+
+
+def _tune_lengths(lengths: object) -> list[list[int]]:
+    """``tune``'s ``lengths=`` as lists of ints, one list per microbatch; anything else
+    raises :class:`SpecError` naming the entry (the values are checked natively)."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)):
+        raise SpecError(f"lengths must be a list of ints or of lists of ints, not {lengths!r}")
+    out = []
+    for i, v in enumerate(lengths):
+        seqs = [v] if isinstance(v, int) else v
+        if isinstance(seqs, (str, bytes)) or not isinstance(seqs, (list, tuple)):
+            raise SpecError(f"lengths[{i}] must be an int or a list of ints, not {v!r}")
+        for x in seqs:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise SpecError(f"lengths[{i}] must hold ints, not {x!r}")
+        out.append(list(seqs))
+    return out
 
 
 def _as_schedule(schedule: Schedule | str | os.PathLike) -> Schedule:

@@ -577,7 +577,7 @@ fn order_u32(order: Vec<i64>, microbatches: u32) -> PyResult<Vec<u32>> {
 #[pyfunction]
 #[pyo3(signature = (pp, microbatches, num_layers=None, mtp_num_layers=None, layout=None,
     rebalance=false, cost=None, memory_limit=None, max_ops=None, target=None, kinds=None,
-    exclude_kinds=None, out=None, offload=true, recompute=true))]
+    exclude_kinds=None, out=None, offload=true, recompute=true, lengths=None))]
 #[allow(clippy::too_many_arguments)]
 fn tune_schedule(
     py: Python<'_>,
@@ -596,7 +596,13 @@ fn tune_schedule(
     out: Option<String>,
     offload: bool,
     recompute: bool,
+    lengths: Option<Vec<Vec<i128>>>,
 ) -> PyResult<(NativeSchedule, String)> {
+    // Per microbatch, its sequences' lengths (issue #38); a bad one names its index.
+    let lengths = lengths
+        .map(pipec_schedules::Lengths::from_lists)
+        .transpose()
+        .map_err(|e| SpecError::new_err(format!("lengths: {e}")))?;
     let target = match target {
         Some(t) => TargetChoice::One(
             t.parse::<Target>()
@@ -631,6 +637,7 @@ fn tune_schedule(
         kinds,
         exclude_kinds: exclude_kinds.unwrap_or_default(),
         levers: pipec_compiler::target::Levers { offload, recompute },
+        lengths,
         ..TuneRequest::new(pp, microbatches, model)
     };
     let t0 = std::time::Instant::now();

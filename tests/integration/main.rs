@@ -29,6 +29,7 @@ mod simulator;
 mod sweep;
 mod torch;
 mod tune;
+mod tune_lengths;
 mod tune_levers;
 mod verify;
 mod verify_vs_run;

@@ -3,6 +3,7 @@
 //! every candidate in one worker pool ([`pipec_ir::par`]).
 
 use crate::greedy;
+use crate::order;
 use crate::plan::{list_times, Plan};
 use crate::problem::Problem;
 use crate::request::{Candidate, CandidateKind, TuneRequest};
@@ -13,7 +14,7 @@ use pipec_cost::cost::{CostModel, StageCosts};
 use pipec_ir::ir::Program;
 use pipec_ir::verify;
 use pipec_schedules::layout::Layout;
-use pipec_schedules::{generate, Placement, PlacementKind, ScheduleSpec};
+use pipec_schedules::{generate, Lengths, Placement, PlacementKind, ScheduleSpec};
 
 /// A candidate with its program, before the winner is chosen.
 pub(crate) struct Built {
@@ -105,6 +106,9 @@ pub(crate) fn build(
             (cand, layout, Some(*spec), program, None)
         }
     };
+    if let Some(lengths) = &req.lengths {
+        return best_order(req, cand, layout, spec, program, planned, limit, lengths);
+    }
     let b = finish(
         cand,
         layout.clone(),
@@ -116,6 +120,131 @@ pub(crate) fn build(
         req.target,
     )?;
     Some((b, program))
+}
+
+/// With lengths: the candidate in every order of [`order::candidates`] (applied to its
+/// program as `pipec compile` applies `microbatch_order`, [`order::apply`]), simulated and
+/// measured; the best kept: one the target runs before one it does not (torch's runtime takes
+/// microbatch m's loss from position m of its list), then one that fits before one that does
+/// not, then the shorter (a
+/// tie keeps the earlier rule, index order first), then the smaller peak (under a limit). So
+/// the winner is never slower than any of the orders.
+#[allow(clippy::too_many_arguments)]
+fn best_order(
+    req: &TuneRequest,
+    cand: Candidate,
+    layout: &Layout,
+    spec: Option<ScheduleSpec>,
+    program: Program,
+    planned: Option<f64>,
+    limit: Option<f64>,
+    lengths: &Lengths,
+) -> Option<(Built, Program)> {
+    let costs = order::costs(&req.model, lengths);
+    let orders = order::candidates(&costs, program.placement.mirror_from());
+    if limit.is_none() {
+        // Without a limit every order fits: the makespans decide (a tie keeps the earlier
+        // rule), and only the chosen order's memory is measured.
+        let stage_costs = StageCosts::new(&req.model, layout, program.num_stages());
+        let mut best: Option<(bool, pipec_cost::simulate::Figures, usize, Program)> = None;
+        for (i, (_, ord)) in orders.iter().enumerate() {
+            let mut p = program.clone();
+            order::apply(&mut p, ord, lengths);
+            // An order the target cannot run (torch takes microbatch m's loss from position m)
+            // loses to one it runs.
+            let runs = req.target.refusal(&p).is_none();
+            let Ok(sim) = pipec_cost::simulate::figures(
+                &pipec_ir::verify::Unverified::unchecked(&p),
+                &stage_costs,
+            ) else {
+                continue;
+            };
+            let beats = |(r, b): (bool, f64)| {
+                if runs != r {
+                    return runs;
+                }
+                sim.makespan < b - 1e-12 * b.abs()
+            };
+            if best
+                .as_ref()
+                .is_none_or(|(r, b, ..)| beats((*r, b.makespan)))
+            {
+                best = Some((runs, sim, i, p));
+            }
+        }
+        let (_, sim, i, p) = best?;
+        let mut b = measured(
+            cand,
+            layout.clone(),
+            spec,
+            &p,
+            &req.model,
+            limit,
+            planned,
+            req.target,
+            &sim,
+        );
+        let (rule, ord) = orders.into_iter().nth(i)?;
+        b.cand.microbatch_order = Some(ord);
+        b.cand.microbatch_order_rule = Some(rule.to_string());
+        return Some((b, p));
+    }
+    let mut best: Option<(Built, Program)> = None;
+    for (rule, ord) in orders {
+        let mut p = program.clone();
+        order::apply(&mut p, &ord, lengths);
+        let Some(mut b) = finish(
+            cand.clone(),
+            layout.clone(),
+            spec,
+            &p,
+            &req.model,
+            limit,
+            planned,
+            req.target,
+        ) else {
+            continue;
+        };
+        b.cand.microbatch_order = Some(ord);
+        b.cand.microbatch_order_rule = Some(rule.to_string());
+        if best.as_ref().is_none_or(|(o, _)| better(&b.cand, &o.cand)) {
+            best = Some((b, p));
+        }
+    }
+    best
+}
+
+/// Whether `a` beats `b` among one schedule's orders: runs on the target where `b` does not,
+/// else fits where `b` does not, else shorter
+/// (by more than rounding), else as long with a smaller peak.
+fn better(a: &Candidate, b: &Candidate) -> bool {
+    if a.not_runnable.is_some() != b.not_runnable.is_some() {
+        return a.not_runnable.is_none();
+    }
+    if a.fits != b.fits {
+        return a.fits;
+    }
+    let tie = (a.makespan - b.makespan).abs() <= 1e-12 * b.makespan.abs().max(1e-300);
+    if tie {
+        a.peak_memory < b.peak_memory
+    } else {
+        a.makespan < b.makespan
+    }
+}
+
+/// A built-in candidate's program made again (it was dropped while another led), in the
+/// microbatch order it was measured in.
+pub(crate) fn rebuild_builtin(
+    req: &TuneRequest,
+    spec: &ScheduleSpec,
+    layout: &Layout,
+    cand: &Candidate,
+) -> Option<Program> {
+    let mut program = lower_builtin(req, &generate(spec, &req.limits).ok()?, layout);
+    if let (Some(l), Some(o)) = (&req.lengths, &cand.microbatch_order) {
+        order::apply(&mut program, o, l);
+    }
+    Some(program)
 }
 
 /// `loop`, `v`, `bidirectional` or `custom`: how a candidate's placement is named.
@@ -133,7 +262,7 @@ pub(crate) fn placement_name(p: &Placement) -> String {
 /// runs it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish(
-    mut cand: Candidate,
+    cand: Candidate,
     layout: Layout,
     spec: Option<ScheduleSpec>,
     program: &Program,
@@ -142,12 +271,30 @@ pub(crate) fn finish(
     planned: Option<f64>,
     target: TargetChoice,
 ) -> Option<Built> {
-    cand.not_runnable = target.refusal(program);
     let costs = StageCosts::new(model, &layout, program.num_stages());
     // Makespan and bubble only: the winner is verified and simulated in full once chosen.
     let sim =
         pipec_cost::simulate::figures(&pipec_ir::verify::Unverified::unchecked(program), &costs)
             .ok()?;
+    Some(measured(
+        cand, layout, spec, program, model, limit, planned, target, &sim,
+    ))
+}
+
+/// [`finish`] with the program's figures already simulated.
+#[allow(clippy::too_many_arguments)]
+fn measured(
+    mut cand: Candidate,
+    layout: Layout,
+    spec: Option<ScheduleSpec>,
+    program: &Program,
+    model: &CostModel,
+    limit: Option<f64>,
+    planned: Option<f64>,
+    target: TargetChoice,
+    sim: &pipec_cost::simulate::Figures,
+) -> Built {
+    cand.not_runnable = target.refusal(program);
     // The one memory rule every command reports ([`pipec_ir::memory`]).
     let mem = pipec_cost::memory::weights(program, &layout, model);
     let peaks: Vec<f64> = pipec_ir::memory::peaks(program, &mem)
@@ -159,14 +306,14 @@ pub(crate) fn finish(
     cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
     cand.fits = limit.is_none_or(|l| cand.peak_memory <= l * (1.0 + 1e-12));
     cand.layout = split::layout_string(&layout);
-    Some(Built {
+    Built {
         cand,
         layout,
         spec,
         program: None,
         peaks,
         planned,
-    })
+    }
 }
 
 /// Of the tuned candidates, the fastest fitting one per placement and vpp; built-ins untouched.

@@ -81,11 +81,18 @@ fn builtin_specs(req: &TuneRequest, stages: Option<usize>) -> Vec<ScheduleSpec> 
     let mut out = Vec::new();
     // Large instances weigh the common choices only (vpp 2, Megatron's group size), to stay
     // within seconds; small ones every vpp up to 4 and more group sizes: each kind's row says
-    // which (`KindRow::search_space`).
+    // which (`KindRow::search_space`). With lengths every schedule is simulated once per
+    // microbatch order (`order::candidates`), so the size counts the orders too: a job that
+    // plans every step (per-step planning, docs/tune.md) stays within its time.
+    let orders = if req.lengths.is_some() {
+        crate::order::RULES.len() as u64
+    } else {
+        1
+    };
     let q = SearchQuery {
         pp,
         microbatches: m,
-        big: pp as u64 * m as u64 > 16_384,
+        big: pp as u64 * m as u64 * orders > 16_384,
         memory_limit: req.memory_limit.is_some(),
     };
     for kind in ScheduleKind::ALL {

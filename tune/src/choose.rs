@@ -3,7 +3,7 @@
 //! the first of the ranking the full verifier accepts, simulated in full with its lower bound.
 
 use crate::bound;
-use crate::build::{lower_builtin, placement_name, Built};
+use crate::build::{placement_name, rebuild_builtin, Built};
 use crate::problem::Problem;
 use crate::report::{describe, fmt_mem};
 use crate::request::{Candidate, CandidateKind, TuneError, TuneRequest, Tuned};
@@ -13,7 +13,7 @@ use pipec_cost::cost::StageCosts;
 use pipec_cost::simulate::simulate;
 use pipec_ir::verify;
 use pipec_schedules::layout::Layout;
-use pipec_schedules::{generate, Placement};
+use pipec_schedules::Placement;
 
 /// Whether memory figures are bytes (the model's memory in bytes).
 fn bytes(req: &TuneRequest) -> bool {
@@ -151,8 +151,9 @@ pub(crate) fn verify_winner(
         if built[i].program.is_none() {
             // A built-in kind dropped while another led: generated again, as before.
             let spec = built[i].spec.expect("only built-in kinds are dropped");
-            let schedule = generate(&spec, &req.limits).expect("it was generated before");
-            built[i].program = Some(lower_builtin(req, &schedule, &built[i].layout));
+            let b = &built[i];
+            let program = rebuild_builtin(req, &spec, &b.layout, &b.cand);
+            built[i].program = Some(program.expect("it was generated before"));
         }
         let Some(program) = built[i].program.take() else {
             continue;

@@ -2,7 +2,7 @@
 //! [`levers::fit`]): the tuned scheduler's extra plans for them, and the fastest candidates
 //! over the limit fitted, fastest first, in batches.
 
-use crate::build::{build, finish, lower_builtin, Built, Recipe};
+use crate::build::{build, finish, rebuild_builtin, Built, Recipe};
 use crate::candidates::{layouts_for, tuned_placements};
 use crate::greedy;
 use crate::levers;
@@ -11,7 +11,7 @@ use crate::request::{LeverReport, TuneRequest};
 use crate::search::best_plan_with;
 use pipec_compiler::target::Levers;
 use pipec_ir::verify;
-use pipec_schedules::{generate, Placement};
+use pipec_schedules::Placement;
 
 /// The tuned scheduler's plans for fitting with levers (small instances only,
 /// [`LEVER_PLAN_OPS`]): on every
@@ -129,11 +129,9 @@ pub(crate) fn fit_over_limit(
         // The kept program as it is; a built-in kind dropped while another led, generated again.
         let program = match (&b.program, b.spec) {
             (Some(p), _) => std::borrow::Cow::Borrowed(p),
-            (None, Some(spec)) => std::borrow::Cow::Owned(lower_builtin(
-                req,
-                &generate(&spec, &req.limits).ok()?,
-                &b.layout,
-            )),
+            (None, Some(spec)) => {
+                std::borrow::Cow::Owned(rebuild_builtin(req, &spec, &b.layout, &b.cand)?)
+            }
             (None, None) => return None,
         };
         let f = levers::fit(&program, &b.layout, &req.model, limit, levers)?;

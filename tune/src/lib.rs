@@ -24,6 +24,7 @@ mod fit;
 pub mod greedy;
 pub mod levers;
 pub mod offload;
+pub mod order;
 pub mod plan;
 pub mod problem;
 mod report;

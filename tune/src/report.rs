@@ -21,7 +21,8 @@ impl Tuned {
 
     /// What `pipec tune --json` prints and `pipec.tune` returns: the choice, its layout
     /// string, makespan against the lower bound, bubble, peak memory per rank, every
-    /// candidate weighed, the verdict, and `seconds` (how long the search took).
+    /// candidate weighed, the verdict, and `seconds` (how long the search took); with lengths,
+    /// `microbatch_order` (the user's ids in the order they enter) and the rule that gave it.
     pub fn json(&self, seconds: f64) -> serde_json::Value {
         self.json_for(seconds, None)
     }
@@ -38,7 +39,7 @@ impl Tuned {
                 )
             })
             .collect();
-        serde_json::json!({
+        let mut out = serde_json::json!({
             "schedule": {
                 "kind": self.best.schedule,
                 "vpp": self.best.vpp,
@@ -74,7 +75,16 @@ impl Tuned {
             "candidates": self.candidates,
             "verdict": self.report().verdict_line(),
             "seconds": seconds,
-        })
+        });
+        // With lengths (issue #38): the order microbatches enter the winner, the user's ids.
+        if let (Some(o), Some(map)) = (&self.best.microbatch_order, out.as_object_mut()) {
+            map.insert("microbatch_order".into(), serde_json::json!(o));
+            map.insert(
+                "microbatch_order_rule".into(),
+                serde_json::json!(self.best.microbatch_order_rule),
+            );
+        }
+        out
     }
 
     /// The targets whose run instructions the report gives: the one asked for; every

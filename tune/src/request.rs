@@ -8,7 +8,7 @@ use pipec_cost::memory::{Limit, MemoryError};
 use pipec_cost::simulate::Summary;
 use pipec_ir::verify::Verified;
 use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
-use pipec_schedules::{Limits, ScheduleKind, ScheduleSpec};
+use pipec_schedules::{Lengths, LengthsError, Limits, ScheduleKind, ScheduleSpec};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -41,6 +41,10 @@ pub struct TuneRequest {
     /// The memory levers a candidate over `memory_limit` may be fitted with (offload,
     /// recompute; `--no-offload`, `--no-recompute`), where the target runs them.
     pub levers: Levers,
+    /// The tokens of each microbatch's sequences (`--microbatch-lengths`, Python `lengths=`,
+    /// issue #38): every schedule weighed is then also weighed in the orders of
+    /// [`crate::order::candidates`], and the winner carries the lengths.
+    pub lengths: Option<Lengths>,
 }
 
 impl TuneRequest {
@@ -60,6 +64,7 @@ impl TuneRequest {
             kinds: None,
             exclude_kinds: Vec::new(),
             levers: Levers::ALL,
+            lengths: None,
         }
     }
 
@@ -81,6 +86,17 @@ impl TuneRequest {
         }
         if let Some(l) = self.memory_limit {
             l.resolve_for(&self.model)?;
+        }
+        if let Some(l) = &self.lengths {
+            if l.microbatches() != self.microbatches {
+                return Err(TuneError::LengthsCount {
+                    given: l.microbatches(),
+                    microbatches: self.microbatches,
+                });
+            }
+            if let Some(shape) = &self.model.shape {
+                l.check_seq(shape.seq)?;
+            }
         }
         self.check_size()?;
         let user_stages = match (&self.layout, self.rebalance) {
@@ -168,6 +184,12 @@ pub enum TuneError {
     /// No decoder layer: every schedule would run nothing but the embedding and the loss.
     #[error("the model has no decoder layers: there is nothing to split over the stages")]
     NoLayers,
+    /// The lengths name another number of microbatches than the request.
+    #[error("the microbatch lengths give {given} microbatches, but {microbatches} were asked for (one line of lengths per microbatch)")]
+    LengthsCount { given: u32, microbatches: u32 },
+    /// A sequence longer than the `[model]` table's `seq`, naming where it was given.
+    #[error(transparent)]
+    Lengths(#[from] LengthsError),
     #[error("unknown schedule kind `{0}` (expected `tuned` or one of: {1})")]
     Kind(String, String),
     #[error("no candidate runs on {target}{}", reasons.iter().map(|r| format!("\n  {r}")).collect::<String>())]
@@ -201,6 +223,14 @@ pub struct Candidate {
     /// recomputes, and the makespan before (absent for a candidate taken as it is).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub levers: Option<LeverReport>,
+    /// With lengths: the order microbatches enter the pipeline (the user's ids, the one that
+    /// enters first first), the fastest fitting one of [`crate::order::candidates`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub microbatch_order: Option<Vec<u32>>,
+    /// Which rule gave `microbatch_order` (`index`, `ascending`, `descending`,
+    /// `short-long-short`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub microbatch_order_rule: Option<String>,
 }
 
 /// How a candidate was fitted into the memory limit ([`crate::levers::fit`]).
@@ -237,6 +267,8 @@ impl Candidate {
             fits: false,
             not_runnable: None,
             levers: None,
+            microbatch_order: None,
+            microbatch_order_rule: None,
         }
     }
 }

@@ -33,9 +33,12 @@ pub struct Args {
     /// Chunks per rank for --schedule kinds that take several (others use 1).
     #[arg(long)]
     pub vpp: Option<u32>,
-    /// Microbatches for --schedule.
+    /// Microbatches for --schedule (may be left out with --microbatch-lengths).
     #[arg(long)]
     pub microbatches: Option<u32>,
+    /// Microbatch lengths for every --schedule (index order; `pipec tune` chooses orders).
+    #[command(flatten)]
+    pub lengths: super::args::LengthsArgs,
     /// The group size, for interleaved-1f1b and group-interleaved only.
     #[arg(long)]
     pub group_size: Option<u32>,
@@ -114,6 +117,7 @@ fn in_memory(
     kind: ScheduleKind,
     model: &CostModel,
     num_layers: Option<u32>,
+    lengths: Option<&pipec_schedules::Lengths>,
 ) -> Result<Row, CliError> {
     let (Some(pp), Some(m)) = (a.pp, a.microbatches) else {
         return Err(CliError::Usage(
@@ -136,6 +140,7 @@ fn in_memory(
         layout: a.layout.clone(),
         num_layers,
         mtp_num_layers: a.mtp_num_layers,
+        lengths: lengths.cloned(),
         ..CompileRequest::new(kind, pp, m)
     })
     .map_err(|e| match compile_error(e) {
@@ -170,21 +175,33 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             "nothing to compare: give compiled directories and/or --schedule KIND".to_string(),
         ));
     }
-    let model_flags = a.layout.is_some() || a.num_layers.is_some() || a.mtp_num_layers.is_some();
+    let model_flags = a.layout.is_some()
+        || a.num_layers.is_some()
+        || a.mtp_num_layers.is_some()
+        || a.lengths.microbatch_lengths.is_some();
     if a.schedule.is_empty()
         && (a.pp.is_some() || a.microbatches.is_some() || a.vpp.is_some() || model_flags)
     {
         return Err(CliError::Usage(
-            "--pp, --vpp, --microbatches, --layout and --num-layers apply to --schedule"
+            "--pp, --vpp, --microbatches, --microbatch-lengths, --layout and --num-layers apply to --schedule"
                 .to_string(),
         ));
     }
+    let lengths = a.lengths.load()?;
+    a.microbatches = super::args::LengthsArgs::microbatches(lengths.as_ref(), a.microbatches)?;
     if a.layout.is_some() && a.vpp.is_some() {
         return Err(CliError::Usage(
             "--vpp comes from --layout (stages / pp); give one or the other".to_string(),
         ));
     }
     let model = a.cost.model()?;
+    if let (Some(l), Some(shape)) = (&lengths, &model.shape) {
+        l.check_seq(shape.seq).map_err(|e| {
+            let path = a.lengths.microbatch_lengths.as_ref();
+            let path = path.map(|p| p.display().to_string()).unwrap_or_default();
+            CliError::Invalid(format!("{path}: {e}"))
+        })?;
+    }
     // The model every --schedule row is built on.
     let (num_layers, model_note) = match (&a.layout, a.num_layers, a.pp) {
         (Some(l), _, _) => (
@@ -217,7 +234,7 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         });
     }
     for &k in &a.schedule {
-        rows.push(in_memory(&a, k, &model, num_layers)?);
+        rows.push(in_memory(&a, k, &model, num_layers, lengths.as_ref())?);
     }
     let failed = rows.iter().any(|r| r.result.is_err());
     let same_model = rows.iter().all(|r| r.model == rows[0].model);

@@ -16,9 +16,13 @@ pub struct Args {
     /// Pipeline-parallel size (ranks).
     #[arg(long)]
     pub pp: u32,
-    /// Number of microbatches.
-    #[arg(long)]
-    pub microbatches: u32,
+    /// Number of microbatches (may be left out with --microbatch-lengths).
+    #[arg(long, required_unless_present = "microbatch_lengths")]
+    pub microbatches: Option<u32>,
+    /// With lengths, tune also chooses the order microbatches enter the pipeline (index,
+    /// ascending, descending, short-long-short by cost; `microbatch_order` in --json).
+    #[command(flatten)]
+    pub lengths: super::args::LengthsArgs,
     /// Decoder layers to split over the stages (default 2 x pp without --layout).
     #[arg(long, conflicts_with = "layout")]
     pub num_layers: Option<u32>,
@@ -103,8 +107,18 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
     }
-    if a.microbatches == 0 {
+    let lengths = a.lengths.load()?;
+    let microbatches =
+        super::args::LengthsArgs::microbatches(lengths.as_ref(), a.microbatches)?.unwrap_or(0);
+    if microbatches == 0 {
         return Err(CliError::Invalid(SpecError::ZeroMicrobatches.to_string()));
+    }
+    if let (Some(l), Some(shape)) = (&lengths, &model.shape) {
+        l.check_seq(shape.seq).map_err(|e| {
+            let path = a.lengths.microbatch_lengths.as_ref();
+            let path = path.map(|p| p.display().to_string()).unwrap_or_default();
+            CliError::Invalid(format!("{path}: {e}"))
+        })?;
     }
     Ok(TuneRequest {
         layout,
@@ -122,7 +136,8 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
             offload: !a.no_offload,
             recompute: !a.no_recompute,
         },
-        ..TuneRequest::new(a.pp, a.microbatches, model)
+        lengths,
+        ..TuneRequest::new(a.pp, microbatches, model)
     })
 }
 
@@ -140,7 +155,9 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::Spec(_)
         | TuneError::TooManyLayers { .. }
         | TuneError::NoLayers
-        | TuneError::NotRunnable { .. } => CliError::Invalid(e.to_string()),
+        | TuneError::NotRunnable { .. }
+        | TuneError::LengthsCount { .. }
+        | TuneError::Lengths(_) => CliError::Invalid(e.to_string()),
         TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
     })?;
     progress.finish_and_clear();
@@ -205,6 +222,9 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         println!("order:    {whose}{words} (heuristic {h})");
     }
     println!("layout:   {}", b.layout);
+    if let (Some(o), Some(rule)) = (&b.microbatch_order, &b.microbatch_order_rule) {
+        println!("microbatch order: {rule} ({})", short_order(o));
+    }
     let empty = t.empty_stages();
     if empty > 0 {
         println!(
@@ -289,6 +309,15 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             name
         })
         .collect();
+    // With lengths, each row names the microbatch order it was measured in.
+    let names: Vec<String> = names
+        .into_iter()
+        .zip(&t.candidates)
+        .map(|(n, c)| match &c.microbatch_order_rule {
+            Some(rule) => format!("{n} [{rule}]"),
+            None => n,
+        })
+        .collect();
     let w = names.iter().map(|n| n.len()).max().unwrap_or(9).max(9);
     println!(
         "{:<w$} {:>10} {:>7} {:>10}  layout",
@@ -332,5 +361,16 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             let (on, rest) = why.split_once(": ").unwrap_or((&why, ""));
             println!("{on}: {}: {rest}", names.join(", "));
         }
+    }
+}
+
+/// An order for people: every id up to 16, else the first 12 and how many more.
+fn short_order(o: &[u32]) -> String {
+    let shown: Vec<String> = o.iter().take(16).map(u32::to_string).collect();
+    if o.len() > 16 {
+        let head: Vec<String> = o.iter().take(12).map(u32::to_string).collect();
+        format!("{}, ... {} more", head.join(", "), o.len() - 12)
+    } else {
+        shown.join(", ")
     }
 }
