@@ -102,8 +102,10 @@ fn normal(tokens: &[String]) -> Vec<String> {
 
 fn payload(p: &pipec_ir::Payload) -> String {
     let k = match p.kind {
-        PayloadKind::Act => 'a',
-        PayloadKind::Grad => 'g',
+        PayloadKind::Act => "a",
+        PayloadKind::Grad => "g",
+        PayloadKind::ActShape => "Sa",
+        PayloadKind::GradShape => "Sg",
     };
     format!("{k}{}.{}", p.stage.0, p.mb.0)
 }

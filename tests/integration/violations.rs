@@ -261,7 +261,10 @@ fn cases() -> Vec<Case> {
                 lengths: Some(Lengths::parse("5").unwrap()),
                 ..two_ranks(r0.clone(), r1.clone())
             },
-            vec![("TokensNotLengths", at(0, 1)), ("TokensNotLengths", at(1, 0))],
+            vec![
+                ("TokensNotLengths", at(0, 1)),
+                ("TokensNotLengths", at(1, 0)),
+            ],
         ),
         // M2: a second send of stage 0's activation (#4) that rank 1 never receives.
         case(

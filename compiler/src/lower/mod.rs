@@ -353,9 +353,10 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             for ep in &recvs {
                 let (st, mb) = (ep.payload.stage.0, ep.payload.mb.0);
                 if (mb as usize) < m && st <= last {
-                    let need = match ep.payload.kind {
-                        PayloadKind::Act => &mut need_act,
-                        PayloadKind::Grad => &mut need_grad,
+                    let need = if ep.payload.kind.data() == PayloadKind::Act {
+                        &mut need_act
+                    } else {
+                        &mut need_grad
                     };
                     let cell = &mut need[idx(st, mb)];
                     *cell = (*cell).min(s);
@@ -384,9 +385,10 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
         let (e, from, to, payload) = *msg;
         let (st, mb) = (payload.stage.0, payload.mb.0);
         let consumer = if (mb as usize) < m && st <= last {
-            match payload.kind {
-                PayloadKind::Act => need_act[idx(st, mb)],
-                PayloadKind::Grad => need_grad[idx(st, mb)],
+            if payload.kind.data() == PayloadKind::Act {
+                need_act[idx(st, mb)]
+            } else {
+                need_grad[idx(st, mb)]
             }
         } else {
             NEVER
@@ -631,11 +633,12 @@ pub fn lower(schedule: &Schedule) -> Program {
     )
 }
 
-/// Whether a payload kind flows down (`Act`) or up (`Grad`) the stages; used by views.
+/// Whether a payload kind flows down (`Act`) or up (`Grad`) the stages; used by views. A
+/// shape message flows with its tensor.
 pub fn direction(kind: PayloadKind) -> i32 {
     match kind {
-        PayloadKind::Act => 1,
-        PayloadKind::Grad => -1,
+        PayloadKind::Act | PayloadKind::ActShape => 1,
+        PayloadKind::Grad | PayloadKind::GradShape => -1,
     }
 }
 

@@ -76,6 +76,8 @@ pub enum ExportError {
     },
     #[error("{at}: {instr}: torch's schedule CSV has no action for offload, reload, wait_offload, recompute or a checkpointed forward; pipec.torch.build_schedule runs them (docs/torch.md)")]
     MemoryOp { at: InstrRef, instr: String },
+    #[error("{at}: {instr} is one of Megatron's shape messages (compiled with --megatron-variable-seq-lengths to check Megatron's handshake); torch's CSV has no action for it, and a plan needs none: compile without that flag")]
+    ShapeMessage { at: InstrRef, instr: String },
     #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
     Bidirectional {
         kind: pipec_schedules::PlacementKind,
@@ -173,6 +175,12 @@ fn p2p_action(
         (PayloadKind::Act, false) => ActionType::RecvF,
         (PayloadKind::Grad, true) => ActionType::SendB,
         (PayloadKind::Grad, false) => ActionType::RecvB,
+        (PayloadKind::ActShape | PayloadKind::GradShape, _) => {
+            return Err(ExportError::ShapeMessage {
+                at,
+                instr: instr.to_string(),
+            })
+        }
     };
     Ok(Action::new(here.0, ty, payload.mb.0))
 }

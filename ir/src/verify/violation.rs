@@ -166,10 +166,7 @@ pub enum Violation {
     WrongTokens { recv: Site, send: Site },
     /// A send or receive whose `tokens` is not its microbatch's as the program's
     /// `microbatch_lengths` give it (or is there without lengths, or missing with them).
-    TokensNotLengths {
-        site: Site,
-        expected: Option<u32>,
-    },
+    TokensNotLengths { site: Site, expected: Option<u32> },
     /// A send or receive that no peer operation matches.
     Unmatched { site: Site, sends: u32, recvs: u32 },
     /// A cycle of waits under rendezvous semantics.
@@ -266,6 +263,8 @@ fn tensor_word(kind: PayloadKind) -> &'static str {
     match kind {
         PayloadKind::Act => "activation",
         PayloadKind::Grad => "gradient",
+        PayloadKind::ActShape => "activation's shape",
+        PayloadKind::GradShape => "gradient's shape",
     }
 }
 
@@ -295,9 +294,7 @@ impl Violation {
             | UnpairedSplit { .. }
             | MixedBackward { .. }
             | BackwardInForwardOnly { .. } => Class::Incomplete,
-            WrongTensor { .. } | WrongTokens { .. } | TokensNotLengths { .. } => {
-                Class::WrongTensor
-            }
+            WrongTensor { .. } | WrongTokens { .. } | TokensNotLengths { .. } => Class::WrongTensor,
             Unmatched { .. } | Deadlock { .. } | StreamDeadlock { .. } => Class::Deadlock,
             RunsBeforeInput { .. }
             | RunsBeforeWait { .. }
