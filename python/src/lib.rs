@@ -461,7 +461,7 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyfunction]
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
-    cost=None, megatron_partial_recompute=None))]
+    cost=None, megatron_partial_recompute=None, megatron_variable_seq_lengths=false))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -478,6 +478,7 @@ fn compile_schedule(
     max_ops: Option<u64>,
     cost: Option<&str>,
     megatron_partial_recompute: Option<i64>,
+    megatron_variable_seq_lengths: bool,
 ) -> PyResult<NativeSchedule> {
     let kind: ScheduleKind = schedule
         .parse()
@@ -495,6 +496,7 @@ fn compile_schedule(
         layout,
         limits: limits(max_ops)?,
         megatron_partial_recompute,
+        megatron_variable_seq_lengths,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;

@@ -529,7 +529,14 @@ pub fn lower_with(
     how: Lowering<'_>,
 ) -> Result<Program, LowerError> {
     let ranks = match how {
-        Lowering::Untimed(u) => untimed(placement, microbatches, forward_only, orders, u),
+        Lowering::Untimed(u) => untimed(
+            placement,
+            microbatches,
+            forward_only,
+            orders,
+            u,
+            megatron::Shapes::None,
+        ),
         Lowering::TimedInFlight { times, transfer } => {
             timed::lower_timed(placement, microbatches, orders, times, transfer)?
         }
@@ -551,6 +558,7 @@ fn untimed(
     forward_only: bool,
     orders: &[RankOrder],
     how: Untimed,
+    shapes: megatron::Shapes,
 ) -> Vec<Vec<Instr>> {
     let (interleaved, mode) = match how {
         Untimed::Lockstep => return lockstep(placement, microbatches, orders),
@@ -583,10 +591,11 @@ fn untimed(
                 forward_only,
                 combined,
                 mode,
+                shapes,
                 ops: &order.ops,
             })
         } else {
-            megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
+            megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, shapes, &order.ops)
         }
     })
 }
@@ -606,7 +615,14 @@ pub fn lower_orders(
         microbatches,
         forward_only,
         comm: Some(how.policy()),
-        ranks: untimed(placement, microbatches, forward_only, orders, how),
+        ranks: untimed(
+            placement,
+            microbatches,
+            forward_only,
+            orders,
+            how,
+            megatron::Shapes::None,
+        ),
         lengths: None,
     }
 }
@@ -620,6 +636,36 @@ fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) 
         Ok::<_, std::convert::Infallible>(f(&orders[i]))
     })
     .unwrap_or_else(|never| match never {})
+}
+
+/// Lower a generated Megatron schedule (1f1b, interleaved-1f1b) with Megatron's
+/// `variable_seq_lengths` handshake: `_communicate_shapes` before every call, as shape
+/// messages (`pipec compile --megatron-variable-seq-lengths`, issue #38). The program models
+/// what Megatron posts, for the verifier to judge; `None` for a schedule whose comm policy is
+/// not one of Megatron's loops.
+pub fn lower_megatron_shapes(schedule: &Schedule) -> Option<Program> {
+    let how = Untimed::of(schedule.comm);
+    if !matches!(
+        how,
+        Untimed::Megatron1F1B { .. } | Untimed::MegatronInterleaved(_)
+    ) {
+        return None;
+    }
+    Some(Program {
+        placement: schedule.placement.clone(),
+        microbatches: schedule.spec.microbatches,
+        forward_only: schedule.spec.forward_only,
+        comm: Some(how.policy()),
+        ranks: untimed(
+            &schedule.placement,
+            schedule.spec.microbatches,
+            schedule.spec.forward_only,
+            &schedule.ranks,
+            how,
+            megatron::Shapes::Megatron,
+        ),
+        lengths: None,
+    })
 }
 
 /// Lower a generated schedule with its own comm policy.
