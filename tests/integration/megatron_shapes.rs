@@ -335,3 +335,120 @@ fn what_check_finds_in_megatrons_handshake() {
         assert_eq!(*d > 0, some_deadlock, "{f} {mode} pp {pp}");
     }
 }
+
+/// The CLI end to end: `compile --megatron-variable-seq-lengths` writes shape messages in both
+/// encodings (they read back as written; the new payload values are appended to the schema,
+/// so a program without them keeps its bytes), prints the verdict, writes an invalid model too,
+/// refuses other kinds; `check` lists the crossing; `pipec-run`'s loader refuses the files.
+#[test]
+fn compile_writes_the_handshake_check_judges_it_runtimes_refuse_it() {
+    use pipec_ir::files::{load_dir, Encoding};
+    let tmp = tempfile::tempdir().unwrap();
+    let compile = |args: &[&str], out: &std::path::Path| {
+        crate::harness::pipec()
+            .arg("compile")
+            .args(args)
+            .arg("-o")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    for (format, encoding) in [("json", Encoding::Json), ("bin", Encoding::Postcard)] {
+        let dir = tmp.path().join(format);
+        let args = [
+            "--schedule",
+            "1f1b",
+            "--pp",
+            "3",
+            "--microbatches",
+            "4",
+            "--format",
+            format,
+            "--megatron-variable-seq-lengths",
+        ];
+        let out = compile(&args, &dir);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("megatron handshake (variable_seq_lengths): valid"),
+            "{stdout}"
+        );
+        let loaded = load_dir(&dir).unwrap();
+        assert_eq!(loaded.manifest.encoding, encoding);
+        let spec = ScheduleSpec {
+            kind: ScheduleKind::OneFOneB,
+            pp: 3,
+            vpp: 1,
+            microbatches: 4,
+            group_size: None,
+            forward_only: false,
+            combined: false,
+            megatron_p2p: MegatronP2p::Batched,
+        };
+        assert_eq!(loaded.program, program(&spec).unwrap(), "{format}");
+        let err = pipec_runtime::load(&dir, None)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("field `payload`: #1 send(shape of act of stage 0, mb 0 -> rank 1) is one of Megatron's shape messages"),
+            "{err}"
+        );
+    }
+    // Crossed shapes: written anyway, the verdict printed, `check` names them.
+    let dir = tmp.path().join("crossed");
+    let out = compile(
+        &[
+            "--schedule",
+            "interleaved-1f1b",
+            "--pp",
+            "2",
+            "--vpp",
+            "2",
+            "--microbatches",
+            "4",
+            "--megatron-p2p",
+            "unbatched",
+            "--megatron-variable-seq-lengths",
+        ],
+        &dir,
+    );
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(
+            "megatron handshake (variable_seq_lengths): INVALID: 8 violations (8 wrong tensor)"
+        ),
+        "{stdout}"
+    );
+    let out = crate::harness::pipec()
+        .arg("check")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains("[wrong tensor] rank 0, #29 recv(shape of act of stage 1, mb 2 <- rank 1) would receive shape of grad of stage 1, mb 0 sent at rank 1, #28"),
+        "{report}"
+    );
+    // Only Megatron's own loops post shapes.
+    let out = compile(
+        &[
+            "--schedule",
+            "zb-v",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--megatron-variable-seq-lengths",
+        ],
+        &tmp.path().join("zbv"),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use 1f1b or interleaved-1f1b, not zb-v"));
+}
