@@ -325,9 +325,21 @@ impl NativeSchedule {
     }
 
     /// Rank `rank`'s steps (`ComputeStep`, `BatchStep`, `WaitStep`), cut by `ir::steps`,
-    /// reading that rank only.
+    /// reading that rank only. Steps are what the executors run: a program with Megatron's
+    /// shape messages (`megatron_variable_seq_lengths=True`) models Megatron's handshake for
+    /// the verifier and is refused here, as `pipec-run` refuses it.
     fn steps<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, pyo3::types::PyList>> {
-        typed::rank_steps(py, self.rank(rank)?)
+        let instrs = self.rank(rank)?;
+        let shape = instrs.iter().position(|i| {
+            matches!(i, Instr::Send { payload, .. } | Instr::Recv { payload, .. } if payload.kind.is_shape())
+        });
+        if let Some(k) = shape {
+            return Err(SpecError::new_err(format!(
+                "rank {rank}, #{k}: {} is one of Megatron's shape messages: this schedule models Megatron's variable_seq_lengths handshake (megatron_variable_seq_lengths=True) for checking and is not executed; compile without it (with lengths every receive is sized from the plan)",
+                instrs[k]
+            )));
+        }
+        typed::rank_steps(py, instrs)
     }
 
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {

@@ -117,6 +117,9 @@ def test_megatron_variable_seq_lengths_models_the_handshake():
     first = shapes[0]
     assert first["payload"] == "act_shape" and shapes[1]["payload"] == "act"
     assert pipec.compile("1f1b", 4, 8).instructions(1) != s.instructions(1)
+    # A model of Megatron's handshake, not a schedule to execute: no steps for the executors.
+    with pytest.raises(pipec.SpecError, match="one of Megatron's shape messages"):
+        s.steps(1)
     with pytest.raises(pipec.InvalidSchedule) as e:
         pipec.compile(
             "interleaved-1f1b",
