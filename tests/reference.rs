@@ -280,16 +280,21 @@ pub fn execute(p: &Program) -> Outcome {
                                 Instr::Send { peer, payload, .. } => {
                                     let q = peer.0 as usize;
                                     // What is shipped must exist here and go where it is used.
-                                    let consumer = match payload.kind {
-                                        PayloadKind::Act => {
+                                    // A shape message goes where its tensor goes, once
+                                    // that exists (Megatron's `_communicate_shapes`).
+                                    let consumer = match payload.kind.data() {
+                                        PayloadKind::Act | PayloadKind::ActShape => {
                                             Some(payload.stage.0 + 1).filter(|&c| c < stages)
                                         }
-                                        PayloadKind::Grad => payload.stage.0.checked_sub(1),
+                                        PayloadKind::Grad | PayloadKind::GradShape => {
+                                            payload.stage.0.checked_sub(1)
+                                        }
                                     };
                                     let ok_dest = q != r
                                         && consumer
                                             .is_some_and(|c| owner(c, payload.mb.0) == Some(q));
-                                    let ok_made = ranks[r].produced.contains(&key(payload));
+                                    let made = (payload.kind.data(), payload.stage.0, payload.mb.0);
+                                    let ok_made = ranks[r].produced.contains(&made);
                                     if !ok_dest || !ok_made {
                                         dependency = true;
                                         problems.push(format!(
@@ -404,7 +409,8 @@ pub fn execute(p: &Program) -> Outcome {
     // Received tensors nobody took.
     for (r, s) in ranks.iter().enumerate() {
         for (k, &n) in &s.inbox {
-            if n > 0 {
+            // A shape message sizes the receive after it; nothing else takes it.
+            if n > 0 && !k.0.is_shape() {
                 dependency = true;
                 problems.push(format!("rank {r}: {k:?} received but unused"));
             }

@@ -44,6 +44,12 @@ pub struct CompileRequest {
     /// `microbatch_order`): the `k`-th microbatch the schedule runs is the user's
     /// `microbatch_order[k]`. `None` is index order.
     pub microbatch_order: Option<Vec<u32>>,
+    /// Model Megatron's `config.variable_seq_lengths = True` handshake: the shape messages
+    /// `_communicate_shapes` posts before every P2P call, in its order
+    /// (`--megatron-variable-seq-lengths`, Python `megatron_variable_seq_lengths=True`; 1f1b and
+    /// interleaved-1f1b). For `pipec check` to say where Megatron's handshake deadlocks or
+    /// crosses shapes; such a program is not run (a plan with lengths needs no handshake).
+    pub megatron_variable_seq_lengths: bool,
 }
 
 impl CompileRequest {
@@ -67,12 +73,17 @@ impl CompileRequest {
             megatron_partial_recompute: None,
             lengths: None,
             microbatch_order: None,
+            megatron_variable_seq_lengths: false,
         }
     }
 }
 
 #[derive(Debug, Error)]
 pub enum CompileError {
+    /// `--megatron-variable-seq-lengths` models Megatron's own P2P calls, which only its two
+    /// schedule functions make.
+    #[error("--megatron-variable-seq-lengths models Megatron's shape exchange, which only Megatron's own schedules post: use 1f1b or interleaved-1f1b, not {kind}")]
+    ShapesNeedMegatron { kind: ScheduleKind },
     #[error(transparent)]
     Layout(#[from] LayoutError),
     #[error(transparent)]
@@ -184,7 +195,12 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
     };
     check_lengths(req)?;
     let schedule = generate(&spec, &req.limits)?;
-    let mut program = lower(&schedule);
+    let mut program = if req.megatron_variable_seq_lengths {
+        crate::lower::lower_megatron_shapes(&schedule)
+            .ok_or(CompileError::ShapesNeedMegatron { kind: req.kind })?
+    } else {
+        lower(&schedule)
+    };
     if let Some(n) = req.megatron_partial_recompute {
         let marks = pipec_schedules::megatron_partial_recompute(&spec, &req.limits, n)?;
         crate::lower::recompute::checkpoint_forwards(&mut program, &marks)?;

@@ -41,8 +41,8 @@ pub fn wire(layout: &Layout, p: Payload) -> Wire {
     let s = p.stage.index();
     let upto = |end: usize| layout.stages.iter().take(end).flatten().copied();
     let kinds_before: Vec<LayerKind> = match p.kind {
-        PayloadKind::Act => upto(s + 1).collect(),
-        PayloadKind::Grad => upto(s).collect(),
+        PayloadKind::Act | PayloadKind::ActShape => upto(s + 1).collect(),
+        PayloadKind::Grad | PayloadKind::GradShape => upto(s).collect(),
     };
     let (any, loss) = (
         !kinds_before.is_empty(),
@@ -54,6 +54,9 @@ pub fn wire(layout: &Layout, p: Payload) -> Wire {
         (PayloadKind::Act, true, false) => Wire::Hidden,
         (PayloadKind::Grad, true, false) => Wire::Hidden,
         (PayloadKind::Grad, _, _) => Wire::Empty,
+        // Megatron's shape messages: the loader refuses programs with them; were one run, it
+        // would carry no tensor.
+        (PayloadKind::ActShape | PayloadKind::GradShape, _, _) => Wire::Empty,
     }
 }
 

@@ -306,6 +306,7 @@ def compile(
     megatron_partial_recompute: int | None = None,
     lengths: list[int] | list[list[int]] | None = None,
     microbatch_order: list[int] | None = None,
+    megatron_variable_seq_lengths: bool = False,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
 
@@ -322,7 +323,11 @@ def compile(
     ``--megatron-partial-recompute N``: the forwards megatron-core checkpoints under
     ``num_microbatches_with_partial_activation_checkpoints = N`` (1f1b, interleaved-1f1b)
     become checkpointed forwards (``Op.fwd_checkpoint``) with a ``recompute`` before their
-    backward.
+    backward. ``megatron_variable_seq_lengths=True`` is ``--megatron-variable-seq-lengths``:
+    the program has the shape messages (``act_shape`` / ``grad_shape``) megatron-core's
+    ``_communicate_shapes`` posts before every P2P call under ``variable_seq_lengths`` (1f1b,
+    interleaved-1f1b); where Megatron's handshake deadlocks or crosses shapes this raises
+    :class:`InvalidSchedule` naming where. Such a schedule models Megatron; it is not one to run.
 
     Raises :class:`LayoutError` (the message echoes the layout with a caret),
     :class:`SpecError`, or :class:`InvalidSchedule` (``.violations``), all
@@ -358,6 +363,11 @@ def compile(
                     f"microbatch_order must be a list of ints, not {microbatch_order!r}"
                 )
         order = [max(min(v, 2**62), -(2**62)) for v in microbatch_order]
+    if not isinstance(megatron_variable_seq_lengths, bool):
+        raise SpecError(
+            "megatron_variable_seq_lengths must be True or False, "
+            f"not {megatron_variable_seq_lengths!r}"
+        )
 
     return Schedule(
         _native.compile_schedule(
@@ -375,6 +385,7 @@ def compile(
             megatron_partial_recompute=megatron_partial_recompute,
             lengths=lists,
             microbatch_order=order,
+            megatron_variable_seq_lengths=megatron_variable_seq_lengths,
         )
     )
 

@@ -332,9 +332,21 @@ impl NativeSchedule {
     }
 
     /// Rank `rank`'s steps (`ComputeStep`, `BatchStep`, `WaitStep`), cut by `ir::steps`,
-    /// reading that rank only.
+    /// reading that rank only. Steps are what the executors run: a program with Megatron's
+    /// shape messages (`megatron_variable_seq_lengths=True`) models Megatron's handshake for
+    /// the verifier and is refused here, as `pipec-run` refuses it.
     fn steps<'py>(&self, py: Python<'py>, rank: u32) -> PyResult<Bound<'py, pyo3::types::PyList>> {
-        typed::rank_steps(py, self.rank(rank)?)
+        let instrs = self.rank(rank)?;
+        let shape = instrs.iter().position(|i| {
+            matches!(i, Instr::Send { payload, .. } | Instr::Recv { payload, .. } if payload.kind.is_shape())
+        });
+        if let Some(k) = shape {
+            return Err(SpecError::new_err(format!(
+                "rank {rank}, #{k}: {} is one of Megatron's shape messages: this schedule models Megatron's variable_seq_lengths handshake (megatron_variable_seq_lengths=True) for checking and is not executed; compile without it (with lengths every receive is sized from the plan)",
+                instrs[k]
+            )));
+        }
+        typed::rank_steps(py, instrs)
     }
 
     fn render(&self, encoding: &str) -> PyResult<Vec<(String, Vec<u8>)>> {
@@ -468,7 +480,8 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyfunction]
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
-    cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None))]
+    cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None,
+    megatron_variable_seq_lengths=false))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -487,6 +500,7 @@ fn compile_schedule(
     megatron_partial_recompute: Option<i64>,
     lengths: Option<Vec<Vec<i128>>>,
     microbatch_order: Option<Vec<i64>>,
+    megatron_variable_seq_lengths: bool,
 ) -> PyResult<NativeSchedule> {
     let lengths = lengths
         .map(Lengths::from_lists)
@@ -524,6 +538,7 @@ fn compile_schedule(
         megatron_partial_recompute,
         lengths,
         microbatch_order,
+        megatron_variable_seq_lengths,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;

@@ -151,7 +151,8 @@ impl Instruction {
         self.int("peer")
     }
 
-    /// `"act"` or `"grad"`: what a `send` or `recv` carries.
+    /// `"act"` or `"grad"`: what a `send` or `recv` carries (`"act_shape"` / `"grad_shape"` for
+    /// Megatron's shape messages, `--megatron-variable-seq-lengths`).
     #[getter]
     fn payload(&self) -> Option<&'static str> {
         match self.field("payload")? {

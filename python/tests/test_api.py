@@ -106,6 +106,36 @@ def test_megatron_p2p_modes():
     assert waits, "overlap mode leaves batches in flight and waits for them"
 
 
+def test_megatron_variable_seq_lengths_models_the_handshake():
+    """``megatron_variable_seq_lengths=True`` is ``--megatron-variable-seq-lengths``: Megatron's
+    shape messages before every call; where they cross (interleaving at pp = 2, unbatched:
+    Megatron-LM #5271) compile raises with the verifier's words."""
+    s = pipec.compile("1f1b", 4, 8, megatron_variable_seq_lengths=True)
+    shapes = [i for i in s.instructions(1) if i["op"] in ("send", "recv")]
+    assert {i["payload"] for i in shapes} == {"act", "grad", "act_shape", "grad_shape"}
+    # Each data message follows its own shape message.
+    first = shapes[0]
+    assert first["payload"] == "act_shape" and shapes[1]["payload"] == "act"
+    assert pipec.compile("1f1b", 4, 8).instructions(1) != s.instructions(1)
+    # A model of Megatron's handshake, not a schedule to execute: no steps for the executors.
+    with pytest.raises(pipec.SpecError, match="one of Megatron's shape messages"):
+        s.steps(1)
+    with pytest.raises(pipec.InvalidSchedule) as e:
+        pipec.compile(
+            "interleaved-1f1b",
+            2,
+            4,
+            vpp=2,
+            megatron_p2p="unbatched",
+            megatron_variable_seq_lengths=True,
+        )
+    assert any("shape of act" in v and "shape of grad" in v for v in e.value.violations)
+    with pytest.raises(pipec.SpecError, match="only Megatron's own schedules"):
+        pipec.compile("zb-v", 2, 4, megatron_variable_seq_lengths=True)
+    with pytest.raises(pipec.SpecError, match="True or False"):
+        pipec.compile("1f1b", 2, 4, megatron_variable_seq_lengths=1)
+
+
 def test_invalid_schedule_lists_violations():
     with pytest.raises(pipec.InvalidSchedule) as e:
         pipec.compile("gpipe", 2, 8, memory_limit=2)

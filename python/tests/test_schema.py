@@ -46,7 +46,11 @@ def test_schema_is_the_rank_files():
             seen.add(ins["op"])
     assert seen <= set(fields)
     assert fields["fwd"] == [["stage", "mb"], ["stage", "mb", "checkpoint"]]
-    assert {k for _, fs in schema for _, k in fs} <= {"int", "act|grad", "true"}
+    assert {k for _, fs in schema for _, k in fs} <= {
+        "int",
+        "act|grad|act_shape|grad_shape",
+        "true",
+    }
 
 
 @pytest.mark.parametrize("module", ["megatron.py", "deepspeed.py"])

@@ -679,12 +679,18 @@ impl<'a, B: Backend> Interp<'a, B> {
                     unreachable!("a batch holds only send/recv")
                 }
             };
+            if payload.kind.is_shape() {
+                // The loader refuses these programs; this guards hand-built ones.
+                return Err(Fault::Schedule(format!(
+                    "{payload} is one of Megatron's shape messages, which pipec-run does not execute (a plan sizes every receive itself)"
+                )));
+            }
             let tensor = match dir {
                 Dir::Send => {
                     let i = self.msg_slot(dir, payload)?;
                     let table = match payload.kind {
-                        PayloadKind::Act => &mut self.t.act_out,
-                        PayloadKind::Grad => &mut self.t.grad_out,
+                        PayloadKind::Act | PayloadKind::ActShape => &mut self.t.act_out,
+                        PayloadKind::Grad | PayloadKind::GradShape => &mut self.t.grad_out,
                     };
                     Some(take(table, i, || format!("{payload}, to be sent,"))?)
                 }
@@ -715,8 +721,8 @@ impl<'a, B: Backend> Interp<'a, B> {
             })?;
             let p = op.payload;
             let table = match p.kind {
-                PayloadKind::Act => &mut self.t.act_in,
-                PayloadKind::Grad => &mut self.t.grad_in,
+                PayloadKind::Act | PayloadKind::ActShape => &mut self.t.act_in,
+                PayloadKind::Grad | PayloadKind::GradShape => &mut self.t.grad_in,
             };
             put(table, i, v, || format!("{p}"))?;
         }

@@ -10,7 +10,7 @@ use crate::error::RunError;
 use pipec_ir::files::{
     load_dir, load_dir_verified, rank_file_name, Encoding, Loaded, Manifest, MANIFEST_FILE,
 };
-use pipec_ir::ir::Program;
+use pipec_ir::ir::{Instr, Program};
 use pipec_ir::verify::{
     structural, verify_at, Level, Report, Structural, Verified, VerifyOptions, Violation,
 };
@@ -40,6 +40,9 @@ pub fn load(dir: &Path, world: Option<LaunchWorld>) -> Result<Runnable<Verified>
     // once the launch checks pass too, so refusals come in the same order as without it.
     let loaded = load_dir_verified(dir, &VerifyOptions::default())?;
     check_launchable(dir, &loaded.manifest, world)?;
+    if let Ok(program) = &loaded.verdict {
+        refuse_shape_messages(dir, program.program(), loaded.manifest.encoding)?;
+    }
     match loaded.verdict {
         Ok(program) => Ok(Runnable {
             manifest: loaded.manifest,
@@ -80,7 +83,37 @@ pub fn load_unverified(
 fn load_launchable(dir: &Path, world: Option<LaunchWorld>) -> Result<Loaded, RunError> {
     let loaded = load_dir(dir)?;
     check_launchable(dir, &loaded.manifest, world)?;
+    refuse_shape_messages(dir, &loaded.program, loaded.manifest.encoding)?;
     Ok(loaded)
+}
+
+/// Megatron's shape messages (`pipec compile --megatron-variable-seq-lengths`) model
+/// Megatron's `variable_seq_lengths` handshake for `pipec check`; a plan needs none (it knows
+/// every receive's size), so there is nothing for a runtime to execute them as.
+fn refuse_shape_messages(
+    dir: &Path,
+    program: &Program,
+    encoding: Encoding,
+) -> Result<(), RunError> {
+    for (r, instrs) in program.ranks.iter().enumerate() {
+        for (i, ins) in instrs.iter().enumerate() {
+            if let Instr::Send { payload, .. } | Instr::Recv { payload, .. } = ins {
+                if payload.kind.is_shape() {
+                    return Err(RunError::Refused {
+                        file: dir
+                            .join(pipec_ir::files::rank_file_name(r as u32, encoding))
+                            .display()
+                            .to_string(),
+                        field: "payload".into(),
+                        msg: format!(
+                            "#{i} {ins} is one of Megatron's shape messages: this program models Megatron's variable_seq_lengths handshake (compiled with --megatron-variable-seq-lengths) for pipec check, and is not run; compile without that flag (with --microbatch-lengths every receive is sized from the plan)"
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The launch's world size and the layout's stage count, of a directory [`load_dir`] accepted.

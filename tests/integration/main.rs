@@ -21,6 +21,7 @@ mod megatron;
 mod megatron_calls;
 mod megatron_p2p;
 mod megatron_recompute;
+mod megatron_shapes;
 mod memory;
 mod regressions;
 mod runtime;

@@ -121,6 +121,9 @@ fn our_trace(p: &Program, rank: usize, pp: u32) -> Vec<TraceItem> {
                     (pipec_ir::PayloadKind::Act, false) => ("recv_prev", s + 1),
                     (pipec_ir::PayloadKind::Grad, true) => ("send_prev", s),
                     (pipec_ir::PayloadKind::Grad, false) => ("recv_next", s - 1),
+                    (pipec_ir::PayloadKind::ActShape | pipec_ir::PayloadKind::GradShape, _) => {
+                        panic!("no shape messages without --megatron-variable-seq-lengths")
+                    }
                 };
                 let entry = (key.to_string(), stage / pp, payload.mb.0);
                 cur.get_or_insert_with(|| (*batch, Vec::new()))

@@ -27,27 +27,31 @@ use pipec_schedules::{
 use std::collections::HashMap;
 use std::io::Read;
 
-fn golden() -> String {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/golden/megatron/calls.txt.gz");
+pub(crate) fn golden_text(name: &str) -> String {
+    let path = format!("{}/golden/megatron/{name}", env!("CARGO_MANIFEST_DIR"));
     let mut text = String::new();
-    GzDecoder::new(std::fs::File::open(path).expect("golden calls file"))
+    GzDecoder::new(std::fs::File::open(&path).expect("golden file"))
         .read_to_string(&mut text)
         .expect("gzip text");
     text
 }
 
-struct Config {
-    interleaved: bool,
-    pp: u32,
-    vpp: u32,
-    m: u32,
-    g: Option<u32>,
-    fo: bool,
-    combined: bool,
-    mode: MegatronP2p,
+fn golden() -> String {
+    golden_text("calls.txt.gz")
 }
 
-fn parse_header(h: &str) -> Config {
+pub(crate) struct Config {
+    pub interleaved: bool,
+    pub pp: u32,
+    pub vpp: u32,
+    pub m: u32,
+    pub g: Option<u32>,
+    pub fo: bool,
+    pub combined: bool,
+    pub mode: MegatronP2p,
+}
+
+pub(crate) fn parse_header(h: &str) -> Config {
     let mut f = h.split_whitespace();
     let interleaved = match f.next() {
         Some("interleaved") => true,
@@ -74,7 +78,7 @@ fn parse_header(h: &str) -> Config {
 
 /// Megatron's tokens in normal form: handles renumbered, group suffix dropped, trailing waits
 /// dropped.
-fn normal(tokens: &[String]) -> Vec<String> {
+pub(crate) fn normal(tokens: &[String]) -> Vec<String> {
     let mut ids: HashMap<String, usize> = HashMap::new();
     let mut id = |h: &str| {
         let n = ids.len();
@@ -102,14 +106,16 @@ fn normal(tokens: &[String]) -> Vec<String> {
 
 fn payload(p: &pipec_ir::Payload) -> String {
     let k = match p.kind {
-        PayloadKind::Act => 'a',
-        PayloadKind::Grad => 'g',
+        PayloadKind::Act => "a",
+        PayloadKind::Grad => "g",
+        PayloadKind::ActShape => "Sa",
+        PayloadKind::GradShape => "Sg",
     };
     format!("{k}{}.{}", p.stage.0, p.mb.0)
 }
 
 /// pipec's stream of one rank in Megatron's tokens (before normal form).
-fn ours(p: &Program, r: usize, batched: bool) -> Vec<String> {
+pub(crate) fn ours(p: &Program, r: usize, batched: bool) -> Vec<String> {
     let pp = p.placement.pp;
     let instrs = &p.ranks[r];
     let waited: std::collections::HashSet<u32> = instrs
@@ -145,7 +151,9 @@ fn ours(p: &Program, r: usize, batched: bool) -> Vec<String> {
                 let b = first.batch().unwrap();
                 let mut end = i;
                 let mut hs = Vec::new();
-                let group = !waited.contains(&b) && batched;
+                // Megatron's shape exchange is always one batch_isend_irecv.
+                let shapes = matches!(first, Instr::Send { payload, .. } | Instr::Recv { payload, .. } if payload.kind.is_shape());
+                let group = !waited.contains(&b) && (batched || shapes);
                 if group {
                     out.push("[".into());
                 }

@@ -658,6 +658,8 @@ fn apply(p: &mut Program, mu: &Mutation) {
                         payload.kind = match payload.kind {
                             pipec_ir::PayloadKind::Act => pipec_ir::PayloadKind::Grad,
                             pipec_ir::PayloadKind::Grad => pipec_ir::PayloadKind::Act,
+                            pipec_ir::PayloadKind::ActShape => pipec_ir::PayloadKind::GradShape,
+                            pipec_ir::PayloadKind::GradShape => pipec_ir::PayloadKind::ActShape,
                         }
                     }
                 }

@@ -174,6 +174,8 @@ fn mutate(p: &mut Program, m: Mutation, rng: &mut Rng) -> bool {
                     p.kind = match p.kind {
                         PayloadKind::Act => PayloadKind::Grad,
                         PayloadKind::Grad => PayloadKind::Act,
+                        PayloadKind::ActShape => PayloadKind::GradShape,
+                        PayloadKind::GradShape => PayloadKind::ActShape,
                     }
                 }
                 1 if stages > 1 => {

@@ -18,6 +18,18 @@
 //!   `handle.wait()` of Megatron is an [`Instr::Wait`] on that batch (with
 //!   `deallocate_pipeline_outputs`, a forward's send is waited right after it is posted).
 //!
+//! With `variable_seq_lengths` ([`Shapes::Megatron`], `pipec compile
+//! --megatron-variable-seq-lengths`) every `_communicate` call first runs `_communicate_shapes`:
+//! one `batch_isend_irecv` of the shapes of the call's tensors, in the order
+//! `[send_prev, recv_prev, send_next, recv_next]` whatever the P2P mode (it never reads
+//! `batch_p2p_comm`), on the pipeline group, waited at once, then `torch.cuda.synchronize()`.
+//! The shapes are [`PayloadKind::ActShape`](pipec_ir::ir::PayloadKind) /
+//! `GradShape` messages named by their tensor; the device synchronize completes every batch
+//! still in flight on the rank, so it becomes a [`Instr::Wait`] for each (and Megatron's later
+//! `wait()` on one of those is a no-op, left out). Megatron's calls that always reach
+//! `_communicate` (`send_forward_recv_forward`, ...) synchronize even with nothing to send or
+//! receive; `recv_forward` / `recv_backward` / `send_*` at the pipeline's ends return before it.
+//!
 //! The tensor a receive carries is the one Megatron files it under: a receive appended to
 //! `input_tensors[c]` is the activation for chunk `c`'s next forward, one appended to
 //! `output_tensor_grads[c]` the gradient for chunk `c`'s next backward. Each chunk runs its
@@ -47,29 +59,61 @@ impl Handles {
     }
 }
 
+/// Whether the lowering models Megatron's shape exchange (`config.variable_seq_lengths`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum Shapes {
+    /// Fixed shapes: Megatron's default, and every plan of pipec's.
+    #[default]
+    None,
+    /// `_communicate_shapes` before every `_communicate` call.
+    Megatron,
+}
+
 /// One rank's stream under construction, with Megatron's bookkeeping of received tensors.
 struct Comm {
     rank: u32,
     pp: u32,
     mode: MegatronP2p,
+    shapes: Shapes,
+    /// Every `call` reaches `_communicate` (the interleaved loop's calls), rather than only
+    /// those with something to send or receive.
+    always_communicate: bool,
     out: Vec<Instr>,
     next_batch: u32,
     /// Per batch: posted by an overlapped call (left in flight until a wait).
     overlapped: Vec<bool>,
+    /// Per batch: completed by a shape exchange's device synchronize (already waited).
+    synced: Vec<bool>,
+    /// Per batch: the stream has a wait for it.
+    waited: Vec<bool>,
+    /// Overlapped batches posted since the last shape exchange (some may be waited since).
+    in_flight: Vec<u32>,
     /// Receives filed so far per chunk: forward inputs and backward output-gradients.
     fwd_recvs: Vec<u32>,
     bwd_recvs: Vec<u32>,
 }
 
 impl Comm {
-    fn new(rank: u32, pp: u32, chunks: u32, mode: MegatronP2p, capacity: usize) -> Self {
+    fn new(
+        rank: u32,
+        pp: u32,
+        chunks: u32,
+        mode: MegatronP2p,
+        shapes: Shapes,
+        capacity: usize,
+    ) -> Self {
         Comm {
             rank,
             pp,
             mode,
+            shapes,
+            always_communicate: false,
             out: Vec::with_capacity(capacity),
             next_batch: 0,
             overlapped: Vec::new(),
+            synced: Vec::new(),
+            waited: Vec::new(),
+            in_flight: Vec::new(),
             fwd_recvs: vec![0; chunks as usize],
             bwd_recvs: vec![0; chunks as usize],
         }
@@ -99,7 +143,51 @@ impl Comm {
 
     fn wait(&mut self, batch: Option<u32>) {
         if let Some(batch) = batch {
-            self.out.push(Instr::Wait { batch });
+            let b = batch as usize;
+            if !self.synced.get(b).copied().unwrap_or(false) {
+                self.out.push(Instr::Wait { batch });
+                if let Some(w) = self.waited.get_mut(b) {
+                    *w = true;
+                }
+            }
+        }
+    }
+
+    /// A new batch id.
+    fn batch(&mut self, overlapped: bool) -> u32 {
+        let b = self.next_batch;
+        self.next_batch += 1;
+        self.overlapped.push(overlapped);
+        self.synced.push(false);
+        self.waited.push(false);
+        if overlapped {
+            self.in_flight.push(b);
+        }
+        b
+    }
+
+    /// `_communicate_shapes`: the shapes of the call's tensors in one blocking batch in
+    /// `[send_prev, recv_prev, send_next, recv_next]` order, then `torch.cuda.synchronize()`,
+    /// which completes every batch of this rank still in flight (a wait for each, in posting
+    /// order).
+    fn shape_exchange(&mut self, slots: &[(Key, Option<Payload>); 4]) {
+        // slots are (send_next, recv_prev, send_prev, recv_next).
+        let posted: Vec<(Key, Payload)> = [2usize, 1, 0, 3]
+            .iter()
+            .filter_map(|&i| slots[i].1.map(|p| (slots[i].0, p.shape())))
+            .collect();
+        if !posted.is_empty() {
+            let batch = self.batch(false);
+            for (key, payload) in posted {
+                self.out.push(self.op(key, payload, batch));
+            }
+        }
+        for b in std::mem::take(&mut self.in_flight) {
+            if !self.waited[b as usize] {
+                self.out.push(Instr::Wait { batch: b });
+                self.synced[b as usize] = true;
+                self.waited[b as usize] = true;
+            }
         }
     }
 
@@ -148,6 +236,10 @@ impl Comm {
             (Key::SendPrev, send_prev),
             (Key::RecvNext, recv_next),
         ];
+        let any = slots.iter().any(|s| s.1.is_some());
+        if self.shapes == Shapes::Megatron && (any || self.always_communicate) {
+            self.shape_exchange(&slots);
+        }
         let order: [usize; 4] = match self.mode {
             // _batched_p2p_ops: send_prev, recv_prev, send_next, recv_next.
             MegatronP2p::Batched => [2, 1, 0, 3],
@@ -161,24 +253,28 @@ impl Comm {
         let mut handles = Handles::default();
         if overlap && self.mode != MegatronP2p::Batched {
             for (key, payload) in posted {
-                let batch = self.next_batch;
-                self.next_batch += 1;
-                self.overlapped.push(true);
+                let batch = self.batch(true);
                 self.out.push(self.op(key, payload, batch));
                 handles.0.push((key, batch));
             }
         } else {
-            let batch = self.next_batch;
-            let before = self.out.len();
-            for (key, payload) in posted {
-                self.out.push(self.op(key, payload, batch));
-            }
-            if self.out.len() > before {
-                self.next_batch += 1;
-                self.overlapped.push(false);
+            let ops: Vec<(Key, Payload)> = posted.collect();
+            if !ops.is_empty() {
+                let batch = self.batch(false);
+                for (key, payload) in ops {
+                    self.out.push(self.op(key, payload, batch));
+                }
             }
         }
         handles
+    }
+
+    /// A call Megatron makes only where it has something to receive (`recv_forward`,
+    /// `recv_backward`: they return at the pipeline's ends before `_communicate`).
+    fn call_if_any(&mut self, recv_prev: Option<Payload>, recv_next: Option<Payload>) {
+        let always = std::mem::replace(&mut self.always_communicate, false);
+        self.call(None, recv_prev, None, recv_next, false);
+        self.always_communicate = always;
     }
 }
 
@@ -216,13 +312,18 @@ pub(crate) struct Interleaved<'o> {
     pub forward_only: bool,
     pub combined: bool,
     pub mode: MegatronP2p,
+    pub shapes: Shapes,
     pub ops: &'o [Compute],
 }
 
 /// `forward_backward_pipelining_with_interleaving`'s communication for one rank.
 pub(crate) fn interleaved(x: &Interleaved<'_>) -> Vec<Instr> {
     let (pp, r, v) = (x.pp, x.rank, x.chunks);
-    let mut comm = Comm::new(r, pp, v, x.mode, x.ops.len() * 3);
+    let mut comm = Comm::new(r, pp, v, x.mode, x.shapes, x.ops.len() * 3);
+    // Every call of the interleaved loop but `recv_forward` / `recv_backward` is one of
+    // `send_forward_recv_forward`, `send_backward_recv_backward`,
+    // `send_forward_backward_recv_forward_backward`: they reach `_communicate` always.
+    comm.always_communicate = true;
     let mut cursor = Cursor {
         ops: x.ops,
         cursor: 0,
@@ -298,7 +399,7 @@ pub(crate) fn interleaved(x: &Interleaved<'_>) -> Vec<Instr> {
 
     // Warmup.
     let first_in = (!first).then(|| comm.recv_act(0));
-    comm.call(None, first_in, None, None, false);
+    comm.call_if_any(first_in, None);
     let mut fwd_wait_handles: Option<Handles> = None;
     let mut bwd_wait_handles: Option<Handles> = None;
     let mut recv_prev_wait_handles: Vec<u32> = Vec::new();
@@ -470,7 +571,7 @@ pub(crate) fn interleaved(x: &Interleaved<'_>) -> Vec<Instr> {
         }
         if all_warmup {
             let rn = (!last).then(|| comm.recv_grad(v - 1));
-            comm.call(None, None, None, rn, false);
+            comm.call_if_any(None, rn);
         }
         for k in remaining..total {
             let cur = chunk_of(k, false);
@@ -531,9 +632,12 @@ pub(crate) fn one_f_one_b(
     rank: u32,
     forward_only: bool,
     mode: MegatronP2p,
+    shapes: Shapes,
     ops: &[Compute],
 ) -> Vec<Instr> {
-    let mut comm = Comm::new(rank, pp, 1, mode, ops.len() * 3);
+    // Its calls all return before `_communicate` with nothing to do (`always_communicate`
+    // stays false).
+    let mut comm = Comm::new(rank, pp, 1, mode, shapes, ops.len() * 3);
     let mut cur = Cursor { ops, cursor: 0 };
     let (first, last) = (rank == 0, rank + 1 == pp);
     let m = ops.iter().filter(|o| o.is_forward()).count() as u32;

@@ -353,9 +353,10 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
             for ep in &recvs {
                 let (st, mb) = (ep.payload.stage.0, ep.payload.mb.0);
                 if (mb as usize) < m && st <= last {
-                    let need = match ep.payload.kind {
-                        PayloadKind::Act => &mut need_act,
-                        PayloadKind::Grad => &mut need_grad,
+                    let need = if ep.payload.kind.data() == PayloadKind::Act {
+                        &mut need_act
+                    } else {
+                        &mut need_grad
                     };
                     let cell = &mut need[idx(st, mb)];
                     *cell = (*cell).min(s);
@@ -384,9 +385,10 @@ fn lockstep(placement: &Placement, microbatches: u32, orders: &[RankOrder]) -> V
         let (e, from, to, payload) = *msg;
         let (st, mb) = (payload.stage.0, payload.mb.0);
         let consumer = if (mb as usize) < m && st <= last {
-            match payload.kind {
-                PayloadKind::Act => need_act[idx(st, mb)],
-                PayloadKind::Grad => need_grad[idx(st, mb)],
+            if payload.kind.data() == PayloadKind::Act {
+                need_act[idx(st, mb)]
+            } else {
+                need_grad[idx(st, mb)]
             }
         } else {
             NEVER
@@ -527,7 +529,14 @@ pub fn lower_with(
     how: Lowering<'_>,
 ) -> Result<Program, LowerError> {
     let ranks = match how {
-        Lowering::Untimed(u) => untimed(placement, microbatches, forward_only, orders, u),
+        Lowering::Untimed(u) => untimed(
+            placement,
+            microbatches,
+            forward_only,
+            orders,
+            u,
+            megatron::Shapes::None,
+        ),
         Lowering::TimedInFlight { times, transfer } => {
             timed::lower_timed(placement, microbatches, orders, times, transfer)?
         }
@@ -549,6 +558,7 @@ fn untimed(
     forward_only: bool,
     orders: &[RankOrder],
     how: Untimed,
+    shapes: megatron::Shapes,
 ) -> Vec<Vec<Instr>> {
     let (interleaved, mode) = match how {
         Untimed::Lockstep => return lockstep(placement, microbatches, orders),
@@ -581,10 +591,11 @@ fn untimed(
                 forward_only,
                 combined,
                 mode,
+                shapes,
                 ops: &order.ops,
             })
         } else {
-            megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, &order.ops)
+            megatron::one_f_one_b(pp, order.rank.0, forward_only, mode, shapes, &order.ops)
         }
     })
 }
@@ -604,7 +615,14 @@ pub fn lower_orders(
         microbatches,
         forward_only,
         comm: Some(how.policy()),
-        ranks: untimed(placement, microbatches, forward_only, orders, how),
+        ranks: untimed(
+            placement,
+            microbatches,
+            forward_only,
+            orders,
+            how,
+            megatron::Shapes::None,
+        ),
         lengths: None,
     }
 }
@@ -620,6 +638,36 @@ fn map_ranks<T: Send>(orders: &[RankOrder], f: impl Fn(&RankOrder) -> T + Sync) 
     .unwrap_or_else(|never| match never {})
 }
 
+/// Lower a generated Megatron schedule (1f1b, interleaved-1f1b) with Megatron's
+/// `variable_seq_lengths` handshake: `_communicate_shapes` before every call, as shape
+/// messages (`pipec compile --megatron-variable-seq-lengths`, issue #38). The program models
+/// what Megatron posts, for the verifier to judge; `None` for a schedule whose comm policy is
+/// not one of Megatron's loops.
+pub fn lower_megatron_shapes(schedule: &Schedule) -> Option<Program> {
+    let how = Untimed::of(schedule.comm);
+    if !matches!(
+        how,
+        Untimed::Megatron1F1B { .. } | Untimed::MegatronInterleaved(_)
+    ) {
+        return None;
+    }
+    Some(Program {
+        placement: schedule.placement.clone(),
+        microbatches: schedule.spec.microbatches,
+        forward_only: schedule.spec.forward_only,
+        comm: Some(how.policy()),
+        ranks: untimed(
+            &schedule.placement,
+            schedule.spec.microbatches,
+            schedule.spec.forward_only,
+            &schedule.ranks,
+            how,
+            megatron::Shapes::Megatron,
+        ),
+        lengths: None,
+    })
+}
+
 /// Lower a generated schedule with its own comm policy.
 pub fn lower(schedule: &Schedule) -> Program {
     lower_orders(
@@ -631,11 +679,12 @@ pub fn lower(schedule: &Schedule) -> Program {
     )
 }
 
-/// Whether a payload kind flows down (`Act`) or up (`Grad`) the stages; used by views.
+/// Whether a payload kind flows down (`Act`) or up (`Grad`) the stages; used by views. A
+/// shape message flows with its tensor.
 pub fn direction(kind: PayloadKind) -> i32 {
     match kind {
-        PayloadKind::Act => 1,
-        PayloadKind::Grad => -1,
+        PayloadKind::Act | PayloadKind::ActShape => 1,
+        PayloadKind::Grad | PayloadKind::GradShape => -1,
     }
 }
 

@@ -67,9 +67,10 @@ pub(super) fn lower_timed(
     let m = microbatches as usize;
     let cells = placement.num_stages() as usize * m;
     let slot = |pl: &Payload| -> usize {
-        let k = match pl.kind {
-            pipec_ir::ir::PayloadKind::Act => 0,
-            pipec_ir::ir::PayloadKind::Grad => cells,
+        let k = if pl.kind.data() == pipec_ir::ir::PayloadKind::Act {
+            0
+        } else {
+            cells
         };
         k + pl.stage.index() * m + pl.mb.index()
     };

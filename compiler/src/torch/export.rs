@@ -78,6 +78,8 @@ pub enum ExportError {
     MemoryOp { at: InstrRef, instr: String },
     #[error("the schedule's microbatches have different lengths ({summary}); torch's schedule CSV carries no shapes and torch's runtime sizes every receive once (pytorch #159942), so a job run from it would receive wrong-sized tensors; pipec.torch.build_schedule sizes each receive from the plan (docs/torch.md)")]
     Lengths { summary: String },
+    #[error("{at}: {instr} is one of Megatron's shape messages (compiled with --megatron-variable-seq-lengths to check Megatron's handshake); torch's CSV has no action for it, and a plan needs none: compile without that flag")]
+    ShapeMessage { at: InstrRef, instr: String },
     #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
     Bidirectional {
         kind: pipec_schedules::PlacementKind,
@@ -175,6 +177,12 @@ fn p2p_action(
         (PayloadKind::Act, false) => ActionType::RecvF,
         (PayloadKind::Grad, true) => ActionType::SendB,
         (PayloadKind::Grad, false) => ActionType::RecvB,
+        (PayloadKind::ActShape | PayloadKind::GradShape, _) => {
+            return Err(ExportError::ShapeMessage {
+                at,
+                instr: instr.to_string(),
+            })
+        }
     };
     Ok(Action::new(here.0, ty, payload.mb.0))
 }

@@ -10,7 +10,7 @@
 use super::{comm_name, op_name, timeline_text::origin, Filter};
 use pipec_cost::timeline::{TimeUnit, Timeline};
 use pipec_ir::ir::Matching;
-use pipec_ir::ir::{Instr, PayloadKind, Program};
+use pipec_ir::ir::{Instr, Program};
 use pipec_schedules::Pass;
 use std::fmt::Write as _;
 
@@ -164,10 +164,7 @@ impl TraceBuilder {
                         batch,
                         ..
                     } => {
-                        let kind = match payload.kind {
-                            PayloadKind::Act => "act",
-                            PayloadKind::Grad => "grad",
-                        };
+                        let kind = payload.kind.name();
                         let _ = write!(
                             e,
                             r#"{{"ph":"X","name":{},"cat":"comm","pid":{pid},"tid":{r},"ts":{},"dur":{},"args":{{"instr":{i},"peer":{},"payload":"{kind}","stage":{},"mb":{},"batch":{batch}}}}}"#,
@@ -219,10 +216,7 @@ impl TraceBuilder {
             self.next_flow += 1;
             let name = js(&format!(
                 "{} s{} mb{}",
-                match payload.kind {
-                    PayloadKind::Act => "act",
-                    PayloadKind::Grad => "grad",
-                },
+                payload.kind.name(),
                 payload.stage.0,
                 payload.mb.0
             ));

@@ -10,7 +10,7 @@
 
 use super::{comm_name, op_name, OpKind};
 use pipec_ir::ir::Matching;
-use pipec_ir::ir::{Instr, InstrRef, PayloadKind, Program};
+use pipec_ir::ir::{Instr, InstrRef, Program};
 use pipec_schedules::{Pass, Rank, StageId, Task};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -207,10 +207,7 @@ fn by_stage(program: &Program, out: &mut String) {
                 }
                 Instr::Send { payload, .. } => {
                     if let Some(to) = payload.consumer() {
-                        let k = match payload.kind {
-                            PayloadKind::Act => "act",
-                            PayloadKind::Grad => "grad",
-                        };
+                        let k = payload.kind.name();
                         *msgs.entry((payload.stage.0, to.0, k)).or_default() += 1;
                     }
                 }
@@ -292,10 +289,7 @@ fn by_rank_mb(program: &Program, out: &mut String) {
     }
     for (s, r) in m.iter().flat_map(|m| m.messages(program)) {
         if let Some(Instr::Send { payload, .. }) = program.get(s) {
-            let k = match payload.kind {
-                PayloadKind::Act => "act",
-                PayloadKind::Grad => "grad",
-            };
+            let k = payload.kind.name();
             *msgs
                 .entry((s.rank.0, r.rank.0, payload.mb.0, k))
                 .or_default() += 1;

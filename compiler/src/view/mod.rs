@@ -9,7 +9,7 @@ pub mod report;
 pub mod svg;
 pub mod timeline_text;
 
-use pipec_ir::ir::{Instr, PayloadKind, Program};
+use pipec_ir::ir::{Instr, Program};
 use pipec_schedules::{Compute, Pass};
 
 /// Which part of a timeline a trace or picture shows: some ranks, a time window (in the
@@ -176,10 +176,7 @@ pub fn comm_name(i: &Instr) -> String {
         }
         Instr::Wait { batch } => return format!("wait batch {batch}"),
     };
-    let kind = match p.kind {
-        PayloadKind::Act => "act",
-        PayloadKind::Grad => "grad",
-    };
+    let kind = p.kind.name();
     format!(
         "{dir} {kind} s{} mb{} {arrow} r{}",
         p.stage.0, p.mb.0, peer.0

@@ -374,7 +374,14 @@ mod encodings {
     fn every_encoding_agrees_on_every_op() {
         let mut all = Vec::new();
         for v in [0, 1, 9, 10, 99, 100, 127, 128, 999, 16383, 16384, u32::MAX] {
-            for p in [PayloadKind::Act, PayloadKind::Grad] {
+            // Megatron's shape messages too: their values 2 / 3 and names are serde's and
+            // postcard's (appended variants).
+            for p in [
+                PayloadKind::Act,
+                PayloadKind::Grad,
+                PayloadKind::ActShape,
+                PayloadKind::GradShape,
+            ] {
                 all.extend(every_op(v, p));
             }
         }

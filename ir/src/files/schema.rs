@@ -230,29 +230,32 @@ impl Field for Tokens {
     }
 }
 
-/// `"act"` or `"grad"` in JSON; one byte, 0 or 1, in postcard.
+/// `"act"` or `"grad"` in JSON; one byte, 0 or 1, in postcard. Megatron's shape messages
+/// (`--megatron-variable-seq-lengths`) add `"act_shape"` (2) and `"grad_shape"` (3): appended
+/// values, so every file without them keeps its bytes.
 impl Field for PayloadKind {
     type Bin = u8;
-    const KIND: &'static str = "act|grad";
+    const KIND: &'static str = "act|grad|act_shape|grad_shape";
     fn value(self) -> FieldValue {
-        FieldValue::Name(match self {
-            PayloadKind::Act => "act",
-            PayloadKind::Grad => "grad",
-        })
+        FieldValue::Name(self.name())
     }
     #[inline(always)]
     fn to_bin(self) -> u8 {
         match self {
             PayloadKind::Act => 0,
             PayloadKind::Grad => 1,
+            PayloadKind::ActShape => 2,
+            PayloadKind::GradShape => 3,
         }
     }
     fn from_bin(b: u8) -> Result<Self, String> {
         match b {
             0 => Ok(PayloadKind::Act),
             1 => Ok(PayloadKind::Grad),
+            2 => Ok(PayloadKind::ActShape),
+            3 => Ok(PayloadKind::GradShape),
             other => Err(format!(
-                "payload kind {other} is neither 0 (act) nor 1 (grad)"
+                "payload kind {other} is none of 0 (act), 1 (grad), 2 (act_shape), 3 (grad_shape)"
             )),
         }
     }
@@ -261,22 +264,27 @@ impl Field for PayloadKind {
         c.s(match self {
             PayloadKind::Act => b"\"act\"",
             PayloadKind::Grad => b"\"grad\"",
+            PayloadKind::ActShape => b"\"act_shape\"",
+            PayloadKind::GradShape => b"\"grad_shape\"",
         })
     }
     #[inline(always)]
     fn json_len(self) -> u64 {
-        match self {
-            PayloadKind::Act => 5,
-            PayloadKind::Grad => 6,
-        }
+        self.name().len() as u64 + 2
     }
     #[inline(always)]
     fn parse_json(c: &mut Cursor<'_>) -> Option<Self> {
+        // Longest first: `"act"` is not a prefix of `"act_shape"` (the quote differs), but
+        // keep the order obvious.
         if c.lit(b"\"act\"").is_some() {
             Some(PayloadKind::Act)
-        } else {
-            c.lit(b"\"grad\"")?;
+        } else if c.lit(b"\"grad\"").is_some() {
             Some(PayloadKind::Grad)
+        } else if c.lit(b"\"act_shape\"").is_some() {
+            Some(PayloadKind::ActShape)
+        } else {
+            c.lit(b"\"grad_shape\"")?;
+            Some(PayloadKind::GradShape)
         }
     }
     #[inline(always)]
@@ -285,12 +293,7 @@ impl Field for PayloadKind {
     }
     #[inline(always)]
     fn parse_bin(c: &mut Bin<'_>) -> Option<Self> {
-        let k = match c.byte()? {
-            0 => PayloadKind::Act,
-            1 => PayloadKind::Grad,
-            _ => return None,
-        };
-        Some(k)
+        PayloadKind::from_bin(c.byte()?).ok()
     }
 }
 

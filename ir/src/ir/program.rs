@@ -20,6 +20,39 @@ pub enum PayloadKind {
     Act,
     /// The input gradient leaving stage `s` for stage `s - 1`.
     Grad,
+    /// The shape of `Act` of the same stage and microbatch, sent ahead of it: Megatron's
+    /// `_communicate_shapes` under `variable_seq_lengths` (a 3-element int64 tensor posted
+    /// before every transfer). Only `--megatron-variable-seq-lengths` programs have these: a
+    /// model of Megatron's handshake for the verifier, not something pipec's plans need.
+    ActShape,
+    /// The shape of `Grad` of the same stage and microbatch, sent ahead of it.
+    GradShape,
+}
+
+impl PayloadKind {
+    /// Whether this is a shape message (Megatron's handshake), not a tensor a compute uses.
+    pub fn is_shape(self) -> bool {
+        matches!(self, PayloadKind::ActShape | PayloadKind::GradShape)
+    }
+
+    /// The tensor kind this message is about: itself, or the tensor whose shape it announces
+    /// (a shape travels the route of its tensor).
+    pub fn data(self) -> PayloadKind {
+        match self {
+            PayloadKind::Act | PayloadKind::ActShape => PayloadKind::Act,
+            PayloadKind::Grad | PayloadKind::GradShape => PayloadKind::Grad,
+        }
+    }
+
+    /// The rank-file name: `act`, `grad`, `act_shape`, `grad_shape`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PayloadKind::Act => "act",
+            PayloadKind::Grad => "grad",
+            PayloadKind::ActShape => "act_shape",
+            PayloadKind::GradShape => "grad_shape",
+        }
+    }
 }
 
 /// A tensor that travels: named by its producing stage, as docs/design.md's conventions say.
@@ -47,11 +80,21 @@ impl Payload {
         }
     }
 
-    /// The stage that consumes this tensor, `None` when it would fall off either end.
+    /// The shape message announcing this tensor (Megatron's `_communicate_shapes`).
+    pub fn shape(self) -> Self {
+        let kind = match self.kind {
+            PayloadKind::Act | PayloadKind::ActShape => PayloadKind::ActShape,
+            PayloadKind::Grad | PayloadKind::GradShape => PayloadKind::GradShape,
+        };
+        Payload { kind, ..self }
+    }
+
+    /// The stage that consumes this tensor (a shape: its tensor's consumer), `None` when it
+    /// would fall off either end.
     pub fn consumer(&self) -> Option<StageId> {
         match self.kind {
-            PayloadKind::Act => self.stage.0.checked_add(1).map(StageId),
-            PayloadKind::Grad => self.stage.0.checked_sub(1).map(StageId),
+            PayloadKind::Act | PayloadKind::ActShape => self.stage.0.checked_add(1).map(StageId),
+            PayloadKind::Grad | PayloadKind::GradShape => self.stage.0.checked_sub(1).map(StageId),
         }
     }
 }
@@ -61,6 +104,8 @@ impl fmt::Display for Payload {
         let k = match self.kind {
             PayloadKind::Act => "act",
             PayloadKind::Grad => "grad",
+            PayloadKind::ActShape => "shape of act",
+            PayloadKind::GradShape => "shape of grad",
         };
         write!(f, "{k} of {}, {}", self.stage, self.mb)
     }

@@ -268,9 +268,10 @@ impl Walk<'_, '_> {
         if let Some(v) = routes::route(ix, r, g, peer, payload) {
             self.out.push(v);
         }
+        // A shape is known once its tensor is: the same producer.
         let producer = match payload.kind {
-            PayloadKind::Act => self.first(Pass::Fwd, t),
-            PayloadKind::Grad => self.backward(t).map(|(_, b)| b),
+            PayloadKind::Act | PayloadKind::ActShape => self.first(Pass::Fwd, t),
+            PayloadKind::Grad | PayloadKind::GradShape => self.backward(t).map(|(_, b)| b),
         };
         let Some(f) = producer else {
             return; // the producing pass never runs: reported as missing
@@ -297,7 +298,8 @@ impl Walk<'_, '_> {
             stage: payload.stage,
             mb: payload.mb,
         };
-        if !ix.in_range(t) || self.m.partner_of(g).is_none() {
+        // A shape message sizes the receive after it; no compute reads it.
+        if payload.kind.is_shape() || !ix.in_range(t) || self.m.partner_of(g).is_none() {
             return;
         }
         let pi = ix.payload_index(payload);
@@ -318,6 +320,7 @@ impl Walk<'_, '_> {
         let consumer_runs = match payload.kind {
             PayloadKind::Act => self.first(Pass::Fwd, c).is_some(),
             PayloadKind::Grad => !ix.p.forward_only && self.backward(c).is_some(),
+            PayloadKind::ActShape | PayloadKind::GradShape => return,
         };
         if !consumer_runs {
             return;

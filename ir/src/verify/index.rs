@@ -326,7 +326,7 @@ impl<'p> Index<'p> {
             stage: payload.stage,
             mb: payload.mb,
         };
-        if !self.task_in_range(t, site, out) || !is_recv || !self.dense {
+        if !self.task_in_range(t, site, out) || !is_recv || !self.dense || payload.kind.is_shape() {
             return;
         }
         let pi = self.payload_index(payload);
@@ -419,8 +419,10 @@ impl<'p> Index<'p> {
     /// The task that consumes a payload, `None` when it would fall off either end.
     pub fn consumer(&self, p: Payload) -> Option<Task> {
         let s = match p.kind {
-            PayloadKind::Act => p.stage.0.checked_add(1).filter(|&c| c < self.stages)?,
-            PayloadKind::Grad => p.stage.0.checked_sub(1)?,
+            PayloadKind::Act | PayloadKind::ActShape => {
+                p.stage.0.checked_add(1).filter(|&c| c < self.stages)?
+            }
+            PayloadKind::Grad | PayloadKind::GradShape => p.stage.0.checked_sub(1)?,
         };
         Some(Task {
             stage: StageId(s),
@@ -433,11 +435,13 @@ impl<'p> Index<'p> {
         t.stage.index() * self.mbs as usize + t.mb.index()
     }
 
+    /// The index of a tensor's receive tables. Shape messages are not indexed (no compute
+    /// reads one); they map onto their tensor's slot for callers that never file them.
     #[inline]
     pub fn payload_index(&self, p: Payload) -> usize {
         let k = match p.kind {
-            PayloadKind::Act => 0,
-            PayloadKind::Grad => 1,
+            PayloadKind::Act | PayloadKind::ActShape => 0,
+            PayloadKind::Grad | PayloadKind::GradShape => 1,
         };
         k * self.tasks
             + self.task_index(Task {

@@ -20,6 +20,12 @@
 //! per direction (Megatron at pp = 2 sends odd-to-even traffic over WORLD, a second
 //! communicator, for exactly this reason), and whether a batch's ops are one NCCL group
 //! (unordered among themselves) or issued one by one.
+//!
+//! Shape messages (Megatron's `_communicate_shapes`, `--megatron-variable-seq-lengths`) are
+//! always one `batch_isend_irecv` on the pipeline group, whatever the mode: their batch is one
+//! group, and at pp = 2 under the per-direction rule they share the pipeline group's stream,
+//! which carries the even rank's sends and the odd rank's receives (`_p2p_ops` puts the other
+//! direction on WORLD).
 
 use super::deadlock::Graph;
 use super::index::Index;
@@ -131,17 +137,25 @@ fn stream_predecessors(
     // Per stream key (peer, direction): (last op, its batch node, last earlier batch node).
     let none = (OptIdx::NONE, OptIdx::NONE, OptIdx::NONE);
     let mut last = vec![none; world * 2];
+    // Per stream key: whether its last op was a shape message (one group: a later op waits for
+    // the whole batch, even where ops are otherwise issued one by one).
+    let mut last_group = vec![false; world * 2];
     let mut touched: Vec<usize> = Vec::new();
     for (r, instrs) in ix.p.ranks.iter().enumerate() {
         for &k in &touched {
             last[k] = none;
+            last_group[k] = false;
         }
         touched.clear();
         let base = ix.pos.base(r);
         for (i, ins) in instrs.iter().enumerate() {
-            let (peer, send) = match *ins {
-                crate::ir::Instr::Send { peer, .. } => (peer.index(), true),
-                crate::ir::Instr::Recv { peer, .. } => (peer.index(), false),
+            let (peer, send, shape) = match *ins {
+                crate::ir::Instr::Send { peer, payload, .. } => {
+                    (peer.index(), true, payload.kind.is_shape())
+                }
+                crate::ir::Instr::Recv { peer, payload, .. } => {
+                    (peer.index(), false, payload.kind.is_shape())
+                }
                 _ => continue,
             };
             if peer >= world {
@@ -149,14 +163,24 @@ fn stream_predecessors(
             }
             let g = base + i as u32;
             let b = ix.node_of[g as usize];
-            let key = peer * 2 + usize::from(rule.per_direction && send);
+            // The pipeline group's stream at pp = 2: the even rank's send side, the odd
+            // rank's receive side.
+            let pipeline_side = if shape { r % 2 == 0 } else { send };
+            let key = peer * 2 + usize::from(rule.per_direction && pipeline_side);
             let (lg, lb, earlier) = last[key];
             let earlier = if lb != b { lb } else { earlier };
-            before[g as usize] = if rule.ops_in_order {
-                lg
-            } else {
+            let group = shape || !rule.ops_in_order;
+            before[g as usize] = if group && lb == b {
+                // Another op of one group on this stream: behind what its sibling is behind.
+                lg.get().map_or(OptIdx::NONE, |s| before[s as usize])
+            } else if !rule.ops_in_order || last_group[key] {
+                // Behind the whole earlier group on this stream (one kernel).
                 earlier.get().map(&point).into()
+            } else {
+                // Issued one by one: behind the op issued before it.
+                lg
             };
+            last_group[key] = group;
             last[key] = (OptIdx::some(g), b, earlier);
             touched.push(key);
         }

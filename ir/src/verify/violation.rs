@@ -263,6 +263,8 @@ fn tensor_word(kind: PayloadKind) -> &'static str {
     match kind {
         PayloadKind::Act => "activation",
         PayloadKind::Grad => "gradient",
+        PayloadKind::ActShape => "activation's shape",
+        PayloadKind::GradShape => "gradient's shape",
     }
 }
 

@@ -30,7 +30,7 @@ pub struct Args {
     pub lengths: super::args::LengthsArgs,
     /// A sweep file (TOML) of many schedules: each is compiled, verified and written to
     /// OUT/<name>/; a summary table follows. See the README's "Sweeps" section.
-    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers", "megatron_partial_recompute", "microbatch_lengths"])]
+    #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers", "megatron_partial_recompute", "microbatch_lengths", "megatron_variable_seq_lengths"])]
     pub config: Option<PathBuf>,
     /// Megatron layout string, e.g. "Et*3|(tt|)*29,m|L".
     #[arg(long, conflicts_with = "layout_file")]
@@ -65,6 +65,15 @@ pub struct Args {
     /// recompute before their backward; the order of everything else is unchanged.
     #[arg(long, value_name = "N", allow_hyphen_values = true)]
     pub megatron_partial_recompute: Option<i64>,
+    /// Model Megatron's config.variable_seq_lengths=True (1f1b, interleaved-1f1b): before
+    /// every P2P call, the shape messages megatron-core's _communicate_shapes posts (one
+    /// batch_isend_irecv in [send_prev, recv_prev, send_next, recv_next] order, whatever
+    /// --megatron-p2p, then torch.cuda.synchronize()), as act_shape / grad_shape messages. The
+    /// files are written whatever the verifier says (it prints the verdict; `pipec check OUT`
+    /// lists where Megatron's handshake deadlocks or crosses shapes); pipec's runtimes refuse
+    /// them: a plan with --microbatch-lengths needs no handshake.
+    #[arg(long)]
+    pub megatron_variable_seq_lengths: bool,
     /// Decoder layers: checked against --layout; without one, split evenly over the stages.
     #[arg(long)]
     pub num_layers: Option<u32>,
@@ -146,6 +155,7 @@ impl Args {
             megatron_partial_recompute: self.megatron_partial_recompute,
             lengths,
             microbatch_order: None,
+            megatron_variable_seq_lengths: self.megatron_variable_seq_lengths,
         })
     }
 }
@@ -168,7 +178,8 @@ pub fn compile_error(e: CompileError) -> CliError {
         | CompileError::Checkpoint(_)
         | CompileError::LengthsCount { .. }
         | CompileError::Order { .. }
-        | CompileError::Lengths(_)) => CliError::Invalid(e.to_string()),
+        | CompileError::Lengths(_)
+        | CompileError::ShapesNeedMegatron { .. }) => CliError::Invalid(e.to_string()),
     }
 }
 
@@ -219,8 +230,11 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         files::Encoding::Json => 1,
         files::Encoding::Postcard => threads,
     };
+    // Megatron's handshake is written as Megatron posts it, bugs included: the verdict is the
+    // point, printed below, not a gate.
+    let handshake = a.megatron_variable_seq_lengths;
     let verify = || {
-        if a.no_verify {
+        if a.no_verify || handshake {
             return Ok(files::Warrant::Unverified(Unverified::unchecked(
                 &c.program,
             )));
@@ -264,6 +278,17 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             c.spec.megatron_p2p,
             c.spec.megatron_p2p.config()
         );
+    }
+    if handshake && !a.no_verify {
+        let r = c.verify_on(threads).err().map(|r| r.report);
+        match r {
+            None => println!("megatron handshake (variable_seq_lengths): valid"),
+            Some(r) => println!(
+                "megatron handshake (variable_seq_lengths): {} (pipec check {} lists them)",
+                r.verdict_line(),
+                a.out.display()
+            ),
+        }
     }
     if let Some(r) = verdict.report() {
         println!("{}", short_verdict(r, &a.out));
