@@ -87,10 +87,12 @@ def pack(rng: random.Random) -> list[list[int]]:
 
 
 def microbatch(docs: list[int], g: torch.Generator):
-    """Tokens [1, n] of the packed documents, positions restarting at each document, and a
-    causal mask that keeps every document to itself (True = masked)."""
+    """Tokens [1, n] of the packed documents (each counts up from a random start: something
+    to learn), positions restarting at each document, and a causal mask that keeps every
+    document to itself (True = masked)."""
     n = sum(docs)
-    tokens = torch.randint(0, vocab, (1, n), generator=g)
+    starts = torch.randint(0, vocab, (len(docs),), generator=g)
+    tokens = torch.cat([(s + torch.arange(d)) % vocab for s, d in zip(starts, docs)])[None]
     positions = torch.cat([torch.arange(d) for d in docs]).unsqueeze(0)
     doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
     allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
@@ -116,7 +118,7 @@ def forward_step(data_iterator, chunk):
 
 optimizer = torch.optim.Adam([p for chunk in model for p in chunk.parameters()], lr=3e-3)
 rng, g = random.Random(0), torch.Generator().manual_seed(1)  # the same batches on every rank
-for step in range(6):
+for step in range(9):
     lengths = pack(rng)  # this step's batch: one list of document lengths per microbatch
     data = [microbatch(docs, g) for docs in lengths]
     # A plan per step, from this step's lengths: every send and receive carries its tokens.
