@@ -231,10 +231,7 @@ def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
     forward that differs. The recompute itself is the user's ``forward_step_func``'s (it
     checkpoints the model call, and torch runs the forward again inside the backward), so a
     ``recompute`` instruction needs no action here."""
-    have = [
-        [(i.stage, i.mb) for i in s.instructions(r) if i.op == Op.fwd_checkpoint]
-        for r in range(s.pp)
-    ]
+    have = s._n.checkpointed_forwards()
     if n is None:
         for r, marks in enumerate(have):
             if marks:
@@ -284,7 +281,7 @@ def _plan_tokens(s: Schedule) -> list[int] | None:
     return [n if isinstance(n, int) else sum(n) for n in lengths]
 
 
-def _check_lengths(s: Schedule, config, seq_length: int, divisor: int) -> None:
+def _check_lengths(s: Schedule, config, seq_length: int, pg_collection) -> None:
     """The plan's lengths against ``config.variable_seq_lengths`` (docs/megatron.md,
     "Microbatches of different lengths"). Megatron sizes every message from ``seq_length``
     unless ``variable_seq_lengths`` is set, and then asks the sender for each shape first;
@@ -300,6 +297,7 @@ def _check_lengths(s: Schedule, config, seq_length: int, divisor: int) -> None:
                 "plan's tokens, so it needs them. Compile the step's schedule with "
                 "lengths=[...] (one per microbatch, this batch's)"
             )
+        divisor = _seq_divisor(config, pg_collection)
         for mb, n in enumerate(tokens):
             if n % divisor:
                 raise PipecError(
@@ -1011,7 +1009,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         n_ckpt = config.num_microbatches_with_partial_activation_checkpoints
         if n_ckpt not in flags_for:
             flags_for[n_ckpt] = _checkpoint_flags(s, n_ckpt)
-        _check_lengths(s, config, seq_length, _seq_divisor(config, pg_collection))
+        _check_lengths(s, config, seq_length, pg_collection)
         steps = steps_of.get(rank)
         if steps is None:
             steps = steps_of[rank] = s.steps(rank)

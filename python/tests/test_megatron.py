@@ -680,9 +680,9 @@ def test_lengths_without_variable_seq_lengths_are_refused_unless_they_are_seq_le
     with pytest.raises(pipec.PipecError, match=r"microbatch 1: 3 tokens.*seq_length=8"):
         varlen_call(s, variable=False)
     config = types.SimpleNamespace(variable_seq_lengths=False)
-    pm._check_lengths(pipec.compile("1f1b", 2, lengths=[8, 8, 8, 8]), config, 8, 1)
+    pm._check_lengths(pipec.compile("1f1b", 2, lengths=[8, 8, 8, 8]), config, 8, None)
     with pytest.raises(pipec.PipecError, match="microbatch 0: 8 tokens"):
-        pm._check_lengths(pipec.compile("1f1b", 2, lengths=[8, 8, 8, 8]), config, 16, 1)
+        pm._check_lengths(pipec.compile("1f1b", 2, lengths=[8, 8, 8, 8]), config, 16, None)
 
 
 def test_lengths_must_split_over_context_parallel_ranks():
