@@ -355,6 +355,8 @@ class _ById:
         return self.held.pop(mb)
 
     def __getattr__(self, name):  # what the wrapped iterator offers beyond next()
+        if name == "it":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.it, name)
 
 
@@ -1009,6 +1011,8 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         n_ckpt = config.num_microbatches_with_partial_activation_checkpoints
         if n_ckpt not in flags_for:
             flags_for[n_ckpt] = _checkpoint_flags(s, n_ckpt)
+        # Megatron's fixed P2P length (get_tensor_shapes): decoder_seq_length where given.
+        seq_length = decoder_seq_length if decoder_seq_length is not None else seq_length
         _check_lengths(s, config, seq_length, pg_collection)
         steps = steps_of.get(rank)
         if steps is None:
