@@ -7,9 +7,10 @@
 //!   from position m of its loss list, so the last stage must run its forwards in microbatch
 //!   order. Any other stage -> rank table is fine (`_prepare_schedule_with_comms` reads it off
 //!   the actions).
-//! - `pipec.megatron`: a model chunk lives on one rank; Megatron's data iterators hand out
-//!   microbatches in order, so every stage runs its forwards in microbatch order. V placements
-//!   are built from `stage_layers`.
+//! - `pipec.megatron`: a model chunk lives on one rank. V placements are built from
+//!   `stage_layers`. Forwards may run in any microbatch order (a tuned `microbatch_order`, #38):
+//!   Megatron's data iterators hand out microbatches in order, and `pipec.megatron` hands each
+//!   forward its own microbatch by id (`_ById`), and returns the losses in microbatch order.
 //! - torchtitan lowers the compute-only CSV itself and places stages by the schedule class it
 //!   is told (`_get_pp_rank_to_stage_indices_mapping`, torchtitan 0.3.0): looped (`s % pp`)
 //!   except for `ZBVZeroBubble` / `DualPipeV` (V, two stages per rank). torch's rule applies
@@ -89,8 +90,7 @@ impl Target {
         self.check_memory_ops(program).map_err(Refusal::MemoryOps)?;
         match self {
             Target::Torch | Target::Torchtitan => forwards_in_order(program, true),
-            Target::Megatron => forwards_in_order(program, false),
-            Target::PipecRun | Target::Deepspeed | Target::Any => Ok(()),
+            Target::Megatron | Target::PipecRun | Target::Deepspeed | Target::Any => Ok(()),
         }
     }
 
@@ -211,8 +211,8 @@ pub enum Refusal {
     /// A memory instruction the target's adapter does not execute: where and why.
     MemoryOps(String),
     /// Rank `rank` runs the forwards of `stage` in the microbatch order `order` (all of that
-    /// stage's forwards on the rank), which is not ascending: Megatron's data iterators
-    /// (every stage) and torch's loss list (the last stage, `last_only`) need it ascending.
+    /// stage's forwards on the rank), which is not ascending: torch's loss list (the last
+    /// stage, `last_only`) needs it ascending.
     ForwardOrder {
         rank: u32,
         stage: u32,
@@ -242,7 +242,7 @@ impl Refusal {
                 let what = if *last_only {
                     "torch takes microbatch m's loss from position m of its loss list"
                 } else {
-                    "Megatron's data iterators hand out microbatches in order"
+                    "the target needs every stage's forwards in microbatch order"
                 };
                 format!(
                     "rank {rank} runs the forwards of stage {stage} out of microbatch order ({mb} after {prev}); {what}"
@@ -281,17 +281,6 @@ impl Refusal {
                 "{name} runs the last stage's forwards in the order {}; torch's runtime takes \
                  microbatch m's loss from position m of its loss list, so it would backpropagate \
                  the wrong losses. Refusing to run it",
-                list(order)
-            ),
-            (
-                Refusal::ForwardOrder {
-                    rank, stage, order, ..
-                },
-                Target::Megatron,
-            ) => format!(
-                "{name} runs the forwards of stage {stage} (rank {rank}) in the order {}; \
-                 Megatron's data iterators hand out microbatches in order, so the microbatches \
-                 would get the wrong data. Refusing to run it",
                 list(order)
             ),
             _ => self.reason(),
@@ -626,37 +615,36 @@ mod tests {
     #[test]
     fn forwards_out_of_order_are_one_rule_in_two_wordings() {
         let p = forwards(&[0, 2, 1, 3]);
-        let meg = Target::Megatron.refuse(&p).unwrap_err();
+        let torch = Target::Torch.refuse(&p).unwrap_err();
         assert_eq!(
-            meg,
+            torch,
             Refusal::ForwardOrder {
                 rank: 0,
                 stage: 0,
                 order: vec![0, 2, 1, 3],
-                last_only: false
+                last_only: true
             }
         );
         // The tuner's words (its report), as before the adapters asked for the rule.
         assert_eq!(
-            Target::Megatron.check(&p).unwrap_err(),
+            Target::Torch.check(&p).unwrap_err(),
             "rank 0 runs the forwards of stage 0 out of microbatch order (1 after 2); \
-             Megatron's data iterators hand out microbatches in order"
+             torch takes microbatch m's loss from position m of its loss list"
         );
-        // The adapters' words, as pipec.megatron and pipec.torch wrote them.
-        assert_eq!(
-            meg.adapter_message(Target::Megatron, "gpipe"),
-            "gpipe runs the forwards of stage 0 (rank 0) in the order [0, 2, 1, 3]; Megatron's \
-             data iterators hand out microbatches in order, so the microbatches would get the \
-             wrong data. Refusing to run it"
-        );
-        let torch = Target::Torch.refuse(&p).unwrap_err();
+        // The adapter's words, as pipec.torch wrote them.
         assert_eq!(
             torch.adapter_message(Target::Torch, "gpipe"),
             "gpipe runs the last stage's forwards in the order [0, 2, 1, 3]; torch's runtime \
              takes microbatch m's loss from position m of its loss list, so it would \
              backpropagate the wrong losses. Refusing to run it"
         );
-        for t in [Target::PipecRun, Target::Deepspeed, Target::Any] {
+        // pipec.megatron hands each forward its own microbatch by id (#38).
+        for t in [
+            Target::Megatron,
+            Target::PipecRun,
+            Target::Deepspeed,
+            Target::Any,
+        ] {
             assert_eq!(t.refuse(&p), Ok(()), "{t}");
         }
         for t in Target::ALL {

@@ -21,8 +21,10 @@ installed torch and megatron-core are in the tested series (:data:`pipec._compat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -71,9 +73,10 @@ def _manifest(s: Schedule) -> dict:
 def _refuse(s: Schedule, placement_only: bool = True) -> None:
     """Megatron's rule, asked of Rust (``Target::Megatron``, the one ``pipec tune --target
     megatron`` filters by): a model chunk lives on one rank, so every stage on one rank; and
-    unless ``placement_only``, every stage's forwards in microbatch order on its rank, since
-    Megatron's data iterators have no microbatch ids (the k-th ``next()`` of a chunk's
-    iterator is microbatch k)."""
+    unless ``placement_only``, the memory instructions this executor runs. Forwards may enter
+    in any microbatch order: Megatron's data iterators have no microbatch ids (the k-th
+    ``next()`` of a chunk's iterator is microbatch k), so a chunk whose forwards are out of
+    order draws through :class:`_ById`."""
     why = s._n.adapter_refusal("megatron", placement_only)
     if why is not None:
         raise PipecError(why)
@@ -151,6 +154,12 @@ def _offloaded(s: Schedule, rank: int) -> set[tuple[int, int]]:
     return {(i.stage, i.mb) for i in s.instructions(rank) if i.op == Op.offload}
 
 
+#: A send / receive, with or without the ``tokens`` the plan gives it (schema rows 13 and 14,
+#: ``Op.sized_send`` / ``Op.sized_recv``: a schedule compiled with microbatch lengths, #38).
+_SENDS = (Op.send, Op.sized_send)
+_RECVS = (Op.recv, Op.sized_recv)
+
+
 #: megatron-core 0.19.2's ``recompute_modules`` that use output-discarding checkpointing
 #: (``tensor_parallel.CheckpointWithoutOutput``; TransformerConfig.recompute_modules says so).
 _DISCARDING_RECOMPUTE = ("gdn_norm_out", "layernorm", "mla_up_proj", "moe_act")
@@ -222,10 +231,7 @@ def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
     forward that differs. The recompute itself is the user's ``forward_step_func``'s (it
     checkpoints the model call, and torch runs the forward again inside the backward), so a
     ``recompute`` instruction needs no action here."""
-    have = [
-        [(i.stage, i.mb) for i in s.instructions(r) if i.op == Op.fwd_checkpoint]
-        for r in range(s.pp)
-    ]
+    have = s._n.checkpointed_forwards()
     if n is None:
         for r, marks in enumerate(have):
             if marks:
@@ -254,6 +260,122 @@ def _checkpoint_flags(s: Schedule, n: int | None) -> bool:
                 f"schedule {what}: compile it with megatron_partial_recompute={n}"
             )
     return True
+
+
+def _seq_divisor(config, pg_collection) -> int:
+    """What Megatron divides a microbatch's sequence length by for its P2P shape
+    (``get_tensor_shapes``): the context-parallel size, times the tensor-parallel size under
+    sequence parallelism."""
+    d = pg_collection.cp.size()
+    if config.sequence_parallel:
+        d *= pg_collection.tp.size()
+    return d
+
+
+def _plan_tokens(s: Schedule) -> list[int] | None:
+    """Each microbatch's token count from the schedule's lengths (``Schedule.lengths``: the
+    sum of the lengths of the sequences packed into it), or None without lengths."""
+    lengths = s.lengths
+    if lengths is None:
+        return None
+    return [n if isinstance(n, int) else sum(n) for n in lengths]
+
+
+def _check_lengths(s: Schedule, config, seq_length: int, pg_collection) -> None:
+    """The plan's lengths against ``config.variable_seq_lengths`` (docs/megatron.md,
+    "Microbatches of different lengths"). Megatron sizes every message from ``seq_length``
+    unless ``variable_seq_lengths`` is set, and then asks the sender for each shape first;
+    pipec sizes each from the plan's ``tokens``, so it needs a plan with lengths there, and
+    refuses lengths that contradict the fixed ``seq_length`` otherwise."""
+    tokens = _plan_tokens(s)
+    if config.variable_seq_lengths:
+        if tokens is None:
+            raise PipecError(
+                f"config.variable_seq_lengths=True, but the schedule ({s.kind}) carries no "
+                "microbatch lengths: Megatron would exchange every message's shape before "
+                "sending it; pipec.megatron exchanges none and sizes each receive from the "
+                "plan's tokens, so it needs them. Compile the step's schedule with "
+                "lengths=[...] (one per microbatch, this batch's)"
+            )
+        divisor = _seq_divisor(config, pg_collection)
+        for mb, n in enumerate(tokens):
+            if n % divisor:
+                raise PipecError(
+                    f"microbatch {mb} has {n} tokens, which do not split into {divisor} equal "
+                    "parts (context parallelism, and tensor parallelism under "
+                    "sequence_parallel): Megatron's P2P shape is tokens / cp (/ tp)"
+                )
+        return
+    if tokens is None:
+        return
+    for mb, n in enumerate(tokens):
+        if n != seq_length:
+            raise PipecError(
+                f"the schedule ({s.kind}) carries microbatch lengths (microbatch {mb}: {n} "
+                f"tokens), but config.variable_seq_lengths=False: Megatron's shapes are then "
+                f"seq_length={seq_length} tokens for every microbatch (and its components, "
+                "such as the MoE allgather dispatcher, are configured for fixed lengths). Set "
+                "config.variable_seq_lengths=True for batches of different lengths"
+            )
+
+
+class _ById:
+    """A chunk's data iterator, handed out by microbatch id: Megatron's data iterators yield
+    microbatch k at their k-th ``next()``, and a schedule whose forwards enter in another
+    order (a tuned ``microbatch_order``) asks for microbatch ``want`` first. Items are drawn
+    from the wrapped iterator only when ``forward_step_func`` asks (as many as it asks for in
+    microbatch order, never ahead), and held until their microbatch's forward."""
+
+    def __init__(self, it, rank: int, chunk: int):
+        self.it, self.rank, self.chunk = it, rank, chunk
+        self.held: dict[int, Any] = {}
+        self.drawn = 0  # items drawn from ``it`` so far: microbatches 0 .. drawn-1
+        self.want: int | None = None  # the microbatch of the forward running now
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        mb, self.want = self.want, None
+        if mb is None:
+            raise PipecError(
+                f"rank {self.rank}, chunk {self.chunk}: forward_step_func called next() on "
+                "its data iterator twice in one forward; under a schedule whose microbatches "
+                "enter out of order, pipec.megatron hands each forward its own microbatch, "
+                "one item per forward (as Megatron's get_batch takes)"
+            )
+        while self.drawn <= mb:
+            self.held[self.drawn] = next(self.it)
+            self.drawn += 1
+        if mb not in self.held:
+            raise PipecError(
+                f"rank {self.rank}, chunk {self.chunk}: microbatch {mb}'s item was already "
+                "taken (forward_step_func drew on the iterator outside a forward?)"
+            )
+        return self.held.pop(mb)
+
+    def __getattr__(self, name):  # what the wrapped iterator offers beyond next()
+        if name == "it":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.it, name)
+
+
+def _feeds(data_iterator, steps: list[Step], chunk_of: dict[int, int], rank: int) -> list:
+    """The iterator each chunk's forwards get: the user's, where the chunk's forwards run in
+    microbatch order (Megatron's own use), else a :class:`_ById` over it."""
+    n = len(set(chunk_of.values()))  # one iterator for several chunks is refused before
+    its = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    order: dict[int, list[int]] = {c: [] for c in range(n)}
+    for step in steps:
+        if isinstance(step, ComputeStep):
+            ins = step.instruction
+            f = ins.fwd if ins.op == Op.fwd_bwd else ins
+            if ins.op in (Op.fwd, Op.fwd_checkpoint, Op.fwd_bwd):
+                order[chunk_of[f.stage]].append(f.mb)
+    return [
+        it if it is None or order[c] == sorted(order[c]) else _ById(it, rank, c)
+        for c, it in enumerate(its)
+    ]
 
 
 class _Op:
@@ -294,11 +416,16 @@ class _Executor:
         self.odd_sends_on_world = streams["per_direction"]
         p = next(iter(model[0].parameters()), None)
         self.device = p.device if p is not None else torch.device("cpu")
-        cp = pg_collection.cp.size()
-        shape = [kw["seq_length"] // cp, kw["micro_batch_size"], config.hidden_size]
-        if config.sequence_parallel:
-            shape[0] //= pg_collection.tp.size()
-        self.tensor_shape = shape
+        # Megatron's fixed P2P shape (get_tensor_shapes): [seq / cp (/ tp with sequence
+        # parallelism), micro batch size, hidden]. Under variable_seq_lengths the first
+        # dimension is each message's own: the plan's tokens for it, split the same way.
+        self.seq_divisor = _seq_divisor(config, pg_collection)
+        self.variable = bool(config.variable_seq_lengths)
+        self.tensor_shape = [
+            kw["seq_length"] // self.seq_divisor,
+            kw["micro_batch_size"],
+            config.hidden_size,
+        ]
         # Live tensors, keyed by (stage, mb).
         self.inputs: dict[tuple[int, int], Any] = {}  # a stage's input (received or local)
         self.outputs: dict[tuple[int, int], Any] = {}  # a stage's output (loss on the last)
@@ -312,6 +439,13 @@ class _Executor:
         self.memory: ActivationStore | None = memory
         self.offloaded = _offloaded(s, rank) if memory is not None else set()
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        # Each chunk's data iterator, handed out by microbatch id where the chunk's forwards
+        # are not in microbatch order (_ById); the k-th forward of each chunk (Megatron's
+        # is_first_microbatch / current_microbatch count forwards, not ids).
+        self.feeds: list = []
+        self.forwards_done: dict[int, int] = {}
+        # Where the last stage's forwards put their outputs in forward_data_store, by id.
+        self.stored: list[tuple[int, int, int]] = []
 
     # ---- P2P
     def _global(self, peer: int) -> int:
@@ -328,16 +462,17 @@ class _Executor:
         p2p, what = [], []
         for ins in ops:
             key = (ins.stage, ins.mb)
-            if ins.op == Op.send:
+            if ins.op in _SENDS:
                 if ins.payload == "act":
                     t = self.outputs[key]
                 else:
                     t = self.in_grads.pop(key)
+                self._check_sent(ins, t)
                 what.append(("send_" + ins.payload, key, t))
                 op = dist.P2POp(dist.isend, t, self._global(ins.peer), self._group(self.rank))
-            elif ins.op == Op.recv:
+            elif ins.op in _RECVS:
                 t = torch.empty(
-                    self.tensor_shape,
+                    self._shape(ins),
                     requires_grad=True,
                     device=self.device,
                     dtype=self.config.pipeline_dtype,
@@ -359,6 +494,34 @@ class _Executor:
             if op.kind == "send_act":
                 self.sending[op.key] = op
         return posted
+
+    def _shape(self, ins: Instruction) -> list[int]:
+        """The shape of the tensor a send or receive moves: Megatron's fixed one, or under
+        ``variable_seq_lengths`` the plan's ``tokens`` for it in place of ``seq_length`` (the
+        rest as Megatron computes it). No shape is exchanged: the plan gave it."""
+        if not self.variable:
+            return self.tensor_shape
+        return [ins.tokens // self.seq_divisor, *self.tensor_shape[1:]]
+
+    def _check_sent(self, ins: Instruction, t: torch.Tensor) -> None:
+        """The peer allocates the receive from the plan (no shape goes over the wire), so a
+        tensor of another shape is refused here, before it is posted: over NCCL it would
+        corrupt or hang, over gloo fail far from its cause."""
+        want = self._shape(ins)
+        if list(t.shape) == want:
+            return
+        what = "activation" if ins.payload == "act" else "gradient"
+        if self.variable:
+            plan = f"the plan's {ins.tokens} tokens for microbatch {ins.mb} give {want}"
+            fix = "compile the step's schedule from this batch's lengths"
+        else:
+            plan = f"Megatron's fixed shape is {want} (seq_length {self.kw['seq_length']})"
+            fix = "set config.variable_seq_lengths and give the schedule the lengths"
+        raise PipecError(
+            f"rank {self.rank}, #{ins.index}: the {what} of stage {ins.stage}, microbatch "
+            f"{ins.mb} has shape {list(t.shape)}, but {plan}: the receiver allocates that "
+            f"shape; {fix}"
+        )
 
     def _sent(self, key: tuple[int, int]) -> None:
         """The send of the activation ``key`` completed: Megatron deallocates it then."""
@@ -383,16 +546,23 @@ class _Executor:
                 self._sent(op.key)
 
     # ---- compute
-    def _data(self, c: int):
-        it = self.kw["data_iterator"]
-        return it[c] if isinstance(it, list) else it
+    def _data(self, c: int, mb: int):
+        feed = self.feeds[c]
+        if isinstance(feed, _ById):
+            feed.want = mb
+        return feed
 
     def _forward_step(self, c: int, stage: int, mb: int, inp, checkpoint: bool):
         """Megatron's ``forward_step`` for one forward; (output, number of tokens)."""
         ms = self.ms
-        return ms.forward_step(
+        # Megatron counts a chunk's forwards (``i == 0``, ``current_microbatch=i``); in
+        # microbatch order that count is the id, in another order it is not.
+        k = self.forwards_done.get(c, 0)
+        self.forwards_done[c] = k + 1
+        stored = len(self.forward_data_store)
+        out = ms.forward_step(
             self.kw["forward_step_func"],
-            self._data(c),
+            self._data(c, mb),
             self.model[c],
             self.s.num_microbatches,
             inp,
@@ -405,12 +575,15 @@ class _Executor:
             # positional argument, as Megatron's own schedules do (_checkpoint_flags).
             checkpoint_activations_microbatch=checkpoint if self.kw["checkpoint_flags"] else None,
             is_first_microbatch=ms.check_first_val_step(
-                self.kw["first_val_step"], self.forward_only, mb == 0
+                self.kw["first_val_step"], self.forward_only, k == 0
             ),
-            current_microbatch=mb,
+            current_microbatch=k,
             vp_stage=self.vp_stage[c],
             is_last_stage=stage == self.last,
         )
+        if len(self.forward_data_store) > stored:
+            self.stored.append((mb, stored, len(self.forward_data_store)))
+        return out
 
     def fwd(self, stage: int, mb: int, checkpoint: bool = False) -> None:
         ms, c = self.ms, self.chunk_of[stage]
@@ -635,6 +808,7 @@ class _Executor:
             embedding_module = self.ms.clear_embedding_activation_buffer(
                 config, model, self.last in self.chunk_of
             )
+        self.feeds = _feeds(self.kw["data_iterator"], steps, self.chunk_of, self.rank)
         self._disable_grad_sync()
         for step in steps:
             match step:
@@ -678,7 +852,18 @@ class _Executor:
                 pg_collection=self.pgc,
                 force_all_reduce=self.kw["force_all_reduce"],
             )
-        return self.forward_data_store
+        return self._in_microbatch_order()
+
+    def _in_microbatch_order(self) -> list:
+        """forward_data_store in microbatch order, what Megatron returns: the last stage's
+        forwards add to it in the schedule's order, which a tuned order permutes."""
+        store, spans = self.forward_data_store, self.stored
+        if all(a[0] < b[0] for a, b in itertools.pairwise(spans)):
+            return store
+        out = []
+        for _, lo, hi in sorted(spans):
+            out.extend(store[lo:hi])
+        return out
 
 
 def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..., list]:
@@ -695,9 +880,20 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     another length than :func:`stage_indices` of this rank, chunks whose ``pre_process`` /
     ``post_process`` / ``vp_stage`` disagree with the stages they are to run, another
     ``num_microbatches``, ``forward_only`` that disagrees with the schedule, and what the
-    executor cannot do (variable sequence lengths, ``adjust_tensor_shapes_fn``). Megatron's
-    P2P flags in the model config (``batch_p2p_comm``, ``overlap_p2p_comm``) are not used:
-    the communication is the schedule's, as pipec verified it.
+    executor cannot do (``adjust_tensor_shapes_fn``). Megatron's P2P flags in the model config
+    (``batch_p2p_comm``, ``overlap_p2p_comm``) are not used: the communication is the
+    schedule's, as pipec verified it.
+
+    Microbatches of different lengths (#38): under ``config.variable_seq_lengths`` the
+    schedule must carry lengths (``pipec.compile(..., lengths=...)``, this step's batch); every
+    receive is then allocated from its instruction's ``tokens`` and no shape is exchanged, so
+    the messages are exactly the plan's (Megatron's own schedules send a shape before each).
+    Without ``variable_seq_lengths`` a plan whose lengths are not all ``seq_length`` is
+    refused (:func:`_check_lengths`). A sent tensor whose shape is not the plan's is refused
+    before it is posted. The microbatches may enter in any order (a tuned
+    ``microbatch_order``): each forward gets its own microbatch's item of the data iterator,
+    and the losses come back in microbatch order. Plan per step by calling this function with
+    each step's schedule: everything it prepares belongs to the returned function.
 
     Memory instructions (issue 30): checkpointed forwards and ``recompute`` are Megatron's
     partial recompute (:func:`_checkpoint_flags`); ``offload``, ``reload`` and ``wait_offload``
@@ -714,6 +910,11 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
     steps_of: dict[int, list[Step]] = {}  # this process's rank, once known
     stores: dict[int, ActivationStore] = {}  # the rank's offload store, when it offloads
     flags_for: dict[int | None, bool] = {}  # _checkpoint_flags per N seen
+    # The function itself, weakly: a strong reference from its own closure would be a cycle,
+    # which only the cyclic collector frees. A job that plans every step makes a function per
+    # step, and Megatron-LM's --manual-gc runs that collector rarely; without the cycle the
+    # previous step's schedule, steps and offload store go when the caller drops the function.
+    this: list[weakref.ref] = []
 
     def pipec_forward_backward(
         *,
@@ -810,11 +1011,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         n_ckpt = config.num_microbatches_with_partial_activation_checkpoints
         if n_ckpt not in flags_for:
             flags_for[n_ckpt] = _checkpoint_flags(s, n_ckpt)
-        if config.variable_seq_lengths:
-            raise PipecError(
-                "variable_seq_lengths=True needs a shape exchange before every receive, "
-                "which pipec's verified stream does not have; refusing"
-            )
+        # Megatron's fixed P2P length (get_tensor_shapes): decoder_seq_length where given.
+        seq_length = decoder_seq_length if decoder_seq_length is not None else seq_length
+        _check_lengths(s, config, seq_length, pg_collection)
         steps = steps_of.get(rank)
         if steps is None:
             steps = steps_of[rank] = s.steps(rank)
@@ -824,9 +1023,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         if memory is not None:
             _refuse_offload_config(config, model_list, rank, _offloaded(s, rank))
             memory.begin_step()
-        pipec_forward_backward.pipec_memory = memory  # type: ignore[attr-defined]
+        this[0]().pipec_memory = memory
         needs_dtype = any(
-            isinstance(st, BatchStep) and any(o.op == Op.recv for o in st.ops) for st in steps
+            isinstance(st, BatchStep) and any(o.op in _RECVS for o in st.ops) for st in steps
         )
         if needs_dtype and config.pipeline_dtype is None:
             raise PipecError("config.pipeline_dtype must be set (the dtype of received tensors)")
@@ -857,4 +1056,5 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
 
     pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
     pipec_forward_backward.pipec_memory = None  # type: ignore[attr-defined]
+    this.append(weakref.ref(pipec_forward_backward))
     return pipec_forward_backward

@@ -309,6 +309,26 @@ impl NativeSchedule {
             .collect())
     }
 
+    /// The checkpointed forwards (`fwd` with `"checkpoint": true`) of every rank, as (stage,
+    /// mb) in the rank's order: what `pipec.megatron` compares with
+    /// [`Self::megatron_checkpoints`], without a Python object per instruction (a job that
+    /// plans every step asks it every step).
+    fn checkpointed_forwards(&self) -> Vec<Vec<(u32, u32)>> {
+        self.program()
+            .ranks
+            .iter()
+            .map(|instrs| {
+                instrs
+                    .iter()
+                    .filter_map(|ins| match ins {
+                        Instr::FwdCheckpoint(t) => Some((t.stage.0, t.mb.0)),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     #[getter]
     fn instruction_count(&self) -> usize {
         self.program().len()

@@ -10,15 +10,26 @@ configuration's losses and gradients. A configuration runs either pipec's schedu
 megatron-core 0.19.2 runs on a CPU with the four test-only patches of ``megatron_cpu.py``;
 every result line carries their hit counts.
 
+Microbatches of different lengths (#38): a configuration with ``lengths`` (one list per step)
+draws microbatch k of step s with ``lengths[s][k]`` tokens; a pipec run compiles a new schedule
+for every step from that step's lengths (and ``order``, its ``microbatch_order``), as a training
+loop that plans per step does, and a Megatron run sets ``variable_seq_lengths``. Every P2P op
+posted through ``torch.distributed`` is recorded (``isend``/``irecv``, which
+``batch_isend_irecv`` posts through too): a pipec run reports whether its messages were
+exactly its plan's sends and receives with the plan's shapes, a Megatron run how many shape
+messages it added.
+
 Usage: python megatron_worker.py CONFIGS.json RANK WORLD PORT OUT_DIR
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import traceback
+import weakref
 
 import megatron_cpu  # the test-only CPU patches, before anything of Megatron runs
 import pipec
@@ -35,12 +46,17 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.distributed import distributed_c10d
 
 HIDDEN, HEADS, VOCAB, SEQ, MBS = 16, 2, 32, 8, 2
 STEPS, LR = 2, 0.1
 
 
 def make_config(num_layers: int, pp: int, vpp: int | None, **p2p) -> TransformerConfig:
+    if p2p.get("variable_seq_lengths"):
+        # megatron-core 0.19.2 refuses variable_seq_lengths with its default MoE token
+        # dispatcher ("allgather"), MoE or not.
+        p2p["moe_token_dispatcher_type"] = "alltoall"
     cfg = TransformerConfig(
         num_layers=num_layers,
         hidden_size=HIDDEN,
@@ -103,26 +119,71 @@ def stage_state(ref_state: dict, lay: pm.StageLayers) -> dict:
     return out
 
 
-def data(step: int, m: int) -> list:
+def data(step: int, m: int, lengths: list[int] | None = None) -> list:
     g = torch.Generator().manual_seed(100 + step)
+    if lengths is not None:  # microbatch k has lengths[k] tokens
+        return [
+            (
+                torch.randint(0, VOCAB, (MBS, n), generator=g),
+                torch.randint(0, VOCAB, (MBS, n), generator=g),
+            )
+            for n in lengths
+        ]
     tokens = torch.randint(0, VOCAB, (m, MBS, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (m, MBS, SEQ), generator=g)
     return [(tokens[i], labels[i]) for i in range(m)]
 
 
-POSITION = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
-MASK = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+def position(n: int) -> torch.Tensor:
+    return torch.arange(n).unsqueeze(0).expand(MBS, n)
+
+
+def mask(n: int) -> torch.Tensor:
+    return torch.triu(torch.ones(1, 1, n, n, dtype=torch.bool), diagonal=1)
+
+
+# Every P2P op this process posts, while POSTED["on"]: (kind, shape, dtype). Megatron and
+# pipec.megatron post through torch.distributed.isend / irecv, and batch_isend_irecv calls the
+# op each P2POp names; the module's own names are replaced too, which P2POp checks ops against.
+POSTED: dict = {"on": False, "ops": []}
+
+
+def _recording(kind: str, fn):
+    def posted(tensor, *a, **k):
+        if POSTED["on"]:
+            POSTED["ops"].append((kind, list(tensor.shape), str(tensor.dtype)))
+        return fn(tensor, *a, **k)
+
+    return posted
+
+
+for _name in ("isend", "irecv"):
+    _f = _recording(_name, getattr(distributed_c10d, _name))
+    setattr(distributed_c10d, _name, _f)
+    setattr(dist, _name, _f)
+
+
+def planned_messages(sched, rank: int, m: int) -> list:
+    """This rank's sends and receives as its plan gives them: (kind, shape, dtype), in stream
+    order, the shape from the instruction's tokens (seq dimension), MBS and HIDDEN."""
+    out = []
+    for ins in sched.instructions(rank):
+        kind = {"send": "isend", "recv": "irecv"}.get(ins.op.name)
+        if kind is not None:
+            out.append((kind, [ins.tokens, MBS, HIDDEN], "torch.float32"))
+    return out
 
 
 def make_forward_step(loss_mode: str, flags: list | None = None):
     def forward_step_func(data_iterator, model, *checkpoint):
         tokens, labels = next(data_iterator)
+        n = tokens.shape[1]
 
         def call():
             return model(
                 tokens if model.pre_process else None,
-                POSITION,
-                MASK,
+                position(n),
+                mask(n),
                 labels=labels if model.post_process else None,
             )
 
@@ -185,7 +246,21 @@ def value(entry) -> torch.Tensor:
 
 def run(cfg: dict, rank: int, memo: dict) -> dict:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if "compile" in cfg or "dir" in cfg:
+    lengths = cfg.get("lengths")  # per step, per microbatch
+    if lengths is not None and "compile" in cfg:
+        # A plan per step, from that step's lengths: compile the first one for the stage map.
+        def plan(step):
+            return pipec.compile(
+                **cfg["compile"], lengths=lengths[step], microbatch_order=cfg.get("order")
+            )
+
+        sched = plan(0)
+        mine = pm.stage_indices(sched, rank)
+        layers = pm.stage_layers(sched)
+        vpp = len(mine) if len(mine) > 1 else None
+        m = sched.num_microbatches
+        del sched
+    elif "compile" in cfg or "dir" in cfg:
         # A sealed directory: a compiled schedule with memory instructions added (verified).
         sched = pipec.load(cfg["dir"]) if "dir" in cfg else pipec.compile(**cfg["compile"])
         mine = pm.stage_indices(sched, rank)
@@ -226,10 +301,26 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
     if cfg.get("poison_reload"):
         poison_reloads()
     grad_mode = torch.no_grad() if fo else torch.enable_grad()
+    megatron_cpu.SHAPE_SYNC["allowed"] = lengths is not None and "megatron" in cfg
+    shape_syncs = megatron_cpu.HITS["shape_sync"]
+    messages = {"plan_equal": [], "posted": 0, "shape_messages": 0}
+    previous = None  # the last step's function, weakly: gone (with its plan) once dropped
+    if lengths is not None:
+        gc.disable()  # as Megatron-LM's --manual-gc: only reference counts free anything
     for step in range(STEPS):
-        batch = data(step, m)
+        batch = data(step, m, None if lengths is None else lengths[step])
         opt.zero_grad()
         ref_opt.zero_grad()
+        if lengths is not None and "compile" in cfg:
+            func = None
+            if previous is not None and previous() is not None:
+                raise AssertionError(f"step {step}: the previous step's function is alive")
+            sched = plan(step)
+            func = pm.forward_backward_func(sched)
+            want = planned_messages(sched, rank, m)
+            previous = weakref.ref(func)
+            del sched
+        POSTED["on"], POSTED["ops"] = True, []
         with grad_mode:
             losses = func(
                 forward_step_func=fstep,
@@ -241,6 +332,21 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
                 forward_only=fo,
                 collect_non_loss_data=collect,
             )
+            POSTED["on"] = False
+            posted = POSTED["ops"]
+            messages["posted"] += len(posted)
+            # Megatron's shape messages: the 3 int64 dimensions of the tensor that follows.
+            messages["shape_messages"] += sum(1 for p in posted if p[2] == "torch.int64")
+            if lengths is not None and "compile" in cfg:
+                # pipec's: exactly the plan's, in the plan's order (each comm batch posts its
+                # ops in stream order), with the plan's shapes; nothing else.
+                messages["plan_equal"].append(posted == want)
+                if posted != want:
+                    messages["first_difference"] = next(
+                        (i, a, b)
+                        for i, (a, b) in enumerate(zip(posted + [None], want + [None]))
+                        if a != b
+                    )
             ref_losses = schedules.forward_backward_no_pipelining(
                 forward_step_func=fstep,
                 data_iterator=iter(batch),
@@ -280,6 +386,9 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
                 record["grads"][f"{step}:{rname}"] = p.grad.clone()
         opt.step()
         ref_opt.step()
+    if lengths is not None:
+        gc.enable()
+    megatron_cpu.SHAPE_SYNC["allowed"] = False
     record["flags"] = flags
     store = getattr(func, "pipec_memory", None)  # the offload store of pipec.megatron's run
     memo[cfg["name"]] = record
@@ -292,6 +401,8 @@ def run(cfg: dict, rank: int, memo: dict) -> dict:
         "grad_diff": grad_diff,
         # The memory trace of the last step (pipec._offload.MemoryEvent rows).
         "memory_events": [list(e) for e in store.events] if store is not None else [],
+        "messages": messages,
+        "shape_syncs": megatron_cpu.HITS["shape_sync"] - shape_syncs,
     }
     other = cfg.get("compare_with")
     if other is not None:

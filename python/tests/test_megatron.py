@@ -220,6 +220,115 @@ PP4 = [
     pipec_cfg("dualpipe-v-pp4", 4, 8, L4, schedule="dualpipe-v"),
 ]
 
+# Microbatches of different lengths (#38), two steps of other lengths each (at most SEQ = 8
+# tokens, the model's position table): Megatron's own schedules with variable_seq_lengths (a
+# shape message before every tensor), then pipec's plans compiled per step from the lengths
+# (no shape message), in index order and in permuted orders, compared with Megatron's run on
+# the same model and with the unpipelined one. Last in each launch: a Megatron run that hung
+# would end the launch.
+VARLEN = {"variable_seq_lengths": True}
+LEN_PP2 = [[8, 3, 5, 6], [2, 7, 4, 8]]
+LEN_PP4 = [[8, 2, 6, 4, 7, 3, 5, 8], [3, 8, 5, 2, 6, 8, 4, 7]]
+
+
+def varlen_cfg(cfg, lengths, order=None, like=None):
+    """``like``: Megatron's run of the same model on another placement (its losses and
+    gradients sit on other ranks, so each is compared with the unpipelined run, bitwise)."""
+    cfg = dict(cfg, lengths=lengths)
+    cfg["p2p"] = dict(cfg.get("p2p") or {}, **VARLEN)
+    if order is not None:
+        cfg["order"] = order
+    if like is not None:
+        cfg["like"] = like
+    return cfg
+
+
+MG_VARLEN_PP2, MG_VARLEN_PP4 = "megatron-1f1b-varlen-pp2", "megatron-interleaved-varlen-pp4"
+PP2 += [
+    varlen_cfg(megatron_cfg(MG_VARLEN_PP2, MG_1F1B, L2_1, 4), LEN_PP2),
+    varlen_cfg(pipec_cfg("1f1b-varlen-pp2", 2, 4, L2_1, MG_VARLEN_PP2, schedule="1f1b"), LEN_PP2),
+    varlen_cfg(
+        pipec_cfg("1f1b-varlen-order-pp2", 2, 4, L2_1, MG_VARLEN_PP2, schedule="1f1b"),
+        LEN_PP2,
+        order=[3, 1, 0, 2],
+    ),
+    # The same 4-layer model on 4 stages.
+    varlen_cfg(
+        pipec_cfg("zb-v-varlen-pp2", 2, 4, L2, schedule="zb-v"), LEN_PP2, like=MG_VARLEN_PP2
+    ),
+    varlen_cfg(
+        pipec_cfg("zb-v-varlen-order-pp2", 2, 4, L2, schedule="zb-v"),
+        LEN_PP2,
+        order=[2, 0, 3, 1],
+        like=MG_VARLEN_PP2,
+    ),
+    varlen_cfg(
+        pipec_cfg(
+            "interleaved-1f1b-varlen-pp2",
+            2,
+            4,
+            L2,
+            p2p={"deallocate_pipeline_outputs": True},
+            schedule="interleaved-1f1b",
+            vpp=2,
+        ),
+        LEN_PP2,
+        like=MG_VARLEN_PP2,
+    ),
+    # Megatron's own interleaved run in this mode crosses the shapes at pp = 2 (gloo aborts:
+    # "Received data size doesn't match expected size"); pipec's sends none to cross.
+    varlen_cfg(
+        pipec_cfg(
+            "interleaved-1f1b-varlen-unbatched-pp2",
+            2,
+            4,
+            L2,
+            schedule="interleaved-1f1b",
+            vpp=2,
+            megatron_p2p="unbatched",
+        ),
+        LEN_PP2,
+        like=MG_VARLEN_PP2,
+    ),
+]
+
+PP4 += [
+    varlen_cfg(megatron_cfg("megatron-1f1b-varlen-pp4", MG_1F1B, L4_1, 8), LEN_PP4),
+    varlen_cfg(megatron_cfg(MG_VARLEN_PP4, MG_INTERLEAVED, L4, 8, 2, batch_p2p_comm=True), LEN_PP4),
+    varlen_cfg(
+        pipec_cfg("1f1b-varlen-pp4", 4, 8, L4_1, "megatron-1f1b-varlen-pp4", schedule="1f1b"),
+        LEN_PP4,
+    ),
+    varlen_cfg(
+        pipec_cfg(
+            "interleaved-1f1b-varlen-pp4",
+            4,
+            8,
+            L4,
+            MG_VARLEN_PP4,
+            schedule="interleaved-1f1b",
+            vpp=2,
+        ),
+        LEN_PP4,
+    ),
+    varlen_cfg(
+        pipec_cfg(
+            "interleaved-1f1b-varlen-order-pp4",
+            4,
+            8,
+            L4,
+            MG_VARLEN_PP4,
+            schedule="interleaved-1f1b",
+            vpp=2,
+        ),
+        LEN_PP4,
+        order=[7, 0, 5, 2, 3, 4, 1, 6],
+    ),
+    varlen_cfg(
+        pipec_cfg("zb-v-varlen-pp4", 4, 8, L4, schedule="zb-v"), LEN_PP4, like=MG_VARLEN_PP4
+    ),
+]
+
 LAUNCHES = {2: PP2, 4: PP4}
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "python" / "examples" / "megatron_train.py"
@@ -304,6 +413,44 @@ def test_megatron_interleaved_batched_at_pp2_is_wrong_and_pipec_refuses_it(resul
         pipec.compile("interleaved-1f1b", 2, 4, vpp=2, megatron_p2p="batched")
     assert "megatron-interleaved-batched-pp4" in ALL  # and at pp=4 Megatron's batched is right
     assert_like_unpipelined(results, "megatron-interleaved-batched-pp4")
+
+
+VARLEN_PIPEC = [n for n, (_, c) in ALL.items() if "lengths" in c and "compile" in c]
+VARLEN_MEGATRON = [n for n, (_, c) in ALL.items() if "lengths" in c and "megatron" in c]
+
+
+@pytest.mark.parametrize("name", VARLEN_PIPEC)
+def test_varlen_messages_are_exactly_the_plans(results, name):
+    """Under variable_seq_lengths pipec.megatron posts exactly its plan's sends and receives:
+    every isend/irecv of each step on each rank, in order, equals the rank's send/recv
+    instructions of that step's plan with the plan's tokens as the sequence dimension; no
+    shape message, no synchronize. (Its losses and gradients: the tests above, against the
+    unpipelined run and, where the placement is Megatron's, Megatron's own varlen run.)"""
+    for d in ranks_of(results, name):
+        msg = d["messages"]
+        assert msg["plan_equal"] == [True, True], (name, d["rank"], msg)
+        assert msg["shape_messages"] == 0 and d["shape_syncs"] == 0, (name, msg)
+        assert msg["posted"] > 0, msg
+    like = ALL[name][1].get("like")
+    if like is not None:  # the same model on Megatron's placement: both equal the unpipelined
+        assert_like_unpipelined(results, like)
+
+
+@pytest.mark.parametrize("name", VARLEN_MEGATRON)
+def test_megatrons_own_varlen_run_exchanges_shapes_and_is_right_here(results, name):
+    """The reference runs are what they claim: Megatron's variable_seq_lengths path ran (a
+    3-number int64 shape message before each tensor, then its synchronize), twice the
+    messages of pipec's plan, and it trained like the unpipelined model."""
+    assert_like_unpipelined(results, name)
+    for d in ranks_of(results, name):
+        msg = d["messages"]
+        assert msg["shape_messages"] * 2 == msg["posted"] > 0, (name, msg)
+        assert d["shape_syncs"] > 0, d
+    pipec_runs = [n for n in VARLEN_PIPEC if ALL[n][1].get("compare_with") == name]
+    assert pipec_runs, name
+    for n in pipec_runs:
+        for mine, theirs in zip(ranks_of(results, n), ranks_of(results, name), strict=True):
+            assert mine["messages"]["posted"] * 2 == theirs["messages"]["posted"], (n, name)
 
 
 def test_cpu_patches_take_effect(results):
@@ -446,28 +593,121 @@ def test_refuses_dualpipe():
         pm.stage_indices(s, 0)
 
 
-def test_refuses_forwards_out_of_microbatch_order(tmp_path):
-    """#41: pipec.megatron applies the Rust rule (``Schedule.refusal("megatron")``, what
-    ``pipec tune --target megatron`` filters by) in its own words: Megatron's data iterators
-    hand out microbatches in order, so every stage runs its forwards in that order."""
+def test_forwards_out_of_microbatch_order_are_fed_by_id(tmp_path):
+    """#38: forwards may enter in any microbatch order (a tuned ``microbatch_order``): the
+    Rust rule (``Schedule.refusal("megatron")``, what ``pipec tune --target megatron`` filters
+    by) accepts them, and pipec.megatron hands each forward its own microbatch (trained in
+    the launches above: the ``-order-`` configurations). Only the placement is refused."""
     from test_api import forwards_out_of_order
 
     s = forwards_out_of_order(tmp_path)
-    assert "out of microbatch order (0 after 1)" in s.refusal("megatron")
-    assert pm.stage_indices(s, 0) == [0]  # the placement is fine
-    with pytest.raises(pipec.PipecError) as e:
-        pm.forward_backward_func(s)
-    assert str(e.value) == (
-        "gpipe runs the forwards of stage 0 (rank 0) in the order [1, 0]; Megatron's data "
-        "iterators hand out microbatches in order, so the microbatches would get the wrong "
-        "data. Refusing to run it"
-    )
+    assert s.refusal("megatron") is None
+    assert callable(pm.forward_backward_func(s))
     with pytest.raises(pipec.PipecError) as e:
         pm.stage_indices(pipec.compile("dualpipe", 2, 4), 0)
     assert str(e.value) == (
         "dualpipe places every stage on two ranks (one copy per direction, with their "
         "gradients summed); a Megatron model chunk lives on one rank, so pipec.megatron "
         "cannot run it (use dualpipe-v, its V-shaped form)"
+    )
+
+
+def test_data_by_id_draws_lazily_in_microbatch_order():
+    """A chunk whose forwards run microbatches 2, 0, 3, 1 gets items 2, 0, 3, 1 of an iterator
+    that yields them in order, drawing no item before a forward asks (never ahead of the
+    microbatch asked for), and a second next() in one forward is refused."""
+    drawn = []
+
+    def items():
+        for k in range(4):
+            drawn.append(k)
+            yield f"item {k}"
+
+    feed = pm._ById(items(), rank=1, chunk=0)
+    got, counts = [], []
+    assert drawn == []
+    for mb in (2, 0, 3, 1):
+        feed.want = mb
+        got.append(next(feed))
+        counts.append(len(drawn))
+    assert got == ["item 2", "item 0", "item 3", "item 1"]
+    assert counts == [3, 3, 4, 4] and drawn == [0, 1, 2, 3]
+    feed.want = 0
+    with pytest.raises(pipec.PipecError, match="already taken"):
+        next(feed)
+    with pytest.raises(pipec.PipecError, match="twice in one forward"):
+        next(feed)
+
+
+def varlen_call(s, variable: bool, cp: int = 1, seq: int = 8):
+    """Rank 0 of a pp=2 looped schedule, called with a model config that says
+    ``variable_seq_lengths``: everything before the first instruction runs."""
+    config = types.SimpleNamespace(
+        num_microbatches_with_partial_activation_checkpoints=None,
+        variable_seq_lengths=variable,
+        sequence_parallel=False,
+    )
+    chunk = Chunk(pre=True)
+    chunk.config = config
+    group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    size = types.SimpleNamespace(size=lambda: cp)
+    return pm.forward_backward_func(s)(
+        forward_step_func=None,
+        data_iterator=iter(()),
+        model=[chunk],
+        num_microbatches=s.num_microbatches,
+        seq_length=seq,
+        micro_batch_size=1,
+        p2p_communicator=types.SimpleNamespace(pp_group=group),
+        pg_collection=types.SimpleNamespace(cp=size, tp=size),
+    )
+
+
+def test_variable_seq_lengths_needs_a_plan_with_lengths():
+    """Megatron exchanges each message's shape under variable_seq_lengths; pipec.megatron
+    exchanges none, so a plan without lengths has nothing to size the receives from."""
+    with pytest.raises(
+        pipec.PipecError, match=r"carries no microbatch lengths.*lengths=\[\.\.\.\]"
+    ):
+        varlen_call(pipec.compile("1f1b", 2, 4), variable=True)
+
+
+def test_lengths_without_variable_seq_lengths_are_refused_unless_they_are_seq_length():
+    """Without variable_seq_lengths every Megatron message is seq_length tokens: a plan whose
+    lengths say otherwise is refused, naming the first microbatch that differs; one whose
+    lengths are all seq_length agrees with it (checked without running)."""
+    s = pipec.compile("1f1b", 2, lengths=[8, 3, 5, 6])
+    with pytest.raises(pipec.PipecError, match=r"microbatch 1: 3 tokens.*seq_length=8"):
+        varlen_call(s, variable=False)
+    config = types.SimpleNamespace(variable_seq_lengths=False)
+    pm._check_lengths(pipec.compile("1f1b", 2, lengths=[8, 8, 8, 8]), config, 8, None)
+    with pytest.raises(pipec.PipecError, match="microbatch 0: 8 tokens"):
+        pm._check_lengths(pipec.compile("1f1b", 2, lengths=[8, 8, 8, 8]), config, 16, None)
+
+
+def test_lengths_must_split_over_context_parallel_ranks():
+    s = pipec.compile("1f1b", 2, lengths=[8, 6, 3, 4])
+    with pytest.raises(pipec.PipecError, match="microbatch 2 has 3 tokens.*2 equal parts"):
+        varlen_call(s, variable=True, cp=2)
+
+
+def test_a_tensor_of_another_shape_than_the_plans_is_not_sent():
+    """The receiver allocates from the plan; the sender checks its tensor against the same
+    plan before posting it (a batch of other lengths than the plan's is the user's error)."""
+    import torch
+
+    s = pipec.compile("1f1b", 2, lengths=[8, 3, 5, 6])
+    send = next(i for i in s.instructions(0) if i.op.name == "send" and i.mb == 1)
+    assert send.tokens == 3
+    ex = types.SimpleNamespace(
+        variable=True, seq_divisor=1, tensor_shape=[8, 2, 16], rank=0, kw={"seq_length": 8}
+    )
+    ex._shape = lambda ins: pm._Executor._shape(ex, ins)
+    pm._Executor._check_sent(ex, send, torch.zeros(3, 2, 16))  # the plan's shape
+    with pytest.raises(pipec.PipecError) as e:
+        pm._Executor._check_sent(ex, send, torch.zeros(8, 2, 16))
+    assert "activation of stage 0, microbatch 1 has shape [8, 2, 16], but the plan's 3 " in str(
+        e.value
     )
 
 
@@ -491,6 +731,37 @@ def test_docs_show_the_example_script():
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("### Megatron-LM") :]
     assert "python/examples/megatron_train.py" in section[: section.index("\n### ")]
+
+
+LENGTHS_EXAMPLE = REPO / "python" / "examples" / "megatron_lengths.py"
+
+
+def test_docs_show_the_lengths_example():
+    doc = (REPO / "docs" / "megatron.md").read_text()
+    m = re.search(
+        r"<!-- python/examples/megatron_lengths.py -->\n```python\n(.*?)```", doc, re.DOTALL
+    )
+    assert m, "docs/megatron.md embeds python/examples/megatron_lengths.py"
+    assert m.group(1) == LENGTHS_EXAMPLE.read_text()
+
+
+def test_the_lengths_example_trains(tmp_path):
+    """Packed documents of random lengths, a ZB-V plan compiled per step from them, on two CPU
+    processes under variable_seq_lengths (the script unchanged, the CPU patches first): it
+    learns the counting documents."""
+    runner = (
+        "import runpy, sys; sys.path.insert(0, sys.argv[1]); import megatron_cpu; "
+        "runpy.run_path(sys.argv[2], run_name='__main__')"
+    )
+    here = str(Path(__file__).resolve().parent)
+    argv = [sys.executable, "-c", runner, here, str(LENGTHS_EXAMPLE)]
+    ok, logs = launch.launch(lambda r, port: argv, 2, tmp_path, LAUNCH_TIMEOUT)
+    assert ok, logs
+    steps = re.findall(r"step \d+: loss ([0-9.]+) \((\d+) tokens\)", logs)
+    assert len(steps) == 3, logs
+    losses = [float(x) for x, _ in steps]
+    assert losses[-1] < losses[0] - 0.2, logs
+    assert len({n for _, n in steps}) > 1, logs  # the batches had other lengths
 
 
 def test_the_example_script_trains(tmp_path):
