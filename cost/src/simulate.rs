@@ -646,9 +646,15 @@ impl<'a> Sim<'a> {
         .unwrap_or(0.0)
     }
 
-    /// The time of message `ins` (a send or a recv): its microbatch's with lengths.
+    /// The time of message `ins` (a send or a recv): its microbatch's with lengths; a shape
+    /// message (Megatron's handshake, three integers) only the latency `p2p`.
     #[inline]
     fn transfer_of(&self, ins: &Instr) -> f64 {
+        if let Instr::Send { payload, .. } | Instr::Recv { payload, .. } = ins {
+            if payload.kind.is_shape() {
+                return self.costs.model.p2p;
+            }
+        }
         if self.mb_transfer.is_empty() {
             return self.transfer;
         }
