@@ -88,6 +88,9 @@ impl Target {
     pub fn refuse(self, program: &Program) -> Result<(), Refusal> {
         self.refuse_placement(&program.placement)?;
         self.check_memory_ops(program).map_err(Refusal::MemoryOps)?;
+        if program.lengths.is_some() && !self.runs_lengths() {
+            return Err(Refusal::Lengths);
+        }
         match self {
             Target::Torch | Target::Torchtitan => forwards_in_order(program, true),
             Target::Megatron | Target::PipecRun | Target::Deepspeed | Target::Any => Ok(()),
@@ -117,6 +120,17 @@ impl Target {
                     None => Ok(()),
                 }
             }
+        }
+    }
+
+    /// Whether the target's adapter runs microbatches of different lengths (issue #38), each
+    /// receive sized from the plan: pipec-run, `pipec.torch` and `pipec.megatron` do;
+    /// torchtitan runs torch's CSV, which carries no shapes, and DeepSpeed's engine sizes its
+    /// receive buffers from the first microbatch (DeepSpeed #3195).
+    pub fn runs_lengths(self) -> bool {
+        match self {
+            Target::PipecRun | Target::Any | Target::Torch | Target::Megatron => true,
+            Target::Torchtitan | Target::Deepspeed => false,
         }
     }
 
@@ -219,6 +233,9 @@ pub enum Refusal {
         order: Vec<u32>,
         last_only: bool,
     },
+    /// The program's microbatches have different lengths, which the target cannot size
+    /// ([`Target::runs_lengths`]).
+    Lengths,
 }
 
 impl Refusal {
@@ -248,6 +265,8 @@ impl Refusal {
                     "rank {rank} runs the forwards of stage {stage} out of microbatch order ({mb} after {prev}); {what}"
                 )
             }
+            Refusal::Lengths => "its microbatches have different lengths, and this framework                  sizes every receive once (torchtitan runs torch's CSV, which carries no shapes;                  DeepSpeed's engine keeps the first microbatch's shapes, DeepSpeed #3195):                  pipec.megatron, pipec.torch and pipec-run size each receive from the plan"
+                .to_string(),
         }
     }
 
@@ -347,9 +366,15 @@ impl TargetChoice {
         }
     }
 
-    /// `not runnable on torch: <reason>` from the first target that refuses, or `None`.
+    /// `not runnable on torch: <reason>` from the first target that refuses, or `None`. With
+    /// microbatch lengths, every framework means every framework that runs them
+    /// ([`Target::runs_lengths`]): a plan for the others cannot exist.
     pub fn refusal(self, program: &Program) -> Option<String> {
+        let every = self == TargetChoice::Every;
         self.targets().into_iter().find_map(|t| {
+            if every && program.lengths.is_some() && !t.runs_lengths() {
+                return None;
+            }
             t.check(program)
                 .err()
                 .map(|why| format!("not runnable on {t}: {why}"))

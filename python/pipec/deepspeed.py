@@ -102,6 +102,14 @@ def check(
                         "DeepSpeed applies only in its whole-backward path; compile a kind "
                         "without split backward (1f1b, gpipe) or train in fp32"
                     )
+                case Op.sized_send | Op.sized_recv:
+                    # `eligible` refuses plans with lengths first; a file that sizes its
+                    # messages without them is refused here, by name.
+                    raise PipecError(
+                        f"rank {r}, #{i}: {ins.op.name} carries {ins.tokens} tokens; DeepSpeed's "
+                        "engine sizes its receive buffers once and cannot run microbatches of "
+                        "different lengths"
+                    )
                 case Op.fwd | Op.bwd | Op.bwd_D | Op.bwd_W | Op.fwd_bwd | Op.wait:
                     pass  # waits are left out of the blocking order (every batch blocks)
                 case Op.fwd_checkpoint | Op.offload | Op.reload | Op.wait_offload | Op.recompute:
