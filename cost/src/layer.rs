@@ -28,3 +28,15 @@ impl PassCost {
         w: 0.0,
     };
 }
+
+/// A part whose whole time at `seq` tokens is `total`, `attn` of it attention, for a
+/// microbatch of scale `(lin, quad)`: `lin (total - attn) + quad attn`, and `total` itself
+/// at `(1, 1)` (bit for bit, whatever the rounding of the split). Never below 0.
+#[inline]
+pub fn scaled(total: f64, attn: f64, lin: f64, quad: f64) -> f64 {
+    if lin == 1.0 && quad == 1.0 {
+        total
+    } else {
+        (lin * (total - attn) + quad * attn).max(0.0)
+    }
+}

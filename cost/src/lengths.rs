@@ -19,9 +19,10 @@
 //! `seq` is the cost key `seq`, else the `[model]` table's `seq`, else (lengths given but
 //! neither) the longest microbatch's tokens, which headers say ([`Scale::describe`]).
 
-use crate::cost::CostModel;
+use crate::cost::{CostModel, StageCosts};
 use pipec_ir::ir::Program;
 use pipec_schedules::Lengths;
+use pipec_schedules::{Compute, Pass};
 
 /// Where a [`Scale`]'s `seq` came from.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -117,17 +118,7 @@ impl Scale {
     }
 }
 
-/// A part whose whole time at `seq` tokens is `total`, `attn` of it attention, for a
-/// microbatch of scale `(lin, quad)`: `lin (total - attn) + quad attn`, and `total` itself
-/// at `(1, 1)` (bit for bit, whatever the rounding of the split). Never below 0.
-#[inline]
-pub fn scaled(total: f64, attn: f64, lin: f64, quad: f64) -> f64 {
-    if lin == 1.0 && quad == 1.0 {
-        total
-    } else {
-        (lin * (total - attn) + quad * attn).max(0.0)
-    }
-}
+pub use crate::layer::scaled;
 
 impl CostModel {
     /// [`CostModel::describe`] for a program with `lengths`: the same line, and with lengths
@@ -160,5 +151,29 @@ mod tests {
         assert!(s.describe().contains("per 16 tokens (the `seq` key)"));
         assert_eq!(scaled(3.0, 1.0, 1.0, 1.0), 3.0);
         assert_eq!(scaled(3.0, 1.0, 0.5, 0.25), 1.25);
+    }
+}
+
+impl Scale {
+    /// [`StageCosts::compute`] with each part costed for its own microbatch under this scale
+    /// (an overlapped pair: its forward by the forward's microbatch, its backward by the
+    /// backward's). Microbatches the scale does not know cost what a `seq`-token one does.
+    #[inline]
+    pub fn compute(&self, costs: &StageCosts, op: &Compute) -> Option<f64> {
+        let one = |pass: Pass, t: pipec_schedules::Task| {
+            let (lin, quad) = self.factors(t.mb.0);
+            costs.pass_scaled(pass, t.stage, lin, quad)
+        };
+        match *op {
+            Compute::Fwd(t) => one(Pass::Fwd, t),
+            Compute::Bwd(t) => one(Pass::Bwd, t),
+            Compute::BwdD(t) => one(Pass::BwdD, t),
+            Compute::BwdW(t) => one(Pass::BwdW, t),
+            Compute::FwdBwd { fwd, bwd } => {
+                let f = one(Pass::Fwd, fwd)?;
+                let b = one(Pass::Bwd, bwd)?;
+                Some(f.max(b) + (1.0 - costs.model.overlap) * f.min(b))
+            }
+        }
     }
 }

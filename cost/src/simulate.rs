@@ -793,7 +793,7 @@ impl<'a> Sim<'a> {
                     // Ids were range-checked in `check_ids`.
                     let d = match &self.scale {
                         None => self.costs.compute(op),
-                        Some(s) => self.costs.compute_scaled(op, s),
+                        Some(s) => s.compute(self.costs, op),
                     }
                     .unwrap_or(0.0)
                         * self.costs.rank_factor(r);

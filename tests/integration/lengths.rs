@@ -257,3 +257,95 @@ fn bad_lengths_files_are_refused_naming_the_line() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// The README's lengths table is what pipec computes: for each row, index order is `pipec
+/// compile` of the kind on the layout tune chose, simulated; tune's order is `pipec tune
+/// --kinds KIND`'s row of that kind (run from the repository root, on the committed files).
+#[test]
+fn readme_lengths_table_is_current() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let section = &readme[readme.find("## Microbatches of different lengths").unwrap()..];
+    let rows: Vec<Vec<String>> = section
+        .lines()
+        .skip_while(|l| !l.starts_with("| lengths |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+        .collect();
+    assert_eq!(rows.len(), 6, "{section}");
+    let tmp = tempfile::tempdir().unwrap();
+    let json = |cmd: &mut std::process::Command| -> serde_json::Value {
+        let o = cmd.current_dir(&root).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let gib = |x: f64| format!("{:.1} GiB", x / (1u64 << 30) as f64);
+    for r in rows {
+        let (file, kind) = (
+            format!("bench/lengths/{}.txt", r[1]),
+            r[2].split(' ').next().unwrap(),
+        );
+        let common = [
+            "--pp",
+            "8",
+            "--num-layers",
+            "32",
+            "--cost-file",
+            "bench/lengths/llama-8b.toml",
+            "--microbatch-lengths",
+            &file,
+        ];
+        let t = json(
+            pipec_with(["tune"])
+                .args(common)
+                .args(["--target", "megatron", "--kinds", kind, "--json"]),
+        );
+        let best = t["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["schedule"] == kind)
+            .min_by(|a, b| {
+                a["makespan"]
+                    .as_f64()
+                    .unwrap()
+                    .total_cmp(&b["makespan"].as_f64().unwrap())
+            })
+            .unwrap();
+        let dir = tmp.path().join(format!("{}-{kind}", r[1]));
+        let o = pipec_with(["compile", "--schedule", kind])
+            .args(common)
+            .args(["--layout", best["layout"].as_str().unwrap(), "-o"])
+            .arg(&dir)
+            .current_dir(&root)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let s = json(pipec_with(["simulate", "--json"]).arg(&dir));
+        let (a, b) = (
+            s["makespan"].as_f64().unwrap(),
+            best["makespan"].as_f64().unwrap(),
+        );
+        let index = format!("{a:.1}, {}", gib(s["peak_memory"].as_f64().unwrap()));
+        let tuned = format!(
+            "{b:.1} ({:+.1}%), {}",
+            100.0 * (b / a - 1.0),
+            gib(best["peak_memory"].as_f64().unwrap())
+        );
+        assert_eq!(
+            [&r[3], &r[4], &r[5]],
+            [
+                &index,
+                &tuned,
+                &best["microbatch_order_rule"].as_str().unwrap().to_string()
+            ],
+            "README row {r:?}"
+        );
+        let vpp = best["vpp"].as_u64().unwrap();
+        assert!(
+            vpp == 1 || kind == "zb-v" || r[2].ends_with(&format!("vpp={vpp}")),
+            "{r:?}"
+        );
+    }
+}

@@ -369,14 +369,14 @@ fn attention_is_quadratic_per_document() {
     let scale = Scale::of(&model, &l);
     let op = |mb| Compute::Fwd(Task::new(0, mb));
     let (long, short) = (
-        costs.compute_scaled(&op(0), &scale).unwrap(),
-        costs.compute_scaled(&op(1), &scale).unwrap(),
+        scale.compute(&costs, &op(0)).unwrap(),
+        scale.compute(&costs, &op(1)).unwrap(),
     );
     assert_eq!((long, short), (1.0 + 2.0, 1.0 + 2.0 / 8.0));
     let bwd = |mb| Compute::Bwd(Task::new(0, mb));
     assert_eq!(
-        costs.compute_scaled(&bwd(0), &scale).unwrap() - 3.0,
-        8.0 * (costs.compute_scaled(&bwd(1), &scale).unwrap() - 3.0)
+        scale.compute(&costs, &bwd(0)).unwrap() - 3.0,
+        8.0 * (scale.compute(&costs, &bwd(1)).unwrap() - 3.0)
     );
     // The same in a simulation of one rank: forward 3 and backward 3 + 4, against 1.25 and
     // 3 + 0.5.
@@ -394,5 +394,5 @@ fn attention_is_quadratic_per_document() {
         fwd: Task::new(0, 1),
         bwd: Task::new(0, 0),
     };
-    assert_eq!(costs.compute_scaled(&pair, &scale), Some(7.0 + 1.25));
+    assert_eq!(scale.compute(&costs, &pair), Some(7.0 + 1.25));
 }

@@ -215,14 +215,18 @@ fn best_order(
 }
 
 /// Whether `a` beats `b` among one schedule's orders: runs on the target where `b` does not,
-/// else fits where `b` does not, else shorter
-/// (by more than rounding), else as long with a smaller peak.
+/// else fits where `b` does not, else, when neither fits the limit, the smaller peak (the
+/// order the levers start from, and the peak a refusal names), else shorter (by more than
+/// rounding), else as long with a smaller peak.
 fn better(a: &Candidate, b: &Candidate) -> bool {
     if a.not_runnable.is_some() != b.not_runnable.is_some() {
         return a.not_runnable.is_none();
     }
     if a.fits != b.fits {
         return a.fits;
+    }
+    if !a.fits && a.peak_memory != b.peak_memory {
+        return a.peak_memory < b.peak_memory;
     }
     let tie = (a.makespan - b.makespan).abs() <= 1e-12 * b.makespan.abs().max(1e-300);
     if tie {

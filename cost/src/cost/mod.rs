@@ -27,7 +27,7 @@
 //! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes: a copy takes `offload / 0.7` while the partner copies too, and pipec gives every copy that time (an upper bound) | `false` |
 //! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
 //! | `rank.R` | rank `R`'s compute takes this many times its layers' costs (a slower or busier device; PipeOffload's heavy first and last ranks); copies and messages keep their time | `1` |
-//! | `K.attn_f`, `K.attn_b`, `K.attn_w` for `K` in `E t m L` | the attention core's part of each pass for one causal sequence of `seq` tokens: a pass of a `seq`-token microbatch costs `K.f + K.attn_f`; with lengths it scales by the sum of each sequence's `(length / seq)^2` ([`crate::lengths`]) | `0`; a `[model]` table derives them |
+//! | `K.attn_f`, `K.attn_b`, `K.attn_w` for `K` in `E t m L` | the attention core's part of each pass for one causal sequence of `seq` tokens: a pass of a `seq`-token microbatch costs `K.f + K.attn_f`; with lengths it scales by the sum of each sequence's `(length / seq)^2` (the `lengths` module) | `0`; a `[model]` table derives them |
 //! | `seq` | tokens per microbatch that the per-layer keys describe (a whole number, at least 1); with lengths the linear parts scale by `tokens / seq` | the `[model]` table's `seq`, else the longest microbatch |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
@@ -97,10 +97,10 @@ pub struct CostModel {
     pub layers: [PassCost; 4],
     /// Per layer kind: the attention core's parts (`K.attn_f`, `K.attn_b`, `K.attn_w`) for
     /// one causal sequence of `seq` tokens, which scale with the sum over a microbatch's
-    /// sequences of `(length / seq)^2` ([`crate::lengths`]).
+    /// sequences of `(length / seq)^2` (the `lengths` module).
     pub attn: [PassCost; 4],
     /// `seq`: the tokens per microbatch the per-layer keys describe, when given (else the
-    /// `[model]` table's; see [`crate::lengths::Scale`]).
+    /// `[model]` table's; see the `lengths` module's `Scale`).
     pub seq: Option<u64>,
     pub floor: f64,
     pub p2p: f64,
@@ -834,13 +834,13 @@ impl StageCosts {
     }
 
     /// The cost of one pass of one stage for a microbatch of scale `(lin, quad)`
-    /// ([`crate::lengths::Scale`]): the linear part times `lin`, the attention part times
+    /// (the `lengths` module's `Scale`): the linear part times `lin`, the attention part times
     /// `quad`. At `(1, 1)` it is [`StageCosts::pass`] exactly.
     #[inline]
     pub fn pass_scaled(&self, pass: Pass, stage: StageId, lin: f64, quad: f64) -> Option<f64> {
         let s = stage.index();
         let part = |total: &[f64], attn: &[f64]| -> Option<f64> {
-            Some(crate::lengths::scaled(*total.get(s)?, attn[s], lin, quad))
+            Some(crate::layer::scaled(*total.get(s)?, attn[s], lin, quad))
         };
         Some(match pass {
             Pass::Fwd => part(&self.fwd, &self.attn_fwd)?,
@@ -850,28 +850,6 @@ impl StageCosts {
                 part(&self.bwd_d, &self.attn_bwd_d)? + part(&self.bwd_w, &self.attn_bwd_w)?
             }
         })
-    }
-
-    /// [`StageCosts::compute`] with each part costed for its own microbatch under `scale`
-    /// (an overlapped pair: its forward by the forward's microbatch, its backward by the
-    /// backward's). Microbatches `scale` does not know cost what a `seq`-token one does.
-    #[inline]
-    pub fn compute_scaled(&self, op: &Compute, scale: &crate::lengths::Scale) -> Option<f64> {
-        let one = |pass: Pass, t: pipec_schedules::Task| {
-            let (lin, quad) = scale.factors(t.mb.0);
-            self.pass_scaled(pass, t.stage, lin, quad)
-        };
-        match *op {
-            Compute::Fwd(t) => one(Pass::Fwd, t),
-            Compute::Bwd(t) => one(Pass::Bwd, t),
-            Compute::BwdD(t) => one(Pass::BwdD, t),
-            Compute::BwdW(t) => one(Pass::BwdW, t),
-            Compute::FwdBwd { fwd, bwd } => {
-                let f = one(Pass::Fwd, fwd)?;
-                let b = one(Pass::Bwd, bwd)?;
-                Some(f.max(b) + (1.0 - self.model.overlap) * f.min(b))
-            }
-        }
     }
 
     /// Rank `r`'s compute time factor (`rank.R`, default 1).
