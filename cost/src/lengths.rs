@@ -133,27 +133,6 @@ impl CostModel {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn factors_by_hand() {
-        let l = Lengths::parse("8\n4 4\n2,2,2,2\n").unwrap();
-        let s = Scale::of(&CostModel::default(), &l);
-        assert_eq!((s.seq, s.seq_from), (8, SeqFrom::Longest));
-        assert_eq!(s.lin, [1.0, 1.0, 1.0]);
-        assert_eq!(s.quad, [1.0, 0.5, 0.25]);
-        let s = Scale::of(&CostModel::parse("seq=16").unwrap(), &l);
-        assert_eq!((s.seq, s.seq_from), (16, SeqFrom::Key));
-        assert_eq!(s.factors(0), (0.5, 0.25));
-        assert_eq!(s.factors(9), (1.0, 1.0));
-        assert!(s.describe().contains("per 16 tokens (the `seq` key)"));
-        assert_eq!(scaled(3.0, 1.0, 1.0, 1.0), 3.0);
-        assert_eq!(scaled(3.0, 1.0, 0.5, 0.25), 1.25);
-    }
-}
-
 impl Scale {
     /// [`StageCosts::compute`] with each part costed for its own microbatch under this scale
     /// (an overlapped pair: its forward by the forward's microbatch, its backward by the
@@ -175,5 +154,26 @@ impl Scale {
                 Some(f.max(b) + (1.0 - costs.model.overlap) * f.min(b))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn factors_by_hand() {
+        let l = Lengths::parse("8\n4 4\n2,2,2,2\n").unwrap();
+        let s = Scale::of(&CostModel::default(), &l);
+        assert_eq!((s.seq, s.seq_from), (8, SeqFrom::Longest));
+        assert_eq!(s.lin, [1.0, 1.0, 1.0]);
+        assert_eq!(s.quad, [1.0, 0.5, 0.25]);
+        let s = Scale::of(&CostModel::parse("seq=16").unwrap(), &l);
+        assert_eq!((s.seq, s.seq_from), (16, SeqFrom::Key));
+        assert_eq!(s.factors(0), (0.5, 0.25));
+        assert_eq!(s.factors(9), (1.0, 1.0));
+        assert!(s.describe().contains("per 16 tokens (the `seq` key)"));
+        assert_eq!(scaled(3.0, 1.0, 1.0, 1.0), 3.0);
+        assert_eq!(scaled(3.0, 1.0, 0.5, 0.25), 1.25);
     }
 }
