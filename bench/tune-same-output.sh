@@ -72,7 +72,8 @@ for i in "${!cases[@]}"; do
   done
   if ! diff -r "$tmp/old" "$tmp/new" >/dev/null; then
     echo "differs: ${cases[$i]}" && differ=1
-    diff -r "$tmp/old" "$tmp/new" | head -10
+    # `|| true`: under pipefail a closed pipe (head) would end the script at the first case.
+    diff -r "$tmp/old" "$tmp/new" | head -10 || true
   fi
   rm -rf "$tmp/old" "$tmp/new"
 done
