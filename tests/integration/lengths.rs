@@ -191,6 +191,16 @@ fn files_carry_lengths_and_check_show_and_simulate_read_them() {
             );
         }
     }
+    // The trace names each message's size.
+    let o = pipec_with(["export", "--format", "chrome-trace"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let trace = String::from_utf8_lossy(&o.stdout);
+    for t in [4096, 3500, 300, 8008] {
+        assert!(trace.contains(&format!("\"tokens\":{t}")), "{t}");
+    }
     // torch's CSV carries no shapes: refused, with the reason.
     let o = pipec_with(["export", "--format", "torch-csv"])
         .arg(&dir)

@@ -156,18 +156,20 @@ impl TraceBuilder {
                         peer,
                         payload,
                         batch,
-                        ..
+                        tokens,
                     }
                     | Instr::Recv {
                         peer,
                         payload,
                         batch,
-                        ..
+                        tokens,
                     } => {
                         let kind = payload.kind.name();
+                        // The message's size, when the plan knows its microbatches' lengths.
+                        let size = tokens.map_or(String::new(), |t| format!(r#","tokens":{t}"#));
                         let _ = write!(
                             e,
-                            r#"{{"ph":"X","name":{},"cat":"comm","pid":{pid},"tid":{r},"ts":{},"dur":{},"args":{{"instr":{i},"peer":{},"payload":"{kind}","stage":{},"mb":{},"batch":{batch}}}}}"#,
+                            r#"{{"ph":"X","name":{},"cat":"comm","pid":{pid},"tid":{r},"ts":{},"dur":{},"args":{{"instr":{i},"peer":{},"payload":"{kind}","stage":{},"mb":{},"batch":{batch}{size}}}}}"#,
                             js(&comm_name(ins)),
                             at(s.start),
                             dur(s.start, s.end),
