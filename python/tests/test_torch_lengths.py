@@ -30,6 +30,9 @@ PACKED = [[3, 4], [5], [2, 2, 2], [9], [1, 7], [4]]
 ORDER = [2, 0, 5, 3, 1, 4]
 #: Costs under which tune, at pp=2 over PACKED, reorders (test_tune_reorders_for_torch).
 TUNE = {"pp": 2, "microbatches": None, "cost": "f=1,b=1,w=1,p2p=0.1", "target": "torch"}
+#: The same with activations weighed and a limit under which tune's torch plan both reorders
+#: and offloads (the memory actions are renumbered for torch too).
+TUNE_OFFLOAD = dict(TUNE, cost="f=1,b=1,w=1,p2p=0.1,t.act=1", memory_limit="4.33")
 
 CASES = [
     ("lengths-1f1b", {"schedule": "1f1b"}),
@@ -41,7 +44,8 @@ CASES = [
         {"schedule": "interleaved-1f1b", "vpp": 2, "microbatch_order": ORDER},
     ),
     ("ordered-zb-v", {"schedule": "zb-v", "microbatch_order": ORDER}),
-    ("tuned-for-torch", None),
+    ("tuned-for-torch", TUNE),
+    ("tuned-for-torch-offload", TUNE_OFFLOAD),
 ]
 
 
@@ -55,8 +59,8 @@ def trained(tmp_path_factory):
             "tol": TOL,
             "lengths": True,
             **(
-                {"tune": dict(TUNE, lengths=PACKED)}
-                if kw is None
+                {"tune": dict(kw, lengths=PACKED)}
+                if name.startswith("tuned-")
                 else {"compile": dict(kw, pp=2, lengths=PACKED)}
             ),
         }
@@ -82,17 +86,17 @@ def test_lengths_train_like_the_unpipelined_model(trained, name):
     # the last stage's forward order, which for these kinds is the order they enter.
     if name.startswith("ordered-"):
         want = ORDER
-    elif name == "tuned-for-torch":
-        want = pipec_tune_order()
+    elif name.startswith("tuned-"):
+        want = pipec_tune_order(dict(CASES)[name])
     else:
         want = None
     assert [results[(name, r)]["relabelled"] for r in range(2)] == [want, want]
 
 
-def pipec_tune_order() -> list[int]:
+def pipec_tune_order(kw: dict = TUNE) -> list[int]:
     import pipec
 
-    _, report = pipec.tune(**TUNE, lengths=PACKED)
+    _, report = pipec.tune(**kw, lengths=PACKED)
     return report["microbatch_order"]
 
 
@@ -103,6 +107,9 @@ def test_tune_reorders_for_torch():
     import pipec
 
     assert pipec_tune_order() != list(range(len(PACKED)))
+    s, report = pipec.tune(**TUNE_OFFLOAD, lengths=PACKED)
+    assert report["microbatch_order"] != list(range(len(PACKED)))
+    assert any(i.op.name == "offload" for r in range(2) for i in s.instructions(r))
     _, default = pipec.tune(**dict(TUNE, target=None), lengths=PACKED)
     assert default["microbatch_order"] == list(range(len(PACKED)))
 
