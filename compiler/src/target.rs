@@ -3,18 +3,21 @@
 //! [`Refusal::adapter_message`]), and the words that tell a user how to run the winner there.
 //!
 //! The rule is what pipec's adapters refuse, written once:
-//! - `pipec.torch`: torch's runtime gives every stage one rank, and takes microbatch m's loss
-//!   from position m of its loss list, so the last stage must run its forwards in microbatch
-//!   order. Any other stage -> rank table is fine (`_prepare_schedule_with_comms` reads it off
-//!   the actions).
+//! - `pipec.torch`: torch's runtime gives every stage one rank. Any stage -> rank table is
+//!   fine (`_prepare_schedule_with_comms` reads it off the actions), and so is any microbatch
+//!   order (a tuned `microbatch_order`, #38): torch takes microbatch m's loss from position m
+//!   of its loss list, which it fills as the last stage's forwards run, so `pipec.torch`
+//!   renumbers the microbatches for torch in the last stage's forward order and permutes the
+//!   step's inputs and losses to match (`build_schedule`, docs/torch.md).
 //! - `pipec.megatron`: a model chunk lives on one rank. V placements are built from
 //!   `stage_layers`. Forwards may run in any microbatch order (a tuned `microbatch_order`, #38):
 //!   Megatron's data iterators hand out microbatches in order, and `pipec.megatron` hands each
 //!   forward its own microbatch by id (`_ById`), and returns the losses in microbatch order.
 //! - torchtitan lowers the compute-only CSV itself and places stages by the schedule class it
 //!   is told (`_get_pp_rank_to_stage_indices_mapping`, torchtitan 0.3.0): looped (`s % pp`)
-//!   except for `ZBVZeroBubble` / `DualPipeV` (V, two stages per rank). torch's rule applies
-//!   on top (the CSV runs on torch's runtime).
+//!   except for `ZBVZeroBubble` / `DualPipeV` (V, two stages per rank). The CSV runs on torch's
+//!   runtime with the plan's microbatch ids and no `pipec.torch` in between, so the last
+//!   stage must run its forwards in microbatch order (torch's loss list).
 //! - DeepSpeed's `PipelineEngine` (0.19.8): one stage per rank, stage `s` on rank `s`
 //!   (`pipec.deepspeed.check`).
 //! - `pipec-run` runs every verified program.
@@ -92,8 +95,12 @@ impl Target {
             return Err(Refusal::Lengths);
         }
         match self {
-            Target::Torch | Target::Torchtitan => forwards_in_order(program, true),
-            Target::Megatron | Target::PipecRun | Target::Deepspeed | Target::Any => Ok(()),
+            Target::Torchtitan => forwards_in_order(program, true),
+            Target::Torch
+            | Target::Megatron
+            | Target::PipecRun
+            | Target::Deepspeed
+            | Target::Any => Ok(()),
         }
     }
 
@@ -226,7 +233,8 @@ pub enum Refusal {
     MemoryOps(String),
     /// Rank `rank` runs the forwards of `stage` in the microbatch order `order` (all of that
     /// stage's forwards on the rank), which is not ascending: torch's loss list (the last
-    /// stage, `last_only`) needs it ascending.
+    /// stage, `last_only`) needs it ascending when torch runs the plan's ids as they are
+    /// (torchtitan's CSV).
     ForwardOrder {
         rank: u32,
         stage: u32,
@@ -257,7 +265,9 @@ impl Refusal {
                     .find(|w| w[1] < w[0])
                     .map_or((0, 0), |w| (w[0], w[1]));
                 let what = if *last_only {
-                    "torch takes microbatch m's loss from position m of its loss list"
+                    "torchtitan runs the plan's microbatch ids on torch's runtime, which takes \
+                     microbatch m's loss from position m of its loss list (pipec.torch \
+                     renumbers them; torchtitan does not)"
                 } else {
                     "the target needs every stage's forwards in microbatch order"
                 };
@@ -274,10 +284,6 @@ impl Refusal {
     /// the schedule `name` (its kind, or its source when imported); other targets' adapters
     /// say [`Refusal::reason`].
     pub fn adapter_message(&self, target: Target, name: &str) -> String {
-        let list = |order: &[u32]| {
-            let v: Vec<String> = order.iter().map(u32::to_string).collect();
-            format!("[{}]", v.join(", "))
-        };
         match (self, target) {
             (Refusal::TwoRanks, Target::Torch) => format!(
                 "{name} places each stage on two ranks (one per direction); torch's pipeline \
@@ -288,19 +294,6 @@ impl Refusal {
                 "{name} places every stage on two ranks (one copy per direction, with their \
                  gradients summed); a Megatron model chunk lives on one rank, so pipec.megatron \
                  cannot run it (use dualpipe-v, its V-shaped form)"
-            ),
-            (
-                Refusal::ForwardOrder {
-                    order,
-                    last_only: true,
-                    ..
-                },
-                Target::Torch,
-            ) => format!(
-                "{name} runs the last stage's forwards in the order {}; torch's runtime takes \
-                 microbatch m's loss from position m of its loss list, so it would backpropagate \
-                 the wrong losses. Refusing to run it",
-                list(order)
             ),
             _ => self.reason(),
         }
@@ -638,11 +631,11 @@ mod tests {
     }
 
     #[test]
-    fn forwards_out_of_order_are_one_rule_in_two_wordings() {
+    fn forwards_out_of_order_are_refused_by_torchtitan_only() {
         let p = forwards(&[0, 2, 1, 3]);
-        let torch = Target::Torch.refuse(&p).unwrap_err();
+        let titan = Target::Torchtitan.refuse(&p).unwrap_err();
         assert_eq!(
-            torch,
+            titan,
             Refusal::ForwardOrder {
                 rank: 0,
                 stage: 0,
@@ -650,21 +643,22 @@ mod tests {
                 last_only: true
             }
         );
-        // The tuner's words (its report), as before the adapters asked for the rule.
         assert_eq!(
-            Target::Torch.check(&p).unwrap_err(),
+            Target::Torchtitan.check(&p).unwrap_err(),
             "rank 0 runs the forwards of stage 0 out of microbatch order (1 after 2); \
-             torch takes microbatch m's loss from position m of its loss list"
+             torchtitan runs the plan's microbatch ids on torch's runtime, which takes \
+             microbatch m's loss from position m of its loss list (pipec.torch renumbers \
+             them; torchtitan does not)"
         );
-        // The adapter's words, as pipec.torch wrote them.
-        assert_eq!(
-            torch.adapter_message(Target::Torch, "gpipe"),
-            "gpipe runs the last stage's forwards in the order [0, 2, 1, 3]; torch's runtime \
-             takes microbatch m's loss from position m of its loss list, so it would \
-             backpropagate the wrong losses. Refusing to run it"
-        );
-        // pipec.megatron hands each forward its own microbatch by id (#38).
+        // The default (every framework) refuses it in torchtitan's words.
+        assert!(TargetChoice::Every
+            .refusal(&p)
+            .unwrap()
+            .starts_with("not runnable on torchtitan: rank 0 runs the forwards"));
+        // pipec.torch renumbers the microbatches for torch (#38); pipec.megatron hands each
+        // forward its own microbatch by id.
         for t in [
+            Target::Torch,
             Target::Megatron,
             Target::PipecRun,
             Target::Deepspeed,

@@ -229,6 +229,24 @@ def torch_register_action(runtime: Any, computation_type: Any, fn: Callable) -> 
     runtime._comp_type_to_function_map[computation_type] = fn
 
 
+def torch_step_microbatches(runtime: Any, *args, **kwargs) -> Any:
+    """``_PipelineScheduleRuntime._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses,
+    return_outputs, loss_kwargs=...)`` (torch 2.15), called on ``runtime``: one step over the
+    already-split microbatch lists (``step`` and ``eval`` split or take them pre-split, then
+    call it), microbatch ``i`` of each list being the action id ``i``; on the last stage it
+    fills ``losses`` in the order of its ``_internal_losses`` (appended as the forwards run).
+    :class:`pipec.torch.PipecScheduleRuntime` overrides it under this name to relabel a
+    reordered plan's microbatches."""
+    return _schedules()._PipelineScheduleRuntime._step_microbatches(runtime, *args, **kwargs)
+
+
+def torch_output_chunks(stage: Any) -> list:
+    """``_PipelineStageBase.output_chunks`` (torch 2.15): the last stage's outputs, appended
+    by ``forward_one_chunk`` as its forwards run; ``step`` merges them after
+    ``_step_microbatches`` returns."""
+    return stage.output_chunks
+
+
 def torch_stage_forward(stage: Any) -> Callable:
     """``_PipelineStageBase.forward_maybe_with_nosync`` (torch 2.15) of ``stage``: the call
     ``forward_one_chunk`` makes to run the stage's module on its inputs (``submod(*args,

@@ -42,8 +42,9 @@ __all__ = [
 def _refuse(s: Schedule, placement_only: bool = True) -> None:
     """torch's rule, asked of Rust (``Target::Torch``, the one ``pipec tune --target torch``
     filters by): every stage on one rank (else :class:`TorchExportError`), and unless
-    ``placement_only`` the last stage's forwards in microbatch order, since torch's runtime
-    takes microbatch m's loss from position m of its loss list (else :class:`PipecError`)."""
+    ``placement_only`` the rest of the rule (else :class:`PipecError`). The last stage may run
+    its forwards in any microbatch order: :func:`build_schedule` relabels the microbatches for
+    torch (:func:`_torch_order`)."""
     why = s._n.adapter_refusal("torch", placement_only)
     if why is not None:
         raise (TorchExportError if placement_only else PipecError)(why)
@@ -112,6 +113,39 @@ def actions(
     instructions are actions of a :class:`MemoryAction` type (compute+comms only); a
     checkpointed forward is a ``FORWARD``."""
     return _actions(_as_schedule(schedule), compute_only)[0]
+
+
+def _torch_order(compute: dict[int, list[_Action]], last_stage: int) -> list[int]:
+    """The user's microbatch ids in the order the last stage runs their forwards (every rank's
+    compute-only actions; an ``OVERLAP_F_B``'s forward counts where the pair runs).
+
+    torch's runtime appends each loss to its ``_internal_losses`` as the last stage's forward
+    runs, reads microbatch m's loss back from position m for its backward
+    (``_maybe_get_loss``) and returns the list as the step's losses; the step's inputs are
+    handed out by action id (``arg_mbs[m]`` for microbatch m). So torch runs a plan correctly
+    only when its last stage's forwards come in id order 0, 1, 2, ... A plan reordered by
+    ``microbatch_order`` (the k-th microbatch the schedule runs is the user's ``order[k]``)
+    keeps the user's ids in its rank files; :func:`build_schedule` gives torch the id ``k`` for
+    the user's microbatch ``order[k]`` (this list) and permutes inputs and losses to match."""
+    T = _ComputationType
+    order = []
+    for r in sorted(compute):
+        for a in compute[r]:
+            for sub in a.sub_actions or (a,):
+                if sub.computation_type == T.FORWARD and sub.stage_index == last_stage:
+                    order.append(sub.microbatch_index)
+    return order
+
+
+def _relabel(a: _Action | None, torch_of: Sequence[int]) -> _Action | None:
+    """``a`` with its microbatch (and its sub-actions') renamed ``torch_of[mb]``."""
+    if a is None:
+        return None
+    subs = a.sub_actions
+    if subs is not None:
+        subs = tuple(_relabel(x, torch_of) for x in subs)
+    mb = a.microbatch_index
+    return _Action(a.stage_index, a.computation_type, None if mb is None else torch_of[mb], subs)
 
 
 # --------------------------------------------------------------------------- memory instructions
@@ -382,6 +416,12 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
     """
 
     pipec_schedule: Schedule
+    #: The user's microbatch ids in torch's order (torch's microbatch k is the user's
+    #: ``pipec_microbatch_order[k]``), when the plan's last stage runs its forwards out of id
+    #: order; ``None`` when torch's ids are the user's.
+    pipec_microbatch_order: list[int] | None = None
+    #: This rank's last stage, if it has it (whose outputs a relabelled step puts back).
+    pipec_last_stages: Sequence[Any] = ()
     #: The rank's offloaded and checkpointed activations, when its program has memory
     #: instructions (else ``None``).
     pipec_memory: SavedActivations | None = None
@@ -403,6 +443,47 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
                 f"the step ended with the activations of {left} (stage, microbatch) neither "
                 "reloaded nor recomputed"
             )
+        return out
+
+    def _step_microbatches(
+        self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, *args, **kwargs
+    ):
+        """torch's step over the split microbatch lists (``_compat.torch_step_microbatches``),
+        with a reordered plan's lists relabelled: the caller's microbatch ``i`` (``arg_mbs[i]``,
+        ``kwarg_mbs[i]``, ``target_mbs[i]``, chunk ``i`` of a whole batch) is handed to torch
+        under its torch id, and the losses and outputs torch collects in torch's order are put
+        back in the caller's. A list of another length is passed on as it is, for torch to
+        refuse in its own words."""
+        order = self.pipec_microbatch_order
+        if order is None:
+            return _compat.torch_step_microbatches(
+                self, arg_mbs, kwarg_mbs, target_mbs, losses, *args, **kwargs
+            )
+        m = len(order)
+
+        def to_torch(mbs):
+            if isinstance(mbs, list) and len(mbs) == m:
+                return [mbs[u] for u in order]
+            return mbs
+
+        out = _compat.torch_step_microbatches(
+            self,
+            to_torch(arg_mbs),
+            to_torch(kwarg_mbs),
+            to_torch(target_mbs),
+            losses,
+            *args,
+            **kwargs,
+        )
+        at = [0] * m  # the caller's microbatch u is torch's at[u]
+        for k, u in enumerate(order):
+            at[u] = k
+        if isinstance(losses, list) and len(losses) == m:
+            losses[:] = [losses[at[u]] for u in range(m)]
+        for st in self.pipec_last_stages:
+            chunks = _compat.torch_output_chunks(st)
+            if len(chunks) == m:
+                chunks[:] = [chunks[at[u]] for u in range(m)]
         return out
 
     def eval(self, *args, **kwargs):
@@ -454,7 +535,13 @@ def _message_tokens(s: Schedule, rank: int) -> dict[tuple[str, str, int, int], i
     }
 
 
-def _size_messages(s: Schedule, stages: Sequence[Any], rank: int, token_dim: int) -> None:
+def _size_messages(
+    s: Schedule,
+    stages: Sequence[Any],
+    rank: int,
+    token_dim: int,
+    user_of: Sequence[int] | None = None,
+) -> None:
     """Size every receive of this rank's stages from the plan, per microbatch.
 
     torch's runtime allocates a receive buffer from the stage's metadata, inferred once from
@@ -465,8 +552,15 @@ def _size_messages(s: Schedule, stages: Sequence[Any], rank: int, token_dim: int
     microbatch ``mb`` get the plan's ``tokens`` along ``token_dim`` just before torch
     allocates from them. No shape is exchanged. The send side is held to the same sizes:
     a tensor whose size along ``token_dim`` is not its send's ``tokens`` raises
-    :class:`pipec.PipecError` naming the rank, stage and microbatch, before it is posted."""
+    :class:`pipec.PipecError` naming the rank, stage and microbatch, before it is posted.
+
+    ``user_of``: when :func:`build_schedule` relabelled the microbatches for torch, the user's
+    id of torch's microbatch k is ``user_of[k]``; torch calls the wrapped methods with its own
+    ids, the plan (and every message here) names the user's."""
     plan = _message_tokens(s, rank)
+
+    def user(mb: int) -> int:
+        return mb if user_of is None else user_of[mb]
 
     def tokens(op: str, payload: str, producer: int, mb: int, stage: int) -> int:
         t = plan.get((op, payload, producer, mb))
@@ -483,19 +577,19 @@ def _size_messages(s: Schedule, stages: Sequence[Any], rank: int, token_dim: int
                 _compat.torch_resize_recv(info, token_dim, n)
             except (TypeError, IndexError) as e:
                 raise PipecError(
-                    f"rank {rank}, stage {st.stage_index}, microbatch {mb}: {e} "
+                    f"rank {rank}, stage {st.stage_index}, microbatch {user(mb)}: {e} "
                     f"(token_dim={token_dim})"
                 ) from None
 
     def check_sends(st: Any, ops: list, payload: str, mb: int) -> list:
         if not ops:
             return ops
-        n = tokens("send", payload, st.stage_index, mb, st.stage_index)
+        n = tokens("send", payload, st.stage_index, user(mb), st.stage_index)
         for op in ops:
             t = op.tensor
             if t.dim() <= token_dim or t.shape[token_dim] != n:
                 raise PipecError(
-                    f"rank {rank}, stage {st.stage_index}, microbatch {mb}: the {payload} to "
+                    f"rank {rank}, stage {st.stage_index}, microbatch {user(mb)}: the {payload} to "
                     f"send has shape {tuple(t.shape)}, but the plan sends {n} tokens along "
                     f"dimension {token_dim} (lengths={s.lengths!r})"
                 )
@@ -508,12 +602,12 @@ def _size_messages(s: Schedule, stages: Sequence[Any], rank: int, token_dim: int
 
         def get_fwd_recv_ops(mb, st=st, idx=idx, orig=fwd_recv):
             if not st.is_first:
-                resize(st, False, mb, tokens("recv", "act", idx - 1, mb, idx))
+                resize(st, False, mb, tokens("recv", "act", idx - 1, user(mb), idx))
             return orig(mb)
 
         def get_bwd_recv_ops(mb, st=st, idx=idx, orig=bwd_recv):
             if not st.is_last and _compat.torch_recv_infos(st, True, mb):
-                resize(st, True, mb, tokens("recv", "grad", idx + 1, mb, idx))
+                resize(st, True, mb, tokens("recv", "grad", idx + 1, user(mb), idx))
             return orig(mb)
 
         def get_fwd_send_ops(mb, st=st, orig=fwd_send):
@@ -604,6 +698,23 @@ def build_schedule(
         raise PipecError("a training schedule needs a loss_fn (torch runs backward from it)")
     comms, checkpointed = _actions(s)
     _refuse(s, placement_only=False)
+    compute = actions(s, compute_only=True)
+    order = _torch_order(compute, s.num_stages - 1)
+    if sorted(order) != list(range(m)):
+        raise PipecError(
+            f"{s.kind}: the last stage runs the forwards of microbatches {order}, not each of "
+            f"0..{m - 1} once; torch's runtime needs one loss per microbatch"
+        )
+    relabelled = order != list(range(m))
+    if relabelled:
+        # torch's id k is the user's microbatch order[k] (_torch_order): the last stage's
+        # forwards then come in torch's id order, as its loss list needs.
+        torch_of = [0] * m
+        for k, u in enumerate(order):
+            torch_of[u] = k
+        comms = {r: [_relabel(a, torch_of) for a in line] for r, line in comms.items()}
+        compute = {r: [_relabel(a, torch_of) for a in line] for r, line in compute.items()}
+        checkpointed = {r: {(st, torch_of[mb]) for st, mb in c} for r, c in checkpointed.items()}
     split = {
         a.stage_index
         for c in comms[rank]
@@ -622,12 +733,15 @@ def build_schedule(
         scale_grads=scale_grads,
     )
     runtime.pipec_schedule = s
+    if relabelled:
+        runtime.pipec_microbatch_order = order
+        runtime.pipec_last_stages = [st for st in stages if st.is_last]
     if s.lengths is not None:
         if isinstance(token_dim, bool) or not isinstance(token_dim, int) or token_dim < 0:
             raise PipecError(
                 f"token_dim must be a dimension index (an int >= 0), not {token_dim!r}"
             )
-        _size_messages(s, stages, rank, token_dim)
+        _size_messages(s, stages, rank, token_dim, order if relabelled else None)
     memory = _memory_plan(comms[rank], checkpointed[rank])
     if memory is not None:
         _refuse_fsdp_memory(stages, memory)
@@ -635,7 +749,6 @@ def build_schedule(
         runtime.pipec_memory.attach()
         for ty in MemoryAction:
             _compat.torch_register_action(runtime, ty, runtime.pipec_memory.run)
-    compute = actions(s, compute_only=True)
     mapping = dict(enumerate(s.stage_to_rank))
     if s.forward_only:
         # torch's validation counts backwards for training; a forward-only program is installed

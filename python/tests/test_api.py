@@ -401,20 +401,19 @@ def forwards_out_of_order(tmp_path) -> pipec.Schedule:
 
 def test_adapters_refuse_by_the_rust_rule(tmp_path):
     """#41: pipec.torch refuses what ``Schedule.refusal("torch")`` (the rule ``pipec tune
-    --target torch`` filters by) refuses, in its own words: torch takes microbatch m's loss from
-    position m of its loss list, so the last stage's forwards run in microbatch order."""
+    --target torch`` filters by) refuses, in its own words. A last stage that runs its forwards
+    out of microbatch order is no longer among them (#38: pipec.torch renumbers the
+    microbatches for torch, whose loss list follows the last stage's forwards); torchtitan,
+    which runs the plan's ids on torch's runtime as they are, still refuses it."""
     pt = pytest.importorskip("pipec.torch")
     s = forwards_out_of_order(tmp_path)
-    assert "out of microbatch order (0 after 1)" in s.refusal("torch")
+    assert s.refusal("torch") is None
+    assert "out of microbatch order (0 after 1)" in s.refusal("torchtitan")
+    assert "pipec.torch renumbers them; torchtitan does not" in s.refusal("torchtitan")
     assert s.refusal("pipec-run") is None
     assert pt.stage_indices(s, 0) == [0]  # the placement is fine
-    with pytest.raises(pipec.PipecError) as e:
-        pt.build_schedule(s, fake_stages([0], 1, group_size=1), lambda a, b: a.sum())
-    assert str(e.value) == (
-        "gpipe runs the last stage's forwards in the order [1, 0]; torch's runtime takes "
-        "microbatch m's loss from position m of its loss list, so it would backpropagate the "
-        "wrong losses. Refusing to run it"
-    )
+    # torch's microbatch k is the user's microbatch 1 - k.
+    assert pt._torch_order(pt.actions(s, compute_only=True), 0) == [1, 0]
     with pytest.raises(pipec.TorchExportError) as e:
         pt.stage_indices(pipec.compile("dualpipe", 2, 4), 0)
     assert str(e.value) == (

@@ -352,6 +352,39 @@ def test_torch_register_action(ts):
     assert repr(ts._Action(0, pt.MemoryAction.OFFLOAD, 1)) == "0OFFLOAD1"
 
 
+def test_torch_step_microbatches(ts, monkeypatch):
+    """``step`` (and ``eval`` through it) splits the batch or takes it pre-split, then calls
+    ``self._step_microbatches(args_split, kwargs_split, targets_split, losses, ...)``: the hook
+    PipecScheduleRuntime overrides to relabel a reordered plan (#38). Microbatch m of the lists
+    is action id m; the loss list is filled as the last stage's forwards run and read back by
+    id, and the outputs are merged from ``stage.output_chunks`` after the hook returns."""
+    R = ts._PipelineScheduleRuntime
+    assert _params(R._step_microbatches)[:5] == [
+        "self",
+        "arg_mbs",
+        "kwarg_mbs",
+        "target_mbs",
+        "losses",
+    ]
+    assert R.step is ts.PipelineScheduleMulti.step
+    step = _source(R.step)
+    assert "self._step_microbatches(" in step
+    assert "self._merge_outputs(stage.output_chunks)" in step
+    base = ts._PipelineSchedule
+    assert "self._internal_losses.append(loss)" in _source(base._maybe_compute_loss)
+    assert "self._internal_losses[mb_index]" in _source(base._maybe_get_loss)
+    assert "losses.extend(self._internal_losses)" in _source(base._update_losses)
+    assert "arg_mbs[mb_index]" in _source(R._step_microbatches)
+    from torch.distributed.pipelining import stage as st
+
+    assert "self.output_chunks.append(output)" in _source(st._PipelineStageBase.forward_one_chunk)
+    calls = []
+    monkeypatch.setattr(R, "_step_microbatches", lambda self, *a, **k: calls.append((a, k)))
+    _compat.torch_step_microbatches("rt", [1], None, None, [], True, loss_kwargs=None)
+    assert calls == [(([1], None, None, [], True), {"loss_kwargs": None})]
+    assert _compat.torch_output_chunks(types.SimpleNamespace(output_chunks=[3])) == [3]
+
+
 def test_torch_stage_forward_and_context():
     """``forward_one_chunk`` runs ``forward_maybe_with_nosync`` inside the stage's forward
     context, which receives a ``PipelineStageInfo`` naming the stage and microbatch (pipec's

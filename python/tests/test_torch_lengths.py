@@ -6,6 +6,13 @@
 every microbatch loss and every parameter gradient is compared with the same model run without
 pipelining, microbatch by microbatch (relative error <= 1e-10, float64). Without the resizing
 torch would receive every microbatch at the first one's size, and gloo refuses the mismatch.
+
+The same in another microbatch order (``microbatch_order=ORDER``, and the order
+``pipec.tune(..., target="torch")`` chooses): ``build_schedule`` renumbers the microbatches for
+torch, whose loss list follows the last stage's forwards, and the caller still passes and gets
+back microbatch i at position i. Were the inputs handed over unpermuted, torch would receive
+each microbatch at another one's length; were the losses not put back, they would be compared
+with another microbatch's reference.
 """
 
 from __future__ import annotations
@@ -20,10 +27,25 @@ TOL = 1e-10
 LAUNCH_TIMEOUT = 240
 PACKED = [[3, 4], [5], [2, 2, 2], [9], [1, 7], [4]]
 
+ORDER = [2, 0, 5, 3, 1, 4]
+#: Costs under which tune, at pp=2 over PACKED, reorders (test_tune_reorders_for_torch).
+TUNE = {"pp": 2, "microbatches": None, "cost": "f=1,b=1,w=1,p2p=0.1", "target": "torch"}
+#: The same with activations weighed and a limit under which tune's torch plan both reorders
+#: and offloads (the memory actions are renumbered for torch too).
+TUNE_OFFLOAD = dict(TUNE, cost="f=1,b=1,w=1,p2p=0.1,t.act=1", memory_limit="4.33")
+
 CASES = [
     ("lengths-1f1b", {"schedule": "1f1b"}),
     ("lengths-interleaved-1f1b", {"schedule": "interleaved-1f1b", "vpp": 2}),
     ("lengths-zb-v", {"schedule": "zb-v"}),
+    ("ordered-1f1b", {"schedule": "1f1b", "microbatch_order": ORDER}),
+    (
+        "ordered-interleaved-1f1b",
+        {"schedule": "interleaved-1f1b", "vpp": 2, "microbatch_order": ORDER},
+    ),
+    ("ordered-zb-v", {"schedule": "zb-v", "microbatch_order": ORDER}),
+    ("tuned-for-torch", TUNE),
+    ("tuned-for-torch-offload", TUNE_OFFLOAD),
 ]
 
 
@@ -36,7 +58,11 @@ def trained(tmp_path_factory):
             "pp": 2,
             "tol": TOL,
             "lengths": True,
-            "compile": dict(kw, pp=2, lengths=PACKED),
+            **(
+                {"tune": dict(kw, lengths=PACKED)}
+                if name.startswith("tuned-")
+                else {"compile": dict(kw, pp=2, lengths=PACKED)}
+            ),
         }
         for name, kw in CASES
     ]
@@ -56,6 +82,54 @@ def test_lengths_train_like_the_unpipelined_model(trained, name):
         assert res["max_loss_rel_err"] <= TOL
         assert res["grads_compared"] > 0
     assert sum(results[(name, r)]["losses_compared"] for r in range(2)) == 2 * len(PACKED)
+    # Each rank renumbered the microbatches for torch exactly when the plan is reordered: in
+    # the last stage's forward order, which for these kinds is the order they enter.
+    if name.startswith("ordered-"):
+        want = ORDER
+    elif name.startswith("tuned-"):
+        want = pipec_tune_order(dict(CASES)[name])
+    else:
+        want = None
+    assert [results[(name, r)]["relabelled"] for r in range(2)] == [want, want]
+
+
+def pipec_tune_order(kw: dict = TUNE) -> list[int]:
+    import pipec
+
+    _, report = pipec.tune(**kw, lengths=PACKED)
+    return report["microbatch_order"]
+
+
+def test_tune_reorders_for_torch():
+    """The tuned case above is a reordered plan: under these costs tune picks an order other
+    than the index order for torch (and keeps the index order under the default target, whose
+    torchtitan runs the plan's ids as they are)."""
+    import pipec
+
+    assert pipec_tune_order() != list(range(len(PACKED)))
+    s, report = pipec.tune(**TUNE_OFFLOAD, lengths=PACKED)
+    assert report["microbatch_order"] != list(range(len(PACKED)))
+    assert any(i.op.name == "offload" for r in range(2) for i in s.instructions(r))
+    _, default = pipec.tune(**dict(TUNE, target=None), lengths=PACKED)
+    assert default["microbatch_order"] == list(range(len(PACKED)))
+
+
+def test_relabelled_actions_are_the_index_order_plans():
+    """Independently of the renaming code: a plan compiled with ``microbatch_order=ORDER`` and
+    relabelled for torch (torch id k for the user's ORDER[k]) has the actions, rank by rank,
+    of the same kind compiled in index order."""
+    import pipec
+    import pipec.torch as pt
+
+    for kw in ({"schedule": "1f1b"}, {"schedule": "zb-v"}):
+        plain = pt.actions(pipec.compile(pp=2, lengths=PACKED, **kw))
+        s = pipec.compile(pp=2, lengths=PACKED, microbatch_order=ORDER, **kw)
+        compute = pt.actions(s, compute_only=True)
+        order = pt._torch_order(compute, s.num_stages - 1)
+        assert order == ORDER
+        torch_of = [order.index(u) for u in range(len(order))]
+        got = {r: [pt._relabel(a, torch_of) for a in line] for r, line in pt.actions(s).items()}
+        assert got == plain, kw
 
 
 def test_all_ranks_exited_cleanly(trained):

@@ -56,15 +56,27 @@ EXTRA = [
     ("1f1b-unbatched", {"schedule": "1f1b", "megatron_p2p": "unbatched"}),
 ]
 
-CASES = [(f"{n}-{size}", kw, *SIZES[size]) for n, kw in KINDS for size in SIZES] + [
-    (f"{n}-large", kw, *SIZES["large"]) for n, kw in EXTRA
+# Another microbatch order (#38): the k-th microbatch the schedule runs is the caller's
+# ORDER[k]; build_schedule renumbers them for torch and the whole batch's chunk i stays the
+# caller's microbatch i (its loss at losses[i], its rows at rows i of the output).
+ORDER = [2, 0, 3, 1]
+ORDERED = [
+    ("1f1b-ordered", {"schedule": "1f1b", "microbatch_order": ORDER}, 2, 4),
+    ("zb-v-ordered", {"schedule": "zb-v", "microbatch_order": ORDER}, 2, 4),
 ]
+
+CASES = (
+    [(f"{n}-{size}", kw, *SIZES[size]) for n, kw in KINDS for size in SIZES]
+    + [(f"{n}-large", kw, *SIZES["large"]) for n, kw in EXTRA]
+    + ORDERED
+)
 
 
 EVAL_CASES = [
     ("eval-1f1b", {"schedule": "1f1b"}, 4, 8),
     ("eval-interleaved-1f1b", {"schedule": "interleaved-1f1b", "vpp": 2}, 2, 4),
     ("eval-zb-v", {"schedule": "zb-v"}, 2, 4),
+    ("eval-zb-v-ordered", {"schedule": "zb-v", "microbatch_order": ORDER}, 2, 4),
 ]
 
 

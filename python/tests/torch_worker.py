@@ -163,8 +163,14 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
     tensor of its own length, passed pre-split (``arg_mbs``, ``target_mbs``), and every receive
     is sized from the plan. The loss is the per-token mean over the step (``scale_grads=False``,
     each microbatch's summed loss divided by the step's tokens), so the reference is the same
-    model run on each microbatch alone, accumulating the same loss."""
-    sched = pipec.compile(**cfg["compile"])
+    model run on each microbatch alone, accumulating the same loss. A plan in another
+    microbatch order (``microbatch_order``, or ``tune``'s choice) takes the inputs and returns
+    the losses and outputs in the caller's order all the same (``build_schedule`` renumbers
+    the microbatches for torch)."""
+    if "tune" in cfg:
+        sched, _ = pipec.tune(**cfg["tune"])
+    else:
+        sched = pipec.compile(**cfg["compile"])
     lengths = [sum(x) if isinstance(x, list) else x for x in sched.lengths]
     total = sum(lengths)
     s_count, m = sched.num_stages, sched.num_microbatches
@@ -192,14 +198,18 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
             kwargs["arg_mbs"] = [(x,) for x in xs]
         if s_count - 1 in mine:
             kwargs.update(target_mbs=list(ys), losses=losses)
-        runtime.step(**kwargs)
+        out = runtime.step(**kwargs)
         ref_opt.zero_grad()
-        ref_losses = []
+        ref_losses, ref_outs = [], []
         for xm, ym in zip(xs, ys):
-            loss = token_loss(ref(xm), ym)
+            ref_outs.append(ref(xm))
+            loss = token_loss(ref_outs[-1], ym)
             ref_losses.append(loss.detach())
             loss.backward()
         if s_count - 1 in mine:
+            e = rel_err(out.detach(), torch.cat(ref_outs).detach())
+            if not e <= cfg["tol"]:
+                raise AssertionError(f"step {step}: the outputs differ (relative {e:.3g})")
             if len(losses) != m:
                 raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
             for mb, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -227,6 +237,8 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
         "grads_compared": n_grads,
         "max_loss_rel_err": loss_err,
         "max_grad_rel_err": grad_err,
+        "kind": sched.kind,
+        "relabelled": runtime.pipec_microbatch_order,
     }
 
 

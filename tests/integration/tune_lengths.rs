@@ -6,6 +6,7 @@
 use crate::harness::pipec;
 use assert_cmd::prelude::*;
 use pipec_compiler::compile::{compile, CompileRequest};
+use pipec_compiler::target::{Target, TargetChoice};
 use pipec_cost::cost::{CostModel, StageCosts};
 use pipec_schedules::{Lengths, ScheduleKind};
 use pipec_tune::{tune, CandidateKind, TuneRequest};
@@ -89,7 +90,8 @@ fn is_permutation(o: &[u32], m: u32) -> bool {
     s == (0..m).collect::<Vec<_>>()
 }
 
-/// A built-in kind compiled as `pipec compile` does, in `order`, and simulated.
+/// A built-in kind compiled as `pipec compile` does, in `order`, and simulated; with
+/// whether `target` runs the compiled program.
 fn compiled_makespan(
     kind: ScheduleKind,
     c: &pipec_tune::Candidate,
@@ -97,7 +99,8 @@ fn compiled_makespan(
     l: &Lengths,
     order: &[u32],
     model: &CostModel,
-) -> f64 {
+    target: TargetChoice,
+) -> (f64, bool) {
     let compiled = compile(&CompileRequest {
         vpp: Some(c.vpp),
         group_size: c.group_size,
@@ -109,68 +112,105 @@ fn compiled_makespan(
     .unwrap();
     let p = &compiled.program;
     let costs = StageCosts::new(model, &compiled.layout, p.num_stages());
-    pipec_cost::simulate::simulate_unverified(&pipec_tests::unverified(p), &costs)
+    let makespan = pipec_cost::simulate::simulate_unverified(&pipec_tests::unverified(p), &costs)
         .unwrap()
         .summary
-        .makespan
+        .makespan;
+    (makespan, target.refusal(p).is_none())
 }
 
-/// On every distribution, each built-in kind tune reports (1F1B, interleaved, ZB-V, ...)
-/// is at least as fast as that kind compiled in each of the four orders and simulated; the
+/// On every distribution and under `--target any`, `torch` and the default (every
+/// framework), each built-in kind tune reports (1F1B, interleaved, ZB-V, ...) is at least as
+/// fast as that kind compiled in each of the four orders the target runs and simulated; the
 /// winner is at least as fast as every fitting candidate; every order is a permutation and
-/// the winner carries the lengths.
+/// the winner carries the lengths. torch runs every order (`pipec.torch` renumbers the
+/// microbatches for torch's runtime, #38), so tune reorders there as under `any`; the default
+/// includes torchtitan, which runs the plan's ids on torch's runtime as they are, so it keeps
+/// the orders whose last stage runs its forwards in index order.
 #[test]
 fn tune_is_never_slower_than_the_four_orders() {
     let pp = 4;
     let m = 8;
     let model = CostModel::parse("f=1,b=1.2,w=0.8,p2p=0.05").unwrap();
-    let mut compared = 0;
-    for (name, l) in distributions(m) {
-        let req = TuneRequest {
-            kinds: Some(vec![
-                "1f1b".into(),
-                "interleaved-1f1b".into(),
-                "zb-v".into(),
-                "tuned".into(),
-            ]),
-            lengths: Some(l.clone()),
-            ..TuneRequest::new(pp, m as u32, model.clone())
-        };
-        let t = tune(&req).unwrap();
-        let best = &t.best;
-        let o = best
-            .microbatch_order
-            .as_ref()
-            .expect("an order with lengths");
-        assert!(is_permutation(o, m as u32), "{name}: {o:?}");
-        assert_eq!(t.program().lengths.as_ref(), Some(&l), "{name}");
-        for c in &t.candidates {
-            let co = c
+    for target in [
+        TargetChoice::One(Target::Any),
+        TargetChoice::One(Target::Torch),
+        TargetChoice::Every,
+    ] {
+        let label = target.label();
+        let mut compared = 0;
+        let mut refused = 0;
+        let mut reordered = 0;
+        for (name, l) in distributions(m) {
+            let req = TuneRequest {
+                kinds: Some(vec![
+                    "1f1b".into(),
+                    "interleaved-1f1b".into(),
+                    "zb-v".into(),
+                    "tuned".into(),
+                ]),
+                lengths: Some(l.clone()),
+                target,
+                ..TuneRequest::new(pp, m as u32, model.clone())
+            };
+            let t = tune(&req).unwrap();
+            let best = &t.best;
+            let o = best
                 .microbatch_order
                 .as_ref()
-                .expect("every row has its order");
-            assert!(is_permutation(co, m as u32), "{name}: {co:?}");
-            if c.fits && c.not_runnable.is_none() {
-                assert!(best.makespan <= c.makespan * (1.0 + 1e-9), "{name}");
+                .expect("an order with lengths");
+            assert!(is_permutation(o, m as u32), "{label} {name}: {o:?}");
+            assert_eq!(t.program().lengths.as_ref(), Some(&l), "{label} {name}");
+            assert_eq!(target.refusal(t.program()), None, "{label} {name}");
+            if *o != (0..m as u32).collect::<Vec<_>>() {
+                reordered += 1;
             }
-            let CandidateKind::Builtin(kind) = c.schedule else {
-                continue;
-            };
-            if c.levers.is_some() || kind.row().tune.timed {
-                continue;
+            for c in &t.candidates {
+                let co = c
+                    .microbatch_order
+                    .as_ref()
+                    .expect("every row has its order");
+                assert!(is_permutation(co, m as u32), "{label} {name}: {co:?}");
+                if c.fits && c.not_runnable.is_none() {
+                    assert!(best.makespan <= c.makespan * (1.0 + 1e-9), "{label} {name}");
+                }
+                let CandidateKind::Builtin(kind) = c.schedule else {
+                    continue;
+                };
+                if c.levers.is_some() || kind.row().tune.timed || c.not_runnable.is_some() {
+                    continue;
+                }
+                for order in four_orders(&l, 0.0) {
+                    let (want, runs) = compiled_makespan(kind, c, pp, &l, &order, &model, target);
+                    if !runs {
+                        refused += 1;
+                        continue;
+                    }
+                    assert!(
+                        c.makespan <= want * (1.0 + 1e-9),
+                        "{label} {name} {kind}: tune {} > {want} in order {order:?}",
+                        c.makespan
+                    );
+                    compared += 1;
+                }
             }
-            for order in four_orders(&l, 0.0) {
-                let want = compiled_makespan(kind, c, pp, &l, &order, &model);
+        }
+        match target {
+            TargetChoice::Every => {
+                assert_eq!(reordered, 0, "{label}");
                 assert!(
-                    c.makespan <= want * (1.0 + 1e-9),
-                    "{name} {kind}: tune {} > {want} in order {order:?}",
-                    c.makespan
+                    refused > 0 && compared >= 4,
+                    "{label}: {compared} {refused}"
                 );
-                compared += 1;
+            }
+            _ => {
+                // Every order runs there, and some distribution gains by one.
+                assert_eq!(refused, 0, "{label}");
+                assert!(reordered > 0, "{label}");
+                assert!(compared >= 4 * 4 * 3, "{label}: {compared}");
             }
         }
     }
-    assert!(compared >= 4 * 4 * 3, "{compared}");
 }
 
 /// Lengths without a cost model: the default costs, an order chosen, the winner verified.
@@ -392,4 +432,39 @@ fn the_winner_fits_the_limit_by_the_memory_rule() {
     {
         assert!(t.best.makespan <= c.makespan * (1.0 + 1e-9));
     }
+}
+
+/// The CLI under `--target torch` reorders (torch runs every order through `pipec.torch`'s
+/// renumbering, #38), its winner no slower than the default's; the default (every framework,
+/// torchtitan among them) keeps index order. Both plans check.
+#[test]
+fn cli_target_torch_reorders_the_default_keeps_index_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = write_lengths(tmp.path(), "8000\n512\n4096\n300\n1024 1024\n2000 2000\n");
+    let cost = "f=1,b=1,w=1,p2p=0.1";
+    let run = |target: Option<&str>| {
+        let out = tmp
+            .path()
+            .join(format!("plan-{}", target.unwrap_or("default")));
+        let mut cmd = pipec();
+        cmd.args(["tune", "--pp", "2", "--cost", cost, "--json"])
+            .arg("--microbatch-lengths")
+            .arg(&f)
+            .arg("-o")
+            .arg(&out);
+        if let Some(t) = target {
+            cmd.args(["--target", t]);
+        }
+        let a = cmd.assert().success();
+        pipec().arg("check").arg(&out).assert().success();
+        let j: serde_json::Value = serde_json::from_slice(&a.get_output().stdout).unwrap();
+        let o: Vec<u32> = serde_json::from_value(j["microbatch_order"].clone()).unwrap();
+        (o, j["makespan"].as_f64().unwrap())
+    };
+    let (torch, torch_time) = run(Some("torch"));
+    let (default, default_time) = run(None);
+    assert!(is_permutation(&torch, 6), "{torch:?}");
+    assert_ne!(torch, (0..6).collect::<Vec<u32>>());
+    assert_eq!(default, (0..6).collect::<Vec<u32>>());
+    assert!(torch_time < default_time, "{torch_time} vs {default_time}");
 }

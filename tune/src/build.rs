@@ -124,8 +124,9 @@ pub(crate) fn build(
 
 /// With lengths: the candidate in every order of [`order::candidates`] (applied to its
 /// program as `pipec compile` applies `microbatch_order`, [`order::apply`]), simulated and
-/// measured; the best kept: one the target runs before one it does not (torch's runtime takes
-/// microbatch m's loss from position m of its list), then one that fits before one that does
+/// measured; the best kept: one the target runs before one it does not (torchtitan runs the
+/// plan's ids on torch's runtime, which takes microbatch m's loss from position m of its list),
+/// then one that fits before one that does
 /// not, then the shorter (a
 /// tie keeps the earlier rule, index order first), then the smaller peak (under a limit). So
 /// the winner is never slower than any of the orders.
@@ -150,8 +151,8 @@ fn best_order(
         for (i, (_, ord)) in orders.iter().enumerate() {
             let mut p = program.clone();
             order::apply(&mut p, ord, lengths);
-            // An order the target cannot run (torch takes microbatch m's loss from position m)
-            // loses to one it runs.
+            // An order the target cannot run (torchtitan takes microbatch m's loss from
+            // position m) loses to one it runs.
             let runs = req.target.refusal(&p).is_none();
             let Ok(sim) = pipec_cost::simulate::figures(
                 &pipec_ir::verify::Unverified::unchecked(&p),
