@@ -275,8 +275,13 @@ impl Refusal {
                     "rank {rank} runs the forwards of stage {stage} out of microbatch order ({mb} after {prev}); {what}"
                 )
             }
-            Refusal::Lengths => "its microbatches have different lengths, and this framework                  sizes every receive once (torchtitan runs torch's CSV, which carries no shapes;                  DeepSpeed's engine keeps the first microbatch's shapes, DeepSpeed #3195):                  pipec.megatron, pipec.torch and pipec-run size each receive from the plan"
-                .to_string(),
+            Refusal::Lengths => concat!(
+                "its microbatches have different lengths, and this framework sizes every ",
+                "receive once (torchtitan runs torch's CSV, which carries no shapes; DeepSpeed's ",
+                "engine keeps the first microbatch's shapes, DeepSpeed #3195): pipec.megatron, ",
+                "pipec.torch and pipec-run size each receive from the plan"
+            )
+            .to_string(),
         }
     }
 

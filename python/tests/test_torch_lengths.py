@@ -102,8 +102,8 @@ def pipec_tune_order(kw: dict = TUNE) -> list[int]:
 
 def test_tune_reorders_for_torch():
     """The tuned case above is a reordered plan: under these costs tune picks an order other
-    than the index order for torch (and keeps the index order under the default target, whose
-    torchtitan runs the plan's ids as they are)."""
+    than the index order for torch, and so under the default target (with lengths: the
+    frameworks that run them, which run every order)."""
     import pipec
 
     assert pipec_tune_order() != list(range(len(PACKED)))
@@ -111,7 +111,7 @@ def test_tune_reorders_for_torch():
     assert report["microbatch_order"] != list(range(len(PACKED)))
     assert any(i.op.name == "offload" for r in range(2) for i in s.instructions(r))
     _, default = pipec.tune(**dict(TUNE, target=None), lengths=PACKED)
-    assert default["microbatch_order"] == list(range(len(PACKED)))
+    assert default["microbatch_order"] != list(range(len(PACKED)))
 
 
 def test_relabelled_actions_are_the_index_order_plans():

@@ -359,3 +359,36 @@ fn readme_lengths_table_is_current() {
         );
     }
 }
+
+/// torchtitan and DeepSpeed size every receive once: `tune --target` either with lengths finds
+/// nothing to run, and says why; pipec.deepspeed's rule (the same `Target`) refuses the plan.
+#[test]
+fn targets_that_size_receives_once_refuse_lengths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("l.txt");
+    std::fs::write(&file, "4096\n100 200\n300\n8000\n").unwrap();
+    for target in ["torchtitan", "deepspeed"] {
+        let o = pipec_with(["tune", "--pp", "2", "--target", target])
+            .arg("--microbatch-lengths")
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{target}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&format!("no candidate runs on {target}"))
+                && err.contains("its microbatches have different lengths"),
+            "{target}: {err}"
+        );
+    }
+    let p = compile(&CompileRequest {
+        lengths: Some(Lengths::parse("4096\n100 200\n").unwrap()),
+        ..request(ScheduleKind::OneFOneB, 2, 2)
+    })
+    .unwrap()
+    .program;
+    use pipec_compiler::target::Target;
+    assert!(Target::Deepspeed.check(&p).is_err());
+    assert!(Target::Torchtitan.check(&p).is_err());
+    assert!(Target::Torch.check(&p).is_ok() && Target::Megatron.check(&p).is_ok());
+}
