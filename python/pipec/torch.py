@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import PipecError, Schedule, TorchExportError, _as_schedule, _compat
+from . import Op, PipecError, Schedule, TorchExportError, _as_schedule, _compat
 from ._offload import ActivationStore, MemoryEvent, _Entry, _kept_storages
 
 _compat.require("pipec.torch", "torch")
@@ -529,9 +529,9 @@ def _message_tokens(s: Schedule, rank: int) -> dict[tuple[str, str, int, int], i
     """``(op, payload, stage, mb) -> tokens`` of every send and receive of ``rank`` (``stage``
     is the producer's, as the rank file names it): the sizes the plan gives its messages."""
     return {
-        (i["op"], i["payload"], i["stage"], i["mb"]): i.tokens
+        ("send" if i.op == Op.sized_send else "recv", i.payload, i.stage, i.mb): i.tokens
         for i in s.instructions(rank)
-        if i["op"] in ("send", "recv") and i.tokens is not None
+        if i.op in (Op.sized_send, Op.sized_recv)
     }
 
 

@@ -459,3 +459,54 @@ fn cli_target_torch_and_the_default_reorder() {
     assert_ne!(default, (0..6).collect::<Vec<u32>>());
     assert!(torch_time <= default_time, "{torch_time} vs {default_time}");
 }
+
+/// When no order of any schedule fits the limit, the refusal's "smallest peak reached" is the
+/// least peak over the orders weighed, not the fastest order's: here 1F1B alone, whose peak in
+/// each of the four orders is measured independently (compiled in that order and weighed by
+/// the memory rule).
+#[test]
+fn no_fit_names_the_least_peak_over_the_orders() {
+    let (pp, m) = (4u32, 8usize);
+    let (_, l) = distributions(m)
+        .into_iter()
+        .find(|(n, _)| *n == "bimodal")
+        .expect("a bimodal distribution");
+    let model = CostModel::parse("f=1,b=1,w=1,t.act=1,p2p=0.05").unwrap();
+    let req = TuneRequest {
+        kinds: Some(vec!["1f1b".into()]),
+        lengths: Some(l.clone()),
+        target: TargetChoice::One(Target::Any),
+        levers: pipec_compiler::target::Levers::NONE,
+        ..TuneRequest::new(pp, m as u32, model.clone())
+    };
+    // The layer split tune weighs 1F1B on (without a limit).
+    let layout = tune(&req).unwrap().best.layout;
+    let peaks: Vec<f64> = four_orders(&l, 0.0)
+        .iter()
+        .map(|order| {
+            let p = compile(&CompileRequest {
+                lengths: Some(l.clone()),
+                microbatch_order: Some(order.clone()),
+                layout: Some(layout.clone()),
+                ..CompileRequest::new(ScheduleKind::OneFOneB, pp, m as u32)
+            })
+            .unwrap();
+            let w = pipec_cost::memory::weights(&p.program, &p.layout, &model);
+            pipec_ir::memory::peaks(&p.program, &w)
+                .iter()
+                .map(|r| r.peak)
+                .fold(0.0, f64::max)
+        })
+        .collect();
+    let least = peaks.iter().copied().fold(f64::INFINITY, f64::min);
+    let req = TuneRequest {
+        memory_limit: Some(pipec_cost::memory::Limit::plain(least * 0.5)),
+        ..req
+    };
+    let e = tune(&req).unwrap_err().to_string();
+    let shown = pipec_ir::memory::Unit::LayerActivations.fmt(least);
+    assert!(
+        e.contains(&format!("reached is {shown}")),
+        "{e} (orders' peaks {peaks:?})"
+    );
+}

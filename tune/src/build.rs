@@ -191,6 +191,7 @@ fn best_order(
         return Some((b, p));
     }
     let mut best: Option<(Built, Program)> = None;
+    let mut least: Option<(f64, String)> = None;
     for (rule, ord) in orders {
         let mut p = program.clone();
         order::apply(&mut p, &ord, lengths);
@@ -208,17 +209,25 @@ fn best_order(
         };
         b.cand.microbatch_order = Some(ord);
         b.cand.microbatch_order_rule = Some(rule.to_string());
+        if least.as_ref().is_none_or(|(x, _)| b.cand.peak_memory < *x) {
+            least = Some((b.cand.peak_memory, rule.to_string()));
+        }
         if best.as_ref().is_none_or(|(o, _)| better(&b.cand, &o.cand)) {
             best = Some((b, p));
+        }
+    }
+    if let Some((b, _)) = &mut best {
+        if !b.cand.fits {
+            b.cand.least_order_peak = least;
         }
     }
     best
 }
 
 /// Whether `a` beats `b` among one schedule's orders: runs on the target where `b` does not,
-/// else fits where `b` does not, else, when neither fits the limit, the smaller peak (the
-/// order the levers start from, and the peak a refusal names), else shorter (by more than
-/// rounding), else as long with a smaller peak.
+/// else fits where `b` does not, else shorter (by more than rounding), else as long with a
+/// smaller peak. Among orders none of which fits, the fastest leads: the levers fit it
+/// (fitting a slower, smaller one was measured to give slower plans).
 fn better(a: &Candidate, b: &Candidate) -> bool {
     if a.not_runnable.is_some() != b.not_runnable.is_some() {
         return a.not_runnable.is_none();
@@ -226,9 +235,7 @@ fn better(a: &Candidate, b: &Candidate) -> bool {
     if a.fits != b.fits {
         return a.fits;
     }
-    if !a.fits && a.peak_memory != b.peak_memory {
-        return a.peak_memory < b.peak_memory;
-    }
+
     let tie = (a.makespan - b.makespan).abs() <= 1e-12 * b.makespan.abs().max(1e-300);
     if tie {
         a.peak_memory < b.peak_memory

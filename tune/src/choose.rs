@@ -93,8 +93,11 @@ fn over_limit(req: &TuneRequest, built: &[Built], jobs: &[(Placement, Layout)]) 
     let mut best: Option<(f64, String)> = built
         .iter()
         .filter(|b| runnable(b))
-        .min_by(|a, b| a.cand.peak_memory.total_cmp(&b.cand.peak_memory))
-        .map(|b| (b.cand.peak_memory, describe(&b.cand)));
+        .map(|b| match &b.cand.least_order_peak {
+            Some((x, rule)) => (*x, format!("{} in {rule} order", describe(&b.cand))),
+            None => (b.cand.peak_memory, describe(&b.cand)),
+        })
+        .min_by(|a, b| a.0.total_cmp(&b.0));
     for (pl, layout) in jobs {
         let p = Problem::new(&req.model, layout, pl.clone(), req.microbatches, None);
         if let Some(x) = min_peak(&p) {

@@ -231,6 +231,10 @@ pub struct Candidate {
     /// `short-long-short`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub microbatch_order_rule: Option<String>,
+    /// With lengths and a limit none of the orders fits: the smallest peak among them and its
+    /// rule, for the refusal's "smallest peak reached" (the fastest order is the one kept).
+    #[serde(skip)]
+    pub least_order_peak: Option<(f64, String)>,
 }
 
 /// How a candidate was fitted into the memory limit ([`crate::levers::fit`]).
@@ -269,6 +273,7 @@ impl Candidate {
             levers: None,
             microbatch_order: None,
             microbatch_order_rule: None,
+            least_order_peak: None,
         }
     }
 }
