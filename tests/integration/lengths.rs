@@ -285,6 +285,33 @@ fn readme_lengths_table_is_current() {
         .collect();
     assert_eq!(rows.len(), 6, "{section}");
     let tmp = tempfile::tempdir().unwrap();
+    // The section's commands run as written, from the repository root (`out/` in a temporary
+    // directory instead).
+    let block = &section[section.find("```text\n").unwrap() + 8..];
+    let block = &block[..block.find("```").unwrap()].replace("\\\n", " ");
+    let mut ran = 0;
+    for line in block.lines() {
+        let line = line.split(" #").next().unwrap().trim();
+        let words: Vec<String> = line
+            .split_whitespace()
+            .map(|w| match w.strip_prefix("out/") {
+                Some(rest) => tmp.path().join(rest).display().to_string(),
+                None => w.to_string(),
+            })
+            .collect();
+        if words.is_empty() {
+            continue;
+        }
+        assert_eq!(words[0], "pipec", "{line}");
+        let o = pipec_with(&words[1..]).current_dir(&root).output().unwrap();
+        assert!(
+            o.status.success(),
+            "{line}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        ran += 1;
+    }
+    assert_eq!(ran, 2);
     let json = |cmd: &mut std::process::Command| -> serde_json::Value {
         let o = cmd.current_dir(&root).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -391,4 +418,37 @@ fn targets_that_size_receives_once_refuse_lengths() {
     assert!(Target::Deepspeed.check(&p).is_err());
     assert!(Target::Torchtitan.check(&p).is_err());
     assert!(Target::Torch.check(&p).is_ok() && Target::Megatron.check(&p).is_ok());
+}
+
+/// `compile --microbatch-order` writes what the library compiles with that order, and refuses
+/// what is not a permutation.
+#[test]
+fn compile_takes_a_microbatch_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("l.txt");
+    std::fs::write(&file, "4096\n100 200\n300\n8000\n").unwrap();
+    let dir = tmp.path().join("s");
+    let o = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"])
+        .args(["--microbatch-order", "2,0,3,1", "--microbatch-lengths"])
+        .arg(&file)
+        .arg("-o")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let want = compile(&CompileRequest {
+        lengths: Some(Lengths::parse("4096\n100 200\n300\n8000\n").unwrap()),
+        microbatch_order: Some(vec![2, 0, 3, 1]),
+        ..request(ScheduleKind::OneFOneB, 2, 4)
+    })
+    .unwrap()
+    .program;
+    assert_eq!(pipec_ir::files::load_dir(&dir).unwrap().program, want);
+    let o = pipec_with(["compile", "--schedule", "1f1b", "--pp", "2"])
+        .args(["--microbatches", "4", "--microbatch-order", "2,0,2,1", "-o"])
+        .arg(tmp.path().join("t"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("2 appears twice"));
 }

@@ -28,6 +28,11 @@ pub struct Args {
     pub microbatches: Option<u32>,
     #[command(flatten)]
     pub lengths: super::args::LengthsArgs,
+    /// The order microbatches enter the pipeline, comma separated (e.g. 2,0,3,1: the
+    /// schedule's first microbatch is your microbatch 2); the rank files keep your ids. What
+    /// `pipec tune --json` reports as `microbatch_order`. Default: index order.
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub microbatch_order: Option<Vec<u32>>,
     /// A sweep file (TOML) of many schedules: each is compiled, verified and written to
     /// OUT/<name>/; a summary table follows. See the README's "Sweeps" section.
     #[arg(long, conflicts_with_all = ["schedule", "pp", "vpp", "microbatches", "layout", "layout_file", "group_size", "forward_only", "num_layers", "mtp_num_layers", "megatron_partial_recompute", "microbatch_lengths", "megatron_variable_seq_lengths"])]
@@ -154,7 +159,7 @@ impl Args {
             limits: self.limits(),
             megatron_partial_recompute: self.megatron_partial_recompute,
             lengths,
-            microbatch_order: None,
+            microbatch_order: self.microbatch_order.clone(),
             megatron_variable_seq_lengths: self.megatron_variable_seq_lengths,
         })
     }
