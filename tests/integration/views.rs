@@ -1508,10 +1508,134 @@ fn svg_chunks_distinct_when_vpp_gt_2() {
     }
 }
 
+/// The overview's tenths of a cell per kind, from the cell's work by kind (time units) and
+/// length `u`, by the rule docs/views.md states, written out independently: the busy share in
+/// tenths rounded up (at least 1, at most 10), shared by largest remainder (ties F, B, I, W,
+/// X order).
+fn overview_tenths(work: &[(char, f64)], u: f64) -> Vec<(char, u32)> {
+    let busy: f64 = work.iter().map(|x| x.1).sum();
+    if busy <= 0.0 {
+        return Vec::new();
+    }
+    let total = ((busy / u * 10.0 - 1e-9).ceil() as u32).clamp(1, 10);
+    let order = "FBIWX";
+    let mut parts: Vec<(char, u32, f64)> = work
+        .iter()
+        .map(|&(k, w)| {
+            let q = w / busy * total as f64;
+            (k, q.floor() as u32, q - q.floor())
+        })
+        .collect();
+    let mut left = total - parts.iter().map(|p| p.1).sum::<u32>();
+    let mut idx: Vec<usize> = (0..parts.len()).collect();
+    idx.sort_by(|&a, &b| {
+        parts[b]
+            .2
+            .total_cmp(&parts[a].2)
+            .then(order.find(parts[a].0).cmp(&order.find(parts[b].0)))
+    });
+    for i in idx {
+        if left == 0 {
+            break;
+        }
+        parts[i].1 += 1;
+        left -= 1;
+    }
+    let mut out: Vec<(char, u32)> = parts
+        .into_iter()
+        .filter(|p| p.1 > 0)
+        .map(|p| (p.0, p.1))
+        .collect();
+    out.sort_by_key(|p| order.find(p.0));
+    out
+}
+
+/// One overview cell read back: `(kind letter, tenths)`, top down.
+type Stack = Vec<(char, u32)>;
+
+/// Read an overview back: per lane and bucket, the `(kind, tenths)` drawn there, top down;
+/// each kind's rect is as tall as its tenths of the lane and stacked under the previous one.
+fn overview_cells(text: &str, lanes: usize) -> (usize, Vec<Vec<Stack>>) {
+    let doc = roxmltree::Document::parse(text).expect("SVG is XML");
+    let g = doc
+        .descendants()
+        .find(|n| n.attribute("class") == Some("overview"))
+        .expect("overview group");
+    let buckets: usize = g.attribute("data-buckets").unwrap().parse().unwrap();
+    let lane_y: Vec<(f64, f64)> = doc
+        .descendants()
+        .filter(|n| n.attribute("class") == Some("lane"))
+        .map(|n| {
+            (
+                n.attribute("y").unwrap().parse().unwrap(),
+                n.attribute("height").unwrap().parse().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(lane_y.len(), lanes);
+    let width: f64 = doc
+        .root_element()
+        .attribute("width")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (left, plot_w) = (64.0, width - 64.0 - 24.0);
+    let bw = plot_w / buckets as f64;
+    let mut cells = vec![vec![Vec::new(); buckets]; lanes];
+    let mut tops = vec![vec![None::<f64>; buckets]; lanes];
+    for r in g.children().filter(|n| n.has_tag_name("rect")) {
+        let y: f64 = r.attribute("y").unwrap().parse().unwrap();
+        let hgt: f64 = r.attribute("height").unwrap().parse().unwrap();
+        let rank = lane_y
+            .iter()
+            .position(|&(l, h)| y >= l - 1e-6 && y + hgt <= l + h + 1e-6)
+            .expect("a lane");
+        let x: f64 = r.attribute("x").unwrap().parse().unwrap();
+        let w: f64 = r.attribute("width").unwrap().parse().unwrap();
+        let (b0, b1) = (
+            ((x - left) / bw).round() as usize,
+            ((x + w - left) / bw).round() as usize,
+        );
+        let kind = r.attribute("class").unwrap()["bucket ".len()..]
+            .chars()
+            .next()
+            .unwrap();
+        let t: u32 = r.attribute("data-tenths").unwrap().parse().unwrap();
+        for b in b0..b1 {
+            // Stacked: each rect starts where the one above ended.
+            if let Some(end) = tops[rank][b] {
+                assert!(
+                    (end - y).abs() < 0.02,
+                    "rank {rank} bucket {b}: gap in the stack"
+                );
+            }
+            tops[rank][b] = Some(y + hgt);
+            cells[rank][b].push((kind, t));
+        }
+    }
+    (buckets, cells)
+}
+
+/// The work by kind in `[a, z)` of rank `r`, straight from the spans.
+fn work_in(program: &Program, tl: &Timeline, r: usize, a: f64, z: f64) -> Vec<(char, f64)> {
+    let mut by_kind: Vec<(char, f64)> = Vec::new();
+    for (ins, sp) in program.ranks[r].iter().zip(&tl.ranks[r]) {
+        let Instr::Compute(op) = ins else { continue };
+        let o = sp.end.min(z) - sp.start.max(a);
+        if o > 0.0 {
+            let k = pipec_compiler::view::OpKind::of(op).letter();
+            match by_kind.iter_mut().find(|x| x.0 == k) {
+                Some(x) => x.1 += o,
+                None => by_kind.push((k, o)),
+            }
+        }
+    }
+    by_kind
+}
+
 /// The overview against the timeline: bucket `b` of rank `r` (the window cut into
-/// `data-buckets` equal buckets) is covered by one rect exactly when some op runs in it, in the
-/// colour class of the kind doing most work there, its opacity the busy share in tenths
-/// rounded up.
+/// `data-buckets` equal buckets) is a stack of one rect per kind, each as many tenths of the
+/// lane as the documented rule gives from the bucket's work by kind; nothing where no op runs.
 #[test]
 fn svg_at_scale_is_an_overview() {
     let c = build(ScheduleKind::Interleaved1F1B, 4, 3, 16);
@@ -1521,84 +1645,25 @@ fn svg_at_scale_is_an_overview() {
         ..Default::default()
     };
     let text = svg::render(&c.program, &s.timeline, &opts);
-    let doc = roxmltree::Document::parse(&text).expect("SVG is XML");
     assert!(
         !text.contains("class=\"op "),
         "an overview draws no single op"
     );
-    let g = doc
-        .descendants()
-        .find(|n| n.attribute("class") == Some("overview"))
-        .expect("overview group");
-    let buckets: usize = g.attribute("data-buckets").unwrap().parse().unwrap();
-    let (left, plot_w) = (64.0, 1200.0 - 64.0 - 24.0);
-    let bw = plot_w / buckets as f64;
-    let makespan = s.timeline.makespan();
-    let u = makespan / buckets as f64;
-    let lanes: Vec<f64> = doc
-        .descendants()
-        .filter(|n| n.attribute("class") == Some("lane"))
-        .map(|n| n.attribute("y").unwrap().parse().unwrap())
-        .collect();
-    assert_eq!(lanes.len(), 4);
-    let mut covered = vec![vec![None; buckets]; 4];
-    for r in g.children().filter(|n| n.has_tag_name("rect")) {
-        let y: f64 = r.attribute("y").unwrap().parse().unwrap();
-        let rank = lanes
-            .iter()
-            .position(|&l| (l - y).abs() < 1e-6)
-            .expect("a lane");
-        let x: f64 = r.attribute("x").unwrap().parse().unwrap();
-        let w: f64 = r.attribute("width").unwrap().parse().unwrap();
-        let (b0, b1) = (
-            ((x - left) / bw).round() as usize,
-            ((x + w - left) / bw).round() as usize,
-        );
-        let kind = r.attribute("class").unwrap()["bucket ".len()..].to_string();
-        let op: f64 = r.attribute("fill-opacity").unwrap().parse().unwrap();
-        for cell in &mut covered[rank][b0..b1] {
-            assert!(cell.is_none(), "bucket drawn twice");
-            *cell = Some((kind.clone(), op));
-        }
-    }
-    for (r, row) in covered.iter().enumerate() {
+    let (buckets, cells) = overview_cells(&text, 4);
+    let u = s.timeline.makespan() / buckets as f64;
+    let mut mixed = 0;
+    for (r, row) in cells.iter().enumerate() {
         for (b, cell) in row.iter().enumerate() {
-            let (a, z) = (b as f64 * u, (b + 1) as f64 * u);
-            let mut by_kind: Vec<(char, f64)> = Vec::new();
-            for (ins, sp) in c.program.ranks[r].iter().zip(&s.timeline.ranks[r]) {
-                let Instr::Compute(op) = ins else { continue };
-                let o = sp.end.min(z) - sp.start.max(a);
-                if o > 0.0 {
-                    let k = pipec_compiler::view::OpKind::of(op).letter();
-                    match by_kind.iter_mut().find(|x| x.0 == k) {
-                        Some(x) => x.1 += o,
-                        None => by_kind.push((k, o)),
-                    }
-                }
-            }
-            let busy: f64 = by_kind.iter().map(|x| x.1).sum();
-            match cell {
-                None => assert!(busy < 1e-9, "rank {r} bucket {b} busy {busy} not drawn"),
-                Some((kind, op)) => {
-                    let top = by_kind.iter().map(|x| x.1).fold(0.0, f64::max);
-                    let mine = by_kind
-                        .iter()
-                        .find(|x| x.0.to_string() == *kind)
-                        .map_or(0.0, |x| x.1);
-                    assert!(
-                        mine >= top - 1e-9,
-                        "rank {r} bucket {b}: {kind} {by_kind:?}"
-                    );
-                    let tenths = ((busy / u * 10.0 - 1e-9).ceil()).clamp(1.0, 10.0) / 10.0;
-                    let tenths_hi = ((busy / u * 10.0 + 1e-9).ceil()).clamp(1.0, 10.0) / 10.0;
-                    assert!(
-                        close(*op, tenths) || close(*op, tenths_hi),
-                        "rank {r} bucket {b}: opacity {op}, busy {busy} of {u}"
-                    );
-                }
-            }
+            let work = work_in(&c.program, &s.timeline, r, b as f64 * u, (b + 1) as f64 * u);
+            assert_eq!(
+                *cell,
+                overview_tenths(&work, u),
+                "rank {r} bucket {b}: {work:?}"
+            );
+            mixed += usize::from(cell.len() > 1);
         }
     }
+    assert!(mixed > 0, "some buckets hold two kinds");
     // Below the threshold, or asked for, every op.
     let ops = svg::render(
         &c.program,
@@ -1620,6 +1685,65 @@ fn svg_at_scale_is_an_overview() {
         ops,
         svg::render(&c.program, &s.timeline, &svg::SvgOptions::default())
     );
+}
+
+/// Issue #40: the overview drew a 50/50 steady state as solid backward (the kind doing most
+/// work took the whole cell). 1F1B at pp=8, M=512 with a backward as long as a forward
+/// (`b=1,w=0`) in a 300-pixel picture: a bucket holds about four cycles, so every bucket of
+/// every rank's steady state is half forward and half backward, drawn as 5 tenths of each,
+/// as the brute-force reading says of every bucket.
+#[test]
+fn svg_overview_draws_a_mixed_steady_state_as_mixed() {
+    let c = build(ScheduleKind::OneFOneB, 8, 1, 512);
+    let s = sim(&c, "f=1,b=1,w=0");
+    let text = svg::render(
+        &c.program,
+        &s.timeline,
+        &svg::SvgOptions {
+            width: 300.0,
+            detail: svg::Detail::Overview,
+            ..Default::default()
+        },
+    );
+    let (buckets, cells) = overview_cells(&text, 8);
+    let u = s.timeline.makespan() / buckets as f64;
+    for (r, row) in cells.iter().enumerate() {
+        // The steady state: from the end of the rank's first backward to the start of its
+        // last forward.
+        let spans: Vec<(&Instr, &pipec_cost::timeline::Span)> = c.program.ranks[r]
+            .iter()
+            .zip(&s.timeline.ranks[r])
+            .collect();
+        let first_b = spans
+            .iter()
+            .find(|(i, _)| matches!(i, Instr::Compute(Compute::Bwd(_))))
+            .unwrap()
+            .1
+            .end;
+        let last_f = spans
+            .iter()
+            .rev()
+            .find(|(i, _)| matches!(i, Instr::Compute(Compute::Fwd(_))))
+            .unwrap()
+            .1
+            .start;
+        let steady = ((first_b / u).ceil() as usize)..((last_f / u).floor() as usize);
+        assert!(
+            steady.len() > buckets / 2,
+            "rank {r}: {steady:?} of {buckets}"
+        );
+        for (b, cell) in row.iter().enumerate() {
+            let work = work_in(&c.program, &s.timeline, r, b as f64 * u, (b + 1) as f64 * u);
+            assert_eq!(*cell, overview_tenths(&work, u), "rank {r} bucket {b}");
+            if steady.contains(&b) {
+                assert_eq!(
+                    *cell,
+                    vec![('F', 5), ('B', 5)],
+                    "rank {r} bucket {b}: {work:?}"
+                );
+            }
+        }
+    }
 }
 
 /// The CLI writes the overview above 20000 ops by default, says so and how to get every op.
