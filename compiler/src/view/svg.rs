@@ -688,3 +688,32 @@ fn bucket_work(
     }
     work
 }
+
+#[cfg(test)]
+mod tests {
+    use super::cell_tenths;
+
+    /// Hand-derived cells: 50/50 is 5 and 5; a third and two thirds of a full cell is 3.33
+    /// and 6.67 tenths, the spare tenth to the larger remainder; a cell 12% busy rounds up to
+    /// two tenths and one exactly 10% busy is one; an idle cell is empty.
+    #[test]
+    fn cells_share_their_tenths() {
+        assert_eq!(
+            cell_tenths(&[1.0, 1.0, 0.0, 0.0, 0.0], 2.0),
+            [5, 5, 0, 0, 0]
+        );
+        assert_eq!(
+            cell_tenths(&[1.0, 2.0, 0.0, 0.0, 0.0], 3.0),
+            [3, 7, 0, 0, 0]
+        );
+        assert_eq!(
+            cell_tenths(&[0.0, 0.12, 0.0, 0.0, 0.0], 1.0),
+            [0, 2, 0, 0, 0]
+        );
+        assert_eq!(
+            cell_tenths(&[0.0, 0.1, 0.0, 0.0, 0.0], 1.0),
+            [0, 1, 0, 0, 0]
+        );
+        assert_eq!(cell_tenths(&[0.0; 5], 1.0), [0; 5]);
+    }
+}

@@ -739,6 +739,39 @@ mod tests {
     use pipec_ir::ir::Instr;
     use pipec_schedules::{Compute, Placement, Task};
 
+    /// The column rule's ties, derived by hand: exactly half busy is busy; a kind at exactly
+    /// 3/4 of the busy time is mixed, just over it is that kind; odd only past half.
+    #[test]
+    fn column_rule_ties() {
+        let none = [0.0; 5];
+        assert_eq!(cell_of(&[0.49, 0.0, 0.0, 0.0, 0.0], &none, 1.0), Cell::Idle);
+        let half = Cell::Kind {
+            kind: OpKind::Fwd,
+            odd: false,
+        };
+        assert_eq!(cell_of(&[0.5, 0.0, 0.0, 0.0, 0.0], &none, 1.0), half);
+        assert_eq!(
+            cell_of(&[0.25, 0.75, 0.0, 0.0, 0.0], &none, 1.0),
+            Cell::Mixed
+        );
+        assert_eq!(
+            cell_of(&[0.2, 0.8, 0.0, 0.0, 0.0], &[0.0, 0.4, 0.0, 0.0, 0.0], 1.0),
+            Cell::Kind {
+                kind: OpKind::Bwd,
+                odd: false
+            }
+        );
+        assert_eq!(
+            cell_of(&[0.2, 0.8, 0.0, 0.0, 0.0], &[0.0, 0.5, 0.0, 0.0, 0.0], 1.0),
+            Cell::Kind {
+                kind: OpKind::Bwd,
+                odd: true
+            }
+        );
+        // 1F1B's cycle in one column: F 1, B 2.
+        assert_eq!(cell_of(&[1.0, 2.0, 0.0, 0.0, 0.0], &none, 3.0), Cell::Mixed);
+    }
+
     /// A measured timeline (microseconds since some epoch) draws like a simulated one that
     /// starts at 0.
     #[test]
