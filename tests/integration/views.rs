@@ -1689,7 +1689,7 @@ fn svg_at_scale_is_an_overview() {
 
 /// Issue #40: the overview drew a 50/50 steady state as solid backward (the kind doing most
 /// work took the whole cell). 1F1B at pp=8, M=512 with a backward as long as a forward
-/// (`b=1,w=0`) in a 300-pixel picture: a bucket holds about four cycles, so every bucket of
+/// (`b=1,w=0`) in a 300-pixel picture: a bucket holds about five cycles, so every bucket of
 /// every rank's steady state is half forward and half backward, drawn as 5 tenths of each,
 /// as the brute-force reading says of every bucket.
 #[test]
