@@ -1,10 +1,13 @@
 //! The terminal timeline: one row per rank, ops drawn to scale, readable with and without
 //! colour.
 //!
-//! Each op is a run of columns that starts with its label (`F5`: forward of microbatch 5;
-//! `B`, `I` (bwd_D), `W` (bwd_W), `X5/2` for an overlapped pair) and is filled with `-`
-//! (without colour) or its background colour; idle time is `.`. Odd model chunks are written
-//! in lowercase (and, with colour, in the bright shade) so interleaving is visible.
+//! Each column is drawn from its own work by kind alone ([`cell_of`]): the letter of a kind
+//! doing over 3/4 of it (`F` forward, `B` backward, `I` bwd_D, `W` bwd_W, `X` an overlapped
+//! pair), `+` when none does, `.` when it is idle over half. An op's label (`F5`, `X5/2`) is
+//! written over its own letters where it fits with a `-` after it (or its background colour).
+//! Odd model chunks are written in lowercase (and, with colour, in the bright shade) so
+//! interleaving is visible. docs/views.md states the rule; tests/integration/views_marks.rs
+//! checks every row against a brute-force reading of the timeline.
 
 use super::{chunk_of, chunks, fmt_num, nice_step, op_label, OpKind};
 use pipec_cost::simulate::Summary;
