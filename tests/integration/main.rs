@@ -35,4 +35,5 @@ mod tune_levers;
 mod verify;
 mod verify_vs_run;
 mod views;
+mod views_marks;
 mod violations;

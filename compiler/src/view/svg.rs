@@ -4,8 +4,8 @@
 //! deterministic: fixed number formatting, program order.
 //!
 //! Above [`OVERVIEW_ABOVE_OPS`] ops the picture is an overview instead (one cell per rank and
-//! time bucket: the kind doing most work there, its opacity the busy share), which a browser
-//! opens at once; a picture of every op stays available with [`Detail::Ops`].
+//! time bucket, a stack of its kinds each as tall as its share of the bucket's time), which a
+//! browser opens at once; a picture of every op stays available with [`Detail::Ops`].
 
 use super::{
     chunk_of, chunks, fmt_num, nice_step, op_label, op_name, timeline_text::origin, Filter, OpKind,
@@ -319,7 +319,7 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &SvgOptions) -> Stri
         let buckets = (plot_w / BUCKET_PX).floor().max(1.0);
         let _ = writeln!(
             s,
-            r##"<text x="{}" y="{}">overview: a cell is {} {unit}, coloured by the kind doing most work in it, fainter when partly idle</text>"##,
+            r##"<text x="{}" y="{}">overview: a cell is {} {unit}, each kind as tall as its share of the cell's time (in tenths), the rest idle</text>"##,
             px(x),
             px(legend_y),
             fmt_num((to - from) / buckets)
@@ -540,10 +540,44 @@ struct Frame {
     to: f64,
 }
 
+/// The tenths of a cell's height each kind takes in the overview, [`OpKind::ALL`] order: the
+/// cell's busy tenths (its busy share of the cell's time `u` in tenths, rounded up so that
+/// any work shows, at most 10) shared among the kinds in proportion to their work by the
+/// largest-remainder method (ties: [`OpKind::ALL`] order). A 50/50 mix is half and half, not
+/// one solid kind; the rest of the cell is idle. All zero when the cell does no work.
+pub fn cell_tenths(work: &[f64; 5], u: f64) -> [u32; 5] {
+    let busy: f64 = work.iter().sum();
+    let mut out = [0u32; 5];
+    if busy <= 0.0 || u <= 0.0 {
+        return out;
+    }
+    let total = ((busy / u * 10.0 - 1e-9).ceil() as u32).clamp(1, 10);
+    let quota: Vec<f64> = work.iter().map(|w| w / busy * total as f64).collect();
+    for k in 0..5 {
+        out[k] = quota[k].floor() as u32;
+    }
+    let mut left = total - out.iter().sum::<u32>();
+    let mut order: Vec<usize> = (0..5).filter(|&k| work[k] > 0.0).collect();
+    order.sort_by(|&a, &b| {
+        (quota[b] - quota[b].floor())
+            .total_cmp(&(quota[a] - quota[a].floor()))
+            .then(a.cmp(&b))
+    });
+    for k in order {
+        if left == 0 {
+            break;
+        }
+        out[k] += 1;
+        left -= 1;
+    }
+    out
+}
+
 /// The overview: per rank, the window cut into buckets of [`BUCKET_PX`] pixels; a bucket is
-/// drawn in the colour of the kind doing most work in it (ties: [`OpKind::ALL`] order) with
-/// opacity its busy share in tenths (rounded up, so any work shows); equal neighbours merge
-/// into one rect whose tooltip gives its busy share and work by kind.
+/// a stack of its kinds, each as tall as its share of the bucket's time in tenths
+/// ([`cell_tenths`]), top down in [`OpKind::ALL`] order, the rest of the lane idle, so a
+/// mixed steady state shows as mixed. Equal neighbours merge, each kind one rect whose
+/// tooltip gives the run's busy share and work by kind.
 fn draw_overview(s: &mut String, program: &Program, timeline: &Timeline, rows: &[usize], f: Frame) {
     let buckets = (f.plot_w / BUCKET_PX).floor().max(1.0) as usize;
     let span = f.to - f.from;
@@ -562,31 +596,17 @@ fn draw_overview(s: &mut String, program: &Program, timeline: &Timeline, rows: &
         let work = bucket_work(program, timeline, r, f.from, u, buckets, t0);
         let y = f.top + j as f64 * f.row_h + f.gap / 2.0;
         let h = f.row_h - f.gap;
-        let look = |b: usize| -> Option<(OpKind, u32)> {
-            let busy: f64 = work[b].iter().sum();
-            if busy <= 0.0 {
-                return None;
-            }
-            let mut d = 0;
-            for k in 1..5 {
-                if work[b][k] > work[b][d] {
-                    d = k;
-                }
-            }
-            let tenths = ((busy / u * 10.0).ceil() as u32).clamp(1, 10);
-            Some((OpKind::ALL[d], tenths))
-        };
+        let look: Vec<[u32; 5]> = work.iter().map(|w| cell_tenths(w, u)).collect();
         let mut b = 0;
         while b < buckets {
-            let Some(l) = look(b) else {
+            if look[b] == [0; 5] {
                 b += 1;
                 continue;
-            };
+            }
             let mut e = b + 1;
-            while e < buckets && look(e) == Some(l) {
+            while e < buckets && look[e] == look[b] {
                 e += 1;
             }
-            let (kind, tenths) = l;
             let mut total = [0.0f64; 5];
             for w in &work[b..e] {
                 for k in 0..5 {
@@ -604,21 +624,28 @@ fn draw_overview(s: &mut String, program: &Program, timeline: &Timeline, rows: &
                 .map(|&(k, t)| format!("{} {:.0}%", OpKind::ALL[k].letter(), t / busy * 100.0))
                 .collect();
             let (a, z) = (f.from + b as f64 * u, f.from + e as f64 * u);
-            let _ = writeln!(
-                s,
-                r##"<rect class="bucket {}" x="{}" y="{}" width="{}" height="{}" fill="{}" fill-opacity="{}"><title>rank {r}, {} – {}: busy {:.0}%, {}</title></rect>"##,
-                kind.letter(),
-                px(f.left + b as f64 * bw),
-                px(y),
-                px((e - b) as f64 * bw),
-                px(h),
-                fill(kind, false).0,
-                fmt_num(tenths as f64 / 10.0),
-                fmt_num(a),
-                fmt_num(z),
-                busy / (z - a) * 100.0,
-                shares.join(" ")
-            );
+            let mut top = 0u32;
+            for (k, &t) in look[b].iter().enumerate() {
+                if t == 0 {
+                    continue;
+                }
+                let kind = OpKind::ALL[k];
+                let _ = writeln!(
+                    s,
+                    r##"<rect class="bucket {}" data-tenths="{t}" x="{}" y="{}" width="{}" height="{}" fill="{}"><title>rank {r}, {} – {}: busy {:.0}%, {}</title></rect>"##,
+                    kind.letter(),
+                    px(f.left + b as f64 * bw),
+                    px(y + h * top as f64 / 10.0),
+                    px((e - b) as f64 * bw),
+                    px(h * t as f64 / 10.0),
+                    fill(kind, false).0,
+                    fmt_num(a),
+                    fmt_num(z),
+                    busy / (z - a) * 100.0,
+                    shares.join(" ")
+                );
+                top += t;
+            }
             b = e;
         }
     }
@@ -660,4 +687,33 @@ fn bucket_work(
         }
     }
     work
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cell_tenths;
+
+    /// Hand-derived cells: 50/50 is 5 and 5; a third and two thirds of a full cell is 3.33
+    /// and 6.67 tenths, the spare tenth to the larger remainder; a cell 12% busy rounds up to
+    /// two tenths and one exactly 10% busy is one; an idle cell is empty.
+    #[test]
+    fn cells_share_their_tenths() {
+        assert_eq!(
+            cell_tenths(&[1.0, 1.0, 0.0, 0.0, 0.0], 2.0),
+            [5, 5, 0, 0, 0]
+        );
+        assert_eq!(
+            cell_tenths(&[1.0, 2.0, 0.0, 0.0, 0.0], 3.0),
+            [3, 7, 0, 0, 0]
+        );
+        assert_eq!(
+            cell_tenths(&[0.0, 0.12, 0.0, 0.0, 0.0], 1.0),
+            [0, 2, 0, 0, 0]
+        );
+        assert_eq!(
+            cell_tenths(&[0.0, 0.1, 0.0, 0.0, 0.0], 1.0),
+            [0, 1, 0, 0, 0]
+        );
+        assert_eq!(cell_tenths(&[0.0; 5], 1.0), [0; 5]);
+    }
 }

@@ -1,10 +1,13 @@
 //! The terminal timeline: one row per rank, ops drawn to scale, readable with and without
 //! colour.
 //!
-//! Each op is a run of columns that starts with its label (`F5`: forward of microbatch 5;
-//! `B`, `I` (bwd_D), `W` (bwd_W), `X5/2` for an overlapped pair) and is filled with `-`
-//! (without colour) or its background colour; idle time is `.`. Odd model chunks are written
-//! in lowercase (and, with colour, in the bright shade) so interleaving is visible.
+//! Each column is drawn from its own work by kind alone ([`cell_of`]): the letter of a kind
+//! doing over 3/4 of it (`F` forward, `B` backward, `I` bwd_D, `W` bwd_W, `X` an overlapped
+//! pair), `+` when none does, `.` when it is idle over half. An op's label (`F5`, `X5/2`) is
+//! written over its own letters where it fits with a `-` after it (or its background colour).
+//! Odd model chunks are written in lowercase (and, with colour, in the bright shade) so
+//! interleaving is visible. docs/views.md states the rule; tests/integration/views_marks.rs
+//! checks every row against a brute-force reading of the timeline.
 
 use super::{chunk_of, chunks, fmt_num, nice_step, op_label, OpKind};
 use pipec_cost::simulate::Summary;
@@ -40,26 +43,58 @@ impl Default for TextOptions {
     }
 }
 
-/// A crowded column (no op covers half of it) is drawn as one kind when that kind fills at
-/// least this share of its busy time; below it the column is "mixed" (`+`), so a column never
-/// claims one kind while holding others.
+/// A column is drawn as one kind of work when that kind does more than this share of the
+/// column's busy time; at or below it the column is mixed (`+`). Three quarters, not a
+/// majority: 1F1B's steady state is one forward to two backward units, and a majority rule
+/// draws a column holding a whole cycle as solid `B` (the 80-column picture of issue #40);
+/// exactly 3/4 is mixed, so a cycle of one forward to a three-unit backward is not solid `B`
+/// either.
 pub const DOMINANT_SHARE: f64 = 0.75;
 
-/// What one column of one rank shows. Columns summarise their whole time span, so a narrow
-/// picture of a regular schedule cannot alias into a false pattern.
+/// Slack of the threshold comparisons, relative to a column's length, so that a column
+/// exactly on a threshold (half busy: busy; a kind at exactly [`DOMINANT_SHARE`]: mixed; an
+/// op ending exactly on a column edge: that column is inside it) is drawn by the documented
+/// tie rule and not by the last bit of a floating-point sum.
+pub const TIE_SLACK: f64 = 1e-9;
+
+/// What one column of one rank shows: a function of that column's work by kind alone.
+/// Columns summarise their whole time span, so the same work is drawn the same way on every
+/// rank and at every width: a column never claims one kind while holding much of another.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub enum Cell {
-    /// Busy less than half the column.
+    /// Busy less than half the column (exactly half counts as busy).
     Idle,
-    /// This instruction covers at least half the column, more than any other: an op's
-    /// columns are its span rounded to whole columns.
-    Op(usize),
-    /// No op covers half the column; one kind fills at least [`DOMINANT_SHARE`] of its busy
-    /// time and of the busy time of the three columns centred on it; `odd` when most of that
-    /// kind's time in the column is on odd model chunks.
+    /// One kind does more than [`DOMINANT_SHARE`] of the column's busy time (two kinds
+    /// cannot);
+    /// `odd` when more than half of that kind's time in the column is on odd model chunks.
     Kind { kind: OpKind, odd: bool },
-    /// No op covers half the column and no kind dominates it and its neighbours.
+    /// Busy at least half the column, and no kind does more than [`DOMINANT_SHARE`] of its
+    /// busy time.
     Mixed,
+}
+
+/// The cell of one column from its work per kind (time units, [`OpKind::ALL`] order), the
+/// odd-chunk part of that work, and the column's length `u`: the rule docs/views.md states.
+pub fn cell_of(work: &[f64; 5], odd: &[f64; 5], u: f64) -> Cell {
+    let busy: f64 = work.iter().sum();
+    let slack = TIE_SLACK * u;
+    if busy < u / 2.0 - slack {
+        return Cell::Idle;
+    }
+    let mut d = 0;
+    for k in 1..5 {
+        if work[k] > work[d] {
+            d = k;
+        }
+    }
+    if work[d] > DOMINANT_SHARE * busy + slack {
+        Cell::Kind {
+            kind: OpKind::ALL[d],
+            odd: odd[d] * 2.0 > work[d] + slack,
+        }
+    } else {
+        Cell::Mixed
+    }
 }
 
 /// The window drawn and its scale: `(from, to, columns per time unit, columns used)`, times
@@ -105,10 +140,10 @@ pub fn column_work(
 
 /// Per-column overlaps of one rank's compute ops with the window's columns.
 struct Scan {
-    busy: Vec<f64>,
     by_kind: Vec<[f64; 5]>,
     odd_by_kind: Vec<[f64; 5]>,
-    /// The op covering most of each column and how much (the later op on a tie).
+    /// The op doing the most work in each column and how much (the earlier op in program
+    /// order unless a later one does more, beyond [`TIE_SLACK`]).
     top: Vec<Option<(usize, f64)>>,
 }
 
@@ -121,7 +156,6 @@ fn scan(
     used: usize,
 ) -> Scan {
     let mut out = Scan {
-        busy: vec![0.0; used],
         by_kind: vec![[0.0; 5]; used],
         odd_by_kind: vec![[0.0; 5]; used],
         top: vec![None; used],
@@ -157,12 +191,11 @@ fn scan(
             if o <= 0.0 {
                 continue;
             }
-            out.busy[c] += o;
             out.by_kind[c][kind] += o;
             if odd {
                 out.odd_by_kind[c][kind] += o;
             }
-            if out.top[c].is_none_or(|(_, t)| o >= t) {
+            if out.top[c].is_none_or(|(_, t)| o > t + TIE_SLACK * u) {
                 out.top[c] = Some((i, o));
             }
         }
@@ -170,7 +203,7 @@ fn scan(
     out
 }
 
-/// The cells of one rank: what each column of the window holds.
+/// The cells of one rank: what each column of the window holds ([`cell_of`]).
 pub fn cells(
     program: &Program,
     timeline: &Timeline,
@@ -188,39 +221,14 @@ pub fn cells(
     let u = 1.0 / scale;
     let w = scan(program, timeline, rank, from, scale, used);
     (0..used)
-        .map(|c| {
-            if w.busy[c] * 2.0 < u {
-                return Cell::Idle;
-            }
-            if let Some((i, _)) = w.top[c].filter(|&(_, o)| o * 2.0 >= u) {
-                return Cell::Op(i);
-            }
-            let mut d = 0;
-            for k in 1..5 {
-                if w.by_kind[c][k] > w.by_kind[c][d] {
-                    d = k;
-                }
-            }
-            // The same kind must lead the columns around it too, so a steady mix does not
-            // beat against the column width into a false pattern of letters.
-            let (a, b) = (c.saturating_sub(1), (c + 2).min(used));
-            let near: f64 = w.by_kind[a..b].iter().map(|k| k[d]).sum();
-            let near_busy: f64 = w.busy[a..b].iter().sum();
-            if w.by_kind[c][d] >= DOMINANT_SHARE * w.busy[c] && near >= DOMINANT_SHARE * near_busy {
-                Cell::Kind {
-                    kind: OpKind::ALL[d],
-                    odd: w.odd_by_kind[c][d] * 2.0 > w.by_kind[c][d],
-                }
-            } else {
-                Cell::Mixed
-            }
-        })
+        .map(|c| cell_of(&w.by_kind[c], &w.odd_by_kind[c], u))
         .collect()
 }
 
 /// The label of a run of mixed columns: its kinds by share of the run's busy time, largest
-/// first (ties in [`OpKind::ALL`] order), as many as fit in `room` characters, e.g.
-/// `B67%F33%`; empty when not even the first fits. Shares are whole percents, rounded.
+/// first (ties in [`OpKind::ALL`] order), each kind down to 1% (rounded whole percents), e.g.
+/// `B67%F33%`; empty unless all of them fit in `room` characters, so a label never hides a
+/// kind of the run.
 pub fn mix_label(work: &[[f64; 5]], room: usize) -> String {
     let mut total = [0.0f64; 5];
     for col in work {
@@ -245,11 +253,112 @@ pub fn mix_label(work: &[[f64; 5]], room: usize) -> String {
             (total[k] / busy * 100.0).round() as u32
         );
         if out.len() + item.len() > room {
-            break;
+            return String::new();
         }
         out.push_str(&item);
     }
     out
+}
+
+/// How a character of a row is drawn with colour.
+#[derive(Copy, Clone, Debug, PartialEq)]
+enum Style {
+    Idle,
+    Mixed,
+    Kind(OpKind, bool),
+}
+
+/// One rank's row: each column's mark ([`cell_of`]: its kind's letter, `+` or `.`), then the
+/// labels. A run of at least [`MIX_LABEL_MIN_RUN`] mixed columns names its work by kind
+/// ([`mix_label`]) after its first `+`, keeping at least one `+` after it, so the label never
+/// touches a letter. An op is labelled (`F5`, then
+/// `-` fill, or blank fill on a coloured background) only where its label and one more
+/// column fit in its interior, the columns wholly inside its span: those columns are all its
+/// kind, so a label replaces only marks of its own op, ends with a separator, and never meets
+/// another label.
+fn row(
+    program: &Program,
+    timeline: &Timeline,
+    rank: usize,
+    from: f64,
+    scale: f64,
+    used: usize,
+    color: bool,
+) -> Vec<(char, Style)> {
+    let w = scan(program, timeline, rank, from, scale, used);
+    let u = 1.0 / scale;
+    let cells: Vec<Cell> = (0..used)
+        .map(|c| cell_of(&w.by_kind[c], &w.odd_by_kind[c], u))
+        .collect();
+    let mut row: Vec<(char, Style)> = cells
+        .iter()
+        .map(|cell| match *cell {
+            Cell::Idle => ('.', Style::Idle),
+            Cell::Mixed => ('+', Style::Mixed),
+            Cell::Kind { kind, odd } => (
+                if odd {
+                    kind.letter().to_ascii_lowercase()
+                } else {
+                    kind.letter()
+                },
+                Style::Kind(kind, odd),
+            ),
+        })
+        .collect();
+    let mut c = 0;
+    while c < used {
+        let mut e = c + 1;
+        while e < used && cells[e] == cells[c] {
+            e += 1;
+        }
+        if cells[c] == Cell::Mixed && e - c >= MIX_LABEL_MIN_RUN {
+            let label = mix_label(&w.by_kind[c..e], e - c - 2);
+            for (j, ch) in label.chars().enumerate() {
+                row[c + 1 + j].0 = ch;
+            }
+        }
+        c = e;
+    }
+    // Each op's run: the columns drawn with its kind's letter in which it does the most work.
+    let instrs = &program.ranks[rank];
+    let chunk = chunks(program);
+    let owner: Vec<Option<usize>> = (0..used)
+        .map(|c| {
+            let (i, _) = w.top[c]?;
+            let op = super::drawn_compute(&instrs[i])?;
+            let own = Cell::Kind {
+                kind: OpKind::of(&op),
+                odd: chunk_of(&op, &chunk) % 2 == 1,
+            };
+            (cells[c] == own).then_some(i)
+        })
+        .collect();
+    let fill = if color { ' ' } else { '-' };
+    let mut c = 0;
+    while c < used {
+        let mut e = c + 1;
+        while e < used && owner[e] == owner[c] {
+            e += 1;
+        }
+        if let Some(op) = owner[c].and_then(|i| super::drawn_compute(&instrs[i])) {
+            let mut label = op_label(&op);
+            if chunk_of(&op, &chunk) % 2 == 1 {
+                label = label.to_lowercase();
+            }
+            if label.chars().count() < e - c {
+                for (j, ch) in label
+                    .chars()
+                    .chain(std::iter::repeat(fill))
+                    .take(e - c)
+                    .enumerate()
+                {
+                    row[c + j].0 = ch;
+                }
+            }
+        }
+        c = e;
+    }
+    row
 }
 
 const RESET: &str = "\x1b[0m";
@@ -300,7 +409,6 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let world = program.ranks.len();
     let label_w = label_width(program);
     let (from, to, scale, used) = geometry(program, timeline, opts);
-    let chunk = chunks(program);
     if used == 0 {
         return format!(
             "(nothing to draw: the makespan is 0 {})\n",
@@ -321,93 +429,44 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     let mut out = String::new();
     for &r in &ranks {
         let instrs = &program.ranks[r];
-        let cells = cells(program, timeline, r, from, scale, used);
         let _ = write!(out, "{:>label_w$} │", format!("rank {r}"));
-        let mut c = 0;
-        while c < used {
-            let mut e = c + 1;
-            while e < used
-                && cells[e] == cells[c]
-                && matches!(cells[c], Cell::Op(_) | Cell::Idle | Cell::Mixed)
-            {
-                e += 1;
+        let row = row(program, timeline, r, from, scale, used, opts.color);
+        for (ch, style) in &row {
+            match style {
+                Style::Idle => {}
+                Style::Mixed => summarised = true,
+                Style::Kind(kind, odd) => {
+                    kinds_seen[*kind as usize] = true;
+                    odd_chunk_seen |= odd;
+                }
             }
-            let n = e - c;
-            match cells[c] {
-                Cell::Idle => {
-                    if opts.color {
+            mix_labelled |= *style == Style::Mixed && *ch != '+';
+        }
+        if opts.color {
+            let mut c = 0;
+            while c < row.len() {
+                let mut e = c + 1;
+                while e < row.len() && row[e].1 == row[c].1 {
+                    e += 1;
+                }
+                let text: String = row[c..e].iter().map(|x| x.0).collect();
+                match row[c].1 {
+                    Style::Mixed => out.push_str(&text),
+                    Style::Idle => {
                         out.push_str(DIM);
-                    }
-                    out.push_str(&".".repeat(n));
-                    if opts.color {
+                        out.push_str(&text);
                         out.push_str(RESET);
                     }
-                }
-                Cell::Mixed => {
-                    summarised = true;
-                    // A run of mixed columns names its work where the label fits.
-                    let label = if n >= MIX_LABEL_MIN_RUN {
-                        let work = column_work(program, timeline, r, from, scale, used);
-                        mix_label(&work[c..e], n)
-                    } else {
-                        String::new()
-                    };
-                    mix_labelled |= !label.is_empty();
-                    out.push_str(&label);
-                    out.push_str(&"+".repeat(n - label.len()));
-                }
-                Cell::Kind { kind, odd } => {
-                    summarised = true;
-                    kinds_seen[kind as usize] = true;
-                    odd_chunk_seen |= odd;
-                    let letter = if odd {
-                        kind.letter().to_ascii_lowercase()
-                    } else {
-                        kind.letter()
-                    };
-                    if opts.color {
-                        out.push_str(&sgr(kind, odd));
-                        out.push(letter);
-                        out.push_str(RESET);
-                    } else {
-                        out.push(letter);
-                    }
-                }
-                Cell::Op(i) => {
-                    let op = &super::drawn_compute(&instrs[i]).expect("cells hold compute ops");
-                    let kind = OpKind::of(op);
-                    kinds_seen[kind as usize] = true;
-                    let odd = chunk_of(op, &chunk) % 2 == 1;
-                    odd_chunk_seen |= odd;
-                    let mut label = op_label(op);
-                    let mut letter = kind.letter();
-                    if odd {
-                        label = label.to_lowercase();
-                        letter = letter.to_ascii_lowercase();
-                    }
-                    let fill = if opts.color { ' ' } else { '-' };
-                    let text: String = if label.chars().count() <= n {
-                        label
-                            .chars()
-                            .chain(std::iter::repeat(fill))
-                            .take(n)
-                            .collect()
-                    } else {
-                        std::iter::once(letter)
-                            .chain(std::iter::repeat(fill))
-                            .take(n)
-                            .collect()
-                    };
-                    if opts.color {
+                    Style::Kind(kind, odd) => {
                         out.push_str(&sgr(kind, odd));
                         out.push_str(&text);
                         out.push_str(RESET);
-                    } else {
-                        out.push_str(&text);
                     }
                 }
+                c = e;
             }
-            c = e;
+        } else {
+            out.extend(row.iter().map(|x| x.0));
         }
         out.push_str("│\n");
         // The rank's copy stream, where it has one: `>` offloading, `<` reloading.
@@ -535,18 +594,17 @@ pub fn render(program: &Program, timeline: &Timeline, opts: &TextOptions) -> Str
     for line in wrap(&notes, " ", room) {
         let _ = writeln!(out, "{pad} {line}");
     }
-    if summarised {
-        let mut rule = vec![
-            "a lone letter: that kind does 3/4 of the column's work;".to_string(),
-            "+ mixed".to_string(),
-        ];
-        if mix_labelled {
-            *rule.last_mut().expect("two items") =
-                "+ mixed, a run of them starts with its work by kind (B67%F33%)".to_string();
-        }
-        for line in wrap(&rule, " ", room) {
-            let _ = writeln!(out, "{pad} {line}");
-        }
+    let mut rule = vec![
+        "a letter: that kind does over 3/4 of the column's work;".to_string(),
+        "+ mixed;".to_string(),
+        ". idle over half;".to_string(),
+        "F5--- an op's whole columns".to_string(),
+    ];
+    if summarised && mix_labelled {
+        rule[1] = "+ mixed (a run of + names its work: B67%F33%);".to_string();
+    }
+    for line in wrap(&rule, " ", room) {
+        let _ = writeln!(out, "{pad} {line}");
     }
     out
 }
@@ -683,6 +741,39 @@ mod tests {
     use pipec_cost::timeline::Span;
     use pipec_ir::ir::Instr;
     use pipec_schedules::{Compute, Placement, Task};
+
+    /// The column rule's ties, derived by hand: exactly half busy is busy; a kind at exactly
+    /// 3/4 of the busy time is mixed, just over it is that kind; odd only past half.
+    #[test]
+    fn column_rule_ties() {
+        let none = [0.0; 5];
+        assert_eq!(cell_of(&[0.49, 0.0, 0.0, 0.0, 0.0], &none, 1.0), Cell::Idle);
+        let half = Cell::Kind {
+            kind: OpKind::Fwd,
+            odd: false,
+        };
+        assert_eq!(cell_of(&[0.5, 0.0, 0.0, 0.0, 0.0], &none, 1.0), half);
+        assert_eq!(
+            cell_of(&[0.25, 0.75, 0.0, 0.0, 0.0], &none, 1.0),
+            Cell::Mixed
+        );
+        assert_eq!(
+            cell_of(&[0.2, 0.8, 0.0, 0.0, 0.0], &[0.0, 0.4, 0.0, 0.0, 0.0], 1.0),
+            Cell::Kind {
+                kind: OpKind::Bwd,
+                odd: false
+            }
+        );
+        assert_eq!(
+            cell_of(&[0.2, 0.8, 0.0, 0.0, 0.0], &[0.0, 0.5, 0.0, 0.0, 0.0], 1.0),
+            Cell::Kind {
+                kind: OpKind::Bwd,
+                odd: true
+            }
+        );
+        // 1F1B's cycle in one column: F 1, B 2.
+        assert_eq!(cell_of(&[1.0, 2.0, 0.0, 0.0, 0.0], &none, 3.0), Cell::Mixed);
+    }
 
     /// A measured timeline (microseconds since some epoch) draws like a simulated one that
     /// starts at 0.
