@@ -614,6 +614,21 @@ def test_the_byte_limit_message_is_the_clis():
     assert "GiB" in report["verdict"] and max(report["peak_memory"]) <= 40 * 2**30
 
 
+def test_an_ambiguous_limit_unit_is_refused_as_the_cli_does():
+    """#40: ``40G`` could be GiB or GB; the CLI exits 1 offering both, Python raises the same."""
+    code, msg = _cli_error(
+        _cli(), "tune", "--pp", "4", "--microbatches", "8", "--num-layers", "8",
+        "--memory-limit", "40G",
+    )  # fmt: skip
+    want = "`40G` has an ambiguous unit: did you mean 40GiB or 40GB?"
+    assert code == 1 and msg == f"--memory-limit: {want}", msg
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.tune(4, 8, num_layers=8, memory_limit="40G")
+    assert str(e.value) == f"memory_limit: {want}"
+    with pytest.raises(pipec.SpecError, match=re.escape(want)):
+        pipec.compile("1f1b", 4, 8, memory_limit="40G")
+
+
 def test_model_keys_and_p2p_modes_are_rusts():
     """``pipec.MODEL_KEYS`` and the ``megatron_p2p`` modes come from the native module: the
     keys are the ones the Rust cost language lists when it refuses a key, and every mode

@@ -1053,6 +1053,41 @@ fn a_byte_limit_without_byte_costs_says_what_to_add() {
     }
 }
 
+/// `--memory-limit 40G` is refused (exit 1) by every command that takes a limit, with both
+/// readings offered (issue #40: it got no suggestion).
+#[test]
+fn an_ambiguous_limit_unit_gets_a_suggestion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let d = dir.to_str().unwrap();
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 4");
+    let o = tmp.path().join("o");
+    let o = o.to_str().unwrap();
+    let (pp, m) = (["--pp", "2"], ["--microbatches", "4"]);
+    for args in [
+        vec!["check", d],
+        [
+            &["compile", "--schedule", "1f1b"],
+            &pp[..],
+            &m[..],
+            &["-o", o],
+        ]
+        .concat(),
+        [&["tune"], &pp[..], &m[..]].concat(),
+    ] {
+        let args = [&args[..], &["--memory-limit", "40G"]].concat();
+        let r = pipec_output(&args);
+        assert_eq!(r.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            err.contains(
+                "--memory-limit: `40G` has an ambiguous unit: did you mean 40GiB or 40GB?"
+            ),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// `tune -o DIR --cost ...` records its cost model; `show DIR` then draws tune's timeline
 /// (the makespan tune reported), not the default model's, and `--cost` still overrides it.
 #[test]
