@@ -183,6 +183,7 @@ impl NativeSchedule {
         pipec_compiler::view::report::schedule_title(
             self.spec.as_ref(),
             &self.source,
+            None,
             self.program(),
         )
     }

@@ -1053,6 +1053,98 @@ fn a_byte_limit_without_byte_costs_says_what_to_add() {
     }
 }
 
+/// `show` of a directory tune wrote (issue #40): a manifest that records `E.f=0` (from a
+/// `[model]` table, where the embedding has no matmul) reads `E free (E.f=0)`, not "no cost
+/// given", which only a directory without any model reads; and a built-in kind fitted with
+/// levers is titled by the plan tune printed, not "tuned schedule".
+#[test]
+fn show_of_a_tuned_directory_names_its_costs_and_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cost = tmp.path().join("m.toml");
+    std::fs::write(
+        &cost,
+        "[model]\nhidden = 1024\nffn = 4096\nheads = 16\nseq = 2048\nvocab = 32000\n",
+    )
+    .unwrap();
+    let dir = tmp.path().join("t");
+    let (c, d) = (cost.to_str().unwrap(), dir.to_str().unwrap());
+    ok(&[
+        "tune",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--num-layers",
+        "4",
+        "--cost-file",
+        c,
+        "-o",
+        d,
+    ]);
+    let recorded = read(&dir.join("manifest.json"))["cost"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(recorded.starts_with("E.f=0,E.b=0,E.w=0,"), "{recorded}");
+    let shown = ok(&["show", d]);
+    let line = shown.lines().find(|l| l.starts_with("cost: ")).unwrap();
+    assert!(line.contains("; E free (E.f=0);"), "{line}");
+    assert!(!shown.contains("no cost given"), "{shown}");
+    // Without any model the hint stays.
+    let plain = tmp.path().join("c");
+    compile(&plain, "--schedule 1f1b --pp 2 --microbatches 4");
+    let shown = ok(&["show", plain.to_str().unwrap()]);
+    assert!(
+        shown.contains("E, L free (no cost given: set E.f, L.f)"),
+        "{shown}"
+    );
+
+    // 1F1B's peak at pp=4 is 4 microbatches of 2 layers on rank 0: a limit of 5 needs offload.
+    let lv = tmp.path().join("lv");
+    let lvs = lv.to_str().unwrap();
+    let report = ok(&[
+        "tune",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--num-layers",
+        "8",
+        "--kinds",
+        "1f1b",
+        "--target",
+        "pipec-run",
+        "--memory-limit",
+        "5",
+        "-o",
+        lvs,
+    ]);
+    let plan = report
+        .lines()
+        .find_map(|l| l.strip_prefix("schedule: "))
+        .unwrap();
+    assert!(plan.starts_with("1f1b + offload "), "{report}");
+    let m = read(&lv.join("manifest.json"));
+    assert_eq!(
+        (m["source"].as_str(), m["plan"].as_str()),
+        (Some("tuned"), Some(plan))
+    );
+    for cmd in ["show", "simulate"] {
+        let out = ok(&[cmd, lvs]);
+        assert_eq!(
+            out.lines().next().unwrap(),
+            format!("{plan}, 4 ranks, 4 stages, microbatches=8"),
+            "{out}"
+        );
+    }
+    // Sealing keeps it.
+    ok(&["seal", lvs]);
+    assert_eq!(read(&lv.join("manifest.json"))["plan"].as_str(), Some(plan));
+    // A plan of the tuner's own is still the tuned schedule, and records no plan.
+    assert!(ok(&["show", d]).starts_with("tuned schedule, 2 ranks"));
+    assert!(read(&dir.join("manifest.json")).get("plan").is_none());
+}
+
 /// `--memory-limit 40G` is refused (exit 1) by every command that takes a limit, with both
 /// readings offered (issue #40: it got no suggestion).
 #[test]

@@ -279,7 +279,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             "schedules": items,
         }));
     } else {
-        println!("cost: {}{model_source}", model.describe());
+        let given = a.cost.given() || loaded.iter().any(|l| l.manifest.cost.is_some());
+        println!("cost: {}{model_source}", model.describe_given(given));
         if !model_note.is_empty() {
             println!("{model_note}");
         }
@@ -317,7 +318,7 @@ fn common_model(
         return Ok((a.cost.model()?, String::new()));
     }
     let what = |i: usize, m: &CostModel| match &loaded[i].manifest.cost {
-        Some(_) => format!("  {}: {}", a.dirs[i].display(), m.describe()),
+        Some(_) => format!("  {}: {}", a.dirs[i].display(), m.describe_given(true)),
         None => format!("  {}: none recorded (default costs)", a.dirs[i].display()),
     };
     let mut first: Option<(usize, CostModel)> = None;

@@ -185,8 +185,13 @@ fn write(
     let layout = t.file_layout();
     let header = t.header(&layout);
     // The manifest keeps the cost model tune planned with, so `show` draws tune's timeline.
+    // A built-in kind fitted with levers has no spec to name it by: the manifest names it,
+    // so viewers title it by its kind (a plan of the tuner's own is the "tuned schedule").
+    let plan = (t.spec.is_none() && t.best.schedule != pipec_tune::CandidateKind::Tuned)
+        .then(|| describe(&t.best));
     let prepared = files::prepare(&header, t.program(), format.encoding())
-        .with_cost(record_cost.then(|| model.spec()));
+        .with_cost(record_cost.then(|| model.spec()))
+        .with_plan(plan);
     let threads = files::threads_for(t.program().len() as u64);
     super::warn_big_write(prepared.bytes(), out);
     // tune's winner is a Verified value (memory counted under `model`): its verdict is the
