@@ -1140,9 +1140,74 @@ fn show_of_a_tuned_directory_names_its_costs_and_plan() {
     // Sealing keeps it.
     ok(&["seal", lvs]);
     assert_eq!(read(&lv.join("manifest.json"))["plan"].as_str(), Some(plan));
-    // A plan of the tuner's own is still the tuned schedule, and records no plan.
-    assert!(ok(&["show", d]).starts_with("tuned schedule, 2 ranks"));
-    assert!(read(&dir.join("manifest.json")).get("plan").is_none());
+    // A plan of the tuner's own is named as tune's report names it, chunks per rank included.
+    let report = ok(&[
+        "tune",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--num-layers",
+        "16",
+        "--target",
+        "megatron",
+        "--kinds",
+        "tuned",
+        "-o",
+        d,
+    ]);
+    let plan = report
+        .lines()
+        .find_map(|l| l.strip_prefix("schedule: "))
+        .unwrap();
+    assert_eq!(plan, "tuned loop vpp=2", "{report}");
+    assert_eq!(
+        read(&dir.join("manifest.json"))["plan"].as_str(),
+        Some(plan)
+    );
+    assert!(ok(&["show", d]).starts_with("tuned loop vpp=2, 4 ranks, 8 stages, microbatches=8\n"));
+    // A built-in kind as generated is named by its spec, and records no plan.
+    ok(&[
+        "tune",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--kinds",
+        "1f1b",
+        "-o",
+        d,
+    ]);
+    let m = read(&dir.join("manifest.json"));
+    assert!(m.get("plan").is_none() && m["source"] == "generated", "{m}");
+    assert!(ok(&["show", d]).starts_with("1f1b pp=2 vpp=1 microbatches=4\n"));
+}
+
+/// `pipec tune --layout L --num-layers N` is a usage error (exit 2) in the words Python's
+/// `pipec.tune` uses (issue #40), for the MTP count too.
+#[test]
+fn tune_refuses_layer_counts_beside_a_layout() {
+    for flag in ["--num-layers", "--mtp-num-layers"] {
+        let r = pipec_output(&[
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--layout",
+            "Et|tL",
+            flag,
+            "2",
+        ]);
+        assert_eq!(r.status.code(), Some(2), "{flag}");
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            err.contains(&format!(
+                "error: {flag} cannot be given with --layout: the layout gives the layers"
+            )),
+            "{err}"
+        );
+    }
 }
 
 /// `--memory-limit 40G` is refused (exit 1) by every command that takes a limit, with both
