@@ -121,10 +121,11 @@ impl Scale {
 pub use crate::layer::scaled;
 
 impl CostModel {
-    /// [`CostModel::describe`] for a program with `lengths`: the same line, and with lengths
-    /// what the costs are per ([`Scale::describe`]); without, exactly `describe()`.
-    pub fn describe_for(&self, lengths: Option<&Lengths>) -> String {
-        let mut s = self.describe();
+    /// [`CostModel::describe_given`] for a program with `lengths`: the same line, and with
+    /// lengths what the costs are per ([`Scale::describe`]); without, exactly
+    /// `describe_given(given)`.
+    pub fn describe_for(&self, lengths: Option<&Lengths>, given: bool) -> String {
+        let mut s = self.describe_given(given);
         if let Some(l) = lengths {
             s.push_str("; ");
             s.push_str(&Scale::of(self, l).describe());

@@ -156,6 +156,31 @@ mod tests {
         let n = Limit::parse("12").unwrap();
         assert_eq!(n.resolve(Unit::LayerActivations).unwrap(), 12.0);
         assert!(Limit::parse("-3").unwrap_err().contains("negative"));
+        // A prefix without `B` (or `iB`) is ambiguous, 7% apart at G: both readings offered.
+        for (s, want) in [
+            (
+                "40G",
+                "`40G` has an ambiguous unit: did you mean 40GiB or 40GB?",
+            ),
+            (
+                "1.5m",
+                "`1.5m` has an ambiguous unit: did you mean 1.5MiB or 1.5MB?",
+            ),
+            (
+                "8K",
+                "`8K` has an ambiguous unit: did you mean 8KiB or 8KB?",
+            ),
+            (
+                "2T",
+                "`2T` has an ambiguous unit: did you mean 2TiB or 2TB?",
+            ),
+            ("40Gi", "`40Gi` is not a memory size: did you mean 40GiB?"),
+        ] {
+            assert_eq!(Limit::parse(s).unwrap_err(), want);
+        }
+        // Each suggestion parses, to the binary and the decimal size.
+        assert_eq!(Limit::parse("40GiB").unwrap().value, 40.0 * 1024f64.powi(3));
+        assert_eq!(Limit::parse("40GB").unwrap().value, 40e9);
         // Against a cost model: bytes only where some `K.act` / `K.param` has a byte unit.
         let units = CostModel::default();
         let bytes = CostModel::parse("t.act=1GiB").unwrap();

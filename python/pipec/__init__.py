@@ -99,15 +99,20 @@ class Report:
     valid: bool
     #: Every violation in words, each prefixed with its class (``[deadlock] ...``).
     violations: list[str] = field(default_factory=list)
-    #: Peak memory per rank (parameters + live activations, the verifier's rule), in
-    #: ``memory_unit``.
+    #: Peak live activations per rank (the verifier's rule, without the parameters), in
+    #: ``memory_unit``: the CLI's ``peak_activations`` (``simulate --json``), ``check --json``'s
+    #: ``memory[r].peak - memory[r].params``.
     peak_activations: list[float] = field(default_factory=list)
     #: Valid-but-fragile findings (NCCL risks); not violations.
     risks: list[str] = field(default_factory=list)
     #: The one-line verdict the CLI prints.
     verdict: str = ""
-    #: ``"bytes"`` or ``"layer-activations"``: the unit of ``peak_activations``.
+    #: ``"bytes"`` or ``"layer-activations"``: the unit of ``peak_activations`` and
+    #: ``peak_memory``.
     memory_unit: str = "layer-activations"
+    #: Peak memory per rank: parameters + live activations, what ``memory_limit`` bounds (the
+    #: CLI's ``peak_memory``, ``check --json``'s ``memory[r].peak``).
+    peak_memory: list[float] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return self.valid
@@ -142,7 +147,21 @@ class Schedule:
 
     @property
     def vpp(self) -> int | None:
+        """Chunks (stages) per rank: the kind's, or for a tuned plan or an import its stages
+        over its ranks (``None`` when they do not divide)."""
         return self._n.vpp
+
+    @property
+    def layout(self) -> str:
+        """The Megatron layout string of the layer split (``"Et*3|tL"``): as given or tuned,
+        else one ``t`` per stage with ``E`` first and ``L`` last."""
+        return self._n.layout
+
+    @property
+    def plan(self) -> str | None:
+        """The name ``pipec tune`` gives a plan no kind generates as is (``"tuned loop vpp=2"``,
+        ``"1f1b + offload 3"``; the manifest's ``plan``), else ``None``."""
+        return self._n.plan
 
     @property
     def kind(self) -> str:
@@ -184,7 +203,11 @@ class Schedule:
         return self._n.target_refusal(target)
 
     def __repr__(self) -> str:
-        # The title already names the sizes (pp and vpp, or ranks and stages when imported).
+        # The title already names the sizes (pp and vpp, or ranks and stages when imported);
+        # a tuned plan's title names its plan (chunks per rank included), and its split,
+        # which no kind implies, is added.
+        if self.plan is not None:
+            return f"<pipec.Schedule {self._n.title_line}, layout {self.layout}>"
         return f"<pipec.Schedule {self._n.title_line}>"
 
     def _check_rank(self, rank: int) -> None:
@@ -241,6 +264,7 @@ class Schedule:
             risks=d["risks"],
             verdict=d["verdict"],
             memory_unit=d["memory_unit"],
+            peak_memory=d["peak_memory"],
         )
 
     def simulate(self, cost: str | None = None) -> dict:
@@ -307,8 +331,14 @@ def compile(
     lengths: list[int] | list[list[int]] | None = None,
     microbatch_order: list[int] | None = None,
     megatron_variable_seq_lengths: bool = False,
+    num_layers: int | None = None,
+    mtp_num_layers: int | None = None,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
+
+    ``num_layers`` / ``mtp_num_layers`` are ``--num-layers`` / ``--mtp-num-layers``: the
+    decoder layers split evenly over the stages (MTP layers on the last), as Megatron splits
+    them; with ``layout`` they must be the layout's counts (a :class:`LayoutError` otherwise).
 
     ``lengths`` is ``--microbatch-lengths``: one entry per microbatch, an int (one sequence
     of that many tokens) or a list of ints (the sequences packed into it). Its count is the
@@ -343,6 +373,10 @@ def compile(
     for name, v in (("vpp", vpp), ("group_size", group_size)):
         if v is not None:
             _check_count(name, v, "or None")
+    # Layer counts as the CLI's u32 flags take them (0 included); the compiler judges the rest.
+    for name, v in (("num_layers", num_layers), ("mtp_num_layers", mtp_num_layers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32):
+            raise SpecError(f"{name} must be an integer from 0 to 2^32-1 or None, not {v!r}")
     if megatron_partial_recompute is not None and (
         isinstance(megatron_partial_recompute, bool)
         or not isinstance(megatron_partial_recompute, int)
@@ -386,6 +420,8 @@ def compile(
             lengths=lists,
             microbatch_order=order,
             megatron_variable_seq_lengths=megatron_variable_seq_lengths,
+            num_layers=num_layers,
+            mtp_num_layers=mtp_num_layers,
         )
     )
 

@@ -32,6 +32,20 @@ class _Op(enum.IntEnum):
     def __str__(self) -> str:
         return self.name
 
+    def __eq__(self, other: object) -> bool:
+        # The op as the file writes it: `ins.op == "fwd"` agrees with `ins["op"] == "fwd"`
+        # (issue #40), so `Op.fwd_checkpoint == "fwd"` too, as its record's op is "fwd".
+        if isinstance(other, str):
+            return self.name == other
+        return int.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    # Hashed as the int: members stay usable as dict keys and in sets of members; a set of
+    # strings does not find them (`Op.fwd in {"fwd"}` is False; compare with `==`).
+    __hash__ = int.__hash__
+
     def __repr__(self) -> str:
         return f"Op.{self._name_}"
 

@@ -155,6 +155,8 @@ struct NativeSchedule {
     /// The cost model it was planned or compiled with (the manifest's `cost`): written by
     /// `save`, the default of `check` and `simulate`, as the CLI does.
     cost: Option<String>,
+    /// The plan's name when no spec names it (the manifest's `plan`: `tune`'s winner).
+    plan: Option<String>,
 }
 
 impl NativeSchedule {
@@ -183,6 +185,7 @@ impl NativeSchedule {
         pipec_compiler::view::report::schedule_title(
             self.spec.as_ref(),
             &self.source,
+            self.plan.as_deref(),
             self.program(),
         )
     }
@@ -226,9 +229,32 @@ impl NativeSchedule {
         }
     }
 
+    /// Chunks (stages) per rank: the spec's, else the program's stages over its ranks when they
+    /// divide evenly (a tuned plan's `loop vpp=2`, a V placement's 2), else `None`.
     #[getter]
     fn vpp(&self) -> Option<u32> {
-        self.spec.map(|s| s.vpp)
+        match self.spec {
+            Some(s) => Some(s.vpp),
+            None => {
+                let (stages, pp) = (self.program().num_stages(), self.program().world());
+                (pp > 0 && stages.is_multiple_of(pp)).then(|| stages / pp)
+            }
+        }
+    }
+
+    /// The Megatron layout string of the split: as given or tuned, else expanded (`Et|tL`).
+    #[getter]
+    fn layout(&self) -> String {
+        self.layout
+            .text
+            .clone()
+            .unwrap_or_else(|| self.layout.expanded())
+    }
+
+    /// The plan's name when no spec names it (`tuned loop vpp=2`, `1f1b + offload 3`).
+    #[getter]
+    fn plan(&self) -> Option<String> {
+        self.plan.clone()
     }
 
     #[getter]
@@ -378,13 +404,16 @@ impl NativeSchedule {
         let enc = parse_encoding(encoding)?;
         // Streamed from the program, as `pipec compile` writes (no whole-output buffer).
         let header = self.header();
-        let prepared = files::prepare(&header, self.program(), enc).with_cost(self.cost.clone());
+        let prepared = files::prepare(&header, self.program(), enc)
+            .with_cost(self.cost.clone())
+            .with_plan(self.plan.clone());
         let threads = files::threads_for(self.program().len() as u64);
         files::write_verified(&path, &prepared, threads, &self.verified)
             .map_err(|e| FileError::new_err(e.to_string()))
     }
 
-    /// The verifier's report as JSON: valid, violations, peak activations per rank, risks.
+    /// The verifier's report as JSON: valid, violations, peak activations and peak memory per
+    /// rank, risks.
     #[pyo3(signature = (memory_limit=None, cost=None))]
     fn check(
         &self,
@@ -412,7 +441,11 @@ impl NativeSchedule {
         Ok(json!({
             "valid": r.is_valid(),
             "violations": r.violations.iter().map(|v| format!("[{}] {v}", v.class())).collect::<Vec<_>>(),
-            "peak_activations": r.memory.iter().map(|m| pipec_cost::rounding::figure(m.peak)).collect::<Vec<_>>(),
+            // As the CLI's JSON names them (`simulate`'s `peak_activations` and `peak_memory`;
+            // `check`'s `memory[r].peak` and `params`): live activations alone, and with the
+            // parameters (issue #40: `peak_activations` held both).
+            "peak_activations": r.memory.iter().map(|m| pipec_cost::rounding::figure(m.peak - m.params)).collect::<Vec<_>>(),
+            "peak_memory": r.memory.iter().map(|m| pipec_cost::rounding::figure(m.peak)).collect::<Vec<_>>(),
             "memory_unit": r.memory_unit,
             "risks": r.risks.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
             "verdict": r.verdict_line(),
@@ -501,7 +534,7 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
     cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None,
-    megatron_variable_seq_lengths=false))]
+    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -521,6 +554,8 @@ fn compile_schedule(
     lengths: Option<Vec<Vec<i128>>>,
     microbatch_order: Option<Vec<i64>>,
     megatron_variable_seq_lengths: bool,
+    num_layers: Option<u32>,
+    mtp_num_layers: Option<u32>,
 ) -> PyResult<NativeSchedule> {
     let lengths = lengths
         .map(Lengths::from_lists)
@@ -559,6 +594,8 @@ fn compile_schedule(
         lengths,
         microbatch_order,
         megatron_variable_seq_lengths,
+        num_layers,
+        mtp_num_layers,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;
@@ -583,6 +620,7 @@ fn compile_schedule(
         spec: Some(c.spec),
         source: "generated".into(),
         cost: recorded_cost(cost)?,
+        plan: None,
     })
 }
 
@@ -645,6 +683,19 @@ fn tune_schedule(
         ),
         None => TargetChoice::Every,
     };
+    // Refused as `pipec tune` refuses the flags, in the parameters' names.
+    if layout.is_some() {
+        for (given, name) in [
+            (num_layers.is_some(), "num_layers"),
+            (mtp_num_layers.is_some(), "mtp_num_layers"),
+        ] {
+            if given {
+                return Err(SpecError::new_err(pipec_tune::layers_with_layout(
+                    name, "layout",
+                )));
+            }
+        }
+    }
     let mut model = CostModel::default();
     if let Some(spec) = cost {
         model
@@ -684,6 +735,7 @@ fn tune_schedule(
         .to_string();
     let layout = t.file_layout();
     let source = t.header(&layout).source.to_string();
+    let plan = t.plan_name();
     Ok((
         NativeSchedule {
             verified: t.verified,
@@ -691,6 +743,7 @@ fn tune_schedule(
             spec: t.spec,
             source,
             cost: recorded_cost(cost)?,
+            plan,
         },
         report,
     ))
@@ -719,6 +772,7 @@ fn load_dir(py: Python<'_>, path: PathBuf, world_size: Option<u32>) -> PyResult<
         spec: m.schedule,
         source: m.source,
         cost: m.cost,
+        plan: m.plan,
     })
 }
 

@@ -546,10 +546,13 @@ def test_memory_is_counted_as_the_cli_counts_it(tmp_path):
             text=True,
         )
         d = json.loads(p.stdout)
-        assert r.peak_activations == [m["peak"] for m in d["memory"]], (cost, d)
+        assert r.peak_memory == [m["peak"] for m in d["memory"]], (cost, d)
+        # `params` is left out of the JSON where it is 0.
+        acts = [m["peak"] - m.get("params", 0) for m in d["memory"]]
+        assert r.peak_activations == acts, (cost, d)
         assert r.memory_unit == d["memory_unit"]
     assert s.check(cost="t.act=1GiB").memory_unit == "bytes"
-    peak = max(s.check(cost="t.act=1GiB").peak_activations)
+    peak = max(s.check(cost="t.act=1GiB").peak_memory)
     assert not s.check(memory_limit=f"{peak - 1}B", cost="t.act=1GiB").valid
     assert s.check(memory_limit=f"{peak}B", cost="t.act=1GiB").valid
     with pytest.raises(pipec.SpecError, match="t.act="):
@@ -611,6 +614,108 @@ def test_the_byte_limit_message_is_the_clis():
     assert str(e.value).removeprefix("memory_limit: ") == msg.removeprefix("--memory-limit: ")
     _, report = pipec.tune(4, 8, num_layers=8, memory_limit="40GiB", cost="t.act=1GiB")
     assert "GiB" in report["verdict"] and max(report["peak_memory"]) <= 40 * 2**30
+
+
+def test_an_ambiguous_limit_unit_is_refused_as_the_cli_does():
+    """#40: ``40G`` could be GiB or GB; the CLI exits 1 offering both, Python raises the same."""
+    code, msg = _cli_error(
+        _cli(), "tune", "--pp", "4", "--microbatches", "8", "--num-layers", "8",
+        "--memory-limit", "40G",
+    )  # fmt: skip
+    want = "`40G` has an ambiguous unit: did you mean 40GiB or 40GB?"
+    assert code == 1 and msg == f"--memory-limit: {want}", msg
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.tune(4, 8, num_layers=8, memory_limit="40G")
+    assert str(e.value) == f"memory_limit: {want}"
+    with pytest.raises(pipec.SpecError, match=re.escape(want)):
+        pipec.compile("1f1b", 4, 8, memory_limit="40G")
+
+
+@pytest.mark.parametrize(
+    ("flag", "name"), [("--num-layers", "num_layers"), ("--mtp-num-layers", "mtp_num_layers")]
+)
+def test_tune_refuses_layers_beside_a_layout_as_the_cli_does(flag, name):
+    """#40: ``pipec tune --layout L --num-layers N`` is refused (exit 2); ``pipec.tune`` raised
+    nothing and ignored ``num_layers``. Both now refuse, in the same words, each naming its own
+    spelling of the two."""
+    code, msg = _cli_error(
+        _cli(), "tune", "--pp", "2", "--microbatches", "4", "--layout", "Et|tL", flag, "2"
+    )
+    assert code == 2, msg
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.tune(2, 4, layout="Et|tL", **{name: 2})
+    assert str(e.value) == msg.replace(flag, name).replace("--layout", "layout")
+    assert str(e.value).startswith(f"{name} cannot be given with layout: ")
+
+
+def test_compile_takes_num_layers_as_the_cli_does(tmp_path):
+    """#40: ``pipec.compile`` takes ``num_layers`` and ``mtp_num_layers`` as ``pipec compile``
+    takes ``--num-layers`` / ``--mtp-num-layers``: the same files, the split by hand (4 decoder
+    layers on 2 stages, the MTP layer on the last), and the CLI's refusal of an uneven split."""
+    s = pipec.compile("1f1b", 2, 4, num_layers=4, mtp_num_layers=1)
+    assert s.layout == "Ett|ttmL"
+    assert pipec.compile("1f1b", 2, 4).layout == "Et|tL"
+    s.save(tmp_path / "py")
+    p = subprocess.run(
+        [_cli(), "compile", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4",
+         "--num-layers", "4", "--mtp-num-layers", "1", "-o", tmp_path / "cli"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    assert p.returncode == 0
+    for f in ("manifest.json", "rank-0.json", "rank-1.json"):
+        assert (tmp_path / "py" / f).read_bytes() == (tmp_path / "cli" / f).read_bytes(), f
+    code, msg = _cli_error(
+        _cli(), "compile", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4",
+        "--num-layers", "3", "-o", tmp_path / "bad",
+    )  # fmt: skip
+    assert code == 1
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.compile("1f1b", 2, 4, num_layers=3)
+    assert str(e.value) == msg
+    with pytest.raises(pipec.SpecError, match="num_layers must be an integer"):
+        pipec.compile("1f1b", 2, 4, num_layers=-1)
+
+
+def test_report_peak_activations_are_activations():
+    """#40: ``Report.peak_activations`` held parameters + activations. By hand, 1F1B at pp=4,
+    M=8, one layer a stage: rank r keeps 4 - r microbatches' activations; with ``t.param=5``
+    every rank also holds 5 units of parameters, which ``peak_memory`` adds and
+    ``peak_activations`` does not (the CLI's ``simulate --json`` names them so)."""
+    s = pipec.compile("1f1b", 4, 8)
+    r = s.check(cost="t.param=5")
+    assert r.peak_activations == [4, 3, 2, 1]
+    assert r.peak_memory == [9, 8, 7, 6]
+    sim = s.simulate(cost="t.param=5")
+    assert max(r.peak_activations) == sim["peak_activations"]
+    assert max(r.peak_memory) == sim["peak_memory"]
+    assert not s.check(cost="t.param=5", memory_limit=8).valid
+    assert s.check(cost="t.param=5", memory_limit=9).valid
+
+
+def test_a_tuned_schedule_keeps_its_vpp_and_layout(tmp_path):
+    """#40: a tuned plan's repr and attributes lost its chunks per rank and its split. The
+    reference is tune's own report (``schedule.vpp``, ``layout``) and what ``pipec show``
+    titles the saved directory."""
+    s, rep = pipec.tune(4, 8, num_layers=16, target="megatron", kinds=["tuned"])
+    assert rep["schedule"]["kind"] == "tuned" and rep["schedule"]["vpp"] == 2, rep["schedule"]
+    assert s.vpp == 2 and s.num_stages == 8
+    assert s.layout == rep["layout"]
+    assert s.plan == "tuned loop vpp=2"
+    assert repr(s) == (
+        f"<pipec.Schedule tuned loop vpp=2, 4 ranks, 8 stages, microbatches=8, layout {rep['layout']}>"
+    )
+    s.save(tmp_path / "t")
+    loaded = pipec.load(tmp_path / "t")
+    assert (loaded.vpp, loaded.layout, loaded.plan, repr(loaded)) == (
+        s.vpp,
+        s.layout,
+        s.plan,
+        repr(s),
+    )
+    shown = subprocess.run(
+        [_cli(), "show", tmp_path / "t"], check=True, capture_output=True, text=True
+    ).stdout
+    assert shown.splitlines()[0] == "tuned loop vpp=2, 4 ranks, 8 stages, microbatches=8"
 
 
 def test_model_keys_and_p2p_modes_are_rusts():

@@ -227,6 +227,27 @@ def test_op_is_the_schema():
     assert Op(3) is Op.bwd_W and isinstance(Op.fwd, Op) and Op.__module__ == "pipec"
 
 
+def test_op_compares_as_the_files_op():
+    """#40: ``list(pipec.Op)`` lists the members, and ``ins.op == "fwd"`` agrees with
+    ``ins["op"] == "fwd"`` on every instruction (the record's op is the reference)."""
+    assert list(pipec.Op) == [getattr(Op, row) for row, _, _ in _native.op_rows()]
+    assert len(list(pipec.Op)) == len(_native.op_rows())
+    s = pipec.compile("1f1b", 2, 4, megatron_partial_recompute=1)
+    names = {op.name for op in Op} | {"nope"}
+    checked = 0
+    for rank in range(s.pp):
+        for ins in s.instructions(rank):
+            for name in names:
+                assert (ins.op == name) == (ins["op"] == name), (ins, name)
+                assert (ins.op != name) == (ins["op"] != name), (ins, name)
+                checked += 1
+    assert checked > 0 and any(i.op == Op.fwd_checkpoint for i in s.instructions(0))
+    # A checkpointed forward is written "fwd": it equals that string and stays its own member.
+    assert Op.fwd_checkpoint == "fwd" and Op.fwd_checkpoint != Op.fwd
+    assert Op.fwd == Op.fwd and Op.fwd != "bwd" and Op.fwd == int(Op.fwd)
+    assert {Op.fwd: 1}[Op.fwd] == 1
+
+
 def test_instruction_reads_as_its_record():
     """What ``instructions`` returned before (dicts) still works on the typed objects."""
     s = pipec.compile("1f1b", 2, 2, combined=True)

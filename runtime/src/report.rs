@@ -44,10 +44,10 @@ pub struct RankStats {
     pub busy_us: f64,
     /// The step's wall time minus `busy_us`: waiting on messages, the real bubble.
     pub idle_us: f64,
-    /// Peak live activation stashes, measured.
+    /// Peak live activation stashes, counted in the run.
     pub peak_activations: u32,
-    /// The rank's parameters plus the most its device store held at once, measured in the
-    /// run's memory model ([`run_cpu_with_memory`]): the verifier's `memory[r].peak`.
+    /// The rank's parameters plus the most its device store held at once, counted in the
+    /// run's memory model (each tensor at its modelled size, not the bytes allocated) ([`run_cpu_with_memory`]): the verifier's `memory[r].peak`.
     pub peak_memory: f64,
     /// The most its host store (offloaded activations) held at once: the verifier's
     /// `memory[r].host`.

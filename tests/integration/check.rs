@@ -1393,12 +1393,19 @@ fn check_risks_summarised_and_strict() {
     assert_eq!(v["risk_summary"]["by_kind"]["same_peer_twice"], total);
     assert_eq!(v["exit_code"], 0);
     assert_eq!(v["valid"], true);
+    assert_eq!(v["passed"], true);
+    assert_eq!(v["strict_failed"], false);
     let (code, out, _) = check(&["--json", "--all-risks", "--strict"]);
     assert_eq!(code, 1);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["risks"].as_array().unwrap().len(), total);
     assert_eq!(v["exit_code"], 1);
     assert_eq!(v["strict"], true);
+    // The program is valid (it runs); the check failed, and `passed` says so as the exit code
+    // does (issue #40: `"valid": true` alone read as a pass).
+    assert_eq!(v["valid"], true);
+    assert_eq!(v["passed"], false);
+    assert_eq!(v["strict_failed"], true);
     // A schedule without risks passes --strict.
     let clean = tmp.path().join("1f1b");
     compile(&clean, "--schedule 1f1b --pp 4 --microbatches 8");
@@ -1408,6 +1415,15 @@ fn check_risks_summarised_and_strict() {
     let (code, out, _) = run(c);
     assert_eq!(code, 0, "{out}");
     assert!(!out.contains("risks:"), "{out}");
+    let mut c = pipec_with(["check", "--strict", "--json"]);
+    c.arg(&clean);
+    let (code, out, _) = run(c);
+    assert_eq!(code, 0, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["passed"], &v["strict_failed"]),
+        (&true.into(), &false.into())
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1899,11 +1915,10 @@ fn cost_header_names_free_kinds() {
         out.contains("; E, L free (no cost given: set E.f, L.f)"),
         "{out}"
     );
+    // A model given: L is free at its default 0, which the line says by its key (issue #40:
+    // "no cost given" was false of a tuned directory whose manifest records `E.f=0`).
     let (_, out, _) = run(pipec_with(["simulate", d, "--cost", "E.f=0.5"]));
-    assert!(
-        out.contains("E: f=0.5 b=0 w=0; L free (no cost given: set L.f)"),
-        "{out}"
-    );
+    assert!(out.contains("E: f=0.5 b=0 w=0; L free (L.f=0)"), "{out}");
     let (_, out, _) = run(pipec_with(["simulate", d, "--cost", "E.f=0.5,L.f=2"]));
     assert!(!out.contains("free (no cost"), "{out}");
 }

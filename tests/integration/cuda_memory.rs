@@ -236,7 +236,8 @@ fn check_copy_order(dir: &Path, min_copy_us: f64, what: &str) -> usize {
     copies
 }
 
-/// `pipec-run`'s line `peak memory per rank (UNIT): A measured, verifier B[; host ...]`
+/// `pipec-run`'s line `peak memory per rank (UNIT, modelled: ...): A held in the run, verifier
+/// B[; host ...]`
 /// has `A == B` (and the host figures agree too).
 fn assert_peaks_agree(so: &str, what: &str) {
     let line = so
@@ -246,8 +247,8 @@ fn assert_peaks_agree(so: &str, what: &str) {
     let (_, rest) = line.split_once("): ").unwrap();
     for part in rest.split("; ") {
         let part = part.strip_prefix("host ").unwrap_or(part);
-        let (measured, verifier) = part.split_once(" measured, verifier ").unwrap();
-        assert_eq!(measured, verifier, "{what}: {line}");
+        let (held, verifier) = part.split_once(" held in the run, verifier ").unwrap();
+        assert_eq!(held, verifier, "{what}: {line}");
     }
 }
 

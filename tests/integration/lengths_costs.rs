@@ -308,13 +308,13 @@ fn seq_comes_from_the_key_the_model_or_the_longest_microbatch() {
     assert_eq!((s.seq, s.seq_from), (1024, SeqFrom::Key));
     let s = of("");
     assert_eq!((s.seq, s.seq_from), (2048, SeqFrom::Longest));
-    let d = CostModel::default().describe_for(Some(&l));
+    let d = CostModel::default().describe_for(Some(&l), false);
     assert!(
         d.contains("costs per 2048 tokens (the longest microbatch"),
         "{d}"
     );
     assert_eq!(
-        CostModel::default().describe_for(None),
+        CostModel::default().describe_for(None, false),
         CostModel::default().describe()
     );
     // The simulator at pp=1: `seq = 1024` makes microbatch 0 half a unit, microbatch 1 two.

@@ -1053,6 +1053,198 @@ fn a_byte_limit_without_byte_costs_says_what_to_add() {
     }
 }
 
+/// `show` of a directory tune wrote (issue #40): a manifest that records `E.f=0` (from a
+/// `[model]` table, where the embedding has no matmul) reads `E free (E.f=0)`, not "no cost
+/// given", which only a directory without any model reads; and a built-in kind fitted with
+/// levers is titled by the plan tune printed, not "tuned schedule".
+#[test]
+fn show_of_a_tuned_directory_names_its_costs_and_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cost = tmp.path().join("m.toml");
+    std::fs::write(
+        &cost,
+        "[model]\nhidden = 1024\nffn = 4096\nheads = 16\nseq = 2048\nvocab = 32000\n",
+    )
+    .unwrap();
+    let dir = tmp.path().join("t");
+    let (c, d) = (cost.to_str().unwrap(), dir.to_str().unwrap());
+    ok(&[
+        "tune",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--num-layers",
+        "4",
+        "--cost-file",
+        c,
+        "-o",
+        d,
+    ]);
+    let recorded = read(&dir.join("manifest.json"))["cost"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(recorded.starts_with("E.f=0,E.b=0,E.w=0,"), "{recorded}");
+    let shown = ok(&["show", d]);
+    let line = shown.lines().find(|l| l.starts_with("cost: ")).unwrap();
+    assert!(line.contains("; E free (E.f=0);"), "{line}");
+    assert!(!shown.contains("no cost given"), "{shown}");
+    // Without any model the hint stays.
+    let plain = tmp.path().join("c");
+    compile(&plain, "--schedule 1f1b --pp 2 --microbatches 4");
+    let shown = ok(&["show", plain.to_str().unwrap()]);
+    assert!(
+        shown.contains("E, L free (no cost given: set E.f, L.f)"),
+        "{shown}"
+    );
+
+    // 1F1B's peak at pp=4 is 4 microbatches of 2 layers on rank 0: a limit of 5 needs offload.
+    let lv = tmp.path().join("lv");
+    let lvs = lv.to_str().unwrap();
+    let report = ok(&[
+        "tune",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--num-layers",
+        "8",
+        "--kinds",
+        "1f1b",
+        "--target",
+        "pipec-run",
+        "--memory-limit",
+        "5",
+        "-o",
+        lvs,
+    ]);
+    let plan = report
+        .lines()
+        .find_map(|l| l.strip_prefix("schedule: "))
+        .unwrap();
+    assert!(plan.starts_with("1f1b + offload "), "{report}");
+    let m = read(&lv.join("manifest.json"));
+    assert_eq!(
+        (m["source"].as_str(), m["plan"].as_str()),
+        (Some("tuned"), Some(plan))
+    );
+    for cmd in ["show", "simulate"] {
+        let out = ok(&[cmd, lvs]);
+        assert_eq!(
+            out.lines().next().unwrap(),
+            format!("{plan}, 4 ranks, 4 stages, microbatches=8"),
+            "{out}"
+        );
+    }
+    // Sealing keeps it.
+    ok(&["seal", lvs]);
+    assert_eq!(read(&lv.join("manifest.json"))["plan"].as_str(), Some(plan));
+    // A plan of the tuner's own is named as tune's report names it, chunks per rank included.
+    let report = ok(&[
+        "tune",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--num-layers",
+        "16",
+        "--target",
+        "megatron",
+        "--kinds",
+        "tuned",
+        "-o",
+        d,
+    ]);
+    let plan = report
+        .lines()
+        .find_map(|l| l.strip_prefix("schedule: "))
+        .unwrap();
+    assert_eq!(plan, "tuned loop vpp=2", "{report}");
+    assert_eq!(
+        read(&dir.join("manifest.json"))["plan"].as_str(),
+        Some(plan)
+    );
+    assert!(ok(&["show", d]).starts_with("tuned loop vpp=2, 4 ranks, 8 stages, microbatches=8\n"));
+    // A built-in kind as generated is named by its spec, and records no plan.
+    ok(&[
+        "tune",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--kinds",
+        "1f1b",
+        "-o",
+        d,
+    ]);
+    let m = read(&dir.join("manifest.json"));
+    assert!(m.get("plan").is_none() && m["source"] == "generated", "{m}");
+    assert!(ok(&["show", d]).starts_with("1f1b pp=2 vpp=1 microbatches=4\n"));
+}
+
+/// `pipec tune --layout L --num-layers N` is a usage error (exit 2) in the words Python's
+/// `pipec.tune` uses (issue #40), for the MTP count too.
+#[test]
+fn tune_refuses_layer_counts_beside_a_layout() {
+    for flag in ["--num-layers", "--mtp-num-layers"] {
+        let r = pipec_output(&[
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--layout",
+            "Et|tL",
+            flag,
+            "2",
+        ]);
+        assert_eq!(r.status.code(), Some(2), "{flag}");
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            err.contains(&format!(
+                "error: {flag} cannot be given with --layout: the layout gives the layers"
+            )),
+            "{err}"
+        );
+    }
+}
+
+/// `--memory-limit 40G` is refused (exit 1) by every command that takes a limit, with both
+/// readings offered (issue #40: it got no suggestion).
+#[test]
+fn an_ambiguous_limit_unit_gets_a_suggestion() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let d = dir.to_str().unwrap();
+    compile(&dir, "--schedule 1f1b --pp 2 --microbatches 4");
+    let o = tmp.path().join("o");
+    let o = o.to_str().unwrap();
+    let (pp, m) = (["--pp", "2"], ["--microbatches", "4"]);
+    for args in [
+        vec!["check", d],
+        [
+            &["compile", "--schedule", "1f1b"],
+            &pp[..],
+            &m[..],
+            &["-o", o],
+        ]
+        .concat(),
+        [&["tune"], &pp[..], &m[..]].concat(),
+    ] {
+        let args = [&args[..], &["--memory-limit", "40G"]].concat();
+        let r = pipec_output(&args);
+        assert_eq!(r.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            err.contains(
+                "--memory-limit: `40G` has an ambiguous unit: did you mean 40GiB or 40GB?"
+            ),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// `tune -o DIR --cost ...` records its cost model; `show DIR` then draws tune's timeline
 /// (the makespan tune reported), not the default model's, and `--cost` still overrides it.
 #[test]

@@ -1349,7 +1349,7 @@ fn pipec_run_executes_memory_instructions_and_prints_the_verifiers_peaks() {
     };
     let (peaks, hosts) = (list(&|x| x.0), list(&|x| x.1));
     let line = format!(
-        "peak memory per rank (layer-activations): {peaks} measured, verifier {peaks}; host {hosts} measured, verifier {hosts}\n"
+        "peak memory per rank (layer-activations, modelled: each held tensor at its cost-model size): {peaks} held in the run, verifier {peaks}; host {hosts} held in the run, verifier {hosts}\n"
     );
     assert!(text.contains(&line), "{text}\nwant {line}");
 

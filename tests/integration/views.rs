@@ -1018,6 +1018,72 @@ fn cli_compare() {
         .stdout(predicates::str::contains("DEADLOCK"));
 }
 
+/// `pipec compare DIR` costs a tuned directory on the model its manifest records, as `pipec
+/// simulate DIR` does (issue #40: it re-costed them at unit costs); directories whose recorded
+/// models differ are refused, naming both, unless `--cost` puts them on one.
+#[test]
+fn compare_uses_recorded_costs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cost = "f=1,b=2,w=1,p2p=0.3";
+    let tune = |name: &str, kinds: &str| {
+        let d = tmp.path().join(name);
+        pipec()
+            .args(["tune", "--pp", "2", "--microbatches", "4", "--cost", cost])
+            .args(["--kinds", kinds, "-o"])
+            .arg(&d)
+            .assert()
+            .success();
+        d
+    };
+    let t1 = tune("t1", "1f1b");
+    let t2 = tune("t2", "gpipe");
+    let json = |cmd: &mut std::process::Command| -> serde_json::Value {
+        serde_json::from_str(&stdout_of(cmd)).unwrap()
+    };
+    let simulated = |d: &std::path::Path| {
+        json(pipec().arg("simulate").arg(d).arg("--json"))["makespan"]
+            .as_f64()
+            .unwrap()
+    };
+    let (s1, s2) = (simulated(&t1), simulated(&t2));
+    // The recorded model is not the unit one: the unit costs give another makespan, so a
+    // compare at unit costs cannot pass this test.
+    let unit = json(
+        pipec()
+            .arg("simulate")
+            .arg(&t1)
+            .args(["--json", "--cost", "f=1"]),
+    );
+    assert_ne!(unit["makespan"].as_f64().unwrap(), s1);
+    let alone = json(pipec().arg("compare").arg(&t1).arg("--json"));
+    assert_eq!(alone["schedules"][0]["makespan"].as_f64().unwrap(), s1);
+    let both = json(pipec().arg("compare").arg(&t1).arg(&t2).arg("--json"));
+    assert_eq!(both["schedules"][0]["makespan"].as_f64().unwrap(), s1);
+    assert_eq!(both["schedules"][1]["makespan"].as_f64().unwrap(), s2);
+    assert_eq!(
+        both["cost"],
+        serde_json::to_value(CostModel::parse(cost).unwrap()).unwrap()
+    );
+    // A directory compiled without a model records none: the pair is refused, both named.
+    let c = compiled(tmp.path(), "c", "--schedule 1f1b --pp 2 --microbatches 4");
+    let out = pipec().arg("compare").arg(&t1).arg(&c).assert().code(1);
+    let err = String::from_utf8_lossy(&out.get_output().stderr).to_string();
+    assert!(err.contains("different cost models"), "{err}");
+    assert!(err.contains(&t1.display().to_string()), "{err}");
+    assert!(
+        err.contains(&format!("{}: none recorded", c.display())),
+        "{err}"
+    );
+    // One model given: both on it.
+    pipec()
+        .arg("compare")
+        .arg(&t1)
+        .arg(&c)
+        .args(["--cost", "f=1"])
+        .assert()
+        .success();
+}
+
 #[test]
 fn cli_export() {
     let tmp = tempfile::tempdir().unwrap();

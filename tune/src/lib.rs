@@ -39,6 +39,16 @@ pub use request::{Candidate, CandidateKind, LeverReport, TuneError, TuneRequest,
 pub use search::{best_plan, best_plan_with, min_peak};
 
 /// Tune: weigh every candidate, verify the winner, or say why nothing fits.
+/// The refusal of a layer count beside a layout (`pipec tune --layout L --num-layers N`,
+/// `pipec.tune(layout=..., num_layers=...)`), in each caller's names for the two: the layout
+/// gives the layers, so a count beside it is either redundant or contradicts it (issue #40:
+/// Python ignored the count silently). One wording for the CLI and Python.
+pub fn layers_with_layout(layers: &str, layout: &str) -> String {
+    format!(
+        "{layers} cannot be given with {layout}: the layout gives the layers (its `t` and `m`); give one or the other"
+    )
+}
+
 pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     let user_stages = req.check()?;
     let allowed = candidates::allowed_kinds(req)?;

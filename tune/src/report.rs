@@ -127,6 +127,15 @@ impl Tuned {
         self.layout.stages.iter().filter(|s| s.is_empty()).count()
     }
 
+    /// The name the written files carry in the manifest's `plan` (`tuned loop vpp=2`, `1f1b +
+    /// offload 3`, as the report's `schedule:` line): a plan no `schedule` spec names, a plan
+    /// of the tuner's own or a built-in kind fitted with levers; `None` for a built-in kind as
+    /// generated (its spec names it). Viewers and Python title the plan by it, so its kind
+    /// and chunks per rank are not lost to "tuned schedule".
+    pub fn plan_name(&self) -> Option<String> {
+        self.spec.is_none().then(|| describe(&self.best))
+    }
+
     /// The layout the written files carry: the chosen split, with its Megatron string.
     pub fn file_layout(&self) -> Layout {
         Layout {

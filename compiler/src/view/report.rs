@@ -7,16 +7,20 @@ use pipec_cost::simulate::{SimError, Simulation, BUBBLE};
 use pipec_ir::ir::Program;
 
 /// A one-line name for a schedule, as `pipec simulate` prints it: `1f1b pp=4 vpp=1
-/// microbatches=8`, or for an import `torch-csv schedule, 2 ranks, 4 stages, microbatches=2`.
+/// microbatches=8`, or for an import `torch-csv schedule, 2 ranks, 4 stages, microbatches=2`;
+/// a plan tune named in the manifest (`plan`) in place of `tuned schedule`.
 pub fn schedule_title(
     spec: Option<&pipec_schedules::ScheduleSpec>,
     source: &str,
+    plan: Option<&str>,
     program: &Program,
 ) -> String {
     let title = match spec {
         Some(s) => s.label(),
         None => format!(
-            "{source} schedule, {}, {}, microbatches={}",
+            "{}, {}, {}, microbatches={}",
+            // A built-in kind tune fitted with levers is named by its kind, not "tuned".
+            plan.map_or_else(|| format!("{source} schedule"), str::to_string),
             pipec_ir::human::count(program.world(), "rank"),
             pipec_ir::human::count(program.num_stages(), "stage"),
             program.microbatches

@@ -576,8 +576,18 @@ impl CostModel {
         parts.join(",")
     }
 
-    /// A short one-line description, for headers: `f=1 b=1 w=1, p2p free, rendezvous`.
+    /// A short one-line description, for headers: `f=1 b=1 w=1, p2p free, rendezvous`, as
+    /// of a model built from no costs at all ([`CostModel::describe_given`] with `false`).
     pub fn describe(&self) -> String {
+        self.describe_given(false)
+    }
+
+    /// [`CostModel::describe`], knowing whether a cost model was given (`--cost`,
+    /// `--cost-file`, or a manifest's recorded `cost`). A free embedding or loss then reads
+    /// `E free (E.f=0)`: its cost was given as 0, or left 0 beside others given; only without
+    /// any model does it read `E free (no cost given: set E.f)` (issue #40: a tuned directory
+    /// whose manifest records `E.f=0` from a `[model]` table read "no cost given").
+    pub fn describe_given(&self, given: bool) -> String {
         let t = self.layer(LayerKind::Decoder);
         let mut s = format!("t: f={} b={} w={}", num(t.f), num(t.b), num(t.w));
         // Kinds that cost nothing are named: the embedding and the loss are free by default,
@@ -625,11 +635,15 @@ impl CostModel {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
-            s.push_str(&format!(
-                "; {} free (no cost given: set {})",
-                list(""),
-                list(".f")
-            ));
+            if given {
+                s.push_str(&format!("; {} free ({})", list(""), list(".f=0")));
+            } else {
+                s.push_str(&format!(
+                    "; {} free (no cost given: set {})",
+                    list(""),
+                    list(".f")
+                ));
+            }
         }
         if self.floor > 0.0 {
             s.push_str(&format!("; empty stage {}", num(self.floor)));

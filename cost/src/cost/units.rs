@@ -44,6 +44,20 @@ pub fn parse_memory(s: &str) -> Result<(f64, bool), String> {
         "mib" => 1024.0 * 1024.0,
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        // `40G` is either 40 GiB (what `free -g` and most GPU tools mean) or 40 GB (what disk
+        // makers and SI mean), 7% apart: ask rather than guess (issue #40).
+        u @ ("k" | "m" | "g" | "t") => {
+            let p = u.to_ascii_uppercase();
+            return Err(format!(
+                "`{s}` has an ambiguous unit: did you mean {num}{p}iB or {num}{p}B?"
+            ));
+        }
+        u @ ("ki" | "mi" | "gi" | "ti") => {
+            let p = u[..1].to_ascii_uppercase();
+            return Err(format!(
+                "`{s}` is not a memory size: did you mean {num}{p}iB?"
+            ));
+        }
         _ => return Err(bad()),
     };
     let x = v * scale;

@@ -80,6 +80,14 @@ pub struct Manifest {
     /// receive then carries its `tokens`. Absent when the microbatches are alike.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub microbatch_lengths: Option<Lengths>,
+    /// The plan `pipec tune` chose, as its report names it (`tuned loop vpp=2`, `1f1b + offload
+    /// 3`), when `schedule` cannot name it (a plan of the tuner's own, or a built-in kind whose
+    /// levers added instructions the kind does not generate), so viewers title it by its kind
+    /// and chunks per rank rather than "tuned schedule".
+    /// Not hashed (the instructions are), like `cost`. Absent otherwise, so those files are
+    /// unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<String>,
 }
 
 /// The one sentence `pipec check`, `show`, `simulate` and `import` say of a compute-only

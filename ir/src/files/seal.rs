@@ -74,6 +74,8 @@ struct ManifestLoose {
     #[serde(default)]
     cost: Option<String>,
     #[serde(default)]
+    plan: Option<String>,
+    #[serde(default)]
     microbatch_lengths: Option<pipec_schedules::Lengths>,
 }
 
@@ -127,6 +129,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
         sealed_by: m.sealed_by,
         cost: m.cost,
         microbatch_lengths: m.microbatch_lengths,
+        plan: m.plan,
     };
     check_manifest(path, m)
 }
@@ -187,7 +190,8 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
     }
     let prepared = prepared
         .sealed(m.compiler.clone())
-        .with_cost(m.cost.clone());
+        .with_cost(m.cost.clone())
+        .with_plan(m.plan.clone());
     let threads = threads_for(instructions);
     // Sealing vouches for the hashes, not the schedule: the loader verifies what it reads.
     write_prepared(dir, &prepared, threads, || {

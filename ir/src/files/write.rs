@@ -207,6 +207,8 @@ pub struct Prepared<'a> {
     sealed: Option<String>,
     /// The manifest's `cost` ([`Prepared::with_cost`]).
     cost: Option<String>,
+    /// The manifest's `plan` ([`Prepared::with_plan`]).
+    plan: Option<String>,
 }
 
 /// Compute what every file of `program` needs before any is written (the schedule hash).
@@ -239,6 +241,7 @@ pub fn prepare<'a>(
         canonical,
         sealed: None,
         cost: None,
+        plan: None,
     }
 }
 
@@ -258,6 +261,13 @@ impl Prepared<'_> {
     /// `pipec_cost::cost::CostModel::spec`) in the manifest's `cost`.
     pub fn with_cost(mut self, cost: Option<String>) -> Self {
         self.cost = cost;
+        self
+    }
+
+    /// Record the name of the plan `pipec tune` chose in the manifest's `plan` (see
+    /// [`super::format::Manifest::plan`]).
+    pub fn with_plan(mut self, plan: Option<String>) -> Self {
+        self.plan = plan;
         self
     }
 
@@ -295,6 +305,7 @@ impl Prepared<'_> {
             sealed_by: self.sealed.as_ref().map(|_| SEALED_BY.to_string()),
             cost: self.cost.clone(),
             microbatch_lengths: self.program.lengths.clone(),
+            plan: self.plan.clone(),
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');

@@ -46,6 +46,12 @@ impl CostArgs {
         self.cost.is_some() || self.cost_file.is_some()
     }
 
+    /// Whether a cost model was given for a loaded schedule: the flags, or the model its
+    /// manifest records (what [`CostArgs::model_for`] uses then).
+    pub fn given_for(&self, loaded: &Loaded) -> bool {
+        self.given() || loaded.manifest.cost.is_some()
+    }
+
     /// The model for a loaded schedule: the flags when given, else the cost model its
     /// manifest records (the one `pipec tune` planned it with), else the defaults.
     pub fn model_for(&self, loaded: &Loaded) -> Result<CostModel, CliError> {

@@ -68,6 +68,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
                 super::print_json(&serde_json::json!({
                     "input": input.display().to_string(),
                     "valid": false,
+                    "passed": false,
                     "error": msg,
                     "exit_code": code,
                 }));
@@ -82,7 +83,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         0
     };
     if json {
-        print_json(checked, &input, all, strict, code);
+        print_json(checked, &input, all, (strict, risky), code);
     } else {
         print(&checked, &input, all, strict);
     }
@@ -168,7 +169,16 @@ fn sealed_note(by: &str) -> String {
     )
 }
 
-fn print_json(mut c: Checked, input: &Path, all: bool, strict: bool, code: u8) {
+/// `valid` is the verifier's verdict on the program (a program with risks is valid: it runs);
+/// `passed` is the check's verdict, which agrees with the exit code (`--strict` fails a valid
+/// program with risks), and `strict_failed` says that is why it failed (issue #40).
+fn print_json(
+    mut c: Checked,
+    input: &Path,
+    all: bool,
+    (strict, strict_failed): (bool, bool),
+    code: u8,
+) {
     let total = c.report.risks.len();
     let by_kind: serde_json::Map<String, serde_json::Value> = per_kind(&c.report.risks)
         .into_iter()
@@ -186,6 +196,8 @@ fn print_json(mut c: Checked, input: &Path, all: bool, strict: bool, code: u8) {
             serde_json::json!({"total": total, "shown": shown, "by_kind": by_kind}),
         );
         o.insert("strict".into(), strict.into());
+        o.insert("strict_failed".into(), strict_failed.into());
+        o.insert("passed".into(), (code == 0).into());
         o.insert("exit_code".into(), code.into());
     }
     super::print_json(&v);

@@ -6,6 +6,12 @@
 //! `--schedule` is built with the same decoder layers (the least common multiple of the
 //! candidates' stage counts) split evenly over its own stages, and rows whose models differ
 //! are flagged rather than ranked.
+//!
+//! The cost model is the same for every row too: `--cost`/`--cost-file` when given, else the one
+//! the directories' manifests record (`pipec tune` writes the model it planned with; `simulate`
+//! reads it the same way, [`CostArgs::model_for`]). Directories whose recorded models differ are
+//! refused, naming two of them, rather than ranked under a model one of them was not planned
+//! with (issue #40: an offload plan re-costed at unit costs ranked first).
 
 use super::args::CostArgs;
 use super::compile::{compile_error, parse_kind};
@@ -194,7 +200,12 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             "--vpp comes from --layout (stages / pp); give one or the other".to_string(),
         ));
     }
-    let model = a.cost.model()?;
+    let loaded: Vec<_> = a
+        .dirs
+        .iter()
+        .map(|d| super::load(d))
+        .collect::<Result<_, _>>()?;
+    let (model, model_source) = common_model(&a, &loaded)?;
     if let (Some(l), Some(shape)) = (&lengths, &model.shape) {
         l.check_seq(shape.seq).map_err(|e| {
             let path = a.lengths.microbatch_lengths.as_ref();
@@ -224,13 +235,12 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
         _ => (None, String::new()),
     };
     let mut rows = Vec::new();
-    for d in &a.dirs {
-        let loaded = super::load(d)?;
+    for (d, loaded) in a.dirs.iter().zip(&loaded) {
         rows.push(Row {
-            name: format!("{} ({})", d.display(), title(&loaded)),
+            name: format!("{} ({})", d.display(), title(loaded)),
             instructions: loaded.program.len(),
             model: model_of(&loaded.manifest.layout, loaded.program.num_stages()),
-            result: run_sim(&loaded, &model),
+            result: run_sim(loaded, &model),
         });
     }
     for &k in &a.schedule {
@@ -269,7 +279,8 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
             "schedules": items,
         }));
     } else {
-        println!("cost: {}", model.describe());
+        let given = a.cost.given() || loaded.iter().any(|l| l.manifest.cost.is_some());
+        println!("cost: {}{model_source}", model.describe_given(given));
         if !model_note.is_empty() {
             println!("{model_note}");
         }
@@ -293,6 +304,49 @@ pub fn run(mut a: Args) -> Result<ExitCode, CliError> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The one cost model of the table and where it came from (printed after the model): the flags
+/// when given; else the model the directories' manifests record, which must be the same for
+/// all (a directory that records none counts as the defaults, as `simulate` costs it); else the
+/// defaults. `--schedule` rows are costed on the same model.
+fn common_model(
+    a: &Args,
+    loaded: &[pipec_ir::files::Loaded],
+) -> Result<(CostModel, String), CliError> {
+    if a.cost.given() || loaded.is_empty() {
+        return Ok((a.cost.model()?, String::new()));
+    }
+    let what = |i: usize, m: &CostModel| match &loaded[i].manifest.cost {
+        Some(_) => format!("  {}: {}", a.dirs[i].display(), m.describe_given(true)),
+        None => format!("  {}: none recorded (default costs)", a.dirs[i].display()),
+    };
+    let mut first: Option<(usize, CostModel)> = None;
+    for (i, l) in loaded.iter().enumerate() {
+        let m = a.cost.model_for(l).map_err(|e| match e {
+            CliError::Invalid(msg) => CliError::Invalid(format!("{}: {msg}", a.dirs[i].display())),
+            other => other,
+        })?;
+        match &first {
+            None => first = Some((i, m)),
+            Some((i0, m0)) if *m0 != m => {
+                return Err(CliError::Invalid(format!(
+                    "the directories were planned with different cost models:\n{}\n{}\ngive --cost or --cost-file to compare them on one",
+                    what(*i0, m0),
+                    what(i, &m)
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    let recorded = loaded.iter().any(|l| l.manifest.cost.is_some());
+    let (_, m) = first.expect("at least one directory");
+    let source = if recorded {
+        " (recorded in the directories' manifests)".to_string()
+    } else {
+        String::new()
+    };
+    Ok((m, source))
 }
 
 fn table(rows: &[Row]) -> String {

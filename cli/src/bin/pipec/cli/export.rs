@@ -214,7 +214,7 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
                 width: a.svg_width.unwrap_or(1200.0),
                 title: Some(format!(
                     "{name}   ·   cost {}",
-                    model.describe_for(loaded.program.lengths.as_ref())
+                    model.describe_for(loaded.program.lengths.as_ref(), a.cost.given_for(loaded))
                 )),
                 filter: base.clone(),
                 detail: match (a.svg_detail, a.full) {

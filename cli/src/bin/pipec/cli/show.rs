@@ -118,7 +118,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     }
     println!(
         "cost: {}",
-        model.describe_for(loaded.program.lengths.as_ref())
+        model.describe_for(loaded.program.lengths.as_ref(), a.cost.given_for(&loaded))
     );
     if a.window.any() {
         let shown = match &ranks {

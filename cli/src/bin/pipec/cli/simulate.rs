@@ -15,6 +15,7 @@ pub fn title(l: &Loaded) -> String {
     pipec_compiler::view::report::schedule_title(
         l.manifest.schedule.as_ref(),
         &l.manifest.source,
+        l.manifest.plan.as_deref(),
         &l.program,
     )
 }
@@ -86,7 +87,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
             }
             println!(
                 "cost: {}",
-                model.describe_for(loaded.program.lengths.as_ref())
+                model.describe_for(loaded.program.lengths.as_ref(), a.cost.given_for(&loaded))
             );
             print!(
                 "{}",

@@ -23,11 +23,12 @@ pub struct Args {
     /// ascending, descending, short-long-short by cost; `microbatch_order` in --json).
     #[command(flatten)]
     pub lengths: super::args::LengthsArgs,
-    /// Decoder layers to split over the stages (default 2 x pp without --layout).
-    #[arg(long, conflicts_with = "layout")]
+    /// Decoder layers to split over the stages (default 2 x pp without --layout; refused
+    /// with it, which gives the layers).
+    #[arg(long)]
     pub num_layers: Option<u32>,
-    /// MTP layers (on the last stage).
-    #[arg(long, conflicts_with = "layout")]
+    /// MTP layers (on the last stage; refused with --layout).
+    #[arg(long)]
     pub mtp_num_layers: Option<u32>,
     /// Keep this Megatron layout's split (e.g. "Et*3|(tt|)*29,m|L"); with --rebalance, only
     /// its layer counts.
@@ -81,6 +82,19 @@ fn parse_target(s: &str) -> Result<Target, String> {
 }
 
 fn request(a: &Args) -> Result<TuneRequest, CliError> {
+    // A usage error, as clap's conflicts are, in the words Python uses too.
+    if a.layout.is_some() {
+        for (given, flag) in [
+            (a.num_layers.is_some(), "--num-layers"),
+            (a.mtp_num_layers.is_some(), "--mtp-num-layers"),
+        ] {
+            if given {
+                return Err(CliError::Usage(pipec_tune::layers_with_layout(
+                    flag, "--layout",
+                )));
+            }
+        }
+    }
     let model = a.cost.model()?;
     let layout = match &a.layout {
         Some(text) => {
@@ -185,8 +199,11 @@ fn write(
     let layout = t.file_layout();
     let header = t.header(&layout);
     // The manifest keeps the cost model tune planned with, so `show` draws tune's timeline.
+    // A plan no spec names (the tuner's own, or a built-in kind fitted with levers): the
+    // manifest names it, so viewers title it by its kind and chunks per rank.
     let prepared = files::prepare(&header, t.program(), format.encoding())
-        .with_cost(record_cost.then(|| model.spec()));
+        .with_cost(record_cost.then(|| model.spec()))
+        .with_plan(t.plan_name());
     let threads = files::threads_for(t.program().len() as u64);
     super::warn_big_write(prepared.bytes(), out);
     // tune's winner is a Verified value (memory counted under `model`): its verdict is the
