@@ -1,7 +1,8 @@
 //! `pipec tune`'s report table and filters on the command line (issue #40): `--kinds` and
 //! `--exclude-kinds` hold under a memory limit on a `[model]` case; the table's rows are the
 //! `--json` candidates (every plan once, the winner first, by default the best of each kind
-//! and placement, every one with `--all`); `--help` names every cost key.
+//! and placement, every one with `--all`); `--help` names every cost key; the tune examples
+//! of docs/tune.md and docs/memory.md are run and every line they show checked.
 
 use crate::harness::pipec;
 use assert_cmd::prelude::*;
@@ -307,12 +308,49 @@ fn tune_help_names_every_cost_key() {
     assert!(err.contains(pipec_cost::cost::KEYS), "{err}");
 }
 
-/// docs/tune.md's worked example cannot go stale: its `model.toml` (the keys the page lists)
-/// and its command (taken from the page) are run, and every line the page shows is a line of
-/// the report, in order (a line ending in `...` is a line's beginning, a line `...` the rest
-/// left out; the first line, with the seconds taken, is not shown).
+/// The example of `doc` that begins `$ pipec tune ` + `head`, run in `dir`: every line the
+/// page shows is a line of the report, in order (a line ending in `...` is a line's
+/// beginning, a line `...` the rest left out; the first line, with the seconds taken, is not
+/// shown). Returns how many lines were checked.
+fn doc_example_holds(doc: &str, head: &str, dir: &std::path::Path) -> usize {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/");
+    let text = std::fs::read_to_string(format!("{path}{doc}")).expect(doc);
+    let marker = format!("```\n$ pipec tune {head}");
+    let start = text.find(&marker).expect("the example") + 6;
+    let end = start + text[start..].find("```").unwrap();
+    let block = text[start..end].replace("\\\n", " ");
+    let mut lines = block.lines();
+    let command: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(command[..2], ["pipec", "tune"]);
+    let out = pipec()
+        .args(&command[1..])
+        .current_dir(dir)
+        .assert()
+        .success();
+    let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    let mut got = report.lines();
+    let mut shown = 0;
+    for want in lines {
+        if want == "..." {
+            continue;
+        }
+        let hit = match want.strip_suffix("...") {
+            Some(head) => got.any(|l| l.starts_with(head)),
+            None => got.any(|l| l == want),
+        };
+        assert!(
+            hit,
+            "docs/{doc}'s example shows `{want}`, not (in this order) in\n{report}"
+        );
+        shown += 1;
+    }
+    shown
+}
+
+/// docs/tune.md's worked example (its `model.toml` written from the keys the page lists) and
+/// docs/memory.md's offload example cannot go stale: each is run and every line shown checked.
 #[test]
-fn tune_doc_worked_example_is_current() {
+fn tune_doc_examples_are_current() {
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/tune.md"))
         .expect("docs/tune.md");
     let dir = tempfile::tempdir().unwrap();
@@ -327,33 +365,12 @@ fn tune_doc_worked_example_is_current() {
         .collect();
     assert!(keys.len() >= 10, "{keys:?}");
     std::fs::write(dir.path().join("model.toml"), keys.join("\n") + "\n").unwrap();
-    let start = doc.find("```\n$ pipec tune ").expect("the example") + 6;
-    let end = start + doc[start..].find("```").unwrap();
-    let block = doc[start..end].replace("\\\n", " ");
-    let mut lines = block.lines();
-    let command: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
-    assert_eq!(command[..2], ["pipec", "tune"]);
-    let out = pipec()
-        .args(&command[1..])
-        .current_dir(dir.path())
-        .assert()
-        .success();
-    let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
-    let mut got = text.lines();
-    let mut shown = 0;
-    for want in lines {
-        if want == "..." {
-            continue;
-        }
-        let hit = match want.strip_suffix("...") {
-            Some(head) => got.any(|l| l.starts_with(head)),
-            None => got.any(|l| l == want),
-        };
-        assert!(
-            hit,
-            "docs/tune.md's worked example shows `{want}`, not (in this order) in\n{text}"
-        );
-        shown += 1;
-    }
-    assert!(shown >= 10, "only {shown} lines checked");
+    let shown = doc_example_holds(
+        "tune.md",
+        "--pp 8 --microbatches 64 --num-layers 62",
+        dir.path(),
+    );
+    assert!(shown >= 15, "only {shown} lines checked");
+    let shown = doc_example_holds("memory.md", "--pp 4 --microbatches 8", dir.path());
+    assert!(shown >= 5, "only {shown} lines checked");
 }
