@@ -32,6 +32,7 @@ mod torch;
 mod tune;
 mod tune_lengths;
 mod tune_levers;
+mod tune_table;
 mod verify;
 mod verify_vs_run;
 mod views;

@@ -34,7 +34,7 @@ pub mod split;
 pub mod zb;
 
 pub use build::lower_timed;
-pub use report::{describe, fmt_mem};
+pub use report::{describe, fmt_mem, TableRows, LONG_TABLE};
 pub use request::{Candidate, CandidateKind, LeverReport, TuneError, TuneRequest, Tuned};
 pub use search::{best_plan, best_plan_with, min_peak};
 

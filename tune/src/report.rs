@@ -159,6 +159,85 @@ impl Tuned {
     }
 }
 
+/// Above this many rows (after merging identical ones) the report's table shows the best row of
+/// each kind and placement unless every row is asked for (`pipec tune --all`): under a tight
+/// limit the table otherwise reaches 50 rows of variants that lost (issue #40).
+pub const LONG_TABLE: usize = 20;
+
+/// The rows of the report's candidates table ([`Tuned::table_rows`]).
+#[derive(Debug)]
+pub struct TableRows<'a> {
+    /// The rows to print, the winner first, then the table's order (those the target runs,
+    /// then those that fit, then by makespan).
+    pub rows: Vec<&'a Candidate>,
+    /// Rows dropped as the same plan as an earlier row.
+    pub merged: usize,
+    /// Rows left out of a long table (not the best of their kind and placement).
+    pub hidden: usize,
+}
+
+/// Two candidates are the same plan when kind, vpp, group size, placement, heuristic, layout,
+/// microbatch order and levers agree: the rest (makespan, peak) follows from those.
+fn same_plan(a: &Candidate, b: &Candidate) -> bool {
+    a.schedule == b.schedule
+        && a.vpp == b.vpp
+        && a.group_size == b.group_size
+        && a.placement == b.placement
+        && a.heuristic == b.heuristic
+        && a.layout == b.layout
+        && a.microbatch_order == b.microbatch_order
+        && a.microbatch_order_rule == b.microbatch_order_rule
+        && a.levers == b.levers
+}
+
+impl Tuned {
+    /// The report's table: every candidate once (a plan weighed twice is one row), the winner
+    /// first (the table's own order ranks by makespan alone, while the winner is chosen with
+    /// ties broken by peak and verified in full, so it need not lead), and, unless `all`, a
+    /// table longer than [`LONG_TABLE`] cut to the first (best) row of each schedule kind and
+    /// placement. The JSON's `candidates` keep every candidate, in the table's order.
+    pub fn table_rows(&self, all: bool) -> TableRows<'_> {
+        let mut rows: Vec<&Candidate> = Vec::with_capacity(self.candidates.len() + 1);
+        let winner = self
+            .candidates
+            .iter()
+            .find(|c| same_plan(c, &self.best))
+            .unwrap_or(&self.best);
+        rows.push(winner);
+        let mut merged = 0;
+        for c in &self.candidates {
+            if std::ptr::eq(c, winner) {
+                continue;
+            }
+            if rows.iter().any(|r| same_plan(r, c)) {
+                merged += 1;
+            } else {
+                rows.push(c);
+            }
+        }
+        let mut hidden = 0;
+        if !all && rows.len() > LONG_TABLE {
+            let before = rows.len();
+            let mut kept: Vec<&Candidate> = Vec::new();
+            for c in rows {
+                if !kept
+                    .iter()
+                    .any(|k| k.schedule == c.schedule && k.placement == c.placement)
+                {
+                    kept.push(c);
+                }
+            }
+            hidden = before - kept.len();
+            rows = kept;
+        }
+        TableRows {
+            rows,
+            merged,
+            hidden,
+        }
+    }
+}
+
 /// `zb-v`, `interleaved-1f1b vpp=2 g=16`, `tuned loop vpp=1`.
 pub fn describe(c: &Candidate) -> String {
     let mut s = c.schedule.name().to_string();

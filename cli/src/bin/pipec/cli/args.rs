@@ -14,12 +14,38 @@ pub struct CostArgs {
     /// Cost model entries, e.g. "f=1,b=1,w=1,p2p=0.05". Keys: f b w (decoder/MTP layer
     /// forward, bwd_D, bwd_W), E.f t.b L.w ... (per layer kind), floor, p2p, msg, bw,
     /// rendezvous, overlap. Defaults: f=b=w=1, E and L free, communication free, rendezvous.
-    #[arg(long, value_name = "SPEC")]
+    // `--help` names every key (issue #40: it listed few); `-h` keeps the short line above.
+    #[arg(long, value_name = "SPEC", long_help = cost_long_help())]
     pub cost: Option<String>,
     /// A file of cost entries, one `key = value` per line, `#` comments; --cost entries
     /// override it.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", long_help = cost_file_long_help())]
     pub cost_file: Option<PathBuf>,
+}
+
+/// `--cost`'s `--help`: every key the parser takes, from the list its own errors give
+/// ([`pipec_cost::cost::KEYS`]), so the two cannot drift apart.
+fn cost_long_help() -> String {
+    format!(
+        "Cost model entries, comma-separated key=value, e.g. \"f=1,b=1,w=1,p2p=0.05\". \
+         Keys: {}. f b w: a decoder or MTP layer's forward, bwd_D and bwd_W; K.f K.b K.w per \
+         layer kind (E embedding, t decoder, m MTP, L output layer); K.act: a layer's \
+         activations of one microbatch, K.param: its parameter and optimizer memory \
+         (a number of layer-activations, or bytes: t.act=1.5GiB). Defaults: f=b=w=1, E \
+         and L free, communication free, rendezvous. \
+         Every key, its unit and default: docs/costs.md",
+        pipec_cost::cost::KEYS
+    )
+}
+
+/// `--cost-file`'s `--help`: the keys of `--cost`, and the `[model]` table.
+fn cost_file_long_help() -> String {
+    format!(
+        "A file of cost entries, one `key = value` per line (the keys of --cost), `#` \
+         comments; --cost entries override it. A [model] table (keys {}) derives every \
+         layer kind's times and bytes from the model's shape (docs/tune.md, docs/costs.md)",
+        pipec_cost::model::MODEL_KEYS.join(", ")
+    )
 }
 
 impl CostArgs {

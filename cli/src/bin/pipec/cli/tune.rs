@@ -65,6 +65,10 @@ pub struct Args {
     /// Print one JSON object instead of the report.
     #[arg(long)]
     pub json: bool,
+    /// Print every candidate in the report's table (by default a table of more than 20 rows
+    /// shows the best of each schedule kind and placement; --json always has every one).
+    #[arg(long)]
+    pub all: bool,
     /// Write the winner's compiled, verified instruction files here (as `pipec compile`).
     #[arg(short = 'o', long = "out")]
     pub out: Option<PathBuf>,
@@ -183,7 +187,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     if a.json {
         print_json(&t.json_for(seconds, dir.as_deref()));
     } else {
-        print_report(&t, &req, seconds, a.out.as_deref());
+        print_report(&t, &req, seconds, a.out.as_deref(), a.all);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -212,7 +216,13 @@ fn write(
         .map_err(|e| CliError::Usage(e.to_string()))
 }
 
-fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::path::Path>) {
+fn print_report(
+    t: &Tuned,
+    req: &TuneRequest,
+    seconds: f64,
+    out: Option<&std::path::Path>,
+    all: bool,
+) {
     let b = &t.best;
     println!(
         "tuned pp={} microbatches={} in {:.2}s: {} candidates weighed",
@@ -312,8 +322,9 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         }
     }
     println!();
-    let names: Vec<String> = t
-        .candidates
+    let table = t.table_rows(all);
+    let names: Vec<String> = table
+        .rows
         .iter()
         .map(|c| {
             let mut name = describe(c);
@@ -323,16 +334,11 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             } else if !c.fits {
                 name.push_str(" (over limit)");
             }
+            // With lengths, each row names the microbatch order it was measured in.
+            if let Some(rule) = &c.microbatch_order_rule {
+                name.push_str(&format!(" [{rule}]"));
+            }
             name
-        })
-        .collect();
-    // With lengths, each row names the microbatch order it was measured in.
-    let names: Vec<String> = names
-        .into_iter()
-        .zip(&t.candidates)
-        .map(|(n, c)| match &c.microbatch_order_rule {
-            Some(rule) => format!("{n} [{rule}]"),
-            None => n,
         })
         .collect();
     let w = names.iter().map(|n| n.len()).max().unwrap_or(9).max(9);
@@ -340,7 +346,7 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
         "{:<w$} {:>10} {:>7} {:>10}  layout",
         "candidate", "makespan", "bubble", "peak mem"
     );
-    for (c, name) in t.candidates.iter().zip(names) {
+    for (c, name) in table.rows.iter().zip(names) {
         let lay = if c.layout.len() > 40 {
             format!("{}...", &c.layout[..37])
         } else {
@@ -353,6 +359,23 @@ fn print_report(t: &Tuned, req: &TuneRequest, seconds: f64, out: Option<&std::pa
             c.bubble * 100.0,
             fmt_mem(c.peak_memory, t.bytes),
             lay
+        );
+    }
+    if table.merged > 0 {
+        println!(
+            "({} {} the same plan as a row above, shown once)",
+            table.merged,
+            if table.merged == 1 {
+                "row was"
+            } else {
+                "rows were"
+            }
+        );
+    }
+    if table.hidden > 0 {
+        println!(
+            "({} more candidates: the best of each schedule kind and placement is shown; --all prints every one)",
+            table.hidden
         );
     }
     // Why the marked candidates cannot run, one line per reason.
