@@ -276,3 +276,48 @@ fn calibrate_warns_on_a_poor_fit_and_writes_its_unit() {
         assert!((rel - want).abs() < 1e-9, "{rel} {want}");
     }
 }
+
+/// `tune`'s report names the unit of absolute times (`[model]` `tflops`), and keeps its
+/// unit-less line without it. The makespan itself scales: at 1 TFLOP/s in microseconds the
+/// same plan's times are those in forwards times 3.407872 (the forward's FLOPs over 10^6, by
+/// hand above), as every pass is derived from FLOPs.
+#[test]
+fn tune_names_the_unit_of_absolute_times() {
+    let tmp = tempfile::tempdir().unwrap();
+    let makespan = |text: &str| {
+        let p = tmp.path().join("m.toml");
+        std::fs::write(&p, text).unwrap();
+        let out = pipec_with([
+            "tune",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--num-layers",
+            "4",
+            "--cost-file",
+            p.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        let s = String::from_utf8_lossy(&out.stdout).to_string();
+        let line = s
+            .lines()
+            .find(|l| l.starts_with("makespan: "))
+            .unwrap()
+            .to_string();
+        let mut words = line["makespan: ".len()..].split(' ');
+        let v: f64 = words.next().unwrap().parse().unwrap();
+        (v, words.next().unwrap().to_string())
+    };
+    let (forwards, rest) = makespan(&shape(None, None));
+    assert_eq!(rest, "(lower", "no unit without tflops");
+    let (us, unit) = makespan(&shape(Some(1.0), Some("us")));
+    assert_eq!(unit, "us");
+    // The report prints a few significant digits.
+    assert!(
+        (us / (forwards * 3.407872) - 1.0).abs() < 1e-3,
+        "{us} {forwards}"
+    );
+}
