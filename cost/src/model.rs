@@ -266,11 +266,7 @@ impl ModelShape {
         self.derive_per(self.layer_flops_total())
     }
 
-    /// The FLOPs of one decoder layer's forward on one rank ([`ModelShape::layer_flops`]).
-    pub fn forward_flops(&self) -> f64 {
-        self.layer_flops_total()
-    }
-
+    /// The FLOPs of one decoder layer's forward on one rank.
     fn layer_flops_total(&self) -> f64 {
         let (wt, core) = self.layer_flops();
         wt + core
@@ -294,7 +290,6 @@ impl ModelShape {
 
     /// The derivation with times in units of `per` FLOPs (one decoder layer's forward
     /// FLOPs: times in forwards).
-    ///
     ///
     /// Times: a weight matmul `Y = XW` costs its forward's FLOPs once more for the input
     /// gradient (`b`) and once for the weight gradient (`w`); the attention core has no
