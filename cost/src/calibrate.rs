@@ -53,9 +53,20 @@ pub struct Fit {
     pub samples: usize,
     /// Root-mean-square error of the fitted durations, in the samples' unit.
     pub rms_ms: f64,
+    /// `rms_ms` over the mean fitted duration of a pass (the model's prediction for each
+    /// event, averaged over the events; infinite when every prediction is 0). Above
+    /// [`POOR_FIT`] the fit is poor ([`Fit::poor`]).
+    pub relative_rms: f64,
     /// True when `b` and `w` were split evenly from full backwards.
     pub split_evenly: bool,
 }
+
+/// The relative rms error ([`Fit::relative_rms`]) above which a fit is reported as poor:
+/// 10%. Repeated passes of one stage vary by a few percent on a steady run (clock and memory
+/// jitter, the odd collective), which a good fit keeps well under this; an error of a tenth of
+/// a pass or more means the per-kind model does not describe the trace (a wrong layout for
+/// it, stragglers, passes that overlap other work), and its costs should not be trusted.
+pub const POOR_FIT: f64 = 0.1;
 
 /// Read the samples of a trace (durations in milliseconds). Errors name what is wrong.
 pub fn samples(text: &str) -> Result<Vec<Sample>, String> {
@@ -301,6 +312,7 @@ pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
             .map_or(0.0, |(x, _)| (0..4).map(|k| x[k] * c[k]).sum())
     };
     let mut se = 0.0;
+    let mut fitted = 0.0;
     let mut n = 0usize;
     for (i, r) in rows.iter().enumerate() {
         for (c, y) in r {
@@ -311,18 +323,50 @@ pub fn fit(samples: &[Sample], layout: &Layout) -> Result<Fit, String> {
                 _ => val(&b, c) + val(&w, c),
             };
             se += (pred - y) * (pred - y);
+            fitted += pred;
             n += 1;
         }
     }
+    let rms = if n > 0 { (se / n as f64).sqrt() } else { 0.0 };
+    let mean = if n > 0 { fitted / n as f64 } else { 0.0 };
     Ok(Fit {
         kinds,
         samples: samples.len(),
-        rms_ms: if n > 0 { (se / n as f64).sqrt() } else { 0.0 },
+        rms_ms: rms,
+        relative_rms: if rms == 0.0 {
+            0.0
+        } else if mean > 0.0 {
+            rms / mean
+        } else {
+            f64::INFINITY
+        },
         split_evenly: !split,
     })
 }
 
 impl Fit {
+    /// Whether the fit is poor: its rms error is more than [`POOR_FIT`] of the mean fitted
+    /// pass.
+    pub fn poor(&self) -> bool {
+        self.relative_rms > POOR_FIT
+    }
+
+    /// The warning a poor fit gets (`None` for a good one), in milliseconds.
+    pub fn warning(&self) -> Option<String> {
+        self.poor().then(|| {
+            let share = if self.relative_rms.is_finite() {
+                format!("{:.0}% of the mean fitted pass", self.relative_rms * 100.0)
+            } else {
+                "larger than every fitted pass (all 0)".to_string()
+            };
+            format!(
+                "poor fit: rms error {} ms is {share} (more than {:.0}%): the per-kind costs do not describe this trace; check the layout it was run with, and look for stragglers or passes that overlap other work",
+                pipec_ir::human::num(self.rms_ms),
+                POOR_FIT * 100.0
+            )
+        })
+    }
+
     /// The fit as a cost spec (`t.f=1,t.b=2,...`), as [`crate::cost::CostModel::parse`]
     /// reads it, in the samples' unit.
     pub fn spec(&self) -> String {
@@ -338,18 +382,24 @@ impl Fit {
     }
 }
 
-/// The fit as a cost file (`K.f = ...` lines, TOML), milliseconds.
+/// The fit as a cost file (`K.f = ...` lines, TOML), milliseconds, said by the key
+/// `time_unit = "ms"`; a poor fit ([`Fit::warning`]) is said in a comment.
 pub fn cost_file(fit: &Fit, source: &str) -> String {
     let mut s = format!(
-        "# costs fitted by `pipec calibrate` from {source}: {} passes, rms error {} ms\n# unit: milliseconds\n",
+        "# costs fitted by `pipec calibrate` from {source}: {} passes, rms error {} ms\n",
         fit.samples,
         pipec_ir::human::num(fit.rms_ms)
     );
+    if let Some(w) = fit.warning() {
+        s.push_str(&format!("# {w}\n"));
+    }
     if fit.split_evenly {
         s.push_str(
             "# the trace has full backwards only: b and w are half of each fitted backward\n",
         );
     }
+    // The unit as a key, so that `pcie = "25GB/s"` added to this file converts.
+    s.push_str("time_unit = \"ms\"\n");
     for k in &fit.kinds {
         for (p, v) in [("f", k.f), ("b", k.b), ("w", k.w)] {
             if let Some(v) = v {

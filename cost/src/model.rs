@@ -64,6 +64,11 @@ pub struct ModelShape {
     pub recompute: Recompute,
     pub swiglu: bool,
     pub normalization: Norm,
+    /// `tflops`: the matmul throughput one GPU achieves, in TFLOP/s (10^12 FLOP/s). With it
+    /// the derived times are absolute ([`ModelShape::derive_in`]); without it they are in
+    /// decoder-layer forwards. Serialized only when given, so older outputs stay the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tflops: Option<f64>,
 }
 
 /// What the shape gives each layer kind, in `crate::cost::KINDS` order: the passes' linear
@@ -93,7 +98,7 @@ pub fn split_exact(total: f64, attn: f64) -> (f64, f64) {
 
 /// The keys of the `[model]` table, in the order the error messages list them (exported to
 /// Python as `pipec.MODEL_KEYS`).
-pub const MODEL_KEYS: [&str; 16] = [
+pub const MODEL_KEYS: [&str; 17] = [
     "hidden",
     "ffn",
     "heads",
@@ -110,6 +115,7 @@ pub const MODEL_KEYS: [&str; 16] = [
     "recompute",
     "swiglu",
     "normalization",
+    "tflops",
 ];
 
 /// Keys that must be given (the others have Megatron's defaults).
@@ -255,7 +261,35 @@ impl ModelShape {
     }
 
     /// Per layer kind: `f`, `b`, `w` in units of one decoder layer's forward, `act` and
-    /// `param` in bytes.
+    /// `param` in bytes (as [`ModelShape::derive_in`] without `tflops`).
+    pub fn derive(&self) -> Derived {
+        self.derive_per(self.layer_flops_total())
+    }
+
+    /// The FLOPs of one decoder layer's forward on one rank.
+    fn layer_flops_total(&self) -> f64 {
+        let (wt, core) = self.layer_flops();
+        wt + core
+    }
+
+    /// FLOPs one time unit holds: `tflops * 1e12 * time_unit` (seconds per unit, `None`:
+    /// seconds), when `tflops` is given.
+    pub fn flops_per_unit(&self, time_unit: Option<f64>) -> Option<f64> {
+        self.tflops.map(|t| t * 1e12 * time_unit.unwrap_or(1.0))
+    }
+
+    /// As [`ModelShape::derive`], with times in `time_unit` (seconds per unit, `None`:
+    /// seconds) when `tflops` is given: each pass's FLOPs over `tflops * 1e12` FLOP/s.
+    /// Without `tflops`, times in decoder-layer forwards, bit for bit [`ModelShape::derive`].
+    pub fn derive_in(&self, time_unit: Option<f64>) -> Derived {
+        match self.flops_per_unit(time_unit) {
+            Some(per) => self.derive_per(per),
+            None => self.derive(),
+        }
+    }
+
+    /// The derivation with times in units of `per` FLOPs (one decoder layer's forward
+    /// FLOPs: times in forwards).
     ///
     /// Times: a weight matmul `Y = XW` costs its forward's FLOPs once more for the input
     /// gradient (`b`) and once for the weight gradient (`w`); the attention core has no
@@ -265,7 +299,7 @@ impl ModelShape {
     /// passes; the embedding lookup has no matmul (0). An MTP layer is costed as a decoder
     /// layer, as Megatron's memory report counts it (its projection and its pass through
     /// the shared output layer are not counted).
-    pub fn derive(&self) -> Derived {
+    fn derive_per(&self, per: f64) -> Derived {
         let (wt, core) = self.layer_flops();
         let unit = wt + core;
         let extra = match self.recompute {
@@ -273,10 +307,11 @@ impl ModelShape {
             Recompute::Selective => core,
             Recompute::Full => unit,
         };
+        // `unit / per` is exactly 1 in forwards, as before `tflops` existed.
         let t = PassCost {
-            f: 1.0,
-            b: (wt + 2.0 * core + extra) / unit,
-            w: wt / unit,
+            f: unit / per,
+            b: (wt + 2.0 * core + extra) / per,
+            w: wt / per,
         };
         // The attention core's share of each pass: its forward, its backward (twice the
         // forward) plus what recomputation runs of it again; the weight gradient has none.
@@ -284,8 +319,8 @@ impl ModelShape {
             Recompute::None => 0.0,
             Recompute::Selective | Recompute::Full => core,
         };
-        let (tf, af) = split_exact(t.f, core / unit);
-        let (tb, ab) = split_exact(t.b, (2.0 * core + recomputed) / unit);
+        let (tf, af) = split_exact(t.f, core / per);
+        let (tb, ab) = split_exact(t.b, (2.0 * core + recomputed) / per);
         let t_attn = PassCost {
             f: af,
             b: ab,
@@ -300,7 +335,7 @@ impl ModelShape {
         let out =
             2.0 * s * self.micro_batch as f64 * self.hidden as f64 * self.padded_vocab() as f64
                 / self.tp as f64
-                / unit;
+                / per;
         let l = PassCost {
             f: out,
             b: out,
@@ -358,7 +393,11 @@ impl ModelShape {
         if self.recompute != Recompute::None {
             s.push_str(&format!(" recompute={:?}", self.recompute).to_lowercase());
         }
-        s.to_lowercase()
+        let mut s = s.to_lowercase();
+        if let Some(t) = self.tflops {
+            s.push_str(&format!(" tflops={}", pipec_ir::human::num(t)));
+        }
+        s
     }
 }
 

@@ -471,10 +471,15 @@ def _with_model(cost: str | None, model: dict | None) -> str | None:
             text = "true" if value else "false"
         elif isinstance(value, int):
             text = str(value)
+        elif isinstance(value, float):
+            # ``tflops``; Rust refuses a float where it wants an integer, and ``inf``/``nan``.
+            text = repr(value)
         elif isinstance(value, str) and '"' not in value and "\n" not in value:
             text = f'"{value}"'
         else:
-            raise SpecError(f"model: {key} must be an integer, a boolean or a name, not {value!r}")
+            raise SpecError(
+                f"model: {key} must be an integer, a number, a boolean or a name, not {value!r}"
+            )
         lines.append(f"{key} = {text}")
     return ("" if cost is None else cost + "\n") + "\n".join(lines) + "\n"
 
@@ -520,7 +525,9 @@ def tune(
     (``dict(hidden=8192, ffn=28672, heads=64, kv_heads=8, seq=8192, vocab=128256,
     swiglu=True, normalization="RMSNorm", tp=8, dp=8, distributed_optimizer=True,
     recompute="selective")``): per-layer activation, parameter and optimizer bytes and pass
-    times come from it (see :func:`cost_model`); keys in ``cost`` override them.
+    times come from it (see :func:`cost_model`); keys in ``cost`` override them. Its times
+    are in decoder-layer forwards unless ``tflops`` (the TFLOP/s one GPU achieves, a float)
+    is given: then in seconds, or in the ``time_unit`` of ``cost``.
 
     ``target`` is the framework that will run it (``"megatron"``, ``"torch"``,
     ``"torchtitan"``, ``"pipec-run"``, ``"deepspeed"`` or ``"any"``): only candidates it runs are

@@ -732,3 +732,20 @@ def test_model_keys_and_p2p_modes_are_rusts():
         assert pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p=mode).check().valid
     with pytest.raises(pipec.SpecError, match="one of batched, unbatched, overlap, "):
         pipec.compile("interleaved-1f1b", 4, 8, vpp=2, megatron_p2p="sometimes")
+
+
+def test_model_tflops_gives_absolute_times():
+    """``tflops`` (a float) makes the derived times absolute: each pass's FLOPs over
+    ``tflops * 1e12`` FLOP/s. By hand for h=64, ffn=256, heads=4, seq=32: the forward is
+    QKV and projection ``2 s h^2 (2 + 2)`` = 1,048,576, MLP ``4 s h ffn`` = 2,097,152 and the
+    attention core ``4 s s h`` = 262,144, 3,407,872 FLOPs: 3.407872 us at 1 TFLOP/s."""
+    shape = {"hidden": 64, "ffn": 256, "heads": 4, "seq": 32, "vocab": 128}
+    c = pipec.cost_model(cost='time_unit = "us"', model={**shape, "tflops": 1.0})
+    assert c["t"]["f"] == pytest.approx(3.407872, rel=1e-12)
+    assert c["model"]["tflops"] == 1.0
+    plain = pipec.cost_model(model=shape)
+    assert plain["t"]["f"] == 1.0 and "tflops" not in plain["model"]
+    with pytest.raises(pipec.SpecError, match="`tflops` must be"):
+        pipec.cost_model(model={**shape, "tflops": float("nan")})
+    with pytest.raises(pipec.SpecError, match="`hidden` must be an integer"):
+        pipec.cost_model(model={**shape, "hidden": 64.0})

@@ -1,6 +1,7 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
 mod check;
+mod cost_toml;
 mod crates;
 mod cuda;
 mod cuda_calibrate;

@@ -106,6 +106,22 @@ fn trim(text: &str, lo: usize, hi: usize) -> (usize, usize) {
     (start, end.max(start))
 }
 
+/// The inside of a TOML string, `"..."` or `'...'`: what a TOML writer makes of a size
+/// (`t.act = "1.5GiB"`), a bandwidth (`pcie = "25GB/s"`), a unit or `"inf"`, and of a key
+/// holding a dot (`"t.act" = 1`). The value then reads as its unquoted form, and errors
+/// point inside the quotes. A span that is not one whole string is returned as it is (an
+/// unmatched quote then fails as the value it is). Escapes are not decoded: no value pipec
+/// reads contains a backslash, so one fails as the bad value it is.
+fn unquote(text: &str, (lo, hi): (usize, usize)) -> (usize, usize) {
+    let s = &text[lo..hi];
+    for q in ['"', '\''] {
+        if s.len() >= 2 && s.starts_with(q) && s.ends_with(q) && !s[1..s.len() - 1].contains(q) {
+            return (lo + 1, hi - 1);
+        }
+    }
+    (lo, hi)
+}
+
 /// The `[model]` table: where its header is, and its raw `key = value` entries (key and
 /// value byte ranges), checked by [`parse_shape`].
 pub(super) struct Section {
@@ -156,8 +172,15 @@ pub(super) fn entries(
                 let Some(eq) = item.find('=') else {
                     return Err(err(text, source, (a, b), CostErrorKind::MissingEquals));
                 };
-                let k = trim(text, a, a + eq);
+                let k = unquote(text, trim(text, a, a + eq));
                 let v = trim(text, a + eq + 1, b);
+                // `[model]` values keep their quotes: its string keys read them themselves,
+                // and its errors quote the value as written.
+                let v = if section.is_some() {
+                    v
+                } else {
+                    unquote(text, v)
+                };
                 if k.0 == k.1 {
                     return Err(err(text, source, (a, a + 1), CostErrorKind::EmptyKey));
                 }
@@ -313,6 +336,26 @@ pub(super) fn parse_shape(
             }
         }
     };
+    // `tflops`: a positive decimal number of TFLOP/s, at most [`MAX_TFLOPS`].
+    let tflops = match get("tflops") {
+        None => None,
+        Some(v) => {
+            let s = text[v.0..v.1].replace('_', "");
+            let plain = !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_digit() || matches!(c, '.' | 'e' | 'E' | '+' | '-'));
+            match s.parse::<f64>() {
+                Ok(x) if plain && x > 0.0 && x <= MAX_TFLOPS => Some(x),
+                _ => {
+                    return Err(bad(
+                        "tflops",
+                        v,
+                        &format!("the TFLOP/s one GPU achieves, a number greater than 0 and at most {MAX_TFLOPS:e}"),
+                    ))
+                }
+            }
+        }
+    };
     let hidden = int("hidden", 0)?;
     let heads = int("heads", 0)?;
     let tp = int("tp", 1)?;
@@ -345,6 +388,7 @@ pub(super) fn parse_shape(
             None | Some(0) => Norm::LayerNorm,
             _ => Norm::RMSNorm,
         },
+        tflops,
     };
     // Values first (each error at its value), then what is missing (at the header).
     let missing: Vec<&str> = REQUIRED
@@ -404,6 +448,10 @@ pub(super) fn parse_shape(
     }
     Ok(shape)
 }
+
+/// The largest `tflops` a `[model]` table takes: a million TFLOP/s per GPU is far beyond any
+/// device, so a larger figure is a wrong unit (FLOP/s given for TFLOP/s).
+pub const MAX_TFLOPS: f64 = 1e6;
 
 /// The largest size or parallel degree a `[model]` key takes: 2^40.
 pub const MAX_DIM: u64 = 1 << 40;
@@ -567,6 +615,10 @@ pub enum CostErrorKind {
     PcieNeedsTimeUnit(String),
     #[error("`pcie = {0}` is in bytes, but the activations are not: give `K.act` in bytes (`t.act = 1GiB`) or a `[model]` table, or `pcie` in activation units per time unit")]
     PcieNeedsBytes(String),
+    #[error("`pcie = {0}` is per second, but the `[model]` table's times are in decoder-layer forwards, not in `time_unit`: add `tflops` (the TFLOP/s one GPU achieves) to `[model]` so its times are absolute, or give every pass time explicitly (`t.f`, `t.b`, `t.w`, `L.f`, ...), or give `pcie` in bytes per decoder-layer forward (a plain number)")]
+    PcieNeedsTflops(String),
+    #[error("`time_unit = {0}` comes after a `[model]` table with `tflops` whose times were derived in another unit: give `time_unit` in the same text as the table")]
+    TimeUnitAfterTflops(String),
     #[error("`{0}` is not a time unit; use `s`, `ms` or `us`")]
     BadTimeUnit(String),
     #[error("`seq = {0}` is not a token count: `seq` is the whole number of tokens per microbatch the per-layer costs describe, at least 1")]

@@ -6,7 +6,10 @@
 //! A cost spec is a list of `key=value` entries separated by `,` or newlines; `#` starts a
 //! comment that runs to the end of the line; spaces around keys and values are ignored. The
 //! same text is accepted inline (`--cost f=1,b=1,w=1,p2p=0.05`) and in a file
-//! (`--cost-file costs.toml`); a file written one entry per line is also valid TOML.
+//! (`--cost-file costs.toml`). Keys and values may be TOML strings (`"t.act" = "1.5GiB"`,
+//! `pcie = "25GB/s"`), read as their bare forms, so a file a TOML library writes from a map
+//! of these keys is a cost file, and a file written one entry per line with quoted sizes is
+//! valid TOML.
 //!
 //! | key | meaning | default |
 //! |---|---|---|
@@ -23,17 +26,18 @@
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //! | `offload`, `K.offload` | time to copy one layer's activations of one microbatch to or from host memory, one way (`offload`: `t` and `m`) | `K.act / pcie` when `pcie` is given, else one forward of the layer |
-//! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`) | none |
+//! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`; with a `[model]` table, its `tflops` or every pass time given) | none |
 //! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes: a copy takes `offload / 0.7` while the partner copies too, and pipec gives every copy that time (an upper bound) | `false` |
-//! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second) | none |
+//! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second); the unit `[model]` `tflops` times are derived in | none (`s` with `tflops`) |
 //! | `rank.R` | rank `R`'s compute takes this many times its layers' costs (a slower or busier device; PipeOffload's heavy first and last ranks); copies and messages keep their time | `1` |
 //! | `K.attn_f`, `K.attn_b`, `K.attn_w` for `K` in `E t m L` | the attention core's part of each pass for one causal sequence of `seq` tokens: a pass of a `seq`-token microbatch costs `K.f + K.attn_f`; with lengths it scales by the sum of each sequence's `(length / seq)^2` (the `lengths` module) | `0`; a `[model]` table derives them |
 //! | `seq` | tokens per microbatch that the per-layer keys describe (a whole number, at least 1); with lengths the linear parts scale by `tokens / seq` | the `[model]` table's `seq`, else the longest microbatch |
 //!
 //! A `[model]` table after the keys (hidden, ffn, heads, kv_heads, seq, micro_batch, vocab,
 //! dtype, tp, cp, dp, sequence_parallel, distributed_optimizer, recompute, swiglu,
-//! normalization) derives every kind's `f`/`b`/`w`/`attn_*`/`act`/`param` from the model's
-//! shape ([`super::model`]); keys given explicitly win (a pass given without its `attn_*`
+//! normalization, tflops) derives every kind's `f`/`b`/`w`/`attn_*`/`act`/`param` from the
+//! model's shape ([`super::model`]): times in decoder-layer forwards, or with `tflops` (the
+//! TFLOP/s one GPU achieves) in seconds or `time_unit`; keys given explicitly win (a pass given without its `attn_*`
 //! key is the whole pass: the derived attention part is dropped).
 //!
 //! `act` and `param` are read by every peak-memory figure (`crate::memory::weights` turns them
@@ -128,6 +132,10 @@ pub struct CostModel {
     pub time_unit: Option<f64>,
     /// `rank.R`: per rank, the factor its compute takes over its layers' costs (absent: 1).
     pub rank_factor: std::collections::BTreeMap<u32, f64>,
+    /// Per layer kind ([`KINDS`] order) and pass (`f`, `b`, `w`): whether the time is still
+    /// the one a `[model]` table without `tflops` derived, in decoder-layer forwards rather
+    /// than in any time unit. A bandwidth per second cannot be set against such times.
+    pub in_forwards: [[bool; 3]; 4],
 }
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
@@ -201,7 +209,10 @@ impl Serialize for CostModel {
         }
         // Attention parts and `seq` only when given as keys (a `[model]` table's are its
         // own: the shape above derives them), so older outputs stay byte-identical.
-        let derived = self.shape.as_ref().map(|s| s.derive().attn);
+        let derived = self
+            .shape
+            .as_ref()
+            .map(|s| s.derive_in(self.time_unit).attn);
         if self.attn != derived.unwrap_or([PassCost::ZERO; 4]) {
             let a: std::collections::BTreeMap<String, PassCost> = KINDS
                 .iter()
@@ -249,6 +260,7 @@ impl Default for CostModel {
             offload_pair: false,
             time_unit: None,
             rank_factor: std::collections::BTreeMap::new(),
+            in_forwards: [[false; 3]; 4],
         }
     }
 }
@@ -331,6 +343,9 @@ impl CostModel {
                 if !self.memory_bytes {
                     return fail(CostErrorKind::PcieNeedsBytes(s.to_string()));
                 }
+                if self.in_forwards.iter().flatten().any(|&x| x) {
+                    return fail(CostErrorKind::PcieNeedsTflops(s.to_string()));
+                }
                 let Some(unit) = self.time_unit else {
                     return fail(CostErrorKind::PcieNeedsTimeUnit(s.to_string()));
                 };
@@ -358,12 +373,53 @@ impl CostModel {
     /// shape ([`super::model`]) before the text's own keys apply, so explicit keys win.
     pub fn apply(&mut self, text: &str, source: Option<&str>) -> Result<(), CostError> {
         let (entries, section) = entries(text, source)?;
+        // `time_unit` first: a `[model]` table with `tflops` derives its times in it.
+        for e in &entries {
+            if e.key == Key::TimeUnit {
+                let v = &text[e.value.0..e.value.1];
+                let unit = match v {
+                    "s" => 1.0,
+                    "ms" => 1e-3,
+                    "us" => 1e-6,
+                    _ => {
+                        return Err(err(
+                            text,
+                            source,
+                            e.value,
+                            CostErrorKind::BadTimeUnit(v.to_string()),
+                        ))
+                    }
+                };
+                // Times an earlier text derived from `tflops` are in the unit they were
+                // derived in; a later text cannot change it under them.
+                let earlier = self.shape.as_ref().and_then(|s| s.tflops);
+                if earlier.is_some() && self.time_unit != Some(unit) {
+                    return Err(err(
+                        text,
+                        source,
+                        e.value,
+                        CostErrorKind::TimeUnitAfterTflops(v.to_string()),
+                    ));
+                }
+                self.time_unit = Some(unit);
+            }
+        }
         if let Some(sec) = section {
             if self.shape.is_some() {
                 return Err(err(text, source, sec.header, CostErrorKind::ModelTwice));
             }
             let shape = parse_shape(text, source, &sec)?;
-            let d = shape.derive();
+            let d = shape.derive_in(self.time_unit);
+            if shape.tflops.is_some() {
+                // Absolute times: seconds unless the text says otherwise.
+                self.time_unit = self.time_unit.or(Some(1.0));
+            } else {
+                for k in KINDS {
+                    let (l, a) = (d.layers[kind_index(k)], d.attn[kind_index(k)]);
+                    self.in_forwards[kind_index(k)] =
+                        [l.f + a.f != 0.0, l.b + a.b != 0.0, l.w + a.w != 0.0];
+                }
+            }
             self.layers = d.layers;
             self.attn = d.attn;
             self.memory = d.memory;
@@ -383,6 +439,7 @@ impl CostModel {
             for (p, v) in base.iter().enumerate() {
                 if let Some(v) = *v {
                     *pass_mut(c, p) = v;
+                    self.in_forwards[kind_index(k)][p] = false;
                 }
             }
         }
@@ -412,24 +469,11 @@ impl CostModel {
                     }
                     self.rank_factor.insert(r, v);
                 }
-                Key::TimeUnit => {
-                    let v = text[e.value.0..e.value.1].trim_matches('"');
-                    self.time_unit = Some(match v {
-                        "s" => 1.0,
-                        "ms" => 1e-3,
-                        "us" => 1e-6,
-                        _ => {
-                            return Err(err(
-                                text,
-                                source,
-                                e.value,
-                                CostErrorKind::BadTimeUnit(v.to_string()),
-                            ))
-                        }
-                    });
-                }
+                // Read before the `[model]` table, above.
+                Key::TimeUnit => {}
                 Key::Kind(k, p) => {
-                    *pass_mut(&mut self.layers[kind_index(k)], p) = number(text, source, e, false)?
+                    *pass_mut(&mut self.layers[kind_index(k)], p) = number(text, source, e, false)?;
+                    self.in_forwards[kind_index(k)][p] = false;
                 }
                 Key::Attn(k, p) => {
                     *pass_mut(&mut self.attn[kind_index(k)], p) = number(text, source, e, false)?
@@ -540,14 +584,7 @@ impl CostModel {
             }
         }
         if let Some(u) = self.time_unit {
-            let name = if u == 1.0 {
-                "s"
-            } else if u == 1e-3 {
-                "ms"
-            } else {
-                "us"
-            };
-            parts.push(format!("time_unit={name}"));
+            parts.push(format!("time_unit={}", unit_name(u)));
         }
         if let Some(p) = self.pcie {
             parts.push(format!("pcie={p}"));
@@ -618,8 +655,17 @@ impl CostModel {
             // Derived kinds are never free: say what the embedding and the output layer carry.
             let e = self.layer_memory(LayerKind::Embedding);
             let l = self.layer_memory(LayerKind::Loss);
+            // Without `tflops` the times are relative: one decoder layer's forward is 1.
+            let times = match (shape.tflops, self.time_unit) {
+                (Some(t), u) => format!(
+                    "times in {} at {} TFLOP/s per GPU",
+                    unit_name(u.unwrap_or(1.0)),
+                    num(t)
+                ),
+                (None, _) => "times in decoder-layer forwards".to_string(),
+            };
             s.push_str(&format!(
-                "; from [model] {} (times in decoder-layer forwards; E: no matmul, param {}, act {}; L: param {}, act {}; t: param {}, act {})",
+                "; from [model] {} ({times}; E: no matmul, param {}, act {}; L: param {}, act {}; t: param {}, act {})",
                 shape.describe(),
                 bytes(e.param),
                 bytes(e.act),
@@ -692,6 +738,17 @@ impl CostModel {
             ));
         }
         s
+    }
+}
+
+/// The name of a time unit given in seconds (`time_unit` takes `s`, `ms`, `us`).
+fn unit_name(u: f64) -> &'static str {
+    if u == 1.0 {
+        "s"
+    } else if u == 1e-3 {
+        "ms"
+    } else {
+        "us"
     }
 }
 

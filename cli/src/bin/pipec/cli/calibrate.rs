@@ -16,7 +16,9 @@ pub struct Args {
     /// The layout of the stages the trace names (Megatron layout string).
     #[arg(long)]
     pub layout: Option<String>,
-    /// Where to write the cost file (TOML, milliseconds); `-` or absent: stdout.
+    /// Where to write the cost file (TOML, milliseconds: it says `time_unit = "ms"`); `-` or
+    /// absent: stdout. A fit whose rms error exceeds 10% of the mean fitted pass is warned
+    /// about on stderr (and in the file).
     #[arg(short = 'o', long = "out")]
     pub out: Option<PathBuf>,
     /// Print the fit as JSON.
@@ -39,6 +41,10 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
     let s = samples(&text).map_err(|e| CliError::Invalid(format!("{}: {e}", a.trace.display())))?;
     let f = fit(&s, &layout).map_err(CliError::Invalid)?;
     let file = cost_file(&f, &a.trace.display().to_string());
+    // On stderr, so the cost file on stdout and `--json` stay what they are.
+    if let Some(w) = f.warning() {
+        eprintln!("warning: {w}");
+    }
     match &a.out {
         Some(p) if p.as_os_str() != "-" => {
             std::fs::write(p, &file)

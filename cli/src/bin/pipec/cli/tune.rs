@@ -260,8 +260,19 @@ fn print_report(
         );
     }
     let lb = t.lower_bound.value;
+    // With `[model]` `tflops` the times are absolute: the report names their unit. Without
+    // it the line stays as it was (the `cost:` header of `show` says "decoder-layer
+    // forwards").
+    let unit = match (&req.model.shape, req.model.time_unit) {
+        (Some(s), Some(u)) if s.tflops.is_some() => match u {
+            1.0 => " s",
+            1e-3 => " ms",
+            _ => " us",
+        },
+        _ => "",
+    };
     println!(
-        "makespan: {} (lower bound {}, {:.1}% above; bubble {:.1}%)",
+        "makespan: {}{unit} (lower bound {}, {:.1}% above; bubble {:.1}%)",
         num(b.makespan),
         num(lb),
         if lb > 0.0 {
