@@ -56,6 +56,7 @@ fuzz_target!(|data: &[u8]| {
         microbatches: manifest.microbatches,
         forward_only: manifest.forward_only,
         comm: manifest.comm_policy,
+        lengths: manifest.microbatch_lengths.clone(),
         ranks: Vec::new(),
     };
     for r in 0..manifest.world_size {
