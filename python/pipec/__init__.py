@@ -532,15 +532,18 @@ def tune(
     ``target`` is the framework that will run it (``"megatron"``, ``"torch"``,
     ``"torchtitan"``, ``"pipec-run"``, ``"deepspeed"`` or ``"any"``): only candidates it runs are
     eligible, by the rule its adapter applies. The default, ``None``, asks for a schedule every
-    framework runs. ``kinds`` / ``exclude_kinds`` name the kinds to weigh or skip (``"tuned"``
+    framework runs (with ``lengths``: every framework that runs microbatches of different
+    lengths, megatron, torch and pipec-run; torchtitan and DeepSpeed size receives once). ``kinds`` / ``exclude_kinds`` name the kinds to weigh or skip (``"tuned"``
     is pipec's own scheduler). The report's ``run`` says how to run the winner on the target,
     naming ``out`` (where you will save it) as its directory; ``runs_on`` lists every framework
     that runs it.
 
-    Under ``memory_limit``, on a target that executes memory instructions (``"pipec-run"``,
-    ``"torch"``, ``"any"``), a candidate over the limit may be fitted by offloading activations
-    to host memory and by recomputing checkpointed forwards (``offload=False``,
-    ``recompute=False`` turn a lever off, as ``--no-offload``, ``--no-recompute``); such a
+    Under ``memory_limit``, a candidate over the limit may be fitted by offloading activations
+    to host memory and by recomputing checkpointed forwards, where the target's adapter runs
+    them as tune places them: both on ``"pipec-run"``, ``"torch"`` and ``"any"``, offload only
+    on ``"megatron"`` (it checkpoints only where Megatron's own rule puts checkpoints), neither
+    on ``"torchtitan"``, ``"deepspeed"`` or the default (every framework). ``offload=False``,
+    ``recompute=False`` turn a lever off, as ``--no-offload``, ``--no-recompute``; such a
     candidate's ``levers`` says per rank how much it offloads and recomputes and its makespan
     without them.
 
