@@ -374,3 +374,35 @@ fn tune_doc_examples_are_current() {
     let shown = doc_example_holds("memory.md", "--pp 4 --microbatches 8", dir.path());
     assert!(shown >= 5, "only {shown} lines checked");
 }
+
+/// #40 point 6: a byte peak is said with what it counts, and a plan for the 70B model planned
+/// without a limit, whose peak (from `--json`) is above the 192 GB of the largest common
+/// accelerators, gets the note; under a limit it does not.
+#[test]
+fn byte_peaks_say_what_they_count_and_a_peak_above_any_device_is_noted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = llama70b(tmp.path());
+    let peak = json(&tune(&file, &["--json"]))["peak_memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .fold(0.0, f64::max);
+    let text = String::from_utf8(tune(&file, &[]).stdout).unwrap();
+    assert!(
+        text.contains("not the CUDA context, NCCL buffers"),
+        "{text}"
+    );
+    assert_eq!(
+        text.contains("is more than any common accelerator holds"),
+        peak > 192e9,
+        "peak {peak}: {text}"
+    );
+    assert!(peak > 192e9, "the unlimited 70B plan peaks at {peak} bytes");
+    let text = String::from_utf8(tune(&file, &["--memory-limit", "70GiB"]).stdout).unwrap();
+    assert!(
+        text.contains("not the CUDA context, NCCL buffers"),
+        "{text}"
+    );
+    assert!(!text.contains("more than any common accelerator"), "{text}");
+}

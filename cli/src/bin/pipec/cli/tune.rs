@@ -11,6 +11,14 @@ use pipec_tune::{describe, fmt_mem, tune, TuneError, TuneRequest, Tuned};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// What a byte peak counts, said beside it: the figures are parameters, gradients, optimizer
+/// state and live activations; the rest of a device's memory goes to what no cost model sees.
+const MEMORY_COUNTS: &str = "parameters, gradients, optimizer state and live activations; not the CUDA context, NCCL buffers, workspaces or fragmentation: leave about 10% of the device and a few GiB free (docs/memory.md, \"Margin\")";
+
+/// The most memory a common accelerator holds (B200, MI300X: 192 GB): a plan whose peak is
+/// above it, planned without a limit, gets a note.
+const LARGEST_DEVICE_BYTES: f64 = 192e9;
+
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Pipeline-parallel size (ranks).
@@ -290,6 +298,17 @@ fn print_report(
             .map(|l| format!(" (limit {})", unit.with_unit(l)))
             .unwrap_or_default()
     );
+    if unit == pipec_ir::memory::Unit::Bytes {
+        // What the byte figures count, and what they do not (#40 point 6).
+        println!("          ({MEMORY_COUNTS})");
+        let max = t.peak_memory.iter().copied().fold(0.0, f64::max);
+        if req.limit().is_none() && max > LARGEST_DEVICE_BYTES {
+            println!(
+                "note:     the peak, {}, is more than any common accelerator holds (192 GB: B200, MI300X; H200 141 GB, H100 80 GB); give --memory-limit with your device's memory, less the margin",
+                unit.with_unit(max)
+            );
+        }
+    }
     if let Some(l) = &b.levers {
         println!(
             "fitting:  offloaded per rank {}; recomputed per rank {}; makespan {} without them (+{:.1}%)",
