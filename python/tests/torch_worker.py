@@ -53,6 +53,47 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+class Tally:
+    """The losses and gradients compared with the unpipelined reference: each within ``tol``
+    (relative) or an AssertionError naming it, with their counts and largest errors."""
+
+    def __init__(self, tol: float) -> None:
+        self.tol = tol
+        self.n_losses = self.n_grads = 0
+        self.loss_err = self.grad_err = 0.0
+
+    def losses(self, step: int, losses: list, ref_losses: list, m: int) -> None:
+        if len(losses) != m:
+            raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
+        for mb, (a, b) in enumerate(zip(losses, ref_losses)):
+            e = rel_err(a.detach(), b)
+            self.loss_err = max(self.loss_err, e)
+            self.n_losses += 1
+            if not e <= self.tol:
+                raise AssertionError(f"step {step} microbatch {mb}: loss {a} != {b}")
+
+    def grads(self, step: int, mine, layers, ref) -> None:
+        for i in mine:
+            for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters()):
+                if p.grad is None:
+                    raise AssertionError(f"step {step}: stage {i} {name} has no gradient")
+                e = rel_err(p.grad, q.grad)
+                self.grad_err = max(self.grad_err, e)
+                self.n_grads += 1
+                if not e <= self.tol:
+                    raise AssertionError(
+                        f"step {step}: stage {i} {name} gradient differs (relative {e:.3g})"
+                    )
+
+    def report(self) -> dict:
+        return {
+            "losses_compared": self.n_losses,
+            "grads_compared": self.n_grads,
+            "max_loss_rel_err": self.loss_err,
+            "max_grad_rel_err": self.grad_err,
+        }
+
+
 def torchtitan_schedule(cfg: dict, sched, layers, rank: int, group):
     """The torchtitan recipe: torchtitan places the stages (by the class named in
     ``pipeline_parallel_schedule``) and loads pipec's compute-only CSV itself. torchtitan 0.3.0
@@ -185,8 +226,7 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
     runtime = pt.build_schedule(sched, stages, token_loss, scale_grads=False)
     opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    loss_err = grad_err = 0.0
-    n_losses = n_grads = 0
+    tally = Tally(cfg["tol"])
     for step in range(STEPS):
         g = torch.Generator().manual_seed(200 + step)
         xs = [torch.randn(n, DIM, dtype=torch.float64, generator=g) for n in lengths]
@@ -210,33 +250,13 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
             e = rel_err(out.detach(), torch.cat(ref_outs).detach())
             if not e <= cfg["tol"]:
                 raise AssertionError(f"step {step}: the outputs differ (relative {e:.3g})")
-            if len(losses) != m:
-                raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
-            for mb, (a, b) in enumerate(zip(losses, ref_losses)):
-                e = rel_err(a.detach(), b)
-                loss_err = max(loss_err, e)
-                n_losses += 1
-                if not e <= cfg["tol"]:
-                    raise AssertionError(f"step {step} microbatch {mb}: loss {a} != {b}")
-        for i in mine:
-            for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters()):
-                if p.grad is None:
-                    raise AssertionError(f"step {step}: stage {i} {name} has no gradient")
-                e = rel_err(p.grad, q.grad)
-                grad_err = max(grad_err, e)
-                n_grads += 1
-                if not e <= cfg["tol"]:
-                    raise AssertionError(
-                        f"step {step}: stage {i} {name} gradient differs (relative {e:.3g})"
-                    )
+            tally.losses(step, losses, ref_losses, m)
+        tally.grads(step, mine, layers, ref)
         opt.step()
         ref_opt.step()
     return {
         "stages": mine,
-        "losses_compared": n_losses,
-        "grads_compared": n_grads,
-        "max_loss_rel_err": loss_err,
-        "max_grad_rel_err": grad_err,
+        **tally.report(),
         "kind": sched.kind,
         "relabelled": runtime.pipec_microbatch_order,
     }
@@ -272,8 +292,7 @@ def run(cfg: dict, rank: int, group) -> dict:
     scale = m if "torchtitan" not in cfg else 1
     opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    loss_err = grad_err = 0.0
-    n_losses = n_grads = 0
+    tally = Tally(cfg["tol"])
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 + step)
         x = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=g)
@@ -294,25 +313,8 @@ def run(cfg: dict, rank: int, group) -> dict:
             ref_losses.append(loss.detach())
             (loss / scale).backward()
         if s_count - 1 in mine:
-            if len(losses) != m:
-                raise AssertionError(f"step {step}: {len(losses)} losses for {m} microbatches")
-            for mb, (a, b) in enumerate(zip(losses, ref_losses)):
-                e = rel_err(a.detach(), b)
-                loss_err = max(loss_err, e)
-                n_losses += 1
-                if not e <= cfg["tol"]:
-                    raise AssertionError(f"step {step} microbatch {mb}: loss {a} != {b}")
-        for i in mine:
-            for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters()):
-                if p.grad is None:
-                    raise AssertionError(f"step {step}: stage {i} {name} has no gradient")
-                e = rel_err(p.grad, q.grad)
-                grad_err = max(grad_err, e)
-                n_grads += 1
-                if not e <= cfg["tol"]:
-                    raise AssertionError(
-                        f"step {step}: stage {i} {name} gradient differs (relative {e:.3g})"
-                    )
+            tally.losses(step, losses, ref_losses, m)
+        tally.grads(step, mine, layers, ref)
         opt.step()
         ref_opt.step()
     if getattr(runtime, "pipec_memory", None) is not None:
@@ -320,10 +322,7 @@ def run(cfg: dict, rank: int, group) -> dict:
         extra["memory_events"] = [list(e) for e in runtime.pipec_memory.events]
     return {
         "stages": mine,
-        "losses_compared": n_losses,
-        "grads_compared": n_grads,
-        "max_loss_rel_err": loss_err,
-        "max_grad_rel_err": grad_err,
+        **tally.report(),
         **extra,
     }
 

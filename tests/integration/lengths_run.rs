@@ -9,34 +9,17 @@
 //! `tokens` (a rank file edited by hand, then sealed).
 
 use crate::harness::{pipec_run_on, pipec_with};
+use crate::runtime::opts;
 use pipec_compiler::compile::{compile, CompileRequest, Compiled};
 use pipec_ir::ir::Instr;
-use pipec_runtime::model::{self, ModelConfig};
+use pipec_runtime::model;
 use pipec_runtime::reference;
 use pipec_runtime::run::run_cpu_unchecked;
-use pipec_runtime::{run_cpu, RunError, RunOptions};
+use pipec_runtime::{run_cpu, RunError};
 use pipec_schedules::{Lengths, ScheduleKind};
-use std::time::Duration;
 
 /// Six microbatches, several packed, 5 to 9 tokens.
 const PACKED: &str = "3 4\n5\n2 2 2\n6\n1 7\n9\n";
-
-fn opts(steps: u32) -> RunOptions {
-    RunOptions {
-        model: ModelConfig {
-            hidden: 4,
-            ffn: 8,
-            vocab: 8,
-            seq: 3,
-            seed: 11,
-        },
-        steps,
-        lr: 0.1,
-        timeout: Duration::from_secs(20),
-        check: true,
-        trace_steps: None,
-    }
-}
 
 fn lengths(text: &str) -> Lengths {
     Lengths::parse(text).unwrap()

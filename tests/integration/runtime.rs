@@ -27,7 +27,8 @@ use pipec_tests::ir::{bwd, fwd, recv, send};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-fn opts(steps: u32) -> RunOptions {
+/// The tiny model and options the runtime tests run with (`lengths_run` too).
+pub(crate) fn opts(steps: u32) -> RunOptions {
     RunOptions {
         model: ModelConfig {
             hidden: 4,

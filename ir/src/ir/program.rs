@@ -327,14 +327,7 @@ impl Program {
     /// Give the program its microbatches' lengths: every send and receive then carries the
     /// tokens of its microbatch.
     pub fn set_lengths(&mut self, lengths: Option<Lengths>) {
-        self.lengths = lengths;
-        let table: Option<Vec<u32>> = self.lengths.as_ref().map(|l| l.all_tokens().to_vec());
-        let of = |mb: Microbatch| {
-            table
-                .as_ref()
-                .and_then(|t| t.get(mb.index()))
-                .and_then(|&t| Tokens::new(t))
-        };
+        let of = |mb: Microbatch| Tokens::new(lengths.as_ref()?.tokens(mb.0)?);
         for ins in self.ranks.iter_mut().flatten() {
             if let Instr::Send {
                 payload, tokens, ..
@@ -346,6 +339,7 @@ impl Program {
                 *tokens = of(payload.mb);
             }
         }
+        self.lengths = lengths;
     }
 
     /// Renumber microbatches: the one that entered the pipeline `k`-th becomes the user's
