@@ -566,8 +566,9 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
             };
             if megatron_own(w).is_none() || !looped {
                 lines.push(
-                    "not run with: tensor, context or data parallelism above 1, Megatron's DDP \
-                     wrapper and distributed optimizer, Transformer Engine layers, MoE \
+                    "not run with: GPUs and NCCL, tensor, context or data parallelism above 1, \
+                     Megatron's DDP wrapper and distributed optimizer, Transformer Engine \
+                     layers, MoE \
                      (pipec.megatron's tests run megatron-core's local layers; docs/megatron.md \
                      \"Evidence\"): compare the first steps with Megatron's own schedule there"
                         .into(),
@@ -628,6 +629,9 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
                      models; with other names, the same counts per stage)",
                     torchtitan_parts(w.stages)
                 ),
+                "not run: torchtitan's trainer end to end (pipec's tests run its schedule \
+                 builder on this CSV; docs/torch.md)"
+                    .into(),
             ]
         }
         Target::PipecRun | Target::Any => vec![
@@ -668,6 +672,12 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
                         .into(),
                 );
             }
+            lines.push(
+                "not run with: GPUs and NCCL, data parallelism above 1, activation \
+                 checkpointing, fp16 (pipec.deepspeed's tests: CPU, gloo, fp32 and bf16, ZeRO 0 \
+                 and 1; docs/deepspeed.md)"
+                    .into(),
+            );
             lines
         }
     }
