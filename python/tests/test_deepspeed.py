@@ -454,3 +454,18 @@ def test_the_deepspeed_example_trains(tmp_path):
     assert len(losses) == 3, logs
     assert losses[-1] < losses[0], logs
     assert re.search(r"eval: loss [0-9.]+", logs), logs
+
+
+def test_parts_and_pipeline_module_refusals():
+    """``parts``: one layer per letter of the layout, boundaries counted by hand; the module
+    builder refuses a layer count other than the layout's and a partition_method of the
+    user's (it would split otherwise), before DeepSpeed is asked to build anything."""
+    s = pipec.compile("1f1b", 2, 4, layout="Ett|ttL")
+    assert pds.parts(s) == [0, 3, 6]
+    assert pds.parts(pipec.compile("1f1b", 3, 6, layout="Et|tttt|L")) == [0, 2, 6, 7]
+    with pytest.raises(pipec.PipecError, match=r"6 layers \(Ett\|ttL: one per letter\), but 4"):
+        pds.pipeline_module(s, [object()] * 4)
+    with pytest.raises(pipec.PipecError, match="partition_method"):
+        pds.pipeline_module(s, [object()] * 6, partition_method="uniform")
+    with pytest.raises(pipec.PipecError, match="one stage per rank"):
+        pds.pipeline_module(pipec.compile("zb-v", 2, 4), [object()] * 6)
