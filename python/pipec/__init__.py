@@ -549,8 +549,9 @@ def tune(
     framework runs (with ``lengths``: every framework that runs microbatches of different
     lengths, megatron, torch and pipec-run; torchtitan and DeepSpeed size receives once). ``kinds`` / ``exclude_kinds`` name the kinds to weigh or skip (``"tuned"``
     is pipec's own scheduler). The report's ``run`` says how to run the winner on the target,
-    naming ``out`` (where you will save it) as its directory; ``runs_on`` lists every framework
-    that runs it.
+    naming ``out`` (where you will save it) as its directory, one line per step: ``$ `` a shell
+    command, ``>>> `` a Python statement, else what a framework's own settings must say
+    (docs/tune.md "Run it"); ``runs_on`` lists every framework that runs it.
 
     Under ``memory_limit``, a candidate over the limit may be fitted by offloading activations
     to host memory and by recomputing checkpointed forwards, where the target's adapter runs
