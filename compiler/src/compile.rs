@@ -10,8 +10,8 @@ use pipec_ir::ir::Program;
 use pipec_ir::verify::{self, Rejected, Verified};
 use pipec_schedules::layout::{self, LayerKind, Layout, LayoutError};
 use pipec_schedules::{
-    generate, Lengths, LengthsError, Limits, MegatronP2p, Schedule, ScheduleKind, ScheduleSpec,
-    SpecError,
+    generate, Lengths, LengthsError, Limits, MegatronP2p, P2pGroups, Schedule, ScheduleKind,
+    ScheduleSpec, SpecError,
 };
 use thiserror::Error;
 
@@ -50,6 +50,9 @@ pub struct CompileRequest {
     /// interleaved-1f1b). For `pipec check` to say where Megatron's handshake deadlocks or
     /// crosses shapes; such a program is not run (a plan with lengths needs no handshake).
     pub megatron_variable_seq_lengths: bool,
+    /// Which communicator carries each message (`--p2p-groups`, Python `p2p_groups=`): the
+    /// program records it (the manifest's `p2p_groups`) and is verified under it.
+    pub p2p_groups: P2pGroups,
 }
 
 impl CompileRequest {
@@ -74,6 +77,7 @@ impl CompileRequest {
             lengths: None,
             microbatch_order: None,
             megatron_variable_seq_lengths: false,
+            p2p_groups: P2pGroups::Pair,
         }
     }
 }
@@ -209,6 +213,7 @@ pub fn compile(req: &CompileRequest) -> Result<Compiled, CompileError> {
         program.renumber(order);
     }
     program.set_lengths(req.lengths.clone());
+    program.p2p_groups = req.p2p_groups;
     Ok(Compiled {
         spec,
         layout,

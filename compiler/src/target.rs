@@ -778,6 +778,7 @@ mod tests {
                 .map(|&mb| Instr::Compute(Compute::Fwd(Task::new(0, mb))))
                 .collect()],
             lengths: None,
+            p2p_groups: Default::default(),
         }
     }
 

@@ -58,6 +58,7 @@ fuzz_target!(|data: &[u8]| {
         comm: manifest.comm_policy,
         lengths: manifest.microbatch_lengths.clone(),
         ranks: Vec::new(),
+        p2p_groups: manifest.p2p_groups,
     };
     for r in 0..manifest.world_size {
         let bytes = ranks[r as usize];

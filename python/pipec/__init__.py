@@ -173,6 +173,14 @@ class Schedule:
         return self._n.forward_only
 
     @property
+    def p2p_groups(self) -> str:
+        """Which communicator carries each send and receive (the manifest's ``p2p_groups``):
+        ``"pair"`` (one per pair of ranks, torch's lazy default), ``"direction"`` (one for
+        activations, one for gradients, pytorch #186173) or ``"edge"`` (one per directed pair
+        of ranks, pytorch #196666). :func:`pipec.torch.build_schedule` creates them."""
+        return self._n.p2p_groups
+
+    @property
     def lengths(self) -> list[int] | list[list[int]] | None:
         """The microbatch lengths the plan carries (the manifest's ``microbatch_lengths``),
         by the user's microbatch index: a list of ints when every microbatch is one sequence,
@@ -347,6 +355,7 @@ def compile(
     megatron_variable_seq_lengths: bool = False,
     num_layers: int | None = None,
     mtp_num_layers: int | None = None,
+    p2p_groups: str = "pair",
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
 
@@ -372,6 +381,9 @@ def compile(
     ``_communicate_shapes`` posts before every P2P call under ``variable_seq_lengths`` (1f1b,
     interleaved-1f1b); where Megatron's handshake deadlocks or crosses shapes this raises
     :class:`InvalidSchedule` naming where. Such a schedule models Megatron; it is not one to run.
+    ``p2p_groups`` is ``--p2p-groups``: ``"pair"`` (default), ``"direction"`` or ``"edge"``,
+    the communicators the schedule is verified under and :func:`pipec.torch.build_schedule`
+    creates (:attr:`Schedule.p2p_groups`).
 
     Raises :class:`LayoutError` (the message echoes the layout with a caret),
     :class:`SpecError`, or :class:`InvalidSchedule` (``.violations``), all
@@ -411,6 +423,8 @@ def compile(
                     f"microbatch_order must be a list of ints, not {microbatch_order!r}"
                 )
         order = [max(min(v, 2**62), -(2**62)) for v in microbatch_order]
+    if p2p_groups not in ("pair", "direction", "edge"):
+        raise SpecError(f"p2p_groups must be one of pair, direction, edge, not {p2p_groups!r}")
     if not isinstance(megatron_variable_seq_lengths, bool):
         raise SpecError(
             "megatron_variable_seq_lengths must be True or False, "
@@ -436,6 +450,7 @@ def compile(
             megatron_variable_seq_lengths=megatron_variable_seq_lengths,
             num_layers=num_layers,
             mtp_num_layers=mtp_num_layers,
+            p2p_groups=p2p_groups,
         )
     )
 

@@ -255,6 +255,20 @@ def torch_stage_forward(stage: Any) -> Callable:
     return stage.forward_maybe_with_nosync
 
 
+def torch_set_p2p_group(stage: Any, of: Callable[[int, int], Any]) -> None:
+    """Make ``stage`` post every send and receive on the group ``of(source_stage,
+    destination_stage)`` names: torch 2.15's ``_PipelineStageBase._get_p2p_group`` (added with
+    its per-edge communicators, pytorch #196666) is what ``_get_recv_ops``, ``get_fwd_send_ops``,
+    ``get_bwd_send_ops`` and the metadata exchange ask for each message's group; it is replaced
+    on this stage only."""
+    if not callable(getattr(stage, "_get_p2p_group", None)):
+        raise TypeError(
+            "this torch's PipelineStage has no _get_p2p_group (added in torch 2.15): "
+            "p2p_groups other than 'pair' need it"
+        )
+    stage._get_p2p_group = of
+
+
 def torch_recv_infos(stage: Any, grad: bool, mb: int) -> tuple:
     """The receive descriptors (``_RecvInfo``, torch 2.15 ``_recv_buffers.py``) of microbatch
     ``mb`` on ``stage``: ``args_recv_info[mb]`` (activations) or ``grad_recv_info[mb]``

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "SavedActivations",
     "actions",
     "build_schedule",
+    "p2p_groups",
     "regather_for_split_backward",
     "reshards_after_forward",
     "stage_indices",
@@ -622,6 +624,106 @@ def _size_messages(
         st.get_bwd_send_ops = get_bwd_send_ops
 
 
+def _edges(s: Schedule) -> list[tuple[int, int]]:
+    """The directed (source rank, destination rank) pairs of the schedule's messages, in
+    sorted order: an activation from each stage's rank to the next stage's, and, in training,
+    a gradient back. Every rank computes the same list, so every rank creates the groups in
+    one global order (what ``new_group(use_local_synchronization=True)`` needs)."""
+    rank_of = s.stage_to_rank
+    edges = set()
+    for a, b in itertools.pairwise(rank_of):
+        if a != b:
+            edges.add((a, b))
+            if not s.forward_only:
+                edges.add((b, a))
+    return sorted(edges)
+
+
+def _rounds(edges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """``edges`` in rounds of rank-disjoint edges (each edge in the first round where neither
+    of its ranks is taken yet), the same on every rank: one ``split_group`` call per round
+    creates a round's groups."""
+    rounds: list[tuple[set, list]] = []
+    for a, b in edges:
+        for used, members in rounds:
+            if a not in used and b not in used:
+                break
+        else:
+            used, members = set(), []
+            rounds.append((used, members))
+        used.update((a, b))
+        members.append((a, b))
+    return [m for _, m in rounds]
+
+
+def p2p_groups(s: Schedule, stages: Sequence[Any]) -> Callable[[int, int], Any] | None:
+    """The process group of each message of ``s`` (:attr:`pipec.Schedule.p2p_groups`), as a
+    function of its (source stage, destination stage); ``None`` under ``pair``, torch's own
+    communicators (the stages' group, whose backend keeps one lazily made communicator per pair
+    of ranks for point-to-point ops).
+
+    ``direction`` makes two groups over the whole pipeline group, one for the downstream
+    messages (activations, stage ``s`` to ``s + 1``, a looped schedule's wrap-around from the
+    last rank to rank 0 included) and one for the upstream ones (gradients): pytorch #186173.
+    ``edge`` makes one two-rank group per directed edge (source rank, destination rank):
+    pytorch #196666. They are split from the stages' group (``torch.distributed.split_group``,
+    one call per round of rank-disjoint edges, :func:`_rounds`), as torch 2.15's own per-edge
+    groups are: a collective of the pipeline group only, which :func:`build_schedule` runs on
+    every rank of it. torch names a split group from its ranks salted with the number of groups
+    the calling process has created, so the pipeline's ranks must have created equally many
+    before (as for any group torch makes).
+    """
+    kind = s.p2p_groups
+    if kind == "pair":
+        return None
+    dist = torch.distributed
+    parent = stages[0].group
+    if parent is None:
+        parent = dist.distributed_c10d._get_default_group()
+    glob = [dist.get_global_rank(parent, r) for r in range(s.pp)]
+    rank_of = s.stage_to_rank
+    if kind == "direction":
+        down = dist.split_group(parent_pg=parent, split_ranks=[glob], group_desc="pipec_down")
+        up = dist.split_group(parent_pg=parent, split_ranks=[glob], group_desc="pipec_up")
+        return lambda src, dst: down if src < dst else up
+    if kind != "edge":
+        raise PipecError(f"unknown p2p_groups {kind!r} (expected pair, direction, edge)")
+    me = stages[0].group_rank
+    edges = {}
+    for k, rnd in enumerate(_rounds(_edges(s))):
+        g = dist.split_group(
+            parent_pg=parent,
+            split_ranks=[sorted((glob[a], glob[b])) for a, b in rnd],
+            group_desc=f"pipec_edges_{k}",
+        )
+        for a, b in rnd:
+            if me in (a, b):
+                edges[(a, b)] = g
+
+    def of(src: int, dst: int) -> Any:
+        key = (rank_of[src], rank_of[dst])
+        if key not in edges:
+            raise PipecError(
+                f"no edge group for a message from stage {src} (rank {key[0]}) to stage {dst} "
+                f"(rank {key[1]}): this rank is not on that edge, or the stages are not adjacent"
+            )
+        return edges[key]
+
+    return of
+
+
+def _use_groups(s: Schedule, stages: Sequence[Any]) -> None:
+    """Post each message of ``stages`` on its group (:func:`p2p_groups`): torch's stages ask
+    ``_get_p2p_group(source_stage, destination_stage)`` for the group of every send and
+    receive they build, and torch's ``_batch_p2p`` issues a batch that spans groups as one
+    batch per group, in group-name order on every rank."""
+    of = p2p_groups(s, stages)
+    if of is None:
+        return
+    for st in stages:
+        _compat.torch_set_p2p_group(st, of)
+
+
 def build_schedule(
     schedule: Schedule | str | os.PathLike,
     stages: Sequence[Any],
@@ -733,6 +835,7 @@ def build_schedule(
         scale_grads=scale_grads,
     )
     runtime.pipec_schedule = s
+    _use_groups(s, stages)
     if relabelled:
         runtime.pipec_microbatch_order = order
         runtime.pipec_last_stages = [st for st in stages if st.is_last]

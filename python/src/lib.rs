@@ -220,6 +220,13 @@ impl NativeSchedule {
         self.program().forward_only
     }
 
+    /// Which communicator carries each message (`pair`, `direction`, `edge`; the manifest's
+    /// `p2p_groups`, `pair` when absent).
+    #[getter]
+    fn p2p_groups(&self) -> &'static str {
+        self.program().p2p_groups.name()
+    }
+
     /// The schedule kind (`1f1b`, ...), or the source (`torch-csv`) of an imported one.
     #[getter]
     fn kind(&self) -> String {
@@ -557,7 +564,7 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
     cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None,
-    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None))]
+    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None, p2p_groups=None))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -579,7 +586,14 @@ fn compile_schedule(
     megatron_variable_seq_lengths: bool,
     num_layers: Option<u32>,
     mtp_num_layers: Option<u32>,
+    p2p_groups: Option<&str>,
 ) -> PyResult<NativeSchedule> {
+    let p2p_groups = match p2p_groups {
+        Some(s) => s
+            .parse::<pipec_schedules::P2pGroups>()
+            .map_err(SpecError::new_err)?,
+        None => pipec_schedules::P2pGroups::Pair,
+    };
     let lengths = lengths
         .map(Lengths::from_lists)
         .transpose()
@@ -619,6 +633,7 @@ fn compile_schedule(
         megatron_variable_seq_lengths,
         num_layers,
         mtp_num_layers,
+        p2p_groups,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;

@@ -437,6 +437,34 @@ def test_torch_recv_descriptors():
         _compat.torch_resize_recv(rb._RecvInfo("y", 0, meta), 2, 5)
 
 
+def test_torch_p2p_group():
+    """Every send and receive torch's stage builds asks ``_get_p2p_group(source_stage,
+    destination_stage)`` for its group (the receive side, both send sides), and ``_batch_p2p``
+    splits a batch that spans groups into one batch per group: what ``torch_set_p2p_group``
+    relies on to put each message on its ``p2p_groups`` group."""
+    _need("torch")
+    from torch.distributed.pipelining import schedules as sc
+    from torch.distributed.pipelining import stage as st
+
+    base = st._PipelineStageBase
+    assert _params(base._get_p2p_group) == ["self", "source_stage", "destination_stage"]
+    assert "self._get_p2p_group(info.source, self.stage_index)" in _source(base._get_recv_ops)
+    assert "self._get_p2p_group(self.stage_index, dst)" in _source(base.get_fwd_send_ops)
+    assert "self._get_p2p_group(self.stage_index, grad_recv_stage)" in _source(
+        base.get_bwd_send_ops
+    )
+    assert "ops_by_group" in _source(sc._batch_p2p)
+
+    def of(a, b):
+        return (a, b)
+
+    stage = types.SimpleNamespace(_get_p2p_group=lambda a, b: None)
+    _compat.torch_set_p2p_group(stage, of)
+    assert stage._get_p2p_group(0, 1) == (0, 1)
+    with pytest.raises(TypeError, match="_get_p2p_group"):
+        _compat.torch_set_p2p_group(types.SimpleNamespace(), of)
+
+
 def test_torch_prepare_schedule_with_comms(ts):
     f = ts._PipelineScheduleRuntime._prepare_schedule_with_comms
     assert _params(f)[:3] == ["self", "actions", "format"]

@@ -288,6 +288,25 @@ def run(cfg: dict, rank: int, group) -> dict:
             PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine
         ]
         runtime = pt.build_schedule(sched, stages, loss_fn)
+        if sched.p2p_groups != "pair":
+            # The global ranks of the group each message between this rank's stages and their
+            # neighbours goes on, by (source stage, destination stage), and which of those
+            # groups are one object (test_torch_p2p_groups checks the layout).
+            pairs = [
+                (a, b)
+                for i in mine
+                for a, b in ((i - 1, i), (i, i + 1), (i + 1, i), (i, i - 1))
+                if 0 <= min(a, b)
+                and max(a, b) < s_count
+                and sched.stage_to_rank[a] != sched.stage_to_rank[b]
+                and (a < b or not sched.forward_only)
+            ]
+            of = {p: stages[0]._get_p2p_group(*p) for p in pairs}
+            ids = {}
+            extra["p2p_groups"] = [
+                [a, b, dist.get_process_group_ranks(g), ids.setdefault(id(g), len(ids))]
+                for (a, b), g in sorted(of.items())
+            ]
     # torchtitan builds its schedule with scale_grads=False: gradients are sums over microbatches.
     scale = m if "torchtitan" not in cfg else 1
     opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)

@@ -153,6 +153,7 @@ mod tests {
             comm: None,
             ranks: vec![instrs],
             lengths: None,
+            p2p_groups: Default::default(),
         };
         let t = Timeline {
             unit: TimeUnit::Micros,

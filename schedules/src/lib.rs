@@ -18,6 +18,7 @@ pub mod megatron;
 pub mod megatron_recompute;
 pub mod op;
 pub mod order;
+pub mod p2p_groups;
 pub mod placement;
 pub mod schedule;
 pub mod spec;
@@ -31,6 +32,7 @@ pub use lengths::{Lengths, LengthsError};
 pub use megatron_recompute::{megatron_partial_recompute, PartialRecomputeError, RankCheckpoints};
 pub use op::{Compute, Pass, Task};
 pub use order::RankOrder;
+pub use p2p_groups::{P2pGroup, P2pGroups};
 pub use placement::{Placement, PlacementKind};
 pub use schedule::{generate, CommPolicy, Schedule};
 pub use spec::{

@@ -25,6 +25,7 @@ mod megatron_p2p;
 mod megatron_recompute;
 mod megatron_shapes;
 mod memory;
+mod p2p_groups;
 mod regressions;
 mod runtime;
 mod schedules;

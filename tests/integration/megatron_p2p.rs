@@ -244,6 +244,7 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
         comm: None,
         ranks: vec![r0, r1],
         lengths: None,
+        p2p_groups: Default::default(),
     }
 }
 
@@ -257,6 +258,7 @@ fn a_receive_left_in_flight_does_not_block_its_rank() {
     let split = StreamRule {
         per_direction: true,
         ops_in_order: true,
+        groups: pipec_schedules::P2pGroups::Pair,
     };
     let (a, g) = (Payload::act(0, 0), Payload::grad(1, 0));
     let in_flight = two_ranks(
@@ -554,6 +556,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
             vec![],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     };
     assert!(run_in_stream_order(&crossing, true)
         .unwrap_err()
@@ -573,6 +576,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
     let split = StreamRule {
         per_direction: true,
         ops_in_order: true,
+        groups: pipec_schedules::P2pGroups::Pair,
     };
     assert_eq!(stream_deadlocks(&crossing, split), 0);
 }
@@ -641,13 +645,16 @@ fn a_long_batch_to_one_peer_is_one_risk_found_fast() {
                 .collect(),
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     };
     let t = std::time::Instant::now();
     let r = verify(&p, &VerifyOptions::default());
     assert!(r.is_valid(), "{r}");
     assert_eq!(r.risks.len(), 2, "one for the sends, one for the receives");
     for k in &r.risks {
-        let pipec_ir::verify::Risk::SamePeerTwice { payloads, .. } = k;
+        let pipec_ir::verify::Risk::SamePeerTwice { payloads, .. } = k else {
+            panic!("only K1 here: every batch is blocking, so nothing queues ({k})");
+        };
         assert_eq!(payloads.len(), n as usize);
         assert_eq!(payloads[7], Payload::act(0, 7), "in posting order");
     }
@@ -682,6 +689,7 @@ fn a_later_op_waits_for_the_whole_group_before_it_on_its_stream() {
             vec![recv(0, a0, 0), recv(0, a1, 1), send(0, g, 2)],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     };
     assert_eq!(stream_deadlocks(&p, StreamRule::default()), 1);
     // Under rendezvous alone (D1) it runs: the send of a1 does not wait for the group.

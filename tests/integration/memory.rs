@@ -555,6 +555,7 @@ fn copy_stream_times_as_its_graph() {
             comm: None,
             ranks: vec![ops.into_iter().map(Instr::Compute).collect()],
             lengths: None,
+            p2p_groups: Default::default(),
         };
         let q = with_memory_ops(&p, &mut rng);
         let spec = format!(

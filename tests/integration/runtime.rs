@@ -530,6 +530,7 @@ fn unfused_1f1b() -> Program {
             ],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     }
 }
 

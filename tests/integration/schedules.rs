@@ -351,6 +351,7 @@ fn executor_finds_the_classic_1f1b_deadlock() {
         comm: None,
         ranks,
         lengths: None,
+        p2p_groups: Default::default(),
     };
     let e = rendezvous(&p).unwrap_err();
     assert!(e.starts_with("Deadlock"), "{e}");

@@ -57,6 +57,7 @@ fn check(p: &Program) -> Report {
 const RENDEZVOUS: pipec_ir::verify::StreamRule = pipec_ir::verify::StreamRule {
     per_direction: true,
     ops_in_order: false,
+    groups: pipec_schedules::P2pGroups::Pair,
 };
 
 fn messages(r: &Report) -> Vec<String> {
@@ -331,6 +332,7 @@ fn ring(rank0_recv_first: bool) -> Program {
             ],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     }
 }
 
@@ -417,6 +419,7 @@ fn chained_batches_through_one_peer_are_not_a_deadlock() {
             ],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     };
     let r = check(&p);
     assert!(r.is_valid(), "{r}");
@@ -510,6 +513,7 @@ fn arbitrary_programs_never_panic() {
                 comm: None,
                 ranks,
                 lengths: None,
+                p2p_groups: Default::default(),
             };
             let r = verify(
                 &p,
@@ -1027,6 +1031,7 @@ fn verified_carries_the_verifiers_report_and_matching() {
             vec![recv(0, pipec_ir::Payload::act(0, 0), 0), fwd(1, 0)],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     };
     let want = verify(&p, &VerifyOptions::default());
     let r = verified(p, &VerifyOptions::default()).unwrap_err();

@@ -319,6 +319,7 @@ fn verifier_verdicts_agree_with_cpu_runs_of_mutated_schedules() {
         let rendezvous = pipec_ir::verify::StreamRule {
             per_direction: true,
             ops_in_order: false,
+            groups: pipec_schedules::P2pGroups::Pair,
         };
         let report = pipec_ir::verify::verify_under(
             &p,

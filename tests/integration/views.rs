@@ -493,6 +493,7 @@ fn arb_program() -> impl Strategy<Value = Program> {
                 comm: None,
                 ranks,
                 lengths: None,
+                p2p_groups: Default::default(),
             }
         })
     })
@@ -774,6 +775,7 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
             ],
         ],
         lengths: None,
+        p2p_groups: Default::default(),
     };
     let layout = Layout::uniform(2);
     let header = Header {

@@ -79,6 +79,7 @@ fn program(placement: Placement, ranks: Vec<Vec<Instr>>) -> Program {
         comm: None,
         ranks,
         lengths: None,
+        p2p_groups: Default::default(),
     }
 }
 

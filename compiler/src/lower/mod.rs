@@ -548,6 +548,7 @@ pub fn lower_with(
         comm: Some(how.policy()),
         ranks,
         lengths: None,
+        p2p_groups: Default::default(),
     })
 }
 
@@ -624,6 +625,7 @@ pub fn lower_orders(
             megatron::Shapes::None,
         ),
         lengths: None,
+        p2p_groups: Default::default(),
     }
 }
 
@@ -665,6 +667,7 @@ pub fn lower_megatron_shapes(schedule: &Schedule) -> Option<Program> {
             megatron::Shapes::Megatron,
         ),
         lengths: None,
+        p2p_groups: Default::default(),
     })
 }
 
@@ -934,6 +937,7 @@ mod tests {
                 let split = StreamRule {
                     per_direction: true,
                     ops_in_order: true,
+                    groups: pipec_schedules::P2pGroups::Pair,
                 };
                 for (opts, streams) in [
                     (VerifyOptions::default(), StreamRule::of(&p)),

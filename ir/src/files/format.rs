@@ -5,10 +5,10 @@ use super::bytes::push_varint;
 use super::schema::{instructions, json_op, Field, True};
 use crate::ir::{Instr, MemKind, MemOp, Payload, PayloadKind, Program, Tokens};
 use pipec_schedules::layout::Layout;
-use pipec_schedules::Lengths;
 use pipec_schedules::{
     CommPolicy, Compute, Microbatch, Placement, Rank, ScheduleSpec, StageId, Task,
 };
+use pipec_schedules::{Lengths, P2pGroups};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -88,6 +88,12 @@ pub struct Manifest {
     /// unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<String>,
+    /// Which communicator carries each send and receive (`--p2p-groups`: `pair`, `direction`,
+    /// `edge`; [`pipec_schedules::P2pGroups`]). Hashed, since the verifier's stream rule reads
+    /// it. Absent for the default, one communicator per pair of ranks, so those files are
+    /// unchanged.
+    #[serde(default, skip_serializing_if = "P2pGroups::is_pair")]
+    pub p2p_groups: P2pGroups,
 }
 
 /// The one sentence `pipec check`, `show`, `simulate` and `import` say of a compute-only
@@ -376,6 +382,8 @@ pub(crate) struct HashedHeader<'a> {
     forward_only: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     microbatch_lengths: &'a Option<Lengths>,
+    #[serde(skip_serializing_if = "P2pGroups::is_pair")]
+    p2p_groups: P2pGroups,
 }
 
 #[cfg(test)]
@@ -405,6 +413,7 @@ impl ScheduleHasher {
             microbatches: program.microbatches,
             forward_only: program.forward_only,
             microbatch_lengths: &program.lengths,
+            p2p_groups: program.p2p_groups,
         };
         let mut hasher = Sha256::new();
         hasher.update(b"pipec-schedule-v1\n");

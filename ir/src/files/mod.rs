@@ -127,6 +127,7 @@ mod tests {
                 comm: Some(s.comm),
                 ranks,
                 lengths: None,
+                p2p_groups: Default::default(),
             },
         }
     }

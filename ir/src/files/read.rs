@@ -664,6 +664,7 @@ fn read_with(
         comm: manifest.comm_policy,
         lengths: manifest.microbatch_lengths.clone(),
         ranks,
+        p2p_groups: manifest.p2p_groups,
     };
     Ok((
         Loaded { manifest, program },

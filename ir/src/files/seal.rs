@@ -77,6 +77,8 @@ struct ManifestLoose {
     plan: Option<String>,
     #[serde(default)]
     microbatch_lengths: Option<pipec_schedules::Lengths>,
+    #[serde(default)]
+    p2p_groups: pipec_schedules::P2pGroups,
 }
 
 #[derive(Deserialize)]
@@ -130,6 +132,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
         cost: m.cost,
         microbatch_lengths: m.microbatch_lengths,
         plan: m.plan,
+        p2p_groups: m.p2p_groups,
     };
     check_manifest(path, m)
 }
@@ -163,6 +166,7 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         comm: m.comm_policy,
         lengths: m.microbatch_lengths.clone(),
         ranks,
+        p2p_groups: m.p2p_groups,
     };
     let header = Header {
         source: &m.source,

@@ -306,6 +306,7 @@ impl Prepared<'_> {
             cost: self.cost.clone(),
             microbatch_lengths: self.program.lengths.clone(),
             plan: self.plan.clone(),
+            p2p_groups: self.program.p2p_groups,
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');

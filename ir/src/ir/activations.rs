@@ -410,6 +410,7 @@ mod tests {
                 .map(|r| r.into_iter().map(Instr::Compute).collect())
                 .collect(),
             lengths: None,
+            p2p_groups: Default::default(),
         }
     }
 

@@ -5,7 +5,9 @@
 //! simulator, the emitters and the runtime all consume it. Ids in a `Program` read from a file
 //! are untrusted: the verifier range-checks them before anything indexes with them.
 
-use pipec_schedules::{CommPolicy, Compute, Lengths, Microbatch, Placement, Rank, StageId, Task};
+use pipec_schedules::{
+    CommPolicy, Compute, Lengths, Microbatch, P2pGroups, Placement, Rank, StageId, Task,
+};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -286,6 +288,11 @@ pub struct Program {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lengths: Option<Lengths>,
     pub ranks: Vec<Vec<Instr>>,
+    /// Which communicator carries each send and receive (`--p2p-groups`, the manifest's
+    /// `p2p_groups`, [`P2pGroups`]): the verifier's stream rule (D2) serialises the ops of one
+    /// group on a rank. The default, one per pair of ranks, is torch's own.
+    #[serde(default, skip_serializing_if = "P2pGroups::is_pair")]
+    pub p2p_groups: P2pGroups,
 }
 
 impl Program {

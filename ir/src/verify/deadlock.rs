@@ -420,6 +420,7 @@ mod tests {
             comm: None,
             ranks,
             lengths: None,
+            p2p_groups: Default::default(),
         }
     }
 

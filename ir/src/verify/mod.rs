@@ -298,7 +298,9 @@ fn check(
             {
                 streams::check(&ix, &m, streams, &mut found);
             }
-            (found, risk::check(&ix))
+            let mut risks = risk::check(&ix);
+            risks.extend(streams::head_of_line(&ix, streams));
+            (found, risks)
         },
         || {
             let mut complete = Vec::new();
@@ -367,6 +369,7 @@ mod tests {
             comm: None,
             ranks: vec![vec![Instr::Compute(Compute::Fwd(Task::new(0, 0)))]],
             lengths: None,
+            p2p_groups: Default::default(),
         };
         let r = verify(&p, &VerifyOptions::default());
         assert_eq!(
@@ -411,6 +414,7 @@ mod tests {
             comm: None,
             ranks: vec![r0, r1],
             lengths: None,
+            p2p_groups: Default::default(),
         };
         let r = verify(&p, &VerifyOptions::default());
         let cycles: Vec<&Violation> = r

@@ -195,6 +195,7 @@ mod tests {
             comm: None,
             ranks: vec![instrs],
             lengths: None,
+            p2p_groups: Default::default(),
         }
     }
 

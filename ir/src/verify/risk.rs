@@ -8,11 +8,16 @@
 //!   differently swaps the tensors silently. Megatron's interleaved schedule at pp = 2 is the
 //!   known case: its batched call sends a gradient then an activation to the one neighbour,
 //!   which receives an activation then a gradient (Megatron-LM refuses it; pipec too).
+//! - K2. A head-of-line wait: an op posted on a communicator behind an earlier op of that
+//!   communicator, to another peer or the other way, still in flight (NCCL runs one
+//!   communicator's ops in issue order). A delay where it closes no cycle (D2 reports the
+//!   cycles); which ops share a communicator is the program's `--p2p-groups`. Found by
+//!   [`super::streams::head_of_line`].
 
 use super::index::Index;
 use super::violation::Site;
 use crate::ir::{Instr, Payload};
-use pipec_schedules::Rank;
+use pipec_schedules::{P2pGroups, Rank};
 use serde::Serialize;
 use std::fmt;
 
@@ -26,6 +31,16 @@ pub enum Risk {
         peer: Rank,
         send: bool,
         payloads: Vec<Payload>,
+    },
+    /// K2: `site` is posted on communicator `group` (of the program's `groups`) behind
+    /// `behind`, an op of an earlier batch to another peer or the other way that may still be
+    /// in flight; `more` further ops of this rank wait so on that communicator.
+    HeadOfLine {
+        site: Site,
+        behind: Site,
+        group: String,
+        groups: P2pGroups,
+        more: u64,
     },
 }
 
@@ -51,6 +66,22 @@ impl fmt::Display for Risk {
                     payloads.len(),
                     list.join(", then ")
                 )
+            }
+            Risk::HeadOfLine {
+                site,
+                behind,
+                group,
+                groups,
+                more,
+            } => {
+                write!(
+                    f,
+                    "{site}: head-of-line wait on communicator `{group}` (--p2p-groups {groups}): posted behind {behind}, still in flight to another peer or the other way, and NCCL runs a communicator's ops in issue order"
+                )?;
+                if *more > 0 {
+                    write!(f, " ({more} more such waits on it on this rank)")?;
+                }
+                Ok(())
             }
         }
     }

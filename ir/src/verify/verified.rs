@@ -225,6 +225,7 @@ mod tests {
                 ],
             ],
             lengths: None,
+            p2p_groups: Default::default(),
         }
     }
 

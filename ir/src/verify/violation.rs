@@ -5,7 +5,7 @@
 
 use crate::human::count;
 use crate::ir::{Instr, InstrRef, Payload, PayloadKind};
-use pipec_schedules::{Compute, Pass, Rank, StageId, Task};
+use pipec_schedules::{Compute, P2pGroups, Pass, Rank, StageId, Task};
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 use std::fmt;
@@ -173,7 +173,16 @@ pub enum Violation {
     Deadlock { cycle: Vec<WaitStep> },
     /// A cycle of ops that wait for each other under NCCL's stream order (each op waits for
     /// the next: the op before it on a stream, its partner, or a blocking point).
-    StreamDeadlock { cycle: Vec<Site> },
+    StreamDeadlock {
+        cycle: Vec<Site>,
+        /// The program's communicators (`--p2p-groups`).
+        #[serde(skip_serializing_if = "P2pGroups::is_pair")]
+        groups: P2pGroups,
+        /// Under `direction` or `edge`, the communicator of each op of `cycle`; empty under
+        /// the default (one per pair, which the message says).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        on: Vec<String>,
+    },
     /// A `Wait` names a batch that this rank has not posted before it.
     WaitWithoutBatch { site: Site, batch: u32 },
     /// A `Wait` names a batch id that two separate batches of the rank use.
@@ -363,7 +372,7 @@ impl Violation {
             MixedBackward { bwd, .. } => Some(bwd.at),
             WrongTensor { recv, .. } | WrongTokens { recv, .. } => Some(recv.at),
             Deadlock { cycle } => cycle.first().map(|s| s.waiter().at),
-            StreamDeadlock { cycle } => cycle.first().map(|s| s.at),
+            StreamDeadlock { cycle, .. } => cycle.first().map(|s| s.at),
             MemoryLimit { first_over, .. } => Some(first_over.at),
         }
     }
@@ -516,13 +525,23 @@ impl fmt::Display for Violation {
                 }
                 Ok(())
             }
-            StreamDeadlock { cycle } => {
-                write!(
-                    f,
-                    "deadlock under NCCL's stream order (ops of one communicator between two ranks run in issue order):"
-                )?;
-                for s in cycle {
+            StreamDeadlock { cycle, groups, on } => {
+                if groups.is_pair() {
+                    write!(
+                        f,
+                        "deadlock under NCCL's stream order (ops of one communicator between two ranks run in issue order):"
+                    )?;
+                } else {
+                    write!(
+                        f,
+                        "deadlock under NCCL's stream order (ops of one communicator run in issue order; --p2p-groups {groups}):"
+                    )?;
+                }
+                for (k, s) in cycle.iter().enumerate() {
                     write!(f, "\n    {s}")?;
+                    if let Some(g) = on.get(k) {
+                        write!(f, " [on {g}]")?;
+                    }
                 }
                 write!(f, "\n    (each waits for the one after it, the last for the first)")
             }

@@ -146,6 +146,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
 fn kind(r: &Risk) -> &'static str {
     match r {
         Risk::SamePeerTwice { .. } => "same_peer_twice",
+        Risk::HeadOfLine { .. } => "head_of_line",
     }
 }
 

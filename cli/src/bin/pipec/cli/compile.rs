@@ -79,6 +79,14 @@ pub struct Args {
     /// them: a plan with --microbatch-lengths needs no handshake.
     #[arg(long)]
     pub megatron_variable_seq_lengths: bool,
+    /// Which communicator carries each send and receive, recorded in the manifest and
+    /// verified: pair (default; one per pair of ranks, torch's lazy per-pair communicators),
+    /// direction (one for downstream activations, one for upstream gradients, over all ranks:
+    /// pytorch #186173) or edge (one per directed pair of ranks: pytorch #196666). NCCL runs
+    /// one communicator's ops in issue order, so `pipec check` reports the head-of-line waits
+    /// and deadlocks of the groups chosen; pipec.torch and the CUDA runtime create them.
+    #[arg(long, value_name = "GROUPS", value_parser = parse_groups, default_value = "pair")]
+    pub p2p_groups: pipec_schedules::P2pGroups,
     /// Decoder layers: checked against --layout; without one, split evenly over the stages.
     #[arg(long)]
     pub num_layers: Option<u32>,
@@ -123,6 +131,10 @@ impl FileFormat {
     }
 }
 
+fn parse_groups(s: &str) -> Result<pipec_schedules::P2pGroups, String> {
+    s.parse()
+}
+
 pub fn parse_kind(s: &str) -> Result<ScheduleKind, String> {
     s.parse::<ScheduleKind>().map_err(|e| e.to_string())
 }
@@ -161,6 +173,7 @@ impl Args {
             lengths,
             microbatch_order: self.microbatch_order.clone(),
             megatron_variable_seq_lengths: self.megatron_variable_seq_lengths,
+            p2p_groups: self.p2p_groups,
         })
     }
 }
