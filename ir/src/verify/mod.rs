@@ -299,7 +299,14 @@ fn check(
                 streams::check(&ix, &m, streams, &mut found);
             }
             let mut risks = risk::check(&ix);
-            risks.extend(streams::head_of_line(&ix, streams));
+            // K2 only where the program names its communicators: under the default the
+            // runtime's layout is not known (torch's batched P2P shares one device-keyed
+            // communicator, its raw P2P one per pair, Megatron its pipeline group), so a
+            // head-of-line reading would be a guess, and the default's verdict and risks stay
+            // what they were before `--p2p-groups` existed.
+            if ix.p.p2p_groups != pipec_schedules::P2pGroups::Pair {
+                risks.extend(streams::head_of_line(&ix, streams));
+            }
             (found, risks)
         },
         || {
