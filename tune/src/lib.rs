@@ -34,7 +34,7 @@ pub mod split;
 pub mod zb;
 
 pub use build::lower_timed;
-pub use report::{describe, fmt_mem, TableRows, LONG_TABLE};
+pub use report::{describe, fmt_mem, TableRows, COPY_ASSUMED, LONG_TABLE};
 pub use request::{Candidate, CandidateKind, LeverReport, TuneError, TuneRequest, Tuned};
 pub use search::{best_plan, best_plan_with, min_peak};
 
@@ -60,6 +60,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     recipes.extend(candidates::builtin_recipes(req, &allowed, user_stages));
     let mut built = build::build_all(req, &recipes, tuned);
     let levers = req.target.levers(req.levers);
+    let mut over_host = None;
     if let (Some(limit), true) = (req.limit(), levers.any()) {
         // The plans made for the levers are pipec's own orders: only where `tuned` is weighed.
         let extra = if allowed.contains(&CandidateKind::Tuned) {
@@ -67,9 +68,9 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         } else {
             Vec::new()
         };
-        fit::fit_over_limit(req, &mut built, extra, limit, levers);
+        over_host = fit::fit_over_limit(req, &mut built, extra, limit, levers);
     }
-    let order = choose::eligible(req, &built, &jobs, &skipped)?;
+    let order = choose::eligible(req, &built, &jobs, &skipped, over_host)?;
     let candidates = choose::table(&built);
     choose::verify_winner(req, built, order, candidates, skipped, levers)
 }

@@ -56,6 +56,7 @@ impl Tuned {
             "bubble": self.summary.mean_bubble(),
             "bubble_per_rank": self.summary.ranks.iter().map(|r| r.bubble_ratio).collect::<Vec<_>>(),
             "peak_memory": self.peak_memory,
+            "host_peak_memory": self.host_peak_memory,
             "target": match self.target {
                 TargetChoice::One(t) => serde_json::json!(t.name()),
                 TargetChoice::Every => serde_json::Value::Null,
@@ -76,6 +77,9 @@ impl Tuned {
             "verdict": self.report().verdict_line(),
             "seconds": seconds,
         });
+        if let (true, Some(map)) = (self.copy_speed_assumed, out.as_object_mut()) {
+            map.insert("copy_speed".into(), serde_json::json!(COPY_ASSUMED));
+        }
         // With lengths (issue #38): the order microbatches enter the winner, the user's ids.
         if let (Some(o), Some(map)) = (&self.best.microbatch_order, out.as_object_mut()) {
             map.insert("microbatch_order".into(), serde_json::json!(o));
@@ -158,6 +162,9 @@ impl Tuned {
         }
     }
 }
+
+/// What the report says when the winner offloads and no copy speed was given.
+pub const COPY_ASSUMED: &str = "assumed: no `pcie` or `offload` cost given, so each copy to or from host memory takes one forward of the layers it copies (PipeOffload's experiments span 0.25 to 3 forwards); give `pcie` (the host link's bandwidth) for the makespan to mean what it says";
 
 /// Above this many rows (after merging identical ones) the report's table shows the best row of
 /// each kind and placement unless every row is asked for (`pipec tune --all`): under a tight

@@ -45,6 +45,10 @@ pub struct TuneRequest {
     /// issue #38): every schedule weighed is then also weighed in the orders of
     /// [`crate::order::candidates`], and the winner carries the lengths.
     pub lengths: Option<Lengths>,
+    /// Host memory every rank may hold for offloaded activations (`--host-memory-limit`,
+    /// Python `host_memory_limit=`, issue #40), as `memory_limit` is given: a fitted plan
+    /// whose host peak ([`pipec_ir::memory::RankPeak::host`]) is above it is not taken.
+    pub host_memory_limit: Option<Limit>,
 }
 
 impl TuneRequest {
@@ -65,7 +69,14 @@ impl TuneRequest {
             exclude_kinds: Vec::new(),
             levers: Levers::ALL,
             lengths: None,
+            host_memory_limit: None,
         }
+    }
+
+    /// The host memory limit in the unit of the model's memory, as [`TuneRequest::limit`].
+    pub fn host_limit(&self) -> Option<f64> {
+        self.host_memory_limit
+            .and_then(|l| l.resolve_for(&self.model).ok())
     }
 
     /// The memory limit in the unit of the model's memory ([`Limit::resolve_for`], the rule
@@ -86,6 +97,9 @@ impl TuneRequest {
         }
         if let Some(l) = self.memory_limit {
             l.resolve_for(&self.model)?;
+        }
+        if let Some(l) = self.host_memory_limit {
+            l.resolve_for(&self.model).map_err(TuneError::HostLimit)?;
         }
         if let Some(l) = &self.lengths {
             if l.microbatches() != self.microbatches {
@@ -170,6 +184,18 @@ pub enum TuneError {
     /// A byte limit without byte costs.
     #[error(transparent)]
     Limit(#[from] MemoryError),
+    /// A byte host memory limit without byte costs.
+    #[error("{0}")]
+    HostLimit(MemoryError),
+    /// Offloading fitted some plan under the device limit, but none within the host memory
+    /// limit (and nothing fitted without offloading).
+    #[error("no schedule fits the memory limit {limit} with at most {host_limit} of host memory per rank: offloading brings {by} under the memory limit, but its offloaded activations take {host_best} of host memory on a rank; raise the host memory limit or the memory limit")]
+    HostMemory {
+        limit: String,
+        host_limit: String,
+        host_best: String,
+        by: String,
+    },
     #[error("no candidate schedule could be built for this request ({0})")]
     Nothing(String),
     #[error("{0} compute ops exceed the limit of {1}")]
@@ -235,6 +261,14 @@ pub struct Candidate {
     /// rule, for the refusal's "smallest peak reached" (the fastest order is the one kept).
     #[serde(skip)]
     pub least_order_peak: Option<(f64, String)>,
+    /// The largest per-rank host memory its offloaded activations hold at once (the one
+    /// memory rule's `host`, [`pipec_ir::memory::RankPeak`]); absent when it offloads nothing.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub host_peak_memory: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// How a candidate was fitted into the memory limit ([`crate::levers::fit`]).
@@ -274,6 +308,7 @@ impl Candidate {
             microbatch_order: None,
             microbatch_order_rule: None,
             least_order_peak: None,
+            host_peak_memory: 0.0,
         }
     }
 }
@@ -328,6 +363,9 @@ pub struct Tuned {
     pub verified: Verified,
     pub summary: Summary,
     pub peak_memory: Vec<f64>,
+    /// Per rank: the most host memory its offloaded activations hold at once (0 without
+    /// offloads), by the one memory rule ([`pipec_ir::memory::RankPeak::host`]).
+    pub host_peak_memory: Vec<f64>,
     pub lower_bound: bound::Bound,
     /// The tuned scheduler's own (list schedule) makespan of the winning order, when it won.
     pub planned_makespan: Option<f64>,
@@ -340,4 +378,8 @@ pub struct Tuned {
     pub not_runnable_on: Vec<(Target, String)>,
     /// Tuned placements not planned on because the target cannot run them: (name, reason).
     pub skipped: Vec<(String, String)>,
+    /// The winner offloads, and the cost model states no copy speed (`pcie`, `offload`,
+    /// `K.offload`): each copy was taken to last one forward of the layers it copies
+    /// ([`pipec_cost::cost::CostModel::offload_time`]), which the report says.
+    pub copy_speed_assumed: bool,
 }

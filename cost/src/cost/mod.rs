@@ -318,6 +318,12 @@ impl CostModel {
         }
     }
 
+    /// Whether a copy's speed is stated (`pcie`, `offload` or some `K.offload`); without one,
+    /// [`CostModel::offload_time`] takes a copy to last one forward, and `tune` says so.
+    pub fn copy_speed_given(&self) -> bool {
+        self.pcie.is_some() || self.offload.iter().any(Option::is_some)
+    }
+
     /// `pcie`'s value in memory units per time unit: a plain number as it is, or bytes per
     /// second (`25GB/s`, `/ms`, `/us` also) through `time_unit`, with activations in bytes.
     fn bandwidth(

@@ -87,6 +87,10 @@ pub struct Args {
     #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops,
           value_parser = clap::value_parser!(u64).range(1..=pipec_schedules::MAX_COMPUTE_OPS))]
     pub max_ops: u64,
+    /// Host memory every rank may hold for activations offloaded under --memory-limit (a size
+    /// as --memory-limit takes): a plan whose offloads hold more on some rank is not taken.
+    #[arg(long, value_name = "SIZE")]
+    pub host_memory_limit: Option<String>,
 }
 
 fn parse_target(s: &str) -> Result<Target, String> {
@@ -129,6 +133,16 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
     };
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
     super::resolve_limit(memory_limit, &model)?;
+    let host_memory_limit = match &a.host_memory_limit {
+        Some(s) => {
+            let l = pipec_cost::memory::Limit::parse(s)
+                .map_err(|e| CliError::Invalid(format!("--host-memory-limit: {e}")))?;
+            l.resolve_for(&model)
+                .map_err(|e| CliError::Invalid(format!("--host-memory-limit: {e}")))?;
+            Some(l)
+        }
+        None => None,
+    };
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
@@ -163,6 +177,7 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
             recompute: !a.no_recompute,
         },
         lengths,
+        host_memory_limit,
         ..TuneRequest::new(a.pp, microbatches, model)
     })
 }
@@ -183,8 +198,10 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::NoLayers
         | TuneError::NotRunnable { .. }
         | TuneError::LengthsCount { .. }
-        | TuneError::Lengths(_) => CliError::Invalid(e.to_string()),
+        | TuneError::Lengths(_)
+        | TuneError::HostMemory { .. } => CliError::Invalid(e.to_string()),
         TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
+        TuneError::HostLimit(e) => CliError::Invalid(format!("--host-memory-limit: {e}")),
     })?;
     progress.finish_and_clear();
     let seconds = t0.elapsed().as_secs_f64();
@@ -308,6 +325,20 @@ fn print_report(
                 unit.with_unit(max)
             );
         }
+    }
+    // Offloaded activations live in host memory (#40 point 2): each rank's most at once.
+    let host_max = t.host_peak_memory.iter().copied().fold(0.0, f64::max);
+    if host_max > 0.0 || req.host_limit().is_some() {
+        println!(
+            "host memory per rank (offloaded activations): {}{}",
+            unit.list(t.host_peak_memory.iter().copied()),
+            req.host_limit()
+                .map(|l| format!(" (limit {})", unit.with_unit(l)))
+                .unwrap_or_default()
+        );
+    }
+    if t.copy_speed_assumed {
+        println!("copies:   {}", pipec_tune::COPY_ASSUMED);
     }
     if let Some(l) = &b.levers {
         println!(
