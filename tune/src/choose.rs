@@ -223,6 +223,7 @@ pub(crate) fn verify_winner(
             runs_on,
             not_runnable_on,
             copy_speed_assumed,
+            per_target: Vec::new(),
             skipped,
         });
     }

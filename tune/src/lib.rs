@@ -34,8 +34,11 @@ pub mod split;
 pub mod zb;
 
 pub use build::lower_timed;
+use pipec_compiler::target::{Target, TargetChoice};
 pub use report::{describe, fmt_mem, TableRows, COPY_ASSUMED, LONG_TABLE};
-pub use request::{Candidate, CandidateKind, LeverReport, TuneError, TuneRequest, Tuned};
+pub use request::{
+    Candidate, CandidateKind, LeverReport, TargetBest, TuneError, TuneRequest, Tuned,
+};
 pub use search::{best_plan, best_plan_with, min_peak};
 
 /// Tune: weigh every candidate, verify the winner, or say why nothing fits.
@@ -72,5 +75,32 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     }
     let order = choose::eligible(req, &built, &jobs, &skipped, over_host)?;
     let candidates = choose::table(&built);
-    choose::verify_winner(req, built, order, candidates, skipped, levers)
+    let mut t = choose::verify_winner(req, built, order, candidates, skipped, levers)?;
+    if req.target == TargetChoice::Every {
+        t.per_target = per_target(req);
+    }
+    Ok(t)
+}
+
+/// Each framework's own best plan for `req` (#40 point 11): the plan every framework runs
+/// gives up what only some run (more than one stage per rank, V and interleaved placements,
+/// the memory levers), so the default's report says what each would get with `--target`. It
+/// is that request, tuned: the figures are the ones `--target T` prints.
+pub fn per_target(req: &TuneRequest) -> Vec<(Target, Result<TargetBest, String>)> {
+    Target::FRAMEWORKS
+        .iter()
+        .map(|&t| {
+            let one = TuneRequest {
+                target: TargetChoice::One(t),
+                ..req.clone()
+            };
+            let r = tune(&one).map(|x| TargetBest {
+                best: x.best,
+                peak_memory: x.peak_memory,
+                host_peak_memory: x.host_peak_memory,
+                copy_speed_assumed: x.copy_speed_assumed,
+            });
+            (t, r.map_err(|e| e.to_string()))
+        })
+        .collect()
 }

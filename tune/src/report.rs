@@ -77,6 +77,9 @@ impl Tuned {
             "verdict": self.report().verdict_line(),
             "seconds": seconds,
         });
+        if let (false, Some(map)) = (self.per_target.is_empty(), out.as_object_mut()) {
+            map.insert("per_target".into(), self.per_target_json());
+        }
         if let (true, Some(map)) = (self.copy_speed_assumed, out.as_object_mut()) {
             map.insert("copy_speed".into(), serde_json::json!(COPY_ASSUMED));
         }
@@ -89,6 +92,49 @@ impl Tuned {
             );
         }
         out
+    }
+
+    /// `per_target` of the JSON: per framework, its own best plan (`schedule` in words,
+    /// `layout`, `makespan`, `peak_memory` and `host_peak_memory` per rank, `levers`) and
+    /// `gives_up`, how much longer the common plan is than it (`common / own - 1`); or
+    /// `error`, why that framework has no plan.
+    pub fn per_target_json(&self) -> serde_json::Value {
+        let map: serde_json::Map<String, serde_json::Value> = self
+            .per_target
+            .iter()
+            .map(|(t, r)| {
+                let v = match r {
+                    Ok(b) => {
+                        let mut v = serde_json::json!({
+                            "schedule": describe(&b.best),
+                            "layout": b.best.layout,
+                            "makespan": b.best.makespan,
+                            "peak_memory": b.peak_memory,
+                            "host_peak_memory": b.host_peak_memory,
+                            "levers": b.best.levers,
+                            "gives_up": self.gives_up(b),
+                        });
+                        if let (true, Some(m)) = (b.copy_speed_assumed, v.as_object_mut()) {
+                            m.insert("copy_speed".into(), serde_json::json!(COPY_ASSUMED));
+                        }
+                        v
+                    }
+                    Err(e) => serde_json::json!({ "error": e }),
+                };
+                (t.name().to_string(), v)
+            })
+            .collect();
+        serde_json::Value::Object(map)
+    }
+
+    /// How much longer the common plan is than a framework's own best: `common / own - 1`
+    /// (0 when they are equally fast; 0 for an own makespan of 0).
+    pub fn gives_up(&self, own: &crate::request::TargetBest) -> f64 {
+        if own.best.makespan > 0.0 {
+            self.best.makespan / own.best.makespan - 1.0
+        } else {
+            0.0
+        }
     }
 
     /// The targets whose run instructions the report gives: the one asked for; every

@@ -382,4 +382,19 @@ pub struct Tuned {
     /// `K.offload`): each copy was taken to last one forward of the layers it copies
     /// ([`pipec_cost::cost::CostModel::offload_time`]), which the report says.
     pub copy_speed_assumed: bool,
+    /// Without a target ([`TargetChoice::Every`]): each framework's own best plan, what
+    /// `--target` that framework returns, or why it has none (#40 point 11); empty otherwise.
+    pub per_target: Vec<(Target, Result<TargetBest, String>)>,
+}
+
+/// One framework's own best plan ([`Tuned::per_target`]): the winner of the same request
+/// with `--target` that framework.
+#[derive(Clone, Debug)]
+pub struct TargetBest {
+    pub best: Candidate,
+    /// Per rank, as [`Tuned::peak_memory`] and [`Tuned::host_peak_memory`].
+    pub peak_memory: Vec<f64>,
+    pub host_peak_memory: Vec<f64>,
+    /// As [`Tuned::copy_speed_assumed`].
+    pub copy_speed_assumed: bool,
 }

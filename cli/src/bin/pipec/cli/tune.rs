@@ -357,6 +357,7 @@ fn print_report(
     if let Some(o) = out {
         println!("wrote {}", o.display());
     }
+    print_per_target(t, unit);
     println!();
     let dir = out.map(|o| o.display().to_string());
     println!(
@@ -462,6 +463,55 @@ fn print_report(
             let (on, rest) = why.split_once(": ").unwrap_or((&why, ""));
             println!("{on}: {}: {rest}", names.join(", "));
         }
+    }
+}
+
+/// Without --target (#40 point 11): each framework's own best plan (what `--target T`
+/// returns) beside the common plan above, and what the common plan gives up against it.
+fn print_per_target(t: &Tuned, unit: pipec_ir::memory::Unit) {
+    if t.per_target.is_empty() {
+        return;
+    }
+    println!();
+    println!("each framework's own best (--target NAME; the plan above is the one every framework runs):");
+    for (target, r) in &t.per_target {
+        let head = format!("{}:", target.name());
+        match r {
+            Ok(b) => {
+                let up = t.gives_up(b);
+                let against = if up > 5e-13 {
+                    format!("; the common plan is {:.1}% slower", up * 100.0)
+                } else {
+                    "; as fast as the common plan".to_string()
+                };
+                println!(
+                    "  {head:<12}{}: makespan {}{against}",
+                    describe(&b.best),
+                    num(b.best.makespan)
+                );
+                let host = if b.host_peak_memory.iter().any(|&h| h > 0.0) {
+                    format!("; host {}", unit.list(b.host_peak_memory.iter().copied()))
+                } else {
+                    String::new()
+                };
+                println!(
+                    "  {:<12}peak {}{host}",
+                    "",
+                    unit.list(b.peak_memory.iter().copied())
+                );
+            }
+            Err(e) => println!(
+                "  {head:<12}no plan: {}",
+                e.lines().next().unwrap_or_default()
+            ),
+        }
+    }
+    if !t.copy_speed_assumed
+        && t.per_target
+            .iter()
+            .any(|(_, r)| r.as_ref().is_ok_and(|b| b.copy_speed_assumed))
+    {
+        println!("  {:<12}{}", "copies:", pipec_tune::COPY_ASSUMED);
     }
 }
 
