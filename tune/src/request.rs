@@ -112,6 +112,7 @@ impl TuneRequest {
                 l.check_seq(shape.seq)?;
             }
         }
+        self.check_layers()?;
         self.check_size()?;
         let user_stages = match (&self.layout, self.rebalance) {
             (Some(l), false) => {
@@ -141,7 +142,7 @@ impl TuneRequest {
             return Err(pipec_schedules::SpecError::TooManyRanks { pp: self.pp }.into());
         }
         if self.layout.is_none() {
-            let layers = u64::from(self.num_layers.unwrap_or(0))
+            let layers = u64::from(self.num_layers.or(self.table_layers()).unwrap_or(0))
                 + u64::from(self.mtp_num_layers.unwrap_or(0));
             if layers > MAX_LAYERS {
                 return Err(TuneError::TooManyLayers {
@@ -157,14 +158,46 @@ impl TuneRequest {
         Ok(())
     }
 
-    /// The decoder and MTP layer counts of the model.
+    /// The decoder and MTP layer counts of the model: the layout's, else `num_layers`, else
+    /// the `[model]` table's `num_layers`, else two per rank.
     pub(crate) fn model_size(&self) -> (u32, u32) {
         match (&self.layout, self.num_layers) {
             (Some(l), _) => (
                 l.count(LayerKind::Decoder) as u32,
                 l.count(LayerKind::Mtp) as u32,
             ),
-            (None, n) => (n.unwrap_or(2 * self.pp), self.mtp_num_layers.unwrap_or(0)),
+            (None, n) => (
+                n.or(self.table_layers()).unwrap_or(2 * self.pp),
+                self.mtp_num_layers.unwrap_or(0),
+            ),
+        }
+    }
+
+    /// The `[model]` table's `num_layers` (at most `u32::MAX`; larger ones are refused by
+    /// [`TuneRequest::check_size`] through the layer cap).
+    fn table_layers(&self) -> Option<u32> {
+        let n = self.model.shape.as_ref()?.num_layers?;
+        Some(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// The `[model]` table's `num_layers` against the layers the request gives (issue #40): a
+    /// plan for 8 layers costed as an 80-layer model's would describe neither.
+    fn check_layers(&self) -> Result<(), TuneError> {
+        let Some(table) = self.model.shape.as_ref().and_then(|s| s.num_layers) else {
+            return Ok(());
+        };
+        let given = match (&self.layout, self.num_layers) {
+            (Some(l), _) => Some((l.count(LayerKind::Decoder) as u64, "the layout")),
+            (None, Some(n)) => Some((u64::from(n), "the layer count asked for")),
+            (None, None) => None,
+        };
+        match given {
+            Some((n, from)) if n != table => Err(TuneError::LayersDisagree {
+                table,
+                given: n,
+                from,
+            }),
+            _ => Ok(()),
         }
     }
 }
@@ -207,6 +240,13 @@ pub enum TuneError {
     /// allocate one entry per layer.
     #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
     TooManyLayers { layers: u64, max: u64 },
+    /// The `[model]` table's `num_layers` and the layers asked for disagree.
+    #[error("{from} gives {given} decoder layers, but the cost model's [model] table says num_layers = {table}: give one count (or leave the layers to the table)")]
+    LayersDisagree {
+        table: u64,
+        given: u64,
+        from: &'static str,
+    },
     /// No decoder layer: every schedule would run nothing but the embedding and the loss.
     #[error("the model has no decoder layers: there is nothing to split over the stages")]
     NoLayers,

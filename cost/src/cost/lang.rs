@@ -389,6 +389,9 @@ pub(super) fn parse_shape(
             _ => Norm::RMSNorm,
         },
         tflops,
+        num_layers: get("num_layers")
+            .map(|_| int("num_layers", 0))
+            .transpose()?,
     };
     // Values first (each error at its value), then what is missing (at the header).
     let missing: Vec<&str> = REQUIRED

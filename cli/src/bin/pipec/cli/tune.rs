@@ -199,7 +199,8 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::NotRunnable { .. }
         | TuneError::LengthsCount { .. }
         | TuneError::Lengths(_)
-        | TuneError::HostMemory { .. } => CliError::Invalid(e.to_string()),
+        | TuneError::HostMemory { .. }
+        | TuneError::LayersDisagree { .. } => CliError::Invalid(e.to_string()),
         TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
         TuneError::HostLimit(e) => CliError::Invalid(format!("--host-memory-limit: {e}")),
     })?;
