@@ -737,7 +737,7 @@ fn tune_schedule(
         levers: pipec_compiler::target::Levers { offload, recompute },
         lengths,
         host_memory_limit,
-        ..TuneRequest::new(pp, microbatches, model)
+        ..TuneRequest::new(pp, microbatches, pipec_tune::target_model(&model, target))
     };
     let t0 = std::time::Instant::now();
     let t = py
@@ -755,7 +755,7 @@ fn tune_schedule(
             layout,
             spec: t.spec,
             source,
-            cost: recorded_cost(cost)?,
+            cost: cost.is_some().then(|| req.model.spec()), // with the target's costs
             plan,
         },
         report,

@@ -179,8 +179,14 @@ pub(crate) fn verify_winner(
             continue;
         };
         let program = verified.program();
+        // The bound with a whole backward's costs: a split that costs extra
+        // (`split_extra`) is a plan's choice, and one that does not split pays none of it.
+        let fused = pipec_cost::cost::CostModel {
+            split_extra: None,
+            ..req.model.clone()
+        };
         let p = Problem::new(
-            &req.model,
+            &fused,
             &built[i].layout,
             program.placement.clone(),
             req.microbatches,

@@ -35,6 +35,7 @@ pub mod zb;
 
 pub use build::lower_timed;
 use pipec_compiler::target::{Target, TargetChoice};
+use pipec_cost::cost::{CostModel, MEGATRON_SPLIT_EXTRA};
 pub use report::{describe, fmt_mem, TableRows, COPY_ASSUMED, LONG_TABLE};
 pub use request::{
     Candidate, CandidateKind, LeverReport, TargetBest, TuneError, TuneRequest, Tuned,
@@ -53,6 +54,12 @@ pub fn layers_with_layout(layers: &str, layout: &str) -> String {
 }
 
 pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
+    // The target's own costs (Megatron's split backward), once.
+    let with_target = TuneRequest {
+        model: target_model(&req.model, req.target),
+        ..req.clone()
+    };
+    let req = &with_target;
     let user_stages = req.check()?;
     let allowed = candidates::allowed_kinds(req)?;
     // The tuned scheduler's best plan per placement and split, then the built-in kinds.
@@ -80,6 +87,19 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         t.per_target = per_target(req);
     }
     Ok(t)
+}
+
+/// `model` as `target` runs it: for Megatron, a split backward costs
+/// [`MEGATRON_SPLIT_EXTRA`] more unless `model` gives `split_extra` (pipec's split runs
+/// Megatron's linear layers' backward twice, docs/megatron.md); every other target, and every
+/// framework at once (whose plans run one stage per rank on any of them), as given. The CLI
+/// and Python record this model with the plan, so `simulate` of the directory agrees.
+pub fn target_model(model: &CostModel, target: TargetChoice) -> CostModel {
+    let mut m = model.clone();
+    if target == TargetChoice::One(Target::Megatron) && m.split_extra.is_none() {
+        m.split_extra = Some(MEGATRON_SPLIT_EXTRA);
+    }
+    m
 }
 
 /// Each framework's own best plan for `req` (#40 point 11): the plan every framework runs

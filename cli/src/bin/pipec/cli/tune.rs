@@ -178,7 +178,16 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         },
         lengths,
         host_memory_limit,
-        ..TuneRequest::new(a.pp, microbatches, model)
+        // The target's costs (Megatron's split backward), as tune plans with and the
+        // manifest records.
+        ..TuneRequest::new(
+            a.pp,
+            microbatches,
+            pipec_tune::target_model(
+                &model,
+                a.target.map_or(TargetChoice::Every, TargetChoice::One),
+            ),
+        )
     })
 }
 
