@@ -1219,6 +1219,46 @@ mod tests {
     /// The offload keys (issue #30): per-kind copy times, the link's bandwidth in either
     /// form, and what each refusal says.
     #[test]
+    fn split_extra_key() {
+        // Each half of a split backward takes 1 + x times its cost; a whole backward b + w.
+        let m = CostModel::parse("t.b=2,t.w=1,split_extra=0.5").unwrap();
+        let c = StageCosts::uniform(&m, 2);
+        assert_eq!(c.pass(Pass::BwdD, StageId(0)), Some(3.0));
+        assert_eq!(c.pass(Pass::BwdW, StageId(1)), Some(1.5));
+        assert_eq!(c.pass(Pass::Bwd, StageId(0)), Some(3.0));
+        assert_eq!(c.pass_scaled(Pass::BwdD, StageId(0), 1.0, 1.0), Some(3.0));
+        // Recorded in the spec (a manifest's costs) and read back the same.
+        assert!(m.spec().ends_with(",split_extra=0.5"));
+        assert_eq!(CostModel::parse(&m.spec()).unwrap().split_extra, Some(0.5));
+        // Absent: nothing written, nothing scaled.
+        let d = CostModel::default();
+        assert!(!d.spec().contains("split_extra"));
+        assert!(!serde_json::to_string(&d).unwrap().contains("split_extra"));
+        assert_eq!(
+            StageCosts::uniform(&d, 1).pass(Pass::BwdD, StageId(0)),
+            Some(1.0)
+        );
+        assert!(CostModel::parse("split_extra=-1").is_err());
+        assert!(KEYS.contains("split_extra"));
+    }
+
+    #[test]
+    fn model_num_layers() {
+        let table = "[model]\nhidden = 1024\nffn = 4096\nheads = 16\nseq = 2048\nvocab = 32000\n";
+        let m = CostModel::parse(table).unwrap();
+        assert_eq!(m.shape.unwrap().num_layers, None);
+        let m = CostModel::parse(&format!("{table}num_layers = 80\n")).unwrap();
+        assert_eq!(m.shape.unwrap().num_layers, Some(80));
+        let e = CostModel::parse(&format!("{table}num_layers = 0\n")).unwrap_err();
+        assert!(
+            e.render()
+                .contains("`num_layers` must be an integer from 1"),
+            "{}",
+            e.render()
+        );
+    }
+
+    #[test]
     fn offload_keys() {
         let d = CostModel::parse("f=2").unwrap();
         // Nothing given: a copy takes one forward of the layer, and nothing is serialized.
