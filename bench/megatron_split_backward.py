@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 warnings.filterwarnings("ignore")
-from megatron.core.tensor_parallel.layers import (  # noqa: E402
+from megatron.core.tensor_parallel.layers import (
     linear_with_grad_accumulation_and_async_allreduce as megatron_linear,
 )
 
