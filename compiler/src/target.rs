@@ -462,6 +462,11 @@ pub struct Winner<'a> {
     pub layout: &'a str,
     /// Where the files are (`-o`), or a placeholder.
     pub dir: &'a str,
+    /// The winner's program: what its run lines can carry (torch's CSV refuses memory
+    /// instructions and microbatch lengths) and whether it splits the backward.
+    pub program: &'a Program,
+    /// The layers of each stage, in stage order (torchtitan's per-stage module lists).
+    pub stages: &'a [Vec<pipec_schedules::layout::LayerKind>],
 }
 
 /// Whether Megatron's own schedule functions run this winner as it is: 1F1B
@@ -501,10 +506,18 @@ fn megatron_p2p_flags(spec: &pipec_schedules::ScheduleSpec) -> String {
 }
 
 /// How to run the winner on `target`, one line per step. `target` must accept it.
+///
+/// Every line is one of three forms (issue #40: each printed command must work for the plan,
+/// and a test runs them, tests/integration/tune.rs and python/tests/test_run_lines.py):
+/// `$ ` a shell command, run as written (after `#`, a comment); `>>> ` a Python statement, run
+/// in the framework's process with the names the comment says the user provides (`rank`,
+/// `stages`, `loss_fn`, `layers`, `engine`); anything else says what a command cannot do for
+/// the plan and how to do it (a framework's own flags, what its adapter was never run with).
 pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
     let pp = w.placement.pp;
     let m = w.microbatches;
     let dir = w.dir;
+    let sh_dir = shell_word(dir);
     let layout_flags = format!(
         "--pipeline-model-parallel-size {pp} --pipeline-model-parallel-layout \"{}\"",
         w.layout
@@ -513,7 +526,9 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
         Target::Megatron => {
             let looped = w.placement.table()
                 == Placement::looped(pp.max(1), w.placement.num_stages() / pp.max(1)).table();
-            if let (Some(func), Some(spec), true) = (megatron_own(w), w.spec, looped) {
+            let mut lines = if let (Some(func), Some(spec), true) =
+                (megatron_own(w), w.spec, looped)
+            {
                 let mut first = format!(
                     "Megatron's own schedule ({func}): {layout_flags}, {m} microbatches per step"
                 );
@@ -530,9 +545,9 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
                          schedule's: stage s on rank s % pp, chunk s / pp)"
                     ),
                     format!(
-                        "use pipec.megatron.forward_backward_func(\"{dir}\") in place of \
-                         get_forward_backward_func(), {m} microbatches; Megatron's P2P flags \
-                         are not used (the communication is the one pipec verified)"
+                        ">>> forward_backward = pipec.megatron.forward_backward_func(\"{dir}\")  \
+                         # in place of get_forward_backward_func(), {m} microbatches; Megatron's \
+                         P2P flags are not used (the communication is the one pipec verified)"
                     ),
                 ]
             } else {
@@ -543,28 +558,51 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
                          --pipeline-model-parallel-layout (which puts stage s on rank s % pp)"
                     ),
                     format!(
-                        "use pipec.megatron.forward_backward_func(\"{dir}\") in place of \
-                         get_forward_backward_func(), {m} microbatches; Megatron's P2P flags \
-                         are not used"
+                        ">>> forward_backward = pipec.megatron.forward_backward_func(\"{dir}\")  \
+                         # in place of get_forward_backward_func(), {m} microbatches; Megatron's \
+                         P2P flags are not used"
                     ),
                 ]
+            };
+            if megatron_own(w).is_none() || !looped {
+                lines.push(
+                    "not run with: GPUs and NCCL, tensor, context or data parallelism above 1, \
+                     Megatron's DDP wrapper and distributed optimizer, Transformer Engine \
+                     layers, MoE \
+                     (pipec.megatron's tests run megatron-core's local layers; docs/megatron.md \
+                     \"Evidence\"): compare the first steps with Megatron's own schedule there"
+                        .into(),
+                );
             }
+            lines
         }
         Target::Torch => {
             let class = torchtitan_class(w.placement)
-                .map(|(_, torch, _)| format!(" (the placement of torch's {torch})"))
+                .map(|(_, torch, _)| format!(", the placement of torch's {torch}"))
                 .unwrap_or_default();
-            vec![
-                format!("stages: pipec.torch.stage_indices(\"{dir}\", rank){class}"),
+            let mut lines = vec![
                 format!(
-                    "pipec.torch.build_schedule(\"{dir}\", stages, loss_fn): torch's \
-                     _PipelineScheduleRuntime runs the verified actions, {m} microbatches"
+                    ">>> stage_ids = pipec.torch.stage_indices(\"{dir}\", rank)  # build this \
+                     rank's PipelineStages in this order{class}"
                 ),
                 format!(
-                    "or the CSV: pipec export {dir} --format torch-csv -o schedule.csv \
-                     (compute+comms, for _load_csv(..., format=\"compute_comms\"))"
+                    ">>> schedule = pipec.torch.build_schedule(\"{dir}\", stages, loss_fn)  \
+                     # torch's _PipelineScheduleRuntime runs the verified actions, {m} \
+                     microbatches per step"
                 ),
-            ]
+            ];
+            match crate::torch::export::csv_refusal(w.program) {
+                None => lines.push(format!(
+                    "$ pipec export {sh_dir} --format torch-csv -o schedule.csv  # or the CSV: \
+                     compute+comms, for torch's _load_csv(..., format=\"compute_comms\")"
+                )),
+                Some(e) => lines.push(format!(
+                    "no CSV for this plan (pipec export --format torch-csv refuses it: {}); \
+                     build_schedule above runs it",
+                    csv_reason(&e)
+                )),
+            }
+            lines
         }
         Target::Torchtitan => {
             let (class, extra) = match torchtitan_class(w.placement) {
@@ -581,16 +619,124 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
                 second.push_str(&format!(", {e}"));
             }
             vec![
-                format!("pipec export {dir} --format torch-csv --compute-only -o schedule.csv"),
+                format!(
+                    "$ pipec export {sh_dir} --format torch-csv --compute-only -o schedule.csv"
+                ),
                 second,
+                format!(
+                    "layers as the plan splits them: parallelism.module_fqns_per_model_part = {} \
+                     in the job's config (torchtitan's module names for its decoder-only \
+                     models; with other names, the same counts per stage)",
+                    torchtitan_parts(w.stages)
+                ),
+                "not run: torchtitan's trainer end to end (pipec's tests run its schedule \
+                 builder on this CSV; docs/torch.md)"
+                    .into(),
             ]
         }
-        Target::PipecRun | Target::Any => vec![format!("pipec-run {dir} --backend cuda")],
-        Target::Deepspeed => vec![format!(
-            "pipec.deepspeed.use(engine, \"{dir}\") on a PipelineEngine of {pp} stages \
-             (gradient_accumulation_steps = {m}), layers split as the layout"
-        )],
+        Target::PipecRun | Target::Any => vec![
+            format!(
+                "$ pipec-run {sh_dir}  # the cpu backend, in every build: a synthetic model \
+                 (layers of --hidden, --ffn), not yours; it checks the plan runs and times it"
+            ),
+            format!(
+                "on NVIDIA GPUs: pipec-run {dir} --backend cuda, with a pipec-run built by \
+                 cargo build --release -p pipec-cli --features cuda (docs/cuda.md)"
+            ),
+        ],
+        Target::Deepspeed => {
+            let split = w.program.ranks.iter().flatten().any(|i| {
+                matches!(
+                    i,
+                    Instr::Compute(Compute::BwdD(_)) | Instr::Compute(Compute::BwdW(_))
+                )
+            });
+            let mut lines = vec![
+                format!(
+                    ">>> module = pipec.deepspeed.pipeline_module(\"{dir}\", layers, \
+                     loss_fn=loss_fn)  # a PipelineModule of {pp} stages split as the plan \
+                     ({}); layers: one LayerSpec per letter of the layout, in order (DeepSpeed's \
+                     partition_method has no explicit split)",
+                    w.layout
+                ),
+                format!(
+                    ">>> pipec.deepspeed.use(engine, \"{dir}\")  # engine: \
+                     deepspeed.initialize(model=module, ...) with gradient_accumulation_steps \
+                     = {m}"
+                ),
+            ];
+            if split {
+                lines.push(
+                    "the plan splits the backward: train in bf16 (DeepSpeed's BF16_Optimizer) or \
+                     fp32; an fp16 engine (loss scaler) refuses it"
+                        .into(),
+                );
+            }
+            lines.push(
+                "not run with: GPUs and NCCL, data parallelism above 1, activation \
+                 checkpointing, fp16 (pipec.deepspeed's tests: CPU, gloo, fp32 and bf16, ZeRO 0 \
+                 and 1; docs/deepspeed.md)"
+                    .into(),
+            );
+            lines
+        }
     }
+}
+
+/// `word` as one shell word: as it is when it needs no quoting, else in single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+:=@%,".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
+/// The reason of a CSV refusal ([`crate::torch::export::csv_refusal`]) in a few words.
+fn csv_reason(e: &crate::torch::export::ExportError) -> String {
+    use crate::torch::export::ExportError;
+    match e {
+        ExportError::MemoryOp { .. } => "torch's schedule CSV has no action for offload, \
+            reload, wait_offload, recompute or a checkpointed forward"
+            .into(),
+        ExportError::Lengths { .. } => "its microbatches have different lengths and torch's \
+            schedule CSV carries no shapes"
+            .into(),
+        other => other.to_string(),
+    }
+}
+
+/// torchtitan's per-stage module lists for a layout (`module_fqns_per_model_part`, a list per
+/// model part = stage): `tok_embeddings`, `layers.i` (decoder layers numbered across stages),
+/// `norm` and `lm_head`, the names torchtitan 0.3.0's own
+/// `_generate_llm_fqn_per_model_part` gives (torchtitan/distributed/pipeline_parallel.py).
+/// A multi-token-prediction layer is `mtp.j` (a name of the user's model: torchtitan has none).
+pub fn torchtitan_parts(stages: &[Vec<pipec_schedules::layout::LayerKind>]) -> String {
+    use pipec_schedules::layout::LayerKind;
+    let (mut decoder, mut mtp) = (0, 0);
+    let parts: Vec<String> = stages
+        .iter()
+        .map(|stage| {
+            let names: Vec<String> = stage
+                .iter()
+                .flat_map(|k| match k {
+                    LayerKind::Embedding => vec!["\"tok_embeddings\"".to_string()],
+                    LayerKind::Decoder => {
+                        decoder += 1;
+                        vec![format!("\"layers.{}\"", decoder - 1)]
+                    }
+                    LayerKind::Mtp => {
+                        mtp += 1;
+                        vec![format!("\"mtp.{}\"", mtp - 1)]
+                    }
+                    LayerKind::Loss => vec!["\"norm\"".to_string(), "\"lm_head\"".to_string()],
+                })
+                .collect();
+            format!("[{}]", names.join(", "))
+        })
+        .collect();
+    format!("[{}]", parts.join(", "))
 }
 
 /// Which levers the tuner may pull (`--no-offload`, `--no-recompute` turn one off).
@@ -697,5 +843,27 @@ mod tests {
             Err(Refusal::Placement(why)) if why.contains("DualPipe's two directions")
         ));
         assert_eq!(Target::PipecRun.refuse_placement(&p), Ok(()));
+    }
+
+    /// The module lists written by hand from torchtitan 0.3.0's names
+    /// (`_generate_llm_fqn_per_model_part`: `tok_embeddings`, `layers.i`, `norm`, `lm_head`)
+    /// for the layout `Et|tt|tL`.
+    #[test]
+    fn torchtitan_parts_name_each_stage_s_modules() {
+        use pipec_schedules::layout::LayerKind::{Decoder as T, Embedding as E, Loss as L};
+        let stages = vec![vec![E, T], vec![T, T], vec![T, L]];
+        assert_eq!(
+            torchtitan_parts(&stages),
+            r#"[["tok_embeddings", "layers.0"], ["layers.1", "layers.2"], ["layers.3", "norm", "lm_head"]]"#
+        );
+    }
+
+    /// A directory is one shell word in the `$` lines, as POSIX sh reads single quotes.
+    #[test]
+    fn shell_word_quotes_only_what_needs_it() {
+        assert_eq!(shell_word("tuned/run-1"), "tuned/run-1");
+        assert_eq!(shell_word("my runs"), "'my runs'");
+        assert_eq!(shell_word("it's"), "'it'\\''s'");
+        assert_eq!(shell_word(""), "''");
     }
 }

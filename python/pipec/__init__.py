@@ -196,6 +196,20 @@ class Schedule:
         self._check_rank(rank)
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
 
+    def capture_order(self, rank: int) -> list[int | float]:
+        """Rank ``rank``'s CUDA-graph capture order in Transformer Engine's ``_order`` encoding,
+        what megatron-core hands ``te.make_graphed_callables(..., _order=...)``: the forward of
+        the rank's model chunk ``c`` (1-based, its stages in ascending order) is ``c``, its
+        backward (or input-gradient backward) ``-c``, its weight gradient the half step
+        ``-(c + 0.5)`` (on a chunk that splits any backward, a fused one is ``-c, -(c + 0.5)``); an
+        overlapped pair is its forward then its backward. Exactly
+        megatron-core's own order for its 1F1B and interleaved schedules. Raises
+        :class:`PipecError` where the encoding cannot say the program (forward-only; a chunk
+        whose backwards run its microbatches in another order than its forwards, as
+        ``looped-bfs``'s do). ``docs/format.md``, "Capture order"."""
+        self._check_rank(rank)
+        return self._n.capture_order(rank)
+
     def refusal(self, target: str) -> str | None:
         """Why ``target`` (``"megatron"``, ``"torch"``, ``"torchtitan"``, ``"pipec-run"``,
         ``"deepspeed"``, ``"any"``) cannot run this schedule, or ``None``: the rule
@@ -536,8 +550,9 @@ def tune(
     framework runs (with ``lengths``: every framework that runs microbatches of different
     lengths, megatron, torch and pipec-run; torchtitan and DeepSpeed size receives once). ``kinds`` / ``exclude_kinds`` name the kinds to weigh or skip (``"tuned"``
     is pipec's own scheduler). The report's ``run`` says how to run the winner on the target,
-    naming ``out`` (where you will save it) as its directory; ``runs_on`` lists every framework
-    that runs it.
+    naming ``out`` (where you will save it) as its directory, one line per step: ``$ `` a shell
+    command, ``>>> `` a Python statement, else what a framework's own settings must say
+    (docs/tune.md "Run it"); ``runs_on`` lists every framework that runs it.
 
     Under ``memory_limit``, a candidate over the limit may be fitted by offloading activations
     to host memory and by recomputing checkpointed forwards, where the target's adapter runs

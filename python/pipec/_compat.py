@@ -372,6 +372,35 @@ def ds_engine_backward(engine: Any):
         engine._running_engine_backward = False
 
 
+def ds_pipeline_module_with_parts(layers: list, parts: list[int], **kwargs: Any) -> Any:
+    """A ``PipelineModule(layers, **kwargs)`` (DeepSpeed 0.19.8) whose split is ``parts``:
+    its ``__init__`` calls ``self._partition_layers(method=partition_method)``, which sets
+    ``self.parts`` (stage boundaries) and this rank's ``self._set_bounds(start, stop)`` from
+    ``self._topo.get_coord(self.global_rank).pipe``; the subclass does the same with the
+    given boundaries."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    class PipecPipelineModule(PipelineModule):
+        def _partition_layers(self, method="uniform"):
+            if len(parts) != self.num_stages + 1:
+                raise ValueError(
+                    f"{len(parts) - 1} stages in the split, {self.num_stages} in the pipeline"
+                )
+            self.parts = list(parts)
+            stage_id = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    return PipecPipelineModule(layers=layers, **kwargs)
+
+
+def ds_bf16_optimizer(engine: Any) -> Any:
+    """The engine's ``BF16_Optimizer`` when it trains in bf16 through it, else ``None``
+    (DeepSpeed 0.19.8: ``PipelineEngine.using_bf16_optimizer``; its ``clear_lp_grads()`` zeroes
+    the bf16 ``.grad`` of every parameter, ``update_hp_grads(clear_lp_grads=False)`` adds them
+    into the fp32 master gradients, as ``PipelineEngine._exec_backward_pass`` calls them)."""
+    return engine.optimizer if getattr(engine, "using_bf16_optimizer", False) else None
+
+
 def ds_send_tensor_meta(engine: Any, outputs: Any, recv_stage: int) -> None:
     """``PipelineEngine._send_tensor_meta(buffer, recv_stage)`` (DeepSpeed 0.19.8): the message
     announcing the shapes and dtypes of the activations that follow."""

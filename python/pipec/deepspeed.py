@@ -18,7 +18,9 @@ its class:
   split them (``torch.distributed.pipelining._backward``): ``bwd_D`` computes only the input
   gradient and keeps the gradients that reach the weights' nodes; ``bwd_W`` computes only the
   weight gradients from those, into ``.grad``, before DeepSpeed's ``ReduceGrads`` and
-  ``OptimizerStep``. Together they do the work of one whole backward.
+  ``OptimizerStep``. Together they do the work of one whole backward. In bf16 (DeepSpeed's
+  ``BF16_Optimizer``) each ``bwd_W`` hands its microbatch's gradient to the optimizer's
+  accumulator as DeepSpeed's own backward does; fp16's loss scaler is not reproduced (refused).
 
 Whatever DeepSpeed cannot run as pipec verified it is refused before the first step, on every
 rank alike, with :class:`pipec.PipecError`. Longer notes: ``docs/deepspeed.md``. DeepSpeed and
@@ -29,6 +31,7 @@ and importing this module checks that the installed DeepSpeed is in the tested s
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -39,7 +42,7 @@ from ._split_backward import split_input, split_weight
 
 _compat.require("pipec.deepspeed", "deepspeed")
 
-__all__ = ["DEEPSPEED_VERSION", "check", "eligible", "use"]
+__all__ = ["DEEPSPEED_VERSION", "check", "eligible", "parts", "pipeline_module", "use"]
 
 #: The DeepSpeed release this module is written and tested against; importing it refuses a
 #: release outside its series (``pipec._compat.accepted_range("deepspeed")``).
@@ -98,9 +101,10 @@ def check(
                 case Op.bwd_D | Op.bwd_W if not split_backward:
                     raise PipecError(
                         f"{s.kind} splits the backward (rank {r}, #{i}: {ins.op}), but this "
-                        "engine scales the loss (fp16, a bf16 optimizer or a loss scaler), which "
-                        "DeepSpeed applies only in its whole-backward path; compile a kind "
-                        "without split backward (1f1b, gpipe) or train in fp32"
+                        "engine scales the loss (fp16's loss scaler or torch autocast's "
+                        "GradScaler), which DeepSpeed applies only in its whole-backward path; "
+                        "compile a kind without split backward (1f1b, gpipe) or train in bf16 "
+                        "or fp32"
                     )
                 case Op.sized_send | Op.sized_recv:
                     # `eligible` refuses plans with lengths first; a file that sizes its
@@ -123,6 +127,52 @@ def check(
                     raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{ins.op}`")
     s.blocking_order()  # raises when blocking one-at-a-time P2P would stall
     return s
+
+
+def parts(schedule: Schedule | str | os.PathLike) -> list[int]:
+    """The schedule's layer split as DeepSpeed's ``PipelineModule.parts``: stage ``s`` holds
+    layers ``parts[s]`` to ``parts[s + 1] - 1``, counting one layer per letter of the layout
+    (``E``, each ``t`` or ``m``, ``L``), in order. ``"Ett|ttL"`` gives ``[0, 3, 6]``."""
+    s = _as_schedule(schedule)
+    out = [0]
+    for stage in json.loads(s._n.header_json())["layout"]["stages"]:
+        out.append(out[-1] + len(stage))
+    return out
+
+
+def pipeline_module(schedule: Schedule | str | os.PathLike, layers, **kwargs):
+    """A DeepSpeed ``PipelineModule`` of ``layers`` split as the schedule's layout.
+
+    DeepSpeed's ``partition_method`` (``uniform``, ``parameters``, ``type:REGEX``) balances a
+    count or a weight and has no way to name an uneven split such as the one ``pipec tune``
+    chooses; this builds the module with its ``parts`` set to :func:`parts` instead
+    (``PipelineModule._partition_layers`` replaced on a subclass, through
+    :mod:`pipec._compat`). ``layers``: one ``LayerSpec`` (or module, or callable) per letter of
+    the layout, in order: the embedding for ``E``, a decoder layer for each ``t``, the final
+    norm and output head as one for ``L``. ``kwargs`` go to ``PipelineModule`` (``loss_fn``,
+    ``topology``, ...); ``num_stages`` is the schedule's ``pp`` unless a topology is given.
+    Refused with :class:`pipec.PipecError` when the layer count is not the layout's or the
+    schedule does not run on DeepSpeed (:func:`eligible`)."""
+    s = _as_schedule(schedule)
+    why = eligible(s)
+    if why is not None:
+        raise PipecError(f"{why}. Refusing to build a PipelineModule for it")
+    bounds = parts(s)
+    layers = list(layers)
+    if len(layers) != bounds[-1]:
+        raise PipecError(
+            f"the schedule's layout has {bounds[-1]} layers ({s.layout}: one per letter), but "
+            f"{len(layers)} were given: pass one LayerSpec per letter (E the embedding, t a "
+            "decoder layer, L the final norm and head)"
+        )
+    if "partition_method" in kwargs:
+        raise PipecError(
+            "pipeline_module splits the layers as the schedule's layout; partition_method "
+            "would split them otherwise: leave it out"
+        )
+    if "topology" not in kwargs:
+        kwargs.setdefault("num_stages", s.pp)
+    return _compat.ds_pipeline_module_with_parts(layers, bounds, **kwargs)
 
 
 # --------------------------------------------------------------------------- instructions
@@ -334,11 +384,23 @@ def _exec_backward_input(self, buffer_id):
 
 
 def _exec_backward_weight(self, buffer_id):
-    """``bwd_W``: the weight gradients only (:func:`pipec._split_backward.split_weight`), into ``.grad`` before
-    DeepSpeed's ReduceGrads and OptimizerStep."""
+    """``bwd_W``: the weight gradients only (:func:`pipec._split_backward.split_weight`), into
+    ``.grad`` before DeepSpeed's ReduceGrads and OptimizerStep.
+
+    With DeepSpeed's ``BF16_Optimizer`` (bf16 training) the weight pass does what DeepSpeed's
+    own backward of one microbatch does around it (``PipelineEngine._exec_backward_pass``, and
+    ``engine.backward``'s prologue and epilogue on the last stage): the bf16 ``.grad`` is zeroed
+    first, and afterwards added into the optimizer's fp32 master gradients
+    (``update_hp_grads``; a no-op with ``immediate_grad_update``, whose hooks on ``.grad``
+    accumulate it as it is written, which ``split_weight`` does through the weights'
+    AccumulateGrad nodes). So every microbatch's gradient reaches the fp32 sum alone, in bf16
+    exactly as the whole backward makes it, as the stock engine accumulates."""
     st = _state(self)
     st["trace"].append(("bwd_W", self.stage_id, buffer_id))
     deferred = st["deferred"].pop(buffer_id)
+    bf16 = _compat.ds_bf16_optimizer(self)
+    if bf16 is not None:
+        bf16.clear_lp_grads()
     with _compat.ds_engine_backward(self):
         if deferred is None:
             edges, grads = _root_edges(self, buffer_id)
@@ -347,6 +409,8 @@ def _exec_backward_weight(self, buffer_id):
                 torch.autograd.backward(edges, grads, inputs=params)
         else:
             split_weight(*deferred)
+    if bf16 is not None:
+        bf16.update_hp_grads(clear_lp_grads=False)
     _free_after_backward(self, buffer_id)
 
 
@@ -449,7 +513,11 @@ def _engine_side(engine) -> tuple[int, int, bool]:
                 f"the DeepSpeed engine uses {what} ({flag}); pipec.deepspeed sends whole "
                 "floating-point tensors only"
             )
-    scaled = bool(engine.fp16_enabled()) or bool(getattr(engine, "using_bf16_optimizer", False))
+    # bf16 (DeepSpeed's BF16_Optimizer) scales no loss: the weight pass feeds its fp32 master
+    # gradients as DeepSpeed's own backward does (see _exec_backward_weight). fp16's dynamic
+    # loss scaler and torch autocast's GradScaler scale the loss in DeepSpeed's whole-backward
+    # path only (engine.backward); pipec's split does not reproduce that.
+    scaled = bool(engine.fp16_enabled())
     scaled = scaled or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
     return engine.num_stages, engine.micro_batches, not scaled
 
@@ -466,7 +534,8 @@ def use(engine, schedule: Schedule | str | os.PathLike) -> None:
     Refused with :class:`pipec.PipecError` before anything runs, on every rank alike (see
     :func:`check` and :func:`eligible`): more than one stage per rank, a V or bidirectional
     placement, a pp or microbatch count (``gradient_accumulation_steps``) other than the
-    engine's, split backward on an engine that scales the loss (fp16, bf16 optimizer), and
+    engine's, split backward on an engine that scales the loss (fp16's loss scaler, torch
+    autocast's GradScaler; bf16 through DeepSpeed's ``BF16_Optimizer`` runs it), and
     engine settings the adapter does not carry over (partitioned or boolean activations).
 
     After a step, ``engine.pipec_trace`` holds the compute ops this rank ran, in order, as

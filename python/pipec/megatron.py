@@ -27,7 +27,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ _compat.require("pipec.megatron", "megatron-core")
 __all__ = [
     "MEGATRON_CORE_VERSION",
     "StageLayers",
+    "capture_order",
     "forward_backward_func",
     "stage_indices",
     "stage_layers",
@@ -132,6 +133,132 @@ def _stage_layers(manifest: dict) -> list[StageLayers]:
         t, m = t + len(dec), m + len(mtp)
         out.append(StageLayers(i, dec, "E" in layers, "L" in layers, mtp))
     return out
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+def _graph_impl(config) -> str:
+    """The config's CUDA-graph implementation: ``"none"``, ``"local"``, ``"transformer_engine"``
+    or ``"full_iteration"`` (the deprecated ``enable_cuda_graph`` is ``"local"``)."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none" and getattr(config, "enable_cuda_graph", False):
+        return "local"
+    return impl
+
+
+def capture_order(schedule: Schedule | str | os.PathLike, rank: int, config=None) -> list[int]:
+    """The order in which pipeline rank ``rank`` captures its per-chunk CUDA graphs, as
+    megatron-core's ``TECudaGraphHelper`` hands it to Transformer Engine's
+    ``make_graphed_callables(..., _order=...)``: :meth:`pipec.Schedule.capture_order`, which
+    for Megatron's own 1F1B and interleaved schedules is exactly megatron-core's
+    ``convert_schedule_table_to_order`` (recorded: ``tests/golden/megatron/capture_order.txt.gz``).
+
+    Refused, with the reason (:class:`pipec.PipecError`), where Megatron cannot capture the
+    schedule this way: a split backward (a graphed layer's backward graph computes the input
+    and the weight gradient together; Megatron captures a separate weight-gradient graph only
+    under ``overlap_moe_expert_parallel_comm`` with ``delay_wgrad_compute``, in an order it
+    derives itself), ``config.overlap_moe_expert_parallel_comm`` (Megatron re-pairs the order
+    it is handed layer by layer for its combined 1F1B), and what the encoding cannot say
+    (forward-only, a chunk whose backwards run its microbatches out of its forwards' order)."""
+    s = _as_schedule(schedule)
+    _refuse(s)
+    if config is not None and getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise PipecError(
+            "config.overlap_moe_expert_parallel_comm is set: Megatron re-pairs the capture order "
+            "it is handed layer by layer for its combined 1F1B "
+            "(get_overlap_moe_expert_parallel_comm_order), so pipec cannot hand it a schedule's "
+            "order; capture without it"
+        )
+    order = s.capture_order(rank)
+    split = next((abs(x) for x in order if x != int(x)), None)
+    if split is not None:
+        raise PipecError(
+            f"rank {rank}: {s.kind} splits the backward (chunk {int(split)} has weight-gradient "
+            "steps), but a graphed layer's backward graph computes the input and the weight "
+            "gradient together; Megatron captures a separate weight-gradient graph only under "
+            "overlap_moe_expert_parallel_comm with delay_wgrad_compute, in its own order. "
+            "Use a schedule with a fused backward, or run without CUDA graphs"
+        )
+    return order
+
+
+class _HandOver:
+    """The schedule whose order megatron-core's ``TECudaGraphHelper`` captures in: the one of
+    the last :func:`forward_backward_func` made under ``cuda_graph_impl="transformer_engine"``,
+    and the orders it captured per rank (a later schedule must run in the same order: the
+    graphs hold the captured microbatch order)."""
+
+    schedule: ClassVar[Schedule | None] = None
+    captured: ClassVar[dict[int, list]] = {}
+    original: ClassVar[Callable | None] = None
+
+
+def _hand_over(s: Schedule) -> None:
+    """Make megatron-core's ``TECudaGraphHelper._get_cuda_graph_input_data`` (the method that
+    computes the capture order with ``convert_schedule_table_to_order`` and captures) take this
+    schedule's order. Megatron-LM's training loop builds that helper itself, so the method is
+    wrapped once for the process; the helper's own code runs unchanged with the order handed in
+    place of ``convert_schedule_table_to_order``'s result."""
+    from megatron.core.transformer import cuda_graphs
+
+    _HandOver.schedule = s
+    if _HandOver.original is not None:
+        return
+    original = cuda_graphs.TECudaGraphHelper._get_cuda_graph_input_data
+    _HandOver.original = original
+
+    def _get_cuda_graph_input_data(self):
+        sched = _HandOver.schedule
+        # pp = 1: Megatron captures one microbatch ([1, -1]) and replays it for each.
+        if sched is None or (
+            self.pp_group.size() == 1
+            and not getattr(self.config, "overlap_moe_expert_parallel_comm", False)
+        ):
+            return original(self)
+        rank = self.pp_group.rank()
+        order = capture_order(sched, rank, self.config)
+        chunks = len(sched.stages_of(rank)) if sched.placement != "bidirectional" else None
+        if chunks is not None and self.num_model_chunks != chunks:
+            raise PipecError(
+                f"rank {rank}: the CUDA-graph helper has {self.num_model_chunks} model chunks, "
+                f"but {sched.kind} places {chunks} stages on this rank"
+            )
+
+        def handed(num_warmup_microbatches, num_model_chunks, schedule_table):
+            if len(schedule_table) != sched.num_microbatches * num_model_chunks:
+                raise PipecError(
+                    f"rank {rank}: Megatron captures {len(schedule_table) // num_model_chunks} "
+                    f"microbatches per chunk, but the schedule has {sched.num_microbatches}"
+                )
+            return list(order)
+
+        saved = cuda_graphs.convert_schedule_table_to_order
+        cuda_graphs.convert_schedule_table_to_order = handed
+        try:
+            out = original(self)
+        finally:
+            cuda_graphs.convert_schedule_table_to_order = saved
+        _HandOver.captured[rank] = order
+        return out
+
+    cuda_graphs.TECudaGraphHelper._get_cuda_graph_input_data = _get_cuda_graph_input_data
+
+
+def _check_graphs(s: Schedule, config, rank: int) -> None:
+    """Before anything runs, under per-chunk Transformer Engine graphs
+    (``cuda_graph_impl="transformer_engine"``, what ``TECudaGraphHelper`` captures): that
+    Megatron can capture this schedule's order, and in the order it already captured. The
+    other implementations have no order to hand over and are left as they are."""
+    if _graph_impl(config) != "transformer_engine" or s.forward_only:
+        return
+    order = capture_order(s, rank, config)
+    got = _HandOver.captured.get(rank)
+    if got is not None and got != order:
+        raise PipecError(
+            f"rank {rank}: the CUDA graphs were captured in the order {got}, but {s.kind} runs "
+            f"{order}: a captured schedule cannot change its order"
+        )
 
 
 # --------------------------------------------------------------------------- the executor
@@ -1023,6 +1150,7 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         if memory is not None:
             _refuse_offload_config(config, model_list, rank, _offloaded(s, rank))
             memory.begin_step()
+        _check_graphs(s, config, rank)
         this[0]().pipec_memory = memory
         needs_dtype = any(
             isinstance(st, BatchStep) and any(o.op in _RECVS for o in st.ops) for st in steps
@@ -1054,6 +1182,9 @@ def forward_backward_func(schedule: Schedule | str | os.PathLike) -> Callable[..
         )
         return ex.run(steps)
 
+    # Megatron-LM builds its TECudaGraphHelper itself and may capture before the first step:
+    # hand the order over now (nothing changes unless a helper captures).
+    _hand_over(s)
     pipec_forward_backward.pipec_schedule = s  # type: ignore[attr-defined]
     pipec_forward_backward.pipec_memory = None  # type: ignore[attr-defined]
     this.append(weakref.ref(pipec_forward_backward))

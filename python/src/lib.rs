@@ -355,6 +355,29 @@ impl NativeSchedule {
             .collect()
     }
 
+    /// Rank `rank`'s CUDA-graph capture order in Transformer Engine's `_order` encoding
+    /// ([`pipec_ir::ir::capture_order`]): forwards as ints, backwards as negative ints,
+    /// weight gradients as half steps (floats).
+    fn capture_order(&self, py: Python<'_>, rank: u32) -> PyResult<Vec<Py<PyAny>>> {
+        self.rank(rank)?;
+        let order = pipec_ir::ir::capture_order(self.program(), rank)
+            .map_err(|e| PipecError::new_err(format!("{}: {e}", self.title())))?;
+        order
+            .iter()
+            .map(|s| -> PyResult<Py<PyAny>> {
+                Ok(match *s {
+                    pipec_ir::ir::CaptureStep::Fwd(c) => c.into_pyobject(py)?.into_any().unbind(),
+                    pipec_ir::ir::CaptureStep::Bwd(c) => {
+                        (-i64::from(c)).into_pyobject(py)?.into_any().unbind()
+                    }
+                    pipec_ir::ir::CaptureStep::Wgrad(_) => {
+                        s.value().into_pyobject(py)?.into_any().unbind()
+                    }
+                })
+            })
+            .collect()
+    }
+
     #[getter]
     fn instruction_count(&self) -> usize {
         self.program().len()

@@ -158,7 +158,7 @@ def reference_backward_work(pp: int, m: int, rank: int, ref, accumulate: bool) -
     return work(c.ops)
 
 
-def make_engine(pp: int, m: int):
+def make_engine(pp: int, m: int, precision: str | None = None, accum: str = "bf16"):
     layers = pp * LAYERS_PER_STAGE
     module = PipelineModule(
         layers=[LayerSpec(Layer, i) for i in range(layers)],
@@ -174,6 +174,12 @@ def make_engine(pp: int, m: int):
         "zero_optimization": {"stage": 0},
         "gradient_clipping": 0.0,
     }
+    if precision is not None:  # DeepSpeed casts the module to it and wraps the SGD
+        config[precision] = {"enabled": True}
+        if accum == "fp32":
+            config["zero_optimization"] = {"stage": 1}
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+            config["zero_allow_untested_optimizer"] = True  # the client SGD
     opt = torch.optim.SGD([p for p in module.parameters()], lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config)
     return engine
@@ -433,7 +439,118 @@ def run_refusals(cfg: dict, rank: int) -> dict:
     return {"stage": rank, "errors": errors, "max_loss_rel_err": 0.0, "max_param_rel_err": 0.0}
 
 
+def run_precision(cfg: dict, rank: int) -> dict:
+    """A bf16 engine (DeepSpeed's ``BF16_Optimizer``): DeepSpeed's own TrainSchedule
+    (``stock``) or a pipec schedule (``compile`` or ``tune`` arguments) trains STEPS steps on
+    the same model and data. ``accum`` is the dtype DeepSpeed sums the microbatch gradients in:
+    "fp32" (ZeRO stage 1 with ``data_types.grad_accum_dtype = fp32``, what bf16 pipeline jobs
+    use) or "bf16" (ZeRO stage 0, which DeepSpeed allows only with bf16 accumulation). What
+    comes back is what the test compares between two runs: the value ``train_batch`` returned
+    each step; every microbatch's bf16 gradient as it is added into the optimizer's
+    accumulator (the ``.grad`` of every parameter at each ``update_hp_grads``); the accumulated
+    gradients the optimizer step reads (``fp32_groups_gradients_flat``, taken just before each
+    OptimizerStep); and this rank's parameters after the steps."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    pp, m = cfg["pp"], cfg["m"]
+    engine = make_engine(pp, m, "bf16", accum=cfg["accum"])
+    if not cfg.get("stock"):
+        sched, _ = schedule_of(cfg)
+        pds.use(engine, sched)
+    opt = engine.optimizer
+    grads: list[list[float]] = []
+    step_fn = engine._INSTRUCTION_MAP[ds.OptimizerStep]
+
+    def snapshot_then_step(eng, *args, **kwargs):
+        grads.append(
+            torch.cat([g.detach().float() for g in opt.fp32_groups_gradients_flat]).tolist()
+        )
+        return step_fn(eng, *args, **kwargs)
+
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, ds.OptimizerStep: snapshot_then_step}
+    added: list[list[list[float]]] = [[] for _ in range(STEPS)]
+    update = opt.update_hp_grads
+    step = 0
+
+    def logged_update(*args, **kwargs):
+        lp = [p.grad for g in opt.bf16_groups for p in g]
+        if any(g is not None for g in lp):
+            added[step].append(torch.cat([g.float().flatten() for g in lp]).tolist())
+        return update(*args, **kwargs)
+
+    opt.update_hp_grads = logged_update
+    returned = []
+    for step in range(STEPS):
+        batch = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in data(step, m)]
+        returned.append(float(engine.train_batch(iter(batch))))
+    params = {n: p.detach().float().flatten().tolist() for n, p in engine.module.named_parameters()}
+    return {
+        "stage": rank,
+        "returned": returned,
+        "added": added,
+        "grads": grads,
+        "accum_dtype": str(opt.fp32_groups_gradients_flat[0].dtype),
+        "params": params,
+        "dtype": str(next(engine.module.parameters()).dtype),
+        "optimizer": type(opt).__name__,
+        "trace": [list(t) for t in getattr(engine, "pipec_trace", [])],
+        "kind": None if cfg.get("stock") else sched.kind,
+        "max_loss_rel_err": 0.0,
+        "max_param_rel_err": 0.0,
+    }
+
+
+def run_lines(cfg: dict, rank: int) -> dict:
+    """The DeepSpeed lines ``pipec tune`` printed for a plan (``>>> `` Python statements), run
+    as written on this rank, with what their comments say the user provides: ``layers`` (one
+    LayerSpec per letter of the layout), ``loss_fn`` and, before the ``use`` line, ``engine``
+    (``deepspeed.initialize`` of the module the first line built, bf16, the printed
+    ``gradient_accumulation_steps``). Then one ``train_batch`` step; returns the split the
+    module made and the loss."""
+    pp, m, letters = cfg["pp"], cfg["m"], cfg["letters"]
+    ns: dict = {
+        "pipec": pipec,
+        "layers": [LayerSpec(Layer, i) for i in range(letters)],
+        "loss_fn": loss_fn,
+    }
+    for line in cfg["lines"]:
+        if "pipec.deepspeed.use(" in line:
+            config = {
+                "train_batch_size": m * ROWS,
+                "train_micro_batch_size_per_gpu": ROWS,
+                "gradient_accumulation_steps": m,
+                "steps_per_print": 10**9,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 1},
+                "data_types": {"grad_accum_dtype": "fp32"},
+                "zero_allow_untested_optimizer": True,
+            }
+            module = ns["module"]
+            opt = torch.optim.SGD(module.parameters(), lr=LR)
+            ns["engine"], _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config)
+        exec(line, ns)  # noqa: S102  (the printed line, run as the user would)
+    engine = ns["engine"]
+    batch = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in data(0, m)]
+    loss = float(engine.train_batch(iter(batch)))
+    if not torch.isfinite(torch.tensor(loss)):
+        raise AssertionError(f"train_batch returned {loss}")
+    return {
+        "stage": rank,
+        "parts": list(ns["module"].parts),
+        "local": [ns["module"]._local_start, ns["module"]._local_stop],
+        "loss": loss,
+        "trace": [list(t) for t in engine.pipec_trace],
+        "pp": pp,
+        "max_loss_rel_err": 0.0,
+        "max_param_rel_err": 0.0,
+    }
+
+
 def run(cfg: dict, rank: int) -> dict:
+    if "lines" in cfg:
+        return run_lines(cfg, rank)
+    if "precision" in cfg:
+        return run_precision(cfg, rank)
     if "refuse" in cfg:
         return run_refusals(cfg, rank)
     if cfg.get("eval"):

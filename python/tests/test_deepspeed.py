@@ -10,7 +10,9 @@ tensors, not from the adapter) with the schedule. The split backward of the zero
 is checked to do the work of one whole backward: the ops torch's dispatcher runs in ``bwd_D``
 and ``bwd_W`` of each microbatch, against one whole backward of the same stage unpipelined.
 DeepSpeed's own ``TrainSchedule`` trains the same model for comparison with pipec's 1f1b;
-forward-only schedules run through ``eval_batch``;
+forward-only schedules run through ``eval_batch``; on a bf16 engine (BF16_Optimizer, fp32 and
+bf16 gradient accumulation) the split-backward plan tune returns and zb-h2 train as DeepSpeed's
+own TrainSchedule does on the same engine (bitwise per-microbatch gradients; see the test);
 schedules DeepSpeed cannot run are refused on every rank. Tolerance: relative error <= 1e-5
 (fp32; the pipelined run sums the microbatch gradients in another order).
 
@@ -39,6 +41,7 @@ else:
 
 import launch
 import pipec.deepspeed as pds
+import torch
 
 TOL = 1e-5
 LAUNCH_TIMEOUT = 300
@@ -106,10 +109,34 @@ def configs(pp: int) -> list[dict]:
                 "compile": {"schedule": kind, "pp": pp, "microbatches": m, "forward_only": True},
             }
         )
+    if pp == 2:
+        out += bf16_configs(pp, m)
     refuse = {k: dict(kw, pp=pp, microbatches=2 * pp) for k, kw in REFUSALS.items()}
     refuse["pp-mismatch"] = {"schedule": "1f1b", "pp": 6 - pp, "microbatches": m}
     refuse["microbatch-mismatch"] = {"schedule": "1f1b", "pp": pp, "microbatches": m + 1}
     out.append({"name": "refusals", "pp": pp, "m": m, "refuse": refuse})
+    return out
+
+
+# bf16 (issue #40 point 1): the plan `pipec.tune(2, 4, num_layers=4, target="deepspeed")`
+# returns (zb-h1: whole and split backwards mixed) and zb-h2 (every backward split) against
+# DeepSpeed's own TrainSchedule on the same bf16 engine, model and data. "fp32": ZeRO stage 1
+# with fp32 gradient accumulation (bf16 pipeline jobs' setting); "bf16": ZeRO stage 0, which
+# DeepSpeed allows only with bf16 accumulation. Both go through DeepSpeed's BF16_Optimizer.
+BF16_ACCUM = ("fp32", "bf16")
+BF16_PLANS = {
+    "tuned": {"tune": {"pp": 2, "microbatches": 4, "num_layers": 4, "target": "deepspeed"}},
+    "zb-h2": {"compile": {"schedule": "zb-h2", "pp": 2, "microbatches": 4}},
+}
+
+
+def bf16_configs(pp: int, m: int) -> list[dict]:
+    out = []
+    for acc in BF16_ACCUM:
+        base = {"pp": pp, "m": m, "tol": TOL, "precision": "bf16", "accum": acc}
+        out.append(dict(base, name=f"bf16-{acc}-deepspeed-own", stock=True))
+        plans = BF16_PLANS if acc == "fp32" else {"tuned": BF16_PLANS["tuned"]}
+        out += [dict(base, name=f"bf16-{acc}-{n}", **kw) for n, kw in plans.items()]
     return out
 
 
@@ -184,6 +211,61 @@ def test_split_backward_does_the_work_of_one_backward(run, name):
         assert f"mm{WEIGHT}" not in d and wt[f"mm{WEIGHT}"] == 2  # the two weights, in bwd_W
         assert f"mm{ACT}" not in wt  # no input gradient in bwd_W
     assert split_ranks >= 1
+
+
+# Unit roundoff of the dtype DeepSpeed accumulates the microbatch gradients in.
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
+
+
+@pytest.mark.parametrize("accum, plan", [("fp32", "tuned"), ("fp32", "zb-h2"), ("bf16", "tuned")])
+def test_split_backward_in_bf16_matches_deepspeeds_own_schedule(run, accum, plan):
+    """Issue #40 point 1: a split-backward plan on a bf16 engine (BF16_Optimizer) trains as
+    DeepSpeed's own TrainSchedule does on the same model and data.
+
+    The reference is DeepSpeed's own run. Each microbatch's bf16 gradient, as it is added into
+    the optimizer's accumulator, must be bitwise one of the reference's for that step (the same
+    multiset: bwd_D + bwd_W compute each gradient with the same ops on the same tensors as the
+    whole backward; only the order the microbatches are added in may differ). The sums then
+    agree within what summation order can change: two orders of adding m terms in a dtype of
+    unit roundoff u each lie within gamma_(m-1) * sum|g_i| of the exact sum (Higham, Accuracy
+    and Stability of Numerical Algorithms, 2nd ed., eq. 4.4), so they differ by at most twice
+    that, element by element, with the |g_i| taken from the logged terms. With fp32
+    accumulation of m=4 bf16 terms that bound is tiny, and the test asserts exact equality of
+    gradients, losses and parameters over both steps, which the run shows. With bf16
+    accumulation the first step's sums are held to the bound (the second step starts from
+    parameters updated with them, so only the first is compared)."""
+    pp = run[0]
+    if pp != 2:
+        pytest.skip("the bf16 runs are launched with pp=2")
+    ours, theirs = result(run, f"bf16-{accum}-{plan}"), result(run, f"bf16-{accum}-deepspeed-own")
+    m = SIZES[pp]
+    for a, b in zip(ours, theirs):
+        assert a["optimizer"] == b["optimizer"] == "BF16_Optimizer"
+        assert a["dtype"] == "torch.bfloat16"
+        assert a["accum_dtype"] == f"torch.{'float32' if accum == 'fp32' else 'bfloat16'}"
+        steps = range(len(b["added"])) if accum == "fp32" else range(1)
+        for s in steps:
+            assert len(a["added"][s]) == len(b["added"][s]) == m
+            assert sorted(map(tuple, a["added"][s])) == sorted(map(tuple, b["added"][s]))
+            terms = torch.tensor(b["added"][s], dtype=torch.float64)
+            u = UNIT_ROUNDOFF[accum]
+            gamma = (m - 1) * u / (1 - (m - 1) * u)
+            bound = 2 * gamma * terms.abs().sum(0)
+            diff = (
+                torch.tensor(a["grads"][s], dtype=torch.float64)
+                - torch.tensor(b["grads"][s], dtype=torch.float64)
+            ).abs()
+            assert bool((diff <= bound).all()), float((diff - bound).max())
+            if accum == "fp32":
+                assert a["grads"][s] == b["grads"][s]
+        if accum == "fp32":
+            assert a["returned"] == b["returned"]
+            assert a["params"] == b["params"]
+        else:
+            assert a["returned"][0] == b["returned"][0]
+    # The plan really splits its backward on this engine.
+    split = [t for r in ours for t in r["trace"] if t[0] in ("bwd_D", "bwd_W")]
+    assert split and ours[0]["kind"] in ("zb-h1", "zb-h2")
 
 
 def test_pipec_1f1b_equals_deepspeeds_own_train_schedule(run):
@@ -372,3 +454,18 @@ def test_the_deepspeed_example_trains(tmp_path):
     assert len(losses) == 3, logs
     assert losses[-1] < losses[0], logs
     assert re.search(r"eval: loss [0-9.]+", logs), logs
+
+
+def test_parts_and_pipeline_module_refusals():
+    """``parts``: one layer per letter of the layout, boundaries counted by hand; the module
+    builder refuses a layer count other than the layout's and a partition_method of the
+    user's (it would split otherwise), before DeepSpeed is asked to build anything."""
+    s = pipec.compile("1f1b", 2, 4, layout="Ett|ttL")
+    assert pds.parts(s) == [0, 3, 6]
+    assert pds.parts(pipec.compile("1f1b", 3, 6, layout="Et|tttt|L")) == [0, 2, 6, 7]
+    with pytest.raises(pipec.PipecError, match=r"6 layers \(Ett\|ttL: one per letter\), but 4"):
+        pds.pipeline_module(s, [object()] * 4)
+    with pytest.raises(pipec.PipecError, match="partition_method"):
+        pds.pipeline_module(s, [object()] * 6, partition_method="uniform")
+    with pytest.raises(pipec.PipecError, match="one stage per rank"):
+        pds.pipeline_module(pipec.compile("zb-v", 2, 4), [object()] * 6)

@@ -20,6 +20,7 @@ mod loader;
 mod lowering;
 mod megatron;
 mod megatron_calls;
+mod megatron_capture;
 mod megatron_p2p;
 mod megatron_recompute;
 mod megatron_shapes;

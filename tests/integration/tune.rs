@@ -1653,3 +1653,88 @@ fn tune_doc_model_shape_example_holds() {
         "{err}"
     );
 }
+
+/// Every `$` line of the report's `run it` (issue #40 point 7: each printed command works for
+/// its plan) runs as written, with the `pipec` and `pipec-run` of this workspace, for a plan
+/// per target: the default and DeepSpeed (a split-backward winner), torch and Megatron under a
+/// limit (offload winners), torchtitan and pipec-run. torch's CSV command is printed only where
+/// the export takes the plan (an offload winner gets a line saying why not, and
+/// `build_schedule`); no `$` line asks for `--backend cuda`, which a default build refuses (the
+/// GPU way is a statement line). The `>>>` (Python) lines run in
+/// python/tests/test_run_lines.py.
+#[test]
+fn tune_shell_run_lines_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let small = ["--pp", "2", "--microbatches", "4", "--num-layers", "4"];
+    let plans: [(&str, &[&str]); 6] = [
+        ("default", &[]),
+        ("deepspeed", &["--target", "deepspeed"]),
+        (
+            "torch-offload",
+            &["--memory-limit", "3", "--target", "torch"],
+        ),
+        (
+            "megatron-offload",
+            &["--memory-limit", "3", "--target", "megatron"],
+        ),
+        ("torchtitan", &["--target", "torchtitan"]),
+        ("pipec-run", &["--target", "pipec-run"]),
+    ];
+    let mut ran = 0;
+    for (name, extra) in plans {
+        let dir = tmp.path().join(name);
+        let work = tmp.path().join(format!("{name}-work"));
+        std::fs::create_dir_all(&work).unwrap();
+        let out = tune_cli(&[&small[..], extra, &["--json", "-o", dir.to_str().unwrap()]].concat())
+            .success();
+        let j: serde_json::Value = serde_json::from_slice(&out.get_output().stdout).unwrap();
+        // Whether the winner offloads, read from the rank files it wrote.
+        let offload = (0..2).any(|r| {
+            std::fs::read_to_string(dir.join(format!("rank-{r}.json")))
+                .unwrap()
+                .contains("\"op\":\"offload\"")
+        });
+        assert_eq!(
+            offload,
+            name.ends_with("offload"),
+            "{name}: {}",
+            j["schedule"]
+        );
+        for (target, lines) in j["run"].as_object().unwrap() {
+            let lines: Vec<&str> = lines
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l.as_str().unwrap())
+                .collect();
+            if target == "torch" {
+                let csv = lines.iter().any(|l| l.starts_with("$ pipec export"));
+                assert_eq!(csv, !offload, "{name}: {lines:?}");
+            }
+            for line in lines.iter().filter_map(|l| l.strip_prefix("$ ")) {
+                assert!(!line.contains("--backend cuda"), "{line}");
+                let words: Vec<&str> = line
+                    .split_whitespace()
+                    .take_while(|w| !w.starts_with('#'))
+                    .collect();
+                let mut cmd = match words[0] {
+                    "pipec" => pipec(),
+                    "pipec-run" => crate::harness::pipec_run(),
+                    other => panic!("{name}: `{other}` in {line}"),
+                };
+                cmd.args(&words[1..]).current_dir(&work);
+                let got = cmd.output().unwrap();
+                assert!(
+                    got.status.success(),
+                    "{name}: {line}\n{}{}",
+                    String::from_utf8_lossy(&got.stdout),
+                    String::from_utf8_lossy(&got.stderr)
+                );
+                ran += 1;
+            }
+        }
+    }
+    // The default: torch's CSV, torchtitan's CSV and pipec-run; torchtitan's CSV; pipec-run.
+    // DeepSpeed and Megatron print Python lines only, and an offload winner no CSV command.
+    assert_eq!(ran, 5);
+}

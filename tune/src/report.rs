@@ -157,6 +157,8 @@ impl Tuned {
                 microbatches: self.program().microbatches,
                 layout: &self.best.layout,
                 dir: dir.unwrap_or("DIR"),
+                program: self.program(),
+                stages: &self.layout.stages,
             },
         )
     }

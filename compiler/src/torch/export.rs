@@ -198,6 +198,21 @@ pub fn export_csv<P: Borrow<Program>>(
     csv(program.program(), form, Some(program.matching()))
 }
 
+/// Why [`export_csv`] would refuse `program` before writing a line (microbatch lengths, a
+/// memory instruction), or `None`: what `pipec tune` asks before it prints the CSV command
+/// as a way to run its winner, so it never prints one that exits 1.
+pub fn csv_refusal(program: &Program) -> Option<ExportError> {
+    if let Some(l) = &program.lengths {
+        return Some(ExportError::Lengths {
+            summary: l.summary(),
+        });
+    }
+    first_memory_op(program).map(|(at, ins)| ExportError::MemoryOp {
+        at,
+        instr: ins.to_string(),
+    })
+}
+
 /// [`export_csv`] of a program nobody verified (`pipec export` of loaded or imported files).
 pub fn export_csv_unverified<P: Borrow<Program>>(
     program: &Unverified<P>,
@@ -211,16 +226,8 @@ fn csv(
     form: CsvForm,
     matching: Option<&Matching>,
 ) -> Result<String, ExportError> {
-    if let Some(l) = &program.lengths {
-        return Err(ExportError::Lengths {
-            summary: l.summary(),
-        });
-    }
-    if let Some((at, ins)) = first_memory_op(program) {
-        return Err(ExportError::MemoryOp {
-            at,
-            instr: ins.to_string(),
-        });
+    if let Some(e) = csv_refusal(program) {
+        return Err(e);
     }
     let lines = cells(program, form, matching)?;
     let mut out = String::with_capacity(program.len() * 8 + 16);

@@ -8,12 +8,14 @@
 
 pub mod activations;
 mod blocking;
+mod capture;
 mod id;
 mod matching;
 mod program;
 mod steps;
 
 pub use blocking::blocking_order;
+pub use capture::{capture_order, capture_order_json, CaptureError, CaptureStep};
 pub use id::{OptIdx, Positions, TooLarge};
 pub use matching::{Channel, Matching};
 pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program, Tokens};

@@ -23,6 +23,9 @@ pub enum Format {
     Svg,
     /// Graphviz dependency graph.
     Dot,
+    /// Each rank's CUDA-graph capture order in Transformer Engine's `_order` encoding (JSON,
+    /// one list per rank; docs/format.md, "Capture order").
+    CaptureOrder,
 }
 
 /// How much `--format dot` condenses.
@@ -277,6 +280,9 @@ fn render(a: &Args, loaded: &Loaded) -> Result<Vec<u8>, CliError> {
             }
             dot::render(&loaded.program, c, Some(&name)).into_bytes()
         }
+        Format::CaptureOrder => pipec_ir::ir::capture_order_json(&loaded.program)
+            .map_err(|e| CliError::Invalid(format!("{}: {e}", a.input.display())))?
+            .into_bytes(),
     })
 }
 
@@ -301,7 +307,7 @@ fn check_flags(a: &Args) -> Result<(), CliError> {
     if a.svg_detail.is_some() && f != Format::Svg {
         return refuse("--svg-detail", "--format svg");
     }
-    if a.compute_only && f == Format::Dot {
+    if a.compute_only && matches!(f, Format::Dot | Format::CaptureOrder) {
         return refuse("--compute-only", "torch-csv, chrome-trace and svg");
     }
     for (flag, given) in [
@@ -313,7 +319,7 @@ fn check_flags(a: &Args) -> Result<(), CliError> {
             return refuse(flag, "chrome-trace and svg");
         }
     }
-    if a.full && f == Format::TorchCsv {
+    if a.full && matches!(f, Format::TorchCsv | Format::CaptureOrder) {
         return refuse("--full", "chrome-trace, svg and dot");
     }
     Ok(())
