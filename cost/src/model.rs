@@ -69,6 +69,12 @@ pub struct ModelShape {
     /// decoder-layer forwards. Serialized only when given, so older outputs stay the same.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tflops: Option<f64>,
+    /// `num_layers`: the model's decoder layers, when the table states them. The plan's
+    /// layers come from `--num-layers` / `--layout` as always; `pipec check` compares a
+    /// directory's layout with this count, so costs of an 80-layer model are not taken for a
+    /// plan compiled for 8 (issue #40). Serialized only when given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_layers: Option<u64>,
 }
 
 /// What the shape gives each layer kind, in `crate::cost::KINDS` order: the passes' linear
@@ -98,7 +104,7 @@ pub fn split_exact(total: f64, attn: f64) -> (f64, f64) {
 
 /// The keys of the `[model]` table, in the order the error messages list them (exported to
 /// Python as `pipec.MODEL_KEYS`).
-pub const MODEL_KEYS: [&str; 17] = [
+pub const MODEL_KEYS: [&str; 18] = [
     "hidden",
     "ffn",
     "heads",
@@ -116,6 +122,7 @@ pub const MODEL_KEYS: [&str; 17] = [
     "swiglu",
     "normalization",
     "tflops",
+    "num_layers",
 ];
 
 /// Keys that must be given (the others have Megatron's defaults).

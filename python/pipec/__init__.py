@@ -539,6 +539,7 @@ def tune(
     offload: bool = True,
     recompute: bool = True,
     lengths: list[int] | list[list[int]] | None = None,
+    host_memory_limit: str | float | None = None,
 ) -> tuple[Schedule, dict]:
     """``pipec tune``: the fastest verified schedule and layer split for a model's costs.
 
@@ -584,6 +585,12 @@ def tune(
     pipeline; the report's ``microbatch_order`` lists the ids in that order, and the
     schedule carries the lengths (every send and receive its ``tokens``). Planning per step
     is meant to be called every step (docs/tune.md, "Microbatch order").
+
+    Offloaded activations live in host memory: the report's ``host_peak_memory`` gives each
+    rank's most at once (in the unit of ``peak_memory``), and ``host_memory_limit`` (a size
+    as ``memory_limit`` takes) bounds it per rank, as ``--host-memory-limit``. Without
+    ``--target`` (``target=None``) the report's ``per_target`` gives each framework's own best
+    plan (makespan, peak, host peak, levers), what ``target=`` that framework returns.
     """
     lists = None
     if lengths is not None:
@@ -601,6 +608,12 @@ def tune(
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
             raise SpecError(f"memory_limit must be a size or a number, not {memory_limit!r}")
         memory_limit = repr(memory_limit)
+    if host_memory_limit is not None and not isinstance(host_memory_limit, str):
+        if isinstance(host_memory_limit, bool) or not isinstance(host_memory_limit, (int, float)):
+            raise SpecError(
+                f"host_memory_limit must be a size or a number, not {host_memory_limit!r}"
+            )
+        host_memory_limit = repr(host_memory_limit)
     for name, v in (("kinds", kinds), ("exclude_kinds", exclude_kinds)):
         if v is not None and (isinstance(v, str) or not all(isinstance(k, str) for k in v)):
             raise SpecError(f"{name} must be a list of kind names, not {v!r}")
@@ -625,6 +638,7 @@ def tune(
         offload=offload,
         recompute=recompute,
         lengths=lists,
+        host_memory_limit=host_memory_limit,
     )
     return Schedule(native), json.loads(report)
 

@@ -688,7 +688,8 @@ fn order_u32(order: Vec<i64>, microbatches: u32) -> PyResult<Vec<u32>> {
 #[pyfunction]
 #[pyo3(signature = (pp, microbatches, num_layers=None, mtp_num_layers=None, layout=None,
     rebalance=false, cost=None, memory_limit=None, max_ops=None, target=None, kinds=None,
-    exclude_kinds=None, out=None, offload=true, recompute=true, lengths=None))]
+    exclude_kinds=None, out=None, offload=true, recompute=true, lengths=None,
+    host_memory_limit=None))]
 #[allow(clippy::too_many_arguments)]
 fn tune_schedule(
     py: Python<'_>,
@@ -708,6 +709,7 @@ fn tune_schedule(
     offload: bool,
     recompute: bool,
     lengths: Option<Vec<Vec<i128>>>,
+    host_memory_limit: Option<&str>,
 ) -> PyResult<(NativeSchedule, String)> {
     // Per microbatch, its sequences' lengths (issue #38); a bad one names its index.
     let lengths = lengths
@@ -750,6 +752,16 @@ fn tune_schedule(
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
     let memory_limit = parse_limit(memory_limit)?;
     resolve_limit(memory_limit, &model)?;
+    // Refused as `--host-memory-limit` is, in the parameter's name.
+    let host_memory_limit = host_memory_limit
+        .map(|s| {
+            let l = pipec_cost::memory::Limit::parse(s)
+                .map_err(|e| SpecError::new_err(format!("host_memory_limit: {e}")))?;
+            l.resolve_for(&model)
+                .map_err(|e| SpecError::new_err(format!("host_memory_limit: {e}")))?;
+            Ok::<_, PyErr>(l)
+        })
+        .transpose()?;
     let req = TuneRequest {
         layout,
         rebalance,
@@ -762,7 +774,8 @@ fn tune_schedule(
         exclude_kinds: exclude_kinds.unwrap_or_default(),
         levers: pipec_compiler::target::Levers { offload, recompute },
         lengths,
-        ..TuneRequest::new(pp, microbatches, model)
+        host_memory_limit,
+        ..TuneRequest::new(pp, microbatches, pipec_tune::target_model(&model, target))
     };
     let t0 = std::time::Instant::now();
     let t = py
@@ -780,7 +793,7 @@ fn tune_schedule(
             layout,
             spec: t.spec,
             source,
-            cost: recorded_cost(cost)?,
+            cost: cost.is_some().then(|| req.model.spec()), // with the target's costs
             plan,
         },
         report,

@@ -351,8 +351,12 @@ fn readme_lengths_table_is_current() {
             })
             .unwrap();
         let dir = tmp.path().join(format!("{}-{kind}", r[1]));
+        // Costed as tune costs it for Megatron: a split backward (zb-v) takes `split_extra`
+        // more there (#40 point 8); the manifest records it, so `simulate` uses it.
+        let split = format!("split_extra={}", pipec_cost::cost::MEGATRON_SPLIT_EXTRA);
         let o = pipec_with(["compile", "--schedule", kind])
             .args(common)
+            .args(["--cost", &split])
             .args(["--layout", best["layout"].as_str().unwrap(), "-o"])
             .arg(&dir)
             .current_dir(&root)

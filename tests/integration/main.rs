@@ -33,6 +33,7 @@ mod simulator;
 mod sweep;
 mod torch;
 mod tune;
+mod tune_host;
 mod tune_lengths;
 mod tune_levers;
 mod tune_table;

@@ -25,6 +25,8 @@ pub(crate) struct Built {
     pub(crate) program: Option<Program>,
     pub(crate) peaks: Vec<f64>,
     pub(crate) planned: Option<f64>,
+    /// Per rank: host memory held by offloaded activations at most (0 without offloads).
+    pub(crate) host_peaks: Vec<f64>,
 }
 
 /// A candidate to build: the tuned scheduler's plan on a problem and split, or a built-in
@@ -309,10 +311,10 @@ fn measured(
     cand.not_runnable = target.refusal(program);
     // The one memory rule every command reports ([`pipec_ir::memory`]).
     let mem = pipec_cost::memory::weights(program, &layout, model);
-    let peaks: Vec<f64> = pipec_ir::memory::peaks(program, &mem)
-        .iter()
-        .map(|p| p.peak)
-        .collect();
+    let rank_peaks = pipec_ir::memory::peaks(program, &mem);
+    let peaks: Vec<f64> = rank_peaks.iter().map(|p| p.peak).collect();
+    let host_peaks: Vec<f64> = rank_peaks.iter().map(|p| p.host).collect();
+    cand.host_peak_memory = host_peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
     cand.makespan = sim.makespan;
     cand.bubble = sim.mean_bubble();
     cand.peak_memory = peaks.iter().fold(0.0, |a: f64, &x| a.max(x));
@@ -325,6 +327,7 @@ fn measured(
         program: None,
         peaks,
         planned,
+        host_peaks,
     }
 }
 

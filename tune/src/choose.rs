@@ -34,6 +34,7 @@ pub(crate) fn eligible(
     built: &[Built],
     jobs: &[(Placement, Layout)],
     skipped: &[(String, String)],
+    over_host: Option<(f64, String)>,
 ) -> Result<Vec<usize>, TuneError> {
     let limit = req.limit();
     let mut order: Vec<usize> = (0..built.len())
@@ -41,6 +42,17 @@ pub(crate) fn eligible(
         .collect();
     if order.is_empty() && (!built.iter().any(runnable) || limit.is_none()) {
         return Err(not_runnable(req, built, skipped));
+    }
+    if let (true, Some((host, by)), Some(host_limit)) =
+        (order.is_empty(), over_host, req.host_limit())
+    {
+        // Offloading met the device limit; only the host memory limit refused it.
+        return Err(TuneError::HostMemory {
+            limit: fmt_mem(limit.unwrap_or(f64::INFINITY), bytes(req)),
+            host_limit: fmt_mem(host_limit, bytes(req)),
+            host_best: fmt_mem(host, bytes(req)),
+            by,
+        });
     }
     if order.is_empty() {
         return Err(over_limit(req, built, jobs));
@@ -167,8 +179,14 @@ pub(crate) fn verify_winner(
             continue;
         };
         let program = verified.program();
+        // The bound with a whole backward's costs: a split that costs extra
+        // (`split_extra`) is a plan's choice, and one that does not split pays none of it.
+        let fused = pipec_cost::cost::CostModel {
+            split_extra: None,
+            ..req.model.clone()
+        };
         let p = Problem::new(
-            &req.model,
+            &fused,
             &built[i].layout,
             program.placement.clone(),
             req.microbatches,
@@ -185,6 +203,8 @@ pub(crate) fn verify_winner(
             continue;
         };
         let b = built.swap_remove(i);
+        let copy_speed_assumed = !req.model.copy_speed_given()
+            && (b.cand.levers.as_ref()).is_some_and(|l| l.offloaded.iter().any(|&n| n > 0));
         let mut runs_on = Vec::new();
         let mut not_runnable_on = Vec::new();
         for t in Target::FRAMEWORKS {
@@ -201,12 +221,15 @@ pub(crate) fn verify_winner(
             verified,
             summary: sim.summary,
             peak_memory: b.peaks,
+            host_peak_memory: b.host_peaks,
             lower_bound,
             planned_makespan: b.planned,
             bytes: bytes(req),
             target: req.target,
             runs_on,
             not_runnable_on,
+            copy_speed_assumed,
+            per_target: Vec::new(),
             skipped,
         });
     }

@@ -81,14 +81,17 @@ pub(crate) fn lever_plans(req: &TuneRequest, user_stages: Option<usize>, limit: 
 /// The fastest candidates over the memory limit (faster than every one that fits; at most
 /// [`LEVER_CANDIDATES`] of `built`, and every plan of `extra`), fitted with `levers`
 /// ([`levers::fit`]) and added as candidates of their own. A plan of `extra` that fits as it
-/// is, faster, is added too.
+/// is, faster, is added too. Returns the least host peak among fits the host memory limit
+/// alone refused, with the candidate it came from (for the refusal when nothing fits).
 pub(crate) fn fit_over_limit(
     req: &TuneRequest,
     built: &mut Vec<Built>,
     extra: Vec<Built>,
     limit: f64,
     levers: Levers,
-) {
+) -> Option<(f64, String)> {
+    let host_limit = req.host_limit();
+    let over_host: std::sync::Mutex<Option<(f64, String)>> = std::sync::Mutex::new(None);
     let fitting = built
         .iter()
         .filter(|b| b.cand.fits && b.cand.not_runnable.is_none())
@@ -134,7 +137,18 @@ pub(crate) fn fit_over_limit(
             }
             (None, None) => return None,
         };
-        let f = levers::fit(&program, &b.layout, &req.model, limit, levers)?;
+        let f = match levers::fit(&program, &b.layout, &req.model, limit, host_limit, levers) {
+            Ok(f) => f,
+            Err(levers::NoFit { host }) => {
+                if let Some(h) = host {
+                    let mut least = over_host.lock().expect("no panics while held");
+                    if least.as_ref().is_none_or(|(x, _)| h < *x) {
+                        *least = Some((h, crate::report::describe(&b.cand)));
+                    }
+                }
+                return None;
+            }
+        };
         if !verify::verify(&f.program, &verify::VerifyOptions::default()).is_valid() {
             return None;
         }
@@ -215,6 +229,7 @@ pub(crate) fn fit_over_limit(
     let kept: Vec<Built> = built.drain(first_extra..).filter(|b| b.cand.fits).collect();
     built.extend(kept);
     built.extend(done.into_iter().flatten());
+    over_host.into_inner().expect("not poisoned")
 }
 
 /// The most compute ops ([`lever_plans`] plans 18 orders) for which the tuned scheduler plans

@@ -44,23 +44,44 @@ pub const MAX_INSTRUCTIONS: usize = 60_000;
 /// `tune` many times slower (bench/HISTORY.md).
 pub const MAX_RECOMPUTE_INSTRUCTIONS: usize = 20_000;
 
-/// Fit `program` (laid out as `layout`, costed by `model`) under `limit` with `levers`.
+/// Why [`fit`] found nothing: `host` is the least host peak (the largest rank's) among the
+/// plans that met the device limit but held more than the host limit in offloaded
+/// activations; `None` when no plan met the device limit at all.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct NoFit {
+    pub host: Option<f64>,
+}
+
+/// Fit `program` (laid out as `layout`, costed by `model`) under `limit` with `levers`, each
+/// rank's offloaded activations within `host_limit` of host memory when one is given (a plan
+/// over it is not taken: recompute, which holds nothing on the host, may fit instead).
 pub fn fit(
     program: &Program,
     layout: &Layout,
     model: &CostModel,
     limit: f64,
+    host_limit: Option<f64>,
     levers: Levers,
-) -> Option<Fitted> {
+) -> Result<Fitted, NoFit> {
+    let none = NoFit { host: None };
     if !levers.any() || program.len() > MAX_INSTRUCTIONS {
-        return None;
+        return Err(none);
     }
     let costs = StageCosts::new(model, layout, program.num_stages());
     let mem = pipec_cost::memory::weights(program, layout, model);
+    // The least host peak among plans the host limit alone refused.
+    let over_host = std::cell::Cell::new(None::<f64>);
     let fits = |q: &Program| {
-        pipec_ir::memory::peaks(q, &mem)
-            .iter()
-            .all(|p| p.peak <= limit * (1.0 + 1e-12))
+        let peaks = pipec_ir::memory::peaks(q, &mem);
+        if !peaks.iter().all(|p| p.peak <= limit * (1.0 + 1e-12)) {
+            return false;
+        }
+        let host = peaks.iter().map(|p| p.host).fold(0.0, f64::max);
+        if host_limit.is_some_and(|h| host > h * (1.0 + 1e-12)) {
+            over_host.set(Some(over_host.get().map_or(host, |x: f64| x.min(host))));
+            return false;
+        }
+        true
     };
     let makespan = |q: &Program| {
         figures(&Unverified::unchecked(q), &costs)
@@ -129,7 +150,11 @@ pub fn fit(
             }
         }
     }
-    let (makespan, program) = best?;
+    let Some((makespan, program)) = best else {
+        return Err(NoFit {
+            host: over_host.get(),
+        });
+    };
     let count = |f: &dyn Fn(&Instr) -> bool| -> Vec<u64> {
         program
             .ranks
@@ -139,7 +164,7 @@ pub fn fit(
     };
     let offloaded = count(&|i| matches!(i, Instr::Memory(m) if m.kind == MemKind::Offload));
     let recomputed = count(&|i| matches!(i, Instr::FwdCheckpoint(_)));
-    Some(Fitted {
+    Ok(Fitted {
         program,
         makespan,
         offloaded,

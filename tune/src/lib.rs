@@ -34,8 +34,12 @@ pub mod split;
 pub mod zb;
 
 pub use build::lower_timed;
-pub use report::{describe, fmt_mem, TableRows, LONG_TABLE};
-pub use request::{Candidate, CandidateKind, LeverReport, TuneError, TuneRequest, Tuned};
+use pipec_compiler::target::{Target, TargetChoice};
+use pipec_cost::cost::{CostModel, MEGATRON_SPLIT_EXTRA};
+pub use report::{describe, fmt_mem, TableRows, COPY_ASSUMED, LONG_TABLE};
+pub use request::{
+    Candidate, CandidateKind, LeverReport, TargetBest, TuneError, TuneRequest, Tuned,
+};
 pub use search::{best_plan, best_plan_with, min_peak};
 
 /// Tune: weigh every candidate, verify the winner, or say why nothing fits.
@@ -50,6 +54,12 @@ pub fn layers_with_layout(layers: &str, layout: &str) -> String {
 }
 
 pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
+    // The target's own costs (Megatron's split backward), once.
+    let with_target = TuneRequest {
+        model: target_model(&req.model, req.target),
+        ..req.clone()
+    };
+    let req = &with_target;
     let user_stages = req.check()?;
     let allowed = candidates::allowed_kinds(req)?;
     // The tuned scheduler's best plan per placement and split, then the built-in kinds.
@@ -60,6 +70,7 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
     recipes.extend(candidates::builtin_recipes(req, &allowed, user_stages));
     let mut built = build::build_all(req, &recipes, tuned);
     let levers = req.target.levers(req.levers);
+    let mut over_host = None;
     if let (Some(limit), true) = (req.limit(), levers.any()) {
         // The plans made for the levers are pipec's own orders: only where `tuned` is weighed.
         let extra = if allowed.contains(&CandidateKind::Tuned) {
@@ -67,9 +78,49 @@ pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
         } else {
             Vec::new()
         };
-        fit::fit_over_limit(req, &mut built, extra, limit, levers);
+        over_host = fit::fit_over_limit(req, &mut built, extra, limit, levers);
     }
-    let order = choose::eligible(req, &built, &jobs, &skipped)?;
+    let order = choose::eligible(req, &built, &jobs, &skipped, over_host)?;
     let candidates = choose::table(&built);
-    choose::verify_winner(req, built, order, candidates, skipped, levers)
+    let mut t = choose::verify_winner(req, built, order, candidates, skipped, levers)?;
+    if req.target == TargetChoice::Every {
+        t.per_target = per_target(req);
+    }
+    Ok(t)
+}
+
+/// `model` as `target` runs it: for Megatron, a split backward costs
+/// [`MEGATRON_SPLIT_EXTRA`] more unless `model` gives `split_extra` (pipec's split runs
+/// Megatron's linear layers' backward twice, docs/megatron.md); every other target, and every
+/// framework at once (whose plans run one stage per rank on any of them), as given. The CLI
+/// and Python record this model with the plan, so `simulate` of the directory agrees.
+pub fn target_model(model: &CostModel, target: TargetChoice) -> CostModel {
+    let mut m = model.clone();
+    if target == TargetChoice::One(Target::Megatron) && m.split_extra.is_none() {
+        m.split_extra = Some(MEGATRON_SPLIT_EXTRA);
+    }
+    m
+}
+
+/// Each framework's own best plan for `req` (#40 point 11): the plan every framework runs
+/// gives up what only some run (more than one stage per rank, V and interleaved placements,
+/// the memory levers), so the default's report says what each would get with `--target`. It
+/// is that request, tuned: the figures are the ones `--target T` prints.
+pub fn per_target(req: &TuneRequest) -> Vec<(Target, Result<TargetBest, String>)> {
+    Target::FRAMEWORKS
+        .iter()
+        .map(|&t| {
+            let one = TuneRequest {
+                target: TargetChoice::One(t),
+                ..req.clone()
+            };
+            let r = tune(&one).map(|x| TargetBest {
+                best: x.best,
+                peak_memory: x.peak_memory,
+                host_peak_memory: x.host_peak_memory,
+                copy_speed_assumed: x.copy_speed_assumed,
+            });
+            (t, r.map_err(|e| e.to_string()))
+        })
+        .collect()
 }

@@ -56,6 +56,7 @@ impl Tuned {
             "bubble": self.summary.mean_bubble(),
             "bubble_per_rank": self.summary.ranks.iter().map(|r| r.bubble_ratio).collect::<Vec<_>>(),
             "peak_memory": self.peak_memory,
+            "host_peak_memory": self.host_peak_memory,
             "target": match self.target {
                 TargetChoice::One(t) => serde_json::json!(t.name()),
                 TargetChoice::Every => serde_json::Value::Null,
@@ -76,6 +77,12 @@ impl Tuned {
             "verdict": self.report().verdict_line(),
             "seconds": seconds,
         });
+        if let (false, Some(map)) = (self.per_target.is_empty(), out.as_object_mut()) {
+            map.insert("per_target".into(), self.per_target_json());
+        }
+        if let (true, Some(map)) = (self.copy_speed_assumed, out.as_object_mut()) {
+            map.insert("copy_speed".into(), serde_json::json!(COPY_ASSUMED));
+        }
         // With lengths (issue #38): the order microbatches enter the winner, the user's ids.
         if let (Some(o), Some(map)) = (&self.best.microbatch_order, out.as_object_mut()) {
             map.insert("microbatch_order".into(), serde_json::json!(o));
@@ -85,6 +92,49 @@ impl Tuned {
             );
         }
         out
+    }
+
+    /// `per_target` of the JSON: per framework, its own best plan (`schedule` in words,
+    /// `layout`, `makespan`, `peak_memory` and `host_peak_memory` per rank, `levers`) and
+    /// `gives_up`, how much longer the common plan is than it (`common / own - 1`); or
+    /// `error`, why that framework has no plan.
+    pub fn per_target_json(&self) -> serde_json::Value {
+        let map: serde_json::Map<String, serde_json::Value> = self
+            .per_target
+            .iter()
+            .map(|(t, r)| {
+                let v = match r {
+                    Ok(b) => {
+                        let mut v = serde_json::json!({
+                            "schedule": describe(&b.best),
+                            "layout": b.best.layout,
+                            "makespan": b.best.makespan,
+                            "peak_memory": b.peak_memory,
+                            "host_peak_memory": b.host_peak_memory,
+                            "levers": b.best.levers,
+                            "gives_up": self.gives_up(b),
+                        });
+                        if let (true, Some(m)) = (b.copy_speed_assumed, v.as_object_mut()) {
+                            m.insert("copy_speed".into(), serde_json::json!(COPY_ASSUMED));
+                        }
+                        v
+                    }
+                    Err(e) => serde_json::json!({ "error": e }),
+                };
+                (t.name().to_string(), v)
+            })
+            .collect();
+        serde_json::Value::Object(map)
+    }
+
+    /// How much longer the common plan is than a framework's own best: `common / own - 1`
+    /// (0 when they are equally fast; 0 for an own makespan of 0).
+    pub fn gives_up(&self, own: &crate::request::TargetBest) -> f64 {
+        if own.best.makespan > 0.0 {
+            self.best.makespan / own.best.makespan - 1.0
+        } else {
+            0.0
+        }
     }
 
     /// The targets whose run instructions the report gives: the one asked for; every
@@ -160,6 +210,9 @@ impl Tuned {
         }
     }
 }
+
+/// What the report says when the winner offloads and no copy speed was given.
+pub const COPY_ASSUMED: &str = "assumed: no `pcie` or `offload` cost given, so each copy to or from host memory takes one forward of the layers it copies (PipeOffload's experiments span 0.25 to 3 forwards); give `pcie` (the host link's bandwidth) for the makespan to mean what it says";
 
 /// Above this many rows (after merging identical ones) the report's table shows the best row of
 /// each kind and placement unless every row is asked for (`pipec tune --all`): under a tight

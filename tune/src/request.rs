@@ -45,6 +45,10 @@ pub struct TuneRequest {
     /// issue #38): every schedule weighed is then also weighed in the orders of
     /// [`crate::order::candidates`], and the winner carries the lengths.
     pub lengths: Option<Lengths>,
+    /// Host memory every rank may hold for offloaded activations (`--host-memory-limit`,
+    /// Python `host_memory_limit=`, issue #40), as `memory_limit` is given: a fitted plan
+    /// whose host peak ([`pipec_ir::memory::RankPeak::host`]) is above it is not taken.
+    pub host_memory_limit: Option<Limit>,
 }
 
 impl TuneRequest {
@@ -65,7 +69,14 @@ impl TuneRequest {
             exclude_kinds: Vec::new(),
             levers: Levers::ALL,
             lengths: None,
+            host_memory_limit: None,
         }
+    }
+
+    /// The host memory limit in the unit of the model's memory, as [`TuneRequest::limit`].
+    pub fn host_limit(&self) -> Option<f64> {
+        self.host_memory_limit
+            .and_then(|l| l.resolve_for(&self.model).ok())
     }
 
     /// The memory limit in the unit of the model's memory ([`Limit::resolve_for`], the rule
@@ -87,6 +98,9 @@ impl TuneRequest {
         if let Some(l) = self.memory_limit {
             l.resolve_for(&self.model)?;
         }
+        if let Some(l) = self.host_memory_limit {
+            l.resolve_for(&self.model).map_err(TuneError::HostLimit)?;
+        }
         if let Some(l) = &self.lengths {
             if l.microbatches() != self.microbatches {
                 return Err(TuneError::LengthsCount {
@@ -98,6 +112,7 @@ impl TuneRequest {
                 l.check_seq(shape.seq)?;
             }
         }
+        self.check_layers()?;
         self.check_size()?;
         let user_stages = match (&self.layout, self.rebalance) {
             (Some(l), false) => {
@@ -127,7 +142,7 @@ impl TuneRequest {
             return Err(pipec_schedules::SpecError::TooManyRanks { pp: self.pp }.into());
         }
         if self.layout.is_none() {
-            let layers = u64::from(self.num_layers.unwrap_or(0))
+            let layers = u64::from(self.num_layers.or(self.table_layers()).unwrap_or(0))
                 + u64::from(self.mtp_num_layers.unwrap_or(0));
             if layers > MAX_LAYERS {
                 return Err(TuneError::TooManyLayers {
@@ -143,14 +158,46 @@ impl TuneRequest {
         Ok(())
     }
 
-    /// The decoder and MTP layer counts of the model.
+    /// The decoder and MTP layer counts of the model: the layout's, else `num_layers`, else
+    /// the `[model]` table's `num_layers`, else two per rank.
     pub(crate) fn model_size(&self) -> (u32, u32) {
         match (&self.layout, self.num_layers) {
             (Some(l), _) => (
                 l.count(LayerKind::Decoder) as u32,
                 l.count(LayerKind::Mtp) as u32,
             ),
-            (None, n) => (n.unwrap_or(2 * self.pp), self.mtp_num_layers.unwrap_or(0)),
+            (None, n) => (
+                n.or(self.table_layers()).unwrap_or(2 * self.pp),
+                self.mtp_num_layers.unwrap_or(0),
+            ),
+        }
+    }
+
+    /// The `[model]` table's `num_layers` (at most `u32::MAX`; larger ones are refused by
+    /// [`TuneRequest::check_size`] through the layer cap).
+    fn table_layers(&self) -> Option<u32> {
+        let n = self.model.shape.as_ref()?.num_layers?;
+        Some(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// The `[model]` table's `num_layers` against the layers the request gives (issue #40): a
+    /// plan for 8 layers costed as an 80-layer model's would describe neither.
+    fn check_layers(&self) -> Result<(), TuneError> {
+        let Some(table) = self.model.shape.as_ref().and_then(|s| s.num_layers) else {
+            return Ok(());
+        };
+        let given = match (&self.layout, self.num_layers) {
+            (Some(l), _) => Some((l.count(LayerKind::Decoder) as u64, "the layout")),
+            (None, Some(n)) => Some((u64::from(n), "the layer count asked for")),
+            (None, None) => None,
+        };
+        match given {
+            Some((n, from)) if n != table => Err(TuneError::LayersDisagree {
+                table,
+                given: n,
+                from,
+            }),
+            _ => Ok(()),
         }
     }
 }
@@ -170,6 +217,18 @@ pub enum TuneError {
     /// A byte limit without byte costs.
     #[error(transparent)]
     Limit(#[from] MemoryError),
+    /// A byte host memory limit without byte costs.
+    #[error("{0}")]
+    HostLimit(MemoryError),
+    /// Offloading fitted some plan under the device limit, but none within the host memory
+    /// limit (and nothing fitted without offloading).
+    #[error("no schedule fits the memory limit {limit} with at most {host_limit} of host memory per rank: offloading brings {by} under the memory limit, but its offloaded activations take {host_best} of host memory on a rank; raise the host memory limit or the memory limit")]
+    HostMemory {
+        limit: String,
+        host_limit: String,
+        host_best: String,
+        by: String,
+    },
     #[error("no candidate schedule could be built for this request ({0})")]
     Nothing(String),
     #[error("{0} compute ops exceed the limit of {1}")]
@@ -181,6 +240,13 @@ pub enum TuneError {
     /// allocate one entry per layer.
     #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
     TooManyLayers { layers: u64, max: u64 },
+    /// The `[model]` table's `num_layers` and the layers asked for disagree.
+    #[error("{from} gives {given} decoder layers, but the cost model's [model] table says num_layers = {table}: give one count (or leave the layers to the table)")]
+    LayersDisagree {
+        table: u64,
+        given: u64,
+        from: &'static str,
+    },
     /// No decoder layer: every schedule would run nothing but the embedding and the loss.
     #[error("the model has no decoder layers: there is nothing to split over the stages")]
     NoLayers,
@@ -235,6 +301,14 @@ pub struct Candidate {
     /// rule, for the refusal's "smallest peak reached" (the fastest order is the one kept).
     #[serde(skip)]
     pub least_order_peak: Option<(f64, String)>,
+    /// The largest per-rank host memory its offloaded activations hold at once (the one
+    /// memory rule's `host`, [`pipec_ir::memory::RankPeak`]); absent when it offloads nothing.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub host_peak_memory: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// How a candidate was fitted into the memory limit ([`crate::levers::fit`]).
@@ -274,6 +348,7 @@ impl Candidate {
             microbatch_order: None,
             microbatch_order_rule: None,
             least_order_peak: None,
+            host_peak_memory: 0.0,
         }
     }
 }
@@ -328,6 +403,9 @@ pub struct Tuned {
     pub verified: Verified,
     pub summary: Summary,
     pub peak_memory: Vec<f64>,
+    /// Per rank: the most host memory its offloaded activations hold at once (0 without
+    /// offloads), by the one memory rule ([`pipec_ir::memory::RankPeak::host`]).
+    pub host_peak_memory: Vec<f64>,
     pub lower_bound: bound::Bound,
     /// The tuned scheduler's own (list schedule) makespan of the winning order, when it won.
     pub planned_makespan: Option<f64>,
@@ -340,4 +418,23 @@ pub struct Tuned {
     pub not_runnable_on: Vec<(Target, String)>,
     /// Tuned placements not planned on because the target cannot run them: (name, reason).
     pub skipped: Vec<(String, String)>,
+    /// The winner offloads, and the cost model states no copy speed (`pcie`, `offload`,
+    /// `K.offload`): each copy was taken to last one forward of the layers it copies
+    /// ([`pipec_cost::cost::CostModel::offload_time`]), which the report says.
+    pub copy_speed_assumed: bool,
+    /// Without a target ([`TargetChoice::Every`]): each framework's own best plan, what
+    /// `--target` that framework returns, or why it has none (#40 point 11); empty otherwise.
+    pub per_target: Vec<(Target, Result<TargetBest, String>)>,
+}
+
+/// One framework's own best plan ([`Tuned::per_target`]): the winner of the same request
+/// with `--target` that framework.
+#[derive(Clone, Debug)]
+pub struct TargetBest {
+    pub best: Candidate,
+    /// Per rank, as [`Tuned::peak_memory`] and [`Tuned::host_peak_memory`].
+    pub peak_memory: Vec<f64>,
+    pub host_peak_memory: Vec<f64>,
+    /// As [`Tuned::copy_speed_assumed`].
+    pub copy_speed_assumed: bool,
 }

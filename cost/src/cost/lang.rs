@@ -16,7 +16,7 @@ pub const MIN_VALUE: f64 = 1e-9;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, K.attn_f, K.attn_b, K.attn_w, seq, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, rank.R (R a rank)";
+    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, K.attn_f, K.attn_b, K.attn_w, seq, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, split_extra, rank.R (R a rank)";
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Key {
@@ -42,6 +42,8 @@ pub(super) enum Key {
     Attn(LayerKind, usize),
     /// `seq`: the tokens per microbatch the per-layer keys describe.
     Seq,
+    /// `split_extra`: the extra share a split backward's halves take over their `b` and `w`.
+    SplitExtra,
 }
 
 fn key(s: &str) -> Option<Key> {
@@ -63,6 +65,7 @@ fn key(s: &str) -> Option<Key> {
         "offload_pair" => Key::OffloadPair,
         "time_unit" => Key::TimeUnit,
         "seq" => Key::Seq,
+        "split_extra" => Key::SplitExtra,
         _ => {
             if let Some(r) = s.strip_prefix("rank.") {
                 if r.is_empty() || !r.chars().all(|c| c.is_ascii_digit()) {
@@ -389,6 +392,9 @@ pub(super) fn parse_shape(
             _ => Norm::RMSNorm,
         },
         tflops,
+        num_layers: get("num_layers")
+            .map(|_| int("num_layers", 0))
+            .transpose()?,
     };
     // Values first (each error at its value), then what is missing (at the header).
     let missing: Vec<&str> = REQUIRED

@@ -29,6 +29,7 @@
 //! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`; with a `[model]` table, its `tflops` or every pass time given) | none |
 //! | `offload_pair` | `true`: ranks `2k` and `2k+1` share one host link, as PipeOffload assumes: a copy takes `offload / 0.7` while the partner copies too, and pipec gives every copy that time (an upper bound) | `false` |
 //! | `time_unit` | what one cost unit is, `s`, `ms` or `us` (needed for `pcie` per second); the unit `[model]` `tflops` times are derived in | none (`s` with `tflops`) |
+//! | `split_extra` | a split backward's halves (`bwd_D`, `bwd_W`) each take `1 + split_extra` times their `b` and `w`; a whole `bwd` keeps `b + w`: a framework whose split recomputes work pays it (Megatron's linear layers compute both gradients in one autograd function, so pipec's split runs them twice, docs/megatron.md) | `0`; `pipec tune --target megatron` takes [`MEGATRON_SPLIT_EXTRA`] unless given |
 //! | `rank.R` | rank `R`'s compute takes this many times its layers' costs (a slower or busier device; PipeOffload's heavy first and last ranks); copies and messages keep their time | `1` |
 //! | `K.attn_f`, `K.attn_b`, `K.attn_w` for `K` in `E t m L` | the attention core's part of each pass for one causal sequence of `seq` tokens: a pass of a `seq`-token microbatch costs `K.f + K.attn_f`; with lengths it scales by the sum of each sequence's `(length / seq)^2` (the `lengths` module) | `0`; a `[model]` table derives them |
 //! | `seq` | tokens per microbatch that the per-layer keys describe (a whole number, at least 1); with lengths the linear parts scale by `tokens / seq` | the `[model]` table's `seq`, else the longest microbatch |
@@ -136,7 +137,19 @@ pub struct CostModel {
     /// the one a `[model]` table without `tflops` derived, in decoder-layer forwards rather
     /// than in any time unit. A bandwidth per second cannot be set against such times.
     pub in_forwards: [[bool; 3]; 4],
+    /// `split_extra`: a split backward's halves take `1 + split_extra` times `b` and `w`
+    /// ([`StageCosts::pass`]); `None`: 0.
+    pub split_extra: Option<f64>,
 }
+
+/// The `split_extra` `pipec tune --target megatron` costs split backward with when the costs
+/// do not give one: pipec's split on Megatron's linear layers (whose autograd function computes
+/// the input and the weight gradient together) runs each linear backward twice, once in
+/// `bwd_D` and once in `bwd_W` (docs/megatron.md, "Split backward"). The figure is a GPT
+/// layer's `(bwd_D + bwd_W) / fused backward - 1` measured with megatron-core's own linear
+/// function on CPU by `bench/megatron_split_backward.py` (its result: bench/HISTORY.md); a GPU
+/// job should measure its own and give `split_extra`.
+pub const MEGATRON_SPLIT_EXTRA: f64 = 0.88;
 
 /// The default memory of the layer kinds: one unit of activations per decoder or MTP layer,
 /// nothing for the embedding and the loss, no parameters.
@@ -223,6 +236,9 @@ impl Serialize for CostModel {
         if let Some(seq) = self.seq {
             m.serialize_entry("seq", &seq)?;
         }
+        if let Some(x) = self.split_extra {
+            m.serialize_entry("split_extra", &x)?;
+        }
         if !self.rank_factor.is_empty() {
             let r: std::collections::BTreeMap<String, f64> = self
                 .rank_factor
@@ -261,6 +277,7 @@ impl Default for CostModel {
             time_unit: None,
             rank_factor: std::collections::BTreeMap::new(),
             in_forwards: [[false; 3]; 4],
+            split_extra: None,
         }
     }
 }
@@ -316,6 +333,12 @@ impl CostModel {
             (None, Some(bw)) => self.layer_memory(k).act / bw,
             (None, None) => self.layer(k).f,
         }
+    }
+
+    /// Whether a copy's speed is stated (`pcie`, `offload` or some `K.offload`); without one,
+    /// [`CostModel::offload_time`] takes a copy to last one forward, and `tune` says so.
+    pub fn copy_speed_given(&self) -> bool {
+        self.pcie.is_some() || self.offload.iter().any(Option::is_some)
     }
 
     /// `pcie`'s value in memory units per time unit: a plain number as it is, or bytes per
@@ -509,6 +532,7 @@ impl CostModel {
                     self.overlap = v;
                 }
                 Key::Rendezvous => self.rendezvous = boolean(text, source, e)?,
+                Key::SplitExtra => self.split_extra = Some(number(text, source, e, false)?),
             }
         }
         if let Some(e) = pcie {
@@ -594,6 +618,9 @@ impl CostModel {
         }
         for (r, f) in &self.rank_factor {
             parts.push(format!("rank.{r}={}", num(*f)));
+        }
+        if let Some(x) = self.split_extra {
+            parts.push(format!("split_extra={x}"));
         }
         // Lengths (issue #38) only when given or derived, at the end: a spec without them
         // is unchanged. A `[model]` table's `seq` is written as the key, since the spec
@@ -795,6 +822,8 @@ pub struct StageCosts {
     /// Per stage: one microbatch's activations copied one way ([`CostModel::offload_time`]
     /// summed over its layers).
     pub offload: Vec<f64>,
+    /// `1 + split_extra`: what a split backward's halves take over `b` and `w`.
+    split: f64,
 }
 
 impl StageCosts {
@@ -863,6 +892,7 @@ impl StageCosts {
             act,
             param,
             offload,
+            split: 1.0 + model.split_extra.unwrap_or(0.0),
         }
     }
 
@@ -875,14 +905,15 @@ impl StageCosts {
         self.fwd.len() as u32
     }
 
-    /// The cost of one pass of one stage; `None` for a stage out of range.
+    /// The cost of one pass of one stage; `None` for a stage out of range. A split
+    /// backward's halves take `1 + split_extra` times `b` and `w`; a whole `bwd` costs `b + w`.
     #[inline]
     pub fn pass(&self, pass: Pass, stage: StageId) -> Option<f64> {
         let s = stage.index();
         Some(match pass {
             Pass::Fwd => *self.fwd.get(s)?,
-            Pass::BwdD => *self.bwd_d.get(s)?,
-            Pass::BwdW => *self.bwd_w.get(s)?,
+            Pass::BwdD => *self.bwd_d.get(s)? * self.split,
+            Pass::BwdW => *self.bwd_w.get(s)? * self.split,
             Pass::Bwd => *self.bwd_d.get(s)? + *self.bwd_w.get(s)?,
         })
     }
@@ -915,8 +946,8 @@ impl StageCosts {
         };
         Some(match pass {
             Pass::Fwd => part(&self.fwd, &self.attn_fwd)?,
-            Pass::BwdD => part(&self.bwd_d, &self.attn_bwd_d)?,
-            Pass::BwdW => part(&self.bwd_w, &self.attn_bwd_w)?,
+            Pass::BwdD => part(&self.bwd_d, &self.attn_bwd_d)? * self.split,
+            Pass::BwdW => part(&self.bwd_w, &self.attn_bwd_w)? * self.split,
             Pass::Bwd => {
                 part(&self.bwd_d, &self.attn_bwd_d)? + part(&self.bwd_w, &self.attn_bwd_w)?
             }
@@ -1187,6 +1218,46 @@ mod tests {
 
     /// The offload keys (issue #30): per-kind copy times, the link's bandwidth in either
     /// form, and what each refusal says.
+    #[test]
+    fn split_extra_key() {
+        // Each half of a split backward takes 1 + x times its cost; a whole backward b + w.
+        let m = CostModel::parse("t.b=2,t.w=1,split_extra=0.5").unwrap();
+        let c = StageCosts::uniform(&m, 2);
+        assert_eq!(c.pass(Pass::BwdD, StageId(0)), Some(3.0));
+        assert_eq!(c.pass(Pass::BwdW, StageId(1)), Some(1.5));
+        assert_eq!(c.pass(Pass::Bwd, StageId(0)), Some(3.0));
+        assert_eq!(c.pass_scaled(Pass::BwdD, StageId(0), 1.0, 1.0), Some(3.0));
+        // Recorded in the spec (a manifest's costs) and read back the same.
+        assert!(m.spec().ends_with(",split_extra=0.5"));
+        assert_eq!(CostModel::parse(&m.spec()).unwrap().split_extra, Some(0.5));
+        // Absent: nothing written, nothing scaled.
+        let d = CostModel::default();
+        assert!(!d.spec().contains("split_extra"));
+        assert!(!serde_json::to_string(&d).unwrap().contains("split_extra"));
+        assert_eq!(
+            StageCosts::uniform(&d, 1).pass(Pass::BwdD, StageId(0)),
+            Some(1.0)
+        );
+        assert!(CostModel::parse("split_extra=-1").is_err());
+        assert!(KEYS.contains("split_extra"));
+    }
+
+    #[test]
+    fn model_num_layers() {
+        let table = "[model]\nhidden = 1024\nffn = 4096\nheads = 16\nseq = 2048\nvocab = 32000\n";
+        let m = CostModel::parse(table).unwrap();
+        assert_eq!(m.shape.unwrap().num_layers, None);
+        let m = CostModel::parse(&format!("{table}num_layers = 80\n")).unwrap();
+        assert_eq!(m.shape.unwrap().num_layers, Some(80));
+        let e = CostModel::parse(&format!("{table}num_layers = 0\n")).unwrap_err();
+        assert!(
+            e.render()
+                .contains("`num_layers` must be an integer from 1"),
+            "{}",
+            e.render()
+        );
+    }
+
     #[test]
     fn offload_keys() {
         let d = CostModel::parse("f=2").unwrap();

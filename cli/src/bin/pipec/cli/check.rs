@@ -40,6 +40,11 @@ pub struct Args {
     /// Print the report as JSON (also on errors: `error` and `exit_code`).
     #[arg(long)]
     json: bool,
+    /// The model's decoder layers: a directory whose layout holds another number is refused
+    /// (exit 1), as it is when the cost file's `[model]` table gives `num_layers` (costs of
+    /// an 80-layer model do not describe a plan compiled for 8).
+    #[arg(long)]
+    num_layers: Option<u32>,
 }
 
 /// How many risks are printed without `--all-risks` (as many as `pipec compile` warns about).
@@ -104,6 +109,12 @@ fn judge(a: Args) -> Result<Checked, CliError> {
         Ok(verify_with(program, Level::Full, threads, &mem, limit))
     };
     if a.input.is_file() {
+        if a.num_layers.is_some() {
+            return Err(CliError::Usage(
+                "--num-layers applies to a compiled directory only; a torch CSV holds no layout"
+                    .to_string(),
+            ));
+        }
         // torch's CSV: compute-only files are lowered by pipec, compute+comms files are
         // verified as written (each P2P action its own batch: see docs/torch.md).
         let model = a.cost.model()?;
@@ -133,6 +144,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
     // The loader words a missing path, a file, or a directory of schedules itself.
     let (loaded, report) = super::load_then(&a.input, |loaded| {
         let model = a.cost.model_for(loaded)?;
+        same_layers(loaded, &model, a.num_layers)?;
         run(&loaded.program, &loaded.manifest.layout, &model)
     })?;
     Ok(Checked {
@@ -140,6 +152,44 @@ fn judge(a: Args) -> Result<Checked, CliError> {
         caveat: loaded.manifest.caveat(),
         sealed_by: loaded.manifest.sealed_by,
     })
+}
+
+/// The directory's decoder layers against the model's, where `--num-layers` or the cost
+/// model's `[model]` table (`num_layers`) gives them (issue #40): memory and times counted
+/// with an 80-layer model's per-layer figures on a plan compiled for 8 layers would describe
+/// neither, so a mismatch is invalid input (exit 1). The plan's layers are its layout's `t`
+/// (one per stage for a directory without a layout, as the costs count it).
+fn same_layers(
+    loaded: &pipec_ir::files::Loaded,
+    model: &pipec_cost::cost::CostModel,
+    num_layers: Option<u32>,
+) -> Result<(), CliError> {
+    let layout = &loaded.manifest.layout;
+    let stages = loaded.program.num_stages() as usize;
+    let plan = if layout.stages.len() == stages {
+        layout.count(pipec_schedules::layout::LayerKind::Decoder) as u64
+    } else {
+        stages as u64
+    };
+    let given = [
+        (num_layers.map(u64::from), "--num-layers".to_string()),
+        (
+            model.shape.as_ref().and_then(|s| s.num_layers),
+            "the cost model's [model] table (`num_layers`)".to_string(),
+        ),
+    ];
+    for (n, from) in given {
+        if let Some(n) = n.filter(|&n| n != plan) {
+            let how = match &layout.text {
+                Some(t) if layout.stages.len() == stages => format!("its layout `{t}`"),
+                _ => format!("one per stage, {stages} stages"),
+            };
+            return Err(CliError::Invalid(format!(
+                "{from} gives {n} decoder layers, but this directory was compiled for {plan} ({how}): its memory and times would be counted for a model it does not hold; compile or tune it with --num-layers {n}, or check it with the costs of the model it was compiled for"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The JSON `kind` of a risk, which the summary counts by.

@@ -87,6 +87,10 @@ pub struct Args {
     #[arg(long, default_value_t = Limits::DEFAULT.max_compute_ops,
           value_parser = clap::value_parser!(u64).range(1..=pipec_schedules::MAX_COMPUTE_OPS))]
     pub max_ops: u64,
+    /// Host memory every rank may hold for activations offloaded under --memory-limit (a size
+    /// as --memory-limit takes): a plan whose offloads hold more on some rank is not taken.
+    #[arg(long, value_name = "SIZE")]
+    pub host_memory_limit: Option<String>,
 }
 
 fn parse_target(s: &str) -> Result<Target, String> {
@@ -129,6 +133,16 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
     };
     // A byte limit needs byte costs: 40GiB against 1-unit activations would be met by anything.
     super::resolve_limit(memory_limit, &model)?;
+    let host_memory_limit = match &a.host_memory_limit {
+        Some(s) => {
+            let l = pipec_cost::memory::Limit::parse(s)
+                .map_err(|e| CliError::Invalid(format!("--host-memory-limit: {e}")))?;
+            l.resolve_for(&model)
+                .map_err(|e| CliError::Invalid(format!("--host-memory-limit: {e}")))?;
+            Some(l)
+        }
+        None => None,
+    };
     // In the words `compile` uses for the same values.
     if a.pp == 0 {
         return Err(CliError::Invalid(SpecError::ZeroPp.to_string()));
@@ -163,7 +177,17 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
             recompute: !a.no_recompute,
         },
         lengths,
-        ..TuneRequest::new(a.pp, microbatches, model)
+        host_memory_limit,
+        // The target's costs (Megatron's split backward), as tune plans with and the
+        // manifest records.
+        ..TuneRequest::new(
+            a.pp,
+            microbatches,
+            pipec_tune::target_model(
+                &model,
+                a.target.map_or(TargetChoice::Every, TargetChoice::One),
+            ),
+        )
     })
 }
 
@@ -183,8 +207,11 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::NoLayers
         | TuneError::NotRunnable { .. }
         | TuneError::LengthsCount { .. }
-        | TuneError::Lengths(_) => CliError::Invalid(e.to_string()),
+        | TuneError::Lengths(_)
+        | TuneError::HostMemory { .. }
+        | TuneError::LayersDisagree { .. } => CliError::Invalid(e.to_string()),
         TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
+        TuneError::HostLimit(e) => CliError::Invalid(format!("--host-memory-limit: {e}")),
     })?;
     progress.finish_and_clear();
     let seconds = t0.elapsed().as_secs_f64();
@@ -309,6 +336,20 @@ fn print_report(
             );
         }
     }
+    // Offloaded activations live in host memory (#40 point 2): each rank's most at once.
+    let host_max = t.host_peak_memory.iter().copied().fold(0.0, f64::max);
+    if host_max > 0.0 || req.host_limit().is_some() {
+        println!(
+            "host memory per rank (offloaded activations): {}{}",
+            unit.list(t.host_peak_memory.iter().copied()),
+            req.host_limit()
+                .map(|l| format!(" (limit {})", unit.with_unit(l)))
+                .unwrap_or_default()
+        );
+    }
+    if t.copy_speed_assumed {
+        println!("copies:   {}", pipec_tune::COPY_ASSUMED);
+    }
     if let Some(l) = &b.levers {
         println!(
             "fitting:  offloaded per rank {}; recomputed per rank {}; makespan {} without them (+{:.1}%)",
@@ -326,6 +367,7 @@ fn print_report(
     if let Some(o) = out {
         println!("wrote {}", o.display());
     }
+    print_per_target(t, unit);
     println!();
     let dir = out.map(|o| o.display().to_string());
     println!(
@@ -431,6 +473,55 @@ fn print_report(
             let (on, rest) = why.split_once(": ").unwrap_or((&why, ""));
             println!("{on}: {}: {rest}", names.join(", "));
         }
+    }
+}
+
+/// Without --target (#40 point 11): each framework's own best plan (what `--target T`
+/// returns) beside the common plan above, and what the common plan gives up against it.
+fn print_per_target(t: &Tuned, unit: pipec_ir::memory::Unit) {
+    if t.per_target.is_empty() {
+        return;
+    }
+    println!();
+    println!("each framework's own best (--target NAME; the plan above is the one every framework runs):");
+    for (target, r) in &t.per_target {
+        let head = format!("{}:", target.name());
+        match r {
+            Ok(b) => {
+                let up = t.gives_up(b);
+                let against = if up > 5e-13 {
+                    format!("; the common plan is {:.1}% slower", up * 100.0)
+                } else {
+                    "; as fast as the common plan".to_string()
+                };
+                println!(
+                    "  {head:<12}{}: makespan {}{against}",
+                    describe(&b.best),
+                    num(b.best.makespan)
+                );
+                let host = if b.host_peak_memory.iter().any(|&h| h > 0.0) {
+                    format!("; host {}", unit.list(b.host_peak_memory.iter().copied()))
+                } else {
+                    String::new()
+                };
+                println!(
+                    "  {:<12}peak {}{host}",
+                    "",
+                    unit.list(b.peak_memory.iter().copied())
+                );
+            }
+            Err(e) => println!(
+                "  {head:<12}no plan: {}",
+                e.lines().next().unwrap_or_default()
+            ),
+        }
+    }
+    if !t.copy_speed_assumed
+        && t.per_target
+            .iter()
+            .any(|(_, r)| r.as_ref().is_ok_and(|b| b.copy_speed_assumed))
+    {
+        println!("  {:<12}{}", "copies:", pipec_tune::COPY_ASSUMED);
     }
 }
 
