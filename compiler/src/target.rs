@@ -632,6 +632,7 @@ mod tests {
                 .map(|&mb| Instr::Compute(Compute::Fwd(Task::new(0, mb))))
                 .collect()],
             lengths: None,
+            buffer_slots: None,
         }
     }
 

@@ -218,6 +218,19 @@ impl ModelShape {
         whole / sp + (split + core) / t
     }
 
+    /// Bytes of the tensor a stage sends to the next (and of its gradient): the layer input,
+    /// `e s b h` (`s` split by cp, and by tp under sequence parallelism), as Megatron's
+    /// `tensor_shape` for its P2P calls (`(s / cp / (tp if sp)) , b, h`).
+    pub fn boundary_bytes(&self) -> f64 {
+        let s = self.seq as f64 / self.cp as f64;
+        let sp = if self.sequence_parallel {
+            self.tp as f64
+        } else {
+            1.0
+        };
+        self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
+    }
+
     /// Activation bytes of the embedding for one microbatch: the token ids (int64, `8sb`)
     /// and the embedding dropout mask (`sbh`), Korthikanti et al. section 4.3 as Megatron's
     /// `compute_activation_memory` counts them; split by tp under sequence parallelism.

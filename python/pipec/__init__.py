@@ -333,8 +333,13 @@ def compile(
     megatron_variable_seq_lengths: bool = False,
     num_layers: int | None = None,
     mtp_num_layers: int | None = None,
+    buffer_plan: bool = False,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
+
+    ``buffer_plan=True`` is ``--buffer-plan``: every ``send``/``recv`` of a tensor gets a
+    ``slot`` of its rank's message-buffer pool (as few slots as the most messages live at once
+    on the rank), sized by ``cost``'s message size; the pools count in the memory figures.
 
     ``num_layers`` / ``mtp_num_layers`` are ``--num-layers`` / ``--mtp-num-layers``: the
     decoder layers split evenly over the stages (MTP layers on the last), as Megatron splits
@@ -397,6 +402,8 @@ def compile(
                     f"microbatch_order must be a list of ints, not {microbatch_order!r}"
                 )
         order = [max(min(v, 2**62), -(2**62)) for v in microbatch_order]
+    if not isinstance(buffer_plan, bool):
+        raise SpecError(f"buffer_plan must be True or False, not {buffer_plan!r}")
     if not isinstance(megatron_variable_seq_lengths, bool):
         raise SpecError(
             "megatron_variable_seq_lengths must be True or False, "
@@ -422,6 +429,7 @@ def compile(
             megatron_variable_seq_lengths=megatron_variable_seq_lengths,
             num_layers=num_layers,
             mtp_num_layers=mtp_num_layers,
+            buffer_plan=buffer_plan,
         )
     )
 

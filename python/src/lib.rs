@@ -534,7 +534,8 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
     cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None,
-    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None))]
+    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None,
+    buffer_plan=false))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -556,6 +557,7 @@ fn compile_schedule(
     megatron_variable_seq_lengths: bool,
     num_layers: Option<u32>,
     mtp_num_layers: Option<u32>,
+    buffer_plan: bool,
 ) -> PyResult<NativeSchedule> {
     let lengths = lengths
         .map(Lengths::from_lists)
@@ -596,6 +598,7 @@ fn compile_schedule(
         megatron_variable_seq_lengths,
         num_layers,
         mtp_num_layers,
+        buffer_plan,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;

@@ -707,6 +707,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 tensor,
                 seq: 0,
                 tokens: tokens.map(|t| t.get()),
+                slot: ins.slot(),
             });
         }
         Ok(())

@@ -153,6 +153,7 @@ mod tests {
             comm: None,
             ranks: vec![instrs],
             lengths: None,
+            buffer_slots: None,
         };
         let t = Timeline {
             unit: TimeUnit::Micros,

@@ -188,6 +188,7 @@ fn backward_before_forward_stops_with_a_schedule_error() {
             Instr::Compute(Compute::Fwd(Task::new(0, 0))),
         ]],
         lengths: None,
+        buffer_slots: None,
     };
     let watch = Watch::new(1, Duration::from_secs(5));
     assert_eq!(

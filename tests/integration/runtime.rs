@@ -530,6 +530,7 @@ fn unfused_1f1b() -> Program {
             ],
         ],
         lengths: None,
+        buffer_slots: None,
     }
 }
 
@@ -1114,6 +1115,7 @@ fn random_memory_ops_run_bitwise_and_measure_the_verifiers_peaks() {
                 param: (0..p.world()).map(|_| rng.below(3) as f64).collect(),
                 unit: Unit::LayerActivations,
                 mb_scale: None,
+                msg: None,
             };
             let base = run(&p, &mm, 2);
             assert_measured(&format!("{kind:?} pp {pp} plain"), &p, &mm, &base);
@@ -1154,6 +1156,7 @@ fn planned_offloads_run_at_the_planned_peak() {
             param: vec![0.0; p.world() as usize],
             unit: Unit::LayerActivations,
             mb_scale: None,
+            msg: None,
         };
         let top = pipec_ir::memory::peaks(&p, &mm)
             .iter()

@@ -331,6 +331,7 @@ fn ring(rank0_recv_first: bool) -> Program {
             ],
         ],
         lengths: None,
+        buffer_slots: None,
     }
 }
 
@@ -417,6 +418,7 @@ fn chained_batches_through_one_peer_are_not_a_deadlock() {
             ],
         ],
         lengths: None,
+        buffer_slots: None,
     };
     let r = check(&p);
     assert!(r.is_valid(), "{r}");
@@ -510,6 +512,7 @@ fn arbitrary_programs_never_panic() {
                 comm: None,
                 ranks,
                 lengths: None,
+                buffer_slots: None,
             };
             let r = verify(
                 &p,
@@ -1027,6 +1030,7 @@ fn verified_carries_the_verifiers_report_and_matching() {
             vec![recv(0, pipec_ir::Payload::act(0, 0), 0), fwd(1, 0)],
         ],
         lengths: None,
+        buffer_slots: None,
     };
     let want = verify(&p, &VerifyOptions::default());
     let r = verified(p, &VerifyOptions::default()).unwrap_err();

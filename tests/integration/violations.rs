@@ -51,6 +51,7 @@ fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
         payload,
         batch,
         tokens: None,
+        slot: None,
     }
 }
 fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
@@ -59,6 +60,7 @@ fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
         payload,
         batch,
         tokens: None,
+        slot: None,
     }
 }
 fn wait(batch: u32) -> Instr {
@@ -79,6 +81,7 @@ fn program(placement: Placement, ranks: Vec<Vec<Instr>>) -> Program {
         comm: None,
         ranks,
         lengths: None,
+        buffer_slots: None,
     }
 }
 

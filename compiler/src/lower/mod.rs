@@ -508,12 +508,14 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
         payload: e.payload,
         batch,
         tokens: None,
+        slot: None,
     }));
     out.extend(recvs.iter().map(|e| Instr::Recv {
         peer: e.peer,
         payload: e.payload,
         batch,
         tokens: None,
+        slot: None,
     }));
 }
 
@@ -548,6 +550,7 @@ pub fn lower_with(
         comm: Some(how.policy()),
         ranks,
         lengths: None,
+        buffer_slots: None,
     })
 }
 
@@ -624,6 +627,7 @@ pub fn lower_orders(
             megatron::Shapes::None,
         ),
         lengths: None,
+        buffer_slots: None,
     }
 }
 
@@ -665,6 +669,7 @@ pub fn lower_megatron_shapes(schedule: &Schedule) -> Option<Program> {
             megatron::Shapes::Megatron,
         ),
         lengths: None,
+        buffer_slots: None,
     })
 }
 

@@ -449,6 +449,7 @@ pub fn import_csv(text: &str, opts: &ImportOptions) -> Result<Imported, CsvError
                 comm: None,
                 ranks,
                 lengths: None,
+                buffer_slots: None,
             }
         }
     };

@@ -266,6 +266,7 @@ mod tests {
             comm: None,
             ranks: vec![vec![], vec![]],
             lengths: None,
+            buffer_slots: None,
         };
         assert_eq!(chunks(&p), vec![0, 0, 1, 1, 2, 2]);
         let p = Program {

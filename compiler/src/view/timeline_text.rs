@@ -789,6 +789,7 @@ mod tests {
                 Instr::Compute(Compute::Fwd(Task::new(0, 1))),
             ]],
             lengths: None,
+            buffer_slots: None,
         };
         let spans = |t0: f64| {
             vec![vec![

@@ -97,6 +97,7 @@ mod tests {
                             payload,
                             batch,
                             tokens: None,
+                            slot: None,
                         });
                         if waits {
                             out.push(Instr::Wait { batch });
@@ -110,6 +111,7 @@ mod tests {
                             payload,
                             batch,
                             tokens: None,
+                            slot: None,
                         });
                         batch += 1;
                     }
@@ -127,6 +129,7 @@ mod tests {
                 comm: Some(s.comm),
                 ranks,
                 lengths: None,
+                buffer_slots: None,
             },
         }
     }

@@ -77,6 +77,8 @@ struct ManifestLoose {
     plan: Option<String>,
     #[serde(default)]
     microbatch_lengths: Option<pipec_schedules::Lengths>,
+    #[serde(default)]
+    buffer_slots: Option<crate::ir::Pools>,
 }
 
 #[derive(Deserialize)]
@@ -130,6 +132,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
         cost: m.cost,
         microbatch_lengths: m.microbatch_lengths,
         plan: m.plan,
+        buffer_slots: m.buffer_slots,
     };
     check_manifest(path, m)
 }
@@ -163,6 +166,7 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         comm: m.comm_policy,
         lengths: m.microbatch_lengths.clone(),
         ranks,
+        buffer_slots: m.buffer_slots.clone(),
     };
     let header = Header {
         source: &m.source,

@@ -306,6 +306,7 @@ impl Prepared<'_> {
             cost: self.cost.clone(),
             microbatch_lengths: self.program.lengths.clone(),
             plan: self.plan.clone(),
+            buffer_slots: self.program.buffer_slots.clone(),
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');

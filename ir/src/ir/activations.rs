@@ -410,6 +410,7 @@ mod tests {
                 .map(|r| r.into_iter().map(Instr::Compute).collect())
                 .collect(),
             lengths: None,
+            buffer_slots: None,
         }
     }
 

@@ -112,6 +112,7 @@ mod tests {
             comm: None,
             ranks,
             lengths: None,
+            buffer_slots: None,
         }
     }
 

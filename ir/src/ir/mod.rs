@@ -8,6 +8,7 @@
 
 pub mod activations;
 mod blocking;
+pub mod buffers;
 mod id;
 mod matching;
 mod program;
@@ -16,5 +17,5 @@ mod steps;
 pub use blocking::blocking_order;
 pub use id::{OptIdx, Positions, TooLarge};
 pub use matching::{Channel, Matching};
-pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program, Tokens};
+pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Pools, Program, Tokens};
 pub use steps::{batch_end, steps, waited_batches, Step, Steps};

@@ -420,6 +420,7 @@ mod tests {
             comm: None,
             ranks,
             lengths: None,
+            buffer_slots: None,
         }
     }
 

@@ -195,6 +195,7 @@ mod tests {
             comm: None,
             ranks: vec![instrs],
             lengths: None,
+            buffer_slots: None,
         }
     }
 
@@ -331,6 +332,7 @@ mod tests {
             param: vec![0.0],
             unit: memory::Unit::LayerActivations,
             mb_scale: None,
+            msg: None,
         };
         let p = one_rank(vec![
             f(0, 0),    // 2

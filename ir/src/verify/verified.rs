@@ -225,6 +225,7 @@ mod tests {
                 ],
             ],
             lengths: None,
+            buffer_slots: None,
         }
     }
 
@@ -234,12 +235,14 @@ mod tests {
             payload: Payload::act(0, 0),
             batch: u32::from(grad_first),
             tokens: None,
+            slot: None,
         };
         let grad = Instr::Recv {
             peer: Rank(1),
             payload: Payload::grad(1, 0),
             batch: u32::from(!grad_first),
             tokens: None,
+            slot: None,
         };
         let (a, b) = if grad_first { (grad, act) } else { (act, grad) };
         vec![
