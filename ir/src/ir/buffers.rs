@@ -260,3 +260,169 @@ pub fn plan(program: &mut Program, size: impl Fn(&Payload, Option<Tokens>) -> f6
     }
     program.buffer_slots = Some(Pools(pools));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The fewest colours of the interval graph of `lives`, by exhaustive search (each
+    /// interval tries every colour used so far and one new one): the independent reference
+    /// [`assign`]'s count is checked against.
+    fn fewest_slots(lives: &[Life]) -> u32 {
+        fn go(lives: &[Life], k: usize, col: &mut Vec<u32>, used: u32, best: &mut u32) {
+            if used >= *best {
+                return;
+            }
+            if k == lives.len() {
+                *best = used;
+                return;
+            }
+            for c in 0..=used {
+                let clash = (0..k).any(|j| col[j] == c && lives[j].overlaps(&lives[k]));
+                if !clash {
+                    col.push(c);
+                    go(lives, k + 1, col, used.max(c + 1), best);
+                    col.pop();
+                }
+            }
+        }
+        let mut best = lives.len() as u32;
+        go(lives, 0, &mut Vec::new(), 0, &mut best);
+        best
+    }
+
+    fn arb_lives() -> impl Strategy<Value = (Vec<Life>, Vec<f64>)> {
+        prop::collection::vec((0u32..12, 0u32..6, 1u32..4), 0..9).prop_map(|v| {
+            let lives = v
+                .iter()
+                .enumerate()
+                .map(|(k, &(s, d, _))| Life {
+                    at: k as u32,
+                    start: s,
+                    end: s + d,
+                })
+                .collect();
+            let sizes = v.iter().map(|&(_, _, z)| z as f64).collect();
+            (lives, sizes)
+        })
+    }
+
+    proptest! {
+        /// The slot count is the exhaustive minimum and the most live at once; no two
+        /// overlapping messages share a slot; each slot holds its largest message; the pool is
+        /// at least the most size live at once (the lower bound any assignment meets).
+        #[test]
+        fn assignment_is_minimal_and_sound((lives, sizes) in arb_lives()) {
+            let (slots, pool) = assign(&lives, &sizes);
+            prop_assert_eq!(pool.len() as u32, fewest_slots(&lives));
+            prop_assert_eq!(pool.len() as u32, max_live(&lives));
+            for a in 0..lives.len() {
+                prop_assert!(pool[slots[a] as usize] >= sizes[a]);
+                for b in a + 1..lives.len() {
+                    if lives[a].overlaps(&lives[b]) {
+                        prop_assert_ne!(slots[a], slots[b]);
+                    }
+                }
+            }
+            let most_bytes = (0..20u32)
+                .map(|t| {
+                    lives.iter().zip(&sizes)
+                        .filter(|(l, _)| l.start <= t && t <= l.end)
+                        .map(|(_, s)| s)
+                        .sum::<f64>()
+                })
+                .fold(0.0, f64::max);
+            prop_assert!(pool.iter().sum::<f64>() >= most_bytes);
+        }
+
+        /// With equal sizes the total is the count times the size: the minimum.
+        #[test]
+        fn equal_sizes_give_the_minimal_total((lives, _) in arb_lives()) {
+            let sizes = vec![2.0; lives.len()];
+            let (_, pool) = assign(&lives, &sizes);
+            prop_assert_eq!(pool.iter().sum::<f64>(), 2.0 * fewest_slots(&lives) as f64);
+        }
+    }
+
+    /// A hand-derived case: a receive consumed by the forward at #2, then the send of that
+    /// forward's output until its blocking batch at #3: they share #2, so two slots; a
+    /// receive posted at #4 reuses the first.
+    #[test]
+    fn lifetimes_of_a_small_stream() {
+        use crate::ir::Payload;
+        use pipec_schedules::{Compute, Rank};
+        let recv = |mb, batch| Instr::Recv {
+            peer: Rank(0),
+            payload: Payload::act(0, mb),
+            batch,
+            tokens: None,
+            slot: None,
+        };
+        let send = |mb, batch| Instr::Send {
+            peer: Rank(2),
+            payload: Payload::act(1, mb),
+            batch,
+            tokens: None,
+            slot: None,
+        };
+        let fwd = |mb| Instr::Compute(Compute::Fwd(Task::new(1, mb)));
+        let mut p = Program {
+            placement: pipec_schedules::Placement::looped(3, 1),
+            microbatches: 2,
+            forward_only: true,
+            comm: None,
+            lengths: None,
+            ranks: vec![
+                vec![],
+                vec![
+                    recv(0, 0),
+                    Instr::Wait { batch: 0 },
+                    fwd(0),
+                    send(0, 1),
+                    recv(1, 2),
+                    fwd(1),
+                    send(1, 3),
+                ],
+                vec![],
+            ],
+            buffer_slots: None,
+        };
+        // recv #0 posted at #0, left in flight until the wait at #1, used by fwd at #2.
+        assert_eq!(
+            lives(&p, 1),
+            vec![
+                Life {
+                    at: 0,
+                    start: 0,
+                    end: 2
+                },
+                Life {
+                    at: 3,
+                    start: 2,
+                    end: 3
+                },
+                Life {
+                    at: 4,
+                    start: 4,
+                    end: 5
+                },
+                Life {
+                    at: 6,
+                    start: 5,
+                    end: 6
+                },
+            ]
+        );
+        plan(&mut p, |_, _| 1.0);
+        let slots: Vec<Option<u32>> = p.ranks[1].iter().map(Instr::slot).collect();
+        assert_eq!(
+            slots,
+            vec![Some(0), None, None, Some(1), Some(0), None, Some(1)]
+        );
+        assert_eq!(
+            p.buffer_slots,
+            Some(Pools(vec![vec![], vec![1.0, 1.0], vec![]]))
+        );
+    }
+}
