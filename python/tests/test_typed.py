@@ -139,10 +139,13 @@ def test_steps_and_instructions_are_the_cli_files(tmp_path, flags, kw):
 
 def _row(rec: dict) -> str:
     """The schema row of a record: its op, ``fwd_checkpoint`` for a checkpointed forward,
-    ``sized_send``/``sized_recv`` for a message with ``tokens`` (a plan with lengths)."""
+    ``sized_send``/``sized_recv`` for a message with ``tokens`` (a plan with lengths),
+    ``slotted_``/``sized_slotted_`` with a buffer plan's ``slot``."""
     if rec.get("checkpoint"):
         return "fwd_checkpoint"
-    return f"sized_{rec['op']}" if "tokens" in rec else rec["op"]
+    sized = "sized_" if "tokens" in rec else ""
+    slotted = "slotted_" if "slot" in rec else ""
+    return f"{sized}{slotted}{rec['op']}" if sized or slotted else rec["op"]
 
 
 def _memory_dir(tmp_path) -> list[list[dict]]:
@@ -345,3 +348,22 @@ def test_torch_actions_are_the_cli_csv(tmp_path, compute_only):
     # the idle cells too.
     assert got == want
     assert any(c and c[0] == "OVERLAP_F_B" for line in got for c in line)
+
+
+def test_buffer_plan_slots():
+    """``buffer_plan=True`` is ``--buffer-plan`` (issue #39): every send and receive carries its
+    ``slot`` (``Op.slotted_send`` / ``Op.slotted_recv``), each in range of its rank's pool, and
+    the instruction records are the rank files' (checked against the CLI's files)."""
+    s = pipec.compile("zb-v", 4, 8, buffer_plan=True)
+    pools = [0, 0, 0, 0]
+    for r in range(4):
+        for i in s.instructions(r):
+            if i.op.name in ("send", "recv"):
+                assert i.op in (Op.slotted_send, Op.slotted_recv)
+                pools[r] = max(pools[r], i.slot + 1)
+            else:
+                assert i.slot is None
+    # tests/integration/buffers.rs pins these against a brute-force count.
+    assert pools == [2, 4, 4, 3]
+    with pytest.raises(pipec.SpecError, match="buffer_plan must be True or False"):
+        pipec.compile("zb-v", 4, 8, buffer_plan=1)
