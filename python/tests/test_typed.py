@@ -45,6 +45,10 @@ CASES = [
         ["--schedule", "gpipe", "--pp", "2", "--microbatches", "3", "--forward-only"],
         {"schedule": "gpipe", "pp": 2, "forward_only": True},
     ),
+    (
+        ["--schedule", "zb-v", "--pp", "4", "--microbatches", "8", "--buffer-plan"],
+        {"schedule": "zb-v", "pp": 4, "buffer_plan": True},
+    ),
 ]
 
 
@@ -120,8 +124,8 @@ def test_steps_and_instructions_are_the_cli_files(tmp_path, flags, kw):
         assert ins == recs
         for k, (i, rec) in enumerate(zip(ins, recs, strict=True)):
             assert list(i) == list(rec) and i.index == k
-            assert (i.op, i.op.name) == (getattr(Op, rec["op"]), rec["op"])
-            for key in ("stage", "mb", "peer", "payload", "batch"):
+            assert (i.op, i.op.name) == (getattr(Op, _row(rec)), rec["op"])
+            for key in ("stage", "mb", "peer", "payload", "batch", "tokens", "slot"):
                 assert getattr(i, key) == rec.get(key)
             if rec["op"] == "fwd_bwd":
                 assert i.fwd == Task(rec["fwd_stage"], rec["fwd_mb"])
@@ -202,6 +206,8 @@ def test_every_op_is_reached(tmp_path):
     seen |= {_row(x) for recs in _memory_dir(tmp_path) for x in recs}
     sized = pipec.compile("1f1b", 2, lengths=[3, [1, 4]])
     seen |= {_row(i) for r in range(2) for i in sized.instructions(r)}
+    both = pipec.compile("1f1b", 2, lengths=[3, [1, 4]], buffer_plan=True)
+    seen |= {_row(i) for r in range(2) for i in both.instructions(r)}
     assert seen == {n for n in dir(Op) if isinstance(getattr(Op, n), Op)}
     assert len(seen) == len(_native.instruction_schema())
 
@@ -220,7 +226,8 @@ def test_op_is_the_schema():
         if "checkpoint" in op.fields:
             assert row == name + "_checkpoint"
         else:
-            assert row == ("sized_" if "tokens" in op.fields else "") + name
+            sized = "sized_" if "tokens" in op.fields else ""
+            assert row == sized + ("slotted_" if "slot" in op.fields else "") + name
         assert repr(op) == f"Op.{row}"
     assert Op.fwd != Op.bwd and len({Op.fwd, Op.fwd, Op.bwd}) == 2
     assert Op.fwd_checkpoint != Op.fwd
