@@ -4,7 +4,7 @@
 //! "Buffer plan" rule, sharing no code with `pipec_ir::ir::buffers`), torch's ZBV pp=4 case
 //! beside pytorch #196465's figures, and `pipec check` on hand-broken plans.
 
-use crate::harness::{compiled, pipec_with};
+use crate::harness::{compiled, pipec_run_on, pipec_with};
 use pipec_compiler::compile::{compile_verified, CompileRequest};
 use pipec_cost::cost::CostModel;
 use pipec_ir::ir::{Instr, MemKind, PayloadKind, Program};
@@ -337,4 +337,25 @@ fn check_reports_pools_and_broken_slots() {
             && text.contains("buffer slot 9 is out of range (rank 1 has 4 slots)"),
         "{text}"
     );
+}
+
+/// The CPU runtime runs a plan with slots (every receive landing in its slot, the interpreter's
+/// pool: `interp::runs_use_the_plans_slots`) to the single-threaded reference's losses and
+/// gradients, bit for bit; with lengths too (sized and slotted messages).
+#[test]
+fn cpu_runtime_runs_slotted_plans() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, line) in [
+        ("zbv", "--schedule zb-v --pp 4 --microbatches 8 --buffer-plan"),
+        (
+            "i1f1b",
+            "--schedule interleaved-1f1b --pp 2 --vpp 2 --microbatches 4 --buffer-plan --megatron-p2p overlap",
+        ),
+    ] {
+        let dir = compiled(tmp.path(), name, line);
+        let ok = pipec_run_on(&dir, &["--check", "--json"]).output().unwrap();
+        assert!(ok.status.success(), "{name}: {}", String::from_utf8_lossy(&ok.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
+        assert_eq!(json["steps"][0]["check"]["max_abs_diff"], 0.0, "{name}");
+    }
 }
