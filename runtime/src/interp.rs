@@ -452,7 +452,7 @@ impl<'a, B: Backend> Interp<'a, B> {
         if t.stage.0 == 0 {
             return Ok(None);
         }
-        if let Some(v) = self.from_pool(Payload::act(t.stage.0 - 1, t.mb.0))? {
+        if let Some(v) = self.take_from_slot(Payload::act(t.stage.0 - 1, t.mb.0))? {
             return Ok(Some(v));
         }
         let i = self.t.task_slot(t, "the forward")?;
@@ -471,7 +471,7 @@ impl<'a, B: Backend> Interp<'a, B> {
         if t.stage.0 == self.last {
             return Ok(None);
         }
-        if let Some(v) = self.from_pool(Payload::grad(t.stage.0 + 1, t.mb.0))? {
+        if let Some(v) = self.take_from_slot(Payload::grad(t.stage.0 + 1, t.mb.0))? {
             return Ok(Some(v));
         }
         let i = self.t.task_slot(t, "the backward")?;
@@ -486,7 +486,7 @@ impl<'a, B: Backend> Interp<'a, B> {
     }
 
     /// The received `p` from its pool slot, which it then leaves; `None` when it has no slot.
-    fn from_pool(&mut self, p: Payload) -> Result<Option<B::Tensor>, Fault> {
+    fn take_from_slot(&mut self, p: Payload) -> Result<Option<B::Tensor>, Fault> {
         let Some(pool) = self.t.pool.as_mut() else {
             return Ok(None);
         };
