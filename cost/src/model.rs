@@ -432,6 +432,26 @@ mod tests {
         (a - b).abs() <= 1e-9 * b.abs().max(1.0)
     }
 
+    /// A buffer plan's message (issue #39): Megatron's P2P tensor, `(s / cp / (tp if sp), b, h)`
+    /// of the dtype, for GPT-3 175B (s=2048, b=1, h=12288, bf16): 2 * 2048 * 12288 bytes at
+    /// tp=1, an eighth with sequence parallelism over tp=8, as much again without it.
+    #[test]
+    fn a_message_is_the_stage_boundary_tensor() {
+        let whole = 2.0 * 2048.0 * 12288.0;
+        for (extra, want) in [
+            ("tp = 1", whole),
+            ("tp = 8", whole / 8.0),
+            ("tp = 8\nsequence_parallel = false", whole),
+            ("tp = 8\ncp = 2", whole / 16.0),
+        ] {
+            let m = model(GPT3, extra);
+            assert_eq!(crate::memory::message_size(&m), want, "{extra}");
+        }
+        // Without a `[model]` table, `msg`, in the memory unit.
+        let m = CostModel::parse("msg=3").unwrap();
+        assert_eq!(crate::memory::message_size(&m), 3.0);
+    }
+
     /// Korthikanti et al. 2022, Table 2, every row, for GPT-3 175B (s=2048, b=1, h=12288,
     /// a=96) at t=8 (and t=1 for the row without parallelism).
     #[test]
