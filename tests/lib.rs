@@ -56,6 +56,7 @@ pub mod ir {
             payload,
             batch,
             tokens: None,
+            slot: None,
         }
     }
 
@@ -65,6 +66,7 @@ pub mod ir {
             payload,
             batch,
             tokens: None,
+            slot: None,
         }
     }
 }

@@ -53,6 +53,11 @@ pub struct CompileRequest {
     /// Which communicator carries each message (`--p2p-groups`, Python `p2p_groups=`): the
     /// program records it (the manifest's `p2p_groups`) and is verified under it.
     pub p2p_groups: P2pGroups,
+    /// A static buffer plan (`--buffer-plan`, Python `buffer_plan=True`; issue #39): every
+    /// send and receive of a tensor gets a slot of its rank's message-buffer pool, sized by
+    /// the cost model's message size ([`pipec_cost::memory::message_size`]), as few slots as
+    /// the messages' lifetimes allow ([`pipec_ir::ir::buffers`]).
+    pub buffer_plan: bool,
 }
 
 impl CompileRequest {
@@ -78,6 +83,7 @@ impl CompileRequest {
             microbatch_order: None,
             megatron_variable_seq_lengths: false,
             p2p_groups: P2pGroups::Pair,
+            buffer_plan: false,
         }
     }
 }
@@ -308,8 +314,15 @@ pub fn prepare(
     if let (Some(l), Some(shape)) = (&req.lengths, &model.shape) {
         l.check_seq(shape.seq).map_err(CompileError::from)?;
     }
-    let c = compile(req)?.into_lowered();
+    let mut c = compile(req)?.into_lowered();
     let memory = pipec_cost::memory::weights(&c.program, &c.layout, model);
+    if req.buffer_plan {
+        let m = c.program.microbatches;
+        let size = |p: &pipec_ir::ir::Payload, _: Option<pipec_ir::ir::Tokens>| {
+            memory.message_size(p, m).unwrap_or(0.0)
+        };
+        pipec_ir::ir::buffers::plan(&mut c.program, size);
+    }
     Ok(Prepared {
         spec: c.spec,
         layout: c.layout,

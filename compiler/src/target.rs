@@ -779,6 +779,7 @@ mod tests {
                 .collect()],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 

@@ -44,6 +44,21 @@ pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryM
         param,
         unit: unit_of(model),
         mb_scale: crate::lengths::Scale::of_program(model, program).map(|s| s.lin),
+        msg: Some(message_size(model)),
+    }
+}
+
+/// One message's size in the memory unit of `model` ([`unit_of`]): the tensor at a stage
+/// boundary, `s b h` elements of the model's dtype (split by tp under sequence parallelism,
+/// `s` by cp), when a `[model]` table gives the shape (Korthikanti et al. 2022, the layer input
+/// of section 4.1); else `msg`, read in the memory unit (one layer's activations by default,
+/// an upper bound: a layer keeps its input and more). With lengths it scales by each
+/// microbatch's tokens ([`pipec_ir::memory::MemoryModel::message_size`]). What a buffer plan's
+/// slots are sized by (issue #39).
+pub fn message_size(model: &CostModel) -> f64 {
+    match &model.shape {
+        Some(s) => s.boundary_bytes(),
+        None => model.msg,
     }
 }
 

@@ -225,6 +225,19 @@ impl ModelShape {
         whole / sp + (split + core) / t
     }
 
+    /// Bytes of the tensor a stage sends to the next (and of its gradient): the layer input,
+    /// `e s b h` (`s` split by cp, and by tp under sequence parallelism), as Megatron's
+    /// `tensor_shape` for its P2P calls (`(s / cp / (tp if sp)) , b, h`).
+    pub fn boundary_bytes(&self) -> f64 {
+        let s = self.seq as f64 / self.cp as f64;
+        let sp = if self.sequence_parallel {
+            self.tp as f64
+        } else {
+            1.0
+        };
+        self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
+    }
+
     /// Activation bytes of the embedding for one microbatch: the token ids (int64, `8sb`)
     /// and the embedding dropout mask (`sbh`), Korthikanti et al. section 4.3 as Megatron's
     /// `compute_activation_memory` counts them; split by tp under sequence parallelism.
@@ -424,6 +437,26 @@ mod tests {
 
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+    }
+
+    /// A buffer plan's message (issue #39): Megatron's P2P tensor, `(s / cp / (tp if sp), b, h)`
+    /// of the dtype, for GPT-3 175B (s=2048, b=1, h=12288, bf16): 2 * 2048 * 12288 bytes at
+    /// tp=1, an eighth with sequence parallelism over tp=8, as much again without it.
+    #[test]
+    fn a_message_is_the_stage_boundary_tensor() {
+        let whole = 2.0 * 2048.0 * 12288.0;
+        for (extra, want) in [
+            ("tp = 1", whole),
+            ("tp = 8", whole / 8.0),
+            ("tp = 8\nsequence_parallel = false", whole),
+            ("tp = 8\ncp = 2", whole / 16.0),
+        ] {
+            let m = model(GPT3, extra);
+            assert_eq!(crate::memory::message_size(&m), want, "{extra}");
+        }
+        // Without a `[model]` table, `msg`, in the memory unit.
+        let m = CostModel::parse("msg=3").unwrap();
+        assert_eq!(crate::memory::message_size(&m), 3.0);
     }
 
     /// Korthikanti et al. 2022, Table 2, every row, for GPT-3 175B (s=2048, b=1, h=12288,

@@ -315,6 +315,7 @@ fn simulate_program(
         param,
         unit: crate::memory::unit_of(&costs.model),
         mb_scale: sim.scale.take().map(|s| s.lin),
+        msg: Some(crate::memory::message_size(&costs.model)),
     };
     let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })
@@ -1010,6 +1011,7 @@ mod tests {
             payload: p,
             batch,
             tokens: None,
+            slot: None,
         }
     }
     fn recv(peer: u32, p: Payload, batch: u32) -> Instr {
@@ -1018,6 +1020,7 @@ mod tests {
             payload: p,
             batch,
             tokens: None,
+            slot: None,
         }
     }
 
@@ -1030,6 +1033,7 @@ mod tests {
             ranks,
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 

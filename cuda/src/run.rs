@@ -228,6 +228,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
             device_peak: run.device_peak,
             host_peak: run.host_peak,
             pool_peak_bytes: self.pool_peak()?,
+            buffer_slots: run.buffer_slots,
         })
     }
 

@@ -82,6 +82,11 @@ pub struct MemoryModel {
     /// `pipec_cost::lengths`). `None`: every microbatch weighs `act`. Ids it does not name
     /// weigh 1. The host copies of offloaded activations weigh the same.
     pub mb_scale: Option<Vec<f64>>,
+    /// One message's size (the activation or gradient of a microbatch of the costs' `seq`
+    /// tokens at a stage boundary) in `unit`, scaled per microbatch like `act`; what a buffer
+    /// plan's slots are sized by (issue #39, `pipec_cost::memory::message_size`). `None`:
+    /// slot sizes are not checked.
+    pub msg: Option<f64>,
 }
 
 impl MemoryModel {
@@ -93,7 +98,20 @@ impl MemoryModel {
             param: vec![0.0; program.world() as usize],
             unit: Unit::LayerActivations,
             mb_scale: None,
+            msg: None,
         }
+    }
+
+    /// The size in `unit` of a message carrying `payload` in a program of `microbatches`
+    /// microbatches, when the model sizes messages.
+    pub fn message_size(&self, payload: &crate::ir::Payload, microbatches: u32) -> Option<f64> {
+        let m = self.msg?;
+        Some(match &self.mb_scale {
+            Some(f) if payload.mb.0 < microbatches => {
+                m * f.get(payload.mb.index()).copied().unwrap_or(1.0)
+            }
+            _ => m,
+        })
     }
 
     /// The weight of task `t`'s activations in a program of `microbatches` microbatches:
@@ -127,6 +145,11 @@ pub struct RankPeak {
     /// The most host memory the rank's offloads hold at once (issue 30); absent when 0.
     #[serde(serialize_with = "figure", skip_serializing_if = "is_zero")]
     pub host: f64,
+    /// The rank's message-buffer pool of a buffer plan (issue #39), allocated for the whole
+    /// step and so included in `peak` (and counted against the limit from the start); absent
+    /// when 0.
+    #[serde(serialize_with = "figure", skip_serializing_if = "is_zero")]
+    pub buffers: f64,
 }
 
 fn is_zero(x: &f64) -> bool {
@@ -156,12 +179,15 @@ pub fn walk(
     let mut w = Activations::new(program);
     (0..program.ranks.len())
         .map(|r| {
+            let buffers = program.buffer_slots.as_ref().map_or(0.0, |p| p.bytes(r));
             let params = mem.param.get(r).copied().unwrap_or(0.0);
+            // The pool is held all step long, like the parameters.
+            let fixed = params + buffers;
             let mut peak = Peak::<f64>::default();
             let mut over = None;
             // Tolerance for sums of binary fractions (`0.1GiB` layers): a plan at the limit fits.
             let cap = limit.map(|l| l * (1.0 + 1e-12));
-            if cap.is_some_and(|c| params > c) {
+            if cap.is_some_and(|c| fixed > c) {
                 over = Some(0);
             }
             let mut host = 0.0f64;
@@ -169,17 +195,18 @@ pub fn walk(
             while let Some((i, live)) = live_at.next() {
                 peak.see(i, live);
                 host = host.max(live_at.host());
-                if over.is_none() && cap.is_some_and(|c| params + live > c) {
+                if over.is_none() && cap.is_some_and(|c| fixed + live > c) {
                     over = Some(i);
                 }
             }
             let p = RankPeak {
                 rank: r as u32,
-                peak: params + peak.peak,
+                peak: fixed + peak.peak,
                 params,
                 activations: peak.peak,
                 at: peak.at,
                 host,
+                buffers,
             };
             (p, over)
         })

@@ -356,8 +356,13 @@ def compile(
     num_layers: int | None = None,
     mtp_num_layers: int | None = None,
     p2p_groups: str = "pair",
+    buffer_plan: bool = False,
 ) -> Schedule:
     """Generate, lower and verify a schedule, as ``pipec compile`` does before it writes.
+
+    ``buffer_plan=True`` is ``--buffer-plan``: every ``send``/``recv`` of a tensor gets a
+    ``slot`` of its rank's message-buffer pool (as few slots as the most messages live at once
+    on the rank), sized by ``cost``'s message size; the pools count in the memory figures.
 
     ``num_layers`` / ``mtp_num_layers`` are ``--num-layers`` / ``--mtp-num-layers``: the
     decoder layers split evenly over the stages (MTP layers on the last), as Megatron splits
@@ -425,6 +430,8 @@ def compile(
         order = [max(min(v, 2**62), -(2**62)) for v in microbatch_order]
     if p2p_groups not in ("pair", "direction", "edge"):
         raise SpecError(f"p2p_groups must be one of pair, direction, edge, not {p2p_groups!r}")
+    if not isinstance(buffer_plan, bool):
+        raise SpecError(f"buffer_plan must be True or False, not {buffer_plan!r}")
     if not isinstance(megatron_variable_seq_lengths, bool):
         raise SpecError(
             "megatron_variable_seq_lengths must be True or False, "
@@ -451,6 +458,7 @@ def compile(
             num_layers=num_layers,
             mtp_num_layers=mtp_num_layers,
             p2p_groups=p2p_groups,
+            buffer_plan=buffer_plan,
         )
     )
 

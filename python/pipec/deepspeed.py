@@ -123,6 +123,16 @@ def check(
                         "wait_offload, recompute and checkpointed forwards are not supported by "
                         "pipec.deepspeed yet"
                     )
+                case (
+                    Op.slotted_send
+                    | Op.slotted_recv
+                    | Op.sized_slotted_send
+                    | Op.sized_slotted_recv
+                ):
+                    raise PipecError(
+                        f"rank {r}, #{i}: {ins.op.name} names a buffer slot; DeepSpeed's engine "
+                        "allocates its own pipe buffers: compile without buffer_plan"
+                    )
                 case _:
                     raise PipecError(f"rank {r}, #{i}: DeepSpeed has no instruction for `{ins.op}`")
     s.blocking_order()  # raises when blocking one-at-a-time P2P would stall

@@ -282,9 +282,11 @@ def _offloaded(s: Schedule, rank: int) -> set[tuple[int, int]]:
 
 
 #: A send / receive, with or without the ``tokens`` the plan gives it (schema rows 13 and 14,
-#: ``Op.sized_send`` / ``Op.sized_recv``: a schedule compiled with microbatch lengths, #38).
-_SENDS = (Op.send, Op.sized_send)
-_RECVS = (Op.recv, Op.sized_recv)
+#: ``Op.sized_send`` / ``Op.sized_recv``: a schedule compiled with microbatch lengths, #38),
+#: and with a buffer plan's ``slot`` (rows 15-18, #39; megatron-core allocates its own P2P
+#: buffers, so the slot is not used here).
+_SENDS = (Op.send, Op.sized_send, Op.slotted_send, Op.sized_slotted_send)
+_RECVS = (Op.recv, Op.sized_recv, Op.slotted_recv, Op.sized_slotted_recv)
 
 
 #: megatron-core 0.19.2's ``recompute_modules`` that use output-discarding checkpointing

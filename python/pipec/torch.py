@@ -531,9 +531,9 @@ def _message_tokens(s: Schedule, rank: int) -> dict[tuple[str, str, int, int], i
     """``(op, payload, stage, mb) -> tokens`` of every send and receive of ``rank`` (``stage``
     is the producer's, as the rank file names it): the sizes the plan gives its messages."""
     return {
-        ("send" if i.op == Op.sized_send else "recv", i.payload, i.stage, i.mb): i.tokens
+        (i.op.name, i.payload, i.stage, i.mb): i.tokens
         for i in s.instructions(rank)
-        if i.op in (Op.sized_send, Op.sized_recv)
+        if i.op in (Op.sized_send, Op.sized_recv, Op.sized_slotted_send, Op.sized_slotted_recv)
     }
 
 

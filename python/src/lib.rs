@@ -564,7 +564,8 @@ fn parse_encoding(s: &str) -> PyResult<Encoding> {
 #[pyo3(signature = (schedule, pp, microbatches, vpp=None, layout=None, group_size=None,
     forward_only=false, combined=false, memory_limit=None, megatron_p2p=None, max_ops=None,
     cost=None, megatron_partial_recompute=None, lengths=None, microbatch_order=None,
-    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None, p2p_groups=None))]
+    megatron_variable_seq_lengths=false, num_layers=None, mtp_num_layers=None, p2p_groups=None,
+    buffer_plan=false))]
 #[allow(clippy::too_many_arguments)]
 fn compile_schedule(
     py: Python<'_>,
@@ -587,6 +588,7 @@ fn compile_schedule(
     num_layers: Option<u32>,
     mtp_num_layers: Option<u32>,
     p2p_groups: Option<&str>,
+    buffer_plan: bool,
 ) -> PyResult<NativeSchedule> {
     let p2p_groups = match p2p_groups {
         Some(s) => s
@@ -634,6 +636,7 @@ fn compile_schedule(
         num_layers,
         mtp_num_layers,
         p2p_groups,
+        buffer_plan,
         ..CompileRequest::new(kind, pp, microbatches)
     };
     let model = cost_model(cost)?;

@@ -169,6 +169,14 @@ impl Instruction {
         self.int("tokens")
     }
 
+    /// The slot of its rank's message-buffer pool a `send` or `recv` uses, when the plan has
+    /// a buffer plan (issue #39, `buffer_plan=True`; `Op.slotted_send`, ...). `None` for
+    /// other ops and for plans without one.
+    #[getter]
+    fn slot(&self) -> Option<u32> {
+        self.int("slot")
+    }
+
     /// A forward that keeps only its input (`"checkpoint": true`, `Op.fwd_checkpoint`).
     #[getter]
     fn checkpoint(&self) -> bool {

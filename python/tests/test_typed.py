@@ -45,6 +45,10 @@ CASES = [
         ["--schedule", "gpipe", "--pp", "2", "--microbatches", "3", "--forward-only"],
         {"schedule": "gpipe", "pp": 2, "forward_only": True},
     ),
+    (
+        ["--schedule", "zb-v", "--pp", "4", "--microbatches", "8", "--buffer-plan"],
+        {"schedule": "zb-v", "pp": 4, "buffer_plan": True},
+    ),
 ]
 
 
@@ -120,8 +124,8 @@ def test_steps_and_instructions_are_the_cli_files(tmp_path, flags, kw):
         assert ins == recs
         for k, (i, rec) in enumerate(zip(ins, recs, strict=True)):
             assert list(i) == list(rec) and i.index == k
-            assert (i.op, i.op.name) == (getattr(Op, rec["op"]), rec["op"])
-            for key in ("stage", "mb", "peer", "payload", "batch"):
+            assert (i.op, i.op.name) == (getattr(Op, _row(rec)), rec["op"])
+            for key in ("stage", "mb", "peer", "payload", "batch", "tokens", "slot"):
                 assert getattr(i, key) == rec.get(key)
             if rec["op"] == "fwd_bwd":
                 assert i.fwd == Task(rec["fwd_stage"], rec["fwd_mb"])
@@ -139,10 +143,13 @@ def test_steps_and_instructions_are_the_cli_files(tmp_path, flags, kw):
 
 def _row(rec: dict) -> str:
     """The schema row of a record: its op, ``fwd_checkpoint`` for a checkpointed forward,
-    ``sized_send``/``sized_recv`` for a message with ``tokens`` (a plan with lengths)."""
+    ``sized_send``/``sized_recv`` for a message with ``tokens`` (a plan with lengths),
+    ``slotted_``/``sized_slotted_`` with a buffer plan's ``slot``."""
     if rec.get("checkpoint"):
         return "fwd_checkpoint"
-    return f"sized_{rec['op']}" if "tokens" in rec else rec["op"]
+    sized = "sized_" if "tokens" in rec else ""
+    slotted = "slotted_" if "slot" in rec else ""
+    return f"{sized}{slotted}{rec['op']}" if sized or slotted else rec["op"]
 
 
 def _memory_dir(tmp_path) -> list[list[dict]]:
@@ -199,6 +206,8 @@ def test_every_op_is_reached(tmp_path):
     seen |= {_row(x) for recs in _memory_dir(tmp_path) for x in recs}
     sized = pipec.compile("1f1b", 2, lengths=[3, [1, 4]])
     seen |= {_row(i) for r in range(2) for i in sized.instructions(r)}
+    both = pipec.compile("1f1b", 2, lengths=[3, [1, 4]], buffer_plan=True)
+    seen |= {_row(i) for r in range(2) for i in both.instructions(r)}
     assert seen == {n for n in dir(Op) if isinstance(getattr(Op, n), Op)}
     assert len(seen) == len(_native.instruction_schema())
 
@@ -217,7 +226,8 @@ def test_op_is_the_schema():
         if "checkpoint" in op.fields:
             assert row == name + "_checkpoint"
         else:
-            assert row == ("sized_" if "tokens" in op.fields else "") + name
+            sized = "sized_" if "tokens" in op.fields else ""
+            assert row == sized + ("slotted_" if "slot" in op.fields else "") + name
         assert repr(op) == f"Op.{row}"
     assert Op.fwd != Op.bwd and len({Op.fwd, Op.fwd, Op.bwd}) == 2
     assert Op.fwd_checkpoint != Op.fwd
@@ -345,3 +355,22 @@ def test_torch_actions_are_the_cli_csv(tmp_path, compute_only):
     # the idle cells too.
     assert got == want
     assert any(c and c[0] == "OVERLAP_F_B" for line in got for c in line)
+
+
+def test_buffer_plan_slots():
+    """``buffer_plan=True`` is ``--buffer-plan`` (issue #39): every send and receive carries its
+    ``slot`` (``Op.slotted_send`` / ``Op.slotted_recv``), each in range of its rank's pool, and
+    the instruction records are the rank files' (checked against the CLI's files)."""
+    s = pipec.compile("zb-v", 4, 8, buffer_plan=True)
+    pools = [0, 0, 0, 0]
+    for r in range(4):
+        for i in s.instructions(r):
+            if i.op.name in ("send", "recv"):
+                assert i.op in (Op.slotted_send, Op.slotted_recv)
+                pools[r] = max(pools[r], i.slot + 1)
+            else:
+                assert i.slot is None
+    # tests/integration/buffers.rs pins these against a brute-force count.
+    assert pools == [2, 4, 4, 3]
+    with pytest.raises(pipec.SpecError, match="buffer_plan must be True or False"):
+        pipec.compile("zb-v", 4, 8, buffer_plan=1)

@@ -61,6 +61,95 @@ pub struct RankRun {
     /// A GPU's own figure: the high watermark of its memory pool over the step, in bytes
     /// (set by the CUDA backend's `end_step`; `None` from the interpreter).
     pub pool_peak_bytes: Option<u64>,
+    /// With a buffer plan (issue #39): the slots of the rank's pool, allocated before the step,
+    /// and the most of them that held a tensor at once (`(slots, most held)`); `None` without
+    /// a plan.
+    pub buffer_slots: Option<(u32, u32)>,
+}
+
+/// The buffer plan's pool of one rank (issue #39, `pipec_ir::ir::buffers`): its slots exist
+/// from the start of the step; a receive lands in its slot and stays there until the pass
+/// that consumes it takes it, a sent tensor holds its slot from the pass that produces it
+/// until its send completes. A slot asked for while it holds another message is a fault.
+struct Pool<T> {
+    held: Vec<Option<T>>,
+    owner: Vec<Option<Payload>>,
+    /// (is a send, payload) -> its slot, from the instructions.
+    slot_of: HashMap<(bool, Payload), u32>,
+    /// Slots whose tensor a pass took as input: held until the pass ends, since it reads
+    /// them while it writes its output (the plan's lifetimes share that index).
+    leaving: Vec<u32>,
+    live: u32,
+    peak: u32,
+}
+
+impl<T> Pool<T> {
+    fn new(program: &Program, rank: usize) -> Option<Self> {
+        let n = program.buffer_slots.as_ref()?.rank(rank).len();
+        let mut slot_of = HashMap::new();
+        for ins in &program.ranks[rank] {
+            match *ins {
+                Instr::Send {
+                    payload,
+                    slot: Some(s),
+                    ..
+                } => {
+                    slot_of.insert((true, payload), s);
+                }
+                Instr::Recv {
+                    payload,
+                    slot: Some(s),
+                    ..
+                } => {
+                    slot_of.insert((false, payload), s);
+                }
+                _ => {}
+            }
+        }
+        Some(Pool {
+            held: none_vec(n),
+            owner: vec![None; n],
+            slot_of,
+            leaving: Vec::new(),
+            live: 0,
+            peak: 0,
+        })
+    }
+
+    /// `p` takes its slot (`None`: it has none).
+    fn occupy(&mut self, send: bool, p: Payload) -> Result<Option<u32>, Fault> {
+        let Some(&s) = self.slot_of.get(&(send, p)) else {
+            return Ok(None);
+        };
+        let n = self.owner.len();
+        let o = self.owner.get_mut(s as usize).ok_or_else(|| {
+            Fault::Schedule(format!("{p}: buffer slot {s} is past the pool ({n} slots)"))
+        })?;
+        if let Some(h) = o {
+            return Err(Fault::Schedule(format!(
+                "{p} needs buffer slot {s}, which still holds {h}"
+            )));
+        }
+        *o = Some(p);
+        self.live += 1;
+        self.peak = self.peak.max(self.live);
+        Ok(Some(s))
+    }
+
+    /// The instruction ended: the inputs it took leave their slots.
+    fn settle(&mut self) {
+        while let Some(s) = self.leaving.pop() {
+            self.release(s);
+        }
+    }
+
+    fn release(&mut self, s: u32) {
+        if let Some(o) = self.owner.get_mut(s as usize) {
+            if o.take().is_some() {
+                self.live -= 1;
+            }
+        }
+    }
 }
 
 /// The rank stopped: the failure (its own or another rank's) is in the [`Watch`].
@@ -206,6 +295,7 @@ struct Tables<B: Backend> {
     kept: Vec<Option<Kept<B::Tensor>>>,
     copies: CopyStream,
     meter: Meter,
+    pool: Option<Pool<B::Tensor>>,
 }
 
 fn none_vec<T>(n: usize) -> Vec<Option<T>> {
@@ -245,6 +335,7 @@ impl<B: Backend> Tables<B> {
             kept: none_vec(size),
             copies: CopyStream::default(),
             meter: Meter::default(),
+            pool: Pool::new(program, rank),
         }
     }
 
@@ -361,6 +452,9 @@ impl<'a, B: Backend> Interp<'a, B> {
         if t.stage.0 == 0 {
             return Ok(None);
         }
+        if let Some(v) = self.take_from_slot(Payload::act(t.stage.0 - 1, t.mb.0))? {
+            return Ok(Some(v));
+        }
         let i = self.t.task_slot(t, "the forward")?;
         take(&mut self.t.act_in, i, || {
             format!(
@@ -377,6 +471,9 @@ impl<'a, B: Backend> Interp<'a, B> {
         if t.stage.0 == self.last {
             return Ok(None);
         }
+        if let Some(v) = self.take_from_slot(Payload::grad(t.stage.0 + 1, t.mb.0))? {
+            return Ok(Some(v));
+        }
         let i = self.t.task_slot(t, "the backward")?;
         take(&mut self.t.grad_in, i, || {
             format!(
@@ -386,6 +483,24 @@ impl<'a, B: Backend> Interp<'a, B> {
             )
         })
         .map(Some)
+    }
+
+    /// The received `p` from its pool slot, which it then leaves; `None` when it has no slot.
+    fn take_from_slot(&mut self, p: Payload) -> Result<Option<B::Tensor>, Fault> {
+        let Some(pool) = self.t.pool.as_mut() else {
+            return Ok(None);
+        };
+        let Some(&s) = pool.slot_of.get(&(false, p)) else {
+            return Ok(None);
+        };
+        let v = pool.held.get_mut(s as usize).and_then(Option::take);
+        let v = v.ok_or_else(|| {
+            Fault::Schedule(format!(
+                "{p} is not in its buffer slot {s}: not received yet"
+            ))
+        })?;
+        pool.leaving.push(s);
+        Ok(Some(v))
     }
 
     /// Hand the forward output of `t` to its consumer: local table, send buffer, or nowhere.
@@ -403,6 +518,9 @@ impl<'a, B: Backend> Interp<'a, B> {
                 format!("the input of fwd({next})")
             })
         } else {
+            if let Some(pool) = self.t.pool.as_mut() {
+                pool.occupy(true, Payload::act(t.stage.0, t.mb.0))?;
+            }
             let i = self.t.task_slot(t, "the forward")?;
             put(&mut self.t.act_out, i, out, || {
                 format!("the activation of {t}")
@@ -424,6 +542,9 @@ impl<'a, B: Backend> Interp<'a, B> {
                 format!("the output gradient of {prev}")
             })
         } else {
+            if let Some(pool) = self.t.pool.as_mut() {
+                pool.occupy(true, Payload::grad(t.stage.0, t.mb.0))?;
+            }
             let i = self.t.task_slot(t, "the backward")?;
             put(&mut self.t.grad_out, i, din, || {
                 format!("the input gradient of {t}")
@@ -696,6 +817,10 @@ impl<'a, B: Backend> Interp<'a, B> {
                 }
                 Dir::Recv => {
                     self.msg_slot(dir, payload)?;
+                    // The receive's buffer is its slot from the post on.
+                    if let Some(pool) = self.t.pool.as_mut() {
+                        pool.occupy(false, payload)?;
+                    }
                     None
                 }
             };
@@ -707,6 +832,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 tensor,
                 seq: 0,
                 tokens: tokens.map(|t| t.get()),
+                slot: ins.slot(),
             });
         }
         Ok(())
@@ -714,12 +840,27 @@ impl<'a, B: Backend> Interp<'a, B> {
 
     /// File the tensors a completed batch received.
     fn file(&mut self, mut ops: Vec<CommOp<B::Tensor>>) -> Result<(), Fault> {
+        // A completed send gives its slot back.
+        if let Some(pool) = self.t.pool.as_mut() {
+            for op in ops.iter().filter(|o| o.dir == Dir::Send) {
+                if let Some(s) = op.slot {
+                    pool.release(s);
+                }
+            }
+        }
         for op in ops.iter_mut().filter(|o| o.dir == Dir::Recv) {
             let i = self.msg_slot(Dir::Recv, op.payload)?;
             let v = op.tensor.take().ok_or_else(|| {
                 Fault::Schedule(format!("the backend returned no tensor for {}", op.payload))
             })?;
             let p = op.payload;
+            // With a buffer plan the receive lands in its slot.
+            if let (Some(pool), Some(s)) = (self.t.pool.as_mut(), op.slot) {
+                if let Some(h) = pool.held.get_mut(s as usize) {
+                    *h = Some(v);
+                    continue;
+                }
+            }
             let table = match p.kind {
                 PayloadKind::Act | PayloadKind::ActShape => &mut self.t.act_in,
                 PayloadKind::Grad | PayloadKind::GradShape => &mut self.t.grad_in,
@@ -842,6 +983,9 @@ pub fn run_rank_scaled<B: Backend>(
         if counted {
             it.t.meter.sample();
         }
+        if let Some(pool) = it.t.pool.as_mut() {
+            pool.settle();
+        }
         if instrs[i].as_compute().is_some() {
             busy += span.end - span.start;
         }
@@ -861,6 +1005,7 @@ pub fn run_rank_scaled<B: Backend>(
         device_peak: it.t.meter.device.peak,
         host_peak: it.t.meter.host.peak,
         pool_peak_bytes: None,
+        buffer_slots: it.t.pool.as_ref().map(|p| (p.owner.len() as u32, p.peak)),
     })
 }
 

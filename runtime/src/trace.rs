@@ -154,6 +154,7 @@ mod tests {
             ranks: vec![instrs],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         };
         let t = Timeline {
             unit: TimeUnit::Micros,

@@ -272,6 +272,7 @@ mod tests {
             tensor: t,
             seq: 0,
             tokens: None,
+            slot: None,
         }
     }
 

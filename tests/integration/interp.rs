@@ -189,6 +189,7 @@ fn backward_before_forward_stops_with_a_schedule_error() {
         ]],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     let watch = Watch::new(1, Duration::from_secs(5));
     assert_eq!(
@@ -205,4 +206,38 @@ fn backward_before_forward_stops_with_a_schedule_error() {
         }
     );
     assert!(f.report.starts_with("schedule error at rank 0, #0 bwd(stage 0, mb 0): the saved activation of stage 0, mb 0 is not here"), "{}", f.report);
+}
+
+/// With a buffer plan (issue #39) the interpreter lands every receive in its slot and holds a
+/// sent tensor's slot from its producer to the send's completion: it allocates the plan's
+/// pool up front, never finds a slot taken, and holds at most as many at once as the plan
+/// has; the plan's count is the most messages live at once, which the run reaches.
+#[test]
+fn runs_use_the_plans_slots() {
+    use pipec_compiler::compile::{compile_verified, CompileRequest};
+    for (k, vpp) in [
+        (ScheduleKind::OneFOneB, None),
+        (ScheduleKind::ZbV, None),
+        (ScheduleKind::Interleaved1F1B, Some(2)),
+    ] {
+        let req = CompileRequest {
+            vpp,
+            buffer_plan: true,
+            ..CompileRequest::new(k, 4, 8)
+        };
+        let built = compile_verified(&req, &pipec_cost::cost::CostModel::default(), None).unwrap();
+        let p = built.verified.program();
+        let pools = p.buffer_slots.as_ref().unwrap();
+        let watch = Watch::new(4, Duration::from_secs(5));
+        for r in 0..4u32 {
+            let run = run_rank(p, Rank(r), &mut NoopBackend, &watch, Instant::now()).unwrap();
+            let n = pools.rank(r as usize).len() as u32;
+            assert_eq!(run.buffer_slots, Some((n, n)), "{k} rank {r}");
+        }
+    }
+    // Without a plan, no pool.
+    let p = program(ScheduleKind::OneFOneB, 2, 1, 2);
+    let watch = Watch::new(2, Duration::from_secs(5));
+    let run = run_rank(&p, Rank(0), &mut NoopBackend, &watch, Instant::now()).unwrap();
+    assert_eq!(run.buffer_slots, None);
 }

@@ -1,5 +1,6 @@
 //! pipec's one integration-test binary (ripgrep style): end-to-end, CLI and conformance tests.
 
+mod buffers;
 mod check;
 mod cost_toml;
 mod crates;

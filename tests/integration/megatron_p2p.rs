@@ -148,12 +148,14 @@ fn group_size_above_pp_was_refused_with_16_deadlocks() {
                 payload: Payload::act(3, 0),
                 batch: 3,
                 tokens: None,
+                slot: None,
             },
             Instr::Send {
                 peer: Rank(1),
                 payload: Payload::act(0, 3),
                 batch: 3,
                 tokens: None,
+                slot: None,
             }
         ]
     );
@@ -176,6 +178,7 @@ fn m_equal_pp_fused_a_gradient_receive_megatron_does_not_post() {
             payload: Payload::act(4, 3),
             batch: r0[at + 1].batch().unwrap(),
             tokens: None,
+            slot: None,
         }
     );
     assert!(!matches!(r0[at + 2], Instr::Recv { .. } if r0[at + 2].batch() == r0[at + 1].batch()));
@@ -245,6 +248,7 @@ fn two_ranks(r0: Vec<Instr>, r1: Vec<Instr>) -> Program {
         ranks: vec![r0, r1],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     }
 }
 
@@ -557,6 +561,7 @@ fn megatron_calls_do_not_hang_in_nccl_stream_order() {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     assert!(run_in_stream_order(&crossing, true)
         .unwrap_err()
@@ -646,6 +651,7 @@ fn a_long_batch_to_one_peer_is_one_risk_found_fast() {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     let t = std::time::Instant::now();
     let r = verify(&p, &VerifyOptions::default());
@@ -690,6 +696,7 @@ fn a_later_op_waits_for_the_whole_group_before_it_on_its_stream() {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     assert_eq!(stream_deadlocks(&p, StreamRule::default()), 1);
     // Under rendezvous alone (D1) it runs: the send of a1 does not wait for the group.

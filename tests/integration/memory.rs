@@ -258,6 +258,7 @@ fn weights(p: &Program, rng: &mut Rng) -> MemoryModel {
         param: vec![0.0; p.world() as usize],
         unit: Unit::LayerActivations,
         mb_scale: None,
+        msg: None,
     }
 }
 
@@ -348,6 +349,7 @@ fn planner_inserts_count_as_planned() {
                 param: vec![0.0; p.world() as usize],
                 unit: Unit::LayerActivations,
                 mb_scale: None,
+                msg: None,
             };
             let before = pipec_ir::memory::walk(&p, &mm, None);
             let top = before.iter().map(|w| w.0.peak).fold(0.0, f64::max);
@@ -556,6 +558,7 @@ fn copy_stream_times_as_its_graph() {
             ranks: vec![ops.into_iter().map(Instr::Compute).collect()],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         };
         let q = with_memory_ops(&p, &mut rng);
         let spec = format!(

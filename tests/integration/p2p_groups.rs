@@ -72,6 +72,7 @@ fn pp4_vpp2(groups: P2pGroups) -> Program {
         ranks,
         lengths: None,
         p2p_groups: groups,
+        buffer_slots: None,
     }
 }
 
@@ -191,6 +192,7 @@ fn crossing(groups: P2pGroups) -> Program {
         ],
         lengths: None,
         p2p_groups: groups,
+        buffer_slots: None,
     }
 }
 
@@ -286,6 +288,7 @@ fn wraparound(groups: P2pGroups) -> Program {
         ],
         lengths: None,
         p2p_groups: groups,
+        buffer_slots: None,
     }
 }
 

@@ -531,6 +531,7 @@ fn unfused_1f1b() -> Program {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     }
 }
 
@@ -1115,6 +1116,7 @@ fn random_memory_ops_run_bitwise_and_measure_the_verifiers_peaks() {
                 param: (0..p.world()).map(|_| rng.below(3) as f64).collect(),
                 unit: Unit::LayerActivations,
                 mb_scale: None,
+                msg: None,
             };
             let base = run(&p, &mm, 2);
             assert_measured(&format!("{kind:?} pp {pp} plain"), &p, &mm, &base);
@@ -1155,6 +1157,7 @@ fn planned_offloads_run_at_the_planned_peak() {
             param: vec![0.0; p.world() as usize],
             unit: Unit::LayerActivations,
             mb_scale: None,
+            msg: None,
         };
         let top = pipec_ir::memory::peaks(&p, &mm)
             .iter()

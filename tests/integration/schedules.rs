@@ -321,12 +321,14 @@ fn executor_finds_the_classic_1f1b_deadlock() {
                 payload: Payload::act(0, 0),
                 batch: 0,
                 tokens: None,
+                slot: None,
             },
             Instr::Recv {
                 peer: Rank(1),
                 payload: Payload::grad(1, 0),
                 batch: 1,
                 tokens: None,
+                slot: None,
             },
         ],
         vec![
@@ -335,12 +337,14 @@ fn executor_finds_the_classic_1f1b_deadlock() {
                 payload: Payload::grad(1, 0),
                 batch: 0,
                 tokens: None,
+                slot: None,
             },
             Instr::Recv {
                 peer: Rank(0),
                 payload: Payload::act(0, 0),
                 batch: 1,
                 tokens: None,
+                slot: None,
             },
         ],
     ];
@@ -352,6 +356,7 @@ fn executor_finds_the_classic_1f1b_deadlock() {
         ranks,
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     let e = rendezvous(&p).unwrap_err();
     assert!(e.starts_with("Deadlock"), "{e}");

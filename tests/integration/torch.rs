@@ -1490,6 +1490,7 @@ fn export_refuses_what_the_csv_cannot_say() {
         payload: Payload::grad(0, 0),
         batch: 99,
         tokens: None,
+        slot: None,
     });
     assert!(matches!(
         pipec_compiler::torch::export_csv_unverified(

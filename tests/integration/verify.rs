@@ -333,6 +333,7 @@ fn ring(rank0_recv_first: bool) -> Program {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     }
 }
 
@@ -420,6 +421,7 @@ fn chained_batches_through_one_peer_are_not_a_deadlock() {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     let r = check(&p);
     assert!(r.is_valid(), "{r}");
@@ -514,6 +516,7 @@ fn arbitrary_programs_never_panic() {
                 ranks,
                 lengths: None,
                 p2p_groups: Default::default(),
+                buffer_slots: None,
             };
             let r = verify(
                 &p,
@@ -1032,6 +1035,7 @@ fn verified_carries_the_verifiers_report_and_matching() {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     let want = verify(&p, &VerifyOptions::default());
     let r = verified(p, &VerifyOptions::default()).unwrap_err();

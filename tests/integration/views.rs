@@ -470,6 +470,7 @@ fn arb_program() -> impl Strategy<Value = Program> {
                                             payload,
                                             batch: b as u32,
                                             tokens: None,
+                                            slot: None,
                                         }
                                     } else {
                                         Instr::Recv {
@@ -477,6 +478,7 @@ fn arb_program() -> impl Strategy<Value = Program> {
                                             payload,
                                             batch: b as u32,
                                             tokens: None,
+                                            slot: None,
                                         }
                                     });
                                 }
@@ -494,6 +496,7 @@ fn arb_program() -> impl Strategy<Value = Program> {
                 ranks,
                 lengths: None,
                 p2p_groups: Default::default(),
+                buffer_slots: None,
             }
         })
     })
@@ -748,12 +751,14 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
                     payload: Payload::act(0, 0),
                     batch: 0,
                     tokens: None,
+                    slot: None,
                 },
                 Instr::Recv {
                     peer: Rank(1),
                     payload: Payload::grad(1, 0),
                     batch: 1,
                     tokens: None,
+                    slot: None,
                 },
                 Instr::Compute(Compute::Bwd(Task::new(0, 0))),
             ],
@@ -763,12 +768,14 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
                     payload: Payload::grad(1, 0),
                     batch: 0,
                     tokens: None,
+                    slot: None,
                 },
                 Instr::Recv {
                     peer: Rank(0),
                     payload: Payload::act(0, 0),
                     batch: 1,
                     tokens: None,
+                    slot: None,
                 },
                 Instr::Compute(Compute::Fwd(Task::new(1, 0))),
                 Instr::Compute(Compute::Bwd(Task::new(1, 0))),
@@ -776,6 +783,7 @@ fn deadlock_dir(tmp: &Path) -> PathBuf {
         ],
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     };
     let layout = Layout::uniform(2);
     let header = Header {

@@ -51,6 +51,7 @@ fn send(peer: u32, payload: Payload, batch: u32) -> Instr {
         payload,
         batch,
         tokens: None,
+        slot: None,
     }
 }
 fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
@@ -59,6 +60,7 @@ fn recv(peer: u32, payload: Payload, batch: u32) -> Instr {
         payload,
         batch,
         tokens: None,
+        slot: None,
     }
 }
 fn wait(batch: u32) -> Instr {
@@ -80,6 +82,7 @@ fn program(placement: Placement, ranks: Vec<Vec<Instr>>) -> Program {
         ranks,
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     }
 }
 
@@ -128,8 +131,33 @@ fn found(v: &Violation) -> Found {
     (name, v.at().map(|InstrRef { rank, index }| (rank.0, index)))
 }
 
-fn judged(p: &Program, opts: &VerifyOptions) -> Vec<Violation> {
-    verify(p, opts).violations
+fn judged(p: &Program, opts: &VerifyOptions, msg: Option<f64>) -> Vec<Violation> {
+    if msg.is_none() {
+        return verify(p, opts).violations;
+    }
+    // A cost model that sizes messages (B3): the default memory model, messages of `msg`.
+    let mem = pipec_ir::memory::MemoryModel {
+        msg,
+        ..pipec_ir::memory::MemoryModel::units(p)
+    };
+    let limit = opts.memory_limit.map(|l| l as f64);
+    pipec_ir::verify::verify_with(p, pipec_ir::verify::Level::Full, 1, &mem, limit).violations
+}
+
+/// `p` with a buffer plan: pools of `pool` slots of size 1 per rank, and the slots `slots[r][i]`
+/// on each message of rank `r` in stream order (`None`: none).
+fn slotted(mut p: Program, pool: usize, slots: &[&[Option<u32>]]) -> Program {
+    for (r, want) in slots.iter().enumerate() {
+        let mut k = 0;
+        for ins in p.ranks[r].iter_mut() {
+            if let Instr::Send { slot, .. } | Instr::Recv { slot, .. } = ins {
+                *slot = want[k];
+                k += 1;
+            }
+        }
+    }
+    p.buffer_slots = Some(pipec_ir::ir::Pools(vec![vec![1.0; pool]; p.ranks.len()]));
+    p
 }
 
 /// One case: a name, the program, the options, and every violation the verifier must report
@@ -139,6 +167,8 @@ struct Case {
     program: Program,
     opts: VerifyOptions,
     want: Vec<(&'static str, Option<(u32, u32)>)>,
+    /// Messages' size under the cost model (B3), `None`: the verifier's default model.
+    msg: Option<f64>,
 }
 
 fn case(
@@ -151,6 +181,7 @@ fn case(
         program,
         opts: VerifyOptions::default(),
         want,
+        msg: None,
     }
 }
 
@@ -588,6 +619,76 @@ fn cases() -> Vec<Case> {
             vec![("MemoryLimit", at(0, 1))],
         )
     });
+    // B1-B3 (buffer plan, issue #39). In the valid two-rank program each rank's two messages
+    // live apart (rank 0: the send over #0-#1, from its forward to its batch; the receive over
+    // #2-#3, to its backward), so one slot per rank holds both.
+    // B1: rank 1's send (#3) has no slot in a program with a plan.
+    out.push(case(
+        "SlotMissing",
+        slotted(
+            two_ranks(r0.clone(), r1.clone()),
+            1,
+            &[&[Some(0), Some(0)], &[Some(0), None]],
+        ),
+        vec![("SlotMissing", at(1, 3))],
+    ));
+    // B1: rank 0's send (#1) names a slot in a program without a plan.
+    out.push(case(
+        "SlotWithoutPlan",
+        {
+            let mut p = two_ranks(r0.clone(), r1.clone());
+            if let Instr::Send { slot, .. } = &mut p.ranks[0][1] {
+                *slot = Some(0);
+            }
+            p
+        },
+        vec![("SlotWithoutPlan", at(0, 1))],
+    ));
+    // B1: rank 1's receive (#0) names slot 1 of a one-slot pool.
+    out.push(case(
+        "SlotOutOfRange",
+        slotted(
+            two_ranks(r0.clone(), r1.clone()),
+            1,
+            &[&[Some(0), Some(0)], &[Some(1), Some(0)]],
+        ),
+        vec![("SlotOutOfRange", at(1, 0))],
+    ));
+    // B2: rank 0 posts its send and its receive in one batch (#1-#2), so the sent activation
+    // (from the forward at #0 to the batch's end at #2) and the received gradient (from the
+    // post at #1 to the backward at #3) live together; both in slot 0: reported at the
+    // receive, the later start.
+    out.push(case(
+        "SlotReused",
+        {
+            let r0 = vec![f(0, 0), send(1, a(0), 0), recv(1, g(1), 0), b(0, 0)];
+            slotted(
+                two_ranks(r0, r1.clone()),
+                1,
+                &[&[Some(0), Some(0)], &[Some(0), Some(0)]],
+            )
+        },
+        vec![("SlotReused", at(0, 2))],
+    ));
+    // B3: under a cost model whose messages weigh 2, every slot (size 1) is too small: each
+    // message, in rank order.
+    out.push(Case {
+        msg: Some(2.0),
+        ..case(
+            "SlotTooSmall",
+            slotted(
+                two_ranks(r0.clone(), r1.clone()),
+                1,
+                &[&[Some(0), Some(0)], &[Some(0), Some(0)]],
+            ),
+            vec![
+                ("SlotTooSmall", at(0, 1)),
+                ("SlotTooSmall", at(0, 2)),
+                ("SlotTooSmall", at(1, 0)),
+                ("SlotTooSmall", at(1, 3)),
+            ],
+        )
+    });
     // S3: so many (stage, microbatch) tasks (2 * u32::MAX) that the program's one compute op
     // cannot cover them: per-task checks are skipped.
     out.push(case(
@@ -615,7 +716,10 @@ const UNPRODUCIBLE: [&str; 1] = [
 fn each_minimal_program_gets_its_violations_at_its_instructions() {
     let mut failures = Vec::new();
     for c in cases() {
-        let got: Vec<Found> = judged(&c.program, &c.opts).iter().map(found).collect();
+        let got: Vec<Found> = judged(&c.program, &c.opts, c.msg)
+            .iter()
+            .map(found)
+            .collect();
         let want: Vec<Found> = c.want.iter().map(|(n, at)| (n.to_string(), *at)).collect();
         assert!(
             want.iter().any(|(n, _)| n == c.name),
@@ -626,7 +730,7 @@ fn each_minimal_program_gets_its_violations_at_its_instructions() {
             failures.push(format!("{}: got {got:?}, want {want:?}", c.name));
         }
         // The message names the instruction the way pipec prints it: `rank 1, #4`.
-        for v in judged(&c.program, &c.opts) {
+        for v in judged(&c.program, &c.opts, c.msg) {
             if let Some(InstrRef { rank, index }) = v.at() {
                 let named = format!("rank {}, #{index}", rank.0);
                 if !v.to_string().contains(&named) {
@@ -644,7 +748,7 @@ fn each_minimal_program_gets_its_violations_at_its_instructions() {
 fn whole_program_violations_name_their_ranks_and_figures() {
     let all: Vec<(&str, Vec<Violation>)> = cases()
         .into_iter()
-        .map(|c| (c.name, judged(&c.program, &c.opts)))
+        .map(|c| (c.name, judged(&c.program, &c.opts, c.msg)))
         .collect();
     let of = |name: &str| &all.iter().find(|(n, _)| *n == name).unwrap().1;
     assert_eq!(

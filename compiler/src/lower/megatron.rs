@@ -198,24 +198,28 @@ impl Comm {
                 payload,
                 batch,
                 tokens: None,
+                slot: None,
             },
             Key::SendPrev => Instr::Send {
                 peer: self.prev(),
                 payload,
                 batch,
                 tokens: None,
+                slot: None,
             },
             Key::RecvPrev => Instr::Recv {
                 peer: self.prev(),
                 payload,
                 batch,
                 tokens: None,
+                slot: None,
             },
             Key::RecvNext => Instr::Recv {
                 peer: self.next(),
                 payload,
                 batch,
                 tokens: None,
+                slot: None,
             },
         }
     }

@@ -508,12 +508,14 @@ fn push_batch(out: &mut Vec<Instr>, next: &mut u32, sends: &[Endpoint], recvs: &
         payload: e.payload,
         batch,
         tokens: None,
+        slot: None,
     }));
     out.extend(recvs.iter().map(|e| Instr::Recv {
         peer: e.peer,
         payload: e.payload,
         batch,
         tokens: None,
+        slot: None,
     }));
 }
 
@@ -549,6 +551,7 @@ pub fn lower_with(
         ranks,
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     })
 }
 
@@ -626,6 +629,7 @@ pub fn lower_orders(
         ),
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     }
 }
 
@@ -668,6 +672,7 @@ pub fn lower_megatron_shapes(schedule: &Schedule) -> Option<Program> {
         ),
         lengths: None,
         p2p_groups: Default::default(),
+        buffer_slots: None,
     })
 }
 

@@ -450,6 +450,7 @@ pub fn import_csv(text: &str, opts: &ImportOptions) -> Result<Imported, CsvError
                 ranks,
                 lengths: None,
                 p2p_groups: Default::default(),
+                buffer_slots: None,
             }
         }
     };

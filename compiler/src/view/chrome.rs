@@ -157,12 +157,14 @@ impl TraceBuilder {
                         payload,
                         batch,
                         tokens,
+                        ..
                     }
                     | Instr::Recv {
                         peer,
                         payload,
                         batch,
                         tokens,
+                        ..
                     } => {
                         let kind = payload.kind.name();
                         // The message's size, when the plan knows its microbatches' lengths.

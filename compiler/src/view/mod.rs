@@ -267,6 +267,7 @@ mod tests {
             ranks: vec![vec![], vec![]],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         };
         assert_eq!(chunks(&p), vec![0, 0, 1, 1, 2, 2]);
         let p = Program {

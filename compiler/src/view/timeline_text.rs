@@ -790,6 +790,7 @@ mod tests {
             ]],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         };
         let spans = |t0: f64| {
             vec![vec![

@@ -94,6 +94,13 @@ pub struct Manifest {
     /// unchanged.
     #[serde(default, skip_serializing_if = "P2pGroups::is_pair")]
     pub p2p_groups: P2pGroups,
+    /// The message-buffer pools of a static buffer plan (issue #39, `--buffer-plan`): per
+    /// rank, each slot's size in the cost model's memory unit (bytes when its costs are).
+    /// Every send and receive of a tensor then names its `slot`. Not hashed (the slots on the
+    /// instructions are), like `cost`: the verifier checks the sizes against the messages.
+    /// Absent without a plan, so those files are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_slots: Option<crate::ir::Pools>,
 }
 
 /// The one sentence `pipec check`, `show`, `simulate` and `import` say of a compute-only
@@ -156,6 +163,7 @@ any_row! {
     batch: u32,
     checkpoint: True,
     tokens: Tokens,
+    slot: u32,
 }
 
 macro_rules! gen_format {

@@ -97,6 +97,7 @@ mod tests {
                             payload,
                             batch,
                             tokens: None,
+                            slot: None,
                         });
                         if waits {
                             out.push(Instr::Wait { batch });
@@ -110,6 +111,7 @@ mod tests {
                             payload,
                             batch,
                             tokens: None,
+                            slot: None,
                         });
                         batch += 1;
                     }
@@ -128,6 +130,7 @@ mod tests {
                 ranks,
                 lengths: None,
                 p2p_groups: Default::default(),
+                buffer_slots: None,
             },
         }
     }
@@ -479,8 +482,55 @@ mod encodings {
                 (11, "wait_offload"),
                 (12, "recompute"),
                 (13, "send"),
-                (14, "recv")
+                (14, "recv"),
+                (15, "send"),
+                (16, "recv"),
+                (17, "send"),
+                (18, "recv")
             ]
         );
+    }
+
+    /// A send with a buffer slot (issue #39) is `send` with `"slot"` last (after `tokens` when
+    /// both), its own index; without one it keeps its bytes. serde's path picks the row by the
+    /// keys present.
+    #[test]
+    fn a_slotted_message_is_send_with_a_key() {
+        use crate::ir::{Payload, Tokens};
+        use pipec_schedules::Rank;
+        let send = |tokens, slot| Instr::Send {
+            peer: Rank(1),
+            payload: Payload::act(0, 3),
+            batch: 2,
+            tokens,
+            slot,
+        };
+        let json = |i: &Instr| {
+            let mut line = Vec::new();
+            write_instr(&mut line, i);
+            String::from_utf8(line).unwrap()
+        };
+        let plain = r#"{"op":"send","peer":1,"payload":"act","stage":0,"mb":3,"batch":2}"#;
+        assert_eq!(json(&send(None, None)), plain);
+        assert_eq!(
+            json(&send(None, Some(4))),
+            r#"{"op":"send","peer":1,"payload":"act","stage":0,"mb":3,"batch":2,"slot":4}"#
+        );
+        let t = Tokens::new(7);
+        assert_eq!(
+            json(&send(t, Some(4))),
+            r#"{"op":"send","peer":1,"payload":"act","stage":0,"mb":3,"batch":2,"tokens":7,"slot":4}"#
+        );
+        assert_eq!(canonical(&[send(None, None)]), [1, 5, 1, 0, 0, 3, 2]);
+        assert_eq!(canonical(&[send(None, Some(4))]), [1, 15, 1, 0, 0, 3, 2, 4]);
+        assert_eq!(canonical(&[send(t, Some(4))]), [1, 17, 1, 0, 0, 3, 2, 7, 4]);
+        let serde = |s: &str| serde_json::from_str::<InstrJson>(s).map(Instr::from);
+        let spaced = r#"{"slot": 4, "op": "send", "peer": 1, "payload": "act", "stage": 0, "mb": 3, "batch": 2, "tokens": 7}"#;
+        assert_eq!(serde(spaced).unwrap(), send(t, Some(4)));
+        let spaced = r#"{"slot": 4, "op": "send", "peer": 1, "payload": "act", "stage": 0, "mb": 3, "batch": 2}"#;
+        assert_eq!(serde(spaced).unwrap(), send(None, Some(4)));
+        let e = serde(r#"{"op":"send","peer":1,"payload":"act","stage":0,"mb":3,"slot":4}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("missing field `batch`"), "{e}");
     }
 }

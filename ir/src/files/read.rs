@@ -263,6 +263,28 @@ pub(crate) fn check_manifest(path: PathBuf, m: Manifest) -> Result<Manifest, Loa
             expected: format!("world size {} with {} stages", m.world_size, m.num_stages),
         });
     }
+    if let Some(p) = &m.buffer_slots {
+        if p.0.len() != m.world_size as usize {
+            return Err(LoadError::Mismatch {
+                path,
+                field: "buffer_slots",
+                found: format!("{} ranks", p.0.len()),
+                expected: format!("{} (`world_size`)", m.world_size),
+            });
+        }
+        if let Some((r, x)) = p.0.iter().enumerate().find_map(|(r, v)| {
+            v.iter()
+                .find(|x| !x.is_finite() || **x < 0.0)
+                .map(|x| (r, x))
+        }) {
+            return Err(LoadError::Mismatch {
+                path,
+                field: "buffer_slots",
+                found: format!("a slot of size {x} on rank {r}"),
+                expected: "sizes that are finite and at least 0".to_string(),
+            });
+        }
+    }
     if let Some(l) = &m.microbatch_lengths {
         if l.microbatches() != m.microbatches {
             return Err(LoadError::Mismatch {
@@ -665,6 +687,7 @@ fn read_with(
         lengths: manifest.microbatch_lengths.clone(),
         ranks,
         p2p_groups: manifest.p2p_groups,
+        buffer_slots: manifest.buffer_slots.clone(),
     };
     Ok((
         Loaded { manifest, program },

@@ -26,7 +26,8 @@ use serde::Serialize;
 /// of its own in the binary form, where its index tells it apart. So a file without the key
 /// keeps the bytes it had, and readers pick the row by the key's presence. A row
 /// `index name as op { ... }` is likewise a variant of `op` with one more valued field, last
-/// (a send or receive with its `tokens`, issue #38): readers take it where that key is there.
+/// (a send or receive with its `tokens`, issue #38), or two (`tokens` and `slot`, issue #39):
+/// readers take the row whose keys are there.
 macro_rules! instructions {
     ($m:ident) => {
         $m! {
@@ -49,6 +50,7 @@ macro_rules! instructions {
                     payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
                     batch,
                     tokens: None,
+                    slot: None,
                 }];
             6 recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32 }
                 => [Instr::Recv {
@@ -56,6 +58,7 @@ macro_rules! instructions {
                     payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
                     batch,
                     tokens: None,
+                    slot: None,
                 }];
             7 wait { batch: u32 } => [Instr::Wait { batch }];
             8 fwd_checkpoint as fwd + checkpoint { stage: u32, mb: u32 }
@@ -86,6 +89,7 @@ macro_rules! instructions {
                     payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
                     batch,
                     tokens: Some(tokens),
+                    slot: None,
                 }];
             14 sized_recv as recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, tokens: crate::ir::Tokens }
                 => [Instr::Recv {
@@ -93,6 +97,39 @@ macro_rules! instructions {
                     payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
                     batch,
                     tokens: Some(tokens),
+                    slot: None,
+                }];
+            15 slotted_send as send { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, slot: u32 }
+                => [Instr::Send {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                    tokens: None,
+                    slot: Some(slot),
+                }];
+            16 slotted_recv as recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, slot: u32 }
+                => [Instr::Recv {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                    tokens: None,
+                    slot: Some(slot),
+                }];
+            17 sized_slotted_send as send { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, tokens: crate::ir::Tokens, slot: u32 }
+                => [Instr::Send {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                    tokens: Some(tokens),
+                    slot: Some(slot),
+                }];
+            18 sized_slotted_recv as recv { peer: u32, payload: PayloadKind, stage: u32, mb: u32, batch: u32, tokens: crate::ir::Tokens, slot: u32 }
+                => [Instr::Recv {
+                    peer: Rank(peer),
+                    payload: Payload { kind: payload, stage: StageId(stage), mb: Microbatch(mb) },
+                    batch,
+                    tokens: Some(tokens),
+                    slot: Some(slot),
                 }];
         }
     };

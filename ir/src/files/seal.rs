@@ -79,6 +79,7 @@ struct ManifestLoose {
     microbatch_lengths: Option<pipec_schedules::Lengths>,
     #[serde(default)]
     p2p_groups: pipec_schedules::P2pGroups,
+    buffer_slots: Option<crate::ir::Pools>,
 }
 
 #[derive(Deserialize)]
@@ -133,6 +134,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
         microbatch_lengths: m.microbatch_lengths,
         plan: m.plan,
         p2p_groups: m.p2p_groups,
+        buffer_slots: m.buffer_slots,
     };
     check_manifest(path, m)
 }
@@ -167,6 +169,7 @@ pub fn seal_dir(dir: &Path) -> Result<Sealed, SealError> {
         lengths: m.microbatch_lengths.clone(),
         ranks,
         p2p_groups: m.p2p_groups,
+        buffer_slots: m.buffer_slots.clone(),
     };
     let header = Header {
         source: &m.source,

@@ -307,6 +307,7 @@ impl Prepared<'_> {
             microbatch_lengths: self.program.lengths.clone(),
             plan: self.plan.clone(),
             p2p_groups: self.program.p2p_groups,
+            buffer_slots: self.program.buffer_slots.clone(),
         };
         let mut m = serde_json::to_string_pretty(&manifest).expect("manifest serializes");
         m.push('\n');

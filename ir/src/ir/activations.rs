@@ -411,6 +411,7 @@ mod tests {
                 .collect(),
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 

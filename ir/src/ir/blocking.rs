@@ -113,6 +113,7 @@ mod tests {
             ranks,
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 

@@ -261,6 +261,8 @@ mod tests {
             comm: None,
             lengths: None,
             ranks,
+            p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 

@@ -9,6 +9,7 @@
 pub mod activations;
 mod blocking;
 mod capture;
+pub mod buffers;
 mod id;
 mod matching;
 mod program;
@@ -18,5 +19,5 @@ pub use blocking::blocking_order;
 pub use capture::{capture_order, capture_order_json, CaptureError, CaptureStep};
 pub use id::{OptIdx, Positions, TooLarge};
 pub use matching::{Channel, Matching};
-pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Program, Tokens};
+pub use program::{Instr, InstrRef, MemKind, MemOp, Payload, PayloadKind, Pools, Program, Tokens};
 pub use steps::{batch_end, steps, waited_batches, Step, Steps};

@@ -128,6 +128,10 @@ pub enum Instr {
         /// The tokens of the tensor it moves, when the plan knows its microbatches' lengths
         /// (issue #38): a runtime allocates the receive from it, no shape handshake.
         tokens: Option<Tokens>,
+        /// The slot of the rank's message-buffer pool ([`Program::buffer_slots`], issue #39)
+        /// the tensor lives in from the pass that produces it until the send completes;
+        /// `None` without a buffer plan.
+        slot: Option<u32>,
     },
     Recv {
         peer: Rank,
@@ -135,6 +139,9 @@ pub enum Instr {
         batch: u32,
         /// As [`Instr::Send`]'s; a matched pair must agree.
         tokens: Option<Tokens>,
+        /// The pool slot the tensor lands in, held from the receive until its last use on
+        /// this rank ([`crate::ir::buffers`]); `None` without a buffer plan.
+        slot: Option<u32>,
     },
     /// Block until the earlier batch `batch` of this rank has completed (`work.wait()`).
     Wait {
@@ -202,6 +209,7 @@ impl Instr {
                 payload,
                 batch,
                 tokens: None,
+                slot: None,
             }
         } else {
             Instr::Recv {
@@ -209,7 +217,16 @@ impl Instr {
                 payload,
                 batch,
                 tokens: None,
+                slot: None,
             }
+        }
+    }
+
+    /// The buffer slot of a send or recv (`None` without a plan, and for any other op).
+    pub fn slot(&self) -> Option<u32> {
+        match *self {
+            Instr::Send { slot, .. } | Instr::Recv { slot, .. } => slot,
+            _ => None,
         }
     }
 
@@ -293,6 +310,41 @@ pub struct Program {
     /// group on a rank. The default, one per pair of ranks, is torch's own.
     #[serde(default, skip_serializing_if = "P2pGroups::is_pair")]
     pub p2p_groups: P2pGroups,
+    /// The message-buffer pools of a static buffer plan (issue #39, `--buffer-plan`), stored
+    /// as the manifest's `buffer_slots`; `None` without a plan. Every send and receive then
+    /// names a slot of its rank's pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub buffer_slots: Option<Pools>,
+}
+
+/// Per rank, each slot's size in the memory unit of the cost model the plan was made with
+/// (bytes when its costs are; [`crate::memory::Unit`]). Compared bit for bit, so that a
+/// program equals itself (sizes are finite: the reader refuses others).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Pools(pub Vec<Vec<f64>>);
+
+impl PartialEq for Pools {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.len() == other.0.len()
+            && self.0.iter().zip(&other.0).all(|(a, b)| {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            })
+    }
+}
+
+impl Eq for Pools {}
+
+impl Pools {
+    /// Rank `r`'s slots (none for a rank the pools do not name).
+    pub fn rank(&self, r: usize) -> &[f64] {
+        self.0.get(r).map_or(&[], Vec::as_slice)
+    }
+
+    /// The sum of rank `r`'s slot sizes: what its pool holds for the whole step.
+    pub fn bytes(&self, r: usize) -> f64 {
+        self.rank(r).iter().sum()
+    }
 }
 
 impl Program {

@@ -94,12 +94,14 @@ mod tests {
             payload: Payload::act(0, 0),
             batch: b,
             tokens: None,
+            slot: None,
         };
         let recv = |b| Instr::Recv {
             peer: Rank(1),
             payload: Payload::grad(1, 0),
             batch: b,
             tokens: None,
+            slot: None,
         };
         let f = Instr::Compute(Compute::Fwd(Task::new(0, 0)));
         let s = [

@@ -421,6 +421,7 @@ mod tests {
             ranks,
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 

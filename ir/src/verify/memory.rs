@@ -39,6 +39,7 @@ pub(crate) fn check(
             params: p.params,
             at: p.at.map(|index| InstrRef { rank, index }),
             host: p.host,
+            buffers: p.buffers,
         });
     }
     result
@@ -55,6 +56,7 @@ pub fn weighted_peaks(program: &Program, act: &[f64], param: &[f64]) -> Vec<f64>
         param: param.to_vec(),
         unit: crate::memory::Unit::LayerActivations,
         mb_scale: None,
+        msg: None,
     };
     crate::memory::peaks(program, &mem)
         .iter()

@@ -79,6 +79,17 @@
 //!   [`RecomputeWithoutCheckpoint`]; the backward of a checkpointed forward comes after its
 //!   recompute [`BackwardWithoutRecompute`].
 //!
+//! Buffer plan (issue #39, `--buffer-plan`; docs/format.md `slot`, `buffer_slots`; also
+//! checked at [`Level::Structure`]: a runtime indexes its pools with the slots). See
+//! [`buffers`] and [`crate::ir::buffers`] for the lifetimes.
+//! - B1. With `buffer_slots`, every send and receive of a tensor names a slot [`SlotMissing`]
+//!   of its rank's pool [`SlotOutOfRange`]; without them none does, and a shape message never
+//!   does [`SlotWithoutPlan`].
+//! - B2. A slot is never given to a message while it holds another message's tensor
+//!   [`SlotReused`].
+//! - B3. Under a cost model that sizes messages, every slot is at least as large as each
+//!   message it holds [`SlotTooSmall`]; the pools count in R1's peak.
+//!
 //! Risks (reported beside the verdict, see [`risk`]): what holds under this model but is
 //! fragile on NCCL, such as two tensors to one peer in one batch.
 //!
@@ -127,6 +138,11 @@
 //! [`NoConsumer`]: Violation::NoConsumer
 //! [`SelfMessage`]: Violation::SelfMessage
 //! [`MemoryLimit`]: Violation::MemoryLimit
+//! [`SlotMissing`]: Violation::SlotMissing
+//! [`SlotWithoutPlan`]: Violation::SlotWithoutPlan
+//! [`SlotOutOfRange`]: Violation::SlotOutOfRange
+//! [`SlotReused`]: Violation::SlotReused
+//! [`SlotTooSmall`]: Violation::SlotTooSmall
 //! [`OffloadWithoutForward`]: Violation::OffloadWithoutForward
 //! [`OffloadOfCheckpointed`]: Violation::OffloadOfCheckpointed
 //! [`ReloadWithoutOffload`]: Violation::ReloadWithoutOffload
@@ -137,6 +153,7 @@
 //! [`BackwardWhileOffloaded`]: Violation::BackwardWhileOffloaded
 //! [`BackwardWithoutRecompute`]: Violation::BackwardWithoutRecompute
 
+pub mod buffers;
 mod complete;
 pub mod deadlock;
 mod deps;
@@ -313,6 +330,7 @@ fn check(
             let mut complete = Vec::new();
             complete::check(&ix, &mut complete);
             offload::check(&ix, &mut complete);
+            buffers::check(&ix, mem, &mut complete);
             let mut found = Vec::new();
             if !full {
                 routes::check(&ix, &mut found);
@@ -377,6 +395,7 @@ mod tests {
             ranks: vec![vec![Instr::Compute(Compute::Fwd(Task::new(0, 0)))]],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         };
         let r = verify(&p, &VerifyOptions::default());
         assert_eq!(
@@ -400,12 +419,14 @@ mod tests {
             payload,
             batch,
             tokens: None,
+            slot: None,
         };
         let send = |peer, payload, batch| Instr::Send {
             peer: Rank(peer),
             payload,
             batch,
             tokens: None,
+            slot: None,
         };
         let mut r0 = vec![recv(1, Payload::grad(1, 0), 0)];
         let mut r1 = Vec::new();
@@ -422,6 +443,7 @@ mod tests {
             ranks: vec![r0, r1],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         };
         let r = verify(&p, &VerifyOptions::default());
         let cycles: Vec<&Violation> = r

@@ -196,6 +196,7 @@ mod tests {
             ranks: vec![instrs],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 
@@ -332,6 +333,7 @@ mod tests {
             param: vec![0.0],
             unit: memory::Unit::LayerActivations,
             mb_scale: None,
+            msg: None,
         };
         let p = one_rank(vec![
             f(0, 0),    // 2

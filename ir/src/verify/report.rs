@@ -33,6 +33,13 @@ pub struct RankMemory {
         skip_serializing_if = "is_zero"
     )]
     pub host: f64,
+    /// The message-buffer pool of a buffer plan (issue #39), in `memory_unit`, included in
+    /// `peak`; absent from JSON when 0.
+    #[serde(
+        serialize_with = "crate::memory::figure",
+        skip_serializing_if = "is_zero"
+    )]
+    pub buffers: f64,
 }
 
 fn is_zero(x: &f64) -> bool {

@@ -226,6 +226,7 @@ mod tests {
             ],
             lengths: None,
             p2p_groups: Default::default(),
+            buffer_slots: None,
         }
     }
 
@@ -235,12 +236,14 @@ mod tests {
             payload: Payload::act(0, 0),
             batch: u32::from(grad_first),
             tokens: None,
+            slot: None,
         };
         let grad = Instr::Recv {
             peer: Rank(1),
             payload: Payload::grad(1, 0),
             batch: u32::from(!grad_first),
             tokens: None,
+            slot: None,
         };
         let (a, b) = if grad_first { (grad, act) } else { (act, grad) };
         vec![

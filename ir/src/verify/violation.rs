@@ -255,6 +255,34 @@ pub enum Violation {
     },
     /// A backward of a checkpointed forward with no `recompute` before it.
     BackwardWithoutRecompute { site: Site, part: Part, fwd: Site },
+    /// A send or receive of a tensor without a `slot` in a program with a buffer plan.
+    SlotMissing { site: Site },
+    /// A `slot` in a program without a buffer plan (no `buffer_slots`), or on a shape message,
+    /// which takes none.
+    SlotWithoutPlan { site: Site },
+    /// A `slot` past the end of its rank's pool.
+    SlotOutOfRange { site: Site, slot: u32, slots: u32 },
+    /// A message put in a slot while the slot still holds another message's tensor: `live`
+    /// holds it over `[live_from, live_until]` (instruction indices of the rank), and
+    /// `reuse` takes it from `reuse_from` (issue #39, [`crate::ir::buffers`]).
+    SlotReused {
+        slot: u32,
+        live: Site,
+        live_from: u32,
+        live_until: u32,
+        reuse: Site,
+        reuse_from: u32,
+    },
+    /// A slot smaller than a message put in it (sizes in `unit`).
+    SlotTooSmall {
+        site: Site,
+        slot: u32,
+        #[serde(serialize_with = "crate::memory::figure")]
+        size: f64,
+        #[serde(serialize_with = "crate::memory::figure")]
+        needs: f64,
+        unit: crate::memory::Unit,
+    },
     /// More live activations than the limit.
     MemoryLimit {
         rank: Rank,
@@ -303,7 +331,11 @@ impl Violation {
             | UnpairedSplit { .. }
             | MixedBackward { .. }
             | BackwardInForwardOnly { .. } => Class::Incomplete,
-            WrongTensor { .. } | WrongTokens { .. } | TokensNotLengths { .. } => Class::WrongTensor,
+            SlotMissing { .. } | SlotWithoutPlan { .. } | SlotOutOfRange { .. } => Class::Malformed,
+            WrongTensor { .. }
+            | WrongTokens { .. }
+            | TokensNotLengths { .. }
+            | SlotReused { .. } => Class::WrongTensor,
             Unmatched { .. } | Deadlock { .. } | StreamDeadlock { .. } => Class::Deadlock,
             RunsBeforeInput { .. }
             | RunsBeforeWait { .. }
@@ -327,6 +359,7 @@ impl Violation {
             | MemoryOpAfterBackward { .. }
             | BackwardWhileOffloaded { .. }
             | BackwardWithoutRecompute { .. }
+            | SlotTooSmall { .. }
             | MemoryLimit { .. } => Class::Memory,
         }
     }
@@ -367,7 +400,12 @@ impl Violation {
             | MemoryOpTwice { site, .. }
             | MemoryOpAfterBackward { site, .. }
             | BackwardWhileOffloaded { site, .. }
-            | BackwardWithoutRecompute { site, .. } => Some(site.at),
+            | BackwardWithoutRecompute { site, .. }
+            | SlotMissing { site }
+            | SlotWithoutPlan { site }
+            | SlotOutOfRange { site, .. }
+            | SlotTooSmall { site, .. } => Some(site.at),
+            SlotReused { reuse, .. } => Some(reuse.at),
             Duplicate { again, .. } => Some(again.at),
             MixedBackward { bwd, .. } => Some(bwd.at),
             WrongTensor { recv, .. } | WrongTokens { recv, .. } => Some(recv.at),
@@ -689,6 +727,50 @@ impl fmt::Display for Violation {
                 f,
                 "{site} runs {part} of a checkpointed forward ({}) with no recompute before it",
                 Near(site.at.rank, fwd.at)
+            ),
+            SlotMissing { site } => write!(
+                f,
+                "{site} has no buffer slot, but the program has a buffer plan (buffer_slots): every send and receive of a tensor names one"
+            ),
+            SlotWithoutPlan { site } => match site.instr {
+                Instr::Send { payload, .. } | Instr::Recv { payload, .. }
+                    if payload.kind.is_shape() =>
+                {
+                    write!(f, "{site} names a buffer slot, but shape messages take none")
+                }
+                _ => write!(
+                    f,
+                    "{site} names a buffer slot, but the program has no buffer plan (no buffer_slots)"
+                ),
+            },
+            SlotOutOfRange { site, slot, slots } => write!(
+                f,
+                "{site}: buffer slot {slot} is out of range ({} has {})",
+                site.at.rank,
+                count(*slots, "slot")
+            ),
+            SlotReused {
+                slot,
+                live,
+                live_from,
+                live_until,
+                reuse,
+                reuse_from,
+            } => write!(
+                f,
+                "{reuse} puts its tensor in buffer slot {slot} at #{reuse_from}, while the slot still holds the tensor of {live} (live from #{live_from} to #{live_until})"
+            ),
+            SlotTooSmall {
+                site,
+                slot,
+                size,
+                needs,
+                unit,
+            } => write!(
+                f,
+                "{site}: buffer slot {slot} holds {}, but the message needs {}",
+                unit.with_unit(*size),
+                unit.with_unit(*needs)
             ),
             MemoryLimit {
                 limit,

@@ -43,6 +43,10 @@ pub struct CommOp<T> {
     /// microbatch lengths (issue #38): a backend sizes the receive from it, with no shape
     /// exchange, and refuses a tensor of another size ([`CommError::WrongTokens`]).
     pub tokens: Option<u32>,
+    /// The slot of the rank's message-buffer pool the tensor lives in, from the instruction,
+    /// when the plan has a buffer plan (issue #39): a backend lands the receive in that slot's
+    /// buffer, allocated before the step.
+    pub slot: Option<u32>,
 }
 
 /// One operation of a batch that could not complete: what it waits for.

@@ -57,6 +57,8 @@ struct Checked {
     caveat: Option<&'static str>,
     /// The manifest's `sealed_by` (`pipec seal` re-hashed the files).
     sealed_by: Option<String>,
+    /// The buffer plan's pools (`buffer_slots`, issue #39), when the program has one.
+    pools: Option<pipec_ir::ir::Pools>,
 }
 
 pub fn run(a: Args) -> Result<ExitCode, CliError> {
@@ -127,6 +129,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
             report,
             caveat,
             sealed_by: None,
+            pools: imported.program.buffer_slots.clone(),
         });
     }
     if a.pp.is_some() {
@@ -151,6 +154,7 @@ fn judge(a: Args) -> Result<Checked, CliError> {
         report: report?,
         caveat: loaded.manifest.caveat(),
         sealed_by: loaded.manifest.sealed_by,
+        pools: loaded.program.buffer_slots,
     })
 }
 
@@ -242,6 +246,9 @@ fn print_json(
         o.insert("input".into(), input.display().to_string().into());
         o.insert("caveat".into(), c.caveat.into());
         o.insert("sealed_by".into(), c.sealed_by.into());
+        if let Some(p) = &c.pools {
+            o.insert("buffer_pools".into(), pools_json(p));
+        }
         o.insert(
             "risk_summary".into(),
             serde_json::json!({"total": total, "shown": shown, "by_kind": by_kind}),
@@ -252,6 +259,27 @@ fn print_json(
         o.insert("exit_code".into(), code.into());
     }
     super::print_json(&v);
+}
+
+/// `buffer_pools` of `--json`: per rank its slot count and the pool's size (in the report's
+/// `memory_unit`).
+fn pools_json(p: &pipec_ir::ir::Pools) -> serde_json::Value {
+    let figure = |x: f64| serde_json::to_value(Figure(x)).unwrap_or_default();
+    p.0.iter()
+        .enumerate()
+        .map(|(r, slots)| {
+            serde_json::json!({"rank": r, "slots": slots.len(), "size": figure(p.bytes(r))})
+        })
+        .collect()
+}
+
+/// A figure as the report writes it (a whole number as a JSON integer).
+struct Figure(f64);
+
+impl serde::Serialize for Figure {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        pipec_ir::memory::figure(&self.0, s)
+    }
 }
 
 fn print(c: &Checked, input: &Path, all: bool, strict: bool) {
@@ -310,6 +338,10 @@ fn print(c: &Checked, input: &Path, all: bool, strict: bool) {
             } else {
                 String::new()
             };
+            // The buffer plan's pool (issue #39), included in the peak.
+            if m.buffers > 0.0 {
+                params.push_str(&format!(", buffers {}", u.fmt(m.buffers)));
+            }
             // Offloaded activations (issue 30): what the rank holds in host memory at most.
             if m.host > 0.0 {
                 params.push_str(&format!(", host {}", u.fmt(m.host)));
@@ -323,6 +355,21 @@ fn print(c: &Checked, input: &Path, all: bool, strict: bool) {
                     at.index
                 )?,
                 None => writeln!(out, "  {}: {}{params}", m.rank, u.fmt(m.peak))?,
+            }
+        }
+        if let Some(p) = &c.pools {
+            writeln!(
+                out,
+                "buffer pools (slots, size in {}; counted in the peaks above):",
+                u.label()
+            )?;
+            for (rank, slots) in p.0.iter().enumerate() {
+                writeln!(
+                    out,
+                    "  rank {rank}: {} slots, {}",
+                    slots.len(),
+                    u.fmt(p.bytes(rank))
+                )?;
             }
         }
         if strict && !r.risks.is_empty() {

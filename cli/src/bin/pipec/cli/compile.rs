@@ -114,6 +114,13 @@ pub struct Args {
     /// Output directory.
     #[arg(short = 'o', long = "out")]
     pub out: PathBuf,
+    /// A static buffer plan: every send and receive of a tensor gets a `slot` of its rank's
+    /// message-buffer pool and the manifest its `buffer_slots` (each slot's size in the cost
+    /// model's memory unit: bytes of the stage-boundary tensor with a [model] table, else
+    /// `msg`). As few slots per rank as the most messages live at once; the pools count in the
+    /// memory figures and the limit. docs/format.md, "Buffer plan".
+    #[arg(long, conflicts_with = "config")]
+    pub buffer_plan: bool,
 }
 
 #[derive(clap::ValueEnum, Copy, Clone, Debug, PartialEq, Eq)]
@@ -174,6 +181,7 @@ impl Args {
             microbatch_order: self.microbatch_order.clone(),
             megatron_variable_seq_lengths: self.megatron_variable_seq_lengths,
             p2p_groups: self.p2p_groups,
+            buffer_plan: self.buffer_plan,
         })
     }
 }
