@@ -218,6 +218,54 @@ impl ModelShape {
         whole / sp + (split + core) / t
     }
 
+    /// The part of [`ModelShape::layer_activation`] a split backward keeps from the input
+    /// gradient (`bwd_D`) to the weight gradient (`bwd_W`): the inputs of the layer's
+    /// weight-gradient GEMMs, from Korthikanti et al. 2022's per-layer list (section 4.1):
+    /// the QKV input `e` and the MLP's first input `e` (kept whole by tensor parallelism,
+    /// split by sequence parallelism), the attention projection's input `e` and the MLP's
+    /// second input `e ffn/h` (GeLU's output, or SwiGLU's product; split by tensor
+    /// parallelism), per element of `sbh`. The rest (norm inputs, dropout masks, Q/K/V, the
+    /// activation function's input, the attention core's softmax and dropout) only the input
+    /// gradient reads, and `bwd_D` frees it. GPT-3 at `tp = 1`: `14 sbh` of `34 sbh + 5as
+    /// sbh/h`. The zero-bubble authors' runtime assumes more stays, `32h` of `34h + 5as` per
+    /// `sb` (`w_mem_approx` in their `zerobubble/runtime.py`: all but the core); this counts
+    /// what the weight GEMMs read. Under full recompute the layer keeps only its input, which
+    /// `bwd_W` recomputes from: all of it stays (`act_w = act`).
+    pub fn layer_activation_w(&self) -> f64 {
+        if self.recompute == Recompute::Full {
+            return self.layer_activation();
+        }
+        let e = self.element_bytes();
+        let (h, t) = (self.hidden as f64, self.tp as f64);
+        let s = self.seq as f64 / self.cp as f64;
+        let sbh = s * self.micro_batch as f64 * h;
+        let sp = if self.sequence_parallel { t } else { 1.0 };
+        let ffn = self.ffn as f64 / h;
+        sbh * (2.0 * e / sp + e * (1.0 + ffn) / t)
+    }
+
+    /// The embedding's weight gradient reads the token ids only (`8sb`, split by tp under
+    /// sequence parallelism); the dropout mask goes at `bwd_D`.
+    pub fn embedding_activation_w(&self) -> f64 {
+        let s = self.seq as f64 / self.cp as f64;
+        let sb = s * self.micro_batch as f64;
+        let sp = if self.sequence_parallel {
+            self.tp as f64
+        } else {
+            1.0
+        };
+        8.0 * sb / sp
+    }
+
+    /// The output layer's weight gradient reads its input (`e sbh`, split by tp under
+    /// sequence parallelism); the norm's input and the logits go at `bwd_D`.
+    pub fn output_activation_w(&self) -> f64 {
+        let t = self.tp as f64;
+        let s = self.seq as f64 / self.cp as f64;
+        let sp = if self.sequence_parallel { t } else { 1.0 };
+        self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
+    }
+
     /// Activation bytes of the embedding for one microbatch: the token ids (int64, `8sb`)
     /// and the embedding dropout mask (`sbh`), Korthikanti et al. section 4.3 as Megatron's
     /// `compute_activation_memory` counts them; split by tp under sequence parallelism.
@@ -346,6 +394,7 @@ impl ModelShape {
         let layer = LayerMemory {
             act: self.layer_activation(),
             param: self.layer_params() * bpp,
+            act_w: Some(self.layer_activation_w()),
         };
         Derived {
             layers: [PassCost::ZERO, t, t, l],
@@ -354,6 +403,7 @@ impl ModelShape {
                 LayerMemory {
                     act: self.embedding_activation(),
                     param: embed * bpp,
+                    act_w: Some(self.embedding_activation_w()),
                 },
                 layer,
                 layer,
@@ -362,6 +412,7 @@ impl ModelShape {
                     // The output layer and the final norm; Megatron keeps the output weight
                     // on the last stage even when it is tied to the embedding.
                     param: (embed + self.norm_params()) * bpp,
+                    act_w: Some(self.output_activation_w()),
                 },
             ],
         }

@@ -229,6 +229,33 @@ pub enum LayerStash<F> {
     },
 }
 
+impl<F: NdFloat> LayerStash<F> {
+    /// Drop what only the input gradient reads, once it ran ([`stage_bwd_d`]): the block's
+    /// GeLU input `h` and the head's probabilities and targets. What stays is what
+    /// [`stage_bwd_w`] reads, the weight GEMMs' inputs (the block's `x` and `a`, the head's
+    /// `x`) and the embedding's token ids, the split Korthikanti et al. 2022 name for a
+    /// transformer layer (`pipec_cost::model`, `layer_activation_w`).
+    pub fn keep_for_w(&mut self) {
+        match self {
+            LayerStash::Embedding { .. } => {}
+            LayerStash::Block { h, .. } => *h = Array2::zeros((0, 0)),
+            LayerStash::Head { probs, targets, .. } => {
+                *probs = Array2::zeros((0, 0));
+                *targets = Vec::new();
+            }
+        }
+    }
+
+    /// Elements the stash holds (token ids count one each): what it keeps in memory.
+    pub fn elements(&self) -> usize {
+        match self {
+            LayerStash::Embedding { tokens } => tokens.len(),
+            LayerStash::Block { x, h, a } => x.len() + h.len() + a.len(),
+            LayerStash::Head { x, probs, targets } => x.len() + probs.len() + targets.len(),
+        }
+    }
+}
+
 /// What a layer's input-gradient pass keeps for its weight-gradient pass.
 #[derive(Clone, Debug)]
 pub enum LayerPartial<F> {

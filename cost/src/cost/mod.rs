@@ -144,18 +144,22 @@ pub const DEFAULT_MEMORY: [LayerMemory; 4] = [
     LayerMemory {
         act: 0.0,
         param: 0.0,
+        act_w: None,
     },
     LayerMemory {
         act: 1.0,
         param: 0.0,
+        act_w: None,
     },
     LayerMemory {
         act: 1.0,
         param: 0.0,
+        act_w: None,
     },
     LayerMemory {
         act: 0.0,
         param: 0.0,
+        act_w: None,
     },
 ];
 
@@ -293,9 +297,16 @@ impl CostModel {
         self.seq.or(self.shape.as_ref().map(|s| s.seq))
     }
 
-    /// The memory of one layer kind (`K.act`, `K.param`).
+    /// The memory of one layer kind (`K.act`, `K.param`, `K.act_w`).
     pub fn layer_memory(&self, k: LayerKind) -> LayerMemory {
         self.memory[kind_index(k)]
+    }
+
+    /// Whether some kind keeps less than all its activations from `bwd_D` to `bwd_W`
+    /// (`K.act_w` given or derived below `K.act`). Without, every figure is as before the
+    /// key existed.
+    pub fn has_act_w(&self) -> bool {
+        self.memory.iter().any(|m| m.kept_for_w() < m.act)
     }
 
     /// Time of one message: `p2p + msg / bw`.
@@ -485,10 +496,18 @@ impl CostModel {
                         self.memory_bytes = true;
                     }
                     let c = &mut self.memory[kind_index(k)];
-                    if p == 0 {
-                        c.act = v;
-                    } else {
-                        c.param = v;
+                    match p {
+                        0 => {
+                            // A `[model]` table's derived `act_w` keeps its share of the
+                            // activations when `K.act` is given without `K.act_w`.
+                            let given_w = entries.iter().any(|x| x.key == Key::Mem(k, 2));
+                            if !given_w {
+                                c.act_w = c.act_w.filter(|_| c.act > 0.0).map(|w| v * (w / c.act));
+                            }
+                            c.act = v;
+                        }
+                        1 => c.param = v,
+                        _ => c.act_w = Some(v),
                     }
                 }
                 Key::Floor => self.floor = number(text, source, e, false)?,
@@ -513,6 +532,28 @@ impl CostModel {
         }
         if let Some(e) = pcie {
             self.pcie = Some(self.bandwidth(text, source, e)?);
+        }
+        // `K.act_w` is a part of `K.act`: `bwd_D` frees `act - act_w`, never a negative amount.
+        for k in KINDS {
+            let m = self.memory[kind_index(k)];
+            if m.act_w.is_some_and(|w| w > m.act) {
+                let at = entries
+                    .iter()
+                    .rev()
+                    .find(|e| e.key == Key::Mem(k, 2))
+                    .or_else(|| entries.iter().rev().find(|e| e.key == Key::Mem(k, 0)));
+                let span = at.map_or((0, 0), |e| e.value);
+                return Err(err(
+                    text,
+                    source,
+                    span,
+                    CostErrorKind::ActWAboveAct {
+                        kind: k.symbol(),
+                        act_w: num(m.kept_for_w()),
+                        act: num(m.act),
+                    },
+                ));
+            }
         }
         // With a `[model]` table, a pass given explicitly (`t.f`, or `f` for `t` and `m`)
         // without its attention key is the whole pass, as measured: the attention part the
@@ -594,6 +635,12 @@ impl CostModel {
         }
         for (r, f) in &self.rank_factor {
             parts.push(format!("rank.{r}={}", num(*f)));
+        }
+        // `K.act_w` only when given or derived (a spec without it is unchanged).
+        for k in KINDS {
+            if let Some(w) = self.layer_memory(k).act_w {
+                parts.push(format!("{}.act_w={w}{unit}", k.symbol()));
+            }
         }
         // Lengths (issue #38) only when given or derived, at the end: a spec without them
         // is unchanged. A `[model]` table's `seq` is written as the key, since the spec
@@ -795,6 +842,9 @@ pub struct StageCosts {
     /// Per stage: one microbatch's activations copied one way ([`CostModel::offload_time`]
     /// summed over its layers).
     pub offload: Vec<f64>,
+    /// Per stage: `K.act_w` summed over its layers, when some kind has one (else `None`:
+    /// `bwd_W` keeps all of `act`).
+    pub act_w: Option<Vec<f64>>,
 }
 
 impl StageCosts {
@@ -860,6 +910,21 @@ impl StageCosts {
             attn_bwd_d,
             attn_bwd_w,
             layout_used,
+            act_w: model.has_act_w().then(|| {
+                (0..n)
+                    .map(|s| {
+                        let layers: &[LayerKind] = if layout_used {
+                            &layout.stages[s]
+                        } else {
+                            &one_t
+                        };
+                        layers
+                            .iter()
+                            .map(|&k| model.layer_memory(k).kept_for_w())
+                            .sum()
+                    })
+                    .collect()
+            }),
             act,
             param,
             offload,

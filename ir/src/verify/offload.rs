@@ -331,6 +331,7 @@ mod tests {
             param: vec![0.0],
             unit: memory::Unit::LayerActivations,
             mb_scale: None,
+            act_w: None,
         };
         let p = one_rank(vec![
             f(0, 0),    // 2

@@ -131,6 +131,15 @@ pub trait Backend {
         grad: Option<Self::Tensor>,
     ) -> Result<(Self::Tensor, Self::Partial), BackendError>;
 
+    /// After `bwd_D(s, m)`: drop from the stash what only the input gradient read, keeping
+    /// the inputs of the weight-gradient GEMMs for `bwd_W` (the memory rule's `act - act_w`,
+    /// `pipec_ir::ir::activations`). The default keeps everything (a backend whose stash
+    /// cannot be cut; its own pool figure then shows what it holds).
+    fn keep_for_w(&mut self, task: Task, saved: &mut Self::Saved) -> Result<(), BackendError> {
+        let _ = (task, saved);
+        Ok(())
+    }
+
     /// `bwd_W(s, m)`: the weight gradients only; frees the stash.
     fn bwd_w(
         &mut self,
