@@ -640,6 +640,47 @@ mod tests {
         assert_eq!(n, 199 * 61);
     }
 
+    /// `K.act_w` against Korthikanti et al. 2022 section 4.1's list, transcribed per tensor:
+    /// of the `34 sbh` (+ core) a GPT-3 layer keeps at tp = 1, the weight GEMMs read the QKV
+    /// input (2 sbh), the projection input (2 sbh), the MLP input (2 sbh) and GeLU's output
+    /// (8 sbh at ffn = 4h): 14 sbh. With tp = 8 and sequence parallelism all four split by 8.
+    /// Full recompute keeps everything it keeps (the layer input). The embedding keeps the
+    /// token ids (8sb), the output layer its input (2 sbh).
+    #[test]
+    fn act_w_is_the_weight_gemms_inputs() {
+        let (s, b, h) = (2048.0, 1.0, 12288.0);
+        let sbh = s * b * h;
+        let m = model(GPT3, "");
+        let d = m.layer_memory(LayerKind::Decoder);
+        assert!(close(d.act_w.unwrap(), 14.0 * sbh));
+        assert!(d.act_w.unwrap() < d.act);
+        let sp = model(GPT3, "tp = 8\nsequence_parallel = true");
+        assert!(close(
+            sp.layer_memory(LayerKind::Decoder).act_w.unwrap(),
+            14.0 * sbh / 8.0
+        ));
+        let full = model(GPT3, "recompute = \"full\"").layer_memory(LayerKind::Decoder);
+        assert_eq!(full.act_w, Some(full.act));
+        assert!(close(
+            m.layer_memory(LayerKind::Embedding).act_w.unwrap(),
+            8.0 * s * b
+        ));
+        assert!(close(
+            m.layer_memory(LayerKind::Loss).act_w.unwrap(),
+            2.0 * sbh
+        ));
+        // An explicit `t.act` keeps the derived share; an explicit `t.act_w` wins.
+        let mut e = model(GPT3, "");
+        e.apply("t.act=34", None).unwrap();
+        let share = d.act_w.unwrap() / d.act;
+        assert!(close(
+            e.layer_memory(LayerKind::Decoder).kept_for_w(),
+            34.0 * share
+        ));
+        e.apply("t.act_w=3", None).unwrap();
+        assert_eq!(e.layer_memory(LayerKind::Decoder).act_w, Some(3.0));
+    }
+
     #[test]
     fn explicit_keys_win_over_the_model() {
         let text = format!("t.f = 2.5\nL.param = 1GiB\nf = 3\n[model]\n{GPT3}tp = 8\n");

@@ -24,6 +24,7 @@
 //! | `rendezvous` | `true`: a send completes only once its recv is posted (NCCL's strictest behaviour); `false`: eager, a send completes when posted | `true` |
 //! | `overlap` | how much of an overlapped `fwd_bwd` pair hides: the pair costs `max(F, B) + (1 - overlap) * min(F, B)` | `0` |
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
+//! | `K.act_w` for `K` in `E t m L` | the part of `K.act` kept from `bwd_D` to `bwd_W` (the inputs of the layer's weight-gradient GEMMs): `bwd_D` frees `act - act_w`, `bwd_W` the rest, a fused `bwd` all of it; at most `K.act` | `K.act`; a `[model]` table derives it (Korthikanti et al. 2022's list) |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //! | `offload`, `K.offload` | time to copy one layer's activations of one microbatch to or from host memory, one way (`offload`: `t` and `m`) | `K.act / pcie` when `pcie` is given, else one forward of the layer |
 //! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`; with a `[model]` table, its `tflops` or every pass time given) | none |
@@ -1023,6 +1024,39 @@ impl fmt::Display for PassCost {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// `K.act_w`: absent, all of `K.act` (nothing in the spec or the JSON, so older outputs
+    /// stay as they were); given, a part of it that the spec round-trips; above `K.act`, an
+    /// error at its value.
+    #[test]
+    fn act_w_defaults_to_act_and_round_trips() {
+        let d = CostModel::default();
+        assert!(!d.has_act_w());
+        assert_eq!(d.layer_memory(LayerKind::Decoder).kept_for_w(), 1.0);
+        assert!(!d.spec().contains("act_w"));
+        assert!(!serde_json::to_string(&d).unwrap().contains("act_w"));
+        let m = CostModel::parse("t.act=2,t.act_w=0.5").unwrap();
+        assert!(m.has_act_w());
+        assert_eq!(m.layer_memory(LayerKind::Decoder).kept_for_w(), 0.5);
+        assert_eq!(m.layer_memory(LayerKind::Mtp).kept_for_w(), 1.0);
+        assert_eq!(CostModel::parse(&m.spec()).unwrap(), m);
+        let b = CostModel::parse("\"t.act\" = \"2GiB\"\n\"t.act_w\" = \"1GiB\"").unwrap();
+        assert_eq!(
+            b.layer_memory(LayerKind::Decoder).act_w,
+            Some((1u64 << 30) as f64)
+        );
+        assert_eq!(CostModel::parse(&b.spec()).unwrap(), b);
+        let e = CostModel::parse("t.act_w=3").unwrap_err();
+        assert_eq!(
+            e.kind,
+            CostErrorKind::ActWAboveAct {
+                kind: 't',
+                act_w: "3".into(),
+                act: "1".into()
+            }
+        );
+        assert_eq!(e.start, "t.act_w=".len());
+    }
 
     #[test]
     fn defaults_and_keys() {

@@ -494,6 +494,34 @@ mod tests {
         );
     }
 
+    /// Issue #39, by hand: `act = 2`, `act_w = 1`. `bwd_D` frees 1 after it ran, `bwd_W` the
+    /// other 1, a fused `bwd` all 2; a second `bwd_D` frees nothing more. The order peak
+    /// agrees.
+    #[test]
+    fn bwd_d_frees_act_minus_act_w() {
+        let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
+        let ops = vec![
+            Compute::Fwd(t0),  // 2
+            Compute::Fwd(t1),  // 4
+            Compute::BwdD(t0), // 4, then 3
+            Compute::BwdD(t0), // 3 (nothing more)
+            Compute::Bwd(t1),  // 3, then 1
+            Compute::BwdW(t0), // 1, then 0
+            Compute::Fwd(t1),  // 2
+        ];
+        let p = program(false, vec![ops.clone()]);
+        let w = |_| (2.0f64, 1.0f64);
+        let live: Vec<_> = Activations::new(&p).live(0, w).map(|x| x.1).collect();
+        assert_eq!(live, vec![2.0, 4.0, 4.0, 3.0, 3.0, 1.0, 2.0]);
+        assert_eq!(order_peak(&ops, false, w), 4.0);
+        // Without a task table (the fallback): every part frees its share, never below 0.
+        let q = program(false, vec![ops[..3].to_vec()]);
+        let mut walk = Activations::new(&q);
+        walk.dense = false;
+        let live: Vec<_> = walk.live(0, w).map(|x| x.1).collect();
+        assert_eq!(live, vec![2.0, 4.0, 4.0]);
+    }
+
     #[test]
     fn a_pair_holds_both_and_a_foreign_backward_frees_nothing() {
         let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
