@@ -1102,6 +1102,32 @@ fn tune_is_no_slower_than_the_zero_bubble_scheduler_on_their_split_memory_model(
     assert_eq!(tune_faster, tuned);
 }
 
+/// `K.act_w` follows the target: `pipec-run` (and `any`) frees `act - act_w` at `bwd_D`, so the
+/// winner's peaks are the split rule's; torch's split backward keeps the whole graph until `W`
+/// (`bench/split_keep.py`), so a `torch` plan counts every activation whole, and its manifest's
+/// model has no `act_w`. Both against the verifier's weighted peaks of the winner's program.
+#[test]
+fn act_w_counts_only_where_the_target_frees_at_bwd_d() {
+    use pipec_compiler::target::{Target, TargetChoice};
+    use pipec_ir::verify::memory::weighted_peaks_split;
+    let model = CostModel::parse("t.act=1,t.act_w=0.5").unwrap();
+    for (target, split) in [(Target::PipecRun, true), (Target::Torch, false)] {
+        let t = pipec_tune::tune(&TuneRequest {
+            target: TargetChoice::One(target),
+            memory_limit: Some(Limit::plain(4.0)),
+            ..TuneRequest::new(4, 8, model.clone())
+        })
+        .unwrap();
+        let n = t.program().num_stages() as usize;
+        let (act, _) = pipec_cost::memory::stage_memory(&model, &t.layout);
+        assert_eq!(act.len(), n, "{target:?}");
+        let half: Vec<f64> = act.iter().map(|a| a / 2.0).collect();
+        let want = weighted_peaks_split(t.program(), &act, split.then_some(&half[..]), &[]);
+        assert_eq!(t.peak_memory, want, "{target:?}");
+        assert!(t.peak_memory.iter().all(|&x| x <= 4.0), "{target:?}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The figures of docs/tune.md ("A worked example"). The tuning table is computed here and must
 // equal the one there (regenerate with `PIPEC_PRINT_FIGURES=1 cargo test -p pipec-tests --test

@@ -50,6 +50,13 @@ pub fn layers_with_layout(layers: &str, layout: &str) -> String {
 }
 
 pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
+    // A target whose split backward keeps the whole graph until `bwd_W` is planned (and its
+    // manifest records the model) with `act_w = act`.
+    if !req.target.frees_at_bwd_d() && req.model.has_act_w() {
+        let mut whole = req.clone();
+        whole.model = whole.model.without_act_w();
+        return tune(&whole);
+    }
     let user_stages = req.check()?;
     let allowed = candidates::allowed_kinds(req)?;
     // The tuned scheduler's best plan per placement and split, then the built-in kinds.

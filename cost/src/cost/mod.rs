@@ -303,6 +303,16 @@ impl CostModel {
         self.memory[kind_index(k)]
     }
 
+    /// This model with every kind keeping all of its activations until `bwd_W` (`K.act_w`
+    /// dropped): for a runtime whose split backward frees nothing at `bwd_D`.
+    pub fn without_act_w(&self) -> CostModel {
+        let mut m = self.clone();
+        for k in m.memory.iter_mut() {
+            k.act_w = None;
+        }
+        m
+    }
+
     /// Whether some kind keeps less than all its activations from `bwd_D` to `bwd_W`
     /// (`K.act_w` given or derived below `K.act`). Without, every figure is as before the
     /// key existed.
