@@ -781,6 +781,42 @@ mod tests {
         (y * r).sum()
     }
 
+    /// Issue #39: after `bwd_D` a block keeps `x` and GeLU's output (`seq (hidden + ffn)` of
+    /// its `seq (hidden + 2 ffn)` elements), a head its input only; `bwd_W` on the cut stash
+    /// gives bitwise the weight gradients of the whole one.
+    #[test]
+    fn the_stash_cut_at_bwd_d_keeps_what_bwd_w_reads() {
+        let cfg = cfg();
+        let layout = pipec_schedules::layout::parse("EtL").unwrap();
+        let stages = build::<f64>(&layout, &cfg).unwrap();
+        let stage = &stages[0];
+        let ctx = Ctx {
+            cfg: &cfg,
+            step: 0,
+            microbatches: 1,
+            lengths: None,
+        };
+        let tokens: Vec<u32> = ctx.tokens(0);
+        let (_, stash) = stage_fwd(stage, Tensor::Tokens(tokens), &ctx, 0).unwrap();
+        let (_, partial) = stage_bwd_d(stage, &stash, Tensor::LossGrad, &ctx).unwrap();
+        let whole = stage_bwd_w(stage, &stash, &partial).unwrap();
+        let mut cut = stash.clone();
+        for st in &mut cut {
+            st.keep_for_w();
+        }
+        let (s, h, f) = (cfg.seq, cfg.hidden, cfg.ffn);
+        let got: Vec<usize> = cut.iter().map(LayerStash::elements).collect();
+        let was: Vec<usize> = stash.iter().map(LayerStash::elements).collect();
+        assert_eq!(was[1..], [s * (h + 2 * f), s * h + s * cfg.vocab + s]);
+        assert_eq!(got, vec![was[0], s * (h + f), s * h]);
+        let after = stage_bwd_w(stage, &cut, &partial).unwrap();
+        for (a, b) in whole.iter().zip(&after) {
+            for (x, y) in a.tensors.iter().zip(&b.tensors) {
+                assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+            }
+        }
+    }
+
     #[test]
     fn block_backward_matches_finite_differences() {
         for kind in [LayerKind::Decoder, LayerKind::Mtp] {
