@@ -1095,7 +1095,7 @@ fn tune_is_no_slower_than_the_zero_bubble_scheduler_on_their_split_memory_model(
         losses.is_empty(),
         "pipec slower than the zero-bubble scheduler: {losses:#?}"
     );
-    assert_eq!((equal + faster, replayed, tuned), (cases.len(), 144, 27));
+    assert_eq!((equal + faster, replayed, tuned), (cases.len(), 168, 27));
     // Strict wins guard against a regression to "merely equal": the seed is the fastest
     // variant that fits, theirs the one with the shortest stage span.
     assert!(faster >= 89, "faster on {faster} cases");

@@ -624,12 +624,9 @@ pub enum CostErrorKind {
     BadTimeUnit(String),
     #[error("`seq = {0}` is not a token count: `seq` is the whole number of tokens per microbatch the per-layer costs describe, at least 1")]
     BadSeq(String),
-    #[error("`{kind}.act_w` ({act_w}) is more than `{kind}.act` ({act}): `act_w` is the part of a layer's activations kept from bwd_D to bwd_W, at most all of them")]
-    ActWAboveAct {
-        kind: char,
-        act_w: String,
-        act: String,
-    },
+    /// `` `t.act_w` (3) is more than `t.act` (1) `` (one string keeps the error small).
+    #[error("{0}: `act_w` is the part of a layer's activations kept from bwd_D to bwd_W, at most all of them")]
+    ActWAboveAct(String),
     #[error("`{key}` is given twice (first at line {line}, column {col})")]
     Duplicate {
         key: String,

@@ -558,11 +558,12 @@ impl CostModel {
                     text,
                     source,
                     span,
-                    CostErrorKind::ActWAboveAct {
-                        kind: k.symbol(),
-                        act_w: num(m.kept_for_w()),
-                        act: num(m.act),
-                    },
+                    CostErrorKind::ActWAboveAct(format!(
+                        "`{y}.act_w` ({}) is more than `{y}.act` ({})",
+                        num(m.kept_for_w()),
+                        num(m.act),
+                        y = k.symbol()
+                    )),
                 ));
             }
         }
@@ -1059,11 +1060,7 @@ mod tests {
         let e = CostModel::parse("t.act_w=3").unwrap_err();
         assert_eq!(
             e.kind,
-            CostErrorKind::ActWAboveAct {
-                kind: 't',
-                act_w: "3".into(),
-                act: "1".into()
-            }
+            CostErrorKind::ActWAboveAct("`t.act_w` (3) is more than `t.act` (1)".into())
         );
         assert_eq!(e.start, "t.act_w=".len());
     }
