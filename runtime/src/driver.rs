@@ -460,7 +460,7 @@ fn rank_step<D: Device>(
         be,
         &sh.setup.watch,
         t0,
-        &sh.setup.memory,
+        sh.setup.memory,
     )
     .map_err(|_| stopped())?;
     let run = be

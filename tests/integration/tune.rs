@@ -1723,7 +1723,10 @@ fn tune_doc_model_shape_example_holds() {
         (
             Some("pipec-run"),
             "tuned bidirectional",
-            "79.8 78.7 78.7 78.7 78.7 78.7 78.7 79.8",
+            // `pipec-run` frees at `bwd_D` what the weight gradients do not read (`K.act_w`,
+            // derived from the table: Korthikanti et al.'s weight-GEMM inputs, 37% of a
+            // layer's activations here); the other targets keep the graph until `bwd_W`.
+            "51.6 50.1 50.1 50.1 50.1 50.1 50.1 51.7",
         ),
     ] {
         let mut cmd = pipec();
