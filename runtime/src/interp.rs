@@ -490,8 +490,7 @@ impl<'a, B: Backend> Interp<'a, B> {
                 let (din, part) = self.backend.bwd_d(t, saved, g).map_err(be)?;
                 // The input gradient is done: drop what only it read, keep the weight
                 // GEMMs' inputs for `bwd_W` (`act - act_w` goes, as the verifier counts).
-                if !self.t.for_w[i] {
-                    self.backend.keep_for_w(t, saved).map_err(be)?;
+                if !self.t.for_w[i] && self.backend.keep_for_w(t, saved).map_err(be)? {
                     let (w, kept) = self.t.mem.weights(t, self.t.m as u32);
                     self.t.meter.device.free(w - kept);
                     self.t.for_w[i] = true;
