@@ -1,6 +1,17 @@
 """Record the zero-bubble authors' automatic scheduler on a grid of cases.
 
 Usage: python bench/zb_record.py PATH_TO_ZB_CHECKOUT > tests/golden/zb/auto_schedule.json
+       python bench/zb_record.py --memory split PATH_TO_ZB_CHECKOUT | gzip -9n > tests/golden/zb/split_memory.json.gz
+
+`--memory` picks their memory model (`mem_f`, `mem_b`, `mem_w` per stage, their
+`GraphConfig`):
+
+- `whole` (the default, `auto_schedule.json`): `mem_f=1, mem_b=0, mem_w=-1`, an activation
+  held from F to W (what their `initial_solution` callers use when the split is unknown);
+- `split` (`split_memory.json.gz`): `mem_f=2, mem_b=-1, mem_w=-1`, half freed at B, their
+  examples' split model (issue #39). The `wide` grid only, M in 2pp and 4pp, orders where
+  pp * M <= 32, to keep the file small; the limit is in their units (`mult * 2 * pp`, 1F1B's
+  peak of pp forwards), pipec's `t.act=1, t.act_w=0.5` reads it halved.
 
 PATH_TO_ZB_CHECKOUT is a checkout (or a bare git directory) of
 github.com/sail-sg/zero-bubble-pipeline-parallelism. Nothing of theirs is copied into this
@@ -191,7 +202,11 @@ def run_variant(graph, config, flags):
     return t, orders, makespan, complete
 
 
-def run_case(graph_mod, zb, pp, m, cost, first, last, limit):
+# Their (mem_f, mem_b, mem_w) per memory model, and the largest pp * M whose order is recorded.
+MODELS = {"whole": ((1.0, 0.0, -1.0), 128), "split": ((2.0, -1.0, -1.0), 32)}
+
+
+def run_case(graph_mod, zb, pp, m, cost, first, last, limit, model="whole"):
     f, b, w, c = cost
     costs = [
         [f] * pp,
@@ -206,9 +221,9 @@ def run_case(graph_mod, zb, pp, m, cost, first, last, limit):
         cost_b=costs[1],
         cost_w=costs[2],
         cost_comm=c,
-        mem_f=[1.0] * pp,
-        mem_b=[0.0] * pp,
-        mem_w=[-1.0] * pp,
+        mem_f=[MODELS[model][0][0]] * pp,
+        mem_b=[MODELS[model][0][1]] * pp,
+        mem_w=[MODELS[model][0][2]] * pp,
         max_mem=None if limit is None else [limit] * pp,
         n_stages=pp,
         n_micro=m,
@@ -242,15 +257,15 @@ def run_case(graph_mod, zb, pp, m, cost, first, last, limit):
         "variants": variants,
         "peak": peaks,
     }
-    if pp * m <= 128 or not complete:
+    if pp * m <= MODELS[model][1] or not complete:
         out["order"] = per_stage
     return out
 
 
-def case(graph_mod, zb, grid, pp, m, cost, heavy, mult):
+def case(graph_mod, zb, grid, pp, m, cost, heavy, mult, model="whole"):
     first = tuple(heavy[0] * x for x in cost[:3])
     last = tuple(heavy[1] * x for x in cost[:3])
-    limit = None if mult is None else mult * pp
+    limit = None if mult is None else mult * pp * MODELS[model][0][0]
     out = {
         "grid": grid,
         "pp": pp,
@@ -264,15 +279,23 @@ def case(graph_mod, zb, grid, pp, m, cost, heavy, mult):
         "limit_x_1f1b": mult,
         "limit": limit,
     }
-    out.update(run_case(graph_mod, zb, pp, m, cost, first, last, limit))
+    out.update(run_case(graph_mod, zb, pp, m, cost, first, last, limit, model))
     return out
 
 
 def main():
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    model = "whole"
+    if len(args) == 3 and args[0] == "--memory" and args[1] in MODELS:
+        model = args[1]
+        args = args[2:]
+    if len(args) != 1:
         sys.exit(__doc__)
-    checkout = sys.argv[1]
+    checkout = args[0]
     graph_mod, zb = load(checkout)
+    if model != "whole":
+        split(graph_mod, zb, checkout, model)
+        return
     cases = []
     for pp in (2, 4, 8):
         for m in sorted({pp, 2 * pp, 4 * pp, 8}):
@@ -294,6 +317,35 @@ def main():
         "function": f"{PKG}.zb.initial_solution (called by zb.create_schedule)",
         "memory": "mem_f=1, mem_b=0, mem_w=-1 per stage; limit in activations",
     }
+    write(header, cases)
+
+
+def split(graph_mod, zb, checkout, model):
+    """The `wide` grid, M in 2pp and 4pp, under another memory model."""
+    cases = []
+    for pp in (4, 6, 8, 16):
+        for m in [2 * pp, 4 * pp]:
+            for fbw in ORDERINGS:
+                for heavy in HEAVY:
+                    for comm in COMMS:
+                        for mult in WIDE_MEMORY:
+                            cost = fbw + (comm * fbw[0],)
+                            cases.append(
+                                case(graph_mod, zb, "wide", pp, m, cost, heavy, mult, model)
+                            )
+    f, b, w = MODELS[model][0]
+    header = {
+        "grids": "wide: heavy ends, comm, every memory quarter; M in 2pp, 4pp",
+        "source": "github.com/sail-sg/zero-bubble-pipeline-parallelism",
+        "commit": commit(checkout),
+        "function": f"{PKG}.zb.initial_solution (called by zb.create_schedule)",
+        "memory": f"mem_f={f:g}, mem_b={b:g}, mem_w={w:g} per stage; limit in their units "
+        f"(limit_x_1f1b * {f:g} * pp)",
+    }
+    write(header, cases)
+
+
+def write(header, cases):
     # One case per line: a reviewable diff, a small file.
     out = sys.stdout
     out.write("{\n")

@@ -155,6 +155,16 @@ impl Target {
         }
     }
 
+    /// Whether the target's split backward frees part of a stage's activations at `bwd_D`
+    /// (`K.act_w`, issue #39). pipec's runtime does (it drops what the weight gradients do not
+    /// read); torch's `stage_backward_input` and pipec's copy of it for Megatron and DeepSpeed
+    /// (`python/pipec/_split_backward.py`) retain the whole autograd graph until `W`
+    /// (`retain_graph=True`; `bench/split_keep.py` measures all saved activations held), so
+    /// planning for them counts `act_w = act`.
+    pub fn frees_at_bwd_d(self) -> bool {
+        matches!(self, Target::PipecRun | Target::Any)
+    }
+
     /// The placement half of [`Target::check`]: what the target's stage -> rank rule allows.
     /// `tune` skips the placements it refuses before planning on them.
     pub fn check_placement(self, p: &Placement) -> Result<(), String> {
@@ -343,6 +353,12 @@ impl TargetChoice {
             TargetChoice::One(t) => vec![t],
             TargetChoice::Every => Target::STRICTEST_FIRST.to_vec(),
         }
+    }
+
+    /// Whether every target of the choice frees part of the activations at `bwd_D`
+    /// ([`Target::frees_at_bwd_d`]).
+    pub fn frees_at_bwd_d(self) -> bool {
+        self.targets().iter().all(|t| t.frees_at_bwd_d())
     }
 
     /// The levers of `asked` every target of the choice allows.

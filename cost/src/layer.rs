@@ -19,6 +19,19 @@ pub struct PassCost {
 pub struct LayerMemory {
     pub act: f64,
     pub param: f64,
+    /// `K.act_w`: the part of `act` kept from the input-gradient backward (`bwd_D`) to the
+    /// weight-gradient backward (`bwd_W`), the inputs of the layer's weight-gradient GEMMs;
+    /// `None`: all of `act` (the default, [`LayerMemory::kept_for_w`]). Serialized only when
+    /// given or derived, so older outputs stay byte-identical.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub act_w: Option<f64>,
+}
+
+impl LayerMemory {
+    /// What `bwd_W` still needs after `bwd_D`: `act_w`, else all of `act`.
+    pub fn kept_for_w(&self) -> f64 {
+        self.act_w.unwrap_or(self.act)
+    }
 }
 
 impl PassCost {

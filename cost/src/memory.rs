@@ -45,6 +45,7 @@ pub fn weights(program: &Program, layout: &Layout, model: &CostModel) -> MemoryM
         unit: unit_of(model),
         mb_scale: crate::lengths::Scale::of_program(model, program).map(|s| s.lin),
         msg: Some(message_size(model)),
+        act_w: stage_act_w(model, layout),
     }
 }
 
@@ -60,6 +61,21 @@ pub fn message_size(model: &CostModel) -> f64 {
         Some(s) => s.boundary_bytes(),
         None => model.msg,
     }
+}
+
+/// Per stage, the activation memory kept from `bwd_D` to `bwd_W` (`K.act_w` summed over its
+/// layers), when some kind keeps less than its `K.act` ([`CostModel::has_act_w`]); `None`
+/// otherwise, every stage keeping all of it (`pipec_ir::ir::activations`). Linear in tokens
+/// like `K.act` (the weight GEMMs' inputs are `sbh`-sized), so the lengths' `lin` factor
+/// scales it too.
+pub fn stage_act_w(model: &CostModel, layout: &Layout) -> Option<Vec<f64>> {
+    model.has_act_w().then(|| {
+        layout
+            .stages
+            .iter()
+            .map(|st| st.iter().map(|&k| model.layer_memory(k).kept_for_w()).sum())
+            .collect()
+    })
 }
 
 /// Per-stage activation memory and per-stage parameter memory of a layout under a model.

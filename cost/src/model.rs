@@ -238,6 +238,54 @@ impl ModelShape {
         self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
     }
 
+    /// The part of [`ModelShape::layer_activation`] a split backward keeps from the input
+    /// gradient (`bwd_D`) to the weight gradient (`bwd_W`): the inputs of the layer's
+    /// weight-gradient GEMMs, from Korthikanti et al. 2022's per-layer list (section 4.1):
+    /// the QKV input `e` and the MLP's first input `e` (kept whole by tensor parallelism,
+    /// split by sequence parallelism), the attention projection's input `e` and the MLP's
+    /// second input `e ffn/h` (GeLU's output, or SwiGLU's product; split by tensor
+    /// parallelism), per element of `sbh`. The rest (norm inputs, dropout masks, Q/K/V, the
+    /// activation function's input, the attention core's softmax and dropout) only the input
+    /// gradient reads, and `bwd_D` frees it. GPT-3 at `tp = 1`: `14 sbh` of `34 sbh + 5as
+    /// sbh/h`. The zero-bubble authors' runtime assumes more stays, `32h` of `34h + 5as` per
+    /// `sb` (`w_mem_approx` in their `zerobubble/runtime.py`: all but the core); this counts
+    /// what the weight GEMMs read. Under full recompute the layer keeps only its input, which
+    /// `bwd_W` recomputes from: all of it stays (`act_w = act`).
+    pub fn layer_activation_w(&self) -> f64 {
+        if self.recompute == Recompute::Full {
+            return self.layer_activation();
+        }
+        let e = self.element_bytes();
+        let (h, t) = (self.hidden as f64, self.tp as f64);
+        let s = self.seq as f64 / self.cp as f64;
+        let sbh = s * self.micro_batch as f64 * h;
+        let sp = if self.sequence_parallel { t } else { 1.0 };
+        let ffn = self.ffn as f64 / h;
+        sbh * (2.0 * e / sp + e * (1.0 + ffn) / t)
+    }
+
+    /// The embedding's weight gradient reads the token ids only (`8sb`, split by tp under
+    /// sequence parallelism); the dropout mask goes at `bwd_D`.
+    pub fn embedding_activation_w(&self) -> f64 {
+        let s = self.seq as f64 / self.cp as f64;
+        let sb = s * self.micro_batch as f64;
+        let sp = if self.sequence_parallel {
+            self.tp as f64
+        } else {
+            1.0
+        };
+        8.0 * sb / sp
+    }
+
+    /// The output layer's weight gradient reads its input (`e sbh`, split by tp under
+    /// sequence parallelism); the norm's input and the logits go at `bwd_D`.
+    pub fn output_activation_w(&self) -> f64 {
+        let t = self.tp as f64;
+        let s = self.seq as f64 / self.cp as f64;
+        let sp = if self.sequence_parallel { t } else { 1.0 };
+        self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
+    }
+
     /// Activation bytes of the embedding for one microbatch: the token ids (int64, `8sb`)
     /// and the embedding dropout mask (`sbh`), Korthikanti et al. section 4.3 as Megatron's
     /// `compute_activation_memory` counts them; split by tp under sequence parallelism.
@@ -366,6 +414,7 @@ impl ModelShape {
         let layer = LayerMemory {
             act: self.layer_activation(),
             param: self.layer_params() * bpp,
+            act_w: Some(self.layer_activation_w()),
         };
         Derived {
             layers: [PassCost::ZERO, t, t, l],
@@ -374,6 +423,7 @@ impl ModelShape {
                 LayerMemory {
                     act: self.embedding_activation(),
                     param: embed * bpp,
+                    act_w: Some(self.embedding_activation_w()),
                 },
                 layer,
                 layer,
@@ -382,6 +432,7 @@ impl ModelShape {
                     // The output layer and the final norm; Megatron keeps the output weight
                     // on the last stage even when it is tied to the embedding.
                     param: (embed + self.norm_params()) * bpp,
+                    act_w: Some(self.output_activation_w()),
                 },
             ],
         }
@@ -627,6 +678,47 @@ mod tests {
             }
         }
         assert_eq!(n, 199 * 61);
+    }
+
+    /// `K.act_w` against Korthikanti et al. 2022 section 4.1's list, transcribed per tensor:
+    /// of the `34 sbh` (+ core) a GPT-3 layer keeps at tp = 1, the weight GEMMs read the QKV
+    /// input (2 sbh), the projection input (2 sbh), the MLP input (2 sbh) and GeLU's output
+    /// (8 sbh at ffn = 4h): 14 sbh. With tp = 8 and sequence parallelism all four split by 8.
+    /// Full recompute keeps everything it keeps (the layer input). The embedding keeps the
+    /// token ids (8sb), the output layer its input (2 sbh).
+    #[test]
+    fn act_w_is_the_weight_gemms_inputs() {
+        let (s, b, h) = (2048.0, 1.0, 12288.0);
+        let sbh = s * b * h;
+        let m = model(GPT3, "");
+        let d = m.layer_memory(LayerKind::Decoder);
+        assert!(close(d.act_w.unwrap(), 14.0 * sbh));
+        assert!(d.act_w.unwrap() < d.act);
+        let sp = model(GPT3, "tp = 8\nsequence_parallel = true");
+        assert!(close(
+            sp.layer_memory(LayerKind::Decoder).act_w.unwrap(),
+            14.0 * sbh / 8.0
+        ));
+        let full = model(GPT3, "recompute = \"full\"").layer_memory(LayerKind::Decoder);
+        assert_eq!(full.act_w, Some(full.act));
+        assert!(close(
+            m.layer_memory(LayerKind::Embedding).act_w.unwrap(),
+            8.0 * s * b
+        ));
+        assert!(close(
+            m.layer_memory(LayerKind::Loss).act_w.unwrap(),
+            2.0 * sbh
+        ));
+        // An explicit `t.act` keeps the derived share; an explicit `t.act_w` wins.
+        let mut e = model(GPT3, "");
+        e.apply("t.act=34", None).unwrap();
+        let share = d.act_w.unwrap() / d.act;
+        assert!(close(
+            e.layer_memory(LayerKind::Decoder).kept_for_w(),
+            34.0 * share
+        ));
+        e.apply("t.act_w=3", None).unwrap();
+        assert_eq!(e.layer_memory(LayerKind::Decoder).act_w, Some(3.0));
     }
 
     #[test]

@@ -147,7 +147,7 @@ pub fn summarize_with(
             }
             let ran = |&(i, _): &(u32, f64)| (i as usize) < spans.len();
             let m = program.microbatches;
-            let weight = |t: pipec_schedules::Task| mem.weight(t, m);
+            let weight = |t: pipec_schedules::Task| mem.weights(t, m);
             let peak = Peak::of(walk.live(r, weight).take_while(ran));
             let params = mem.param.get(r).copied().unwrap_or(0.0);
             let peak_at = peak.at.map_or(0.0, |i| spans[i as usize].start - t0);
@@ -316,6 +316,7 @@ fn simulate_program(
         unit: crate::memory::unit_of(&costs.model),
         mb_scale: sim.scale.take().map(|s| s.lin),
         msg: Some(crate::memory::message_size(&costs.model)),
+        act_w: costs.act_w.clone(),
     };
     let summary = summarize_with(program, &timeline, &mem);
     Ok(Simulation { timeline, summary })

@@ -87,6 +87,10 @@ pub struct MemoryModel {
     /// plan's slots are sized by (issue #39, `pipec_cost::memory::message_size`). `None`:
     /// slot sizes are not checked.
     pub msg: Option<f64>,
+    /// Per stage: the part of `act` kept from `bwd_D` to `bwd_W` (`K.act_w`, the inputs of
+    /// the weight-gradient GEMMs; [`crate::ir::activations`]); `None`: all of `act`, which
+    /// is what a model without `K.act_w` keeps. Scaled by `mb_scale` as `act` is.
+    pub act_w: Option<Vec<f64>>,
 }
 
 impl MemoryModel {
@@ -99,6 +103,7 @@ impl MemoryModel {
             unit: Unit::LayerActivations,
             mb_scale: None,
             msg: None,
+            act_w: None,
         }
     }
 
@@ -119,12 +124,29 @@ impl MemoryModel {
     /// range.
     #[inline]
     pub fn weight(&self, t: pipec_schedules::Task, microbatches: u32) -> f64 {
+        self.weights(t, microbatches).0
+    }
+
+    /// `(act, act_w)` of task `t`, each times its microbatch's factor: what its forward
+    /// allocates and what of it its `bwd_D` leaves for its `bwd_W`
+    /// ([`crate::ir::activations`]); `(0, 0)` out of range.
+    #[inline]
+    pub fn weights(&self, t: pipec_schedules::Task, microbatches: u32) -> (f64, f64) {
         match self.act.get(t.stage.index()) {
-            Some(&w) if t.mb.0 < microbatches => match &self.mb_scale {
-                None => w,
-                Some(f) => w * f.get(t.mb.index()).copied().unwrap_or(1.0),
-            },
-            _ => 0.0,
+            Some(&w) if t.mb.0 < microbatches => {
+                let kept = match &self.act_w {
+                    Some(k) => k.get(t.stage.index()).copied().unwrap_or(w).min(w),
+                    None => w,
+                };
+                match &self.mb_scale {
+                    None => (w, kept),
+                    Some(f) => {
+                        let x = f.get(t.mb.index()).copied().unwrap_or(1.0);
+                        (w * x, kept * x)
+                    }
+                }
+            }
+            _ => (0.0, 0.0),
         }
     }
 }
@@ -175,7 +197,7 @@ pub fn walk(
     limit: Option<f64>,
 ) -> Vec<(RankPeak, Option<u32>)> {
     let m = program.microbatches;
-    let weight = |t: pipec_schedules::Task| mem.weight(t, m);
+    let weight = |t: pipec_schedules::Task| mem.weights(t, m);
     let mut w = Activations::new(program);
     (0..program.ranks.len())
         .map(|r| {

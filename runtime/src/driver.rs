@@ -452,12 +452,17 @@ fn rank_step<D: Device>(
     } else {
         Instant::now()
     };
-    let act = &sh.setup.memory.act;
     // With microbatch lengths each microbatch's activations weigh its stage's `act` times its
-    // factor (tokens / `seq`), as the verifier counts them.
-    let mb_scale: Option<&[f64]> = sh.setup.memory.mb_scale.as_deref();
-    let run = run_rank_scaled(program, Rank(rank), be, &sh.setup.watch, t0, act, mb_scale)
-        .map_err(|_| stopped())?;
+    // factor (tokens / `seq`), and from `bwd_D` to `bwd_W` its `act_w`, as the verifier counts.
+    let run = run_rank_scaled(
+        program,
+        Rank(rank),
+        be,
+        &sh.setup.watch,
+        t0,
+        sh.setup.memory,
+    )
+    .map_err(|_| stopped())?;
     let run = be
         .end_step(&program.ranks[rank as usize], run, opts.timeout)
         .map_err(|e| match e {

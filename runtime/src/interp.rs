@@ -7,7 +7,9 @@
 //! - `act_out` / `grad_out`: a tensor produced here for another rank; freed when its send
 //!   completes (the transport takes it).
 //! - `saved[s][m]`: the activation stash, from `fwd(s, m)` to `bwd(s, m)`, or to `bwd_W(s, m)`
-//!   when the backward is split; `partial[s][m]` from `bwd_D` to `bwd_W`.
+//!   when the backward is split, cut at `bwd_D` to what `bwd_W` reads (the backend's
+//!   `keep_for_w`; metered from `act` down to `act_w`); `partial[s][m]` from `bwd_D` to
+//!   `bwd_W`.
 //! - `host[s][m]`: a stash an `offload` moved off the device, until its `reload` moves it back;
 //!   `kept[s][m]`: the input a checkpointed `fwd` keeps for its `recompute`, which rebuilds
 //!   the stash by running the same forward again (the same ops in the same order, so the
@@ -35,6 +37,7 @@ use crate::watchdog::{Status, Watch};
 use pipec_cost::timeline::Span;
 use pipec_ir::ir::activations::{self, Amount};
 use pipec_ir::ir::{Instr, MemKind, MemOp, OptIdx, Payload, PayloadKind, Program};
+use pipec_ir::memory::MemoryModel;
 use pipec_schedules::{Compute, Rank, StageId, Task};
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -277,12 +280,9 @@ struct Tables<B: Backend> {
     m: usize,
     /// Global stage -> local index; none when the rank does not run the stage.
     local: Vec<OptIdx>,
-    /// Activation weight per global stage (the memory model's `act`); 0 past its end.
-    weight: Vec<f64>,
-    /// Per microbatch, the factor its activations weigh by (microbatches of different
-    /// lengths: its tokens against the costs' `seq`); `None`, or a microbatch it does not
-    /// name: 1.
-    mb_scale: Option<Vec<f64>>,
+    /// The weights stashes are metered in: per stage `act` and `act_w` (what `bwd_D` leaves
+    /// for `bwd_W`), per microbatch its factor (microbatches of different lengths).
+    mem: MemoryModel,
     act_in: Vec<Option<B::Tensor>>,
     grad_in: Vec<Option<B::Tensor>>,
     act_out: Vec<Option<B::Tensor>>,
@@ -290,6 +290,8 @@ struct Tables<B: Backend> {
     /// The device store of stashes.
     saved: Vec<Option<B::Saved>>,
     partial: Vec<Option<B::Partial>>,
+    /// Per slot: its stash was cut to what `bwd_W` needs (its `bwd_D` ran), and weighs `act_w`.
+    for_w: Vec<bool>,
     /// The host store: offloaded stashes.
     host: Vec<Option<B::Host>>,
     kept: Vec<Option<Kept<B::Tensor>>>,
@@ -303,7 +305,7 @@ fn none_vec<T>(n: usize) -> Vec<Option<T>> {
 }
 
 impl<B: Backend> Tables<B> {
-    fn new(program: &Program, rank: usize, weight: &[f64], mb_scale: Option<&[f64]>) -> Self {
+    fn new(program: &Program, rank: usize, mem: &MemoryModel) -> Self {
         let mut local = vec![OptIdx::NONE; program.num_stages() as usize];
         let mut n = 0u32;
         for ins in &program.ranks[rank] {
@@ -323,14 +325,14 @@ impl<B: Backend> Tables<B> {
         Tables {
             m,
             local,
-            weight: weight.to_vec(),
-            mb_scale: mb_scale.map(<[f64]>::to_vec),
+            mem: mem.clone(),
             act_in: none_vec(size),
             grad_in: none_vec(size),
             act_out: none_vec(size),
             grad_out: none_vec(size),
             saved: none_vec(size),
             partial: none_vec(size),
+            for_w: vec![false; size],
             host: none_vec(size),
             kept: none_vec(size),
             copies: CopyStream::default(),
@@ -341,10 +343,16 @@ impl<B: Backend> Tables<B> {
 
     /// `t`'s activation weight (tasks are in range once they have a slot).
     fn weight(&self, t: Task) -> f64 {
-        let w = self.weight.get(t.stage.index()).copied().unwrap_or(0.0);
-        match &self.mb_scale {
-            None => w,
-            Some(f) => w * f.get(t.mb.index()).copied().unwrap_or(1.0),
+        self.mem.weights(t, self.m as u32).0
+    }
+
+    /// What `t`'s stash in slot `i` weighs now: `act`, or `act_w` once its `bwd_D` cut it.
+    fn held(&self, i: usize, t: Task) -> f64 {
+        let (w, kept) = self.mem.weights(t, self.m as u32);
+        if self.for_w[i] {
+            kept
+        } else {
+            w
         }
     }
 
@@ -376,6 +384,7 @@ impl<B: Backend> Tables<B> {
     fn save(&mut self, i: usize, t: Task, s: B::Saved) -> Result<(), Fault> {
         self.unsaved(i, t)?;
         self.saved[i] = Some(s);
+        self.for_w[i] = false;
         self.meter.alloc(self.weight(t));
         Ok(())
     }
@@ -383,7 +392,8 @@ impl<B: Backend> Tables<B> {
     /// Take `t`'s stash out of the device store for good (its backward), or say where it is.
     fn take_saved(&mut self, i: usize, t: Task) -> Result<B::Saved, Fault> {
         let s = self.saved[i].take().ok_or_else(|| self.not_saved(i, t))?;
-        self.meter.free(self.weight(t));
+        self.meter.free(self.held(i, t));
+        self.for_w[i] = false;
         Ok(s)
     }
 
@@ -594,10 +604,18 @@ impl<'a, B: Backend> Interp<'a, B> {
                 self.backward_waits(t)?;
                 let i = self.t.task_slot(t, "the backward")?;
                 let g = self.bwd_input(t)?;
-                let saved = self.t.saved[i]
-                    .as_ref()
-                    .ok_or_else(|| self.t.not_saved(i, t))?;
+                let saved = match self.t.saved[i].as_mut() {
+                    Some(s) => s,
+                    None => return Err(self.t.not_saved(i, t)),
+                };
                 let (din, part) = self.backend.bwd_d(t, saved, g).map_err(be)?;
+                // The input gradient is done: drop what only it read, keep the weight
+                // GEMMs' inputs for `bwd_W` (`act - act_w` goes, as the verifier counts).
+                if !self.t.for_w[i] && self.backend.keep_for_w(t, saved).map_err(be)? {
+                    let (w, kept) = self.t.mem.weights(t, self.t.m as u32);
+                    self.t.meter.device.free(w - kept);
+                    self.t.for_w[i] = true;
+                }
                 put(&mut self.t.partial, i, part, || {
                     format!("the bwd_D result of {t}")
                 })?;
@@ -671,6 +689,9 @@ impl<'a, B: Backend> Interp<'a, B> {
         let w = self.t.weight(t);
         match op.kind {
             MemKind::Offload => {
+                // After `bwd_D` only `act_w` is left to move (as the verifier counts it).
+                let w = self.t.held(i, t);
+                self.t.for_w[i] = false;
                 // The device copy stays allocated until the copy is known to have ended.
                 let s = self.t.saved[i]
                     .take()
@@ -897,20 +918,22 @@ pub fn run_rank_with<B: Backend>(
     origin: Instant,
     act: &[f64],
 ) -> Result<RankRun, Stopped> {
-    run_rank_scaled(program, rank, backend, watch, origin, act, None)
+    let mut mem = MemoryModel::units(program);
+    mem.act = act.to_vec();
+    run_rank_scaled(program, rank, backend, watch, origin, &mem)
 }
 
-/// [`run_rank_with`] with each microbatch's stashes also weighted by `mb_scale[mb]`
-/// (microbatches of different lengths, issue #38: the factor the verifier's memory rule
-/// weighs that microbatch's activations by), so the measured peaks are the verifier's.
+/// [`run_rank_with`] with the stores metered in `mem`'s weights: each microbatch's stashes
+/// also weighted by its factor (microbatches of different lengths, issue #38), and a stash
+/// weighing `act_w` from its `bwd_D` (which cuts it to what `bwd_W` needs) to its `bwd_W`,
+/// so the measured peaks are the verifier's.
 pub fn run_rank_scaled<B: Backend>(
     program: &Program,
     rank: Rank,
     backend: &mut B,
     watch: &Watch,
     origin: Instant,
-    act: &[f64],
-    mb_scale: Option<&[f64]>,
+    mem: &MemoryModel,
 ) -> Result<RankRun, Stopped> {
     let r = rank.index();
     let instrs = &program.ranks[r];
@@ -919,7 +942,7 @@ pub fn run_rank_scaled<B: Backend>(
         rank,
         last: program.num_stages().saturating_sub(1),
         backend,
-        t: Tables::new(program, r, act, mb_scale),
+        t: Tables::new(program, r, mem),
         ops: Vec::new(),
         waited: pipec_ir::ir::waited_batches(instrs),
         in_flight: Default::default(),

@@ -229,6 +229,33 @@ pub enum LayerStash<F> {
     },
 }
 
+impl<F: NdFloat> LayerStash<F> {
+    /// Drop what only the input gradient reads, once it ran ([`stage_bwd_d`]): the block's
+    /// GeLU input `h` and the head's probabilities and targets. What stays is what
+    /// [`stage_bwd_w`] reads, the weight GEMMs' inputs (the block's `x` and `a`, the head's
+    /// `x`) and the embedding's token ids, the split Korthikanti et al. 2022 name for a
+    /// transformer layer (`pipec_cost::model`, `layer_activation_w`).
+    pub fn keep_for_w(&mut self) {
+        match self {
+            LayerStash::Embedding { .. } => {}
+            LayerStash::Block { h, .. } => *h = Array2::zeros((0, 0)),
+            LayerStash::Head { probs, targets, .. } => {
+                *probs = Array2::zeros((0, 0));
+                *targets = Vec::new();
+            }
+        }
+    }
+
+    /// Elements the stash holds (token ids count one each): what it keeps in memory.
+    pub fn elements(&self) -> usize {
+        match self {
+            LayerStash::Embedding { tokens } => tokens.len(),
+            LayerStash::Block { x, h, a } => x.len() + h.len() + a.len(),
+            LayerStash::Head { x, probs, targets } => x.len() + probs.len() + targets.len(),
+        }
+    }
+}
+
 /// What a layer's input-gradient pass keeps for its weight-gradient pass.
 #[derive(Clone, Debug)]
 pub enum LayerPartial<F> {
@@ -752,6 +779,42 @@ mod tests {
     /// whose gradient with respect to `y` is `r`.
     fn dotr(y: &Array2<f64>, r: &Array2<f64>) -> f64 {
         (y * r).sum()
+    }
+
+    /// Issue #39: after `bwd_D` a block keeps `x` and GeLU's output (`seq (hidden + ffn)` of
+    /// its `seq (hidden + 2 ffn)` elements), a head its input only; `bwd_W` on the cut stash
+    /// gives bitwise the weight gradients of the whole one.
+    #[test]
+    fn the_stash_cut_at_bwd_d_keeps_what_bwd_w_reads() {
+        let cfg = cfg();
+        let layout = pipec_schedules::layout::parse("EtL").unwrap();
+        let stages = build::<f64>(&layout, &cfg).unwrap();
+        let stage = &stages[0];
+        let ctx = Ctx {
+            cfg: &cfg,
+            step: 0,
+            microbatches: 1,
+            lengths: None,
+        };
+        let tokens: Vec<u32> = ctx.tokens(0);
+        let (_, stash) = stage_fwd(stage, Tensor::Tokens(tokens), &ctx, 0).unwrap();
+        let (_, partial) = stage_bwd_d(stage, &stash, Tensor::LossGrad, &ctx).unwrap();
+        let whole = stage_bwd_w(stage, &stash, &partial).unwrap();
+        let mut cut = stash.clone();
+        for st in &mut cut {
+            st.keep_for_w();
+        }
+        let (s, h, f) = (cfg.seq, cfg.hidden, cfg.ffn);
+        let got: Vec<usize> = cut.iter().map(LayerStash::elements).collect();
+        let was: Vec<usize> = stash.iter().map(LayerStash::elements).collect();
+        assert_eq!(was[1..], [s * (h + 2 * f), s * h + s * cfg.vocab + s]);
+        assert_eq!(got, vec![was[0], s * (h + f), s * h]);
+        let after = stage_bwd_w(stage, &cut, &partial).unwrap();
+        for (a, b) in whole.iter().zip(&after) {
+            for (x, y) in a.tensors.iter().zip(&b.tensors) {
+                assert!(x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()));
+            }
+        }
     }
 
     #[test]

@@ -135,8 +135,6 @@ pub(crate) fn with_memory_ops(p: &Program, rng: &mut Rng) -> Program {
     out
 }
 
-/// The brute-force replay: every buffer with the instructions it is alive at (inclusive; a
-/// buffer freed by an instruction is alive during it), device and host summed at every
 /// 1F1B at pp=2, M=3 with every memory instruction on rank 0: microbatch 0 offloaded (and
 /// waited) after its forward and reloaded before its backward, microbatch 1 checkpointed and
 /// recomputed before its backward. The compiled schedule and the program.
@@ -165,8 +163,19 @@ pub(crate) fn every_memory_op_1f1b() -> (pipec_compiler::compile::Compiled, Prog
     (c, q)
 }
 
+/// The brute-force replay: every buffer with the instructions it is alive at (inclusive; a
+/// buffer freed by an instruction is alive during it), device and host summed at every
 /// instruction. Valid programs only (every rule of `verify::offload` kept).
 pub(crate) fn replay(instrs: &[Instr], act: impl Fn(Task) -> f64) -> (f64, f64) {
+    replay_split(instrs, |t| (act(t), act(t)))
+}
+
+/// [`replay`] with `weights(t) = (act, act_w)`: an activation on the device until its
+/// backward is two buffers when a `bwd_D` of it comes first, `act - act_w` alive through that
+/// `bwd_D` and `act_w` through the backward that frees the rest (issue #39: what the input
+/// gradient alone reads goes at `bwd_D`, the weight GEMMs' inputs stay for `bwd_W`).
+pub(crate) fn replay_split(instrs: &[Instr], weights: impl Fn(Task) -> (f64, f64)) -> (f64, f64) {
+    let act = |t: Task| weights(t).0;
     let n = instrs.len();
     const NEVER: usize = usize::MAX;
     let first = |from: usize, f: &dyn Fn(&Instr) -> bool| (from..n).find(|&j| f(&instrs[j]));
@@ -209,6 +218,17 @@ pub(crate) fn replay(instrs: &[Instr], act: impl Fn(Task) -> f64) -> (f64, f64) 
     };
     let mut device: Vec<(usize, usize, f64)> = Vec::new();
     let mut host: Vec<(usize, usize, f64)> = Vec::new();
+    // A whole activation alive from `i` until the backward at `b`: split at a `bwd_D` between.
+    let whole = |device: &mut Vec<(usize, usize, f64)>, t: Task, i: usize, b: usize| {
+        let (a, w) = weights(t);
+        match first(i, &|x| has(x, t, &[Pass::BwdD])).filter(|&d| d < b) {
+            Some(d) => {
+                device.push((i, d, a - w));
+                device.push((i, b, w));
+            }
+            None => device.push((i, b, a)),
+        }
+    };
     for (i, ins) in instrs.iter().enumerate() {
         match *ins {
             Instr::Compute(c) => {
@@ -218,16 +238,15 @@ pub(crate) fn replay(instrs: &[Instr], act: impl Fn(Task) -> f64) -> (f64, f64) 
                     }
                     let b = freed(t, i);
                     let off = first(i + 1, &|x| is_mem(x, MemKind::Offload, t));
-                    let end = match off {
-                        Some(k) if k < b => ended(k),
-                        _ => b,
-                    };
-                    device.push((i, end, act(t)));
+                    match off {
+                        Some(k) if k < b => device.push((i, ended(k), act(t))),
+                        _ => whole(&mut device, t, i, b),
+                    }
                 }
             }
             Instr::FwdCheckpoint(t) => device.push((i, i, act(t))),
             Instr::Memory(MemOp { kind, task: t }) => match kind {
-                MemKind::Reload | MemKind::Recompute => device.push((i, freed(t, i), act(t))),
+                MemKind::Reload | MemKind::Recompute => whole(&mut device, t, i, freed(t, i)),
                 MemKind::Offload => {
                     let rel = first(i + 1, &|x| is_mem(x, MemKind::Reload, t));
                     host.push((i, rel.map_or(NEVER, ended), act(t)));
@@ -259,6 +278,7 @@ fn weights(p: &Program, rng: &mut Rng) -> MemoryModel {
         unit: Unit::LayerActivations,
         mb_scale: None,
         msg: None,
+        act_w: None,
     }
 }
 
@@ -307,6 +327,28 @@ fn random_memory_ops_count_as_the_replay_and_verify() {
                 prop_assert_eq!(walk[r].0.activations, device, "{:?} rank {}", kind, r);
                 prop_assert_eq!(walk[r].0.host, host, "{:?} rank {}", kind, r);
             }
+            // With part of each activation freed at `bwd_D` (`K.act_w`, whole numbers up to
+            // `act`): the two-buffer replay.
+            let mut split = mm.clone();
+            split.act_w = Some(
+                mm.act
+                    .iter()
+                    .map(|&a| rng.below(a as usize + 1) as f64)
+                    .collect(),
+            );
+            let walk_split = pipec_ir::memory::walk(&q, &split, None);
+            let m = q.microbatches;
+            for (r, instrs) in q.ranks.iter().enumerate() {
+                let (device, host) = replay_split(instrs, |t| split.weights(t, m));
+                prop_assert_eq!(
+                    walk_split[r].0.activations,
+                    device,
+                    "{:?} rank {} split",
+                    kind,
+                    r
+                );
+                prop_assert_eq!(walk_split[r].0.host, host, "{:?} rank {} split", kind, r);
+            }
             // The memory limit sees the same count.
             let peak = walk.iter().map(|w| w.0.peak).fold(0.0, f64::max);
             let limited = pipec_ir::verify::verify_with(
@@ -350,6 +392,7 @@ fn planner_inserts_count_as_planned() {
                 unit: Unit::LayerActivations,
                 mb_scale: None,
                 msg: None,
+                act_w: None,
             };
             let before = pipec_ir::memory::walk(&p, &mm, None);
             let top = before.iter().map(|w| w.0.peak).fold(0.0, f64::max);

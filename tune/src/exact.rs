@@ -156,8 +156,11 @@ impl Search<'_> {
                     self.fend[slot] = end;
                     self.live[o.rank] += self.p.act[o.s];
                 }
-                Kind::B => self.bend[slot] = end,
-                Kind::W => self.live[o.rank] -= self.p.act[o.s],
+                Kind::B => {
+                    self.bend[slot] = end;
+                    self.live[o.rank] -= self.p.freed_at_d(o.s);
+                }
+                Kind::W => self.live[o.rank] -= self.p.act_w[o.s],
             }
             self.dfs((st, o.rank), makespan.max(end), remaining - 1);
             match o.kind {
@@ -165,8 +168,11 @@ impl Search<'_> {
                     self.fend[slot] = UNSET;
                     self.live[o.rank] -= self.p.act[o.s];
                 }
-                Kind::B => self.bend[slot] = UNSET,
-                Kind::W => self.live[o.rank] += self.p.act[o.s],
+                Kind::B => {
+                    self.bend[slot] = UNSET;
+                    self.live[o.rank] += self.p.freed_at_d(o.s);
+                }
+                Kind::W => self.live[o.rank] += self.p.act_w[o.s],
             }
             self.seq[o.rank].pop();
             self.left[o.rank] += o.cost;

@@ -483,7 +483,9 @@ pub(crate) fn run(
         .iter()
         .map(|ls| Vec::with_capacity(ls.len() * m * 3))
         .collect();
-    let mut pending_w: Vec<Option<(usize, f64)>> = vec![None; pp];
+    // Per rank: what its last backward frees when it ends (`bwd_D`: `act - act_w`; `bwd_W`:
+    // `act_w`), and when.
+    let mut pending_free: Vec<Option<(f64, f64)>> = vec![None; pp];
     let total = n * m * 3;
     let mut done = 0usize;
     let mut heap = BinaryHeap::with_capacity(pp * 4);
@@ -515,11 +517,11 @@ pub(crate) fn run(
                 return (None, alive);
             }
         }
-        // A bwd_W that ended frees its activation when the rank is next free.
-        if let Some((s, end)) = pending_w[r] {
+        // A backward that ended frees its part when the rank is next free.
+        if let Some((amount, end)) = pending_free[r] {
             if end <= t {
-                live[r] -= p.act[s];
-                pending_w[r] = None;
+                live[r] -= amount;
+                pending_free[r] = None;
             }
         }
         // Ready forwards that fit, best by each tie break (deep first, oldest first); the
@@ -680,6 +682,7 @@ pub(crate) fn run(
                 bend[s * m + mb] = end;
                 nb[li] += 1;
                 inflight[r] -= 1;
+                pending_free[r] = Some((p.freed_at_d(s), end));
                 orders[r].push(Compute::BwdD(Task::new(s as u32, mb as u32)));
                 if s > 0 {
                     wake(&mut heap, &free, t, prev_rank, r, end + p.comm);
@@ -689,7 +692,7 @@ pub(crate) fn run(
                 let mb = nw[li];
                 end = start + p.w[s];
                 nw[li] += 1;
-                pending_w[r] = Some((s, end));
+                pending_free[r] = Some((p.act_w[s], end));
                 orders[r].push(Compute::BwdW(Task::new(s as u32, mb as u32)));
             }
         }

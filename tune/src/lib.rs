@@ -54,6 +54,13 @@ pub fn layers_with_layout(layers: &str, layout: &str) -> String {
 }
 
 pub fn tune(req: &TuneRequest) -> Result<Tuned, TuneError> {
+    // A target whose split backward keeps the whole graph until `bwd_W` is planned (and its
+    // manifest records the model) with `act_w = act`.
+    if !req.target.frees_at_bwd_d() && req.model.has_act_w() {
+        let mut whole = req.clone();
+        whole.model = whole.model.without_act_w();
+        return tune(&whole);
+    }
     // The target's own costs (Megatron's split backward), once.
     let with_target = TuneRequest {
         model: target_model(&req.model, req.target),

@@ -77,8 +77,9 @@ pub fn order_peaks(p: &Problem, orders: &[RankOrder]) -> (Vec<f64>, bool) {
         .enumerate()
         .map(|(r, o)| {
             // The verifier's rule (`ir::activations`), weighted by each stage's `act`.
-            let peak =
-                pipec_ir::ir::activations::order_peak(&o.ops, false, |t| p.act[t.stage.index()]);
+            let peak = pipec_ir::ir::activations::order_peak(&o.ops, false, |t| {
+                (p.act[t.stage.index()], p.act_w[t.stage.index()])
+            });
             let total = peak + p.param[r];
             if total > p.limit[r] + 1e-9 {
                 fits = false;

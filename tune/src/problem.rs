@@ -24,6 +24,10 @@ pub struct Problem {
     pub limit: Vec<f64>,
     /// Time a tensor takes between two ranks (`p2p + msg / bw`); 0 on one rank.
     pub comm: f64,
+    /// Per stage: the part of `act` kept from `bwd_D` to `bwd_W` (`K.act_w`, the inputs of
+    /// the weight-gradient GEMMs): `bwd_D` frees `act - act_w`, `bwd_W` the rest, a fused
+    /// backward all of it (`pipec_ir::ir::activations`). Equal to `act` without `K.act_w`.
+    pub act_w: Vec<f64>,
 }
 
 impl Problem {
@@ -55,6 +59,9 @@ impl Problem {
                 .collect()
         };
         let (act, sparam) = stage_memory(model, layout);
+        let act_w = pipec_cost::memory::stage_act_w(model, layout)
+            .map(|w| w.iter().zip(&act).map(|(w, a)| w.min(*a)).collect())
+            .unwrap_or_else(|| act.clone());
         let param = rank_params(&placement, &sparam);
         let pp = placement.pp as usize;
         Problem {
@@ -67,6 +74,7 @@ impl Problem {
             comm: model.transfer(),
             placement,
             microbatches,
+            act_w,
         }
     }
 
@@ -91,7 +99,13 @@ impl Problem {
             param: vec![0.0; pp],
             limit: vec![limit.unwrap_or(f64::INFINITY); pp],
             comm: 0.0,
+            act_w: vec![1.0; n],
         }
+    }
+
+    /// What `bwd_D` of stage `s` frees: `act - act_w`.
+    pub fn freed_at_d(&self, s: usize) -> f64 {
+        self.act[s] - self.act_w[s]
     }
 
     pub fn num_stages(&self) -> usize {

@@ -13,6 +13,11 @@
 //! one of these orders, and tune keeps the fastest (by makespan; theirs by the longest stage
 //! span) before its local search, which only accepts improvements.
 //!
+//! Memory is theirs too: `mem_f = act`, `mem_b = -(act - act_w)`, `mem_w = -act_w` (their
+//! `GraphConfig`; `act_w = act` is their `mem_b = 0` default of `initial_solution`'s
+//! callers, and `act_w = act / 2` their examples' split model, `mem_f = 2, mem_b = mem_w =
+//! -1`), which is also the verifier's rule (`pipec_ir::ir::activations`).
+//!
 //! The decisions use their clock (an op ends at the later of the stage's previous op and its
 //! producer's end plus comm, plus its cost), with their tie rules, so the orders are theirs op for op
 //! (`tests/integration/tune.rs` checks every variant's makespan against their code). The
@@ -93,8 +98,9 @@ impl State<'_> {
         let n = p.num_stages();
         let (mb, cost, mem) = match kind {
             0 => (self.nf[s], p.f[s], p.act[s]),
-            1 => (self.nb[s], p.b[s], 0.0),
-            _ => (self.nw[s], p.w[s], -p.act[s]),
+            // Their `mem_b` and `mem_w`: `bwd_D` frees `act - act_w`, `bwd_W` the rest.
+            1 => (self.nb[s], p.b[s], -p.freed_at_d(s)),
+            _ => (self.nw[s], p.w[s], -p.act_w[s]),
         };
         let mut tmp = self.end[s] + cost;
         let no_bubble = tmp;
@@ -248,7 +254,7 @@ pub fn orders(p: &Problem, rules: Rules) -> Option<Vec<RankOrder>> {
                 let mut mem_with_w = st.mem[s] + p.act[s];
                 while mem_with_w > budget[s] && st.nw[s] + w_cnt < st.nb[s] {
                     w_cost += p.w[s];
-                    mem_with_w -= p.act[s];
+                    mem_with_w -= p.act_w[s];
                     w_cnt += 1;
                 }
                 if st.end[s] + p.f[s] + w_cost <= next_plus_fw {
@@ -279,7 +285,7 @@ pub fn orders(p: &Problem, rules: Rules) -> Option<Vec<RankOrder>> {
             st.put(s, 0);
         }
         for s in (0..n).rev() {
-            if st.nb[s] != i || !st.make_room(s, 0.0, budget[s]) {
+            if st.nb[s] != i || !st.make_room(s, -p.freed_at_d(s), budget[s]) {
                 return None;
             }
             if s + 1 < n {

@@ -886,7 +886,7 @@ mod tests {
                     };
                     let want = peaks(&lower(&sch));
                     for (r, order) in sch.ranks.iter().enumerate() {
-                        let got = order_peak(&order.ops, forward_only, |_| 1u64);
+                        let got = order_peak(&order.ops, forward_only, |_| (1u64, 1u64));
                         assert_eq!(got, want[r].peak, "{kind:?} pp={pp} m={m} rank {r}");
                     }
                 }

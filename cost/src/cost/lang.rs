@@ -16,14 +16,14 @@ pub const MIN_VALUE: f64 = 1e-9;
 
 /// The keys a spec may hold, for error messages.
 pub const KEYS: &str =
-    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, K.attn_f, K.attn_b, K.attn_w, seq, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, split_extra, rank.R (R a rank)";
+    "f, b, w, E.f, E.b, E.w, t.f, t.b, t.w, m.f, m.b, m.w, L.f, L.b, L.w, K.attn_f, K.attn_b, K.attn_w, seq, floor, p2p, msg, bw, rendezvous, overlap, K.act, K.act_w, K.param, offload, K.offload (K in E t m L), pcie, offload_pair, time_unit, split_extra, rank.R (R a rank)";
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(super) enum Key {
     /// `f`, `b`, `w` as 0, 1, 2.
     Base(usize),
     Kind(LayerKind, usize),
-    /// `K.act` (0) and `K.param` (1).
+    /// `K.act` (0), `K.param` (1) and `K.act_w` (2).
     Mem(LayerKind, usize),
     Floor,
     P2p,
@@ -82,6 +82,7 @@ fn key(s: &str) -> Option<Key> {
                 match p {
                     "act" => Key::Mem(kind, 0),
                     "param" => Key::Mem(kind, 1),
+                    "act_w" => Key::Mem(kind, 2),
                     "offload" => Key::Offload(Some(kind)),
                     _ => match p.strip_prefix("attn_") {
                         Some(a) => Key::Attn(kind, pass(a)?),
@@ -629,6 +630,9 @@ pub enum CostErrorKind {
     BadTimeUnit(String),
     #[error("`seq = {0}` is not a token count: `seq` is the whole number of tokens per microbatch the per-layer costs describe, at least 1")]
     BadSeq(String),
+    /// `` `t.act_w` (3) is more than `t.act` (1) `` (one string keeps the error small).
+    #[error("{0}: `act_w` is the part of a layer's activations kept from bwd_D to bwd_W, at most all of them")]
+    ActWAboveAct(String),
     #[error("`{key}` is given twice (first at line {line}, column {col})")]
     Duplicate {
         key: String,

@@ -24,6 +24,7 @@
 //! | `rendezvous` | `true`: a send completes only once its recv is posted (NCCL's strictest behaviour); `false`: eager, a send completes when posted | `true` |
 //! | `overlap` | how much of an overlapped `fwd_bwd` pair hides: the pair costs `max(F, B) + (1 - overlap) * min(F, B)` | `0` |
 //! | `K.act` for `K` in `E t m L` | memory one microbatch's activations of one such layer keep alive from forward to weight gradient; a number, or bytes with a unit (`1.5GiB`, `300MB`) | `t`, `m`: `1`; `E`, `L`: `0` |
+//! | `K.act_w` for `K` in `E t m L` | the part of `K.act` kept from `bwd_D` to `bwd_W` (the inputs of the layer's weight-gradient GEMMs): `bwd_D` frees `act - act_w`, `bwd_W` the rest, a fused `bwd` all of it; at most `K.act` | `K.act`; a `[model]` table derives it (Korthikanti et al. 2022's list) |
 //! | `K.param` for `K` in `E t m L` | parameter plus optimizer memory of one such layer (same units as `act`) | `0` |
 //! | `offload`, `K.offload` | time to copy one layer's activations of one microbatch to or from host memory, one way (`offload`: `t` and `m`) | `K.act / pcie` when `pcie` is given, else one forward of the layer |
 //! | `pcie` | host-link bandwidth: activation units per time unit, or bytes per second (`25GB/s`, with activations in bytes and `time_unit`; with a `[model]` table, its `tflops` or every pass time given) | none |
@@ -157,18 +158,22 @@ pub const DEFAULT_MEMORY: [LayerMemory; 4] = [
     LayerMemory {
         act: 0.0,
         param: 0.0,
+        act_w: None,
     },
     LayerMemory {
         act: 1.0,
         param: 0.0,
+        act_w: None,
     },
     LayerMemory {
         act: 1.0,
         param: 0.0,
+        act_w: None,
     },
     LayerMemory {
         act: 0.0,
         param: 0.0,
+        act_w: None,
     },
 ];
 
@@ -310,9 +315,26 @@ impl CostModel {
         self.seq.or(self.shape.as_ref().map(|s| s.seq))
     }
 
-    /// The memory of one layer kind (`K.act`, `K.param`).
+    /// The memory of one layer kind (`K.act`, `K.param`, `K.act_w`).
     pub fn layer_memory(&self, k: LayerKind) -> LayerMemory {
         self.memory[kind_index(k)]
+    }
+
+    /// This model with every kind keeping all of its activations until `bwd_W` (`K.act_w`
+    /// dropped): for a runtime whose split backward frees nothing at `bwd_D`.
+    pub fn without_act_w(&self) -> CostModel {
+        let mut m = self.clone();
+        for k in m.memory.iter_mut() {
+            k.act_w = None;
+        }
+        m
+    }
+
+    /// Whether some kind keeps less than all its activations from `bwd_D` to `bwd_W`
+    /// (`K.act_w` given or derived below `K.act`). Without, every figure is as before the
+    /// key existed.
+    pub fn has_act_w(&self) -> bool {
+        self.memory.iter().any(|m| m.kept_for_w() < m.act)
     }
 
     /// Time of one message: `p2p + msg / bw`.
@@ -508,10 +530,18 @@ impl CostModel {
                         self.memory_bytes = true;
                     }
                     let c = &mut self.memory[kind_index(k)];
-                    if p == 0 {
-                        c.act = v;
-                    } else {
-                        c.param = v;
+                    match p {
+                        0 => {
+                            // A `[model]` table's derived `act_w` keeps its share of the
+                            // activations when `K.act` is given without `K.act_w`.
+                            let given_w = entries.iter().any(|x| x.key == Key::Mem(k, 2));
+                            if !given_w {
+                                c.act_w = c.act_w.filter(|_| c.act > 0.0).map(|w| v * (w / c.act));
+                            }
+                            c.act = v;
+                        }
+                        1 => c.param = v,
+                        _ => c.act_w = Some(v),
                     }
                 }
                 Key::Floor => self.floor = number(text, source, e, false)?,
@@ -537,6 +567,29 @@ impl CostModel {
         }
         if let Some(e) = pcie {
             self.pcie = Some(self.bandwidth(text, source, e)?);
+        }
+        // `K.act_w` is a part of `K.act`: `bwd_D` frees `act - act_w`, never a negative amount.
+        for k in KINDS {
+            let m = self.memory[kind_index(k)];
+            if m.act_w.is_some_and(|w| w > m.act) {
+                let at = entries
+                    .iter()
+                    .rev()
+                    .find(|e| e.key == Key::Mem(k, 2))
+                    .or_else(|| entries.iter().rev().find(|e| e.key == Key::Mem(k, 0)));
+                let span = at.map_or((0, 0), |e| e.value);
+                return Err(err(
+                    text,
+                    source,
+                    span,
+                    CostErrorKind::ActWAboveAct(format!(
+                        "`{y}.act_w` ({}) is more than `{y}.act` ({})",
+                        num(m.kept_for_w()),
+                        num(m.act),
+                        y = k.symbol()
+                    )),
+                ));
+            }
         }
         // With a `[model]` table, a pass given explicitly (`t.f`, or `f` for `t` and `m`)
         // without its attention key is the whole pass, as measured: the attention part the
@@ -621,6 +674,12 @@ impl CostModel {
         }
         if let Some(x) = self.split_extra {
             parts.push(format!("split_extra={x}"));
+        }
+        // `K.act_w` only when given or derived (a spec without it is unchanged).
+        for k in KINDS {
+            if let Some(w) = self.layer_memory(k).act_w {
+                parts.push(format!("{}.act_w={w}{unit}", k.symbol()));
+            }
         }
         // Lengths (issue #38) only when given or derived, at the end: a spec without them
         // is unchanged. A `[model]` table's `seq` is written as the key, since the spec
@@ -824,6 +883,9 @@ pub struct StageCosts {
     pub offload: Vec<f64>,
     /// `1 + split_extra`: what a split backward's halves take over `b` and `w`.
     split: f64,
+    /// Per stage: `K.act_w` summed over its layers, when some kind has one (else `None`:
+    /// `bwd_W` keeps all of `act`).
+    pub act_w: Option<Vec<f64>>,
 }
 
 impl StageCosts {
@@ -889,6 +951,21 @@ impl StageCosts {
             attn_bwd_d,
             attn_bwd_w,
             layout_used,
+            act_w: model.has_act_w().then(|| {
+                (0..n)
+                    .map(|s| {
+                        let layers: &[LayerKind] = if layout_used {
+                            &layout.stages[s]
+                        } else {
+                            &one_t
+                        };
+                        layers
+                            .iter()
+                            .map(|&k| model.layer_memory(k).kept_for_w())
+                            .sum()
+                    })
+                    .collect()
+            }),
             act,
             param,
             offload,
@@ -989,6 +1066,35 @@ impl fmt::Display for PassCost {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// `K.act_w`: absent, all of `K.act` (nothing in the spec or the JSON, so older outputs
+    /// stay as they were); given, a part of it that the spec round-trips; above `K.act`, an
+    /// error at its value.
+    #[test]
+    fn act_w_defaults_to_act_and_round_trips() {
+        let d = CostModel::default();
+        assert!(!d.has_act_w());
+        assert_eq!(d.layer_memory(LayerKind::Decoder).kept_for_w(), 1.0);
+        assert!(!d.spec().contains("act_w"));
+        assert!(!serde_json::to_string(&d).unwrap().contains("act_w"));
+        let m = CostModel::parse("t.act=2,t.act_w=0.5").unwrap();
+        assert!(m.has_act_w());
+        assert_eq!(m.layer_memory(LayerKind::Decoder).kept_for_w(), 0.5);
+        assert_eq!(m.layer_memory(LayerKind::Mtp).kept_for_w(), 1.0);
+        assert_eq!(CostModel::parse(&m.spec()).unwrap(), m);
+        let b = CostModel::parse("\"t.act\" = \"2GiB\"\n\"t.act_w\" = \"1GiB\"").unwrap();
+        assert_eq!(
+            b.layer_memory(LayerKind::Decoder).act_w,
+            Some((1u64 << 30) as f64)
+        );
+        assert_eq!(CostModel::parse(&b.spec()).unwrap(), b);
+        let e = CostModel::parse("t.act_w=3").unwrap_err();
+        assert_eq!(
+            e.kind,
+            CostErrorKind::ActWAboveAct("`t.act_w` (3) is more than `t.act` (1)".into())
+        );
+        assert_eq!(e.start, "t.act_w=".len());
+    }
 
     #[test]
     fn defaults_and_keys() {

@@ -6,10 +6,14 @@
 //! Training on GPU Clusters Using Megatron-LM", 2021).
 //!
 //! The rule, per compute instruction of a rank in program order:
-//! - a `fwd(s, m)` part allocates the activation of `(s, m)`;
-//! - a `bwd(s, m)` part frees it, or a `bwd_W(s, m)` part when the backward is split (the
-//!   weight gradient still needs the stashed input), but only if this rank allocated it and it
-//!   is still live: a backward on the wrong rank, a second one or one before its forward frees
+//! - a `fwd(s, m)` part allocates the activation of `(s, m)`, `act`;
+//! - a `bwd(s, m)` part frees it; when the backward is split, a `bwd_D(s, m)` part frees
+//!   `act - act_w` and the `bwd_W(s, m)` part the rest, `act_w`: the weight gradient still
+//!   needs the inputs of its GEMMs, the input gradient alone reads the rest (attention and
+//!   dropout masks, activation-function inputs, norm statistics; Korthikanti et al. 2022's
+//!   list, `pipec_cost::model`). The zero-bubble authors' `mem_f`, `mem_b`, `mem_w` are
+//!   `act`, `-(act - act_w)`, `-act_w`. A backward frees only what this rank allocated and
+//!   still holds: one on the wrong rank, a second one or one before its forward frees
 //!   nothing, so an invalid program cannot count less than it holds;
 //! - within one instruction allocation comes before freeing, so the forward half of a
 //!   `fwd_bwd` pair counts while the backward half still holds its activation;
@@ -19,19 +23,23 @@
 //! Memory instructions (docs/format.md, "Memory instructions"; issue 30):
 //! - a checkpointed `fwd(s, m)` is live while it runs and keeps nothing (its input is not
 //!   counted, as PipeOffload's `calculate_peak_memory` counts it);
-//! - `recompute(s, m)` allocates the activation again, held until the backward frees it;
+//! - `recompute(s, m)` allocates the activation again, held until the backward frees it
+//!   (the whole of it: `bwd_D` then frees `act - act_w` as after a forward);
 //! - `offload(s, m)` of a held activation puts it on the host (host `+1` from the offload) and
 //!   leaves the device copy counted until the offload is known to have ended: the copy stream
 //!   runs its copies in program order, so a copy has ended at a `wait_offload` of it or of a
 //!   later copy, and at a `bwd`/`bwd_D` that waits for a `reload` posted after it. The device
 //!   copy is released after that instruction. A backward no longer frees it;
 //! - `reload(s, m)` allocates on the device at its position (in flight counts), held until the
-//!   backward frees it; the host copy is released when the reload is known to have ended.
+//!   backward frees it (the whole activation: `bwd_D` frees `act - act_w` of it, as after a
+//!   forward); the host copy is released when the reload is known to have ended. An offload
+//!   of an activation whose `bwd_D` has run moves the `act_w` still held.
 //!
 //! The host count ([`Live::host`]) follows the same positions. Tasks out of range are
 //! allocated and never freed. A program too small to afford a table
 //! per task ([`Program::task_tables_fit`], reported by the verifier as too few ops) is counted
-//! without one: every backward frees one activation, never below zero.
+//! without one: every backward frees its part (`bwd` `act`, `bwd_D` `act - act_w`, `bwd_W`
+//! `act_w`), never below zero.
 
 use crate::ir::{Instr, MemKind, Program};
 use pipec_schedules::{Compute, Pass, Task};
@@ -92,12 +100,43 @@ impl<W: Amount> Peak<W> {
     }
 }
 
-/// Peak live activations of every rank, in rank order.
+/// Peak live activations of every rank, in rank order (every activation 1, all of it kept
+/// for `bwd_W`).
 pub fn peaks(program: &Program) -> Vec<Peak<u64>> {
     let mut walk = Activations::new(program);
     (0..program.ranks.len())
-        .map(|r| Peak::of(walk.live(r, |_| 1u64)))
+        .map(|r| Peak::of(walk.live(r, |_| (1u64, 1u64))))
         .collect()
+}
+
+/// What a rank holds of one task's activation: all of it (from its forward, reload or
+/// recompute), or the part its `bwd_W` needs (after its `bwd_D`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Held {
+    Whole,
+    ForW,
+}
+
+/// The holder state [`step`] reads and writes: per task, what this rank holds. `tracked`
+/// is false for a program too large for a table (the module doc's fallback).
+trait Holds {
+    fn get(&self, t: Task) -> Option<Held>;
+    fn set(&mut self, t: Task, h: Option<Held>);
+    fn tracked(&self) -> bool {
+        true
+    }
+}
+
+impl Holds for HashMap<Task, Held> {
+    fn get(&self, t: Task) -> Option<Held> {
+        HashMap::get(self, &t).copied()
+    }
+    fn set(&mut self, t: Task, h: Option<Held>) {
+        match h {
+            Some(h) => self.insert(t, h),
+            None => self.remove(&t),
+        };
+    }
 }
 
 /// Walks ranks under the rule of the module doc. One holder table serves every rank (each
@@ -107,6 +146,8 @@ pub struct Activations<'p> {
     /// Per task (`stage * M + mb`): the tag of the walk whose rank holds its activation. Empty
     /// when the program cannot afford it.
     holder: Vec<u32>,
+    /// Per task: its `bwd_D` has run, the rank holds only what `bwd_W` needs.
+    for_w: Vec<bool>,
     dense: bool,
     tag: u32,
 }
@@ -122,6 +163,7 @@ impl<'p> Activations<'p> {
         Activations {
             program,
             holder: vec![0; tasks],
+            for_w: vec![false; tasks],
             dense,
             tag: 0,
         }
@@ -129,8 +171,9 @@ impl<'p> Activations<'p> {
 
     /// The live count during each compute instruction of `rank` (after its allocations,
     /// before its frees), as `(index in the rank's stream, live)`, with each activation
-    /// counted as `weight(task)`. A rank the program does not have yields nothing.
-    pub fn live<W: Amount, F: Fn(Task) -> W>(
+    /// counted as `weight(task)`: `(act, act_w)`, all of it and the part kept from `bwd_D` to
+    /// `bwd_W`. A rank the program does not have yields nothing.
+    pub fn live<W: Amount, F: Fn(Task) -> (W, W)>(
         &mut self,
         rank: usize,
         weight: F,
@@ -159,23 +202,27 @@ impl<'p> Activations<'p> {
         (self.dense && t.stage.0 < p.num_stages() && t.mb.0 < p.microbatches)
             .then(|| t.stage.index() * p.microbatches as usize + t.mb.index())
     }
+}
 
-    /// `hold(t, true)`: this walk's rank now holds `t`'s activation. `hold(t, false)`:
-    /// release it, saying whether the rank held it (without a table: always, see the doc).
-    fn hold(&mut self, t: Task, on: bool) -> bool {
-        let tag = self.tag;
-        match (self.slot(t), on) {
-            (Some(s), true) => {
-                self.holder[s] = tag;
-                true
-            }
-            (Some(s), false) if self.holder[s] == tag => {
-                self.holder[s] = 0;
-                true
-            }
-            (None, false) => !self.dense,
-            _ => false,
+impl Holds for Activations<'_> {
+    fn get(&self, t: Task) -> Option<Held> {
+        let s = self.slot(t)?;
+        (self.holder[s] == self.tag).then_some(if self.for_w[s] {
+            Held::ForW
+        } else {
+            Held::Whole
+        })
+    }
+
+    fn set(&mut self, t: Task, h: Option<Held>) {
+        if let Some(s) = self.slot(t) {
+            self.holder[s] = if h.is_some() { self.tag } else { 0 };
+            self.for_w[s] = h == Some(Held::ForW);
         }
+    }
+
+    fn tracked(&self) -> bool {
+        self.dense
     }
 }
 
@@ -240,7 +287,7 @@ pub struct Live<'a, 'p, W, F> {
     copies: Option<Copies<W>>,
 }
 
-impl<W: Amount, F: Fn(Task) -> W> Live<'_, '_, W, F> {
+impl<W: Amount, F: Fn(Task) -> (W, W)> Live<'_, '_, W, F> {
     /// Host memory held during the instruction last yielded.
     pub fn host(&self) -> W {
         self.host
@@ -259,18 +306,25 @@ impl<W: Amount, F: Fn(Task) -> W> Live<'_, '_, W, F> {
     }
 
     fn memory(&mut self, kind: MemKind, t: Task) {
-        let w = (self.weight)(t);
+        let (w, kept) = (self.weight)(t);
         let copies = self.copies.get_or_insert_with(Copies::new);
         match kind {
             MemKind::Offload => {
-                self.host = self.host.plus(w);
-                // The device copy stays counted until the offload is known to have ended.
-                let held = self.walk.hold(t, false);
-                copies.post(t, true, held.then_some(w));
+                // The device copy stays counted until the offload is known to have ended;
+                // after `bwd_D` only `act_w` is left to move.
+                let held = match self.walk.get(t) {
+                    Some(Held::Whole) => Some(w),
+                    Some(Held::ForW) => Some(kept),
+                    None if !self.walk.tracked() => Some(w),
+                    None => None,
+                };
+                self.host = self.host.plus(held.unwrap_or(w));
+                self.walk.set(t, None);
+                copies.post(t, true, held);
             }
             MemKind::Reload => {
                 self.live = self.live.plus(w);
-                self.walk.hold(t, true);
+                self.walk.set(t, Some(Held::Whole));
                 copies.post(t, false, Some(w));
             }
             MemKind::WaitOffload => {
@@ -282,13 +336,13 @@ impl<W: Amount, F: Fn(Task) -> W> Live<'_, '_, W, F> {
             }
             MemKind::Recompute => {
                 self.live = self.live.plus(w);
-                self.walk.hold(t, true);
+                self.walk.set(t, Some(Held::Whole));
             }
         }
     }
 }
 
-impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
+impl<W: Amount, F: Fn(Task) -> (W, W)> Iterator for Live<'_, '_, W, F> {
     type Item = (u32, W);
 
     fn next(&mut self) -> Option<(u32, W)> {
@@ -300,9 +354,7 @@ impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
                     self.live = self.live.minus(self.frees);
                     self.host = self.host.minus(self.host_frees);
                     self.host_frees = W::default();
-                    let walk = &mut *self.walk;
-                    let (alloc, frees) =
-                        step(c, forward_only, &self.weight, |t, on| walk.hold(t, on));
+                    let (alloc, frees) = step(c, forward_only, &self.weight, &mut *self.walk);
                     self.live = self.live.plus(alloc);
                     self.frees = frees;
                     if self.copies.is_some() {
@@ -318,7 +370,7 @@ impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
                     self.host = self.host.minus(self.host_frees);
                     self.host_frees = W::default();
                     // Live while it runs, kept by nothing.
-                    let w = (self.weight)(t);
+                    let w = (self.weight)(t).0;
                     self.live = self.live.plus(w);
                     self.frees = w;
                 }
@@ -337,54 +389,65 @@ impl<W: Amount, F: Fn(Task) -> W> Iterator for Live<'_, '_, W, F> {
 }
 
 /// One compute op under the rule of the module doc: what it allocates and what it frees (after
-/// it ran). `hold(task, true)` records that this rank now holds `task`'s activation;
-/// `hold(task, false)` releases it and says whether the rank held it. Every reader of the rule
-/// goes through here: the program walk above and [`order_peak`].
+/// it ran), with `weight(task) = (act, act_w)`; `holds` records what this rank holds of each
+/// task. Every reader of the rule goes through here: the program walk above and
+/// [`order_peak`].
 fn step<W: Amount>(
     c: &Compute,
     forward_only: bool,
-    weight: &impl Fn(Task) -> W,
-    mut hold: impl FnMut(Task, bool) -> bool,
+    weight: &impl Fn(Task) -> (W, W),
+    holds: &mut impl Holds,
 ) -> (W, W) {
     let (mut alloc, mut frees) = (W::default(), W::default());
     for (pass, t) in c.parts() {
+        let (w, kept) = weight(t);
         match pass {
             Pass::Fwd => {
-                let w = weight(t);
                 alloc = alloc.plus(w);
                 if forward_only {
                     frees = frees.plus(w);
                 } else {
-                    hold(t, true);
+                    holds.set(t, Some(Held::Whole));
                 }
             }
-            Pass::Bwd | Pass::BwdW if !forward_only && hold(t, false) => {
-                frees = frees.plus(weight(t));
+            _ if forward_only => {}
+            Pass::BwdD => match holds.get(t) {
+                Some(Held::Whole) => {
+                    holds.set(t, Some(Held::ForW));
+                    frees = frees.plus(w.minus(kept));
+                }
+                None if !holds.tracked() => frees = frees.plus(w.minus(kept)),
+                _ => {}
+            },
+            Pass::Bwd | Pass::BwdW => {
+                let held = holds.get(t);
+                holds.set(t, None);
+                let untracked = if pass == Pass::Bwd { w } else { kept };
+                match held {
+                    Some(Held::Whole) => frees = frees.plus(w),
+                    Some(Held::ForW) => frees = frees.plus(kept),
+                    None if !holds.tracked() => frees = frees.plus(untracked),
+                    None => {}
+                }
             }
-            _ => {}
         }
     }
     (alloc, frees)
 }
 
 /// The peak of one rank's compute order (before lowering: `pipec tune` judges its orders with
-/// it), under the same rule as a program's walk, each activation counted as `weight(task)`.
+/// it), under the same rule as a program's walk, each activation counted as `weight(task)`,
+/// `(act, act_w)`.
 pub fn order_peak<'a, W: Amount>(
     ops: impl IntoIterator<Item = &'a Compute>,
     forward_only: bool,
-    weight: impl Fn(Task) -> W,
+    weight: impl Fn(Task) -> (W, W),
 ) -> W {
-    let mut held = std::collections::HashSet::new();
+    let mut held: HashMap<Task, Held> = HashMap::new();
     let (mut live, mut frees, mut peak) = (W::default(), W::default(), W::default());
     for c in ops {
         live = live.minus(frees);
-        let (alloc, f) = step(c, forward_only, &weight, |t, hold| {
-            if hold {
-                held.insert(t)
-            } else {
-                held.remove(&t)
-            }
-        });
+        let (alloc, f) = step(c, forward_only, &weight, &mut held);
         live = live.plus(alloc);
         frees = f;
         if live > peak {
@@ -433,6 +496,34 @@ mod tests {
         );
     }
 
+    /// Issue #39, by hand: `act = 2`, `act_w = 1`. `bwd_D` frees 1 after it ran, `bwd_W` the
+    /// other 1, a fused `bwd` all 2; a second `bwd_D` frees nothing more. The order peak
+    /// agrees.
+    #[test]
+    fn bwd_d_frees_act_minus_act_w() {
+        let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
+        let ops = vec![
+            Compute::Fwd(t0),  // 2
+            Compute::Fwd(t1),  // 4
+            Compute::BwdD(t0), // 4, then 3
+            Compute::BwdD(t0), // 3 (nothing more)
+            Compute::Bwd(t1),  // 3, then 1
+            Compute::BwdW(t0), // 1, then 0
+            Compute::Fwd(t1),  // 2
+        ];
+        let p = program(false, vec![ops.clone()]);
+        let w = |_| (2.0f64, 1.0f64);
+        let live: Vec<_> = Activations::new(&p).live(0, w).map(|x| x.1).collect();
+        assert_eq!(live, vec![2.0, 4.0, 4.0, 3.0, 3.0, 1.0, 2.0]);
+        assert_eq!(order_peak(&ops, false, w), 4.0);
+        // Without a task table (the fallback): every part frees its share, never below 0.
+        let q = program(false, vec![ops[..3].to_vec()]);
+        let mut walk = Activations::new(&q);
+        walk.dense = false;
+        let live: Vec<_> = walk.live(0, w).map(|x| x.1).collect();
+        assert_eq!(live, vec![2.0, 4.0, 4.0]);
+    }
+
     #[test]
     fn a_pair_holds_both_and_a_foreign_backward_frees_nothing() {
         let (t0, t1) = (Task::new(0, 0), Task::new(0, 1));
@@ -449,9 +540,9 @@ mod tests {
             ],
         );
         let mut walk = Activations::new(&p);
-        let live: Vec<_> = walk.live(0, |_| 1u64).collect();
+        let live: Vec<_> = walk.live(0, |_| (1u64, 1u64)).collect();
         assert_eq!(live, vec![(0, 1), (1, 2)]);
-        let live: Vec<_> = walk.live(1, |_| 1u64).collect();
+        let live: Vec<_> = walk.live(1, |_| (1u64, 1u64)).collect();
         assert_eq!(live, vec![(0, 1), (1, 1), (2, 2)]);
     }
 }

@@ -8,8 +8,8 @@
 
 pub mod activations;
 mod blocking;
-mod capture;
 pub mod buffers;
+mod capture;
 mod id;
 mod matching;
 mod program;

@@ -51,12 +51,24 @@ pub(crate) fn check(
 /// peak. `pipec tune` reports and limits this figure. Stages or microbatches out of range
 /// count with weight 0.
 pub fn weighted_peaks(program: &Program, act: &[f64], param: &[f64]) -> Vec<f64> {
+    weighted_peaks_split(program, act, None, param)
+}
+
+/// [`weighted_peaks`] with the part of each stage's `act` kept from `bwd_D` to `bwd_W`
+/// (`None`: all of it).
+pub fn weighted_peaks_split(
+    program: &Program,
+    act: &[f64],
+    act_w: Option<&[f64]>,
+    param: &[f64],
+) -> Vec<f64> {
     let mem = MemoryModel {
         act: act.to_vec(),
         param: param.to_vec(),
         unit: crate::memory::Unit::LayerActivations,
         mb_scale: None,
         msg: None,
+        act_w: act_w.map(<[f64]>::to_vec),
     };
     crate::memory::peaks(program, &mem)
         .iter()

@@ -334,6 +334,7 @@ mod tests {
             unit: memory::Unit::LayerActivations,
             mb_scale: None,
             msg: None,
+            act_w: None,
         };
         let p = one_rank(vec![
             f(0, 0),    // 2

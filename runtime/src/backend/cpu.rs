@@ -255,6 +255,13 @@ impl Backend for CpuBackend {
             .map_err(|e| Self::err(task, e))
     }
 
+    fn keep_for_w(&mut self, _: Task, saved: &mut Self::Saved) -> Result<bool, BackendError> {
+        for st in saved.iter_mut() {
+            st.keep_for_w();
+        }
+        Ok(true)
+    }
+
     fn bwd_w(
         &mut self,
         task: Task,

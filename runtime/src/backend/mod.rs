@@ -135,6 +135,16 @@ pub trait Backend {
         grad: Option<Self::Tensor>,
     ) -> Result<(Self::Tensor, Self::Partial), BackendError>;
 
+    /// After `bwd_D(s, m)`: drop from the stash what only the input gradient read, keeping
+    /// the inputs of the weight-gradient GEMMs for `bwd_W` (the memory rule's `act - act_w`,
+    /// `pipec_ir::ir::activations`). Returns whether it did: the default keeps everything (a
+    /// backend whose stash cannot be cut), and the interpreter then meters the whole stash
+    /// until `bwd_W`, so a run that holds more than the plan counts says so.
+    fn keep_for_w(&mut self, task: Task, saved: &mut Self::Saved) -> Result<bool, BackendError> {
+        let _ = (task, saved);
+        Ok(false)
+    }
+
     /// `bwd_W(s, m)`: the weight gradients only; frees the stash.
     fn bwd_w(
         &mut self,

@@ -30,7 +30,8 @@ fn cost_long_help() -> String {
         "Cost model entries, comma-separated key=value, e.g. \"f=1,b=1,w=1,p2p=0.05\". \
          Keys: {}. f b w: a decoder or MTP layer's forward, bwd_D and bwd_W; K.f K.b K.w per \
          layer kind (E embedding, t decoder, m MTP, L output layer); K.act: a layer's \
-         activations of one microbatch, K.param: its parameter and optimizer memory \
+         activations of one microbatch, K.act_w: the part of them bwd_W still needs after \
+         bwd_D (default K.act), K.param: its parameter and optimizer memory \
          (a number of layer-activations, or bytes: t.act=1.5GiB). Defaults: f=b=w=1, E \
          and L free, communication free, rendezvous. \
          Every key, its unit and default: docs/costs.md",
