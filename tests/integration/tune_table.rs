@@ -313,20 +313,30 @@ fn tune_help_names_every_cost_key() {
 /// beginning, a line `...` the rest left out; the first line, with the seconds taken, is not
 /// shown). Returns how many lines were checked.
 fn doc_example_holds(doc: &str, head: &str, dir: &std::path::Path) -> usize {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/");
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../");
+    let path = if doc == "README.md" {
+        root.to_string()
+    } else {
+        format!("{root}docs/")
+    };
     let text = std::fs::read_to_string(format!("{path}{doc}")).expect(doc);
-    let marker = format!("```\n$ pipec tune {head}");
-    let start = text.find(&marker).expect("the example") + 6;
+    // A fenced block (plain or `text`) whose first line is the command.
+    let marker = format!("\n$ pipec tune {head}");
+    let start = text.find(&marker).expect("the example") + 3;
     let end = start + text[start..].find("```").unwrap();
     let block = text[start..end].replace("\\\n", " ");
     let mut lines = block.lines();
     let command: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
     assert_eq!(command[..2], ["pipec", "tune"]);
-    let out = pipec()
-        .args(&command[1..])
-        .current_dir(dir)
-        .assert()
-        .success();
+    // Paths into the repository (`bench/...`) are read from its root; the run writes in `dir`.
+    let args: Vec<String> = command[1..]
+        .iter()
+        .map(|a| match a.strip_prefix("bench/") {
+            Some(_) => format!("{root}{a}"),
+            None => a.to_string(),
+        })
+        .collect();
+    let out = pipec().args(&args).current_dir(dir).assert().success();
     let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
     let mut got = report.lines();
     let mut shown = 0;
@@ -373,6 +383,32 @@ fn tune_doc_examples_are_current() {
     assert!(shown >= 15, "only {shown} lines checked");
     let shown = doc_example_holds("memory.md", "--pp 4 --microbatches 8", dir.path());
     assert!(shown >= 5, "only {shown} lines checked");
+}
+
+/// #40's Done-when: the README's 70B example (its `bench/llama3-70b.toml`) shows the host
+/// memory, the margin note and the Megatron caveat, and every line it shows is what tune prints.
+#[test]
+fn readme_tune_example_is_current() {
+    let dir = tempfile::tempdir().unwrap();
+    let shown = doc_example_holds(
+        "README.md",
+        "--pp 8 --microbatches 64 --num-layers 80",
+        dir.path(),
+    );
+    assert!(shown >= 9, "only {shown} lines checked");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    for want in [
+        "host memory per rank",
+        "not the CUDA context",
+        "not run with:",
+    ] {
+        assert!(
+            readme.contains(want),
+            "the README's tune example lacks {want:?}"
+        );
+    }
+    assert!(dir.path().join("tuned/manifest.json").exists());
 }
 
 /// #40 point 6: a byte peak is said with what it counts, and a plan for the 70B model planned
