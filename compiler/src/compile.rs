@@ -121,6 +121,13 @@ pub enum CompileError {
     },
     #[error(transparent)]
     Lengths(#[from] LengthsError),
+    /// The cost model's `[model]` table states `num_layers`, and the plan has another count.
+    #[error("{from} gives {given} decoder layers, but the cost model's [model] table says num_layers = {table}: give one count (or leave the layers to the table)")]
+    LayersDisagree {
+        table: u64,
+        given: u64,
+        from: &'static str,
+    },
 }
 
 /// A compiled schedule: everything the emitters and the runtime need.
@@ -314,7 +321,32 @@ pub fn prepare(
     if let (Some(l), Some(shape)) = (&req.lengths, &model.shape) {
         l.check_seq(shape.seq).map_err(CompileError::from)?;
     }
+    // A `[model]` table's `num_layers` (issue #40): the layers when the request names none,
+    // else a count the plan must have, so that a plan is not costed as another model's.
+    let table = model.shape.as_ref().and_then(|s| s.num_layers);
+    let from_table;
+    let req = match table {
+        Some(n) if req.layout.is_none() && req.num_layers.is_none() => {
+            from_table = CompileRequest {
+                num_layers: Some(u32::try_from(n).unwrap_or(u32::MAX)),
+                ..req.clone()
+            };
+            &from_table
+        }
+        _ => req,
+    };
     let mut c = compile(req)?.into_lowered();
+    if let Some(table) = table {
+        let given = c.layout.count(pipec_schedules::layout::LayerKind::Decoder) as u64;
+        if given != table {
+            let from = if req.layout.is_some() {
+                "the layout"
+            } else {
+                "the layer count asked for"
+            };
+            return Err(CompileError::LayersDisagree { table, given, from }.into());
+        }
+    }
     let memory = pipec_cost::memory::weights(&c.program, &c.layout, model);
     if req.buffer_plan {
         let m = c.program.microbatches;

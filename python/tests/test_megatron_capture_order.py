@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import gzip
 import re
-import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
+from golden_record import rerecord
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (test.sh installs it)")
@@ -30,7 +29,6 @@ import pipec.megatron as pm
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "megatron"
 SUBSET = r"^(1f1b pp=3 |interleaved pp=2 vpp=2 |interleaved pp=4 vpp=3 m=8 )"
-RECORD_TIMEOUT = 300  # seconds; the run is ~15 s, mostly importing torch and megatron-core
 
 
 def _golden() -> dict[str, list[list[float]] | str]:
@@ -61,23 +59,11 @@ def _compile(head: str) -> pipec.Schedule:
 
 
 def test_capture_order_golden_is_reproduced_by_megatrons_code(tmp_path):
-    out = tmp_path / "subset.txt.gz"
-    run = subprocess.run(
-        [sys.executable, "-B", str(GOLDEN / "record_capture_order.py"), "--only", SUBSET]
-        + ["--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=RECORD_TIMEOUT,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    got = gzip.decompress(out.read_bytes()).decode().splitlines()
-    want = gzip.decompress((GOLDEN / "capture_order.txt.gz").read_bytes()).decode().splitlines()
-    assert got[0].startswith("# megatron-core 0.19.2 torch 2.15.0"), got[0]
+    got, want = rerecord("record_capture_order.py", SUBSET, "capture_order.txt.gz", tmp_path)
     rx = re.compile(SUBSET)
-    want = [line for line in want[1:] if rx.search(line)]
+    want = [line for line in want if rx.search(line)]
     assert len(want) >= 40, len(want)
-    assert got[1:] == want, "megatron-core now orders its CUDA-graph capture otherwise"
+    assert got == want, "megatron-core now orders its CUDA-graph capture otherwise"
 
 
 @pytest.mark.parametrize(

@@ -426,4 +426,52 @@ fn check_and_tune_compare_the_model_layer_count() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("num_layers = 80"));
+    // compile alike: the table's 80 layers split over 4 stages without --num-layers, and a
+    // directory of 8 layers costed as the 80-layer model refused before anything is written.
+    let compile = |extra: &[&str], out: &str| {
+        pipec()
+            .args([
+                "compile",
+                "--schedule",
+                "1f1b",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+            ])
+            .args(extra)
+            .arg("--cost-file")
+            .arg(table(80))
+            .arg("-o")
+            .arg(dir.path().join(out))
+            .output()
+            .unwrap()
+    };
+    let o = compile(&[], "c80");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let layout = pipec_ir::files::load_dir(&dir.path().join("c80"))
+        .unwrap()
+        .manifest
+        .layout;
+    assert_eq!(
+        layout.count(pipec_schedules::layout::LayerKind::Decoder),
+        80
+    );
+    assert_eq!(check(&[], None).status.code(), Some(0));
+    let o = compile(&["--num-layers", "8"], "c8");
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("the layer count asked for gives 8 decoder layers, but the cost model's [model] table says num_layers = 80"),
+        "{err}"
+    );
+    assert!(!dir.path().join("c8").exists());
+    let o = compile(&["--layout", "Et|tt|tt|tL"], "cl");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("the layout gives 6 decoder layers"));
 }

@@ -205,7 +205,8 @@ pub fn compile_error(e: CompileError) -> CliError {
         | CompileError::LengthsCount { .. }
         | CompileError::Order { .. }
         | CompileError::Lengths(_)
-        | CompileError::ShapesNeedMegatron { .. }) => CliError::Invalid(e.to_string()),
+        | CompileError::ShapesNeedMegatron { .. }
+        | CompileError::LayersDisagree { .. }) => CliError::Invalid(e.to_string()),
     }
 }
 
