@@ -171,6 +171,54 @@ def automodel_schedule(cfg: dict, sched, layers, rank: int, group):
     return stages, runtime, lambda: am.scale_grads_by_divisor(stages, m)
 
 
+class Receives:
+    """What torch's runtime receives into, seen from outside pipec: the storage of every
+    receive's tensor (each stage's ``get_fwd_recv_ops``/``get_bwd_recv_ops``, wrapped last, so
+    around pipec's own wrappers), per step, and how often torch's own receive allocation
+    (``_RecvInfo.allocate_buffer``, the class's method) runs."""
+
+    def __init__(self, stages) -> None:
+        from torch.distributed.pipelining._recv_buffers import _RecvInfo
+
+        self.steps: list[list[int]] = []
+        self.torch_allocs = 0
+        self._cls, self._orig = _RecvInfo, _RecvInfo.allocate_buffer
+
+        def allocate_buffer(info, device):
+            self.torch_allocs += 1
+            return self._orig(info, device)
+
+        _RecvInfo.allocate_buffer = allocate_buffer
+        for st in stages:
+            for name in ("get_fwd_recv_ops", "get_bwd_recv_ops"):
+                setattr(st, name, self._watch(getattr(st, name)))
+
+    def _watch(self, orig):
+        def recv_ops(mb):
+            ops = orig(mb)
+            self.steps[-1].extend(op.tensor.untyped_storage().data_ptr() for op in ops)
+            return ops
+
+        return recv_ops
+
+    def begin_step(self) -> None:
+        self.steps.append([])
+
+    def close(self, runtime) -> dict:
+        self._cls.allocate_buffer = self._orig
+        pool = runtime.pipec_slots
+        return {
+            "recv_storages": self.steps,
+            "torch_recv_allocs": self.torch_allocs,
+            "pool": None
+            if pool is None
+            else {
+                "sizes": {str(k): v for k, v in pool.sizes.items()},
+                "storages": sorted(t.untyped_storage().data_ptr() for t in pool.buffers.values()),
+            },
+        }
+
+
 def run_eval(cfg: dict, rank: int, group) -> dict:
     """A forward-only pipec schedule through ``.eval``: the last stage's merged output equals
     the unpipelined model's."""
@@ -224,10 +272,13 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
     mine = pt.stage_indices(sched, rank)
     stages = [PipelineStage(layers[i], i, s_count, torch.device("cpu"), group=group) for i in mine]
     runtime = pt.build_schedule(sched, stages, token_loss, scale_grads=False)
+    receives = Receives(stages) if cfg.get("slots") else None
     opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     tally = Tally(cfg["tol"])
     for step in range(STEPS):
+        if receives is not None:
+            receives.begin_step()
         g = torch.Generator().manual_seed(200 + step)
         xs = [torch.randn(n, DIM, dtype=torch.float64, generator=g) for n in lengths]
         ys = [torch.randn(n, DIM, dtype=torch.float64, generator=g) for n in lengths]
@@ -259,6 +310,7 @@ def run_lengths(cfg: dict, rank: int, group) -> dict:
         **tally.report(),
         "kind": sched.kind,
         "relabelled": runtime.pipec_microbatch_order,
+        **(receives.close(runtime) if receives is not None else {}),
     }
 
 
@@ -307,12 +359,15 @@ def run(cfg: dict, rank: int, group) -> dict:
                 [a, b, dist.get_process_group_ranks(g), ids.setdefault(id(g), len(ids))]
                 for (a, b), g in sorted(of.items())
             ]
+    receives = Receives(stages) if cfg.get("slots") else None
     # torchtitan builds its schedule with scale_grads=False: gradients are sums over microbatches.
     scale = m if "torchtitan" not in cfg else 1
     opt = torch.optim.SGD([p for i in mine for p in layers[i].parameters()], lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     tally = Tally(cfg["tol"])
     for step in range(STEPS):
+        if receives is not None:
+            receives.begin_step()
         g = torch.Generator().manual_seed(100 + step)
         x = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=g)
         y = torch.randn(m * ROWS, DIM, dtype=torch.float64, generator=g)
@@ -339,6 +394,8 @@ def run(cfg: dict, rank: int, group) -> dict:
     if getattr(runtime, "pipec_memory", None) is not None:
         # The last step's trace of the memory instructions (test_torch_memory checks it).
         extra["memory_events"] = [list(e) for e in runtime.pipec_memory.events]
+    if receives is not None:
+        extra.update(receives.close(runtime))
     return {
         "stages": mine,
         **tally.report(),
