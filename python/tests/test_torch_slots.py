@@ -69,6 +69,12 @@ CASES = [
         },
         True,
     ),
+    # Forward-only, through .eval (twice).
+    (
+        "eval-zb-v",
+        {"schedule": "zb-v", "pp": 2, "microbatches": 4, "forward_only": True, "buffer_plan": True},
+        False,
+    ),
     # The control: the same 1F1B without a plan.
     ("no-plan-1f1b", {"schedule": "1f1b", "pp": 2, "microbatches": 4}, False),
 ]
@@ -84,6 +90,7 @@ def trained(tmp_path_factory):
             "tol": TOL,
             "slots": True,
             "lengths": lengths,
+            "eval": kw.get("forward_only", False),
             "compile": kw,
         }
         for name, kw, lengths in CASES
@@ -108,7 +115,10 @@ def test_receives_land_in_the_plans_slots(trained, name, kw, lengths):
     pp = kw["pp"]
     for r, res in enumerate(launch.rank_results(trained, name, pp)):
         assert res["max_grad_rel_err"] <= TOL and res["max_loss_rel_err"] <= TOL
-        assert res["grads_compared"] > 0
+        if s.forward_only:
+            assert res["losses_compared"] == (STEPS if s.num_stages - 1 in res["stages"] else 0)
+        else:
+            assert res["grads_compared"] > 0
         recvs = _receives(s, r)
         assert recvs, f"{name}: rank {r} receives nothing"
         steps = res["recv_storages"]
