@@ -792,7 +792,7 @@ def build_schedule(
     torch's shape inference at the first step, as large as the largest message the plan puts
     there; every receive lands in a view of its slot, and the pass that consumes it copies it
     out, freeing the slot as the plan does (``runtime.pipec_slots``, a :class:`SlotPool`;
-    docs/torch.md, "Buffer plan").
+    docs/torch.md, "Buffer plan: receives in fixed slots").
     """
     s = _as_schedule(schedule)
     _refuse(s)
