@@ -24,7 +24,7 @@ import importlib.metadata
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._native import PipecError
@@ -307,6 +307,70 @@ def torch_resize_recv(info: Any, dim: int, size: int) -> None:
     info.tensor_meta = dataclasses.replace(
         meta, shape=type(meta.shape)(shape), stride=tuple(stride)
     )
+
+
+@contextlib.contextmanager
+def torch_recv_into(infos: tuple, buffer_of: Callable[[Any], Any]) -> Iterator[None]:
+    """While active, each descriptor of ``infos`` (``_RecvInfo``, torch 2.15) that torch asks
+    to ``allocate_buffer(device)`` (``_get_recv_ops``, right before it builds the ``irecv``)
+    retains ``buffer_of(info)`` instead (``_RecvInfo.set_buffer``, which refuses a descriptor
+    that still holds a buffer, as ``allocate_buffer`` does) and returns it: the receive lands
+    there. The descriptors' own method is back afterwards."""
+
+    def retain(info: Any) -> Callable[[Any], Any]:
+        def allocate_buffer(device: Any) -> Any:
+            t = buffer_of(info)
+            info.set_buffer(t)
+            return t
+
+        return allocate_buffer
+
+    hooked = []
+    try:
+        for info in infos:
+            info.allocate_buffer = retain(info)
+            hooked.append(info)
+        yield
+    finally:
+        for info in hooked:
+            info.__dict__.pop("allocate_buffer", None)
+
+
+def torch_replace_recv_buffer(info: Any, old: Any, new: Any) -> None:
+    """Make the received tensor ``info`` (a ``_RecvInfo``) hands the stage ``new`` instead of
+    ``old``, if it still holds ``old``: ``_RecvInfo.buffer`` (torch 2.15), retained from the
+    receive until ``_retrieve_recv_activations``/``_retrieve_recv_grads`` take it
+    (``take_buffer``)."""
+    if info.buffer is old:
+        info.buffer = new
+
+
+def torch_before_retrieve(stage: Any, grad: bool, fn: Callable[[int], None]) -> None:
+    """Have ``stage`` call ``fn(mb)`` right before it takes microbatch ``mb``'s received
+    tensors: ``_PipelineStageBase._retrieve_recv_activations(fwd_chunk_id)`` (``grad`` false;
+    ``forward_one_chunk`` calls it for a stage that is not the first) or
+    ``_retrieve_recv_grads(bwd_chunk_id)`` (``backward_one_chunk``, a stage that is not the
+    last), torch 2.15, both after the runtime waited for the receive. Replaced on this stage
+    only."""
+    name = "_retrieve_recv_grads" if grad else "_retrieve_recv_activations"
+    orig = getattr(stage, name, None)
+    if not callable(orig):
+        raise TypeError(f"this torch's PipelineStage has no {name} (torch 2.15 has)")
+
+    def retrieve(mb: int) -> Any:
+        fn(mb)
+        return orig(mb)
+
+    setattr(stage, name, retrieve)
+
+
+def torch_initialize_stages(runtime: Any, *args, **kwargs) -> None:
+    """``PipelineScheduleMulti._initialize_stages(args, kwargs, target, loss_kwargs)`` (torch
+    2.15), called on ``runtime``: the shape inference and receive descriptors of every stage,
+    done (once; later calls return) by ``_step_microbatches`` before the first action.
+    :class:`pipec.torch.PipecScheduleRuntime` overrides it under this name to allocate a
+    buffer plan's slots right after."""
+    _schedules().PipelineScheduleMulti._initialize_stages(runtime, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------- torch FSDP2

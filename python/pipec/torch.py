@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from . import Op, PipecError, Schedule, TorchExportError, _as_schedule, _compat
+from . import Op, PipecError, Schedule, TorchExportError, _as_schedule, _compat, _torch_slots
 from ._offload import ActivationStore, MemoryEvent, _Entry, _kept_storages
+from ._torch_slots import SlotPool
 
 _compat.require("pipec.torch", "torch")
 
@@ -32,6 +33,7 @@ __all__ = [
     "MemoryEvent",
     "PipecScheduleRuntime",
     "SavedActivations",
+    "SlotPool",
     "actions",
     "build_schedule",
     "p2p_groups",
@@ -427,6 +429,15 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
     #: The rank's offloaded and checkpointed activations, when its program has memory
     #: instructions (else ``None``).
     pipec_memory: SavedActivations | None = None
+    #: The rank's receive slots, when the schedule has a buffer plan (else ``None``).
+    pipec_slots: SlotPool | None = None
+
+    def _initialize_stages(self, *args, **kwargs):
+        """torch's stage initialisation (shape inference, receive descriptors; a no-op once
+        done), then a buffer plan's slots, allocated once, before the first action."""
+        _compat.torch_initialize_stages(self, *args, **kwargs)
+        if self.pipec_slots is not None:
+            self.pipec_slots.allocate()
 
     def step(self, *args, **kwargs):
         # eval() comes through here with backward off; a direct step() would run backwards.
@@ -436,9 +447,12 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
                 "call .eval(...), or compile a training schedule for .step(...)"
             )
         if self.pipec_memory is None:
-            return super().step(*args, **kwargs)
+            out = super().step(*args, **kwargs)
+            self._check_slots()
+            return out
         self.pipec_memory.begin_step()
         out = super().step(*args, **kwargs)
+        self._check_slots()
         left = self.pipec_memory.pending()
         if left and _compat.torch_has_backward(self):
             raise PipecError(
@@ -446,6 +460,14 @@ class PipecScheduleRuntime(_compat.torch_schedule_runtime()):
                 "reloaded nor recomputed"
             )
         return out
+
+    def _check_slots(self) -> None:
+        held = self.pipec_slots.pending() if self.pipec_slots is not None else {}
+        if held:
+            raise PipecError(
+                f"the step ended with buffer slots {sorted(held)} holding messages no pass "
+                f"consumed: {held}"
+            )
 
     def _step_microbatches(
         self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, *args, **kwargs
@@ -764,6 +786,13 @@ def build_schedule(
     microbatch's inputs with ``step(arg_mbs=..., target_mbs=...)`` (torch cannot split a
     batch unevenly); for the per-token mean loss over the step use ``scale_grads=False`` and
     a ``loss_fn`` that divides the microbatch's summed loss by the step's tokens.
+
+    A schedule with a buffer plan (``pipec.compile(..., buffer_plan=True)``) receives into its
+    slots: each rank allocates one tensor per slot that holds a receive, once, right after
+    torch's shape inference at the first step, as large as the largest message the plan puts
+    there; every receive lands in a view of its slot, and the pass that consumes it copies it
+    out, freeing the slot as the plan does (``runtime.pipec_slots``, a :class:`SlotPool`;
+    docs/torch.md, "Buffer plan: receives in fixed slots").
     """
     s = _as_schedule(schedule)
     _refuse(s)
@@ -839,6 +868,11 @@ def build_schedule(
     if relabelled:
         runtime.pipec_microbatch_order = order
         runtime.pipec_last_stages = [st for st in stages if st.is_last]
+    if _torch_slots.has_plan(s):
+        # Installed before the lengths wrappers, which then run first: a slot's view of a
+        # receive is cut from the descriptors already resized to the plan's tokens.
+        runtime.pipec_slots = SlotPool(s, stages, rank, token_dim, order if relabelled else None)
+        _torch_slots.install(runtime.pipec_slots, stages)
     if s.lengths is not None:
         if isinstance(token_dim, bool) or not isinstance(token_dim, int) or token_dim < 0:
             raise PipecError(

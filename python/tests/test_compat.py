@@ -437,6 +437,54 @@ def test_torch_recv_descriptors():
         _compat.torch_resize_recv(rb._RecvInfo("y", 0, meta), 2, 5)
 
 
+def test_torch_recv_into_slots():
+    """A buffer plan's receive lands in its slot (``torch_recv_into``: ``_get_recv_ops`` asks
+    each descriptor to ``allocate_buffer`` and receives into what it returns and retains), the
+    consuming pass takes it through ``_retrieve_recv_activations``/``_retrieve_recv_grads``
+    (``take_buffer`` of ``_RecvInfo.buffer``) after the runtime's wait, and the runtime infers
+    the stages' shapes in ``_initialize_stages`` before its first action."""
+    _need("torch")
+    import torch
+    from torch.distributed.pipelining import _recv_buffers as rb
+    from torch.distributed.pipelining import _utils
+    from torch.distributed.pipelining import schedules as sc
+    from torch.distributed.pipelining import stage as st
+
+    base = st._PipelineStageBase
+    src = _source(base._get_recv_ops)
+    assert "buffer = info.allocate_buffer(self.device)" in src
+    assert "dist.P2POp(dist.irecv, buffer" in src
+    assert "self._retrieve_recv_activations(fwd_chunk_id)" in _source(base.forward_one_chunk)
+    assert "self._retrieve_recv_grads(bwd_chunk_id)" in _source(base.backward_one_chunk)
+    assert "info.take_buffer()" in _source(base._retrieve_recv_activations)
+    assert "info.take_buffer()" in _source(base._retrieve_recv_grads)
+    assert "self.buffer = None" in _source(rb._RecvInfo.take_buffer)
+    run = _source(sc._PipelineScheduleRuntime._step_microbatches)
+    assert run.index("self._initialize_stages(") < run.index("for time_step, action in")
+    assert _params(sc.PipelineScheduleMulti._initialize_stages)[:3] == ["self", "args", "kwargs"]
+
+    meta = _utils._TensorMeta.from_tensor(torch.zeros(2, 3))
+    info, other = rb._RecvInfo("x", 0, meta), rb._RecvInfo("y", 0, meta)
+    slot = torch.zeros(2, 3)
+    with _compat.torch_recv_into((info,), lambda i: slot):
+        assert info.allocate_buffer("cpu") is slot
+    assert info.buffer is slot
+    assert "allocate_buffer" not in vars(info)  # the class's method is back
+    fresh = other.allocate_buffer("cpu")
+    assert fresh is not slot and fresh.shape == (2, 3)
+    copy = slot.clone()
+    _compat.torch_replace_recv_buffer(info, slot, copy)
+    _compat.torch_replace_recv_buffer(other, slot, copy)  # holds another tensor: unchanged
+    assert info.take_buffer() is copy and other.buffer is fresh
+
+    calls = []
+    stage = types.SimpleNamespace(_retrieve_recv_grads=lambda mb: ("grads", mb))
+    _compat.torch_before_retrieve(stage, True, calls.append)
+    assert stage._retrieve_recv_grads(3) == ("grads", 3) and calls == [3]
+    with pytest.raises(TypeError, match="_retrieve_recv_activations"):
+        _compat.torch_before_retrieve(types.SimpleNamespace(), False, calls.append)
+
+
 def test_torch_p2p_group():
     """Every send and receive torch's stage builds asks ``_get_p2p_group(source_stage,
     destination_stage)`` for its group (the receive side, both send sides), and ``_batch_p2p``
