@@ -59,6 +59,7 @@ fuzz_target!(|data: &[u8]| {
         lengths: manifest.microbatch_lengths.clone(),
         ranks: Vec::new(),
         p2p_groups: manifest.p2p_groups,
+        buffer_slots: manifest.buffer_slots.clone(),
     };
     for r in 0..manifest.world_size {
         let bytes = ranks[r as usize];
