@@ -11,8 +11,9 @@
 //! - K2. A head-of-line wait: an op posted on a communicator behind an earlier op of that
 //!   communicator, to another peer or the other way, still in flight (NCCL runs one
 //!   communicator's ops in issue order). A delay where it closes no cycle (D2 reports the
-//!   cycles); which ops share a communicator is the program's `--p2p-groups`. Found by
-//!   [`super::streams::head_of_line`].
+//!   cycles); which ops share a communicator is the program's `--p2p-groups`, and only a
+//!   program that names its groups (`direction`, `edge`) is read so (under the default the
+//!   runtime's communicators are not known). Found by [`super::streams::head_of_line`].
 
 use super::index::Index;
 use super::violation::Site;
