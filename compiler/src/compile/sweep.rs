@@ -20,17 +20,20 @@
 //! megatron_p2p = "unbatched"          # optional, 1f1b and interleaved-1f1b only
 //! combined = true                     # optional, likewise
 //! num_layers = 32                     # optional (also mtp_num_layers)
+//! p2p_groups = "edge"                 # optional: pair (default), direction, edge
+//! buffer_plan = true                  # optional
 //! ```
 //!
-//! `megatron_p2p`, `combined`, `num_layers` and `mtp_num_layers` mean what `pipec compile`'s
-//! flags of the same names do; a default name gains a suffix for each (`-combined`,
-//! `-unbatched`, `-l32`, `-mtp1`) so that variants never share a directory.
+//! `megatron_p2p`, `combined`, `num_layers`, `mtp_num_layers`, `p2p_groups` and
+//! `buffer_plan` mean what `pipec compile`'s flags of the same names do; a default name gains a
+//! suffix for each (`-combined`, `-unbatched`, `-l32`, `-mtp1`, `-edge`, `-slots`) so that
+//! variants never share a directory.
 //!
 //! Expansion is pure and bounded: the number of configurations is computed before anything
 //! is allocated for them, and refused above [`MAX_CONFIGS`].
 
 use super::CompileRequest;
-use pipec_schedules::{ChunkRule, Limits, MegatronP2p, ScheduleKind};
+use pipec_schedules::{ChunkRule, Limits, MegatronP2p, P2pGroups, ScheduleKind};
 use serde::Deserialize;
 use thiserror::Error;
 
@@ -66,6 +69,9 @@ struct Entry {
     combined: bool,
     num_layers: Option<u32>,
     mtp_num_layers: Option<u32>,
+    p2p_groups: Option<String>,
+    #[serde(default)]
+    buffer_plan: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -87,6 +93,18 @@ struct Grid {
     combined: bool,
     num_layers: Option<u32>,
     mtp_num_layers: Option<u32>,
+    p2p_groups: Option<String>,
+    #[serde(default)]
+    buffer_plan: bool,
+}
+
+fn groups(entry: &str, s: Option<&str>) -> Result<P2pGroups, SweepError> {
+    s.map_or(Ok(P2pGroups::Pair), |s| {
+        s.parse().map_err(|msg| SweepError::Entry {
+            entry: entry.to_string(),
+            msg,
+        })
+    })
 }
 
 fn p2p(entry: &str, s: &str) -> Result<MegatronP2p, SweepError> {
@@ -129,8 +147,10 @@ fn kind(entry: &str, s: &str) -> Result<ScheduleKind, SweepError> {
         })
 }
 
+/// `<kind>-pp<P>-vpp<V>-m<M>`, `V` the chunks the schedule runs: the kind's own count when the
+/// entry gives none (2 for the V kinds, as a grid names them), not 1.
 fn default_name(k: ScheduleKind, pp: u32, vpp: Option<u32>, m: u32) -> String {
-    format!("{}-pp{pp}-vpp{}-m{m}", k.name(), vpp.unwrap_or(1))
+    format!("{}-pp{pp}-vpp{}-m{m}", k.name(), vpp.unwrap_or(k.default_vpp()))
 }
 
 /// The default name, with a suffix for each option that makes the schedule differ from the
@@ -148,6 +168,12 @@ fn variant_name(base: String, r: &CompileRequest) -> String {
     }
     if let Some(n) = r.mtp_num_layers {
         name.push_str(&format!("-mtp{n}"));
+    }
+    if r.p2p_groups != P2pGroups::Pair {
+        name.push_str(&format!("-{}", r.p2p_groups));
+    }
+    if r.buffer_plan {
+        name.push_str("-slots");
     }
     name
 }
@@ -188,6 +214,8 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
             },
             num_layers: e.num_layers,
             mtp_num_layers: e.mtp_num_layers,
+            p2p_groups: groups(&label, e.p2p_groups.as_deref())?,
+            buffer_plan: e.buffer_plan,
             limits,
             ..base
         };
@@ -201,6 +229,7 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
     }
     for (i, g) in file.grid.iter().enumerate() {
         let label = format!("[[grid]] #{}", i + 1);
+        let comms = groups(&label, g.p2p_groups.as_deref())?;
         let mode = g
             .megatron_p2p
             .as_deref()
@@ -237,6 +266,8 @@ pub fn parse(text: &str, limits: Limits) -> Result<Vec<Config>, SweepError> {
                             },
                             num_layers: g.num_layers,
                             mtp_num_layers: g.mtp_num_layers,
+                            p2p_groups: comms,
+                            buffer_plan: g.buffer_plan,
                             limits,
                             ..base
                         };
@@ -371,6 +402,43 @@ mod tests {
             parse(bad, Limits::DEFAULT),
             Err(SweepError::Entry { .. })
         ));
+    }
+
+    /// Issue #39's options in a sweep: `p2p_groups` and `buffer_plan` reach the request and the
+    /// program, name their variants apart, and a bad group is refused naming its entry.
+    #[test]
+    fn sweep_sets_groups_and_buffer_plan() {
+        let text = r#"
+            [[schedule]]
+            schedule = "zb-v"
+            pp = 2
+            microbatches = 4
+            p2p_groups = "edge"
+            buffer_plan = true
+
+            [[grid]]
+            schedule = ["1f1b"]
+            pp = [2]
+            microbatches = [4]
+            p2p_groups = "direction"
+        "#;
+        let c = parse(text, Limits::DEFAULT).unwrap();
+        let names: Vec<&str> = c.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            vec!["zb-v-pp2-vpp2-m4-edge-slots", "1f1b-pp2-vpp1-m4-direction"]
+        );
+        let model = pipec_cost::cost::CostModel::default();
+        let p = crate::compile::prepare(&c[0].request, &model, None).unwrap();
+        assert_eq!(p.program.p2p_groups, P2pGroups::Edge);
+        assert!(p.program.buffer_slots.is_some());
+        let p = crate::compile::prepare(&c[1].request, &model, None).unwrap();
+        assert_eq!(p.program.p2p_groups, P2pGroups::Direction);
+        assert!(p.program.buffer_slots.is_none());
+        let bad = "[[schedule]]\nschedule=\"1f1b\"\npp=2\nmicrobatches=2\np2p_groups=\"ring\"\n";
+        let e = parse(bad, Limits::DEFAULT).unwrap_err();
+        assert!(matches!(e, SweepError::Entry { .. }), "{e}");
+        assert!(e.to_string().contains("ring"), "{e}");
     }
 
     /// Regression (#29): a grid listing interleaved-1f1b without `vpp` ran vpp = 1.
