@@ -150,7 +150,11 @@ fn kind(entry: &str, s: &str) -> Result<ScheduleKind, SweepError> {
 /// `<kind>-pp<P>-vpp<V>-m<M>`, `V` the chunks the schedule runs: the kind's own count when the
 /// entry gives none (2 for the V kinds, as a grid names them), not 1.
 fn default_name(k: ScheduleKind, pp: u32, vpp: Option<u32>, m: u32) -> String {
-    format!("{}-pp{pp}-vpp{}-m{m}", k.name(), vpp.unwrap_or(k.default_vpp()))
+    format!(
+        "{}-pp{pp}-vpp{}-m{m}",
+        k.name(),
+        vpp.unwrap_or(k.default_vpp())
+    )
 }
 
 /// The default name, with a suffix for each option that makes the schedule differ from the
