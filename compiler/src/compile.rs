@@ -122,12 +122,8 @@ pub enum CompileError {
     #[error(transparent)]
     Lengths(#[from] LengthsError),
     /// The cost model's `[model]` table states `num_layers`, and the plan has another count.
-    #[error("{from} gives {given} decoder layers, but the cost model's [model] table says num_layers = {table}: give one count (or leave the layers to the table)")]
-    LayersDisagree {
-        table: u64,
-        given: u64,
-        from: &'static str,
-    },
+    #[error(transparent)]
+    LayersDisagree(#[from] pipec_cost::model::LayersDisagree),
 }
 
 /// A compiled schedule: everything the emitters and the runtime need.
@@ -323,12 +319,11 @@ pub fn prepare(
     }
     // A `[model]` table's `num_layers` (issue #40): the layers when the request names none,
     // else a count the plan must have, so that a plan is not costed as another model's.
-    let table = model.shape.as_ref().and_then(|s| s.num_layers);
     let from_table;
-    let req = match table {
+    let req = match model.shape.as_ref().and_then(|s| s.layer_count()) {
         Some(n) if req.layout.is_none() && req.num_layers.is_none() => {
             from_table = CompileRequest {
-                num_layers: Some(u32::try_from(n).unwrap_or(u32::MAX)),
+                num_layers: Some(n),
                 ..req.clone()
             };
             &from_table
@@ -336,16 +331,16 @@ pub fn prepare(
         _ => req,
     };
     let mut c = compile(req)?.into_lowered();
-    if let Some(table) = table {
+    if let Some(shape) = &model.shape {
         let given = c.layout.count(pipec_schedules::layout::LayerKind::Decoder) as u64;
-        if given != table {
-            let from = if req.layout.is_some() {
-                "the layout"
-            } else {
-                "the layer count asked for"
-            };
-            return Err(CompileError::LayersDisagree { table, given, from }.into());
-        }
+        let from = if req.layout.is_some() {
+            "the layout"
+        } else {
+            "the layer count asked for"
+        };
+        shape
+            .check_layers(given, from)
+            .map_err(CompileError::from)?;
     }
     let memory = pipec_cost::memory::weights(&c.program, &c.layout, model);
     if req.buffer_plan {

@@ -69,10 +69,11 @@ pub struct ModelShape {
     /// decoder-layer forwards. Serialized only when given, so older outputs stay the same.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tflops: Option<f64>,
-    /// `num_layers`: the model's decoder layers, when the table states them. The plan's
-    /// layers come from `--num-layers` / `--layout` as always; `pipec check` compares a
-    /// directory's layout with this count, so costs of an 80-layer model are not taken for a
-    /// plan compiled for 8 (issue #40). Serialized only when given.
+    /// `num_layers`: the model's decoder layers, when the table states them. `tune` and
+    /// `compile` take them when no layer count or layout is asked for and refuse one that
+    /// disagrees ([`ModelShape::check_layers`]); `pipec check` compares a directory's layout
+    /// with this count, so costs of an 80-layer model are not taken for a plan compiled for 8
+    /// (issue #40). Serialized only when given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_layers: Option<u64>,
 }
@@ -128,7 +129,34 @@ pub const MODEL_KEYS: [&str; 18] = [
 /// Keys that must be given (the others have Megatron's defaults).
 pub const REQUIRED: [&str; 5] = ["hidden", "ffn", "heads", "seq", "vocab"];
 
+/// The `[model]` table's `num_layers` and the decoder layers a plan is asked for disagree
+/// (issue #40): a plan for 8 layers costed as an 80-layer model's would describe neither.
+/// `from` says where the plan's count came from, in words no caller's flags are named in.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{from} gives {given} decoder layers, but the cost model's [model] table says num_layers = {table}: give one count (or leave the layers to the table)")]
+pub struct LayersDisagree {
+    pub table: u64,
+    pub given: u64,
+    pub from: &'static str,
+}
+
 impl ModelShape {
+    /// The table's `num_layers` as a layer count (saturated at `u32::MAX`: a count that large
+    /// is refused by the callers' layer cap).
+    pub fn layer_count(&self) -> Option<u32> {
+        self.num_layers
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// `given` decoder layers (from `from`) against the table's `num_layers`, when it states
+    /// one: the one comparison `tune` and `compile` make.
+    pub fn check_layers(&self, given: u64, from: &'static str) -> Result<(), LayersDisagree> {
+        match self.num_layers {
+            Some(table) if table != given => Err(LayersDisagree { table, given, from }),
+            _ => Ok(()),
+        }
+    }
+
     /// Bytes of one activation element: 2 for bf16/fp16 (the paper's assumption), 4 for fp32.
     pub fn element_bytes(&self) -> f64 {
         match self.dtype {

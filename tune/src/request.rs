@@ -5,6 +5,7 @@ use crate::bound;
 use pipec_compiler::target::{Levers, Target, TargetChoice};
 use pipec_cost::cost::CostModel;
 use pipec_cost::memory::{Limit, MemoryError};
+use pipec_cost::model::LayersDisagree;
 use pipec_cost::simulate::Summary;
 use pipec_ir::verify::Verified;
 use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
@@ -176,29 +177,21 @@ impl TuneRequest {
     /// The `[model]` table's `num_layers` (at most `u32::MAX`; larger ones are refused by
     /// [`TuneRequest::check_size`] through the layer cap).
     fn table_layers(&self) -> Option<u32> {
-        let n = self.model.shape.as_ref()?.num_layers?;
-        Some(u32::try_from(n).unwrap_or(u32::MAX))
+        self.model.shape.as_ref()?.layer_count()
     }
 
-    /// The `[model]` table's `num_layers` against the layers the request gives (issue #40): a
-    /// plan for 8 layers costed as an 80-layer model's would describe neither.
+    /// The `[model]` table's `num_layers` against the layers the request gives, when it gives
+    /// any ([`ModelShape::check_layers`]).
     fn check_layers(&self) -> Result<(), TuneError> {
-        let Some(table) = self.model.shape.as_ref().and_then(|s| s.num_layers) else {
+        let Some(shape) = &self.model.shape else {
             return Ok(());
         };
-        let given = match (&self.layout, self.num_layers) {
-            (Some(l), _) => Some((l.count(LayerKind::Decoder) as u64, "the layout")),
-            (None, Some(n)) => Some((u64::from(n), "the layer count asked for")),
-            (None, None) => None,
-        };
-        match given {
-            Some((n, from)) if n != table => Err(TuneError::LayersDisagree {
-                table,
-                given: n,
-                from,
-            }),
-            _ => Ok(()),
+        match (&self.layout, self.num_layers) {
+            (Some(l), _) => shape.check_layers(l.count(LayerKind::Decoder) as u64, "the layout")?,
+            (None, Some(n)) => shape.check_layers(u64::from(n), "the layer count asked for")?,
+            (None, None) => {}
         }
+        Ok(())
     }
 }
 
@@ -241,12 +234,8 @@ pub enum TuneError {
     #[error("{layers} layers are over the limit of {max} layers (the layout strings' cap)")]
     TooManyLayers { layers: u64, max: u64 },
     /// The `[model]` table's `num_layers` and the layers asked for disagree.
-    #[error("{from} gives {given} decoder layers, but the cost model's [model] table says num_layers = {table}: give one count (or leave the layers to the table)")]
-    LayersDisagree {
-        table: u64,
-        given: u64,
-        from: &'static str,
-    },
+    #[error(transparent)]
+    LayersDisagree(#[from] LayersDisagree),
     /// No decoder layer: every schedule would run nothing but the embedding and the loss.
     #[error("the model has no decoder layers: there is nothing to split over the stages")]
     NoLayers,

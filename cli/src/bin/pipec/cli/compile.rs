@@ -206,7 +206,7 @@ pub fn compile_error(e: CompileError) -> CliError {
         | CompileError::Order { .. }
         | CompileError::Lengths(_)
         | CompileError::ShapesNeedMegatron { .. }
-        | CompileError::LayersDisagree { .. }) => CliError::Invalid(e.to_string()),
+        | CompileError::LayersDisagree(_)) => CliError::Invalid(e.to_string()),
     }
 }
 

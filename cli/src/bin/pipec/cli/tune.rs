@@ -209,7 +209,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::LengthsCount { .. }
         | TuneError::Lengths(_)
         | TuneError::HostMemory { .. }
-        | TuneError::LayersDisagree { .. } => CliError::Invalid(e.to_string()),
+        | TuneError::LayersDisagree(_) => CliError::Invalid(e.to_string()),
         TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
         TuneError::HostLimit(e) => CliError::Invalid(format!("--host-memory-limit: {e}")),
     })?;
