@@ -1703,11 +1703,8 @@ fn cli_tune_targets() {
 fn tune_doc_model_shape_example_holds() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/tune.md"))
         .expect("docs/tune.md");
-    let start = readme.find("$ cat llama3-70b.toml\n").expect("the example") + 22;
-    let end = start + readme[start..].find("$ pipec tune").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("llama3-70b.toml");
-    std::fs::write(&file, &readme[start..end]).unwrap();
+    let file = crate::tune_table::llama70b(dir.path());
     let gib = (1u64 << 30) as f64;
     for (target, schedule, peaks) in [
         (
@@ -1736,24 +1733,12 @@ fn tune_doc_model_shape_example_holds() {
             "51.6 50.1 50.1 50.1 50.1 50.1 50.1 51.7",
         ),
     ] {
-        let mut cmd = pipec();
-        cmd.args([
-            "tune",
-            "--pp",
-            "8",
-            "--microbatches",
-            "64",
-            "--num-layers",
-            "80",
-        ])
-        .arg("--cost-file")
-        .arg(&file)
-        .args(["--memory-limit", "80GiB", "--json"]);
+        let mut args = vec!["--memory-limit", "80GiB", "--json"];
         if let Some(t) = target {
-            cmd.args(["--target", t]);
+            args.extend(["--target", t]);
         }
-        let out = cmd.assert().success().get_output().stdout.clone();
-        let j: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let out = crate::tune_table::tune(&file, &args);
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let s = &j["schedule"];
         let name = match s["kind"].as_str().unwrap() {
             "tuned" => format!(

@@ -8,7 +8,7 @@ use crate::harness::pipec;
 use assert_cmd::prelude::*;
 
 /// docs/tune.md's `llama3-70b.toml` (Llama-3 70B at tp=8, dp=8), taken from the page itself.
-fn llama70b(dir: &std::path::Path) -> std::path::PathBuf {
+pub(crate) fn llama70b(dir: &std::path::Path) -> std::path::PathBuf {
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/tune.md"))
         .expect("docs/tune.md");
     let start = doc.find("$ cat llama3-70b.toml\n").expect("the example") + 22;
@@ -18,7 +18,9 @@ fn llama70b(dir: &std::path::Path) -> std::path::PathBuf {
     file
 }
 
-fn tune(file: &std::path::Path, args: &[&str]) -> std::process::Output {
+/// `pipec tune --pp 8 --microbatches 64 --num-layers 80 --cost-file FILE ARGS...`, which must
+/// succeed.
+pub(crate) fn tune(file: &std::path::Path, args: &[&str]) -> std::process::Output {
     let mut cmd = pipec();
     cmd.args([
         "tune",
@@ -408,6 +410,15 @@ fn readme_tune_example_is_current() {
             "the README's tune example lacks {want:?}"
         );
     }
+    // The README's model is docs/tune.md's: the repository's file is the page's table.
+    let bench = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../bench/llama3-70b.toml"
+    ))
+    .unwrap();
+    let page = std::fs::read_to_string(llama70b(dir.path())).unwrap();
+    let table: Vec<&str> = bench.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(table, page.lines().collect::<Vec<_>>());
     assert!(dir.path().join("tuned/manifest.json").exists());
 }
 
