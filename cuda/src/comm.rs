@@ -10,6 +10,7 @@
 //!   backend, and the receiver copies the sender's buffer on its own comm stream (a
 //!   device-to-device or peer copy), so the rendezvous semantics are kept.
 
+use super::capture::Capture;
 use super::model::{err, Elem, GTensor};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 use cudarc::nccl::Comm;
@@ -245,6 +246,48 @@ pub fn nccl_batch<T: Elem>(
     }
     for (op, slot) in ops.iter_mut().zip(recv) {
         op.tensor = slot;
+    }
+    Ok(())
+}
+
+/// [`local_receive`] while a step is captured (`--cuda-graph`), where cudarc's buffer events
+/// are off: the copy waits for the sender's post ([`Capture::after_post`]), and the sender's
+/// stream waits for the copy before the sent buffer is freed on it (the graph's free node must
+/// follow every read). One GPU (graph mode refuses several).
+pub fn local_receive_captured<T: Elem>(
+    stream: &Arc<CudaStream>,
+    ops: &mut [CommOp<GTensor<T>>],
+    capture: &Capture,
+) -> Result<(), BackendError> {
+    fn copy<U: DeviceRepr>(
+        stream: &Arc<CudaStream>,
+        src: CudaSlice<U>,
+    ) -> Result<CudaSlice<U>, BackendError> {
+        // SAFETY: every element is written by the copy below before any read.
+        let mut dst = unsafe { stream.alloc::<U>(src.len()) }.map_err(err("allocate"))?;
+        stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(err("device-to-device copy"))?;
+        let copied = stream.record_event(None).map_err(err("record an event"))?;
+        src.stream()
+            .wait(&copied)
+            .map_err(err("order the sent buffer's free after the copy"))?;
+        drop(src);
+        Ok(dst)
+    }
+    for op in ops.iter_mut().filter(|o| o.dir == Dir::Recv) {
+        if matches!(
+            op.tensor,
+            Some(GTensor::Tokens(_) | GTensor::Hidden(_) | GTensor::Loss(_))
+        ) {
+            capture.after_post(op.peer.0, stream)?;
+        }
+        op.tensor = match op.tensor.take() {
+            Some(GTensor::Tokens(t)) => Some(GTensor::Tokens(copy(stream, t)?)),
+            Some(GTensor::Hidden(t)) => Some(GTensor::Hidden(copy(stream, t)?)),
+            Some(GTensor::Loss(t)) => Some(GTensor::Loss(copy(stream, t)?)),
+            other => other,
+        };
     }
     Ok(())
 }

@@ -11,6 +11,7 @@
 //! of the offloads known to have ended are freed then (cudarc frees a buffer on its own stream
 //! after the copy stream's read of it).
 
+use super::capture::{Capture, Meeting, Met, RankGraph};
 use super::comm::{self, Net};
 use super::copy::{HStash, Pinned};
 use super::model::{
@@ -98,6 +99,9 @@ pub struct CudaBackend<T: Elem> {
     at: u32,
     /// Batches left in flight: (first op's instruction index, index of the batch's mark).
     in_flight: Vec<(u32, usize)>,
+    /// `--cuda-graph` ([`crate::capture`]): step 0 runs eagerly, step 1 is captured, later
+    /// steps replay it. Last, so dropped after the cuBLAS handles that use its workspaces.
+    graph: Option<RankGraph>,
 }
 
 /// Call `done` until it says `true` (then `Ok(true)`) or `timeout` has passed (`Ok(false)`),
@@ -150,6 +154,7 @@ impl<T: Elem> CudaBackend<T> {
         mine: &[u32],
         net: impl FnOnce(&Arc<CudaStream>) -> Result<Net<T>, BackendError>,
         watch: Arc<Watch>,
+        capture: Option<Arc<Capture>>,
     ) -> Result<Self, BackendError> {
         let ctx = CudaContext::new(ordinal).map_err(err("open the GPU"))?;
         let k = Arc::new(Kernels::<T>::compile(&ctx)?);
@@ -158,9 +163,26 @@ impl<T: Elem> CudaBackend<T> {
             k.clone(),
             cfg,
         )?;
-        let side = Dev::new(ctx.new_stream().map_err(err("create a stream"))?, k, cfg)?;
-        let comm_stream = ctx.new_stream().map_err(err("create a stream"))?;
-        let copy_stream = ctx.new_stream().map_err(err("create a stream"))?;
+        // A captured step runs each rank's work on one stream (see `capture`'s module doc).
+        let other = || -> Result<Arc<CudaStream>, BackendError> {
+            match capture {
+                Some(_) => Ok(main.stream.clone()),
+                None => ctx.new_stream().map_err(err("create a stream")),
+            }
+        };
+        let side = Dev::new(other()?, k, cfg)?;
+        let comm_stream = other()?;
+        let copy_stream = other()?;
+        let graph = match capture {
+            Some(c) => {
+                let mut g = RankGraph::new(c, &main.stream, microbatches, cfg.seq)?;
+                for d in [&main, &side] {
+                    g.workspaces.push(d.own_cublas_workspace()?);
+                }
+                Some(g)
+            }
+            None => None,
+        };
         let net = net(&comm_stream)?;
         let mut stages: Vec<Option<GStage<T>>> = (0..model.len()).map(|_| None).collect();
         let mut accum: Vec<Option<Accum>> = (0..model.len()).map(|_| None).collect();
@@ -208,12 +230,22 @@ impl<T: Elem> CudaBackend<T> {
             watch,
             at: 0,
             in_flight: Vec::new(),
+            graph,
         })
+    }
+
+    /// Graph mode's state while a step is captured (steps after the first; replayed steps
+    /// never reach the interpreter's calls).
+    fn capturing(&self) -> Option<&RankGraph> {
+        self.graph.as_ref().filter(|_| self.step >= 1)
     }
 
     /// Start step `step`: zero the gradient sums, forget losses and marks, record the origin.
     pub fn begin_step(&mut self, step: u32) -> Result<(), BackendError> {
         self.step = step;
+        if self.graph.is_some() && step >= 1 {
+            return self.begin_graph_step(step);
+        }
         for a in self.accum.iter_mut().flatten() {
             a.next = 0;
             a.pending.clear();
@@ -248,6 +280,98 @@ impl<T: Elem> CudaBackend<T> {
             .map_err(err("order streams"))?;
         self.origin = Some(timing_event(&self.main.stream)?);
         Ok(())
+    }
+
+    /// A step of graph mode: the last step's host state goes (before any capture: its buffers
+    /// were allocated outside it), this step's inputs are staged; step 1 then joins the
+    /// capture and zeroes the gradient sums inside it (replays run the captured zeroing).
+    fn begin_graph_step(&mut self, step: u32) -> Result<(), BackendError> {
+        self.parked.clear();
+        self.losses.iter_mut().for_each(|l| *l = None);
+        self.marks.clear();
+        self.in_flight.clear();
+        self.at = 0;
+        let cfg = self.main.cfg;
+        let g = self.graph.as_mut().expect("graph mode");
+        g.staged.fill(&self.main.stream, &cfg, step)?;
+        self.reset_pool_peak()?;
+        if step >= 2 {
+            return Ok(());
+        }
+        let ready = self
+            .main
+            .stream
+            .record_event(None)
+            .map_err(err("record an event"))?;
+        let g = self.graph.as_mut().expect("graph mode");
+        let Met::Fork(fork) = g.capture.meet(Meeting::Begin, ready)? else {
+            return Err(BackendError(
+                "the capture began without a fork event".into(),
+            ));
+        };
+        g.has_loss.iter_mut().for_each(|h| *h = false);
+        // SAFETY: from here on this rank orders its buffers itself: one stream, and explicit
+        // events across ranks (`capture`'s module doc). cudarc would otherwise make the
+        // capturing stream wait for events recorded before the capture, which CUDA forbids.
+        unsafe { self.ctx.disable_event_tracking() };
+        self.main
+            .stream
+            .wait(&fork)
+            .map_err(err("join the capture"))?;
+        for a in self.accum.iter_mut().flatten() {
+            a.next = 0;
+            a.pending.clear();
+            for t in a.sum.iter_mut().flatten() {
+                self.main
+                    .stream
+                    .memset_zeros(t)
+                    .map_err(err("zero gradients"))?;
+            }
+        }
+        self.origin = Some(timing_event(&self.main.stream)?);
+        Ok(())
+    }
+
+    /// Step 1 of graph mode, after the interpreter: join this rank into the capture's end; the
+    /// last rank to arrive ends it, instantiates the graph and launches it. The GPU time of
+    /// the launch in microseconds, and the GPU's memory peak over it in bytes (the device
+    /// pool's and the graph's own allocations).
+    pub fn end_capture(&mut self) -> Result<(f64, Option<u64>), BackendError> {
+        let joined = self
+            .main
+            .stream
+            .record_event(None)
+            .map_err(err("record an event"))?;
+        let g = self.graph.as_ref().expect("graph mode");
+        match g.capture.meet(Meeting::End, joined)? {
+            Met::Ran(us, graph) => Ok((us, self.pool_peak()?.map(|p| p + graph))),
+            Met::Fork(_) => Err(BackendError("the capture ended without a launch".into())),
+        }
+    }
+
+    /// A replayed step (2 and later): after this rank's inputs and last update, relaunch; as
+    /// [`Self::end_capture`].
+    pub fn replay_graph(&mut self) -> Result<(f64, Option<u64>), BackendError> {
+        let ready = self
+            .main
+            .stream
+            .record_event(None)
+            .map_err(err("record an event"))?;
+        let g = self.graph.as_ref().expect("graph mode");
+        match g.capture.meet(Meeting::Replay, ready)? {
+            Met::Ran(us, graph) => Ok((us, self.pool_peak()?.map(|p| p + graph))),
+            Met::Fork(_) => Err(BackendError("a replay began a capture".into())),
+        }
+    }
+
+    /// The step being run (0-based).
+    pub fn step(&self) -> u32 {
+        self.step
+    }
+
+    /// Graph mode's per-rank state (`None` when not in graph mode).
+    pub fn graph_mut(&mut self) -> Option<&mut RankGraph> {
+        self.graph.as_mut()
     }
 
     /// The GPU's current memory pool, which cudarc's stream-ordered allocations
@@ -346,6 +470,9 @@ impl<T: Elem> CudaBackend<T> {
             .join(&self.main.stream)
             .map_err(err("order streams"))?;
         let start = timing_event(&self.comm_stream)?;
+        if let Some(g) = self.capturing() {
+            g.capture.post(self.rank.0, &self.comm_stream)?;
+        }
         match &self.net {
             Net::Local(t) => {
                 if let Err(e) = t.post(self.rank, ops) {
@@ -380,7 +507,10 @@ impl<T: Elem> CudaBackend<T> {
             if let Err(e) = t.complete(self.rank, ops) {
                 return Ok(Err(e));
             }
-            comm::local_receive(&self.comm_stream, ops)?;
+            match self.capturing() {
+                Some(g) => comm::local_receive_captured(&self.comm_stream, ops, &g.capture)?,
+                None => comm::local_receive(&self.comm_stream, ops)?,
+            }
         }
         timing_event(&self.comm_stream).map(Ok)
     }
@@ -451,6 +581,21 @@ impl<T: Elem> CudaBackend<T> {
 
     /// (microbatch, loss) recorded on this rank (after [`Self::sync`]).
     pub fn losses(&self) -> Result<Vec<(u32, f32)>, BackendError> {
+        if let Some(g) = self.capturing() {
+            let v = self
+                .main
+                .stream
+                .clone_dtoh(&g.losses)
+                .map_err(err("read the losses"))?;
+            return Ok(g
+                .has_loss
+                .iter()
+                .zip(v)
+                .enumerate()
+                .filter(|(_, (h, _))| **h)
+                .map(|(m, (_, l))| (m as u32, l))
+                .collect());
+        }
         let mut out = Vec::new();
         for (m, l) in self.losses.iter().enumerate() {
             if let Some(l) = l {
@@ -617,9 +762,14 @@ impl<T: Elem> CudaBackend<T> {
         t: Task,
         input: Option<GTensor<T>>,
     ) -> Result<GTensor<T>, BackendError> {
-        match input {
-            Some(x) => Ok(x),
-            None => Ok(GTensor::Tokens(
+        match (input, self.capturing()) {
+            (Some(x), _) => Ok(x),
+            (None, Some(g)) => Ok(GTensor::Tokens(
+                dev.stream
+                    .clone_dtod(&g.staged.tokens[t.mb.index()])
+                    .map_err(err("copy the token ids"))?,
+            )),
+            (None, None) => Ok(GTensor::Tokens(
                 dev.upload_u32(&model::tokens(&dev.cfg, self.step, t.mb.0))?,
             )),
         }
@@ -636,8 +786,21 @@ impl<T: Elem> CudaBackend<T> {
         let x = self.input(dev, t, input)?;
         let st = self.stage(t)?;
         let holds_loss = st.layers.iter().any(|l| l.kind == LayerKind::Loss);
-        let (out, stash) = dev.stage_fwd(st, x, self.step, t.mb.0)?;
-        if holds_loss {
+        let staged = self.capturing().map(|g| &g.staged);
+        let (out, stash) = dev.stage_fwd(st, x, self.step, t.mb.0, staged)?;
+        if holds_loss && self.capturing().is_some() {
+            // Into the fixed buffer a replay rewrites; read after each launch.
+            if let GTensor::Loss(l) = &out {
+                let stream = dev.stream.clone();
+                let g = self.graph.as_mut().expect("graph mode");
+                let mb = t.mb.index();
+                let mut slot = g.losses.slice_mut(mb..mb + 1);
+                stream
+                    .memcpy_dtod(l, &mut slot)
+                    .map_err(err("keep the loss"))?;
+                g.has_loss[mb] = true;
+            }
+        } else if holds_loss {
             if let GTensor::Loss(l) = &out {
                 let copy = dev.stream.clone_dtod(l).map_err(err("keep the loss"))?;
                 if let Some(slot) = self.losses.get_mut(t.mb.index()) {
@@ -654,7 +817,10 @@ impl<T: Elem> CudaBackend<T> {
         saved: &[GStash<T>],
         partial: &[GPartial<T>],
     ) -> Result<(), BackendError> {
-        let grads = self.main.stage_bwd_w(self.stage(t)?, saved, partial)?;
+        let staged = self.capturing().map(|g| &g.staged);
+        let grads = self
+            .main
+            .stage_bwd_w(self.stage(t)?, saved, partial, staged)?;
         self.add_in_order(t.stage.index(), t.mb.0, grads)
     }
 

@@ -219,6 +219,7 @@ extern "C" __global__ void embed_fwd(const T* table, const unsigned int* tok, T*
 extern "C" __global__ void embed_bwd(T* g, const unsigned int* tok, const unsigned int* order, const unsigned int* starts, const T* dy, int segs, int hidden) {
     GRID_STRIDE(i, (long long)segs * hidden) {
         long long k = i / hidden, c = i % hidden;
+        if (starts[k] == starts[k + 1]) continue; /* a padded plan's empty run */
         float s = 0.0f;
         for (unsigned int j = starts[k]; j < starts[k + 1]; j++) s += ld(dy[(long long)order[j] * hidden + c]);
         g[(long long)tok[order[starts[k]]] * hidden + c] = st(s);
@@ -314,7 +315,17 @@ impl EmbedPlan {
         EmbedPlan { order, starts }
     }
 
-    /// Distinct tokens.
+    /// The plan with `starts` padded by empty runs to `len + 1` entries (`len` >= the
+    /// positions): `segs()` is then `len` whatever the tokens, so a launch over it has the same
+    /// grid and arguments every step, as a CUDA graph replays it (`embed_bwd` skips empty runs).
+    pub fn padded(tokens: &[u32], len: usize) -> EmbedPlan {
+        let mut p = EmbedPlan::new(tokens);
+        let end = p.order.len() as u32;
+        p.starts.resize(len.max(tokens.len()) + 1, end);
+        p
+    }
+
+    /// Distinct tokens (runs, empty ones of a padded plan included).
     pub fn segs(&self) -> usize {
         self.starts.len() - 1
     }
@@ -415,6 +426,10 @@ mod tests {
         assert_eq!(p.order, [1, 4, 0, 2, 5, 3]);
         assert_eq!(p.starts, [0, 2, 5, 6]);
         assert_eq!(p.segs(), 3);
+        let padded = EmbedPlan::padded(&tokens, 8);
+        assert_eq!(padded.order, p.order);
+        assert_eq!(padded.starts, [0, 2, 5, 6, 6, 6, 6, 6, 6]);
+        assert_eq!(padded.segs(), 8);
         let empty = EmbedPlan::new(&[]);
         assert_eq!((empty.order.len(), empty.segs()), (0, 0));
         assert_eq!(empty.starts, [0]);

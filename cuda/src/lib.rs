@@ -9,11 +9,14 @@
 
 pub mod calibrate;
 pub mod gemm;
+pub mod graph;
 pub mod kernels;
 pub mod launch;
 pub mod nvrtc;
 pub mod probe;
 
+#[cfg(feature = "cuda")]
+pub mod capture;
 #[cfg(feature = "cuda")]
 pub mod comm;
 #[cfg(feature = "cuda")]

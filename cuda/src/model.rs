@@ -4,6 +4,7 @@
 //! The backward is split exactly as on the CPU: [`Dev::stage_bwd_d`] computes input gradients
 //! and keeps `dy`/`dh`/`dlogits`; [`Dev::stage_bwd_w`] computes weight gradients only.
 
+use super::capture::Staged;
 use super::{gemm, kernels, nvrtc};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
@@ -293,6 +294,30 @@ impl<T: Elem> Dev<T> {
             .map_err(err("allocate"))
     }
 
+    /// Give this handle a workspace of its own (`cublasSetWorkspace`), so that cuBLAS allocates
+    /// nothing while a step is captured (cuBLAS docs, "CUDA Graphs Support"). The caller keeps
+    /// the buffer as long as the handle.
+    pub fn own_cublas_workspace(&self) -> Result<CudaSlice<u8>, BackendError> {
+        use cudarc::driver::DevicePtr;
+        let n = super::capture::CUBLAS_WORKSPACE;
+        let ws = self.stream.alloc_zeros::<u8>(n).map_err(err("allocate"))?;
+        {
+            let (ptr, _guard) = ws.device_ptr(&self.stream);
+            // SAFETY: `ptr` is `n` bytes on this handle's device, alive as long as the caller
+            // keeps `ws` (at least as long as the handle).
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *self.blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    n,
+                )
+            }
+            .result()
+            .map_err(|e| BackendError(format!("cuBLAS: set a workspace: {e:?}")))?;
+        }
+        Ok(ws)
+    }
+
     pub fn upload_u32(&self, v: &[u32]) -> Result<CudaSlice<u32>, BackendError> {
         self.stream.clone_htod(v).map_err(err("copy to the device"))
     }
@@ -387,12 +412,16 @@ impl<T: Elem> Dev<T> {
     }
 
     /// Forward of one stage; when it holds `L` the output is the microbatch's mean loss.
+    ///
+    /// `staged`: while a step is captured (`--cuda-graph`), the targets come from the fixed
+    /// buffers refilled before each launch, not from an upload of this step's values.
     pub fn stage_fwd(
         &self,
         stage: &GStage<T>,
         input: GTensor<T>,
         step: u32,
         mb: u32,
+        staged: Option<&Staged>,
     ) -> Result<(GTensor<T>, Vec<GStash<T>>), BackendError> {
         let (s, h, f, v) = (self.cfg.seq, self.cfg.hidden, self.cfg.ffn, self.cfg.vocab);
         let (si, hi, vi) = (i32of(s, "seq")?, i32of(h, "hidden")?, i32of(v, "vocab")?);
@@ -454,7 +483,13 @@ impl<T: Elem> Dev<T> {
                         self.k
                             .add_bias(&self.stream, grid(s * v), &mut z, &p[1], si, vi)
                     }?;
-                    let targets = self.upload_u32(&model::targets(&self.cfg, step, mb))?;
+                    let targets = match staged {
+                        Some(st) => self
+                            .stream
+                            .clone_dtod(&st.targets[mb as usize])
+                            .map_err(err("copy the targets"))?,
+                        None => self.upload_u32(&model::targets(&self.cfg, step, mb))?,
+                    };
                     let mut row_loss = self.zeros::<f32>(s)?;
                     let threads = v.next_power_of_two().clamp(32, 1024) as u32;
                     let rows = LaunchConfig {
@@ -590,11 +625,15 @@ impl<T: Elem> Dev<T> {
     }
 
     /// Weight-gradient pass (`bwd_W`).
+    ///
+    /// `staged`: while a step is captured, the embedding gradient reads the padded grouping
+    /// of the fixed buffers (the same launch every step), not one uploaded for this step.
     pub fn stage_bwd_w(
         &self,
         stage: &GStage<T>,
         stash: &[GStash<T>],
         partial: &[GPartial<T>],
+        staged: Option<&Staged>,
     ) -> Result<GGrads<T>, BackendError> {
         let (s, h, f, v) = (self.cfg.seq, self.cfg.hidden, self.cfg.ffn, self.cfg.vocab);
         let hi = i32of(h, "hidden")?;
@@ -608,12 +647,19 @@ impl<T: Elem> Dev<T> {
         for (st, pa) in stash.iter().zip(partial) {
             grads.push(match (st, pa) {
                 (GStash::Embedding { tokens, step, mb }, GPartial::Embedding { dy }) => {
-                    let plan = kernels::EmbedPlan::new(&model::tokens(&self.cfg, *step, *mb));
-                    let (order, starts) = (
-                        self.upload_u32(&plan.order)?,
-                        self.upload_u32(&plan.starts)?,
-                    );
-                    let segs = plan.segs();
+                    let uploaded;
+                    let (order, starts, segs) = match staged {
+                        Some(st) => (&st.order[*mb as usize], &st.starts[*mb as usize], s),
+                        None => {
+                            let plan =
+                                kernels::EmbedPlan::new(&model::tokens(&self.cfg, *step, *mb));
+                            uploaded = (
+                                self.upload_u32(&plan.order)?,
+                                self.upload_u32(&plan.starts)?,
+                            );
+                            (&uploaded.0, &uploaded.1, plan.segs())
+                        }
+                    };
                     let mut g = self.zeros::<T>(v * h)?;
                     let segi = i32of(segs, "distinct tokens")?;
                     // SAFETY: `g` holds `v * h` elements and `dy` `s * h`; `order`, `starts`
@@ -624,8 +670,8 @@ impl<T: Elem> Dev<T> {
                             grid(segs * h),
                             &mut g,
                             tokens,
-                            &order,
-                            &starts,
+                            order,
+                            starts,
                             dy,
                             segi,
                             hi,

@@ -22,6 +22,7 @@
 //! and bf16 rounds): for each tensor `‖gpu − ref‖₂ / ‖ref‖₂ ≤ tol`, `tol` = 1e-4 in fp32 and
 //! 5e-2 in bf16.
 
+use super::capture::Capture;
 use super::device::CudaBackend;
 use super::launch::{self, LaunchEnv};
 use super::model::{err, ByMicrobatch, Elem, GSums, GTensor};
@@ -85,6 +86,8 @@ pub struct CudaRunOptions {
     pub dtype: Dtype,
     /// `Some`: a multi-process launch, this process runs `launch.rank` only.
     pub launch: Option<LaunchEnv>,
+    /// Capture step 2 in a CUDA graph and replay it for the later steps ([`crate::capture`]).
+    pub cuda_graph: bool,
 }
 
 /// What a run measured, plus where it ran.
@@ -124,6 +127,8 @@ enum NetPlan<T: Elem> {
 /// The GPUs of this process as the driver's device.
 struct Gpus<T: Elem> {
     dtype: Dtype,
+    /// `--cuda-graph`: what the rank threads share for the capture.
+    capture: Option<Arc<Capture>>,
     /// The in-process transport of a single-process run, reset between steps.
     local: Option<Arc<Transport<GTensor<T>>>>,
 }
@@ -167,6 +172,7 @@ impl<T: Elem> Device for Gpus<T> {
             }
             },
             s.watch.clone(),
+            self.capture.clone(),
         )
         .map_err(|e| format!("rank {rank} on GPU {ordinal}: {e}"))
     }
@@ -203,6 +209,21 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
         run: RankRun,
         timeout: Duration,
     ) -> Result<RankRun, StepError> {
+        if self.graph_mut().is_some() && self.step() >= 1 {
+            let (us, pool) = self.end_capture()?;
+            let captured = RankRun {
+                spans: Vec::new(),
+                busy_us: 0.0,
+                end_us: us,
+                pool_peak_bytes: pool,
+                graph: true,
+                ..run
+            };
+            if let Some(g) = self.graph_mut() {
+                g.captured = Some(captured.clone());
+            }
+            return Ok(captured);
+        }
         self.sync(timeout).map_err(|e| StepError::Hang(e.0))?;
         let spans = self.spans()?;
         if spans.len() != instrs.len() {
@@ -229,7 +250,27 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
             host_peak: run.host_peak,
             pool_peak_bytes: self.pool_peak()?,
             buffer_slots: run.buffer_slots,
+            graph: false,
         })
+    }
+
+    /// Steps after the captured one relaunch its graph; the metering is the captured step's.
+    fn replay(&mut self, step: u32, _timeout: Duration) -> Option<Result<RankRun, StepError>> {
+        if step < 2 || self.graph_mut().is_none() {
+            return None;
+        }
+        Some((|| {
+            let (us, pool) = self.replay_graph()?;
+            let captured = self
+                .graph_mut()
+                .and_then(|g| g.captured.clone())
+                .ok_or_else(|| BackendError("no captured step to replay".into()))?;
+            Ok(RankRun {
+                end_us: us,
+                pool_peak_bytes: pool,
+                ..captured
+            })
+        })())
     }
 
     fn losses(&self, timeout: Duration) -> Result<Vec<Option<f32>>, BackendError> {
@@ -331,6 +372,20 @@ pub fn run_cuda(
             });
         }
     }
+    if opts.cuda_graph {
+        if opts.steps < 2 {
+            return Err(RunError::Usage(
+                "a captured step needs 2 steps or more (step 1 runs eagerly, step 2 is captured)"
+                    .into(),
+            ));
+        }
+        let processes = opts.launch.as_ref().map_or(1, |l| l.world_size);
+        crate::graph::capturable(program, processes).map_err(|e| RunError::Refused {
+            file: MANIFEST_FILE.into(),
+            field: "schedule".into(),
+            msg: e.to_string(),
+        })?;
+    }
     probe_libraries(multi).map_err(|e| RunError::Device(e.to_string()))?;
     let count = CudaContext::device_count()
         .map_err(|e| RunError::Device(format!("CUDA: cannot count the GPUs: {e:?}")))?;
@@ -405,8 +460,29 @@ fn run_typed<T: Elem>(
     };
     let ranks: Vec<u32> = plan.iter().map(|p| p.0).collect();
     let devices: Vec<usize> = plan.iter().map(|p| p.1).collect();
+    let capture = if opts.cuda_graph {
+        if let Some(&g) = devices.iter().find(|&&g| g != devices[0]) {
+            return Err(RunError::Usage(format!(
+                "--cuda-graph captures the ranks of one GPU; here they run on GPUs {} and {g} \
+                 (set CUDA_VISIBLE_DEVICES to one GPU)",
+                devices[0]
+            )));
+        }
+        let ctx = CudaContext::new(devices[0])
+            .map_err(|e| RunError::Device(format!("CUDA: open GPU {}: {e:?}", devices[0])))?;
+        Some(Arc::new(Capture::new(
+            ctx,
+            world,
+            plan.len(),
+            watch.clone(),
+            opts.timeout,
+        )))
+    } else {
+        None
+    };
     let gpus = Gpus {
         dtype: opts.dtype,
+        capture,
         local: plan.iter().find_map(|p| match &p.2 {
             NetPlan::Local(t) => Some(t.clone()),
             NetPlan::Nccl { .. } => None,

@@ -79,6 +79,11 @@ pub trait StepBackend: Backend {
         run: RankRun,
         timeout: Duration,
     ) -> Result<RankRun, StepError>;
+    /// Run step `step` without the interpreter, when the backend can (a CUDA graph replaying
+    /// a captured step): what it measured, or `None` to run the program as usual.
+    fn replay(&mut self, _step: u32, _timeout: Duration) -> Option<Result<RankRun, StepError>> {
+        None
+    }
     /// The step's loss of every microbatch this rank knows, by microbatch.
     fn losses(&self, timeout: Duration) -> Result<Vec<Option<f32>>, BackendError>;
     /// The step's gradient sums of the local stages; a backend may return none when `copy` is
@@ -452,23 +457,29 @@ fn rank_step<D: Device>(
     } else {
         Instant::now()
     };
-    // With microbatch lengths each microbatch's activations weigh its stage's `act` times its
-    // factor (tokens / `seq`), and from `bwd_D` to `bwd_W` its `act_w`, as the verifier counts.
-    let run = run_rank_scaled(
-        program,
-        Rank(rank),
-        be,
-        &sh.setup.watch,
-        t0,
-        sh.setup.memory,
-    )
-    .map_err(|_| stopped())?;
-    let run = be
-        .end_step(&program.ranks[rank as usize], run, opts.timeout)
-        .map_err(|e| match e {
-            StepError::Hang(msg) => (FailureKind::Hang, msg),
-            StepError::Backend(e) => c(e),
-        })?;
+    let ended = |e| match e {
+        StepError::Hang(msg) => (FailureKind::Hang, msg),
+        StepError::Backend(e) => c(e),
+    };
+    let run = match be.replay(step, opts.timeout) {
+        Some(r) => r.map_err(ended)?,
+        None => {
+            // With microbatch lengths each microbatch's activations weigh its stage's `act`
+            // times its factor (tokens / `seq`), and from `bwd_D` to `bwd_W` its `act_w`, as
+            // the verifier counts.
+            let run = run_rank_scaled(
+                program,
+                Rank(rank),
+                be,
+                &sh.setup.watch,
+                t0,
+                sh.setup.memory,
+            )
+            .map_err(|_| stopped())?;
+            be.end_step(&program.ranks[rank as usize], run, opts.timeout)
+                .map_err(ended)?
+        }
+    };
     let losses = be.losses(opts.timeout).map_err(c)?;
     if !program.forward_only && !sh.replicated.is_empty() {
         reduce_replicas(sh, mail, rank, be)?;
@@ -617,7 +628,11 @@ pub fn drive<D: Device>(
                     traced.push((step, trace::timeline(world, &runs)));
                 }
                 for (r, run) in runs {
-                    last[r as usize] = Some(run);
+                    // A graph step has no per-instruction times: the timeline stays the last
+                    // step that has them.
+                    if !run.graph || last[r as usize].is_none() {
+                        last[r as usize] = Some(run);
+                    }
                 }
             }
             Ok(())
@@ -746,6 +761,7 @@ fn finish_step<D: Device>(
                 })
                 .collect(),
             check: summary,
+            graph: outs.iter().any(|o| o.run.graph),
         },
         worst,
     ))

@@ -68,6 +68,9 @@ pub struct RankRun {
     /// and the most of them that held a tensor at once (`(slots, most held)`); `None` without
     /// a plan.
     pub buffer_slots: Option<(u32, u32)>,
+    /// The step ran as one CUDA graph (`pipec-run --cuda-graph`): `end_us` is the graph's GPU
+    /// time, `spans` is empty and `busy_us` 0 (a replay has no per-instruction times).
+    pub graph: bool,
 }
 
 /// The buffer plan's pool of one rank (issue #39, `pipec_ir::ir::buffers`): its slots exist
@@ -1029,6 +1032,7 @@ pub fn run_rank_scaled<B: Backend>(
         host_peak: it.t.meter.host.peak,
         pool_peak_bytes: None,
         buffer_slots: it.t.pool.as_ref().map(|p| (p.owner.len() as u32, p.peak)),
+        graph: false,
     })
 }
 

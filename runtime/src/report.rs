@@ -78,6 +78,10 @@ pub struct StepReport {
     pub wall_us: f64,
     pub ranks: Vec<RankStats>,
     pub check: Option<CheckSummary>,
+    /// The step was a replay (or the first launch) of a captured CUDA graph: `wall_us` is the
+    /// graph's GPU time, and the ranks' `busy_us`/`idle_us` are not measured (0).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub graph: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]

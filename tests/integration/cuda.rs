@@ -195,6 +195,7 @@ fn run_cuda_reports_a_missing_driver() {
         check: true,
         dtype: Dtype::F32,
         launch: None,
+        cuda_graph: false,
     };
     let e = run_cuda(&loaded.program, &loaded.manifest.layout, &opts).unwrap_err();
     assert_eq!(e.exit_code(), 2);

@@ -705,8 +705,19 @@ fn dev_embed_bwd(
     tok: &[u32],
     dy: &Array2<f32>,
 ) -> Array2<f32> {
+    dev_embed_bwd_over(e, grids, shape, tok, dy, kernels::EmbedPlan::new(tok))
+}
+
+/// As [`dev_embed_bwd`], over a given plan (a captured step's padded one).
+fn dev_embed_bwd_over(
+    e: &Emu,
+    grids: Grids,
+    shape: (usize, usize),
+    tok: &[u32],
+    dy: &Array2<f32>,
+    plan: kernels::EmbedPlan,
+) -> Array2<f32> {
     let h = shape.1;
-    let plan = kernels::EmbedPlan::new(tok);
     e.launch("embed_bwd", grids.cfg(plan.segs() * h))
         .t_zeros(shape.0 * h)
         .u32s(tok)
@@ -950,6 +961,12 @@ fn embedding_forward_and_weight_gradient_match_the_cpu_model() {
                 // Scatter-add: each row's positions added in position order, as the CPU adds.
                 let g = dev_embed_bwd(e, grids, table.dim(), sh.tokens, &e.round(&dy));
                 check2(&g, &want_g, e.exact(), &format!("embed_bwd {what}"));
+                // A captured step's plan, padded to twice the positions with empty runs (the
+                // kernel skips them): the same bits.
+                let padded = kernels::EmbedPlan::padded(sh.tokens, 2 * sh.tokens.len());
+                let gp =
+                    dev_embed_bwd_over(e, grids, table.dim(), sh.tokens, &e.round(&dy), padded);
+                assert_eq!(flat(&gp), flat(&g), "padded embed_bwd {what}");
                 same_bits_across_grids(&mut first, vec![flat(&y), flat(&g)], &what);
             }
         }

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// Write `q` (verified) with the header of the compiled `c`.
-fn write(c: &pipec_compiler::compile::Compiled, q: &Program, dir: &Path) {
+pub(crate) fn write(c: &pipec_compiler::compile::Compiled, q: &Program, dir: &Path) {
     let header = Header {
         source: "generated",
         schedule: Some(c.spec),
@@ -40,7 +40,7 @@ fn write(c: &pipec_compiler::compile::Compiled, q: &Program, dir: &Path) {
 /// 1F1B, pp = 2, M = 3, on the last rank (the head's stash: probabilities and targets; a
 /// checkpointed forward keeping a hidden input): offload, wait_offload and reload of mb 0, a
 /// checkpointed forward and recompute of mb 1.
-fn every_memory_op_last_rank() -> (pipec_compiler::compile::Compiled, Program) {
+pub(crate) fn every_memory_op_last_rank() -> (pipec_compiler::compile::Compiled, Program) {
     let c = pipec_compiler::compile::compile(&CompileRequest::new(ScheduleKind::OneFOneB, 2, 3))
         .unwrap();
     let r1 = &c.program.ranks[1];

@@ -6,6 +6,7 @@ mod cost_toml;
 mod crates;
 mod cuda;
 mod cuda_calibrate;
+mod cuda_graph;
 mod cuda_kernels;
 mod cuda_memory;
 mod docs;

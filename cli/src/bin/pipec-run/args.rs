@@ -87,6 +87,11 @@ pub(crate) struct Args {
     /// schedule does; the watchdog reports the hang. Not for training.
     #[arg(long)]
     pub(crate) no_verify: bool,
+    /// `--backend cuda`: run step 1 eagerly, capture step 2 in a CUDA graph and replay it for
+    /// every later step (needs --steps 2 or more); a plan that cannot be captured is refused
+    /// with the reason.
+    #[arg(long)]
+    pub(crate) cuda_graph: bool,
 }
 
 pub(crate) fn world(args: &Args) -> Result<Option<LaunchWorld>, RunError> {

@@ -33,6 +33,7 @@ pub fn run(
         check: args.check,
         dtype,
         launch: launch.clone(),
+        cuda_graph: args.cuda_graph,
     };
     let (program, layout) = (loaded.program.program(), &loaded.manifest.layout);
     let report = run_cuda(&loaded.program, layout, &opts)?;
@@ -71,6 +72,11 @@ pub fn run(
             out["copy_overlap"] = serde_json::json!(overlap);
         }
         Interp::measure(program, &report.run.steps).add_to(&mut out);
+        if let Some(g) = graph_summary(&report.run.steps) {
+            out["cuda_graph"] = serde_json::json!({
+                "eager_us": g.0, "replay_us_median": g.1, "replays": g.2,
+            });
+        }
         print_json(&out);
         return Ok(());
     }
@@ -125,6 +131,16 @@ pub fn run(
     );
     if leader {
         Interp::measure(program, &report.run.steps).print();
+        if let Some((eager, replay, n)) = graph_summary(&report.run.steps) {
+            println!(
+                "cuda graph: step 1 (eager, warm-up) {}; {}",
+                ms(eager),
+                match replay {
+                    Some(r) => format!("replayed steps (3..{}): median {} per step", n + 2, ms(r)),
+                    None => "no replay (--steps 3 or more replays the captured step)".into(),
+                }
+            );
+        }
     }
     if launch.is_none() {
         // Every rank ran here: the metered peaks line up with the verifier's.
@@ -229,4 +245,21 @@ fn print_gpu_memory(report: &pipec_cuda::run::CudaRunReport) {
         "GPU memory pool peak (last step, all ranks on a GPU together): {}",
         list.join(", ")
     );
+}
+
+/// `--cuda-graph`: the eager warm-up step's wall time, the median of the replayed steps' (the
+/// first launch, step 2, also instantiated the graph and is left out) and how many replayed.
+fn graph_summary(steps: &[pipec_runtime::report::StepReport]) -> Option<(f64, Option<f64>, usize)> {
+    if !steps.iter().any(|s| s.graph) {
+        return None;
+    }
+    let mut replays: Vec<f64> = steps
+        .iter()
+        .skip(2)
+        .filter(|s| s.graph)
+        .map(|s| s.wall_us)
+        .collect();
+    replays.sort_by(f64::total_cmp);
+    let median = (!replays.is_empty()).then(|| replays[replays.len() / 2]);
+    Some((steps[0].wall_us, median, replays.len()))
 }

@@ -38,8 +38,21 @@ fn run(args: &Args) -> Result<(), RunError> {
             "--dtype applies to --backend cuda only (the CPU backend computes in f32)".into(),
         ));
     }
+    if args.cuda_graph && args.backend != BackendKind::Cuda {
+        return Err(RunError::Usage(
+            "--cuda-graph applies to --backend cuda only (it captures the step's GPU work)".into(),
+        ));
+    }
+    if args.cuda_graph && args.steps < 2 {
+        return Err(RunError::Usage(format!(
+            "--cuda-graph needs --steps 2 or more (step 1 runs eagerly, step 2 is captured and every later step replays it); got --steps {}",
+            args.steps
+        )));
+    }
+    // With --cuda-graph the plan is checked for capture first (below), so that the reason a
+    // plan cannot be captured is given wherever pipec-run was built.
     #[cfg(not(feature = "cuda"))]
-    if args.backend == BackendKind::Cuda {
+    if args.backend == BackendKind::Cuda && !args.cuda_graph {
         return Err(RunError::Usage(
             "pipec-run was built without the `cuda` feature; rebuild with `cargo build -p pipec-cli --features cuda` (or use --backend cpu)".into(),
         ));
@@ -50,7 +63,8 @@ fn run(args: &Args) -> Result<(), RunError> {
         // re-executes pipec-run once with a link directory on LD_LIBRARY_PATH.
         let launch = pipec_cuda::launch::from_vars(|k| std::env::var(k).ok())
             .map_err(|e| RunError::Usage(e.to_string()))?;
-        if launch.as_ref().is_some_and(|l| l.world_size > 1) {
+        // --cuda-graph refuses a launch of several processes (below) before it needs NCCL.
+        if launch.as_ref().is_some_and(|l| l.world_size > 1) && !args.cuda_graph {
             pipec_cuda::reexec_for_nccl().map_err(RunError::Usage)?;
         }
     }
@@ -152,6 +166,22 @@ fn run_loaded<P: Checked>(
         return Err(RunError::Usage(
             "--trace-steps applies to the cpu backend (the cuda backend traces the last step)"
                 .into(),
+        ));
+    }
+    if args.cuda_graph {
+        let processes = pipec_cuda::launch::from_vars(|k| std::env::var(k).ok())
+            .map_err(|e| RunError::Usage(e.to_string()))?
+            .map_or(1, |l| l.world_size);
+        pipec_cuda::graph::capturable(loaded.program.program(), processes).map_err(|e| {
+            RunError::Refused {
+                file: pipec_ir::files::MANIFEST_FILE.into(),
+                field: "schedule".into(),
+                msg: e.to_string(),
+            }
+        })?;
+        #[cfg(not(feature = "cuda"))]
+        return Err(RunError::Usage(
+            "pipec-run was built without the `cuda` feature; rebuild with `cargo build -p pipec-cli --features cuda`".into(),
         ));
     }
     if args.backend == BackendKind::Cuda {

@@ -24,26 +24,39 @@ pub(crate) fn print_steps(
     for (i, s) in steps.iter().enumerate() {
         if leader {
             println!(
-                "step {}: loss {:.6}  wall {}",
+                "step {}: loss {:.6}  wall {}{}",
                 s.step + 1,
                 s.loss,
-                ms(s.wall_us)
+                ms(s.wall_us),
+                match (s.graph, i) {
+                    (false, _) => "",
+                    (true, 1) => "  (captured in a CUDA graph, first launch)",
+                    (true, _) => "  (CUDA graph replay)",
+                }
             );
         }
         for (st, &(r, gpu)) in s.ranks.iter().zip(ranks) {
-            let pct = if s.wall_us > 0.0 {
-                100.0 * st.idle_us / s.wall_us
-            } else {
-                0.0
-            };
             let label = match gpu {
                 Some(g) => format!("rank {r} (GPU {g})"),
                 None => format!("rank {r}"),
             };
+            // A graph step is one launch for every rank: no per-rank busy and idle times.
+            let times = if s.graph {
+                String::new()
+            } else {
+                let pct = if s.wall_us > 0.0 {
+                    100.0 * st.idle_us / s.wall_us
+                } else {
+                    0.0
+                };
+                format!(
+                    "busy {}  idle {} ({pct:.1}%)  ",
+                    ms(st.busy_us),
+                    ms(st.idle_us)
+                )
+            };
             println!(
-                "  {label}: busy {}  idle {} ({pct:.1}%)  peak activations {} (static {})",
-                ms(st.busy_us),
-                ms(st.idle_us),
+                "  {label}: {times}peak activations {} (static {})",
                 st.peak_activations,
                 static_peak.get(r as usize).copied().unwrap_or(0)
             );
