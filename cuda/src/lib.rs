@@ -9,6 +9,7 @@
 
 pub mod calibrate;
 pub mod gemm;
+pub mod groups;
 pub mod kernels;
 pub mod launch;
 pub mod nvrtc;
