@@ -1,4 +1,5 @@
-//! The NCCL communicators of a program's P2P groups (`--p2p-groups`, [`P2pGroups`]): which
+//! The NCCL communicators of a program's P2P groups (`--p2p-groups`,
+//! [`pipec_schedules::P2pGroups`]): which
 //! groups its sends and receives use, their members, each rank's NCCL rank in them and the one
 //! order every process creates them in. Pure (no GPU), so it is built and tested everywhere;
 //! the NCCL mode of [`crate::run`] creates one communicator per group from it and
@@ -16,7 +17,7 @@
 
 use pipec_ir::ir::{Instr, Payload, Program};
 use pipec_ir::verify::StreamRule;
-use pipec_schedules::{P2pGroup, P2pGroups, Rank};
+use pipec_schedules::{P2pGroup, Rank};
 use std::collections::BTreeSet;
 
 /// One communicator of a program's layout.
@@ -137,7 +138,7 @@ fn members(key: P2pGroup, world: u32) -> Vec<Rank> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
+    use pipec_schedules::{generate, Limits, P2pGroups, ScheduleKind, ScheduleSpec};
 
     fn program(kind: ScheduleKind, pp: u32, vpp: u32, m: u32, groups: P2pGroups) -> Program {
         let mut p = pipec_compiler::lower(
