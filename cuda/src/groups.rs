@@ -1,9 +1,9 @@
 //! The NCCL communicators of a program's P2P groups (`--p2p-groups`,
-//! [`pipec_schedules::P2pGroups`]): which
-//! groups its sends and receives use, their members, each rank's NCCL rank in them and the one
-//! order every process creates them in. Pure (no GPU), so it is built and tested everywhere;
-//! the NCCL mode of [`crate::run`] creates one communicator per group from it and
-//! [`crate::comm`] routes every op through its group's.
+//! [`pipec_schedules::P2pGroups`]): which groups its sends and receives use, their members,
+//! each rank's NCCL rank in them and the one order every process creates them in. Pure (no
+//! GPU), so it is built and tested everywhere; the NCCL mode of `run.rs` creates one
+//! communicator per group from it and `comm.rs` routes every op through its group's (both
+//! behind the feature `cuda`).
 //!
 //! A message's group is the verifier's: [`GroupPlan::route`] asks
 //! [`StreamRule::group_of`], the function the stream rule D2 keys its streams by, so the
