@@ -65,11 +65,12 @@ struct InFlight<T> {
 }
 
 pub struct CudaBackend<T: Elem> {
-    /// First field, so dropped first (Rust drops fields in declaration order): `Comm`'s drop is
-    /// `ncclCommAbort`, which stops NCCL kernels still waiting for a peer, while dropping a
-    /// [`Dev`] runs `cublasDestroy`, which "implicitly calls `cudaDeviceSynchronize()`" (cuBLAS
-    /// docs, `cublasDestroy`) and so would block for ever on such a kernel after a hang was
-    /// reported; the rank thread would never end and `pipec-run` never exit.
+    /// First field, so dropped first (Rust drops fields in declaration order): each `Comm`'s
+    /// drop is `ncclCommAbort`, which stops NCCL kernels still waiting for a peer, while
+    /// dropping a [`Dev`] runs `cublasDestroy`, which "implicitly calls
+    /// `cudaDeviceSynchronize()`" (cuBLAS docs, `cublasDestroy`) and so would block for ever on
+    /// such a kernel after a hang was reported; the rank thread would never end and `pipec-run`
+    /// never exit.
     net: Net<T>,
     pub rank: Rank,
     pub ctx: Arc<CudaContext>,
@@ -479,9 +480,9 @@ impl<T: Elem> CudaBackend<T> {
                     return Ok(Err(e));
                 }
             }
-            Net::Nccl(c) => {
+            Net::Nccl(n) => {
                 let cfg = self.main.cfg;
-                comm::nccl_batch(c, &self.comm_stream, &self.layout, cfg.seq, cfg.hidden, ops)?
+                comm::nccl_batch(n, &self.comm_stream, &self.layout, cfg.seq, cfg.hidden, ops)?
             }
         }
         let end = timing_event(&self.comm_stream)?;
@@ -619,12 +620,13 @@ impl<T: Elem> CudaBackend<T> {
             v[mb as usize] = l;
             v[m + mb as usize] = 1.0;
         }
-        if let Net::Nccl(c) = &self.net {
+        if let Net::Nccl(n) = &self.net {
             let mut buf = self
                 .comm_stream
                 .clone_htod(&v)
                 .map_err(err("upload losses"))?;
-            c.all_reduce_in_place(&mut buf, &cudarc::nccl::ReduceOp::Sum)
+            n.world
+                .all_reduce_in_place(&mut buf, &cudarc::nccl::ReduceOp::Sum)
                 .map_err(|e| BackendError(format!("NCCL all-reduce of the losses: {:?}", e.0)))?;
             // A peer that stopped never joins the all-reduce, and `clone_dtoh` into a `Vec`
             // blocks until the copy is done (`cuMemcpyDtoHAsync` to pageable memory returns

@@ -11,8 +11,9 @@
 //! `MASTER_PORT` (`MASTER_PORT + 1` under torchrun, whose agent already listens on
 //! `MASTER_PORT`: [`AGENT_STORE_ENV`]), every other rank connects to it (retrying until rank 0
 //! is up or the deadline passes), says who it is, and once all `WORLD_SIZE - 1` peers have
-//! checked in rank 0 sends each of them the payload (the 128-byte `ncclUniqueId`). It is generic
-//! over the payload bytes and needs no GPU, so it is tested on loopback.
+//! checked in rank 0 sends each of them the payload (the 128-byte `ncclUniqueId` of each NCCL
+//! communicator, [`encode_ids`]). It is generic over the payload bytes and needs no GPU, so it
+//! is tested on loopback.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -178,7 +179,8 @@ impl fmt::Display for RendezvousError {
 impl std::error::Error for RendezvousError {}
 
 const MAGIC: &[u8; 8] = b"PIPECRV1";
-/// Largest payload accepted (an `ncclUniqueId` is 128 bytes).
+/// Largest payload accepted (an `ncclUniqueId` is 128 bytes; a launch sends one per
+/// communicator, [`encode_ids`]).
 pub const MAX_PAYLOAD: usize = 1 << 20;
 
 fn rv(msg: impl Into<String>) -> RendezvousError {
@@ -410,6 +412,43 @@ pub fn fetch(
             String::from_utf8_lossy(&body)
         ))),
     }
+}
+
+/// Bytes of one `ncclUniqueId` (`NCCL_UNIQUE_ID_BYTES` in `nccl.h`).
+pub const NCCL_ID_BYTES: usize = 128;
+
+/// The payload of a launch's rendezvous: the NCCL unique ids of all the communicators, back to
+/// back, in the order every rank creates them (the one over all ranks, then the P2P groups in
+/// [`crate::groups::GroupPlan`]'s order). The receiving rank knows how many to expect from the
+/// same program ([`decode_ids`]), so no count travels.
+pub fn encode_ids(ids: &[[u8; NCCL_ID_BYTES]]) -> Result<Vec<u8>, RendezvousError> {
+    let len = ids.len() * NCCL_ID_BYTES;
+    if len > MAX_PAYLOAD {
+        return Err(rv(format!(
+            "{} NCCL communicators need {len} bytes of unique ids, more than the rendezvous \
+             carries ({MAX_PAYLOAD} bytes)",
+            ids.len()
+        )));
+    }
+    Ok(ids.concat())
+}
+
+/// The `count` NCCL unique ids of an [`encode_ids`] payload; a payload of another length (rank
+/// 0 read a different program, so planned another number of communicators) is an error.
+pub fn decode_ids(bytes: &[u8], count: usize) -> Result<Vec<[u8; NCCL_ID_BYTES]>, RendezvousError> {
+    if bytes.len() != count * NCCL_ID_BYTES {
+        return Err(rv(format!(
+            "rank 0 sent {} bytes of NCCL unique ids where this rank expects {count} \
+             communicators of {NCCL_ID_BYTES} bytes each ({} bytes): do all ranks run the same \
+             program?",
+            bytes.len(),
+            count * NCCL_ID_BYTES
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(NCCL_ID_BYTES)
+        .map(|c| c.try_into().expect("chunks of NCCL_ID_BYTES"))
+        .collect())
 }
 
 #[cfg(test)]
@@ -679,5 +718,26 @@ mod tests {
             .serve(2, b"id", Duration::from_millis(50))
             .unwrap_err();
         assert!(e.to_string().contains("rank"), "{e}");
+    }
+
+    /// Ids round-trip in order; a payload of another length than the plan's count is refused
+    /// with both sizes named, and too many ids for the rendezvous are refused when encoding.
+    #[test]
+    fn nccl_ids_round_trip_and_a_bad_length_is_an_error() {
+        let ids: Vec<[u8; NCCL_ID_BYTES]> = (0..3u8).map(|i| [i + 1; NCCL_ID_BYTES]).collect();
+        let bytes = encode_ids(&ids).unwrap();
+        assert_eq!(bytes.len(), 3 * 128);
+        assert_eq!((bytes[0], bytes[128], bytes[383]), (1, 2, 3));
+        assert_eq!(decode_ids(&bytes, 3).unwrap(), ids);
+        let e = decode_ids(&bytes, 4).unwrap_err().to_string();
+        assert!(e.contains("sent 384 bytes"), "{e}");
+        assert!(e.contains("expects 4 communicators"), "{e}");
+        assert!(e.contains("(512 bytes)"), "{e}");
+        assert!(decode_ids(&bytes[..200], 2).is_err());
+        assert_eq!(decode_ids(&[], 0).unwrap(), Vec::<[u8; 128]>::new());
+        let many = vec![[0u8; NCCL_ID_BYTES]; MAX_PAYLOAD / NCCL_ID_BYTES + 1];
+        let e = encode_ids(&many).unwrap_err().to_string();
+        assert!(e.contains("8193 NCCL communicators"), "{e}");
+        assert!(encode_ids(&many[1..]).is_ok());
     }
 }

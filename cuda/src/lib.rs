@@ -2,14 +2,16 @@
 //!
 //! Pure parts, compiled and tested everywhere: [`probe`] (finding the CUDA and NCCL libraries
 //! before cudarc would panic on their absence), [`launch`] (torchrun/Slurm variables and the TCP
-//! rendezvous that shares NCCL's unique id), [`kernels`] (the NVRTC source) and [`gemm`] (the
-//! row-major to column-major mapping of cuBLAS calls). The device code
+//! rendezvous that shares NCCL's unique ids), [`groups`] (the NCCL communicators of a program's
+//! P2P groups and the order they are created in), [`kernels`] (the NVRTC source) and [`gemm`]
+//! (the row-major to column-major mapping of cuBLAS calls). The device code
 //! needs the `cuda` feature; cudarc loads every library at run time, so `cargo build --features
 //! cuda` succeeds on machines without CUDA.
 
 pub mod calibrate;
 pub mod gemm;
 pub mod graph;
+pub mod groups;
 pub mod kernels;
 pub mod launch;
 pub mod nvrtc;

@@ -8,9 +8,12 @@
 //!   ([`super::comm::Net::Local`]). A backend holds an NCCL communicator type and is not
 //!   `Send`, so each is created and dropped on its own thread (the driver's rank threads).
 //! - Multi-process ([`LaunchEnv`], torchrun or Slurm): this process runs only its rank, on GPU
-//!   `LOCAL_RANK % device_count`; rank 0 makes the NCCL unique id and hands it out over
-//!   [`launch::Server`] at `MASTER_ADDR:MASTER_PORT` (the next port under torchrun, see
-//!   [`launch::AGENT_STORE_ENV`]), then every rank joins with `ncclCommInitRank`. A one-rank
+//!   `LOCAL_RANK % device_count`; rank 0 makes one NCCL unique id per communicator (one over
+//!   all ranks, for the losses' all-reduce, and one per P2P group of the program,
+//!   [`super::groups::GroupPlan`]) and hands them out over [`launch::Server`] at
+//!   `MASTER_ADDR:MASTER_PORT` (the next port under torchrun, see
+//!   [`launch::AGENT_STORE_ENV`]), then every rank joins its communicators with
+//!   `ncclCommInitRank` in one global order ([`super::comm::NcclNet::open`]). A one-rank
 //!   launch (`WORLD_SIZE=1`) needs no NCCL and runs as a single process. A rank's failure
 //!   does not reach other processes: they stop at the timeout of their own
 //!   [`CudaBackend::sync`].
@@ -24,9 +27,13 @@
 
 use super::capture::Capture;
 use super::device::CudaBackend;
+use super::groups::GroupPlan;
 use super::launch::{self, LaunchEnv};
 use super::model::{err, ByMicrobatch, Elem, GSums, GTensor};
-use super::{comm::Net, probe_libraries};
+use super::{
+    comm::{NcclNet, Net},
+    probe_libraries,
+};
 use cudarc::driver::CudaContext;
 use pipec_ir::files::MANIFEST_FILE;
 use pipec_ir::ir::{Instr, Program};
@@ -106,22 +113,24 @@ pub struct CudaRunReport {
     pub dtype: Dtype,
 }
 
-/// The NCCL unique id as the rendezvous payload.
-fn id_bytes(id: &cudarc::nccl::Id) -> Vec<u8> {
-    id.internal().iter().map(|&c| c as u8).collect()
+/// An NCCL unique id's bytes, for the rendezvous payload ([`launch::encode_ids`]).
+fn id_bytes(id: &cudarc::nccl::Id) -> [u8; launch::NCCL_ID_BYTES] {
+    id.internal().map(|c| c as u8)
 }
 
-fn id_from(bytes: &[u8]) -> Result<cudarc::nccl::Id, String> {
-    let arr: [u8; 128] = bytes
-        .try_into()
-        .map_err(|_| format!("rank 0 sent a {}-byte NCCL id, not 128", bytes.len()))?;
-    Ok(cudarc::nccl::Id::uninit(arr.map(|b| b as std::ffi::c_char)))
+fn id_from(bytes: [u8; launch::NCCL_ID_BYTES]) -> cudarc::nccl::Id {
+    cudarc::nccl::Id::uninit(bytes.map(|b| b as std::ffi::c_char))
 }
 
 /// How a rank thread reaches its peers.
 enum NetPlan<T: Elem> {
     Local(Arc<Transport<GTensor<T>>>),
-    Nccl { id: cudarc::nccl::Id, world: usize },
+    /// `ids`: the world's unique id, then one per group of `plan`.
+    Nccl {
+        ids: Vec<cudarc::nccl::Id>,
+        world: usize,
+        plan: Arc<GroupPlan>,
+    },
 }
 
 /// The GPUs of this process as the driver's device.
@@ -156,20 +165,11 @@ impl<T: Elem> Device for Gpus<T> {
             s.program.microbatches,
             s.full,
             &mine,
-            |st| {
-                match net {
+            |st| match net {
                 NetPlan::Local(t) => Ok(Net::Local(t)),
-                NetPlan::Nccl { id, world } => {
-                    cudarc::nccl::Comm::from_rank(st.clone(), rank as usize, world, id)
-                        .map(Net::Nccl)
-                        .map_err(|e| {
-                            BackendError(format!(
-                                "NCCL: ncclCommInitRank: {:?} (NCCL refuses two ranks of one communicator on the same GPU: launch at most one process per GPU; several ranks share a GPU in single-process mode)",
-                                e.0
-                            ))
-                        })
+                NetPlan::Nccl { ids, world, plan } => {
+                    NcclNet::open(st, Rank(rank), world, &ids, plan).map(Net::Nccl)
                 }
-            }
             },
             s.watch.clone(),
             self.capture.clone(),
@@ -355,18 +355,23 @@ pub fn run_cuda(
             });
         }
         if let Some((r, i)) = first_wait(program) {
-            // torch's `ProcessGroupNCCL` runs one pair's P2P ops on that pair's own stream,
-            // the order the verifier proves (D2); this backend has one communicator and one
-            // comm stream per rank, where an op left in flight would also hold back the ops to
-            // every other peer: an order nothing has checked, so a possible hang.
+            // torch's `ProcessGroupNCCL` runs each communicator's P2P ops on that
+            // communicator's own stream, the order the verifier proves (D2). This mode has one
+            // communicator and stream per P2P group too, but posts each batch to completion:
+            // the rank's comm stream waits for every group stream a batch used, and the next
+            // batch's group streams wait for the comm stream. A batch left in flight would so
+            // hold back the later batches of every group, not only its own: an order nothing
+            // has checked, so a possible hang. Posting a batch and waiting for it at its
+            // `wait` is not written for NCCL.
             return Err(RunError::Refused {
                 file: MANIFEST_FILE.into(),
                 field: "schedule".into(),
                 msg: format!(
                     "{}: the schedule leaves comm batches in flight (`wait` instructions, e.g. \
                      Megatron's overlap P2P mode), which the CUDA backend runs only in one \
-                     process (its NCCL mode has one stream per rank, not one per pair of \
-                     ranks); run it without a launcher or on the cpu backend",
+                     process (its NCCL mode completes each batch before the next, whatever \
+                     the P2P groups, so a batch in flight would hold back the other groups' \
+                     batches too); run it without a launcher or on the cpu backend",
                     pipec_runtime::diagnose::describe_instr(program, Rank(r as u32), i as u32)
                 ),
             });
@@ -441,21 +446,34 @@ fn run_typed<T: Elem>(
             // The rendezvous gets the whole timeout of a step and at least a minute: the
             // other processes may still be starting.
             let rv_timeout = opts.timeout.max(Duration::from_secs(60));
-            let id = if l.rank == 0 {
-                let id = cudarc::nccl::Id::new()
+            // Every process derives the same groups in the same order from the same program.
+            let plan = Arc::new(GroupPlan::of(program));
+            let comms = 1 + plan.groups.len();
+            let ids = if l.rank == 0 {
+                // `ncclGetUniqueId` starts the communicator's bootstrap root in this process,
+                // also for groups rank 0 is not in; this process lives until they are made.
+                let ids = (0..comms)
+                    .map(|_| cudarc::nccl::Id::new())
+                    .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| RunError::Device(format!("NCCL: ncclGetUniqueId: {:?}", e.0)))?;
+                let payload = launch::encode_ids(&ids.iter().map(id_bytes).collect::<Vec<_>>())
+                    .map_err(|e| RunError::Launch(e.to_string()))?;
                 let server = launch::Server::bind(&format!("0.0.0.0:{}", l.master_port))
                     .map_err(|e| RunError::Launch(e.to_string()))?;
                 server
-                    .serve(l.world_size, &id_bytes(&id), rv_timeout)
+                    .serve(l.world_size, &payload, rv_timeout)
                     .map_err(|e| RunError::Launch(e.to_string()))?;
-                id
+                ids
             } else {
                 let bytes = launch::fetch(&l.master(), l.rank, l.world_size, rv_timeout)
                     .map_err(|e| RunError::Launch(e.to_string()))?;
-                id_from(&bytes).map_err(RunError::Launch)?
+                launch::decode_ids(&bytes, comms)
+                    .map_err(|e| RunError::Launch(format!("rank {}: {e}", l.rank)))?
+                    .into_iter()
+                    .map(id_from)
+                    .collect()
             };
-            vec![(l.rank, ordinal, NetPlan::Nccl { id, world })]
+            vec![(l.rank, ordinal, NetPlan::Nccl { ids, world, plan })]
         }
     };
     let ranks: Vec<u32> = plan.iter().map(|p| p.0).collect();

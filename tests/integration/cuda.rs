@@ -390,8 +390,9 @@ fn gpu_check_overlapped_pairs() {
 }
 
 /// Under a launcher (NCCL, one process per rank) what that mode cannot run is refused before
-/// anything touches NCCL or a GPU: batches left in flight (its one comm stream per rank is not
-/// the per-pair order the verifier proves) and stages held by two ranks (DualPipe: their
+/// anything touches NCCL or a GPU: batches left in flight (it completes each batch before the
+/// next, a stricter order than the per-communicator one the verifier proves) and stages held
+/// by two ranks (DualPipe: their
 /// gradients are summed in one process only). Runs without a GPU (a stand-in NCCL file only
 /// gets `pipec-run` past its link-and-re-execute step).
 #[cfg(all(feature = "cuda", unix))]
@@ -509,7 +510,9 @@ pub(crate) fn cpu_check(dir: &Path, what: &str) -> String {
 /// Two processes, one rank each on its own GPU (NCCL refuses two ranks of a communicator on
 /// one GPU, so this needs two GPUs),
 /// launched with torchrun's variables; rank 0 prints the loss, every rank its busy/idle line,
-/// and both pass the check of their own stages.
+/// and both pass the check of their own stages. Under each `--p2p-groups` layout: `pair` one
+/// P2P communicator, `direction` two over both ranks (activations, gradients), `edge` two
+/// (R0->R1, R1->R0), each besides the one over all ranks that sums the losses.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a GPU and NCCL: cargo test -p pipec-tests --features cuda -- --ignored"]
@@ -529,8 +532,23 @@ fn gpu_two_process_nccl() {
         eprintln!("skipped: needs 2 GPUs (NCCL allows one rank per GPU per communicator)");
         return;
     }
+    for groups in pipec_schedules::P2pGroups::ALL {
+        two_process_nccl(groups);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn two_process_nccl(groups: pipec_schedules::P2pGroups) {
     let tmp = tempfile::tempdir().unwrap();
-    compile_to(ScheduleKind::OneFOneB, 2, 1, 4, tmp.path());
+    compile_req_to(
+        CompileRequest {
+            vpp: Some(1),
+            megatron_p2p: MegatronP2p::default_for(ScheduleKind::OneFOneB, 2),
+            p2p_groups: groups,
+            ..CompileRequest::new(ScheduleKind::OneFOneB, 2, 4)
+        },
+        tmp.path(),
+    );
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -563,8 +581,12 @@ fn gpu_two_process_nccl() {
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr),
         );
-        assert_eq!(o.status.code(), Some(0), "rank {r}\n{so}\n{se}");
-        assert!(so.contains(&format!("  rank {r} (GPU ")), "{so}");
-        assert_eq!(so.contains("step 1: loss"), r == 0, "rank {r}: {so}");
+        assert_eq!(o.status.code(), Some(0), "{groups}: rank {r}\n{so}\n{se}");
+        assert!(so.contains(&format!("  rank {r} (GPU ")), "{groups}: {so}");
+        assert_eq!(
+            so.contains("step 1: loss"),
+            r == 0,
+            "{groups}: rank {r}: {so}"
+        );
     }
 }
