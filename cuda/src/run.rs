@@ -488,6 +488,15 @@ fn run_typed<T: Elem>(
         }
         let ctx = CudaContext::new(devices[0])
             .map_err(|e| RunError::Device(format!("CUDA: open GPU {}: {e:?}", devices[0])))?;
+        if !ctx.has_async_alloc() {
+            // Without stream-ordered allocation cudarc frees with a stream synchronisation,
+            // which a capture forbids; buffers allocated inside a graph need it.
+            return Err(RunError::Device(format!(
+                "--cuda-graph needs stream-ordered allocation (cuMemAllocAsync), which GPU {} \
+                 does not support with this driver",
+                devices[0]
+            )));
+        }
         Some(Arc::new(Capture::new(
             ctx,
             world,
