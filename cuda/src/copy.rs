@@ -19,15 +19,16 @@ pub enum HStash<T> {
         step: u32,
         mb: u32,
     },
+    /// As [`GStash`]'s: what the input gradient alone reads is gone once it ran.
     Block {
         x: PinnedHostSlice<T>,
-        h: PinnedHostSlice<T>,
+        h: Option<PinnedHostSlice<T>>,
         a: PinnedHostSlice<T>,
     },
     Head {
         x: PinnedHostSlice<T>,
-        probs: PinnedHostSlice<T>,
-        targets: PinnedHostSlice<u32>,
+        probs: Option<PinnedHostSlice<T>>,
+        targets: Option<PinnedHostSlice<u32>>,
     },
 }
 
@@ -117,13 +118,19 @@ impl<T: Elem> Pinned<T> {
                     },
                     GStash::Block { x, h, a } => HStash::Block {
                         x: self.t.down(ctx, copy, x)?,
-                        h: self.t.down(ctx, copy, h)?,
+                        h: h.as_ref().map(|h| self.t.down(ctx, copy, h)).transpose()?,
                         a: self.t.down(ctx, copy, a)?,
                     },
                     GStash::Head { x, probs, targets } => HStash::Head {
                         x: self.t.down(ctx, copy, x)?,
-                        probs: self.t.down(ctx, copy, probs)?,
-                        targets: self.u.down(ctx, copy, targets)?,
+                        probs: probs
+                            .as_ref()
+                            .map(|p| self.t.down(ctx, copy, p))
+                            .transpose()?,
+                        targets: targets
+                            .as_ref()
+                            .map(|t| self.u.down(ctx, copy, t))
+                            .transpose()?,
                     },
                 })
             })
@@ -154,13 +161,13 @@ impl<T: Elem> Pinned<T> {
                     },
                     HStash::Block { x, h, a } => GStash::Block {
                         x: z(stream, x.len())?,
-                        h: z(stream, h.len())?,
+                        h: h.as_ref().map(|h| z(stream, h.len())).transpose()?,
                         a: z(stream, a.len())?,
                     },
                     HStash::Head { x, probs, targets } => GStash::Head {
                         x: z(stream, x.len())?,
-                        probs: z(stream, probs.len())?,
-                        targets: z(stream, targets.len())?,
+                        probs: probs.as_ref().map(|p| z(stream, p.len())).transpose()?,
+                        targets: targets.as_ref().map(|t| z(stream, t.len())).transpose()?,
                     },
                 })
             })
@@ -175,13 +182,13 @@ impl<T: Elem> Pinned<T> {
                 HStash::Embedding { tokens, .. } => self.u.give(tokens),
                 HStash::Block { x, h, a } => {
                     self.t.give(x);
-                    self.t.give(h);
+                    h.into_iter().for_each(|h| self.t.give(h));
                     self.t.give(a);
                 }
                 HStash::Head { x, probs, targets } => {
                     self.t.give(x);
-                    self.t.give(probs);
-                    self.u.give(targets);
+                    probs.into_iter().for_each(|p| self.t.give(p));
+                    targets.into_iter().for_each(|t| self.u.give(t));
                 }
             }
         }
@@ -209,7 +216,9 @@ impl<T: Elem> Pinned<T> {
                     },
                 ) => {
                     self.t.up(copy, x, dx)?;
-                    self.t.up(copy, h, dh)?;
+                    if let (Some(h), Some(dh)) = (h, dh) {
+                        self.t.up(copy, h, dh)?;
+                    }
                     self.t.up(copy, a, da)?;
                 }
                 (
@@ -221,8 +230,12 @@ impl<T: Elem> Pinned<T> {
                     },
                 ) => {
                     self.t.up(copy, x, dx)?;
-                    self.t.up(copy, probs, dp)?;
-                    self.u.up(copy, targets, dt)?;
+                    if let (Some(p), Some(dp)) = (probs, dp) {
+                        self.t.up(copy, p, dp)?;
+                    }
+                    if let (Some(t), Some(dt)) = (targets, dt) {
+                        self.u.up(copy, t, dt)?;
+                    }
                 }
                 _ => {
                     return Err(BackendError(

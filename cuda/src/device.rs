@@ -967,6 +967,16 @@ impl<T: Elem> Backend for CudaBackend<T> {
         })
     }
 
+    /// After `bwd_D`: free what only the input gradient read (`GStash::keep_for_w`), so the
+    /// GPU holds `act_w` until `bwd_W`, as the interpreter then meters and the verifier counts.
+    /// Freed on the compute stream after the `bwd_D` that read them (stream order).
+    fn keep_for_w(&mut self, _: Task, saved: &mut Self::Saved) -> Result<bool, BackendError> {
+        for st in saved.iter_mut() {
+            st.keep_for_w();
+        }
+        Ok(true)
+    }
+
     fn bwd_w(
         &mut self,
         task: Task,

@@ -207,16 +207,36 @@ pub enum GStash<T> {
         step: u32,
         mb: u32,
     },
+    /// `h` (the GeLU input) only until the input gradient ran ([`GStash::keep_for_w`]).
     Block {
         x: CudaSlice<T>,
-        h: CudaSlice<T>,
+        h: Option<CudaSlice<T>>,
         a: CudaSlice<T>,
     },
+    /// `probs` and `targets` only until the input gradient ran.
     Head {
         x: CudaSlice<T>,
-        probs: CudaSlice<T>,
-        targets: CudaSlice<u32>,
+        probs: Option<CudaSlice<T>>,
+        targets: Option<CudaSlice<u32>>,
     },
+}
+
+impl<T> GStash<T> {
+    /// Free what only the input gradient reads, once it ran: the block's GeLU input `h` and
+    /// the head's probabilities and targets. What stays is what [`Dev::stage_bwd_w`] reads
+    /// (the block's `x` and `a`, the head's `x`, the embedding's token ids): the CPU model's
+    /// `LayerStash::keep_for_w`, the split of Korthikanti et al. 2022 that the cost model's
+    /// `act_w` counts.
+    pub fn keep_for_w(&mut self) {
+        match self {
+            GStash::Embedding { .. } => {}
+            GStash::Block { h, .. } => *h = None,
+            GStash::Head { probs, targets, .. } => {
+                *probs = None;
+                *targets = None;
+            }
+        }
+    }
 }
 
 pub enum GPartial<T> {
@@ -473,7 +493,11 @@ impl<T: Elem> Dev<T> {
                             hi,
                         )
                     }?;
-                    stash.push(GStash::Block { x: xin, h: hh, a });
+                    stash.push(GStash::Block {
+                        x: xin,
+                        h: Some(hh),
+                        a,
+                    });
                     GTensor::Hidden(y)
                 }
                 (LayerKind::Loss, GTensor::Hidden(xin)) => {
@@ -518,8 +542,8 @@ impl<T: Elem> Dev<T> {
                     }?;
                     stash.push(GStash::Head {
                         x: xin,
-                        probs: z,
-                        targets,
+                        probs: Some(z),
+                        targets: Some(targets),
                     });
                     GTensor::Loss(loss)
                 }
@@ -563,7 +587,14 @@ impl<T: Elem> Dev<T> {
         for (i, (l, st)) in stage.layers.iter().zip(stash).enumerate().rev() {
             let p = &l.tensors;
             g = match (st, g) {
-                (GStash::Head { probs, targets, .. }, GTensor::LossGrad) => {
+                (
+                    GStash::Head {
+                        probs: Some(probs),
+                        targets: Some(targets),
+                        ..
+                    },
+                    GTensor::LossGrad,
+                ) => {
                     // The CPU's `scale / rows` with `scale = 1 / M`, in f32.
                     let k = (1.0f32 / microbatches as f32) / s as f32;
                     let mut dl = self.zeros::<T>(s * v)?;
@@ -584,7 +615,7 @@ impl<T: Elem> Dev<T> {
                     partial.push(GPartial::Head { dlogits: dl });
                     GTensor::Hidden(dx)
                 }
-                (GStash::Block { h: hh, .. }, GTensor::Hidden(dy)) => {
+                (GStash::Block { h: Some(hh), .. }, GTensor::Hidden(dy)) => {
                     let mut dh = self.mm(&dy, false, &p[2], true, s, f, h)?;
                     let n = i32of(s * f, "seq*ffn")?;
                     // SAFETY: `dh` and `hh` hold `s * f` elements.
@@ -599,6 +630,14 @@ impl<T: Elem> Dev<T> {
                 (GStash::Embedding { .. }, GTensor::Hidden(dy)) => {
                     partial.push(GPartial::Embedding { dy });
                     GTensor::TokenGrad
+                }
+                (GStash::Block { h: None, .. }, _)
+                | (GStash::Head { probs: None, .. } | GStash::Head { targets: None, .. }, _) => {
+                    return Err(BackendError(format!(
+                        "stage {}, layer {i}: the stash was cut for the weight gradient before \
+                         its input gradient ran",
+                        stage.index
+                    )))
                 }
                 (GStash::Head { .. }, other) => {
                     return Err(Self::bad(
