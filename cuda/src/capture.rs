@@ -17,7 +17,7 @@
 //!   and copy streams are the same stream in this mode), so a rank's buffers are ordered by
 //!   that stream; across ranks the receiver waits for the sender's event recorded at the post
 //!   and the sender's stream waits for the receiver's copy before the sent buffer is freed
-//!   ([`Capture::posted`], `comm::copy_in`).
+//!   ([`Capture::post`], [`Capture::after_post`], `comm::local_receive_captured`).
 //! - inputs that change per step (token ids, targets, the embedding gradient's grouping, padded
 //!   to a fixed length: `kernels::EmbedPlan::padded`) live in buffers allocated before capture
 //!   and refilled before each launch ([`Staged`]); losses are copied into a fixed buffer.

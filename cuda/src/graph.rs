@@ -1,5 +1,5 @@
 //! Which programs `pipec-run --backend cuda --cuda-graph` can capture (issue #39, "A captured
-//! step"); the capture itself is [`crate::capture`] (feature `cuda`).
+//! step"); the capture itself is the module `capture` (feature `cuda`).
 //!
 //! A CUDA graph replays the device work of one step with the host out of the loop: every
 //! buffer the replay touches must be fixed before it starts, and nothing the host decides
@@ -27,7 +27,7 @@ pub enum NotCapturable {
     /// NCCL calls; not written (it needs two GPUs to test).
     Launcher { world: u32 },
     /// `offload`/`reload`: the copies are planned to run beside compute on the copy stream,
-    /// while a captured step runs each rank's work on one stream (see [`crate::capture`]).
+    /// while a captured step runs each rank's work on one stream (see the module `capture`).
     HostCopies {
         rank: u32,
         index: u32,

@@ -16,6 +16,7 @@ use pipec_runtime::watchdog::{Failure, FailureKind, Watch};
 use pipec_schedules::layout::Layout;
 use pipec_schedules::{generate, Limits, ScheduleKind, ScheduleSpec};
 use pipec_schedules::{Rank, Task};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,12 +29,17 @@ enum Inject {
     Panic(u32, u32),
     /// Opening the rank fails.
     Open(u32),
+    /// Steps after the first are replayed (`StepBackend::replay`, as `--cuda-graph` does):
+    /// the step's run, losses and sums are the last interpreted step's.
+    Replay,
 }
 
 /// The CPU device with a fault; `SHARED` picks the clock.
 struct Flaky<const SHARED: bool> {
     transport: Arc<Transport<CpuTensor>>,
     inject: Inject,
+    /// Forward passes the ranks ran, all steps.
+    fwds: Arc<AtomicUsize>,
 }
 
 struct FlakyRank {
@@ -41,6 +47,9 @@ struct FlakyRank {
     rank: u32,
     step: u32,
     inject: Inject,
+    fwds: Arc<AtomicUsize>,
+    /// The last interpreted step's run, which a replay repeats.
+    last: Option<RankRun>,
 }
 
 impl Backend for FlakyRank {
@@ -55,6 +64,7 @@ impl Backend for FlakyRank {
         i: Option<CpuTensor>,
         save: bool,
     ) -> Result<(CpuTensor, Option<Self::Saved>), BackendError> {
+        self.fwds.fetch_add(1, Ordering::Relaxed);
         self.be.fwd(t, i, save)
     }
     fn bwd(
@@ -95,6 +105,11 @@ impl StepBackend for FlakyRank {
     type Sum = <CpuBackend as StepBackend>::Sum;
     fn begin_step(&mut self, step: u32) -> Result<(), BackendError> {
         self.step = step;
+        if self.inject == Inject::Replay && step > 0 {
+            // A replay keeps the captured step's bookkeeping (sums in order, losses), as the
+            // CUDA backend's graph mode does.
+            return Ok(());
+        }
         self.be.begin_step(step)
     }
     fn end_step(&mut self, i: &[Instr], run: RankRun, t: Duration) -> Result<RankRun, StepError> {
@@ -104,7 +119,22 @@ impl StepBackend for FlakyRank {
                 self.rank
             )));
         }
-        self.be.end_step(i, run, t)
+        let run = self.be.end_step(i, run, t)?;
+        self.last = Some(run.clone());
+        Ok(run)
+    }
+    fn replay(&mut self, step: u32, _: Duration) -> Option<Result<RankRun, StepError>> {
+        if self.inject != Inject::Replay || step == 0 {
+            return None;
+        }
+        let last = self.last.clone()?;
+        Some(Ok(RankRun {
+            spans: Vec::new(),
+            busy_us: 0.0,
+            end_us: 1.0,
+            graph: true,
+            ..last
+        }))
     }
     fn losses(&self, t: Duration) -> Result<Vec<Option<f32>>, BackendError> {
         assert!(
@@ -155,6 +185,8 @@ impl<const SHARED: bool> Device for Flaky<SHARED> {
             rank,
             step: 0,
             inject: self.inject,
+            fwds: self.fwds.clone(),
+            last: None,
         })
     }
     fn reset(&self) {
@@ -166,13 +198,22 @@ impl<const SHARED: bool> Device for Flaky<SHARED> {
 }
 
 fn run<const SHARED: bool>(kind: ScheduleKind, inject: Inject) -> Result<RunReport, RunError> {
+    run_counting::<SHARED>(kind, inject, &Arc::new(AtomicUsize::new(0)))
+}
+
+fn run_counting<const SHARED: bool>(
+    kind: ScheduleKind,
+    inject: Inject,
+    fwds: &Arc<AtomicUsize>,
+) -> Result<RunReport, RunError> {
     let program = pipec_compiler::lower::lower(
         &generate(&ScheduleSpec::new(kind, 2, 1, 4), &Limits::DEFAULT).unwrap(),
     );
     let layout = Layout::uniform(program.num_stages());
     let opts = RunOptions {
         steps: 3,
-        check: true,
+        // A replay repeats step 1's results without computing: nothing to check.
+        check: inject != Inject::Replay,
         timeout: Duration::from_secs(10),
         ..RunOptions::default()
     };
@@ -181,6 +222,7 @@ fn run<const SHARED: bool>(kind: ScheduleKind, inject: Inject) -> Result<RunRepo
     let dev = Flaky::<SHARED> {
         transport: Transport::new(2, watch.clone()),
         inject,
+        fwds: fwds.clone(),
     };
     let setup = Setup {
         program: &program,
@@ -239,4 +281,27 @@ fn a_rank_that_cannot_open_is_reported() {
     let f = failure(run::<true>(ScheduleKind::OneFOneB, Inject::Open(1)));
     assert_eq!((f.kind, f.at.rank), (FailureKind::Compute, Rank(1)));
     assert_eq!(f.report, "rank 1: no such device");
+}
+
+/// The replay hook (`StepBackend::replay`, what `pipec-run --cuda-graph` uses): a replayed step
+/// runs no interpreter (no forward after step 1), is reported as a graph step with the
+/// backend's time, and the report's timeline stays step 1's, the last with per-instruction
+/// spans.
+#[test]
+fn replayed_steps_skip_the_interpreter_and_keep_the_last_timeline() {
+    let plain = Arc::new(AtomicUsize::new(0));
+    let interpreted = run_counting::<false>(ScheduleKind::OneFOneB, Inject::None, &plain).unwrap();
+    let fwds = Arc::new(AtomicUsize::new(0));
+    let r = run_counting::<false>(ScheduleKind::OneFOneB, Inject::Replay, &fwds).unwrap();
+    // 1F1B, pp = 2, M = 4: 8 forwards a step; three steps interpreted, one here.
+    assert_eq!(plain.load(Ordering::Relaxed), 3 * 8);
+    assert_eq!(fwds.load(Ordering::Relaxed), 8);
+    let graph: Vec<bool> = r.steps.iter().map(|s| s.graph).collect();
+    assert_eq!(graph, [false, true, true]);
+    assert!(r.steps[1..].iter().all(|s| s.wall_us == 1.0));
+    // The replays report step 1's losses, and the timeline is step 1's.
+    assert_eq!(r.steps[1].loss, r.steps[0].loss);
+    assert_eq!(r.steps[0].loss, interpreted.steps[0].loss);
+    assert!(r.timeline.ranks.iter().all(|s| !s.is_empty()));
+    assert!(interpreted.steps.iter().all(|s| !s.graph));
 }
