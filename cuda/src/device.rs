@@ -333,35 +333,23 @@ impl<T: Elem> CudaBackend<T> {
         Ok(())
     }
 
-    /// Step 1 of graph mode, after the interpreter: join this rank into the capture's end; the
-    /// last rank to arrive ends it, instantiates the graph and launches it. The GPU time of
-    /// the launch in microseconds, and the GPU's memory peak over it in bytes (the device
-    /// pool's and the graph's own allocations).
-    pub fn end_capture(&mut self) -> Result<(f64, Option<u64>), BackendError> {
-        let joined = self
+    /// Launch the graph with the other rank threads, after this rank's work so far: step 1
+    /// ([`Meeting::End`], after the interpreter: the last rank to arrive ends the capture,
+    /// instantiates the graph and launches it) or a replay ([`Meeting::Replay`], after this
+    /// rank's inputs and last update). The GPU time of the launch in microseconds, and the
+    /// GPU's memory peak over it in bytes (the device pool's and the graph's own allocations).
+    pub fn launch_graph(&mut self, what: Meeting) -> Result<(f64, Option<u64>), BackendError> {
+        let here = self
             .main
             .stream
             .record_event(None)
             .map_err(err("record an event"))?;
         let g = self.graph.as_ref().expect("graph mode");
-        match g.capture.meet(Meeting::End, joined)? {
+        match g.capture.meet(what, here)? {
             Met::Ran(us, graph) => Ok((us, self.pool_peak()?.map(|p| p + graph))),
-            Met::Fork(_) => Err(BackendError("the capture ended without a launch".into())),
-        }
-    }
-
-    /// A replayed step (2 and later): after this rank's inputs and last update, relaunch; as
-    /// [`Self::end_capture`].
-    pub fn replay_graph(&mut self) -> Result<(f64, Option<u64>), BackendError> {
-        let ready = self
-            .main
-            .stream
-            .record_event(None)
-            .map_err(err("record an event"))?;
-        let g = self.graph.as_ref().expect("graph mode");
-        match g.capture.meet(Meeting::Replay, ready)? {
-            Met::Ran(us, graph) => Ok((us, self.pool_peak()?.map(|p| p + graph))),
-            Met::Fork(_) => Err(BackendError("a replay began a capture".into())),
+            Met::Fork(_) => Err(BackendError(format!(
+                "a {what:?} meeting began a capture instead of launching"
+            ))),
         }
     }
 

@@ -25,7 +25,7 @@
 //! and bf16 rounds): for each tensor `‖gpu − ref‖₂ / ‖ref‖₂ ≤ tol`, `tol` = 1e-4 in fp32 and
 //! 5e-2 in bf16.
 
-use super::capture::Capture;
+use super::capture::{Capture, Meeting};
 use super::device::CudaBackend;
 use super::groups::GroupPlan;
 use super::launch::{self, LaunchEnv};
@@ -210,7 +210,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
         timeout: Duration,
     ) -> Result<RankRun, StepError> {
         if self.graph_mut().is_some() && self.step() >= 1 {
-            let (us, pool) = self.end_capture()?;
+            let (us, pool) = self.launch_graph(Meeting::End)?;
             let captured = RankRun {
                 spans: Vec::new(),
                 busy_us: 0.0,
@@ -260,7 +260,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
             return None;
         }
         Some((|| {
-            let (us, pool) = self.replay_graph()?;
+            let (us, pool) = self.launch_graph(Meeting::Replay)?;
             let captured = self
                 .graph_mut()
                 .and_then(|g| g.captured.clone())
