@@ -3,11 +3,14 @@
 //!
 //! Step 1 runs eagerly (the warm-up: kernels loaded, cuBLAS initialised, memory pools grown).
 //! Step 2 is captured: every rank thread of the process issues its step into one stream capture,
-//! forked from an origin stream (`cuStreamBeginCapture` in relaxed mode, then each rank's
-//! stream waits for an event recorded in the capture, which joins it; CUDA Programming Guide,
-//! "Cross-stream Dependencies and Events"), and joined back into the origin at the end, so the
-//! copies between ranks' streams are edges of one graph. The graph is instantiated and launched
-//! for step 2 and relaunched for every later step; the host runs no interpreter then.
+//! forked from an origin stream (`cuStreamBeginCapture`, then each rank's stream waits for an
+//! event recorded in the capture, which joins it; CUDA Programming Guide, "Cross-stream
+//! Dependencies and Events"), and joined back into the origin at the end, once no rank thread
+//! issues work any more, so the hand-overs between ranks' streams are edges of one graph. The
+//! graph is instantiated and launched for step 2 and relaunched for every later step; the host
+//! runs no interpreter then. The capture is in relaxed mode: whichever rank thread arrives last
+//! at a meeting ends it, where the other modes want the thread that began it
+//! (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`).
 //!
 //! What makes that sound:
 //! - cudarc's per-buffer event tracking is turned off for the capture and after it: a capturing
@@ -16,13 +19,20 @@
 //!   Without it, each rank runs all its work on one stream (its compute stream: the side, comm
 //!   and copy streams are the same stream in this mode), so a rank's buffers are ordered by
 //!   that stream; across ranks the receiver waits for the sender's event recorded at the post
-//!   and the sender's stream waits for the receiver's copy before the sent buffer is freed
-//!   ([`Capture::post`], [`Capture::after_post`], `comm::local_receive_captured`).
+//!   and takes the sent buffer over (it is freed on the receiver's stream after its last use),
+//!   so nothing is issued into another rank's stream ([`Capture::post`],
+//!   [`Capture::after_post`], `comm::local_receive_captured`).
 //! - inputs that change per step (token ids, targets, the embedding gradient's grouping, padded
 //!   to a fixed length: `kernels::EmbedPlan::padded`) live in buffers allocated before capture
 //!   and refilled before each launch ([`Staged`]); losses are copied into a fixed buffer.
 //! - cuBLAS gets a workspace of its own before capture (`cublasSetWorkspace`), so it allocates
-//!   nothing while capturing.
+//!   nothing while capturing (`cublasSetStream` would reset it: the handles keep their stream).
+//! - every allocation inside the capture is freed inside it; the graph is instantiated without
+//!   `AUTO_FREE_ON_LAUNCH`, so one that escaped would fail the next launch loudly instead of
+//!   being freed under a buffer the host still holds.
+//! - a step that fails while captured leaves the capture open; it is ended once every rank
+//!   thread of the process has stopped issuing work ([`Capture::leave`]), before any cuBLAS
+//!   handle is destroyed (which synchronizes the device, not allowed while capturing).
 //! - the host never polls a capturing stream: completion is polled on the origin stream after
 //!   each launch, under the run's timeout.
 
@@ -52,6 +62,8 @@ pub struct Capture {
     ctx: Arc<CudaContext>,
     watch: Arc<Watch>,
     timeout: Duration,
+    /// The stream the capture is forked from and joined into, and the graph launched on.
+    origin: Arc<CudaStream>,
     state: Mutex<State>,
     cv: Condvar,
     /// Per rank, the event recorded on its stream at its latest comm post (see the module doc).
@@ -62,11 +74,13 @@ pub struct Capture {
 struct State {
     /// Completed meetings, so a thread can tell its own meeting's end.
     generation: u64,
-    arrived: Vec<CudaEvent>,
+    /// (rank, its stream) of the threads at the current meeting.
+    arrived: Vec<(u32, Arc<CudaStream>)>,
     /// The outcome of the last meeting, for every thread of it.
     outcome: Option<Result<Met, String>>,
-    origin: Option<Arc<CudaStream>>,
     graph: Option<Graph>,
+    /// Rank threads whose backend is being dropped ([`Capture::leave`]).
+    left: usize,
 }
 
 /// What a meeting hands every rank thread.
@@ -99,16 +113,17 @@ impl Capture {
         n: usize,
         watch: Arc<Watch>,
         timeout: Duration,
-    ) -> Self {
-        Capture {
+    ) -> Result<Self, BackendError> {
+        Ok(Capture {
             n,
+            origin: ctx.new_stream().map_err(err("create a stream"))?,
             ctx,
             watch,
             timeout,
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
             posted: (0..ranks).map(|_| Mutex::new(None)).collect(),
-        }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -141,16 +156,25 @@ impl Capture {
         }
     }
 
-    /// Meet every rank thread of the process with `event` (recorded on the caller's stream);
-    /// the last to arrive does `what` for all. Gives up after the run's timeout, or when
-    /// another rank has failed (the watch holds its report).
-    pub fn meet(&self, what: Meeting, event: CudaEvent) -> Result<Met, BackendError> {
+    /// Meet every rank thread of the process, each with its stream; the last to arrive does
+    /// `what` for all, ordering the origin after every stream's work so far (no thread issues
+    /// any more work then). Gives up after the run's timeout, or when another rank has failed
+    /// (the watch holds its report).
+    pub fn meet(
+        &self,
+        rank: u32,
+        what: Meeting,
+        stream: Arc<CudaStream>,
+    ) -> Result<Met, BackendError> {
         let mut st = self.lock();
         let generation = st.generation;
-        st.arrived.push(event);
+        st.arrived.push((rank, stream));
         if st.arrived.len() == self.n {
-            let events = std::mem::take(&mut st.arrived);
-            let outcome = self.lead(&mut st, what, events);
+            let streams: Vec<Arc<CudaStream>> = std::mem::take(&mut st.arrived)
+                .into_iter()
+                .map(|a| a.1)
+                .collect();
+            let outcome = self.lead(&mut st, what, &streams);
             st.outcome = Some(outcome.clone());
             st.generation += 1;
             self.cv.notify_all();
@@ -159,6 +183,8 @@ impl Capture {
         let t0 = Instant::now();
         while st.generation == generation {
             if t0.elapsed() > self.timeout || self.watch.failure().is_some() {
+                // Not at this meeting any more: a later one must not count this thread.
+                st.arrived.retain(|a| a.0 != rank);
                 return Err(BackendError(format!(
                     "the rank threads did not all reach the captured step's {} within {:.1} s",
                     match what {
@@ -180,14 +206,19 @@ impl Capture {
             .map_err(BackendError)
     }
 
-    fn lead(&self, st: &mut State, what: Meeting, events: Vec<CudaEvent>) -> Result<Met, String> {
+    fn lead(
+        &self,
+        st: &mut State,
+        what: Meeting,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<Met, String> {
         let e = |what: &'static str| move |x: cudarc::driver::DriverError| format!("{what}: {x:?}");
+        let origin = &self.origin;
         match what {
             Meeting::Begin => {
-                let origin = self.ctx.new_stream().map_err(e("create a stream"))?;
-                // Before capture begins: these events were recorded outside it.
-                for ev in &events {
-                    origin.wait(ev).map_err(e("order the origin stream"))?;
+                // Before capture begins: the ranks' staged inputs, recorded outside it.
+                for s in streams {
+                    origin.join(s).map_err(e("order the origin stream"))?;
                 }
                 origin
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
@@ -195,21 +226,15 @@ impl Capture {
                 let fork = origin
                     .record_event(None)
                     .map_err(e("record the capture's fork"))?;
-                st.origin = Some(origin);
                 Ok(Met::Fork(Arc::new(fork)))
             }
             Meeting::End => {
-                let origin = st
-                    .origin
-                    .clone()
-                    .ok_or("no capture was begun".to_string())?;
-                // Captured events: joining every rank's stream back into the origin.
-                let joined: Result<(), String> = events
+                // Every rank thread is here, so each stream's captured work is complete
+                // (frees included): join them all back into the origin.
+                let joined: Result<(), String> = streams
                     .iter()
-                    .try_for_each(|ev| origin.wait(ev).map_err(e("join a rank's stream")));
-                let graph = origin.end_capture(
-                    CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-                );
+                    .try_for_each(|s| origin.join(s).map_err(e("join a rank's stream")));
+                let graph = origin.end_capture(CUgraphInstantiate_flags(0));
                 joined?;
                 let graph = graph
                     .map_err(|x| {
@@ -223,19 +248,20 @@ impl Capture {
                 st.graph = Some(Graph(graph));
                 self.launch(st, &[])
             }
-            Meeting::Replay => self.launch(st, &events),
+            Meeting::Replay => self.launch(st, streams),
         }
     }
 
-    /// Launch the graph on the origin stream after `events`, and wait for it (polled, so a
-    /// step that never ends is an error after the timeout).
-    fn launch(&self, st: &mut State, events: &[CudaEvent]) -> Result<Met, String> {
+    /// Launch the graph on the origin stream after the work on `streams` (inputs, updates), and
+    /// wait for it (polled, so a step that never ends is an error after the timeout).
+    fn launch(&self, st: &mut State, streams: &[Arc<CudaStream>]) -> Result<Met, String> {
         let e = |what: &'static str| move |x: cudarc::driver::DriverError| format!("{what}: {x:?}");
-        let (Some(origin), Some(graph)) = (st.origin.clone(), st.graph.as_ref()) else {
+        let origin = &self.origin;
+        let Some(graph) = st.graph.as_ref() else {
             return Err("no captured step to launch".into());
         };
-        for ev in events {
-            origin.wait(ev).map_err(e("order the origin stream"))?;
+        for s in streams {
+            origin.join(s).map_err(e("order the origin stream"))?;
         }
         self.graph_mem_high(Some(0))?;
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
@@ -253,6 +279,38 @@ impl Capture {
         }
         let ms = start.elapsed_ms(&end).map_err(e("read an event"))?;
         Ok(Met::Ran(ms as f64 * 1000.0, self.graph_mem_high(None)?))
+    }
+
+    /// A rank thread's backend is being dropped. Once every rank thread of the process is here
+    /// (or after the timeout), a capture a failed step left open is ended and discarded, so
+    /// that no cuBLAS handle is destroyed (a device synchronization) while it is active. Ended
+    /// only when nobody issues work any more: a stream leaving the capture would run the rest
+    /// of its captured step eagerly.
+    pub fn leave(&self) {
+        use cudarc::driver::sys::CUstreamCaptureStatus;
+        let capturing = || {
+            self.origin
+                .capture_status()
+                .is_ok_and(|c| c != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        };
+        let mut st = self.lock();
+        st.left += 1;
+        self.cv.notify_all();
+        if !capturing() {
+            return;
+        }
+        let t0 = Instant::now();
+        while st.left < self.n && t0.elapsed() <= self.timeout {
+            st = self
+                .cv
+                .wait_timeout(st, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        if capturing() {
+            // The failure is already reported; this only releases the capture.
+            let _ = self.origin.end_capture(CUgraphInstantiate_flags(0));
+        }
     }
 
     /// The high watermark of graph allocations on this GPU (`CU_GRAPH_MEM_ATTR_USED_MEM_HIGH`),

@@ -390,29 +390,23 @@ pub fn nccl_batch<T: Elem>(
 }
 
 /// [`local_receive`] while a step is captured (`--cuda-graph`), where cudarc's buffer events
-/// are off: the copy waits for the sender's post ([`Capture::after_post`]), and the sender's
-/// stream waits for the copy before the sent buffer is freed on it (the graph's free node must
-/// follow every read). One GPU (graph mode refuses several).
+/// are off: this rank's stream waits for the sender's post ([`Capture::after_post`]) and takes
+/// the sent buffer over, with no copy: it is freed on this rank's stream after its last use
+/// here, so the graph's free follows every read, and nothing is issued into the sender's
+/// stream (which may already have been joined back for the capture's end). One GPU (graph mode
+/// refuses several).
 pub fn local_receive_captured<T: Elem>(
     stream: &Arc<CudaStream>,
     ops: &mut [CommOp<GTensor<T>>],
     capture: &Capture,
 ) -> Result<(), BackendError> {
-    fn copy<U: DeviceRepr>(
-        stream: &Arc<CudaStream>,
-        src: CudaSlice<U>,
-    ) -> Result<CudaSlice<U>, BackendError> {
-        // SAFETY: every element is written by the copy below before any read.
-        let mut dst = unsafe { stream.alloc::<U>(src.len()) }.map_err(err("allocate"))?;
-        stream
-            .memcpy_dtod(&src, &mut dst)
-            .map_err(err("device-to-device copy"))?;
-        let copied = stream.record_event(None).map_err(err("record an event"))?;
-        src.stream()
-            .wait(&copied)
-            .map_err(err("order the sent buffer's free after the copy"))?;
-        drop(src);
-        Ok(dst)
+    fn adopt<U>(stream: &Arc<CudaStream>, src: CudaSlice<U>) -> CudaSlice<U> {
+        let len = src.len();
+        // With event tracking off, `leak` waits on nothing and frees nothing.
+        let ptr = src.leak();
+        // SAFETY: `ptr` is the sender's allocation of `len` elements of `U`, fully written
+        // before its post, which this stream now waits for; nobody else frees it.
+        unsafe { stream.upgrade_device_ptr::<U>(ptr, len) }
     }
     for op in ops.iter_mut().filter(|o| o.dir == Dir::Recv) {
         if matches!(
@@ -422,9 +416,9 @@ pub fn local_receive_captured<T: Elem>(
             capture.after_post(op.peer.0, stream)?;
         }
         op.tensor = match op.tensor.take() {
-            Some(GTensor::Tokens(t)) => Some(GTensor::Tokens(copy(stream, t)?)),
-            Some(GTensor::Hidden(t)) => Some(GTensor::Hidden(copy(stream, t)?)),
-            Some(GTensor::Loss(t)) => Some(GTensor::Loss(copy(stream, t)?)),
+            Some(GTensor::Tokens(t)) => Some(GTensor::Tokens(adopt(stream, t))),
+            Some(GTensor::Hidden(t)) => Some(GTensor::Hidden(adopt(stream, t))),
+            Some(GTensor::Loss(t)) => Some(GTensor::Loss(adopt(stream, t))),
             other => other,
         };
     }

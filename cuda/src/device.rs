@@ -299,13 +299,11 @@ impl<T: Elem> CudaBackend<T> {
         if step >= 2 {
             return Ok(());
         }
-        let ready = self
-            .main
-            .stream
-            .record_event(None)
-            .map_err(err("record an event"))?;
         let g = self.graph.as_mut().expect("graph mode");
-        let Met::Fork(fork) = g.capture.meet(Meeting::Begin, ready)? else {
+        let Met::Fork(fork) =
+            g.capture
+                .meet(self.rank.0, Meeting::Begin, self.main.stream.clone())?
+        else {
             return Err(BackendError(
                 "the capture began without a fork event".into(),
             ));
@@ -337,15 +335,20 @@ impl<T: Elem> CudaBackend<T> {
     /// ([`Meeting::End`], after the interpreter: the last rank to arrive ends the capture,
     /// instantiates the graph and launches it) or a replay ([`Meeting::Replay`], after this
     /// rank's inputs and last update). The GPU time of the launch in microseconds, and the
-    /// GPU's memory peak over it in bytes (the device pool's and the graph's own allocations).
+    /// GPU's memory over it in bytes: the device pool's high watermark plus the graph memory's
+    /// (CUDA keeps graph allocations apart), at least the true peak.
     pub fn launch_graph(&mut self, what: Meeting) -> Result<(f64, Option<u64>), BackendError> {
-        let here = self
-            .main
-            .stream
-            .record_event(None)
-            .map_err(err("record an event"))?;
+        // Errors of calls cudarc makes where it cannot return them (a buffer's free while
+        // captured, an event record) wait in the context: the capture would be wrong.
+        self.ctx.check_err().map_err(err(
+            "a CUDA call of the captured step (a free or an event record)",
+        ))?;
         let g = self.graph.as_ref().expect("graph mode");
-        match g.capture.meet(what, here)? {
+        match g
+            .capture
+            .meet(self.rank.0, what, self.main.stream.clone())?
+        {
+            // The two watermarks need not fall at one moment: their sum bounds the peak.
             Met::Ran(us, graph) => Ok((us, self.pool_peak()?.map(|p| p + graph))),
             Met::Fork(_) => Err(BackendError(format!(
                 "a {what:?} meeting began a capture instead of launching"
@@ -957,7 +960,8 @@ impl<T: Elem> Backend for CudaBackend<T> {
 
     /// After `bwd_D`: free what only the input gradient read (`GStash::keep_for_w`), so the
     /// GPU holds `act_w` until `bwd_W`, as the interpreter then meters and the verifier counts.
-    /// Freed on the compute stream after the `bwd_D` that read them (stream order).
+    /// Each buffer is freed on the stream that allocated it (the side stream for an overlapped
+    /// pair's forward), after the `bwd_D` that read it (cudarc's buffer events).
     fn keep_for_w(&mut self, _: Task, saved: &mut Self::Saved) -> Result<bool, BackendError> {
         for st in saved.iter_mut() {
             st.keep_for_w();
@@ -1153,6 +1157,16 @@ impl<T: Elem> Backend for CudaBackend<T> {
     fn finish(&mut self) {
         if let Net::Local(t) = &self.net {
             t.finish(self.rank);
+        }
+    }
+}
+
+/// A failed captured step leaves the capture open: end it before the fields drop (the cuBLAS
+/// handles' destruction synchronizes the device, which an active capture forbids).
+impl<T: Elem> Drop for CudaBackend<T> {
+    fn drop(&mut self) {
+        if let Some(g) = &self.graph {
+            g.capture.leave();
         }
     }
 }

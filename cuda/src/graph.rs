@@ -35,6 +35,8 @@ pub enum NotCapturable {
     },
     /// DualPipe's copies of a stage sum their gradients between steps through the host.
     Replicated { stage: u32, ranks: Vec<u32> },
+    /// `microbatch_lengths`: the CUDA backend runs microbatches of one length (`--seq`).
+    Lengths,
 }
 
 impl fmt::Display for NotCapturable {
@@ -64,6 +66,11 @@ impl fmt::Display for NotCapturable {
                     .collect::<Vec<_>>()
                     .join(" and ")
             ),
+            NotCapturable::Lengths => write!(
+                f,
+                "the plan carries microbatch_lengths, and the cuda backend runs microbatches of \
+                 one length (--seq): run it with --backend cpu"
+            ),
         }
     }
 }
@@ -75,6 +82,9 @@ impl std::error::Error for NotCapturable {}
 pub fn capturable(program: &Program, processes: u32) -> Result<(), NotCapturable> {
     if processes > 1 {
         return Err(NotCapturable::Launcher { world: processes });
+    }
+    if program.lengths.is_some() {
+        return Err(NotCapturable::Lengths);
     }
     for (r, instrs) in program.ranks.iter().enumerate() {
         for (i, ins) in instrs.iter().enumerate() {

@@ -497,13 +497,10 @@ fn run_typed<T: Elem>(
                 devices[0]
             )));
         }
-        Some(Arc::new(Capture::new(
-            ctx,
-            world,
-            plan.len(),
-            watch.clone(),
-            opts.timeout,
-        )))
+        Some(Arc::new(
+            Capture::new(ctx, world, plan.len(), watch.clone(), opts.timeout)
+                .map_err(|e| RunError::Device(format!("CUDA: {e}")))?,
+        ))
     } else {
         None
     };
