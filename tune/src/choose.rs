@@ -249,8 +249,8 @@ pub(crate) fn verify_winner(
     Err(TuneError::Nothing(match req.p2p_groups {
         // The default's words, unchanged.
         pipec_schedules::P2pGroups::Pair => "every candidate failed verification".into(),
-        // Under chosen groups the stream rule (D2) is what a candidate that verifies under the
-        // default fails: say so, with the first finding.
+        // Under chosen groups their stream rule (D2) can refuse what the default accepts: the
+        // refusal names them, and the first finding shows whether that was the reason.
         g => format!(
             "every candidate failed verification under --p2p-groups {g}, which other groups \
              may pass: NCCL runs the ops of one communicator in issue order, so sends and \
