@@ -548,6 +548,7 @@ def tune(
     recompute: bool = True,
     lengths: list[int] | list[list[int]] | None = None,
     host_memory_limit: str | float | None = None,
+    p2p_groups: str | None = None,
 ) -> tuple[Schedule, dict]:
     """``pipec tune``: the fastest verified schedule and layer split for a model's costs.
 
@@ -599,6 +600,12 @@ def tune(
     as ``memory_limit`` takes) bounds it per rank, as ``--host-memory-limit``. Without
     ``--target`` (``target=None``) the report's ``per_target`` gives each framework's own best
     plan (makespan, peak, host peak, levers), what ``target=`` that framework returns.
+
+    ``p2p_groups`` is ``--p2p-groups``, as :func:`compile` takes it: ``"pair"`` (the default,
+    also ``None``), ``"direction"`` or ``"edge"``. Every candidate is verified under those
+    communicators (one that deadlocks there is not taken); the schedule carries them
+    (:attr:`Schedule.p2p_groups`) and the report says ``p2p_groups`` when not ``"pair"``. A
+    bad name raises :class:`SpecError` in the CLI's words.
     """
     lists = None
     if lengths is not None:
@@ -630,6 +637,8 @@ def tune(
     for name, v in (("offload", offload), ("recompute", recompute)):
         if not isinstance(v, bool):
             raise SpecError(f"{name} must be True or False, not {v!r}")
+    if p2p_groups is not None and not isinstance(p2p_groups, str):
+        raise SpecError(f"p2p_groups must be one of pair, direction, edge, not {p2p_groups!r}")
     native, report = _native.tune_schedule(
         pp,
         microbatches,
@@ -647,6 +656,7 @@ def tune(
         recompute=recompute,
         lengths=lists,
         host_memory_limit=host_memory_limit,
+        p2p_groups=p2p_groups,
     )
     return Schedule(native), json.loads(report)
 

@@ -692,7 +692,7 @@ fn order_u32(order: Vec<i64>, microbatches: u32) -> PyResult<Vec<u32>> {
 #[pyo3(signature = (pp, microbatches, num_layers=None, mtp_num_layers=None, layout=None,
     rebalance=false, cost=None, memory_limit=None, max_ops=None, target=None, kinds=None,
     exclude_kinds=None, out=None, offload=true, recompute=true, lengths=None,
-    host_memory_limit=None))]
+    host_memory_limit=None, p2p_groups=None))]
 #[allow(clippy::too_many_arguments)]
 fn tune_schedule(
     py: Python<'_>,
@@ -713,7 +713,15 @@ fn tune_schedule(
     recompute: bool,
     lengths: Option<Vec<Vec<i128>>>,
     host_memory_limit: Option<&str>,
+    p2p_groups: Option<&str>,
 ) -> PyResult<(NativeSchedule, String)> {
+    // `--p2p-groups`'s parser and words (`pair` when absent).
+    let p2p_groups = match p2p_groups {
+        Some(s) => s
+            .parse::<pipec_schedules::P2pGroups>()
+            .map_err(SpecError::new_err)?,
+        None => pipec_schedules::P2pGroups::Pair,
+    };
     // Per microbatch, its sequences' lengths (issue #38); a bad one names its index.
     let lengths = lengths
         .map(pipec_schedules::Lengths::from_lists)
@@ -778,6 +786,7 @@ fn tune_schedule(
         levers: pipec_compiler::target::Levers { offload, recompute },
         lengths,
         host_memory_limit,
+        p2p_groups,
         ..TuneRequest::new(pp, microbatches, pipec_tune::target_model(&model, target))
     };
     let t0 = std::time::Instant::now();

@@ -493,6 +493,51 @@ def test_tune_errors():
         pipec.tune(2, 4, layout="Et|x|L")
 
 
+def test_tune_takes_p2p_groups_as_the_cli_does(tmp_path):
+    """``pipec.tune(p2p_groups=...)`` is ``pipec tune --p2p-groups`` (#39): the schedule and the
+    report carry the groups, the saved plan is the CLI's byte for byte, the default is
+    ``pair`` (absent from the report, as from the CLI's), and a bad name raises the CLI's
+    words."""
+    kw = {"num_layers": 8, "target": "any", "cost": UNEVEN}
+    s, report = pipec.tune(4, 4, **kw, p2p_groups="direction")
+    assert s.p2p_groups == "direction" and report["p2p_groups"] == "direction"
+    assert s.check().valid
+    line = [_cli(), "tune", "--pp", "4", "--microbatches", "4", "--num-layers", "8"]
+    line += ["--target", "any", "--cost", UNEVEN]
+    out = subprocess.run(
+        line + ["--p2p-groups", "direction", "--json", "-o", tmp_path / "cli"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    cli = json.loads(out)
+    for key in ("schedule", "layout", "makespan", "peak_memory", "p2p_groups"):
+        assert cli[key] == report[key], key
+    s.save(tmp_path / "py")
+    for f in sorted(os.listdir(tmp_path / "cli")):
+        assert (tmp_path / "cli" / f).read_bytes() == (tmp_path / "py" / f).read_bytes(), f
+    assert json.loads((tmp_path / "py" / "manifest.json").read_text())["p2p_groups"] == "direction"
+
+    plain, plain_report = pipec.tune(4, 4, **kw)
+    pair, pair_report = pipec.tune(4, 4, **kw, p2p_groups="pair")
+    assert plain.p2p_groups == pair.p2p_groups == "pair"
+    assert "p2p_groups" not in plain_report
+    plain_report.pop("seconds")
+    pair_report.pop("seconds")
+    assert plain_report == pair_report
+
+    bad = subprocess.run(
+        line + ["--p2p-groups", "ring"], check=False, capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+    with pytest.raises(pipec.SpecError) as e:
+        pipec.tune(4, 4, **kw, p2p_groups="ring")
+    assert str(e.value) == "unknown P2P groups `ring` (expected one of pair, direction, edge)"
+    assert str(e.value) in bad.stderr
+    with pytest.raises(pipec.SpecError, match="pair, direction, edge"):
+        pipec.tune(4, 4, **kw, p2p_groups=3)
+
+
 # ---- #29: what pipec tells a user, in the same words as the CLI ----------------------------
 
 

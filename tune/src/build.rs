@@ -48,11 +48,19 @@ pub fn lower_timed(p: &Problem, orders: &[pipec_schedules::RankOrder]) -> Option
     pipec_compiler::lower::lower_with(&p.placement, p.microbatches, false, orders, how).ok()
 }
 
+/// `program` on the request's communicators ([`TuneRequest::p2p_groups`]), as `pipec compile`
+/// records them: every program the tuner builds passes through here before it is verified,
+/// so the stream rule (D2) judges it under the groups the plan will be run with.
+pub(crate) fn with_groups(req: &TuneRequest, mut program: Program) -> Program {
+    program.p2p_groups = req.p2p_groups;
+    program
+}
+
 /// A built-in kind's program as the tuner weighs it: the kind's own lowering, except
 /// `group-interleaved`, which PipeOffload's runtime runs as their `add_time` list schedule
 /// under the real costs, i.e. pipec's timed in-flight lowering (lockstep batches are timed at
 /// unit costs and lose time on heavier ranks); the lockstep program where that one does not
-/// verify.
+/// verify (under the request's groups).
 pub(crate) fn lower_builtin(
     req: &TuneRequest,
     schedule: &pipec_schedules::Schedule,
@@ -67,12 +75,13 @@ pub(crate) fn lower_builtin(
             None,
         );
         if let Some(q) = lower_timed(&p, &schedule.ranks) {
+            let q = with_groups(req, q);
             if verify::verify(&q, &verify::VerifyOptions::default()).is_valid() {
                 return q;
             }
         }
     }
-    lower(schedule)
+    with_groups(req, lower(schedule))
 }
 
 /// Build one candidate: its program (returned apart), simulated and measured.
@@ -84,7 +93,7 @@ pub(crate) fn build(
     let (cand, layout, spec, program, planned) = match recipe {
         Recipe::Tuned(t) => {
             let (p, layout, plan, h) = &**t;
-            let program = lower_timed(p, &plan.orders)?;
+            let program = with_groups(req, lower_timed(p, &plan.orders)?);
             let cand = Candidate::unmeasured(
                 CandidateKind::Tuned,
                 p.placement.num_stages() / req.pp,

@@ -162,6 +162,8 @@ pub(crate) fn verify_winner(
     levers: Levers,
 ) -> Result<Tuned, TuneError> {
     let limit = req.limit();
+    // The first rejection's first finding, for the refusal when none verifies.
+    let mut first_rejection: Option<String> = None;
     for i in order {
         if built[i].program.is_none() {
             // A built-in kind dropped while another led: generated again, as before.
@@ -175,8 +177,19 @@ pub(crate) fn verify_winner(
         };
         let mem = pipec_cost::memory::weights(&program, &built[i].layout, &req.model);
         let threads = pipec_ir::par::threads_for(program.len() as u64);
-        let Ok(verified) = verify::verified_with(program, threads, &mem, None) else {
-            continue;
+        let verified = match verify::verified_with(program, threads, &mem, None) {
+            Ok(v) => v,
+            Err(r) => {
+                if first_rejection.is_none() {
+                    // Its heading and first line (a cycle's first op), on one line.
+                    first_rejection = r.report.violations.first().map(|v| {
+                        let text = v.to_string();
+                        let lines: Vec<&str> = text.lines().take(2).map(str::trim).collect();
+                        lines.join(" ")
+                    });
+                }
+                continue;
+            }
         };
         let program = verified.program();
         // The bound with a whole backward's costs: a split that costs extra
@@ -233,7 +246,119 @@ pub(crate) fn verify_winner(
             skipped,
         });
     }
-    Err(TuneError::Nothing(
-        "every candidate failed verification".into(),
-    ))
+    Err(TuneError::Nothing(match req.p2p_groups {
+        // The default's words, unchanged.
+        pipec_schedules::P2pGroups::Pair => "every candidate failed verification".into(),
+        // Under chosen groups their stream rule (D2) can refuse what the default accepts: the
+        // refusal names them, and the first finding shows whether that was the reason.
+        g => format!(
+            "every candidate failed verification under --p2p-groups {g}, which other groups \
+             may pass: NCCL runs the ops of one communicator in issue order, so sends and \
+             receives left in flight on one can deadlock there{}",
+            first_rejection.map_or(String::new(), |w| format!("; the first finding: {w}"))
+        ),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::build::with_groups;
+    use pipec_cost::cost::CostModel;
+    use pipec_ir::ir::{Instr, Payload, Program};
+    use pipec_schedules::{Compute, P2pGroups, Rank, Task};
+
+    fn fwd(s: u32) -> Instr {
+        Instr::Compute(Compute::Fwd(Task::new(s, 0)))
+    }
+    fn send(peer: u32, stage: u32, batch: u32) -> Instr {
+        Instr::message(true, Rank(peer), Payload::act(stage, 0), batch)
+    }
+    fn recv(peer: u32, stage: u32, batch: u32) -> Instr {
+        Instr::message(false, Rank(peer), Payload::act(stage, 0), batch)
+    }
+
+    /// Three ranks, six looped stages (stage s on rank s mod 3), one microbatch, forwards
+    /// only. Rank 1 posts its receive of act(3) and leaves it in flight, then sends act(1) to
+    /// rank 2 (blocking). Derived by hand: act(3) comes from rank 0 only after rank 0 has
+    /// received act(2) from rank 2, which rank 2 computes from act(1). Under `pair` rank 1's
+    /// receive (communicator R0-R1) and send (R1-R2) are on two communicators: it runs.
+    /// Under `direction` both are activations, on the one downstream communicator, so the
+    /// send queues behind the receive that waits for it: a cycle. Under `edge` they are on
+    /// R0->R1 and R1->R2: it runs.
+    fn queued_behind_wraparound() -> Program {
+        Program {
+            placement: pipec_schedules::Placement::looped(3, 2),
+            microbatches: 1,
+            forward_only: true,
+            comm: None,
+            ranks: vec![
+                vec![fwd(0), send(1, 0, 0), recv(2, 2, 1), fwd(3), send(1, 3, 2)],
+                vec![
+                    recv(0, 0, 0),
+                    fwd(1),
+                    recv(0, 3, 1),
+                    send(2, 1, 2),
+                    Instr::Wait { batch: 1 },
+                    fwd(4),
+                    send(2, 4, 3),
+                ],
+                vec![recv(1, 1, 0), fwd(2), send(0, 2, 1), recv(1, 4, 2), fwd(5)],
+            ],
+            lengths: None,
+            p2p_groups: P2pGroups::Pair,
+            buffer_slots: None,
+        }
+    }
+
+    /// A candidate that deadlocks only under the request's groups is not taken, and when it
+    /// is the only one the refusal names the groups; the same candidate verifies under the
+    /// default and under `edge` (the hand derivation above).
+    #[test]
+    fn a_candidate_that_deadlocks_under_the_groups_is_refused_naming_them() {
+        let verdicts: Vec<(P2pGroups, bool)> = P2pGroups::ALL
+            .into_iter()
+            .map(|g| {
+                let mut req = TuneRequest::new(3, 1, CostModel::default());
+                req.p2p_groups = g;
+                let p = with_groups(&req, queued_behind_wraparound());
+                assert_eq!(p.p2p_groups, g);
+                (
+                    g,
+                    verify::verify(&p, &verify::VerifyOptions::default()).is_valid(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            verdicts,
+            vec![
+                (P2pGroups::Pair, true),
+                (P2pGroups::Direction, false),
+                (P2pGroups::Edge, true)
+            ]
+        );
+        let mut req = TuneRequest::new(3, 1, CostModel::default());
+        req.p2p_groups = P2pGroups::Direction;
+        let cand = crate::request::Candidate::unmeasured(
+            CandidateKind::Tuned,
+            2,
+            None,
+            "loop".into(),
+            None,
+        );
+        let built = vec![Built {
+            cand: cand.clone(),
+            layout: Layout::uniform(6),
+            spec: None,
+            program: Some(with_groups(&req, queued_behind_wraparound())),
+            peaks: vec![0.0; 3],
+            planned: None,
+            host_peaks: vec![0.0; 3],
+        }];
+        let err = verify_winner(&req, built, vec![0], vec![cand], Vec::new(), Levers::NONE)
+            .expect_err("its only candidate deadlocks under direction");
+        let text = err.to_string();
+        assert!(text.contains("under --p2p-groups direction"), "{text}");
+        assert!(text.contains("deadlock"), "{text}");
+    }
 }

@@ -137,7 +137,7 @@ pub(crate) fn fit_over_limit(
             }
             (None, None) => return None,
         };
-        let f = match levers::fit(&program, &b.layout, &req.model, limit, host_limit, levers) {
+        let mut f = match levers::fit(&program, &b.layout, &req.model, limit, host_limit, levers) {
             Ok(f) => f,
             Err(levers::NoFit { host }) => {
                 if let Some(h) = host {
@@ -149,6 +149,8 @@ pub(crate) fn fit_over_limit(
                 return None;
             }
         };
+        // On the request's communicators whatever the levers rebuilt.
+        f.program = crate::build::with_groups(req, f.program);
         if !verify::verify(&f.program, &verify::VerifyOptions::default()).is_valid() {
             return None;
         }

@@ -7,6 +7,7 @@ use pipec_compiler::target::{self, Target, TargetChoice};
 use pipec_ir::ir::Program;
 use pipec_ir::verify::Report;
 use pipec_schedules::layout::Layout;
+use pipec_schedules::P2pGroups;
 
 impl Tuned {
     /// The winner's program.
@@ -90,6 +91,12 @@ impl Tuned {
                 "microbatch_order_rule".into(),
                 serde_json::json!(self.best.microbatch_order_rule),
             );
+        }
+        // The communicators it was verified under (`--p2p-groups`), as the manifest records
+        // them: only when not the default, so the default's JSON is what it was.
+        let groups = self.program().p2p_groups;
+        if let (true, Some(map)) = (groups != P2pGroups::Pair, out.as_object_mut()) {
+            map.insert("p2p_groups".into(), serde_json::json!(groups.name()));
         }
         out
     }

@@ -9,7 +9,7 @@ use pipec_cost::model::LayersDisagree;
 use pipec_cost::simulate::Summary;
 use pipec_ir::verify::Verified;
 use pipec_schedules::layout::{LayerKind, Layout, MAX_LAYERS};
-use pipec_schedules::{Lengths, LengthsError, Limits, ScheduleKind, ScheduleSpec};
+use pipec_schedules::{Lengths, LengthsError, Limits, P2pGroups, ScheduleKind, ScheduleSpec};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -50,6 +50,12 @@ pub struct TuneRequest {
     /// Python `host_memory_limit=`, issue #40), as `memory_limit` is given: a fitted plan
     /// whose host peak ([`pipec_ir::memory::RankPeak::host`]) is above it is not taken.
     pub host_memory_limit: Option<Limit>,
+    /// Which communicator carries each message (`--p2p-groups`, Python `p2p_groups=`), as
+    /// [`pipec_compiler::compile::CompileRequest::p2p_groups`]: every candidate's program
+    /// records it before anything verifies it, so the stream rule (D2) judges each candidate
+    /// under the user's communicators and the winner is verified and written under them. A
+    /// candidate that deadlocks there is dropped like any other that does not verify.
+    pub p2p_groups: P2pGroups,
 }
 
 impl TuneRequest {
@@ -71,6 +77,7 @@ impl TuneRequest {
             levers: Levers::ALL,
             lengths: None,
             host_memory_limit: None,
+            p2p_groups: P2pGroups::Pair,
         }
     }
 

@@ -138,7 +138,8 @@ impl FileFormat {
     }
 }
 
-fn parse_groups(s: &str) -> Result<pipec_schedules::P2pGroups, String> {
+/// `--p2p-groups` of `compile` and `tune`: one parser, one error text.
+pub(crate) fn parse_groups(s: &str) -> Result<pipec_schedules::P2pGroups, String> {
     s.parse()
 }
 

@@ -91,6 +91,14 @@ pub struct Args {
     /// as --memory-limit takes): a plan whose offloads hold more on some rank is not taken.
     #[arg(long, value_name = "SIZE")]
     pub host_memory_limit: Option<String>,
+    /// Which communicator carries each send and receive, as `pipec compile --p2p-groups`:
+    /// pair (default; one per pair of ranks, torch's lazy per-pair communicators), direction
+    /// (one for downstream activations, one for upstream gradients, over all ranks: pytorch
+    /// #186173) or edge (one per directed pair of ranks: pytorch #196666). Every candidate is
+    /// verified under them (one that deadlocks there is not taken) and the written manifest
+    /// records them; pipec.torch and the CUDA runtime create them.
+    #[arg(long, value_name = "GROUPS", value_parser = super::compile::parse_groups, default_value = "pair")]
+    pub p2p_groups: pipec_schedules::P2pGroups,
 }
 
 fn parse_target(s: &str) -> Result<Target, String> {
@@ -178,6 +186,7 @@ fn request(a: &Args) -> Result<TuneRequest, CliError> {
         },
         lengths,
         host_memory_limit,
+        p2p_groups: a.p2p_groups,
         // The target's costs (Megatron's split backward), as tune plans with and the
         // manifest records.
         ..TuneRequest::new(
