@@ -94,6 +94,12 @@ impl Target {
         if program.lengths.is_some() && !self.runs_lengths() {
             return Err(Refusal::Lengths);
         }
+        if !program.p2p_groups.is_pair() && !self.creates_p2p_groups() {
+            return Err(Refusal::P2pGroups {
+                groups: program.p2p_groups,
+                target: self,
+            });
+        }
         match self {
             Target::Torchtitan => forwards_in_order(program, true),
             Target::Torch
@@ -138,6 +144,21 @@ impl Target {
         match self {
             Target::PipecRun | Target::Any | Target::Torch | Target::Megatron => true,
             Target::Torchtitan | Target::Deepspeed => false,
+        }
+    }
+
+    /// Whether the target's adapter posts each message on the communicator the plan's
+    /// `p2p_groups` names (issue #39), so that the verdict under `direction`/`edge` is the one
+    /// it runs under: `pipec.torch` creates the groups, pipec-run's NCCL mode one communicator
+    /// per group (its single-process transport has no communicators to queue on), and
+    /// DeepSpeed's adapter posts every send and receive alone and blocking, in an order it
+    /// verifies itself (`blocking_order`), which no communicator layout can stall. Megatron posts
+    /// on its pipeline group's per-pair communicators and torchtitan through torch's CSV
+    /// runtime on torch's: the default `pair` only.
+    pub fn creates_p2p_groups(self) -> bool {
+        match self {
+            Target::PipecRun | Target::Any | Target::Torch | Target::Deepspeed => true,
+            Target::Megatron | Target::Torchtitan => false,
         }
     }
 
@@ -254,6 +275,12 @@ pub enum Refusal {
     /// The program's microbatches have different lengths, which the target cannot size
     /// ([`Target::runs_lengths`]).
     Lengths,
+    /// The program is verified under communicators the target does not create
+    /// ([`Target::creates_p2p_groups`]).
+    P2pGroups {
+        groups: pipec_schedules::P2pGroups,
+        target: Target,
+    },
 }
 
 impl Refusal {
@@ -285,6 +312,20 @@ impl Refusal {
                     "rank {rank} runs the forwards of stage {stage} out of microbatch order ({mb} after {prev}); {what}"
                 )
             }
+            Refusal::P2pGroups { groups: g, target } => format!(
+                "it is verified under the P2P groups `{g}`, and {}, whose order that verdict \
+                 does not cover: plan it with the default groups, `pair` (pipec.torch, \
+                 pipec.deepspeed and pipec-run create `{g}`)",
+                match target {
+                    Target::Torchtitan => {
+                        "torchtitan runs it through torch's CSV runtime, on torch's per-pair \
+                         communicators"
+                    }
+                    _ =>
+                        "Megatron posts every message on its pipeline group, on torch's \
+                         per-pair communicators",
+                }
+            ),
             Refusal::Lengths => concat!(
                 "its microbatches have different lengths, and this framework sizes every ",
                 "receive once (torchtitan runs torch's CSV, which carries no shapes; DeepSpeed's ",
@@ -382,11 +423,16 @@ impl TargetChoice {
 
     /// `not runnable on torch: <reason>` from the first target that refuses, or `None`. With
     /// microbatch lengths, every framework means every framework that runs them
-    /// ([`Target::runs_lengths`]): a plan for the others cannot exist.
+    /// ([`Target::runs_lengths`]), and with `direction`/`edge` P2P groups every framework that
+    /// creates them ([`Target::creates_p2p_groups`]): a plan for the others cannot exist.
     pub fn refusal(self, program: &Program) -> Option<String> {
         let every = self == TargetChoice::Every;
         self.targets().into_iter().find_map(|t| {
             if every && program.lengths.is_some() && !t.runs_lengths() {
+                return None;
+            }
+            // Likewise with P2P groups only some frameworks create.
+            if every && !program.p2p_groups.is_pair() && !t.creates_p2p_groups() {
                 return None;
             }
             t.check(program)
@@ -655,10 +701,16 @@ pub fn how_to_run(target: Target, w: &Winner) -> Vec<String> {
                 "$ pipec-run {sh_dir}  # the cpu backend, in every build: a synthetic model \
                  (layers of --hidden, --ffn), not yours; it checks the plan runs and times it"
             ),
-            format!(
-                "on NVIDIA GPUs: pipec-run {dir} --backend cuda, with a pipec-run built by \
-                 cargo build --release -p pipec-cli --features cuda (docs/cuda.md)"
-            ),
+            if w.program.lengths.is_some() {
+                "not on NVIDIA GPUs: the cuda backend runs microbatches of one length (--seq), \
+                 and this plan gives each its own"
+                    .to_string()
+            } else {
+                format!(
+                    "on NVIDIA GPUs: pipec-run {dir} --backend cuda, with a pipec-run built by \
+                     cargo build --release -p pipec-cli --features cuda (docs/cuda.md)"
+                )
+            },
         ],
         Target::Deepspeed => {
             let split = w.program.ranks.iter().flatten().any(|i| {
@@ -719,6 +771,10 @@ fn csv_reason(e: &crate::torch::export::ExportError) -> String {
         ExportError::Lengths { .. } => "its microbatches have different lengths and torch's \
             schedule CSV carries no shapes"
             .into(),
+        ExportError::P2pGroups { groups } => format!(
+            "it is verified under the P2P groups `{groups}` and torch's runtime posts a CSV's \
+             messages on its own per-pair communicators"
+        ),
         other => other.to_string(),
     }
 }
@@ -837,6 +893,43 @@ mod tests {
         }
         for t in Target::ALL {
             assert_eq!(t.refuse(&forwards(&[0, 1, 2])), Ok(()), "{t}");
+        }
+    }
+
+    /// `direction`/`edge` plans run only where the adapter posts on those communicators:
+    /// Megatron and torchtitan refuse them; the default choice skips those two, as it skips
+    /// the frameworks that cannot size microbatch lengths.
+    #[test]
+    fn p2p_groups_are_refused_where_the_framework_posts_on_its_own_communicators() {
+        for groups in [
+            pipec_schedules::P2pGroups::Direction,
+            pipec_schedules::P2pGroups::Edge,
+        ] {
+            let p = Program {
+                p2p_groups: groups,
+                ..forwards(&[0, 1])
+            };
+            for t in [Target::Megatron, Target::Torchtitan] {
+                assert_eq!(
+                    t.refuse(&p),
+                    Err(Refusal::P2pGroups { groups, target: t }),
+                    "{t}"
+                );
+                assert!(t.check(&p).unwrap_err().contains(&format!("`{groups}`")));
+            }
+            for t in [
+                Target::Torch,
+                Target::Deepspeed,
+                Target::PipecRun,
+                Target::Any,
+            ] {
+                assert_eq!(t.refuse(&p), Ok(()), "{t}");
+            }
+            assert_eq!(TargetChoice::Every.refusal(&p), None);
+            assert!(TargetChoice::One(Target::Megatron).refusal(&p).is_some());
+        }
+        for t in Target::ALL {
+            assert_eq!(t.refuse(&forwards(&[0, 1])), Ok(()), "{t}");
         }
     }
 

@@ -593,6 +593,19 @@ def test_refuses_dualpipe():
         pm.stage_indices(s, 0)
 
 
+def test_refuses_p2p_groups_megatron_does_not_create():
+    """#39: a plan verified under ``direction``/``edge`` communicators is refused (Megatron
+    posts on its pipeline group's per-pair communicators, which that verdict does not cover),
+    in the words of the Rust rule ``pipec tune --target megatron`` applies; ``pair`` runs."""
+    for groups in ["direction", "edge"]:
+        s = pipec.compile("1f1b", 2, 4, p2p_groups=groups)
+        assert s.refusal("megatron") is not None
+        with pytest.raises(pipec.PipecError, match=f"P2P groups `{groups}`.*Megatron posts"):
+            pm.forward_backward_func(s)
+        assert s.refusal("torch") is None and s.refusal("deepspeed") is None
+    assert callable(pm.forward_backward_func(pipec.compile("1f1b", 2, 4, p2p_groups="pair")))
+
+
 def test_forwards_out_of_microbatch_order_are_fed_by_id(tmp_path):
     """#38: forwards may enter in any microbatch order (a tuned ``microbatch_order``): the
     Rust rule (``Schedule.refusal("megatron")``, what ``pipec tune --target megatron`` filters

@@ -145,12 +145,17 @@ impl Tuned {
     }
 
     /// The targets whose run instructions the report gives: the one asked for; every
-    /// framework for the default; every framework that runs the winner for `any`.
+    /// framework that runs the winner for `any` and for the default (which is every framework,
+    /// less those that cannot run such a plan at all: microbatch lengths, P2P groups they do
+    /// not create; [`TargetChoice::refusal`]).
     pub fn run_targets(&self) -> Vec<Target> {
         match self.target {
             TargetChoice::One(Target::Any) => self.runs_on.clone(),
             TargetChoice::One(t) => vec![t],
-            TargetChoice::Every => Target::FRAMEWORKS.to_vec(),
+            TargetChoice::Every => Target::FRAMEWORKS
+                .into_iter()
+                .filter(|t| self.runs_on.contains(t))
+                .collect(),
         }
     }
 

@@ -103,6 +103,20 @@ impl TuneRequest {
         if self.pp == 0 || self.microbatches == 0 {
             return Err(TuneError::Zero);
         }
+        if let TargetChoice::One(t) = self.target {
+            if !self.p2p_groups.is_pair() && !t.creates_p2p_groups() {
+                let why = pipec_compiler::target::Refusal::P2pGroups {
+                    groups: self.p2p_groups,
+                    target: t,
+                }
+                .reason();
+                return Err(TuneError::P2pGroups {
+                    target: t,
+                    groups: self.p2p_groups,
+                    why,
+                });
+            }
+        }
         if let Some(l) = self.memory_limit {
             l.resolve_for(&self.model)?;
         }
@@ -228,6 +242,13 @@ pub enum TuneError {
         host_limit: String,
         host_best: String,
         by: String,
+    },
+    /// The target posts on communicators other than the requested P2P groups.
+    #[error("no plan for {target} under the P2P groups `{groups}`: {why}")]
+    P2pGroups {
+        target: pipec_compiler::target::Target,
+        groups: pipec_schedules::P2pGroups,
+        why: String,
     },
     #[error("no candidate schedule could be built for this request ({0})")]
     Nothing(String),

@@ -78,6 +78,8 @@ pub enum ExportError {
     MemoryOp { at: InstrRef, instr: String },
     #[error("the schedule's microbatches have different lengths ({summary}); torch's schedule CSV carries no shapes and torch's runtime sizes every receive once (pytorch #159942), so a job run from it would receive wrong-sized tensors; pipec.torch.build_schedule sizes each receive from the plan (docs/torch.md)")]
     Lengths { summary: String },
+    #[error("the schedule is verified under the P2P groups `{groups}` (issue #39); torch's schedule CSV names no communicators and torch's runtime posts every message on its own per-pair ones, whose order that verdict does not cover; pipec.torch.build_schedule creates the groups (docs/torch.md), or compile with the default groups, `pair`")]
+    P2pGroups { groups: pipec_schedules::P2pGroups },
     #[error("{at}: {instr} is one of Megatron's shape messages (compiled with --megatron-variable-seq-lengths to check Megatron's handshake); torch's CSV has no action for it, and a plan needs none: compile without that flag")]
     ShapeMessage { at: InstrRef, instr: String },
     #[error("the schedule places stages on ranks by microbatch ({kind} placement: DualPipe's two directions keep stage s on two ranks); torch's CSV names a stage's rank by the line it is on and cannot express that")]
@@ -198,13 +200,18 @@ pub fn export_csv<P: Borrow<Program>>(
     csv(program.program(), form, Some(program.matching()))
 }
 
-/// Why [`export_csv`] would refuse `program` before writing a line (microbatch lengths, a
-/// memory instruction), or `None`: what `pipec tune` asks before it prints the CSV command
+/// Why [`export_csv`] would refuse `program` before writing a line (microbatch lengths, P2P
+/// groups torch's runtime does not create, a memory instruction), or `None`: what `pipec tune` asks before it prints the CSV command
 /// as a way to run its winner, so it never prints one that exits 1.
 pub fn csv_refusal(program: &Program) -> Option<ExportError> {
     if let Some(l) = &program.lengths {
         return Some(ExportError::Lengths {
             summary: l.summary(),
+        });
+    }
+    if !program.p2p_groups.is_pair() {
+        return Some(ExportError::P2pGroups {
+            groups: program.p2p_groups,
         });
     }
     first_memory_op(program).map(|(at, ins)| ExportError::MemoryOp {

@@ -218,6 +218,7 @@ pub fn run(a: Args) -> Result<ExitCode, CliError> {
         | TuneError::LengthsCount { .. }
         | TuneError::Lengths(_)
         | TuneError::HostMemory { .. }
+        | TuneError::P2pGroups { .. }
         | TuneError::LayersDisagree(_) => CliError::Invalid(e.to_string()),
         TuneError::Limit(e) => CliError::Invalid(format!("--memory-limit: {e}")),
         TuneError::HostLimit(e) => CliError::Invalid(format!("--host-memory-limit: {e}")),
@@ -397,7 +398,10 @@ fn print_report(
             println!("  {head:<12}{line}");
         }
     }
-    if t.target == TargetChoice::One(Target::Any) {
+    if matches!(
+        t.target,
+        TargetChoice::One(Target::Any) | TargetChoice::Every
+    ) {
         for (target, why) in &t.not_runnable_on {
             println!("  {:<12}not runnable: {why}", format!("{}:", target.name()));
         }
