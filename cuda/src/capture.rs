@@ -36,17 +36,13 @@
 //! - the host never polls a capturing stream: completion is polled on the origin stream after
 //!   each launch, under the run's timeout.
 
-use super::model::err;
+use super::model::{err, Staged};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream};
 use pipec_runtime::backend::BackendError;
-use pipec_runtime::model::{self, ModelConfig};
 use pipec_runtime::watchdog::Watch;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-/// cuBLAS's recommended workspace on Hopper (cuBLAS docs, `cublasSetWorkspace`).
-pub const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 /// An instantiated graph. cudarc's `CudaGraph` is not `Send` (graph objects are not internally
 /// synchronized, CUDA Driver API "Graph object thread safety"); this one lives in
@@ -268,7 +264,7 @@ impl Capture {
         let start = origin.record_event(timing).map_err(e("record an event"))?;
         graph.0.launch().map_err(e("launch the graph"))?;
         let end = origin.record_event(timing).map_err(e("record an event"))?;
-        let done = super::device::poll_until(self.timeout, || {
+        let done = super::poll::poll_until(self.timeout, || {
             end.try_is_complete().map_err(e("the captured step"))
         })?;
         if !done {
@@ -339,63 +335,6 @@ impl Capture {
         .result()
         .map_err(|x| format!("the graph memory watermark: {x:?}"))?;
         Ok(v)
-    }
-}
-
-/// The inputs a captured step reads that change from step to step, per microbatch, in buffers
-/// allocated before capture; [`Staged::fill`] writes a step's values before its launch.
-pub struct Staged {
-    pub tokens: Vec<CudaSlice<u32>>,
-    pub targets: Vec<CudaSlice<u32>>,
-    /// `kernels::EmbedPlan::padded(tokens, seq)`: `order` has `seq` entries, `starts` `seq + 1`.
-    pub order: Vec<CudaSlice<u32>>,
-    pub starts: Vec<CudaSlice<u32>>,
-}
-
-impl Staged {
-    pub fn new(
-        stream: &Arc<CudaStream>,
-        microbatches: u32,
-        seq: usize,
-    ) -> Result<Self, BackendError> {
-        let bufs = |n: usize| -> Result<Vec<CudaSlice<u32>>, BackendError> {
-            (0..microbatches)
-                .map(|_| stream.alloc_zeros::<u32>(n.max(1)).map_err(err("allocate")))
-                .collect()
-        };
-        Ok(Staged {
-            tokens: bufs(seq)?,
-            targets: bufs(seq)?,
-            order: bufs(seq)?,
-            starts: bufs(seq + 1)?,
-        })
-    }
-
-    /// Step `step`'s values (`model::tokens`, `model::targets`, the padded plan) on `stream`.
-    pub fn fill(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        cfg: &ModelConfig,
-        step: u32,
-    ) -> Result<(), BackendError> {
-        let up = || err("copy inputs to the device");
-        for mb in 0..self.tokens.len() {
-            let tokens = model::tokens(cfg, step, mb as u32);
-            let plan = crate::kernels::EmbedPlan::padded(&tokens, cfg.seq);
-            stream
-                .memcpy_htod(&tokens, &mut self.tokens[mb])
-                .map_err(up())?;
-            stream
-                .memcpy_htod(&model::targets(cfg, step, mb as u32), &mut self.targets[mb])
-                .map_err(up())?;
-            stream
-                .memcpy_htod(&plan.order, &mut self.order[mb])
-                .map_err(up())?;
-            stream
-                .memcpy_htod(&plan.starts, &mut self.starts[mb])
-                .map_err(up())?;
-        }
-        Ok(())
     }
 }
 

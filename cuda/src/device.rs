@@ -17,6 +17,7 @@ use super::copy::{HStash, Pinned};
 use super::model::{
     err, ByMicrobatch, Dev, Elem, GGrads, GPartial, GStage, GStash, GSums, GTensor, Kernels,
 };
+use super::poll::poll_until;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use pipec_ir::ir::InstrRef;
@@ -27,7 +28,7 @@ use pipec_schedules::layout::{LayerKind, Layout};
 use pipec_schedules::{Rank, Task};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Events of one interpreter call: `n` instructions (1 for compute, the batch size for comm),
 /// from `start` to `end` (and a second pair for the other stream of an overlapped pair).
@@ -103,26 +104,6 @@ pub struct CudaBackend<T: Elem> {
     /// `--cuda-graph` ([`crate::capture`]): step 0 runs eagerly, step 1 is captured, later
     /// steps replay it. Last, so dropped after the cuBLAS handles that use its workspaces.
     graph: Option<RankGraph>,
-}
-
-/// Call `done` until it says `true` (then `Ok(true)`) or `timeout` has passed (`Ok(false)`),
-/// sleeping briefly between calls. The GPU is polled (`cuEventQuery` through
-/// `CudaEvent::try_is_complete`) rather than waited on with `cuEventSynchronize`/
-/// `cuStreamSynchronize`, which have no timeout: a hang must become a report.
-pub fn poll_until<E>(
-    timeout: Duration,
-    mut done: impl FnMut() -> Result<bool, E>,
-) -> Result<bool, E> {
-    let t0 = Instant::now();
-    loop {
-        if done()? {
-            return Ok(true);
-        }
-        if t0.elapsed() > timeout {
-            return Ok(false);
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
 }
 
 /// Copies of per-layer tensors onto `stream` (from any GPU of this process).
@@ -1168,27 +1149,5 @@ impl<T: Elem> Drop for CudaBackend<T> {
         if let Some(g) = &self.graph {
             g.capture.leave();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::poll_until;
-    use std::time::Duration;
-
-    /// Polling ends as soon as the condition holds, gives up (without an error) when it never
-    /// does, and passes an error of the query straight through.
-    #[test]
-    fn poll_until_returns_done_times_out_and_forwards_errors() {
-        let mut calls = 0;
-        let r: Result<bool, ()> = poll_until(Duration::from_secs(60), || {
-            calls += 1;
-            Ok(calls == 3)
-        });
-        assert_eq!((r, calls), (Ok(true), 3));
-        let r: Result<bool, ()> = poll_until(Duration::from_millis(1), || Ok(false));
-        assert_eq!(r, Ok(false));
-        let r: Result<bool, &str> = poll_until(Duration::from_secs(60), || Err("lost"));
-        assert_eq!(r, Err("lost"));
     }
 }

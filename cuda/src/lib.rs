@@ -15,6 +15,7 @@ pub mod groups;
 pub mod kernels;
 pub mod launch;
 pub mod nvrtc;
+pub mod poll;
 pub mod probe;
 
 #[cfg(feature = "cuda")]

@@ -4,7 +4,6 @@
 //! The backward is split exactly as on the CPU: [`Dev::stage_bwd_d`] computes input gradients
 //! and keeps `dy`/`dh`/`dlogits`; [`Dev::stage_bwd_w`] computes weight gradients only.
 
-use super::capture::Staged;
 use super::{gemm, kernels, nvrtc};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
@@ -319,7 +318,7 @@ impl<T: Elem> Dev<T> {
     /// the buffer as long as the handle.
     pub fn own_cublas_workspace(&self) -> Result<CudaSlice<u8>, BackendError> {
         use cudarc::driver::DevicePtr;
-        let n = super::capture::CUBLAS_WORKSPACE;
+        let n = CUBLAS_WORKSPACE;
         let ws = self.stream.alloc_zeros::<u8>(n).map_err(err("allocate"))?;
         {
             let (ptr, _guard) = ws.device_ptr(&self.stream);
@@ -770,6 +769,66 @@ impl<T: Elem> Dev<T> {
                 // SAFETY: `w` and `g` are the same tensor's, of `len` elements.
                 unsafe { self.k.sgd(&self.stream, grid(len), w, g, lr, n) }?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// cuBLAS's recommended workspace on Hopper (cuBLAS docs, `cublasSetWorkspace`).
+pub const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+/// The inputs a captured step reads that change from step to step, per microbatch, in buffers
+/// allocated before capture; [`Staged::fill`] writes a step's values before its launch.
+pub struct Staged {
+    pub tokens: Vec<CudaSlice<u32>>,
+    pub targets: Vec<CudaSlice<u32>>,
+    /// `kernels::EmbedPlan::padded(tokens, seq)`: `order` has `seq` entries, `starts` `seq + 1`.
+    pub order: Vec<CudaSlice<u32>>,
+    pub starts: Vec<CudaSlice<u32>>,
+}
+
+impl Staged {
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        microbatches: u32,
+        seq: usize,
+    ) -> Result<Self, BackendError> {
+        let bufs = |n: usize| -> Result<Vec<CudaSlice<u32>>, BackendError> {
+            (0..microbatches)
+                .map(|_| stream.alloc_zeros::<u32>(n.max(1)).map_err(err("allocate")))
+                .collect()
+        };
+        Ok(Staged {
+            tokens: bufs(seq)?,
+            targets: bufs(seq)?,
+            order: bufs(seq)?,
+            starts: bufs(seq + 1)?,
+        })
+    }
+
+    /// Step `step`'s values (`model::tokens`, `model::targets`, the padded plan) on `stream`.
+    pub fn fill(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        cfg: &ModelConfig,
+        step: u32,
+    ) -> Result<(), BackendError> {
+        let up = || err("copy inputs to the device");
+        for mb in 0..self.tokens.len() {
+            let tokens = model::tokens(cfg, step, mb as u32);
+            let plan = crate::kernels::EmbedPlan::padded(&tokens, cfg.seq);
+            stream
+                .memcpy_htod(&tokens, &mut self.tokens[mb])
+                .map_err(up())?;
+            stream
+                .memcpy_htod(&model::targets(cfg, step, mb as u32), &mut self.targets[mb])
+                .map_err(up())?;
+            stream
+                .memcpy_htod(&plan.order, &mut self.order[mb])
+                .map_err(up())?;
+            stream
+                .memcpy_htod(&plan.starts, &mut self.starts[mb])
+                .map_err(up())?;
         }
         Ok(())
     }

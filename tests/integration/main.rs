@@ -7,6 +7,7 @@ mod crates;
 mod cuda;
 mod cuda_calibrate;
 mod cuda_graph;
+mod cuda_groups;
 mod cuda_kernels;
 mod cuda_memory;
 mod docs;
