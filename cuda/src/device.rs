@@ -228,16 +228,7 @@ impl<T: Elem> CudaBackend<T> {
         if self.graph.is_some() && step >= 1 {
             return self.begin_graph_step(step);
         }
-        for a in self.accum.iter_mut().flatten() {
-            a.next = 0;
-            a.pending.clear();
-            for t in a.sum.iter_mut().flatten() {
-                self.main
-                    .stream
-                    .memset_zeros(t)
-                    .map_err(err("zero gradients"))?;
-            }
-        }
+        self.zero_sums()?;
         self.parked.clear();
         self.losses.iter_mut().for_each(|l| *l = None);
         // Every copy of the last step has ended (`sync`): their device copies go, and host
@@ -261,6 +252,21 @@ impl<T: Elem> CudaBackend<T> {
             .join(&self.main.stream)
             .map_err(err("order streams"))?;
         self.origin = Some(timing_event(&self.main.stream)?);
+        Ok(())
+    }
+
+    /// Zero the gradient sums on the compute stream and restart their microbatch count.
+    fn zero_sums(&mut self) -> Result<(), BackendError> {
+        for a in self.accum.iter_mut().flatten() {
+            a.next = 0;
+            a.pending.clear();
+            for t in a.sum.iter_mut().flatten() {
+                self.main
+                    .stream
+                    .memset_zeros(t)
+                    .map_err(err("zero gradients"))?;
+            }
+        }
         Ok(())
     }
 
@@ -298,16 +304,7 @@ impl<T: Elem> CudaBackend<T> {
             .stream
             .wait(&fork)
             .map_err(err("join the capture"))?;
-        for a in self.accum.iter_mut().flatten() {
-            a.next = 0;
-            a.pending.clear();
-            for t in a.sum.iter_mut().flatten() {
-                self.main
-                    .stream
-                    .memset_zeros(t)
-                    .map_err(err("zero gradients"))?;
-            }
-        }
+        self.zero_sums()?;
         self.origin = Some(timing_event(&self.main.stream)?);
         Ok(())
     }
