@@ -153,8 +153,9 @@ impl Target {
     /// per group (its single-process transport has no communicators to queue on), and
     /// DeepSpeed's adapter posts every send and receive alone and blocking, in an order it
     /// verifies itself (`blocking_order`), which no communicator layout can stall. Megatron posts
-    /// on its pipeline group's per-pair communicators and torchtitan through torch's CSV
-    /// runtime on torch's: the default `pair` only.
+    /// on torch's communicators of its pipeline group (one per pair of ranks for single sends,
+    /// one per device for batches) and torchtitan through torch's CSV runtime on torch's: the
+    /// default `pair`, which leaves them unknown, only.
     pub fn creates_p2p_groups(self) -> bool {
         match self {
             Target::PipecRun | Target::Any | Target::Torch | Target::Deepspeed => true,
@@ -318,12 +319,12 @@ impl Refusal {
                  pipec.deepspeed and pipec-run create `{g}`)",
                 match target {
                     Target::Torchtitan => {
-                        "torchtitan runs it through torch's CSV runtime, on torch's per-pair \
+                        "torchtitan runs it through torch's CSV runtime, on torch's own \
                          communicators"
                     }
                     _ =>
-                        "Megatron posts every message on its pipeline group, on torch's \
-                         per-pair communicators",
+                        "Megatron posts every message on torch's own communicators of its \
+                         pipeline group",
                 }
             ),
             Refusal::Lengths => concat!(
@@ -773,7 +774,7 @@ fn csv_reason(e: &crate::torch::export::ExportError) -> String {
             .into(),
         ExportError::P2pGroups { groups } => format!(
             "it is verified under the P2P groups `{groups}` and torch's runtime posts a CSV's \
-             messages on its own per-pair communicators"
+             messages on its own communicators"
         ),
         other => other.to_string(),
     }

@@ -78,7 +78,7 @@ pub enum ExportError {
     MemoryOp { at: InstrRef, instr: String },
     #[error("the schedule's microbatches have different lengths ({summary}); torch's schedule CSV carries no shapes and torch's runtime sizes every receive once (pytorch #159942), so a job run from it would receive wrong-sized tensors; pipec.torch.build_schedule sizes each receive from the plan (docs/torch.md)")]
     Lengths { summary: String },
-    #[error("the schedule is verified under the P2P groups `{groups}` (issue #39); torch's schedule CSV names no communicators and torch's runtime posts every message on its own per-pair ones, whose order that verdict does not cover; pipec.torch.build_schedule creates the groups (docs/torch.md), or compile with the default groups, `pair`")]
+    #[error("the schedule is verified under the P2P groups `{groups}` (issue #39); torch's schedule CSV names no communicators and torch's runtime posts every message on its own, whose order that verdict does not cover; pipec.torch.build_schedule creates the groups (docs/torch.md), or compile with the default groups, `pair`")]
     P2pGroups { groups: pipec_schedules::P2pGroups },
     #[error("{at}: {instr} is one of Megatron's shape messages (compiled with --megatron-variable-seq-lengths to check Megatron's handshake); torch's CSV has no action for it, and a plan needs none: compile without that flag")]
     ShapeMessage { at: InstrRef, instr: String },
