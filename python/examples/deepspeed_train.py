@@ -37,3 +37,4 @@ for step in range(3):
 eval_loss = engine.eval_batch(iter(data))  # the forward-only schedule
 if engine.global_rank == 0:
     print(f"eval: loss {eval_loss.item():.6f}")
+torch.distributed.destroy_process_group()  # a clean exit: gloo's threads end before teardown
