@@ -157,9 +157,20 @@ impl Target {
     /// one per device for batches) and torchtitan through torch's CSV runtime on torch's: the
     /// default `pair`, which leaves them unknown, only.
     pub fn creates_p2p_groups(self) -> bool {
+        self.own_communicators().is_none()
+    }
+
+    /// How the target posts its messages where it does not take the plan's P2P groups
+    /// ([`Target::creates_p2p_groups`]), in words; `None` where it takes them.
+    pub fn own_communicators(self) -> Option<&'static str> {
         match self {
-            Target::PipecRun | Target::Any | Target::Torch | Target::Deepspeed => true,
-            Target::Megatron | Target::Torchtitan => false,
+            Target::PipecRun | Target::Any | Target::Torch | Target::Deepspeed => None,
+            Target::Megatron => Some(
+                "Megatron posts every message on torch's own communicators of its pipeline group",
+            ),
+            Target::Torchtitan => Some(
+                "torchtitan runs the plan through torch's CSV runtime, on torch's own communicators",
+            ),
         }
     }
 
@@ -317,15 +328,9 @@ impl Refusal {
                 "it is verified under the P2P groups `{g}`, and {}, whose order that verdict \
                  does not cover: plan it with the default groups, `pair` (pipec.torch, \
                  pipec.deepspeed and pipec-run create `{g}`)",
-                match target {
-                    Target::Torchtitan => {
-                        "torchtitan runs it through torch's CSV runtime, on torch's own \
-                         communicators"
-                    }
-                    _ =>
-                        "Megatron posts every message on torch's own communicators of its \
-                         pipeline group",
-                }
+                target
+                    .own_communicators()
+                    .unwrap_or("this framework posts on its own communicators")
             ),
             Refusal::Lengths => concat!(
                 "its microbatches have different lengths, and this framework sizes every ",

@@ -428,7 +428,8 @@ def compile(
                     f"microbatch_order must be a list of ints, not {microbatch_order!r}"
                 )
         order = [max(min(v, 2**62), -(2**62)) for v in microbatch_order]
-    if p2p_groups not in ("pair", "direction", "edge"):
+    # A name is parsed by `--p2p-groups`'s own parser (its words for a wrong one).
+    if not isinstance(p2p_groups, str):
         raise SpecError(f"p2p_groups must be one of pair, direction, edge, not {p2p_groups!r}")
     if not isinstance(buffer_plan, bool):
         raise SpecError(f"buffer_plan must be True or False, not {buffer_plan!r}")

@@ -92,6 +92,10 @@ def test_all_ranks_exited_cleanly(trained):
 
 
 def test_bad_name_is_refused():
-    with pytest.raises(pipec.SpecError, match="pair, direction, edge"):
+    """In the words of ``--p2p-groups``' parser, as ``pipec.tune`` and both CLIs."""
+    with pytest.raises(pipec.SpecError) as e:
         pipec.compile("1f1b", 2, 4, p2p_groups="ring")
+    assert str(e.value) == "unknown P2P groups `ring` (expected one of pair, direction, edge)"
+    with pytest.raises(pipec.SpecError, match="pair, direction, edge"):
+        pipec.compile("1f1b", 2, 4, p2p_groups=None)
     assert pipec.compile("1f1b", 2, 4).p2p_groups == "pair"

@@ -733,6 +733,39 @@ fn tune_verifies_under_the_groups_and_records_them() {
         }
     }
 
+    // The text report names non-default groups on a line of their own, the default none.
+    let text = |extra: &[&str]| -> String {
+        let mut args = vec!["tune", "--pp", "2", "--microbatches", "4"];
+        args.extend(extra);
+        let out = pipec_with(args).output().unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(text(&["--p2p-groups", "edge"])
+        .contains("\ngroups:   edge (the P2P communicators every candidate is verified on)\n"));
+    assert!(!text(&[]).contains("\ngroups:"));
+    // Megatron posts on torch's own communicators: refused before tuning, in one line.
+    let out = pipec_with([
+        "tune",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--target",
+        "megatron",
+        "--p2p-groups",
+        "direction",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("which a plan verified under the P2P groups `direction` does not cover"),
+        "{err}"
+    );
+
     // A bad name: compile's parser and words, a usage error.
     let out = pipec_with([
         "tune",

@@ -104,12 +104,7 @@ impl TuneRequest {
             return Err(TuneError::Zero);
         }
         if let TargetChoice::One(t) = self.target {
-            if !self.p2p_groups.is_pair() && !t.creates_p2p_groups() {
-                let why = pipec_compiler::target::Refusal::P2pGroups {
-                    groups: self.p2p_groups,
-                    target: t,
-                }
-                .reason();
+            if let (false, Some(why)) = (self.p2p_groups.is_pair(), t.own_communicators()) {
                 return Err(TuneError::P2pGroups {
                     target: t,
                     groups: self.p2p_groups,
@@ -244,11 +239,12 @@ pub enum TuneError {
         by: String,
     },
     /// The target posts on communicators other than the requested P2P groups.
-    #[error("no plan for {target} under the P2P groups `{groups}`: {why}")]
+    #[error("{why}, which a plan verified under the P2P groups `{groups}` does not cover: plan for {target} with the default groups, `pair` (pipec.torch, pipec.deepspeed and pipec-run create `{groups}`)")]
     P2pGroups {
         target: pipec_compiler::target::Target,
         groups: pipec_schedules::P2pGroups,
-        why: String,
+        /// How the target posts instead ([`Target::own_communicators`]).
+        why: &'static str,
     },
     #[error("no candidate schedule could be built for this request ({0})")]
     Nothing(String),

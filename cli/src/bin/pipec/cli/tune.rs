@@ -374,6 +374,11 @@ fn print_report(
         );
     }
     println!("verdict:  {}", t.report().verdict_line());
+    let groups = t.program().p2p_groups;
+    if !groups.is_pair() {
+        // The default (`pair`) leaves the runtime's communicators unknown: no line.
+        println!("groups:   {groups} (the P2P communicators every candidate is verified on)");
+    }
     if let Some(o) = out {
         println!("wrote {}", o.display());
     }
