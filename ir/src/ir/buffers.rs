@@ -105,31 +105,17 @@ pub fn lives(program: &Program, r: usize) -> Vec<Life> {
                     continue;
                 };
                 for (pass, t) in c.parts() {
-                    match pass {
-                        Pass::Fwd => {
-                            if let Some(b) = below(t) {
-                                uses.entry(key(PayloadKind::Act, b))
-                                    .or_default()
-                                    .push(i as u32);
-                            }
-                            makes
-                                .entry(key(PayloadKind::Act, t))
-                                .or_default()
-                                .push(i as u32);
-                        }
-                        Pass::Bwd | Pass::BwdD => {
-                            if let Some(a) = above(t) {
-                                uses.entry(key(PayloadKind::Grad, a))
-                                    .or_default()
-                                    .push(i as u32);
-                            }
-                            makes
-                                .entry(key(PayloadKind::Grad, t))
-                                .or_default()
-                                .push(i as u32);
-                        }
-                        Pass::BwdW => {}
+                    // A forward reads the activation from below and makes its own; an
+                    // input-gradient pass reads the gradient from above and makes its own.
+                    let (kind, from) = match pass {
+                        Pass::Fwd => (PayloadKind::Act, below(t)),
+                        Pass::Bwd | Pass::BwdD => (PayloadKind::Grad, above(t)),
+                        Pass::BwdW => continue,
+                    };
+                    if let Some(f) = from {
+                        uses.entry(key(kind, f)).or_default().push(i as u32);
                     }
+                    makes.entry(key(kind, t)).or_default().push(i as u32);
                 }
             }
             Step::Memory(i) => {
