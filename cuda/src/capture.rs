@@ -44,6 +44,11 @@ use pipec_runtime::watchdog::Watch;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// A driver error as a meeting's outcome, saying what failed.
+fn fails(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> String {
+    move |x| format!("{what}: {x:?}")
+}
+
 /// An instantiated graph. cudarc's `CudaGraph` is not `Send` (graph objects are not internally
 /// synchronized, CUDA Driver API "Graph object thread safety"); this one lives in
 /// [`Capture`]'s mutex and is touched only under it.
@@ -208,20 +213,19 @@ impl Capture {
         what: Meeting,
         streams: &[Arc<CudaStream>],
     ) -> Result<Met, String> {
-        let e = |what: &'static str| move |x: cudarc::driver::DriverError| format!("{what}: {x:?}");
         let origin = &self.origin;
         match what {
             Meeting::Begin => {
                 // Before capture begins: the ranks' staged inputs, recorded outside it.
                 for s in streams {
-                    origin.join(s).map_err(e("order the origin stream"))?;
+                    origin.join(s).map_err(fails("order the origin stream"))?;
                 }
                 origin
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                    .map_err(e("begin the capture (cuStreamBeginCapture)"))?;
+                    .map_err(fails("begin the capture (cuStreamBeginCapture)"))?;
                 let fork = origin
                     .record_event(None)
-                    .map_err(e("record the capture's fork"))?;
+                    .map_err(fails("record the capture's fork"))?;
                 Ok(Met::Fork(Arc::new(fork)))
             }
             Meeting::End => {
@@ -229,7 +233,7 @@ impl Capture {
                 // (frees included): join them all back into the origin.
                 let joined: Result<(), String> = streams
                     .iter()
-                    .try_for_each(|s| origin.join(s).map_err(e("join a rank's stream")));
+                    .try_for_each(|s| origin.join(s).map_err(fails("join a rank's stream")));
                 let graph = origin.end_capture(CUgraphInstantiate_flags(0));
                 joined?;
                 let graph = graph
@@ -240,7 +244,7 @@ impl Capture {
                         )
                     })?
                     .ok_or("the capture recorded no GPU work".to_string())?;
-                graph.upload().map_err(e("upload the graph"))?;
+                graph.upload().map_err(fails("upload the graph"))?;
                 st.graph = Some(Graph(graph));
                 self.launch(st, &[])
             }
@@ -251,21 +255,24 @@ impl Capture {
     /// Launch the graph on the origin stream after the work on `streams` (inputs, updates), and
     /// wait for it (polled, so a step that never ends is an error after the timeout).
     fn launch(&self, st: &mut State, streams: &[Arc<CudaStream>]) -> Result<Met, String> {
-        let e = |what: &'static str| move |x: cudarc::driver::DriverError| format!("{what}: {x:?}");
         let origin = &self.origin;
         let Some(graph) = st.graph.as_ref() else {
             return Err("no captured step to launch".into());
         };
         for s in streams {
-            origin.join(s).map_err(e("order the origin stream"))?;
+            origin.join(s).map_err(fails("order the origin stream"))?;
         }
         self.graph_mem_high(Some(0))?;
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let start = origin.record_event(timing).map_err(e("record an event"))?;
-        graph.0.launch().map_err(e("launch the graph"))?;
-        let end = origin.record_event(timing).map_err(e("record an event"))?;
+        let start = origin
+            .record_event(timing)
+            .map_err(fails("record an event"))?;
+        graph.0.launch().map_err(fails("launch the graph"))?;
+        let end = origin
+            .record_event(timing)
+            .map_err(fails("record an event"))?;
         let done = super::poll::poll_until(self.timeout, || {
-            end.try_is_complete().map_err(e("the captured step"))
+            end.try_is_complete().map_err(fails("the captured step"))
         })?;
         if !done {
             return Err(format!(
@@ -273,7 +280,7 @@ impl Capture {
                 self.timeout.as_secs_f64()
             ));
         }
-        let ms = start.elapsed_ms(&end).map_err(e("read an event"))?;
+        let ms = start.elapsed_ms(&end).map_err(fails("read an event"))?;
         Ok(Met::Ran(ms as f64 * 1000.0, self.graph_mem_high(None)?))
     }
 

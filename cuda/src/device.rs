@@ -218,7 +218,7 @@ impl<T: Elem> CudaBackend<T> {
 
     /// Graph mode's state while a step is captured (steps after the first; replayed steps
     /// never reach the interpreter's calls).
-    fn capturing(&self) -> Option<&RankGraph> {
+    pub(crate) fn capturing(&self) -> Option<&RankGraph> {
         self.graph.as_ref().filter(|_| self.step >= 1)
     }
 
@@ -229,18 +229,8 @@ impl<T: Elem> CudaBackend<T> {
             return self.begin_graph_step(step);
         }
         self.zero_sums()?;
-        self.parked.clear();
-        self.losses.iter_mut().for_each(|l| *l = None);
-        // Every copy of the last step has ended (`sync`): their device copies go, and host
-        // copies never reloaded (a program may leave some) go back to the pool.
-        self.copies.clear();
-        for (_, h) in std::mem::take(&mut self.host) {
-            self.pinned.recycle(h);
-        }
+        self.forget_last_step();
         self.reset_pool_peak()?;
-        self.marks.clear();
-        self.in_flight.clear();
-        self.at = 0;
         self.side
             .stream
             .join(&self.main.stream)
@@ -253,6 +243,21 @@ impl<T: Elem> CudaBackend<T> {
             .map_err(err("order streams"))?;
         self.origin = Some(timing_event(&self.main.stream)?);
         Ok(())
+    }
+
+    /// Drop the last step's host state: parked gradients, losses, copies (all ended, `sync`:
+    /// their device copies go, and host copies never reloaded, which a program may leave, go
+    /// back to the pool), marks and batches in flight.
+    fn forget_last_step(&mut self) {
+        self.parked.clear();
+        self.losses.iter_mut().for_each(|l| *l = None);
+        self.copies.clear();
+        for (_, h) in std::mem::take(&mut self.host) {
+            self.pinned.recycle(h);
+        }
+        self.marks.clear();
+        self.in_flight.clear();
+        self.at = 0;
     }
 
     /// Zero the gradient sums on the compute stream and restart their microbatch count.
@@ -274,19 +279,14 @@ impl<T: Elem> CudaBackend<T> {
     /// were allocated outside it), this step's inputs are staged; step 1 then joins the
     /// capture and zeroes the gradient sums inside it (replays run the captured zeroing).
     fn begin_graph_step(&mut self, step: u32) -> Result<(), BackendError> {
-        self.parked.clear();
-        self.losses.iter_mut().for_each(|l| *l = None);
-        self.marks.clear();
-        self.in_flight.clear();
-        self.at = 0;
+        self.forget_last_step();
+        self.reset_pool_peak()?;
         let cfg = self.main.cfg;
         let g = self.graph.as_mut().expect("graph mode");
         g.staged.fill(&self.main.stream, &cfg, step)?;
-        self.reset_pool_peak()?;
         if step >= 2 {
             return Ok(());
         }
-        let g = self.graph.as_mut().expect("graph mode");
         let Met::Fork(fork) =
             g.capture
                 .meet(self.rank.0, Meeting::Begin, self.main.stream.clone())?
@@ -332,11 +332,6 @@ impl<T: Elem> CudaBackend<T> {
                 "a {what:?} meeting began a capture instead of launching"
             ))),
         }
-    }
-
-    /// The step being run (0-based).
-    pub fn step(&self) -> u32 {
-        self.step
     }
 
     /// Graph mode's per-rank state (`None` when not in graph mode).

@@ -16,8 +16,10 @@
 //! What cannot be made so is refused here, before any GPU work, with the reason:
 //! [`NotCapturable`].
 
+use pipec_ir::files::MANIFEST_FILE;
 use pipec_ir::ir::{Instr, MemKind, Program};
 use pipec_runtime::driver::replicated_stages;
+use pipec_runtime::RunError;
 use std::fmt;
 
 /// Why a program's step cannot be captured; the CLI reports it with exit code 1.
@@ -76,6 +78,18 @@ impl fmt::Display for NotCapturable {
 }
 
 impl std::error::Error for NotCapturable {}
+
+/// A plan refused for capture is a refused schedule (exit 1), in the manifest's `schedule`:
+/// what `pipec-run` and `run_cuda` (feature `cuda`) both report.
+impl From<NotCapturable> for RunError {
+    fn from(e: NotCapturable) -> RunError {
+        RunError::Refused {
+            file: MANIFEST_FILE.into(),
+            field: "schedule".into(),
+            msg: e.to_string(),
+        }
+    }
+}
 
 /// The first reason `program`'s step cannot be captured, or `Ok` when it can. `processes`: how
 /// many processes the launch has (1 without a launcher).

@@ -209,7 +209,7 @@ impl<T: Elem> StepBackend for CudaBackend<T> {
         run: RankRun,
         timeout: Duration,
     ) -> Result<RankRun, StepError> {
-        if self.graph_mut().is_some() && self.step() >= 1 {
+        if self.capturing().is_some() {
             let (us, pool) = self.launch_graph(Meeting::End)?;
             let captured = RankRun {
                 spans: Vec::new(),
@@ -385,11 +385,7 @@ pub fn run_cuda(
             ));
         }
         let processes = opts.launch.as_ref().map_or(1, |l| l.world_size);
-        crate::graph::capturable(program, processes).map_err(|e| RunError::Refused {
-            file: MANIFEST_FILE.into(),
-            field: "schedule".into(),
-            msg: e.to_string(),
-        })?;
+        crate::graph::capturable(program, processes)?;
     }
     probe_libraries(multi).map_err(|e| RunError::Device(e.to_string()))?;
     let count = CudaContext::device_count()

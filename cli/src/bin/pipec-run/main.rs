@@ -172,13 +172,7 @@ fn run_loaded<P: Checked>(
         let processes = pipec_cuda::launch::from_vars(|k| std::env::var(k).ok())
             .map_err(|e| RunError::Usage(e.to_string()))?
             .map_or(1, |l| l.world_size);
-        pipec_cuda::graph::capturable(loaded.program.program(), processes).map_err(|e| {
-            RunError::Refused {
-                file: pipec_ir::files::MANIFEST_FILE.into(),
-                field: "schedule".into(),
-                msg: e.to_string(),
-            }
-        })?;
+        pipec_cuda::graph::capturable(loaded.program.program(), processes)?;
         #[cfg(not(feature = "cuda"))]
         return Err(RunError::Usage(
             "pipec-run was built without the `cuda` feature; rebuild with `cargo build -p pipec-cli --features cuda`".into(),
