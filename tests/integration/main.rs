@@ -33,6 +33,7 @@ mod regressions;
 mod runtime;
 mod schedules;
 mod simulator;
+mod stream_order;
 mod sweep;
 mod torch;
 mod tune;

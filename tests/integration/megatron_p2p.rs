@@ -373,127 +373,17 @@ fn communicator(pp: usize, from: usize, megatron_groups: bool) -> usize {
     usize::from(megatron_groups && pp == 2 && from % 2 == 1)
 }
 
-/// Runs `p` with every `isend`/`irecv` its own NCCL call on its (pair, communicator) stream;
-/// `Err` names where it hangs.
+/// Runs `p` with every `isend`/`irecv` its own NCCL call on its (pair, communicator) stream
+/// ([`crate::stream_order`]), a send matched with its receive per communicator; `Err` names
+/// where it hangs.
 fn run_in_stream_order(p: &Program, megatron_groups: bool) -> Result<(), String> {
-    use std::collections::{HashMap, VecDeque};
     let w = p.ranks.len();
-    // Per op (rank, index): its stream key and its channel sequence number.
-    type Key = (usize, usize, usize); // (rank, peer, communicator)
-    let mut seq: HashMap<(usize, usize, usize, bool), usize> = HashMap::new();
-    let mut op_info: HashMap<(usize, usize), (Key, usize, bool)> = HashMap::new();
-    for (r, instrs) in p.ranks.iter().enumerate() {
-        for (i, ins) in instrs.iter().enumerate() {
-            let (peer, send) = match ins {
-                Instr::Send { peer, .. } => (peer.index(), true),
-                Instr::Recv { peer, .. } => (peer.index(), false),
-                _ => continue,
-            };
-            let (from, to) = if send { (r, peer) } else { (peer, r) };
-            let c = communicator(w, from, megatron_groups);
-            let n = seq.entry((from, to, c, send)).or_default();
-            op_info.insert((r, i), ((r, peer, c), *n, send));
-            *n += 1;
-        }
-    }
-    // Partner of a send: the recv with the same channel sequence number.
-    // (from, to, communicator, is send, sequence number) -> (rank, index).
-    type ChannelOp = (usize, usize, usize, bool, usize);
-    let mut by_channel: HashMap<ChannelOp, (usize, usize)> = HashMap::new();
-    for (&(r, i), &((_, peer, c), n, send)) in &op_info {
-        let (from, to) = if send { (r, peer) } else { (peer, r) };
-        by_channel.insert((from, to, c, send, n), (r, i));
-    }
-    let mut streams: HashMap<Key, VecDeque<usize>> = HashMap::new();
-    let mut done: Vec<Vec<bool>> = p.ranks.iter().map(|r| vec![false; r.len()]).collect();
-    let mut pc = vec![0usize; w];
-    // Ops a rank blocks on: the ops of its current blocking call, or of the batch it waits for.
-    let mut blocked: Vec<Vec<usize>> = vec![Vec::new(); w];
-    loop {
-        let mut progress = false;
-        for r in 0..w {
-            let instrs = &p.ranks[r];
-            if blocked[r].iter().any(|&i| !done[r][i]) {
-                continue;
-            }
-            blocked[r].clear();
-            let before = pc[r];
-            while pc[r] < instrs.len() {
-                let i = pc[r];
-                match instrs[i] {
-                    Instr::Compute(_) => pc[r] += 1,
-                    Instr::Wait { batch } => {
-                        blocked[r] = (0..i)
-                            .filter(|&k| instrs[k].batch() == Some(batch))
-                            .collect();
-                        pc[r] += 1;
-                        break;
-                    }
-                    _ => {
-                        let b = instrs[i].batch();
-                        let mut end = i;
-                        while end < instrs.len() && instrs[end].batch() == b {
-                            streams
-                                .entry(op_info[&(r, end)].0)
-                                .or_default()
-                                .push_back(end);
-                            end += 1;
-                        }
-                        let in_flight = instrs[end..]
-                            .iter()
-                            .any(|x| matches!(x, Instr::Wait { batch } if Some(*batch) == b));
-                        if !in_flight {
-                            blocked[r] = (i..end).collect();
-                        }
-                        pc[r] = end;
-                        if !in_flight {
-                            break;
-                        }
-                    }
-                }
-            }
-            progress |= pc[r] != before;
-        }
-        // Complete every pair whose two ops head their streams.
-        let heads: Vec<(usize, usize)> = streams
-            .iter()
-            .filter_map(|(k, q)| q.front().map(|&i| (k.0, i)))
-            .collect();
-        for (r, i) in heads {
-            let ((_, peer, c), n, send) = op_info[&(r, i)];
-            let (from, to) = if send { (r, peer) } else { (peer, r) };
-            let Some(&(pr, pi)) = by_channel.get(&(from, to, c, !send, n)) else {
-                return Err(format!("rank {r} #{i} has no partner"));
-            };
-            let pk = op_info[&(pr, pi)].0;
-            if streams.get(&pk).and_then(|q| q.front()) == Some(&pi) {
-                streams.get_mut(&(r, peer, c)).unwrap().pop_front();
-                streams.get_mut(&pk).unwrap().pop_front();
-                done[r][i] = true;
-                done[pr][pi] = true;
-                progress = true;
-            }
-        }
-        let finished = (0..w)
-            .all(|r| pc[r] == p.ranks[r].len() && blocked[r].iter().all(|&i| done[r][i]))
-            && streams.values().all(VecDeque::is_empty);
-        if finished {
-            return Ok(());
-        }
-        if !progress {
-            let at: Vec<String> = (0..w).map(|r| format!("rank {r} at #{}", pc[r])).collect();
-            let mut heads: Vec<String> = streams
-                .iter()
-                .filter_map(|(k, q)| q.front().map(|i| format!("{k:?} head #{i}")))
-                .collect();
-            heads.sort();
-            return Err(format!(
-                "hangs: {}; streams: {}",
-                at.join(", "),
-                heads.join(", ")
-            ));
-        }
-    }
+    let c = |from: usize| communicator(w, from, megatron_groups);
+    crate::stream_order::run_in_stream_order(
+        p,
+        |from, to, _| (from.min(to), from.max(to), c(from)),
+        |from, _, _| c(from),
+    )
 }
 
 /// Megatron's unbatched and overlapped calls never hang under NCCL's stream order: the

@@ -428,113 +428,21 @@ fn comm_of(groups: P2pGroups, from: usize, to: usize, activation: bool) -> (usiz
     }
 }
 
-/// Runs `p`; `Err` says where it hangs.
+/// Runs `p` under `groups` ([`crate::stream_order`]); `Err` says where it hangs. Matching is
+/// FIFO per ordered pair of ranks (NCCL and torch's tag 0).
 fn run_in_stream_order(p: &Program, groups: P2pGroups) -> Result<(), String> {
-    use std::collections::{HashMap, VecDeque};
-    let w = p.ranks.len();
-    type Comm = (usize, usize, usize);
-    // Per op (rank, index): (its stream (rank, communicator), channel sequence number, send).
-    type OpInfo = ((usize, Comm), usize, bool);
-    let mut seq: HashMap<(usize, usize, bool), usize> = HashMap::new();
-    let mut info: HashMap<(usize, usize), OpInfo> = HashMap::new();
-    let mut by_channel: HashMap<(usize, usize, bool, usize), (usize, usize)> = HashMap::new();
-    for (r, instrs) in p.ranks.iter().enumerate() {
-        for (i, ins) in instrs.iter().enumerate() {
-            let (peer, send, payload) = match *ins {
-                Instr::Send { peer, payload, .. } => (peer.index(), true, payload),
-                Instr::Recv { peer, payload, .. } => (peer.index(), false, payload),
-                _ => continue,
-            };
-            let (from, to) = if send { (r, peer) } else { (peer, r) };
-            let act = payload.kind == pipec_ir::ir::PayloadKind::Act;
-            // FIFO matching per ordered pair of ranks (NCCL and torch's tag 0).
-            let n = seq.entry((from, to, send)).or_default();
-            info.insert((r, i), ((r, comm_of(groups, from, to, act)), *n, send));
-            by_channel.insert((from, to, send, *n), (r, i));
-            *n += 1;
-        }
-    }
-    let mut streams: HashMap<(usize, Comm), VecDeque<usize>> = HashMap::new();
-    let mut done: Vec<Vec<bool>> = p.ranks.iter().map(|r| vec![false; r.len()]).collect();
-    let mut pc = vec![0usize; w];
-    let mut blocked: Vec<Vec<usize>> = vec![Vec::new(); w];
-    loop {
-        let mut progress = false;
-        for r in 0..w {
-            let instrs = &p.ranks[r];
-            if blocked[r].iter().any(|&i| !done[r][i]) {
-                continue;
-            }
-            blocked[r].clear();
-            let before = pc[r];
-            while pc[r] < instrs.len() {
-                let i = pc[r];
-                match instrs[i] {
-                    Instr::Wait { batch } => {
-                        blocked[r] = (0..i)
-                            .filter(|&k| instrs[k].batch() == Some(batch))
-                            .collect();
-                        pc[r] += 1;
-                        break;
-                    }
-                    Instr::Send { .. } | Instr::Recv { .. } => {
-                        let b = instrs[i].batch();
-                        let mut end = i;
-                        while end < instrs.len() && instrs[end].batch() == b {
-                            streams.entry(info[&(r, end)].0).or_default().push_back(end);
-                            end += 1;
-                        }
-                        let in_flight = instrs[end..]
-                            .iter()
-                            .any(|x| matches!(x, Instr::Wait { batch } if Some(*batch) == b));
-                        pc[r] = end;
-                        if !in_flight {
-                            blocked[r] = (i..end).collect();
-                            break;
-                        }
-                    }
-                    _ => pc[r] += 1,
-                }
-            }
-            progress |= pc[r] != before;
-        }
-        let heads: Vec<(usize, usize)> = streams
-            .iter()
-            .filter_map(|(k, q)| q.front().map(|&i| (k.0, i)))
-            .collect();
-        for (r, i) in heads {
-            if done[r][i] {
-                continue;
-            }
-            let (key, n, send) = info[&(r, i)];
-            let peer = match p.ranks[r][i] {
-                Instr::Send { peer, .. } | Instr::Recv { peer, .. } => peer.index(),
-                _ => unreachable!(),
-            };
-            let (from, to) = if send { (r, peer) } else { (peer, r) };
-            let Some(&(pr, pi)) = by_channel.get(&(from, to, !send, n)) else {
-                return Err(format!("rank {r} #{i} has no partner"));
-            };
-            let pk = info[&(pr, pi)].0;
-            if streams.get(&pk).and_then(|q| q.front()) == Some(&pi) {
-                streams.get_mut(&key).unwrap().pop_front();
-                streams.get_mut(&pk).unwrap().pop_front();
-                done[r][i] = true;
-                done[pr][pi] = true;
-                progress = true;
-            }
-        }
-        let finished = (0..w)
-            .all(|r| pc[r] == p.ranks[r].len() && blocked[r].iter().all(|&i| done[r][i]))
-            && streams.values().all(VecDeque::is_empty);
-        if finished {
-            return Ok(());
-        }
-        if !progress {
-            let at: Vec<String> = (0..w).map(|r| format!("rank {r} at #{}", pc[r])).collect();
-            return Err(format!("hangs: {}", at.join(", ")));
-        }
-    }
+    crate::stream_order::run_in_stream_order(
+        p,
+        |from, to, payload: Payload| {
+            comm_of(
+                groups,
+                from,
+                to,
+                payload.kind == pipec_ir::ir::PayloadKind::Act,
+            )
+        },
+        |_, _, _| (),
+    )
 }
 
 /// The executor agrees with the verifier's D2 (ops issued one by one, the executor's model)
