@@ -51,6 +51,41 @@ pub(crate) struct Config {
     pub mode: MegatronP2p,
 }
 
+/// A recorded line: the configuration, then `| ranks` where Megatron ran it or `! message`
+/// where it refused.
+pub(crate) fn golden_line(line: &str) -> (&str, Result<&str, &str>) {
+    match line.split_once(" ! ") {
+        Some((h, e)) => (h, Err(e)),
+        None => {
+            let (h, r) = line.split_once(" | ").expect("config line");
+            (h, Ok(r))
+        }
+    }
+}
+
+/// A configuration Megatron refuses must be one pipec refuses too: counted in `refused`, a
+/// failure filed where pipec's `verdict` accepts it, and `None`; else Megatron's ranks.
+pub(crate) fn unless_megatron_refuses<'a, E>(
+    head: &str,
+    rest: Result<&'a str, &str>,
+    verdict: &Result<(), E>,
+    failures: &mut Vec<String>,
+    refused: &mut usize,
+) -> Option<&'a str> {
+    match rest {
+        Err(msg) => {
+            if verdict.is_ok() {
+                failures.push(format!(
+                    "{head}: Megatron refuses ({msg}) but pipec accepts"
+                ));
+            }
+            *refused += 1;
+            None
+        }
+        Ok(r) => Some(r),
+    }
+}
+
 pub(crate) fn parse_header(h: &str) -> Config {
     let mut f = h.split_whitespace();
     let interleaved = match f.next() {
@@ -197,13 +232,7 @@ fn every_rank_is_megatrons_calls_one_for_one() {
     let mut modes = std::collections::BTreeSet::new();
     let mut failures = Vec::new();
     for line in lines {
-        let (head, rest) = match line.split_once(" ! ") {
-            Some((h, e)) => (h, Err(e)),
-            None => {
-                let (h, r) = line.split_once(" | ").expect("config line");
-                (h, Ok(r))
-            }
-        };
+        let (head, rest) = golden_line(line);
         let c = parse_header(head);
         let kind = if c.interleaved {
             ScheduleKind::Interleaved1F1B
@@ -221,17 +250,10 @@ fn every_rank_is_megatrons_calls_one_for_one() {
             megatron_p2p: c.mode,
         };
         let verdict = spec.validate(&Limits::DEFAULT);
-        let ranks = match rest {
-            Err(msg) => {
-                if verdict.is_ok() {
-                    failures.push(format!(
-                        "{head}: Megatron refuses ({msg}) but pipec accepts"
-                    ));
-                }
-                refused += 1;
-                continue;
-            }
-            Ok(r) => r,
+        let Some(ranks) =
+            unless_megatron_refuses(head, rest, &verdict, &mut failures, &mut refused)
+        else {
+            continue;
         };
         // megatron-core runs this with activations and gradients swapped (Megatron-LM's
         // training script refuses it); pipec refuses it and says why.

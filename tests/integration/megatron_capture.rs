@@ -10,7 +10,7 @@
 //! decided by running its real schedule. pipec must accept exactly what Megatron runs and give
 //! every rank Megatron's order, number for number.
 
-use super::megatron_calls::golden_text;
+use super::megatron_calls::{golden_line, golden_text, unless_megatron_refuses};
 use pipec_compiler::lower;
 use pipec_ir::ir::{capture_order, CaptureError, CaptureStep};
 use pipec_schedules::{generate, Limits, MegatronP2p, Pass, ScheduleKind, ScheduleSpec, KINDS};
@@ -34,13 +34,7 @@ fn every_rank_is_megatrons_capture_order() {
     let mut failures = Vec::new();
     let mut docstring = false;
     for line in lines {
-        let (head, rest) = match line.split_once(" ! ") {
-            Some((h, e)) => (h, Err(e)),
-            None => {
-                let (h, r) = line.split_once(" | ").expect("config line");
-                (h, Ok(r))
-            }
-        };
+        let (head, rest) = golden_line(line);
         let mut f = head.split_whitespace();
         let interleaved = match f.next() {
             Some("interleaved") => true,
@@ -65,17 +59,10 @@ fn every_rank_is_megatrons_capture_order() {
             ..ScheduleSpec::new(kind, pp, vpp, m)
         };
         let verdict = spec.validate(&Limits::DEFAULT);
-        let ranks = match rest {
-            Err(msg) => {
-                if verdict.is_ok() {
-                    failures.push(format!(
-                        "{head}: Megatron refuses ({msg}) but pipec accepts"
-                    ));
-                }
-                refused += 1;
-                continue;
-            }
-            Ok(r) => r,
+        let Some(ranks) =
+            unless_megatron_refuses(head, rest, &verdict, &mut failures, &mut refused)
+        else {
+            continue;
         };
         if wg {
             // Megatron's half steps for a delayed weight gradient inside its combined 1F1B:
