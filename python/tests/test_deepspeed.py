@@ -151,16 +151,8 @@ def run(request, tmp_path_factory):
 
 
 def result(run, name: str) -> list[dict]:
-    pp, results, _, logs = run
-    got = []
-    for r in range(pp):
-        res = results.get((name, r))
-        if res is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not res["ok"]:
-            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
-        got.append(res)
-    return got
+    pp, *trained = run
+    return launch.rank_results(trained, name, pp)
 
 
 @pytest.mark.parametrize("name", [n for n, _ in KINDS] + ["tuned"])

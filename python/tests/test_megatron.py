@@ -346,16 +346,7 @@ def results(tmp_path_factory):
 
 def ranks_of(results, name: str) -> list[dict]:
     pp, _ = ALL[name]
-    res, _, logs = results[pp]
-    got = []
-    for r in range(pp):
-        d = res.get((name, r))
-        if d is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not d["ok"]:
-            pytest.fail(f"{name}: rank {r}: {d['error']}\n{logs}")
-        got.append(d)
-    return got
+    return launch.rank_results(results[pp], name, pp)
 
 
 def assert_like_unpipelined(results, name: str) -> None:

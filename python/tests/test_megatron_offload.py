@@ -257,16 +257,7 @@ def results(tmp_path_factory, built):
 
 
 def ranks_of(results, name: str) -> list[dict]:
-    res, _, logs = results
-    got = []
-    for r in range(2):
-        d = res.get((name, r))
-        if d is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not d["ok"]:
-            pytest.fail(f"{name}: rank {r}: {d['error']}\n{logs}")
-        got.append(d)
-    return got
+    return launch.rank_results(results, name, 2)
 
 
 def _counts(s: pipec.Schedule) -> dict[str, int]:

@@ -63,16 +63,7 @@ def runs(tmp_path_factory):
 
 
 def get(runs, name: str) -> list[dict]:
-    results, _, logs = runs
-    out = []
-    for r in range(4):
-        res = results.get((name, r))
-        if res is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not res["ok"]:
-            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
-        out.append(res)
-    return out
+    return launch.rank_results(runs, name, 4)
 
 
 def err(res: dict) -> float:

@@ -480,14 +480,9 @@ def _trace_holds(events: list[list], sched: pipec.Schedule, rank: int) -> None:
 
 @pytest.mark.parametrize("name", [c[0] for c in MEMORY_CASES])
 def test_memory_schedules_train_like_the_unpipelined_model(trained, trained_dirs, name):
-    results, _, logs = trained
+    results = trained[0]
     sched = pipec.load(trained_dirs[name])
-    for r in range(sched.pp):
-        res = results.get((name, r))
-        if res is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not res["ok"]:
-            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
+    for res in launch.rank_results(trained, name, sched.pp):
         assert res["max_grad_rel_err"] <= TOL and res["max_loss_rel_err"] <= TOL
         assert res["grads_compared"] > 0
     # Every stage's gradients, and the losses of every microbatch on the last stage.

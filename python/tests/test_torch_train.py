@@ -106,13 +106,8 @@ def trained(tmp_path_factory):
 
 
 def check(trained, name: str, pp: int) -> None:
-    results, _, logs = trained
-    for r in range(pp):
-        res = results.get((name, r))
-        if res is None:
-            pytest.fail(f"{name}: rank {r} reported nothing (hang or crash)\n{logs}")
-        if not res["ok"]:
-            pytest.fail(f"{name}: rank {r}: {res['error']}\n{logs}")
+    results = trained[0]
+    for res in launch.rank_results(trained, name, pp):
         assert res["max_grad_rel_err"] <= TOL
         assert res["max_loss_rel_err"] <= TOL
     # Every gradient of every stage, and the losses of every microbatch of both steps.
