@@ -570,16 +570,22 @@ def record(out_path, only):
         else:
             lines.append(h + "".join(f" | {r}" for r in ranks))
         anomalies_all += [f"{h}: {a}" for a in anomalies]
-    data = ("\n".join(lines) + "\n").encode("utf-8")
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
-        gz.write(data)
-    with open(out_path, "wb") as f:
-        f.write(buf.getvalue())
-    print(f"{len(lines) - 1} configs ({n_err} refused), {len(buf.getvalue())} bytes -> {out_path}")
+    size = write_lines_gz(out_path, lines)
+    print(f"{len(lines) - 1} configs ({n_err} refused), {size} bytes -> {out_path}")
     print(f"{len(anomalies_all)} consumption anomalies")
     for a in anomalies_all[:50]:
         print("  ", a)
+
+
+def write_lines_gz(out_path: str, lines: list[str]) -> int:
+    """Write ``lines`` (one per line) gzipped with no timestamp or name, so that a recording
+    is byte-identical from run to run; the bytes written."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
+        gz.write(("\n".join(lines) + "\n").encode("utf-8"))
+    with open(out_path, "wb") as f:
+        f.write(buf.getvalue())
+    return len(buf.getvalue())
 
 
 # --------------------------------------------------------------------------- checks

@@ -51,8 +51,6 @@ Usage:
 """
 
 import argparse
-import gzip
-import io
 import os
 import re
 import sys
@@ -148,13 +146,8 @@ def record_all(out_path, only):
                     if o != executed(toks):
                         mismatches.append(f"{h}: rank {r} captures {o}, runs {executed(toks)}")
             lines.append(h + "".join(" | " + " ".join(map(number, o)) for o in orders))
-    data = ("\n".join(lines) + "\n").encode("utf-8")
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
-        gz.write(data)
-    with open(out_path, "wb") as f:
-        f.write(buf.getvalue())
-    print(f"{n_cfg} configs ({n_err} refused), {len(buf.getvalue())} bytes -> {out_path}")
+    size = record.write_lines_gz(out_path, lines)
+    print(f"{n_cfg} configs ({n_err} refused), {size} bytes -> {out_path}")
     for m in mismatches[:20]:
         print("  capture order is not the executed order:", m)
     return 1 if mismatches else 0

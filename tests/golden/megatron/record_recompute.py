@@ -28,8 +28,6 @@ Usage:
 """
 
 import argparse
-import gzip
-import io
 import os
 import re
 import sys
@@ -195,13 +193,8 @@ def record_grid(out_path, only):
                 lines.append(f"{h} ! {err}")
             else:
                 lines.append(h + "".join(f" | {r}" for r in ranks))
-    data = ("\n".join(lines) + "\n").encode("utf-8")
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
-        gz.write(data)
-    with open(out_path, "wb") as f:
-        f.write(buf.getvalue())
-    print(f"{len(lines) - 1} configs ({n_err} refused), {len(buf.getvalue())} bytes -> {out_path}")
+    size = record.write_lines_gz(out_path, lines)
+    print(f"{len(lines) - 1} configs ({n_err} refused), {size} bytes -> {out_path}")
     for h in reordered:
         print(f"calls differ from the same config with N = None: {h}")
     return not reordered

@@ -40,8 +40,6 @@ Usage:
 """
 
 import argparse
-import gzip
-import io
 import os
 import re
 import sys
@@ -179,13 +177,8 @@ def record_grid(out_path, only):
         else:
             lines.append(h + "".join(f" | {r}" for r in ranks))
         anomalies += [f"{h}: {a}" for a in an]
-    data = ("\n".join(lines) + "\n").encode("utf-8")
-    buf = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
-        gz.write(data)
-    with open(out_path, "wb") as f:
-        f.write(buf.getvalue())
-    print(f"{len(lines) - 1} configs ({n_err} refused), {len(buf.getvalue())} bytes -> {out_path}")
+    size = record.write_lines_gz(out_path, lines)
+    print(f"{len(lines) - 1} configs ({n_err} refused), {size} bytes -> {out_path}")
     print(f"{len(anomalies)} anomalies")
     for a in anomalies[:50]:
         print("  ", a)
