@@ -230,7 +230,7 @@ impl ModelShape {
         let (h, t) = (self.hidden as f64, self.tp as f64);
         let s = self.seq as f64 / self.cp as f64;
         let sbh = s * self.micro_batch as f64 * h;
-        let sp = if self.sequence_parallel { t } else { 1.0 };
+        let sp = self.sp_divisor();
         if self.recompute == Recompute::Full {
             return e * sbh / sp;
         }
@@ -253,16 +253,21 @@ impl ModelShape {
         whole / sp + (split + core) / t
     }
 
+    /// What sequence parallelism splits the sequence-wise tensors by: `tp` under it, else 1.
+    fn sp_divisor(&self) -> f64 {
+        if self.sequence_parallel {
+            self.tp as f64
+        } else {
+            1.0
+        }
+    }
+
     /// Bytes of the tensor a stage sends to the next (and of its gradient): the layer input,
     /// `e s b h` (`s` split by cp, and by tp under sequence parallelism), as Megatron's
     /// `tensor_shape` for its P2P calls (`(s / cp / (tp if sp)) , b, h`).
     pub fn boundary_bytes(&self) -> f64 {
         let s = self.seq as f64 / self.cp as f64;
-        let sp = if self.sequence_parallel {
-            self.tp as f64
-        } else {
-            1.0
-        };
+        let sp = self.sp_divisor();
         self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
     }
 
@@ -287,7 +292,7 @@ impl ModelShape {
         let (h, t) = (self.hidden as f64, self.tp as f64);
         let s = self.seq as f64 / self.cp as f64;
         let sbh = s * self.micro_batch as f64 * h;
-        let sp = if self.sequence_parallel { t } else { 1.0 };
+        let sp = self.sp_divisor();
         let ffn = self.ffn as f64 / h;
         sbh * (2.0 * e / sp + e * (1.0 + ffn) / t)
     }
@@ -297,21 +302,15 @@ impl ModelShape {
     pub fn embedding_activation_w(&self) -> f64 {
         let s = self.seq as f64 / self.cp as f64;
         let sb = s * self.micro_batch as f64;
-        let sp = if self.sequence_parallel {
-            self.tp as f64
-        } else {
-            1.0
-        };
+        let sp = self.sp_divisor();
         8.0 * sb / sp
     }
 
     /// The output layer's weight gradient reads its input (`e sbh`, split by tp under
     /// sequence parallelism); the norm's input and the logits go at `bwd_D`.
     pub fn output_activation_w(&self) -> f64 {
-        let t = self.tp as f64;
-        let s = self.seq as f64 / self.cp as f64;
-        let sp = if self.sequence_parallel { t } else { 1.0 };
-        self.element_bytes() * s * self.micro_batch as f64 * self.hidden as f64 / sp
+        // The output layer's input is the layer input a stage sends on.
+        self.boundary_bytes()
     }
 
     /// Activation bytes of the embedding for one microbatch: the token ids (int64, `8sb`)
@@ -320,11 +319,7 @@ impl ModelShape {
     pub fn embedding_activation(&self) -> f64 {
         let s = self.seq as f64 / self.cp as f64;
         let sb = s * self.micro_batch as f64;
-        let sp = if self.sequence_parallel {
-            self.tp as f64
-        } else {
-            1.0
-        };
+        let sp = self.sp_divisor();
         (8.0 * sb + sb * self.hidden as f64) / sp
     }
 
@@ -337,7 +332,7 @@ impl ModelShape {
         let t = self.tp as f64;
         let s = self.seq as f64 / self.cp as f64;
         let sb = s * self.micro_batch as f64;
-        let sp = if self.sequence_parallel { t } else { 1.0 };
+        let sp = self.sp_divisor();
         2.0 * e * sb * self.hidden as f64 / sp + 4.0 * sb * self.padded_vocab() as f64 / t
     }
 
