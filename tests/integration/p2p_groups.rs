@@ -693,3 +693,34 @@ fn tune_verifies_under_the_groups_and_records_them() {
         "{err}"
     );
 }
+
+/// torch's schedule CSV names no communicators (torch's runtime would post the plan on its
+/// own), so `pipec export --format torch-csv` refuses a plan under `direction` or `edge`
+/// (exit 1, the reason and pipec.torch as the way), and writes the `pair` plan as before.
+#[test]
+fn torch_csv_export_refuses_groups_torch_would_not_use() {
+    let tmp = tempfile::tempdir().unwrap();
+    for groups in ["pair", "direction", "edge"] {
+        let dir = tmp.path().join(groups);
+        let line = format!("--schedule 1f1b --pp 2 --microbatches 4 --p2p-groups {groups}");
+        crate::harness::compile(&dir, &line);
+        let out = pipec_with(["export", dir.to_str().unwrap(), "--format", "torch-csv"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        if groups == "pair" {
+            assert!(out.status.success(), "{err}");
+            assert!(!out.stdout.is_empty());
+        } else {
+            assert_eq!(out.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains(&format!("verified under the P2P groups `{groups}`")),
+                "{err}"
+            );
+            assert!(
+                err.contains("pipec.torch.build_schedule creates the groups"),
+                "{err}"
+            );
+        }
+    }
+}

@@ -510,3 +510,55 @@ fn no_fit_names_the_least_peak_over_the_orders() {
         "{e} (orders' peaks {peaks:?})"
     );
 }
+
+/// The default (every framework) with lengths gives run instructions only where a framework
+/// runs such a plan: torchtitan (torch's CSV carries no shapes) and DeepSpeed (one receive
+/// size) are "not runnable" lines with the reason, pipec-run's line says the cuda backend
+/// refuses lengths, and `--json`'s `run` has no entry for the two.
+#[test]
+fn default_run_lines_leave_out_frameworks_that_cannot_run_lengths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = write_lengths(tmp.path(), "512\n4096\n1024, 1024\n8000\n");
+    let run = |json: bool| {
+        let mut c = pipec();
+        c.args([
+            "tune",
+            "--pp",
+            "2",
+            "--num-layers",
+            "4",
+            "--microbatch-lengths",
+        ])
+        .arg(&f);
+        if json {
+            c.arg("--json");
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let text = run(false);
+    let section = &text[text.find("\nrun it").expect("run section")..];
+    let section = &section[..section[1..].find("\n\n").map_or(section.len(), |e| e + 1)];
+    for t in ["torchtitan", "deepspeed"] {
+        let line = section
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{t}:")))
+            .unwrap_or_else(|| panic!("{t}\n{section}"));
+        assert!(
+            line.contains("not runnable: its microbatches have different lengths"),
+            "{line}"
+        );
+    }
+    assert!(
+        !section.contains("--parallelism.pipeline_parallel_schedule_csv"),
+        "{section}"
+    );
+    assert!(
+        section.contains("not on NVIDIA GPUs: the cuda backend runs microbatches of one length")
+    );
+    assert!(!section.contains("--backend cuda"), "{section}");
+    let json: serde_json::Value = serde_json::from_str(&run(true)).unwrap();
+    let keys: Vec<&String> = json["run"].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["megatron", "pipec-run", "torch"], "{json}");
+}
